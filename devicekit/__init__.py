@@ -1,0 +1,27 @@
+"""devicekit: PyTorch device handling that is correct, fast and visible.
+
+Importing devicekit never initializes CUDA. The whole public API is listed in
+``__all__``; everything else is private.
+"""
+
+from ._devices import local_device as local_device
+from ._devices import try_all_gpus as try_all_gpus
+from ._devices import try_gpu as try_gpu
+from ._errors import CUDAInitializedError as CUDAInitializedError
+from ._errors import DevicekitError as DevicekitError
+from ._errors import DeviceNotFoundError as DeviceNotFoundError
+from ._version import __version__ as __version__
+from ._visible import parse_visible_devices as parse_visible_devices
+from ._visible import visible_devices as visible_devices
+
+__all__ = [
+    "CUDAInitializedError",
+    "DeviceNotFoundError",
+    "DevicekitError",
+    "__version__",
+    "local_device",
+    "parse_visible_devices",
+    "try_all_gpus",
+    "try_gpu",
+    "visible_devices",
+]

@@ -1,0 +1,34 @@
+"""Every exception devicekit raises on purpose.
+
+Each one subclasses a builtin (``ValueError`` or ``RuntimeError``) as well as
+:class:`DevicekitError`, so callers can catch it either way. Bad argument
+*types* and *values* that need no special handling raise the builtins
+``TypeError`` and ``ValueError`` directly.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CUDAInitializedError", "DeviceNotFoundError", "DevicekitError"]
+
+
+class DevicekitError(Exception):
+    """Base class of every exception devicekit defines."""
+
+
+class CUDAInitializedError(DevicekitError, RuntimeError):
+    """CUDA is already initialized in this process, so a device setting can no longer apply.
+
+    ``CUDA_VISIBLE_DEVICES`` is read once, when the CUDA driver starts. After
+    that, changing it affects only processes started later.
+    """
+
+
+class DeviceNotFoundError(DevicekitError, ValueError):
+    """A device was asked for by index, but no such device is visible to this process."""
+
+
+# Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),
+# not the private module the class happens to live in.
+for _cls in (DevicekitError, CUDAInitializedError, DeviceNotFoundError):
+    _cls.__module__ = "devicekit"
+del _cls

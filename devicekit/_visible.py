@@ -1,0 +1,297 @@
+"""``CUDA_VISIBLE_DEVICES``: read it the way CUDA does, and set it for a scope.
+
+The variable is read once, when the CUDA driver starts in a process. Setting it
+later changes nothing for that process, only for the processes it starts, so
+:func:`visible_devices` refuses to pretend otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ._errors import CUDAInitializedError
+
+__all__ = ["ENV_VAR", "cuda_started", "parse_visible_devices", "visible_devices"]
+
+ENV_VAR = "CUDA_VISIBLE_DEVICES"
+
+# strtoul-like: a leading integer counts ("3a" is 3, "1gpu2" is 1).
+_LEADING_INT = re.compile(r"[+-]?[0-9]+")
+_UUID_PREFIXES = ("GPU-", "MIG-")
+# CUDA accepts unique prefixes of a UUID, so only the start is fixed.
+_GPU_UUID = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]*")
+# MIG-<uuid> (R470+ drivers) or the older MIG-GPU-<uuid>/<gi>/<ci>.
+_MIG_UUID = re.compile(r"MIG-(?:[0-9a-fA-F][0-9a-fA-F-]*|GPU-[0-9a-fA-F-]+/\d+/\d+)")
+_CUDA_ERROR_NOT_INITIALIZED = 3
+# Typed alias: torch leaves is_initialized unannotated.
+_torch_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
+
+
+def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
+    """Read a ``CUDA_VISIBLE_DEVICES`` value the way CUDA and torch do.
+
+    The rules are lenient and easy to trip over, which is why this function
+    exists: parsing stops at the first invalid entry (``"0,x,1"`` is ``[0]``),
+    a leading integer counts (``"3a"`` is 3), whitespace around entries is
+    ignored, a negative entry ends the list (``"-1"`` hides every GPU), and any
+    duplicate hides *every* GPU (``"0,0"`` is ``[]``). Entries that start with
+    ``GPU-`` or ``MIG-`` are UUIDs (or unique UUID prefixes) and are kept as
+    strings; the first entry decides which kind the list is.
+
+    Args:
+        value: The text to parse. Default: the current environment's
+            ``CUDA_VISIBLE_DEVICES``.
+
+    Returns:
+        None when the variable is unset (every GPU is visible), else the
+        entries CUDA will use, in order; ``[]`` hides every GPU.
+
+    Raises:
+        TypeError: ``value`` is neither a string nor None.
+
+    Example:
+        >>> import devicekit as dk
+        >>> dk.parse_visible_devices("1, 0")
+        [1, 0]
+        >>> dk.parse_visible_devices("2,0,2")  # a duplicate hides everything
+        []
+        >>> dk.parse_visible_devices("0,1a,oops,3")
+        [0, 1]
+    """
+    if value is None:
+        value = os.environ.get(ENV_VAR)
+        if value is None:
+            return None
+    if not isinstance(value, str):
+        raise TypeError(
+            f"parse_visible_devices() expects a string or None, got {value!r} "
+            f"of type {type(value).__name__}"
+        )
+    entries = [entry.strip() for entry in value.split(",")]
+    for prefix in _UUID_PREFIXES:
+        if entries[0].startswith(prefix):
+            return _parse_uuids(entries, prefix)
+    return _parse_indices(entries)
+
+
+def _parse_uuids(entries: list[str], prefix: str) -> list[int | str]:
+    parsed: list[int | str] = []
+    for entry in entries:
+        if entry in parsed:
+            return []
+        if not entry.startswith(prefix):
+            break
+        parsed.append(entry)
+    return parsed
+
+
+def _parse_indices(entries: list[str]) -> list[int | str]:
+    parsed: list[int | str] = []
+    for entry in entries:
+        match = _LEADING_INT.match(entry)
+        index = int(match.group()) if match else -1
+        if index in parsed:
+            return []
+        if index < 0:
+            break
+        parsed.append(index)
+    return parsed
+
+
+def cuda_started() -> str | None:
+    """Say why ``CUDA_VISIBLE_DEVICES`` can no longer take effect in this process, or None.
+
+    Two things can have started the CUDA driver: torch's own initialization,
+    and a bare driver call such as ``torch.cuda.is_available()`` (unless
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), which starts the driver without
+    torch counting itself initialized. The second is found by asking the
+    already-loaded driver library whether it was initialized; when
+    ``libcuda`` is not loaded, it cannot have been.
+    """
+    if _torch_cuda_initialized():
+        return "torch has initialized CUDA in this process"
+    if _driver_started():
+        return (
+            "the CUDA driver was started in this process, for example by "
+            "torch.cuda.is_available(), even though torch has not initialized CUDA"
+        )
+    return None
+
+
+def _driver_started() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        # RTLD_NOLOAD finds the library only if it is already in this process.
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return bool(driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED)
+
+
+@contextmanager
+def _scoped_env(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+@contextmanager
+def visible_devices(
+    devices: int | str | Iterable[int | str] | None,
+    *,
+    subprocesses_only: bool = False,
+) -> Iterator[list[int | str]]:
+    """Set ``CUDA_VISIBLE_DEVICES`` inside a ``with`` block, and restore it afterwards.
+
+    The previous value, or its absence, comes back when the block ends,
+    whether it ends normally, by an exception, or inside another
+    ``visible_devices`` block. The whole argument is checked before anything
+    changes; unlike CUDA, which silently drops everything after a bad entry,
+    this raises an error naming it.
+
+    The variable only takes effect where CUDA has not started yet: in this
+    process before its first CUDA call, and in processes started inside the
+    block (``subprocess``, ``multiprocessing`` with ``spawn``). The
+    environment is process-wide, so do not use this from several threads
+    at once.
+
+    Args:
+        devices: Which GPUs to show: an index (``1``), a comma-separated
+            string (``"0,2"``), a sequence of indices or of ``GPU-``/``MIG-``
+            UUIDs (unique prefixes are fine), or ``None``, ``""`` or ``[]`` to
+            hide every GPU.
+        subprocesses_only: Set the variable even though CUDA has already
+            started in this process, because it is meant only for processes
+            started inside the block.
+
+    Yields:
+        The parsed entries, for example ``[0, 2]``; ``[]`` when every GPU is hidden.
+
+    Raises:
+        TypeError: ``devices`` or one of its entries has the wrong type.
+        ValueError: An entry is negative, duplicated, malformed, or indices
+            and UUIDs are mixed.
+        CUDAInitializedError: CUDA has already started in this process and
+            ``subprocesses_only`` is False.
+
+    Example:
+        >>> import os, devicekit as dk
+        >>> with dk.visible_devices("1,0") as devices:
+        ...     print(devices, os.environ["CUDA_VISIBLE_DEVICES"])
+        [1, 0] 1,0
+    """
+    parsed = _normalize(devices)
+    value = ",".join(str(entry) for entry in parsed)
+    if not subprocesses_only:
+        reason = cuda_started()
+        if reason is not None:
+            raise CUDAInitializedError(
+                f"cannot set {ENV_VAR}={value!r} for this process: {reason}, and CUDA reads "
+                "the variable only when it starts. Set it before the first CUDA call (at the "
+                f"top of the script, or in the shell: {ENV_VAR}={value} python train.py), or "
+                "pass subprocesses_only=True to set it only for processes started in the block."
+            )
+    with _scoped_env(ENV_VAR, value):
+        yield parsed
+
+
+_EXPECTED = (
+    "an int, a comma-separated string, a sequence of ints or 'GPU-'/'MIG-' UUIDs, "
+    "or None to hide every GPU"
+)
+
+
+def _normalize(devices: object) -> list[int | str]:
+    """Check the whole argument and return its entries; change nothing."""
+    raw: list[object]
+    if devices is None:
+        raw = []
+    elif isinstance(devices, str):
+        raw = [] if not devices.strip() else list(devices.split(","))
+    elif isinstance(devices, (bool, bytes, dict)):
+        raise TypeError(f"visible_devices() expects {_EXPECTED}; got {devices!r}")
+    elif hasattr(devices, "__index__"):
+        raw = [devices]
+    elif isinstance(devices, Iterable):
+        raw = list(devices)
+    else:
+        raise TypeError(
+            f"visible_devices() expects {_EXPECTED}; got {devices!r} of type "
+            f"{type(devices).__name__}"
+        )
+    parsed = [_parse_entry(entry, devices) for entry in raw]
+    _check_consistent(parsed, devices)
+    return parsed
+
+
+def _parse_entry(entry: object, devices: object) -> int | str:
+    where = f"in visible_devices({devices!r})"
+    if isinstance(entry, bool):
+        raise TypeError(f"entry {entry!r} {where} is a bool; expected a device index or a UUID")
+    if isinstance(entry, str):
+        text = entry.strip()
+        if not text:
+            raise ValueError(f"empty entry {where}; write indices as '0,1' with no empty slots")
+        if _LEADING_INT.fullmatch(text):
+            return _check_non_negative(int(text), where)
+        if _GPU_UUID.fullmatch(text) or _MIG_UUID.fullmatch(text):
+            return text
+        raise ValueError(
+            f"malformed entry {text!r} {where}: expected a device index such as 0, a GPU UUID "
+            "such as 'GPU-5bd6a7e1-...' or a MIG UUID such as 'MIG-8c3b...' "
+            "(nvidia-smi -L lists them)"
+        )
+    if hasattr(entry, "__index__"):
+        return _check_non_negative(operator.index(entry), where)
+    raise TypeError(
+        f"entry {entry!r} {where} has type {type(entry).__name__}; expected an int or a UUID string"
+    )
+
+
+def _check_non_negative(index: int, where: str) -> int:
+    if index < 0:
+        raise ValueError(
+            f"negative entry {index} {where}: device indices start at 0; "
+            "to hide every GPU pass None or []"
+        )
+    return index
+
+
+def _check_consistent(parsed: list[int | str], devices: object) -> None:
+    where = f"in visible_devices({devices!r})"
+    seen: set[int | str] = set()
+    for entry in parsed:
+        key = entry.upper() if isinstance(entry, str) else entry
+        if key in seen:
+            raise ValueError(
+                f"duplicate entry {entry!r} {where}: CUDA would hide every GPU; list each once"
+            )
+        seen.add(key)
+    kinds = {_kind(entry) for entry in parsed}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"mixed entry kinds {where} ({', '.join(sorted(kinds))}): CUDA stops reading at the "
+            "first entry of another kind, so the rest would be ignored. Use one kind only."
+        )
+
+
+def _kind(entry: int | str) -> str:
+    if isinstance(entry, int):
+        return "indices"
+    return "GPU UUIDs" if entry.startswith("GPU-") else "MIG UUIDs"

@@ -1,0 +1,49 @@
+"""Shared test setup: the ``gpu`` marker and helpers to run code in a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+
+def _visible_gpus() -> int:
+    # device_count() asks NVML, so deciding whether to skip does not start CUDA
+    # in the test process (which would make visible_devices() refuse to run).
+    return torch.cuda.device_count() if torch.version.cuda else 0
+
+
+GPU_COUNT = _visible_gpus()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if GPU_COUNT:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+requires_two_gpus = pytest.mark.skipif(GPU_COUNT < 2, reason="needs two or more visible GPUs")
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
+    """Run ``code`` in a fresh interpreter and return the JSON it prints on its last line."""
+    full_env = {**os.environ, **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _devices
+
+from .conftest import GPU_COUNT, run_python
+
+FakeAccelerator = Callable[[str | None, int], None]
+
+
+@pytest.fixture
+def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
+    """Pretend the build has ``kind`` with ``count`` devices (the index logic only)."""
+
+    def install(kind: str | None, count: int) -> None:
+        monkeypatch.setattr(_devices, "accelerator_type", lambda: kind)
+        monkeypatch.setattr(_devices, "accelerator_count", lambda: count)
+
+    return install
+
+
+def test_try_gpu_is_cpu_without_an_accelerator(fake_accelerator: FakeAccelerator) -> None:
+    fake_accelerator(None, 0)
+    assert dk.try_gpu() == torch.device("cpu")
+    assert dk.try_gpu(3) == torch.device("cpu")
+
+
+def test_try_gpu_is_cpu_when_the_build_has_cuda_but_no_device(
+    fake_accelerator: FakeAccelerator,
+) -> None:
+    fake_accelerator("cuda", 0)
+    assert dk.try_gpu() == torch.device("cpu")
+    assert dk.try_all_gpus() == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
+def test_try_gpu_indexes_the_visible_devices(fake_accelerator: FakeAccelerator, kind: str) -> None:
+    fake_accelerator(kind, 2)
+    assert dk.try_gpu() == torch.device(kind, 0)
+    assert dk.try_gpu(1) == torch.device(kind, 1)
+    assert dk.try_gpu(2) == torch.device("cpu")
+    assert dk.try_all_gpus() == [torch.device(kind, 0), torch.device(kind, 1)]
+
+
+class _Index:
+    """An integer-like object, as numpy integers are."""
+
+    def __index__(self) -> int:
+        return 1
+
+
+def test_try_gpu_accepts_integer_like_objects(fake_accelerator: FakeAccelerator) -> None:
+    fake_accelerator("cuda", 2)
+    assert dk.try_gpu(_Index()) == torch.device("cuda", 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (-1, ValueError, r"try_gpu\(i\) must be a non-negative int, got -1; the first device is 0"),
+        (True, TypeError, r"try_gpu\(i\) must be a non-negative int, got the bool True"),
+        (1.0, TypeError, r"got 1\.0 of type float"),
+        ("0", TypeError, r"got '0' of type str"),
+        (None, TypeError, r"got None of type NoneType"),
+    ],
+)
+def test_try_gpu_rejects_bad_indices(bad: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        dk.try_gpu(bad)  # type: ignore[arg-type]
+
+
+def test_try_all_gpus_on_this_machine_is_never_empty() -> None:
+    devices = dk.try_all_gpus()
+    assert devices
+    assert devices[0] == dk.try_gpu()
+    if GPU_COUNT == 0:
+        assert devices == [torch.device("cpu")]
+
+
+def test_local_device_without_local_rank_is_try_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert dk.local_device() == dk.try_gpu()
+
+
+@pytest.mark.parametrize("rank", ["0", "3", " 7 "])
+def test_local_device_is_cpu_for_every_rank_without_accelerator(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator, rank: str
+) -> None:
+    fake_accelerator("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", rank)
+    assert dk.local_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("raw", ["", "one", "-1", "1.5"])
+def test_local_device_rejects_a_malformed_local_rank(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", raw)
+    with pytest.raises(ValueError, match=f"LOCAL_RANK must be a non-negative integer, got {raw!r}"):
+        dk.local_device()
+
+
+def test_local_device_never_wraps_a_rank_around(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    fake_accelerator("cuda", 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(
+        dk.DeviceNotFoundError,
+        match=r"LOCAL_RANK=2 but this process sees only 2 cuda device\(s\) "
+        r"\(CUDA_VISIBLE_DEVICES='4,5'\)\. Start at most 2 processes per node "
+        r"\(torchrun --nproc_per_node=2\)",
+    ):
+        dk.local_device()
+
+
+@pytest.mark.gpu
+def test_try_gpu_agrees_with_torch_on_a_real_gpu() -> None:
+    # A fresh interpreter, so the answer is not coloured by this process's state.
+    result = run_python(
+        """
+        import json, torch, devicekit as dk
+        print(json.dumps({
+            "count": torch.cuda.device_count(),
+            "all": [str(d) for d in dk.try_all_gpus()],
+            "first": str(dk.try_gpu()),
+            "beyond": str(dk.try_gpu(torch.cuda.device_count())),
+            "initialized": torch.cuda.is_initialized(),
+        }))
+        """
+    )
+    assert result["count"] >= 1
+    assert result["all"] == [f"cuda:{i}" for i in range(result["count"])]
+    assert result["first"] == "cuda:0"
+    assert result["beyond"] == "cpu"
+    assert result["initialized"] is False
+
+
+@pytest.mark.gpu
+def test_local_device_makes_the_rank_current_on_a_real_gpu() -> None:
+    last = GPU_COUNT - 1
+    result = run_python(
+        """
+        import json, torch, devicekit as dk
+        device = dk.local_device()
+        print(json.dumps({"device": str(device), "current": torch.cuda.current_device()}))
+        """,
+        env={"LOCAL_RANK": str(last)},
+    )
+    assert result == {"device": f"cuda:{last}", "current": last}

@@ -1,0 +1,35 @@
+import pickle
+
+import pytest
+
+import devicekit as dk
+from devicekit import _errors
+
+ERRORS = [dk.DevicekitError, dk.CUDAInitializedError, dk.DeviceNotFoundError]
+
+
+@pytest.mark.parametrize("error", ERRORS)
+def test_public_path_shows_in_tracebacks(error: type[Exception]) -> None:
+    assert error.__module__ == "devicekit"
+    assert repr(error("boom")) == f"{error.__name__}('boom')"
+
+
+def test_errors_subclass_a_builtin_and_the_base() -> None:
+    assert issubclass(dk.CUDAInitializedError, RuntimeError)
+    assert issubclass(dk.DeviceNotFoundError, ValueError)
+    for error in ERRORS[1:]:
+        assert issubclass(error, dk.DevicekitError)
+    with pytest.raises(ValueError, match="nope"):
+        raise dk.DeviceNotFoundError("nope")
+
+
+@pytest.mark.parametrize("error", ERRORS)
+def test_errors_pickle(error: type[Exception]) -> None:
+    # Errors cross process boundaries (multiprocessing, spawn workers).
+    copy = pickle.loads(pickle.dumps(error("message")))
+    assert type(copy) is error
+    assert str(copy) == "message"
+
+
+def test_every_error_is_exported() -> None:
+    assert set(_errors.__all__) <= set(dk.__all__)

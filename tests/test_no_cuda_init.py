@@ -1,0 +1,83 @@
+"""devicekit never starts CUDA by accident: proven in fresh interpreters.
+
+Each check runs in a new process, because whether CUDA has started is a
+property of the whole process. ``cuda_started()`` looks at both torch's flag and
+the CUDA driver itself, so on a GPU machine these tests also prove that no
+driver call was made.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from .conftest import run_python
+
+_REPORT = """
+import json, torch
+from devicekit._visible import cuda_started
+print(json.dumps({"torch": torch.cuda.is_initialized(), "started": cuda_started()}))
+"""
+
+
+def test_import_does_not_start_cuda() -> None:
+    result = run_python("import devicekit\n" + _REPORT)
+    assert result == {"torch": False, "started": None}
+
+
+def test_no_query_starts_cuda() -> None:
+    code = """
+    import contextlib, io, os, subprocess, sys
+    import devicekit as dk
+    from devicekit._cli import main
+
+    dk.try_gpu(); dk.try_gpu(7); dk.try_all_gpus(); dk.local_device()
+    dk.parse_visible_devices(); dk.parse_visible_devices("1,0")
+    with dk.visible_devices("0") as parsed:
+        dk.try_gpu(); dk.try_all_gpus()
+    with dk.visible_devices(None):
+        dk.try_gpu()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([]) == 0
+    """
+    result = run_python(textwrap.dedent(code) + _REPORT)
+    assert result == {"torch": False, "started": None}
+
+
+@pytest.mark.gpu
+def test_the_check_can_fail() -> None:
+    # Each way of starting CUDA is seen: a bare driver call, then torch's own init.
+    result = run_python(
+        """
+        import json, torch
+        from devicekit._visible import cuda_started
+        states = [cuda_started()]
+        torch.cuda.is_available()  # cudaGetDeviceCount: starts the driver, not torch
+        states.append(cuda_started())
+        torch.zeros(1, device="cuda")
+        states.append(cuda_started())
+        print(json.dumps(states))
+        """,
+        env={"PYTORCH_NVML_BASED_CUDA_CHECK": "0"},
+    )
+    assert result[0] is None
+    assert result[1] is not None
+    assert "driver was started" in result[1]
+    assert result[2] == "torch has initialized CUDA in this process"
+
+
+@pytest.mark.gpu
+def test_visible_devices_refuses_after_a_real_cuda_start() -> None:
+    result = run_python(
+        """
+        import json, torch, devicekit as dk
+        torch.zeros(1, device="cuda")
+        try:
+            with dk.visible_devices(0):
+                pass
+        except dk.CUDAInitializedError as error:
+            print(json.dumps(str(error)))
+        """
+    )
+    assert "torch has initialized CUDA" in result

@@ -1,0 +1,306 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import devicekit as dk
+from devicekit import _visible
+
+from .conftest import run_python
+
+VAR = "CUDA_VISIBLE_DEVICES"
+
+
+@pytest.fixture
+def cuda_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scope tests are about the variable, not this process's CUDA state (tested separately)."""
+    monkeypatch.setattr(_visible, "cuda_started", lambda: None)
+    monkeypatch.delenv(VAR, raising=False)
+
+
+# --- parse_visible_devices -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("", []),
+        ("0", [0]),
+        ("1,0", [1, 0]),
+        (" 2 , 3 ", [2, 3]),
+        ("3a", [3]),
+        ("1gpu2,2ampere", [1, 2]),
+        ("0,x,1", [0]),
+        ("0,,1", [0]),
+        (",0", []),
+        ("0,", [0]),
+        ("0,0", []),
+        ("1,0,1", []),
+        ("-1", []),
+        ("0,-1,1", [0]),
+        ("+1", [1]),
+        ("GPU-ab12,GPU-cd34", ["GPU-ab12", "GPU-cd34"]),
+        (" GPU-ab12 , GPU-cd34", ["GPU-ab12", "GPU-cd34"]),
+        ("GPU-ab12,0,GPU-cd34", ["GPU-ab12"]),
+        ("GPU-ab12,GPU-ab12", []),
+        ("MIG-1f2e,MIG-3d4c", ["MIG-1f2e", "MIG-3d4c"]),
+        ("MIG-1f2e,GPU-ab12", ["MIG-1f2e"]),
+        ("0,GPU-ab12", [0]),
+    ],
+)
+def test_parse_follows_cuda_rules(value: str, expected: list[int | str]) -> None:
+    assert dk.parse_visible_devices(value) == expected
+
+
+def test_parse_reads_the_environment_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(VAR, raising=False)
+    assert dk.parse_visible_devices() is None
+    monkeypatch.setenv(VAR, "2,1")
+    assert dk.parse_visible_devices() == [2, 1]
+    monkeypatch.setenv(VAR, "")
+    assert dk.parse_visible_devices() == []
+
+
+def test_parse_rejects_non_strings() -> None:
+    with pytest.raises(TypeError, match=r"expects a string or None, got 3 of type int"):
+        dk.parse_visible_devices(3)  # type: ignore[arg-type]
+
+
+def _torch_reading(value: str) -> list[int] | list[str]:
+    """Torch's own parser (private, so guarded): the reference devicekit must agree with."""
+    with mock.patch.dict(os.environ, {VAR: value}):
+        return torch.cuda._parse_visible_devices()
+
+
+needs_torch_parser = pytest.mark.skipif(
+    not hasattr(torch.cuda, "_parse_visible_devices"), reason="torch has no private parser"
+)
+
+
+@needs_torch_parser
+@given(st.text(alphabet="0123456789,ax +-", max_size=16))
+def test_parse_agrees_with_torch_on_indices(value: str) -> None:
+    assume(not value.lstrip().startswith(("GPU-", "MIG-")))
+    try:
+        expected = _torch_reading(value)
+    except ValueError:  # torch's strtoul crashes on a lone sign; CUDA reads it as invalid
+        assume(False)
+    assert dk.parse_visible_devices(value) == expected
+
+
+@needs_torch_parser
+@given(
+    st.lists(
+        st.sampled_from(["GPU-ab", "GPU-cd", "GPU-ef12", "MIG-ab", "0", "x", ""]),
+        min_size=1,
+        max_size=5,
+    ).filter(lambda entries: entries[0].startswith(("GPU-", "MIG-")))
+)
+def test_parse_agrees_with_torch_on_uuids(entries: list[str]) -> None:
+    value = ",".join(entries)
+    assert dk.parse_visible_devices(value) == _torch_reading(value)
+
+
+# --- visible_devices -------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+@pytest.mark.parametrize(
+    ("devices", "value", "parsed"),
+    [
+        (1, "1", [1]),
+        ("0,2", "0,2", [0, 2]),
+        (" 1 , 2 ", "1,2", [1, 2]),
+        ([2, 0], "2,0", [2, 0]),
+        ((3,), "3", [3]),
+        (range(2), "0,1", [0, 1]),
+        (["1", 0], "1,0", [1, 0]),
+        (["GPU-ab12", "GPU-cd34"], "GPU-ab12,GPU-cd34", ["GPU-ab12", "GPU-cd34"]),
+        ("MIG-8c3b0f1e-aa01", "MIG-8c3b0f1e-aa01", ["MIG-8c3b0f1e-aa01"]),
+        (["MIG-GPU-5bd6a7e1/1/0"], "MIG-GPU-5bd6a7e1/1/0", ["MIG-GPU-5bd6a7e1/1/0"]),
+        (None, "", []),
+        ([], "", []),
+        ("", "", []),
+    ],
+)
+def test_visible_devices_sets_and_yields(devices: object, value: str, parsed: list[object]) -> None:
+    with dk.visible_devices(devices) as seen:  # type: ignore[arg-type]
+        assert os.environ[VAR] == value
+        assert seen == parsed
+        # What devicekit wrote is what CUDA will read back.
+        assert dk.parse_visible_devices() == parsed
+    assert VAR not in os.environ
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_visible_devices_restores_a_previous_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VAR, "3,2")
+    with dk.visible_devices(0):
+        assert os.environ[VAR] == "0"
+    assert os.environ[VAR] == "3,2"
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_visible_devices_restores_on_exceptions() -> None:
+    with pytest.raises(KeyError, match="inside"), dk.visible_devices([1]):
+        raise KeyError("inside")
+    assert VAR not in os.environ
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_visible_devices_nests() -> None:
+    with dk.visible_devices("0,1"):
+        with dk.visible_devices(None):
+            assert os.environ[VAR] == ""
+            with dk.visible_devices([1]):
+                assert os.environ[VAR] == "1"
+            assert os.environ[VAR] == ""
+        assert os.environ[VAR] == "0,1"
+    assert VAR not in os.environ
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+@pytest.mark.parametrize(
+    ("devices", "error", "message"),
+    [
+        (-1, ValueError, r"negative entry -1 in visible_devices\(-1\): device indices start at 0"),
+        ([0, -2], ValueError, r"negative entry -2 in visible_devices\(\[0, -2\]\)"),
+        ("0,-1", ValueError, r"negative entry -1 in visible_devices\('0,-1'\)"),
+        ("0,0", ValueError, r"duplicate entry 0 in visible_devices\('0,0'\): CUDA would hide"),
+        (
+            ["GPU-ab12", "gpu-AB12"],
+            ValueError,
+            r"malformed entry 'gpu-AB12'",
+        ),
+        (["GPU-ab12", "GPU-AB12"], ValueError, r"duplicate entry 'GPU-AB12'"),
+        ("0,,1", ValueError, r"empty entry in visible_devices\('0,,1'\)"),
+        ("1a", ValueError, r"malformed entry '1a' in visible_devices\('1a'\): expected a device"),
+        ("GPU-", ValueError, r"malformed entry 'GPU-'"),
+        (["MIG-"], ValueError, r"malformed entry 'MIG-'"),
+        ([0, "GPU-ab12"], ValueError, r"mixed entry kinds .*\(GPU UUIDs, indices\)"),
+        (["GPU-ab12", "MIG-cd34"], ValueError, r"mixed entry kinds .*\(GPU UUIDs, MIG UUIDs\)"),
+        (True, TypeError, r"visible_devices\(\) expects an int, a comma-separated string"),
+        ([True], TypeError, r"entry True in visible_devices\(\[True\]\) is a bool"),
+        (1.5, TypeError, r"got 1\.5 of type float"),
+        ([0.0], TypeError, r"entry 0\.0 .* has type float; expected an int or a UUID string"),
+        (b"0", TypeError, r"got b'0'"),
+        ({0: 1}, TypeError, r"got \{0: 1\}"),
+    ],
+)
+def test_visible_devices_rejects_bad_input_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, devices: object, error: type[Exception], message: str
+) -> None:
+    monkeypatch.setenv(VAR, "7")
+    with pytest.raises(error, match=message), dk.visible_devices(devices):  # type: ignore[arg-type]
+        pytest.fail("the block must not run")
+    assert os.environ[VAR] == "7"
+
+
+def test_visible_devices_refuses_once_cuda_has_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_visible, "cuda_started", lambda: "torch has initialized CUDA")
+    monkeypatch.delenv(VAR, raising=False)
+    with (
+        pytest.raises(
+            dk.CUDAInitializedError,
+            match=r"cannot set CUDA_VISIBLE_DEVICES='1' for this process: torch has initialized "
+            r"CUDA.*pass subprocesses_only=True",
+        ),
+        dk.visible_devices(1),
+    ):
+        pytest.fail("the block must not run")
+    assert VAR not in os.environ
+    with pytest.raises(RuntimeError), dk.visible_devices(1):  # catchable as the builtin
+        pass
+
+
+def test_subprocesses_only_sets_the_variable_after_cuda_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_visible, "cuda_started", lambda: "torch has initialized CUDA")
+    monkeypatch.delenv(VAR, raising=False)
+    with dk.visible_devices("1", subprocesses_only=True) as parsed:
+        child = subprocess.run(
+            [sys.executable, "-c", f"import os; print(os.environ['{VAR}'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    assert parsed == [1]
+    assert child.stdout.strip() == "1"
+    assert VAR not in os.environ
+
+
+_SPECS = st.one_of(
+    st.none(),
+    st.integers(min_value=0, max_value=15),
+    st.lists(st.integers(min_value=0, max_value=15), unique=True, max_size=4),
+    st.lists(st.integers(min_value=-3, max_value=3), max_size=4),  # may be invalid
+    st.text(alphabet="0123,-x ", max_size=8),  # may be invalid
+)
+_PREVIOUS = st.one_of(st.none(), st.text(alphabet="0123456789,GPU-", max_size=8))
+
+
+@given(previous=_PREVIOUS, specs=st.lists(_SPECS, min_size=1, max_size=4), fail=st.booleans())
+def test_any_nesting_restores_what_it_changed(
+    previous: str | None, specs: list[object], fail: bool
+) -> None:
+    environ = {} if previous is None else {VAR: previous}
+    with (
+        mock.patch.dict(os.environ, environ, clear=False),
+        mock.patch.object(_visible, "cuda_started", return_value=None),
+    ):
+        if previous is None:
+            os.environ.pop(VAR, None)
+
+        def enter(level: int) -> None:
+            if level == len(specs):
+                if fail:
+                    raise LookupError("user code failed")
+                return
+            before = os.environ.get(VAR)
+            try:
+                with dk.visible_devices(specs[level]) as parsed:  # type: ignore[arg-type]
+                    assert dk.parse_visible_devices() == parsed
+                    enter(level + 1)
+            except (TypeError, ValueError):
+                pass  # an invalid spec must leave the variable alone
+            assert os.environ.get(VAR) == before
+
+        try:
+            enter(0)
+        except LookupError:
+            assert fail
+        assert os.environ.get(VAR) == previous
+
+
+def test_cuda_started_is_none_in_a_fresh_process() -> None:
+    result = run_python(
+        """
+        import json, torch
+        from devicekit._visible import cuda_started
+        print(json.dumps(cuda_started()))
+        """
+    )
+    assert result is None
+
+
+@pytest.mark.gpu
+def test_a_child_started_inside_an_empty_scope_sees_no_gpu() -> None:
+    probe = (
+        "import json, torch; "
+        "print(json.dumps([torch.cuda.device_count(), torch.cuda.is_available()]))"
+    )
+    # subprocesses_only: whatever this test process did with CUDA, the child starts clean.
+    with dk.visible_devices("", subprocesses_only=True):
+        hidden = run_python(probe)
+    with dk.visible_devices([0], subprocesses_only=True):
+        one = run_python(probe)
+    assert hidden == [0, False]
+    assert one == [1, True]
