@@ -4,23 +4,37 @@ Importing devicekit never initializes CUDA. The whole public API is listed in
 ``__all__``; everything else is private.
 """
 
+from ._checks import assert_same_device as assert_same_device
+from ._checks import check_module as check_module
 from ._devices import local_device as local_device
 from ._devices import try_all_gpus as try_all_gpus
 from ._devices import try_gpu as try_gpu
 from ._errors import CUDAInitializedError as CUDAInitializedError
 from ._errors import DevicekitError as DevicekitError
+from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
+from ._placement import DeviceLike as DeviceLike
+from ._placement import data_parallel as data_parallel
+from ._placement import load as load
+from ._placement import to_device as to_device
 from ._version import __version__ as __version__
 from ._visible import parse_visible_devices as parse_visible_devices
 from ._visible import visible_devices as visible_devices
 
 __all__ = [
     "CUDAInitializedError",
+    "DeviceLike",
+    "DeviceMismatchError",
     "DeviceNotFoundError",
     "DevicekitError",
     "__version__",
+    "assert_same_device",
+    "check_module",
+    "data_parallel",
+    "load",
     "local_device",
     "parse_visible_devices",
+    "to_device",
     "try_all_gpus",
     "try_gpu",
     "visible_devices",

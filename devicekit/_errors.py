@@ -8,7 +8,12 @@ Each one subclasses a builtin (``ValueError`` or ``RuntimeError``) as well as
 
 from __future__ import annotations
 
-__all__ = ["CUDAInitializedError", "DeviceNotFoundError", "DevicekitError"]
+__all__ = [
+    "CUDAInitializedError",
+    "DeviceMismatchError",
+    "DeviceNotFoundError",
+    "DevicekitError",
+]
 
 
 class DevicekitError(Exception):
@@ -27,8 +32,12 @@ class DeviceNotFoundError(DevicekitError, ValueError):
     """A device was asked for by index, but no such device is visible to this process."""
 
 
+class DeviceMismatchError(DevicekitError, RuntimeError):
+    """Tensors that must share a device do not; the message lists which are where."""
+
+
 # Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),
 # not the private module the class happens to live in.
-for _cls in (DevicekitError, CUDAInitializedError, DeviceNotFoundError):
+for _cls in (DevicekitError, CUDAInitializedError, DeviceMismatchError, DeviceNotFoundError):
     _cls.__module__ = "devicekit"
 del _cls

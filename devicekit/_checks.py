@@ -1,0 +1,150 @@
+"""Finding what is on the wrong device, and what ``module.to()`` will leave behind."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ._errors import DeviceMismatchError
+from ._tree import children, iter_leaves, iter_tensors
+
+__all__ = ["assert_same_device", "check_module"]
+
+_SHOWN_PER_DEVICE = 5  # paths listed per device before "... and N more"
+
+
+def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
+    """Check that every tensor in the arguments is on one device, and return that device.
+
+    Walks the same structures as :func:`to_device`, and a module's parameters
+    and buffers. Positional arguments are named ``arg0``, ``arg1``...; keyword
+    arguments by their names, so ``assert_same_device(model=model,
+    batch=batch)`` reports paths such as ``model.fc.weight`` and
+    ``batch['labels']``.
+
+    Args:
+        *objs: Tensors, modules, or nested structures holding them.
+        **named_objs: The same, named for the error message.
+
+    Returns:
+        The one device every tensor is on.
+
+    Raises:
+        DeviceMismatchError: Tensors are on more than one device. The message
+            lists each device with the paths on it, the fewest first (they are
+            usually the strays), and ends with a fix.
+        ValueError: The arguments hold no tensor, or contain themselves.
+
+    Example:
+        >>> import torch, devicekit as dk
+        >>> model = torch.nn.Linear(2, 1)
+        >>> dk.assert_same_device(model=model, batch={"x": torch.ones(2)})
+        device(type='cpu')
+    """
+    named = {f"arg{index}": obj for index, obj in enumerate(objs)} | named_objs
+    where: dict[torch.device, list[str]] = defaultdict(list)
+    for name, obj in named.items():
+        for path, tensor in iter_tensors(obj, name):
+            where[tensor.device].append(path)
+    if not where:
+        raise ValueError(
+            f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}; "
+            "pass the tensors, modules or batches to check"
+        )
+    if len(where) == 1:
+        return next(iter(where))
+    raise DeviceMismatchError(_mismatch_message(where))
+
+
+def _mismatch_message(where: dict[torch.device, list[str]]) -> str:
+    groups = sorted(where.items(), key=lambda item: len(item[1]))  # strays first
+    majority = groups[-1][0]
+    lines = [
+        f"expected every tensor on one device, found {len(groups)}: "
+        + ", ".join(f"{device} ({_count(paths)})" for device, paths in groups)
+    ]
+    for device, paths in groups:
+        lines.extend(f"  {path}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
+        if len(paths) > _SHOWN_PER_DEVICE:
+            lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
+    lines.append(
+        f"Fix: move everything to one device, e.g. batch = dk.to_device(batch, '{majority}') "
+        f"and model.to('{majority}'), or move the tensors listed above."
+    )
+    return "\n".join(lines)
+
+
+def _count(paths: list[str]) -> str:
+    return "1 tensor" if len(paths) == 1 else f"{len(paths)} tensors"
+
+
+# Attributes every module has (hooks, flags, the registries themselves): not user state.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def check_module(module: torch.nn.Module) -> list[str]:
+    """Find tensors and modules that ``module.to(...)`` will not move.
+
+    ``Module.to`` moves parameters, buffers and registered submodules only. A
+    tensor kept as a plain attribute (``self.mask = torch.ones(3)``), or
+    tensors and modules kept in a plain ``list`` or ``dict`` attribute, stay
+    where they are, and the model fails later with a device mismatch. This
+    reports each such attribute with the device it is on and the fix.
+
+    Args:
+        module: The model to inspect (all its submodules are inspected too).
+
+    Returns:
+        One readable finding per attribute; empty when ``module.to()`` moves
+        everything.
+
+    Example:
+        >>> import torch, devicekit as dk
+        >>> class Scaled(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.scale = torch.ones(1)
+        >>> for finding in dk.check_module(Scaled()):
+        ...     print(finding)
+        scale: a cpu tensor held as a plain attribute; module.to() will not move it. Use self.register_buffer('scale', ...) (or nn.Parameter if it should be trained).
+    """  # noqa: E501 - the expected output is one line
+    findings: list[str] = []
+    for prefix, submodule in module.named_modules():
+        for attr, value in vars(submodule).items():
+            if attr in _MODULE_INTERNALS:
+                continue
+            finding = _describe(attr, value)
+            if finding is not None:
+                findings.append(f"{prefix}.{attr}: {finding}" if prefix else f"{attr}: {finding}")
+    return findings
+
+
+def _describe(attr: str, value: object) -> str | None:
+    if isinstance(value, torch.Tensor):
+        return (
+            f"a {value.device} tensor held as a plain attribute; module.to() will not move it. "
+            f"Use self.register_buffer({attr!r}, ...) (or nn.Parameter if it should be trained)."
+        )
+    if children(value) is None:
+        return None
+    found = list(iter_leaves(value, attr))
+    modules = [item for _, item in found if isinstance(item, torch.nn.Module)]
+    tensors = [item for _, item in found if isinstance(item, torch.Tensor)]
+    kind = type(value).__name__
+    if modules:
+        fix = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
+        return (
+            f"a {kind} holding {len(modules)} module(s) as a plain attribute; module.to() will "
+            f"not move them and their parameters are not registered. Use {fix}."
+        )
+    if tensors:
+        devices = ", ".join(sorted({str(t.device) for t in tensors}))
+        fix = "nn.ParameterDict" if isinstance(value, dict) else "nn.ParameterList"
+        return (
+            f"a {kind} of {len(tensors)} tensor(s) on {devices} held as a plain attribute; "
+            f"module.to() will not move them. Use {fix} for trainable tensors, or register "
+            "each one with self.register_buffer()."
+        )
+    return None

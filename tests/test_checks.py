@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+
+META = torch.device("meta")
+
+
+def test_returns_the_common_device() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert dk.assert_same_device(model, {"x": [torch.ones(1)]}, y=torch.ones(1)) == torch.device(
+        "cpu"
+    )
+    assert dk.assert_same_device(torch.ones(1, device="meta")) == META
+
+
+def test_mismatch_lists_each_device_with_its_paths() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2)).to("meta")
+    batch = {"input": torch.ones(2, device="meta"), "labels": torch.ones(1)}
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(model=model, batch=batch)
+    assert str(info.value) == (
+        "expected every tensor on one device, found 2: cpu (1 tensor), meta (3 tensors)\n"
+        "  batch['labels']: cpu\n"
+        "  model.0.weight: meta\n"
+        "  model.0.bias: meta\n"
+        "  batch['input']: meta\n"
+        "Fix: move everything to one device, e.g. batch = dk.to_device(batch, 'meta') "
+        "and model.to('meta'), or move the tensors listed above."
+    )
+
+
+def test_positional_arguments_are_named_arg0_arg1() -> None:
+    with pytest.raises(dk.DeviceMismatchError, match=r"  arg1\[0\]: meta\n  arg0: cpu"):
+        dk.assert_same_device(torch.ones(1), [torch.ones(1, device="meta")], torch.ones(1))
+
+
+def test_buffers_namedtuple_fields_and_dataclass_fields_are_named() -> None:
+    @dataclasses.dataclass
+    class Inputs:
+        ids: torch.Tensor
+
+    model = torch.nn.BatchNorm1d(2)  # running_mean and friends are buffers
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(model=model, inputs=Inputs(torch.ones(1, device="meta")))
+    message = str(info.value)
+    assert "  inputs.ids: meta\n" in message
+    assert "model.running_mean: cpu" in message
+
+
+def test_many_paths_are_shortened() -> None:
+    weights = {f"w{index}": torch.ones(1) for index in range(12)}
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(weights=weights, stray=torch.ones(1, device="meta"))
+    lines = str(info.value).splitlines()
+    assert lines[1] == "  stray: meta"
+    assert lines[2:7] == [f"  weights['w{index}']: cpu" for index in range(5)]
+    assert lines[7] == "  ... and 7 more on cpu"
+    assert lines[8].startswith("Fix: move everything to one device, e.g. batch = dk.to_device(")
+
+
+def test_a_mismatch_is_a_runtime_error() -> None:
+    with pytest.raises(RuntimeError, match="found 2"):
+        dk.assert_same_device(torch.ones(1), torch.ones(1, device="meta"))
+
+
+def test_no_tensor_at_all() -> None:
+    with pytest.raises(ValueError, match=r"found no tensor in arg0, labels; pass the tensors"):
+        dk.assert_same_device([1, 2], labels="x")
+
+
+def test_cyclic_arguments() -> None:
+    looped: list[Any] = [torch.ones(1)]
+    looped.append(looped)
+    with pytest.raises(ValueError, match=r"batch\[1\] contains itself"):
+        dk.assert_same_device(batch=looped)
+
+
+class Leaky(torch.nn.Module):
+    """Every classic way of keeping tensors where Module.to() cannot see them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.scale = torch.ones(1)
+        self.masks = [torch.ones(2), torch.zeros(2)]
+        self.tables = {"a": torch.ones(1, requires_grad=True)}
+        self.heads = [torch.nn.Linear(2, 1)]
+        self.register_buffer("ok_buffer", torch.ones(1))
+        self.ok_parameter = torch.nn.Parameter(torch.ones(1))
+        self.ok_list = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
+        self.name = "not a tensor"
+        self.sizes = [1, 2, 3]
+
+
+def test_check_module_reports_each_attribute_that_stays_behind() -> None:
+    model = torch.nn.Sequential(Leaky())
+    model[0].linear.cache = torch.zeros(1)  # type: ignore[assignment]
+    assert dk.check_module(model) == [
+        "0.scale: a cpu tensor held as a plain attribute; module.to() will not move it. "
+        "Use self.register_buffer('scale', ...) (or nn.Parameter if it should be trained).",
+        "0.masks: a list of 2 tensor(s) on cpu held as a plain attribute; module.to() will not "
+        "move them. Use nn.ParameterList for trainable tensors, or register each one with "
+        "self.register_buffer().",
+        "0.tables: a dict of 1 tensor(s) on cpu held as a plain attribute; module.to() will not "
+        "move them. Use nn.ParameterDict for trainable tensors, or register each one with "
+        "self.register_buffer().",
+        "0.heads: a list holding 1 module(s) as a plain attribute; module.to() will not move "
+        "them and their parameters are not registered. Use nn.ModuleList.",
+        "0.linear.cache: a cpu tensor held as a plain attribute; module.to() will not move it. "
+        "Use self.register_buffer('cache', ...) (or nn.Parameter if it should be trained).",
+    ]
+
+
+def test_check_module_findings_are_true() -> None:
+    # Each reported attribute really does stay behind after .to().
+    model = Leaky().to("meta")
+    assert model.linear.weight.device == META
+    assert model.scale.device.type == "cpu"
+    assert model.masks[0].device.type == "cpu"
+    assert model.heads[0].weight.device.type == "cpu"
+    reported = {finding.split(":")[0] for finding in dk.check_module(model)}
+    assert reported == {"scale", "masks", "tables", "heads"}
+
+
+def test_check_module_is_empty_for_a_clean_module() -> None:
+    assert (
+        dk.check_module(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) == []
+    )
