@@ -13,6 +13,17 @@ from ._errors import CUDAInitializedError as CUDAInitializedError
 from ._errors import DevicekitError as DevicekitError
 from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
+from ._errors import GPUUnavailableError as GPUUnavailableError
+from ._gpus import gpu as gpu
+from ._gpus import gpus as gpus
+from ._gpus import pick_gpu as pick_gpu
+from ._gpus import pick_gpus as pick_gpus
+from ._nvml import GPUInfo as GPUInfo
+from ._nvml import GPUProcess as GPUProcess
+from ._nvml import cuda_driver_version as cuda_driver_version
+from ._nvml import driver_version as driver_version
+from ._nvml import nvml_available as nvml_available
+from ._nvml import nvml_error as nvml_error
 from ._placement import DeviceLike as DeviceLike
 from ._placement import data_parallel as data_parallel
 from ._placement import load as load
@@ -27,13 +38,24 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DevicekitError",
+    "GPUInfo",
+    "GPUProcess",
+    "GPUUnavailableError",
     "__version__",
     "assert_same_device",
     "check_module",
+    "cuda_driver_version",
     "data_parallel",
+    "driver_version",
+    "gpu",
+    "gpus",
     "load",
     "local_device",
+    "nvml_available",
+    "nvml_error",
     "parse_visible_devices",
+    "pick_gpu",
+    "pick_gpus",
     "to_device",
     "try_all_gpus",
     "try_gpu",

@@ -1,23 +1,32 @@
-"""The ``devicekit`` command: a short, correct report of what torch can use here.
+"""The ``devicekit`` command: what torch can use here, and what each GPU is doing.
 
-It never initializes CUDA, so running it (or calling :func:`main`) from inside
-a training process is safe.
+``devicekit`` prints the report and a status table, ``devicekit --json`` the
+same as JSON, and ``devicekit watch`` refreshes the table until Ctrl-C. None of
+it initializes CUDA, so calling :func:`main` from a training process is safe.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from . import _nvml
 from ._devices import accelerator_count, accelerator_type, try_all_gpus
+from ._gpus import gpus
+from ._nvml import GPUInfo
 from ._version import __version__
 from ._visible import ENV_VAR, parse_visible_devices
 
-__all__ = ["main", "report_lines", "torch_build"]
+__all__ = ["main", "report_lines", "status_document", "status_text", "torch_build"]
+
+JSON_SCHEMA_VERSION = 1
 
 
 def torch_build() -> str:
@@ -81,17 +90,135 @@ def _no_gpu_line(kind: str | None) -> str:
     return "No GPU found (no driver, or no device); dk.try_gpu() returns cpu."
 
 
+def _value(value: object, unit: str = "") -> str:
+    return "-" if value is None else f"{value}{unit}"
+
+
+def _bar(used: int | None, total: int | None, width: int = 10) -> str:
+    if used is None or not total:
+        return "[" + "?" * width + "]"
+    filled = round(width * used / total)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _gpu_lines(info: GPUInfo) -> list[str]:
+    where = info.device or "hidden"
+    gib = 2**30
+    if info.memory_used is not None and info.memory_total:
+        memory = (
+            f"{info.memory_used / gib:.1f} / {info.memory_total / gib:.1f} GiB "
+            f"({100 * info.memory_used / info.memory_total:.0f}%)"
+        )
+    else:
+        memory = "unknown"
+    power = f"{_value(info.power_draw and round(info.power_draw))} / "
+    power += f"{_value(info.power_limit and round(info.power_limit))} W"
+    reasons = info.throttle_reasons
+    held = "unknown" if reasons is None else ", ".join(reasons) or "nothing"
+    lines = [
+        f"{where:<8}nvml {info.nvml_index}  {info.name or '?'}  {info.pci_bus_id or '?'}  "
+        f"{info.uuid or '?'}",
+        f"{'':8}memory {_bar(info.memory_used, info.memory_total)} {memory}  "
+        f"util {_value(info.utilization, '%')}  memory util {_value(info.memory_utilization, '%')}",
+        f"{'':8}{_value(info.temperature, ' C')}  fan {_value(info.fan_speed, '%')}  "
+        f"power {power}  SM {_value(info.sm_clock)} / {_value(info.sm_clock_max)} MHz  "
+        f"memory {_value(info.memory_clock, ' MHz')}  clocks held by: {held}",
+    ]
+    if info.processes is None:
+        lines.append(f"{'':8}processes: unknown (NVML cannot list them here)")
+    else:
+        shown = ", ".join(str(process) for process in info.processes) or "none"
+        lines.append(f"{'':8}processes: {shown}")
+    return lines
+
+
+def status_text() -> str:
+    """The report and, when NVML is usable, one block per GPU (hidden GPUs last)."""
+    lines = report_lines()
+    infos = gpus(all=True)
+    if not infos:
+        lines.append(f"GPU status unavailable: {_nvml.nvml_error() or 'NVML sees no GPU'}")
+        return "\n".join(lines)
+    lines.append(
+        f"{'driver':<22}{_nvml.driver_version() or '?'} "
+        f"(supports CUDA {_nvml.cuda_driver_version() or '?'})"
+    )
+    ordered = sorted(infos, key=lambda i: (i.torch_index is None, i.torch_index or 0))
+    for info in ordered:
+        lines.append("")
+        lines.extend(_gpu_lines(info))
+    if _nvml.foreign_pids():
+        lines.append(
+            "\nSome PIDs are not visible from here: inside a container NVML reports host PIDs."
+        )
+    return "\n".join(lines)
+
+
+def status_document() -> dict[str, Any]:
+    """The status as a JSON-ready dict; its schema is documented in docs/nvml.md."""
+    raw = os.environ.get(ENV_VAR)
+    return {
+        "schema": JSON_SCHEMA_VERSION,
+        "devicekit": __version__,
+        "torch": torch.__version__,
+        "torch_build": torch_build(),
+        "cuda_visible_devices": raw,
+        "cuda_visible_devices_parsed": parse_visible_devices(raw) if raw is not None else None,
+        "nvml_available": _nvml.nvml_available(),
+        "nvml_error": _nvml.nvml_error(),
+        "driver_version": _nvml.driver_version(),
+        "cuda_driver_version": _nvml.cuda_driver_version(),
+        "gpus": [info.to_dict() for info in gpus(all=True)],
+    }
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="devicekit",
-        description="Show what torch can use on this machine, without initializing CUDA.",
+        description="Show what torch can use here and what each GPU is doing, "
+        "without initializing CUDA.",
     )
     parser.add_argument("--version", action="version", version=f"devicekit {__version__}")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    watch = commands.add_parser("watch", help="refresh the status table until Ctrl-C")
+    watch.add_argument(
+        "-n", "--interval", type=_positive, default=2.0, metavar="SECONDS", help="default: 2"
+    )
+    watch.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
     return parser
+
+
+def _watch(interval: float, count: int | None) -> int:
+    shown = 0
+    try:
+        while count is None or shown < count:
+            text = status_text()
+            if sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")  # home and clear: refresh in place
+            print(text, flush=True)
+            shown += 1
+            if count is None or shown < count:
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        print()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``devicekit`` command line and return its exit code."""
-    _parser().parse_args(argv)
-    print("\n".join(report_lines()))
+    args = _parser().parse_args(argv)
+    if args.command == "watch":
+        return _watch(args.interval, args.count)
+    if args.json:
+        print(json.dumps(status_document(), indent=2))
+    else:
+        print(status_text())
     return 0

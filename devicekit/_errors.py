@@ -13,6 +13,7 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DevicekitError",
+    "GPUUnavailableError",
 ]
 
 
@@ -36,8 +37,18 @@ class DeviceMismatchError(DevicekitError, RuntimeError):
     """Tensors that must share a device do not; the message lists which are where."""
 
 
+class GPUUnavailableError(DevicekitError, RuntimeError):
+    """Not enough GPUs meet a request; the message says why each one was turned down."""
+
+
 # Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),
 # not the private module the class happens to live in.
-for _cls in (DevicekitError, CUDAInitializedError, DeviceMismatchError, DeviceNotFoundError):
+for _cls in (
+    DevicekitError,
+    CUDAInitializedError,
+    DeviceMismatchError,
+    DeviceNotFoundError,
+    GPUUnavailableError,
+):
     _cls.__module__ = "devicekit"
 del _cls

@@ -32,7 +32,7 @@ _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]*")
 _MIG_UUID = re.compile(r"MIG-(?:[0-9a-fA-F][0-9a-fA-F-]*|GPU-[0-9a-fA-F-]+/\d+/\d+)")
 _CUDA_ERROR_NOT_INITIALIZED = 3
 # Typed alias: torch leaves is_initialized unannotated.
-_torch_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
+torch_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 
 
 def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
@@ -116,7 +116,7 @@ def cuda_started() -> str | None:
     already-loaded driver library whether it was initialized; when
     ``libcuda`` is not loaded, it cannot have been.
     """
-    if _torch_cuda_initialized():
+    if torch_cuda_initialized():
         return "torch has initialized CUDA in this process"
     if _driver_started():
         return (

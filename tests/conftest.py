@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -47,3 +48,23 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float =
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
+    """Install a ``pynvml`` stand-in (or None: not installed) with devicekit's NVML state reset."""
+    from devicekit import _gpus, _nvml
+
+    def install(module: Any) -> None:
+        monkeypatch.setitem(sys.modules, "pynvml", module)
+        monkeypatch.setattr(_nvml, "_session", _nvml._Session())
+        monkeypatch.setattr(_nvml._Probes, "memory_v2", None)
+        monkeypatch.setattr(_nvml._Probes, "throttle", None)
+        monkeypatch.setattr(_nvml._Probes, "processes", {})
+        monkeypatch.setattr(_nvml, "_foreign_pids", set())
+        monkeypatch.setattr(_gpus, "_child_orders", {})
+        monkeypatch.setattr("atexit.register", lambda *args: None)
+        for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+            monkeypatch.delenv(name, raising=False)
+
+    return install

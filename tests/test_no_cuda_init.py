@@ -38,8 +38,14 @@ def test_no_query_starts_cuda() -> None:
         dk.try_gpu(); dk.try_all_gpus()
     with dk.visible_devices(None):
         dk.try_gpu()
+    infos = dk.gpus(); dk.gpus(all=True); dk.pick_gpu()
+    if infos:
+        dk.gpu(0); dk.gpu("cuda:0"); dk.pick_gpus(1)
+    dk.nvml_available(); dk.nvml_error(); dk.driver_version(); dk.cuda_driver_version()
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([]) == 0
+        assert main(["--json"]) == 0
+        assert main(["watch", "-n", "0.01", "--count", "2"]) == 0
     """
     result = run_python(textwrap.dedent(code) + _REPORT)
     assert result == {"torch": False, "started": None}

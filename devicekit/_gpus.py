@@ -1,0 +1,337 @@
+"""Which physical GPU is ``cuda:N``? And snapshots keyed by that index.
+
+NVML numbers GPUs by PCI bus. CUDA numbers them fastest first (unless
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``) and then keeps and reorders only those
+``CUDA_VISIBLE_DEVICES`` lists. Reading NVML device ``N`` for ``cuda:N`` is wrong
+as soon as either applies. devicekit maps through UUIDs instead:
+
+1. CUDA's order of all GPUs: PCI bus order when ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+   or when every GPU is the same model (then "fastest first" ties, and CUDA
+   breaks ties by PCI bus), or not needed when ``CUDA_VISIBLE_DEVICES`` lists
+   UUIDs. Otherwise (mixed models, or MIG on), a short-lived child process asks
+   CUDA itself, so the caller's process never starts CUDA. The answer is
+   cached per value of the two variables.
+2. ``CUDA_VISIBLE_DEVICES`` applied to that order, with CUDA's rules
+   (indices, unique ``GPU-`` UUID prefixes, ``MIG-`` UUIDs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _nvml
+from ._devices import check_index
+from ._errors import DeviceNotFoundError, GPUUnavailableError
+from ._nvml import GPUInfo, PhysicalGPU
+from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
+
+__all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]
+
+_ORDER_VAR = "CUDA_DEVICE_ORDER"
+
+
+@dataclass(frozen=True)
+class _Visible:
+    """One device torch can see: its physical GPU, and a MIG instance's handle if it is one."""
+
+    gpu: PhysicalGPU
+    handle: Any = None
+    uuid: str | None = None
+
+
+_child_orders: dict[tuple[str | None, str | None], list[str] | None] = {}
+
+
+def _normalized(uuid: str | None) -> str:
+    if uuid is None:
+        return ""
+    for prefix in ("GPU-", "MIG-"):
+        uuid = uuid.removeprefix(prefix)
+    return uuid.lower()
+
+
+def _needs_cuda_to_order(physical: list[PhysicalGPU]) -> bool:
+    entries = parse_visible_devices()
+    if entries and isinstance(entries[0], str):
+        return False  # UUIDs name the devices and their order outright
+    if any(gpu.mig for gpu in physical):
+        return True  # CUDA enumerates MIG instances; only CUDA knows their order
+    if os.environ.get(_ORDER_VAR) == "PCI_BUS_ID":
+        return False
+    return len({gpu.name for gpu in physical}) > 1  # mixed models: "fastest first" decides
+
+
+_CHILD = """
+import json, torch
+props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+print(json.dumps([str(p.uuid) for p in props]))
+"""
+
+
+def _order_from_cuda() -> list[str] | None:
+    """UUIDs of cuda:0, cuda:1, ... as CUDA orders them, asked of a child process (cached)."""
+    key = (os.environ.get(ENV_VAR), os.environ.get(_ORDER_VAR))
+    if key not in _child_orders:
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", _CHILD],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
+            _child_orders[key] = json.loads(result.stdout.strip().splitlines()[-1])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError) as error:
+            _nvml.logger.warning(
+                "could not ask CUDA for its device order (%s); assuming PCI bus order", error
+            )
+            _child_orders[key] = None
+    return _child_orders[key]
+
+
+def visible_gpus() -> list[_Visible]:
+    """The GPUs this process can see, in torch index order (``cuda:0`` first)."""
+    physical = _nvml.physical_gpus()
+    if not physical:
+        return []
+    if _needs_cuda_to_order(physical):
+        order = _order_from_cuda()
+        if order is not None:
+            return _match_uuids(physical, order)
+    in_cuda_order = sorted(physical, key=lambda gpu: gpu.pci_bus_id or "")
+    return _apply_visible_devices(in_cuda_order)
+
+
+def _match_uuids(physical: list[PhysicalGPU], order: list[str]) -> list[_Visible]:
+    by_uuid: dict[str, _Visible] = {}
+    for gpu in physical:
+        by_uuid[_normalized(gpu.uuid)] = _Visible(gpu)
+        for mig_uuid, handle in gpu.mig:
+            by_uuid[_normalized(mig_uuid)] = _Visible(gpu, handle, mig_uuid)
+    return [by_uuid[_normalized(uuid)] for uuid in order if _normalized(uuid) in by_uuid]
+
+
+def _apply_visible_devices(in_cuda_order: list[PhysicalGPU]) -> list[_Visible]:
+    entries = parse_visible_devices()
+    if entries is None:
+        return [_Visible(gpu) for gpu in in_cuda_order]
+    visible: list[_Visible] = []
+    for entry in entries:
+        found = _find(entry, in_cuda_order)
+        if found is None:  # CUDA stops at the first entry it cannot place
+            break
+        if any(v.gpu is found.gpu and v.uuid == found.uuid for v in visible):
+            return []  # a duplicate hides everything
+        visible.append(found)
+    return visible
+
+
+def _find(entry: int | str, in_cuda_order: list[PhysicalGPU]) -> _Visible | None:
+    if isinstance(entry, int):
+        return _Visible(in_cuda_order[entry]) if entry < len(in_cuda_order) else None
+    if entry.startswith("MIG-"):
+        for gpu in in_cuda_order:
+            for mig_uuid, handle in gpu.mig:
+                if mig_uuid.startswith(entry) or _normalized(mig_uuid) == _normalized(entry):
+                    return _Visible(gpu, handle, mig_uuid)
+        return None
+    matches = [gpu for gpu in in_cuda_order if (gpu.uuid or "").startswith(entry)]
+    return _Visible(matches[0]) if len(matches) == 1 else None  # ambiguous prefix: no match
+
+
+def _snapshot(visible: _Visible, torch_index: int | None) -> GPUInfo:
+    return _nvml.read_gpu(
+        visible.gpu, torch_index=torch_index, handle=visible.handle, uuid=visible.uuid
+    )
+
+
+def gpus(*, all: bool = False) -> list[GPUInfo]:
+    """Snapshot every GPU this process can see, in torch index order.
+
+    ``result[i]`` describes ``cuda:i``, whatever ``CUDA_VISIBLE_DEVICES`` and
+    ``CUDA_DEVICE_ORDER`` say, because devicekit maps torch indices to NVML
+    devices through their UUIDs. Never initializes CUDA in this process.
+
+    Args:
+        all: Snapshot every GPU on the machine instead, in NVML order, with
+            ``torch_index=None`` for those this process cannot see.
+
+    Returns:
+        One :class:`GPUInfo` per GPU; an empty list without NVML (see
+        :func:`nvml_error` for why).
+
+    Example:
+        >>> import devicekit as dk
+        >>> [info.torch_index for info in dk.gpus()] == list(range(len(dk.gpus())))
+        True
+    """
+    visible = visible_gpus()
+    if not all:
+        return [_snapshot(v, index) for index, v in enumerate(visible)]
+    torch_index = {v.gpu.nvml_index: i for i, v in enumerate(visible) if v.handle is None}
+    return [
+        _snapshot(_Visible(gpu), torch_index.get(gpu.nvml_index)) for gpu in _nvml.physical_gpus()
+    ]
+
+
+def _torch_index(index: int | torch.device | str) -> int:
+    device = index if isinstance(index, torch.device) else None
+    if isinstance(index, str):
+        device = torch.device(index)
+    if device is None:
+        return check_index(index, name="gpu(index)")
+    if device.type != "cuda":
+        raise ValueError(f"gpu() describes CUDA devices, got {str(device)!r}; pass 'cuda:N' or N")
+    explicit: int | None = device.index  # torch's stubs say int; it is None for "cuda"
+    if explicit is not None:
+        return explicit
+    # "cuda" is the current device; asking torch for it would start CUDA.
+    return int(torch.cuda.current_device()) if torch_cuda_initialized() else 0
+
+
+def gpu(index: int | torch.device | str = 0) -> GPUInfo:
+    """Snapshot one GPU, named the way torch names it: ``1``, ``"cuda:1"`` or a ``torch.device``.
+
+    Args:
+        index: The torch index of the GPU.
+
+    Returns:
+        Its :class:`GPUInfo`.
+
+    Raises:
+        DeviceNotFoundError: No such GPU is visible (the message lists the
+            ones that are), or NVML is not usable here (the message says why).
+        ValueError: ``index`` names a device that is not CUDA.
+
+    Example:
+        >>> import devicekit as dk
+        >>> if dk.gpus():
+        ...     assert dk.gpu("cuda:0").uuid == dk.gpus()[0].uuid
+    """
+    wanted = _torch_index(index)
+    visible = visible_gpus()
+    if wanted < len(visible):
+        return _snapshot(visible[wanted], wanted)
+    if not visible:
+        reason = _nvml.nvml_error() or "this process sees no GPU"
+        raise DeviceNotFoundError(f"cuda:{wanted} cannot be described: {reason}")
+    listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
+    raise DeviceNotFoundError(f"cuda:{wanted} does not exist; this process sees {listing}")
+
+
+def _rejection(
+    info: GPUInfo, min_free_memory: int | None, max_utilization: float | None
+) -> str | None:
+    if min_free_memory is not None:
+        if info.memory_free is None:
+            return "free memory is unknown"
+        if info.memory_free < min_free_memory:
+            return (
+                f"{info.memory_free / 2**30:.1f} GiB free < "
+                f"{min_free_memory / 2**30:.1f} GiB required"
+            )
+    if max_utilization is not None:
+        if info.utilization is None:
+            return "utilization is unknown"
+        if info.utilization > max_utilization:
+            return f"{info.utilization}% utilized > {max_utilization:g}% allowed"
+    return None
+
+
+def _ranked(
+    min_free_memory: int | None,
+    max_utilization: float | None,
+    exclude: Iterable[int | torch.device | str],
+) -> tuple[list[torch.device], list[str]]:
+    """The qualifying GPUs, best first, and a reason for each one turned down."""
+    excluded = {_torch_index(item) for item in exclude}
+    eligible: list[tuple[int, GPUInfo]] = []
+    rejected: list[str] = []
+    for index, info in enumerate(gpus()):  # visible GPUs: result[i] is cuda:i
+        reason = (
+            "excluded" if index in excluded else _rejection(info, min_free_memory, max_utilization)
+        )
+        if reason is None:
+            eligible.append((index, info))
+        else:
+            rejected.append(f"cuda:{index}: {reason}")
+    eligible.sort(key=lambda item: (-(item[1].memory_free or 0), item[1].utilization or 0, item[0]))
+    return [torch.device("cuda", index) for index, _ in eligible], rejected
+
+
+def pick_gpu(
+    *,
+    min_free_memory: int | None = None,
+    max_utilization: float | None = None,
+    exclude: Iterable[int | torch.device | str] = (),
+) -> torch.device:
+    """The visible GPU with the most free memory that meets the limits, else the CPU.
+
+    Ties go to the lower utilization, then the lower index. Reads NVML only,
+    so it never initializes CUDA: pick first, then start working.
+
+    Args:
+        min_free_memory: Bytes that must be free (a GPU whose free memory is
+            unknown does not qualify).
+        max_utilization: Highest acceptable utilization, in percent.
+        exclude: Torch indices or devices not to pick.
+
+    Returns:
+        ``torch.device("cuda", i)``, or ``torch.device("cpu")`` when no GPU
+        qualifies or there is none.
+
+    Example:
+        >>> import devicekit as dk
+        >>> dk.pick_gpu(min_free_memory=2**60)  # nobody has an exbibyte free
+        device(type='cpu')
+    """
+    eligible, _ = _ranked(min_free_memory, max_utilization, exclude)
+    return eligible[0] if eligible else torch.device("cpu")
+
+
+def pick_gpus(
+    n: int,
+    *,
+    min_free_memory: int | None = None,
+    max_utilization: float | None = None,
+    exclude: Iterable[int | torch.device | str] = (),
+) -> list[torch.device]:
+    """The best ``n`` visible GPUs by the rules of :func:`pick_gpu`.
+
+    Args:
+        n: How many GPUs are needed.
+        min_free_memory: As for :func:`pick_gpu`.
+        max_utilization: As for :func:`pick_gpu`.
+        exclude: As for :func:`pick_gpu`.
+
+    Returns:
+        ``n`` CUDA devices, best first.
+
+    Raises:
+        GPUUnavailableError: Fewer than ``n`` GPUs qualify; the message gives
+            the reason each GPU was rejected.
+
+    Example:
+        >>> import devicekit as dk
+        >>> dk.pick_gpus(0)
+        []
+    """
+    count = check_index(n, name="pick_gpus(n)")
+    eligible, rejected = _ranked(min_free_memory, max_utilization, exclude)
+    if len(eligible) >= count:
+        return eligible[:count]
+    if not eligible and not rejected:
+        reason = _nvml.nvml_error() or "this process sees no GPU"
+        raise GPUUnavailableError(f"pick_gpus({count}) found no GPU: {reason}")
+    raise GPUUnavailableError(
+        f"pick_gpus({count}) found {len(eligible)} GPU(s) that qualify; rejected: "
+        + "; ".join(rejected)
+    )

@@ -1,0 +1,545 @@
+"""NVML: started lazily, once, under a lock; read field by field; shut down at exit.
+
+This module knows NVML and nothing of torch. Every field NVML cannot give on a
+given GPU (not supported, no permission, an old driver) reads as ``None``;
+nothing here raises because of one missing field.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import dataclasses
+import html
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "GPUInfo",
+    "GPUProcess",
+    "PhysicalGPU",
+    "cuda_driver_version",
+    "driver_version",
+    "library",
+    "nvml_available",
+    "nvml_error",
+    "physical_gpus",
+    "read_gpu",
+]
+
+logger = logging.getLogger("devicekit")
+
+# NVML return codes (stable across drivers; pynvml exposes the same numbers).
+_NOT_SUPPORTED = 3
+_NO_PERMISSION = 4
+_NOT_FOUND = 6
+_DRIVER_NOT_LOADED = 9
+_LIBRARY_NOT_FOUND = 12
+_FUNCTION_NOT_FOUND = 13
+_RM_VERSION_MISMATCH = 18
+_NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE for unsigned long long
+
+_INIT_ERRORS = {
+    _LIBRARY_NOT_FOUND: "libnvidia-ml.so.1 was not found: no NVIDIA driver is installed here",
+    _DRIVER_NOT_LOADED: (
+        "the NVIDIA driver is not loaded (no nvidia kernel module; in a container, "
+        "start it with --gpus all)"
+    ),
+    _NO_PERMISSION: "no permission to talk to the NVIDIA driver (check /dev/nvidia* permissions)",
+    _RM_VERSION_MISMATCH: (
+        "the NVIDIA driver library and kernel module versions differ (reboot after a driver update)"
+    ),
+}
+
+
+class _Session:
+    """NVML's state in this process: started at most once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tried = False
+        self.module: Any = None
+        self.error: str | None = None
+        self.physical: list[PhysicalGPU] | None = None
+
+    def start(self) -> Any:
+        if self.tried:  # fast path: no lock once started (or failed)
+            return self.module
+        with self.lock:
+            if not self.tried:
+                self.module, self.error = _start()
+                self.tried = True
+        return self.module
+
+
+def _start() -> tuple[Any, str | None]:
+    try:
+        import pynvml  # noqa: PLC0415 - lazy on purpose: no NVML work until asked
+    except ImportError:
+        return None, "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        code = getattr(error, "value", None)
+        return None, _INIT_ERRORS.get(code, f"NVML failed to start: {error}")  # type: ignore[arg-type]
+    atexit.register(_shutdown, pynvml)
+    return pynvml, None
+
+
+def _shutdown(pynvml: Any) -> None:
+    with contextlib.suppress(pynvml.NVMLError):  # at exit there is nobody left to tell
+        pynvml.nvmlShutdown()
+
+
+_session = _Session()
+
+
+def library() -> Any:
+    """The started ``pynvml`` module, or None when NVML is not usable here."""
+    return _session.start()
+
+
+def nvml_available() -> bool:
+    """Whether NVML can be queried here. Starts NVML on first use (never CUDA).
+
+    Example:
+        >>> import devicekit as dk
+        >>> dk.nvml_available() == (dk.nvml_error() is None)
+        True
+    """
+    return library() is not None
+
+
+def nvml_error() -> str | None:
+    """Why NVML is not usable here (no driver, driver not loaded...), or None when it is.
+
+    Example:
+        >>> import devicekit as dk
+        >>> reason = dk.nvml_error()
+        >>> reason is None or isinstance(reason, str)
+        True
+    """
+    library()
+    return _session.error
+
+
+def _read(nv: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call one NVML function; None when this GPU or driver cannot answer."""
+    try:
+        return fn(*args)
+    except nv.NVMLError:
+        return None
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver version, such as ``"580.159.04"``, or None without NVML.
+
+    Example:
+        >>> import devicekit as dk
+        >>> version = dk.driver_version()
+        >>> version is None or version.count(".") >= 1
+        True
+    """
+    nv = library()
+    return None if nv is None else _text(_read(nv, nv.nvmlSystemGetDriverVersion))
+
+
+def cuda_driver_version() -> str | None:
+    """The newest CUDA version the driver supports, such as ``"13.0"``, or None.
+
+    Example:
+        >>> import devicekit as dk
+        >>> version = dk.cuda_driver_version()
+        >>> version is None or "." in version
+        True
+    """
+    nv = library()
+    if nv is None:
+        return None
+    version = _read(nv, nv.nvmlSystemGetCudaDriverVersion_v2)
+    if version is None:
+        version = _read(nv, nv.nvmlSystemGetCudaDriverVersion)
+    if version is None:
+        return None
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / 2**30:.1f}"
+
+
+@dataclass(frozen=True)
+class GPUProcess:
+    """A process with a context on a GPU, as NVML reports it.
+
+    Attributes:
+        pid: The process id NVML reports. Inside a container this can be a
+            host PID that does not exist here; then ``name`` is None.
+        name: The process name from ``/proc/<pid>/comm``, or None when that
+            process is not visible from here.
+        used_memory: GPU memory it holds, in bytes, or None when the driver
+            does not say (Windows WDDM, some MIG setups).
+        kind: ``"compute"`` (CUDA) or ``"graphics"``.
+    """
+
+    pid: int
+    name: str | None
+    used_memory: int | None
+    kind: Literal["compute", "graphics"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        memory = "?" if self.used_memory is None else f"{self.used_memory / 2**20:.0f} MiB"
+        return f"{self.pid} {self.name or '(not visible here)'} {memory}"
+
+
+@dataclass(frozen=True, repr=False)
+class GPUInfo:
+    """One snapshot of one GPU. A value NVML cannot give on this GPU is None, never 0.
+
+    Attributes:
+        torch_index: The index torch uses for this GPU (``cuda:<torch_index>``),
+            or None when this process cannot see it.
+        nvml_index: NVML's index of the physical GPU (for a MIG instance: of
+            its parent GPU). It is *not* the torch index in general.
+        uuid: ``GPU-...`` (or ``MIG-...`` for a MIG instance).
+        name: The product name, such as ``"NVIDIA H100 80GB HBM3"``.
+        pci_bus_id: Such as ``"00000000:18:00.0"``.
+        memory_total: Bytes.
+        memory_used: Bytes in use, as current ``nvidia-smi`` counts them
+            (NVML's v2 memory API, where driver-reserved memory is not "used").
+        memory_free: Bytes free.
+        utilization: Percent of the last sample period in which a kernel ran.
+        memory_utilization: Percent of that period in which memory was read or written.
+        temperature: Degrees Celsius.
+        power_draw: Watts now.
+        power_limit: Watts, the enforced limit.
+        sm_clock: MHz now.
+        sm_clock_max: MHz, the highest the SMs can run.
+        memory_clock: MHz now.
+        throttle_reasons: Why clocks are held down now, such as ``("power_cap",)``;
+            ``()`` when nothing holds them down, None when unknown.
+        fan_speed: Percent of the maximum, None for passively cooled boards.
+        compute_mode: ``"default"``, ``"exclusive_process"`` or ``"prohibited"``.
+        mig_enabled: Whether MIG mode is on; None when the GPU cannot tell.
+        processes: Processes with a context on this GPU, or None when NVML
+            cannot list them here.
+    """
+
+    torch_index: int | None
+    nvml_index: int
+    uuid: str | None
+    name: str | None
+    pci_bus_id: str | None
+    memory_total: int | None
+    memory_used: int | None
+    memory_free: int | None
+    utilization: int | None
+    memory_utilization: int | None
+    temperature: int | None
+    power_draw: float | None
+    power_limit: float | None
+    sm_clock: int | None
+    sm_clock_max: int | None
+    memory_clock: int | None
+    throttle_reasons: tuple[str, ...] | None
+    fan_speed: int | None
+    compute_mode: str | None
+    mig_enabled: bool | None
+    processes: tuple[GPUProcess, ...] | None
+
+    @property
+    def device(self) -> str | None:
+        """``"cuda:N"`` for a GPU this process can see, else None."""
+        return None if self.torch_index is None else f"cuda:{self.torch_index}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (processes as a list of dicts)."""
+        return dataclasses.asdict(self)
+
+    def __repr__(self) -> str:
+        where = self.device or "not visible"
+        parts = [f"{where} (nvml {self.nvml_index})", self.name or "?"]
+        parts.append(f"memory {_gib(self.memory_used)}/{_gib(self.memory_total)} GiB")
+        if self.utilization is not None:
+            parts.append(f"util {self.utilization}%")
+        if self.temperature is not None:
+            parts.append(f"{self.temperature} C")
+        if self.power_draw is not None:
+            parts.append(f"{self.power_draw:.0f}/{self.power_limit or 0:.0f} W")
+        if self.sm_clock is not None:
+            parts.append(f"SM {self.sm_clock}/{self.sm_clock_max or '?'} MHz")
+        if self.throttle_reasons:
+            parts.append("throttled: " + ",".join(self.throttle_reasons))
+        count = "?" if self.processes is None else len(self.processes)
+        parts.append(f"{count} processes")
+        return f"GPUInfo({', '.join(parts)})"
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for key, value in self.to_dict().items():
+            if key == "processes" and value:
+                cell = "<br>".join(html.escape(str(p)) for p in self.processes or ())
+            else:
+                cell = html.escape("None" if value is None else str(value))
+            rows.append(f"<tr><th style='text-align:left'>{key}</th><td>{cell}</td></tr>")
+        return f"<table><caption>{html.escape(repr(self))}</caption>{''.join(rows)}</table>"
+
+
+# --- reading -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PhysicalGPU:
+    """What does not change while NVML runs: the handle and identity of one GPU."""
+
+    nvml_index: int
+    handle: Any
+    uuid: str | None
+    name: str | None
+    pci_bus_id: str | None
+    sm_clock_max: int | None
+    mig: tuple[tuple[str, Any], ...]  # (uuid, handle) of each MIG instance, if any
+
+
+def physical_gpus() -> list[PhysicalGPU]:
+    """Every GPU NVML sees, in NVML index order (cached after the first call)."""
+    nv = library()
+    if nv is None:
+        return []
+    if _session.physical is None:
+        with _session.lock:
+            if _session.physical is None:
+                _session.physical = _enumerate(nv)
+    return _session.physical
+
+
+def _enumerate(nv: Any) -> list[PhysicalGPU]:
+    count = _read(nv, nv.nvmlDeviceGetCount) or 0
+    found = []
+    for index in range(count):
+        handle = _read(nv, nv.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            continue
+        pci = _read(nv, nv.nvmlDeviceGetPciInfo, handle)
+        found.append(
+            PhysicalGPU(
+                nvml_index=index,
+                handle=handle,
+                uuid=_text(_read(nv, nv.nvmlDeviceGetUUID, handle)),
+                name=_text(_read(nv, nv.nvmlDeviceGetName, handle)),
+                pci_bus_id=None if pci is None else _text(pci.busId),
+                sm_clock_max=_read(nv, nv.nvmlDeviceGetMaxClockInfo, handle, nv.NVML_CLOCK_SM),
+                mig=_mig_instances(nv, handle),
+            )
+        )
+    return found
+
+
+def _mig_instances(nv: Any, handle: Any) -> tuple[tuple[str, Any], ...]:
+    mode = _read(nv, nv.nvmlDeviceGetMigMode, handle)
+    if not mode or mode[0] != 1:
+        return ()
+    instances = []
+    for slot in range(_read(nv, nv.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
+        mig = _read(nv, nv.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
+        uuid = None if mig is None else _text(_read(nv, nv.nvmlDeviceGetUUID, mig))
+        if uuid is not None:
+            instances.append((uuid, mig))
+    return tuple(instances)
+
+
+_THROTTLE_NAMES = {
+    0x1: "idle",
+    0x2: "applications_clocks",
+    0x4: "power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "power_brake",
+    0x100: "display_clocks",
+    0x200: "board_limit",
+    0x400: "reliability",
+}
+_COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
+
+
+def throttle_names(mask: int) -> tuple[str, ...]:
+    """Readable names of the bits set in an NVML clocks-event (throttle) mask."""
+    return tuple(name for bit, name in _THROTTLE_NAMES.items() if mask & bit)
+
+
+class _Probes:
+    """Which variant of a versioned NVML call works here, found once per process."""
+
+    memory_v2: bool | None = None
+    throttle: str | None = None
+    processes: dict[str, int] = {}  # noqa: RUF012 - per-process cache, kind -> version
+
+
+def read_gpu(
+    gpu: PhysicalGPU, *, torch_index: int | None, handle: Any = None, uuid: str | None = None
+) -> GPUInfo:
+    """One snapshot of ``gpu`` (or of one of its MIG instances, given its handle and uuid)."""
+    nv = library()
+    h = gpu.handle if handle is None else handle
+    total, used, free = _memory(nv, h)
+    rates = _read(nv, nv.nvmlDeviceGetUtilizationRates, h)
+    power = _read(nv, nv.nvmlDeviceGetPowerUsage, h)
+    limit = _read(nv, nv.nvmlDeviceGetEnforcedPowerLimit, h)
+    mask = _throttle_mask(nv, h)
+    mode = _read(nv, nv.nvmlDeviceGetComputeMode, h)
+    mig = _read(nv, nv.nvmlDeviceGetMigMode, gpu.handle)
+    return GPUInfo(
+        torch_index=torch_index,
+        nvml_index=gpu.nvml_index,
+        uuid=gpu.uuid if uuid is None else uuid,
+        name=gpu.name if handle is None else _text(_read(nv, nv.nvmlDeviceGetName, h)),
+        pci_bus_id=gpu.pci_bus_id,
+        memory_total=total,
+        memory_used=used,
+        memory_free=free,
+        utilization=None if rates is None else rates.gpu,
+        memory_utilization=None if rates is None else rates.memory,
+        temperature=_read(nv, nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+        power_draw=None if power is None else power / 1000,
+        power_limit=None if limit is None else limit / 1000,
+        sm_clock=_read(nv, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+        sm_clock_max=gpu.sm_clock_max,
+        memory_clock=_read(nv, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
+        throttle_reasons=None if mask is None else throttle_names(mask),
+        fan_speed=_read(nv, nv.nvmlDeviceGetFanSpeed, h),
+        compute_mode=None if mode is None else _COMPUTE_MODES.get(mode, str(mode)),
+        mig_enabled=None if mig is None else mig[0] == 1,
+        processes=_processes(nv, h),
+    )
+
+
+def _memory(nv: Any, handle: Any) -> tuple[int | None, int | None, int | None]:
+    # v2 reports "used" without the driver's reserved memory, as nvidia-smi does.
+    info = None
+    if _Probes.memory_v2 is not False:
+        try:
+            info = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
+            _Probes.memory_v2 = True
+        except (nv.NVMLError, TypeError, AttributeError) as error:
+            if _Probes.memory_v2 is None and _code(error) != _NO_PERMISSION:
+                _Probes.memory_v2 = False
+    if info is None:
+        info = _read(nv, nv.nvmlDeviceGetMemoryInfo, handle)
+    if info is None:
+        return None, None, None
+    return int(info.total), int(info.used), int(info.free)
+
+
+def _throttle_mask(nv: Any, handle: Any) -> int | None:
+    names = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+    for name in names if _Probes.throttle is None else (_Probes.throttle,):
+        fn = getattr(nv, name, None)
+        if fn is None:
+            continue
+        try:
+            mask = int(fn(handle))
+        except nv.NVMLError as error:
+            if _code(error) == _FUNCTION_NOT_FOUND:
+                continue
+            return None
+        _Probes.throttle = name
+        return mask
+    return None
+
+
+def _code(error: BaseException) -> int | None:
+    return getattr(error, "value", None)
+
+
+def _processes(nv: Any, handle: Any) -> tuple[GPUProcess, ...] | None:
+    found: list[GPUProcess] = []
+    for kind in ("compute", "graphics"):
+        entries = _process_entries(nv, handle, kind)
+        if entries is None:
+            return None
+        for entry in entries:
+            memory = entry.usedGpuMemory
+            used = None if memory is None or memory == _NOT_AVAILABLE else int(memory)
+            found.append(GPUProcess(int(entry.pid), _process_name(int(entry.pid)), used, kind))
+    return tuple(found)
+
+
+class _ProcessInfoV1(ctypes.Structure):
+    _fields_ = (("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong))
+
+
+def _process_entries(nv: Any, handle: Any, kind: str) -> list[Any] | None:
+    """Probe v3, then v2, then v1 of NVML's process query; remember what works."""
+    name = f"nvmlDeviceGet{kind.capitalize()}RunningProcesses"
+    known = _Probes.processes.get(kind)
+    for version in (3, 2, 1) if known is None else (known,):
+        try:
+            if version == 1:  # the unversioned C symbol is v1; the binding has no v1 wrapper
+                entries = _processes_v1(nv, handle, name)
+            else:
+                entries = getattr(nv, f"{name}_v{version}")(handle)
+        except nv.NVMLError as error:
+            if _code(error) == _FUNCTION_NOT_FOUND:
+                continue
+            return None
+        except AttributeError:  # an old binding without this wrapper
+            continue
+        _Probes.processes[kind] = version
+        return list(entries)
+    return None
+
+
+def _processes_v1(nv: Any, handle: Any, symbol: str) -> list[Any]:
+    fn = nv._nvmlGetFunctionPointer(symbol)
+    count = ctypes.c_uint(0)
+    result = fn(handle, ctypes.byref(count), None)
+    if result == 0:
+        return []
+    count.value = count.value * 2 + 5
+    entries = (_ProcessInfoV1 * count.value)()
+    nv._nvmlCheckReturn(fn(handle, ctypes.byref(count), entries))
+    return list(entries[: count.value])
+
+
+_foreign_pids: set[int] = set()
+
+
+def foreign_pids() -> frozenset[int]:
+    """PIDs NVML reported that do not exist in this PID namespace (a container's view)."""
+    return frozenset(_foreign_pids)
+
+
+def _process_name(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
+            return comm.read().strip() or None
+    except FileNotFoundError:
+        if not _foreign_pids:
+            logger.warning(
+                "NVML reported PID %d, which does not exist in this PID namespace: inside a "
+                "container NVML shows host PIDs, so process names are unknown here.",
+                pid,
+            )
+        _foreign_pids.add(pid)
+        return None
+    except OSError:  # hidepid or another user's process: it exists, its name is private
+        return None

@@ -1,0 +1,222 @@
+"""A stand-in for the ``pynvml`` module, for what real hardware cannot show on demand.
+
+It covers the calls devicekit makes, with NVML's return codes. Used only to
+drive error paths and index mapping (missing library, unsupported fields, old
+drivers, mixed GPU models, MIG, container PIDs); real behaviour is tested on a
+real GPU in the ``gpu``-marked tests.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+NOT_SUPPORTED = 3
+NO_PERMISSION = 4
+DRIVER_NOT_LOADED = 9
+INSUFFICIENT_SIZE = 7
+LIBRARY_NOT_FOUND = 12
+FUNCTION_NOT_FOUND = 13
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return f"NVML error {self.value}"
+
+
+@dataclass
+class FakeGPU:
+    uuid: str
+    name: str = "NVIDIA H100 80GB HBM3"
+    bus: str = "00000000:18:00.0"
+    total: int = 80 * 2**30
+    used: int = 2 * 2**30
+    reserved: int = 512 * 2**20
+    util: int = 10
+    mem_util: int = 5
+    temperature: int = 40
+    power_mw: int = 120_000
+    limit_mw: int = 700_000
+    sm: int = 1980
+    sm_max: int = 1980
+    mem_clock: int = 2619
+    throttle: int = 0
+    fan: int = 30
+    compute_mode: int = 0
+    mig: list[FakeGPU] = field(default_factory=list)
+    compute: list[tuple[int, int | None]] = field(default_factory=list)
+    graphics: list[tuple[int, int | None]] = field(default_factory=list)
+    unsupported: set[str] = field(default_factory=set)  # NVML function names answering 3
+
+
+class FakeNVML(types.ModuleType):
+    """Build one with GPUs in NVML index order; tweak ``missing``/``init_error`` per test."""
+
+    NVML_CLOCK_SM = 1
+    NVML_CLOCK_MEM = 2
+    NVML_TEMPERATURE_GPU = 0
+    nvmlMemory_v2 = 0x02000028
+
+    def __init__(self, gpus: list[FakeGPU], *, driver: str = "580.159.04") -> None:
+        super().__init__("pynvml")
+        self.gpus = gpus
+        self.driver = driver
+        self.cuda_version = 13000
+        self.init_error: int | None = None
+        self.missing: set[str] = set()  # functions the "driver" lacks: FUNCTION_NOT_FOUND
+        self.init_calls = 0
+        self.shutdown_calls = 0
+        self.NVMLError = NVMLError
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    def _check(self, name: str, handle: FakeGPU | None = None) -> None:
+        if name in self.missing:
+            raise NVMLError(FUNCTION_NOT_FOUND)
+        if handle is not None and name in handle.unsupported:
+            raise NVMLError(NOT_SUPPORTED)
+
+    def _nvmlGetFunctionPointer(self, name: str) -> Any:
+        self._check(name)
+        kind = "compute" if "Compute" in name else "graphics"
+
+        def v1(handle: FakeGPU, count: Any, entries: Any) -> int:
+            processes = getattr(handle, kind)
+            if entries is None:
+                count._obj.value = len(processes)
+                return INSUFFICIENT_SIZE if processes else 0
+            for slot, (pid, memory) in enumerate(processes):
+                entries[slot].pid = pid
+                entries[slot].usedGpuMemory = 2**64 - 1 if memory is None else memory
+            count._obj.value = len(processes)
+            return 0
+
+        return v1
+
+    def _nvmlCheckReturn(self, code: int) -> int:
+        if code != 0:
+            raise NVMLError(code)
+        return code
+
+    # --- system -----------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.init_error is not None:
+            raise NVMLError(self.init_error)
+
+    def nvmlShutdown(self) -> None:
+        self.shutdown_calls += 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.driver
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        self._check("nvmlSystemGetCudaDriverVersion_v2")
+        return self.cuda_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self.cuda_version
+
+    # --- devices ----------------------------------------------------------------------
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGPU:
+        return self.gpus[index]
+
+    def nvmlDeviceGetUUID(self, h: FakeGPU) -> str:
+        return h.uuid
+
+    def nvmlDeviceGetName(self, h: FakeGPU) -> str:
+        return h.name
+
+    def nvmlDeviceGetPciInfo(self, h: FakeGPU) -> Any:
+        self._check("nvmlDeviceGetPciInfo", h)
+        return types.SimpleNamespace(busId=h.bus.encode())  # old bindings return bytes
+
+    def nvmlDeviceGetMemoryInfo(self, h: FakeGPU, version: int | None = None) -> Any:
+        if version is not None:
+            self._check("nvmlDeviceGetMemoryInfo_v2", h)
+            used = h.used
+        else:
+            self._check("nvmlDeviceGetMemoryInfo", h)
+            used = h.used + h.reserved  # v1 counts the driver's reservation as used
+        return types.SimpleNamespace(total=h.total, used=used, free=h.total - used)
+
+    def nvmlDeviceGetUtilizationRates(self, h: FakeGPU) -> Any:
+        self._check("nvmlDeviceGetUtilizationRates", h)
+        return types.SimpleNamespace(gpu=h.util, memory=h.mem_util)
+
+    def nvmlDeviceGetTemperature(self, h: FakeGPU, sensor: int) -> int:
+        self._check("nvmlDeviceGetTemperature", h)
+        return h.temperature
+
+    def nvmlDeviceGetPowerUsage(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetPowerUsage", h)
+        return h.power_mw
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetEnforcedPowerLimit", h)
+        return h.limit_mw
+
+    def nvmlDeviceGetClockInfo(self, h: FakeGPU, clock: int) -> int:
+        self._check("nvmlDeviceGetClockInfo", h)
+        return h.sm if clock == self.NVML_CLOCK_SM else h.mem_clock
+
+    def nvmlDeviceGetMaxClockInfo(self, h: FakeGPU, clock: int) -> int:
+        self._check("nvmlDeviceGetMaxClockInfo", h)
+        return h.sm_max
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetCurrentClocksEventReasons", h)
+        return h.throttle
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetCurrentClocksThrottleReasons", h)
+        return h.throttle
+
+    def nvmlDeviceGetFanSpeed(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetFanSpeed", h)
+        return h.fan
+
+    def nvmlDeviceGetComputeMode(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetComputeMode", h)
+        return h.compute_mode
+
+    def nvmlDeviceGetMigMode(self, h: FakeGPU) -> tuple[int, int]:
+        self._check("nvmlDeviceGetMigMode", h)
+        return (1, 1) if h.mig else (0, 0)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGPU) -> int:
+        return 7 if h.mig else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: FakeGPU, slot: int) -> FakeGPU:
+        if slot >= len(h.mig):
+            raise NVMLError(6)  # NOT_FOUND: an empty slot
+        return h.mig[slot]
+
+    def _processes(self, h: FakeGPU, kind: str, version: int) -> list[Any]:
+        name = f"nvmlDeviceGet{kind.capitalize()}RunningProcesses_v{version}"
+        self._check(name, h)
+        return [
+            types.SimpleNamespace(pid=pid, usedGpuMemory=memory) for pid, memory in getattr(h, kind)
+        ]
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, h: FakeGPU) -> list[Any]:
+        return self._processes(h, "compute", 3)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, h: FakeGPU) -> list[Any]:
+        return self._processes(h, "compute", 2)
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v3(self, h: FakeGPU) -> list[Any]:
+        return self._processes(h, "graphics", 3)
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(self, h: FakeGPU) -> list[Any]:
+        return self._processes(h, "graphics", 2)

@@ -1,0 +1,367 @@
+"""Torch index to NVML device mapping, gpu(), pick_gpu(s), and the real GPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _gpus
+
+from .conftest import run_python
+from .fake_pynvml import FakeGPU, FakeNVML
+
+Install = Callable[[Any], None]
+A = "GPU-aaaa1111-0000-0000-0000-000000000000"
+B = "GPU-bbbb2222-0000-0000-0000-000000000000"
+C = "GPU-aaaa3333-0000-0000-0000-000000000000"
+
+
+def machine(*gpus: FakeGPU) -> FakeNVML:
+    return FakeNVML(list(gpus))
+
+
+def two_same(**b_fields: Any) -> FakeNVML:
+    # NVML index 0 sits on the *higher* PCI bus: CUDA's order is by bus, so it is cuda:1.
+    return machine(
+        FakeGPU(A, bus="00000000:3A:00.0"), FakeGPU(B, bus="00000000:18:00.0", **b_fields)
+    )
+
+
+def uuids(infos: list[dk.GPUInfo]) -> list[str | None]:
+    return [info.uuid for info in infos]
+
+
+def test_cuda_order_is_pci_bus_order_not_nvml_order(nvml_session: Install) -> None:
+    nvml_session(two_same())
+    infos = dk.gpus()
+    assert uuids(infos) == [B, A]
+    assert [(i.torch_index, i.nvml_index) for i in infos] == [(0, 1), (1, 0)]
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        ("1,0", [A, B]),
+        ("1", [A]),
+        ("0,7,1", [B]),  # CUDA stops at the first index that does not exist
+        ("", []),
+        ("0,0", []),
+        (B, [B]),
+        ("GPU-bbbb", [B]),  # a unique UUID prefix
+        (f"{A},{B}", [A, B]),
+    ],
+)
+def test_cuda_visible_devices_is_applied_to_cuda_order(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, visible: str, expected: list[str]
+) -> None:
+    nvml_session(two_same())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert uuids(dk.gpus()) == expected
+    assert [i.torch_index for i in dk.gpus()] == list(range(len(expected)))
+
+
+def test_an_ambiguous_uuid_prefix_matches_nothing(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(machine(FakeGPU(A), FakeGPU(C, bus="00000000:3A:00.0")))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa")
+    assert dk.gpus() == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa3")
+    assert uuids(dk.gpus()) == [C]
+
+
+def test_all_lists_hidden_gpus_without_a_torch_index(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(two_same())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    infos = dk.gpus(all=True)
+    assert [(i.nvml_index, i.torch_index) for i in infos] == [(0, 0), (1, None)]
+    assert infos[1].device is None
+
+
+def test_mixed_models_ask_cuda_for_its_order(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "Fastest first": CUDA puts the H100 first although its PCI bus is later.
+    nvml_session(
+        machine(
+            FakeGPU(A, name="NVIDIA T4", bus="00000000:18:00.0"),
+            FakeGPU(B, name="NVIDIA H100 80GB HBM3", bus="00000000:3A:00.0"),
+        )
+    )
+    asked: list[str | None] = []
+
+    def cuda_says() -> list[str]:
+        asked.append(_gpus.os.environ.get("CUDA_DEVICE_ORDER"))
+        return [B.removeprefix("GPU-"), A.removeprefix("GPU-")]  # as torch prints UUIDs
+
+    monkeypatch.setattr(_gpus, "_order_from_cuda", cuda_says)
+    assert uuids(dk.gpus()) == [B, A]
+    assert asked == [None]
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert uuids(dk.gpus()) == [A, B]  # PCI order is known without asking
+    assert asked == [None]
+
+
+def test_asking_cuda_runs_a_child_once_per_setting(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(machine(FakeGPU(A, name="T4"), FakeGPU(B, name="H100", bus="00000000:3A:00.0")))
+    runs: list[list[str]] = []
+
+    def fake_run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        runs.append(command)
+        return subprocess.CompletedProcess(command, 0, json.dumps([B[4:], A[4:]]) + "\n", "")
+
+    monkeypatch.setattr(_gpus.subprocess, "run", fake_run)
+    assert uuids(dk.gpus()) == [B, A]
+    assert uuids(dk.gpus()) == [B, A]
+    assert len(runs) == 1
+    assert runs[0][0] == sys.executable
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    dk.gpus()
+    assert len(runs) == 2  # a new setting is a new question
+
+
+def test_a_failed_child_falls_back_to_pci_order_and_says_so(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml_session(machine(FakeGPU(A, name="T4"), FakeGPU(B, name="H100", bus="00000000:3A:00.0")))
+
+    def broken(command: list[str], **kwargs: Any) -> Any:
+        raise subprocess.CalledProcessError(1, command)
+
+    monkeypatch.setattr(_gpus.subprocess, "run", broken)
+    with caplog.at_level(logging.WARNING, logger="devicekit"):
+        assert uuids(dk.gpus()) == [A, B]
+    assert "could not ask CUDA for its device order" in caplog.text
+
+
+def test_mig_uuids_map_to_their_instances(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slices = [
+        FakeGPU("MIG-11111111-aaaa", name="NVIDIA A100 MIG 3g.20gb", total=20 * 2**30),
+        FakeGPU("MIG-22222222-bbbb", name="NVIDIA A100 MIG 3g.20gb", total=20 * 2**30),
+    ]
+    nvml_session(machine(FakeGPU(A, name="NVIDIA A100", mig=slices)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-22222222-bbbb")
+    (info,) = dk.gpus()
+    assert info.uuid == "MIG-22222222-bbbb"
+    assert info.name == "NVIDIA A100 MIG 3g.20gb"
+    assert info.memory_total == 20 * 2**30
+    assert info.nvml_index == 0
+    assert info.mig_enabled is True
+
+
+def test_mig_without_mig_uuids_asks_cuda(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slices = [FakeGPU("MIG-11111111-aaaa"), FakeGPU("MIG-22222222-bbbb")]
+    nvml_session(machine(FakeGPU(A, mig=slices)))
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: ["11111111-aaaa"])
+    assert uuids(dk.gpus()) == ["MIG-11111111-aaaa"]
+
+
+# --- gpu() -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [1, "cuda:1", torch.device("cuda", 1)])
+def test_gpu_accepts_torch_names(nvml_session: Install, index: Any) -> None:
+    nvml_session(two_same())
+    assert dk.gpu(index).uuid == A
+
+
+def test_gpu_cuda_without_index_is_the_first_before_cuda_starts(nvml_session: Install) -> None:
+    nvml_session(two_same())
+    assert dk.gpu("cuda").torch_index == 0
+
+
+def test_gpu_that_does_not_exist_lists_what_does(nvml_session: Install) -> None:
+    nvml_session(two_same())
+    with pytest.raises(
+        dk.DeviceNotFoundError,
+        match=r"cuda:5 does not exist; this process sees cuda:0 \(NVIDIA H100 80GB HBM3\), "
+        r"cuda:1 \(NVIDIA H100 80GB HBM3\)",
+    ):
+        dk.gpu(5)
+
+
+def test_gpu_without_nvml_says_why(nvml_session: Install) -> None:
+    nvml_session(None)
+    with pytest.raises(ValueError, match="cuda:0 cannot be described: the nvidia-ml-py package"):
+        dk.gpu()
+
+
+@pytest.mark.parametrize(
+    ("index", "error", "message"),
+    [
+        ("cpu", ValueError, r"gpu\(\) describes CUDA devices, got 'cpu'"),
+        (-1, ValueError, r"gpu\(index\) must be a non-negative int, got -1"),
+        (1.0, TypeError, r"gpu\(index\) must be a non-negative int, got 1\.0"),
+    ],
+)
+def test_gpu_rejects_bad_indices(
+    nvml_session: Install, index: Any, error: type[Exception], message: str
+) -> None:
+    nvml_session(two_same())
+    with pytest.raises(error, match=message):
+        dk.gpu(index)
+
+
+# --- pick_gpu(s) ---------------------------------------------------------------------------
+
+
+def three(frees: list[int], utils: list[int]) -> FakeNVML:
+    buses = ["00000000:18:00.0", "00000000:3A:00.0", "00000000:5C:00.0"]
+    return machine(
+        *[
+            FakeGPU(f"GPU-{i}000", bus=bus, used=80 * 2**30 - free * 2**30, util=util)
+            for i, (bus, free, util) in enumerate(zip(buses, frees, utils, strict=True))
+        ]
+    )
+
+
+def test_pick_gpu_prefers_free_memory_then_low_utilization_then_index(
+    nvml_session: Install,
+) -> None:
+    nvml_session(three([10, 40, 40], [0, 50, 20]))
+    assert dk.pick_gpu() == torch.device("cuda", 2)
+    assert dk.pick_gpus(3) == [torch.device("cuda", i) for i in (2, 1, 0)]
+
+
+def test_pick_gpu_ties_go_to_the_lower_index(nvml_session: Install) -> None:
+    nvml_session(three([40, 40, 40], [5, 5, 5]))
+    assert dk.pick_gpu() == torch.device("cuda", 0)
+
+
+def test_pick_gpu_limits_and_exclusions(nvml_session: Install) -> None:
+    nvml_session(three([10, 40, 30], [0, 90, 20]))
+    assert dk.pick_gpu(max_utilization=50) == torch.device("cuda", 2)
+    assert dk.pick_gpu(min_free_memory=35 * 2**30) == torch.device("cuda", 1)
+    assert dk.pick_gpu(exclude=[1, "cuda:2"]) == torch.device("cuda", 0)
+    assert dk.pick_gpu(min_free_memory=50 * 2**30) == torch.device("cpu")
+
+
+def test_pick_gpu_rejects_unknown_values_when_limited(nvml_session: Install) -> None:
+    fake = three([10, 40, 30], [0, 90, 20])
+    fake.gpus[1].unsupported = {"nvmlDeviceGetUtilizationRates"}
+    nvml_session(fake)
+    assert dk.pick_gpu() == torch.device("cuda", 1)
+    assert dk.pick_gpu(max_utilization=100) == torch.device("cuda", 2)
+
+
+def test_pick_gpus_says_why_each_gpu_was_rejected(nvml_session: Install) -> None:
+    nvml_session(three([10, 40, 30], [0, 90, 20]))
+    with pytest.raises(
+        dk.GPUUnavailableError,
+        match=r"pick_gpus\(2\) found 1 GPU\(s\) that qualify; rejected: "
+        r"cuda:0: 10\.0 GiB free < 20\.0 GiB required; cuda:1: excluded",
+    ):
+        dk.pick_gpus(2, min_free_memory=20 * 2**30, exclude=[1])
+
+
+def test_pick_without_gpus(nvml_session: Install) -> None:
+    nvml_session(None)
+    assert dk.pick_gpu() == torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"pick_gpus\(1\) found no GPU: the nvidia-ml-py"):
+        dk.pick_gpus(1)
+
+
+# --- the real GPU ----------------------------------------------------------------------------
+
+
+_SMI_FIELDS = "index,name,uuid,memory.total,pci.bus_id"
+
+
+@pytest.mark.gpu
+def test_gpus_agree_with_nvidia_smi() -> None:
+    smi = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [[cell.strip() for cell in line.split(",")] for line in smi.stdout.splitlines()]
+    infos = sorted(dk.gpus(all=True), key=lambda info: info.nvml_index)
+    assert len(infos) == len(rows)
+    for info, (index, name, uuid, total_mib, bus) in zip(infos, rows, strict=True):
+        assert info.nvml_index == int(index)
+        assert info.name == name
+        assert info.uuid == uuid
+        assert info.memory_total is not None
+        assert info.memory_total // 2**20 == int(total_mib)
+        assert (info.pci_bus_id or "").lower() == bus.lower()
+
+
+@pytest.mark.gpu
+def test_a_child_allocation_shows_in_its_process_entry() -> None:
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch; x = torch.empty(2**30, dtype=torch.uint8, device='cuda');"
+            "torch.cuda.synchronize(); print('ready', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        entry = None
+        while entry is None and time.monotonic() < deadline:
+            entries = [p for p in dk.gpu(0).processes or () if p.pid == child.pid]
+            entry = entries[0] if entries else None
+            time.sleep(0.1)
+        assert entry is not None, "the child's context never showed up in NVML"
+        assert entry.kind == "compute"
+        assert entry.name == "python3" or (entry.name or "").startswith("python")
+        assert entry.used_memory is not None
+        assert entry.used_memory >= 2**30
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.gpu
+def test_a_uuid_in_cuda_visible_devices_maps_cuda0_to_that_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target = dk.gpus(all=True)[-1]
+    assert target.uuid is not None
+    for value in (target.uuid, target.uuid[:12]):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        (info,) = dk.gpus()
+        assert (info.torch_index, info.nvml_index, info.uuid) == (
+            0,
+            target.nvml_index,
+            target.uuid,
+        )
+    # torch agrees, in a process where CUDA may start.
+    seen = run_python(
+        "import json, torch; print(json.dumps(str(torch.cuda.get_device_properties(0).uuid)))",
+        env={"CUDA_VISIBLE_DEVICES": target.uuid},
+    )
+    assert target.uuid.endswith(seen)
+
+
+@pytest.mark.gpu
+def test_asking_cuda_for_its_order_matches_nvml() -> None:
+    order = _gpus._order_from_cuda()
+    assert order is not None
+    assert [_gpus._normalized(u) for u in order] == [
+        _gpus._normalized(info.uuid) for info in dk.gpus()
+    ]

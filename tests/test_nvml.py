@@ -1,0 +1,269 @@
+"""NVML's session and field reads. The fake drives what a real GPU cannot show on demand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _nvml
+
+from .conftest import GPU_COUNT, run_python
+from .fake_pynvml import (
+    DRIVER_NOT_LOADED,
+    LIBRARY_NOT_FOUND,
+    NO_PERMISSION,
+    FakeGPU,
+    FakeNVML,
+)
+
+Install = Callable[[Any], None]
+H100 = "GPU-4e1be09d-5954-ebad-2f3a-c71188f45156"
+
+
+def one_gpu(**fields: Any) -> FakeNVML:
+    return FakeNVML([FakeGPU(H100, **fields)])
+
+
+def test_import_and_device_queries_do_no_nvml_work() -> None:
+    result = run_python(
+        """
+        import json, devicekit as dk
+        from devicekit import _nvml
+        dk.try_gpu(); dk.try_all_gpus(); dk.parse_visible_devices()
+        print(json.dumps(_nvml._session.tried))
+        """
+    )
+    assert result is False
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (LIBRARY_NOT_FOUND, "libnvidia-ml.so.1 was not found: no NVIDIA driver is installed here"),
+        (DRIVER_NOT_LOADED, "the NVIDIA driver is not loaded (no nvidia kernel module; in a "),
+        (NO_PERMISSION, "no permission to talk to the NVIDIA driver"),
+        (999, "NVML failed to start: NVML error 999"),
+    ],
+)
+def test_nvml_that_cannot_start_answers_plainly(
+    nvml_session: Install, code: int, reason: str
+) -> None:
+    fake = one_gpu()
+    fake.init_error = code
+    nvml_session(fake)
+    assert dk.nvml_available() is False
+    assert dk.nvml_error() is not None
+    assert dk.nvml_error().startswith(reason)  # type: ignore[union-attr]
+    assert dk.gpus() == []
+    assert dk.gpus(all=True) == []
+    assert dk.driver_version() is None
+    assert dk.cuda_driver_version() is None
+    assert dk.pick_gpu() == torch.device("cpu")
+
+
+def test_without_the_binding_installed(nvml_session: Install) -> None:
+    nvml_session(None)  # sys.modules[name] = None makes `import pynvml` fail
+    assert dk.nvml_available() is False
+    assert dk.nvml_error() == "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+    assert dk.gpus() == []
+
+
+def test_nvml_starts_once_across_threads(nvml_session: Install) -> None:
+    fake = one_gpu()
+    nvml_session(fake)
+    threads = [threading.Thread(target=dk.gpus) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert fake.init_calls == 1
+
+
+def test_shutdown_is_registered_at_exit(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = one_gpu()
+    nvml_session(fake)
+    registered: list[Any] = []
+    monkeypatch.setattr("atexit.register", lambda fn, *args: registered.append((fn, args)))
+    assert dk.nvml_available()
+    assert len(registered) == 1
+    fn, args = registered[0]
+    fn(*args)
+    assert fake.shutdown_calls == 1
+
+
+def test_every_field_is_read_with_its_unit(nvml_session: Install) -> None:
+    nvml_session(one_gpu(throttle=0x4 | 0x40, compute_mode=3, compute=[(1, 3 * 2**30)]))
+    info = dk.gpus()[0]
+    assert info.torch_index == 0
+    assert info.nvml_index == 0
+    assert info.uuid == H100
+    assert info.name == "NVIDIA H100 80GB HBM3"
+    assert info.pci_bus_id == "00000000:18:00.0"
+    assert info.memory_total == 80 * 2**30
+    assert info.memory_used == 2 * 2**30  # the v2 API: reserved memory is not "used"
+    assert info.memory_free == 78 * 2**30
+    assert (info.utilization, info.memory_utilization) == (10, 5)
+    assert info.temperature == 40
+    assert (info.power_draw, info.power_limit) == (120.0, 700.0)
+    assert (info.sm_clock, info.sm_clock_max, info.memory_clock) == (1980, 1980, 2619)
+    assert info.throttle_reasons == ("power_cap", "hw_thermal")
+    assert info.fan_speed == 30
+    assert info.compute_mode == "exclusive_process"
+    assert info.mig_enabled is False
+    assert info.processes is not None
+    assert [(p.pid, p.used_memory, p.kind) for p in info.processes] == [(1, 3 * 2**30, "compute")]
+
+
+def test_unsupported_fields_are_none_not_zero(nvml_session: Install) -> None:
+    unsupported = {
+        "nvmlDeviceGetFanSpeed",
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+        "nvmlDeviceGetMigMode",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+    }
+    nvml_session(one_gpu(unsupported=unsupported))
+    info = dk.gpus()[0]
+    assert info.fan_speed is None
+    assert info.power_draw is None
+    assert info.power_limit == 700.0
+    assert info.utilization is None
+    assert info.memory_utilization is None
+    assert info.throttle_reasons is None
+    assert info.mig_enabled is None
+    assert info.processes is None  # unknown, which is not the same as "none"
+    assert info.temperature == 40
+
+
+def test_no_throttling_is_an_empty_tuple(nvml_session: Install) -> None:
+    nvml_session(one_gpu(throttle=0))
+    assert dk.gpus()[0].throttle_reasons == ()
+
+
+def test_older_drivers_fall_back_to_v1_memory_and_older_calls(nvml_session: Install) -> None:
+    fake = one_gpu(compute=[(1, 2**30)], graphics=[(2, None)])
+    fake.missing = {
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+        "nvmlDeviceGetGraphicsRunningProcesses_v2",
+        "nvmlSystemGetCudaDriverVersion_v2",
+    }
+    fake.gpus[0].throttle = 0x8
+    nvml_session(fake)
+    info = dk.gpus()[0]
+    assert info.memory_used == 2 * 2**30 + 512 * 2**20  # v1 counts the reservation
+    assert info.throttle_reasons == ("hw_slowdown",)
+    assert info.processes is not None
+    assert [(p.pid, p.used_memory, p.kind) for p in info.processes] == [
+        (1, 2**30, "compute"),
+        (2, None, "graphics"),  # NVML_VALUE_NOT_AVAILABLE becomes None
+    ]
+    assert _nvml._Probes.processes == {"compute": 1, "graphics": 1}
+    assert dk.cuda_driver_version() == "13.0"
+
+
+def test_v2_process_call_when_v3_is_missing(nvml_session: Install) -> None:
+    fake = one_gpu(compute=[(1, 2**30)])
+    fake.missing = {"nvmlDeviceGetComputeRunningProcesses_v3"}
+    nvml_session(fake)
+    assert [p.pid for p in dk.gpus()[0].processes or ()] == [1]
+    assert _nvml._Probes.processes["compute"] == 2
+
+
+def test_process_names_come_from_proc(nvml_session: Install) -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        nvml_session(one_gpu(compute=[(child.pid, 2**20)]))
+        (process,) = dk.gpus()[0].processes or ()
+        assert process.name == "sleep"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_container_pids_are_said_once_not_misnamed(
+    nvml_session: Install, caplog: pytest.LogCaptureFixture
+) -> None:
+    host_pids = [5_000_001, 5_000_002]  # above PID_MAX_LIMIT (2**22): never a local PID
+    nvml_session(one_gpu(compute=[(pid, 2**30) for pid in host_pids]))
+    with caplog.at_level(logging.WARNING, logger="devicekit"):
+        first = dk.gpus()[0]
+        dk.gpus()
+    assert [p.name for p in first.processes or ()] == [None, None]
+    warnings = [r for r in caplog.records if "PID namespace" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "inside a container NVML shows host PIDs" in warnings[0].getMessage()
+    assert _nvml.foreign_pids() == frozenset(host_pids)
+
+
+@pytest.mark.parametrize(("raw", "text"), [(13000, "13.0"), (12040, "12.4"), (11080, "11.8")])
+def test_cuda_driver_version_formatting(nvml_session: Install, raw: int, text: str) -> None:
+    fake = one_gpu()
+    fake.cuda_version = raw
+    nvml_session(fake)
+    assert dk.cuda_driver_version() == text
+    assert dk.driver_version() == "580.159.04"
+
+
+def test_gpu_info_round_trips_through_json(nvml_session: Install) -> None:
+    nvml_session(one_gpu(compute=[(1, 2**30)], throttle=0x1))
+    info = dk.gpus()[0]
+    document = json.loads(json.dumps(info.to_dict()))
+    assert document["uuid"] == H100
+    assert document["throttle_reasons"] == ["idle"]
+    assert document["processes"] == [
+        {
+            "pid": 1,
+            "name": document["processes"][0]["name"],
+            "used_memory": 2**30,
+            "kind": "compute",
+        }
+    ]
+    assert set(document) == {f.name for f in dataclasses.fields(dk.GPUInfo)}
+
+
+def test_gpu_info_reads_well(nvml_session: Install) -> None:
+    nvml_session(one_gpu(throttle=0x4))
+    info = dk.gpus()[0]
+    assert repr(info) == (
+        "GPUInfo(cuda:0 (nvml 0), NVIDIA H100 80GB HBM3, memory 2.0/80.0 GiB, util 10%, 40 C, "
+        "120/700 W, SM 1980/1980 MHz, throttled: power_cap, 0 processes)"
+    )
+    page = info._repr_html_()
+    assert page.startswith("<table><caption>GPUInfo(cuda:0")
+    assert "<th style='text-align:left'>memory_total</th><td>85899345920</td>" in page
+
+
+def test_throttle_names_cover_every_bit() -> None:
+    assert _nvml.throttle_names(0) == ()
+    assert _nvml.throttle_names(0x7FF) == tuple(_nvml._THROTTLE_NAMES.values())
+
+
+@pytest.mark.skipif(GPU_COUNT > 0, reason="checks the machine without a driver")
+def test_this_machine_without_a_driver_answers_plainly() -> None:
+    assert dk.gpus() == []
+    assert isinstance(dk.nvml_error(), str)
+
+
+def test_throttle_falls_back_to_the_older_call_name(nvml_session: Install) -> None:
+    fake = one_gpu()
+    fake.missing = {"nvmlDeviceGetCurrentClocksEventReasons"}
+    nvml_session(fake)
+    dk.gpus()
+    assert _nvml._Probes.throttle == "nvmlDeviceGetCurrentClocksThrottleReasons"
