@@ -14,6 +14,7 @@ compute mode, MIG mode, compute and graphics processes, name, uuid, PCI bus):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import shutil
 import statistics
@@ -31,34 +32,50 @@ SMI_FIELDS = (
 )
 
 
-def raw_pynvml(pynvml: Any, handle: Any) -> dict[str, Any]:
-    """The same fields with plain pynvml calls; NVMLError (not supported) becomes None."""
-
-    def read(fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except pynvml.NVMLError:
-            return None
-
+def raw_calls(pynvml: Any, handle: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
+    """Each field's plain pynvml call, as (function, arguments)."""
     return {
-        "name": read(pynvml.nvmlDeviceGetName, handle),
-        "uuid": read(pynvml.nvmlDeviceGetUUID, handle),
-        "pci": read(pynvml.nvmlDeviceGetPciInfo, handle),
-        "memory": read(pynvml.nvmlDeviceGetMemoryInfo, handle, pynvml.nvmlMemory_v2),
-        "rates": read(pynvml.nvmlDeviceGetUtilizationRates, handle),
-        "temperature": read(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU),
-        "power": read(pynvml.nvmlDeviceGetPowerUsage, handle),
-        "limit": read(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle),
-        "sm": read(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM),
-        "sm_max": read(pynvml.nvmlDeviceGetMaxClockInfo, handle, pynvml.NVML_CLOCK_SM),
-        "mem_clock": read(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_MEM),
-        "throttle": read(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
-        "fan": read(pynvml.nvmlDeviceGetFanSpeed, handle),
-        "mode": read(pynvml.nvmlDeviceGetComputeMode, handle),
-        "mig": read(pynvml.nvmlDeviceGetMigMode, handle),
-        "compute": read(pynvml.nvmlDeviceGetComputeRunningProcesses_v3, handle),
-        "graphics": read(pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3, handle),
+        "name": (pynvml.nvmlDeviceGetName, (handle,)),
+        "uuid": (pynvml.nvmlDeviceGetUUID, (handle,)),
+        "pci": (pynvml.nvmlDeviceGetPciInfo, (handle,)),
+        "memory v2": (pynvml.nvmlDeviceGetMemoryInfo, (handle, pynvml.nvmlMemory_v2)),
+        "utilization": (pynvml.nvmlDeviceGetUtilizationRates, (handle,)),
+        "temperature": (pynvml.nvmlDeviceGetTemperature, (handle, pynvml.NVML_TEMPERATURE_GPU)),
+        "power": (pynvml.nvmlDeviceGetPowerUsage, (handle,)),
+        "power limit": (pynvml.nvmlDeviceGetEnforcedPowerLimit, (handle,)),
+        "sm clock": (pynvml.nvmlDeviceGetClockInfo, (handle, pynvml.NVML_CLOCK_SM)),
+        "sm clock max": (pynvml.nvmlDeviceGetMaxClockInfo, (handle, pynvml.NVML_CLOCK_SM)),
+        "memory clock": (pynvml.nvmlDeviceGetClockInfo, (handle, pynvml.NVML_CLOCK_MEM)),
+        "throttle": (pynvml.nvmlDeviceGetCurrentClocksEventReasons, (handle,)),
+        "fan": (pynvml.nvmlDeviceGetFanSpeed, (handle,)),
+        "compute mode": (pynvml.nvmlDeviceGetComputeMode, (handle,)),
+        "mig mode": (pynvml.nvmlDeviceGetMigMode, (handle,)),
+        "compute processes v3": (pynvml.nvmlDeviceGetComputeRunningProcesses_v3, (handle,)),
+        "graphics processes v3": (pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3, (handle,)),
     }
+
+
+def raw_pynvml(pynvml: Any, calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]) -> Any:
+    """The same fields with plain pynvml calls; NVMLError (not supported) becomes None."""
+    values = {}
+    for name, (fn, args) in calls.items():
+        try:
+            values[name] = fn(*args)
+        except pynvml.NVMLError:
+            values[name] = None
+    return values
+
+
+def breakdown(pynvml: Any, calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
+    """Median cost of each NVML call alone: where a snapshot's time goes."""
+    print(f"\n  {'NVML call':24} {'median ms':>10}")
+    for name, (fn, args) in calls.items():
+
+        def once(fn: Callable[..., Any] = fn, args: tuple[Any, ...] = args) -> None:
+            with contextlib.suppress(pynvml.NVMLError):
+                fn(*args)
+
+        print(f"  {name:24} {per_call(once, calls=50, rounds=5) * 1e3:10.4f}")
 
 
 def per_call(fn: Callable[[], Any], *, calls: int, rounds: int) -> float:
@@ -78,10 +95,12 @@ def candidates() -> dict[str, tuple[Callable[[], Any], int]]:
     import pynvml
 
     handle = pynvml.nvmlDeviceGetHandleByIndex(dk.gpu(0).nvml_index)
+    calls = raw_calls(pynvml, handle)
+    breakdown(pynvml, calls)
     found: dict[str, tuple[Callable[[], Any], int]] = {
         "dk.gpu(0)": (lambda: dk.gpu(0), 200),
         "dk.gpus()": (dk.gpus, 200),
-        "raw pynvml, same fields": (lambda: raw_pynvml(pynvml, handle), 200),
+        "raw pynvml, same fields": (lambda: raw_pynvml(pynvml, calls), 200),
     }
     smi = shutil.which("nvidia-smi")
     if smi:

@@ -23,6 +23,9 @@ DeviceLike = torch.device | str | int
 
 logger = logging.getLogger("devicekit")
 
+_Tensor = torch.Tensor
+_LEAVES = frozenset({str, bytes, int, float, complex, bool})
+
 
 def resolve_device(device: DeviceLike | None) -> torch.device:
     """Turn ``None`` (meaning :func:`try_gpu`), a string or an index into a ``torch.device``.
@@ -76,30 +79,49 @@ class _Mover:
         # forced, and then synchronized before to_device returns.
         return (not self.to_host) if self.forced is None else self.forced
 
+    # The walk is the hot path of every training step: few calls per element,
+    # and dict/list/tuple (nearly every batch) handled in one call each.
     def move(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, _Tensor):
             return self.tensor(obj)
-        handler = _BY_TYPE.get(type(obj))
-        if handler is not None:
-            return handler(self, obj)
-        if isinstance(obj, (str, bytes, int, float, complex, type)) or obj is None:
+        cls = type(obj)
+        if cls is dict or cls is list or cls is tuple:
+            return self.plain(obj, cls)
+        if cls in _LEAVES or obj is None:
             return obj
         return self.other(obj)
 
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        moved: torch.Tensor | None = self.memo.get(id(tensor))
-        if moved is not None:
-            return moved
         source = tensor.device
         if source == self.device:
-            moved = tensor
-        else:
+            return tensor  # itself, so sharing holds without the memo
+        moved: torch.Tensor | None = self.memo.get(id(tensor))
+        if moved is None:
             non_blocking = self.non_blocking()
             moved = tensor.to(self.device, non_blocking=non_blocking)
             if non_blocking and self.to_host:
                 self.unsynced.add(source)
-        self.memo[id(tensor)] = moved
+            self.memo[id(tensor)] = moved
         return moved
+
+    def plain(self, obj: Any, cls: type) -> Any:
+        key = id(obj)
+        done = self.memo.get(key)
+        if done is not None:
+            return done
+        if key in self.active:
+            raise _Cycle
+        self.active.add(key)
+        move, tensor = self.move, self.tensor
+        result: Any
+        if cls is dict:
+            result = {k: tensor(v) if isinstance(v, _Tensor) else move(v) for k, v in obj.items()}
+        else:
+            items = [tensor(v) if isinstance(v, _Tensor) else move(v) for v in obj]
+            result = items if cls is list else tuple(items)
+        self.active.discard(key)
+        self.memo[key] = result
+        return result
 
     def container(self, obj: Any, rebuild: Any) -> Any:
         key = id(obj)
@@ -115,6 +137,8 @@ class _Mover:
         return result
 
     def other(self, obj: Any) -> Any:
+        if isinstance(obj, type):
+            return obj  # a class, even one with a .to attribute (nn.Linear.to)
         if isinstance(obj, torch.nn.Module):
             if self.non_blocking() and self.to_host:
                 self.unsynced.update(t.device for t in obj.parameters())
@@ -145,10 +169,6 @@ class _Cycle(Exception):
     """Raised inside the walk; to_device turns it into a ValueError with the path."""
 
 
-def _rebuild_dict(mover: _Mover, obj: dict[Any, Any]) -> dict[Any, Any]:
-    return {key: mover.move(value) for key, value in obj.items()}
-
-
 def _rebuild_mapping(mover: _Mover, obj: Mapping[Any, Any]) -> Any:
     moved = {key: mover.move(value) for key, value in obj.items()}
     if isinstance(obj, dict):
@@ -158,10 +178,6 @@ def _rebuild_mapping(mover: _Mover, obj: Mapping[Any, Any]) -> Any:
         result.update(moved)
         return result
     return type(obj)(moved)  # type: ignore[call-arg]
-
-
-def _rebuild_list(mover: _Mover, obj: list[Any]) -> list[Any]:
-    return [mover.move(item) for item in obj]
 
 
 def _rebuild_list_subclass(mover: _Mover, obj: list[Any]) -> list[Any]:
@@ -189,13 +205,6 @@ def _rebuild_dataclass(mover: _Mover, obj: Any) -> Any:
         if value is not missing:
             object.__setattr__(result, field.name, mover.move(value))
     return result
-
-
-_BY_TYPE: dict[type, Any] = {
-    dict: lambda m, o: m.container(o, _rebuild_dict),
-    list: lambda m, o: m.container(o, _rebuild_list),
-    tuple: lambda m, o: m.container(o, _rebuild_tuple),
-}
 
 
 def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | None = None) -> T:

@@ -8,6 +8,7 @@ real GPU in the ``gpu``-marked tests.
 
 from __future__ import annotations
 
+import collections
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,11 +72,13 @@ class FakeNVML(types.ModuleType):
         self.missing: set[str] = set()  # functions the "driver" lacks: FUNCTION_NOT_FOUND
         self.init_calls = 0
         self.shutdown_calls = 0
+        self.calls: collections.Counter[str] = collections.Counter()
         self.NVMLError = NVMLError
 
     # --- plumbing ---------------------------------------------------------------------
 
     def _check(self, name: str, handle: FakeGPU | None = None) -> None:
+        self.calls[name] += 1
         if name in self.missing:
             raise NVMLError(FUNCTION_NOT_FOUND)
         if handle is not None and name in handle.unsupported:

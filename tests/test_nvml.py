@@ -7,7 +7,9 @@ import json
 import logging
 import subprocess
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -189,6 +191,10 @@ def test_v2_process_call_when_v3_is_missing(nvml_session: Install) -> None:
 def test_process_names_come_from_proc(nvml_session: Install) -> None:
     child = subprocess.Popen(["sleep", "30"])
     try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/comm").read_text().strip() != "sleep":  # until exec'd
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         nvml_session(one_gpu(compute=[(child.pid, 2**20)]))
         (process,) = dk.gpus()[0].processes or ()
         assert process.name == "sleep"
@@ -267,3 +273,18 @@ def test_throttle_falls_back_to_the_older_call_name(nvml_session: Install) -> No
     nvml_session(fake)
     dk.gpus()
     assert _nvml._Probes.throttle == "nvmlDeviceGetCurrentClocksThrottleReasons"
+
+
+def test_unsupported_answers_are_remembered_per_gpu(nvml_session: Install) -> None:
+    # On an H100 a failing fan-speed call costs 0.14 ms; asking once is enough.
+    fake = FakeNVML(
+        [FakeGPU(H100, unsupported={"nvmlDeviceGetFanSpeed"}), FakeGPU(H100[:-1] + "7")]
+    )
+    nvml_session(fake)
+    for _ in range(3):
+        infos = dk.gpus(all=True)
+    assert [info.fan_speed for info in infos] == [None, 30]
+    assert (
+        fake.calls["nvmlDeviceGetFanSpeed"] == 1 + 3
+    )  # once for the first GPU, always for the second
+    assert fake.calls["nvmlDeviceGetMigMode"] == 2  # read once per GPU, at enumeration

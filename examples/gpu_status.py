@@ -1,0 +1,26 @@
+"""What is each GPU doing right now, and which one should this job use?
+
+Reads NVML directly (no nvidia-smi subprocess) and never initializes CUDA, so
+it is safe at the top of a script that forks or sets CUDA_VISIBLE_DEVICES.
+Without a GPU it says why there is no status and picks the CPU.
+"""
+
+import json
+
+import devicekit as dk
+
+if not dk.nvml_available():
+    print(f"no GPU status here: {dk.nvml_error()}")
+
+for info in dk.gpus(all=True):
+    where = info.device or "hidden from this process"
+    print(f"{where}: {info!r}")
+    for process in info.processes or ():
+        print(f"    pid {process.pid} ({process.name or 'not visible here'}) {process.used_memory}")
+
+# Which GPU has room for a 20 GiB job and is not busy? cpu when none does.
+device = dk.pick_gpu(min_free_memory=20 * 2**30, max_utilization=50)
+print(f"pick_gpu(min_free_memory=20 GiB, max_utilization=50%) -> {device}")
+
+# Snapshots are plain data: log them as JSON.
+print(json.dumps([info.to_dict() for info in dk.gpus()])[:200])
