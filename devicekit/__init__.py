@@ -6,6 +6,10 @@ Importing devicekit never initializes CUDA. The whole public API is listed in
 
 from ._checks import assert_same_device as assert_same_device
 from ._checks import check_module as check_module
+from ._compare import Comparison as Comparison
+from ._compare import ComparisonRow as ComparisonRow
+from ._compare import compare as compare
+from ._conditions import Conditions as Conditions
 from ._devices import local_device as local_device
 from ._devices import try_all_gpus as try_all_gpus
 from ._devices import try_gpu as try_gpu
@@ -18,6 +22,8 @@ from ._gpus import gpu as gpu
 from ._gpus import gpus as gpus
 from ._gpus import pick_gpu as pick_gpu
 from ._gpus import pick_gpus as pick_gpus
+from ._measure import Measurement as Measurement
+from ._measure import benchmark as benchmark
 from ._nvml import GPUInfo as GPUInfo
 from ._nvml import GPUProcess as GPUProcess
 from ._nvml import cuda_driver_version as cuda_driver_version
@@ -28,12 +34,18 @@ from ._placement import DeviceLike as DeviceLike
 from ._placement import data_parallel as data_parallel
 from ._placement import load as load
 from ._placement import to_device as to_device
+from ._timing import Benchmark as Benchmark
+from ._timing import Timer as Timer
 from ._version import __version__ as __version__
 from ._visible import parse_visible_devices as parse_visible_devices
 from ._visible import visible_devices as visible_devices
 
 __all__ = [
+    "Benchmark",
     "CUDAInitializedError",
+    "Comparison",
+    "ComparisonRow",
+    "Conditions",
     "DeviceLike",
     "DeviceMismatchError",
     "DeviceNotFoundError",
@@ -41,9 +53,13 @@ __all__ = [
     "GPUInfo",
     "GPUProcess",
     "GPUUnavailableError",
+    "Measurement",
+    "Timer",
     "__version__",
     "assert_same_device",
+    "benchmark",
     "check_module",
+    "compare",
     "cuda_driver_version",
     "data_parallel",
     "driver_version",

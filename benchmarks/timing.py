@@ -1,0 +1,139 @@
+"""Does dk.benchmark agree with the established GPU timers, and what does it cost?
+
+On the same workloads, in one run: dk.benchmark, triton.testing.do_bench,
+torch.utils.benchmark.Timer.blocked_autorange and a hand-written CUDA-events
+loop, for matmuls of 128, 1024, 4096 (fp32) and 8192 (bf16); graph mode
+against triton.testing.do_bench_cudagraph for tiny kernels; the harness's own
+cost per timed call on the CPU; and each dk.benchmark call's wall time against
+its max_time.
+
+    python benchmarks/timing.py [--max-time 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import devicekit as dk
+from devicekit._measure import _CpuRunner
+
+Workload = tuple[str, Callable[[], Any]]
+
+
+def matmul(n: int, dtype: torch.dtype) -> Workload:
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    name = f"matmul {n} {str(dtype).removeprefix('torch.')}"
+    return name, lambda: a @ b
+
+
+def events_loop(fn: Callable[[], Any], repeats: int = 100) -> float:
+    """The hand-written reference: warm up, then one event pair per call, median."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    pairs = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeats)
+    ]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
+
+
+def torch_timer(fn: Callable[[], Any]) -> float:
+    from torch.utils import benchmark as tub
+
+    return float(tub.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=1).median)
+
+
+def timed_dk(
+    fn: Callable[[], Any], max_time: float, **options: Any
+) -> tuple[dk.Measurement, float]:
+    started = time.perf_counter()
+    measurement = dk.benchmark(fn, max_time=max_time, **options)
+    return measurement, time.perf_counter() - started
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:10.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-time", type=float, default=2.0)
+    args = parser.parse_args()
+    print(f"timing benchmark, {datetime.date.today()}, torch {torch.__version__}")
+
+    # Harness cost on the CPU: timing a function that does nothing.
+    runner = _CpuRunner(lambda: None)
+    runner.run(1000)
+    started = time.perf_counter()
+    runner.run(100_000)
+    per_call = (time.perf_counter() - started) / 100_000
+    noop = dk.benchmark(lambda: None, max_time=0.5)
+    print(
+        f"\nCPU harness: {per_call * 1e6:.2f} us per timed call (goal < 5 us); "
+        f"a no-op measures {noop.median * 1e9:.0f} ns"
+    )
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the GPU comparisons are skipped")
+        return
+    import triton.testing
+
+    print(f"GPU: {torch.cuda.get_device_name()}")
+    print(
+        f"\n  {'workload':20} {'dk us':>10} {'do_bench':>10} {'torch Timer':>11} "
+        f"{'events':>10} {'dk/do_bench':>12} {'dk wall s':>10}  stop"
+    )
+    workloads = [
+        matmul(128, torch.float32),
+        matmul(1024, torch.float32),
+        matmul(4096, torch.float32),
+        matmul(8192, torch.bfloat16),
+    ]
+    for name, fn in workloads:
+        m, wall = timed_dk(fn, args.max_time)
+        triton_s = triton.testing.do_bench(fn, return_mode="median") / 1e3
+        ratio = m.median / triton_s
+        goal = (
+            "" if m.median < 1e-3 else ("  within 3%" if abs(ratio - 1) <= 0.03 else "  MISSED 3%")
+        )
+        print(
+            f"  {name:20} {us(m.median)} {us(triton_s)} {us(torch_timer(fn)):>11} "
+            f"{us(events_loop(fn))} {ratio:11.3f}x {wall:10.2f}  {m.stop_reason}{goal}"
+        )
+        if not m.trustworthy:
+            print(f"    not trustworthy: {m.notes}")
+
+    print(
+        f"\n  graph mode, tiny kernels  {'dk graph us':>12} {'do_bench_cudagraph':>19} {'ratio':>7}"
+        f" {'dk warm us':>11}"
+    )
+    x = torch.randn(4096, device="cuda")
+    tiny = [matmul(128, torch.float32), ("add 4096 fp32", lambda: x + x)]
+    for name, fn in tiny:
+        graph, _ = timed_dk(fn, args.max_time, mode="graph")
+        warm, _ = timed_dk(fn, args.max_time)
+        reference = triton.testing.do_bench_cudagraph(fn, return_mode="median") / 1e3
+        ratio = graph.median / reference
+        verdict = "within 10%" if abs(ratio - 1) <= 0.10 else "MISSED 10%"
+        print(
+            f"  {name:24} {us(graph.median):>12} {us(reference):>19} {ratio:6.3f}x"
+            f" {us(warm.median):>11}  {verdict}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""``benchmark``: time a function until the result is precise, and say whether to trust it."""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ._conditions import Conditions, Sampler
+from ._placement import DeviceLike, resolve_device
+from ._timing import CudaEvent, CudaStream
+from ._tree import iter_tensors
+from ._visible import torch_cuda_initialized
+
+__all__ = ["Measurement", "benchmark"]
+
+Mode = Literal["warm", "cold", "graph"]
+_MIN_SAMPLES = 10
+_BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
+_GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
+
+
+def _format_seconds(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def median_ci(sorted_times: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval of the median, from order statistics."""
+    n = len(sorted_times)
+    half = 1.96 * math.sqrt(n) / 2
+    low, high = math.floor(n / 2 - half), math.ceil(n / 2 + half)
+    return sorted_times[max(low, 0)], sorted_times[min(high, n - 1)]
+
+
+def relative_noise(times: list[float]) -> float:
+    """Half the width of the median's 95% confidence interval, over the median."""
+    ordered = sorted(times)
+    low, high = median_ci(ordered)
+    middle = statistics.median(ordered)
+    return math.inf if middle <= 0 else (high - low) / 2 / middle
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What :func:`benchmark` measured, with the evidence to judge it by.
+
+    Times are seconds per call. On a GPU ``times`` are device times from CUDA
+    events and ``host_times`` the host's time to issue each call; on the CPU
+    both are the wall time of each call.
+
+    Attributes:
+        name: The function's name.
+        mode: ``"warm"``, ``"cold"`` (L2 flushed before each call) or ``"graph"``.
+        median: Median seconds per call.
+        mean: Mean seconds per call.
+        min: Fastest call.
+        iqr: Interquartile range (75th minus 25th percentile), seconds.
+        rel_noise: Half-width of the 95% confidence interval of the median,
+            relative to the median: 0.01 means the median is known to ±1%.
+        ci: That confidence interval, (low, high) seconds.
+        n: Number of timed calls.
+        times: Every timed call, seconds.
+        host_times: Host time to issue each call, seconds.
+        stop_reason: ``"converged"`` (``rel_noise`` reached its target) or
+            ``"max_time"`` (time ran out first).
+        conditions: Evidence about the machine before, during and after the run.
+    """
+
+    name: str
+    mode: str
+    median: float
+    mean: float
+    min: float
+    iqr: float
+    rel_noise: float
+    ci: tuple[float, float]
+    n: int
+    times: tuple[float, ...]
+    host_times: tuple[float, ...]
+    stop_reason: str
+    conditions: Conditions
+
+    @classmethod
+    def from_times(
+        cls,
+        times: list[float],
+        host_times: list[float],
+        *,
+        name: str,
+        mode: str,
+        stop_reason: str,
+        conditions: Conditions,
+    ) -> Measurement:
+        """Compute the statistics of ``times`` (at least one)."""
+        ordered = sorted(times)
+        quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
+        return cls(
+            name=name,
+            mode=mode,
+            median=statistics.median(ordered),
+            mean=statistics.fmean(ordered),
+            min=ordered[0],
+            iqr=quartiles[2] - quartiles[0],
+            rel_noise=relative_noise(ordered),
+            ci=median_ci(ordered),
+            n=len(ordered),
+            times=tuple(times),
+            host_times=tuple(host_times),
+            stop_reason=stop_reason,
+            conditions=conditions,
+        )
+
+    @property
+    def notes(self) -> list[str]:
+        """Plain sentences about anything that could make this measurement misleading."""
+        notes = self.conditions.notes()
+        if self.rel_noise > 0.05:
+            notes.append(
+                f"noisy: the median is only known to ±{self.rel_noise:.1%} "
+                f"(interquartile range {_format_seconds(self.iqr)})"
+            )
+        elif self.stop_reason == "max_time":
+            notes.append(
+                f"stopped at max_time with the median known to ±{self.rel_noise:.1%}, "
+                "short of the target; allow more time for a tighter result"
+            )
+        host = statistics.median(self.host_times) if self.host_times else 0.0
+        on_gpu = self.conditions.device.startswith("cuda") and self.mode != "graph"
+        if on_gpu and host > 2 * self.median:
+            notes.append(
+                f"launch-bound: issuing a call takes {_format_seconds(host)} on the host, "
+                f"{host / self.median:.1f}x its {_format_seconds(self.median)} on the GPU; "
+                "mode='graph' shows the GPU time without launch overhead"
+            )
+        return notes
+
+    @property
+    def trustworthy(self) -> bool:
+        """False when other work, throttling or noise could have distorted the result."""
+        return self.conditions.trustworthy() and self.rel_noise <= 0.05
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, with ``trustworthy`` and ``notes`` added."""
+        return {
+            "name": self.name,
+            "mode": self.mode,
+            "median": self.median,
+            "mean": self.mean,
+            "min": self.min,
+            "iqr": self.iqr,
+            "rel_noise": self.rel_noise,
+            "ci": list(self.ci),
+            "n": self.n,
+            "times": list(self.times),
+            "host_times": list(self.host_times),
+            "stop_reason": self.stop_reason,
+            "conditions": self.conditions.to_dict(),
+            "trustworthy": self.trustworthy,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        """Rebuild a measurement from :meth:`to_dict`'s output (derived keys are ignored)."""
+        fields = {k: v for k, v in data.items() if k not in ("trustworthy", "notes")}
+        fields["ci"] = tuple(fields["ci"])
+        fields["times"] = tuple(fields["times"])
+        fields["host_times"] = tuple(fields["host_times"])
+        fields["conditions"] = Conditions.from_dict(fields["conditions"])
+        return cls(**fields)
+
+    def __repr__(self) -> str:
+        low, high = self.ci
+        verdict = "trustworthy" if self.trustworthy else "NOT trustworthy"
+        head = (
+            f"Measurement({self.name} on {self.conditions.device}, {self.mode}: median "
+            f"{_format_seconds(self.median)} ±{self.rel_noise:.1%} (95% CI "
+            f"{_format_seconds(low)} to {_format_seconds(high)}), n={self.n}, "
+            f"stopped: {self.stop_reason}; {verdict})"
+        )
+        return "\n".join([head, *(f"  - {note}" for note in self.notes)])
+
+    def _repr_html_(self) -> str:
+        import html  # noqa: PLC0415 - only notebooks render HTML
+
+        rows = [
+            ("median", _format_seconds(self.median)),
+            ("95% CI", f"{_format_seconds(self.ci[0])} to {_format_seconds(self.ci[1])}"),
+            ("noise", f"±{self.rel_noise:.2%}"),
+            ("min / mean", f"{_format_seconds(self.min)} / {_format_seconds(self.mean)}"),
+            ("n / stopped", f"{self.n} / {self.stop_reason}"),
+            ("trustworthy", str(self.trustworthy)),
+            *(("note", note) for note in self.notes),
+        ]
+        body = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+            for k, v in rows
+        )
+        caption = html.escape(f"{self.name} on {self.conditions.device} ({self.mode})")
+        return f"<table><caption>{caption}</caption>{body}</table>"
+
+
+def _infer_device(device: DeviceLike | None, args: Any, kwargs: Any) -> torch.device:
+    if device is not None:
+        return resolve_device(device)
+    for _, tensor in iter_tensors((args, kwargs), "args"):
+        return tensor.device
+    if torch_cuda_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _CpuRunner:
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+
+    def warm(self) -> None:
+        self.call()
+
+    def run(self, count: int) -> tuple[list[float], list[float]]:
+        call, clock, times = self.call, time.perf_counter, []
+        for _ in range(count):
+            start = clock()
+            call()
+            times.append(clock() - start)
+        return times, times
+
+
+class _CudaRunner:
+    """Times calls with CUDA events on the current stream; cold and graph modes live here."""
+
+    def __init__(self, call: Callable[[], Any], device: torch.device, mode: Mode) -> None:
+        self.call = call
+        self.device = device
+        self.mode = mode
+        self.stream = torch.cuda.current_stream(device)
+        self.flush: torch.Tensor | None = None
+        self.graph: Any = None
+        self.calls_per_replay = 1
+        if mode == "cold":
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**27
+            self.flush = torch.empty(2 * l2, dtype=torch.int8, device=device)
+
+    def warm(self) -> None:
+        if self.flush is not None:
+            self.flush.zero_()
+        self.call()
+        torch.cuda.synchronize(self.device)
+
+    def capture(self, seconds_per_call: float) -> None:
+        """Capture enough calls in one graph that a replay hides its launch cost."""
+        per_replay = max(1, min(1000, round(_GRAPH_REPLAY_SECONDS / max(seconds_per_call, 1e-7))))
+        side = CudaStream(self.device)
+        side.wait_stream(self.stream)
+        with torch.cuda.stream(side):  # capture needs warm-up on a side stream
+            for _ in range(3):
+                self.call()
+        self.stream.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(per_replay):
+                self.call()
+        self.calls_per_replay = per_replay
+        self.graph.replay()
+        torch.cuda.synchronize(self.device)
+
+    def run(self, count: int) -> tuple[list[float], list[float]]:
+        starts = [CudaEvent(enable_timing=True) for _ in range(count)]
+        ends = [CudaEvent(enable_timing=True) for _ in range(count)]
+        work = self.graph.replay if self.graph is not None else self.call
+        host, clock, flush = [], time.perf_counter, self.flush
+        for start, end in zip(starts, ends, strict=True):
+            if flush is not None:
+                flush.zero_()  # before the start event: evicts L2, not timed
+            start.record(self.stream)
+            began = clock()
+            work()
+            host.append(clock() - began)
+            end.record(self.stream)
+        ends[-1].synchronize()
+        k = self.calls_per_replay
+        device_times = [s.elapsed_time(e) / 1e3 / k for s, e in zip(starts, ends, strict=True)]
+        return device_times, [h / k for h in host]
+
+
+def _check_options(
+    fn: object, *, warmup: float, min_time: float, max_time: float, rel_noise: float, mode: str
+) -> None:
+    if not callable(fn):
+        raise TypeError(f"benchmark() needs a function to time, got {fn!r}")
+    for name, value in (("warmup", warmup), ("min_time", min_time)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
+    if not max_time > 0 or max_time < min_time:
+        raise ValueError(
+            f"max_time must be positive and at least min_time ({min_time!r}), got {max_time!r}"
+        )
+    if not rel_noise > 0:
+        raise ValueError(f"rel_noise must be > 0 (0.01 means ±1%), got {rel_noise!r}")
+    if mode not in ("warm", "cold", "graph"):
+        raise ValueError(f"mode must be 'warm', 'cold' or 'graph', got {mode!r}")
+
+
+def benchmark(
+    fn: Callable[..., Any],
+    *args: Any,
+    device: DeviceLike | None = None,
+    warmup: float = 0.05,
+    min_time: float = 0.1,
+    max_time: float = 2.0,
+    rel_noise: float = 0.01,
+    mode: Mode = "warm",
+    **kwargs: Any,
+) -> Measurement:
+    """Time ``fn(*args, **kwargs)`` until the median is known to ``rel_noise``, and judge it.
+
+    Warms up for ``warmup`` seconds (compilation, caches and first-call costs
+    stay out), then times calls in batches until the median's 95% confidence
+    interval is within ±``rel_noise`` (after at least ``min_time`` and 10
+    calls) or the whole call has taken ``max_time``; ``stop_reason`` says
+    which. On a GPU every call is timed with CUDA events, and the host time to
+    issue it is kept too, so launch-bound code shows itself. Before, during
+    and after the run it gathers evidence (other processes on the GPU, its
+    utilization, clocks and throttling, CPU load) into ``conditions``, and
+    ``Measurement.trustworthy`` and ``Measurement.notes`` say what it means.
+
+    Args:
+        fn: The function to time; its result is discarded.
+        *args: Passed to ``fn``.
+        device: Where ``fn`` runs. Default: the device of the first tensor
+            in the arguments, else the current CUDA device if CUDA is
+            initialized, else the CPU.
+        warmup: Seconds of untimed calls first.
+        min_time: Seconds to keep measuring at least.
+        max_time: Seconds the whole call may take (it overshoots by at most
+            one batch of about 10 ms, or one call when a call is longer).
+        rel_noise: The precision target for the median: 0.01 is ±1%.
+        mode: ``"warm"`` (caches warm, the default), ``"cold"`` (the L2 cache
+            is flushed before every call, untimed) or ``"graph"`` (the calls
+            are captured in a CUDA graph and its replays timed: no launch
+            overhead). ``cold`` and ``graph`` need a CUDA device.
+        **kwargs: Passed to ``fn`` (so ``fn`` cannot take the option names above).
+
+    Returns:
+        The :class:`Measurement`.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: An option is out of range, or ``mode`` needs CUDA.
+
+    Example:
+        >>> import devicekit as dk
+        >>> m = dk.benchmark(sorted, list(range(1000, 0, -1)), max_time=0.5)
+        >>> m.median > 0 and m.n >= 1 and m.stop_reason in ("converged", "max_time")
+        True
+    """
+    _check_options(
+        fn, warmup=warmup, min_time=min_time, max_time=max_time, rel_noise=rel_noise, mode=mode
+    )
+    target = _infer_device(device, args, kwargs)
+    if mode != "warm" and target.type != "cuda":
+        raise ValueError(f"mode={mode!r} needs a CUDA device, but fn runs on {target}")
+    began = time.perf_counter()
+    sampler = Sampler(target)
+    sampler.before()
+    call = functools.partial(fn, *args, **kwargs)
+    runner: _CpuRunner | _CudaRunner = (
+        _CudaRunner(call, target, mode) if target.type == "cuda" else _CpuRunner(call)
+    )
+    warm_calls, warm_began = 0, time.perf_counter()
+    while warm_calls == 0 or time.perf_counter() - warm_began < warmup:
+        runner.warm()
+        warm_calls += 1
+    per_call = (time.perf_counter() - warm_began) / warm_calls
+    if isinstance(runner, _CudaRunner) and mode == "graph":
+        runner.capture(per_call)
+        per_call /= 2  # replays are cheaper than eager calls; batches stay short anyway
+
+    times: list[float] = []
+    host: list[float] = []
+    measure_began = time.perf_counter()
+    while True:
+        left = max_time - (time.perf_counter() - began)
+        batch = max(1, min(int(_BATCH_SECONDS / max(per_call, 1e-7)), int(left / per_call) or 1))
+        device_times, host_times = runner.run(batch)
+        times += device_times
+        host += host_times
+        sampler.during()
+        spent = time.perf_counter() - measure_began
+        if len(times) >= _MIN_SAMPLES and spent >= min_time and relative_noise(times) <= rel_noise:
+            stop_reason = "converged"
+            break
+        if time.perf_counter() - began >= max_time:
+            stop_reason = "max_time"
+            break
+    return Measurement.from_times(
+        times,
+        host,
+        name=getattr(fn, "__name__", None) or repr(fn),
+        mode=mode,
+        stop_reason=stop_reason,
+        conditions=sampler.after(),
+    )

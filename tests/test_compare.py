@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import devicekit as dk
+
+
+def measured(median: float, spread: float, name: str = "f") -> dk.Measurement:
+    times = [median - spread, median, median + spread] * 10
+    return dk.Measurement.from_times(
+        times,
+        times,
+        name=name,
+        mode="warm",
+        stop_reason="converged",
+        conditions=dk.Conditions(device="cpu", load_average=0.1, cpu_count=8),
+    )
+
+
+def test_against_the_fastest() -> None:
+    table = dk.compare(
+        {
+            "slow": measured(3e-3, 1e-5),
+            "fast": measured(1e-3, 1e-5),
+            "twin": measured(1.000001e-3, 2e-5),
+        }
+    )
+    assert table.reference == "fast"
+    verdicts = {row.name: row.verdict(table.reference) for row in table.rows}
+    assert verdicts == {"slow": "3.00x slower", "fast": "(reference)", "twin": "same within noise"}
+    assert table.rows[0].ratio == pytest.approx(3.0)
+    text = str(table)
+    assert text.splitlines()[0].split() == ["variant", "median", "noise", "vs", "fastest", "(fast)"]
+    assert text.splitlines()[1].split() == ["slow", "3", "ms", "±0.3%", "3.00x", "slower"]
+
+
+def test_against_a_named_baseline() -> None:
+    table = dk.compare({"old": measured(4e-3, 1e-6), "new": measured(1e-3, 1e-6)}, baseline="old")
+    verdicts = {row.name: row.verdict("old") for row in table.rows}
+    assert verdicts == {"old": "(reference)", "new": "4.00x faster"}
+    assert "vs baseline (old)" in str(table)
+
+
+def test_functions_are_measured_with_the_options() -> None:
+    table = dk.compare({"a": lambda: sum(range(100)), "b": lambda: sum(range(10))}, max_time=0.2)
+    assert [row.measurement.name for row in table.rows] == ["<lambda>", "<lambda>"]
+    assert all(row.measurement.n >= 1 for row in table.rows)
+
+
+def test_untrustworthy_rows_are_marked() -> None:
+    noisy = dk.Measurement.from_times(
+        [1e-3, 5e-3] * 3,
+        [1e-3, 5e-3] * 3,
+        name="noisy",
+        mode="warm",
+        stop_reason="max_time",
+        conditions=dk.Conditions(device="cpu"),
+    )
+    assert "[not trustworthy]" in str(dk.compare({"noisy": noisy, "ok": measured(1e-3, 0)}))
+
+
+@pytest.mark.parametrize(
+    ("results", "options", "message"),
+    [({}, {}, "needs at least one variant"), ({"a": None}, {"baseline": "b"}, "baseline 'b'")],
+)
+def test_errors(results: dict[str, Any], options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dk.compare(results, **options)
+
+
+def test_to_dict_and_html() -> None:
+    table = dk.compare({"x": measured(2e-3, 1e-6), "y": measured(1e-3, 1e-6)})
+    document = json.loads(json.dumps(table.to_dict()))
+    assert document["reference"] == "y"
+    assert [row["verdict"] for row in document["rows"]] == ["2.00x slower", "(reference)"]
+    assert table._repr_html_().startswith("<table><tr><th>variant</th>")

@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import devicekit as dk
+
+from .conftest import run_python
+
+SLEEP = 0.02
+
+
+def test_timer_as_context_manager_measures_a_known_duration() -> None:
+    with dk.Timer() as timer:
+        time.sleep(SLEEP)
+    assert SLEEP <= timer.elapsed < SLEEP + 0.5
+
+
+def test_timer_starts_when_created_like_d2l() -> None:
+    timer = dk.Timer()
+    time.sleep(SLEEP)
+    assert timer.stop() >= SLEEP
+    assert len(timer.times) == 1
+
+
+def test_lap_api_matches_d2l() -> None:
+    timer = dk.Timer()
+    timer.stop()
+    for _ in range(3):
+        timer.start()
+        time.sleep(0.005)
+        timer.stop()
+    times = timer.times
+    assert len(times) == 4
+    assert all(t >= 0.005 for t in times[1:])
+    assert timer.sum() == pytest.approx(sum(times))
+    assert timer.avg() == pytest.approx(sum(times) / 4)
+    cumsum = timer.cumsum()
+    assert cumsum == pytest.approx([sum(times[: i + 1]) for i in range(4)])
+
+
+def test_timer_as_decorator_times_each_call() -> None:
+    timer = dk.Timer()
+
+    @timer
+    def work(seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    assert work(0.005) == "done"
+    assert work(0.01) == "done"
+    assert work.__name__ == "work"
+    first, second = timer.times
+    assert first >= 0.005
+    assert second >= 0.01
+
+
+def test_decorated_function_that_raises_still_ends_its_lap() -> None:
+    timer = dk.Timer()
+
+    @timer
+    def broken() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        broken()
+    assert len(timer.times) == 1
+
+
+def test_stop_without_a_running_lap() -> None:
+    timer = dk.Timer()
+    timer.stop()
+    with pytest.raises(RuntimeError, match=r"Timer\.stop\(\) needs a running lap"):
+        timer.stop()
+
+
+def test_elapsed_before_any_lap() -> None:
+    with pytest.raises(RuntimeError, match="no lap has finished yet"):
+        _ = dk.Timer().elapsed
+    with pytest.raises(RuntimeError, match="no lap has finished yet"):
+        dk.Timer().avg()
+
+
+def test_benchmark_context_prints_like_d2l(capsys: pytest.CaptureFixture[str]) -> None:
+    with dk.Benchmark("sleeping") as bench:
+        time.sleep(SLEEP)
+    assert bench.elapsed is not None
+    assert bench.elapsed >= SLEEP
+    assert capsys.readouterr().out == f"sleeping: {bench.elapsed:.4f} sec\n"
+
+
+def test_cpu_timers_do_not_start_cuda() -> None:
+    result = run_python(
+        """
+        import json, time, torch, devicekit as dk
+        from devicekit._visible import cuda_started
+        with dk.Timer() as t:
+            time.sleep(0.001)
+        with dk.Timer(device="cpu", sync=True):
+            pass
+        dk.benchmark(sum, [1, 2, 3], max_time=0.2)
+        print(json.dumps(cuda_started()))
+        """
+    )
+    assert result is None
+
+
+# --- on a real GPU ---------------------------------------------------------------------------
+
+
+def _big_matmul() -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.randn(8192, 8192, device="cuda")
+    return a, a @ a  # the second warms cuBLAS up
+
+
+@pytest.mark.gpu
+def test_events_and_synchronized_host_clock_agree_on_a_long_kernel() -> None:
+    a, _ = _big_matmul()
+    with dk.Timer() as events:
+        for _ in range(5):
+            a @ a
+    with dk.Timer(sync=True) as host:
+        for _ in range(5):
+            a @ a
+    assert events.elapsed == pytest.approx(host.elapsed, rel=0.1)
+
+
+@pytest.mark.gpu
+def test_an_unsynchronized_host_clock_is_wrong_where_timer_is_right() -> None:
+    a, _ = _big_matmul()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    a @ a
+    naive = time.perf_counter() - start  # measures the launch only
+    torch.cuda.synchronize()
+    with dk.Timer() as timer:
+        a @ a
+    assert timer.elapsed > 20 * naive
+    assert timer.elapsed > 1e-3  # an 8192^3 fp32 matmul cannot take under 1 ms on any GPU
+
+
+@pytest.mark.gpu
+def test_timer_starting_cuda_inside_a_lap_still_waits_for_the_gpu() -> None:
+    result = run_python(
+        """
+        import json, torch, devicekit as dk
+        with dk.Timer() as t:   # CUDA is not initialized yet: host clock, then a synchronize
+            a = torch.randn(8192, 8192, device="cuda")
+            for _ in range(5):
+                a @ a
+        with dk.Timer() as warm:   # now events
+            for _ in range(5):
+                a @ a
+        print(json.dumps([t.elapsed, warm.elapsed]))
+        """
+    )
+    first, warm = result
+    assert first >= warm * 0.9  # the first lap includes the five matmuls, not only launches
