@@ -24,6 +24,7 @@ Mode = Literal["warm", "cold", "graph"]
 _MIN_SAMPLES = 10
 _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
 _GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
+_LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
 
 
 def _format_seconds(seconds: float) -> str:
@@ -55,7 +56,9 @@ class Measurement:
 
     Times are seconds per call. On a GPU ``times`` are device times from CUDA
     events and ``host_times`` the host's time to issue each call; on the CPU
-    both are the wall time of each call.
+    both are the wall time of each call. When issuing a call takes the host
+    at least half as long as the call takes the GPU, the GPU spends its time
+    waiting for the host, and ``notes`` says the code is launch-bound.
 
     Attributes:
         name: The function's name.
@@ -134,12 +137,14 @@ class Measurement:
                 "short of the target; allow more time for a tighter result"
             )
         host = statistics.median(self.host_times) if self.host_times else 0.0
+        # Between a call's events the GPU also waits for the host to issue the
+        # call, so a launch-bound call's GPU time is about its host time.
         on_gpu = self.conditions.device.startswith("cuda") and self.mode != "graph"
-        if on_gpu and host > 2 * self.median:
+        if on_gpu and host >= _LAUNCH_BOUND * self.median:
             notes.append(
-                f"launch-bound: issuing a call takes {_format_seconds(host)} on the host, "
-                f"{host / self.median:.1f}x its {_format_seconds(self.median)} on the GPU; "
-                "mode='graph' shows the GPU time without launch overhead"
+                f"launch-bound: issuing a call takes {_format_seconds(host)} on the host and "
+                f"its GPU time is {_format_seconds(self.median)}, so the GPU mostly waits for "
+                "the host; mode='graph' shows the GPU time without launch overhead"
             )
         return notes
 

@@ -32,7 +32,7 @@ def conditions(**fields: Any) -> dk.Conditions:
 def measurement(times: list[float], **fields: Any) -> dk.Measurement:
     options = {"name": "f", "mode": "warm", "stop_reason": "converged"}
     options |= {k: fields.pop(k) for k in list(fields) if k in options}
-    host = fields.pop("host_times", times)
+    host = fields.pop("host_times", [t / 100 for t in times])  # GPU-bound unless given
     return dk.Measurement.from_times(
         times, host, conditions=fields.pop("conditions", conditions()), **options
     )
@@ -203,12 +203,13 @@ def test_noise_is_untrustworthy_and_said() -> None:
 
 
 def test_launch_bound_code_shows_itself() -> None:
-    m = measurement([10e-6] * 20, host_times=[45e-6] * 20)
+    m = measurement([18e-6] * 20, host_times=[16e-6] * 20)
     assert m.trustworthy
     assert m.notes == [
-        "launch-bound: issuing a call takes 45 us on the host, 4.5x its 10 us on the GPU; "
-        "mode='graph' shows the GPU time without launch overhead"
+        "launch-bound: issuing a call takes 16 us on the host and its GPU time is 18 us, so the "
+        "GPU mostly waits for the host; mode='graph' shows the GPU time without launch overhead"
     ]
+    assert measurement([18e-6] * 20, host_times=[8e-6] * 20).notes == []
 
 
 def test_repr_and_html() -> None:
@@ -318,3 +319,13 @@ def test_a_competing_process_makes_the_result_untrustworthy() -> None:
     assert not m.trustworthy
     assert any("other process(es) were using cuda:0" in note for note in m.notes)
     assert math.isfinite(m.median)
+
+
+@pytest.mark.gpu
+def test_launch_bound_code_is_recognised_on_a_real_gpu() -> None:
+    tiny = torch.randn(4096, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    small = dk.benchmark(torch.add, tiny, tiny, max_time=0.5)
+    large = dk.benchmark(torch.matmul, big, big, max_time=0.5)
+    assert any(note.startswith("launch-bound") for note in small.notes)
+    assert not any(note.startswith("launch-bound") for note in large.notes)
