@@ -18,12 +18,22 @@ from ._errors import DevicekitError as DevicekitError
 from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
 from ._errors import GPUUnavailableError as GPUUnavailableError
+from ._errors import SyncError as SyncError
 from ._gpus import gpu as gpu
 from ._gpus import gpus as gpus
 from ._gpus import pick_gpu as pick_gpu
 from ._gpus import pick_gpus as pick_gpus
+from ._logbuffer import LogBuffer as LogBuffer
+from ._logbuffer import Record as Record
+from ._logbuffer import Sink as Sink
 from ._measure import Measurement as Measurement
 from ._measure import benchmark as benchmark
+from ._memory import DeviceMemory as DeviceMemory
+from ._memory import MemoryReport as MemoryReport
+from ._memory import MemoryScope as MemoryScope
+from ._memory import ScopeReport as ScopeReport
+from ._memory import free_memory as free_memory
+from ._memory import memory_scope as memory_scope
 from ._nvml import GPUInfo as GPUInfo
 from ._nvml import GPUProcess as GPUProcess
 from ._nvml import cuda_driver_version as cuda_driver_version
@@ -34,6 +44,11 @@ from ._placement import DeviceLike as DeviceLike
 from ._placement import data_parallel as data_parallel
 from ._placement import load as load
 from ._placement import to_device as to_device
+from ._sinks import CSVSink as CSVSink
+from ._sinks import ProgressBarSink as ProgressBarSink
+from ._sinks import TensorBoardSink as TensorBoardSink
+from ._syncs import SyncReport as SyncReport
+from ._syncs import detect_syncs as detect_syncs
 from ._timing import Benchmark as Benchmark
 from ._timing import Timer as Timer
 from ._version import __version__ as __version__
@@ -42,18 +57,30 @@ from ._visible import visible_devices as visible_devices
 
 __all__ = [
     "Benchmark",
+    "CSVSink",
     "CUDAInitializedError",
     "Comparison",
     "ComparisonRow",
     "Conditions",
     "DeviceLike",
+    "DeviceMemory",
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DevicekitError",
     "GPUInfo",
     "GPUProcess",
     "GPUUnavailableError",
+    "LogBuffer",
     "Measurement",
+    "MemoryReport",
+    "MemoryScope",
+    "ProgressBarSink",
+    "Record",
+    "ScopeReport",
+    "Sink",
+    "SyncError",
+    "SyncReport",
+    "TensorBoardSink",
     "Timer",
     "__version__",
     "assert_same_device",
@@ -62,11 +89,14 @@ __all__ = [
     "compare",
     "cuda_driver_version",
     "data_parallel",
+    "detect_syncs",
     "driver_version",
+    "free_memory",
     "gpu",
     "gpus",
     "load",
     "local_device",
+    "memory_scope",
     "nvml_available",
     "nvml_error",
     "parse_visible_devices",

@@ -14,6 +14,7 @@ __all__ = [
     "DeviceNotFoundError",
     "DevicekitError",
     "GPUUnavailableError",
+    "SyncError",
 ]
 
 
@@ -41,6 +42,10 @@ class GPUUnavailableError(DevicekitError, RuntimeError):
     """Not enough GPUs meet a request; the message says why each one was turned down."""
 
 
+class SyncError(DevicekitError, RuntimeError):
+    """Code inside ``detect_syncs(mode="error")`` made the host wait for the GPU."""
+
+
 # Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),
 # not the private module the class happens to live in.
 for _cls in (
@@ -49,6 +54,7 @@ for _cls in (
     DeviceMismatchError,
     DeviceNotFoundError,
     GPUUnavailableError,
+    SyncError,
 ):
     _cls.__module__ = "devicekit"
 del _cls

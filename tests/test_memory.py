@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+import devicekit as dk
+
+from .conftest import GPU_COUNT, run_python
+
+
+def test_free_memory_without_cuda_collects_garbage_and_says_so() -> None:
+    result = run_python(
+        """
+        import json, devicekit as dk
+        class Node:
+            def __init__(self):
+                self.me = self
+        for _ in range(100):
+            Node()
+        report = dk.free_memory()
+        print(json.dumps(report.to_dict()))
+        """
+    )
+    assert result["devices"] == []
+    assert result["collected"] >= 100  # the cycles del could not free
+    assert result["note"] == "CUDA is not initialized in this process: no GPU memory"
+
+
+def test_memory_scope_on_the_cpu_reports_unknowns() -> None:
+    with dk.memory_scope("cpu") as scope:
+        torch.ones(1000)
+    assert scope.report is not None
+    assert scope.report.to_dict() == {
+        "device": "cpu",
+        "allocated_before": None,
+        "allocated_after": None,
+        "peak_allocated": None,
+        "reserved_before": None,
+        "reserved_after": None,
+        "peak_reserved": None,
+        "net": None,
+    }
+
+
+def test_reports_read_in_mib_and_gib() -> None:
+    device = dk.DeviceMemory("cuda:0", 2**30, 0, 3 * 2**30, 2**21, 10 * 2**30, 13 * 2**30)
+    assert device.returned == 3 * 2**30 - 2**21
+    assert str(device) == (
+        "cuda:0: returned 3.00 GiB to the driver; allocated 1.00 GiB -> 0.0 MiB, reserved "
+        "3.00 GiB -> 2.0 MiB, driver free 10.00 GiB -> 13.00 GiB"
+    )
+    report = dk.MemoryReport((device,), collected=4)
+    assert repr(report).splitlines()[0] == "MemoryReport(gc collected 4 objects)"
+    assert json.loads(json.dumps(report.to_dict()))["devices"][0]["returned"] == device.returned
+
+
+@pytest.mark.gpu
+def test_free_memory_gives_the_cache_back_to_the_driver() -> None:
+    blocks = [torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(16)]
+    del blocks
+    gc.collect()
+    unused = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert unused >= 4 * 2**30
+    report = dk.free_memory()
+    (device,) = [d for d in report.devices if d.device == f"cuda:{torch.cuda.current_device()}"]
+    assert device.returned >= 0.99 * unused
+    free_now, _ = torch.cuda.mem_get_info()
+    assert abs(device.driver_free_after - free_now) <= 2 * 2**20
+    assert device.driver_free_after - device.driver_free_before >= 0.99 * unused - 2 * 2**20
+
+
+@pytest.mark.gpu
+def test_memory_scope_sees_the_peak_and_the_net() -> None:
+    keep = None
+    with dk.memory_scope() as scope:
+        temporary = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+        keep = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+        del temporary
+    report = scope.report
+    assert report is not None
+    assert report.peak_allocated is not None
+    assert report.peak_allocated - (report.allocated_before or 0) >= 576 * 2**20
+    assert report.net == 64 * 2**20
+    assert keep is not None
+    assert GPU_COUNT >= 1

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _syncs
+
+from .conftest import GPU_COUNT
+
+HERE = __file__
+
+
+@pytest.mark.skipif(GPU_COUNT > 0, reason="checks the machine without a GPU")
+def test_without_cuda_it_records_nothing_and_says_why() -> None:
+    with dk.detect_syncs() as syncs:
+        torch.ones(3).sum().item()
+    assert syncs.supported is False
+    assert syncs.count == 0
+    assert syncs.reason is not None
+    assert syncs.reason.startswith("no CUDA device")
+    assert str(syncs) == f"sync detection unavailable: {syncs.reason}"
+
+
+def test_mode_is_checked() -> None:
+    with (
+        pytest.raises(ValueError, match="mode must be 'record' or 'error', got 'warn'"),
+        dk.detect_syncs(mode="warn"),
+    ):
+        pass
+
+
+def test_report_summary_and_dict() -> None:
+    report = _syncs.SyncReport("record")
+    report.events += [("a.py:3", "x"), ("b.py:9", "y"), ("a.py:3", "x")]
+    assert report.count == 3
+    assert report.locations == {"a.py:3": 2, "b.py:9": 1}
+    assert report.summary() == (
+        "3 synchronizing CUDA operation(s):\n       2x  a.py:3\n       1x  b.py:9"
+    )
+    assert report.to_dict() == {
+        "mode": "record",
+        "supported": True,
+        "reason": None,
+        "count": 3,
+        "locations": {"a.py:3": 2, "b.py:9": 1},
+    }
+
+
+def test_the_user_line_is_the_first_frame_outside_torch_and_devicekit() -> None:
+    assert _syncs._user_location().startswith(f"{HERE}:")
+
+
+@pytest.mark.gpu
+def test_record_mode_names_the_lines_that_sync() -> None:
+    x = torch.ones(4, device="cuda")
+    previous = torch.cuda.get_sync_debug_mode()
+    with dk.detect_syncs() as syncs:
+        for _ in range(3):
+            x.sum().item()
+        torch.cuda.synchronize()
+        x * 2  # asynchronous: not a sync
+    assert torch.cuda.get_sync_debug_mode() == previous
+    assert syncs.count == 4
+    lines = list(syncs.locations)
+    assert all(line.startswith(f"{HERE}:") for line in lines)
+    assert list(syncs.locations.values()) == [3, 1]
+
+
+@pytest.mark.gpu
+def test_error_mode_stops_at_the_first_sync_with_its_line() -> None:
+    x = torch.ones(4, device="cuda")
+    original = torch.cuda.synchronize
+    with (
+        pytest.raises(dk.SyncError, match=rf"{HERE}:\d+ makes the host wait for the GPU"),
+        dk.detect_syncs(mode="error"),
+    ):
+        x.sum().item()
+    with (
+        pytest.raises(dk.SyncError, match=r"torch.cuda.synchronize\(\) at .* makes the host wait"),
+        dk.detect_syncs(mode="error"),
+    ):
+        torch.cuda.synchronize()
+    assert torch.cuda.synchronize is original
+    assert torch.cuda.get_sync_debug_mode() == 0
