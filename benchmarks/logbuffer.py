@@ -47,7 +47,6 @@ def run(step: Callable[[], torch.Tensor], variant: str, steps: int, device: torc
     sink = open(os.devnull, "w")  # noqa: SIM115 - closed below
     buffer = dk.LogBuffer(flush_every=100)
     values: list[float] = []
-    dk.free_memory()
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -70,7 +69,7 @@ def run(step: Callable[[], torch.Tensor], variant: str, steps: int, device: torc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     device = dk.try_gpu()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"

@@ -139,7 +139,9 @@ class Measurement:
         host = statistics.median(self.host_times) if self.host_times else 0.0
         # Between a call's events the GPU also waits for the host to issue the
         # call, so a launch-bound call's GPU time is about its host time.
-        on_gpu = self.conditions.device.startswith("cuda") and self.mode != "graph"
+        # Only warm mode: graph replays have no launch cost, and in cold mode the
+        # L2 flush keeps the GPU busy while the host issues the call.
+        on_gpu = self.conditions.device.startswith("cuda") and self.mode == "warm"
         if on_gpu and host >= _LAUNCH_BOUND * self.median:
             notes.append(
                 f"launch-bound: issuing a call takes {_format_seconds(host)} on the host and "

@@ -167,6 +167,8 @@ def detect_syncs(*, mode: str = "record") -> Iterator[SyncReport]:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("always", message=f".*{_SYNC_MESSAGE}")
+        # torch's own caveat; the docstring above says what is not detected.
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
         shown = warnings.showwarning
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("error" if mode == "error" else "warn")

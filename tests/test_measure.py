@@ -287,12 +287,15 @@ def test_graph_mode_times_the_same_kernel_as_warm_mode() -> None:
 
 
 @pytest.mark.gpu
-def test_cold_mode_runs_and_is_not_faster_than_warm_for_a_memory_bound_op() -> None:
-    x = torch.randn(2**22, device="cuda")  # 16 MiB: fits in an H100's 50 MB L2
-    warm = dk.benchmark(torch.mul, x, 2.0, max_time=1)
-    cold = dk.benchmark(torch.mul, x, 2.0, max_time=1, mode="cold")
+def test_cold_mode_reads_from_memory_where_graph_mode_reads_from_l2() -> None:
+    # Both time the GPU alone (the flush, like a graph, hides the launch), so the
+    # difference is the cache: a 16 MiB input fits in an H100's 50 MB L2.
+    x = torch.randn(2**22, device="cuda")
+    graph = dk.benchmark(torch.sum, x, max_time=1, mode="graph")
+    cold = dk.benchmark(torch.sum, x, max_time=1, mode="cold")
     assert cold.mode == "cold"
-    assert cold.median >= warm.median * 0.9
+    assert not any(note.startswith("launch-bound") for note in cold.notes)
+    assert cold.median > graph.median
 
 
 @pytest.mark.gpu
