@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,8 +46,8 @@ def make_step(width: int, device: torch.device) -> Callable[[], torch.Tensor]:
 def run(step: Callable[[], torch.Tensor], variant: str, steps: int, device: torch.device) -> float:
     """Steps per second of ``steps`` training steps with one way of logging."""
     sink = open(os.devnull, "w")  # noqa: SIM115 - closed below
-    buffer = dk.LogBuffer(flush_every=100)
-    values: list[float] = []
+    buffer = dk.LogBuffer(flush_every=10**9 if variant == "LogBuffer, no flush" else 100)
+    values: list[Any] = []
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -56,8 +57,10 @@ def run(step: Callable[[], torch.Tensor], variant: str, steps: int, device: torc
             values.append(loss.item())
         elif variant == "print":
             print(loss, file=sink)
-        elif variant == "LogBuffer":
+        elif variant.startswith("LogBuffer"):
             buffer.log(index, loss=loss)
+        elif variant == "keep refs":
+            values.append(loss.detach())
     buffer.flush()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -70,13 +73,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--widths", type=int, nargs="*", default=None)
+    parser.add_argument("--quick", action="store_true", help="only the four main variants")
     args = parser.parse_args()
     device = dk.try_gpu()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"logbuffer benchmark, {datetime.date.today()}, torch {torch.__version__}, {name}")
-    widths = [64, 1024, 4096, 8192] if device.type == "cuda" else [64, 256]
-    variants = ["no logging", ".item()", "print", "LogBuffer"]
-    print(f"\n  {'width':>6} " + " ".join(f"{v:>14}" for v in variants) + "   LogBuffer goal")
+    widths = args.widths or ([64, 1024, 4096, 8192] if device.type == "cuda" else [64, 256])
+    variants = ["no logging", ".item()", "print", "LogBuffer", "keep refs", "LogBuffer, no flush"]
+    if args.quick:
+        variants = ["no logging", ".item()", "print", "LogBuffer"]
+    print(f"\n  {'width':>6} " + " ".join(f"{v[:14]:>14}" for v in variants) + "   LogBuffer goal")
     for width in widths:
         step = make_step(width, device)
         for _ in range(20):
@@ -91,6 +98,12 @@ def main() -> None:
         cells = " ".join(f"{medians[v]:7.0f} ({medians[v] / base:.2f}x)" for v in variants)
         ratio = medians["LogBuffer"] / base
         print(f"  {width:6d} {cells}   {ratio:.3f}x {'met' if ratio >= 0.99 else 'MISSED'}")
+        spread = "  ".join(
+            f"{v}: {min(r):.0f}-{max(r):.0f}"
+            for v, r in results.items()
+            if v in variants[:1] + variants[3:4]
+        )
+        print(f"  {'':6} range over rounds: {spread}")
     print("\n  steps/s (ratio to no logging); goal: LogBuffer >= 0.99x no logging")
 
 
