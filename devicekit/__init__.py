@@ -19,6 +19,7 @@ from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
 from ._errors import GPUUnavailableError as GPUUnavailableError
 from ._errors import SyncError as SyncError
+from ._errors import WorkerError as WorkerError
 from ._gpus import gpu as gpu
 from ._gpus import gpus as gpus
 from ._gpus import pick_gpu as pick_gpu
@@ -40,6 +41,7 @@ from ._nvml import cuda_driver_version as cuda_driver_version
 from ._nvml import driver_version as driver_version
 from ._nvml import nvml_available as nvml_available
 from ._nvml import nvml_error as nvml_error
+from ._parallel import gpu_map as gpu_map
 from ._placement import DeviceLike as DeviceLike
 from ._placement import data_parallel as data_parallel
 from ._placement import load as load
@@ -82,6 +84,7 @@ __all__ = [
     "SyncReport",
     "TensorBoardSink",
     "Timer",
+    "WorkerError",
     "__version__",
     "assert_same_device",
     "benchmark",
@@ -93,6 +96,7 @@ __all__ = [
     "driver_version",
     "free_memory",
     "gpu",
+    "gpu_map",
     "gpus",
     "load",
     "local_device",

@@ -37,7 +37,7 @@ def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
             usually the strays), and ends with a fix.
         ValueError: The arguments hold no tensor, or contain themselves.
 
-    Example:
+    Examples:
         >>> import torch, devicekit as dk
         >>> model = torch.nn.Linear(2, 1)
         >>> dk.assert_same_device(model=model, batch={"x": torch.ones(2)})
@@ -100,7 +100,7 @@ def check_module(module: torch.nn.Module) -> list[str]:
         One readable finding per attribute; empty when ``module.to()`` moves
         everything.
 
-    Example:
+    Examples:
         >>> import torch, devicekit as dk
         >>> class Scaled(torch.nn.Module):
         ...     def __init__(self):

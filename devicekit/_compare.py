@@ -125,7 +125,7 @@ def compare(
     Raises:
         ValueError: ``results`` is empty, or ``baseline`` is not one of its names.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> table = dk.compare(
         ...     {"sorted": lambda: sorted(range(2000)), "list": lambda: list(range(2000))},

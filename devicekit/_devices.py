@@ -81,7 +81,7 @@ def try_gpu(i: int = 0) -> torch.device:
         TypeError: ``i`` is not an int (``bool`` is rejected too).
         ValueError: ``i`` is negative.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> device = dk.try_gpu()
         >>> device in dk.try_all_gpus()
@@ -101,7 +101,7 @@ def try_all_gpus() -> list[torch.device]:
 
     The list is never empty, so ``devices[0]`` is always a usable device.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> devices = dk.try_all_gpus()
         >>> len(devices) >= 1
@@ -134,7 +134,7 @@ def local_device() -> torch.device:
             devices. devicekit never wraps the rank around silently: two ranks
             on one GPU would halve its speed without a word.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> dk.local_device() == dk.try_gpu()  # no LOCAL_RANK outside torchrun
         True

@@ -15,6 +15,7 @@ __all__ = [
     "DevicekitError",
     "GPUUnavailableError",
     "SyncError",
+    "WorkerError",
 ]
 
 
@@ -46,6 +47,10 @@ class SyncError(DevicekitError, RuntimeError):
     """Code inside ``detect_syncs(mode="error")`` made the host wait for the GPU."""
 
 
+class WorkerError(DevicekitError, RuntimeError):
+    """A ``gpu_map`` worker failed; the message has the item's index and the worker's traceback."""
+
+
 # Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),
 # not the private module the class happens to live in.
 for _cls in (
@@ -55,6 +60,7 @@ for _cls in (
     DeviceNotFoundError,
     GPUUnavailableError,
     SyncError,
+    WorkerError,
 ):
     _cls.__module__ = "devicekit"
 del _cls

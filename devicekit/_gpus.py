@@ -168,7 +168,7 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
         One :class:`GPUInfo` per GPU; an empty list without NVML (see
         :func:`nvml_error` for why).
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> [info.torch_index for info in dk.gpus()] == list(range(len(dk.gpus())))
         True
@@ -211,7 +211,7 @@ def gpu(index: int | torch.device | str = 0) -> GPUInfo:
             ones that are), or NVML is not usable here (the message says why).
         ValueError: ``index`` names a device that is not CUDA.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> if dk.gpus():
         ...     assert dk.gpu("cuda:0").uuid == dk.gpus()[0].uuid
@@ -288,7 +288,7 @@ def pick_gpu(
         ``torch.device("cuda", i)``, or ``torch.device("cpu")`` when no GPU
         qualifies or there is none.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> dk.pick_gpu(min_free_memory=2**60)  # nobody has an exbibyte free
         device(type='cpu')
@@ -319,7 +319,7 @@ def pick_gpus(
         GPUUnavailableError: Fewer than ``n`` GPUs qualify; the message gives
             the reason each GPU was rejected.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> dk.pick_gpus(0)
         []

@@ -71,7 +71,7 @@ class LogBuffer:
         sinks: Callables that receive the list of new records at each flush.
         reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` across ranks, or None.
 
-    Example:
+    Examples:
         >>> import torch, devicekit as dk
         >>> with dk.LogBuffer(flush_every=2) as logs:
         ...     for step in range(3):

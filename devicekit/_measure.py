@@ -364,7 +364,7 @@ def benchmark(
         TypeError: ``fn`` is not callable.
         ValueError: An option is out of range, or ``mode`` needs CUDA.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> m = dk.benchmark(sorted, list(range(1000, 0, -1)), max_time=0.5)
         >>> m.median > 0 and m.n >= 1 and m.stop_reason in ("converged", "max_time")

@@ -116,7 +116,7 @@ def free_memory(*, devices: Iterable[DeviceLike] | None = None) -> MemoryReport:
     Returns:
         A :class:`MemoryReport`.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> report = dk.free_memory()
         >>> report.collected >= 0
@@ -209,7 +209,7 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
     Yields:
         A :class:`MemoryScope` whose ``report`` is filled in on exit.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> with dk.memory_scope("cpu") as scope:
         ...     pass

@@ -109,7 +109,7 @@ def library() -> Any:
 def nvml_available() -> bool:
     """Whether NVML can be queried here. Starts NVML on first use (never CUDA).
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> dk.nvml_available() == (dk.nvml_error() is None)
         True
@@ -120,7 +120,7 @@ def nvml_available() -> bool:
 def nvml_error() -> str | None:
     """Why NVML is not usable here (no driver, driver not loaded...), or None when it is.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> reason = dk.nvml_error()
         >>> reason is None or isinstance(reason, str)
@@ -152,7 +152,7 @@ def _text(value: Any) -> str | None:
 def driver_version() -> str | None:
     """The NVIDIA driver version, such as ``"580.159.04"``, or None without NVML.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> version = dk.driver_version()
         >>> version is None or version.count(".") >= 1
@@ -165,7 +165,7 @@ def driver_version() -> str | None:
 def cuda_driver_version() -> str | None:
     """The newest CUDA version the driver supports, such as ``"13.0"``, or None.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> version = dk.cuda_driver_version()
         >>> version is None or "." in version

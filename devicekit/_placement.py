@@ -239,7 +239,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         ValueError: ``obj`` contains itself.
         DeviceNotFoundError: ``device`` is an int but torch has no accelerator.
 
-    Example:
+    Examples:
         >>> import torch, devicekit as dk
         >>> batch = {"x": torch.ones(2), "pairs": [(torch.zeros(1), "label")]}
         >>> moved = dk.to_device(batch, "meta")
@@ -278,7 +278,7 @@ def load(path: str | os.PathLike[str], device: DeviceLike | None = None, **kwarg
     Raises:
         TypeError: Both ``device`` and ``map_location`` were given.
 
-    Example:
+    Examples:
         >>> import io, torch, devicekit as dk
         >>> buffer = io.BytesIO()
         >>> torch.save({"w": torch.ones(2)}, buffer)
@@ -320,7 +320,7 @@ def data_parallel(
     Raises:
         ValueError: ``devices`` is empty, or mixes device types.
 
-    Example:
+    Examples:
         >>> import torch, devicekit as dk
         >>> model = dk.data_parallel(torch.nn.Linear(2, 2), ["cpu"])
         >>> type(model).__name__, model.weight.device

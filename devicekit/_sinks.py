@@ -28,7 +28,7 @@ class CSVSink:
         path: The file; created (with its folder) on the first flush, replaced
             if it exists.
 
-    Example:
+    Examples:
         >>> import pathlib, tempfile, devicekit as dk
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
         >>> with dk.LogBuffer(sinks=[dk.CSVSink(path)]) as logs:
@@ -75,7 +75,7 @@ class TensorBoardSink:
         writer: Your ``torch.utils.tensorboard.SummaryWriter``.
         prefix: Prepended to each key, such as ``"train/"``.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> class Writer:  # stands in for SummaryWriter here
         ...     def add_scalar(self, tag, value, step):
@@ -115,7 +115,7 @@ class ProgressBarSink:
         keys: Which keys to show. Default: all but ``step``.
         fmt: How to format each value.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> class Bar:  # stands in for tqdm here
         ...     def set_postfix(self, values, refresh=True):

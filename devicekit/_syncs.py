@@ -134,7 +134,7 @@ def detect_syncs(*, mode: str = "record") -> Iterator[SyncReport]:
         ValueError: ``mode`` is neither ``"record"`` nor ``"error"``.
         SyncError: In ``"error"`` mode, at the first sync.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> with dk.detect_syncs() as syncs:
         ...     pass

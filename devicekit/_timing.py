@@ -77,7 +77,7 @@ class Timer:
         device: Where the timed work runs. Default: decided per lap, as above.
         sync: Synchronize around the host clock instead of recording events.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> with dk.Timer() as timer:
         ...     total = sum(range(100_000))
@@ -208,7 +208,7 @@ class Benchmark:
         description: What the printed line starts with.
         device: As for :class:`Timer`.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> with dk.Benchmark("sum") as bench:
         ...     _ = sum(range(10))  # doctest: +ELLIPSIS

@@ -57,7 +57,7 @@ def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
     Raises:
         TypeError: ``value`` is neither a string nor None.
 
-    Example:
+    Examples:
         >>> import devicekit as dk
         >>> dk.parse_visible_devices("1, 0")
         [1, 0]
@@ -190,7 +190,7 @@ def visible_devices(
         CUDAInitializedError: CUDA has already started in this process and
             ``subprocesses_only`` is False.
 
-    Example:
+    Examples:
         >>> import os, devicekit as dk
         >>> with dk.visible_devices("1,0") as devices:
         ...     print(devices, os.environ["CUDA_VISIBLE_DEVICES"])

@@ -1,0 +1,205 @@
+"""``gpu_map``: run a function over items in worker processes, one GPU each (or shared).
+
+Workers are started with ``spawn``, never ``fork``: a forked child of a process
+that has touched CUDA fails with "Cannot re-initialize CUDA in forked
+subprocess". Each worker inherits ``CUDA_VISIBLE_DEVICES`` naming its one GPU,
+set before the child starts (so before it imports torch), so inside it the
+GPU is always ``cuda:0``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from ._devices import accelerator_count, accelerator_type, check_index
+from ._errors import WorkerError
+from ._visible import ENV_VAR, _scoped_env, parse_visible_devices
+
+__all__ = ["gpu_map"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+_POLL = 0.1  # seconds between checks that every worker is still alive
+
+
+def _work(fn_bytes: bytes, tasks: Any, results: Any) -> None:
+    """A worker's loop: take (index, item), send back (index, ok, pickled result or traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and stops us
+    fn = pickle.loads(fn_bytes)
+    while (task := tasks.get()) is not None:
+        index, item = task
+        try:
+            results.put((index, True, pickle.dumps(fn(item))))
+        except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
+            results.put((index, False, traceback.format_exc()))
+
+
+def _worker_env(device: str | int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` a worker on this device gets ("" hides every GPU)."""
+    if device == "cpu":
+        return ""
+    index = int(device)
+    entries = parse_visible_devices()
+    if entries is None:
+        return str(index)
+    if index >= len(entries):
+        raise ValueError(
+            f"gpu_map() device {index} does not exist: {ENV_VAR}={os.environ[ENV_VAR]!r} "
+            f"shows {len(entries)} device(s)"
+        )
+    return str(entries[index])
+
+
+def _slots(devices: Sequence[int | str] | None, workers_per_device: int) -> list[str | int]:
+    if devices is None:
+        count = accelerator_count() if accelerator_type() == "cuda" else 0
+        if count == 0:
+            return ["cpu"] * (os.cpu_count() or 1) * workers_per_device
+        devices = list(range(count))
+    slots: list[str | int] = []
+    for device in devices:
+        if device == "cpu":
+            slots.append("cpu")
+            continue
+        text = str(device).removeprefix("cuda:")
+        slots.append(check_index(int(text) if text.isdigit() else device, name="gpu_map device"))
+    if not slots:
+        raise ValueError("gpu_map() needs at least one device, got an empty list")
+    return [slot for slot in slots for _ in range(workers_per_device)]
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool | None) -> None:
+        self.total, self.done, self.bar = total, 0, None
+        self.enabled = bool(enabled)
+        if self.enabled:
+            try:
+                from tqdm import tqdm  # noqa: PLC0415 - optional
+
+                self.bar = tqdm(total=total, file=sys.stderr, desc="gpu_map")
+            except ImportError:
+                pass
+
+    def step(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.enabled:
+            end = "\n" if self.done == self.total else ""
+            print(f"\rgpu_map: {self.done}/{self.total}", end=end, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def gpu_map(
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    *,
+    devices: Sequence[int | str] | None = None,
+    workers_per_device: int = 1,
+    progress: bool | None = None,
+) -> list[R]:
+    """Run ``fn(item)`` for every item in worker processes, one GPU per worker.
+
+    Workers start with ``spawn`` (so this works even after the caller has
+    used CUDA) and each sees only its GPU, as ``cuda:0``: inside ``fn``,
+    ``dk.try_gpu()`` is that GPU. Items are handed out as workers become free;
+    results come back in input order. Several workers per device share it
+    (useful when one item does not fill a GPU). Without a GPU, the workers
+    run on the CPU, one per CPU core, with every GPU hidden.
+
+    Args:
+        fn: A picklable function (defined at the top level of a module, not a
+            lambda or a function defined inside another).
+        items: The inputs; each must be picklable, and so must each result.
+        devices: GPU indices (as this process numbers them: ``0``,
+            ``"cuda:1"``) or ``"cpu"`` for a CPU worker. Default: every visible
+            GPU, or CPU workers when there is none.
+        workers_per_device: Workers started per device.
+        progress: Show progress on stderr (tqdm if installed, else a line).
+
+    Returns:
+        ``[fn(item) for item in items]``, computed in parallel.
+
+    Raises:
+        TypeError: ``fn`` cannot be pickled.
+        WorkerError: ``fn`` raised for an item (the message has the item's
+            index and the worker's traceback), or a worker died.
+        KeyboardInterrupt: On Ctrl-C, after stopping the workers.
+
+    Examples:
+        >>> import math, devicekit as dk
+        >>> dk.gpu_map(math.sqrt, [1, 4, 9], devices=["cpu"])
+        [1.0, 2.0, 3.0]
+    """
+    try:
+        fn_bytes = pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(
+            f"gpu_map() sends fn to worker processes, so it must be picklable, and {fn!r} is not "
+            f"({error}). Define it with def at the top level of a module (not a lambda, not "
+            "inside a function); in a notebook, put it in a .py file and import it."
+        ) from None
+    if check_index(workers_per_device, name="workers_per_device") < 1:
+        raise ValueError("workers_per_device must be at least 1, got 0")
+    work = list(items)
+    if not work:
+        return []
+    slots = _slots(devices, workers_per_device)[: len(work)]
+    context = multiprocessing.get_context("spawn")
+    tasks, results = context.Queue(), context.Queue()
+    for task in enumerate(work):
+        tasks.put(task)
+    workers = []
+    for slot in slots:
+        tasks.put(None)  # one stop signal per worker
+        process = context.Process(target=_work, args=(fn_bytes, tasks, results), daemon=True)
+        # The child copies this environment at start, before it imports anything.
+        with _scoped_env(ENV_VAR, _worker_env(slot)):
+            process.start()
+        workers.append((slot, process))
+    try:
+        return _collect(work, results, workers, _Progress(len(work), progress))
+    finally:
+        for _, process in workers:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+
+
+def _collect(work: list[Any], results: Any, workers: list[Any], progress: _Progress) -> list[Any]:
+    output: list[Any] = [None] * len(work)
+    received = 0
+    try:
+        while received < len(work):
+            try:
+                index, ok, payload = results.get(timeout=_POLL)
+            except queue.Empty:
+                dead = [(slot, p.exitcode) for slot, p in workers if p.exitcode not in (None, 0)]
+                if dead or all(not p.is_alive() for _, p in workers):
+                    raise WorkerError(
+                        f"gpu_map: a worker died ({dead or 'all exited'}) with "
+                        f"{len(work) - received} of {len(work)} items unfinished"
+                    ) from None
+                continue
+            if not ok:
+                raise WorkerError(
+                    f"gpu_map: fn raised on item {index} ({work[index]!r}); the worker's "
+                    f"traceback:\n{payload}"
+                )
+            output[index] = pickle.loads(payload)
+            received += 1
+            progress.step()
+    finally:
+        progress.close()
+    return output
