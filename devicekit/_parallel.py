@@ -62,7 +62,8 @@ def _slots(devices: Sequence[int | str] | None, workers_per_device: int) -> list
     if devices is None:
         count = accelerator_count() if accelerator_type() == "cuda" else 0
         if count == 0:
-            return ["cpu"] * (os.cpu_count() or 1) * workers_per_device
+            cpu: list[str | int] = ["cpu"]
+            return cpu * (os.cpu_count() or 1) * workers_per_device
         devices = list(range(count))
     slots: list[str | int] = []
     for device in devices:
