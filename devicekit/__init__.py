@@ -4,6 +4,9 @@ Importing devicekit never initializes CUDA. The whole public API is listed in
 ``__all__``; everything else is private.
 """
 
+from ._bench import BenchReport as BenchReport
+from ._bench import BenchResult as BenchResult
+from ._bench import bench as bench
 from ._checks import assert_same_device as assert_same_device
 from ._checks import check_module as check_module
 from ._compare import Comparison as Comparison
@@ -13,6 +16,9 @@ from ._conditions import Conditions as Conditions
 from ._devices import local_device as local_device
 from ._devices import try_all_gpus as try_all_gpus
 from ._devices import try_gpu as try_gpu
+from ._doctor import Diagnosis as Diagnosis
+from ._doctor import Finding as Finding
+from ._doctor import doctor as doctor
 from ._errors import CUDAInitializedError as CUDAInitializedError
 from ._errors import DevicekitError as DevicekitError
 from ._errors import DeviceMismatchError as DeviceMismatchError
@@ -58,6 +64,8 @@ from ._visible import parse_visible_devices as parse_visible_devices
 from ._visible import visible_devices as visible_devices
 
 __all__ = [
+    "BenchReport",
+    "BenchResult",
     "Benchmark",
     "CSVSink",
     "CUDAInitializedError",
@@ -69,6 +77,8 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DevicekitError",
+    "Diagnosis",
+    "Finding",
     "GPUInfo",
     "GPUProcess",
     "GPUUnavailableError",
@@ -87,12 +97,14 @@ __all__ = [
     "WorkerError",
     "__version__",
     "assert_same_device",
+    "bench",
     "benchmark",
     "check_module",
     "compare",
     "cuda_driver_version",
     "data_parallel",
     "detect_syncs",
+    "doctor",
     "driver_version",
     "free_memory",
     "gpu",

@@ -1,8 +1,9 @@
 """The ``devicekit`` command: what torch can use here, and what each GPU is doing.
 
 ``devicekit`` prints the report and a status table, ``devicekit --json`` the
-same as JSON, and ``devicekit watch`` refreshes the table until Ctrl-C. None of
-it initializes CUDA, so calling :func:`main` from a training process is safe.
+same as JSON, ``devicekit watch`` refreshes the table until Ctrl-C, ``devicekit
+doctor`` diagnoses the environment and ``devicekit bench`` measures it. All but
+``bench`` leave CUDA uninitialized.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 import torch
 
 from . import _nvml
+from ._bench import bench
 from ._devices import accelerator_count, accelerator_type, try_all_gpus
+from ._doctor import doctor
 from ._gpus import gpus
 from ._nvml import GPUInfo
 from ._version import __version__
@@ -193,6 +196,12 @@ def _parser() -> argparse.ArgumentParser:
         "-n", "--interval", type=_positive, default=2.0, metavar="SECONDS", help="default: 2"
     )
     watch.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    doctor = commands.add_parser(
+        "doctor", help="diagnose slow or broken GPU work; exit 1 on errors"
+    )
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+    bench = commands.add_parser("bench", help="measure CPU vs GPU speed, bandwidth, latencies")
+    bench.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return parser
 
 
@@ -217,6 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "watch":
         return _watch(args.interval, args.count)
+    if args.command == "doctor":
+        diagnosis = doctor()
+        print(json.dumps(diagnosis.to_dict(), indent=2) if args.json else diagnosis)
+        return diagnosis.exit_code
+    if args.command == "bench":
+        report = bench()
+        print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+        return 0
     if args.json:
         print(json.dumps(status_document(), indent=2))
     else:

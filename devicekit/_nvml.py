@@ -373,6 +373,16 @@ def _mig_instances(nv: Any, handle: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(instances)
 
 
+def persistence_mode(nvml_index: int) -> bool | None:
+    """Whether the driver keeps this GPU initialized between processes; None if unknown."""
+    nv = library()
+    gpu = next((g for g in physical_gpus() if g.nvml_index == nvml_index), None)
+    if nv is None or gpu is None:
+        return None
+    mode = _read(nv, nv.nvmlDeviceGetPersistenceMode, gpu.handle)
+    return None if mode is None else mode == 1
+
+
 _THROTTLE_NAMES = {
     0x1: "idle",
     0x2: "applications_clocks",

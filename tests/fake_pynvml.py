@@ -49,6 +49,7 @@ class FakeGPU:
     throttle: int = 0
     fan: int = 30
     compute_mode: int = 0
+    persistence: int = 1
     mig: list[FakeGPU] = field(default_factory=list)
     compute: list[tuple[int, int | None]] = field(default_factory=list)
     graphics: list[tuple[int, int | None]] = field(default_factory=list)
@@ -192,6 +193,10 @@ class FakeNVML(types.ModuleType):
     def nvmlDeviceGetComputeMode(self, h: FakeGPU) -> int:
         self._check("nvmlDeviceGetComputeMode", h)
         return h.compute_mode
+
+    def nvmlDeviceGetPersistenceMode(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetPersistenceMode", h)
+        return h.persistence
 
     def nvmlDeviceGetMigMode(self, h: FakeGPU) -> tuple[int, int]:
         self._check("nvmlDeviceGetMigMode", h)

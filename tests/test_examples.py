@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +23,26 @@ def test_example_runs(script: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_the_ddp_example_under_torchrun_with_two_processes() -> None:
+    script = Path(__file__).parent.parent / "examples" / "train_ddp.py"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 process(es) on" in result.stdout

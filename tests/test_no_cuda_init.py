@@ -42,10 +42,12 @@ def test_no_query_starts_cuda() -> None:
     if infos:
         dk.gpu(0); dk.gpu("cuda:0"); dk.pick_gpus(1)
     dk.nvml_available(); dk.nvml_error(); dk.driver_version(); dk.cuda_driver_version()
+    dk.doctor(); dk.free_memory()
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([]) == 0
         assert main(["--json"]) == 0
         assert main(["watch", "-n", "0.01", "--count", "2"]) == 0
+        assert main(["doctor"]) in (0, 1)
     """
     result = run_python(textwrap.dedent(code) + _REPORT)
     assert result == {"torch": False, "started": None}

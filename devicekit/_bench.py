@@ -1,0 +1,150 @@
+"""``bench``: is the GPU used, and how much faster than the CPU is it? Numbers in seconds.
+
+Everything is measured with devicekit's own :func:`benchmark`, so each number
+comes with the same care (warm-up, CUDA events, repeats until precise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ._devices import accelerator_count, accelerator_type
+from ._measure import benchmark
+
+__all__ = ["BenchReport", "BenchResult", "bench"]
+
+_BUDGET = 0.4  # seconds of measuring per number: the whole run stays well under 30 s
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One number from :func:`bench`.
+
+    Attributes:
+        name: What was measured, such as ``"matmul 4096 bf16"``.
+        device: Where, such as ``"cuda:0"``.
+        value: The number.
+        unit: Its unit, such as ``"TFLOP/s"``, ``"GB/s"`` or ``"us"``.
+        trustworthy: Whether :func:`benchmark` judged the timing trustworthy.
+    """
+
+    name: str
+    device: str
+    value: float
+    unit: str
+    trustworthy: bool
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """All of :func:`bench`'s numbers, and the GPU's matmul speed-up over the CPU."""
+
+    results: tuple[BenchResult, ...]
+
+    def value(self, name: str, device: str) -> float | None:
+        """The value measured for ``name`` on ``device``, or None."""
+        found = [r.value for r in self.results if r.name == name and r.device == device]
+        return found[0] if found else None
+
+    @property
+    def speedups(self) -> dict[str, float]:
+        """Per GPU: its fp32 matmul rate over the CPU's (1024 fp32 on the CPU)."""
+        cpu = self.value("matmul 1024 fp32", "cpu")
+        gpus = {r.device for r in self.results if r.device != "cpu"}
+        rates = {device: self.value("matmul 4096 fp32", device) for device in sorted(gpus)}
+        return {d: rate / cpu for d, rate in rates.items() if rate is not None and cpu}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: schema version, results and speed-ups."""
+        return {
+            "schema": 1,
+            "results": [asdict(r) for r in self.results],
+            "speedups": self.speedups,
+        }
+
+    def __str__(self) -> str:
+        lines = [f"{'measurement':28} {'device':8} {'value':>10}  unit"]
+        for r in self.results:
+            mark = "" if r.trustworthy else "  (not trustworthy: see dk.benchmark notes)"
+            lines.append(f"{r.name:28} {r.device:8} {r.value:10.3g}  {r.unit}{mark}")
+        for device, speedup in self.speedups.items():
+            lines.append(f"\n{device} multiplies fp32 matrices {speedup:.0f}x faster than the CPU")
+        if not self.speedups:
+            lines.append("\nno GPU: only the CPU was measured")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _matmul(n: int, dtype: torch.dtype, device: torch.device) -> BenchResult:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    m = benchmark(torch.matmul, a, a, max_time=_BUDGET)
+    name = f"matmul {n} {str(dtype).removeprefix('torch.').replace('float32', 'fp32')}"
+    name = name.replace("bfloat16", "bf16")
+    return BenchResult(name, str(device), 2 * n**3 / m.median / 1e12, "TFLOP/s", m.trustworthy)
+
+
+def _copies(device: torch.device) -> list[BenchResult]:
+    size = 64 * 2**20
+    gpu = torch.empty(size, dtype=torch.uint8, device=device)
+    results = []
+    for pinned in (False, True):
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        kind = "pinned" if pinned else "pageable"
+        for name, dst, src in (("host to device", gpu, host), ("device to host", host, gpu)):
+            m = benchmark(dst.copy_, src, non_blocking=pinned, device=device, max_time=_BUDGET)
+            results.append(
+                BenchResult(
+                    f"{name}, {kind}", str(device), size / m.median / 1e9, "GB/s", m.trustworthy
+                )
+            )
+    return results
+
+
+def _latencies(device: torch.device) -> list[BenchResult]:
+    x = torch.zeros(1, device=device)
+    launch = benchmark(x.add_, 1, max_time=_BUDGET)
+    host = sorted(launch.host_times)[len(launch.host_times) // 2]
+    sync = benchmark(torch.cuda.synchronize, device, device="cpu", max_time=_BUDGET)
+    return [
+        BenchResult("kernel launch (host)", str(device), host * 1e6, "us", launch.trustworthy),
+        BenchResult(
+            "synchronize, idle GPU", str(device), sync.median * 1e6, "us", sync.trustworthy
+        ),
+    ]
+
+
+def bench(*, devices: list[int] | None = None) -> BenchReport:
+    """Measure what the GPU buys: matmul rates, copy bandwidth, launch and sync costs.
+
+    On the CPU: an fp32 1024x1024 matmul. On each GPU: fp32 and (where
+    supported) bf16 4096x4096 matmuls, host-to-device and device-to-host
+    bandwidth from pageable and from pinned memory (64 MiB), the host's cost
+    of launching one small kernel, and of one ``synchronize`` on an idle GPU.
+    Takes well under 30 seconds. Initializes CUDA (it has to use the GPU).
+
+    Args:
+        devices: GPU indices to measure. Default: every visible GPU.
+
+    Returns:
+        A :class:`BenchReport`.
+
+    Examples:
+        >>> import devicekit as dk
+        >>> report = dk.bench(devices=[])  # the CPU only
+        >>> report.results[0].unit
+        'TFLOP/s'
+    """
+    results = [_matmul(1024, torch.float32, torch.device("cpu"))]
+    count = accelerator_count() if accelerator_type() == "cuda" else 0
+    for index in range(count) if devices is None else devices:
+        device = torch.device("cuda", index)
+        results.append(_matmul(4096, torch.float32, device))
+        if torch.cuda.is_bf16_supported():
+            results.append(_matmul(4096, torch.bfloat16, device))
+        results += _copies(device)
+        results += _latencies(device)
+    return BenchReport(tuple(results))

@@ -1,0 +1,201 @@
+"""doctor's findings, each driven by a controlled condition (env vars, an NVML stand-in)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _cli, _doctor
+
+from .fake_pynvml import FakeGPU, FakeNVML
+
+Install = Callable[[Any], None]
+A = "GPU-aaaa1111-0000-0000-0000-000000000000"
+
+
+def titles(diagnosis: dk.Diagnosis) -> list[tuple[str, str]]:
+    return [(f.severity, f.title) for f in diagnosis.findings]
+
+
+@pytest.fixture
+def cuda_build(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | None], None]:
+    def set_build(version: str | None) -> None:
+        monkeypatch.setattr(torch.version, "cuda", version)
+
+    return set_build
+
+
+def test_a_healthy_gpu_machine_has_no_findings(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    diagnosis = dk.doctor()
+    assert diagnosis.findings == ()
+    assert diagnosis.ok
+    assert str(diagnosis) == "devicekit doctor: nothing wrong found"
+
+
+def test_cpu_torch_on_a_machine_with_a_driver_is_an_error(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    cuda_build(None)
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    diagnosis = dk.doctor()
+    assert titles(diagnosis) == [
+        ("error", "torch is a CPU build, but this machine has NVIDIA GPUs")
+    ]
+    assert "CUDA 13.0 or older" in diagnosis.findings[0].fix
+    assert diagnosis.exit_code == 1
+
+
+def test_torch_newer_than_the_driver(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    cuda_build("13.2")
+    fake = FakeNVML([FakeGPU(A)])
+    fake.cuda_version = 12040
+    nvml_session(fake)
+    assert titles(dk.doctor()) == [
+        ("error", "torch needs CUDA 13.2, the driver supports only CUDA 12.4")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("", ("error", "CUDA_VISIBLE_DEVICES hides every GPU")),
+        ("-1", ("error", "CUDA_VISIBLE_DEVICES hides every GPU")),
+        ("0,0", ("error", "CUDA_VISIBLE_DEVICES hides every GPU")),
+        ("0,x", ("warning", "CUDA reads CUDA_VISIBLE_DEVICES differently than it is written")),
+    ],
+)
+def test_cuda_visible_devices(
+    nvml_session: Install,
+    cuda_build: Callable[[str | None], None],
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+    expected: tuple[str, str],
+) -> None:
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    assert expected in titles(dk.doctor())
+
+
+def test_busy_throttled_persistence_off_and_low_memory(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    cuda_build("12.8")
+    gpu = FakeGPU(
+        A,
+        compute=[(os.getpid(), 2**30), (5_000_001, 40 * 2**30)],
+        util=97,
+        throttle=0x40,
+        persistence=0,
+        used=79 * 2**30,
+    )
+    nvml_session(FakeNVML([gpu]))
+    diagnosis = dk.doctor()
+    assert titles(diagnosis) == [
+        ("warning", "cuda:0 is busy with 1 other process(es)"),
+        ("warning", "cuda:0 clocks are held down: hw_thermal"),
+        ("warning", "persistence mode is off"),
+        ("warning", "cuda:0 has little free memory"),
+    ]
+    busy = diagnosis.findings[0]
+    assert busy.detail == "5000001 ? (40.0 GiB); utilization 97%"
+    assert diagnosis.ok  # warnings only
+
+
+def test_cuda_already_initialized(
+    nvml_session: Install, cuda_build: Callable[[str | None], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    monkeypatch.setattr(_doctor, "cuda_started", lambda: "torch has initialized CUDA")
+    (finding,) = dk.doctor().findings
+    assert finding.title == "CUDA is already initialized in this process"
+    assert "Cannot re-initialize CUDA in forked subprocess" in finding.detail
+
+
+def test_jupyter_on_a_spawning_platform(
+    nvml_session: Install, cuda_build: Callable[[str | None], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    monkeypatch.setitem(sys.modules, "ipykernel", object())
+    monkeypatch.setattr(_doctor.multiprocessing, "get_start_method", lambda allow_none: "spawn")
+    (finding,) = dk.doctor().findings
+    assert finding.title == "Jupyter on a platform that starts worker processes with 'spawn'"
+    monkeypatch.setattr(_doctor.multiprocessing, "get_start_method", lambda allow_none: "fork")
+    assert dk.doctor().findings == ()
+
+
+def test_no_gpu_is_information_not_an_error(nvml_session: Install) -> None:
+    nvml_session(None)
+    diagnosis = dk.doctor()
+    assert titles(diagnosis) == [("info", "no GPU here")]
+    assert diagnosis.exit_code == 0
+
+
+def test_the_command_exits_1_on_an_error_and_prints_json(
+    nvml_session: Install,
+    cuda_build: Callable[[str | None], None],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cuda_build(None)
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    assert _cli.main(["doctor"]) == 1
+    assert capsys.readouterr().out.startswith(
+        "ERROR   torch is a CPU build, but this machine has NVIDIA GPUs"
+    )
+    assert _cli.main(["doctor", "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["ok"] is False
+    assert document["findings"][0]["severity"] == "error"
+
+
+def test_html_for_notebooks(nvml_session: Install) -> None:
+    nvml_session(None)
+    assert dk.doctor()._repr_html_().startswith("<table><tr><th>severity</th>")
+
+
+def test_the_real_command_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "devicekit", "doctor"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode in (0, 1), result.stderr
+    assert "finding(s)" in result.stdout or "nothing wrong found" in result.stdout
+
+
+@pytest.mark.gpu
+def test_doctor_reports_a_competing_process() -> None:
+    hammer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import torch; a = torch.randn(4096, 4096, device='cuda'); print('ready', flush=True)\n"
+            "while True:\n    a @ a",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hammer.stdout is not None
+        hammer.stdout.readline()
+        diagnosis = dk.doctor()
+    finally:
+        hammer.kill()
+        hammer.wait()
+    busy = [f for f in diagnosis.findings if "busy with" in f.title]
+    assert busy
+    assert str(hammer.pid) in busy[0].detail
