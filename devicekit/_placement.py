@@ -79,14 +79,15 @@ class _Mover:
         # forced, and then synchronized before to_device returns.
         return (not self.to_host) if self.forced is None else self.forced
 
-    # The walk is the hot path of every training step: few calls per element,
-    # and dict/list/tuple (nearly every batch) handled in one call each.
+    # The walk is the hot path of every training step: few calls per element.
     def move(self, obj: Any) -> Any:
         if isinstance(obj, _Tensor):
             return self.tensor(obj)
         cls = type(obj)
-        if cls is dict or cls is list or cls is tuple:
-            return self.plain(obj, cls)
+        if cls is dict:
+            return self.container(obj, _rebuild_dict)
+        if cls is list or cls is tuple:
+            return self.container(obj, _rebuild_sequence)
         if cls in _LEAVES or obj is None:
             return obj
         return self.other(obj)
@@ -103,25 +104,6 @@ class _Mover:
                 self.unsynced.add(source)
             self.memo[id(tensor)] = moved
         return moved
-
-    def plain(self, obj: Any, cls: type) -> Any:
-        key = id(obj)
-        done = self.memo.get(key)
-        if done is not None:
-            return done
-        if key in self.active:
-            raise _Cycle
-        self.active.add(key)
-        move, tensor = self.move, self.tensor
-        result: Any
-        if cls is dict:
-            result = {k: tensor(v) if isinstance(v, _Tensor) else move(v) for k, v in obj.items()}
-        else:
-            items = [tensor(v) if isinstance(v, _Tensor) else move(v) for v in obj]
-            result = items if cls is list else tuple(items)
-        self.active.discard(key)
-        self.memo[key] = result
-        return result
 
     def container(self, obj: Any, rebuild: Any) -> Any:
         key = id(obj)
@@ -167,6 +149,21 @@ class _Mover:
 
 class _Cycle(Exception):
     """Raised inside the walk; to_device turns it into a ValueError with the path."""
+
+
+# Plain dict, list and tuple hold nearly every batch: tensors are handled inline,
+# one call each instead of two.
+def _rebuild_dict(mover: _Mover, obj: dict[Any, Any]) -> dict[Any, Any]:
+    move, tensor = mover.move, mover.tensor
+    return {k: tensor(v) if isinstance(v, _Tensor) else move(v) for k, v in obj.items()}
+
+
+def _rebuild_sequence(
+    mover: _Mover, obj: list[Any] | tuple[Any, ...]
+) -> list[Any] | tuple[Any, ...]:
+    move, tensor = mover.move, mover.tensor
+    items = [tensor(v) if isinstance(v, _Tensor) else move(v) for v in obj]
+    return items if type(obj) is list else tuple(items)
 
 
 def _rebuild_mapping(mover: _Mover, obj: Mapping[Any, Any]) -> Any:

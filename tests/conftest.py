@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -48,6 +48,28 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float =
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def competing_gpu_process() -> Iterator[subprocess.Popen[str]]:
+    """Another process multiplying matrices on the GPU in a loop, until the test ends."""
+    hammer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import torch; a = torch.randn(4096, 4096, device='cuda'); print('ready', flush=True)\n"
+            "while True:\n    a @ a",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hammer.stdout is not None
+        assert hammer.stdout.readline().strip() == "ready"
+        yield hammer
+    finally:
+        hammer.kill()
+        hammer.wait()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -299,25 +298,12 @@ def test_cold_mode_reads_from_memory_where_graph_mode_reads_from_l2() -> None:
 
 
 @pytest.mark.gpu
-def test_a_competing_process_makes_the_result_untrustworthy() -> None:
-    hammer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import torch; a = torch.randn(4096, 4096, device='cuda'); print('ready', flush=True)\n"
-            "while True:\n    a @ a",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert hammer.stdout is not None
-        assert hammer.stdout.readline().strip() == "ready"
-        a = torch.randn(2048, 2048, device="cuda")
-        m = dk.benchmark(torch.matmul, a, a, max_time=1)
-    finally:
-        hammer.kill()
-        hammer.wait()
+def test_a_competing_process_makes_the_result_untrustworthy(
+    competing_gpu_process: subprocess.Popen[str],
+) -> None:
+    hammer = competing_gpu_process
+    a = torch.randn(2048, 2048, device="cuda")
+    m = dk.benchmark(torch.matmul, a, a, max_time=1)
     assert hammer.pid in [p.pid for p in m.conditions.other_processes or ()]
     assert not m.trustworthy
     assert any("other process(es) were using cuda:0" in note for note in m.notes)
