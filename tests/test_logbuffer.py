@@ -270,6 +270,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
             buffer.flush()
             results[op] = buffer.history
         Path(folder, f"{rank}.json").write_text(json.dumps(results))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
