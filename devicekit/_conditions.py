@@ -86,7 +86,7 @@ class Conditions:
                 notes.append(f"SM clock fell to {clock} of {self.sm_clock_max} MHz: {words}")
             else:
                 notes.append(f"clocks were held down by {words}")
-        if self.load_average is not None and self.cpu_count and self.load_average > self.cpu_count:
+        if self._cpu_overloaded():
             notes.append(
                 f"CPU load average {self.load_average:.1f} on {self.cpu_count} CPUs: "
                 "other programs competed for the CPU"
@@ -99,8 +99,12 @@ class Conditions:
             return False
         if any(r in _ENVIRONMENTAL for r in self.throttle_reasons or ()):
             return False
-        overloaded = self.load_average is not None and self.cpu_count
-        return not (overloaded and self.load_average > self.cpu_count)  # type: ignore[operator]
+        return not self._cpu_overloaded()
+
+    def _cpu_overloaded(self) -> bool:
+        # More runnable tasks than CPUs this process may use: something waited for a CPU.
+        load, cpus = self.load_average, self.cpu_count
+        return load is not None and cpus is not None and load > cpus
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
