@@ -62,7 +62,7 @@ def report_lines() -> list[str]:
     """The report ``devicekit`` prints, one line per item, without initializing CUDA."""
     build = torch_build()
     kind = accelerator_type()
-    count = accelerator_count() if kind is not None else 0
+    count = accelerator_count()
     if count:
         devices = ", ".join(str(device) for device in try_all_gpus())
     elif kind is None:

@@ -16,6 +16,7 @@ import os
 import torch
 
 from ._errors import DeviceNotFoundError
+from ._visible import torch_cuda_initialized
 
 __all__ = ["local_device", "try_all_gpus", "try_gpu"]
 
@@ -42,6 +43,15 @@ def accelerator_count() -> int:
     # torch.cuda.device_count() asks NVML first, so it does not poison fork and it
     # re-reads CUDA_VISIBLE_DEVICES on every call until CUDA is initialized.
     return int(torch.get_device_module(kind).device_count())
+
+
+def current_cuda_device() -> torch.device | None:
+    """The current CUDA device if CUDA is already initialized, else None.
+
+    Asking torch for the current device when CUDA has not started would start
+    it; before that, nothing can have chosen a device other than ``cuda:0``.
+    """
+    return torch.device("cuda", torch.cuda.current_device()) if torch_cuda_initialized() else None
 
 
 def check_index(value: object, *, name: str) -> int:
@@ -110,7 +120,7 @@ def try_all_gpus() -> list[torch.device]:
         True
     """
     kind = accelerator_type()
-    count = accelerator_count() if kind is not None else 0
+    count = accelerator_count()
     if kind is None or count == 0:
         return [_CPU]
     return [torch.device(kind, index) for index in range(count)]
@@ -150,7 +160,7 @@ def local_device() -> torch.device:
             "each process, so unset it when you are not launching with torchrun"
         ) from None
     kind = accelerator_type()
-    count = accelerator_count() if kind is not None else 0
+    count = accelerator_count()
     if kind is None or count == 0:
         return _CPU
     if rank >= count:

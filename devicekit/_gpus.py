@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from . import _nvml
-from ._devices import check_index
+from ._devices import check_index, current_cuda_device
 from ._errors import DeviceNotFoundError, GPUUnavailableError
 from ._nvml import GPUInfo, PhysicalGPU
-from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
+from ._visible import ENV_VAR, parse_visible_devices
 
 __all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]
 
@@ -193,8 +193,8 @@ def _torch_index(index: int | torch.device | str) -> int:
     explicit: int | None = device.index  # torch's stubs say int; it is None for "cuda"
     if explicit is not None:
         return explicit
-    # "cuda" is the current device; asking torch for it would start CUDA.
-    return int(torch.cuda.current_device()) if torch_cuda_initialized() else 0
+    current = current_cuda_device()  # "cuda" is the current device
+    return 0 if current is None else int(current.index)
 
 
 def gpu(index: int | torch.device | str = 0) -> GPUInfo:

@@ -13,10 +13,10 @@ from typing import Any, Literal
 import torch
 
 from ._conditions import Conditions, Sampler
+from ._devices import current_cuda_device
 from ._placement import DeviceLike, resolve_device
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
-from ._visible import torch_cuda_initialized
 
 __all__ = ["Measurement", "benchmark"]
 
@@ -221,9 +221,7 @@ def _infer_device(device: DeviceLike | None, args: Any, kwargs: Any) -> torch.de
         return resolve_device(device)
     for _, tensor in iter_tensors((args, kwargs), "args"):
         return tensor.device
-    if torch_cuda_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return current_cuda_device() or torch.device("cpu")
 
 
 class _CpuRunner:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ._devices import current_cuda_device
 from ._placement import DeviceLike, resolve_device
 from ._visible import torch_cuda_initialized
 
@@ -194,6 +195,14 @@ class MemoryScope:
         return f"MemoryScope(report={self.report!r})"
 
 
+def _scope_index(target: torch.device | None) -> int:
+    """The CUDA index a scope measures: the one asked for, else the current one."""
+    if target is not None and target.index is not None:
+        return target.index  # cuda:0 too, which `target.index or ...` would skip
+    current = current_cuda_device()
+    return 0 if current is None else int(current.index)
+
+
 @contextmanager
 def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
     """Measure the peak and net GPU memory of a block.
@@ -225,9 +234,7 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
             scope.report = ScopeReport(str(target), None, None, None, None, None, None)
         return
     started = torch_cuda_initialized()
-    index = (target.index if target is not None else None) or (
-        torch.cuda.current_device() if started else 0
-    )
+    index = _scope_index(target)
     if started:
         torch.cuda.reset_peak_memory_stats(index)
     allocated = torch.cuda.memory_allocated(index) if started else 0

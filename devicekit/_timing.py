@@ -17,6 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
+from ._devices import current_cuda_device
 from ._placement import DeviceLike, resolve_device
 from ._visible import torch_cuda_initialized
 
@@ -101,9 +102,7 @@ class Timer:
     def _cuda_device(self) -> torch.device | None:
         if self._device is not None:
             return self._device if self._device.type == "cuda" else None
-        if torch_cuda_initialized():
-            return torch.device("cuda", torch.cuda.current_device())
-        return None
+        return current_cuda_device()
 
     def start(self) -> None:
         """Begin a lap (the timer also begins one when it is created)."""

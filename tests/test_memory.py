@@ -86,3 +86,14 @@ def test_memory_scope_sees_the_peak_and_the_net() -> None:
     assert report.net == 64 * 2**20
     assert keep is not None
     assert GPU_COUNT >= 1
+
+
+def test_a_scope_measures_the_device_asked_for_even_cuda0(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit import _memory
+
+    monkeypatch.setattr(_memory, "current_cuda_device", lambda: torch.device("cuda", 1))
+    assert _memory._scope_index(torch.device("cuda", 0)) == 0
+    assert _memory._scope_index(torch.device("cuda", 2)) == 2
+    assert _memory._scope_index(None) == 1
+    monkeypatch.setattr(_memory, "current_cuda_device", lambda: None)
+    assert _memory._scope_index(None) == 0
