@@ -107,7 +107,7 @@ def _copies(device: torch.device) -> list[BenchResult]:
 def _latencies(device: torch.device) -> list[BenchResult]:
     x = torch.zeros(1, device=device)
     launch = benchmark(x.add_, 1, max_time=_BUDGET)
-    host = sorted(launch.host_times)[len(launch.host_times) // 2]
+    host = launch.host_median
     sync = benchmark(torch.cuda.synchronize, device, device="cpu", max_time=_BUDGET)
     return [
         BenchResult("kernel launch (host)", str(device), host * 1e6, "us", launch.trustworthy),

@@ -25,7 +25,7 @@ from ._doctor import doctor
 from ._gpus import gpus
 from ._nvml import GPUInfo
 from ._version import __version__
-from ._visible import ENV_VAR, parse_visible_devices
+from ._visible import ENV_VAR, parse_visible_devices, reads_as_written
 
 __all__ = ["main", "report_lines", "status_document", "status_text", "torch_build"]
 
@@ -50,10 +50,9 @@ def _visible_devices_line() -> str:
     text = repr(raw)
     if parsed == []:
         return f"{text} -> hides every GPU"
-    shown = ",".join(str(entry) for entry in parsed or [])
-    normalized = ",".join(entry.strip() for entry in raw.split(","))
-    if shown != normalized:
+    if not reads_as_written(raw):
         # CUDA silently drops what follows a bad entry; say what it really reads.
+        shown = ",".join(str(entry) for entry in parsed or [])
         return f"{text} -> CUDA reads it as {shown!r}"
     return text
 

@@ -15,7 +15,7 @@ from . import _nvml
 from ._conditions import _ENVIRONMENTAL
 from ._gpus import gpus
 from ._nvml import GPUInfo
-from ._visible import ENV_VAR, cuda_started, parse_visible_devices
+from ._visible import ENV_VAR, cuda_started, parse_visible_devices, reads_as_written
 
 __all__ = ["Diagnosis", "Finding", "doctor"]
 
@@ -132,8 +132,7 @@ def _visibility(infos: list[GPUInfo]) -> list[Finding]:
                 f"unset {ENV_VAR}, or list the GPUs to use, such as {ENV_VAR}=0",
             )
         ]
-    written = [entry.strip() for entry in raw.split(",")]
-    if parsed is not None and [str(p) for p in parsed] != written:
+    if not reads_as_written(raw):
         return [
             Finding(
                 "warning",
@@ -231,8 +230,11 @@ def _jupyter() -> list[Finding]:
 
 
 def _memory(infos: list[GPUInfo]) -> list[Finding]:
-    low = [i for i in infos if i.torch_index is not None and (i.memory_free or 0) < _LOW_MEMORY]
-    low = [i for i in low if i.memory_free is not None]
+    low = [
+        i
+        for i in infos
+        if i.torch_index is not None and i.memory_free is not None and i.memory_free < _LOW_MEMORY
+    ]
     return [
         Finding(
             "warning",

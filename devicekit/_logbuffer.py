@@ -257,10 +257,9 @@ def _all_reduce(stacked: Sequence[torch.Tensor], op: str) -> list[torch.Tensor]:
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     sizes = [t.numel() for t in stacked]
     flat = torch.cat([t.to(device=device, dtype=torch.float64) for t in stacked])
-    reduce_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM}.get(op)
-    if reduce_op is None:
-        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN
-    dist.all_reduce(flat, op=reduce_op)
+    ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM}
+    ops |= {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(flat, op=ops[op])  # mean: a sum, divided below
     if op == "mean":
         flat /= dist.get_world_size()
     return list(torch.split(flat, sizes))

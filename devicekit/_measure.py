@@ -123,6 +123,11 @@ class Measurement:
         )
 
     @property
+    def host_median(self) -> float:
+        """Median host time to issue one call, seconds."""
+        return statistics.median(self.host_times) if self.host_times else 0.0
+
+    @property
     def notes(self) -> list[str]:
         """Plain sentences about anything that could make this measurement misleading."""
         notes = self.conditions.notes()
@@ -136,7 +141,7 @@ class Measurement:
                 f"stopped at max_time with the median known to ±{self.rel_noise:.1%}, "
                 "short of the target; allow more time for a tighter result"
             )
-        host = statistics.median(self.host_times) if self.host_times else 0.0
+        host = self.host_median
         # Between a call's events the GPU also waits for the host to issue the
         # call, so a launch-bound call's GPU time is about its host time.
         # Only warm mode: graph replays have no launch cost, and in cold mode the

@@ -19,7 +19,13 @@ import torch
 
 from ._errors import CUDAInitializedError
 
-__all__ = ["ENV_VAR", "cuda_started", "parse_visible_devices", "visible_devices"]
+__all__ = [
+    "ENV_VAR",
+    "cuda_started",
+    "parse_visible_devices",
+    "reads_as_written",
+    "visible_devices",
+]
 
 ENV_VAR = "CUDA_VISIBLE_DEVICES"
 
@@ -80,6 +86,15 @@ def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
         if entries[0].startswith(prefix):
             return _parse_uuids(entries, prefix)
     return _parse_indices(entries)
+
+
+def reads_as_written(value: str) -> bool:
+    """Whether CUDA reads ``value`` entry for entry as written (whitespace aside).
+
+    False when CUDA drops entries after a bad one, or hides everything.
+    """
+    parsed = parse_visible_devices(value) or []
+    return [str(entry) for entry in parsed] == [entry.strip() for entry in value.split(",")]
 
 
 def _parse_uuids(entries: list[str], prefix: str) -> list[int | str]:

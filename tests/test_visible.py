@@ -304,3 +304,19 @@ def test_a_child_started_inside_an_empty_scope_sees_no_gpu() -> None:
         one = run_python(probe)
     assert hidden == [0, False]
     assert one == [1, True]
+
+
+@pytest.mark.parametrize(
+    ("value", "as_written"),
+    [
+        ("0,1", True),
+        (" 1 , 0 ", True),
+        ("GPU-ab12", True),
+        ("0,x", False),
+        ("0,0", False),
+        ("", False),
+        ("3a", False),
+    ],
+)
+def test_reads_as_written(value: str, as_written: bool) -> None:
+    assert _visible.reads_as_written(value) is as_written
