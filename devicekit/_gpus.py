@@ -58,8 +58,7 @@ def _normalized(uuid: str | None) -> str:
     return uuid.lower()
 
 
-def _needs_cuda_to_order(physical: list[PhysicalGPU]) -> bool:
-    entries = parse_visible_devices()
+def _needs_cuda_to_order(physical: list[PhysicalGPU], entries: list[int | str] | None) -> bool:
     if entries and isinstance(entries[0], str):
         return False  # UUIDs name the devices and their order outright
     if any(gpu.mig for gpu in physical):
@@ -102,12 +101,13 @@ def visible_gpus() -> list[_Visible]:
     physical = _nvml.physical_gpus()
     if not physical:
         return []
-    if _needs_cuda_to_order(physical):
+    entries = parse_visible_devices()
+    if _needs_cuda_to_order(physical, entries):
         order = _order_from_cuda()
         if order is not None:
             return _match_uuids(physical, order)
     in_cuda_order = sorted(physical, key=lambda gpu: gpu.pci_bus_id or "")
-    return _apply_visible_devices(in_cuda_order)
+    return _apply_visible_devices(in_cuda_order, entries)
 
 
 def _match_uuids(physical: list[PhysicalGPU], order: list[str]) -> list[_Visible]:
@@ -119,8 +119,9 @@ def _match_uuids(physical: list[PhysicalGPU], order: list[str]) -> list[_Visible
     return [by_uuid[_normalized(uuid)] for uuid in order if _normalized(uuid) in by_uuid]
 
 
-def _apply_visible_devices(in_cuda_order: list[PhysicalGPU]) -> list[_Visible]:
-    entries = parse_visible_devices()
+def _apply_visible_devices(
+    in_cuda_order: list[PhysicalGPU], entries: list[int | str] | None
+) -> list[_Visible]:
     if entries is None:
         return [_Visible(gpu) for gpu in in_cuda_order]
     visible: list[_Visible] = []
