@@ -10,6 +10,8 @@ that, but it still leaves ``torch.cuda.is_initialized()`` False.)
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 import os
 
@@ -23,13 +25,22 @@ __all__ = ["local_device", "try_all_gpus", "try_gpu"]
 _CPU = torch.device("cpu")
 
 
+@functools.cache
 def accelerator_type() -> str | None:
     """The accelerator this torch build supports (``"cuda"``, ``"xpu"``, ``"mps"``...), or None.
 
     This is a property of the build, read without touching any device.
     """
-    accelerator = torch.accelerator.current_accelerator()
-    return None if accelerator is None else accelerator.type
+    if "check_available" in inspect.signature(torch.accelerator.current_accelerator).parameters:
+        accelerator = torch.accelerator.current_accelerator()  # torch >= 2.7: the build only
+        return None if accelerator is None else accelerator.type
+    # torch 2.6 asks the runtime (cudaGetDeviceCount, which starts the driver and
+    # poisons fork) and raises without a device, so read the build flags instead.
+    if torch.version.cuda or torch.version.hip:  # ROCm is "cuda" to torch too
+        return "cuda"
+    if torch.xpu._is_compiled():
+        return "xpu"
+    return "mps" if torch.backends.mps.is_built() else None
 
 
 def accelerator_count() -> int:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -22,6 +23,27 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
         monkeypatch.setattr(_devices, "accelerator_count", lambda: count)
 
     return install
+
+
+def test_accelerator_type_reads_the_build_without_the_torch_2_6_runtime_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch 2.6's current_accelerator() takes no arguments, asks the CUDA runtime
+    # (starting the driver) and raises without a device; devicekit must not call it.
+    query = torch.accelerator.current_accelerator
+    if "check_available" not in inspect.signature(query).parameters:
+        pytest.skip("this torch has no build-only query to compare with")
+    build = query()
+
+    def like_torch_2_6() -> torch.device:
+        raise RuntimeError("Cannot access accelerator device when none is available.")
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", like_torch_2_6)
+    _devices.accelerator_type.cache_clear()
+    try:
+        assert _devices.accelerator_type() == (None if build is None else build.type)
+    finally:
+        _devices.accelerator_type.cache_clear()
 
 
 def test_try_gpu_is_cpu_without_an_accelerator(fake_accelerator: FakeAccelerator) -> None:
