@@ -186,24 +186,28 @@ class LogBuffer:
     # --- the copy ------------------------------------------------------------------------
 
     def _start(self, pending: list[tuple[Any, dict[str, Any]]]) -> _InFlight:
-        # One stack (and so one copy) per device and dtype; dicts keep first-seen order.
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        position: dict[tuple[torch.device, torch.dtype], int] = {}
+        # One stack (and so one copy) per device and dtype; Python numbers make one
+        # float64 tensor together (a tensor each would cost more than the rest of
+        # the flush). Dicts keep first-seen order.
+        groups: dict[tuple[torch.device, torch.dtype] | None, list[Any]] = {}
+        position: dict[tuple[torch.device, torch.dtype] | None, int] = {}
         slots: list[tuple[int, str, int, int]] = []
         for index, (_, values) in enumerate(pending):
             for key, value in values.items():
-                if not isinstance(value, torch.Tensor):
-                    value = torch.tensor(value, dtype=torch.float64)  # noqa: PLW2901 - numbers
-                elif value.dim() != 0:
-                    value = value.reshape(())  # noqa: PLW2901 - a one-element tensor
-                group = (value.device, value.dtype)
+                group = (value.device, value.dtype) if isinstance(value, _Tensor) else None
                 members = groups.get(group)
                 if members is None:
                     members = groups[group] = []
                     position[group] = len(position)
                 slots.append((index, key, position[group], len(members)))
                 members.append(value)
-        stacked = [torch.stack(members) for members in groups.values()]
+        stacked = [
+            torch.tensor(members, dtype=torch.float64)
+            if group is None
+            # reshape only the rare one-element tensors that are not 0-d
+            else torch.stack([v.reshape(()) if v.dim() else v for v in members])
+            for group, members in groups.items()
+        ]
         if self.reduce is not None:
             stacked = _all_reduce(stacked, self.reduce)
         in_flight = _InFlight(steps=[step for step, _ in pending], slots=slots, hosts=[])
