@@ -9,6 +9,8 @@ and copies them to the host in one copy per device and dtype.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -263,7 +265,18 @@ def _all_reduce(stacked: Sequence[torch.Tensor], op: str) -> list[torch.Tensor]:
     flat = torch.cat([t.to(device=device, dtype=torch.float64) for t in stacked])
     ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM}
     ops |= {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    references = sys.getrefcount(flat)
     dist.all_reduce(flat, op=ops[op])  # mean: a sum, divided below
+    if backend != "nccl":
+        # torch >= 2.10 counts each C++ owner of a Python tensor as one Python
+        # reference, and gives it back with the GIL. gloo's worker thread lets go of
+        # `flat` just after the collective completes; if the interpreter is already
+        # shutting down by then (the flush at the end of a script), taking the GIL
+        # aborts the process. So wait, briefly, for that to happen here. (NCCL's
+        # watchdog lets go much later; torch shuts it down in destroy_process_group.)
+        deadline = time.monotonic() + 1.0
+        while sys.getrefcount(flat) > references and time.monotonic() < deadline:
+            time.sleep(0)  # hands the GIL to the worker thread
     if op == "mean":
         flat /= dist.get_world_size()
     return list(torch.split(flat, sizes))

@@ -47,9 +47,8 @@ if rank == 0:
         f"{world} process(es) on {device.type}: mean loss {logs.history[0]['loss']:.3f} "
         f"at step 0, {logs.latest['loss']:.5f} at step {logs.latest['step']}"
     )
-# Shut down in order: drop DDP (its reducer holds gloo work objects), let every
-# rank finish its collectives, then destroy the group. Otherwise gloo's threads
-# can still hold tensors while the interpreter exits, and the process aborts.
+# Shut down in order: drop DDP, let every rank finish its collectives, then
+# destroy the group, so that no collective is still in flight at exit.
 del model, optimizer
 dist.barrier()
 dist.destroy_process_group()

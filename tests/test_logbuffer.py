@@ -4,6 +4,8 @@ import csv
 import json
 import math
 import socket
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +291,48 @@ def test_reduction_across_two_gloo_ranks(tmp_path: Path) -> None:
         assert ranks[0][op] == [
             {"step": s, "loss": values(s)[0], "rank": values(s)[1]} for s in range(7)
         ], op
+
+
+def test_a_gloo_flush_returns_only_once_the_worker_has_let_go(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # torch >= 2.10 counts each C++ owner of a Python tensor as a reference and
+    # drops it with the GIL. gloo's worker drops its reference just after the
+    # collective completes; if the interpreter is exiting by then, the process
+    # aborts. Here the worker is made to let go 50 ms late: the flush must wait.
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        probe = torch.ones(1)
+        alone = sys.getrefcount(probe)
+        work = dist.all_reduce(probe, async_op=True)
+        counted = sys.getrefcount(probe) > alone
+        work.wait()
+        del work
+        if not counted:
+            pytest.skip("this torch does not count C++ owners of a tensor as references")
+
+        real_all_reduce = dist.all_reduce
+        reduced: list[torch.Tensor] = []
+
+        def late_all_reduce(tensor: torch.Tensor, op: Any) -> None:
+            late = [real_all_reduce(tensor, op=op, async_op=True)]
+            late[0].wait()
+            reduced.append(tensor)
+            threading.Timer(0.05, late.clear).start()  # the worker lets go later
+
+        monkeypatch.setattr(dist, "all_reduce", late_all_reduce)
+        with dk.LogBuffer(reduce="sum") as buffer:
+            buffer.log(loss=torch.tensor(2.0))
+        assert buffer.values("loss") == [2.0]
+        flat = reduced.pop()
+        assert not reduced
+        assert sys.getrefcount(flat) == alone  # only `flat` holds it: no C++ owner is left
+    finally:
+        dist.destroy_process_group()
 
 
 def test_without_a_process_group_nothing_is_reduced() -> None:
