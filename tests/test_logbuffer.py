@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import devicekit as dk
 
+from .conftest import requires_two_gpus
+
 
 def test_values_are_exact_over_many_flushes_with_an_odd_flush_every() -> None:
     buffer = dk.LogBuffer(flush_every=7)
@@ -257,18 +259,23 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
+def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> None:
     import torch.distributed as dist
 
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         results = {}
         for op in ("mean", "sum", "max", "min"):
             buffer = dk.LogBuffer(flush_every=3, reduce=op)
             for step in range(7):
-                buffer.log(step, loss=torch.tensor(float(rank * 10 + step)), rank=rank)
+                loss = torch.tensor(float(rank * 10 + step), device=device)
+                buffer.log(step, loss=loss, rank=rank)
             buffer.flush()
             results[op] = buffer.history
         Path(folder, f"{rank}.json").write_text(json.dumps(results))
@@ -277,20 +284,38 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def test_reduction_across_two_gloo_ranks(tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
-    assert ranks[0] == ranks[1]  # every rank sees the same records
-    expected = {
-        "mean": lambda s: (s + 5.0, 0.5),
-        "sum": lambda s: (2.0 * s + 10.0, 1.0),
-        "max": lambda s: (s + 10.0, 1.0),
+def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
+    """Spawn ``world`` ranks that each log rank * 10 + step; check every reduced record."""
+    args = (world, _free_port(), str(folder), backend)
+    mp.spawn(_rank_main, args=args, nprocs=world, join=True)
+    ranks = [json.loads((folder / f"{rank}.json").read_text()) for rank in range(world)]
+    assert all(other == ranks[0] for other in ranks)  # every rank sees the same records
+    top = world - 1  # the largest rank
+    expected = {  # (loss, rank) at step s
+        "mean": lambda s: (s + 10.0 * top / 2, top / 2),
+        "sum": lambda s: (world * s + 10.0 * world * top / 2, world * top / 2),
+        "max": lambda s: (s + 10.0 * top, float(top)),
         "min": lambda s: (float(s), 0.0),
     }
     for op, values in expected.items():
         assert ranks[0][op] == [
             {"step": s, "loss": values(s)[0], "rank": values(s)[1]} for s in range(7)
         ], op
+
+
+def test_reduction_across_two_gloo_ranks(tmp_path: Path) -> None:
+    _reduce_across_ranks(tmp_path, world=2, backend="gloo")
+
+
+@pytest.mark.gpu
+def test_reduction_with_nccl_on_one_gpu(tmp_path: Path) -> None:
+    _reduce_across_ranks(tmp_path, world=1, backend="nccl")
+
+
+@pytest.mark.gpu
+@requires_two_gpus
+def test_reduction_across_two_nccl_ranks(tmp_path: Path) -> None:
+    _reduce_across_ranks(tmp_path, world=2, backend="nccl")
 
 
 def test_a_gloo_flush_returns_only_once_the_worker_has_let_go(
