@@ -13,6 +13,7 @@ from ._compare import Comparison as Comparison
 from ._compare import ComparisonRow as ComparisonRow
 from ._compare import compare as compare
 from ._conditions import Conditions as Conditions
+from ._devices import DeviceLike as DeviceLike
 from ._devices import local_device as local_device
 from ._devices import try_all_gpus as try_all_gpus
 from ._devices import try_gpu as try_gpu
@@ -48,7 +49,6 @@ from ._nvml import driver_version as driver_version
 from ._nvml import nvml_available as nvml_available
 from ._nvml import nvml_error as nvml_error
 from ._parallel import gpu_map as gpu_map
-from ._placement import DeviceLike as DeviceLike
 from ._placement import data_parallel as data_parallel
 from ._placement import load as load
 from ._placement import to_device as to_device

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._devices import accelerator_count, accelerator_type
+from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
 from ._measure import benchmark
 
 __all__ = ["BenchReport", "BenchResult", "bench"]
@@ -117,7 +117,7 @@ def _latencies(device: torch.device) -> list[BenchResult]:
     ]
 
 
-def bench(*, devices: list[int] | None = None) -> BenchReport:
+def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchReport:
     """Measure what the GPU buys: matmul rates, copy bandwidth, launch and sync costs.
 
     On the CPU: an fp32 1024x1024 matmul. On each GPU: fp32 and (where
@@ -127,10 +127,16 @@ def bench(*, devices: list[int] | None = None) -> BenchReport:
     Takes well under 30 seconds. Initializes CUDA (it has to use the GPU).
 
     Args:
-        devices: GPU indices to measure. Default: every visible GPU.
+        devices: GPUs to measure, as a list of :data:`DeviceLike` (``[0]``,
+            ``["cuda:1"]``) or one. Default: every visible GPU. The CPU is
+            always measured; ``[]`` measures only the CPU.
 
     Returns:
         A :class:`BenchReport`.
+
+    Raises:
+        ValueError: One of ``devices`` is not a CUDA device.
+        DeviceNotFoundError: One of ``devices`` does not exist here.
 
     Examples:
         >>> import devicekit as dk
@@ -138,10 +144,13 @@ def bench(*, devices: list[int] | None = None) -> BenchReport:
         >>> report.results[0].unit
         'TFLOP/s'
     """
+    if devices is None:
+        targets = [d for d in try_all_gpus() if d.type == "cuda"]
+    else:
+        why = "bench() measures CUDA GPUs there, and always measures the CPU"
+        targets = resolve_cuda_devices(devices, name="devices", why=why)
     results = [_matmul(1024, torch.float32, torch.device("cpu"))]
-    count = accelerator_count() if accelerator_type() == "cuda" else 0
-    for index in range(count) if devices is None else devices:
-        device = torch.device("cuda", index)
+    for device in targets:
         results.append(_matmul(4096, torch.float32, device))
         if torch.cuda.is_bf16_supported():
             results.append(_matmul(4096, torch.bfloat16, device))

@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._measure import Measurement, _format_seconds, benchmark
+from ._format import format_seconds
+from ._measure import Measurement, benchmark
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 
@@ -52,7 +53,7 @@ class Comparison:
         return [
             (
                 row.name,
-                _format_seconds(row.measurement.median),
+                format_seconds(row.measurement.median),
                 f"±{row.measurement.rel_noise:.1%}",
                 row.verdict(self.reference)
                 + ("" if row.measurement.trustworthy else "  [not trustworthy]"),

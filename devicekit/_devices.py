@@ -1,4 +1,4 @@
-"""Choosing devices: the i-th accelerator or the CPU, every accelerator, this rank's device.
+"""What a device is to devicekit: every device argument is read, checked and refused here.
 
 "Accelerator" is what ``torch.accelerator`` reports for this torch build: CUDA
 (which includes ROCm), XPU or MPS. Nothing here initializes CUDA: device counts
@@ -6,6 +6,12 @@ come from ``torch.cuda.device_count()``, which asks NVML and honours
 ``CUDA_VISIBLE_DEVICES`` without starting the CUDA driver. (Where NVML is
 missing, torch itself falls back to the CUDA runtime; devicekit cannot avoid
 that, but it still leaves ``torch.cuda.is_initialized()`` False.)
+
+Every public function that takes a device calls :func:`resolve_device` (or
+:func:`resolve_devices` for a list), so the same input means the same device
+everywhere, and a device this process does not have is refused the same way
+everywhere: with a :class:`~devicekit.DeviceNotFoundError` that names the
+parameter, what was given, what this process has, and the fix.
 """
 
 from __future__ import annotations
@@ -14,15 +20,40 @@ import functools
 import inspect
 import operator
 import os
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from ._errors import DeviceNotFoundError
-from ._visible import torch_cuda_initialized
+from ._format import plural
+from ._visible import ENV_VAR, torch_cuda_initialized
 
-__all__ = ["local_device", "try_all_gpus", "try_gpu"]
+__all__ = [
+    "DeviceLike",
+    "cuda_index",
+    "describe_devices",
+    "local_device",
+    "parse_cuda_index",
+    "parse_cuda_indices",
+    "resolve_cuda_devices",
+    "resolve_device",
+    "resolve_devices",
+    "try_all_gpus",
+    "try_gpu",
+]
+
+DeviceLike = torch.device | str | int
+"""What devicekit accepts as a device: ``torch.device("cuda", 1)``, ``"cuda:1"`` or ``1``.
+
+An int is an accelerator index (``1`` is ``cuda:1`` on a CUDA build); a string
+is anything ``torch.device`` parses. ``"cuda"`` without an index is the
+current CUDA device, and ``"cpu:0"`` is the CPU.
+"""
 
 _CPU = torch.device("cpu")
+_META = torch.device("meta")
+_LABELS = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hip": "ROCm"}
+_EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
 
 
 @functools.cache
@@ -82,6 +113,238 @@ def check_index(value: object, *, name: str) -> int:
     if index < 0:
         raise ValueError(f"{name} must be a non-negative int, got {index}; the first device is 0")
     return index
+
+
+# --- the device model ------------------------------------------------------------------
+
+
+def describe_devices() -> str:
+    """What this process has, for error messages: ``"2 GPUs are visible: cuda:0, cuda:1"``.
+
+    Examples:
+        >>> import devicekit as dk
+        >>> from devicekit._devices import describe_devices
+        >>> "cpu" in describe_devices() or "visible" in describe_devices()
+        True
+    """
+    kind = accelerator_type()
+    if kind is None:
+        return f"this torch build ({torch.__version__}) has no accelerator; devices here: cpu"
+    count = accelerator_count()
+    visible = os.environ.get(ENV_VAR)
+    scope = f" ({ENV_VAR}={visible!r})" if kind == "cuda" and visible is not None else ""
+    label = "GPU" if kind in ("cuda", "xpu") else f"{_LABELS.get(kind, kind)} device"
+    if count == 0:
+        return (
+            f"this torch build supports {_LABELS.get(kind, kind)}, but no {label} is "
+            f"visible{scope}; devices here: cpu"
+        )
+    names = ", ".join(f"{kind}:{index}" for index in range(count))
+    verb = "is" if count == 1 else "are"
+    return f"{plural(count, label)} {verb} visible{scope}: {names}"
+
+
+def resolve_device(value: object, *, name: str = "device") -> torch.device:
+    """Read one device argument, check that this process has it, and return it canonical.
+
+    Accepts a :data:`DeviceLike`. Checks, without initializing CUDA, that the
+    device type is known to torch, that this torch build supports it, and
+    that an indexed accelerator exists. Returns one canonical
+    ``torch.device``: ``cpu:0`` becomes ``cpu``, and an accelerator without an
+    index (``"cuda"``) becomes the current device (``cuda:0`` until CUDA has
+    started), so that comparing it with a tensor's device is meaningful.
+
+    Args:
+        value: The argument as the user passed it.
+        name: The parameter's name, for error messages.
+
+    Returns:
+        The ``torch.device``.
+
+    Raises:
+        TypeError: ``value`` is a bool or not a device at all.
+        ValueError: A negative index, or a string torch cannot parse.
+        DeviceNotFoundError: This torch build or machine has no such device.
+
+    Examples:
+        >>> import torch
+        >>> from devicekit._devices import resolve_device
+        >>> resolve_device("cpu:0"), resolve_device(torch.device("meta"))
+        (device(type='cpu'), device(type='meta'))
+    """
+    if value.__class__ is torch.device:  # the hot path: to_device with a device object
+        device: torch.device = value
+        if device.type == "cpu":
+            return _CPU
+        if device.type == "meta":
+            return _META
+    else:
+        device = _parse(value, name)
+    return _check(device, value, name)
+
+
+def resolve_devices(value: object, *, name: str = "devices") -> list[torch.device]:
+    """Read a list-of-devices argument; a single device is a list of one.
+
+    A string is one device (``"cpu"``, ``"cuda:1"``), never a sequence of
+    letters; each entry is checked by :func:`resolve_device` and named in
+    errors by its position (``devices[1]``).
+
+    Raises:
+        TypeError: ``value`` is a bool, a mapping, or not iterable.
+
+    Examples:
+        >>> from devicekit._devices import resolve_devices
+        >>> resolve_devices("cpu"), resolve_devices(["cpu", "meta"])
+        ([device(type='cpu')], [device(type='cpu'), device(type='meta')])
+    """
+    return [resolve_device(item, name=label) for label, item in _entries(value, name)]
+
+
+def resolve_cuda_devices(value: object, *, name: str, why: str) -> list[torch.device]:
+    """:func:`resolve_devices`, refusing any device that is not CUDA with ``why`` as the reason.
+
+    Examples:
+        >>> from devicekit._devices import resolve_cuda_devices
+        >>> resolve_cuda_devices([], name="devices", why="only GPUs are measured")
+        []
+    """
+    devices = resolve_devices(value, name=name)
+    for position, device in enumerate(devices):
+        if device.type != "cuda":
+            raise ValueError(
+                f"{name}[{position}]={str(device)!r} is not a CUDA device: {why}. "
+                "Pass CUDA devices only."
+            )
+    return devices
+
+
+def cuda_index(value: object, *, name: str = "device") -> int | None:
+    """The CUDA index of a device argument, or None when it is not a CUDA device.
+
+    Examples:
+        >>> from devicekit._devices import cuda_index
+        >>> cuda_index("cpu") is None
+        True
+    """
+    device = resolve_device(value, name=name)
+    return device.index if device.type == "cuda" else None
+
+
+def parse_cuda_index(value: object, *, name: str) -> int:
+    """The CUDA index ``value`` names (``1``, ``"cuda:1"``, a ``torch.device``), by form only.
+
+    For what NVML describes rather than what torch can use (``dk.gpu()``,
+    ``pick_gpu(exclude=...)``): a CPU build of torch on a GPU machine still
+    numbers its GPUs. ``"cuda"`` is the current device. The caller checks
+    that the GPU exists, against the GPUs NVML sees.
+
+    Raises:
+        TypeError: ``value`` is a bool or not a device.
+        ValueError: A negative index, or a device that is not CUDA.
+
+    Examples:
+        >>> from devicekit._devices import parse_cuda_index
+        >>> parse_cuda_index("cuda:2", name="index"), parse_cuda_index(3, name="index")
+        (2, 3)
+    """
+    if hasattr(value, "__index__") and not isinstance(value, (bool, torch.device)):
+        return check_index(value, name=name)
+    device = value if value.__class__ is torch.device else _parse(value, name)
+    assert isinstance(device, torch.device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"{name}={value!r} is not a CUDA device; pass a CUDA index such as 0 or 'cuda:0'"
+        )
+    index: int | None = device.index  # torch's stubs say int; it is None for "cuda"
+    if index is not None:
+        return index
+    current = current_cuda_device()
+    return 0 if current is None else int(current.index)
+
+
+def parse_cuda_indices(value: object, *, name: str) -> list[int]:
+    """:func:`parse_cuda_index` for a list-of-devices argument; one device is a list of one."""
+    return [parse_cuda_index(item, name=label) for label, item in _entries(value, name)]
+
+
+def _entries(value: object, name: str) -> list[tuple[str, object]]:
+    """A list-of-devices argument as (name for errors, entry) pairs; one device is one entry."""
+    if isinstance(value, (str, torch.device)) or (
+        hasattr(value, "__index__") and not isinstance(value, bool)
+    ):
+        return [(name, value)]
+    if isinstance(value, (bool, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be a device or a list of devices ({_EXPECTED} each), got {_got(value)}"
+        )
+    return [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+
+
+def _parse(value: object, name: str) -> torch.device:
+    """The device ``value`` writes, by form only: nothing is checked against the machine."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {_EXPECTED}, got {_got(value)}")
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError as error:
+            reason = str(error).splitlines()[0]
+            raise ValueError(
+                f"{name}={value!r} is not a device torch knows ({reason}); write 'cpu', "
+                "'cuda', 'cuda:1', or an index such as 1"
+            ) from None
+    if isinstance(value, torch.device):
+        return value
+    if hasattr(value, "__index__"):
+        index = check_index(value, name=name)
+        kind = accelerator_type()
+        if kind is None:
+            raise DeviceNotFoundError(
+                f"{name}={value!r} means accelerator {index}, but {describe_devices()}. Pass "
+                f"'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU."
+            )
+        return torch.device(kind, index)
+    raise TypeError(f"{name} must be {_EXPECTED}, got {_got(value)}")
+
+
+def _got(value: object) -> str:
+    if isinstance(value, bool):  # a bool is an int to Python, and almost always a mistake here
+        return f"the bool {value!r}"
+    return f"{value!r} of type {type(value).__name__}"
+
+
+def _check(device: torch.device, value: object, name: str) -> torch.device:
+    kind = device.type
+    if kind == "cpu":
+        return _CPU
+    if kind == "meta":
+        return _META
+    index: int | None = device.index  # torch's stubs say int; it is None for "cuda"
+    if kind == accelerator_type():
+        count = accelerator_count()
+        if index is None and count > 0:
+            if kind == "cuda":
+                return current_cuda_device() or torch.device("cuda", 0)
+            if kind == "xpu":
+                return torch.device(kind, torch.xpu.current_device())
+            return torch.device(kind, 0)
+        if index is not None and index < count:
+            return device
+        fallback = "dk.try_gpu()" if index is None else f"dk.try_gpu({index})"
+        raise DeviceNotFoundError(
+            f"{name}={value!r} does not exist: {describe_devices()}. Use one of those, or "
+            f"{fallback} to fall back to the CPU when there is no such device."
+        )
+    if kind == torch._C._get_privateuse1_backend_name():  # an out-of-tree backend, such as npu
+        return device
+    label = _LABELS.get(kind, kind)
+    here = ", ".join(["cpu", *(str(d) for d in try_all_gpus() if d.type != "cpu")])
+    raise DeviceNotFoundError(
+        f"{name}={value!r} names a {label} device, but this torch build ({torch.__version__}) "
+        f"has no {label} support; devices here: {here}. Install a torch build with {label} "
+        "to use it, or dk.try_gpu() to fall back to the CPU when there is no GPU."
+    )
 
 
 def try_gpu(i: int = 0) -> torch.device:

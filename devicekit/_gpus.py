@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from . import _nvml
-from ._devices import check_index, current_cuda_device
+from ._devices import DeviceLike, check_index, parse_cuda_index, parse_cuda_indices
 from ._errors import DeviceNotFoundError, GPUUnavailableError
+from ._format import format_bytes
 from ._nvml import GPUInfo, PhysicalGPU
 from ._visible import ENV_VAR, parse_visible_devices
 
@@ -183,26 +184,15 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
     ]
 
 
-def _torch_index(index: int | torch.device | str) -> int:
-    device = index if isinstance(index, torch.device) else None
-    if isinstance(index, str):
-        device = torch.device(index)
-    if device is None:
-        return check_index(index, name="gpu(index)")
-    if device.type != "cuda":
-        raise ValueError(f"gpu() describes CUDA devices, got {str(device)!r}; pass 'cuda:N' or N")
-    explicit: int | None = device.index  # torch's stubs say int; it is None for "cuda"
-    if explicit is not None:
-        return explicit
-    current = current_cuda_device()  # "cuda" is the current device
-    return 0 if current is None else int(current.index)
-
-
-def gpu(index: int | torch.device | str = 0) -> GPUInfo:
+def gpu(index: DeviceLike = 0) -> GPUInfo:
     """Snapshot one GPU, named the way torch names it: ``1``, ``"cuda:1"`` or a ``torch.device``.
 
+    Works with any torch build, a CPU build included: the GPUs are those
+    NVML sees, numbered as CUDA would number them for this process.
+
     Args:
-        index: The torch index of the GPU.
+        index: The torch index of the GPU (``1``), ``"cuda:1"``, or a
+            ``torch.device``; ``"cuda"`` is the current CUDA device.
 
     Returns:
         Its :class:`GPUInfo`.
@@ -210,22 +200,25 @@ def gpu(index: int | torch.device | str = 0) -> GPUInfo:
     Raises:
         DeviceNotFoundError: No such GPU is visible (the message lists the
             ones that are), or NVML is not usable here (the message says why).
-        ValueError: ``index`` names a device that is not CUDA.
+        TypeError: ``index`` is a bool or not a device.
+        ValueError: ``index`` is negative or names a device that is not CUDA.
 
     Examples:
         >>> import devicekit as dk
         >>> if dk.gpus():
         ...     assert dk.gpu("cuda:0").uuid == dk.gpus()[0].uuid
     """
-    wanted = _torch_index(index)
+    wanted = parse_cuda_index(index, name="index")
     visible = visible_gpus()
     if wanted < len(visible):
         return _snapshot(visible[wanted], wanted)
     if not visible:
         reason = _nvml.nvml_error() or "this process sees no GPU"
-        raise DeviceNotFoundError(f"cuda:{wanted} cannot be described: {reason}")
+        raise DeviceNotFoundError(f"index={index!r}: cuda:{wanted} cannot be described: {reason}")
     listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
-    raise DeviceNotFoundError(f"cuda:{wanted} does not exist; this process sees {listing}")
+    raise DeviceNotFoundError(
+        f"index={index!r}: cuda:{wanted} does not exist; this process sees {listing}"
+    )
 
 
 def _rejection(
@@ -236,8 +229,7 @@ def _rejection(
             return "free memory is unknown"
         if info.memory_free < min_free_memory:
             return (
-                f"{info.memory_free / 2**30:.1f} GiB free < "
-                f"{min_free_memory / 2**30:.1f} GiB required"
+                f"{format_bytes(info.memory_free)} free < {format_bytes(min_free_memory)} required"
             )
     if max_utilization is not None:
         if info.utilization is None:
@@ -250,10 +242,10 @@ def _rejection(
 def _ranked(
     min_free_memory: int | None,
     max_utilization: float | None,
-    exclude: Iterable[int | torch.device | str],
+    exclude: Iterable[DeviceLike] | DeviceLike,
 ) -> tuple[list[torch.device], list[str]]:
     """The qualifying GPUs, best first, and a reason for each one turned down."""
-    excluded = {_torch_index(item) for item in exclude}
+    excluded = set(parse_cuda_indices(exclude, name="exclude"))
     eligible: list[tuple[int, GPUInfo]] = []
     rejected: list[str] = []
     for index, info in enumerate(gpus()):  # visible GPUs: result[i] is cuda:i
@@ -272,7 +264,7 @@ def pick_gpu(
     *,
     min_free_memory: int | None = None,
     max_utilization: float | None = None,
-    exclude: Iterable[int | torch.device | str] = (),
+    exclude: Iterable[DeviceLike] | DeviceLike = (),
 ) -> torch.device:
     """The visible GPU with the most free memory that meets the limits, else the CPU.
 
@@ -283,7 +275,9 @@ def pick_gpu(
         min_free_memory: Bytes that must be free (a GPU whose free memory is
             unknown does not qualify).
         max_utilization: Highest acceptable utilization, in percent.
-        exclude: Torch indices or devices not to pick.
+        exclude: GPUs not to pick: a CUDA device (``1``, ``"cuda:1"``) or a
+            list of them. One this process cannot see is ignored, so the same
+            call runs on any machine.
 
     Returns:
         ``torch.device("cuda", i)``, or ``torch.device("cpu")`` when no GPU
@@ -303,7 +297,7 @@ def pick_gpus(
     *,
     min_free_memory: int | None = None,
     max_utilization: float | None = None,
-    exclude: Iterable[int | torch.device | str] = (),
+    exclude: Iterable[DeviceLike] | DeviceLike = (),
 ) -> list[torch.device]:
     """The best ``n`` visible GPUs by the rules of :func:`pick_gpu`.
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 import torch
 
 from ._conditions import Conditions, Sampler
-from ._devices import current_cuda_device
-from ._placement import DeviceLike, resolve_device
+from ._devices import DeviceLike, current_cuda_device, resolve_device
+from ._format import format_seconds
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
 
@@ -25,13 +25,6 @@ _MIN_SAMPLES = 10
 _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
 _GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
 _LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
-
-
-def _format_seconds(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
 
 
 def median_ci(sorted_times: list[float]) -> tuple[float, float]:
@@ -134,7 +127,7 @@ class Measurement:
         if self.rel_noise > 0.05:
             notes.append(
                 f"noisy: the median is only known to ±{self.rel_noise:.1%} "
-                f"(interquartile range {_format_seconds(self.iqr)})"
+                f"(interquartile range {format_seconds(self.iqr)})"
             )
         elif self.stop_reason == "max_time":
             notes.append(
@@ -149,8 +142,8 @@ class Measurement:
         on_gpu = self.conditions.device.startswith("cuda") and self.mode == "warm"
         if on_gpu and host >= _LAUNCH_BOUND * self.median:
             notes.append(
-                f"launch-bound: issuing a call takes {_format_seconds(host)} on the host and "
-                f"its GPU time is {_format_seconds(self.median)}, so the GPU mostly waits for "
+                f"launch-bound: issuing a call takes {format_seconds(host)} on the host and "
+                f"its GPU time is {format_seconds(self.median)}, so the GPU mostly waits for "
                 "the host; mode='graph' shows the GPU time without launch overhead"
             )
         return notes
@@ -195,8 +188,8 @@ class Measurement:
         verdict = "trustworthy" if self.trustworthy else "NOT trustworthy"
         head = (
             f"Measurement({self.name} on {self.conditions.device}, {self.mode}: median "
-            f"{_format_seconds(self.median)} ±{self.rel_noise:.1%} (95% CI "
-            f"{_format_seconds(low)} to {_format_seconds(high)}), n={self.n}, "
+            f"{format_seconds(self.median)} ±{self.rel_noise:.1%} (95% CI "
+            f"{format_seconds(low)} to {format_seconds(high)}), n={self.n}, "
             f"stopped: {self.stop_reason}; {verdict})"
         )
         return "\n".join([head, *(f"  - {note}" for note in self.notes)])
@@ -205,10 +198,10 @@ class Measurement:
         import html  # noqa: PLC0415 - only notebooks render HTML
 
         rows = [
-            ("median", _format_seconds(self.median)),
-            ("95% CI", f"{_format_seconds(self.ci[0])} to {_format_seconds(self.ci[1])}"),
+            ("median", format_seconds(self.median)),
+            ("95% CI", f"{format_seconds(self.ci[0])} to {format_seconds(self.ci[1])}"),
             ("noise", f"±{self.rel_noise:.2%}"),
-            ("min / mean", f"{_format_seconds(self.min)} / {_format_seconds(self.mean)}"),
+            ("min / mean", f"{format_seconds(self.min)} / {format_seconds(self.mean)}"),
             ("n / stopped", f"{self.n} / {self.stop_reason}"),
             ("trustworthy", str(self.trustworthy)),
             *(("note", note) for note in self.notes),

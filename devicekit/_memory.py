@@ -10,21 +10,25 @@ from typing import Any
 
 import torch
 
-from ._devices import current_cuda_device
-from ._placement import DeviceLike, resolve_device
+from ._devices import (
+    DeviceLike,
+    accelerator_count,
+    accelerator_type,
+    current_cuda_device,
+    resolve_cuda_devices,
+    resolve_device,
+)
+from ._format import format_bytes
 from ._visible import torch_cuda_initialized
 
 _ipc_collect: Any = torch.cuda.ipc_collect  # unannotated in torch
 
+
+def _bytes(value: int | None) -> str:
+    return format_bytes(value, digits=2)
+
+
 __all__ = ["DeviceMemory", "MemoryReport", "MemoryScope", "free_memory", "memory_scope"]
-
-
-def _size(value: int | None) -> str:
-    if value is None:
-        return "?"
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    return f"{sign}{value / 2**30:.2f} GiB" if value >= 2**30 else f"{sign}{value / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,10 @@ class DeviceMemory:
 
     def __str__(self) -> str:
         return (
-            f"{self.device}: returned {_size(self.returned)} to the driver; allocated "
-            f"{_size(self.allocated_before)} -> {_size(self.allocated_after)}, reserved "
-            f"{_size(self.reserved_before)} -> {_size(self.reserved_after)}, driver free "
-            f"{_size(self.driver_free_before)} -> {_size(self.driver_free_after)}"
+            f"{self.device}: returned {_bytes(self.returned)} to the driver; allocated "
+            f"{_bytes(self.allocated_before)} -> {_bytes(self.allocated_after)}, reserved "
+            f"{_bytes(self.reserved_before)} -> {_bytes(self.reserved_after)}, driver free "
+            f"{_bytes(self.driver_free_before)} -> {_bytes(self.driver_free_after)}"
         )
 
 
@@ -97,7 +101,7 @@ def _stats(index: int) -> tuple[int, int, int]:
     return torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), free
 
 
-def free_memory(*, devices: Iterable[DeviceLike] | None = None) -> MemoryReport:
+def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> MemoryReport:
     """Give unused GPU memory back to the driver, and report what went back.
 
     ``del tensor`` returns its memory to PyTorch's caching allocator, not to
@@ -111,11 +115,17 @@ def free_memory(*, devices: Iterable[DeviceLike] | None = None) -> MemoryReport:
     nothing to give back, and the report says so.
 
     Args:
-        devices: CUDA devices to report on. Default: every device where this
-            process holds memory, and the current one.
+        devices: CUDA devices to report on (a list of :data:`DeviceLike`, or
+            one). Default: every device where this process holds memory, and
+            the current one.
 
     Returns:
         A :class:`MemoryReport`.
+
+    Raises:
+        ValueError: One of ``devices`` is not a CUDA device (the CPU has no
+            cache to empty).
+        DeviceNotFoundError: One of ``devices`` does not exist here.
 
     Examples:
         >>> import devicekit as dk
@@ -123,15 +133,21 @@ def free_memory(*, devices: Iterable[DeviceLike] | None = None) -> MemoryReport:
         >>> report.collected >= 0
         True
     """
+    indices = None
+    if devices is not None:
+        why = (
+            "free_memory() empties CUDA's caching allocator; other memory goes back "
+            "when its tensors are freed"
+        )
+        targets = resolve_cuda_devices(devices, name="devices", why=why)
+        indices = list(dict.fromkeys(int(device.index) for device in targets))
     collected = gc.collect()
     if not torch_cuda_initialized():
         return MemoryReport((), collected, "CUDA is not initialized in this process: no GPU memory")
-    if devices is None:
+    if indices is None:
         current = torch.cuda.current_device()
         count = torch.cuda.device_count()
         indices = [i for i in range(count) if i == current or torch.cuda.memory_reserved(i) > 0]
-    else:
-        indices = [resolve_device(d).index or 0 for d in devices]
     before = {index: _stats(index) for index in indices}
     torch.cuda.empty_cache()
     _ipc_collect()
@@ -180,8 +196,8 @@ class ScopeReport:
 
     def __repr__(self) -> str:
         return (
-            f"ScopeReport({self.device}: peak allocated {_size(self.peak_allocated)}, "
-            f"peak reserved {_size(self.peak_reserved)}, net {_size(self.net)})"
+            f"ScopeReport({self.device}: peak allocated {_bytes(self.peak_allocated)}, "
+            f"peak reserved {_bytes(self.peak_reserved)}, net {_bytes(self.net)})"
         )
 
 
@@ -195,12 +211,11 @@ class MemoryScope:
         return f"MemoryScope(report={self.report!r})"
 
 
-def _scope_index(target: torch.device | None) -> int:
-    """The CUDA index a scope measures: the one asked for, else the current one."""
-    if target is not None and target.index is not None:
-        return target.index  # cuda:0 too, which `target.index or ...` would skip
-    current = current_cuda_device()
-    return 0 if current is None else int(current.index)
+def _default_scope_device() -> torch.device:
+    """The current CUDA device (``cuda:0`` before CUDA starts), or the CPU without CUDA."""
+    if accelerator_type() != "cuda" or accelerator_count() == 0:
+        return torch.device("cpu")
+    return current_cuda_device() or torch.device("cuda", 0)
 
 
 @contextmanager
@@ -212,11 +227,15 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
     when it ends. On the CPU every value is None.
 
     Args:
-        device: The CUDA device. Default: the current one (the block may be
-            the first to use CUDA).
+        device: The device, a :data:`DeviceLike`. Default: the current CUDA
+            device (the block may be the first to use CUDA), or the CPU
+            where there is no CUDA device.
 
     Yields:
         A :class:`MemoryScope` whose ``report`` is filled in on exit.
+
+    Raises:
+        DeviceNotFoundError: ``device`` does not exist here.
 
     Examples:
         >>> import devicekit as dk
@@ -225,16 +244,16 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
         >>> scope.report.device, scope.report.peak_allocated
         ('cpu', None)
     """
-    target = None if device is None else resolve_device(device)
+    target = _default_scope_device() if device is None else resolve_device(device)
     scope = MemoryScope()
-    if target is not None and target.type != "cuda":
+    if target.type != "cuda":
         try:
             yield scope
         finally:
             scope.report = ScopeReport(str(target), None, None, None, None, None, None)
         return
     started = torch_cuda_initialized()
-    index = _scope_index(target)
+    index = int(target.index)
     if started:
         torch.cuda.reset_peak_memory_stats(index)
     allocated = torch.cuda.memory_allocated(index) if started else 0

@@ -11,12 +11,21 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
-import html
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from ._format import (
+    UNKNOWN,
+    format_bytes,
+    format_count,
+    format_percent,
+    format_value,
+    html_table,
+    safe_text,
+)
 
 __all__ = [
     "GPUInfo",
@@ -185,10 +194,6 @@ def cuda_driver_version() -> str | None:
 # --- results ---------------------------------------------------------------------------
 
 
-def _gib(value: int | None) -> str:
-    return "?" if value is None else f"{value / 2**30:.1f}"
-
-
 @dataclass(frozen=True)
 class GPUProcess:
     """A process with a context on a GPU, as NVML reports it.
@@ -213,8 +218,8 @@ class GPUProcess:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        memory = "?" if self.used_memory is None else f"{self.used_memory / 2**20:.0f} MiB"
-        return f"{self.pid} {self.name or '(not visible here)'} {memory}"
+        name = "(not visible here)" if self.name is None else safe_text(self.name)
+        return f"{self.pid} {name} {format_bytes(self.used_memory, digits=0)}"
 
 
 @dataclass(frozen=True, repr=False)
@@ -283,31 +288,75 @@ class GPUInfo:
 
     def __repr__(self) -> str:
         where = self.device or "not visible"
-        parts = [f"{where} (nvml {self.nvml_index})", self.name or "?"]
-        parts.append(f"memory {_gib(self.memory_used)}/{_gib(self.memory_total)} GiB")
+        parts = [f"{where} (nvml {self.nvml_index})", safe_text(self.name or UNKNOWN)]
+        parts.append(f"memory {format_bytes(self.memory_used)} / {format_bytes(self.memory_total)}")
         if self.utilization is not None:
             parts.append(f"util {self.utilization}%")
         if self.temperature is not None:
-            parts.append(f"{self.temperature} C")
+            parts.append(f"{self.temperature} °C")
         if self.power_draw is not None:
-            parts.append(f"{self.power_draw:.0f}/{self.power_limit or 0:.0f} W")
+            parts.append(
+                f"{format_value(self.power_draw, 'W')} / {format_value(self.power_limit, 'W')}"
+            )
         if self.sm_clock is not None:
-            parts.append(f"SM {self.sm_clock}/{self.sm_clock_max or '?'} MHz")
+            parts.append(f"SM {self.sm_clock} / {self._sm_max}")
         if self.throttle_reasons:
-            parts.append("throttled: " + ",".join(self.throttle_reasons))
-        count = "?" if self.processes is None else len(self.processes)
-        parts.append(f"{count} processes")
+            parts.append("throttled: " + ", ".join(self.throttle_reasons))
+        parts.append(
+            format_count(None if self.processes is None else len(self.processes), "process")
+        )
         return f"GPUInfo({', '.join(parts)})"
 
+    def rows(self) -> list[tuple[str, str]]:
+        """The snapshot as (label, text) pairs in human units, for tables."""
+        reasons = self.throttle_reasons
+        processes = self.processes
+        return [
+            ("device", self.device or "not visible to this process"),
+            ("nvml index", str(self.nvml_index)),
+            ("name", safe_text(self.name or UNKNOWN)),
+            ("uuid", self.uuid or UNKNOWN),
+            ("PCI bus", self.pci_bus_id or UNKNOWN),
+            (
+                "memory used",
+                f"{format_bytes(self.memory_used)} of {format_bytes(self.memory_total)}",
+            ),
+            ("memory free", format_bytes(self.memory_free)),
+            ("utilization", format_percent(self.utilization)),
+            ("memory utilization", format_percent(self.memory_utilization)),
+            ("temperature", format_value(self.temperature, "°C")),
+            (
+                "power",
+                f"{format_value(self.power_draw, 'W')} of {format_value(self.power_limit, 'W')}",
+            ),
+            (
+                "SM clock",
+                f"{format_value(self.sm_clock)} of {format_value(self.sm_clock_max, 'MHz')}",
+            ),
+            ("memory clock", format_value(self.memory_clock, "MHz")),
+            ("clocks held by", UNKNOWN if reasons is None else ", ".join(reasons) or "nothing"),
+            ("fan", format_percent(self.fan_speed)),
+            ("compute mode", self.compute_mode or UNKNOWN),
+            ("MIG", UNKNOWN if self.mig_enabled is None else ("on" if self.mig_enabled else "off")),
+            (
+                "processes",
+                UNKNOWN if processes is None else "\n".join(str(p) for p in processes) or "none",
+            ),
+        ]
+
+    def _power(self, between: str) -> str:
+        return format_value(self.power_draw, "W") + between + format_value(self.power_limit, "W")
+
+    @property
+    def _memory_total(self) -> str:
+        return format_bytes(self.memory_total)
+
+    @property
+    def _sm_max(self) -> str:
+        return format_value(self.sm_clock_max, "MHz")
+
     def _repr_html_(self) -> str:
-        rows = []
-        for key, value in self.to_dict().items():
-            if key == "processes" and value:
-                cell = "<br>".join(html.escape(str(p)) for p in self.processes or ())
-            else:
-                cell = html.escape("None" if value is None else str(value))
-            rows.append(f"<tr><th style='text-align:left'>{key}</th><td>{cell}</td></tr>")
-        return f"<table><caption>{html.escape(repr(self))}</caption>{''.join(rows)}</table>"
+        return html_table(self.rows(), caption=f"GPUInfo: {self.device or 'not visible'}")
 
 
 # --- reading -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ._devices import accelerator_count, accelerator_type, check_index
+from ._devices import DeviceLike, check_index, resolve_devices, try_all_gpus
 from ._errors import WorkerError
 from ._visible import ENV_VAR, _scoped_env, parse_visible_devices
 
@@ -46,32 +46,26 @@ def _worker_env(device: str | int) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` a worker on this device gets ("" hides every GPU)."""
     if device == "cpu":
         return ""
-    index = int(device)
-    entries = parse_visible_devices()
-    if entries is None:
-        return str(index)
-    if index >= len(entries):
-        raise ValueError(
-            f"gpu_map() device {index} does not exist: {ENV_VAR}={os.environ[ENV_VAR]!r} "
-            f"shows {len(entries)} device(s)"
-        )
-    return str(entries[index])
+    entries = parse_visible_devices()  # resolve_devices checked the index against these
+    return str(device) if entries is None else str(entries[int(device)])
 
 
-def _slots(devices: Sequence[int | str] | None, workers_per_device: int) -> list[str | int]:
+def _slots(devices: object, workers_per_device: int) -> list[str | int]:
     if devices is None:
-        count = accelerator_count() if accelerator_type() == "cuda" else 0
-        if count == 0:
+        targets = [device for device in try_all_gpus() if device.type == "cuda"]
+        if not targets:
             cpu: list[str | int] = ["cpu"]
             return cpu * (os.cpu_count() or 1) * workers_per_device
-        devices = list(range(count))
+    else:
+        targets = resolve_devices(devices, name="devices")
     slots: list[str | int] = []
-    for device in devices:
-        if device == "cpu":
-            slots.append("cpu")
-            continue
-        text = str(device).removeprefix("cuda:")
-        slots.append(check_index(int(text) if text.isdigit() else device, name="gpu_map device"))
+    for position, device in enumerate(targets):
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"devices[{position}]={str(device)!r}: gpu_map() runs its workers on CUDA GPUs "
+                "or on the CPU; pass CUDA devices or 'cpu'"
+            )
+        slots.append("cpu" if device.type == "cpu" else int(device.index))
     if not slots:
         raise ValueError("gpu_map() needs at least one device, got an empty list")
     return [slot for slot in slots for _ in range(workers_per_device)]
@@ -106,7 +100,7 @@ def gpu_map(
     fn: Callable[[T], R],
     items: Iterable[T],
     *,
-    devices: Sequence[int | str] | None = None,
+    devices: Sequence[DeviceLike] | DeviceLike | None = None,
     workers_per_device: int = 1,
     progress: bool | None = None,
 ) -> list[R]:
@@ -123,9 +117,10 @@ def gpu_map(
         fn: A picklable function (defined at the top level of a module, not a
             lambda or a function defined inside another).
         items: The inputs; each must be picklable, and so must each result.
-        devices: GPU indices (as this process numbers them: ``0``,
-            ``"cuda:1"``) or ``"cpu"`` for a CPU worker. Default: every visible
-            GPU, or CPU workers when there is none.
+        devices: Where workers run: a list of :data:`DeviceLike`, or one.
+            GPUs are named as this process numbers them (``0``, ``"cuda:1"``,
+            ``torch.device("cuda", 1)``); ``"cpu"`` is a CPU worker. Default:
+            every visible GPU, or one CPU worker per core when there is none.
         workers_per_device: Workers started per device.
         progress: Show progress on stderr (tqdm if installed, else a line).
 
@@ -133,7 +128,8 @@ def gpu_map(
         ``[fn(item) for item in items]``, computed in parallel.
 
     Raises:
-        TypeError: ``fn`` cannot be pickled.
+        TypeError: ``fn`` cannot be pickled, or ``devices`` is not a device or list.
+        DeviceNotFoundError: One of ``devices`` does not exist here.
         WorkerError: ``fn`` raised for an item (the message has the item's
             index and the worker's traceback), or a worker died.
         KeyboardInterrupt: On Ctrl-C, after stopping the workers.

@@ -11,54 +11,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._devices import accelerator_type, try_all_gpus, try_gpu
-from ._errors import DeviceNotFoundError
+from ._devices import DeviceLike, resolve_device, resolve_devices, try_all_gpus, try_gpu
 from ._tree import describe_cycle, is_dataclass_instance, is_namedtuple
 
-__all__ = ["DeviceLike", "data_parallel", "load", "resolve_device", "to_device"]
+__all__ = ["data_parallel", "load", "to_device"]
 
 T = TypeVar("T")
-DeviceLike = torch.device | str | int
-"""What devicekit accepts as a device: ``torch.device("cuda", 1)``, ``"cuda:1"`` or ``1``."""
 
 logger = logging.getLogger("devicekit")
 
 _Tensor = torch.Tensor
 _LEAVES = frozenset({str, bytes, int, float, complex, bool})
-
-
-def resolve_device(device: DeviceLike | None) -> torch.device:
-    """Turn ``None`` (meaning :func:`try_gpu`), a string or an index into a ``torch.device``.
-
-    An index means that accelerator (``1`` is ``cuda:1`` on a CUDA build). An
-    accelerator without an index (``"cuda"``) becomes the current device, so
-    that comparing it with a tensor's device is meaningful.
-    """
-    if device is None:
-        return try_gpu()
-    if isinstance(device, bool):
-        raise TypeError(f"device must be a torch.device, a string or an int, got {device!r}")
-    if isinstance(device, int):
-        kind = accelerator_type()
-        if kind is None:
-            raise DeviceNotFoundError(
-                f"device {device} means an accelerator, but this torch build has none; "
-                "pass 'cpu' or leave device=None to get the CPU"
-            )
-        return torch.device(kind, device)
-    if isinstance(device, str):
-        device = torch.device(device)
-    if not isinstance(device, torch.device):
-        raise TypeError(
-            "device must be a torch.device, a string such as 'cuda:0', or an int, "
-            f"got {device!r} of type {type(device).__name__}"
-        )
-    index: int | None = device.index  # torch's stubs say int; it is None for "cuda"
-    if index is None and device.type in ("cuda", "xpu"):
-        return torch.device(device.type, torch.get_device_module(device.type).current_device())
-    if index is None and device.type == "mps":
-        return torch.device("mps", 0)
-    return device
 
 
 class _Mover:
@@ -224,8 +187,9 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
 
     Args:
         obj: A tensor, module, or any nesting of the containers above.
-        device: Where to move it. Default: :func:`try_gpu`. An int is an
-            accelerator index; ``"cuda"`` means the current CUDA device.
+        device: Where to move it: a :data:`DeviceLike` (``"cuda:1"``, ``1``,
+            a ``torch.device``; ``"cuda"`` is the current CUDA device).
+            Default: :func:`try_gpu`.
         non_blocking: ``None`` for the safe policy above, or ``True`` or
             ``False`` to force it.
 
@@ -233,8 +197,8 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         A structure of the same shape and types, holding the moved tensors.
 
     Raises:
-        ValueError: ``obj`` contains itself.
-        DeviceNotFoundError: ``device`` is an int but torch has no accelerator.
+        ValueError: ``obj`` contains itself, or ``device`` is malformed.
+        DeviceNotFoundError: This torch build or machine has no such device.
 
     Examples:
         >>> import torch, devicekit as dk
@@ -243,7 +207,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         >>> moved["x"].device, moved["pairs"][0][0].device, moved["pairs"][0][1]
         (device(type='meta'), device(type='meta'), 'label')
     """
-    target = resolve_device(device)
+    target = try_gpu() if device is None else resolve_device(device)
     mover = _Mover(target, non_blocking)
     try:
         result = mover.move(obj)
@@ -266,7 +230,7 @@ def load(path: str | os.PathLike[str], device: DeviceLike | None = None, **kwarg
 
     Args:
         path: The file to load (or anything ``torch.load`` accepts).
-        device: Where the tensors go. Default: :func:`try_gpu`.
+        device: Where the tensors go, a :data:`DeviceLike`. Default: :func:`try_gpu`.
         **kwargs: Passed to ``torch.load`` (``weights_only``, ``mmap``...).
 
     Returns:
@@ -274,6 +238,7 @@ def load(path: str | os.PathLike[str], device: DeviceLike | None = None, **kwarg
 
     Raises:
         TypeError: Both ``device`` and ``map_location`` were given.
+        DeviceNotFoundError: This torch build or machine has no such device.
 
     Examples:
         >>> import io, torch, devicekit as dk
@@ -288,7 +253,7 @@ def load(path: str | os.PathLike[str], device: DeviceLike | None = None, **kwarg
             raise TypeError("load() takes device or map_location, not both; pass only device")
         map_location = kwargs.pop("map_location")
     else:
-        map_location = resolve_device(device)
+        map_location = try_gpu() if device is None else resolve_device(device)
     kwargs.setdefault("weights_only", True)
     return torch.load(path, map_location=map_location, **kwargs)
 
@@ -297,7 +262,7 @@ _warned_data_parallel = False
 
 
 def data_parallel(
-    module: torch.nn.Module, devices: Sequence[DeviceLike] | None = None
+    module: torch.nn.Module, devices: Sequence[DeviceLike] | DeviceLike | None = None
 ) -> torch.nn.Module:
     """Wrap ``module`` in ``nn.DataParallel`` when there are several GPUs; else just move it.
 
@@ -309,13 +274,15 @@ def data_parallel(
 
     Args:
         module: The model.
-        devices: The devices to use. Default: :func:`try_all_gpus`.
+        devices: The devices to use: a list of :data:`DeviceLike`, or one
+            device. Default: :func:`try_all_gpus`.
 
     Returns:
         ``nn.DataParallel(module)`` or ``module`` itself, moved.
 
     Raises:
         ValueError: ``devices`` is empty, or mixes device types.
+        DeviceNotFoundError: One of ``devices`` does not exist here.
 
     Examples:
         >>> import torch, devicekit as dk
@@ -324,7 +291,7 @@ def data_parallel(
         ('Linear', device(type='cpu'))
     """
     global _warned_data_parallel  # noqa: PLW0603 - a once-per-process flag
-    targets = try_all_gpus() if devices is None else [resolve_device(d) for d in devices]
+    targets = try_all_gpus() if devices is None else resolve_devices(devices)
     if not targets:
         raise ValueError("data_parallel() needs at least one device, got an empty list")
     kinds = sorted({d.type for d in targets})

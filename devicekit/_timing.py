@@ -17,8 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ._devices import current_cuda_device
-from ._placement import DeviceLike, resolve_device
+from ._devices import DeviceLike, accelerator_type, current_cuda_device, resolve_device
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Benchmark", "Timer"]
@@ -51,7 +50,7 @@ def _synchronize(device: torch.device | None) -> None:
     if device is None:
         if torch_cuda_initialized():
             torch.cuda.synchronize()
-    elif device.type != "cpu":
+    elif device.type == accelerator_type():
         torch.get_device_module(device.type).synchronize(device)
 
 

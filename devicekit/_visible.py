@@ -154,9 +154,13 @@ def _driver_started() -> bool:
 
 
 @contextmanager
-def _scoped_env(name: str, value: str) -> Iterator[None]:
+def _scoped_env(name: str, value: str | None) -> Iterator[None]:
+    """Set (or, for None, unset) an environment variable inside a block; restore it after."""
     previous = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
@@ -171,7 +175,7 @@ def visible_devices(
     devices: int | str | Iterable[int | str] | None,
     *,
     subprocesses_only: bool = False,
-) -> Iterator[list[int | str]]:
+) -> Iterator[list[int | str] | None]:
     """Set ``CUDA_VISIBLE_DEVICES`` inside a ``with`` block, and restore it afterwards.
 
     The previous value, or its absence, comes back when the block ends,
@@ -189,14 +193,17 @@ def visible_devices(
     Args:
         devices: Which GPUs to show: an index (``1``), a comma-separated
             string (``"0,2"``), a sequence of indices or of ``GPU-``/``MIG-``
-            UUIDs (unique prefixes are fine), or ``None``, ``""`` or ``[]`` to
-            hide every GPU.
+            UUIDs (unique prefixes are fine); ``""`` or ``[]`` to hide every
+            GPU; ``None`` to unset the variable, so that every GPU is visible.
+            Each value round-trips with :func:`parse_visible_devices`:
+            ``visible_devices(dk.parse_visible_devices())`` changes nothing.
         subprocesses_only: Set the variable even though CUDA has already
             started in this process, because it is meant only for processes
             started inside the block.
 
     Yields:
-        The parsed entries, for example ``[0, 2]``; ``[]`` when every GPU is hidden.
+        The parsed entries, for example ``[0, 2]``; ``[]`` when every GPU is
+        hidden; None when the variable is unset.
 
     Raises:
         TypeError: ``devices`` or one of its entries has the wrong type.
@@ -211,16 +218,18 @@ def visible_devices(
         ...     print(devices, os.environ["CUDA_VISIBLE_DEVICES"])
         [1, 0] 1,0
     """
-    parsed = _normalize(devices)
-    value = ",".join(str(entry) for entry in parsed)
+    parsed = None if devices is None else _normalize(devices)
+    value = None if parsed is None else ",".join(str(entry) for entry in parsed)
     if not subprocesses_only:
         reason = cuda_started()
         if reason is not None:
+            change = f"unset {ENV_VAR}" if value is None else f"set {ENV_VAR}={value!r}"
+            shell = f"env -u {ENV_VAR}" if value is None else f"{ENV_VAR}={value}"
             raise CUDAInitializedError(
-                f"cannot set {ENV_VAR}={value!r} for this process: {reason}, and CUDA reads "
-                "the variable only when it starts. Set it before the first CUDA call (at the "
-                f"top of the script, or in the shell: {ENV_VAR}={value} python train.py), or "
-                "pass subprocesses_only=True to set it only for processes started in the block."
+                f"cannot {change} for this process: {reason}, and CUDA reads the variable only "
+                "when it starts. Do it before the first CUDA call (at the top of the script, or "
+                f"in the shell: {shell} python train.py), or pass subprocesses_only=True to do "
+                "it only for processes started in the block."
             )
     with _scoped_env(ENV_VAR, value):
         yield parsed
@@ -228,16 +237,14 @@ def visible_devices(
 
 _EXPECTED = (
     "an int, a comma-separated string, a sequence of ints or 'GPU-'/'MIG-' UUIDs, "
-    "or None to hide every GPU"
+    "[] to hide every GPU, or None to unset the variable"
 )
 
 
 def _normalize(devices: object) -> list[int | str]:
     """Check the whole argument and return its entries; change nothing."""
     raw: list[object]
-    if devices is None:
-        raw = []
-    elif isinstance(devices, str):
+    if isinstance(devices, str):
         raw = [] if not devices.strip() else list(devices.split(","))
     elif isinstance(devices, (bool, bytes, dict)):
         raise TypeError(f"visible_devices() expects {_EXPECTED}; got {devices!r}")
@@ -282,8 +289,7 @@ def _parse_entry(entry: object, devices: object) -> int | str:
 def _check_non_negative(index: int, where: str) -> int:
     if index < 0:
         raise ValueError(
-            f"negative entry {index} {where}: device indices start at 0; "
-            "to hide every GPU pass None or []"
+            f"negative entry {index} {where}: device indices start at 0; to hide every GPU pass []"
         )
     return index
 

@@ -72,6 +72,33 @@ def competing_gpu_process() -> Iterator[subprocess.Popen[str]]:
         hammer.wait()
 
 
+FakeAccelerator = Callable[[str | None, int], None]
+
+
+@pytest.fixture
+def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
+    """Pretend the torch build has ``kind`` with ``count`` devices (the device model only).
+
+    Patched in every devicekit module that imported the two functions, so the
+    whole library sees the same fake. Nothing can run on the fake devices.
+    """
+    from devicekit import _devices
+
+    replaced = {_devices.accelerator_type, _devices.accelerator_count}  # and, later, fakes
+
+    def install(kind: str | None, count: int) -> None:
+        fakes = {"accelerator_type": lambda: kind, "accelerator_count": lambda: count}
+        for name, module in list(sys.modules.items()):
+            if name == "devicekit" or not name.startswith("devicekit."):
+                continue
+            for attr, fake in fakes.items():
+                if getattr(module, attr, None) in replaced:
+                    monkeypatch.setattr(module, attr, fake)
+        replaced.update(fakes.values())
+
+    return install
+
+
 @pytest.fixture
 def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
     """Install a ``pynvml`` stand-in (or None: not installed) with devicekit's NVML state reset."""

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -9,20 +8,7 @@ import torch
 import devicekit as dk
 from devicekit import _devices
 
-from .conftest import GPU_COUNT, run_python
-
-FakeAccelerator = Callable[[str | None, int], None]
-
-
-@pytest.fixture
-def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
-    """Pretend the build has ``kind`` with ``count`` devices (the index logic only)."""
-
-    def install(kind: str | None, count: int) -> None:
-        monkeypatch.setattr(_devices, "accelerator_type", lambda: kind)
-        monkeypatch.setattr(_devices, "accelerator_count", lambda: count)
-
-    return install
+from .conftest import GPU_COUNT, FakeAccelerator, run_python
 
 
 def test_accelerator_type_reads_the_build_without_the_torch_2_6_runtime_check(

@@ -206,9 +206,11 @@ def test_gpu_without_nvml_says_why(nvml_session: Install) -> None:
 @pytest.mark.parametrize(
     ("index", "error", "message"),
     [
-        ("cpu", ValueError, r"gpu\(\) describes CUDA devices, got 'cpu'"),
-        (-1, ValueError, r"gpu\(index\) must be a non-negative int, got -1"),
-        (1.0, TypeError, r"gpu\(index\) must be a non-negative int, got 1\.0"),
+        ("cpu", ValueError, r"index='cpu' is not a CUDA device; pass a CUDA index"),
+        (-1, ValueError, r"index must be a non-negative int, got -1"),
+        (1.0, TypeError, r"index must be a torch\.device, a device string .* got 1\.0"),
+        (True, TypeError, r"index must be a torch\.device, a device string .* got the bool"),
+        ("npu", ValueError, r"index='npu' is not a device torch knows"),
     ],
 )
 def test_gpu_rejects_bad_indices(

@@ -205,7 +205,7 @@ def test_launch_bound_code_shows_itself() -> None:
     m = measurement([18e-6] * 20, host_times=[16e-6] * 20)
     assert m.trustworthy
     assert m.notes == [
-        "launch-bound: issuing a call takes 16 us on the host and its GPU time is 18 us, so the "
+        "launch-bound: issuing a call takes 16 µs on the host and its GPU time is 18 µs, so the "
         "GPU mostly waits for the host; mode='graph' shows the GPU time without launch overhead"
     ]
     assert measurement([18e-6] * 20, host_times=[8e-6] * 20).notes == []

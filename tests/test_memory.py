@@ -8,7 +8,7 @@ import torch
 
 import devicekit as dk
 
-from .conftest import GPU_COUNT, run_python
+from .conftest import GPU_COUNT, FakeAccelerator, run_python
 
 
 def test_free_memory_without_cuda_collects_garbage_and_says_so() -> None:
@@ -49,8 +49,8 @@ def test_reports_read_in_mib_and_gib() -> None:
     device = dk.DeviceMemory("cuda:0", 2**30, 0, 3 * 2**30, 2**21, 10 * 2**30, 13 * 2**30)
     assert device.returned == 3 * 2**30 - 2**21
     assert str(device) == (
-        "cuda:0: returned 3.00 GiB to the driver; allocated 1.00 GiB -> 0.0 MiB, reserved "
-        "3.00 GiB -> 2.0 MiB, driver free 10.00 GiB -> 13.00 GiB"
+        "cuda:0: returned 3.00 GiB to the driver; allocated 1.00 GiB -> 0 B, reserved "
+        "3.00 GiB -> 2.00 MiB, driver free 10.00 GiB -> 13.00 GiB"
     )
     report = dk.MemoryReport((device,), collected=4)
     assert repr(report).splitlines()[0] == "MemoryReport(gc collected 4 objects)"
@@ -88,12 +88,15 @@ def test_memory_scope_sees_the_peak_and_the_net() -> None:
     assert GPU_COUNT >= 1
 
 
-def test_a_scope_measures_the_device_asked_for_even_cuda0(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_scope_measures_the_device_asked_for_even_cuda0(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
     from devicekit import _memory
 
+    fake_accelerator("cuda", 3)
     monkeypatch.setattr(_memory, "current_cuda_device", lambda: torch.device("cuda", 1))
-    assert _memory._scope_index(torch.device("cuda", 0)) == 0
-    assert _memory._scope_index(torch.device("cuda", 2)) == 2
-    assert _memory._scope_index(None) == 1
+    assert _memory._default_scope_device() == torch.device("cuda", 1)
     monkeypatch.setattr(_memory, "current_cuda_device", lambda: None)
-    assert _memory._scope_index(None) == 0
+    assert _memory._default_scope_device() == torch.device("cuda", 0)
+    fake_accelerator(None, 0)
+    assert _memory._default_scope_device() == torch.device("cpu")

@@ -248,12 +248,30 @@ def test_gpu_info_reads_well(nvml_session: Install) -> None:
     nvml_session(one_gpu(throttle=0x4))
     info = dk.gpus()[0]
     assert repr(info) == (
-        "GPUInfo(cuda:0 (nvml 0), NVIDIA H100 80GB HBM3, memory 2.0/80.0 GiB, util 10%, 40 C, "
-        "120/700 W, SM 1980/1980 MHz, throttled: power_cap, 0 processes)"
+        "GPUInfo(cuda:0 (nvml 0), NVIDIA H100 80GB HBM3, memory 2.0 GiB / 80.0 GiB, util 10%, "
+        "40 °C, 120 W / 700 W, SM 1980 / 1980 MHz, throttled: power_cap, 0 processes)"
     )
     page = info._repr_html_()
-    assert page.startswith("<table><caption>GPUInfo(cuda:0")
-    assert "<th style='text-align:left'>memory_total</th><td>85899345920</td>" in page
+    assert page.startswith("<table><caption>GPUInfo: cuda:0</caption>")
+    assert '<th style="text-align:left">memory used</th><td>2.0 GiB of 80.0 GiB</td>' in page
+    assert "<td>power_cap</td>" in page  # a name, not a tuple's repr
+    assert "85899345920" not in page
+
+
+def test_gpu_info_says_unknown_once_and_counts_properly(nvml_session: Install) -> None:
+    fake = one_gpu()
+    fake.gpus[0].compute = [(4242, 2**30)]
+    fake.gpus[0].unsupported = {"nvmlDeviceGetEnforcedPowerLimit"}
+    nvml_session(fake)
+    info = dk.gpus()[0]
+    assert "120 W / ?," in repr(info)  # never "120/0 W"
+    assert repr(info).endswith("1 process)")
+
+
+def test_a_hostile_process_name_cannot_reach_the_terminal() -> None:
+    process = dk.GPUProcess(7, "evil\x1b]0;owned\x07\x1b[2J", 2**20, "compute")
+    assert "\x1b" not in str(process)
+    assert str(process) == "7 evil\\x1b]0;owned\\x07\\x1b[2J 1 MiB"
 
 
 def test_throttle_names_cover_every_bit() -> None:

@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 import devicekit as dk
 
-from .conftest import GPU_COUNT
+from .conftest import GPU_COUNT, FakeAccelerator
 
 
 def where(item: int) -> tuple[int, str | None, int]:
@@ -50,8 +51,11 @@ def test_empty_input() -> None:
     assert dk.gpu_map(math.sqrt, [], devices=["cpu"]) == []
 
 
-def test_each_worker_sees_only_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_worker_sees_only_its_device(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # the caller's 0 and 1 are GPUs 5 and 7
+    fake_accelerator("cuda", 2)
     results = dk.gpu_map(where, range(8), devices=[0, "cuda:1"])
     assert [item for _, _, item in results] == list(range(8))
     by_worker: dict[int, set[str | None]] = {}
@@ -67,10 +71,10 @@ def test_cpu_workers_hide_every_gpu() -> None:
     assert {visible for _, visible, _ in results} == {""}
 
 
-def test_no_gpu_means_cpu_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_gpu_means_cpu_workers(fake_accelerator: FakeAccelerator) -> None:
     from devicekit import _parallel
 
-    monkeypatch.setattr(_parallel, "accelerator_type", lambda: None)
+    fake_accelerator(None, 0)
     assert _parallel._slots(None, 1) == ["cpu"] * (os.cpu_count() or 1)
     assert _parallel._slots(None, 2) == ["cpu"] * 2 * (os.cpu_count() or 1)
 
@@ -94,7 +98,7 @@ def test_an_unpicklable_function_is_refused_before_any_worker_starts() -> None:
     [
         ({"workers_per_device": 0}, ValueError, "workers_per_device must be at least 1"),
         ({"devices": []}, ValueError, "needs at least one device"),
-        ({"devices": [-1]}, ValueError, "gpu_map device must be a non-negative int"),
+        ({"devices": [-1]}, ValueError, r"devices\[0\] must be a non-negative int"),
     ],
 )
 def test_bad_options(options: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -102,10 +106,36 @@ def test_bad_options(options: dict[str, Any], error: type[Exception], message: s
         dk.gpu_map(math.sqrt, [1], **options)
 
 
-def test_a_device_beyond_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_device_beyond_the_visible_ones(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(ValueError, match=r"device 1 does not exist: CUDA_VISIBLE_DEVICES='3'"):
+    fake_accelerator("cuda", 1)
+    with pytest.raises(
+        dk.DeviceNotFoundError,
+        match=r"devices\[0\]=1 does not exist: 1 GPU is visible \(CUDA_VISIBLE_DEVICES='3'\)",
+    ):
         dk.gpu_map(math.sqrt, [1], devices=[1])
+
+
+def test_a_gpu_that_does_not_exist_is_refused_without_the_variable_too(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before, devices=[7] was only caught when CUDA_VISIBLE_DEVICES was set;
+    # otherwise the worker silently ran on the CPU.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake_accelerator("cuda", 2)
+    with pytest.raises(dk.DeviceNotFoundError, match=r"devices\[0\]=7 does not exist"):
+        dk.gpu_map(math.sqrt, [1], devices=[7])
+
+
+def test_devices_accept_torch_devices_and_one_string(fake_accelerator: FakeAccelerator) -> None:
+    from devicekit import _parallel
+
+    fake_accelerator("cuda", 2)
+    assert _parallel._slots([torch.device("cuda", 1), "cpu"], 1) == [1, "cpu"]
+    assert _parallel._slots("cpu", 2) == ["cpu", "cpu"]  # one string is one device
+    assert _parallel._slots(torch.device("cuda", 0), 1) == [0]
 
 
 def test_ctrl_c_stops_the_workers() -> None:

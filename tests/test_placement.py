@@ -15,7 +15,7 @@ import torch
 import devicekit as dk
 from devicekit import _placement
 
-from .conftest import GPU_COUNT
+from .conftest import GPU_COUNT, FakeAccelerator
 
 META = torch.device("meta")
 
@@ -246,9 +246,11 @@ def test_default_device_is_try_gpu() -> None:
     assert dk.to_device(torch.ones(1)).device == dk.try_gpu()
 
 
-def test_int_device_without_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_placement, "accelerator_type", lambda: None)
-    with pytest.raises(dk.DeviceNotFoundError, match="device 1 means an accelerator"):
+def test_int_device_without_accelerator(fake_accelerator: FakeAccelerator) -> None:
+    fake_accelerator(None, 0)
+    with pytest.raises(
+        dk.DeviceNotFoundError, match="device=1 means accelerator 1, but this torch"
+    ):
         dk.to_device(torch.ones(1), 1)
 
 

@@ -125,7 +125,6 @@ def test_parse_agrees_with_torch_on_uuids(entries: list[str]) -> None:
         (["GPU-ab12", "GPU-cd34"], "GPU-ab12,GPU-cd34", ["GPU-ab12", "GPU-cd34"]),
         ("MIG-8c3b0f1e-aa01", "MIG-8c3b0f1e-aa01", ["MIG-8c3b0f1e-aa01"]),
         (["MIG-GPU-5bd6a7e1/1/0"], "MIG-GPU-5bd6a7e1/1/0", ["MIG-GPU-5bd6a7e1/1/0"]),
-        (None, "", []),
         ([], "", []),
         ("", "", []),
     ],
@@ -157,13 +156,47 @@ def test_visible_devices_restores_on_exceptions() -> None:
 @pytest.mark.usefixtures("cuda_not_started")
 def test_visible_devices_nests() -> None:
     with dk.visible_devices("0,1"):
-        with dk.visible_devices(None):
+        with dk.visible_devices([]):
             assert os.environ[VAR] == ""
             with dk.visible_devices([1]):
                 assert os.environ[VAR] == "1"
             assert os.environ[VAR] == ""
         assert os.environ[VAR] == "0,1"
     assert VAR not in os.environ
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_visible_devices_none_unsets_the_variable_and_restores_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(VAR, "1")
+    with dk.visible_devices(None) as parsed:
+        assert parsed is None
+        assert VAR not in os.environ  # every GPU visible, as parse_visible_devices() says
+        assert dk.parse_visible_devices() is None
+    assert os.environ[VAR] == "1"
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+@pytest.mark.parametrize("value", [None, "", "1,0", "GPU-ab12"])
+def test_visible_devices_round_trips_with_parse_visible_devices(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
+    if value is None:
+        monkeypatch.delenv(VAR, raising=False)
+    else:
+        monkeypatch.setenv(VAR, value)
+    with dk.visible_devices(dk.parse_visible_devices()):
+        assert os.environ.get(VAR) == value
+        assert dk.parse_visible_devices() == dk.parse_visible_devices(value)
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+@pytest.mark.parametrize("hide", ["", [], ()])
+def test_empty_values_hide_every_gpu(hide: object) -> None:
+    with dk.visible_devices(hide) as parsed:  # type: ignore[arg-type]
+        assert parsed == []
+        assert os.environ[VAR] == ""
 
 
 @pytest.mark.usefixtures("cuda_not_started")

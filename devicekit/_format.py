@@ -1,0 +1,151 @@
+"""How every repr, table and message spells numbers, units and the unknown.
+
+One module, so that bytes are MiB/GiB everywhere, time is s/ms/µs/ns
+everywhere, and a value nobody knows prints as :data:`UNKNOWN` everywhere
+(never ``0``, ``-`` or ``nan``). It also makes text from outside the process
+(process names from ``/proc``, NVML strings) safe to print, and renders the
+small HTML tables notebooks show.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "UNKNOWN",
+    "format_bytes",
+    "format_count",
+    "format_percent",
+    "format_seconds",
+    "format_value",
+    "html_table",
+    "plural",
+    "safe_text",
+]
+
+UNKNOWN = "?"
+"""How text spells a value that is ``None`` in the data."""
+
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
+# C0 and C1 control characters and DEL: anything that could move a terminal's
+# cursor, change its colours or its title, or ring its bell.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def format_bytes(value: float | None, *, digits: int = 1) -> str:
+    """``1536`` -> ``"1.5 KiB"``; binary units up to PiB; None -> ``"?"``.
+
+    Examples:
+        >>> format_bytes(80 * 2**30), format_bytes(-3 * 2**20), format_bytes(None)
+        ('80.0 GiB', '-3.0 MiB', '?')
+    """
+    if value is None or not math.isfinite(value):
+        return UNKNOWN
+    sign, size = ("-" if value < 0 else ""), abs(value)
+    for unit in _BINARY_UNITS:
+        if size < 1024 or unit == _BINARY_UNITS[-1]:
+            return f"{sign}{size:.0f} B" if unit == "B" else f"{sign}{size:.{digits}f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_seconds(value: float | None) -> str:
+    """``0.00123`` -> ``"1.23 ms"``, three significant digits; None or NaN -> ``"?"``.
+
+    Examples:
+        >>> format_seconds(2.5), format_seconds(1.234e-5), format_seconds(3e-9)
+        ('2.5 s', '12.3 µs', '3 ns')
+    """
+    if value is None or not math.isfinite(value):
+        return UNKNOWN
+    for unit, scale in _TIME_UNITS:
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def format_percent(value: float | None, *, digits: int = 0) -> str:
+    """``42`` -> ``"42%"`` (the value is already in percent); None -> ``"?"``."""
+    return UNKNOWN if value is None else f"{value:.{digits}f}%"
+
+
+def format_value(value: float | None, unit: str = "", *, digits: int = 0) -> str:
+    """A number with its unit (``"300 W"``, ``"41 °C"``); None -> ``"?"``.
+
+    Examples:
+        >>> format_value(299.6, "W"), format_value(None, "W")
+        ('300 W', '?')
+    """
+    if value is None:
+        return UNKNOWN
+    return f"{value:.{digits}f} {unit}" if unit else f"{value:.{digits}f}"
+
+
+def format_count(value: int | None, word: str) -> str:
+    """``plural`` that also knows the unknown: ``None`` -> ``"? processes"``."""
+    return f"{UNKNOWN} {_plural_word(word)}" if value is None else plural(value, word)
+
+
+def plural(count: int, word: str) -> str:
+    """``"1 process"``, ``"2 processes"``, ``"0 GPUs"``.
+
+    Examples:
+        >>> plural(1, "process"), plural(3, "process"), plural(0, "GPU")
+        ('1 process', '3 processes', '0 GPUs')
+    """
+    return f"1 {word}" if count == 1 else f"{count} {_plural_word(word)}"
+
+
+def _plural_word(word: str) -> str:
+    return word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+
+
+def safe_text(text: str) -> str:
+    r"""``text`` with every control character written as an escape, for a terminal.
+
+    Process names come from ``/proc/<pid>/comm``, which any user can set for
+    their own processes; printed raw, an escape sequence there would reach the
+    terminal of whoever runs ``devicekit``.
+
+    Examples:
+        >>> safe_text("python\x1b]0;pwned\x07")
+        'python\\x1b]0;pwned\\x07'
+    """
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def html_table(
+    rows: Iterable[Sequence[object]],
+    *,
+    header: Sequence[str] | None = None,
+    caption: str | None = None,
+) -> str:
+    """A small HTML table for ``_repr_html_``; every cell is escaped, None shows as ``"?"``.
+
+    Examples:
+        >>> html_table([("memory", "80.0 GiB")], caption="cuda:0")
+        '<table><caption>cuda:0</caption><tr><th style="text-align:left">memory</th><td>80.0 GiB</td></tr></table>'
+    """  # noqa: E501 - the expected output is one line
+    parts = ["<table>"]
+    if caption is not None:
+        parts.append(f"<caption>{html.escape(caption)}</caption>")
+    if header is not None:
+        parts.append("<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+    for row in rows:
+        cells = [_cell(value) for value in row]
+        if header is None and cells:  # a key-value table: the key is a row header
+            first = f'<th style="text-align:left">{cells[0]}</th>'
+            parts.append("<tr>" + first + "".join(f"<td>{c}</td>" for c in cells[1:]) + "</tr>")
+        else:
+            parts.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    parts.append("</table>")
+    return "".join(parts)
+
+
+def _cell(value: object) -> str:
+    text = UNKNOWN if value is None else str(value)
+    return "<br>".join(html.escape(line) for line in text.splitlines()) or ""

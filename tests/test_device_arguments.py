@@ -1,0 +1,290 @@
+"""Every public function that takes a device reads it the same way, and refuses it the same way.
+
+One table of inputs goes to each function. Each call reports the device it
+ended up using, so the test sees the normalization (``cpu:0`` is ``cpu``), and
+every error must be of the same class and name the parameter.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import devicekit as dk
+
+from .conftest import GPU_COUNT, FakeAccelerator
+
+Call = Callable[[object], list[torch.device]]
+
+
+def _to_device(value: object) -> list[torch.device]:
+    return [dk.to_device(torch.ones(1), value).device]  # type: ignore[arg-type]
+
+
+def _load(value: object) -> list[torch.device]:
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(1)}, buffer)
+    buffer.seek(0)
+    return [dk.load(buffer, value)["w"].device]  # type: ignore[arg-type]
+
+
+def _timer(value: object) -> list[torch.device]:
+    with dk.Timer(device=value) as timer:  # type: ignore[arg-type]
+        pass
+    return [timer._device or torch.device("cpu")]
+
+
+def _benchmark_context(value: object) -> list[torch.device]:
+    bench = dk.Benchmark("quiet", device=value)  # type: ignore[arg-type]
+    return [bench._timer._device or torch.device("cpu")]
+
+
+def _benchmark(value: object) -> list[torch.device]:
+    m = dk.benchmark(math.sqrt, 2.0, device=value, warmup=0.001, min_time=0.001, max_time=0.01)  # type: ignore[arg-type]
+    return [torch.device(m.conditions.device)]
+
+
+def _compare(value: object) -> list[torch.device]:
+    table = dk.compare({"sqrt": lambda: math.sqrt(2)}, device=value, max_time=0.01, min_time=0.001)
+    return [torch.device(table.rows[0].measurement.conditions.device)]
+
+
+def _memory_scope(value: object) -> list[torch.device]:
+    with dk.memory_scope(value) as scope:  # type: ignore[arg-type]
+        pass
+    assert scope.report is not None
+    return [torch.device(scope.report.device)]
+
+
+def _data_parallel(value: object) -> list[torch.device]:
+    model = dk.data_parallel(torch.nn.Linear(1, 1), value)  # type: ignore[arg-type]
+    return [model.weight.device]
+
+
+def _gpu_map(value: object) -> list[torch.device]:
+    dk.gpu_map(math.sqrt, [1.0], devices=value)  # type: ignore[arg-type]
+    from devicekit import _parallel
+
+    return [
+        torch.device("cpu") if s == "cpu" else torch.device("cuda", s)
+        for s in _parallel._slots(value, 1)
+    ]
+
+
+def _free_memory(value: object) -> list[torch.device]:
+    dk.free_memory(devices=value)  # type: ignore[arg-type]
+    return []
+
+
+def _bench(value: object) -> list[torch.device]:
+    from devicekit._devices import resolve_cuda_devices
+
+    resolve_cuda_devices(value, name="devices", why="")  # bench() itself would run for seconds
+    return []
+
+
+SINGLE: dict[str, tuple[Call, str]] = {
+    "to_device": (_to_device, "device"),
+    "load": (_load, "device"),
+    "Timer": (_timer, "device"),
+    "Benchmark": (_benchmark_context, "device"),
+    "benchmark": (_benchmark, "device"),
+    "compare": (_compare, "device"),
+    "memory_scope": (_memory_scope, "device"),
+}
+LISTS: dict[str, tuple[Call, str]] = {
+    "data_parallel": (_data_parallel, "devices"),
+    "gpu_map": (_gpu_map, "devices"),
+}
+CUDA_ONLY_LISTS: dict[str, tuple[Call, str]] = {
+    "free_memory": (_free_memory, "devices"),
+    "bench": (_bench, "devices"),
+}
+CPU = torch.device("cpu")
+
+# (input, expected): a list of devices, or (error class, what the message must say).
+CPU_BUILD_CASES: list[tuple[object, object]] = [
+    (True, (TypeError, "got the bool True")),
+    (-1, (ValueError, "must be a non-negative int, got -1")),
+    (99, (dk.DeviceNotFoundError, "means accelerator 99, but")),
+    ("cuda", (dk.DeviceNotFoundError, "names a CUDA device, but this torch build")),
+    ("cuda:99", (dk.DeviceNotFoundError, "names a CUDA device, but this torch build")),
+    ("npu", (ValueError, "is not a device torch knows")),
+    (1.5, (TypeError, "got 1.5 of type float")),
+    ("cpu:0", [CPU]),
+    (torch.device("cpu", 0), [CPU]),
+    ("cpu", [CPU]),
+]
+
+
+def _check(call: Call, name: str, value: object, expected: object) -> None:
+    if isinstance(expected, list):
+        assert call(value) == expected
+        return
+    error, text = expected  # type: ignore[misc]
+    with pytest.raises(error) as info:
+        call(value)
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    assert re.search(rf"\b{name}(\[\d+\])?\b", message), message  # the parameter is named
+    assert text in message, message
+
+
+@pytest.fixture
+def no_accelerator(fake_accelerator: FakeAccelerator) -> None:
+    fake_accelerator(None, 0)  # a CPU-only build, wherever the suite runs
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize(("value", "expected"), CPU_BUILD_CASES, ids=repr)
+@pytest.mark.parametrize("function", [*SINGLE, *LISTS])
+def test_every_function_reads_a_device_the_same_way(
+    function: str, value: object, expected: object
+) -> None:
+    call, name = {**SINGLE, **LISTS}[function]
+    _check(call, name, value, expected)
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ([-1], (ValueError, "must be a non-negative int, got -1")),
+        (["cpu", "cuda:99"], (dk.DeviceNotFoundError, "names a CUDA device")),
+        (["npu"], (ValueError, "is not a device torch knows")),
+        ([True], (TypeError, "got the bool True")),
+        ({"cpu": 1}, (TypeError, "must be a device or a list of devices")),
+        (b"cpu", (TypeError, "must be a device or a list of devices")),
+        ("cpu", [CPU]),  # a string is one device, never a sequence of letters
+        (["cpu", torch.device("cpu", 0)], [CPU, CPU]),
+        ((CPU,), [CPU]),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("function", list(LISTS))
+def test_every_list_parameter_reads_devices_the_same_way(
+    function: str, value: object, expected: object
+) -> None:
+    call, name = LISTS[function]
+    if function == "data_parallel" and isinstance(expected, list) and len(expected) > 1:
+        expected = [CPU]  # one module, on the first device
+    _check(call, name, value, expected)
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("cpu", (ValueError, "is not a CUDA device")),
+        (["cpu"], (ValueError, "is not a CUDA device")),
+        ([99], (dk.DeviceNotFoundError, "means accelerator 99")),
+        (True, (TypeError, "must be a device or a list of devices")),
+        ([], []),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("function", list(CUDA_ONLY_LISTS))
+def test_cuda_only_lists_refuse_the_cpu(function: str, value: object, expected: object) -> None:
+    call, name = CUDA_ONLY_LISTS[function]
+    _check(call, name, value, expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("cuda:2", (dk.DeviceNotFoundError, "2 GPUs are visible: cuda:0, cuda:1")),
+        (5, (dk.DeviceNotFoundError, "2 GPUs are visible: cuda:0, cuda:1")),
+        ("xpu", (dk.DeviceNotFoundError, "names a XPU device")),
+        ("mps:0", (dk.DeviceNotFoundError, "names a MPS device")),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("function", [*SINGLE, *LISTS, *CUDA_ONLY_LISTS])
+def test_with_two_fake_gpus_a_third_is_refused_everywhere(
+    fake_accelerator: FakeAccelerator, function: str, value: object, expected: object
+) -> None:
+    fake_accelerator("cuda", 2)
+    call, name = {**SINGLE, **LISTS, **CUDA_ONLY_LISTS}[function]
+    _check(call, name, value, expected)
+
+
+def test_the_device_model_normalizes_fake_gpus(
+    fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from devicekit._devices import resolve_device, resolve_devices
+
+    fake_accelerator("cuda", 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # before CUDA starts: cuda:0
+    assert resolve_device(1) == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert resolve_devices(["cuda:0", 1]) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(dk.DeviceNotFoundError, match=r"CUDA_VISIBLE_DEVICES='3,1'"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("cuda:0", 0),
+        (torch.device("cuda", 1), 1),
+        (1, 1),
+        ("cuda", 0),  # the current device; cuda:0 before CUDA starts
+    ],
+    ids=repr,
+)
+def test_pick_gpu_exclude_reads_cuda_devices(value: object, expected: int) -> None:
+    from devicekit._devices import parse_cuda_indices
+
+    assert parse_cuda_indices(value, name="exclude") == [expected]
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "text"),
+    [
+        ("cpu", ValueError, "exclude='cpu' is not a CUDA device"),
+        (True, TypeError, "exclude must be a device or a list of devices"),
+        ([True], TypeError, "exclude[0] must be a torch.device"),
+        ([-1], ValueError, "exclude[0] must be a non-negative int"),
+        ("npu", ValueError, "exclude='npu' is not a device torch knows"),
+    ],
+    ids=repr,
+)
+def test_pick_gpu_exclude_refuses_like_the_rest(
+    nvml_session: Callable[[object], None], value: object, error: type[Exception], text: str
+) -> None:
+    nvml_session(None)
+    with pytest.raises(error) as info:
+        dk.pick_gpu(exclude=value)  # type: ignore[arg-type]
+    assert text in str(info.value)
+
+
+def test_pick_gpu_exclude_walks_no_string_letter_by_letter(
+    nvml_session: Callable[[object], None],
+) -> None:
+    nvml_session(None)
+    assert dk.pick_gpu(exclude="cuda:0") == CPU  # before: "device string: c" from torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("function", [*SINGLE, *LISTS, *CUDA_ONLY_LISTS])
+def test_on_a_real_gpu_a_missing_one_is_refused_everywhere(function: str) -> None:
+    call, name = {**SINGLE, **LISTS, **CUDA_ONLY_LISTS}[function]
+    count = torch.cuda.device_count()
+    visible = f"{count} GPU{'s are' if count > 1 else ' is'} visible"
+    _check(call, name, f"cuda:{count}", (dk.DeviceNotFoundError, visible))
+    if function in SINGLE:
+        assert call("cuda") == [torch.device("cuda", torch.cuda.current_device())]
+        assert call(torch.device("cuda", 0)) == [torch.device("cuda", 0)]
+
+
+def test_a_real_cpu_build_refuses_cuda_without_a_torch_assertion() -> None:
+    if torch.version.cuda or GPU_COUNT:
+        pytest.skip("this torch build has CUDA")
+    for call, name in [*SINGLE.values(), *LISTS.values()]:
+        _check(call, name, "cuda", (dk.DeviceNotFoundError, "names a CUDA device"))
