@@ -174,9 +174,10 @@ def resolve_device(value: object, *, name: str = "device") -> torch.device:
     """
     if value.__class__ is torch.device:  # the hot path: to_device with a device object
         device: torch.device = value
-        if device.type == "cpu":
+        # == compares in C; reading device.type builds a new string each time (0.2 µs).
+        if device == _CPU:
             return _CPU
-        if device.type == "meta":
+        if device == _META:
             return _META
     else:
         device = _parse(value, name)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+import weakref
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -21,77 +25,79 @@ T = TypeVar("T")
 logger = logging.getLogger("devicekit")
 
 _Tensor = torch.Tensor
-_LEAVES = frozenset({str, bytes, int, float, complex, bool})
+_CPU = torch.device("cpu")
+_META_DEVICE = torch.device("meta")
+_LEAVES = frozenset({str, bytes, int, float, complex, bool, type(None)})
+
+
+# How a tensor's device is compared with the target, cheapest first: reading
+# tensor.device builds a new torch.device object (55 ns); tensor.is_cpu does not (30 ns).
+_HOST, _CUDA, _META, _SAME_DEVICE = range(4)
+_BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
+
+
+def _describe_target(device: torch.device) -> tuple[int, int | None, bool]:
+    """How tensors are compared with ``device``, its index, and whether it is the host."""
+    if device == _CPU:  # resolve_device made it canonical
+        return _HOST, None, True
+    if device == _META_DEVICE:
+        return _META, None, False
+    if device.type == "cuda" and device.index is not None:
+        return _CUDA, device.index, False
+    return _SAME_DEVICE, device.index, False
+
+
+_targets: dict[torch.device, tuple[int, int | None, bool]] = {}  # a handful of devices at most
 
 
 class _Mover:
-    """One :func:`to_device` call: the target, the copy policy, and what was already moved."""
+    """One :func:`to_device` call: the target, the copy policy, and what was already moved.
 
-    __slots__ = ("active", "device", "forced", "memo", "to_host", "unsynced")
+    ``move`` is the walk itself, a closure over this state (see :func:`_walk`);
+    :meth:`close` lets go of it, which ends the reference cycle between the two.
+    """
+
+    __slots__ = ("device", "memo", "move", "non_blocking", "returned_none", "unsynced")
 
     def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
         self.device = device
-        self.forced = non_blocking
-        self.to_host = device.type == "cpu"
-        self.memo: dict[int, Any] = {}  # id(original) -> moved; keeps shared things shared
-        self.active: set[int] = set()  # containers on the current path, to catch cycles
-        self.unsynced: set[torch.device] = set()  # sources of non-blocking copies to the host
-
-    def non_blocking(self) -> bool:
+        target = _targets.get(device)
+        if target is None:
+            target = _targets[device] = _describe_target(device)
+        kind, index, to_host = target
         # A non-blocking copy to the host may be read before it lands: only when
         # forced, and then synchronized before to_device returns.
-        return (not self.to_host) if self.forced is None else self.forced
+        self.non_blocking = (not to_host) if non_blocking is None else non_blocking
+        self.memo: dict[int, Any] = {}  # id(original) -> moved; keeps shared things shared
+        # Sources of non-blocking copies to the host, which must be waited for.
+        self.unsynced: set[torch.device] | None = set() if self.non_blocking and to_host else None
+        self.returned_none: list[type] | None = None  # classes whose .to() returned None
+        self.move: Callable[[Any], Any] = _walk(self, kind, index)
 
-    # The walk is the hot path of every training step: few calls per element.
-    def move(self, obj: Any) -> Any:
-        if isinstance(obj, _Tensor):
-            return self.tensor(obj)
-        cls = type(obj)
-        if cls is dict:
-            return self.container(obj, _rebuild_dict)
-        if cls is list or cls is tuple:
-            return self.container(obj, _rebuild_sequence)
-        if cls in _LEAVES or obj is None:
-            return obj
-        return self.other(obj)
-
-    def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        source = tensor.device
-        if source == self.device:
-            return tensor  # itself, so sharing holds without the memo
-        moved: torch.Tensor | None = self.memo.get(id(tensor))
-        if moved is None:
-            non_blocking = self.non_blocking()
-            moved = tensor.to(self.device, non_blocking=non_blocking)
-            if non_blocking and self.to_host:
-                self.unsynced.add(source)
-            self.memo[id(tensor)] = moved
-        return moved
-
-    def container(self, obj: Any, rebuild: Any) -> Any:
+    def container(self, obj: Any, rebuild: Callable[[_Mover, Any], Any]) -> Any:
+        """Rebuild ``obj`` once, however often it is reached; raise _Cycle if it contains itself."""
         key = id(obj)
-        done = self.memo.get(key)
+        memo = self.memo
+        done = memo.get(key)
         if done is not None:
-            return done
-        if key in self.active:
-            raise _Cycle
-        self.active.add(key)
-        result = rebuild(self, obj)
-        self.active.discard(key)
-        self.memo[key] = result
+            if done is _BUSY:
+                raise _Cycle
+            return done  # reached twice: one rebuilt container, shared as in the input
+        memo[key] = _BUSY
+        result = memo[key] = rebuild(self, obj)
         return result
 
     def other(self, obj: Any) -> Any:
+        """Everything but tensors and plain dicts, lists and tuples."""
         if isinstance(obj, type):
             return obj  # a class, even one with a .to attribute (nn.Linear.to)
         if isinstance(obj, torch.nn.Module):
-            if self.non_blocking() and self.to_host:
+            if self.unsynced is not None:
                 self.unsynced.update(t.device for t in obj.parameters())
                 self.unsynced.update(t.device for t in obj.buffers())
-            return obj.to(self.device, non_blocking=self.non_blocking())
-        to = getattr(obj, "to", None)
-        if callable(to):
-            return self.container(obj, lambda _, o: o.to(self.device))
+            return obj.to(self.device, non_blocking=self.non_blocking)
+        if callable(getattr(obj, "to", None)):
+            return self.container(obj, _call_to)
         if isinstance(obj, Mapping):
             return self.container(obj, _rebuild_mapping)
         if isinstance(obj, tuple):
@@ -104,45 +110,164 @@ class _Mover:
             return self.container(obj, _rebuild_dataclass)
         return obj
 
-    def synchronize(self) -> None:
-        for source in self.unsynced:
-            if source.type != "cpu":
-                torch.get_device_module(source.type).synchronize(source)
+    def close(self) -> None:
+        self.move = _closed
+        if self.unsynced:
+            for source in self.unsynced:
+                if source.type != "cpu":
+                    torch.get_device_module(source.type).synchronize(source)
+
+
+def _closed(obj: Any) -> Any:
+    raise AssertionError("to_device's walk is over")  # pragma: no cover
 
 
 class _Cycle(Exception):
     """Raised inside the walk; to_device turns it into a ValueError with the path."""
 
 
-# Plain dict, list and tuple hold nearly every batch: tensors are handled inline,
-# one call each instead of two.
-def _rebuild_dict(mover: _Mover, obj: dict[Any, Any]) -> dict[Any, Any]:
-    move, tensor = mover.move, mover.tensor
-    return {k: tensor(v) if isinstance(v, _Tensor) else move(v) for k, v in obj.items()}
+def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]:  # noqa: PLR0915
+    """The walk of one call, as a closure: its state is in local cells, not attributes.
+
+    This is the hot path of every training step. Plain dicts, lists and tuples
+    hold nearly every batch, so their loops are written out here, and so is the
+    move of each tensor inside them: on a batch of small tensors a Python call
+    per element costs more than the copy (docs/benchmarks.md has the numbers).
+    What is left costs about 150 ns per tensor: the memo that moves a tensor
+    reached twice only once.
+    """
+    device, non_blocking, memo = mover.device, mover.non_blocking, mover.memo
+    get = memo.get
+    inline = mover.unsynced is None  # copies to the host that must be waited for: not inline
+
+    def here(tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is on the target already (the loops below inline this)."""
+        if kind == _HOST:
+            return tensor.is_cpu
+        if kind == _CUDA:
+            return tensor.is_cuda and tensor.get_device() == index
+        if kind == _META:
+            return tensor.is_meta
+        return bool(tensor.device == device)
+
+    def move_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if here(tensor):
+            return tensor  # itself, so sharing holds without the memo
+        moved: torch.Tensor | None = get(id(tensor))
+        if moved is None:
+            moved = memo[id(tensor)] = tensor.to(device, non_blocking=non_blocking)
+            if mover.unsynced is not None:
+                mover.unsynced.add(tensor.device)
+        return moved
+
+    def move(obj: Any) -> Any:  # noqa: PLR0912 - the hot path, written out on purpose
+        cls = obj.__class__
+        if cls is not dict and cls is not list and cls is not tuple:
+            if cls is _Tensor or isinstance(obj, _Tensor):
+                return move_tensor(obj)
+            return obj if cls in _LEAVES else mover.other(obj)
+        key = id(obj)
+        done = get(key)
+        if done is not None:
+            if done is _BUSY:
+                raise _Cycle
+            return done  # reached twice: one rebuilt container, shared as in the input
+        memo[key] = _BUSY
+        recurse = mover.move
+        result: Any
+        if cls is dict:
+            result = {}
+            for name, value in obj.items():
+                if value.__class__ is not _Tensor or not inline:
+                    result[name] = recurse(value)
+                elif (
+                    value.is_cpu if kind == _HOST
+                    else (value.is_cuda and value.get_device() == index) if kind == _CUDA
+                    else value.is_meta if kind == _META
+                    else value.device == device
+                ):  # fmt: skip
+                    result[name] = value
+                else:
+                    moved = get(id(value))
+                    if moved is None:
+                        moved = memo[id(value)] = value.to(device, non_blocking=non_blocking)
+                    result[name] = moved
+        else:
+            result = []
+            append = result.append
+            for value in obj:
+                if value.__class__ is not _Tensor or not inline:
+                    append(recurse(value))
+                elif (
+                    value.is_cpu if kind == _HOST
+                    else (value.is_cuda and value.get_device() == index) if kind == _CUDA
+                    else value.is_meta if kind == _META
+                    else value.device == device
+                ):  # fmt: skip
+                    append(value)
+                else:
+                    moved = get(id(value))
+                    if moved is None:
+                        moved = memo[id(value)] = value.to(device, non_blocking=non_blocking)
+                    append(moved)
+            if cls is tuple:
+                result = tuple(result)
+        memo[key] = result
+        return result
+
+    return move
 
 
-def _rebuild_sequence(
-    mover: _Mover, obj: list[Any] | tuple[Any, ...]
-) -> list[Any] | tuple[Any, ...]:
-    move, tensor = mover.move, mover.tensor
-    items = [tensor(v) if isinstance(v, _Tensor) else move(v) for v in obj]
-    return items if type(obj) is list else tuple(items)
+def _call_to(mover: _Mover, obj: Any) -> Any:
+    moved = obj.to(mover.device)
+    if moved is None:
+        # It moved itself in place and forgot to return self (Lightning keeps it too).
+        mover.returned_none = [*(mover.returned_none or ()), type(obj)]
+        return obj
+    return moved
 
 
 def _rebuild_mapping(mover: _Mover, obj: Mapping[Any, Any]) -> Any:
+    """A mapping of the same type and meaning, holding the moved values.
+
+    Never ``copy`` then ``update``: ``Counter.update`` adds the counts, and a
+    ``ModelOutput`` refuses ``update`` altogether.
+    """
+    cls = type(obj)
     moved = {key: mover.move(value) for key, value in obj.items()}
-    if isinstance(obj, dict):
-        # A shallow copy keeps the subclass and its state (a defaultdict's
-        # default_factory, an OrderedDict's order); then every value is replaced.
-        result = copy.copy(obj)
-        result.update(moved)
-        return result
-    return type(obj)(moved)  # type: ignore[call-arg]
+    if cls is OrderedDict:
+        return OrderedDict(moved)
+    if cls is defaultdict:
+        return defaultdict(obj.default_factory, moved)  # type: ignore[attr-defined]
+    if cls is Counter:
+        return Counter(moved)  # an empty Counter takes a mapping as is
+    if not isinstance(obj, MutableMapping):
+        return cls(moved)  # type: ignore[call-arg]  # read-only: MappingProxyType...
+    # A subclass (a ModelOutput, a user's dict) or a MutableMapping (UserDict):
+    # a shallow copy made the class's own way (its __reduce__ or __copy__) keeps
+    # its state, then each value that moved is replaced with its own __setitem__,
+    # which keeps attribute mirrors (ModelOutput, EasyDict) in step.
+    result = copy.copy(obj)
+    changed = [(key, value) for key, value in moved.items() if value is not obj[key]]
+    try:
+        for key, value in changed:
+            result[key] = value
+    except Exception:  # a read-only dict subclass: set the copy's storage
+        if not isinstance(result, dict):
+            raise
+        base = OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
+        for key, value in changed:
+            base(result, key, value)
+    if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
+        _replace_fields(mover, result, obj)
+    _forget_cached_properties(result)
+    return result
 
 
 def _rebuild_list_subclass(mover: _Mover, obj: list[Any]) -> list[Any]:
     result = copy.copy(obj)
     result[:] = [mover.move(item) for item in obj]
+    _forget_cached_properties(result)
     return result
 
 
@@ -159,25 +284,88 @@ def _rebuild_dataclass(mover: _Mover, obj: Any) -> Any:
     # Every field, init=False ones too, on a copy: frozen instances are rebuilt,
     # never mutated, and __post_init__ does not run again.
     result = copy.copy(obj)
+    _replace_fields(mover, result, obj)
+    _forget_cached_properties(result)
+    return result
+
+
+def _replace_fields(mover: _Mover, result: Any, obj: Any) -> None:
     missing = object()
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name, missing)
         if value is not missing:
             object.__setattr__(result, field.name, mover.move(value))
-    return result
+
+
+_cached_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _forget_cached_properties(obj: Any) -> None:
+    """Drop the ``functools.cached_property`` values of a copy: computed from the old tensors."""
+    cls = type(obj)
+    names = _cached_names.get(cls)
+    if names is None:
+        seen: dict[str, Any] = {}
+        for klass in cls.__mro__:
+            for name, attribute in vars(klass).items():
+                seen.setdefault(name, attribute)  # the first in the MRO is the one in use
+        names = _cached_names[cls] = tuple(
+            attribute.attrname or name
+            for name, attribute in seen.items()
+            if isinstance(attribute, functools.cached_property)
+        )
+    state = getattr(obj, "__dict__", None)
+    if names and state is not None:
+        for name in names:
+            state.pop(name, None)
+
+
+_warned_returned_none: set[type] = set()
+
+
+def _warn_returned_none(classes: list[type]) -> None:
+    for cls in dict.fromkeys(classes):
+        if cls in _warned_returned_none:
+            continue
+        _warned_returned_none.add(cls)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        warnings.warn(
+            f"{name}.to() returned None; to_device() kept the object itself, assuming it moved "
+            f"in place. Make {cls.__qualname__}.to() return self (or its moved copy). "
+            "This warning is shown once per class.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | None = None) -> T:
     """Return ``obj`` with every tensor inside it moved to ``device``.
 
-    Walks nested structures and keeps their types: ``dict`` and every other
-    ``Mapping`` (an ``OrderedDict`` keeps its order, a ``defaultdict`` its
-    ``default_factory``), ``list``, ``tuple``, namedtuples, ``set`` and
-    ``frozenset``, and dataclasses (every field, on a copy, so frozen ones work
-    and the original is untouched). Objects with their own ``.to(device)``
-    method are moved by it; modules are moved in place, as ``Module.to`` does.
-    Anything else is returned unchanged. A tensor reached twice is moved once,
-    so shared tensors stay shared.
+    Walks nested structures and rebuilds each container so that it keeps its
+    type and its meaning:
+
+    - ``dict``, ``list``, ``tuple``, namedtuples, ``torch.return_types``,
+      ``set`` and ``frozenset``: the same type, elements moved.
+    - ``OrderedDict`` keeps its order, ``defaultdict`` its ``default_factory``,
+      ``Counter`` its counts (never added twice).
+    - Other mappings: a ``dict`` subclass or ``MutableMapping`` (a Hugging
+      Face ``ModelOutput``, a ``UserDict``) is copied the class's own way and
+      each moved value is set with its own ``__setitem__`` (``update`` is never
+      called: ``ModelOutput`` refuses it, ``Counter`` adds); a read-only
+      mapping is rebuilt as ``type(m)(moved_items)``.
+    - Dataclasses, frozen or not: a shallow copy with every field moved,
+      ``init=False`` fields too; ``__post_init__`` does not run again, and
+      ``functools.cached_property`` values are dropped from the copy (they
+      were computed from the old tensors) so they are computed again.
+    - Objects with their own ``.to(device)`` method are moved by it; one whose
+      ``.to()`` returns None is kept (it moved itself), with a warning once
+      per class.
+    - Modules are moved in place, as ``Module.to`` does.
+
+    Anything else is returned unchanged, and the input is never modified
+    (except modules, and objects whose ``.to()`` moves them in place). A
+    tensor reached twice is moved once, so shared tensors stay shared, and a
+    tensor already on ``device`` is returned as is.
 
     Copies *to an accelerator* are non-blocking; copies *to the host* are
     blocking, because the host may read a non-blocking copy before it has
@@ -201,13 +389,20 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         DeviceNotFoundError: This torch build or machine has no such device.
 
     Examples:
-        >>> import torch, devicekit as dk
+        >>> import collections, torch, devicekit as dk
         >>> batch = {"x": torch.ones(2), "pairs": [(torch.zeros(1), "label")]}
         >>> moved = dk.to_device(batch, "meta")
         >>> moved["x"].device, moved["pairs"][0][0].device, moved["pairs"][0][1]
         (device(type='meta'), device(type='meta'), 'label')
+        >>> dk.to_device(collections.Counter(tokens=3), "meta")
+        Counter({'tokens': 3})
     """
     target = try_gpu() if device is None else resolve_device(device)
+    if obj.__class__ is _Tensor and non_blocking is None:
+        # One tensor, the most common call: no walk, no mover. The same policy.
+        if obj.device == target:  # type: ignore[attr-defined]
+            return obj
+        return obj.to(target, non_blocking=target != _CPU)  # type: ignore[attr-defined,no-any-return]
     mover = _Mover(target, non_blocking)
     try:
         result = mover.move(obj)
@@ -216,7 +411,10 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
             f"to_device() cannot move a structure that contains itself: "
             f"{describe_cycle(obj, 'obj')}. Break the cycle, or give the object a .to() method."
         ) from None
-    mover.synchronize()
+    finally:
+        mover.close()
+    if mover.returned_none is not None:
+        _warn_returned_none(mover.returned_none)
     return result  # type: ignore[no-any-return]
 
 

@@ -8,7 +8,9 @@ or bar.
 from __future__ import annotations
 
 import csv
+import io
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,8 +23,14 @@ class CSVSink:
     """Append records to a CSV file, one row per step, one column per key.
 
     The header is the keys in order of first appearance. When a later flush
-    brings a new key, the file is rewritten with the wider header (earlier
+    brings a new key, the file is written again with the wider header (earlier
     rows get an empty cell), so no value is dropped.
+
+    A failed write never destroys rows already on disk. A wider header is
+    written to a new file beside the old one, which then replaces it in one
+    step (``os.replace``); an append that fails (a full disk) is cut back to
+    where it began. The records it could not write are kept and written first
+    at the next flush.
 
     Args:
         path: The file; created (with its folder) on the first flush, replaced
@@ -41,27 +49,81 @@ class CSVSink:
         self.path = Path(path)
         self.columns: list[str] = []
         self._started = False
+        self._unwritten: list[Record] = []  # what a failed write left out, written first next time
+
+    def __repr__(self) -> str:
+        return f"CSVSink({str(self.path)!r})"
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
-        new = [key for record in records for key in record if key not in self.columns]
-        widened = bool(new) and self._started
-        self.columns.extend(dict.fromkeys(new))
-        if widened:
-            with self.path.open(newline="", encoding="utf-8") as old:
-                rows = list(csv.DictReader(old))
-            self._write("w", [*rows, *records])
-        else:
-            self._write("a" if self._started else "w", records)
+        rows = [*self._unwritten, *records]
+        new = [
+            key for key in dict.fromkeys(k for row in rows for k in row) if key not in self.columns
+        ]
+        columns = [*self.columns, *new]
+        try:
+            if self._started and not new:
+                self._append(columns, rows)
+            else:
+                self._replace(columns, rows)
+        except BaseException:
+            self._unwritten = rows
+            raise
+        self._unwritten = []
+        self.columns = columns
         self._started = True
 
-    def _write(self, mode: str, rows: list[dict[str, Any]]) -> None:
+    def _append(self, columns: list[str], rows: list[Record]) -> None:
+        data = _render(columns, rows, header=False)
+        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.fstat(descriptor).st_size
+            try:
+                _write_all(descriptor, data)
+            except BaseException:
+                os.ftruncate(descriptor, size)  # no half-written row is left behind
+                raise
+        finally:
+            os.close(descriptor)
+
+    def _replace(self, columns: list[str], rows: list[Record]) -> None:
+        """Write the whole file (old rows widened, then ``rows``) beside it, then swap it in."""
+        text = io.StringIO()
+        writer = csv.writer(text)
+        writer.writerow(columns)
+        if self._started:  # the rows on disk, each with an empty cell per new column
+            padding = [""] * (len(columns) - len(self.columns))
+            with self.path.open(newline="", encoding="utf-8") as old:
+                writer.writerows([*row, *padding] for row in list(csv.reader(old))[1:])
+        data = text.getvalue().encode() + _render(columns, rows, header=False)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open(mode, newline="", encoding="utf-8") as file:
-            writer = csv.DictWriter(file, fieldnames=self.columns, restval="")
-            if mode == "w":
-                writer.writeheader()
-            writer.writerows(rows)
+        temporary = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:12]}.tmp")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            try:
+                _write_all(descriptor, data)
+                os.fsync(descriptor)  # on disk before it takes the old file's name
+            finally:
+                os.close(descriptor)
+            os.replace(temporary, self.path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+
+def _render(columns: list[str], rows: list[Record], *, header: bool) -> bytes:
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    if header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue().encode()
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view) :]
 
 
 class _ScalarWriter(Protocol):
@@ -88,6 +150,9 @@ class TensorBoardSink:
     def __init__(self, writer: _ScalarWriter, *, prefix: str = "") -> None:
         self.writer = writer
         self.prefix = prefix
+
+    def __repr__(self) -> str:
+        return f"TensorBoardSink(prefix={self.prefix!r})" if self.prefix else "TensorBoardSink()"
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
@@ -129,6 +194,9 @@ class ProgressBarSink:
         self.bar = bar
         self.keys = keys
         self.fmt = fmt
+
+    def __repr__(self) -> str:
+        return f"ProgressBarSink(keys={self.keys!r})" if self.keys else "ProgressBarSink()"
 
     def __call__(self, records: list[Record]) -> None:
         """Show the newest record (called by the buffer at each flush)."""

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import csv
 import json
 import math
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,21 +151,78 @@ def test_readers() -> None:
     assert dk.LogBuffer().latest is None
 
 
+class NumpyLikeInt:
+    """Stands in for numpy.int64: a number that is not a Python int."""
+
+    def __float__(self) -> float:
+        return 3.0
+
+
+def _sparse_scalar() -> torch.Tensor:
+    return torch.tensor(2.0).to_sparse()
+
+
 @pytest.mark.parametrize(
-    ("call", "error", "message"),
+    ("value", "error", "message"),
     [
-        (lambda b: b.log(loss=torch.ones(3)), ValueError, r"expects a scalar.*shape \(3,\)"),
-        (
-            lambda b: b.log(loss="0.5"),
-            TypeError,
-            r"log\(loss=\.\.\.\) expects a 0-d tensor or a number, got str",
-        ),
-        (lambda b: b.log(flag=True), TypeError, r"got bool"),
+        (torch.ones(3), ValueError, r"expects a scalar.*shape \(3,\)"),
+        ("0.5", TypeError, r"log\(bad=\.\.\.\) expects a 0-d tensor or a number, got str$"),
+        (None, TypeError, r"got NoneType"),
+        (NumpyLikeInt(), TypeError, r"got NumpyLikeInt; log float\(value\)"),
+        (torch.tensor(1 + 2j), TypeError, r"real number, got a tensor of dtype torch\.complex64"),
+        (torch.tensor(1.0, dtype=torch.complex128), TypeError, r"dtype torch\.complex128"),
+        (_sparse_scalar(), TypeError, r"dense tensor, got layout torch\.sparse_coo"),
+        (torch.tensor(1.0, device="meta"), ValueError, r"on the meta device, which holds no"),
+        (torch.ones(1, device="meta"), ValueError, r"on the meta device"),
+        (10**400, ValueError, r"an int of 1329 bits, too large for a float64"),
+    ],
+    ids=[
+        "vector",
+        "str",
+        "None",
+        "numpy-like",
+        "complex",
+        "complex128",
+        "sparse",
+        "meta",
+        "meta-1d",
+        "huge-int",
     ],
 )
-def test_bad_values(call: Any, error: type[Exception], message: str) -> None:
+def test_bad_values_are_refused_by_the_log_call_that_passes_them(
+    value: Any, error: type[Exception], message: str
+) -> None:
+    buffer = dk.LogBuffer(flush_every=3)
+    buffer.log(loss=torch.tensor(1.0))
     with pytest.raises(error, match=message):
-        call(dk.LogBuffer())
+        buffer.log(loss=torch.tensor(2.0), bad=value)
+    for step in range(5):  # nothing before or after is affected, and flushes still work
+        buffer.log(loss=torch.tensor(float(step)))
+    buffer.flush()
+    assert buffer.values("loss") == [1.0, 0.0, 1.0, 2.0, 3.0, 4.0]  # the refused call: nothing
+    assert "bad" not in buffer._keys
+
+
+def test_a_refused_value_in_a_tensor_subclass_is_refused_too() -> None:
+    buffer = dk.LogBuffer()
+    with pytest.raises(TypeError, match=r"complex64"):
+        buffer.log(w=torch.nn.Parameter(torch.tensor(1j)))
+    buffer.log(w=torch.nn.Parameter(torch.tensor(0.5)))
+    assert buffer.flush() == [{"step": 0, "w": 0.5}]  # a refused call is not counted
+
+
+def test_bools_and_every_real_dtype_are_recorded_as_floats() -> None:
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8]
+    dtypes += [torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+    dtypes += [getattr(torch, name) for name in ("float8_e4m3fn", "uint16", "uint32", "uint64")]
+    values = {f"v{index}": torch.tensor(1, dtype=dtype) for index, dtype in enumerate(dtypes)}
+    with dk.LogBuffer() as buffer:
+        buffer.log(flag=True, off=False, big=2**62, **values)
+    (record,) = buffer.history
+    assert record == {"step": 0, "flag": 1.0, "off": 0.0, "big": float(2**62)} | dict.fromkeys(
+        values, 1.0
+    )
+    assert all(type(value) is float for value in record.values() if value != 0)
 
 
 @pytest.mark.parametrize(
@@ -186,23 +243,7 @@ def test_bad_options(options: dict[str, Any], error: type[Exception], message: s
         dk.LogBuffer(**options)
 
 
-# --- sinks ---------------------------------------------------------------------------------
-
-
-def test_csv_sink_writes_rows_and_widens_for_new_keys(tmp_path: Path) -> None:
-    path = tmp_path / "logs" / "train.csv"
-    with dk.LogBuffer(flush_every=2, sinks=[dk.CSVSink(path)]) as buffer:
-        buffer.log(0, loss=0.5)
-        buffer.log(1, loss=0.25)
-        buffer.log(2, loss=0.125, acc=0.9)  # a key the header does not have yet
-    with path.open(newline="") as file:
-        rows = list(csv.reader(file))
-    assert rows == [
-        ["step", "loss", "acc"],
-        ["0", "0.5", ""],
-        ["1", "0.25", ""],
-        ["2", "0.125", "0.9"],
-    ]
+# --- sinks and failures ------------------------------------------------------------------
 
 
 def test_a_failing_sink_loses_nothing_and_raises_once() -> None:
@@ -225,29 +266,208 @@ def test_a_failing_sink_loses_nothing_and_raises_once() -> None:
     assert [r["loss"] for r in received[1]] == [3.0, 4.0]  # nothing re-sent, nothing skipped
 
 
-def test_tensorboard_and_progress_bar_sinks() -> None:
-    class Writer:
-        def __init__(self) -> None:
-            self.calls: list[tuple[str, float, int | None]] = []
+def test_a_flush_that_fails_keeps_its_values_and_retries_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_start = dk.LogBuffer._start
+    failures = [MemoryError("out of memory while stacking")]
 
-        def add_scalar(self, tag: str, value: float, step: int | None = None) -> None:
-            self.calls.append((tag, value, step))
+    def flaky_start(self: dk.LogBuffer, *args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real_start(self, *args, **kwargs)
 
-    class Bar:
-        def __init__(self) -> None:
-            self.postfix: dict[str, Any] | None = None
+    monkeypatch.setattr(dk.LogBuffer, "_start", flaky_start)
+    buffer = dk.LogBuffer(flush_every=4)
+    for step in range(3):
+        buffer.log(step, loss=torch.tensor(float(step)))
+    with pytest.raises(MemoryError, match="out of memory"):
+        buffer.log(3, loss=torch.tensor(3.0))  # the automatic flush fails here, and says so
+    for step in range(4, 7):  # later calls are not poisoned: no flush is tried at each one
+        buffer.log(step, loss=torch.tensor(float(step)))
+    assert buffer.history == []
+    buffer.log(7, loss=torch.tensor(7.0))  # flush_every calls later: tried again, and it works
+    buffer.flush()
+    assert buffer.values("loss") == [float(step) for step in range(8)]  # each once, in order
+    assert [record["step"] for record in buffer.history] == list(range(8))
 
-        def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
-            self.postfix = values
 
-    writer, bar = Writer(), Bar()
-    with dk.LogBuffer(
-        sinks=[dk.TensorBoardSink(writer), dk.ProgressBarSink(bar, keys=["loss"])]
-    ) as b:
-        b.log(5, loss=0.5, lr=1e-3)
-        b.log(6, loss=0.25, lr=1e-3)
-    assert writer.calls == [("loss", 0.5, 5), ("lr", 1e-3, 5), ("loss", 0.25, 6), ("lr", 1e-3, 6)]
-    assert bar.postfix == {"loss": "0.25"}
+def test_a_copy_that_fails_to_land_is_kept_and_completed_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from devicekit import _logbuffer
+
+    class FailsOnce:
+        failed = False
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "isfinite" and not self.failed:
+                self.failed = True
+                raise RuntimeError("CUDA error: an illegal memory access")  # say
+            return getattr(math, name)
+
+    buffer = dk.LogBuffer(flush_every=2)
+    buffer.log(loss=1.0)
+    buffer.log(loss=2.0)  # starts a copy
+    monkeypatch.setattr(_logbuffer, "math", FailsOnce())
+    buffer.log(loss=3.0)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        buffer.log(loss=4.0)  # landing the first copy fails
+    buffer.flush()
+    assert buffer.values("loss") == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_log_and_flush_from_several_threads_record_each_value_once() -> None:
+    buffer = dk.LogBuffer(flush_every=7)
+    calls, workers = 1500, 4
+    barrier = threading.Barrier(workers + 1)
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            for index in range(calls):
+                step = worker * 100_000 + index
+                buffer.log(step, loss=torch.tensor(float(step)), worker=worker)
+                if index % 250 == 0:
+                    _ = buffer.latest  # readers race with the flushes too
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    def flusher() -> None:
+        barrier.wait(timeout=30)
+        while any(thread.is_alive() for thread in threads):
+            buffer.flush(wait=False)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    helper = threading.Thread(target=flusher)
+    for thread in [*threads, helper]:
+        thread.start()
+    for thread in [*threads, helper]:
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a thread did not finish"
+    assert not errors
+    buffer.flush()
+    steps = [record["step"] for record in buffer.history]
+    expected = [w * 100_000 + i for w in range(workers) for i in range(calls)]
+    assert sorted(steps) == expected  # each (thread, step) exactly once
+    assert all(record["loss"] == record["step"] for record in buffer.history)
+    for worker in range(workers):  # each thread's records stay in its own order
+        own = [s for s in steps if s // 100_000 == worker]
+        assert own == sorted(own)
+
+
+def test_default_steps_from_several_threads_are_distinct() -> None:
+    buffer = dk.LogBuffer(flush_every=5)
+    threads = [
+        threading.Thread(target=lambda: [buffer.log(x=1.0) for _ in range(500)]) for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    buffer.flush()
+    assert sorted(record["step"] for record in buffer.history) == list(range(2000))
+
+
+def _leave_block(buffer: dk.LogBuffer, error: BaseException, **values: Any) -> None:
+    with buffer:
+        buffer.log(0, **values)
+        raise error
+
+
+def _notes(error: BaseException) -> str:
+    return "\n".join(getattr(error, "__notes__", []))
+
+
+@pytest.mark.parametrize("leaving_on", [KeyError("training crashed"), KeyboardInterrupt()])
+def test_a_failing_sink_never_replaces_the_exception_the_block_leaves_on(
+    leaving_on: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(records: list[dk.Record]) -> None:
+        raise OSError("disk full")
+
+    buffer = dk.LogBuffer(sinks=[broken])
+    with pytest.raises(type(leaving_on)) as info:
+        _leave_block(buffer, leaving_on, loss=torch.tensor(1.0))
+    assert info.value is leaving_on
+    assert buffer.values("loss") == [1.0]  # recorded all the same
+    if sys.version_info >= (3, 11):
+        assert "its final flush raised OSError: disk full" in _notes(leaving_on)
+        assert "every record is in LogBuffer.history" in _notes(leaving_on)
+    else:
+        assert "OSError: disk full" in caplog.text
+
+
+def test_a_failing_final_flush_never_replaces_the_exception_either(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def failing_start(self: dk.LogBuffer, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(dk.LogBuffer, "_start", failing_start)
+    buffer = dk.LogBuffer()
+    with pytest.raises(ValueError, match="bad batch") as info:
+        _leave_block(buffer, ValueError("bad batch"), loss=1.0, lr=0.1)
+    if sys.version_info >= (3, 11):
+        assert "raised RuntimeError: copy failed (2 values still pending)" in _notes(info.value)
+    assert len(buffer._pending) == 1  # kept, not lost
+
+
+def test_without_an_exception_a_failing_sink_raises_from_the_block() -> None:
+    def broken(records: list[dk.Record]) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"), dk.LogBuffer(sinks=[broken]) as buffer:
+        buffer.log(loss=1.0)
+    assert buffer.values("loss") == [1.0]
+
+
+def test_reading_history_does_not_run_the_sinks() -> None:
+    received: list[int] = []
+    buffer = dk.LogBuffer(flush_every=2, sinks=[lambda records: received.append(len(records))])
+    buffer.log(loss=1.0)
+    buffer.log(loss=2.0)  # starts a copy
+    assert buffer.values("loss") == [1.0, 2.0]  # lands it, without calling a sink
+    assert received == []
+    buffer.flush()
+    assert received == [2]  # delivered once, at the next flush
+
+
+# --- in a notebook -----------------------------------------------------------------------------
+
+
+def test_repr_shows_keys_records_pending_last_record_and_sinks(tmp_path: Path) -> None:
+    def show(records: list[dk.Record]) -> None:
+        pass
+
+    buffer = dk.LogBuffer(flush_every=3, sinks=[dk.CSVSink(tmp_path / "log.csv"), show])
+    assert repr(buffer) == (
+        f"LogBuffer(flush_every=3): 0 records of (none), 0 values pending, "
+        f"sinks CSVSink({str(tmp_path / 'log.csv')!r}), "
+        "test_repr_shows_keys_records_pending_last_record_and_sinks.<locals>.show"
+    )
+    for step in range(4):
+        buffer.log(step, loss=float(step), lr=0.5)
+    _ = buffer.history
+    text = repr(buffer)
+    assert text.startswith("LogBuffer(flush_every=3): 3 records of loss, lr, 2 values pending, ")
+    assert "last {'step': 2, 'loss': 2.0, 'lr': 0.5}" in text
+    html = buffer._repr_html_()
+    assert "<caption>LogBuffer(flush_every=3)</caption>" in html
+    assert "<td>3 records</td>" in html
+    assert "<td>loss, lr</td>" in html
+    assert "<td>2 values not yet on the host</td>" in html
+    assert "<td>step=2, loss=2.0, lr=0.5</td>" in html
+    assert "CSVSink(" in html
+
+
+def test_repr_of_a_reducing_buffer_and_html_escaping() -> None:
+    buffer = dk.LogBuffer(reduce="mean")
+    buffer.log(**{"<b>": 1.0})
+    assert repr(buffer).startswith("LogBuffer(flush_every=100, reduce='mean'): 0 records of <b>")
+    assert "&lt;b&gt;" in buffer._repr_html_()
 
 
 # --- across ranks --------------------------------------------------------------------------
@@ -260,36 +480,95 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> None:
+    import datetime
+
     import torch.distributed as dist
+
+    from devicekit import _logbuffer
 
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
-        results = {}
+        results: dict[str, Any] = {}
         for op in ("mean", "sum", "max", "min"):
             buffer = dk.LogBuffer(flush_every=3, reduce=op)
             for step in range(7):
                 loss = torch.tensor(float(rank * 10 + step), device=device)
-                buffer.log(step, loss=loss, rank=rank)
+                if rank % 2:  # the same keys, in another keyword order
+                    buffer.log(step, rank=rank, loss=loss)
+                else:
+                    buffer.log(step, loss=loss, rank=rank)
             buffer.flush()
             results[op] = buffer.history
+
+        # Keys of other kinds on each rank: a number here, an int tensor there.
+        buffer = dk.LogBuffer(flush_every=4, reduce="sum")
+        for step in range(6):
+            if rank % 2:
+                buffer.log(step, acc=torch.tensor(rank, device=device), loss=float(step))
+            else:
+                buffer.log(step, loss=torch.tensor(float(step), device=device), acc=float(rank))
+        buffer.flush()
+        results["kinds"] = buffer.history
+
+        def disagreement(steps: int, extra: dict[str, float]) -> list[Any]:
+            buffer = dk.LogBuffer(reduce="mean")
+            for step in range(steps):
+                buffer.log(step, loss=torch.tensor(1.0, device=device), **extra)
+            try:
+                buffer.flush()
+            except ValueError as error:
+                return [str(error), len(buffer._pending), buffer.history]
+            return ["no error", len(buffer._pending), buffer.history]
+
+        results["keys"] = disagreement(3, {"extra": 2.0} if rank == 0 else {})
+        results["steps"] = disagreement(3 if rank == 0 else 2, {})
+        if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
+            real = _logbuffer._as_float64
+
+            def failing(values: Any, on: Any) -> Any:
+                raise RuntimeError("out of memory")
+
+            _logbuffer._as_float64 = failing  # type: ignore[assignment]
+        results["failure"] = disagreement(2, {})
+        if rank == 1:
+            _logbuffer._as_float64 = real  # type: ignore[assignment]
+        results["after"] = disagreement(2, {})  # the group still works afterwards
         Path(folder, f"{rank}.json").write_text(json.dumps(results))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+def _spawn(main: Any, args: tuple[Any, ...], world: int, *, timeout: float = 240) -> None:
+    """``mp.spawn``, but a rank that hangs fails the test instead of hanging it."""
+    context = mp.spawn(main, args=args, nprocs=world, join=False)
+    assert context is not None
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {timeout} s")
+
+
 def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     """Spawn ``world`` ranks that each log rank * 10 + step; check every reduced record."""
-    args = (world, _free_port(), str(folder), backend)
-    mp.spawn(_rank_main, args=args, nprocs=world, join=True)
+    _spawn(_rank_main, (world, _free_port(), str(folder), backend), world)
     ranks = [json.loads((folder / f"{rank}.json").read_text()) for rank in range(world)]
-    assert all(other == ranks[0] for other in ranks)  # every rank sees the same records
+    for name in ("mean", "sum", "max", "min", "kinds", "after"):
+        assert all(other[name] == ranks[0][name] for other in ranks), name  # the same records
+    for name in ("keys", "steps", "failure"):
+        assert all(other[name][0] == ranks[0][name][0] for other in ranks), name  # one error
     top = world - 1  # the largest rank
     expected = {  # (loss, rank) at step s
         "mean": lambda s: (s + 10.0 * top / 2, top / 2),
@@ -301,6 +580,28 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
         assert ranks[0][op] == [
             {"step": s, "loss": values(s)[0], "rank": values(s)[1]} for s in range(7)
         ], op
+    rank_sum = world * top / 2
+    assert ranks[0]["kinds"] == [
+        {"step": s, "loss": world * float(s), "acc": rank_sum} for s in range(6)
+    ]
+    if world < 2:
+        return
+    message, pending, history = ranks[0]["keys"]
+    assert "LogBuffer(reduce='mean') cannot combine this flush: the ranks disagree" in message
+    assert "  rank 0: logged 3 steps of extra, loss\n" in message
+    assert "  rank 1: logged 3 steps of loss\n" in message
+    assert (pending, history) == (3, [])  # nothing mixed, nothing recorded, all kept
+    assert ranks[1]["keys"][1:] == [3, []]
+    message, pending, history = ranks[0]["steps"]
+    assert "  rank 0: logged 3 steps of loss\n  rank 1: logged 2 steps of loss\n" in message
+    assert (pending, history) == (3, [])
+    message = ranks[0]["failure"][0]
+    assert "  rank 1: could not prepare its values: RuntimeError('out of memory')" in message
+    assert ranks[0]["after"] == [
+        "no error",
+        0,
+        [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 1.0}],
+    ]
 
 
 def test_reduction_across_two_gloo_ranks(tmp_path: Path) -> None:
@@ -343,7 +644,7 @@ def test_a_gloo_flush_returns_only_once_the_worker_has_let_go(
         real_all_reduce = dist.all_reduce
         reduced: list[torch.Tensor] = []
 
-        def late_all_reduce(tensor: torch.Tensor, op: Any) -> None:
+        def late_all_reduce(tensor: torch.Tensor, op: Any) -> None:  # gloo, but 50 ms late
             late = [real_all_reduce(tensor, op=op, async_op=True)]
             late[0].wait()
             reduced.append(tensor)
@@ -353,9 +654,10 @@ def test_a_gloo_flush_returns_only_once_the_worker_has_let_go(
         with dk.LogBuffer(reduce="sum") as buffer:
             buffer.log(loss=torch.tensor(2.0))
         assert buffer.values("loss") == [2.0]
-        flat = reduced.pop()
-        assert not reduced
-        assert sys.getrefcount(flat) == alone  # only `flat` holds it: no C++ owner is left
+        assert len(reduced) == 2  # the ranks' fingerprint of their keys, then the values
+        while reduced:
+            tensor = reduced.pop()
+            assert sys.getrefcount(tensor) == alone  # only `tensor` holds it: no C++ owner left
     finally:
         dist.destroy_process_group()
 

@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import io
 import logging
 import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -200,6 +202,277 @@ def test_everything_else_is_returned_unchanged(leaf: object) -> None:
 def test_classes_with_a_to_attribute_are_leaves() -> None:
     # nn.Linear.to is a function on the class; calling it would fail.
     assert dk.to_device([torch.nn.Linear], META)[0] is torch.nn.Linear
+
+
+# --- every container keeps its meaning ------------------------------------------------
+
+
+@dataclasses.dataclass
+class OutputLike(collections.OrderedDict):  # type: ignore[type-arg]
+    """What transformers' ModelOutput is: a dataclass-backed OrderedDict that refuses update().
+
+    Its items are its non-None fields, mirrored as attributes; the real class
+    is tested in tests/compat.
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden: tuple[torch.Tensor, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                self[field.name] = value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if value is not None and name in {f.name for f in dataclasses.fields(self)}:
+            super().__setitem__(name, value)
+        super().__setattr__(name, value)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("You cannot use ``update`` on an OutputLike instance.")
+
+    def setdefault(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("You cannot use ``setdefault`` on an OutputLike instance.")
+
+    def __reduce__(self) -> Any:
+        callable_, _, *rest = super().__reduce__()
+        return (callable_, tuple(getattr(self, f.name) for f in dataclasses.fields(self)), *rest)
+
+
+def test_model_output_style_mappings_keep_items_and_attributes_in_step() -> None:
+    output = OutputLike(loss=torch.tensor(1.0), logits=torch.ones(2, 3))
+    output.hidden = (torch.zeros(2), torch.zeros(2))
+    moved = dk.to_device(output, META)
+    assert type(moved) is OutputLike
+    assert list(moved) == ["loss", "logits", "hidden"]
+    assert on(META, moved.loss)
+    assert moved["loss"] is moved.loss  # the item and the attribute are one tensor
+    assert moved["logits"] is moved.logits
+    assert moved["hidden"] is moved.hidden
+    assert all(on(META, t) for t in moved.hidden)
+    assert on("cpu", output.loss)  # the original is untouched
+    assert on("cpu", output["logits"])
+
+
+def test_model_output_style_none_fields_stay_absent() -> None:
+    moved = dk.to_device(OutputLike(logits=torch.ones(1)), META)
+    assert list(moved) == ["logits"]
+    assert moved.loss is None
+
+
+def test_counter_counts_are_not_added_twice() -> None:
+    counts = collections.Counter({"cat": 2, "dog": 1})
+    counts["scores"] = torch.ones(2)  # type: ignore[assignment]
+    moved = dk.to_device(counts, META)
+    assert type(moved) is collections.Counter
+    assert moved["cat"] == 2
+    assert moved["dog"] == 1
+    assert on(META, moved["scores"])
+
+
+def test_subclasses_of_counter_ordered_dict_and_defaultdict() -> None:
+    class Tally(collections.Counter):  # type: ignore[type-arg]
+        pass
+
+    class Ordered(collections.OrderedDict):  # type: ignore[type-arg]
+        pass
+
+    class Grouped(collections.defaultdict):  # type: ignore[type-arg]
+        pass
+
+    tally = dk.to_device(Tally({"a": 3}), META)
+    assert type(tally) is Tally
+    assert tally == {"a": 3}
+    ordered = dk.to_device(Ordered([("z", torch.ones(1)), ("a", torch.ones(1))]), META)
+    assert type(ordered) is Ordered
+    assert list(ordered) == ["z", "a"]
+    assert all(on(META, t) for t in ordered.values())
+    grouped = Grouped(list, {"x": torch.ones(1)})
+    moved = dk.to_device(grouped, META)
+    assert type(moved) is Grouped
+    assert moved.default_factory is list
+    assert on(META, moved["x"])
+
+
+def test_dict_subclass_with_attribute_mirror_and_state() -> None:
+    class AttrDict(dict):  # type: ignore[type-arg]
+        """Like easydict: every item is an attribute too."""
+
+        def __setitem__(self, key: str, value: Any) -> None:
+            super().__setitem__(key, value)
+            object.__setattr__(self, key, value)
+
+    batch = AttrDict()
+    batch["x"] = torch.ones(1)
+    batch.tag = "kept"  # type: ignore[attr-defined]
+    moved = dk.to_device(batch, META)
+    assert type(moved) is AttrDict
+    assert on(META, moved["x"])
+    assert moved.x is moved["x"]  # type: ignore[attr-defined]
+    assert moved.tag == "kept"  # type: ignore[attr-defined]
+    assert on("cpu", batch.x)  # type: ignore[attr-defined]
+
+
+def test_read_only_dict_subclass() -> None:
+    class Frozen(dict):  # type: ignore[type-arg]
+        def __setitem__(self, key: str, value: Any) -> None:
+            raise TypeError("Frozen is read-only")
+
+        def __reduce__(self) -> Any:
+            return (type(self), (dict(self),))
+
+    moved = dk.to_device(Frozen(x=torch.ones(1), n=3), META)
+    assert type(moved) is Frozen
+    assert on(META, moved["x"])
+    assert moved["n"] == 3
+
+
+def test_user_mutable_mapping_whose_constructor_takes_other_arguments() -> None:
+    class Store(MutableMapping):  # type: ignore[type-arg]
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.data: dict[str, Any] = {}
+
+        def __getitem__(self, key: str) -> Any:
+            return self.data[key]
+
+        def __setitem__(self, key: str, value: Any) -> None:
+            self.data[key] = value
+
+        def __delitem__(self, key: str) -> None:
+            del self.data[key]
+
+        def __iter__(self) -> Any:
+            return iter(self.data)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __copy__(self) -> Store:
+            copied = Store(self.name)
+            copied.data = dict(self.data)
+            return copied
+
+    store = Store("train")
+    store["x"] = torch.ones(1)
+    moved = dk.to_device(store, META)
+    assert type(moved) is Store
+    assert moved.name == "train"
+    assert on(META, moved["x"])
+    assert on("cpu", store["x"])
+
+
+def test_read_only_user_mapping_is_rebuilt_from_its_items() -> None:
+    class View(Mapping):  # type: ignore[type-arg]
+        def __init__(self, items: dict[str, Any]) -> None:
+            self._items = dict(items)
+
+        def __getitem__(self, key: str) -> Any:
+            return self._items[key]
+
+        def __iter__(self) -> Any:
+            return iter(self._items)
+
+        def __len__(self) -> int:
+            return len(self._items)
+
+    moved = dk.to_device(View({"x": torch.ones(1)}), META)
+    assert type(moved) is View
+    assert on(META, moved["x"])
+
+
+@dataclasses.dataclass
+class WithCache:
+    x: torch.Tensor
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.x * 2
+
+
+def test_cached_properties_are_computed_again_on_the_copy() -> None:
+    batch = WithCache(torch.ones(2))
+    assert on("cpu", batch.doubled)  # cached on the original
+    moved = dk.to_device(batch, META)
+    assert on(META, moved.x)
+    assert on(META, moved.doubled)  # not the original's cached CPU tensor
+    assert on("cpu", batch.doubled)
+
+
+def test_cached_properties_inherited_and_on_dict_subclasses() -> None:
+    @dataclasses.dataclass
+    class Child(WithCache):
+        y: int = 0
+
+    class Scaled(dict):  # type: ignore[type-arg]
+        @functools.cached_property
+        def total(self) -> torch.Tensor:
+            return torch.stack(list(self.values())).sum()
+
+    child = Child(torch.ones(1))
+    _ = child.doubled
+    assert on(META, dk.to_device(child, META).doubled)
+    scaled = Scaled(a=torch.ones(1))
+    _ = scaled.total
+    assert on(META, dk.to_device(scaled, META).total)
+
+
+class MovesItself:
+    """A common mistake: .to() moves in place and returns None."""
+
+    def __init__(self) -> None:
+        self.tensor = torch.ones(1)
+
+    def to(self, device: torch.device) -> None:
+        self.tensor = self.tensor.to(device)
+
+
+def test_an_object_whose_to_returns_none_is_kept_with_one_warning() -> None:
+    _placement._warned_returned_none.discard(MovesItself)
+    first, second = MovesItself(), MovesItself()
+    with pytest.warns(RuntimeWarning, match=r"MovesItself\.to\(\) returned None") as caught:
+        moved = dk.to_device({"a": first, "b": [first]}, META)
+    assert moved["a"] is first
+    assert moved["b"][0] is first
+    assert on(META, first.tensor)
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # it points at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dk.to_device(second, META) is second  # once per class
+    assert on(META, second.tensor)
+
+
+def test_tensor_subclasses_are_moved() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    moved = dk.to_device({"w": weight}, META)
+    assert on(META, moved["w"])  # what Parameter.to returns, as with a hand-written .to()
+    assert on(META, dk.to_device(weight, META))
+
+
+def test_a_single_tensor_already_there_is_itself() -> None:
+    tensor = torch.ones(1)
+    assert dk.to_device(tensor, "cpu") is tensor
+    assert dk.to_device(tensor, torch.device("cpu")) is tensor
+
+
+def test_a_single_tensor_follows_the_copy_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[torch.device, bool]] = []
+    real_to = torch.Tensor.to
+
+    def spy(self: torch.Tensor, device: torch.device, *, non_blocking: bool = False) -> Any:
+        seen.append((device, non_blocking))
+        return real_to(self, device, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    assert on(META, dk.to_device(torch.ones(1), META))
+    assert seen == [(META, True)]  # to a device: non-blocking
 
 
 # --- sharing and cycles --------------------------------------------------------------

@@ -1,0 +1,209 @@
+"""``to_device`` against the real peers: accelerate, Lightning, transformers' output classes.
+
+Every batch is moved to the ``meta`` device (every tensor is really copied,
+and no GPU is needed) by devicekit and by the peer, and the two results are
+compared element by element: types, keys, order, devices, shapes, and which
+objects are the same object. Where a peer does something else on purpose,
+the test says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+
+META = torch.device("meta")
+Move = Callable[[Any], Any]
+
+
+def accelerate_move() -> Move:
+    operations = pytest.importorskip("accelerate.utils.operations")
+    return lambda obj: operations.send_to_device(obj, META)
+
+
+def lightning_move() -> Move:
+    apply_func = pytest.importorskip("lightning.fabric.utilities.apply_func")
+    return lambda obj: apply_func.move_data_to_device(obj, META)
+
+
+def tiny_gpt2_output() -> Any:
+    """A real ``CausalLMOutputWithCrossAttentions`` from a one-layer GPT-2 (no download)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.tensor([[1, 2, 3]])
+    return model(input_ids=ids, labels=ids, output_hidden_states=True, output_attentions=True)
+
+
+def assert_same(ours: Any, theirs: Any, path: str = "obj") -> None:
+    """The same structure: types, keys in order, tensors on the same device with the same shape."""
+    assert type(ours) is type(theirs), f"{path}: {type(ours)} vs {type(theirs)}"
+    if isinstance(ours, torch.Tensor):
+        assert (ours.device, ours.shape, ours.dtype) == (theirs.device, theirs.shape, theirs.dtype)
+        return
+    if isinstance(ours, Mapping):
+        assert list(ours) == list(theirs), path
+        for key in ours:
+            assert_same(ours[key], theirs[key], f"{path}[{key!r}]")
+        if dataclasses.is_dataclass(ours):
+            for field in dataclasses.fields(ours):
+                assert_same(getattr(ours, field.name), getattr(theirs, field.name), path)
+        return
+    if isinstance(ours, (list, tuple)):
+        assert len(ours) == len(theirs), path
+        for index, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
+            assert_same(mine, other, f"{path}[{index}]")
+        return
+    if dataclasses.is_dataclass(ours):
+        for field in dataclasses.fields(ours):
+            assert_same(getattr(ours, field.name), getattr(theirs, field.name), f"{path}.{field}")
+        return
+    assert ours is theirs or ours == theirs, path
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for value in obj.values() for t in tensors_in(value)]
+    if isinstance(obj, (list, tuple)):
+        return [t for value in obj for t in tensors_in(value)]
+    return []
+
+
+# --- transformers' real output classes ----------------------------------------------------
+
+
+def test_a_real_model_output_keeps_its_type_items_and_attributes() -> None:
+    output = tiny_gpt2_output()
+    moved = dk.to_device(output, META)
+    assert type(moved) is type(output)
+    assert list(moved) == list(output)
+    assert tensors_in(moved)  # the logits, the loss, the hidden states and attentions
+    assert all(t.device == META for t in tensors_in(moved))
+    assert all(t.device.type == "cpu" for t in tensors_in(output))  # the original is untouched
+    for key in moved:
+        assert moved[key] is getattr(moved, key)  # items and attributes stay one object
+    assert len(moved.to_tuple()) == len(output.to_tuple())
+    assert moved.past_key_values is output.past_key_values  # a Cache has no .to(): unchanged
+
+
+def test_a_real_model_output_moves_as_accelerate_moves_it() -> None:
+    output = tiny_gpt2_output()
+    assert_same(dk.to_device(output, META), accelerate_move()(output))
+
+
+def test_a_real_model_output_moves_as_lightning_moves_it() -> None:
+    output = tiny_gpt2_output()
+    assert_same(dk.to_device(output, META), lightning_move()(output))
+
+
+def test_a_batch_encoding_is_moved_by_its_own_to() -> None:
+    transformers = pytest.importorskip("transformers")
+    encoding = transformers.BatchEncoding(
+        {"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 2)}
+    )
+    ours = dk.to_device(encoding, META)
+    assert type(ours) is transformers.BatchEncoding
+    assert all(t.device == META for t in ours.values())
+    assert_same(ours, accelerate_move()(encoding))
+    assert_same(ours, lightning_move()(encoding))
+
+
+# --- containers ---------------------------------------------------------------------------
+
+
+def nested_batch() -> dict[str, Any]:
+    shared = torch.ones(2)
+    return {
+        "inputs": {"ids": [torch.arange(3), shared], "mask": (torch.ones(3), None)},
+        "targets": [{"y": torch.zeros(1), "w": shared, "name": "a"}],
+        "ordered": collections.OrderedDict([("z", torch.ones(1)), ("a", torch.ones(1))]),
+    }
+
+
+@pytest.mark.parametrize("peer", [accelerate_move, lightning_move])
+def test_nested_batches(peer: Callable[[], Move]) -> None:
+    batch = nested_batch()
+    ours = dk.to_device(batch, META)
+    assert_same(ours, peer()(batch))
+    # devicekit also keeps one tensor reached twice as one moved tensor
+    assert ours["inputs"]["ids"][1] is ours["targets"][0]["w"]
+
+
+@pytest.mark.parametrize("peer", [accelerate_move, lightning_move])
+def test_counters_keep_their_counts(peer: Callable[[], Move]) -> None:
+    counts: collections.Counter[str] = collections.Counter({"cat": 2, "dog": 1})
+    ours = dk.to_device(counts, META)
+    assert ours == counts
+    assert_same(ours, peer()(counts))
+
+
+def test_defaultdicts_keep_their_factory_as_with_lightning() -> None:
+    # accelerate rebuilds a mapping as type(m)(items), which a defaultdict refuses.
+    groups: collections.defaultdict[str, Any] = collections.defaultdict(list)
+    groups["x"] = torch.ones(1)
+    ours = dk.to_device(groups, META)
+    theirs = lightning_move()(groups)
+    assert_same(ours, theirs)
+    assert ours.default_factory is theirs.default_factory is list
+
+
+@dataclasses.dataclass
+class Features:
+    x: torch.Tensor
+    label: str
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.x * 2
+
+
+def test_dataclasses_drop_cached_properties_as_with_lightning() -> None:
+    # accelerate returns a dataclass unchanged, its tensors where they were.
+    features = Features(torch.ones(2), "a")
+    assert features.doubled.device.type == "cpu"  # cached on the original
+    ours = dk.to_device(features, META)
+    theirs = lightning_move()(features)
+    assert_same(ours, theirs)
+    assert "doubled" not in vars(ours)
+    assert "doubled" not in vars(theirs)
+    assert ours.doubled.device == theirs.doubled.device == META
+
+
+class MovesItself:
+    def __init__(self) -> None:
+        self.tensor = torch.ones(1)
+
+    def to(self, device: torch.device, **kwargs: Any) -> None:
+        self.tensor = self.tensor.to(device)
+
+
+def test_an_object_whose_to_returns_none_is_kept_as_with_lightning() -> None:
+    # accelerate returns what .to() returned: None.
+    move = lightning_move()
+    ours, theirs = MovesItself(), MovesItself()
+    with pytest.warns(RuntimeWarning, match=r"\.to\(\) returned None"):
+        assert dk.to_device([ours], META)[0] is ours
+    assert move([theirs])[0] is theirs
+    assert ours.tensor.device == theirs.tensor.device == META
+
+
+@pytest.mark.parametrize("peer", [accelerate_move, lightning_move])
+def test_tensors_already_there_are_the_same_objects(peer: Callable[[], Move]) -> None:
+    batch = {"x": torch.ones(1, device="meta"), "y": [torch.zeros(1, device="meta")]}
+    ours, theirs = dk.to_device(batch, META), peer()(batch)
+    assert ours["x"] is theirs["x"] is batch["x"]
+    assert ours["y"][0] is theirs["y"][0] is batch["y"][0]

@@ -1,0 +1,155 @@
+from __future__ import annotations
+
+import csv
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import devicekit as dk
+from devicekit import _sinks
+
+
+def read_rows(path: Path) -> list[list[str]]:
+    with path.open(newline="") as file:
+        return list(csv.reader(file))
+
+
+def test_csv_sink_writes_rows_and_widens_for_new_keys(tmp_path: Path) -> None:
+    path = tmp_path / "logs" / "train.csv"
+    with dk.LogBuffer(flush_every=2, sinks=[dk.CSVSink(path)]) as buffer:
+        buffer.log(0, loss=0.5)
+        buffer.log(1, loss=0.25)
+        buffer.log(2, loss=0.125, acc=0.9)  # a key the header does not have yet
+    assert read_rows(path) == [
+        ["step", "loss", "acc"],
+        ["0", "0.5", ""],
+        ["1", "0.25", ""],
+        ["2", "0.125", "0.9"],
+    ]
+    assert [p.name for p in path.parent.iterdir()] == ["train.csv"]  # no file left beside it
+
+
+def test_csv_sink_keeps_odd_text_exactly_when_it_widens(tmp_path: Path) -> None:
+    sink = dk.CSVSink(tmp_path / "log.csv")
+    sink([{"step": 0, 'a "quoted", key': 1.5}])
+    sink([{"step": 1, "line\nbreak": 2.0}])
+    assert read_rows(tmp_path / "log.csv") == [
+        ["step", 'a "quoted", key', "line\nbreak"],
+        ["0", "1.5", ""],
+        ["1", "", "2.0"],
+    ]
+
+
+class FullDisk:
+    """``os`` as _sinks sees it, but the disk fills up after ``room`` more bytes."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.failures = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def write(self, descriptor: int, data: Any) -> int:
+        if self.room <= 0:
+            self.failures += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written = os.write(descriptor, bytes(data[: self.room]))  # part of it lands
+        self.room -= written
+        return written
+
+
+def _logged(buffer: dk.LogBuffer, steps: range, **extra: float) -> None:
+    for step in steps:
+        buffer.log(step, loss=step / 10, **extra)
+    buffer.flush()
+
+
+def test_a_full_disk_while_widening_leaves_the_old_file_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    buffer = dk.LogBuffer(sinks=[dk.CSVSink(path)])
+    _logged(buffer, range(50))
+    before = path.read_bytes()
+    disk = FullDisk(room=300)  # the new file gets 300 bytes in, then the disk is full
+    monkeypatch.setattr(_sinks, "os", disk)
+    with pytest.raises(OSError, match="No space left") as info:
+        _logged(buffer, range(50, 60), acc=0.5)  # a new key: the header widens
+    assert info.value.errno == errno.ENOSPC
+    assert disk.failures == 1
+    assert path.read_bytes() == before  # byte for byte
+    assert [p.name for p in tmp_path.iterdir()] == ["train.csv"]  # the partial file is gone
+    assert len(buffer.history) == 60  # and nothing is lost from the buffer
+    monkeypatch.setattr(_sinks, "os", os)  # space again: the next flush writes the backlog too
+    _logged(buffer, range(60, 62), acc=0.25)
+    rows = read_rows(path)
+    assert rows[0] == ["step", "loss", "acc"]
+    assert [int(row[0]) for row in rows[1:]] == list(range(62))
+    assert rows[1] == ["0", "0.0", ""]
+    assert rows[51] == ["50", "5.0", "0.5"]
+
+
+def test_a_full_disk_while_appending_cuts_the_partial_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    buffer = dk.LogBuffer(sinks=[dk.CSVSink(path)])
+    _logged(buffer, range(5))
+    before = path.read_bytes()
+    monkeypatch.setattr(_sinks, "os", FullDisk(room=7))  # half a row, then full
+    with pytest.raises(OSError, match="No space left"):
+        _logged(buffer, range(5, 10))
+    assert path.read_bytes() == before  # the half row was cut off
+    monkeypatch.setattr(_sinks, "os", os)
+    _logged(buffer, range(10, 12))
+    assert [int(row[0]) for row in read_rows(path)[1:]] == list(range(12))  # in order, once each
+
+
+def test_the_first_write_replaces_an_old_file_only_once_it_is_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("a previous run\n")
+    monkeypatch.setattr(_sinks, "os", FullDisk(room=4))
+    with pytest.raises(OSError, match="No space left"):
+        dk.CSVSink(path)([{"step": 0, "loss": 1.0}])
+    assert path.read_text() == "a previous run\n"
+    monkeypatch.setattr(_sinks, "os", os)
+    sink = dk.CSVSink(path)
+    sink([{"step": 0, "loss": 1.0}])
+    assert read_rows(path) == [["step", "loss"], ["0", "1.0"]]
+
+
+def test_tensorboard_and_progress_bar_sinks() -> None:
+    class Writer:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, float, int | None]] = []
+
+        def add_scalar(self, tag: str, value: float, step: int | None = None) -> None:
+            self.calls.append((tag, value, step))
+
+    class Bar:
+        def __init__(self) -> None:
+            self.postfix: dict[str, Any] | None = None
+
+        def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
+            self.postfix = values
+
+    writer, bar = Writer(), Bar()
+    with dk.LogBuffer(
+        sinks=[dk.TensorBoardSink(writer), dk.ProgressBarSink(bar, keys=["loss"])]
+    ) as b:
+        b.log(5, loss=0.5, lr=1e-3)
+        b.log(6, loss=0.25, lr=1e-3)
+    assert writer.calls == [("loss", 0.5, 5), ("lr", 1e-3, 5), ("loss", 0.25, 6), ("lr", 1e-3, 6)]
+    assert bar.postfix == {"loss": "0.25"}
+
+
+def test_sink_reprs() -> None:
+    assert repr(dk.CSVSink("runs/log.csv")) == "CSVSink('runs/log.csv')"
+    assert repr(dk.TensorBoardSink(object(), prefix="train/")) == "TensorBoardSink(prefix='train/')"  # type: ignore[arg-type]
+    assert repr(dk.ProgressBarSink(object(), keys=["loss"])) == "ProgressBarSink(keys=['loss'])"  # type: ignore[arg-type]
