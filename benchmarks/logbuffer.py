@@ -16,11 +16,14 @@ host time per step the variant added (median over rounds). The goal
 counts as met only when the whole interval is at or above it, missed when
 the whole interval is below it, and undetermined otherwise.
 
-It also times ``log()`` on its own, flushes included. That is a floor, not a
-bound: inside a training loop the caches are cold and the references it holds
-cost something too, so the "us/step added" column is the number to trust.
+It first times ``log()`` and ``flush()`` on their own, against the least any
+logger must do (keep a detached reference; stack and copy once), paired round
+by round. That is a floor, not a bound: inside a training loop the caches are
+cold and the references it holds cost something too, so the "us/step added"
+column of the training tables is the number to trust.
 
     python benchmarks/logbuffer.py [--widths 64 1024] [--steps 200] [--rounds 30]
+    python benchmarks/logbuffer.py --host-only
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import datetime
 import os
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -89,20 +93,93 @@ def run(step: Callable[[], torch.Tensor], variant: str, steps: int, device: torc
     return steps / elapsed
 
 
-def log_cost(device: torch.device, calls: int = 10_000, repeats: int = 7) -> float:
-    """Seconds of host time per ``log()`` call, its share of the flushes included (best run)."""
-    loss = torch.ones((), device=device, requires_grad=True) * 2  # like a real loss: has a graph
-    best = float("inf")
-    for _ in range(repeats):  # the first repeat warms up; the best is the least disturbed
-        buffer = dk.LogBuffer(flush_every=FLUSH_EVERY)
-        sync(device)
-        started = time.perf_counter()
-        for index in range(calls):
+def host_costs(rounds: int) -> None:
+    """log() and flush() on their own, against the least any logger must do, paired per round.
+
+    - log(): a 0-d tensor that requires grad (like a real loss), 100 calls into a
+      fresh buffer, against 100 ``list.append(t.detach())``. Goal: at most 1.5x.
+    - flush(): 100 pending steps of one key, against ``torch.stack(values).tolist()``
+      of the same 100 tensors. Goal: at most 1.5x. Both thread-safe: flush() takes
+      the buffer's lock; log() needs none (it prints what one would cost).
+    """
+    loss = torch.ones((), requires_grad=True) * 2
+    values = [torch.tensor(float(index)) for index in range(100)]
+    lock = threading.Lock()
+
+    def append_detached() -> None:
+        kept = []
+        for _ in range(100):
+            kept.append(loss.detach())
+
+    def log_calls() -> None:
+        buffer = dk.LogBuffer(flush_every=1000)
+        for index in range(100):
             buffer.log(index, loss=loss)
-        best = min(best, (time.perf_counter() - started) / calls)
-        buffer.flush()
-        assert len(buffer.history) == calls  # a benchmark that lost values is void
-    return best
+
+    def bare_lock() -> None:
+        for _ in range(100):
+            with lock:
+                pass
+
+    def stack_tolist() -> None:
+        torch.stack(values).tolist()
+
+    full: list[dk.LogBuffer] = []
+
+    def refill() -> None:  # not timed: only the flush is
+        full.clear()
+        buffer = dk.LogBuffer(flush_every=1000)
+        for index, value in enumerate(values):
+            buffer.log(index, loss=value)
+        full.append(buffer)
+
+    def flush() -> None:
+        assert len(full[0].flush()) == 100  # a benchmark that lost values is void
+
+    def paired(base: Any, ours: Any, *, before: Any = None) -> tuple[float, float, float, float]:
+        ratios, ours_times = [], []
+        for round_ in range(rounds):
+            times = {}
+            for name, fn in (
+                (("base", base), ("ours", ours)) if round_ % 2 else (("ours", ours), ("base", base))
+            ):
+                if before is not None:
+                    before()
+                started = time.perf_counter()
+                fn()
+                times[name] = time.perf_counter() - started
+            ratios.append(times["ours"] / times["base"])
+            ours_times.append(times["ours"])
+        low, high = interval(ratios)
+        return statistics.median(ratios), low, high, statistics.median(ours_times)
+
+    print("\nhost costs (paired per round; median ratio [95% interval]):")
+    for _ in range(20):  # warm-up
+        append_detached(), log_calls(), stack_tolist(), refill(), flush()
+    ratio, low, high, seconds = paired(append_detached, log_calls)
+    print(
+        f"  log() of one 0-d tensor: {seconds * 1e4:.2f} us per call, {ratio:.2f}x "
+        f"[{low:.2f}, {high:.2f}] list.append(t.detach()); goal <= 1.5x: "
+        f"{goal_verdict(high, low, 1.5)}"
+    )
+    ratio, low, high, seconds = paired(append_detached, bare_lock)
+    print(
+        f"  log() takes no lock (its one list.append is atomic); a 'with lock:' in each call "
+        f"would add {seconds * 1e4:.2f} us, {ratio:.2f}x list.append(t.detach())"
+    )
+    ratio, low, high, seconds = paired(stack_tolist, flush, before=refill)
+    print(
+        f"  flush() of 100 steps, one key: {seconds * 1e6:.1f} us, {ratio:.2f}x "
+        f"[{low:.2f}, {high:.2f}] torch.stack(values).tolist(); goal <= 1.5x: "
+        f"{goal_verdict(high, low, 1.5)}"
+    )
+
+
+def goal_verdict(high: float, low: float, goal: float) -> str:
+    """An upper bound is met when the whole interval is at or below it."""
+    if high <= goal:
+        return "met"
+    return "MISSED" if low > goal else "undetermined (interval spans the goal)"
 
 
 def interval(ratios: Sequence[float], *, resamples: int = 2000) -> tuple[float, float]:
@@ -128,17 +205,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--widths", type=int, nargs="*", default=None)
     parser.add_argument("--floors", action="store_true", help="add 'keep refs' and no-flush")
+    parser.add_argument("--host-rounds", type=int, default=400, help="rounds of the host costs")
+    parser.add_argument("--host-only", action="store_true", help="only log() and flush() alone")
     args = parser.parse_args()
     device = dk.try_gpu()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"logbuffer benchmark, {datetime.date.today()}, torch {torch.__version__}, {name}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{os.cpu_count()} CPUs, load average {load}")
     print(f"{args.rounds} rounds of {args.steps}-step blocks per variant, rotating order")
     widths = args.widths or ([64, 1024, 4096, 8192] if device.type == "cuda" else [64, 256])
     variants = ["no logging", ".item()", "print", "LogBuffer"]
     if args.floors:
         variants += ["keep refs", "LogBuffer, no flush"]
-    per_call = log_cost(device)
-    print(f"log() alone, flushes included: {per_call * 1e6:.2f} us of host time per call")
+    host_costs(args.host_rounds)
+    if args.host_only:
+        return
     for width in widths:
         step = make_step(width, device)
         for _ in range(20):

@@ -1,22 +1,36 @@
-"""How much does dk.to_device add over hand-written .to() calls?
+"""How much does dk.to_device add over hand-written .to() calls, and over its peers?
 
-A batch of 64 small tensors nested in dicts and lists is moved by:
+Batches of 12 to 1,000 small tensors, nested in dicts and lists the way a
+collate function nests them, are moved by:
 - a hand-written loop of .to() calls that knows the batch's layout (the floor),
+  with the same copy policy as to_device (non-blocking unless to the host),
 - dk.to_device,
 - accelerate's send_to_device and Lightning's move_data_to_device, when installed.
 
-Two cases: no copy (the tensors are already on the target: pure traversal cost)
-and, with a GPU, real host-to-device copies from pageable and from pinned memory.
-All variants are measured side by side, interleaved round by round, in one run.
+Cases:
+- real copies: to the ``meta`` device, where every tensor is really copied
+  (no GPU needed; a meta copy costs about what a small host-to-device launch
+  costs the host);
+- one tensor: ``dk.to_device(t, device)`` against ``t.to(device)``, copied and
+  already there;
+- no copy: every tensor is already on the target (pure traversal cost, where
+  devicekit returns each tensor without calling ``.to()``);
+- with a GPU, real host-to-device copies from pageable and from pinned memory.
 
-    python benchmarks/placement.py [--rounds 30] [--calls 200]
+Every variant of a case runs once per round, in rotating order, and is compared
+with the floor *of the same round*: the table gives the median of those paired
+ratios with a 95% bootstrap interval, so that a shared machine's drift cancels.
+
+    python benchmarks/placement.py [--rounds 40] [--sizes 12 100 1000]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -25,109 +39,180 @@ from typing import Any
 import torch
 
 import devicekit as dk
+from devicekit._tree import iter_tensors
 
 Batch = dict[str, Any]
+Move = Callable[[Any], Any]
 
 
-def make_batch(device: str, *, pinned: bool = False) -> Batch:
+def make_batch(size: int, device: str = "cpu", *, pinned: bool = False) -> Batch:
+    """``size`` float32 tensors of 16 elements: half in two lists, half in small dicts."""
+
     def tensor() -> torch.Tensor:
-        t = torch.randn(256, device=device)
+        t = torch.randn(16, device=device)
         return t.pin_memory() if pinned else t
 
-    return {
-        "inputs": {"ids": [tensor() for _ in range(16)], "mask": [tensor() for _ in range(16)]},
-        "targets": [{"y": tensor(), "w": tensor()} for _ in range(16)],
-    }
-
-
-def hand_loop(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
-    def to(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=non_blocking)
-
+    quarter = max(1, size // 4)
     return {
         "inputs": {
-            "ids": [to(t) for t in batch["inputs"]["ids"]],
-            "mask": [to(t) for t in batch["inputs"]["mask"]],
+            "ids": [tensor() for _ in range(quarter)],
+            "mask": [tensor() for _ in range(quarter)],
         },
-        "targets": [{"y": to(d["y"]), "w": to(d["w"])} for d in batch["targets"]],
+        "targets": [{"y": tensor(), "w": tensor()} for _ in range(quarter)],
     }
 
 
-def variants(device: torch.device) -> dict[str, Callable[[Batch], Any]]:
-    found: dict[str, Callable[[Batch], Any]] = {
-        "hand loop": lambda b: hand_loop(b, device),
-        "hand loop, non_blocking": lambda b: hand_loop(b, device, non_blocking=True),
-        "dk.to_device": lambda b: dk.to_device(b, device),
-    }
+def hand_loop(device: torch.device) -> Move:
+    non_blocking = device.type != "cpu"  # to_device's policy, written by hand
+
+    def move(batch: Batch) -> Batch:
+        inputs, targets = batch["inputs"], batch["targets"]
+        return {
+            "inputs": {
+                "ids": [t.to(device, non_blocking=non_blocking) for t in inputs["ids"]],
+                "mask": [t.to(device, non_blocking=non_blocking) for t in inputs["mask"]],
+            },
+            "targets": [
+                {
+                    "y": d["y"].to(device, non_blocking=non_blocking),
+                    "w": d["w"].to(device, non_blocking=non_blocking),
+                }
+                for d in targets
+            ],
+        }
+
+    return move
+
+
+def peers(device: torch.device) -> dict[str, Move]:
+    found: dict[str, Move] = {"dk.to_device": lambda b: dk.to_device(b, device)}
     try:
         from accelerate.utils import send_to_device
 
-        found["accelerate send_to_device"] = lambda b: send_to_device(b, device)
+        found["accelerate"] = lambda b: send_to_device(b, device, non_blocking=device.type != "cpu")
     except ImportError:
         pass
     try:
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
-        found["lightning move_data_to_device"] = lambda b: move_data_to_device(b, device)
+        found["lightning"] = lambda b: move_data_to_device(b, device)
     except ImportError:
         pass
     return found
 
 
-def measure(batch: Batch, device: torch.device, *, rounds: int, calls: int) -> dict[str, float]:
-    """Median seconds per call of each variant; variants interleave round by round."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    candidates = variants(device)
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for fn in candidates.values():  # warm-up: first-call and allocator costs stay out
-        for _ in range(10):
-            fn(batch)
-        sync()
-    for _ in range(rounds):
-        for name, fn in candidates.items():
+def interval(ratios: list[float], *, resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval for the median of ``ratios`` (fixed seed: reproducible)."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def measure(
+    variants: dict[str, Callable[[], Any]], *, rounds: int, calls: int, sync: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one sample per round, in rotating order."""
+    for fn in variants.values():  # warm-up: first-call and allocator costs stay out
+        for _ in range(max(2, calls // 10)):
+            fn()
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = variants[name]
             start = time.perf_counter()
             for _ in range(calls):
-                fn(batch)
+                fn()
             sync()
             samples[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
 
 
-def report(title: str, medians: dict[str, float], goal: float | None) -> None:
-    floor = medians["hand loop"]
+def report(title: str, samples: dict[str, list[float]], goal: float | None, *, ours: str) -> None:
+    names = list(samples)
+    floor = samples[names[0]]
     print(f"\n{title}")
-    print(f"  {'variant':32} {'us/call':>9} {'vs hand loop':>13}")
-    for name, seconds in medians.items():
-        print(f"  {name:32} {seconds * 1e6:9.1f} {seconds / floor:12.2f}x")
+    print(f"  {'variant':30} {'us/call':>9} {'paired ratio [95% interval]':>30}")
+    for name in names:
+        ratios = [own / base for own, base in zip(samples[name], floor, strict=True)]
+        low, high = interval(ratios)
+        median_us = statistics.median(samples[name]) * 1e6
+        paired = f"{statistics.median(ratios):.3f}x [{low:.3f}, {high:.3f}]"
+        print(f"  {name:30} {median_us:9.2f} {paired:>30}")
     if goal is not None:
-        ratio = medians["dk.to_device"] / floor
-        verdict = "met" if ratio <= goal else "MISSED"
-        print(f"  goal: dk.to_device <= {goal:.2f}x the hand loop -> {ratio:.2f}x, {verdict}")
+        ratios = [own / base for own, base in zip(samples[ours], floor, strict=True)]
+        low, high = interval(ratios)
+        verdict = "met" if high <= goal else "MISSED" if low > goal else "undetermined"
+        median = statistics.median(ratios)
+        print(f"  goal: {ours} <= {goal:.2f}x {names[0]} -> {median:.3f}x, {verdict}")
+
+
+def batch_case(
+    title: str, batch: Batch, device: torch.device, goal: float | None, args: argparse.Namespace
+) -> None:
+    size = sum(1 for _ in iter_tensors(batch, "batch"))
+    floor = hand_loop(device)
+    variants: dict[str, Callable[[], Any]] = {"hand loop": lambda: floor(batch)}
+    for name, move in peers(device).items():
+        variants[name] = lambda move=move: move(batch)  # type: ignore[misc]
+    if goal is None:  # no copy: the peers against devicekit, which is the reference here
+        variants = {"dk.to_device": variants.pop("dk.to_device"), **variants}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    calls = max(1, 2000 // size)
+    samples = measure(variants, rounds=args.rounds, calls=calls, sync=sync)
+    report(f"{title}, {size} tensors", samples, goal, ours="dk.to_device")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--sizes", type=int, nargs="*", default=[12, 100, 1000])
     args = parser.parse_args()
 
     gpu = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"placement benchmark, {datetime.date.today()}, torch {torch.__version__}, {name}")
-    print("batch: 64 float32 tensors of 256 elements in dicts and lists")
+    print(f"{os.cpu_count()} CPUs, load average {load}; {args.rounds} rounds per case")
 
-    cpu = torch.device("cpu")
-    medians = measure(make_batch("cpu"), cpu, rounds=args.rounds, calls=args.calls)
-    report("no copy (already on the target: traversal cost only)", medians, goal=1.5)
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    for size in args.sizes:
+        batch_case("real copies (cpu to meta)", make_batch(size), meta, 1.15, args)
+    tensor = torch.randn(16)
+    single = {
+        "t.to(meta)": lambda: tensor.to(meta, non_blocking=True),
+        "dk.to_device(t, meta)": lambda: dk.to_device(tensor, meta),
+    }
+    report(
+        "one tensor, copied",
+        measure(single, rounds=args.rounds, calls=2000, sync=lambda: None),
+        1.5,
+        ours="dk.to_device(t, meta)",
+    )
+    there = {
+        "t.to(cpu)": lambda: tensor.to(cpu),
+        "dk.to_device(t, cpu)": lambda: dk.to_device(tensor, cpu),
+    }
+    report(
+        "one tensor, already there",
+        measure(there, rounds=args.rounds, calls=2000, sync=lambda: None),
+        1.5,
+        ours="dk.to_device(t, cpu)",
+    )
+    for size in args.sizes:
+        batch_case("no copy (cpu to cpu)", make_batch(size), cpu, None, args)
     if gpu:
         cuda = torch.device("cuda", 0)
-        medians = measure(make_batch("cuda"), cuda, rounds=args.rounds, calls=args.calls)
-        report("no copy, tensors already on cuda:0", medians, goal=1.5)
-        for pinned in (False, True):
-            batch = make_batch("cpu", pinned=pinned)
-            medians = measure(batch, cuda, rounds=args.rounds, calls=args.calls // 4)
-            memory = "pinned" if pinned else "pageable"
-            report(f"host-to-device copies from {memory} memory", medians, goal=1.05)
+        for size in args.sizes:
+            batch_case("no copy (cuda:0 to cuda:0)", make_batch(size, "cuda"), cuda, None, args)
+            for pinned in (False, True):
+                memory = "pinned" if pinned else "pageable"
+                batch = make_batch(size, pinned=pinned)
+                batch_case(f"host to device, {memory}", batch, cuda, 1.05, args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import devicekit as dk
 
-from .conftest import requires_two_gpus
+from .conftest import requires_two_gpus, run_python
 
 
 def test_values_are_exact_over_many_flushes_with_an_odd_flush_every() -> None:
@@ -295,7 +295,7 @@ def test_a_flush_that_fails_keeps_its_values_and_retries_later(
 def test_a_copy_that_fails_to_land_is_kept_and_completed_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from devicekit import _logbuffer
+    from devicekit import _logflush
 
     class FailsOnce:
         failed = False
@@ -309,7 +309,7 @@ def test_a_copy_that_fails_to_land_is_kept_and_completed_later(
     buffer = dk.LogBuffer(flush_every=2)
     buffer.log(loss=1.0)
     buffer.log(loss=2.0)  # starts a copy
-    monkeypatch.setattr(_logbuffer, "math", FailsOnce())
+    monkeypatch.setattr(_logflush, "math", FailsOnce())
     buffer.log(loss=3.0)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         buffer.log(loss=4.0)  # landing the first copy fails
@@ -470,6 +470,24 @@ def test_repr_of_a_reducing_buffer_and_html_escaping() -> None:
     assert "&lt;b&gt;" in buffer._repr_html_()
 
 
+def test_logging_and_moving_never_start_cuda(tmp_path: Path) -> None:
+    result = run_python(
+        f"""
+        import json, torch, devicekit as dk
+        from devicekit._visible import cuda_started
+        sinks = [dk.CSVSink({str(tmp_path / "log.csv")!r})]
+        with dk.LogBuffer(flush_every=2, sinks=sinks) as logs:
+            for step in range(5):
+                logs.log(step, loss=torch.tensor(1.0, requires_grad=True) * 2, lr=0.1)
+        repr(logs), logs._repr_html_(), logs.mean("loss")
+        dk.to_device({{"x": torch.ones(1), "y": [torch.ones(1)]}}, "meta")
+        dk.to_device(torch.ones(1)), dk.to_device([torch.ones(1)], "cpu", non_blocking=True)
+        print(json.dumps({{"torch": torch.cuda.is_initialized(), "started": cuda_started()}}))
+        """
+    )
+    assert result == {"torch": False, "started": None}
+
+
 # --- across ranks --------------------------------------------------------------------------
 
 
@@ -484,7 +502,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
 
     import torch.distributed as dist
 
-    from devicekit import _logbuffer
+    from devicekit import _logflush
 
     device = torch.device("cpu")
     if backend == "nccl":
@@ -533,15 +551,15 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
         results["keys"] = disagreement(3, {"extra": 2.0} if rank == 0 else {})
         results["steps"] = disagreement(3 if rank == 0 else 2, {})
         if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
-            real = _logbuffer._as_float64
+            real = _logflush._as_float64
 
             def failing(values: Any, on: Any) -> Any:
                 raise RuntimeError("out of memory")
 
-            _logbuffer._as_float64 = failing  # type: ignore[assignment]
+            _logflush._as_float64 = failing  # type: ignore[assignment]
         results["failure"] = disagreement(2, {})
         if rank == 1:
-            _logbuffer._as_float64 = real  # type: ignore[assignment]
+            _logflush._as_float64 = real  # type: ignore[assignment]
         results["after"] = disagreement(2, {})  # the group still works afterwards
         Path(folder, f"{rank}.json").write_text(json.dumps(results))
         dist.barrier()
