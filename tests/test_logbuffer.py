@@ -680,6 +680,28 @@ def test_a_gloo_flush_returns_only_once_the_worker_has_let_go(
         dist.destroy_process_group()
 
 
+def test_leaving_on_an_exception_never_enters_a_collective(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The other ranks may never reach it: a collective would hang, or pair with
+    # an unrelated one. So the last flush records this rank's own values.
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        called: list[str] = []
+        monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: called.append("all_reduce"))
+        buffer = dk.LogBuffer(reduce="mean")
+        with pytest.raises(KeyError):
+            _leave_block(buffer, KeyError("crash"), loss=torch.tensor(3.0))
+        assert called == []
+        assert buffer.values("loss") == [3.0]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_without_a_process_group_nothing_is_reduced() -> None:
     with dk.LogBuffer(reduce="sum") as buffer:
         buffer.log(loss=2.0)
