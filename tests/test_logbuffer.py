@@ -435,6 +435,56 @@ def test_reading_history_does_not_run_the_sinks() -> None:
     assert received == [2]  # delivered once, at the next flush
 
 
+class Elsewhere(torch.Tensor):
+    """A CPU tensor that says it is not on the CPU: the path of values on an accelerator.
+
+    Only a GPU shows that path for real (the GPU tests below); this checks its
+    bookkeeping (groups per device and dtype, where each value lands) on any machine.
+    """
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+
+def test_values_on_an_accelerator_are_grouped_by_dtype_and_land_in_place() -> None:
+    from devicekit import _logflush
+
+    def elsewhere(value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(value, dtype=dtype).as_subclass(Elsewhere)
+
+    rows: list[dict[str, Any]] = []
+    for step in range(6):
+        row: dict[str, Any] = {"loss": elsewhere(step + 0.5, torch.float32), "lr": 0.1 * step}
+        row["tokens" if step % 2 else "acc"] = elsewhere(
+            step, torch.int64 if step % 2 else torch.bfloat16
+        )
+        rows.append(row)
+    rows[3]["loss"] = float("nan")  # a number among tensors of the same key
+    in_flight = _logflush.start(list(range(6)), _logflush.by_key(rows), on_device=True)
+    assert len(in_flight.hosts) == 3  # float32, bfloat16, int64: one stack and copy each
+    records, nonfinite = _logflush.land(in_flight)
+    assert nonfinite == 1
+    for step, record in enumerate(records):
+        expected = {"step": step, "loss": step + 0.5, "lr": 0.1 * step}
+        expected["tokens" if step % 2 else "acc"] = float(step)
+        if step == 3:
+            assert math.isnan(record.pop("loss"))
+            del expected["loss"]
+        assert record == expected
+
+
+def test_column_to_float64_for_the_collective() -> None:
+    from devicekit import _logflush
+
+    cpu = torch.device("cpu")
+    same = [torch.tensor(1.5).as_subclass(Elsewhere), torch.tensor(2.5).as_subclass(Elsewhere)]
+    mixed = [torch.tensor(1, dtype=torch.int8).as_subclass(Elsewhere), 2.5, torch.tensor(3.0)]
+    assert _logflush._as_float64(same, cpu).tolist() == [1.5, 2.5]
+    assert _logflush._as_float64(mixed, cpu).tolist() == [1.0, 2.5, 3.0]
+    assert _logflush._as_float64([1.0, torch.tensor(2)], cpu).dtype == torch.float64
+
+
 # --- in a notebook -----------------------------------------------------------------------------
 
 
