@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,17 +67,39 @@ _INIT_ERRORS = {
 
 
 class _Session:
-    """NVML's state in this process: started at most once."""
+    """Every piece of NVML state in this process, in one place, with one :meth:`reset`.
+
+    NVML starts at most once per session, under a lock. A child made by
+    ``fork`` gets a fresh session (``os.register_at_fork``): a lock held by
+    another thread at the moment of the fork would otherwise stay locked in
+    the child forever, and the parent's handles and caches are not the
+    child's to trust.
+    """
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: the next query starts NVML again (tests; a forked child)."""
         self.lock = threading.Lock()
         self.tried = False
         self.module: Any = None
         self.error: str | None = None
         self.physical: list[PhysicalGPU] | None = None
-        # Calls a GPU answered NOT_SUPPORTED: it will not start supporting them, and
-        # asking again is slow (0.14 ms for the fan speed of an H100).
-        self.unsupported: set[tuple[Any, ...]] = set()
+        # (NVML function, GPU UUID or index): calls a GPU answered NOT_SUPPORTED. It will
+        # not start supporting them, and asking again is slow (0.14 ms for an H100's fan).
+        self.unsupported: set[tuple[str, str]] = set()
+        # Which variant of a versioned NVML call works with this driver, found once.
+        self.memory_v2: bool | None = None
+        self.throttle_call: str | None = None
+        self.process_versions: dict[str, int] = {}  # "compute"/"graphics" -> 3, 2 or 1
+        # PIDs NVML reported that do not exist in this PID namespace (a container).
+        self.foreign_pids: set[int] = set()
+        # UUIDs of cuda:0, cuda:1... as CUDA orders them, per (CUDA_VISIBLE_DEVICES,
+        # CUDA_DEVICE_ORDER), asked of a child process; and once CUDA has started here,
+        # the order it really uses (it no longer follows the variables).
+        self.child_orders: dict[tuple[str | None, str | None], list[str] | None] = {}
+        self.cuda_order: list[str] | None = None
 
     def start(self) -> Any:
         if self.tried:  # fast path: no lock once started (or failed)
@@ -110,6 +133,19 @@ def _shutdown(pynvml: Any) -> None:
 _session = _Session()
 
 
+def _after_fork_in_child() -> None:
+    _session.reset()  # whichever session is current (tests swap it)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def session() -> _Session:
+    """This process's NVML session (its caches live there)."""
+    return _session
+
+
 def library() -> Any:
     """The started ``pynvml`` module, or None when NVML is not usable here."""
     return _session.start()
@@ -139,15 +175,19 @@ def nvml_error() -> str | None:
     return _session.error
 
 
-def _read(nv: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call one NVML function; None when this GPU or driver cannot answer."""
-    key = (fn, *(id(arg) if index == 0 else arg for index, arg in enumerate(args)))
-    if key in _session.unsupported:
+def _read(nv: Any, fn: Callable[..., Any], *args: Any, gpu: str | None = None) -> Any:
+    """Call one NVML function; None when this GPU or driver cannot answer.
+
+    With ``gpu`` (its UUID), a NOT_SUPPORTED answer is remembered for that GPU
+    and that function with these arguments, and the call is not made again.
+    """
+    key = (f"{fn.__name__}{args[1:]}", gpu) if gpu is not None else None
+    if key is not None and key in _session.unsupported:
         return None
     try:
         return fn(*args)
     except nv.NVMLError as error:
-        if _code(error) == _NOT_SUPPORTED:
+        if key is not None and _code(error) == _NOT_SUPPORTED:
             _session.unsupported.add(key)
         return None
 
@@ -453,45 +493,42 @@ def throttle_names(mask: int) -> tuple[str, ...]:
     return tuple(name for bit, name in _THROTTLE_NAMES.items() if mask & bit)
 
 
-class _Probes:
-    """Which variant of a versioned NVML call works here, found once per process."""
-
-    memory_v2: bool | None = None
-    throttle: str | None = None
-    processes: dict[str, int] = {}  # noqa: RUF012 - per-process cache, kind -> version
-
-
 def read_gpu(
     gpu: PhysicalGPU, *, torch_index: int | None, handle: Any = None, uuid: str | None = None
 ) -> GPUInfo:
     """One snapshot of ``gpu`` (or of one of its MIG instances, given its handle and uuid)."""
     nv = library()
     h = gpu.handle if handle is None else handle
+    key = (uuid or gpu.uuid) or f"nvml:{gpu.nvml_index}"  # stable, unlike id(handle)
+
+    def read(fn: Callable[..., Any], *args: Any) -> Any:
+        return _read(nv, fn, h, *args, gpu=key)
+
     total, used, free = _memory(nv, h)
-    rates = _read(nv, nv.nvmlDeviceGetUtilizationRates, h)
-    power = _read(nv, nv.nvmlDeviceGetPowerUsage, h)
-    limit = _read(nv, nv.nvmlDeviceGetEnforcedPowerLimit, h)
+    rates = read(nv.nvmlDeviceGetUtilizationRates)
+    power = read(nv.nvmlDeviceGetPowerUsage)
+    limit = read(nv.nvmlDeviceGetEnforcedPowerLimit)
     mask = _throttle_mask(nv, h)
-    mode = _read(nv, nv.nvmlDeviceGetComputeMode, h)
+    mode = read(nv.nvmlDeviceGetComputeMode)
     return GPUInfo(
         torch_index=torch_index,
         nvml_index=gpu.nvml_index,
         uuid=gpu.uuid if uuid is None else uuid,
-        name=gpu.name if handle is None else _text(_read(nv, nv.nvmlDeviceGetName, h)),
+        name=gpu.name if handle is None else _text(read(nv.nvmlDeviceGetName)),
         pci_bus_id=gpu.pci_bus_id,
         memory_total=total,
         memory_used=used,
         memory_free=free,
         utilization=None if rates is None else rates.gpu,
         memory_utilization=None if rates is None else rates.memory,
-        temperature=_read(nv, nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+        temperature=read(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU),
         power_draw=None if power is None else power / 1000,
         power_limit=None if limit is None else limit / 1000,
-        sm_clock=_read(nv, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+        sm_clock=read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM),
         sm_clock_max=gpu.sm_clock_max,
-        memory_clock=_read(nv, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
+        memory_clock=read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_MEM),
         throttle_reasons=None if mask is None else throttle_names(mask),
-        fan_speed=_read(nv, nv.nvmlDeviceGetFanSpeed, h),
+        fan_speed=read(nv.nvmlDeviceGetFanSpeed),
         compute_mode=None if mode is None else _COMPUTE_MODES.get(mode, str(mode)),
         mig_enabled=gpu.mig_enabled,
         processes=_processes(nv, h),
@@ -501,13 +538,13 @@ def read_gpu(
 def _memory(nv: Any, handle: Any) -> tuple[int | None, int | None, int | None]:
     # v2 reports "used" without the driver's reserved memory, as nvidia-smi does.
     info = None
-    if _Probes.memory_v2 is not False:
+    if _session.memory_v2 is not False:
         try:
             info = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
-            _Probes.memory_v2 = True
+            _session.memory_v2 = True
         except (nv.NVMLError, TypeError, AttributeError) as error:
-            if _Probes.memory_v2 is None and _code(error) != _NO_PERMISSION:
-                _Probes.memory_v2 = False
+            if _session.memory_v2 is None and _code(error) != _NO_PERMISSION:
+                _session.memory_v2 = False
     if info is None:
         info = _read(nv, nv.nvmlDeviceGetMemoryInfo, handle)
     if info is None:
@@ -517,7 +554,7 @@ def _memory(nv: Any, handle: Any) -> tuple[int | None, int | None, int | None]:
 
 def _throttle_mask(nv: Any, handle: Any) -> int | None:
     names = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-    for name in names if _Probes.throttle is None else (_Probes.throttle,):
+    for name in names if _session.throttle_call is None else (_session.throttle_call,):
         fn = getattr(nv, name, None)
         if fn is None:
             continue
@@ -527,7 +564,7 @@ def _throttle_mask(nv: Any, handle: Any) -> int | None:
             if _code(error) == _FUNCTION_NOT_FOUND:
                 continue
             return None
-        _Probes.throttle = name
+        _session.throttle_call = name
         return mask
     return None
 
@@ -556,7 +593,7 @@ class _ProcessInfoV1(ctypes.Structure):
 def _process_entries(nv: Any, handle: Any, kind: str) -> list[Any] | None:
     """Probe v3, then v2, then v1 of NVML's process query; remember what works."""
     name = f"nvmlDeviceGet{kind.capitalize()}RunningProcesses"
-    known = _Probes.processes.get(kind)
+    known = _session.process_versions.get(kind)
     for version in (3, 2, 1) if known is None else (known,):
         try:
             if version == 1:  # the unversioned C symbol is v1; the binding has no v1 wrapper
@@ -569,7 +606,7 @@ def _process_entries(nv: Any, handle: Any, kind: str) -> list[Any] | None:
             return None
         except AttributeError:  # an old binding without this wrapper
             continue
-        _Probes.processes[kind] = version
+        _session.process_versions[kind] = version
         return list(entries)
     return None
 
@@ -586,12 +623,9 @@ def _processes_v1(nv: Any, handle: Any, symbol: str) -> list[Any]:
     return list(entries[: count.value])
 
 
-_foreign_pids: set[int] = set()
-
-
 def foreign_pids() -> frozenset[int]:
     """PIDs NVML reported that do not exist in this PID namespace (a container's view)."""
-    return frozenset(_foreign_pids)
+    return frozenset(_session.foreign_pids)
 
 
 def _process_name(pid: int) -> str | None:
@@ -599,13 +633,13 @@ def _process_name(pid: int) -> str | None:
         with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
             return comm.read().strip() or None
     except FileNotFoundError:
-        if not _foreign_pids:
+        if not _session.foreign_pids:
             logger.warning(
                 "NVML reported PID %d, which does not exist in this PID namespace: inside a "
                 "container NVML shows host PIDs, so process names are unknown here.",
                 pid,
             )
-        _foreign_pids.add(pid)
+        _session.foreign_pids.add(pid)
         return None
     except OSError:  # hidepid or another user's process: it exists, its name is private
         return None
