@@ -58,6 +58,7 @@ from ._sinks import TensorBoardSink as TensorBoardSink
 from ._syncs import SyncReport as SyncReport
 from ._syncs import detect_syncs as detect_syncs
 from ._timing import Benchmark as Benchmark
+from ._timing import TimedFunction as TimedFunction
 from ._timing import Timer as Timer
 from ._version import __version__ as __version__
 from ._visible import parse_visible_devices as parse_visible_devices
@@ -93,6 +94,7 @@ __all__ = [
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
+    "TimedFunction",
     "Timer",
     "WorkerError",
     "__version__",
