@@ -101,8 +101,8 @@ def running_on(cpus: frozenset[int], *, budget: float = 1.0) -> tuple[tuple[int,
     """(pid, name) of a few other processes running or runnable on ``cpus`` now.
 
     Newest processes are read first: a competitor is more often a job started
-    lately than a daemon from boot. The scan stops at the budget (about 15 µs
-    a process) of ``budget`` seconds, so naming them cannot cost the caller much.
+    lately than a daemon from boot. Reading one costs about 15 µs; the scan
+    stops after ``budget`` seconds, so naming them cannot cost the caller much.
     """
     me, deadline = os.getpid(), time.perf_counter() + budget
     found: list[tuple[int, str | None]] = []

@@ -17,6 +17,7 @@ from ._conditions import Conditions, Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use, format_joules
 from ._format import UNKNOWN, format_seconds, format_value, html_table, plural
+from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
 
@@ -28,55 +29,6 @@ _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to sto
 _GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
 _LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
 _NOISY = 0.05  # a median known to worse than ±5% is not trustworthy
-_EXACT_UP_TO = 200  # sample counts whose interval comes from the binomial itself
-MIN_CI_SAMPLES = 6  # the fewest samples with a 95% interval for the median: 1 - 2/2**6 >= 0.95
-
-
-@functools.lru_cache(maxsize=_EXACT_UP_TO)
-def _exact_ranks(n: int) -> tuple[int, int] | None:
-    # The number of samples below the median is Binomial(n, 1/2), so the interval
-    # from the r-th smallest to the r-th largest covers it with probability
-    # 1 - 2 P(B <= r - 1). Take the largest r that keeps that at 95% or more.
-    below, r = 0.0, 0
-    while True:
-        below += math.comb(n, r) / 2.0**n
-        if below > 0.025:
-            break
-        r += 1
-    return None if r == 0 else (r - 1, n - r)
-
-
-def median_ci_ranks(n: int) -> tuple[int, int] | None:
-    """0-based ranks of a distribution-free 95% interval of the median of ``n`` sorted samples.
-
-    None when ``n`` is too small for one (fewer than 6 samples): then even the
-    smallest and largest sample cover the median with less than 95%
-    probability. Exact (binomial) up to 200 samples, normal beyond.
-
-    Examples:
-        >>> median_ci_ranks(5), median_ci_ranks(6), median_ci_ranks(10)
-        (None, (0, 5), (1, 8))
-    """
-    if n <= _EXACT_UP_TO:
-        return _exact_ranks(n)
-    r = math.floor(n / 2 + 0.5 - 0.98 * math.sqrt(n))  # normal approximation, continuity-corrected
-    return r - 1, n - r
-
-
-def median_ci(sorted_times: list[float]) -> tuple[float, float] | None:
-    """A distribution-free 95% confidence interval of the median; None with too few samples."""
-    ranks = median_ci_ranks(len(sorted_times))
-    return None if ranks is None else (sorted_times[ranks[0]], sorted_times[ranks[1]])
-
-
-def relative_noise(times: list[float]) -> float | None:
-    """Half the width of the median's 95% confidence interval, over the median; None if unknown."""
-    ordered = sorted(times)  # linear when already sorted (Timsort finds the run)
-    ci = median_ci(ordered)
-    if ci is None:
-        return None
-    middle = statistics.median(ordered)
-    return math.inf if middle <= 0 else (ci[1] - ci[0]) / 2 / middle
 
 
 def callable_name(fn: object) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _measure
+from devicekit import _measure, _stats
 from devicekit._conditions import Sampler
 
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -64,7 +64,7 @@ def _coverage(n: int, low: int, high: int) -> float:
 
 @pytest.mark.parametrize("n", [*range(1, 60), 100, 199, 200, 201, 250, 400, 1000])
 def test_median_interval_covers_95_percent_and_no_more_than_it_must(n: int) -> None:
-    ranks = _measure.median_ci_ranks(n)
+    ranks = _stats.median_ci_ranks(n)
     if ranks is None:
         assert n < 6
         assert _coverage(n, 0, n - 1) < 0.95  # not even the whole sample would do
@@ -103,8 +103,8 @@ def test_five_samples_are_too_few_and_six_enough() -> None:
 
 
 def test_confidence_interval_narrows_with_more_samples() -> None:
-    few = _measure.relative_noise([1.0, 2.0, 3.0] * 4)
-    many = _measure.relative_noise([1.0, 2.0, 3.0] * 400)
+    few = _stats.relative_noise([1.0, 2.0, 3.0] * 4)
+    many = _stats.relative_noise([1.0, 2.0, 3.0] * 400)
     assert few is not None
     assert many is not None
     assert many < few
