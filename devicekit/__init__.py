@@ -48,7 +48,9 @@ from ._nvml import cuda_driver_version as cuda_driver_version
 from ._nvml import driver_version as driver_version
 from ._nvml import nvml_available as nvml_available
 from ._nvml import nvml_error as nvml_error
+from ._parallel import GPUPool as GPUPool
 from ._parallel import gpu_map as gpu_map
+from ._parallel import gpu_pool as gpu_pool
 from ._placement import data_parallel as data_parallel
 from ._placement import load as load
 from ._placement import to_device as to_device
@@ -81,6 +83,7 @@ __all__ = [
     "Diagnosis",
     "Finding",
     "GPUInfo",
+    "GPUPool",
     "GPUProcess",
     "GPUUnavailableError",
     "LogBuffer",
@@ -111,6 +114,7 @@ __all__ = [
     "free_memory",
     "gpu",
     "gpu_map",
+    "gpu_pool",
     "gpus",
     "load",
     "local_device",
