@@ -14,7 +14,7 @@ from . import _gpus
 from ._contention import CpuWindow, contended
 from ._errors import DeviceNotFoundError
 from ._format import html_table, plural, safe_text
-from ._nvml import GPUInfo, GPUProcess
+from ._gpuinfo import GPUInfo, GPUProcess
 
 __all__ = ["Conditions", "Sampler"]
 

@@ -55,7 +55,6 @@ class FakeGPU:
     compute: list[tuple[int, int | None]] = field(default_factory=list)
     graphics: list[tuple[int, int | None]] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)  # NVML function names answering 3
-    energy_mj: int = 0  # the cumulative energy counter (Volta and newer), millijoules
 
 
 class FakeNVML(types.ModuleType):
@@ -255,7 +254,3 @@ class FakeNVML(types.ModuleType):
 
     def nvmlDeviceGetGraphicsRunningProcesses_v2(self, h: FakeGPU) -> list[Any]:
         return self._processes(h, "graphics", 2)
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, h: FakeGPU) -> int:
-        self._check("nvmlDeviceGetTotalEnergyConsumption", h)
-        return h.energy_mj

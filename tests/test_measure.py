@@ -412,7 +412,7 @@ def test_energy_is_measured_over_the_timed_calls(monkeypatch: pytest.MonkeyPatch
     assert m.energy_per_call is not None
     # Joules per call are the watts over the calls' time (and the few gaps between batches).
     assert m.energy_per_call == pytest.approx(250.0 * m.mean, rel=0.2)
-    assert re.search(r", \d+(\.\d+)? mJ per call at \d+ W;", repr(m))
+    assert re.search(r", [\d.]+ [mµ]?J per call at \d+ W;", repr(m))
 
 
 def test_energy_needs_a_window_as_long_as_the_counter_steps(
