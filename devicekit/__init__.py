@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from ._errors import SyncError as SyncError
     from ._errors import WorkerError as WorkerError
     from ._findings import Finding as Finding
+    from ._gpuinfo import GPUInfo as GPUInfo
+    from ._gpuinfo import GPUProcess as GPUProcess
     from ._gpus import gpu as gpu
     from ._gpus import gpus as gpus
     from ._gpus import pick_gpu as pick_gpu
@@ -52,8 +54,6 @@ if TYPE_CHECKING:
     from ._memory import ScopeReport as ScopeReport
     from ._memory import free_memory as free_memory
     from ._memory import memory_scope as memory_scope
-    from ._nvml import GPUInfo as GPUInfo
-    from ._nvml import GPUProcess as GPUProcess
     from ._nvml import cuda_driver_version as cuda_driver_version
     from ._nvml import driver_version as driver_version
     from ._nvml import nvml_available as nvml_available
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from ._syncs import SyncReport as SyncReport
     from ._syncs import detect_syncs as detect_syncs
     from ._timing import Benchmark as Benchmark
+    from ._timing import TimedFunction as TimedFunction
     from ._timing import Timer as Timer
     from ._visible import parse_visible_devices as parse_visible_devices
     from ._visible import visible_devices as visible_devices
@@ -79,14 +80,14 @@ if TYPE_CHECKING:
 # Where each public name lives; tests/test_init.py checks this against the imports
 # above and __all__.
 _EXPORTS: dict[str, str] = {
+    "bench": "._bench",
     "BenchReport": "._bench",
     "BenchResult": "._bench",
-    "bench": "._bench",
     "assert_same_device": "._checks",
     "check_module": "._checks",
+    "compare": "._compare",
     "Comparison": "._compare",
     "ComparisonRow": "._compare",
-    "compare": "._compare",
     "Conditions": "._conditions",
     "DeviceLike": "._devices",
     "local_device": "._devices",
@@ -109,23 +110,23 @@ _EXPORTS: dict[str, str] = {
     "LogBuffer": "._logbuffer",
     "Record": "._logbuffer",
     "Sink": "._logbuffer",
-    "Measurement": "._measure",
     "benchmark": "._measure",
+    "Measurement": "._measure",
     "DeviceMemory": "._memory",
+    "free_memory": "._memory",
+    "memory_scope": "._memory",
     "MemoryReport": "._memory",
     "MemoryScope": "._memory",
     "ScopeReport": "._memory",
-    "free_memory": "._memory",
-    "memory_scope": "._memory",
-    "GPUInfo": "._nvml",
-    "GPUProcess": "._nvml",
     "cuda_driver_version": "._nvml",
     "driver_version": "._nvml",
+    "GPUInfo": "._gpuinfo",
+    "GPUProcess": "._gpuinfo",
     "nvml_available": "._nvml",
     "nvml_error": "._nvml",
-    "GPUPool": "._parallel",
     "gpu_map": "._parallel",
     "gpu_pool": "._parallel",
+    "GPUPool": "._parallel",
     "data_parallel": "._placement",
     "load": "._placement",
     "to_device": "._placement",
@@ -134,9 +135,10 @@ _EXPORTS: dict[str, str] = {
     "TensorBoardSink": "._sinks",
     "Status": "._status",
     "status": "._status",
-    "SyncReport": "._syncs",
     "detect_syncs": "._syncs",
+    "SyncReport": "._syncs",
     "Benchmark": "._timing",
+    "TimedFunction": "._timing",
     "Timer": "._timing",
     "parse_visible_devices": "._visible",
     "visible_devices": "._visible",
@@ -188,6 +190,7 @@ __all__ = [
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
+    "TimedFunction",
     "Timer",
     "WorkerError",
     "__version__",

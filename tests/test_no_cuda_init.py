@@ -29,6 +29,7 @@ def test_import_does_not_start_cuda() -> None:
 def test_no_query_starts_cuda() -> None:
     code = """
     import contextlib, io, os, subprocess, sys
+    import torch
     import devicekit as dk
     from devicekit._cli import main
 
@@ -43,6 +44,8 @@ def test_no_query_starts_cuda() -> None:
         dk.gpu(0); dk.gpu("cuda:0"); dk.pick_gpus(1)
     dk.nvml_available(); dk.nvml_error(); dk.driver_version(); dk.cuda_driver_version()
     dk.doctor(); dk.free_memory()
+    from devicekit._energy import energy_counter
+    energy_counter(torch.device("cuda", 0))
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([]) == 0
         assert main(["--json"]) == 0
