@@ -27,7 +27,7 @@ import torch
 
 import devicekit as dk
 from devicekit._contention import CpuWindow, allowed_cpus, running_on
-from devicekit._energy import format_joules
+from devicekit._format import format_joules
 from devicekit._measure import _CpuRunner
 
 Workload = tuple[str, Callable[[], Any]]

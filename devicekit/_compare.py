@@ -6,8 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._energy import format_joules
-from ._format import UNKNOWN, format_seconds, html_table
+from ._format import UNKNOWN, format_joules, format_seconds, html_table
 from ._measure import Measurement, benchmark
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]

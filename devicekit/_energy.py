@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from ._format import UNKNOWN, format_seconds
 from ._gpus import visible_gpus
 from ._nvml import library
 
-__all__ = ["MIN_WINDOW", "EnergyCounter", "energy_counter", "energy_use", "format_joules"]
+__all__ = ["MIN_WINDOW", "EnergyCounter", "energy_counter", "energy_use"]
 
 MIN_WINDOW = 1.0  # seconds: ten of the counter's slowest update periods
 
@@ -81,14 +80,3 @@ def energy_use(
         return None, None
     joules = after - before
     return joules / calls, joules / seconds
-
-
-def format_joules(value: float | None) -> str:
-    """``0.0123`` -> ``"12.3 mJ"``: the same steps and digits as seconds; None -> ``"?"``.
-
-    Examples:
-        >>> format_joules(2.5), format_joules(1.234e-5), format_joules(None)
-        ('2.5 J', '12.3 µJ', '?')
-    """
-    text = format_seconds(value)
-    return text if text == UNKNOWN else text.removesuffix("s") + "J"

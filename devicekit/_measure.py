@@ -15,8 +15,8 @@ import torch
 
 from ._conditions import Conditions, Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
-from ._energy import EnergyCounter, energy_counter, energy_use, format_joules
-from ._format import UNKNOWN, format_seconds, format_value, html_table, plural
+from ._energy import EnergyCounter, energy_counter, energy_use
+from ._format import UNKNOWN, format_joules, format_seconds, format_value, html_table, plural
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors

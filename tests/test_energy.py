@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit._energy import MIN_WINDOW, energy_counter, energy_use, format_joules
+from devicekit._energy import MIN_WINDOW, energy_counter, energy_use
+from devicekit._format import format_joules
 
 from .fake_pynvml import FakeGPU, FakeNVML
 
