@@ -14,7 +14,6 @@ from ._compare import ComparisonRow as ComparisonRow
 from ._compare import compare as compare
 from ._conditions import Conditions as Conditions
 from ._devices import DeviceLike as DeviceLike
-from ._devices import local_device as local_device
 from ._devices import try_all_gpus as try_all_gpus
 from ._devices import try_gpu as try_gpu
 from ._doctor import Diagnosis as Diagnosis
@@ -25,12 +24,18 @@ from ._errors import DevicekitError as DevicekitError
 from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
 from ._errors import GPUUnavailableError as GPUUnavailableError
+from ._errors import RanksOutOfStepError as RanksOutOfStepError
 from ._errors import SyncError as SyncError
 from ._errors import WorkerError as WorkerError
 from ._gpus import gpu as gpu
 from ._gpus import gpus as gpus
 from ._gpus import pick_gpu as pick_gpu
 from ._gpus import pick_gpus as pick_gpus
+from ._job import JobFlag as JobFlag
+from ._job import JobStatus as JobStatus
+from ._job import RankStatus as RankStatus
+from ._job import job_status as job_status
+from ._launch import local_device as local_device
 from ._logbuffer import LogBuffer as LogBuffer
 from ._logbuffer import Record as Record
 from ._logbuffer import Sink as Sink
@@ -55,6 +60,10 @@ from ._placement import to_device as to_device
 from ._sinks import CSVSink as CSVSink
 from ._sinks import ProgressBarSink as ProgressBarSink
 from ._sinks import TensorBoardSink as TensorBoardSink
+from ._straggler import RankTimes as RankTimes
+from ._straggler import Straggler as Straggler
+from ._straggler import StragglerDetector as StragglerDetector
+from ._straggler import StragglerReport as StragglerReport
 from ._syncs import SyncReport as SyncReport
 from ._syncs import detect_syncs as detect_syncs
 from ._timing import Benchmark as Benchmark
@@ -82,14 +91,22 @@ __all__ = [
     "GPUInfo",
     "GPUProcess",
     "GPUUnavailableError",
+    "JobFlag",
+    "JobStatus",
     "LogBuffer",
     "Measurement",
     "MemoryReport",
     "MemoryScope",
     "ProgressBarSink",
+    "RankStatus",
+    "RankTimes",
+    "RanksOutOfStepError",
     "Record",
     "ScopeReport",
     "Sink",
+    "Straggler",
+    "StragglerDetector",
+    "StragglerReport",
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
@@ -110,6 +127,7 @@ __all__ = [
     "gpu",
     "gpu_map",
     "gpus",
+    "job_status",
     "load",
     "local_device",
     "memory_scope",
