@@ -434,17 +434,21 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     The ranks first meet at a ``monitored_barrier``: it fails within
     ``timeout`` when a rank is missing, and on rank 0 it names the missing
     ranks. Then one ``all_gather`` of sizes and one of pickled bytes, as
-    ``all_gather_object`` does, each waited on with the same timeout.
+    ``all_gather_object`` does, each waited on with the same timeout. Each
+    rank sends ``what`` along: every devicekit call shares the one group, so
+    a rank in ``job_status()`` would otherwise meet a rank in a detector's
+    ``step()`` and take its data for an answer.
 
     Raises:
-        RanksOutOfStepError: Not every rank arrived within ``timeout``.
+        RanksOutOfStepError: Not every rank arrived within ``timeout``, or
+            the ranks arrived from different calls.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
     group = _group(timeout, what)
     wait = datetime.timedelta(seconds=timeout)
     world = dist.get_world_size(group)
-    data = pickle.dumps(obj)
+    data = pickle.dumps((what, obj))
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     try:
         dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
@@ -456,10 +460,18 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
         _all_gather(received, mine, group, wait)
     except RuntimeError as error:
         raise _out_of_step(what, timeout, error) from error
-    return [
+    answers = [
         pickle.loads(bytes(tensor.untyped_storage())[: int(length)])  # our own job's ranks
         for tensor, length in zip(received, sizes, strict=True)
     ]
+    calls = [call for call, _ in answers]
+    if any(call != what for call in calls):
+        listing = "; ".join(f"rank {rank} in {call}" for rank, call in enumerate(calls))
+        raise RanksOutOfStepError(
+            f"{what}: the ranks met from different calls: {listing}. Every rank must make "
+            "devicekit's job-wide calls (job_status(), StragglerDetector.step()) in the same order"
+        )
+    return [answer for _, answer in answers]
 
 
 def _all_gather(

@@ -164,6 +164,42 @@ def test_the_table_is_sorted_by_host_then_local_rank_and_lists_the_flags() -> No
     assert data["ranks"][0]["gpu"]["uuid"] == SHARED
 
 
+def test_a_gather_returns_only_once_gloo_has_let_go_of_its_tensors(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # torch >= 2.10 counts each C++ owner of a Python tensor as a reference and drops it
+    # with the GIL; if gloo's worker drops it while the interpreter exits (job_status()
+    # as a script's last line), the process aborts. Here the worker lets go 50 ms late.
+    import threading
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        real_all_gather = dist.all_gather
+        holding: list[list[torch.Tensor]] = []
+
+        class Done:
+            def wait(self, timeout: object = None) -> bool:
+                return True
+
+        def late_all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, **kw: Any) -> Done:
+            real_all_gather(outputs, tensor, group=kw["group"])
+            held = [tensor, *outputs]
+            holding.append(held)
+            threading.Timer(0.05, held.clear).start()  # the worker lets go later
+            return Done()
+
+        monkeypatch.setattr(dist, "all_gather", late_all_gather)
+        assert _job.gather_objects({"rank": 0}, timeout=10, what="test") == [{"rank": 0}]
+        assert len(holding) == 2  # sizes, then bytes
+        assert holding == [[], []]  # both let go before the gather returned
+    finally:
+        dist.destroy_process_group()
+
+
 # --- three ranks -----------------------------------------------------------------------------
 
 # Where each rank of the spawned job "runs": its host, LOCAL_RANK, CUDA_VISIBLE_DEVICES,

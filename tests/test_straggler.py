@@ -226,6 +226,14 @@ def _out_of_step_rank(rank: int, world: int, port: int, folder: str, timeout: fl
     )
     outcome: dict[str, Any] = {}
     try:
+        # 0. Rank 2 asks for the job's status while the others make a report.
+        try:
+            if rank == 2:
+                dk.job_status(timeout=timeout)
+            else:
+                dk.StragglerDetector(every=1, timeout=timeout).step()
+        except dk.RanksOutOfStepError as error:
+            outcome["calls"] = str(error)
         # 1. Rank 2 reports every 4 steps, the others every 5: they meet from different steps.
         detector = dk.StragglerDetector(every=4 if rank == 2 else 5, timeout=timeout)
         try:
@@ -257,6 +265,10 @@ def test_mismatched_step_counts_fail_within_the_timeout(tmp_path: Path) -> None:
     timeout = 3.0
     spawn_ranks(_out_of_step_rank, 3, str(tmp_path), timeout, timeout=120)
     outcomes = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
+    calls = ["StragglerDetector.step()"] * 2 + ["job_status()"]
+    for outcome, call in zip(outcomes, calls, strict=True):
+        assert outcome["calls"].startswith(f"{call}: the ranks met from different calls: ")
+        assert "rank 1 in StragglerDetector.step(); rank 2 in job_status()" in outcome["calls"]
     for outcome in outcomes:
         assert "the ranks met from different steps: rank 0 at step 5" in outcome["different"]
         assert "rank 2 at step 4 (every=4)" in outcome["different"]
