@@ -14,7 +14,8 @@ from .conftest import GPU_COUNT, FakeAccelerator, run_python
 def test_free_memory_without_cuda_collects_garbage_and_says_so() -> None:
     result = run_python(
         """
-        import json, devicekit as dk
+        import gc, json, devicekit as dk
+        gc.disable()  # else an automatic collection may take some cycles first
         class Node:
             def __init__(self):
                 self.me = self
