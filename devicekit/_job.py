@@ -31,10 +31,9 @@ from typing import Any, Literal
 
 import torch
 
-from ._conditions import _ENVIRONMENTAL
 from ._devices import current_cuda_device
-from ._doctor import _LOW_MEMORY
 from ._errors import DeviceNotFoundError, RanksOutOfStepError
+from ._findings import ENVIRONMENTAL, LOW_MEMORY
 from ._format import (
     UNKNOWN,
     format_bytes,
@@ -45,9 +44,9 @@ from ._format import (
     plural,
     safe_text,
 )
+from ._gpuinfo import GPUInfo
 from ._gpus import gpu
 from ._launch import local_rank, resolve_local_device
-from ._nvml import GPUInfo
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -67,9 +66,10 @@ shard or a checkpoint more slowly), so a short default would fail good jobs;
 five minutes still turns a rank that will never arrive into an error.
 """
 
-# GPUs slow their clocks near 90 °C (NVML's "slowdown" temperature is 87 to
-# 92 °C on A100 and H100 boards); 85 °C flags a GPU before it throttles, and
-# well above the 30 to 75 °C of a healthy, busy data-centre GPU.
+# Busy data-centre GPUs run at 30 to 75 °C and slow themselves down in the high
+# 80s (each board's "GPU Slowdown Temp" in `nvidia-smi -q`), so 85 °C flags a GPU
+# that is close to throttling. (NVML reports each board's own slowdown
+# temperature, but GPUInfo does not carry it yet.)
 _HOT_CELSIUS = 85
 
 _COLUMNS = (
@@ -188,10 +188,10 @@ class JobStatus:
                     entry.device or UNKNOWN,
                     "-" if info is None else safe_text(info.name or UNKNOWN),
                     "-" if info is None else _short(info.uuid),
-                    "-" if info is None else _memory(info),
+                    "-" if info is None else info.memory_text(),
                     "-" if info is None else format_value(info.temperature, "°C"),
                     "-" if info is None else format_percent(info.utilization),
-                    "-" if info is None else _held_by(info),
+                    "-" if info is None else info.held_text(),
                     ", ".join(flagged.get(entry.rank, ())),
                 )
             )
@@ -229,17 +229,6 @@ def _listing(ranks: Sequence[int]) -> str:
 def _short(uuid: str | None) -> str:
     """``GPU-1a2b3c4d``: enough of a UUID to tell GPUs apart in a table."""
     return UNKNOWN if uuid is None else uuid[:12]
-
-
-def _memory(info: GPUInfo) -> str:
-    return f"{format_bytes(info.memory_used)} / {format_bytes(info.memory_total)}"
-
-
-def _held_by(info: GPUInfo) -> str:
-    reasons = info.throttle_reasons
-    if reasons is None:
-        return UNKNOWN
-    return ", ".join(r for r in reasons if r != "idle") or "nothing"
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -300,12 +289,10 @@ def _gpu_flags(entry: RankStatus) -> list[JobFlag]:
     flags = []
     rank = (entry.rank,)
     # The same reasons doctor() and benchmark conditions count as the environment's fault.
-    reasons = [r for r in info.throttle_reasons or () if r in _ENVIRONMENTAL]
+    reasons = [r for r in info.throttle_reasons or () if r in ENVIRONMENTAL]
     if reasons:
-        words = ", ".join(dict.fromkeys(_ENVIRONMENTAL[r] for r in reasons))
-        clock = (
-            f"SM clock {format_value(info.sm_clock)} of {format_value(info.sm_clock_max, 'MHz')}"
-        )
+        words = ", ".join(dict.fromkeys(ENVIRONMENTAL[r] for r in reasons))
+        clock = f"SM clock {info.clock_text()}"
         flags.append(
             JobFlag(
                 "throttling",
@@ -321,11 +308,11 @@ def _gpu_flags(entry: RankStatus) -> list[JobFlag]:
                 "hot",
                 rank,
                 f"{_where(entry)}: {info.temperature} °C",
-                "check this node's airflow and fans; near 90 °C the GPU slows itself down",
+                "check this node's airflow and fans; a little hotter and the GPU slows itself down",
             )
         )
     # The same limit doctor() warns at: below it, typical work no longer fits.
-    if info.memory_free is not None and info.memory_free < _LOW_MEMORY:
+    if info.memory_free is not None and info.memory_free < LOW_MEMORY:
         flags.append(
             JobFlag(
                 "nearly_full",

@@ -125,7 +125,7 @@ def test_environmental_throttling_heat_and_full_memory_are_flagged_by_rank() -> 
     flags = _job._flags(ranks)
     assert kinds(flags) == [("throttling", (1,)), ("hot", (2,)), ("nearly_full", (3,))]
     assert "thermal slowdown, hardware slowdown" in flags[0].detail
-    assert "SM clock 1200 of 1980 MHz" in flags[0].detail
+    assert "SM clock 1200 / 1980 MHz" in flags[0].detail
     assert "85 °C" in flags[1].detail
     assert "1.0 GiB free of 80.0 GiB" in flags[2].detail
     assert all(flag.fix for flag in flags)

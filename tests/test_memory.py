@@ -15,10 +15,10 @@ def test_free_memory_without_cuda_collects_garbage_and_says_so() -> None:
     result = run_python(
         """
         import gc, json, devicekit as dk
-        gc.disable()  # else an automatic collection may take some cycles first
         class Node:
             def __init__(self):
                 self.me = self
+        gc.disable()  # no automatic pass may collect them first; free_memory's gc.collect() must
         for _ in range(100):
             Node()
         report = dk.free_memory()
