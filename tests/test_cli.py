@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -366,3 +367,23 @@ def test_watch_stops_cleanly_on_ctrl_c() -> None:
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 0
     assert "Traceback" not in stderr
+
+
+def test_the_readme_shows_what_the_command_prints_today() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("```console\n$ devicekit\n", 1)[1].split("```", 1)[0]
+    ours = subprocess.run(
+        [sys.executable, "-m", "devicekit"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
+    ).stdout
+    if torch.version.cuda or "GPU status unavailable: libnvidia-ml" not in ours:
+        pytest.skip("the README shows a machine without a driver and a CPU build of torch")
+    # Versions differ between machines; every other line must be as the README says.
+    varying = ("torch ", "python ", "devicekit ")
+    assert [line for line in block.splitlines() if not line.startswith(varying)] == [
+        line for line in ours.splitlines() if not line.startswith(varying)
+    ]
