@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from ._compare import compare as compare
     from ._conditions import Conditions as Conditions
     from ._devices import DeviceLike as DeviceLike
-    from ._devices import local_device as local_device
     from ._devices import try_all_gpus as try_all_gpus
     from ._devices import try_gpu as try_gpu
     from ._doctor import Diagnosis as Diagnosis
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from ._errors import DeviceMismatchError as DeviceMismatchError
     from ._errors import DeviceNotFoundError as DeviceNotFoundError
     from ._errors import GPUUnavailableError as GPUUnavailableError
+    from ._errors import RanksOutOfStepError as RanksOutOfStepError
     from ._errors import SyncError as SyncError
     from ._errors import WorkerError as WorkerError
     from ._findings import Finding as Finding
@@ -43,6 +43,11 @@ if TYPE_CHECKING:
     from ._gpus import gpus as gpus
     from ._gpus import pick_gpu as pick_gpu
     from ._gpus import pick_gpus as pick_gpus
+    from ._job import JobFlag as JobFlag
+    from ._job import JobStatus as JobStatus
+    from ._job import RankStatus as RankStatus
+    from ._job import job_status as job_status
+    from ._launch import local_device as local_device
     from ._logbuffer import LogBuffer as LogBuffer
     from ._logbuffer import Record as Record
     from ._logbuffer import Sink as Sink
@@ -69,6 +74,10 @@ if TYPE_CHECKING:
     from ._sinks import TensorBoardSink as TensorBoardSink
     from ._status import Status as Status
     from ._status import status as status
+    from ._straggler import RankTimes as RankTimes
+    from ._straggler import Straggler as Straggler
+    from ._straggler import StragglerDetector as StragglerDetector
+    from ._straggler import StragglerReport as StragglerReport
     from ._syncs import SyncReport as SyncReport
     from ._syncs import detect_syncs as detect_syncs
     from ._timing import Benchmark as Benchmark
@@ -90,7 +99,6 @@ _EXPORTS: dict[str, str] = {
     "ComparisonRow": "._compare",
     "Conditions": "._conditions",
     "DeviceLike": "._devices",
-    "local_device": "._devices",
     "try_all_gpus": "._devices",
     "try_gpu": "._devices",
     "Diagnosis": "._doctor",
@@ -100,13 +108,21 @@ _EXPORTS: dict[str, str] = {
     "DeviceMismatchError": "._errors",
     "DeviceNotFoundError": "._errors",
     "GPUUnavailableError": "._errors",
+    "RanksOutOfStepError": "._errors",
     "SyncError": "._errors",
     "WorkerError": "._errors",
     "Finding": "._findings",
+    "GPUInfo": "._gpuinfo",
+    "GPUProcess": "._gpuinfo",
     "gpu": "._gpus",
     "gpus": "._gpus",
     "pick_gpu": "._gpus",
     "pick_gpus": "._gpus",
+    "job_status": "._job",
+    "JobFlag": "._job",
+    "JobStatus": "._job",
+    "RankStatus": "._job",
+    "local_device": "._launch",
     "LogBuffer": "._logbuffer",
     "Record": "._logbuffer",
     "Sink": "._logbuffer",
@@ -120,8 +136,6 @@ _EXPORTS: dict[str, str] = {
     "ScopeReport": "._memory",
     "cuda_driver_version": "._nvml",
     "driver_version": "._nvml",
-    "GPUInfo": "._gpuinfo",
-    "GPUProcess": "._gpuinfo",
     "nvml_available": "._nvml",
     "nvml_error": "._nvml",
     "gpu_map": "._parallel",
@@ -135,6 +149,10 @@ _EXPORTS: dict[str, str] = {
     "TensorBoardSink": "._sinks",
     "Status": "._status",
     "status": "._status",
+    "RankTimes": "._straggler",
+    "Straggler": "._straggler",
+    "StragglerDetector": "._straggler",
+    "StragglerReport": "._straggler",
     "detect_syncs": "._syncs",
     "SyncReport": "._syncs",
     "Benchmark": "._timing",
@@ -178,15 +196,23 @@ __all__ = [
     "GPUPool",
     "GPUProcess",
     "GPUUnavailableError",
+    "JobFlag",
+    "JobStatus",
     "LogBuffer",
     "Measurement",
     "MemoryReport",
     "MemoryScope",
     "ProgressBarSink",
+    "RankStatus",
+    "RankTimes",
+    "RanksOutOfStepError",
     "Record",
     "ScopeReport",
     "Sink",
     "Status",
+    "Straggler",
+    "StragglerDetector",
+    "StragglerReport",
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
@@ -209,6 +235,7 @@ __all__ = [
     "gpu_map",
     "gpu_pool",
     "gpus",
+    "job_status",
     "load",
     "local_device",
     "memory_scope",

@@ -56,6 +56,34 @@ def test_no_query_starts_cuda() -> None:
     assert result == {"torch": False, "started": None}
 
 
+def test_job_wide_calls_do_not_start_cuda() -> None:
+    # With and without a process group (a world of one, gloo), launcher variables set.
+    code = """
+    import os, tempfile
+    import torch.distributed as dist
+    import devicekit as dk
+
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ["SLURM_LOCALID"] = "0"
+    dk.job_status()
+    detector = dk.StragglerDetector(every=2)
+    for _ in range(2):
+        with detector.section("compute"):
+            pass
+        detector.step()
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    dk.job_status()
+    for _ in range(2):
+        with detector.section("compute"):
+            pass
+        detector.step()
+    dist.destroy_process_group()
+    """
+    result = run_python(textwrap.dedent(code) + _REPORT)
+    assert result == {"torch": False, "started": None}
+
+
 @pytest.mark.gpu
 def test_the_check_can_fail() -> None:
     # Each way of starting CUDA is seen: a bare driver call, then torch's own init.
