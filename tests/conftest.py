@@ -102,18 +102,45 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
 @pytest.fixture
 def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
     """Install a ``pynvml`` stand-in (or None: not installed) with devicekit's NVML state reset."""
-    from devicekit import _gpus, _nvml
+    from devicekit import _nvml
 
     def install(module: Any) -> None:
         monkeypatch.setitem(sys.modules, "pynvml", module)
-        monkeypatch.setattr(_nvml, "_session", _nvml._Session())
-        monkeypatch.setattr(_nvml._Probes, "memory_v2", None)
-        monkeypatch.setattr(_nvml._Probes, "throttle", None)
-        monkeypatch.setattr(_nvml._Probes, "processes", {})
-        monkeypatch.setattr(_nvml, "_foreign_pids", set())
-        monkeypatch.setattr(_gpus, "_child_orders", {})
+        monkeypatch.setattr(_nvml, "_session", _nvml._Session())  # one object, all NVML state
         monkeypatch.setattr("atexit.register", lambda *args: None)
         for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
             monkeypatch.delenv(name, raising=False)
 
     return install
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 180) -> None:
+    """Run ``fn(rank, world, port, *args)`` in ``world`` spawned processes; fail on a hang.
+
+    ``fn`` must be a module-level function (spawned processes import it). A
+    rank that raises fails the call with its traceback; ranks still running
+    after ``timeout`` seconds are killed and the call fails.
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+                process.join(timeout=10)
+            pytest.fail(f"{world} ranks of {fn.__name__} still ran after {timeout} s: a hang")
