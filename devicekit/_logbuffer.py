@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from ._dist import initialized
 from ._format import html_table, plural
-from ._logflush import InFlight, by_key, land, process_group, start, start_reduced
+from ._logflush import InFlight, by_key, land, start, start_reduced
 
 __all__ = ["LogBuffer", "Record", "Sink"]
 
@@ -111,9 +112,10 @@ class LogBuffer:
     position: the keyword order may differ between ranks. Every rank must log
     the same keys the same number of times between flushes; if the ranks
     disagree, every rank raises ``ValueError`` naming what each rank logged,
-    and no values are mixed. (To compare, the ranks first exchange a short
-    fingerprint of their keys; with NCCL, reading it makes each flush wait for
-    the GPU.) When the ``with`` block leaves on an exception, its final flush
+    and no values are mixed. (To compare, the ranks first exchange what they
+    logged over devicekit's own gloo group, as ``job_status()`` does: no GPU
+    sync, and ``RanksOutOfStepError`` if a rank never arrives within 300 s.)
+    When the ``with`` block leaves on an exception, its final flush
     records this rank's own values unreduced, because the other ranks may
     never reach the collective. Without an initialized process group, nothing
     is reduced.
@@ -219,6 +221,7 @@ class LogBuffer:
 
         Raises:
             ValueError: With ``reduce``, the ranks logged different keys.
+            RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s.
             Exception: The first error a sink raised, once all sinks have run,
                 or what made the copy fail (the values are still pending).
         """
@@ -358,7 +361,7 @@ class LogBuffer:
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
         columns = by_key([values for _, values, _ in batch])
-        if reduce and self.reduce is not None and process_group() is not None:
+        if reduce and self.reduce is not None and initialized():
             return start_reduced(steps, columns, self.reduce)
         return start(steps, columns, on_device=any(map(_ON_DEVICE, batch)))
 

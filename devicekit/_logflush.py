@@ -6,25 +6,23 @@ at once, one ``float()`` each, which is faster than stacking them. Values on an
 accelerator are stacked per device and dtype and copied to the host in one
 non-blocking copy per stack (into pinned memory on CUDA), and :func:`land`
 waits for those copies only. Across ranks, every rank arranges its values by
-key name, checks that all ranks agree on that arrangement, and combines them
-in one ``all_reduce``.
+key name, checks with the other ranks (over devicekit's gloo group, ``_dist``)
+that all logged the same, and only then combines them in one ``all_reduce``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._dist import DEFAULT_TIMEOUT, gather_objects, gloo_lets_go
 from ._format import plural
 from ._timing import CudaEvent
 
-__all__ = ["InFlight", "by_key", "land", "process_group", "start", "start_reduced"]
+__all__ = ["InFlight", "by_key", "land", "start", "start_reduced"]
 
 _Tensor = torch.Tensor
 
@@ -136,48 +134,50 @@ def _copy_to_host(in_flight: InFlight, tensor: torch.Tensor) -> None:
 # --- across ranks ----------------------------------------------------------------------------
 
 
-def process_group() -> Any:
-    """``torch.distributed``, when a default process group is initialized; else None."""
+def start_reduced(steps: list[Any], columns: list[_Column], op: str) -> InFlight:
+    """Combine every rank's values, matched by key name, in one collective.
+
+    First every rank says what it logged (which keys, at which steps) through
+    devicekit's own gloo group: CPU bytes, so even with NCCL nothing waits for
+    the GPU, and a rank that never arrives ends in ``RanksOutOfStepError``, not
+    a hang. Only when all ranks agree are the values combined, in key order.
+
+    Raises:
+        ValueError: The ranks logged different keys or numbers of steps, or one
+            could not prepare its values; every rank raises it, and no values
+            are mixed.
+    """
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
 
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def start_reduced(steps: list[Any], columns: list[_Column], op: str) -> InFlight:
-    """Combine every rank's values, matched by key name, in one collective."""
-    dist = process_group()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     ordered = sorted(columns, key=lambda column: column[0])  # by name: the same on every rank
-    layout = f"{len(steps)} steps; " + "; ".join(
-        f"{key}" if rows is None else f"{key} at {rows}" for key, rows, _ in ordered
+    layout: str | None = f"{len(steps)} steps; " + "; ".join(
+        key if rows is None else f"{key} at {rows}" for key, rows, _ in ordered
     )
+    said = f"logged {_summary(ordered, len(steps))}"
     flat: torch.Tensor | None = None
-    problem = ""
     try:
         flat = torch.cat([_as_float64(values, device) for _, _, values in ordered])
-        digest = hashlib.blake2b(layout.encode(), digest_size=7).digest()
-        fingerprint = int.from_bytes(digest, "big")
     except Exception as error:  # noqa: BLE001 - every rank must still hear of it
-        problem, fingerprint = f"could not prepare its values: {error!r}", -1
-    # Every rank learns whether all fingerprints agree: max == min == its own.
-    check = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
-    _all_reduce(dist, check, dist.ReduceOp.MAX)
-    if check.tolist() != [fingerprint, -fingerprint]:
-        descriptions: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(descriptions, problem or f"logged {_summary(ordered, len(steps))}")
-        lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(descriptions))
+        layout, said = None, f"could not prepare its values: {error!r}"
+    what = f"LogBuffer(reduce={op!r}).flush()"
+    answers = gather_objects((layout, said), timeout=DEFAULT_TIMEOUT, what=what)
+    layouts = [answer[0] for answer in answers]
+    if None in layouts or len(set(layouts)) > 1:  # the same verdict on every rank
+        lines = "\n".join(f"  rank {rank}: {text}" for rank, (_, text) in enumerate(answers))
         raise ValueError(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, and values "
             f"are matched by key name, never by position:\n{lines}\nLog the same keys, the same "
             "number of times, on every rank (log a NaN where a rank has no value)."
         )
     assert flat is not None
-    ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM}
-    _all_reduce(dist, flat, ops.get(op) or getattr(dist.ReduceOp, op.upper()))
+    reduce_op = dist.ReduceOp.SUM if op in ("mean", "sum") else getattr(dist.ReduceOp, op.upper())
+    if nccl:
+        dist.all_reduce(flat, op=reduce_op)
+    else:
+        with gloo_lets_go(flat):  # so a flush on a script's last line cannot abort it
+            dist.all_reduce(flat, op=reduce_op)
     if op == "mean":
         flat /= dist.get_world_size()
     in_flight = InFlight(steps, [])
@@ -214,19 +214,3 @@ def _summary(columns: list[_Column], steps: int) -> str:
         key if rows is None else f"{key} ({plural(len(rows), 'step')})" for key, rows, _ in columns
     )
     return f"{plural(steps, 'step')} of {keys or 'nothing'}"
-
-
-def _all_reduce(dist: Any, tensor: torch.Tensor, op: Any) -> None:
-    """``dist.all_reduce`` in place, returning once the backend has let go of ``tensor``."""
-    references = sys.getrefcount(tensor)
-    dist.all_reduce(tensor, op=op)
-    if dist.get_backend() != "nccl":
-        # torch >= 2.10 counts each C++ owner of a Python tensor as one Python
-        # reference, and gives it back with the GIL. gloo's worker thread lets go of
-        # the tensor just after the collective completes; if the interpreter is already
-        # shutting down by then (the flush at the end of a script), taking the GIL
-        # aborts the process. So wait, briefly, for that to happen here. (NCCL's
-        # watchdog lets go much later; torch shuts it down in destroy_process_group.)
-        deadline = time.monotonic() + 1.0
-        while sys.getrefcount(tensor) > references and time.monotonic() < deadline:
-            time.sleep(0)  # hands the GIL to the worker thread
