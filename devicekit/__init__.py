@@ -9,6 +9,8 @@ from ._bench import BenchResult as BenchResult
 from ._bench import bench as bench
 from ._checks import assert_same_device as assert_same_device
 from ._checks import check_module as check_module
+from ._claims import claim_gpu as claim_gpu
+from ._claims import release_gpu as release_gpu
 from ._compare import Comparison as Comparison
 from ._compare import ComparisonRow as ComparisonRow
 from ._compare import compare as compare
@@ -100,6 +102,7 @@ __all__ = [
     "bench",
     "benchmark",
     "check_module",
+    "claim_gpu",
     "compare",
     "cuda_driver_version",
     "data_parallel",
@@ -118,6 +121,7 @@ __all__ = [
     "parse_visible_devices",
     "pick_gpu",
     "pick_gpus",
+    "release_gpu",
     "to_device",
     "try_all_gpus",
     "try_gpu",
