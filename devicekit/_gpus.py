@@ -132,10 +132,23 @@ def _order_in_this_process() -> list[str] | None:
 
 
 def visible_gpus() -> list[_Visible]:
-    """The GPUs this process can see, in torch index order (``cuda:0`` first)."""
+    """The GPUs this process can see, in torch index order (``cuda:0`` first).
+
+    A function of the two variables (or, once CUDA has started, of CUDA's own
+    order), so it is worked out once per value and kept in the NVML session.
+    """
     physical = _nvml.physical_gpus()
     if not physical:
         return []
+    session = _nvml.session()
+    key = (os.environ.get(ENV_VAR), os.environ.get(_ORDER_VAR), torch_cuda_initialized())
+    visible = session.visible.get(key)
+    if visible is None:
+        visible = session.visible[key] = _visible_now(physical)
+    return visible
+
+
+def _visible_now(physical: list[PhysicalGPU]) -> list[_Visible]:
     started = _order_in_this_process()
     if started is not None:
         return _match_uuids(physical, started)

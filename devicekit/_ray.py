@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from ._devices import DeviceLike, check_index, resolve_devices
+from ._devices import DeviceLike, resolve_devices
 from ._errors import WorkerError
-from ._parallel import _Progress, _worker_env
+from ._parallel import _Progress, _show, _worker_env, _workers_per_device
 from ._visible import ENV_VAR, _scoped_env
 
 __all__ = ["ray_map"]
@@ -35,22 +36,27 @@ _POLL = 0.1  # seconds per wait for results, so that Ctrl-C is seen at once
 _INSTALL = "pip install 'devicekit[ray]'"
 
 
-def _fn_raised(index: int, item: object, remote_traceback: str) -> str:
+def _fn_raised(index: int, item: object, where: str, remote_traceback: str) -> str:
     """The WorkerError message for an item whose fn raised (the local executor's wording)."""
     return (
-        f"gpu_map: fn raised on item {index} ({item!r}); the worker's traceback:\n"
-        f"{remote_traceback}"
+        f"gpu_map: fn raised on item {index} ({_show(item)}) in {where}; the worker's "
+        f"traceback:\n{remote_traceback}"
     )
 
 
 def _run(fn: Callable[[Any], Any], item: Any, hide_gpus: bool) -> tuple[bool, Any]:
-    """One item, in a Ray worker: (True, result), or (False, the traceback) when fn raised."""
+    """One item, in a Ray worker: (True, result), or (False, (where, traceback)) if fn raised."""
     # A CPU task sees every GPU unless told otherwise; the local executor hides them.
     with _scoped_env(ENV_VAR, "") if hide_gpus else contextlib.nullcontext():
         try:
             return True, fn(item)
         except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
-            return False, traceback.format_exc()
+            visible = os.environ.get(ENV_VAR)
+            device = f"GPU {visible}" if visible else "the CPU"
+            return False, (
+                f"a Ray task on {socket.gethostname()} ({device})",
+                traceback.format_exc(),
+            )
 
 
 def _import_ray() -> Any:
@@ -124,14 +130,13 @@ def ray_map(
     progress: bool | None,
 ) -> list[R]:
     """``gpu_map`` on Ray: one task per item, ``1/workers_per_device`` of a GPU (or CPU) each."""
-    if check_index(workers_per_device, name="workers_per_device") < 1:
-        raise ValueError("workers_per_device must be at least 1, got 0")
+    per_device = _workers_per_device(workers_per_device)
     targets = _targets(devices)
     ray = _import_ray()
     work = list(items)
     if not work:
         return []
-    share = 1 / workers_per_device
+    share = 1 / per_device
     with _cluster(ray, targets):
         if targets is None:
             use_gpus = ray.cluster_resources().get("GPU", 0) > 0
@@ -166,10 +171,11 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: _Progress) ->
                     ok, payload = ray.get(ref)
                 except ray.exceptions.RayError as error:  # the worker died, was killed, ...
                     raise WorkerError(
-                        f"gpu_map: the Ray task for item {index} ({work[index]!r}) failed: {error}"
+                        f"gpu_map: the Ray task for item {index} ({_show(work[index])}) failed: "
+                        f"{error}"
                     ) from None
                 if not ok:
-                    raise WorkerError(_fn_raised(index, work[index], payload))
+                    raise WorkerError(_fn_raised(index, work[index], *payload))
                 output[index] = payload
                 progress.step()
     finally:

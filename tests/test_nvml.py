@@ -241,9 +241,11 @@ def test_gpu_info_round_trips_through_json(nvml_session: Install) -> None:
             "name": document["processes"][0]["name"],
             "used_memory": 2**30,
             "kind": "compute",
+            "pid_visible": True,
         }
     ]
     assert set(document) == {f.name for f in dataclasses.fields(dk.GPUInfo)}
+    assert dk.GPUInfo.from_dict(document) == info
 
 
 def test_gpu_info_reads_well(nvml_session: Install) -> None:
@@ -255,7 +257,7 @@ def test_gpu_info_reads_well(nvml_session: Install) -> None:
     )
     page = info._repr_html_()
     assert page.startswith("<table><caption>GPUInfo: cuda:0</caption>")
-    assert '<th style="text-align:left">memory used</th><td>2.0 GiB of 80.0 GiB</td>' in page
+    assert '<th style="text-align:left">memory used</th><td>2.0 GiB / 80.0 GiB</td>' in page
     assert "<td>power_cap</td>" in page  # a name, not a tuple's repr
     assert "85899345920" not in page
 
@@ -318,7 +320,7 @@ def test_a_not_supported_answer_is_remembered_by_uuid_not_by_handle(nvml_session
     fake.gpus = [dataclasses.replace(fake.gpus[0])]
     dk.gpus()
     assert fake.calls["nvmlDeviceGetFanSpeed"] == 1
-    assert ("nvmlDeviceGetFanSpeed()", H100) in _nvml._session.unsupported
+    assert _nvml._session.unsupported == {H100: {"nvmlDeviceGetFanSpeed()"}}
 
 
 def test_reset_forgets_every_piece_of_nvml_state(nvml_session: Install) -> None:
@@ -379,3 +381,41 @@ def test_a_fork_while_another_thread_holds_the_nvml_lock_does_not_deadlock_the_c
         os.close(read)
         release.set()
         thread.join()
+
+
+def test_power_and_energy_come_from_one_batched_call(nvml_session: Install) -> None:
+    fake = one_gpu(power_mw=250_000, energy_mj=7_500_000)
+    nvml_session(fake)
+    info = dk.gpus()[0]
+    assert (info.power_draw, info.energy) == (250.0, 7500.0)
+    assert fake.calls["nvmlDeviceGetFieldValues"] == 1
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 0
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 0
+
+
+def test_without_the_batched_call_power_and_energy_are_read_one_by_one(
+    nvml_session: Install,
+) -> None:
+    fake = one_gpu(power_mw=250_000, energy_mj=7_500_000)
+    fake.missing = {"nvmlDeviceGetFieldValues"}
+    nvml_session(fake)
+    for _ in range(2):
+        info = dk.gpus()[0]
+    assert (info.power_draw, info.energy) == (250.0, 7500.0)
+    assert fake.calls["nvmlDeviceGetFieldValues"] == 1  # probed once, then not again
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 2
+
+
+def test_a_field_the_gpu_cannot_report_is_none_in_the_batch(nvml_session: Install) -> None:
+    fake = one_gpu(unsupported={"nvmlDeviceGetTotalEnergyConsumption"})
+    nvml_session(fake)
+    info = dk.gpus()[0]
+    assert info.energy is None  # a pre-Volta GPU: no energy counter, never 0
+    assert info.power_draw == 120.0
+
+
+def test_a_process_in_another_pid_namespace_says_so(nvml_session: Install) -> None:
+    nvml_session(one_gpu(compute=[(999_999_999, 2**20)]))
+    (process,) = dk.gpus()[0].processes or ()
+    assert process.pid_visible is False
+    assert str(process) == "999999999 (another PID namespace) 1 MiB"

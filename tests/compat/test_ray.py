@@ -129,7 +129,9 @@ def test_cpu_tasks_hide_every_gpu(cluster: Any) -> None:
 
 
 def test_a_failing_item_raises_worker_error_with_its_index(cluster: Any) -> None:
-    with pytest.raises(dk.WorkerError, match=r"fn raised on item 3 \(3\)") as caught:
+    with pytest.raises(
+        dk.WorkerError, match=r"fn raised on item 3 \(3\) in a Ray task on .+ \(the CPU\)"
+    ) as caught:
         dk.gpu_map(fail_on_three, range(6), devices="cpu", executor="ray")
     assert "ValueError: bad item 3" in str(caught.value)
     assert "in fail_on_three" in str(caught.value)  # the remote traceback
