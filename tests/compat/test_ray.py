@@ -25,7 +25,7 @@ import pytest
 
 import devicekit as dk
 
-from ..conftest import FakeAccelerator
+from ..conftest import FakeAccelerator, run_python
 
 ray = pytest.importorskip("ray")
 
@@ -167,18 +167,10 @@ print(json.dumps({"visible": sorted({visible for _, visible, _ in results}),
 
 
 def test_ray_address_names_the_cluster_to_use(cluster: Any) -> None:
-    # This machine has no GPU: tasks that see one ran on the cluster's logical GPUs.
+    # Without a GPU here, tasks that see one ran on the cluster's logical GPUs: a local
+    # cluster started instead would have none.
     address = ray.get_runtime_context().gcs_address
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_CONNECT)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-        env={**os.environ, "RAY_ADDRESS": address},
-    )
-    assert result.returncode == 0, result.stderr
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_python(_CONNECT, env={"RAY_ADDRESS": address}, timeout=TIMEOUT)
     assert found["visible"]
     assert set(found["visible"]) <= {"0", "1"}
     assert found["connected"] is False  # it disconnected after
