@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from ._compare import compare as compare
     from ._conditions import Conditions as Conditions
     from ._devices import DeviceLike as DeviceLike
-    from ._devices import local_device as local_device
     from ._devices import try_all_gpus as try_all_gpus
     from ._devices import try_gpu as try_gpu
     from ._doctor import Diagnosis as Diagnosis
@@ -36,13 +35,21 @@ if TYPE_CHECKING:
     from ._errors import DeviceMismatchError as DeviceMismatchError
     from ._errors import DeviceNotFoundError as DeviceNotFoundError
     from ._errors import GPUUnavailableError as GPUUnavailableError
+    from ._errors import RanksOutOfStepError as RanksOutOfStepError
     from ._errors import SyncError as SyncError
     from ._errors import WorkerError as WorkerError
     from ._findings import Finding as Finding
+    from ._gpuinfo import GPUInfo as GPUInfo
+    from ._gpuinfo import GPUProcess as GPUProcess
     from ._gpus import gpu as gpu
     from ._gpus import gpus as gpus
     from ._gpus import pick_gpu as pick_gpu
     from ._gpus import pick_gpus as pick_gpus
+    from ._job import JobFlag as JobFlag
+    from ._job import JobStatus as JobStatus
+    from ._job import RankStatus as RankStatus
+    from ._job import job_status as job_status
+    from ._launch import local_device as local_device
     from ._logbuffer import LogBuffer as LogBuffer
     from ._logbuffer import Record as Record
     from ._logbuffer import Sink as Sink
@@ -54,8 +61,6 @@ if TYPE_CHECKING:
     from ._memory import ScopeReport as ScopeReport
     from ._memory import free_memory as free_memory
     from ._memory import memory_scope as memory_scope
-    from ._nvml import GPUInfo as GPUInfo
-    from ._nvml import GPUProcess as GPUProcess
     from ._nvml import cuda_driver_version as cuda_driver_version
     from ._nvml import driver_version as driver_version
     from ._nvml import nvml_available as nvml_available
@@ -71,9 +76,14 @@ if TYPE_CHECKING:
     from ._sinks import TensorBoardSink as TensorBoardSink
     from ._status import Status as Status
     from ._status import status as status
+    from ._straggler import RankTimes as RankTimes
+    from ._straggler import Straggler as Straggler
+    from ._straggler import StragglerDetector as StragglerDetector
+    from ._straggler import StragglerReport as StragglerReport
     from ._syncs import SyncReport as SyncReport
     from ._syncs import detect_syncs as detect_syncs
     from ._timing import Benchmark as Benchmark
+    from ._timing import TimedFunction as TimedFunction
     from ._timing import Timer as Timer
     from ._visible import parse_visible_devices as parse_visible_devices
     from ._visible import visible_devices as visible_devices
@@ -81,19 +91,18 @@ if TYPE_CHECKING:
 # Where each public name lives; tests/test_init.py checks this against the imports
 # above and __all__.
 _EXPORTS: dict[str, str] = {
+    "bench": "._bench",
     "BenchReport": "._bench",
     "BenchResult": "._bench",
-    "bench": "._bench",
     "assert_same_device": "._checks",
     "check_module": "._checks",
     "claim_gpu": "._claims",
     "release_gpu": "._claims",
+    "compare": "._compare",
     "Comparison": "._compare",
     "ComparisonRow": "._compare",
-    "compare": "._compare",
     "Conditions": "._conditions",
     "DeviceLike": "._devices",
-    "local_device": "._devices",
     "try_all_gpus": "._devices",
     "try_gpu": "._devices",
     "Diagnosis": "._doctor",
@@ -103,33 +112,39 @@ _EXPORTS: dict[str, str] = {
     "DeviceMismatchError": "._errors",
     "DeviceNotFoundError": "._errors",
     "GPUUnavailableError": "._errors",
+    "RanksOutOfStepError": "._errors",
     "SyncError": "._errors",
     "WorkerError": "._errors",
     "Finding": "._findings",
+    "GPUInfo": "._gpuinfo",
+    "GPUProcess": "._gpuinfo",
     "gpu": "._gpus",
     "gpus": "._gpus",
     "pick_gpu": "._gpus",
     "pick_gpus": "._gpus",
+    "job_status": "._job",
+    "JobFlag": "._job",
+    "JobStatus": "._job",
+    "RankStatus": "._job",
+    "local_device": "._launch",
     "LogBuffer": "._logbuffer",
     "Record": "._logbuffer",
     "Sink": "._logbuffer",
-    "Measurement": "._measure",
     "benchmark": "._measure",
+    "Measurement": "._measure",
     "DeviceMemory": "._memory",
+    "free_memory": "._memory",
+    "memory_scope": "._memory",
     "MemoryReport": "._memory",
     "MemoryScope": "._memory",
     "ScopeReport": "._memory",
-    "free_memory": "._memory",
-    "memory_scope": "._memory",
-    "GPUInfo": "._nvml",
-    "GPUProcess": "._nvml",
     "cuda_driver_version": "._nvml",
     "driver_version": "._nvml",
     "nvml_available": "._nvml",
     "nvml_error": "._nvml",
-    "GPUPool": "._parallel",
     "gpu_map": "._parallel",
     "gpu_pool": "._parallel",
+    "GPUPool": "._parallel",
     "data_parallel": "._placement",
     "load": "._placement",
     "to_device": "._placement",
@@ -138,9 +153,14 @@ _EXPORTS: dict[str, str] = {
     "TensorBoardSink": "._sinks",
     "Status": "._status",
     "status": "._status",
-    "SyncReport": "._syncs",
+    "RankTimes": "._straggler",
+    "Straggler": "._straggler",
+    "StragglerDetector": "._straggler",
+    "StragglerReport": "._straggler",
     "detect_syncs": "._syncs",
+    "SyncReport": "._syncs",
     "Benchmark": "._timing",
+    "TimedFunction": "._timing",
     "Timer": "._timing",
     "parse_visible_devices": "._visible",
     "visible_devices": "._visible",
@@ -180,18 +200,27 @@ __all__ = [
     "GPUPool",
     "GPUProcess",
     "GPUUnavailableError",
+    "JobFlag",
+    "JobStatus",
     "LogBuffer",
     "Measurement",
     "MemoryReport",
     "MemoryScope",
     "ProgressBarSink",
+    "RankStatus",
+    "RankTimes",
+    "RanksOutOfStepError",
     "Record",
     "ScopeReport",
     "Sink",
     "Status",
+    "Straggler",
+    "StragglerDetector",
+    "StragglerReport",
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
+    "TimedFunction",
     "Timer",
     "WorkerError",
     "__version__",
@@ -211,6 +240,7 @@ __all__ = [
     "gpu_map",
     "gpu_pool",
     "gpus",
+    "job_status",
     "load",
     "local_device",
     "memory_scope",

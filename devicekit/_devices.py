@@ -32,7 +32,6 @@ __all__ = [
     "DeviceLike",
     "cuda_index",
     "describe_devices",
-    "local_device",
     "parse_cuda_index",
     "parse_cuda_indices",
     "resolve_cuda_devices",
@@ -398,55 +397,3 @@ def try_all_gpus() -> list[torch.device]:
     if kind is None or count == 0:
         return [_CPU]
     return [torch.device(kind, index) for index in range(count)]
-
-
-def local_device() -> torch.device:
-    """Return this process's device under torchrun, made current; else :func:`try_gpu`.
-
-    Under ``torchrun`` (or any launcher of ``torch.distributed.elastic``)
-    ``LOCAL_RANK`` is set, and rank ``r`` gets accelerator ``r``, which becomes
-    the current device (``torch.cuda.set_device``) so that NCCL and
-    ``torch.cuda.current_device()`` agree with it. On a machine without an
-    accelerator every rank gets the CPU (use the ``gloo`` backend).
-
-    Returns:
-        The device for this rank.
-
-    Raises:
-        ValueError: ``LOCAL_RANK`` is not a non-negative integer.
-        DeviceNotFoundError: ``LOCAL_RANK`` is larger than the number of visible
-            devices. devicekit never wraps the rank around silently: two ranks
-            on one GPU would halve its speed without a word.
-
-    Examples:
-        >>> import devicekit as dk
-        >>> dk.local_device() == dk.try_gpu()  # no LOCAL_RANK outside torchrun
-        True
-    """
-    raw = os.environ.get("LOCAL_RANK")
-    if raw is None:
-        return try_gpu()
-    try:
-        rank = check_index(int(raw.strip()), name="LOCAL_RANK")
-    except ValueError:
-        raise ValueError(
-            f"LOCAL_RANK must be a non-negative integer, got {raw!r}; torchrun sets it for "
-            "each process, so unset it when you are not launching with torchrun"
-        ) from None
-    kind = accelerator_type()
-    count = accelerator_count()
-    if kind is None or count == 0:
-        return _CPU
-    if rank >= count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        scope = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
-        raise DeviceNotFoundError(
-            f"LOCAL_RANK={rank} but this process sees only {count} {kind} device(s){scope}. "
-            f"Start at most {count} processes per node (torchrun --nproc_per_node={count}); "
-            "if your launcher already gives each process its own GPU, use dk.try_gpu() instead."
-        )
-    device = torch.device(kind, rank)
-    module = torch.get_device_module(kind)
-    if hasattr(module, "set_device"):  # MPS has a single device and no set_device
-        module.set_device(device)
-    return device

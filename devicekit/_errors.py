@@ -14,6 +14,7 @@ __all__ = [
     "DeviceNotFoundError",
     "DevicekitError",
     "GPUUnavailableError",
+    "RanksOutOfStepError",
     "SyncError",
     "WorkerError",
 ]
@@ -43,6 +44,15 @@ class GPUUnavailableError(DevicekitError, RuntimeError):
     """Not enough GPUs meet a request; the message says why each one was turned down."""
 
 
+class RanksOutOfStepError(DevicekitError, RuntimeError):
+    """Ranks did not meet at a job-wide devicekit call (``job_status``, ``StragglerDetector.step``).
+
+    Some rank did not arrive within the call's timeout (it crashed, hangs, or
+    ran fewer steps), or the ranks arrived from different steps. Every rank
+    must make these calls together, the same number of times.
+    """
+
+
 class SyncError(DevicekitError, RuntimeError):
     """Code inside ``detect_syncs(mode="error")`` made the host wait for the GPU."""
 
@@ -59,6 +69,7 @@ for _cls in (
     DeviceMismatchError,
     DeviceNotFoundError,
     GPUUnavailableError,
+    RanksOutOfStepError,
     SyncError,
     WorkerError,
 ):

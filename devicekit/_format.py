@@ -18,6 +18,7 @@ __all__ = [
     "UNKNOWN",
     "format_bytes",
     "format_count",
+    "format_joules",
     "format_percent",
     "format_seconds",
     "format_value",
@@ -66,6 +67,17 @@ def format_seconds(value: float | None) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value / 1e-9:.3g} ns"
+
+
+def format_joules(value: float | None) -> str:
+    """``0.0123`` -> ``"12.3 mJ"``: the same steps and digits as seconds; None -> ``"?"``.
+
+    Examples:
+        >>> format_joules(2.5), format_joules(1.234e-5), format_joules(None)
+        ('2.5 J', '12.3 µJ', '?')
+    """
+    text = format_seconds(value)
+    return text if text == UNKNOWN else text.removesuffix("s") + "J"
 
 
 def format_percent(value: float | None, *, digits: int = 0) -> str:
