@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import devicekit as dk
-from devicekit import _job
+from devicekit import _dist
 
 SECTION_GOAL = 5e-6  # seconds per section (enter and exit) or step call
 JOB_STATUS_GOAL = 0.2  # seconds for job_status() on 8 ranks
@@ -177,7 +177,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, folder: str) -> None:
         first = time.perf_counter() - started
         calls: dict[str, Callable[[], object]] = {
             "barrier": dist.barrier,
-            "gather of a tiny object": lambda: _job.gather_objects(
+            "gather of a tiny object": lambda: _dist.gather_objects(
                 rank, timeout=60, what="benchmark"
             ),
             "job_status()": dk.job_status,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import os
 from collections.abc import Iterable, Mapping
 
@@ -26,6 +25,7 @@ import torch
 
 from ._errors import DeviceNotFoundError
 from ._format import plural
+from ._options import check_index
 from ._visible import ENV_VAR, torch_cuda_initialized
 
 __all__ = [
@@ -93,25 +93,6 @@ def current_cuda_device() -> torch.device | None:
     it; before that, nothing can have chosen a device other than ``cuda:0``.
     """
     return torch.device("cuda", torch.cuda.current_device()) if torch_cuda_initialized() else None
-
-
-def check_index(value: object, *, name: str) -> int:
-    """Return ``value`` as a non-negative int, or raise an error that names it.
-
-    Accepts anything with ``__index__`` (numpy integers too) except ``bool``,
-    which is almost always a mistake (``try_gpu(True)`` is not device 1).
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a non-negative int, got the bool {value!r}")
-    try:
-        index = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a non-negative int, got {value!r} of type {type(value).__name__}"
-        ) from None
-    if index < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {index}; the first device is 0")
-    return index
 
 
 # --- the device model ------------------------------------------------------------------

@@ -25,6 +25,7 @@ __all__ = [
     "html_table",
     "plural",
     "safe_text",
+    "text_table",
 ]
 
 UNKNOWN = "?"
@@ -128,6 +129,22 @@ def safe_text(text: str) -> str:
         'python\\x1b]0;pwned\\x07'
     """
     return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns two spaces apart, as lines; trailing blanks trimmed.
+
+    Examples:
+        >>> for line in text_table(("a", "bb"), [("xyz", "1")]):
+        ...     print(line)
+        a    bb
+        xyz  1
+    """
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in (header, *rows)
+    ]
 
 
 def html_table(

@@ -18,7 +18,6 @@ as soon as either applies. devicekit maps through UUIDs instead:
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import subprocess
@@ -32,10 +31,11 @@ from typing import Any
 import torch
 
 from . import _claims, _nvml
-from ._devices import DeviceLike, check_index, parse_cuda_index, parse_cuda_indices
+from ._devices import DeviceLike, parse_cuda_index, parse_cuda_indices
 from ._errors import DeviceNotFoundError, GPUUnavailableError
 from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
+from ._options import check_index, check_seconds
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
 __all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]
@@ -342,17 +342,12 @@ def _take(
 def _check_wait(wait: object) -> float:
     if wait is None:
         return 0.0
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)):
-        raise TypeError(
-            f"wait={wait!r}: expected a number of seconds, or None to look once; "
-            f"got {type(wait).__name__}"
-        )
-    if not math.isfinite(wait) or wait < 0:
-        raise ValueError(
-            f"wait={wait!r}: expected a finite number of seconds, 0 or more (or None to look "
-            "once); to wait as long as it takes, pass a generous bound such as 24 * 3600"
-        )
-    return float(wait)
+    return check_seconds(
+        wait,
+        name="wait",
+        zero_ok=True,
+        fix="None looks once; to wait as long as it takes, give a generous bound (24 * 3600)",
+    )
 
 
 def _pick(

@@ -28,8 +28,9 @@ import sys
 
 import torch
 
-from ._devices import accelerator_count, accelerator_type, check_index, describe_devices, try_gpu
+from ._devices import accelerator_count, accelerator_type, describe_devices, try_gpu
 from ._errors import DeviceNotFoundError
+from ._options import check_index
 from ._visible import ENV_VAR, parse_visible_devices
 
 __all__ = ["LAUNCHERS", "local_device", "local_rank", "resolve_local_device"]

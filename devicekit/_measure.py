@@ -17,6 +17,7 @@ from ._conditions import Conditions, Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
 from ._format import UNKNOWN, format_joules, format_seconds, format_value, html_table, plural
+from ._options import check_seconds
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
@@ -334,23 +335,15 @@ class _CudaRunner:
         return device_times, [h / k for h in host]
 
 
-def _check_seconds(name: str, value: object, *, zero_ok: bool, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        bound = ">= 0" if zero_ok else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}; {fix}")
-
-
 def _check_options(
     fn: object, *, warmup: float, min_time: float, max_time: float, rel_noise: float, mode: str
 ) -> None:
     if not callable(fn):
         raise TypeError(f"benchmark() needs a function to time, got {fn!r}")
-    _check_seconds("warmup", warmup, zero_ok=True, fix="0 warms up with a single call")
-    _check_seconds("min_time", min_time, zero_ok=True, fix="0 stops as soon as it is precise")
-    _check_seconds(
-        "max_time", max_time, zero_ok=False, fix="it bounds the whole call: say max_time=10"
+    check_seconds(warmup, name="warmup", zero_ok=True, fix="0 warms up with a single call")
+    check_seconds(min_time, name="min_time", zero_ok=True, fix="0 stops as soon as it is precise")
+    check_seconds(
+        max_time, name="max_time", zero_ok=False, fix="it bounds the whole call: say max_time=10"
     )
     if max_time < min_time:
         raise ValueError(

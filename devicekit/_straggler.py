@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
 from ._errors import RanksOutOfStepError
-from ._format import UNKNOWN, format_seconds, html_table, plural, safe_text
-from ._job import DEFAULT_TIMEOUT, _validated_timeout, gather_objects, initialized, text_table
+from ._format import UNKNOWN, format_seconds, html_table, plural, safe_text, text_table
 from ._timing import CudaEvent
 from ._visible import torch_cuda_initialized
 
@@ -307,7 +307,7 @@ class StragglerDetector:
             )
         self.every = every
         self.threshold = float(threshold)
-        self.timeout = _validated_timeout(timeout)
+        self.timeout = validated_timeout(timeout)
         self.sinks: list[ReportSink] = list(sinks)
         for sink in self.sinks:
             if not callable(sink):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _job
+from devicekit import _dist, _job
 
 from .conftest import spawn_ranks
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -89,12 +89,22 @@ def test_a_malformed_launcher_variable_is_unknown_here_not_an_error(
     assert (me.local_rank, me.device) == (None, None)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "60", True, None])
-def test_a_bad_timeout_is_refused(bad: object) -> None:
-    with pytest.raises(
-        ValueError, match=f"timeout must be a positive number of seconds, got {bad!r}"
-    ):
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (0, ValueError, "timeout must be a finite number of seconds > 0, got 0"),
+        (-1.0, ValueError, "timeout must be a finite number of seconds > 0, got -1.0"),
+        (float("inf"), ValueError, "timeout must be a finite number of seconds > 0, got inf"),
+        (float("nan"), ValueError, "timeout must be a finite number of seconds > 0, got nan"),
+        ("60", TypeError, "timeout must be a number of seconds, got '60'"),
+        (True, TypeError, "timeout must be a number of seconds, got True"),
+        (None, TypeError, "timeout must be a number of seconds, got None"),
+    ],
+)
+def test_a_bad_timeout_is_refused(bad: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
         dk.job_status(timeout=bad)  # type: ignore[arg-type]
+    assert str(info.value).startswith(message)
 
 
 def test_gpu_info_and_rank_status_cross_ranks_by_pickle() -> None:
@@ -193,7 +203,7 @@ def test_a_gather_returns_only_once_gloo_has_let_go_of_its_tensors(
             return Done()
 
         monkeypatch.setattr(dist, "all_gather", late_all_gather)
-        assert _job.gather_objects({"rank": 0}, timeout=10, what="test") == [{"rank": 0}]
+        assert _dist.gather_objects({"rank": 0}, timeout=10, what="test") == [{"rank": 0}]
         assert len(holding) == 2  # sizes, then bytes
         assert holding == [[], []]  # both let go before the gather returned
     finally:
