@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from ._bench import bench as bench
     from ._checks import assert_same_device as assert_same_device
     from ._checks import check_module as check_module
+    from ._claims import claim_gpu as claim_gpu
+    from ._claims import release_gpu as release_gpu
     from ._compare import Comparison as Comparison
     from ._compare import ComparisonRow as ComparisonRow
     from ._compare import compare as compare
@@ -94,6 +96,8 @@ _EXPORTS: dict[str, str] = {
     "BenchResult": "._bench",
     "assert_same_device": "._checks",
     "check_module": "._checks",
+    "claim_gpu": "._claims",
+    "release_gpu": "._claims",
     "compare": "._compare",
     "Comparison": "._compare",
     "ComparisonRow": "._compare",
@@ -224,6 +228,7 @@ __all__ = [
     "bench",
     "benchmark",
     "check_module",
+    "claim_gpu",
     "compare",
     "cuda_driver_version",
     "data_parallel",
@@ -244,6 +249,7 @@ __all__ = [
     "parse_visible_devices",
     "pick_gpu",
     "pick_gpus",
+    "release_gpu",
     "status",
     "to_device",
     "try_all_gpus",
