@@ -49,8 +49,11 @@ is anything ``torch.device`` parses. ``"cuda"`` without an index is the
 current CUDA device, and ``"cpu:0"`` is the CPU.
 """
 
-_CPU = torch.device("cpu")
-_META = torch.device("meta")
+CPU = torch.device("cpu")
+"""The canonical CPU device: :func:`resolve_device` returns this very object for the CPU."""
+META = torch.device("meta")
+"""The canonical meta device, as :data:`CPU`."""
+_CPU, _META = CPU, META
 _LABELS = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hip": "ROCm"}
 _EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
 
@@ -152,6 +155,8 @@ def resolve_device(value: object, *, name: str = "device") -> torch.device:
         >>> resolve_device("cpu:0"), resolve_device(torch.device("meta"))
         (device(type='cpu'), device(type='meta'))
     """
+    if value is _CPU or value is _META:  # the hottest path: identity, no string built
+        return value
     if value.__class__ is torch.device:  # the hot path: to_device with a device object
         device: torch.device = value
         # == compares in C; reading device.type builds a new string each time (0.2 µs).

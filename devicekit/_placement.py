@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
+import threading
 import warnings
 import weakref
 from collections import Counter, OrderedDict, defaultdict
@@ -15,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._devices import DeviceLike, resolve_device, resolve_devices, try_all_gpus, try_gpu
+from ._devices import CPU, META, DeviceLike, resolve_device, resolve_devices, try_all_gpus, try_gpu
 from ._tree import describe_cycle, is_dataclass_instance, is_namedtuple
 
 __all__ = ["data_parallel", "load", "to_device"]
@@ -25,8 +27,9 @@ T = TypeVar("T")
 logger = logging.getLogger("devicekit")
 
 _Tensor = torch.Tensor
-_CPU = torch.device("cpu")
-_META_DEVICE = torch.device("meta")
+# resolve_device returns these very objects for the CPU and meta: compare by identity
+# (reading a torch.device's .type builds a new string each time, about 0.4 µs).
+_CPU, _META_DEVICE = CPU, META
 _LEAVES = frozenset({str, bytes, int, float, complex, bool, type(None)})
 
 
@@ -50,14 +53,55 @@ def _describe_target(device: torch.device) -> tuple[int, int | None, bool]:
 _targets: dict[torch.device, tuple[int, int | None, bool]] = {}  # a handful of devices at most
 
 
-class _Mover:
-    """One :func:`to_device` call: the target, the copy policy, and what was already moved.
+# A tensor that only its container references cannot be reached twice in the walk,
+# so it needs no memo entry: sys.getrefcount says so in a fraction of a memo's cost.
+# What "only its container" reads as depends on the loop (a dict's item tuple holds a
+# reference too) and on the interpreter, so it is measured here, in loops of the same
+# shape as the walk's, and checked against an object held twice. Where the check
+# fails (or on a free-threaded build, where counts are not exact), every tensor goes
+# through the memo: slower, never wrong.
+def _once_in_list() -> int:
+    count = sys.getrefcount
+    for value in [object()]:
+        return count(value)
+    raise AssertionError("unreachable")  # pragma: no cover
 
-    ``move`` is the walk itself, a closure over this state (see :func:`_walk`);
-    :meth:`close` lets go of it, which ends the reference cycle between the two.
+
+def _once_in_dict() -> int:
+    count = sys.getrefcount
+    for _, value in {"key": object()}.items():
+        return count(value)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _twice_in_list() -> int:
+    count, shared = sys.getrefcount, object()
+    for value in [shared]:
+        return count(value)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _unshared_counts() -> tuple[int, int]:
+    exact = getattr(sys, "_is_gil_enabled", lambda: True)()
+    once_list, once_dict = _once_in_list(), _once_in_dict()
+    if not exact or _twice_in_list() <= once_list:
+        return -1, -1  # no count is "unshared": the memo always decides
+    return once_list, once_dict
+
+
+_ONCE_IN_LIST, _ONCE_IN_DICT = _unshared_counts()
+
+
+class _Mover:
+    """One target and copy policy: the walk (a closure over this state), and a call's memo.
+
+    Building the walk's closures costs about 2 µs, a sixth of moving a batch of
+    a dozen small tensors, so each thread keeps one mover per target and policy
+    and reuses it (see :func:`_borrow`); :meth:`finish` empties it for the next
+    call.
     """
 
-    __slots__ = ("device", "memo", "move", "non_blocking", "returned_none", "unsynced")
+    __slots__ = ("busy", "device", "memo", "move", "non_blocking", "returned_none", "unsynced")
 
     def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
         self.device = device
@@ -72,6 +116,7 @@ class _Mover:
         # Sources of non-blocking copies to the host, which must be waited for.
         self.unsynced: set[torch.device] | None = set() if self.non_blocking and to_host else None
         self.returned_none: list[type] | None = None  # classes whose .to() returned None
+        self.busy = False  # a call is walking with it (a .to() may call to_device again)
         self.move: Callable[[Any], Any] = _walk(self, kind, index)
 
     def container(self, obj: Any, rebuild: Callable[[_Mover, Any], Any]) -> Any:
@@ -110,16 +155,34 @@ class _Mover:
             return self.container(obj, _rebuild_dataclass)
         return obj
 
-    def close(self) -> None:
-        self.move = _closed
+    def finish(self) -> None:
+        """Wait for the copies to the host the call left in flight, and forget the call."""
         if self.unsynced:
             for source in self.unsynced:
                 if source.type != "cpu":
                     torch.get_device_module(source.type).synchronize(source)
+            self.unsynced.clear()
+        self.memo.clear()  # lets go of every moved tensor
+        self.returned_none = None
+        self.busy = False
 
 
-def _closed(obj: Any) -> Any:
-    raise AssertionError("to_device's walk is over")  # pragma: no cover
+_local = threading.local()  # per thread: target (and forced policy) -> its _Mover
+
+
+def _borrow(device: torch.device, non_blocking: bool | None) -> _Mover:
+    """This thread's mover for the target, or a new one while that one is in use."""
+    movers: dict[Any, _Mover] | None = getattr(_local, "movers", None)
+    if movers is None:
+        movers = _local.movers = {}
+    key = device if non_blocking is None else (device, non_blocking)  # usually the device
+    mover = movers.get(key)
+    if mover is None:
+        mover = movers[key] = _Mover(device, non_blocking)
+    elif mover.busy:  # to_device inside a .to() that to_device called
+        mover = _Mover(device, non_blocking)
+    mover.busy = True
+    return mover
 
 
 class _Cycle(Exception):
@@ -138,7 +201,14 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
     """
     device, non_blocking, memo = mover.device, mover.non_blocking, mover.memo
     get = memo.get
+    count = sys.getrefcount
     inline = mover.unsynced is None  # copies to the host that must be waited for: not inline
+    # torch parses a keyword argument for every call (0.13 µs): pass non_blocking only
+    # where it changes something, a copy that is not to the meta device.
+    keyword = non_blocking and kind != _META
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device, non_blocking=True) if keyword else tensor.to(device)
 
     def here(tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is on the target already (the loops below inline this)."""
@@ -155,12 +225,12 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
             return tensor  # itself, so sharing holds without the memo
         moved: torch.Tensor | None = get(id(tensor))
         if moved is None:
-            moved = memo[id(tensor)] = tensor.to(device, non_blocking=non_blocking)
+            moved = memo[id(tensor)] = copy(tensor)
             if mover.unsynced is not None:
                 mover.unsynced.add(tensor.device)
         return moved
 
-    def move(obj: Any) -> Any:  # noqa: PLR0912 - the hot path, written out on purpose
+    def move(obj: Any) -> Any:
         cls = obj.__class__
         if cls is not dict and cls is not list and cls is not tuple:
             if cls is _Tensor or isinstance(obj, _Tensor):
@@ -173,13 +243,28 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
                 raise _Cycle
             return done  # reached twice: one rebuilt container, shared as in the input
         memo[key] = _BUSY
-        recurse = mover.move
+        result = memo[key] = rebuild(obj, cls)
+        return result
+
+    def rebuild(obj: Any, cls: type) -> Any:  # noqa: PLR0912 - the hot path, written out
+        """A plain dict, list or tuple, rebuilt; children nothing else holds skip the memo.
+
+        A container only its parent holds cannot be reached twice, nor start a
+        cycle (the first member of a cycle the walk reaches is held by its parent
+        and by the back edge, so it goes through ``move``, memo and all).
+        """
         result: Any
         if cls is dict:
             result = {}
             for name, value in obj.items():
-                if value.__class__ is not _Tensor or not inline:
-                    result[name] = recurse(value)
+                vcls = value.__class__
+                if vcls is not _Tensor or not inline:
+                    if (vcls is dict or vcls is list or vcls is tuple) and count(
+                        value
+                    ) <= _ONCE_IN_DICT:
+                        result[name] = rebuild(value, vcls)
+                    else:
+                        result[name] = move(value)
                 elif (
                     value.is_cpu if kind == _HOST
                     else (value.is_cuda and value.get_device() == index) if kind == _CUDA
@@ -187,33 +272,41 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
                     else value.device == device
                 ):  # fmt: skip
                     result[name] = value
-                else:
-                    moved = get(id(value))
-                    if moved is None:
-                        moved = memo[id(value)] = value.to(device, non_blocking=non_blocking)
+                elif count(value) <= _ONCE_IN_DICT:  # this dict alone holds it
+                    moved = value.to(device, non_blocking=True) if keyword else value.to(device)
                     result[name] = moved
-        else:
-            result = []
-            append = result.append
-            for value in obj:
-                if value.__class__ is not _Tensor or not inline:
-                    append(recurse(value))
-                elif (
-                    value.is_cpu if kind == _HOST
-                    else (value.is_cuda and value.get_device() == index) if kind == _CUDA
-                    else value.is_meta if kind == _META
-                    else value.device == device
-                ):  # fmt: skip
-                    append(value)
                 else:
                     moved = get(id(value))
                     if moved is None:
-                        moved = memo[id(value)] = value.to(device, non_blocking=non_blocking)
-                    append(moved)
-            if cls is tuple:
-                result = tuple(result)
-        memo[key] = result
-        return result
+                        moved = memo[id(value)] = copy(value)
+                    result[name] = moved
+            return result
+        result = []
+        append = result.append
+        for value in obj:
+            vcls = value.__class__
+            if vcls is not _Tensor or not inline:
+                if (vcls is dict or vcls is list or vcls is tuple) and count(
+                    value
+                ) <= _ONCE_IN_LIST:
+                    append(rebuild(value, vcls))
+                else:
+                    append(move(value))
+            elif (
+                value.is_cpu if kind == _HOST
+                else (value.is_cuda and value.get_device() == index) if kind == _CUDA
+                else value.is_meta if kind == _META
+                else value.device == device
+            ):  # fmt: skip
+                append(value)
+            elif count(value) <= _ONCE_IN_LIST:  # this list alone holds it
+                append(value.to(device, non_blocking=True) if keyword else value.to(device))
+            else:
+                moved = get(id(value))
+                if moved is None:
+                    moved = memo[id(value)] = copy(value)
+                append(moved)
+        return tuple(result) if cls is tuple else result
 
     return move
 
@@ -402,19 +495,22 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         # One tensor, the most common call: no walk, no mover. The same policy.
         if obj.device == target:  # type: ignore[attr-defined]
             return obj
-        return obj.to(target, non_blocking=target != _CPU)  # type: ignore[attr-defined,no-any-return]
-    mover = _Mover(target, non_blocking)
+        if target is _CPU or target is _META_DEVICE:  # no keyword for torch to parse
+            return obj.to(target)  # type: ignore[attr-defined,no-any-return]
+        return obj.to(target, non_blocking=True)  # type: ignore[attr-defined,no-any-return]
+    mover = _borrow(target, non_blocking)
     try:
         result = mover.move(obj)
+        returned_none = mover.returned_none
     except _Cycle:
         raise ValueError(
             f"to_device() cannot move a structure that contains itself: "
             f"{describe_cycle(obj, 'obj')}. Break the cycle, or give the object a .to() method."
         ) from None
     finally:
-        mover.close()
-    if mover.returned_none is not None:
-        _warn_returned_none(mover.returned_none)
+        mover.finish()
+    if returned_none is not None:
+        _warn_returned_none(returned_none)
     return result  # type: ignore[no-any-return]
 
 
