@@ -4,9 +4,11 @@ Importing devicekit never initializes CUDA. The whole public API is listed in
 ``__all__``; everything else is private.
 """
 
+from ._batchsize import find_batch_size as find_batch_size
 from ._bench import BenchReport as BenchReport
 from ._bench import BenchResult as BenchResult
 from ._bench import bench as bench
+from ._census import LiveTensor as LiveTensor
 from ._checks import assert_same_device as assert_same_device
 from ._checks import check_module as check_module
 from ._compare import Comparison as Comparison
@@ -24,6 +26,7 @@ from ._errors import CUDAInitializedError as CUDAInitializedError
 from ._errors import DevicekitError as DevicekitError
 from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._errors import DeviceNotFoundError as DeviceNotFoundError
+from ._errors import DeviceOutOfMemoryError as DeviceOutOfMemoryError
 from ._errors import GPUUnavailableError as GPUUnavailableError
 from ._errors import SyncError as SyncError
 from ._errors import WorkerError as WorkerError
@@ -31,6 +34,9 @@ from ._gpus import gpu as gpu
 from ._gpus import gpus as gpus
 from ._gpus import pick_gpu as pick_gpu
 from ._gpus import pick_gpus as pick_gpus
+from ._leaks import Leak as Leak
+from ._leaks import LeakReport as LeakReport
+from ._leaks import find_leaks as find_leaks
 from ._logbuffer import LogBuffer as LogBuffer
 from ._logbuffer import Record as Record
 from ._logbuffer import Sink as Sink
@@ -48,6 +54,9 @@ from ._nvml import cuda_driver_version as cuda_driver_version
 from ._nvml import driver_version as driver_version
 from ._nvml import nvml_available as nvml_available
 from ._nvml import nvml_error as nvml_error
+from ._oom import AllocationSite as AllocationSite
+from ._oom import OOMReport as OOMReport
+from ._oom import explain_oom as explain_oom
 from ._parallel import gpu_map as gpu_map
 from ._placement import data_parallel as data_parallel
 from ._placement import load as load
@@ -64,6 +73,7 @@ from ._visible import parse_visible_devices as parse_visible_devices
 from ._visible import visible_devices as visible_devices
 
 __all__ = [
+    "AllocationSite",
     "BenchReport",
     "BenchResult",
     "Benchmark",
@@ -76,16 +86,21 @@ __all__ = [
     "DeviceMemory",
     "DeviceMismatchError",
     "DeviceNotFoundError",
+    "DeviceOutOfMemoryError",
     "DevicekitError",
     "Diagnosis",
     "Finding",
     "GPUInfo",
     "GPUProcess",
     "GPUUnavailableError",
+    "Leak",
+    "LeakReport",
+    "LiveTensor",
     "LogBuffer",
     "Measurement",
     "MemoryReport",
     "MemoryScope",
+    "OOMReport",
     "ProgressBarSink",
     "Record",
     "ScopeReport",
@@ -106,6 +121,9 @@ __all__ = [
     "detect_syncs",
     "doctor",
     "driver_version",
+    "explain_oom",
+    "find_batch_size",
+    "find_leaks",
     "free_memory",
     "gpu",
     "gpu_map",
