@@ -45,7 +45,7 @@ class Numbers:
     reserved: int | None
     largest_free_block: int | None
     other_processes: tuple[GPUProcess, ...] | None
-    tensor_bytes: int
+    tensor_bytes: int | None  # None: this process cannot count the device's tensors
     allocator_message: bool  # the caching allocator itself refused (its message has a request)
 
 
@@ -65,7 +65,9 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
     unallocated = None
     if n.reserved is not None and n.allocated is not None:
         unallocated = max(n.reserved - n.allocated, 0)
-    unseen = None if n.allocated is None else max(n.allocated - n.tensor_bytes, 0)
+    unseen = None
+    if n.allocated is not None and n.tensor_bytes is not None:
+        unseen = max(n.allocated - n.tensor_bytes, 0)
 
     if request is not None and n.total is not None and request > n.total:
         found.append(
@@ -100,14 +102,18 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
         too_small = request is None or n.largest_free_block is None
         too_small = too_small or (n.largest_free_block or 0) < (request or 0)
         if fits and too_small:
+            pieces = (
+                f"yet the largest free block is {_b(n.largest_free_block)}"
+                if n.largest_free_block is not None
+                else "yet it could not serve the request"
+            )
             found.append(
                 (
                     unallocated,
                     "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process "
-                    f"starts: {_b(unallocated)} is reserved but unallocated, yet the largest "
-                    f"free block is {_b(n.largest_free_block)}: the free memory is in pieces "
-                    "(fragmentation). Expandable segments grow one segment in place, so freed "
-                    "pieces join up.",
+                    f"starts: {_b(unallocated)} is reserved but unallocated, {pieces}: the free "
+                    "memory is in pieces (fragmentation). Expandable segments grow one segment "
+                    "in place, so freed pieces join up.",
                 )
             )
     if cuda and unallocated and not n.allocator_message:

@@ -115,17 +115,22 @@ class LeakReport:
     @property
     def verdict(self) -> str:
         """One line: whether anything leaks, and the worst."""
+        if not self.leaks:
+            return self._summary()
+        return f"{self._summary()}; worst: {self.leaks[0]}"
+
+    def _summary(self) -> str:
         calls = f"{plural(self.calls, 'call')} after {plural(self.warmup, 'warm-up call')}"
         if not self.leaks:
             return f"no leak: nothing grew over {calls}"
-        return f"{format_count(len(self.leaks), 'leak')} over {calls}; worst: {self.leaks[0]}"
+        return f"{format_count(len(self.leaks), 'leak')} over {calls}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with the verdict."""
         return {**asdict(self), "verdict": self.verdict}
 
     def __str__(self) -> str:
-        lines = [self.verdict.split("; worst")[0]]
+        lines = [self._summary()]
         lines += [f"  {leak}" for leak in self.leaks]
         lines += [
             f"  {g.device}: allocated {_b(g.before)} → {_b(g.after)} ({_b(g.per_call)}/call)"
@@ -149,7 +154,7 @@ class LeakReport:
             for leak in self.leaks
         ]
         header = ("device", "dtype", "shape", "created at", "tensors/call", "bytes/call")
-        return html_table(rows, header=header, caption=self.verdict.split("; worst")[0])
+        return html_table(rows, header=header, caption=self._summary())
 
 
 class _CreationSites(TorchFunctionMode):

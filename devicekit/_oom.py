@@ -38,6 +38,7 @@ from ._gpus import gpu
 from ._memory import cuda_bytes
 from ._nvml import GPUProcess
 from ._oomtext import OOMText, is_oom, parse_oom
+from ._visible import torch_cuda_initialized
 
 __all__ = ["AllocationSite", "OOMReport", "build_report", "explain_oom"]
 
@@ -86,7 +87,9 @@ class OOMReport:
         this_process: Bytes this process holds on the GPU by NVML's count
             (PyTorch's, the CUDA context's and every library's).
         processes: The other processes on this GPU, with the memory each holds.
-        tensor_count: Live tensors on the device Python can see (one per storage).
+        tensor_count: Live tensors on the device Python can see (one per
+            storage); None where this process cannot hold any there (the
+            error came from a process that had started CUDA, this one has not).
         tensor_bytes: Their bytes.
         tensors: The largest of them.
         allocation_sites: With ``record_history=True``: the largest live
@@ -104,8 +107,8 @@ class OOMReport:
     largest_free_block: int | None
     this_process: int | None
     processes: tuple[GPUProcess, ...] | None
-    tensor_count: int
-    tensor_bytes: int
+    tensor_count: int | None
+    tensor_bytes: int | None
     tensors: tuple[LiveTensor, ...]
     allocation_sites: tuple[AllocationSite, ...] | None
     fixes: tuple[str, ...]
@@ -127,7 +130,7 @@ class OOMReport:
     @property
     def unseen(self) -> int | None:
         """Allocated bytes no Python tensor holds: saved activations, library workspaces."""
-        if self.allocated is None:
+        if self.allocated is None or self.tensor_bytes is None:
             return None
         return max(self.allocated - self.tensor_bytes, 0)
 
@@ -164,6 +167,8 @@ class OOMReport:
                 ),
             ]
         seen = f"{format_count(self.tensor_count, 'tensor')}, {_bytes(self.tensor_bytes)}"
+        if self.tensor_count is None:
+            seen = f"{UNKNOWN} (CUDA has not started in this process)"
         rows.append(("live tensors", seen))
         if self.unseen is not None:
             rows.append(
@@ -339,6 +344,9 @@ def build_report(
         total = host_total if total is None else total
         free = host_free if free is None else free
     seen = device_census(target, names=_names(model), top=top)
+    # No CUDA tensor can live in a process that has not started CUDA: counting
+    # none there would claim the message's allocated bytes are held by no tensor.
+    counted = not (target.type == "cuda" and not torch_cuda_initialized())
     numbers = Numbers(
         device=str(target),
         requested=parsed.requested,
@@ -348,7 +356,7 @@ def build_report(
         reserved=reserved,
         largest_free_block=largest_free,
         other_processes=processes,
-        tensor_bytes=seen.bytes,
+        tensor_bytes=seen.bytes if counted else None,
         allocator_message=parsed.requested is not None,
     )
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -363,8 +371,8 @@ def build_report(
         largest_free_block=largest_free,
         this_process=this_process,
         processes=processes,
-        tensor_count=seen.count,
-        tensor_bytes=seen.bytes,
+        tensor_count=seen.count if counted else None,
+        tensor_bytes=seen.bytes if counted else None,
         tensors=seen.largest,
         allocation_sites=found,
         fixes=rank_fixes(numbers),

@@ -86,8 +86,10 @@ class OOMText(NamedTuple):
     @property
     def device(self) -> torch.device | None:
         """The device the message names, or None when it names none."""
-        if self.kind in (None, "cpu", "mps"):
-            return None if self.kind is None else torch.device(self.kind)
+        if self.kind is None or self.kind == "cpu":
+            return None if self.kind is None else torch.device("cpu")
+        if self.kind == "mps":
+            return torch.device("mps", 0)  # the one MPS device, as its tensors name it
         return None if self.device_index is None else torch.device(self.kind, self.device_index)
 
 

@@ -77,7 +77,7 @@ def mib(value: float) -> int:
         (CUDA, ("cuda:0", mib(20), gib(79.19), mib(3.06), gib(64.07), gib(64.07) + gib(2.5))),
         (CUDA_OLD, ("cuda:1", mib(36), gib(7.93), mib(47.06), mib(130.35), mib(188))),
         (XPU, ("xpu:3", mib(192), gib(31.89), gib(13.22), gib(10.43), gib(10.43) + mib(94.57))),
-        (MPS, ("mps", mib(720), gib(9.07), None, gib(3.11), None)),
+        (MPS, ("mps:0", mib(720), gib(9.07), None, gib(3.11), None)),
         (CPU, ("cpu", 2**62, None, None, None, None)),
         (CPU_WINDOWS, ("cpu", 3 * GiB, None, None, None, None)),
         (RUNTIME, (None, None, None, None, None, None)),
@@ -126,6 +126,21 @@ def test_an_oom_becomes_the_subclass_with_the_request_fixes_and_the_cause() -> N
     assert str(error) == str(report)
     assert str(error).startswith("cuda:0 is out of memory, asked for 20.00 MiB: ")
     assert "fixes, most promising first:\n  1. " in str(error)
+
+
+def test_a_message_from_a_process_with_cuda_is_not_judged_by_one_without() -> None:
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA already started in this process")
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(CUDA)
+    report = caught.value.report
+    assert report is not None
+    # The message's numbers are kept; this process's (empty) census is not used.
+    assert report.allocated == gib(64.07)
+    assert (report.tensor_count, report.tensor_bytes, report.unseen) == (None, None, None)
+    assert "  live tensors          ? (CUDA has not started in this process)" in str(report)
+    assert not any(fix.startswith("Keep fewer activations") for fix in report.fixes)
+    assert not torch.cuda.is_initialized()
 
 
 def test_older_runtime_errors_are_explained_too() -> None:
@@ -286,10 +301,10 @@ def test_fixes_are_ranked_by_what_the_numbers_show() -> None:
         "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments",
         "Use a smaller batch",
     ]
-    assert (
-        "12.00 GiB is reserved but unallocated, yet the largest free block is 1.00 GiB"
-        in (fragmented[0])
-    )
+    expected = "12.00 GiB is reserved but unallocated, yet the largest free block is 1.00 GiB"
+    assert expected in fragmented[0]
+    unknown_block = rank_fixes(numbers(reserved=72 * GiB, largest_free_block=None))
+    assert "unallocated, yet it could not serve the request: the free memory" in unknown_block[0]
     # Another process holds more than this one could save.
     other = dk.GPUProcess(4242, "python", 30 * GiB, "compute")
     crowded = rank_fixes(numbers(other_processes=(other,)))
