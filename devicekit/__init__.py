@@ -1,76 +1,178 @@
 """devicekit: PyTorch device handling that is correct, fast and visible.
 
-Importing devicekit never initializes CUDA. The whole public API is listed in
-``__all__``; everything else is private.
+Importing devicekit never initializes CUDA, and imports nothing heavy: each
+name is loaded from its private module the first time it is used (so
+``import devicekit`` and ``devicekit --help`` do not wait for torch). The whole
+public API is listed in ``__all__``; everything else is private.
 """
 
-from ._batchsize import find_batch_size as find_batch_size
-from ._bench import BenchReport as BenchReport
-from ._bench import BenchResult as BenchResult
-from ._bench import bench as bench
-from ._census import LiveTensor as LiveTensor
-from ._checks import assert_same_device as assert_same_device
-from ._checks import check_module as check_module
-from ._compare import Comparison as Comparison
-from ._compare import ComparisonRow as ComparisonRow
-from ._compare import compare as compare
-from ._conditions import Conditions as Conditions
-from ._devices import DeviceLike as DeviceLike
-from ._devices import local_device as local_device
-from ._devices import try_all_gpus as try_all_gpus
-from ._devices import try_gpu as try_gpu
-from ._doctor import Diagnosis as Diagnosis
-from ._doctor import Finding as Finding
-from ._doctor import doctor as doctor
-from ._errors import CUDAInitializedError as CUDAInitializedError
-from ._errors import DevicekitError as DevicekitError
-from ._errors import DeviceMismatchError as DeviceMismatchError
-from ._errors import DeviceNotFoundError as DeviceNotFoundError
-from ._errors import DeviceOutOfMemoryError as DeviceOutOfMemoryError
-from ._errors import GPUUnavailableError as GPUUnavailableError
-from ._errors import SyncError as SyncError
-from ._errors import WorkerError as WorkerError
-from ._gpus import gpu as gpu
-from ._gpus import gpus as gpus
-from ._gpus import pick_gpu as pick_gpu
-from ._gpus import pick_gpus as pick_gpus
-from ._leaks import Leak as Leak
-from ._leaks import LeakReport as LeakReport
-from ._leaks import find_leaks as find_leaks
-from ._logbuffer import LogBuffer as LogBuffer
-from ._logbuffer import Record as Record
-from ._logbuffer import Sink as Sink
-from ._measure import Measurement as Measurement
-from ._measure import benchmark as benchmark
-from ._memory import DeviceMemory as DeviceMemory
-from ._memory import MemoryReport as MemoryReport
-from ._memory import MemoryScope as MemoryScope
-from ._memory import ScopeReport as ScopeReport
-from ._memory import free_memory as free_memory
-from ._memory import memory_scope as memory_scope
-from ._nvml import GPUInfo as GPUInfo
-from ._nvml import GPUProcess as GPUProcess
-from ._nvml import cuda_driver_version as cuda_driver_version
-from ._nvml import driver_version as driver_version
-from ._nvml import nvml_available as nvml_available
-from ._nvml import nvml_error as nvml_error
-from ._oom import AllocationSite as AllocationSite
-from ._oom import OOMReport as OOMReport
-from ._oom import explain_oom as explain_oom
-from ._parallel import gpu_map as gpu_map
-from ._placement import data_parallel as data_parallel
-from ._placement import load as load
-from ._placement import to_device as to_device
-from ._sinks import CSVSink as CSVSink
-from ._sinks import ProgressBarSink as ProgressBarSink
-from ._sinks import TensorBoardSink as TensorBoardSink
-from ._syncs import SyncReport as SyncReport
-from ._syncs import detect_syncs as detect_syncs
-from ._timing import Benchmark as Benchmark
-from ._timing import Timer as Timer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__ as __version__
-from ._visible import parse_visible_devices as parse_visible_devices
-from ._visible import visible_devices as visible_devices
+
+if TYPE_CHECKING:
+    from ._batchsize import find_batch_size as find_batch_size
+    from ._bench import BenchReport as BenchReport
+    from ._bench import BenchResult as BenchResult
+    from ._bench import bench as bench
+    from ._census import LiveTensor as LiveTensor
+    from ._checks import assert_same_device as assert_same_device
+    from ._checks import check_module as check_module
+    from ._compare import Comparison as Comparison
+    from ._compare import ComparisonRow as ComparisonRow
+    from ._compare import compare as compare
+    from ._conditions import Conditions as Conditions
+    from ._devices import DeviceLike as DeviceLike
+    from ._devices import local_device as local_device
+    from ._devices import try_all_gpus as try_all_gpus
+    from ._devices import try_gpu as try_gpu
+    from ._doctor import Diagnosis as Diagnosis
+    from ._doctor import doctor as doctor
+    from ._errors import CUDAInitializedError as CUDAInitializedError
+    from ._errors import DevicekitError as DevicekitError
+    from ._errors import DeviceMismatchError as DeviceMismatchError
+    from ._errors import DeviceNotFoundError as DeviceNotFoundError
+    from ._errors import DeviceOutOfMemoryError as DeviceOutOfMemoryError
+    from ._errors import GPUUnavailableError as GPUUnavailableError
+    from ._errors import SyncError as SyncError
+    from ._errors import WorkerError as WorkerError
+    from ._findings import Finding as Finding
+    from ._gpus import gpu as gpu
+    from ._gpus import gpus as gpus
+    from ._gpus import pick_gpu as pick_gpu
+    from ._gpus import pick_gpus as pick_gpus
+    from ._leaks import Leak as Leak
+    from ._leaks import LeakReport as LeakReport
+    from ._leaks import find_leaks as find_leaks
+    from ._logbuffer import LogBuffer as LogBuffer
+    from ._logbuffer import Record as Record
+    from ._logbuffer import Sink as Sink
+    from ._measure import Measurement as Measurement
+    from ._measure import benchmark as benchmark
+    from ._memory import DeviceMemory as DeviceMemory
+    from ._memory import MemoryReport as MemoryReport
+    from ._memory import MemoryScope as MemoryScope
+    from ._memory import ScopeReport as ScopeReport
+    from ._memory import free_memory as free_memory
+    from ._memory import memory_scope as memory_scope
+    from ._nvml import GPUInfo as GPUInfo
+    from ._nvml import GPUProcess as GPUProcess
+    from ._nvml import cuda_driver_version as cuda_driver_version
+    from ._nvml import driver_version as driver_version
+    from ._nvml import nvml_available as nvml_available
+    from ._nvml import nvml_error as nvml_error
+    from ._oom import AllocationSite as AllocationSite
+    from ._oom import OOMReport as OOMReport
+    from ._oom import explain_oom as explain_oom
+    from ._parallel import GPUPool as GPUPool
+    from ._parallel import gpu_map as gpu_map
+    from ._parallel import gpu_pool as gpu_pool
+    from ._placement import data_parallel as data_parallel
+    from ._placement import load as load
+    from ._placement import to_device as to_device
+    from ._sinks import CSVSink as CSVSink
+    from ._sinks import ProgressBarSink as ProgressBarSink
+    from ._sinks import TensorBoardSink as TensorBoardSink
+    from ._status import Status as Status
+    from ._status import status as status
+    from ._syncs import SyncReport as SyncReport
+    from ._syncs import detect_syncs as detect_syncs
+    from ._timing import Benchmark as Benchmark
+    from ._timing import Timer as Timer
+    from ._visible import parse_visible_devices as parse_visible_devices
+    from ._visible import visible_devices as visible_devices
+
+# Where each public name lives; tests/test_init.py checks this against the imports
+# above and __all__.
+_EXPORTS: dict[str, str] = {
+    "find_batch_size": "._batchsize",
+    "BenchReport": "._bench",
+    "BenchResult": "._bench",
+    "bench": "._bench",
+    "LiveTensor": "._census",
+    "assert_same_device": "._checks",
+    "check_module": "._checks",
+    "Comparison": "._compare",
+    "ComparisonRow": "._compare",
+    "compare": "._compare",
+    "Conditions": "._conditions",
+    "DeviceLike": "._devices",
+    "local_device": "._devices",
+    "try_all_gpus": "._devices",
+    "try_gpu": "._devices",
+    "Diagnosis": "._doctor",
+    "doctor": "._doctor",
+    "CUDAInitializedError": "._errors",
+    "DevicekitError": "._errors",
+    "DeviceMismatchError": "._errors",
+    "DeviceNotFoundError": "._errors",
+    "DeviceOutOfMemoryError": "._errors",
+    "GPUUnavailableError": "._errors",
+    "SyncError": "._errors",
+    "WorkerError": "._errors",
+    "Finding": "._findings",
+    "gpu": "._gpus",
+    "gpus": "._gpus",
+    "pick_gpu": "._gpus",
+    "pick_gpus": "._gpus",
+    "Leak": "._leaks",
+    "LeakReport": "._leaks",
+    "find_leaks": "._leaks",
+    "LogBuffer": "._logbuffer",
+    "Record": "._logbuffer",
+    "Sink": "._logbuffer",
+    "Measurement": "._measure",
+    "benchmark": "._measure",
+    "DeviceMemory": "._memory",
+    "MemoryReport": "._memory",
+    "MemoryScope": "._memory",
+    "ScopeReport": "._memory",
+    "free_memory": "._memory",
+    "memory_scope": "._memory",
+    "GPUInfo": "._nvml",
+    "GPUProcess": "._nvml",
+    "cuda_driver_version": "._nvml",
+    "driver_version": "._nvml",
+    "nvml_available": "._nvml",
+    "nvml_error": "._nvml",
+    "AllocationSite": "._oom",
+    "OOMReport": "._oom",
+    "explain_oom": "._oom",
+    "GPUPool": "._parallel",
+    "gpu_map": "._parallel",
+    "gpu_pool": "._parallel",
+    "data_parallel": "._placement",
+    "load": "._placement",
+    "to_device": "._placement",
+    "CSVSink": "._sinks",
+    "ProgressBarSink": "._sinks",
+    "TensorBoardSink": "._sinks",
+    "Status": "._status",
+    "status": "._status",
+    "SyncReport": "._syncs",
+    "detect_syncs": "._syncs",
+    "Benchmark": "._timing",
+    "Timer": "._timing",
+    "parse_visible_devices": "._visible",
+    "visible_devices": "._visible",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'devicekit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next lookup is an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AllocationSite",
@@ -91,6 +193,7 @@ __all__ = [
     "Diagnosis",
     "Finding",
     "GPUInfo",
+    "GPUPool",
     "GPUProcess",
     "GPUUnavailableError",
     "Leak",
@@ -105,6 +208,7 @@ __all__ = [
     "Record",
     "ScopeReport",
     "Sink",
+    "Status",
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
@@ -127,6 +231,7 @@ __all__ = [
     "free_memory",
     "gpu",
     "gpu_map",
+    "gpu_pool",
     "gpus",
     "load",
     "local_device",
@@ -136,6 +241,7 @@ __all__ = [
     "parse_visible_devices",
     "pick_gpu",
     "pick_gpus",
+    "status",
     "to_device",
     "try_all_gpus",
     "try_gpu",

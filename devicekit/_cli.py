@@ -1,184 +1,89 @@
 """The ``devicekit`` command: what torch can use here, and what each GPU is doing.
 
-``devicekit`` prints the report and a status table, ``devicekit --json`` the
-same as JSON, ``devicekit watch`` refreshes the table until Ctrl-C, ``devicekit
-doctor`` diagnoses the environment and ``devicekit bench`` measures it. All but
-``bench`` leave CUDA uninitialized.
+``devicekit`` prints :func:`~devicekit.status` (``--json``: its JSON),
+``devicekit watch`` refreshes it until Ctrl-C, ``devicekit doctor`` diagnoses
+the environment and ``devicekit bench`` measures it. All but ``bench`` leave
+CUDA uninitialized. ``--help`` and ``--version`` import nothing heavy (torch
+takes over a second to import), so they answer at once.
+
+Exit codes: 0; 1 when ``doctor`` finds an error; 2 for a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import sys
 import time
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import _nvml
-from ._bench import bench
-from ._devices import accelerator_count, accelerator_type, try_all_gpus
-from ._doctor import doctor
-from ._gpus import gpus
-from ._nvml import GPUInfo
 from ._version import __version__
-from ._visible import ENV_VAR, parse_visible_devices, reads_as_written
 
-__all__ = ["main", "report_lines", "status_document", "status_text", "torch_build"]
+if TYPE_CHECKING:
+    from ._status import Status
 
-JSON_SCHEMA_VERSION = 1
+__all__ = ["main"]
 
-
-def torch_build() -> str:
-    """Name what this torch build can drive: ``"CUDA 12.4"``, ``"ROCm 6.2"``, ``"MPS"``..."""
-    if torch.version.hip:
-        return f"ROCm {torch.version.hip}"
-    if torch.version.cuda:
-        return f"CUDA {torch.version.cuda}"
-    kind = accelerator_type()
-    return "CPU" if kind is None else kind.upper()
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: a refresh in place on a terminal
 
 
-def _visible_devices_line() -> str:
-    raw = os.environ.get(ENV_VAR)
-    if raw is None:
-        return "(unset: every GPU is visible)"
-    parsed = parse_visible_devices(raw)
-    text = repr(raw)
-    if parsed == []:
-        return f"{text} -> hides every GPU"
-    if not reads_as_written(raw):
-        # CUDA silently drops what follows a bad entry; say what it really reads.
-        shown = ",".join(str(entry) for entry in parsed or [])
-        return f"{text} -> CUDA reads it as {shown!r}"
-    return text
-
-
-def report_lines() -> list[str]:
-    """The report ``devicekit`` prints, one line per item, without initializing CUDA."""
-    build = torch_build()
-    kind = accelerator_type()
-    count = accelerator_count()
-    if count:
-        devices = ", ".join(str(device) for device in try_all_gpus())
-    elif kind is None:
-        devices = "none (this torch build has no accelerator support)"
-    else:
-        devices = f"none (torch is built for {build} but sees no device)"
-    rows = [
-        ("devicekit", __version__),
-        ("torch", f"{torch.__version__} ({build} build)"),
-        ("python", f"{sys.version.split()[0]} on {sys.platform}"),
-        ("devices", devices),
-        (ENV_VAR, _visible_devices_line()),
-    ]
-    lines = [f"{label:<22}{value}" for label, value in rows]
-    if count == 0:
-        lines.append(_no_gpu_line(kind))
-    return lines
-
-
-def _no_gpu_line(kind: str | None) -> str:
-    if kind is None:
-        return (
-            "No GPU: this is a CPU-only torch build; dk.try_gpu() returns cpu. "
-            "Install a CUDA or ROCm build of torch to use a GPU."
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite, positive number of seconds, got {text!r}"
         )
-    if parse_visible_devices() == []:
-        return f"No GPU: {ENV_VAR} hides every GPU; dk.try_gpu() returns cpu."
-    return "No GPU found (no driver, or no device); dk.try_gpu() returns cpu."
-
-
-def _value(value: object, unit: str = "") -> str:
-    return "-" if value is None else f"{value}{unit}"
-
-
-def _bar(used: int | None, total: int | None, width: int = 10) -> str:
-    if used is None or not total:
-        return "[" + "?" * width + "]"
-    filled = round(width * used / total)
-    return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
-def _gpu_lines(info: GPUInfo) -> list[str]:
-    where = info.device or "hidden"
-    gib = 2**30
-    if info.memory_used is not None and info.memory_total:
-        memory = (
-            f"{info.memory_used / gib:.1f} / {info.memory_total / gib:.1f} GiB "
-            f"({100 * info.memory_used / info.memory_total:.0f}%)"
-        )
-    else:
-        memory = "unknown"
-    power = f"{_value(info.power_draw and round(info.power_draw))} / "
-    power += f"{_value(info.power_limit and round(info.power_limit))} W"
-    reasons = info.throttle_reasons
-    held = "unknown" if reasons is None else ", ".join(reasons) or "nothing"
-    lines = [
-        f"{where:<8}nvml {info.nvml_index}  {info.name or '?'}  {info.pci_bus_id or '?'}  "
-        f"{info.uuid or '?'}",
-        f"{'':8}memory {_bar(info.memory_used, info.memory_total)} {memory}  "
-        f"util {_value(info.utilization, '%')}  memory util {_value(info.memory_utilization, '%')}",
-        f"{'':8}{_value(info.temperature, ' C')}  fan {_value(info.fan_speed, '%')}  "
-        f"power {power}  SM {_value(info.sm_clock)} / {_value(info.sm_clock_max)} MHz  "
-        f"memory {_value(info.memory_clock, ' MHz')}  clocks held by: {held}",
-    ]
-    if info.processes is None:
-        lines.append(f"{'':8}processes: unknown (NVML cannot list them here)")
-    else:
-        shown = ", ".join(str(process) for process in info.processes) or "none"
-        lines.append(f"{'':8}processes: {shown}")
-    return lines
-
-
-def status_text() -> str:
-    """The report and, when NVML is usable, one block per GPU (hidden GPUs last)."""
-    lines = report_lines()
-    infos = gpus(all=True)
-    if not infos:
-        lines.append(f"GPU status unavailable: {_nvml.nvml_error() or 'NVML sees no GPU'}")
-        return "\n".join(lines)
-    lines.append(
-        f"{'driver':<22}{_nvml.driver_version() or '?'} "
-        f"(supports CUDA {_nvml.cuda_driver_version() or '?'})"
-    )
-    ordered = sorted(infos, key=lambda i: (i.torch_index is None, i.torch_index or 0))
-    for info in ordered:
-        lines.append("")
-        lines.extend(_gpu_lines(info))
-    if _nvml.foreign_pids():
-        lines.append(
-            "\nSome PIDs are not visible from here: inside a container NVML reports host PIDs."
-        )
-    return "\n".join(lines)
-
-
-def status_document() -> dict[str, Any]:
-    """The status as a JSON-ready dict; its schema is documented in docs/nvml.md."""
-    raw = os.environ.get(ENV_VAR)
-    return {
-        "schema": JSON_SCHEMA_VERSION,
-        "devicekit": __version__,
-        "torch": torch.__version__,
-        "torch_build": torch_build(),
-        "cuda_visible_devices": raw,
-        "cuda_visible_devices_parsed": parse_visible_devices(raw) if raw is not None else None,
-        "nvml_available": _nvml.nvml_available(),
-        "nvml_error": _nvml.nvml_error(),
-        "driver_version": _nvml.driver_version(),
-        "cuda_driver_version": _nvml.cuda_driver_version(),
-        "gpus": [info.to_dict() for info in gpus(all=True)],
-    }
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 refresh, got {text!r}")
+    return value
+
+
+def _indices(text: str) -> list[int]:
+    """``"0,2"`` -> ``[0, 2]``: torch indices, as ``nvidia-smi -i`` takes them."""
+    indices = []
+    for part in text.split(","):
+        entry = part.strip().removeprefix("cuda:")
+        if not entry.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected GPU indices separated by commas, such as 0,2; got {text!r}"
+            )
+        indices.append(int(entry))
+    return indices
+
+
+def _shared_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """--json and -i, accepted before or after a subcommand (and honoured either way)."""
+    # Below a subcommand the default is SUPPRESS, so that not repeating an option
+    # there keeps the value given before it.
+    default: Any = argparse.SUPPRESS
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=False if top else default,
+        help="print JSON instead of text (watch: one JSON document per line)",
+    )
+    parser.add_argument(
+        "-i",
+        "--id",
+        type=_indices,
+        default=None if top else default,
+        metavar="IDS",
+        help="only these GPUs, by torch index: 0 or 0,2 (status and watch)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,55 +91,117 @@ def _parser() -> argparse.ArgumentParser:
         prog="devicekit",
         description="Show what torch can use here and what each GPU is doing, "
         "without initializing CUDA.",
+        epilog="Exit codes: 0 ok, 1 doctor found an error, 2 usage error.",
     )
-    parser.add_argument("--version", action="version", version=f"devicekit {__version__}")
-    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    parser.add_argument("-V", "--version", action="version", version=f"devicekit {__version__}")
+    _shared_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    watch = commands.add_parser("watch", help="refresh the status table until Ctrl-C")
+    watch = commands.add_parser(
+        "watch",
+        help="refresh the status until Ctrl-C",
+        description="Print the status every few seconds until Ctrl-C, with the time of each "
+        "refresh. On a terminal the screen is redrawn in place; piped, refreshes are "
+        "separated by a line (with --json, one JSON document per line).",
+    )
     watch.add_argument(
-        "-n", "--interval", type=_positive, default=2.0, metavar="SECONDS", help="default: 2"
+        "-n",
+        "--interval",
+        type=_seconds,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between refreshes (default: 2)",
     )
-    watch.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    watch.add_argument(
+        "--count", type=_count, default=None, metavar="N", help="stop after N refreshes"
+    )
+    _shared_options(watch, top=False)
     doctor = commands.add_parser(
-        "doctor", help="diagnose slow or broken GPU work; exit 1 on errors"
+        "doctor",
+        help="diagnose slow or broken GPU work; exit 1 on errors",
+        description="Check what makes GPU work slow or broken here (the torch build against "
+        "the driver, CUDA_VISIBLE_DEVICES, busy or throttled GPUs, persistence mode, "
+        "fork safety, low memory), each finding with a fix. Exits 1 when one is an error.",
     )
-    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
-    bench = commands.add_parser("bench", help="measure CPU vs GPU speed, bandwidth, latencies")
-    bench.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    _shared_options(doctor, top=False)
+    bench = commands.add_parser(
+        "bench",
+        help="measure CPU vs GPU speed, bandwidth, latencies",
+        description="Measure matrix multiplication rates (TFLOP/s) on the CPU and each GPU, "
+        "host-device copy bandwidth (GB/s) and launch and synchronize latencies (µs). "
+        "Takes well under 30 seconds; starts CUDA.",
+    )
+    _shared_options(bench, top=False)
     return parser
 
 
-def _watch(interval: float, count: int | None) -> int:
+def _print_json(document: Any, *, lines: bool = False) -> None:
+    print(json.dumps(document, indent=None if lines else 2), flush=True)
+
+
+def _snapshot(parser: argparse.ArgumentParser, ids: list[int] | None) -> Status:
+    from ._status import status  # noqa: PLC0415 - torch loads only when a command runs
+
+    current = status()
+    if ids is None:
+        return current
+    try:
+        return current.select(ids)
+    except KeyError as error:
+        parser.error(f"argument -i/--id: {error.args[0]}")  # exits with 2
+        raise  # pragma: no cover - parser.error does not return
+
+
+def _watch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    on_terminal = sys.stdout.isatty() and not args.json
     shown = 0
     try:
-        while count is None or shown < count:
-            text = status_text()
-            if sys.stdout.isatty():
-                sys.stdout.write("\x1b[H\x1b[2J")  # home and clear: refresh in place
-            print(text, flush=True)
+        while args.count is None or shown < args.count:
+            current = _snapshot(parser, args.id)
+            if args.json:
+                _print_json(current.to_dict(), lines=True)
+            else:
+                if on_terminal:
+                    sys.stdout.write(_CLEAR)
+                elif shown:
+                    print()  # piped: a blank line between refreshes
+                header = f"devicekit watch, {current.time_text}, every {args.interval:g} s"
+                print(f"{header}\n{'=' * len(header)}\n{current}", flush=True)
             shown += 1
-            if count is None or shown < count:
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        print()
+            if args.count is None or shown < args.count:
+                time.sleep(args.interval)
+    except KeyboardInterrupt:  # the way to stop watching: not an error
+        if not args.json:
+            print()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``devicekit`` command line and return its exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # torch without numpy warns when it is imported; this is devicekit's own process.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if args.command == "watch":
-        return _watch(args.interval, args.count)
-    if args.command == "doctor":
-        diagnosis = doctor()
-        print(json.dumps(diagnosis.to_dict(), indent=2) if args.json else diagnosis)
-        return diagnosis.exit_code
-    if args.command == "bench":
-        report = bench()
-        print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+        return _watch(parser, args)
+    if args.command in ("doctor", "bench"):
+        if args.id is not None:
+            parser.error(f"argument -i/--id: {args.command} does not take GPU indices")
+        if args.command == "doctor":
+            from ._doctor import doctor  # noqa: PLC0415 - see _snapshot
+
+            diagnosis = doctor()
+            _show(diagnosis, json_form=args.json)
+            return diagnosis.exit_code
+        from ._bench import bench  # noqa: PLC0415 - see _snapshot
+
+        _show(bench(), json_form=args.json)
         return 0
-    if args.json:
-        print(json.dumps(status_document(), indent=2))
-    else:
-        print(status_text())
+    _show(_snapshot(parser, args.id), json_form=args.json)
     return 0
+
+
+def _show(result: Any, *, json_form: bool) -> None:
+    if json_form:
+        _print_json(result.to_dict())
+    else:
+        print(result)

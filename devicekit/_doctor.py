@@ -2,43 +2,20 @@
 
 from __future__ import annotations
 
-import html
 import multiprocessing
-import os
 import sys
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-import torch
+from . import _findings, _nvml
+from ._findings import Finding
+from ._format import html_table, plural
+from ._gpuinfo import GPUInfo
+from ._status import status
+from ._visible import cuda_started
 
-from . import _nvml
-from ._conditions import _ENVIRONMENTAL
-from ._gpus import gpus
-from ._nvml import GPUInfo
-from ._visible import ENV_VAR, cuda_started, parse_visible_devices, reads_as_written
-
-__all__ = ["Diagnosis", "Finding", "doctor"]
-
-Severity = Literal["error", "warning", "info"]
-_LOW_MEMORY = 2 * 2**30  # bytes free below which typical work will not fit
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing :func:`doctor` found.
-
-    Attributes:
-        severity: ``"error"`` (GPU work will fail or cannot use the GPU),
-            ``"warning"`` (it will be slow or fragile) or ``"info"``.
-        title: One line.
-        detail: What was seen.
-        fix: What to do about it.
-    """
-
-    severity: Severity
-    title: str
-    detail: str
-    fix: str
+__all__ = ["Diagnosis", "doctor"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +36,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``ok`` and the findings."""
-        return {"ok": self.ok, "findings": [asdict(f) for f in self.findings]}
+        return {"ok": self.ok, "findings": [f.to_dict() for f in self.findings]}
 
     def __str__(self) -> str:
         if not self.findings:
@@ -72,113 +49,16 @@ class Diagnosis:
                 f"{'':8}fix: {f.fix}",
             ]
         errors = sum(f.severity == "error" for f in self.findings)
-        lines.append(f"\n{len(self.findings)} finding(s), {errors} error(s)")
+        lines.append(f"\n{plural(len(self.findings), 'finding')}, {plural(errors, 'error')}")
         return "\n".join(lines)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{html.escape(f.severity)}</td><td><b>{html.escape(f.title)}</b><br>"
-            f"{html.escape(f.detail)}</td><td>{html.escape(f.fix)}</td></tr>"
-            for f in self.findings
-        )
-        head = "<tr><th>severity</th><th>finding</th><th>fix</th></tr>"
-        return f"<table>{head}{rows}</table>" if rows else "<p>nothing wrong found</p>"
-
-
-def _build(infos: list[GPUInfo]) -> list[Finding]:
-    built = torch.version.cuda
-    if built is None and torch.version.hip is None and infos:
-        return [
-            Finding(
-                "error",
-                "torch is a CPU build, but this machine has NVIDIA GPUs",
-                f"{len(infos)} GPU(s) ({infos[0].name}), driver {_nvml.driver_version()}; "
-                f"torch {torch.__version__} cannot use them",
-                "install a CUDA build of torch for CUDA "
-                f"{_nvml.cuda_driver_version() or 'your driver version'} or older "
-                "(pytorch.org/get-started/locally)",
-            )
-        ]
-    supported = _nvml.cuda_driver_version()
-    if built and supported and _version(built) > _version(supported):
-        return [
-            Finding(
-                "error",
-                f"torch needs CUDA {built}, the driver supports only CUDA {supported}",
-                f"driver {_nvml.driver_version()} is older than torch {torch.__version__} needs",
-                f"update the NVIDIA driver, or install a torch build for CUDA {supported} or older",
-            )
-        ]
-    return []
-
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
-
-
-def _visibility(infos: list[GPUInfo]) -> list[Finding]:
-    raw = os.environ.get(ENV_VAR)
-    if raw is None:
-        return []
-    parsed = parse_visible_devices(raw)
-    if parsed == [] and infos:
-        return [
-            Finding(
-                "error",
-                f"{ENV_VAR} hides every GPU",
-                f"{ENV_VAR}={raw!r} leaves none of the {len(infos)} GPU(s) visible",
-                f"unset {ENV_VAR}, or list the GPUs to use, such as {ENV_VAR}=0",
-            )
-        ]
-    if not reads_as_written(raw):
-        return [
-            Finding(
-                "warning",
-                f"CUDA reads {ENV_VAR} differently than it is written",
-                f"{ENV_VAR}={raw!r} is read as {parsed}: CUDA stops at the first bad entry",
-                "write only valid, distinct indices or UUIDs, such as 0,1",
-            )
-        ]
-    return []
-
-
-def _busy(infos: list[GPUInfo]) -> list[Finding]:
-    findings = []
-    for info in infos:
-        others = [p for p in info.processes or () if p.pid != os.getpid()]
-        if info.torch_index is None or not others:
-            continue
-        shown = ", ".join(
-            f"{p.pid} {p.name or '?'} ({(p.used_memory or 0) / 2**30:.1f} GiB)" for p in others
-        )
-        busy = "?" if info.utilization is None else info.utilization
-        findings.append(
-            Finding(
-                "warning",
-                f"{info.device} is busy with {len(others)} other process(es)",
-                f"{shown}; utilization {busy}%",
-                "wait, use another GPU (dk.pick_gpu()), or stop them; timings taken now mislead",
-            )
-        )
-    return findings
-
-
-def _clocks(infos: list[GPUInfo]) -> list[Finding]:
-    findings = []
-    for info in infos:
-        reasons = [r for r in info.throttle_reasons or () if r in _ENVIRONMENTAL]
-        if info.torch_index is not None and reasons:
-            findings.append(
-                Finding(
-                    "warning",
-                    f"{info.device} clocks are held down: {', '.join(reasons)}",
-                    f"SM clock {info.sm_clock} of {info.sm_clock_max} MHz, {info.temperature} C",
-                    "check cooling and power; results until then are slower than the GPU can do",
-                )
-            )
-    return findings
+        if not self.findings:
+            return "<p>devicekit doctor: nothing wrong found</p>"
+        rows = [(f.severity, f"{f.title}\n{f.detail}", f.fix) for f in self.findings]
+        return html_table(rows, header=("severity", "finding", "fix"))
 
 
 def _persistence(infos: list[GPUInfo]) -> list[Finding]:
@@ -229,37 +109,6 @@ def _jupyter() -> list[Finding]:
     ]
 
 
-def _memory(infos: list[GPUInfo]) -> list[Finding]:
-    low = [
-        i
-        for i in infos
-        if i.torch_index is not None and i.memory_free is not None and i.memory_free < _LOW_MEMORY
-    ]
-    return [
-        Finding(
-            "warning",
-            f"{i.device} has little free memory",
-            f"{(i.memory_free or 0) / 2**30:.1f} of {(i.memory_total or 0) / 2**30:.1f} GiB free",
-            "free it (dk.free_memory() in the process holding it), or use another GPU",
-        )
-        for i in low
-    ]
-
-
-def _no_gpu(infos: list[GPUInfo]) -> list[Finding]:
-    if infos:
-        return []
-    why = _nvml.nvml_error() or "NVML sees no GPU"
-    return [
-        Finding(
-            "info",
-            "no GPU here",
-            f"{why}; devicekit and dk.try_gpu() fall back to the CPU",
-            "nothing to fix if that is intended; otherwise install the NVIDIA driver",
-        )
-    ]
-
-
 def doctor() -> Diagnosis:
     """Diagnose the environment for slow or broken GPU work; each finding has a fix.
 
@@ -279,17 +128,19 @@ def doctor() -> Diagnosis:
         >>> diagnosis.exit_code in (0, 1)
         True
     """
-    infos = gpus(all=True)
+    snapshot = status()
+
+    def each_gpu(judge: Callable[[GPUInfo], Finding | None]) -> list[Finding]:
+        return [f for f in map(judge, snapshot.visible) if f is not None]
+
     findings = [
-        *_build(infos),
-        *_visibility(infos),
-        *_busy(infos),
-        *_clocks(infos),
-        *_persistence(infos),
+        *snapshot.findings,
+        *each_gpu(_findings.busy),
+        *each_gpu(_findings.held_clocks),
+        *_persistence(list(snapshot.gpus)),
         *_this_process(),
         *_jupyter(),
-        *_memory(infos),
-        *_no_gpu(infos),
+        *each_gpu(_findings.low_memory),
     ]
     order = {"error": 0, "warning": 1, "info": 2}
     return Diagnosis(tuple(sorted(findings, key=lambda f: order[f.severity])))

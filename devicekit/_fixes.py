@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ._format import format_bytes, format_count
-from ._nvml import GPUProcess
+from ._gpuinfo import GPUProcess
 
 __all__ = ["Numbers", "rank_fixes"]
 

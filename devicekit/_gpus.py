@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from ._devices import DeviceLike, check_index, parse_cuda_index, parse_cuda_indi
 from ._errors import DeviceNotFoundError, GPUUnavailableError
 from ._format import format_bytes
 from ._nvml import GPUInfo, PhysicalGPU
-from ._visible import ENV_VAR, parse_visible_devices
+from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
 __all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]
 
@@ -46,9 +47,6 @@ class _Visible:
     gpu: PhysicalGPU
     handle: Any = None
     uuid: str | None = None
-
-
-_child_orders: dict[tuple[str | None, str | None], list[str] | None] = {}
 
 
 def _normalized(uuid: str | None) -> str:
@@ -76,32 +74,81 @@ print(json.dumps([str(p.uuid) for p in props]))
 """
 
 
+def isolated_python(code: str) -> list[str]:
+    """The command that runs ``code`` in a child Python that cannot import the user's files.
+
+    ``python -c`` puts the working directory first on ``sys.path``, so a
+    ``json.py`` or ``torch.py`` there would run in the child. ``-P`` (Python
+    3.11+) leaves it out; the caller also runs the child in an empty directory,
+    which covers Python 3.10. ``PYTHONPATH`` and the user's site-packages stay:
+    that is where torch may be installed.
+    """
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", code]
+
+
 def _order_from_cuda() -> list[str] | None:
     """UUIDs of cuda:0, cuda:1, ... as CUDA orders them, asked of a child process (cached)."""
+    session = _nvml.session()
     key = (os.environ.get(ENV_VAR), os.environ.get(_ORDER_VAR))
-    if key not in _child_orders:
+    if key not in session.child_orders:
         try:
-            result = subprocess.run(
-                [sys.executable, "-c", _CHILD],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=True,
-            )
-            _child_orders[key] = json.loads(result.stdout.strip().splitlines()[-1])
+            with tempfile.TemporaryDirectory(prefix="devicekit-") as empty:
+                result = subprocess.run(
+                    isolated_python(_CHILD),
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    check=True,
+                    cwd=empty,
+                )
+            session.child_orders[key] = json.loads(result.stdout.strip().splitlines()[-1])
         except (OSError, subprocess.SubprocessError, ValueError, IndexError) as error:
             _nvml.logger.warning(
                 "could not ask CUDA for its device order (%s); assuming PCI bus order", error
             )
-            _child_orders[key] = None
-    return _child_orders[key]
+            session.child_orders[key] = None
+    return session.child_orders[key]
+
+
+def _order_in_this_process() -> list[str] | None:
+    """Once CUDA has started here: the UUIDs of the devices torch uses, in its order.
+
+    CUDA read ``CUDA_VISIBLE_DEVICES`` when it started and keeps that view, even
+    if the variable changed since (a ``visible_devices`` block that ended, say),
+    so from then on the variable no longer says which GPU is ``cuda:N``; torch
+    does. Asking it is safe once CUDA is initialized, and cached: the answer
+    cannot change for the life of the process.
+    """
+    if not torch_cuda_initialized():
+        return None
+    session = _nvml.session()
+    if session.cuda_order is None:
+        count = torch.cuda.device_count()
+        session.cuda_order = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
+    return session.cuda_order
 
 
 def visible_gpus() -> list[_Visible]:
-    """The GPUs this process can see, in torch index order (``cuda:0`` first)."""
+    """The GPUs this process can see, in torch index order (``cuda:0`` first).
+
+    A function of the two variables (or, once CUDA has started, of CUDA's own
+    order), so it is worked out once per value and kept in the NVML session.
+    """
     physical = _nvml.physical_gpus()
     if not physical:
         return []
+    session = _nvml.session()
+    key = (os.environ.get(ENV_VAR), os.environ.get(_ORDER_VAR), torch_cuda_initialized())
+    visible = session.visible.get(key)
+    if visible is None:
+        visible = session.visible[key] = _visible_now(physical)
+    return visible
+
+
+def _visible_now(physical: list[PhysicalGPU]) -> list[_Visible]:
+    started = _order_in_this_process()
+    if started is not None:
+        return _match_uuids(physical, started)
     entries = parse_visible_devices()
     if _needs_cuda_to_order(physical, entries):
         order = _order_from_cuda()

@@ -10,22 +10,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from ._format import (
-    UNKNOWN,
-    format_bytes,
-    format_count,
-    format_percent,
-    format_value,
-    html_table,
-    safe_text,
-)
+from ._gpuinfo import GPUInfo, GPUProcess
 
 __all__ = [
     "GPUInfo",
@@ -66,17 +58,43 @@ _INIT_ERRORS = {
 
 
 class _Session:
-    """NVML's state in this process: started at most once."""
+    """Every piece of NVML state in this process, in one place, with one :meth:`reset`.
+
+    NVML starts at most once per session, under a lock. A child made by
+    ``fork`` gets a fresh session (``os.register_at_fork``): a lock held by
+    another thread at the moment of the fork would otherwise stay locked in
+    the child forever, and the parent's handles and caches are not the
+    child's to trust.
+    """
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: the next query starts NVML again (tests; a forked child)."""
         self.lock = threading.Lock()
         self.tried = False
         self.module: Any = None
         self.error: str | None = None
         self.physical: list[PhysicalGPU] | None = None
-        # Calls a GPU answered NOT_SUPPORTED: it will not start supporting them, and
-        # asking again is slow (0.14 ms for the fan speed of an H100).
-        self.unsupported: set[tuple[Any, ...]] = set()
+        # GPU UUID -> calls it answered NOT_SUPPORTED. A GPU will not start supporting
+        # them, and asking again is slow (0.14 ms for an H100's fan speed).
+        self.unsupported: dict[str, set[str]] = {}
+        # Which variant of a versioned NVML call works with this driver, found once.
+        self.memory_v2: bool | None = None
+        self.field_values: bool | None = None  # nvmlDeviceGetFieldValues, for a batch
+        self.throttle_call: str | None = None
+        self.process_versions: dict[str, int] = {}  # "compute"/"graphics" -> 3, 2 or 1
+        # PIDs NVML reported that do not exist in this PID namespace (a container).
+        self.foreign_pids: set[int] = set()
+        # UUIDs of cuda:0, cuda:1... as CUDA orders them, per (CUDA_VISIBLE_DEVICES,
+        # CUDA_DEVICE_ORDER), asked of a child process; and once CUDA has started here,
+        # the order it really uses (it no longer follows the variables).
+        self.child_orders: dict[tuple[str | None, str | None], list[str] | None] = {}
+        self.cuda_order: list[str] | None = None
+        # (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, CUDA started) -> the visible GPUs, in
+        # torch order (devicekit._gpus works them out; entries are _gpus._Visible).
+        self.visible: dict[tuple[str | None, str | None, bool], Any] = {}
 
     def start(self) -> Any:
         if self.tried:  # fast path: no lock once started (or failed)
@@ -110,6 +128,19 @@ def _shutdown(pynvml: Any) -> None:
 _session = _Session()
 
 
+def _after_fork_in_child() -> None:
+    _session.reset()  # whichever session is current (tests swap it)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def session() -> _Session:
+    """This process's NVML session (its caches live there)."""
+    return _session
+
+
 def library() -> Any:
     """The started ``pynvml`` module, or None when NVML is not usable here."""
     return _session.start()
@@ -141,14 +172,9 @@ def nvml_error() -> str | None:
 
 def _read(nv: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """Call one NVML function; None when this GPU or driver cannot answer."""
-    key = (fn, *(id(arg) if index == 0 else arg for index, arg in enumerate(args)))
-    if key in _session.unsupported:
-        return None
     try:
         return fn(*args)
-    except nv.NVMLError as error:
-        if _code(error) == _NOT_SUPPORTED:
-            _session.unsupported.add(key)
+    except nv.NVMLError:
         return None
 
 
@@ -189,174 +215,6 @@ def cuda_driver_version() -> str | None:
     if version is None:
         return None
     return f"{version // 1000}.{version % 1000 // 10}"
-
-
-# --- results ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GPUProcess:
-    """A process with a context on a GPU, as NVML reports it.
-
-    Attributes:
-        pid: The process id NVML reports. Inside a container this can be a
-            host PID that does not exist here; then ``name`` is None.
-        name: The process name from ``/proc/<pid>/comm``, or None when that
-            process is not visible from here.
-        used_memory: GPU memory it holds, in bytes, or None when the driver
-            does not say (Windows WDDM, some MIG setups).
-        kind: ``"compute"`` (CUDA) or ``"graphics"``.
-    """
-
-    pid: int
-    name: str | None
-    used_memory: int | None
-    kind: Literal["compute", "graphics"]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict."""
-        return dataclasses.asdict(self)
-
-    def __str__(self) -> str:
-        name = "(not visible here)" if self.name is None else safe_text(self.name)
-        return f"{self.pid} {name} {format_bytes(self.used_memory, digits=0)}"
-
-
-@dataclass(frozen=True, repr=False)
-class GPUInfo:
-    """One snapshot of one GPU. A value NVML cannot give on this GPU is None, never 0.
-
-    Attributes:
-        torch_index: The index torch uses for this GPU (``cuda:<torch_index>``),
-            or None when this process cannot see it.
-        nvml_index: NVML's index of the physical GPU (for a MIG instance: of
-            its parent GPU). It is *not* the torch index in general.
-        uuid: ``GPU-...`` (or ``MIG-...`` for a MIG instance).
-        name: The product name, such as ``"NVIDIA H100 80GB HBM3"``.
-        pci_bus_id: Such as ``"00000000:18:00.0"``.
-        memory_total: Bytes.
-        memory_used: Bytes in use, as current ``nvidia-smi`` counts them
-            (NVML's v2 memory API, where driver-reserved memory is not "used").
-        memory_free: Bytes free.
-        utilization: Percent of the last sample period in which a kernel ran.
-        memory_utilization: Percent of that period in which memory was read or written.
-        temperature: Degrees Celsius.
-        power_draw: Watts now.
-        power_limit: Watts, the enforced limit.
-        sm_clock: MHz now.
-        sm_clock_max: MHz, the highest the SMs can run.
-        memory_clock: MHz now.
-        throttle_reasons: Why clocks are held down now, such as ``("power_cap",)``;
-            ``()`` when nothing holds them down, None when unknown.
-        fan_speed: Percent of the maximum, None for passively cooled boards.
-        compute_mode: ``"default"``, ``"exclusive_process"`` or ``"prohibited"``.
-        mig_enabled: Whether MIG mode is on; None when the GPU cannot tell.
-        processes: Processes with a context on this GPU, or None when NVML
-            cannot list them here.
-    """
-
-    torch_index: int | None
-    nvml_index: int
-    uuid: str | None
-    name: str | None
-    pci_bus_id: str | None
-    memory_total: int | None
-    memory_used: int | None
-    memory_free: int | None
-    utilization: int | None
-    memory_utilization: int | None
-    temperature: int | None
-    power_draw: float | None
-    power_limit: float | None
-    sm_clock: int | None
-    sm_clock_max: int | None
-    memory_clock: int | None
-    throttle_reasons: tuple[str, ...] | None
-    fan_speed: int | None
-    compute_mode: str | None
-    mig_enabled: bool | None
-    processes: tuple[GPUProcess, ...] | None
-
-    @property
-    def device(self) -> str | None:
-        """``"cuda:N"`` for a GPU this process can see, else None."""
-        return None if self.torch_index is None else f"cuda:{self.torch_index}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict (processes as a list of dicts)."""
-        return dataclasses.asdict(self)
-
-    def __repr__(self) -> str:
-        where = self.device or "not visible"
-        parts = [f"{where} (nvml {self.nvml_index})", safe_text(self.name or UNKNOWN)]
-        parts.append(f"memory {format_bytes(self.memory_used)} / {format_bytes(self.memory_total)}")
-        if self.utilization is not None:
-            parts.append(f"util {self.utilization}%")
-        if self.temperature is not None:
-            parts.append(f"{self.temperature} °C")
-        if self.power_draw is not None:
-            parts.append(
-                f"{format_value(self.power_draw, 'W')} / {format_value(self.power_limit, 'W')}"
-            )
-        if self.sm_clock is not None:
-            parts.append(f"SM {self.sm_clock} / {self._sm_max}")
-        if self.throttle_reasons:
-            parts.append("throttled: " + ", ".join(self.throttle_reasons))
-        parts.append(
-            format_count(None if self.processes is None else len(self.processes), "process")
-        )
-        return f"GPUInfo({', '.join(parts)})"
-
-    def rows(self) -> list[tuple[str, str]]:
-        """The snapshot as (label, text) pairs in human units, for tables."""
-        reasons = self.throttle_reasons
-        processes = self.processes
-        return [
-            ("device", self.device or "not visible to this process"),
-            ("nvml index", str(self.nvml_index)),
-            ("name", safe_text(self.name or UNKNOWN)),
-            ("uuid", self.uuid or UNKNOWN),
-            ("PCI bus", self.pci_bus_id or UNKNOWN),
-            (
-                "memory used",
-                f"{format_bytes(self.memory_used)} of {format_bytes(self.memory_total)}",
-            ),
-            ("memory free", format_bytes(self.memory_free)),
-            ("utilization", format_percent(self.utilization)),
-            ("memory utilization", format_percent(self.memory_utilization)),
-            ("temperature", format_value(self.temperature, "°C")),
-            (
-                "power",
-                f"{format_value(self.power_draw, 'W')} of {format_value(self.power_limit, 'W')}",
-            ),
-            (
-                "SM clock",
-                f"{format_value(self.sm_clock)} of {format_value(self.sm_clock_max, 'MHz')}",
-            ),
-            ("memory clock", format_value(self.memory_clock, "MHz")),
-            ("clocks held by", UNKNOWN if reasons is None else ", ".join(reasons) or "nothing"),
-            ("fan", format_percent(self.fan_speed)),
-            ("compute mode", self.compute_mode or UNKNOWN),
-            ("MIG", UNKNOWN if self.mig_enabled is None else ("on" if self.mig_enabled else "off")),
-            (
-                "processes",
-                UNKNOWN if processes is None else "\n".join(str(p) for p in processes) or "none",
-            ),
-        ]
-
-    def _power(self, between: str) -> str:
-        return format_value(self.power_draw, "W") + between + format_value(self.power_limit, "W")
-
-    @property
-    def _memory_total(self) -> str:
-        return format_bytes(self.memory_total)
-
-    @property
-    def _sm_max(self) -> str:
-        return format_value(self.sm_clock_max, "MHz")
-
-    def _repr_html_(self) -> str:
-        return html_table(self.rows(), caption=f"GPUInfo: {self.device or 'not visible'}")
 
 
 # --- reading -------------------------------------------------------------------------
@@ -453,61 +311,109 @@ def throttle_names(mask: int) -> tuple[str, ...]:
     return tuple(name for bit, name in _THROTTLE_NAMES.items() if mask & bit)
 
 
-class _Probes:
-    """Which variant of a versioned NVML call works here, found once per process."""
-
-    memory_v2: bool | None = None
-    throttle: str | None = None
-    processes: dict[str, int] = {}  # noqa: RUF012 - per-process cache, kind -> version
-
-
 def read_gpu(
     gpu: PhysicalGPU, *, torch_index: int | None, handle: Any = None, uuid: str | None = None
 ) -> GPUInfo:
     """One snapshot of ``gpu`` (or of one of its MIG instances, given its handle and uuid)."""
     nv = library()
     h = gpu.handle if handle is None else handle
+    key = (uuid or gpu.uuid) or f"nvml:{gpu.nvml_index}"  # stable, unlike id(handle)
+    skip = _session.unsupported.get(key)  # usually None: then nothing is looked up per call
+
+    def read(fn: Callable[..., Any], *args: Any) -> Any:
+        if skip and _call_name(fn, args) in skip:
+            return None
+        try:
+            return fn(h, *args)
+        except nv.NVMLError as error:
+            if _code(error) == _NOT_SUPPORTED:
+                _session.unsupported.setdefault(key, set()).add(_call_name(fn, args))
+            return None
+
     total, used, free = _memory(nv, h)
-    rates = _read(nv, nv.nvmlDeviceGetUtilizationRates, h)
-    power = _read(nv, nv.nvmlDeviceGetPowerUsage, h)
-    limit = _read(nv, nv.nvmlDeviceGetEnforcedPowerLimit, h)
+    rates = read(nv.nvmlDeviceGetUtilizationRates)
+    power, energy = _power_and_energy(nv, h, read)
+    limit = read(nv.nvmlDeviceGetEnforcedPowerLimit)
     mask = _throttle_mask(nv, h)
-    mode = _read(nv, nv.nvmlDeviceGetComputeMode, h)
+    mode = read(nv.nvmlDeviceGetComputeMode)
     return GPUInfo(
         torch_index=torch_index,
         nvml_index=gpu.nvml_index,
         uuid=gpu.uuid if uuid is None else uuid,
-        name=gpu.name if handle is None else _text(_read(nv, nv.nvmlDeviceGetName, h)),
+        name=gpu.name if handle is None else _text(read(nv.nvmlDeviceGetName)),
         pci_bus_id=gpu.pci_bus_id,
         memory_total=total,
         memory_used=used,
         memory_free=free,
         utilization=None if rates is None else rates.gpu,
         memory_utilization=None if rates is None else rates.memory,
-        temperature=_read(nv, nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+        temperature=read(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU),
         power_draw=None if power is None else power / 1000,
         power_limit=None if limit is None else limit / 1000,
-        sm_clock=_read(nv, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+        sm_clock=read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM),
         sm_clock_max=gpu.sm_clock_max,
-        memory_clock=_read(nv, nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
+        memory_clock=read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_MEM),
         throttle_reasons=None if mask is None else throttle_names(mask),
-        fan_speed=_read(nv, nv.nvmlDeviceGetFanSpeed, h),
+        fan_speed=read(nv.nvmlDeviceGetFanSpeed),
         compute_mode=None if mode is None else _COMPUTE_MODES.get(mode, str(mode)),
         mig_enabled=gpu.mig_enabled,
         processes=_processes(nv, h),
+        energy=None if energy is None else energy / 1000,
     )
+
+
+def _call_name(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    return f"{fn.__name__}{args}"
+
+
+# Fields NVML can read in one call (nvmlDeviceGetFieldValues). Only power and the
+# energy counter among GPUInfo's per-refresh fields have field IDs.
+_FI_POWER_INSTANT = 186  # mW
+_FI_TOTAL_ENERGY = 83  # mJ since the driver loaded
+_VALUE_KINDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+def _power_and_energy(
+    nv: Any, handle: Any, read: Callable[..., Any]
+) -> tuple[float | None, float | None]:
+    """Power (mW) and energy (mJ): one batched call where the driver has it, else two calls."""
+    power = energy = None
+    if _session.field_values is not False:
+        try:
+            values = nv.nvmlDeviceGetFieldValues(handle, [_FI_POWER_INSTANT, _FI_TOTAL_ENERGY])
+            _session.field_values = True
+            power, energy = (_field(value) for value in values)
+        except (nv.NVMLError, AttributeError, TypeError) as error:
+            if _session.field_values is None and _code(error) != _NO_PERMISSION:
+                _session.field_values = False
+    if power is None:
+        power = read(nv.nvmlDeviceGetPowerUsage)
+    if energy is None and _session.field_values is not True:
+        energy = read(nv.nvmlDeviceGetTotalEnergyConsumption)
+    return power, energy
+
+
+def _field(value: Any) -> float | None:
+    """One field of a batch: None unless NVML answered it."""
+    if value.nvmlReturn != 0:
+        return None
+    kind = int(value.valueType)
+    if not 0 <= kind < len(_VALUE_KINDS):
+        return None
+    number = getattr(value.value, _VALUE_KINDS[kind])
+    return None if number == _NOT_AVAILABLE else float(number)
 
 
 def _memory(nv: Any, handle: Any) -> tuple[int | None, int | None, int | None]:
     # v2 reports "used" without the driver's reserved memory, as nvidia-smi does.
     info = None
-    if _Probes.memory_v2 is not False:
+    if _session.memory_v2 is not False:
         try:
             info = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
-            _Probes.memory_v2 = True
+            _session.memory_v2 = True
         except (nv.NVMLError, TypeError, AttributeError) as error:
-            if _Probes.memory_v2 is None and _code(error) != _NO_PERMISSION:
-                _Probes.memory_v2 = False
+            if _session.memory_v2 is None and _code(error) != _NO_PERMISSION:
+                _session.memory_v2 = False
     if info is None:
         info = _read(nv, nv.nvmlDeviceGetMemoryInfo, handle)
     if info is None:
@@ -517,7 +423,7 @@ def _memory(nv: Any, handle: Any) -> tuple[int | None, int | None, int | None]:
 
 def _throttle_mask(nv: Any, handle: Any) -> int | None:
     names = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-    for name in names if _Probes.throttle is None else (_Probes.throttle,):
+    for name in names if _session.throttle_call is None else (_session.throttle_call,):
         fn = getattr(nv, name, None)
         if fn is None:
             continue
@@ -527,7 +433,7 @@ def _throttle_mask(nv: Any, handle: Any) -> int | None:
             if _code(error) == _FUNCTION_NOT_FOUND:
                 continue
             return None
-        _Probes.throttle = name
+        _session.throttle_call = name
         return mask
     return None
 
@@ -545,7 +451,10 @@ def _processes(nv: Any, handle: Any) -> tuple[GPUProcess, ...] | None:
         for entry in entries:
             memory = entry.usedGpuMemory
             used = None if memory is None or memory == _NOT_AVAILABLE else int(memory)
-            found.append(GPUProcess(int(entry.pid), _process_name(int(entry.pid)), used, kind))
+            pid = int(entry.pid)
+            name = _process_name(pid)
+            visible = name is not None or pid not in _session.foreign_pids
+            found.append(GPUProcess(pid, name, used, kind, pid_visible=visible))
     return tuple(found)
 
 
@@ -556,7 +465,7 @@ class _ProcessInfoV1(ctypes.Structure):
 def _process_entries(nv: Any, handle: Any, kind: str) -> list[Any] | None:
     """Probe v3, then v2, then v1 of NVML's process query; remember what works."""
     name = f"nvmlDeviceGet{kind.capitalize()}RunningProcesses"
-    known = _Probes.processes.get(kind)
+    known = _session.process_versions.get(kind)
     for version in (3, 2, 1) if known is None else (known,):
         try:
             if version == 1:  # the unversioned C symbol is v1; the binding has no v1 wrapper
@@ -569,7 +478,7 @@ def _process_entries(nv: Any, handle: Any, kind: str) -> list[Any] | None:
             return None
         except AttributeError:  # an old binding without this wrapper
             continue
-        _Probes.processes[kind] = version
+        _session.process_versions[kind] = version
         return list(entries)
     return None
 
@@ -586,26 +495,30 @@ def _processes_v1(nv: Any, handle: Any, symbol: str) -> list[Any]:
     return list(entries[: count.value])
 
 
-_foreign_pids: set[int] = set()
-
-
 def foreign_pids() -> frozenset[int]:
     """PIDs NVML reported that do not exist in this PID namespace (a container's view)."""
-    return frozenset(_foreign_pids)
+    return frozenset(_session.foreign_pids)
 
 
 def _process_name(pid: int) -> str | None:
+    # os.open/os.read: a fifth of the cost of open() with a text wrapper, per process
+    # and snapshot. The name is the process's own choice: printers escape it.
     try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
-            return comm.read().strip() or None
+        fd = os.open(f"/proc/{pid}/comm", os.O_RDONLY)
     except FileNotFoundError:
-        if not _foreign_pids:
+        if not _session.foreign_pids:
             logger.warning(
                 "NVML reported PID %d, which does not exist in this PID namespace: inside a "
                 "container NVML shows host PIDs, so process names are unknown here.",
                 pid,
             )
-        _foreign_pids.add(pid)
+        _session.foreign_pids.add(pid)
         return None
     except OSError:  # hidepid or another user's process: it exists, its name is private
         return None
+    try:
+        return os.read(fd, 64).decode("utf-8", "replace").strip() or None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

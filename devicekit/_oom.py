@@ -34,9 +34,9 @@ from ._errors import DeviceNotFoundError, DeviceOutOfMemoryError
 from ._fixes import Numbers, rank_fixes
 from ._format import UNKNOWN, format_bytes, format_count, html_table, safe_text
 from ._frames import first_user_location
+from ._gpuinfo import GPUProcess
 from ._gpus import gpu
 from ._memory import cuda_bytes
-from ._nvml import GPUProcess
 from ._oomtext import OOMText, is_oom, parse_oom
 from ._visible import torch_cuda_initialized
 

@@ -1,45 +1,66 @@
-"""``gpu_map``: run a function over items in worker processes, one GPU each (or shared).
+"""``gpu_map`` and ``gpu_pool``: a function over items in worker processes, one GPU each.
 
 Workers are started with ``spawn``, never ``fork``: a forked child of a process
 that has touched CUDA fails with "Cannot re-initialize CUDA in forked
 subprocess". Each worker inherits ``CUDA_VISIBLE_DEVICES`` naming its one GPU,
 set before the child starts (so before it imports torch), so inside it the
 GPU is always ``cuda:0``.
+
+Faults end the call promptly and say what happened; nothing is left running:
+
+- ``fn`` or an item that cannot be pickled is refused before any worker
+  starts, by its index; a result that cannot be sent back names its item;
+- ``fn`` raising ends the call with a :class:`~devicekit.WorkerError` that has
+  the item's index, the worker and its device, and the worker's traceback;
+- a worker that dies (the out-of-memory killer, a segfault, ``kill -9``) is
+  seen at once, through its process sentinel, and named with its device,
+  its exit code or signal and the item it was running;
+- Ctrl-C stops every worker and raises ``KeyboardInterrupt``;
+- a dead parent (``SIGKILL``, pre-emption) takes its workers with it: at once
+  on Linux (a parent-death signal), else within about a second;
+- a script that calls ``gpu_map`` at import time, outside ``if __name__ ==
+  "__main__":``, gets an error that says so, instead of a wall of
+  ``multiprocessing`` traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import queue
+import reprlib
 import signal
 import sys
-import traceback
+import threading
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
 from ._devices import DeviceLike, check_index, resolve_devices, try_all_gpus
 from ._errors import WorkerError
+from ._format import plural
 from ._visible import ENV_VAR, _scoped_env, parse_visible_devices
+from ._worker import NO_MAIN_GUARD, in_worker_bootstrap, work
 
-__all__ = ["gpu_map"]
+__all__ = ["GPUPool", "gpu_map", "gpu_pool"]
 
 T = TypeVar("T")
 R = TypeVar("R")
-_POLL = 0.1  # seconds between checks that every worker is still alive
-
-
-def _work(fn_bytes: bytes, tasks: Any, results: Any) -> None:
-    """A worker's loop: take (index, item), send back (index, ok, pickled result or traceback)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl-C and stops us
-    fn = pickle.loads(fn_bytes)
-    while (task := tasks.get()) is not None:
-        index, item = task
-        try:
-            results.put((index, True, pickle.dumps(fn(item))))
-        except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
-            results.put((index, False, traceback.format_exc()))
+Slot = str | int  # "cpu", or a CUDA index as this process numbers it
+_WARNINGS = "PYTHONWARNINGS"
+_NUMPY_WARNING = "ignore:Failed to initialize NumPy"
+_STOP_SECONDS = 5.0  # a worker asked to stop gets this long before it is terminated
+_MAIN_GUARD_FIX = (
+    "Workers are started with spawn: each one imports the main module again, so a "
+    'script must call gpu_map() under `if __name__ == "__main__":` (and define fn at '
+    "the top level of a module, above that line)."
+)
 
 
 def _worker_env(device: str | int) -> str:
@@ -96,6 +117,332 @@ class _Progress:
             self.bar.close()
 
 
+@dataclass
+class _Worker:
+    number: int
+    slot: Slot
+    process: Any  # a spawn-context Process
+    conn: Any  # the parent's end of the duplex pipe
+    ready: bool = False
+    running: int | None = None  # the index of the item it is working on
+    fn_id: int = -1  # whose fn it holds: each map numbers its fn
+
+    def where(self) -> str:
+        """``"worker 2 on cuda:1"``, ``"worker 1 on the CPU"``."""
+        device = "the CPU" if self.slot == "cpu" else f"cuda:{self.slot}"
+        return f"worker {self.number} on {device}"
+
+    def death(self) -> str:
+        """How it ended: ``"was killed by SIGKILL"``, ``"exited with code 1"``."""
+        self.process.join(1.0)
+        code = self.process.exitcode
+        if code is None:
+            return "closed its connection"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
+            return f"was killed by {name}{hint}"
+        return f"exited with code {code}"
+
+
+def _stop(workers: list[_Worker], *, gently: bool) -> None:
+    """Stop every worker and wait for it; terminate, then kill, whoever lingers."""
+    for worker in workers:
+        if gently and worker.process.is_alive():
+            with contextlib.suppress(OSError):  # it is already gone
+                worker.conn.send(("stop",))
+    for worker in workers:
+        if gently:
+            worker.process.join(_STOP_SECONDS)
+        if worker.process.is_alive():
+            worker.process.terminate()
+            worker.process.join(_STOP_SECONDS)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        worker.conn.close()
+
+
+class GPUPool:
+    """Worker processes, one per GPU slot, reused by every :meth:`map` until closed.
+
+    Make one with :func:`gpu_pool`. Starting a worker costs about a second
+    (mostly importing torch), so many small ``map`` calls share one pool
+    instead of each paying it. After a failed ``map`` the workers are stopped;
+    the next ``map`` starts fresh ones. Use a pool from one thread at a time.
+    """
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self._slots = slots
+        self._workers: list[_Worker] = []
+        self._closed = False
+        self._maps = itertools.count()
+        self._finalizer = weakref.finalize(self, _stop, self._workers, gently=False)
+
+    @property
+    def devices(self) -> list[str]:
+        """Each worker's device, in worker order: ``"cuda:0"``, ``"cpu"``..."""
+        return ["cpu" if slot == "cpu" else f"cuda:{slot}" for slot in self._slots]
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._workers)} running"
+        counts: dict[str, int] = {}
+        for device in self.devices:
+            counts[device] = counts.get(device, 0) + 1
+        shown = ", ".join(f"{device} x{n}" if n > 1 else device for device, n in counts.items())
+        return f"GPUPool({plural(len(self._slots), 'worker')}: {shown}; {state})"
+
+    def __enter__(self) -> GPUPool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (each finishes nothing new) and wait for them."""
+        self._closed = True
+        workers, self._workers[:] = list(self._workers), []
+        _stop(workers, gently=True)
+
+    def map(
+        self, fn: Callable[[T], R], items: Iterable[T], *, progress: bool | None = None
+    ) -> list[R]:
+        """``[fn(item) for item in items]``, computed by the pool's workers, in input order.
+
+        Raises as :func:`gpu_map` does.
+        """
+        fn_bytes = _pickle_fn(fn)
+        work = list(items)
+        payloads = _pickle_items(work)
+        if self._closed:
+            raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
+        return self._run(fn_bytes, work, payloads, progress)
+
+    # --- the parent's loop ---------------------------------------------------------------
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        # The parent-death signal fires when the *thread* that started the worker
+        # ends; only the main thread lives as long as the process.
+        main_thread = threading.current_thread() is threading.main_thread()
+        # torch without numpy warns on import; the workers are devicekit's processes,
+        # so that warning is silenced there (and only there), from the first import.
+        _quiet = ",".join(filter(None, [os.environ.get(_WARNINGS), _NUMPY_WARNING]))
+        for number, slot in enumerate(self._slots, 1):
+            parent_end, child_end = context.Pipe(duplex=True)
+            process = context.Process(
+                target=work,
+                args=(child_end, os.getpid(), main_thread),
+                daemon=True,
+                name=f"devicekit-worker-{number}",
+            )
+            # The child copies this environment at start, before it imports anything.
+            with _scoped_env(ENV_VAR, _worker_env(slot)), _scoped_env(_WARNINGS, _quiet):
+                process.start()
+            child_end.close()  # so that the worker's death reads as EOF here
+            self._workers.append(_Worker(number, slot, process, parent_end))
+
+    def _run(
+        self, fn_bytes: bytes, work: list[Any], payloads: list[bytes], progress: bool | None
+    ) -> list[Any]:
+        if not work:
+            return []
+        if not self._workers:
+            self._start()
+        fn_id = next(self._maps)
+        todo = deque(range(len(work)))
+        output: list[Any] = [None] * len(work)
+        bar = _Progress(len(work), progress)
+        try:
+            for worker in self._workers:
+                _feed(worker, fn_id, fn_bytes, todo, payloads)
+            received = 0
+            while received < len(work):
+                received += self._collect(work, output, bar)
+                for worker in self._workers:
+                    _feed(worker, fn_id, fn_bytes, todo, payloads)
+        except BaseException:
+            # A failure, or Ctrl-C: stop everyone now, whatever is still to do.
+            workers, self._workers[:] = list(self._workers), []
+            _stop(workers, gently=False)
+            raise
+        finally:
+            bar.close()
+        return output
+
+    def _collect(self, work: list[Any], output: list[Any], bar: _Progress) -> int:
+        """Wait for the next answers; return how many items finished."""
+        by_handle: dict[Any, _Worker] = {}
+        for worker in self._workers:
+            by_handle[worker.conn] = worker
+            by_handle[worker.process.sentinel] = worker
+        finished = 0
+        ready = multiprocessing.connection.wait(list(by_handle))
+        for handle in sorted(ready, key=lambda h: h is by_handle[h].process.sentinel):
+            worker = by_handle[handle]
+            if handle is worker.process.sentinel:
+                if not worker.conn.poll():  # it died, and said nothing more
+                    raise WorkerError(_death_message(worker, work, finished))
+                continue
+            try:
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                raise WorkerError(_death_message(worker, work, finished)) from None
+            if message[0] == "ready":
+                worker.ready = True
+                continue
+            kind, index, payload = message
+            worker.running = None
+            if kind == "raised":
+                raise WorkerError(
+                    f"gpu_map: fn raised on item {index} ({_show(work[index])}) in "
+                    f"{worker.where()}; the worker's traceback:\n{payload}"
+                )
+            if kind == "unpicklable":
+                raise WorkerError(
+                    f"gpu_map: the result of item {index} ({_show(work[index])}) cannot be sent "
+                    f"back from {worker.where()}: {payload}. Return picklable data: numbers, "
+                    "strings, CPU tensors, or containers of them."
+                )
+            try:
+                output[index] = pickle.loads(payload)
+            except Exception as error:
+                raise WorkerError(
+                    f"gpu_map: the result of item {index} ({_show(work[index])}) from "
+                    f"{worker.where()} cannot be rebuilt here: {type(error).__name__}: {error}"
+                ) from error
+            finished += 1
+            bar.step()
+        return finished
+
+
+def _feed(
+    worker: _Worker, fn_id: int, fn_bytes: bytes, todo: deque[int], payloads: list[bytes]
+) -> None:
+    """Give an idle worker the next item (and this map's fn, the first time)."""
+    if worker.running is not None or not todo:
+        return
+    if worker.fn_id != fn_id:
+        worker.conn.send(("fn", fn_bytes))
+        worker.fn_id = fn_id
+    index = todo.popleft()
+    worker.conn.send(("item", index, payloads[index]))
+    worker.running = index
+
+
+def _death_message(worker: _Worker, work: list[Any], finished: int) -> str:
+    how = worker.death()
+    if worker.process.exitcode == NO_MAIN_GUARD:
+        return (
+            f"gpu_map: {worker.where()} stopped while importing the main module, because the "
+            f"script calls gpu_map() at import time. {_MAIN_GUARD_FIX}"
+        )
+    if not worker.ready:
+        return (
+            f"gpu_map: {worker.where()} {how} before it started: it could not import fn's "
+            "module or the main module (its own error is printed above, on stderr). "
+            + _MAIN_GUARD_FIX
+        )
+    doing = (
+        "between items"
+        if worker.running is None
+        else f"while running item {worker.running} ({_show(work[worker.running])})"
+    )
+    return f"gpu_map: {worker.where()} {how} {doing}"
+
+
+def _show(item: object) -> str:
+    return reprlib.repr(item)
+
+
+def _pickle_fn(fn: object) -> bytes:
+    try:
+        return pickle.dumps(fn)
+    except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
+        raise TypeError(
+            f"gpu_map() sends fn to worker processes, so it must be picklable, and {fn!r} is not "
+            f"({error}). Define it with def at the top level of a module (not a lambda, not "
+            "inside a function); in a notebook, put it in a .py file and import it."
+        ) from None
+
+
+def _pickle_items(items: list[Any]) -> list[bytes]:
+    """Every item, pickled here, so that a bad one is named before any worker starts."""
+    payloads = []
+    for index, item in enumerate(items):
+        try:
+            payloads.append(pickle.dumps(item))
+        except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
+            raise TypeError(
+                f"gpu_map() sends each item to a worker process, so it must be picklable, and "
+                f"item {index} ({_show(item)}, a {type(item).__name__}) is not: "
+                f"{type(error).__name__}: {error}. Pass data (numbers, strings, paths, tensors) "
+                "and let fn build the rest."
+            ) from None
+    return payloads
+
+
+def _refuse_during_worker_bootstrap() -> None:
+    if in_worker_bootstrap():
+        # We are a spawned worker importing the user's main module, which calls us
+        # at import time: starting workers here would recurse. Say so, briefly, and
+        # stop with an exit code the parent recognizes.
+        print(f"devicekit: gpu_map() called at import time. {_MAIN_GUARD_FIX}", file=sys.stderr)
+        raise SystemExit(NO_MAIN_GUARD)
+
+
+def gpu_pool(
+    *,
+    devices: Sequence[DeviceLike] | DeviceLike | None = None,
+    workers_per_device: int = 1,
+) -> GPUPool:
+    """Start worker processes once and reuse them: ``with dk.gpu_pool() as pool: pool.map(...)``.
+
+    The workers are those :func:`gpu_map` would start (same ``devices`` and
+    ``workers_per_device``), but they stay up between ``map`` calls, so a
+    loop of small maps does not pay a worker start-up (about a second each,
+    mostly importing torch) every time. Close the pool (or leave the ``with``
+    block) to stop them; they also stop when this process exits.
+
+    Args:
+        devices: As for :func:`gpu_map`.
+        workers_per_device: As for :func:`gpu_map`.
+
+    Returns:
+        A :class:`GPUPool`.
+
+    Raises:
+        ValueError: ``devices`` is empty or names a device that is neither CUDA
+            nor the CPU, or ``workers_per_device`` is less than 1.
+        DeviceNotFoundError: One of ``devices`` does not exist here.
+
+    Examples:
+        >>> import math, devicekit as dk
+        >>> with dk.gpu_pool(devices=["cpu"]) as pool:
+        ...     first = pool.map(math.sqrt, [1, 4])
+        ...     second = pool.map(math.factorial, [3, 4])
+        >>> first, second
+        ([1.0, 2.0], [6, 24])
+    """
+    _refuse_during_worker_bootstrap()
+    return GPUPool(_slots(devices, _workers_per_device(workers_per_device)))
+
+
+def _workers_per_device(value: object) -> int:
+    count = check_index(value, name="workers_per_device")
+    if count < 1:
+        raise ValueError("workers_per_device must be at least 1, got 0")
+    return count
+
+
 def gpu_map(
     fn: Callable[[T], R],
     items: Iterable[T],
@@ -113,6 +460,10 @@ def gpu_map(
     (useful when one item does not fill a GPU). Without a GPU, the workers
     run on the CPU, one per CPU core, with every GPU hidden.
 
+    Because workers are spawned, each imports the main module again: in a
+    script, call ``gpu_map`` under ``if __name__ == "__main__":``. To run
+    many maps with the same workers, use :func:`gpu_pool`.
+
     Args:
         fn: A picklable function (defined at the top level of a module, not a
             lambda or a function defined inside another).
@@ -128,10 +479,14 @@ def gpu_map(
         ``[fn(item) for item in items]``, computed in parallel.
 
     Raises:
-        TypeError: ``fn`` cannot be pickled, or ``devices`` is not a device or list.
+        TypeError: ``fn`` or an item cannot be pickled (the item's index is
+            named), or ``devices`` is not a device or list.
         DeviceNotFoundError: One of ``devices`` does not exist here.
         WorkerError: ``fn`` raised for an item (the message has the item's
-            index and the worker's traceback), or a worker died.
+            index, the worker and its device, and the worker's traceback), a
+            result could not be sent back, or a worker died (the message says
+            how: its exit code or signal, and what it was running). Every
+            worker is stopped before it is raised.
         KeyboardInterrupt: On Ctrl-C, after stopping the workers.
 
     Examples:
@@ -139,64 +494,16 @@ def gpu_map(
         >>> dk.gpu_map(math.sqrt, [1, 4, 9], devices=["cpu"])
         [1.0, 2.0, 3.0]
     """
-    try:
-        fn_bytes = pickle.dumps(fn)
-    except (pickle.PicklingError, AttributeError, TypeError) as error:
-        raise TypeError(
-            f"gpu_map() sends fn to worker processes, so it must be picklable, and {fn!r} is not "
-            f"({error}). Define it with def at the top level of a module (not a lambda, not "
-            "inside a function); in a notebook, put it in a .py file and import it."
-        ) from None
-    if check_index(workers_per_device, name="workers_per_device") < 1:
-        raise ValueError("workers_per_device must be at least 1, got 0")
+    _refuse_during_worker_bootstrap()
+    fn_bytes = _pickle_fn(fn)
+    per_device = _workers_per_device(workers_per_device)
+    slots = _slots(devices, per_device)
     work = list(items)
+    payloads = _pickle_items(work)
     if not work:
         return []
-    slots = _slots(devices, workers_per_device)[: len(work)]
-    context = multiprocessing.get_context("spawn")
-    tasks, results = context.Queue(), context.Queue()
-    for task in enumerate(work):
-        tasks.put(task)
-    workers = []
-    for slot in slots:
-        tasks.put(None)  # one stop signal per worker
-        process = context.Process(target=_work, args=(fn_bytes, tasks, results), daemon=True)
-        # The child copies this environment at start, before it imports anything.
-        with _scoped_env(ENV_VAR, _worker_env(slot)):
-            process.start()
-        workers.append((slot, process))
+    pool = GPUPool(slots[: len(work)])
     try:
-        return _collect(work, results, workers, _Progress(len(work), progress))
+        return pool._run(fn_bytes, work, payloads, progress)
     finally:
-        for _, process in workers:
-            if process.is_alive():
-                process.terminate()
-            process.join()
-
-
-def _collect(work: list[Any], results: Any, workers: list[Any], progress: _Progress) -> list[Any]:
-    output: list[Any] = [None] * len(work)
-    received = 0
-    try:
-        while received < len(work):
-            try:
-                index, ok, payload = results.get(timeout=_POLL)
-            except queue.Empty:
-                dead = [(slot, p.exitcode) for slot, p in workers if p.exitcode not in (None, 0)]
-                if dead or all(not p.is_alive() for _, p in workers):
-                    raise WorkerError(
-                        f"gpu_map: a worker died ({dead or 'all exited'}) with "
-                        f"{len(work) - received} of {len(work)} items unfinished"
-                    ) from None
-                continue
-            if not ok:
-                raise WorkerError(
-                    f"gpu_map: fn raised on item {index} ({work[index]!r}); the worker's "
-                    f"traceback:\n{payload}"
-                )
-            output[index] = pickle.loads(payload)
-            received += 1
-            progress.step()
-    finally:
-        progress.close()
-    return output
+        pool.close()

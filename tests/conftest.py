@@ -102,16 +102,11 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
 @pytest.fixture
 def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
     """Install a ``pynvml`` stand-in (or None: not installed) with devicekit's NVML state reset."""
-    from devicekit import _gpus, _nvml
+    from devicekit import _nvml
 
     def install(module: Any) -> None:
         monkeypatch.setitem(sys.modules, "pynvml", module)
-        monkeypatch.setattr(_nvml, "_session", _nvml._Session())
-        monkeypatch.setattr(_nvml._Probes, "memory_v2", None)
-        monkeypatch.setattr(_nvml._Probes, "throttle", None)
-        monkeypatch.setattr(_nvml._Probes, "processes", {})
-        monkeypatch.setattr(_nvml, "_foreign_pids", set())
-        monkeypatch.setattr(_gpus, "_child_orders", {})
+        monkeypatch.setattr(_nvml, "_session", _nvml._Session())  # one object, all NVML state
         monkeypatch.setattr("atexit.register", lambda *args: None)
         for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
             monkeypatch.delenv(name, raising=False)

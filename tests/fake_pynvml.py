@@ -50,6 +50,7 @@ class FakeGPU:
     fan: int = 30
     compute_mode: int = 0
     persistence: int = 1
+    energy_mj: int = 5_000_000
     mig: list[FakeGPU] = field(default_factory=list)
     compute: list[tuple[int, int | None]] = field(default_factory=list)
     graphics: list[tuple[int, int | None]] = field(default_factory=list)
@@ -165,6 +166,31 @@ class FakeNVML(types.ModuleType):
     def nvmlDeviceGetPowerUsage(self, h: FakeGPU) -> int:
         self._check("nvmlDeviceGetPowerUsage", h)
         return h.power_mw
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetTotalEnergyConsumption", h)
+        return h.energy_mj
+
+    def nvmlDeviceGetFieldValues(self, h: FakeGPU, field_ids: list[int]) -> list[Any]:
+        """Power (186, mW, unsigned int) and total energy (83, mJ, unsigned long long)."""
+        self._check("nvmlDeviceGetFieldValues", h)
+        answers = {
+            186: ("nvmlDeviceGetPowerUsage", 1, "uiVal", h.power_mw),
+            83: ("nvmlDeviceGetTotalEnergyConsumption", 3, "ullVal", h.energy_mj),
+        }
+        values = []
+        for field_id in field_ids:
+            name, kind, slot, number = answers[field_id]
+            supported = name not in h.unsupported
+            values.append(
+                types.SimpleNamespace(
+                    fieldId=field_id,
+                    nvmlReturn=0 if supported else NOT_SUPPORTED,
+                    valueType=kind,
+                    value=types.SimpleNamespace(**{slot: number if supported else 0}),
+                )
+            )
+        return values
 
     def nvmlDeviceGetEnforcedPowerLimit(self, h: FakeGPU) -> int:
         self._check("nvmlDeviceGetEnforcedPowerLimit", h)

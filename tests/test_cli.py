@@ -1,20 +1,59 @@
+"""The ``devicekit`` command: the status report, JSON, watch, options, exit codes.
+
+Rendering is checked in-process with the NVML stand-in; the conventions (``--json``
+anywhere, argument checks, exit codes, no torch for ``--help``) through the real
+entry point in a subprocess.
+"""
+
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _cli
+from devicekit import _cli, _status
 
-from .conftest import GPU_COUNT
+from .conftest import GPU_COUNT, FakeAccelerator
+from .fake_pynvml import FakeGPU, FakeNVML
+
+Install = Callable[[Any], None]
+A = "GPU-aaaa1111-0000-0000-0000-000000000000"
+B = "GPU-bbbb2222-0000-0000-0000-000000000000"
+NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "devicekit", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def two_gpus(**a_fields: Any) -> FakeNVML:
+    return FakeNVML(
+        [
+            FakeGPU(A, bus="00000000:3A:00.0", throttle=0x4, **a_fields),
+            FakeGPU(B, bus="00000000:18:00.0", unsupported={"nvmlDeviceGetFanSpeed"}),
+        ]
+    )
+
+
+# --- the report -----------------------------------------------------------------------------
 
 
 def test_report_names_versions_build_devices_and_the_variable(
@@ -24,7 +63,7 @@ def test_report_names_versions_build_devices_and_the_variable(
     assert _cli.main([]) == 0
     out = capsys.readouterr().out
     assert f"devicekit             {dk.__version__}" in out
-    assert f"torch                 {torch.__version__} ({_cli.torch_build()} build)" in out
+    assert f"torch                 {torch.__version__} ({_status.torch_build()} build)" in out
     assert "CUDA_VISIBLE_DEVICES  (unset: every GPU is visible)" in out
     devices = ", ".join(str(d) for d in dk.try_all_gpus()) if GPU_COUNT else "none ("
     assert f"devices               {devices}" in out
@@ -37,7 +76,7 @@ def test_report_says_plainly_when_there_is_no_gpu(capsys: pytest.CaptureFixture[
 
 
 def test_torch_build_matches_torch_version() -> None:
-    build = _cli.torch_build()
+    build = _status.torch_build()
     if torch.version.cuda:
         assert build == f"CUDA {torch.version.cuda}"
     elif torch.version.hip:
@@ -64,85 +103,55 @@ def test_report_explains_the_variable(
     assert shown in capsys.readouterr().out
 
 
-def test_hidden_gpus_are_named_as_the_reason(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_the_empty_variable_is_judged_the_same_by_status_and_doctor(
+    monkeypatch: pytest.MonkeyPatch, nvml_session: Install
 ) -> None:
-    monkeypatch.setattr(_cli, "accelerator_type", lambda: "cuda")
-    monkeypatch.setattr(_cli, "accelerator_count", lambda: 0)
+    # Before, doctor said "'' is read as []: CUDA stops at the first bad entry".
+    nvml_session(two_gpus())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (status_finding,) = [f for f in dk.status().findings if "CUDA_VISIBLE" in f.title]
+    doctor_findings = [f for f in dk.doctor().findings if "CUDA_VISIBLE" in f.title]
+    assert doctor_findings == [status_finding]
+    assert status_finding.title == "CUDA_VISIBLE_DEVICES hides every GPU"
+    assert status_finding.severity == "error"  # there are two GPUs it hides
+
+
+def test_hidden_gpus_are_named_as_the_reason(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    fake_accelerator: FakeAccelerator,
+) -> None:
+    fake_accelerator("cuda", 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     _cli.main([])
     assert "No GPU: CUDA_VISIBLE_DEVICES hides every GPU" in capsys.readouterr().out
 
 
-def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        _cli.main(["--version"])
-    assert exit_info.value.code == 0
-    assert capsys.readouterr().out.strip() == f"devicekit {dk.__version__}"
-
-
-def test_python_dash_m_runs_the_same_report() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "devicekit"], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"devicekit             {dk.__version__}\n")
-
-
-def test_unknown_arguments_fail_with_usage() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "devicekit", "--bogus"], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 2
-    assert "unrecognized arguments: --bogus" in result.stderr
-
-
-# --- the status table, JSON and watch ------------------------------------------------------
-
-A = "GPU-aaaa1111-0000-0000-0000-000000000000"
-B = "GPU-bbbb2222-0000-0000-0000-000000000000"
-
-
-def _two_gpus() -> Any:
-    from .fake_pynvml import FakeGPU, FakeNVML
-
-    return FakeNVML(
-        [
-            FakeGPU(A, bus="00000000:3A:00.0", throttle=0x4, compute=[(os.getpid(), 3 * 2**30)]),
-            FakeGPU(B, bus="00000000:18:00.0", unsupported={"nvmlDeviceGetFanSpeed"}),
-        ]
-    )
-
-
 def test_status_table_shows_each_gpu_by_torch_index(
-    nvml_session: Callable[[Any], None],
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    nvml_session(_two_gpus())
+    nvml_session(two_gpus(compute=[(os.getpid(), 3 * 2**30)]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # only the GPU on bus 3A, NVML's 0
     assert _cli.main([]) == 0
     out = capsys.readouterr().out
     assert "driver                580.159.04 (supports CUDA 13.0)" in out
     assert f"cuda:0  nvml 0  NVIDIA H100 80GB HBM3  00000000:3A:00.0  {A}" in out
     assert f"hidden  nvml 1  NVIDIA H100 80GB HBM3  00000000:18:00.0  {B}" in out
-    assert "memory [..........] 2.0 / 80.0 GiB (2%)  util 10%  memory util 5%" in out
+    assert "memory [..........] 2.0 GiB / 80.0 GiB (2%)  util 10%  memory util 5%" in out
     assert "clocks held by: power_cap" in out
-    assert "fan -  power 120 / 700 W" in out  # unsupported fan: "-", never 0
+    assert "fan ?  power 120 W / 700 W" in out  # unsupported fan: "?", never 0
     assert f"processes: {os.getpid()} " in out
     assert out.index("cuda:0") < out.index("hidden")
 
 
 def test_json_document(
-    nvml_session: Callable[[Any], None],
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    nvml_session(_two_gpus())
+    nvml_session(two_gpus(compute=[(os.getpid(), 3 * 2**30)]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     assert _cli.main(["--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["schema"] == 1
+    assert document["schema"] == _status.SCHEMA_VERSION == 2
     assert document["cuda_visible_devices"] == "1,0"
     assert document["cuda_visible_devices_parsed"] == [1, 0]
     assert document["nvml_available"] is True
@@ -151,10 +160,11 @@ def test_json_document(
     assert [(g["nvml_index"], g["torch_index"]) for g in document["gpus"]] == [(0, 0), (1, 1)]
     assert document["gpus"][1]["fan_speed"] is None
     assert document["gpus"][0]["processes"][0]["used_memory"] == 3 * 2**30
+    assert document["time"].startswith(time.strftime("%Y-"))
 
 
 def test_without_nvml_the_status_says_why_and_exits_zero(
-    nvml_session: Callable[[Any], None], capsys: pytest.CaptureFixture[str]
+    nvml_session: Install, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nvml_session(None)
     assert _cli.main([]) == 0
@@ -168,12 +178,180 @@ def test_without_nvml_the_status_says_why_and_exits_zero(
     assert document["nvml_error"].startswith("the nvidia-ml-py package is not installed")
 
 
-def test_watch_refreshes_count_times(
-    nvml_session: Callable[[Any], None], capsys: pytest.CaptureFixture[str]
+def test_a_status_renders_for_notebooks_with_human_units(nvml_session: Install) -> None:
+    nvml_session(two_gpus())
+    snapshot = dk.status()
+    page = snapshot._repr_html_()
+    assert "<th>memory</th>" in page
+    assert "2.0 GiB / 80.0 GiB" in page
+    assert "120 W / 700 W" in page
+    assert "85899345920" not in page
+    assert repr(snapshot).startswith("Status(torch ")
+    assert "2 GPUs on the machine" in repr(snapshot)
+
+
+# --- untrusted text -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hostile_process() -> Iterator[int]:
+    """A real process whose name carries terminal escape sequences, as any user can set."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("sets its name with prctl")
+    name = b"x\x1b]0;owned\x07\x1b[2J"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import ctypes, sys, time; ctypes.CDLL(None).prctl(15, {name!r}, 0, 0, 0); "
+            "print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        with open(f"/proc/{child.pid}/comm", "rb") as comm:
+            assert b"\x1b" in comm.read()  # the kernel kept the escape bytes
+        yield child.pid
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def test_process_names_cannot_reach_the_terminal(
+    nvml_session: Install, hostile_process: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    nvml_session(_two_gpus())
+    nvml_session(two_gpus(compute=[(hostile_process, 2**30)]))
+    assert _cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "\x07" not in out
+    assert f"{hostile_process} x\\x1b]0;owned\\x07\\x1b[2J 1 GiB" in out
+    assert "\x1b" not in dk.doctor().__str__()
+    assert "\x1b" not in dk.status()._repr_html_()
+
+
+def test_escape_covers_every_control_character() -> None:
+    from devicekit._format import safe_text
+
+    assert all(safe_text(chr(code)).startswith("\\x") for code in [*range(32), *range(127, 160)])
+    assert safe_text("GPU 0 ✓") == "GPU 0 ✓"
+    assert ctypes.sizeof(ctypes.c_int) > 0  # ctypes is what the fixture's child uses
+
+
+# --- options and exit codes, through the real entry point --------------------------------
+
+
+def test_version_and_help_answer_without_torch_or_its_warning() -> None:
+    for flags in (["--version"], ["-V"], ["--help"], ["watch", "--help"]):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "devicekit", *flags],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
+        assert "torch" not in imported, flags
+        assert NUMPY_WARNING not in result.stderr
+    assert run_cli("-V").stdout.strip() == f"devicekit {dk.__version__}"
+
+
+def test_every_subcommand_has_a_description() -> None:
+    for command in ("watch", "doctor", "bench"):
+        result = run_cli(command, "--help")
+        assert result.returncode == 0
+        usage, _, rest = result.stdout.partition("\n\n")
+        assert usage.startswith(f"usage: devicekit {command}")
+        assert len(rest.split("\n\n")[0]) > 40, result.stdout  # a sentence, not nothing
+    main_help = run_cli("--help").stdout
+    assert "Exit codes: 0 ok, 1 doctor found an error, 2 usage error." in main_help
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--json", "doctor"],
+        ["doctor", "--json"],
+        ["--json", "watch", "--count", "1"],
+        ["watch", "--count", "1", "--json"],
+        ["--json"],
+    ],
+    ids=" ".join,
+)
+def test_json_is_honoured_before_or_after_the_subcommand(args: list[str]) -> None:
+    result = run_cli(*args)
+    assert result.returncode in (0, 1), result.stderr  # doctor exits 1 on an error finding
+    document = json.loads(result.stdout)
+    assert "findings" in document
+    assert NUMPY_WARNING not in result.stderr
+
+
+def test_watch_json_writes_one_document_per_line() -> None:
+    result = run_cli("watch", "--json", "-n", "0.01", "--count", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    assert [json.loads(line)["schema"] for line in lines] == [2, 2, 2]
+
+
+def test_watch_piped_separates_refreshes_and_stamps_each(
+    nvml_session: Install, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nvml_session(two_gpus())
     assert _cli.main(["watch", "-n", "0.01", "--count", "3"]) == 0
-    assert capsys.readouterr().out.count("devicekit             ") == 3
+    out = capsys.readouterr().out
+    assert out.count("devicekit             ") == 3
+    assert out.count("devicekit watch, ") == 3
+    assert "\x1b[2J" not in out  # not a terminal: never cleared
+    assert "every 0.01 s\n=" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["watch", "-n", "inf"], "expected a finite, positive number of seconds, got 'inf'"),
+        (["watch", "-n", "nan"], "expected a finite, positive number of seconds, got 'nan'"),
+        (["watch", "-n", "abc"], "expected a number of seconds, got 'abc'"),
+        (["watch", "-n", "0"], "expected a finite, positive number of seconds, got '0'"),
+        (["watch", "-n", "-1"], "expected a finite, positive number of seconds, got '-1'"),
+        (["watch", "--count", "0"], "expected at least 1 refresh, got '0'"),
+        (["watch", "--count", "-5"], "expected at least 1 refresh, got '-5'"),
+        (["watch", "--count", "x"], "expected a whole number, got 'x'"),
+        (["-i", "a"], "expected GPU indices separated by commas, such as 0,2; got 'a'"),
+        (["-i", "99"], "argument -i/--id: cuda:99 is not in this status"),
+        (["doctor", "-i", "0"], "doctor does not take GPU indices"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_readable_message(args: list[str], message: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_select_gpus_by_torch_index(
+    nvml_session: Install, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nvml_session(two_gpus())
+    assert _cli.main(["-i", "1", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [g["torch_index"] for g in document["gpus"]] == [1]
+    assert _cli.main(["watch", "--count", "1", "-i", "0,cuda:1"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda:0  nvml" in out
+    assert "cuda:1  nvml" in out
+
+
+def test_python_dash_m_runs_the_same_report() -> None:
+    result = run_cli()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"devicekit             {dk.__version__}\n")
+    assert NUMPY_WARNING not in result.stderr
 
 
 def test_watch_stops_cleanly_on_ctrl_c() -> None:
@@ -191,13 +369,21 @@ def test_watch_stops_cleanly_on_ctrl_c() -> None:
     assert "Traceback" not in stderr
 
 
-@pytest.mark.parametrize("interval", ["0", "-1"])
-def test_watch_rejects_a_non_positive_interval(interval: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "devicekit", "watch", "-n", interval],
+def test_the_readme_shows_what_the_command_prints_today() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("```console\n$ devicekit\n", 1)[1].split("```", 1)[0]
+    ours = subprocess.run(
+        [sys.executable, "-m", "devicekit"],
         capture_output=True,
         text=True,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert "must be a positive number of seconds" in result.stderr
+        check=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
+    ).stdout
+    if torch.version.cuda or "GPU status unavailable: libnvidia-ml" not in ours:
+        pytest.skip("the README shows a machine without a driver and a CPU build of torch")
+    # Versions differ between machines; every other line must be as the README says.
+    varying = ("torch ", "python ", "devicekit ")
+    assert [line for line in block.splitlines() if not line.startswith(varying)] == [
+        line for line in ours.splitlines() if not line.startswith(varying)
+    ]

@@ -15,6 +15,7 @@ import torch
 import devicekit as dk
 from devicekit import _cli, _doctor
 
+from .conftest import FakeAccelerator
 from .fake_pynvml import FakeGPU, FakeNVML
 
 Install = Callable[[Any], None]
@@ -26,9 +27,14 @@ def titles(diagnosis: dk.Diagnosis) -> list[tuple[str, str]]:
 
 
 @pytest.fixture
-def cuda_build(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | None], None]:
+def cuda_build(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> Callable[[str | None], None]:
+    """A CUDA build of ``version`` that sees one GPU, or (None) a CPU build."""
+
     def set_build(version: str | None) -> None:
         monkeypatch.setattr(torch.version, "cuda", version)
+        fake_accelerator(*(("cuda", 1) if version else (None, 0)))
 
     return set_build
 
@@ -106,13 +112,13 @@ def test_busy_throttled_persistence_off_and_low_memory(
     nvml_session(FakeNVML([gpu]))
     diagnosis = dk.doctor()
     assert titles(diagnosis) == [
-        ("warning", "cuda:0 is busy with 1 other process(es)"),
+        ("warning", "cuda:0 is busy with 1 other process"),
         ("warning", "cuda:0 clocks are held down: hw_thermal"),
         ("warning", "persistence mode is off"),
         ("warning", "cuda:0 has little free memory"),
     ]
     busy = diagnosis.findings[0]
-    assert busy.detail == "5000001 ? (40.0 GiB); utilization 97%"
+    assert busy.detail == "5000001 (another PID namespace) 40 GiB; utilization 97%"
     assert diagnosis.ok  # warnings only
 
 
@@ -140,11 +146,26 @@ def test_jupyter_on_a_spawning_platform(
     assert dk.doctor().findings == ()
 
 
-def test_no_gpu_is_information_not_an_error(nvml_session: Install) -> None:
+def test_no_gpu_is_information_not_an_error(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
     nvml_session(None)
+    cuda_build(None)
     diagnosis = dk.doctor()
-    assert titles(diagnosis) == [("info", "no GPU here")]
+    assert titles(diagnosis) == [("info", "No GPU: this is a CPU-only torch build")]
     assert diagnosis.exit_code == 0
+
+
+def test_a_cuda_build_without_a_driver_says_why(
+    nvml_session: Install, fake_accelerator: FakeAccelerator
+) -> None:
+    fake = FakeNVML([])
+    fake.init_error = 12  # LIBRARY_NOT_FOUND
+    nvml_session(fake)
+    fake_accelerator("cuda", 0)
+    (finding,) = dk.doctor().findings
+    assert finding.title == "No GPU: torch is built for cuda but sees no device"
+    assert finding.detail.startswith("libnvidia-ml.so.1 was not found")
 
 
 def test_the_command_exits_1_on_an_error_and_prints_json(
@@ -174,7 +195,7 @@ def test_the_real_command_runs() -> None:
         [sys.executable, "-m", "devicekit", "doctor"], capture_output=True, text=True, check=False
     )
     assert result.returncode in (0, 1), result.stderr
-    assert "finding(s)" in result.stdout or "nothing wrong found" in result.stdout
+    assert " finding" in result.stdout or "nothing wrong found" in result.stdout
 
 
 @pytest.mark.gpu

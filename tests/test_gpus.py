@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -339,25 +340,24 @@ def test_a_child_allocation_shows_in_its_process_entry() -> None:
 
 
 @pytest.mark.gpu
-def test_a_uuid_in_cuda_visible_devices_maps_cuda0_to_that_gpu(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    target = dk.gpus(all=True)[-1]
-    assert target.uuid is not None
-    for value in (target.uuid, target.uuid[:12]):
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
-        (info,) = dk.gpus()
-        assert (info.torch_index, info.nvml_index, info.uuid) == (
-            0,
-            target.nvml_index,
-            target.uuid,
-        )
-    # torch agrees, in a process where CUDA may start.
-    seen = run_python(
-        "import json, torch; print(json.dumps(str(torch.cuda.get_device_properties(0).uuid)))",
-        env={"CUDA_VISIBLE_DEVICES": target.uuid},
+def test_a_uuid_in_cuda_visible_devices_maps_cuda0_to_that_gpu() -> None:
+    # In a fresh process: once CUDA has started, the variable no longer decides.
+    result = run_python(
+        """
+        import json, os, torch, devicekit as dk
+        target = dk.gpus(all=True)[-1]
+        seen = []
+        for value in (target.uuid, target.uuid[:12]):
+            os.environ["CUDA_VISIBLE_DEVICES"] = value
+            (info,) = dk.gpus()
+            seen.append([info.torch_index, info.nvml_index, info.uuid])
+        torch_uuid = str(torch.cuda.get_device_properties(0).uuid)  # CUDA starts: that GPU
+        print(json.dumps([target.nvml_index, target.uuid, seen, torch_uuid]))
+        """
     )
-    assert target.uuid.endswith(seen)
+    nvml_index, uuid, seen, torch_uuid = result
+    assert seen == [[0, nvml_index, uuid]] * 2
+    assert uuid.endswith(torch_uuid)
 
 
 @pytest.mark.gpu
@@ -367,3 +367,63 @@ def test_asking_cuda_for_its_order_matches_nvml() -> None:
     assert [_gpus._normalized(u) for u in order] == [
         _gpus._normalized(info.uuid) for info in dk.gpus()
     ]
+
+
+def test_once_cuda_has_started_torch_indices_follow_cuda_not_the_variable(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CUDA started inside `visible_devices([1])`: it keeps that view after the block,
+    # while the variable is back to unset. dk.gpu(0) must describe torch's cuda:0.
+    nvml_session(two_same())  # by PCI bus: cuda:0 is B, cuda:1 is A
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    props = [type("Props", (), {"uuid": A.removeprefix("GPU-")})()]  # torch's view: only A
+    monkeypatch.setattr(_gpus, "torch_cuda_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    assert uuids(dk.gpus()) == [A]
+    assert dk.gpu(0).uuid == A
+    with pytest.raises(dk.DeviceNotFoundError, match="cuda:1 does not exist"):
+        dk.gpu(1)
+
+
+def test_the_order_probe_runs_no_file_from_the_working_directory(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    marker = tmp_path / "ran"
+    hostile = f"open({str(marker)!r}, 'w').write('pwned')\nraise SystemExit('hostile module ran')\n"
+    for name in ("json.py", "torch.py", "sitecustomize.py"):
+        (tmp_path / name).write_text(hostile)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", ".")  # even a relative entry pointing at the cwd
+    nvml_session(two_same())
+    order = _gpus._order_from_cuda()
+    assert not marker.exists()
+    assert order is not None  # the child ran to the end and answered
+    # And the helper itself: the child imports the standard library's json.
+    result = subprocess.run(
+        _gpus.isolated_python("import json; print(json.__file__)"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert str(tmp_path) not in result.stdout
+    assert not marker.exists()
+
+
+@pytest.mark.gpu
+def test_after_cuda_starts_in_a_scope_gpu0_is_torchs_cuda0() -> None:
+    result = run_python(
+        """
+        import json, torch, devicekit as dk
+        last = dk.gpus()[-1].uuid
+        with dk.visible_devices([len(dk.gpus()) - 1]):
+            torch.zeros(1, device="cuda")  # CUDA starts here and keeps this view
+        print(json.dumps([last, dk.gpu(0).uuid, str(torch.cuda.get_device_properties(0).uuid)]))
+        """
+    )
+    last, described, torch_uuid = result
+    assert described == last
+    assert described.endswith(torch_uuid)

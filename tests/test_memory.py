@@ -14,10 +14,11 @@ from .conftest import GPU_COUNT, FakeAccelerator, run_python
 def test_free_memory_without_cuda_collects_garbage_and_says_so() -> None:
     result = run_python(
         """
-        import json, devicekit as dk
+        import gc, json, devicekit as dk
         class Node:
             def __init__(self):
                 self.me = self
+        gc.disable()  # no automatic pass may collect them first; free_memory's gc.collect() must
         for _ in range(100):
             Node()
         report = dk.free_memory()

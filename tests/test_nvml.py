@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -176,7 +178,7 @@ def test_older_drivers_fall_back_to_v1_memory_and_older_calls(nvml_session: Inst
         (1, 2**30, "compute"),
         (2, None, "graphics"),  # NVML_VALUE_NOT_AVAILABLE becomes None
     ]
-    assert _nvml._Probes.processes == {"compute": 1, "graphics": 1}
+    assert _nvml._session.process_versions == {"compute": 1, "graphics": 1}
     assert dk.cuda_driver_version() == "13.0"
 
 
@@ -185,7 +187,7 @@ def test_v2_process_call_when_v3_is_missing(nvml_session: Install) -> None:
     fake.missing = {"nvmlDeviceGetComputeRunningProcesses_v3"}
     nvml_session(fake)
     assert [p.pid for p in dk.gpus()[0].processes or ()] == [1]
-    assert _nvml._Probes.processes["compute"] == 2
+    assert _nvml._session.process_versions["compute"] == 2
 
 
 def test_process_names_come_from_proc(nvml_session: Install) -> None:
@@ -239,9 +241,11 @@ def test_gpu_info_round_trips_through_json(nvml_session: Install) -> None:
             "name": document["processes"][0]["name"],
             "used_memory": 2**30,
             "kind": "compute",
+            "pid_visible": True,
         }
     ]
     assert set(document) == {f.name for f in dataclasses.fields(dk.GPUInfo)}
+    assert dk.GPUInfo.from_dict(document) == info
 
 
 def test_gpu_info_reads_well(nvml_session: Install) -> None:
@@ -253,7 +257,7 @@ def test_gpu_info_reads_well(nvml_session: Install) -> None:
     )
     page = info._repr_html_()
     assert page.startswith("<table><caption>GPUInfo: cuda:0</caption>")
-    assert '<th style="text-align:left">memory used</th><td>2.0 GiB of 80.0 GiB</td>' in page
+    assert '<th style="text-align:left">memory used</th><td>2.0 GiB / 80.0 GiB</td>' in page
     assert "<td>power_cap</td>" in page  # a name, not a tuple's repr
     assert "85899345920" not in page
 
@@ -290,7 +294,7 @@ def test_throttle_falls_back_to_the_older_call_name(nvml_session: Install) -> No
     fake.missing = {"nvmlDeviceGetCurrentClocksEventReasons"}
     nvml_session(fake)
     dk.gpus()
-    assert _nvml._Probes.throttle == "nvmlDeviceGetCurrentClocksThrottleReasons"
+    assert _nvml._session.throttle_call == "nvmlDeviceGetCurrentClocksThrottleReasons"
 
 
 def test_unsupported_answers_are_remembered_per_gpu(nvml_session: Install) -> None:
@@ -306,3 +310,112 @@ def test_unsupported_answers_are_remembered_per_gpu(nvml_session: Install) -> No
         fake.calls["nvmlDeviceGetFanSpeed"] == 1 + 3
     )  # once for the first GPU, always for the second
     assert fake.calls["nvmlDeviceGetMigMode"] == 2  # read once per GPU, at enumeration
+
+
+def test_a_not_supported_answer_is_remembered_by_uuid_not_by_handle(nvml_session: Install) -> None:
+    fake = FakeNVML([FakeGPU(H100, unsupported={"nvmlDeviceGetFanSpeed"})])
+    nvml_session(fake)
+    dk.gpus()
+    _nvml._session.physical = None  # enumerate again: new handle objects, same GPU
+    fake.gpus = [dataclasses.replace(fake.gpus[0])]
+    dk.gpus()
+    assert fake.calls["nvmlDeviceGetFanSpeed"] == 1
+    assert _nvml._session.unsupported == {H100: {"nvmlDeviceGetFanSpeed()"}}
+
+
+def test_reset_forgets_every_piece_of_nvml_state(nvml_session: Install) -> None:
+    fake = one_gpu(compute=[(999_999_999, 2**20)], unsupported={"nvmlDeviceGetFanSpeed"})
+    nvml_session(fake)
+    dk.gpus()
+    session = _nvml._session
+    assert session.tried
+    assert session.physical
+    assert session.unsupported
+    assert session.foreign_pids
+    session.reset()
+    fresh = _nvml._Session()
+    assert {k: v for k, v in vars(session).items() if k != "lock"} == {
+        k: v for k, v in vars(fresh).items() if k != "lock"
+    }
+    assert not session.lock.locked()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_while_another_thread_holds_the_nvml_lock_does_not_deadlock_the_child(
+    nvml_session: Install,
+) -> None:
+    nvml_session(one_gpu())
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _nvml._session.lock:  # as a thread starting NVML would, at the moment of the fork
+            holding.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert holding.wait(10)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first query must not wait for a lock nobody will release
+        try:
+            os.close(read)
+            count = len(dk.gpus())
+            os.write(write, str(count).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child deadlocked in its first dk.gpus()")
+        assert os.read(read, 16) == b"1"
+    finally:
+        os.close(read)
+        release.set()
+        thread.join()
+
+
+def test_power_and_energy_come_from_one_batched_call(nvml_session: Install) -> None:
+    fake = one_gpu(power_mw=250_000, energy_mj=7_500_000)
+    nvml_session(fake)
+    info = dk.gpus()[0]
+    assert (info.power_draw, info.energy) == (250.0, 7500.0)
+    assert fake.calls["nvmlDeviceGetFieldValues"] == 1
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 0
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 0
+
+
+def test_without_the_batched_call_power_and_energy_are_read_one_by_one(
+    nvml_session: Install,
+) -> None:
+    fake = one_gpu(power_mw=250_000, energy_mj=7_500_000)
+    fake.missing = {"nvmlDeviceGetFieldValues"}
+    nvml_session(fake)
+    for _ in range(2):
+        info = dk.gpus()[0]
+    assert (info.power_draw, info.energy) == (250.0, 7500.0)
+    assert fake.calls["nvmlDeviceGetFieldValues"] == 1  # probed once, then not again
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 2
+
+
+def test_a_field_the_gpu_cannot_report_is_none_in_the_batch(nvml_session: Install) -> None:
+    fake = one_gpu(unsupported={"nvmlDeviceGetTotalEnergyConsumption"})
+    nvml_session(fake)
+    info = dk.gpus()[0]
+    assert info.energy is None  # a pre-Volta GPU: no energy counter, never 0
+    assert info.power_draw == 120.0
+
+
+def test_a_process_in_another_pid_namespace_says_so(nvml_session: Install) -> None:
+    nvml_session(one_gpu(compute=[(999_999_999, 2**20)]))
+    (process,) = dk.gpus()[0].processes or ()
+    assert process.pid_visible is False
+    assert str(process) == "999999999 (another PID namespace) 1 MiB"

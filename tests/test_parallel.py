@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,6 +29,35 @@ def where(item: int) -> tuple[int, str | None, int]:
 def fail_on_three(item: int) -> int:
     if item == 3:
         raise ValueError(f"bad item {item}")
+    return item
+
+
+def unpicklable_result(item: int) -> object:
+    return threading.Lock() if item == 2 else item
+
+
+def die(item: int) -> int:
+    if item == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if item == 2:
+        os._exit(3)
+    return item
+
+
+def write_pid(item: int) -> int:
+    """Write this worker's PID where the test can see it, and a moment later return."""
+    with open(os.path.join(os.environ["DK_TEST_PIDS"], str(os.getpid())), "w") as file:
+        file.write(str(item))
+    time.sleep(0.5)  # so that the other worker takes the other item
+    return item
+
+
+def pid_and_wait(item: int) -> int:
+    """Write this worker's PID where the test can see it, then stay busy."""
+    folder = os.environ["DK_TEST_PIDS"]
+    with open(os.path.join(folder, str(os.getpid())), "w") as file:
+        file.write(str(item))
+    time.sleep(120)
     return item
 
 
@@ -83,7 +116,10 @@ def test_an_error_names_the_item_and_carries_the_traceback() -> None:
     with pytest.raises(dk.WorkerError) as info:
         dk.gpu_map(fail_on_three, range(6), devices=["cpu", "cpu"])
     message = str(info.value)
-    assert message.startswith("gpu_map: fn raised on item 3 (3); the worker's traceback:\n")
+    assert re.match(
+        r"gpu_map: fn raised on item 3 \(3\) in worker [12] on the CPU; the worker's traceback:\n",
+        message,
+    )
     assert "ValueError: bad item 3" in message
     assert "in fail_on_three" in message
 
@@ -138,13 +174,33 @@ def test_devices_accept_torch_devices_and_one_string(fake_accelerator: FakeAccel
     assert _parallel._slots(torch.device("cuda", 0), 1) == [0]
 
 
-def test_ctrl_c_stops_the_workers() -> None:
+REPO = os.path.dirname(os.path.dirname(__file__))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_ctrl_c_with_many_items_queued_stops_the_workers_and_exits() -> None:
     script = textwrap.dedent(
         """
         import time, devicekit as dk
         from tests.test_parallel import where
         print("started", flush=True)
-        dk.gpu_map(where, range(1000), devices=["cpu", "cpu"])
+        dk.gpu_map(where, range(20_000), devices=["cpu", "cpu"])
         """
     )
     process = subprocess.Popen(
@@ -152,15 +208,175 @@ def test_ctrl_c_stops_the_workers() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
+        cwd=REPO,
     )
     assert process.stdout is not None
     process.stdout.readline()
     time.sleep(3)  # workers are running
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=30)
+    _, stderr = process.communicate(timeout=60)
     assert process.returncode != 0
     assert "KeyboardInterrupt" in stderr
+
+
+def test_a_failure_with_many_items_queued_lets_the_program_exit() -> None:
+    # Before, the task queue's feeder thread kept the interpreter from exiting.
+    script = textwrap.dedent(
+        """
+        import devicekit as dk
+        from tests.test_parallel import fail_on_three
+        if __name__ == "__main__":
+            try:
+                dk.gpu_map(fail_on_three, range(20_000), devices=["cpu", "cpu"])
+            except dk.WorkerError as error:
+                print("caught", str(error).splitlines()[0], flush=True)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("caught gpu_map: fn raised on item 3")
+
+
+def test_an_unpicklable_item_is_named_before_any_worker_starts() -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(TypeError) as info:
+        dk.gpu_map(math.sqrt, [1, lambda: 2, 3], devices=["cpu"])
+    message = str(info.value)
+    assert "item 1 (<function " in message
+    assert "<lambda>" in message
+    assert "a function) is not: " in message
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_an_unpicklable_result_names_its_item() -> None:
+    with pytest.raises(dk.WorkerError, match=r"the result of item 2 \(2\) cannot be sent back"):
+        dk.gpu_map(unpicklable_result, range(5), devices=["cpu"])
+
+
+def test_a_dead_worker_is_named_with_its_signal_and_item() -> None:
+    with pytest.raises(dk.WorkerError) as info:
+        dk.gpu_map(die, [1], devices=["cpu"])
+    assert str(info.value) == (
+        "gpu_map: worker 1 on the CPU was killed by SIGKILL (the out-of-memory killer sends it) "
+        "while running item 0 (1)"
+    )
+    with pytest.raises(dk.WorkerError, match=r"worker 1 on the CPU exited with code 3 while"):
+        dk.gpu_map(die, [2], devices=["cpu"])
+
+
+def test_workers_are_named_by_their_gpu(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    fake_accelerator("cuda", 2)
+    with pytest.raises(dk.WorkerError, match=r"fn raised on item 0 \(3\) in worker 1 on cuda:1"):
+        dk.gpu_map(fail_on_three, [3], devices=["cuda:1"])
+
+
+def _kill_parent_and_watch(script: str, workers: int, tmp_path: Any) -> None:
+    env = {**os.environ, "DK_TEST_PIDS": str(tmp_path)}
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env)
+    try:
+        assert _wait_for(lambda: len(os.listdir(tmp_path)) >= workers, 60), "workers never ran"
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        assert all(_alive(pid) for pid in pids)
+    finally:
+        parent.kill()  # SIGKILL: the parent runs no cleanup at all
+        parent.wait(timeout=30)
+    try:
+        assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 15), "orphans survived"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_busy_workers_end_when_their_parent_is_killed(tmp_path: Any) -> None:
+    script = """
+    import devicekit as dk
+    from tests.test_parallel import pid_and_wait
+    if __name__ == "__main__":
+        dk.gpu_map(pid_and_wait, range(2), devices=["cpu", "cpu"])
+    """
+    _kill_parent_and_watch(script, 2, tmp_path)
+
+
+def test_idle_pool_workers_end_when_their_parent_is_killed(tmp_path: Any) -> None:
+    # A pool started from a thread gets no parent-death signal (it would fire when
+    # that thread ends): idle workers see the parent's end of the pipe close.
+    script = """
+    import threading, time, devicekit as dk
+    from tests.test_parallel import write_pid
+    pools = []
+    def start():
+        pools.append(dk.gpu_pool(devices=["cpu", "cpu"]))
+        pools[0].map(write_pid, range(2))  # one item each: both write their PID, then idle
+    if __name__ == "__main__":
+        thread = threading.Thread(target=start)
+        thread.start()
+        thread.join()
+        time.sleep(120)
+    """
+    _kill_parent_and_watch(script, 2, tmp_path)
+
+
+def test_a_missing_main_guard_is_named_in_a_few_lines(tmp_path: Any) -> None:
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import math, devicekit as dk\n"
+        "try:\n"
+        "    dk.gpu_map(math.sqrt, range(4), devices=['cpu', 'cpu'])\n"
+        "except dk.WorkerError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert 'if __name__ == "__main__":' in result.stdout
+    assert "stopped while importing the main module" in result.stdout
+    assert "bootstrapping phase" not in result.stderr  # multiprocessing's long story
+    assert "Traceback" not in result.stderr
+    own = [
+        line
+        for line in result.stderr.splitlines()
+        if "NumPy" not in line and "_conversion_method_template" not in line  # the parent's torch
+    ]
+    assert own, result.stderr
+    assert all(line.startswith("devicekit: gpu_map() called at import time") for line in own), own
+    assert len(own) <= 2  # one line per worker
+
+
+def test_a_pool_reuses_its_workers_and_stops_them() -> None:
+    with dk.gpu_pool(devices=["cpu", "cpu"]) as pool:
+        first = {pid for pid, _, _ in pool.map(where, range(6))}
+        second = {pid for pid, _, _ in pool.map(where, range(6))}
+        assert first == second
+        assert len(first) == 2
+        assert "2 workers: cpu x2; 2 running" in repr(pool)
+    assert "closed" in repr(pool)
+    assert not any(_alive(pid) for pid in first)
+    with pytest.raises(ValueError, match="this GPUPool is closed"):
+        pool.map(where, [1])
+
+
+def test_a_pool_starts_fresh_workers_after_a_failure() -> None:
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        with pytest.raises(dk.WorkerError):
+            pool.map(fail_on_three, range(5))
+        assert pool.map(fail_on_three, [1, 2]) == [1, 2]
 
 
 @pytest.mark.gpu

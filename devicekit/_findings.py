@@ -1,0 +1,192 @@
+"""Judgements about this machine, each written once, for ``status``, ``doctor`` and the CLI.
+
+A judgement is a function of plain facts (a variable's value, a GPU
+snapshot, the torch build) that returns a :class:`Finding`, or None when there
+is nothing to say. :class:`~devicekit.Status` shows the ones about what this
+process can use; :func:`~devicekit.doctor` adds the ones about speed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from ._format import format_bytes, plural
+from ._gpuinfo import GPUInfo
+from ._visible import ENV_VAR, parse_visible_devices, reads_as_written
+
+__all__ = [
+    "Finding",
+    "Severity",
+    "busy",
+    "driver_too_old",
+    "held_clocks",
+    "low_memory",
+    "no_gpu",
+    "torch_cannot_use_gpus",
+    "visibility",
+]
+
+Severity = Literal["error", "warning", "info"]
+LOW_MEMORY = 2 * 2**30  # bytes free below which typical work will not fit
+
+# Throttle reasons that mean the environment, not the workload, slowed the GPU down.
+ENVIRONMENTAL = {
+    "sw_thermal": "thermal slowdown",
+    "hw_thermal": "thermal slowdown",
+    "hw_slowdown": "hardware slowdown",
+    "power_brake": "external power brake",
+    "board_limit": "board limit",
+    "reliability": "reliability limit",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing devicekit found about this machine.
+
+    Attributes:
+        severity: ``"error"`` (GPU work will fail or cannot use the GPU),
+            ``"warning"`` (it will be slow or fragile) or ``"info"``.
+        title: One line.
+        detail: What was seen.
+        fix: What to do about it.
+    """
+
+    severity: Severity
+    title: str
+    detail: str
+    fix: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.title}: {self.detail}. Fix: {self.fix}."
+
+
+def visibility(raw: str | None, gpus_on_machine: int) -> Finding | None:
+    """``CUDA_VISIBLE_DEVICES`` hides every GPU, or CUDA reads it differently than written."""
+    if raw is None:
+        return None
+    parsed = parse_visible_devices(raw)
+    if parsed == []:
+        seen = f"none of the {plural(gpus_on_machine, 'GPU')}" if gpus_on_machine else "no GPU"
+        return Finding(
+            "error" if gpus_on_machine else "info",
+            f"{ENV_VAR} hides every GPU",
+            f"{ENV_VAR}={raw!r} leaves {seen} visible to this process",
+            f"unset {ENV_VAR}, or list the GPUs to use, such as {ENV_VAR}=0",
+        )
+    if not reads_as_written(raw):
+        shown = ",".join(str(entry) for entry in parsed or [])
+        return Finding(
+            "warning",
+            f"CUDA reads {ENV_VAR} differently than it is written",
+            f"{ENV_VAR}={raw!r} is read as {shown!r}: CUDA stops at the first entry it cannot "
+            "use, and ignores the rest",
+            "write only valid, distinct indices or UUIDs, such as 0,1",
+        )
+    return None
+
+
+def no_gpu(accelerator: str | None, visible: int, nvml_error: str | None) -> Finding | None:
+    """Why this process has no accelerator, when it has none."""
+    if visible:
+        return None
+    if accelerator is None:
+        return Finding(
+            "info",
+            "No GPU: this is a CPU-only torch build",
+            "dk.try_gpu() returns cpu",
+            "install a CUDA or ROCm build of torch to use a GPU",
+        )
+    if parse_visible_devices() == []:
+        return Finding(
+            "info",
+            f"No GPU: {ENV_VAR} hides every GPU",
+            "dk.try_gpu() returns cpu",
+            f"unset {ENV_VAR} to see every GPU",
+        )
+    why = nvml_error or "no driver, or no device"
+    return Finding(
+        "info",
+        f"No GPU: torch is built for {accelerator} but sees no device",
+        f"{why}; dk.try_gpu() returns cpu",
+        "nothing to fix if that is intended; otherwise install the driver",
+    )
+
+
+def torch_cannot_use_gpus(
+    torch_version: str, cpu_build: bool, gpus: list[GPUInfo], driver: str | None, cuda: str | None
+) -> Finding | None:
+    """A CPU build of torch on a machine with NVIDIA GPUs."""
+    if not (cpu_build and gpus):
+        return None
+    return Finding(
+        "error",
+        "torch is a CPU build, but this machine has NVIDIA GPUs",
+        f"{plural(len(gpus), 'GPU')} ({gpus[0].name}), driver {driver}; torch {torch_version} "
+        "cannot use them",
+        f"install a CUDA build of torch for CUDA {cuda or 'your driver version'} or older "
+        "(pytorch.org/get-started/locally)",
+    )
+
+
+def driver_too_old(
+    torch_version: str, built_for: str | None, supported: str | None, driver: str | None
+) -> Finding | None:
+    """The driver supports an older CUDA than torch was built for."""
+    if not (built_for and supported) or _version(built_for) <= _version(supported):
+        return None
+    return Finding(
+        "error",
+        f"torch needs CUDA {built_for}, the driver supports only CUDA {supported}",
+        f"driver {driver} is older than torch {torch_version} needs",
+        f"update the NVIDIA driver, or install a torch build for CUDA {supported} or older",
+    )
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+def busy(info: GPUInfo) -> Finding | None:
+    """Other processes hold a context on a GPU this process can see."""
+    others = [p for p in info.processes or () if p.pid != os.getpid()]
+    if info.torch_index is None or not others:
+        return None
+    shown = ", ".join(str(p) for p in others)
+    return Finding(
+        "warning",
+        f"{info.device} is busy with {plural(len(others), 'other process')}",
+        f"{shown}; utilization {'?' if info.utilization is None else info.utilization}%",
+        "wait, use another GPU (dk.pick_gpu()), or stop them; timings taken now mislead",
+    )
+
+
+def held_clocks(info: GPUInfo) -> Finding | None:
+    """The environment (heat, power delivery), not the workload, holds the clocks down."""
+    reasons = [r for r in info.throttle_reasons or () if r in ENVIRONMENTAL]
+    if info.torch_index is None or not reasons:
+        return None
+    return Finding(
+        "warning",
+        f"{info.device} clocks are held down: {', '.join(reasons)}",
+        f"SM clock {info.clock_text()}, {'?' if info.temperature is None else info.temperature} °C",
+        "check cooling and power; results until then are slower than the GPU can do",
+    )
+
+
+def low_memory(info: GPUInfo) -> Finding | None:
+    """Too little free memory on a GPU this process can see for typical work."""
+    if info.torch_index is None or info.memory_free is None or info.memory_free >= LOW_MEMORY:
+        return None
+    return Finding(
+        "warning",
+        f"{info.device} has little free memory",
+        f"{format_bytes(info.memory_free)} of {format_bytes(info.memory_total)} free",
+        "free it (dk.free_memory() in the process holding it), or use another GPU",
+    )

@@ -1,0 +1,325 @@
+"""``dk.status()``: what torch can use here and what every GPU is doing, as one result.
+
+The ``devicekit`` command prints ``str(status())``, ``devicekit --json``
+prints ``status().to_dict()``, and a notebook shows ``_repr_html_``; ``doctor``
+starts from the same result. So there is one snapshot and one set of
+judgements (:mod:`devicekit._findings`), rendered three ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _findings, _gpus, _nvml
+from ._devices import accelerator_type, try_all_gpus
+from ._findings import Finding
+from ._format import UNKNOWN, format_percent, format_value, html_table, plural, safe_text
+from ._gpuinfo import GPUInfo
+from ._version import __version__
+from ._visible import ENV_VAR, cuda_started, parse_visible_devices, reads_as_written
+
+__all__ = ["SCHEMA_VERSION", "Status", "status", "torch_build"]
+
+SCHEMA_VERSION = 2
+"""The version of :meth:`Status.to_dict`'s layout (``devicekit --json``)."""
+
+_LABEL = 22  # the width of the report's left column
+_GPU_COLUMNS = (
+    "device",
+    "name",
+    "memory",
+    "util",
+    "temp",
+    "power",
+    "SM clock",
+    "held by",
+    "processes",
+)
+
+
+def torch_build() -> str:
+    """Name what this torch build can drive: ``"CUDA 12.4"``, ``"ROCm 6.2"``, ``"MPS"``..."""
+    if torch.version.hip:
+        return f"ROCm {torch.version.hip}"
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda}"
+    kind = accelerator_type()
+    return "CPU" if kind is None else kind.upper()
+
+
+@dataclass(frozen=True, repr=False)
+class Status:
+    """One snapshot of what torch can use here, and of every GPU on the machine.
+
+    Attributes:
+        devicekit: devicekit's version.
+        torch: torch's version.
+        torch_build: What the build drives: ``"CUDA 12.8"``, ``"ROCm 6.2"``, ``"CPU"``.
+        python: Such as ``"3.11.7 on linux"``.
+        accelerator: The build's accelerator type (``"cuda"``), or None.
+        devices: The devices this process can use, such as ``("cuda:0",)``;
+            empty when only the CPU is.
+        cuda_visible_devices: ``CUDA_VISIBLE_DEVICES`` as written, or None when unset.
+        cuda_reads: The entries CUDA reads from it (None when unset, ``()``
+            when it hides every GPU).
+        cuda_started: Why CUDA can no longer change its view in this process
+            (it has started), or None.
+        nvml_error: Why NVML cannot be queried here, or None when it can.
+        driver_version: The NVIDIA driver's version, or None.
+        cuda_driver_version: The newest CUDA the driver supports, or None.
+        gpus: Every GPU NVML sees: those this process can see first, by torch
+            index, then the hidden ones (``torch_index`` None).
+        findings: What is wrong or worth knowing about what this process can
+            use (visibility, the build, no GPU).
+        taken_at: When the snapshot was taken (seconds since the epoch).
+    """
+
+    devicekit: str
+    torch: str
+    torch_build: str
+    python: str
+    accelerator: str | None
+    devices: tuple[str, ...]
+    cuda_visible_devices: str | None
+    cuda_reads: tuple[int | str, ...] | None
+    cuda_started: str | None
+    nvml_error: str | None
+    driver_version: str | None
+    cuda_driver_version: str | None
+    gpus: tuple[GPUInfo, ...]
+    findings: tuple[Finding, ...]
+    taken_at: float
+
+    @property
+    def visible(self) -> tuple[GPUInfo, ...]:
+        """The GPUs this process can see, in torch index order."""
+        return tuple(info for info in self.gpus if info.torch_index is not None)
+
+    def gpu(self, index: int) -> GPUInfo:
+        """The snapshot of ``cuda:<index>``.
+
+        Raises:
+            KeyError: This process sees no such GPU.
+        """
+        for info in self.visible:
+            if info.torch_index == index:
+                return info
+        raise KeyError(f"cuda:{index} is not in this status; it has {self._visible_names()}")
+
+    def select(self, indices: Iterable[int]) -> Status:
+        """The same status with only the GPUs of these torch indices (``devicekit -i``).
+
+        Raises:
+            KeyError: One of ``indices`` is not a GPU this process sees.
+        """
+        chosen = tuple(self.gpu(index) for index in dict.fromkeys(indices))
+        return dataclasses.replace(self, gpus=chosen)
+
+    def _visible_names(self) -> str:
+        names = [info.device or "" for info in self.visible]
+        return f"{plural(len(names), 'GPU')}" + (f": {', '.join(names)}" if names else "")
+
+    # --- renderings --------------------------------------------------------------------
+
+    @property
+    def time_text(self) -> str:
+        """``taken_at`` as local time, ``"2026-11-23 07:50:01"``."""
+        return datetime.datetime.fromtimestamp(self.taken_at).strftime("%Y-%m-%d %H:%M:%S")
+
+    def report_rows(self) -> list[tuple[str, str]]:
+        """The environment as (label, text) pairs: the top of ``devicekit``'s output."""
+        if self.devices:
+            devices = ", ".join(self.devices)
+        elif self.accelerator is None:
+            devices = "none (this torch build has no accelerator support)"
+        else:
+            devices = f"none (torch is built for {self.torch_build} but sees no device)"
+        rows = [
+            ("devicekit", self.devicekit),
+            ("torch", f"{self.torch} ({self.torch_build} build)"),
+            ("python", self.python),
+            ("devices", devices),
+            (ENV_VAR, self._visibility_text()),
+        ]
+        if self.nvml_error is None:
+            supports = self.cuda_driver_version or UNKNOWN
+            rows.append(
+                (
+                    "driver",
+                    f"{safe_text(self.driver_version or UNKNOWN)} (supports CUDA {supports})",
+                )
+            )
+        return rows
+
+    def _visibility_text(self) -> str:
+        raw = self.cuda_visible_devices
+        if raw is None:
+            return "(unset: every GPU is visible)"
+        if self.cuda_reads == ():
+            return f"{safe_text(repr(raw))} -> hides every GPU"
+        if not reads_as_written(raw):
+            # CUDA silently drops what follows a bad entry; say what it really reads.
+            shown = ",".join(str(entry) for entry in self.cuda_reads or ())
+            return f"{safe_text(repr(raw))} -> CUDA reads it as {shown!r}"
+        return safe_text(repr(raw))
+
+    def __str__(self) -> str:
+        lines = [f"{label:<{_LABEL}}{value}" for label, value in self.report_rows()]
+        lines.extend(str(finding) for finding in self.findings)
+        if self.nvml_error is not None:
+            lines.append(f"GPU status unavailable: {self.nvml_error}")
+        elif not self.gpus:
+            lines.append("GPU status: NVML sees no GPU")
+        for info in self.gpus:
+            lines.append("")
+            lines.extend(_gpu_block(info))
+        if any(not p.pid_visible for info in self.gpus for p in info.processes or ()):
+            lines.append(
+                "\nSome PIDs are not visible from here: inside a container NVML reports host PIDs."
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        gpus = ", ".join(
+            f"{info.device or 'hidden'} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
+        )
+        return (
+            f"Status(torch {self.torch} ({self.torch_build}), devices: "
+            f"{', '.join(self.devices) or 'cpu only'}; {plural(len(self.gpus), 'GPU')} on the "
+            f"machine{': ' + gpus if gpus else ''}; {plural(len(self.findings), 'finding')})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document of ``devicekit --json`` (its layout is :data:`SCHEMA_VERSION`)."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "time": datetime.datetime.fromtimestamp(self.taken_at).astimezone().isoformat(),
+            "devicekit": self.devicekit,
+            "torch": self.torch,
+            "torch_build": self.torch_build,
+            "python": self.python,
+            "accelerator": self.accelerator,
+            "devices": list(self.devices),
+            "cuda_visible_devices": self.cuda_visible_devices,
+            "cuda_visible_devices_parsed": (
+                None if self.cuda_reads is None else list(self.cuda_reads)
+            ),
+            "cuda_started": self.cuda_started,
+            "nvml_available": self.nvml_error is None,
+            "nvml_error": self.nvml_error,
+            "driver_version": self.driver_version,
+            "cuda_driver_version": self.cuda_driver_version,
+            "gpus": [info.to_dict() for info in self.gpus],
+            "findings": [finding.to_dict() for finding in self.findings],
+        }
+
+    def _repr_html_(self) -> str:
+        parts = [html_table(self.report_rows(), caption=f"devicekit status, {self.time_text}")]
+        if self.gpus:
+            rows = [
+                (
+                    info.device or "hidden",
+                    safe_text(info.name or UNKNOWN),
+                    info.memory_text(),
+                    format_percent(info.utilization),
+                    format_value(info.temperature, "°C"),
+                    info.power_text(),
+                    info.clock_text(),
+                    info.held_text(),
+                    info.processes_text("\n"),
+                )
+                for info in self.gpus
+            ]
+            parts.append(html_table(rows, header=_GPU_COLUMNS))
+        notes = [(f.severity, str(f)) for f in self.findings]
+        if self.nvml_error is not None:
+            notes.append(("info", f"GPU status unavailable: {self.nvml_error}"))
+        if notes:
+            parts.append(html_table(notes, header=("", "note")))
+        return "".join(parts)
+
+
+def _gpu_block(info: GPUInfo) -> list[str]:
+    """One GPU in the text report: four lines."""
+    where = info.device or "hidden"
+    fraction = info.memory_fraction
+    share = "" if fraction is None else f" ({100 * fraction:.0f}%)"
+    return [
+        f"{where:<8}nvml {info.nvml_index}  {safe_text(info.name or UNKNOWN)}  "
+        f"{safe_text(info.pci_bus_id or UNKNOWN)}  {safe_text(info.uuid or UNKNOWN)}",
+        f"{'':8}memory {_bar(fraction)} {info.memory_text()}{share}  "
+        f"util {format_percent(info.utilization)}  "
+        f"memory util {format_percent(info.memory_utilization)}",
+        f"{'':8}{format_value(info.temperature, '°C')}  fan {format_percent(info.fan_speed)}  "
+        f"power {info.power_text()}  SM {info.clock_text()}  "
+        f"memory {format_value(info.memory_clock, 'MHz')}  clocks held by: {info.held_text()}",
+        f"{'':8}processes: {info.processes_text()}",
+    ]
+
+
+def _bar(fraction: float | None, width: int = 10) -> str:
+    if fraction is None:
+        return "[" + UNKNOWN * width + "]"
+    filled = round(width * fraction)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def status() -> Status:
+    """Snapshot what torch can use here and what every GPU is doing. Never initializes CUDA.
+
+    Returns:
+        A :class:`Status`. ``print()`` it for the ``devicekit`` report,
+        ``to_dict()`` it for JSON; a notebook renders it as tables.
+
+    Examples:
+        >>> import devicekit as dk
+        >>> snapshot = dk.status()
+        >>> snapshot.to_dict()["schema"]
+        2
+        >>> str(snapshot).startswith("devicekit")
+        True
+    """
+    raw = os.environ.get(ENV_VAR)
+    parsed = None if raw is None else parse_visible_devices(raw)
+    accelerator = accelerator_type()
+    devices = tuple(str(d) for d in try_all_gpus() if d.type != "cpu")
+    infos = _gpus.gpus(all=True)
+    ordered = tuple(sorted(infos, key=lambda i: (i.torch_index is None, i.torch_index or 0)))
+    error = _nvml.nvml_error()
+    driver = _nvml.driver_version()
+    cuda = _nvml.cuda_driver_version()
+    cpu_build = not (torch.version.cuda or torch.version.hip)
+    wrong_build = _findings.torch_cannot_use_gpus(torch.__version__, cpu_build, infos, driver, cuda)
+    findings = [
+        wrong_build,
+        _findings.driver_too_old(torch.__version__, torch.version.cuda, cuda, driver),
+        _findings.visibility(raw, len(infos)),
+        # "No GPU" says nothing new beside "torch is a CPU build, but ... has GPUs".
+        None if wrong_build else _findings.no_gpu(accelerator, len(devices), error),
+    ]
+    return Status(
+        devicekit=__version__,
+        torch=torch.__version__,
+        torch_build=torch_build(),
+        python=f"{sys.version.split()[0]} on {sys.platform}",
+        accelerator=accelerator,
+        devices=devices,
+        cuda_visible_devices=raw,
+        cuda_reads=None if parsed is None else tuple(parsed),
+        cuda_started=cuda_started(),
+        nvml_error=error,
+        driver_version=driver,
+        cuda_driver_version=cuda,
+        gpus=ordered,
+        findings=tuple(f for f in findings if f is not None),
+        taken_at=time.time(),
+    )

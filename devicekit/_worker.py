@@ -1,0 +1,96 @@
+"""The worker side of ``gpu_map`` and ``gpu_pool``: a loop in a spawned process.
+
+This module imports neither torch nor the rest of devicekit, so a worker whose
+function needs no torch starts in a fraction of the time; a function that
+uses torch imports it itself when it is unpickled.
+
+The protocol, over one duplex pipe per worker (a message is a pickled tuple):
+
+- parent to worker: ``("fn", bytes)`` (the function for the items that
+  follow), ``("item", index, bytes)``, ``("stop",)``;
+- worker to parent: ``("ready", pid)``, then per item ``("ok", index, bytes)``,
+  ``("raised", index, traceback)`` or ``("unpicklable", index, message)``.
+
+The parent sends a worker its next item only after that item's answer came
+back, so neither side can block writing while the other writes too, and
+nothing piles up in a queue when the parent stops early.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import traceback
+import warnings
+from typing import Any
+
+__all__ = ["NO_MAIN_GUARD", "in_worker_bootstrap", "work"]
+
+NO_MAIN_GUARD = 87
+"""Exit code of a worker that stopped because the main module called gpu_map at import."""
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_CHECK_SECONDS = 1.0
+
+
+def in_worker_bootstrap() -> bool:
+    """True while a spawned child imports the parent's main module (``multiprocessing``'s flag)."""
+    import multiprocessing  # noqa: PLC0415 - already imported wherever this can be true
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _die_with_parent(parent: int, *, signal_on_death: bool) -> None:
+    """End this worker when its parent dies, even while ``fn`` is busy (Linux)."""
+    if signal_on_death and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl here: the pipe and PPID checks remain
+            pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def work(conn: Any, parent: int, signal_on_death: bool) -> None:
+    """Run items until told to stop, or until the parent is gone."""
+    # Ctrl-C in a terminal reaches the whole process group: the parent handles
+    # it and stops the workers, so a worker must not die mid-item on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # torch without numpy warns on import; this process is devicekit's, not the user's.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    _die_with_parent(parent, signal_on_death=signal_on_death)
+    conn.send(("ready", os.getpid()))
+    fn: Any = None
+    while True:
+        # A dead parent closes its end of the pipe (recv raises EOFError) and, where
+        # there is no parent-death signal, re-parents us (the PPID changes).
+        while not conn.poll(_PARENT_CHECK_SECONDS):
+            if os.getppid() != parent:
+                return
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "stop":
+            return
+        if message[0] == "fn":
+            fn = pickle.loads(message[1])
+            continue
+        _, index, payload = message
+        conn.send(_run(fn, index, payload))
+
+
+def _run(fn: Any, index: int, payload: bytes) -> tuple[Any, ...]:
+    try:
+        result = fn(pickle.loads(payload))
+    except Exception:  # noqa: BLE001 - every failure goes back to the caller, with its traceback
+        return ("raised", index, traceback.format_exc())
+    try:
+        return ("ok", index, pickle.dumps(result))
+    except Exception as error:  # noqa: BLE001 - pickling can raise anything a __reduce__ raises
+        kind = type(result).__name__
+        return ("unpicklable", index, f"{kind} result: {type(error).__name__}: {error}")
