@@ -1,7 +1,9 @@
 """Every exception devicekit raises on purpose.
 
-Each one subclasses a builtin (``ValueError`` or ``RuntimeError``) as well as
-:class:`DevicekitError`, so callers can catch it either way. Bad argument
+Each one subclasses a builtin (``ValueError`` or ``RuntimeError``), or the torch
+exception it refines (``torch.OutOfMemoryError``, which is why this module
+imports torch), as well as :class:`DevicekitError`, so callers can catch it
+either way. Bad argument
 *types* and *values* that need no special handling raise the builtins
 ``TypeError`` and ``ValueError`` directly.
 """

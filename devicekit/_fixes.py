@@ -21,7 +21,7 @@ numbers that made it appear, so a reader can check the reasoning.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 from ._format import format_bytes, format_count
 from ._gpuinfo import GPUProcess
@@ -33,32 +33,45 @@ def _b(value: int | None) -> str:
     return format_bytes(value, digits=2)
 
 
-@dataclass(frozen=True)
-class Numbers:
-    """What the fixes are chosen from (bytes; None: unknown)."""
+class Numbers(Protocol):
+    """What the fixes are chosen from (bytes; None: unknown): an ``OOMReport`` has them all."""
 
-    device: str
-    requested: int | None
-    total: int | None
-    free: int | None
-    allocated: int | None
-    reserved: int | None
-    largest_free_block: int | None
-    other_processes: tuple[GPUProcess, ...] | None
-    tensor_bytes: int | None  # None: this process cannot count the device's tensors
-    allocator_message: bool  # the caching allocator itself refused (its message has a request)
+    @property
+    def device(self) -> str: ...
+    @property
+    def requested(self) -> int | None: ...  # None: not the caching allocator's own refusal
+    @property
+    def total(self) -> int | None: ...
+    @property
+    def free(self) -> int | None: ...
+    @property
+    def allocated(self) -> int | None: ...
+    @property
+    def reserved(self) -> int | None: ...
+    @property
+    def largest_free_block(self) -> int | None: ...
+    @property
+    def processes(self) -> tuple[GPUProcess, ...] | None: ...  # the other processes
+    @property
+    def tensor_bytes(self) -> int | None: ...  # None: this process cannot count them
 
 
 def rank_fixes(n: Numbers) -> tuple[str, ...]:
     """The fixes that apply to ``n``, most promising first.
 
     Examples:
-        >>> from devicekit._fixes import Numbers, rank_fixes
-        >>> fixes = rank_fixes(Numbers("cpu", 2**40, 2**34, 2**33, None, None, None, None, 0, True))
+        >>> from types import SimpleNamespace
+        >>> from devicekit._fixes import rank_fixes
+        >>> numbers = SimpleNamespace(
+        ...     device="cpu", requested=2**40, total=2**34, free=2**33, allocated=None,
+        ...     reserved=None, largest_free_block=None, processes=None, tensor_bytes=0)
+        >>> fixes = rank_fixes(numbers)
         >>> fixes[0].startswith("Check the shape"), fixes[1].startswith("Use a smaller batch")
         (True, True)
     """
     found: list[tuple[float, str]] = []
+    # Only the caching allocator's own refusal says how much it was asked for.
+    allocator_message = n.requested is not None
     cuda = n.device.startswith("cuda")
     request = n.requested
     asked = "" if request is None else f" (this allocation asked for {_b(request)})"
@@ -97,7 +110,7 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
                 "them.",
             )
         )
-    if cuda and unallocated and n.allocator_message and n.reserved:
+    if cuda and unallocated and allocator_message and n.reserved:
         fits = unallocated >= request if request is not None else unallocated >= n.reserved / 4
         too_small = request is None or n.largest_free_block is None
         too_small = too_small or (n.largest_free_block or 0) < (request or 0)
@@ -116,7 +129,7 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
                     "in place, so freed pieces join up.",
                 )
             )
-    if cuda and unallocated and not n.allocator_message:
+    if cuda and unallocated and not allocator_message:
         found.append(
             (
                 unallocated,
@@ -125,7 +138,7 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
                 "and cuDNN workspaces, NCCL buffers, a kernel's own) cannot use.",
             )
         )
-    others = n.other_processes or ()
+    others = n.processes or ()
     held = sum(p.used_memory or 0 for p in others)
     if cuda and held:
         would_fit = held + (n.free or 0) >= request if request is not None else True

@@ -16,7 +16,7 @@ import itertools
 import os
 import types
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, TypeVar, overload
 
 import torch
@@ -31,7 +31,7 @@ from ._devices import (
     resolve_device,
 )
 from ._errors import DeviceNotFoundError, DeviceOutOfMemoryError
-from ._fixes import Numbers, rank_fixes
+from ._fixes import rank_fixes
 from ._format import UNKNOWN, format_bytes, format_count, html_table, safe_text
 from ._frames import first_user_location
 from ._gpuinfo import GPUProcess
@@ -347,20 +347,8 @@ def build_report(
     # No CUDA tensor can live in a process that has not started CUDA: counting
     # none there would claim the message's allocated bytes are held by no tensor.
     counted = not (target.type == "cuda" and not torch_cuda_initialized())
-    numbers = Numbers(
-        device=str(target),
-        requested=parsed.requested,
-        total=total,
-        free=free,
-        allocated=allocated,
-        reserved=reserved,
-        largest_free_block=largest_free,
-        other_processes=processes,
-        tensor_bytes=seen.bytes if counted else None,
-        allocator_message=parsed.requested is not None,
-    )
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return OOMReport(
+    report = OOMReport(
         device=str(target),
         message=safe_text(first_line),
         requested=parsed.requested,
@@ -375,8 +363,9 @@ def build_report(
         tensor_bytes=seen.bytes if counted else None,
         tensors=seen.largest,
         allocation_sites=found,
-        fixes=rank_fixes(numbers),
+        fixes=(),
     )
+    return replace(report, fixes=rank_fixes(report))
 
 
 # --- the context manager ----------------------------------------------------------------

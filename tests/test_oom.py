@@ -6,6 +6,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import devicekit as dk
 from devicekit import _oom
-from devicekit._fixes import Numbers, rank_fixes
+from devicekit._fixes import rank_fixes
 from devicekit._oomtext import is_oom, parse_oom
 
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -272,7 +273,7 @@ def test_without_nvml_the_message_lists_the_processes(nvml_session: Install) -> 
     assert report.largest_free_block is None  # CUDA never started here: unknown
 
 
-def numbers(**fields: Any) -> Numbers:
+def numbers(**fields: Any) -> SimpleNamespace:
     base: dict[str, Any] = {
         "device": "cuda:0",
         "requested": 2 * GiB,
@@ -281,11 +282,10 @@ def numbers(**fields: Any) -> Numbers:
         "allocated": 60 * GiB,
         "reserved": 61 * GiB,
         "largest_free_block": 1 * GiB,
-        "other_processes": (),
+        "processes": (),
         "tensor_bytes": 50 * GiB,
-        "allocator_message": True,
     }
-    return Numbers(**{**base, **fields})
+    return SimpleNamespace(**{**base, **fields})
 
 
 def first_words(fixes: tuple[str, ...]) -> list[str]:
@@ -307,14 +307,14 @@ def test_fixes_are_ranked_by_what_the_numbers_show() -> None:
     assert "unallocated, yet it could not serve the request: the free memory" in unknown_block[0]
     # Another process holds more than this one could save.
     other = dk.GPUProcess(4242, "python", 30 * GiB, "compute")
-    crowded = rank_fixes(numbers(other_processes=(other,)))
+    crowded = rank_fixes(numbers(processes=(other,)))
     assert crowded[0].startswith("Free cuda:0: 1 other process holds 30.00 GiB on it (4242 python")
     # Activations: most allocated bytes are held by no tensor.
     saved = rank_fixes(numbers(tensor_bytes=10 * GiB))
     assert first_words(saved) == ["Keep fewer activations", "Use a smaller batch"]
     assert "50.00 GiB of the 60.00 GiB allocated is held by no Python tensor" in saved[0]
     # Outside the caching allocator, with a cache holding memory.
-    outside = rank_fixes(numbers(requested=None, allocator_message=False, reserved=70 * GiB))
+    outside = rank_fixes(numbers(requested=None, reserved=70 * GiB))
     assert first_words(outside)[0] == "Call dk.free_memory() before this step"
     # A request larger than the device: no setting helps.
     assert rank_fixes(numbers(requested=100 * GiB))[0].startswith("Check the shape")
