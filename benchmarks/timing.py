@@ -2,10 +2,13 @@
 
 On the same workloads, in one run: dk.benchmark, triton.testing.do_bench,
 torch.utils.benchmark.Timer.blocked_autorange and a hand-written CUDA-events
-loop, for matmuls of 128, 1024, 4096 (fp32) and 8192 (bf16); graph mode
+loop, for matmuls of 128, 1024, 4096 (fp32) and 8192 (bf16), with dk's
+energy per call and average watts beside them (a second run with min_time=1,
+since the GPU's energy counter needs a window of a second); graph mode
 against triton.testing.do_bench_cudagraph for tiny kernels; the harness's own
-cost per timed call on the CPU; and each dk.benchmark call's wall time against
-its max_time.
+cost per timed call on the CPU; what the contention evidence (/proc/stat,
+getrusage) adds to a benchmark call; and each dk.benchmark call's wall time
+against its max_time.
 
     python benchmarks/timing.py [--max-time 2] [--rounds 3]
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 
 import devicekit as dk
+from devicekit._contention import CpuWindow, allowed_cpus, running_on
+from devicekit._format import format_joules
 from devicekit._measure import _CpuRunner
 
 Workload = tuple[str, Callable[[], Any]]
@@ -65,6 +71,30 @@ def timed_dk(
     return measurement, time.perf_counter() - started
 
 
+def contention_overhead(rounds: int = 15) -> None:
+    """The contention evidence's cost against a default dk.benchmark call's wall time."""
+    window = CpuWindow()
+    costs, walls = [], []
+    for _ in range(rounds):  # interleaved: sampling cost, then a whole call, each round
+        started = time.perf_counter()
+        for _ in range(100):
+            window.start()
+            window.stop()
+        costs.append((time.perf_counter() - started) / 100)
+        walls.append(timed_dk(lambda: sum(range(100)), 2.0)[1])
+    cost, wall = statistics.median(costs), statistics.median(walls)
+    cpus = allowed_cpus() or frozenset()
+    started = time.perf_counter()
+    running_on(cpus)  # unbounded here: what a full scan of this machine costs
+    scan = time.perf_counter() - started
+    print(
+        f"contention evidence: {cost * 1e6:.0f} us per benchmark call, {cost / wall:.3%} of a "
+        f"default call's {wall * 1e3:.0f} ms (goal < 1%); naming competitors, only when "
+        f"contended, is capped at 0.5% (a full scan here: {scan * 1e3:.1f} ms); "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+
+
 def us(seconds: float) -> str:
     return f"{seconds * 1e6:10.1f}"
 
@@ -87,6 +117,7 @@ def main() -> None:
         f"\nCPU harness: {per_call * 1e6:.2f} us per timed call (goal < 5 us); "
         f"a no-op measures {noop.median * 1e9:.0f} ns"
     )
+    contention_overhead()
 
     if not torch.cuda.is_available():
         print("no CUDA GPU: the GPU comparisons are skipped")
@@ -100,7 +131,7 @@ def main() -> None:
     # torch's Timer and the events loop run warm, like dk's default.
     print(
         f"\n  {'workload':20} {'dk cold':>9} {'do_bench':>9} {'dk warm':>9} {'torch Timer':>11} "
-        f"{'events':>9} {'cold/do_bench':>13} {'dk wall s':>9}"
+        f"{'events':>9} {'cold/do_bench':>13} {'dk wall s':>9} {'J/call':>9} {'W':>5}"
     )
     workloads = [
         matmul(128, torch.float32),
@@ -124,6 +155,8 @@ def main() -> None:
                 results[method].append(methods[method]())
         medians = {method: statistics.median(values) for method, values in results.items()}
         _, wall = timed_dk(fn, args.max_time, mode="cold")
+        # Energy needs a window of a second or more: the counter steps every 20-100 ms.
+        energy, _ = timed_dk(fn, max(args.max_time, 3.0), min_time=1.0)
         ratio = medians["dk cold"] / medians["do_bench"]
         goal = ""
         if medians["do_bench"] >= 1e-3:  # the 3% goal is for kernels of 1 ms and more
@@ -131,7 +164,9 @@ def main() -> None:
         row = " ".join(f"{medians[m] * 1e6:9.1f}" for m in ("dk cold", "do_bench", "dk warm"))
         print(
             f"  {name:20} {row} {medians['torch Timer'] * 1e6:11.1f} "
-            f"{medians['events'] * 1e6:9.1f} {ratio:12.3f}x {wall:9.2f}{goal}"
+            f"{medians['events'] * 1e6:9.1f} {ratio:12.3f}x {wall:9.2f} "
+            f"{format_joules(energy.energy_per_call):>9} "
+            f"{'?' if energy.power is None else f'{energy.power:.0f}':>5}{goal}"
         )
 
     print(

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from ._compare import compare as compare
     from ._conditions import Conditions as Conditions
     from ._devices import DeviceLike as DeviceLike
-    from ._devices import local_device as local_device
     from ._devices import try_all_gpus as try_all_gpus
     from ._devices import try_gpu as try_gpu
     from ._doctor import Diagnosis as Diagnosis
@@ -37,13 +36,21 @@ if TYPE_CHECKING:
     from ._errors import DeviceNotFoundError as DeviceNotFoundError
     from ._errors import DeviceOutOfMemoryError as DeviceOutOfMemoryError
     from ._errors import GPUUnavailableError as GPUUnavailableError
+    from ._errors import RanksOutOfStepError as RanksOutOfStepError
     from ._errors import SyncError as SyncError
     from ._errors import WorkerError as WorkerError
     from ._findings import Finding as Finding
+    from ._gpuinfo import GPUInfo as GPUInfo
+    from ._gpuinfo import GPUProcess as GPUProcess
     from ._gpus import gpu as gpu
     from ._gpus import gpus as gpus
     from ._gpus import pick_gpu as pick_gpu
     from ._gpus import pick_gpus as pick_gpus
+    from ._job import JobFlag as JobFlag
+    from ._job import JobStatus as JobStatus
+    from ._job import RankStatus as RankStatus
+    from ._job import job_status as job_status
+    from ._launch import local_device as local_device
     from ._leaks import Leak as Leak
     from ._leaks import LeakReport as LeakReport
     from ._leaks import find_leaks as find_leaks
@@ -58,8 +65,6 @@ if TYPE_CHECKING:
     from ._memory import ScopeReport as ScopeReport
     from ._memory import free_memory as free_memory
     from ._memory import memory_scope as memory_scope
-    from ._nvml import GPUInfo as GPUInfo
-    from ._nvml import GPUProcess as GPUProcess
     from ._nvml import cuda_driver_version as cuda_driver_version
     from ._nvml import driver_version as driver_version
     from ._nvml import nvml_available as nvml_available
@@ -78,9 +83,14 @@ if TYPE_CHECKING:
     from ._sinks import TensorBoardSink as TensorBoardSink
     from ._status import Status as Status
     from ._status import status as status
+    from ._straggler import RankTimes as RankTimes
+    from ._straggler import Straggler as Straggler
+    from ._straggler import StragglerDetector as StragglerDetector
+    from ._straggler import StragglerReport as StragglerReport
     from ._syncs import SyncReport as SyncReport
     from ._syncs import detect_syncs as detect_syncs
     from ._timing import Benchmark as Benchmark
+    from ._timing import TimedFunction as TimedFunction
     from ._timing import Timer as Timer
     from ._visible import parse_visible_devices as parse_visible_devices
     from ._visible import visible_devices as visible_devices
@@ -89,18 +99,17 @@ if TYPE_CHECKING:
 # above and __all__.
 _EXPORTS: dict[str, str] = {
     "find_batch_size": "._batchsize",
+    "bench": "._bench",
     "BenchReport": "._bench",
     "BenchResult": "._bench",
-    "bench": "._bench",
     "LiveTensor": "._census",
     "assert_same_device": "._checks",
     "check_module": "._checks",
+    "compare": "._compare",
     "Comparison": "._compare",
     "ComparisonRow": "._compare",
-    "compare": "._compare",
     "Conditions": "._conditions",
     "DeviceLike": "._devices",
-    "local_device": "._devices",
     "try_all_gpus": "._devices",
     "try_gpu": "._devices",
     "Diagnosis": "._doctor",
@@ -111,39 +120,45 @@ _EXPORTS: dict[str, str] = {
     "DeviceNotFoundError": "._errors",
     "DeviceOutOfMemoryError": "._errors",
     "GPUUnavailableError": "._errors",
+    "RanksOutOfStepError": "._errors",
     "SyncError": "._errors",
     "WorkerError": "._errors",
     "Finding": "._findings",
+    "GPUInfo": "._gpuinfo",
+    "GPUProcess": "._gpuinfo",
     "gpu": "._gpus",
     "gpus": "._gpus",
     "pick_gpu": "._gpus",
     "pick_gpus": "._gpus",
+    "job_status": "._job",
+    "JobFlag": "._job",
+    "JobStatus": "._job",
+    "RankStatus": "._job",
+    "local_device": "._launch",
     "Leak": "._leaks",
     "LeakReport": "._leaks",
     "find_leaks": "._leaks",
     "LogBuffer": "._logbuffer",
     "Record": "._logbuffer",
     "Sink": "._logbuffer",
-    "Measurement": "._measure",
     "benchmark": "._measure",
+    "Measurement": "._measure",
     "DeviceMemory": "._memory",
+    "free_memory": "._memory",
+    "memory_scope": "._memory",
     "MemoryReport": "._memory",
     "MemoryScope": "._memory",
     "ScopeReport": "._memory",
-    "free_memory": "._memory",
-    "memory_scope": "._memory",
-    "GPUInfo": "._nvml",
-    "GPUProcess": "._nvml",
     "cuda_driver_version": "._nvml",
     "driver_version": "._nvml",
     "nvml_available": "._nvml",
     "nvml_error": "._nvml",
+    "gpu_map": "._parallel",
+    "gpu_pool": "._parallel",
     "AllocationSite": "._oom",
     "OOMReport": "._oom",
     "explain_oom": "._oom",
     "GPUPool": "._parallel",
-    "gpu_map": "._parallel",
-    "gpu_pool": "._parallel",
     "data_parallel": "._placement",
     "load": "._placement",
     "to_device": "._placement",
@@ -152,9 +167,14 @@ _EXPORTS: dict[str, str] = {
     "TensorBoardSink": "._sinks",
     "Status": "._status",
     "status": "._status",
-    "SyncReport": "._syncs",
+    "RankTimes": "._straggler",
+    "Straggler": "._straggler",
+    "StragglerDetector": "._straggler",
+    "StragglerReport": "._straggler",
     "detect_syncs": "._syncs",
+    "SyncReport": "._syncs",
     "Benchmark": "._timing",
+    "TimedFunction": "._timing",
     "Timer": "._timing",
     "parse_visible_devices": "._visible",
     "visible_devices": "._visible",
@@ -196,6 +216,8 @@ __all__ = [
     "GPUPool",
     "GPUProcess",
     "GPUUnavailableError",
+    "JobFlag",
+    "JobStatus",
     "Leak",
     "LeakReport",
     "LiveTensor",
@@ -205,13 +227,20 @@ __all__ = [
     "MemoryScope",
     "OOMReport",
     "ProgressBarSink",
+    "RankStatus",
+    "RankTimes",
+    "RanksOutOfStepError",
     "Record",
     "ScopeReport",
     "Sink",
     "Status",
+    "Straggler",
+    "StragglerDetector",
+    "StragglerReport",
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
+    "TimedFunction",
     "Timer",
     "WorkerError",
     "__version__",
@@ -233,6 +262,7 @@ __all__ = [
     "gpu_map",
     "gpu_pool",
     "gpus",
+    "job_status",
     "load",
     "local_device",
     "memory_scope",

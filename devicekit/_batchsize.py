@@ -30,11 +30,12 @@ from typing import Any
 import torch
 
 from ._census import only_new_objects
-from ._devices import DeviceLike, check_index, resolve_device
+from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceOutOfMemoryError
 from ._logbuffer import _all_reduce
 from ._oom import explain_oom
 from ._oomtext import is_oom
+from ._options import check_index
 from ._visible import torch_cuda_initialized
 
 __all__ = ["find_batch_size"]

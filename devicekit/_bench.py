@@ -1,7 +1,10 @@
-"""``bench``: is the GPU used, and how much faster than the CPU is it? Numbers in seconds.
+"""``bench``: is the GPU used, and how much faster than the CPU is it?
 
-Everything is measured with devicekit's own :func:`benchmark`, so each number
-comes with the same care (warm-up, CUDA events, repeats until precise).
+A survey of the machine, not a timer for your code (that is :func:`benchmark`).
+Rates are in TFLOP/s (10^12 floating-point operations per second), bandwidth
+in GB/s (10^9 bytes per second), latencies in seconds. Everything is measured
+with :func:`benchmark`, so each number comes with the same care (warm-up, CUDA
+events, repeats until precise) and the same verdict.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from typing import Any
 import torch
 
 from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
-from ._measure import benchmark
+from ._format import format_seconds, html_table
+from ._measure import Measurement, benchmark
 
 __all__ = ["BenchReport", "BenchResult", "bench"]
 
 _BUDGET = 0.4  # seconds of measuring per number: the whole run stays well under 30 s
+_SCHEMA = 2  # 2: latencies in seconds (unit "s", were "us"), and each result's notes
 
 
 @dataclass(frozen=True)
@@ -26,9 +31,10 @@ class BenchResult:
     Attributes:
         name: What was measured, such as ``"matmul 4096 bf16"``.
         device: Where, such as ``"cuda:0"``.
-        value: The number.
-        unit: Its unit, such as ``"TFLOP/s"``, ``"GB/s"`` or ``"us"``.
+        value: The number, in ``unit``.
+        unit: ``"TFLOP/s"``, ``"GB/s"`` (10^9 bytes per second) or ``"s"``.
         trustworthy: Whether :func:`benchmark` judged the timing trustworthy.
+        notes: Why not (or anything else worth knowing): the measurement's notes.
     """
 
     name: str
@@ -36,11 +42,27 @@ class BenchResult:
     value: float
     unit: str
     trustworthy: bool
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, name: str, device: object, value: float, unit: str, m: Measurement) -> BenchResult:
+        """A result carrying ``m``'s verdict and notes."""
+        return cls(name, str(device), value, unit, m.trustworthy, tuple(m.notes))
+
+    def formatted(self) -> str:
+        """The value with its unit, seconds in ms/µs: ``"51.4 TFLOP/s"``, ``"8.6 µs"``."""
+        if self.unit == "s":
+            return format_seconds(self.value)
+        return f"{self.value:.3g} {self.unit}"
 
 
 @dataclass(frozen=True)
 class BenchReport:
-    """All of :func:`bench`'s numbers, and the GPU's matmul speed-up over the CPU."""
+    """All of :func:`bench`'s numbers, and the GPU's matmul speed-up over the CPU.
+
+    ``str()`` prints a table with each untrustworthy number's reasons under
+    it; ``to_dict()`` is what ``devicekit bench --json`` prints.
+    """
 
     results: tuple[BenchResult, ...]
 
@@ -58,25 +80,37 @@ class BenchReport:
         return {d: rate / cpu for d, rate in rates.items() if rate is not None and cpu}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: schema version, results and speed-ups."""
+        """JSON-ready: schema version, results (with their notes) and speed-ups."""
         return {
-            "schema": 1,
-            "results": [asdict(r) for r in self.results],
+            "schema": _SCHEMA,
+            "results": [{**asdict(r), "notes": list(r.notes)} for r in self.results],
             "speedups": self.speedups,
         }
 
+    def _summary(self) -> list[str]:
+        lines = [
+            f"{device} multiplies fp32 matrices {speedup:.0f}x faster than the CPU"
+            for device, speedup in self.speedups.items()
+        ]
+        return lines or ["no GPU: only the CPU was measured"]
+
     def __str__(self) -> str:
-        lines = [f"{'measurement':28} {'device':8} {'value':>10}  unit"]
+        lines = [f"{'measurement':28} {'device':8} {'value':>14}"]
         for r in self.results:
-            mark = "" if r.trustworthy else "  (not trustworthy: see dk.benchmark notes)"
-            lines.append(f"{r.name:28} {r.device:8} {r.value:10.3g}  {r.unit}{mark}")
-        for device, speedup in self.speedups.items():
-            lines.append(f"\n{device} multiplies fp32 matrices {speedup:.0f}x faster than the CPU")
-        if not self.speedups:
-            lines.append("\nno GPU: only the CPU was measured")
-        return "\n".join(lines)
+            mark = "" if r.trustworthy else "  (not trustworthy)"
+            lines.append(f"{r.name:28} {r.device:8} {r.formatted():>14}{mark}")
+            lines += [f"    - {note}" for note in r.notes]
+        return "\n".join([*lines, "", *self._summary()])
 
     __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        rows = [
+            (r.name, r.device, r.formatted(), "yes" if r.trustworthy else "no", "\n".join(r.notes))
+            for r in self.results
+        ]
+        header = ("measurement", "device", "value", "trustworthy", "notes")
+        return html_table(rows, header=header, caption="; ".join(self._summary()))
 
 
 def _matmul(n: int, dtype: torch.dtype, device: torch.device) -> BenchResult:
@@ -84,7 +118,7 @@ def _matmul(n: int, dtype: torch.dtype, device: torch.device) -> BenchResult:
     m = benchmark(torch.matmul, a, a, max_time=_BUDGET)
     name = f"matmul {n} {str(dtype).removeprefix('torch.').replace('float32', 'fp32')}"
     name = name.replace("bfloat16", "bf16")
-    return BenchResult(name, str(device), 2 * n**3 / m.median / 1e12, "TFLOP/s", m.trustworthy)
+    return BenchResult.of(name, device, 2 * n**3 / m.median / 1e12, "TFLOP/s", m)
 
 
 def _copies(device: torch.device) -> list[BenchResult]:
@@ -96,35 +130,32 @@ def _copies(device: torch.device) -> list[BenchResult]:
         kind = "pinned" if pinned else "pageable"
         for name, dst, src in (("host to device", gpu, host), ("device to host", host, gpu)):
             m = benchmark(dst.copy_, src, non_blocking=pinned, device=device, max_time=_BUDGET)
-            results.append(
-                BenchResult(
-                    f"{name}, {kind}", str(device), size / m.median / 1e9, "GB/s", m.trustworthy
-                )
-            )
+            rate = size / m.median / 1e9
+            results.append(BenchResult.of(f"{name}, {kind}", device, rate, "GB/s", m))
     return results
 
 
 def _latencies(device: torch.device) -> list[BenchResult]:
     x = torch.zeros(1, device=device)
     launch = benchmark(x.add_, 1, max_time=_BUDGET)
-    host = launch.host_median
     sync = benchmark(torch.cuda.synchronize, device, device="cpu", max_time=_BUDGET)
     return [
-        BenchResult("kernel launch (host)", str(device), host * 1e6, "us", launch.trustworthy),
-        BenchResult(
-            "synchronize, idle GPU", str(device), sync.median * 1e6, "us", sync.trustworthy
-        ),
+        BenchResult.of("kernel launch (host)", device, launch.host_median, "s", launch),
+        BenchResult.of("synchronize, idle GPU", device, sync.median, "s", sync),
     ]
 
 
 def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchReport:
-    """Measure what the GPU buys: matmul rates, copy bandwidth, launch and sync costs.
+    """Survey this machine: matmul rates, copy bandwidth, launch and sync costs.
 
-    On the CPU: an fp32 1024x1024 matmul. On each GPU: fp32 and (where
-    supported) bf16 4096x4096 matmuls, host-to-device and device-to-host
-    bandwidth from pageable and from pinned memory (64 MiB), the host's cost
-    of launching one small kernel, and of one ``synchronize`` on an idle GPU.
-    Takes well under 30 seconds. Initializes CUDA (it has to use the GPU).
+    Not for timing your own code: that is :func:`benchmark` (one function,
+    a :class:`Measurement`) or :class:`Timer` (a block). On the CPU: an fp32
+    1024x1024 matmul. On each GPU: fp32 and (where supported) bf16 4096x4096
+    matmuls, host-to-device and device-to-host bandwidth from pageable and
+    from pinned memory (64 MiB), the host's cost of launching one small
+    kernel, and of one ``synchronize`` on an idle GPU. Rates are in TFLOP/s,
+    bandwidth in GB/s (10^9 bytes per second), latencies in seconds. Takes
+    well under 30 seconds. Initializes CUDA (it has to use the GPU).
 
     Args:
         devices: GPUs to measure, as a list of :data:`DeviceLike` (``[0]``,

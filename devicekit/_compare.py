@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._format import format_seconds
+from ._format import UNKNOWN, format_joules, format_seconds, html_table
 from ._measure import Measurement, benchmark
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]
@@ -22,63 +21,81 @@ class ComparisonRow:
         measurement: Its measurement.
         ratio: Its median over the reference's median (above 1 is slower).
         within_noise: Its 95% confidence interval overlaps the reference's, so
-            the difference may be noise.
+            the difference may be noise; None when either interval is unknown
+            (too few calls were timed).
     """
 
     name: str
     measurement: Measurement
     ratio: float
-    within_noise: bool
+    within_noise: bool | None
 
     def verdict(self, reference: str) -> str:
-        """``"(fastest)"``, ``"same within noise"``, ``"3.43x slower"``, ``"2.00x faster"``."""
+        """``"(reference)"``, ``"same within noise"``, ``"3.43x slower"``, ``"2.00x faster"``.
+
+        A difference whose noise is unknown says so: ``"3.43x slower (noise unknown)"``.
+        """
         if self.name == reference:
             return "(reference)"
         if self.within_noise:
             return "same within noise"
-        if self.ratio >= 1:
-            return f"{self.ratio:.2f}x slower"
-        return f"{1 / self.ratio:.2f}x faster"
+        slower = self.ratio >= 1
+        text = f"{self.ratio:.2f}x slower" if slower else f"{1 / self.ratio:.2f}x faster"
+        return text + (" (noise unknown)" if self.within_noise is None else "")
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """The table :func:`compare` returns; ``str()`` renders it, notebooks show HTML."""
+    """The table :func:`compare` returns; ``str()`` renders it, notebooks show HTML.
+
+    An ``energy`` column (joules per call) appears when every variant has an
+    energy figure (see :attr:`Measurement.energy_per_call`).
+    """
 
     rows: tuple[ComparisonRow, ...]
     reference: str
     reference_is_baseline: bool
 
-    def _lines(self) -> list[tuple[str, str, str, str]]:
-        return [
-            (
-                row.name,
-                format_seconds(row.measurement.median),
-                f"±{row.measurement.rel_noise:.1%}",
-                row.verdict(self.reference)
-                + ("" if row.measurement.trustworthy else "  [not trustworthy]"),
-            )
-            for row in self.rows
-        ]
+    @property
+    def has_energy(self) -> bool:
+        """Whether every variant has its joules per call."""
+        return all(row.measurement.energy_per_call is not None for row in self.rows)
+
+    def _header(self) -> list[str]:
+        against = "baseline" if self.reference_is_baseline else "fastest"
+        energy = ["energy"] if self.has_energy else []
+        return ["variant", "median", "noise", *energy, f"vs {against} ({self.reference})"]
+
+    def _lines(self) -> list[list[str]]:
+        lines = []
+        for row in self.rows:
+            m = row.measurement
+            noise = UNKNOWN if m.rel_noise is None else f"{m.rel_noise:.1%}"
+            energy = [format_joules(m.energy_per_call)] if self.has_energy else []
+            verdict = row.verdict(self.reference) + ("" if m.trustworthy else "  [not trustworthy]")
+            lines.append([row.name, format_seconds(m.median), f"±{noise}", *energy, verdict])
+        return lines
 
     def __str__(self) -> str:
-        against = "baseline" if self.reference_is_baseline else "fastest"
-        header = ("variant", "median", "noise", f"vs {against} ({self.reference})")
-        lines = [header, *self._lines()]
-        widths = [max(len(line[i]) for line in lines) for i in range(3)]
+        lines = [self._header(), *self._lines()]
+        columns = len(lines[0])
+        widths = [max(len(line[i]) for line in lines) for i in range(columns - 1)]
         return "\n".join(
-            f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}" for a, b, c, d in lines
+            "  ".join(
+                [line[0].ljust(widths[0])]
+                + [cell.rjust(width) for cell, width in zip(line[1:-1], widths[1:], strict=True)]
+                + [line[-1]]
+            )
+            for line in lines
         )
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        cells = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in line) + "</tr>"
-            for line in self._lines()
-        )
-        head = "<tr><th>variant</th><th>median</th><th>noise</th><th>verdict</th></tr>"
-        return f"<table>{head}{cells}</table>"
+        against = "baseline" if self.reference_is_baseline else "fastest"
+        header = [*self._header()[:-1], "verdict"]
+        caption = f"against the {against}: {self.reference}"
+        return html_table(self._lines(), header=header, caption=caption)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the reference and, per variant, its ratio, verdict and measurement."""
@@ -98,7 +115,9 @@ class Comparison:
         }
 
 
-def _overlap(a: Measurement, b: Measurement) -> bool:
+def _overlap(a: Measurement, b: Measurement) -> bool | None:
+    if a.ci is None or b.ci is None:
+        return None
     return a.ci[0] <= b.ci[1] and b.ci[0] <= a.ci[1]
 
 
@@ -150,7 +169,7 @@ def compare(
             name=name,
             measurement=m,
             ratio=m.median / ref.median,
-            within_noise=name != reference and _overlap(m, ref),
+            within_noise=False if name == reference else _overlap(m, ref),
         )
         for name, m in measured.items()
     )

@@ -11,20 +11,14 @@ from typing import Any
 import torch
 
 from . import _gpus
+from ._contention import CpuWindow, contended
 from ._errors import DeviceNotFoundError
-from ._nvml import GPUInfo, GPUProcess
+from ._findings import ENVIRONMENTAL  # throttle reasons that are the environment's doing
+from ._format import html_table, plural, safe_text
+from ._gpuinfo import GPUInfo, GPUProcess
 
 __all__ = ["Conditions", "Sampler"]
 
-# Reasons that mean the environment, not the workload, slowed the GPU down.
-_ENVIRONMENTAL = {
-    "sw_thermal": "thermal slowdown",
-    "hw_thermal": "thermal slowdown",
-    "hw_slowdown": "hardware slowdown",
-    "power_brake": "external power brake",
-    "board_limit": "board limit",
-    "reliability": "reliability limit",
-}
 # Present under heavy load on most GPUs: worth saying, not a reason for distrust.
 _WORKLOAD = {"power_cap": "power capping"}
 _BUSY_BEFORE = 10  # percent utilization before the run worth mentioning
@@ -34,6 +28,9 @@ _SAMPLE_EVERY = 0.05  # seconds between samples during the run
 @dataclass(frozen=True)
 class Conditions:
     """What the machine was doing around a benchmark. ``None`` is unknown.
+
+    The CPU fields from ``cpu_window`` on cover the timed calls, on the cores
+    this process may run on; they are None off Linux.
 
     Attributes:
         device: Where the function ran, such as ``"cuda:0"``.
@@ -45,8 +42,19 @@ class Conditions:
         sm_clock_max: The GPU's maximum SM clock (MHz).
         throttle_reasons: Reasons the clocks were held down during the run
             (``idle`` excluded), as NVML names them.
-        load_average: The 1-minute CPU load average after the run.
+        load_average: The 1-minute CPU load average after the run; judged
+            only where ``other_cpu_time`` is unknown.
         cpu_count: CPUs this process may run on.
+        cpu_window: Seconds the CPU evidence covers.
+        other_cpu_time: CPU seconds that other processes took on this
+            process's cores during that window.
+        steal_time: CPU seconds a hypervisor gave those cores to other
+            virtual machines during the window.
+        preemptions: How often the scheduler took a core away from this
+            process during the window (involuntary context switches).
+        competitors: ``(pid, name)`` of other processes seen running on this
+            process's cores as the window closed; looked for only when other
+            processes took enough CPU time to matter.
     """
 
     device: str
@@ -58,34 +66,43 @@ class Conditions:
     throttle_reasons: tuple[str, ...] | None = None
     load_average: float | None = None
     cpu_count: int | None = None
+    cpu_window: float | None = None
+    other_cpu_time: float | None = None
+    steal_time: float | None = None
+    preemptions: int | None = None
+    competitors: tuple[tuple[int, str | None], ...] | None = None
+
+    @property
+    def other_cores(self) -> float | None:
+        """How many of this process's cores other processes kept busy, on average."""
+        return self._cores(self.other_cpu_time)
+
+    def _cores(self, cpu_time: float | None) -> float | None:
+        if cpu_time is None or not self.cpu_window:
+            return None
+        return cpu_time / self.cpu_window
 
     def notes(self) -> list[str]:
-        """Plain sentences about whatever could distort a timing."""
-        notes = []
-        others = self.other_processes or ()
-        if others:
-            names = ", ".join(f"{p.name or 'pid ' + str(p.pid)}" for p in others)
-            busy = (
-                ""
-                if self.utilization_before is None
-                else (f"; {self.utilization_before}% utilization before the run")
+        """Plain sentences about whatever could distort a timing, each with its fix."""
+        notes = self._gpu_notes()
+        on_cores = f"of the {plural(self.cpu_count or 0, 'core')} this process runs on"
+        if self._contended(self.other_cpu_time):
+            preempted = f", pre-empting it {self.preemptions} times" if self.preemptions else ""
+            seen = ", ".join(
+                f"{safe_text(name)} (pid {pid})" if name else f"pid {pid}"
+                for pid, name in self.competitors or ()
             )
             notes.append(
-                f"{len(others)} other process(es) were using {self.device} ({names}{busy})"
+                f"other processes used {self.other_cores:.1f} {on_cores} during the timing"
+                f"{preempted}{'; running there at the end: ' + seen if seen else ''}: "
+                "close them, or give the benchmark cores of its own (taskset -c)"
             )
-        elif self.utilization_before is not None and self.utilization_before > _BUSY_BEFORE:
+        if self._contended(self.steal_time):
             notes.append(
-                f"{self.device} was {self.utilization_before}% utilized just before the run, "
-                "by this process's earlier work or by a process this one cannot see"
+                f"the hypervisor gave {self._cores(self.steal_time):.1f} {on_cores} to other "
+                "virtual machines (steal time): this VM shares its host; re-run when it is "
+                "quieter, or on a dedicated machine"
             )
-        reasons = [r for r in self.throttle_reasons or () if r in _ENVIRONMENTAL or r in _WORKLOAD]
-        if reasons:
-            words = ", ".join(dict.fromkeys(_ENVIRONMENTAL.get(r) or _WORKLOAD[r] for r in reasons))
-            clock = self.sm_clock_min
-            if clock is not None and self.sm_clock_max and clock < self.sm_clock_max:
-                notes.append(f"SM clock fell to {clock} of {self.sm_clock_max} MHz: {words}")
-            else:
-                notes.append(f"clocks were held down by {words}")
         if self._cpu_overloaded():
             notes.append(
                 f"CPU load average {self.load_average:.1f} on {self.cpu_count} CPUs: "
@@ -93,18 +110,77 @@ class Conditions:
             )
         return notes
 
+    def _gpu_notes(self) -> list[str]:
+        notes = []
+        others = self.other_processes or ()
+        if others:
+            names = ", ".join(safe_text(p.name) if p.name else f"pid {p.pid}" for p in others)
+            busy = (
+                ""
+                if self.utilization_before is None
+                else f"; {self.utilization_before}% utilization before the run"
+            )
+            verb = "was" if len(others) == 1 else "were"
+            notes.append(
+                f"{plural(len(others), 'other process')} {verb} using {self.device} "
+                f"({names}{busy}): stop them, or run on an idle GPU (dk.pick_gpu())"
+            )
+        elif self.utilization_before is not None and self.utilization_before > _BUSY_BEFORE:
+            notes.append(
+                f"{self.device} was {self.utilization_before}% utilized just before the run, "
+                "by this process's earlier work or by a process this one cannot see"
+            )
+        reasons = [r for r in self.throttle_reasons or () if r in ENVIRONMENTAL or r in _WORKLOAD]
+        if reasons:
+            words = ", ".join(dict.fromkeys(ENVIRONMENTAL.get(r) or _WORKLOAD[r] for r in reasons))
+            clock = self.sm_clock_min
+            if clock is not None and self.sm_clock_max and clock < self.sm_clock_max:
+                notes.append(f"SM clock fell to {clock} of {self.sm_clock_max} MHz: {words}")
+            else:
+                notes.append(f"clocks were held down by {words}")
+        return notes
+
     def trustworthy(self) -> bool:
-        """No other process on the GPU, no environmental throttling, no CPU overload."""
+        """No other process on the GPU or on this process's cores, no environmental throttling."""
         if self.other_processes:
             return False
-        if any(r in _ENVIRONMENTAL for r in self.throttle_reasons or ()):
+        if any(r in ENVIRONMENTAL for r in self.throttle_reasons or ()):
+            return False
+        if self._contended(self.other_cpu_time) or self._contended(self.steal_time):
             return False
         return not self._cpu_overloaded()
 
+    def _contended(self, cpu_time: float | None) -> bool:
+        if cpu_time is None or not self.cpu_window or not self.cpu_count:
+            return False
+        return contended(cpu_time, self.cpu_window, self.cpu_count)
+
     def _cpu_overloaded(self) -> bool:
+        # Only where the window itself went unmeasured: the 1-minute load average
+        # is system-wide, counts this process too, and lags the run.
+        if self.other_cpu_time is not None:
+            return False
         # More runnable tasks than CPUs this process may use: something waited for a CPU.
         load, cpus = self.load_average, self.cpu_count
         return load is not None and cpus is not None and load > cpus
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) pairs of the evidence that is known, for tables."""
+        rows = []
+        if self.gpu_name is not None:
+            rows.append(("GPU", safe_text(self.gpu_name)))
+        if self.other_processes is not None:
+            rows.append(("other processes on the GPU", str(len(self.other_processes))))
+        if self.other_cores is not None:
+            cores = plural(self.cpu_count or 0, "core")
+            rows.append(("other processes on the CPU", f"{self.other_cores:.2f} of {cores}"))
+        if self.preemptions is not None:
+            rows.append(("pre-emptions", str(self.preemptions)))
+        return rows
+
+    def _repr_html_(self) -> str:
+        notes = [("note", note) for note in self.notes()]
+        return html_table([*self.rows(), *notes], caption=f"conditions on {self.device}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -118,12 +194,9 @@ class Conditions:
             fields["other_processes"] = tuple(GPUProcess(**p) for p in fields["other_processes"])
         if fields.get("throttle_reasons") is not None:
             fields["throttle_reasons"] = tuple(fields["throttle_reasons"])
+        if fields.get("competitors") is not None:
+            fields["competitors"] = tuple((pid, name) for pid, name in fields["competitors"])
         return cls(**fields)
-
-
-def _cpu_count() -> int | None:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count()
 
 
 def _load_average() -> float | None:
@@ -134,7 +207,11 @@ def _load_average() -> float | None:
 
 
 class Sampler:
-    """Collects :class:`Conditions` for one benchmark run, from devicekit's NVML layer."""
+    """Collects :class:`Conditions` for one benchmark run, from NVML and the OS.
+
+    ``before()`` ahead of the warm-up, ``start_timing()`` as the timed calls
+    begin, ``during()`` between batches, ``after()`` once they end.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -144,6 +221,7 @@ class Sampler:
         self.clock_min: int | None = None
         self.reasons: dict[str, None] = {}
         self.last_sample = 0.0
+        self.cpu = CpuWindow()
 
     def _snapshot(self) -> GPUInfo | None:
         if self.index is None:
@@ -171,6 +249,10 @@ class Sampler:
         self.first = self._snapshot()
         self._record(self.first, clocks=False)
 
+    def start_timing(self) -> None:
+        """Open the CPU window as the timed calls begin (warm-up stays out of it)."""
+        self.cpu.start()
+
     def during(self) -> None:
         """Sample between batches, at most every 50 ms (one NVML snapshot is ~0.1 ms)."""
         now = time.perf_counter()
@@ -179,7 +261,8 @@ class Sampler:
             self._record(self._snapshot(), clocks=True)
 
     def after(self) -> Conditions:
-        """Sample once more and assemble the evidence."""
+        """Close the CPU window, sample the GPU once more, and assemble the evidence."""
+        cpu = self.cpu.stop()
         last = self._snapshot()
         self._record(last, clocks=True)
         info = self.first or last
@@ -193,5 +276,10 @@ class Sampler:
             sm_clock_max=None if info is None else info.sm_clock_max,
             throttle_reasons=tuple(self.reasons) if info is not None else None,
             load_average=_load_average(),
-            cpu_count=_cpu_count(),
+            cpu_count=os.cpu_count() if self.cpu.cpus is None else len(self.cpu.cpus),
+            cpu_window=cpu.window,
+            other_cpu_time=cpu.other_cpu_time,
+            steal_time=cpu.steal_time,
+            preemptions=cpu.preemptions,
+            competitors=cpu.competitors,
         )

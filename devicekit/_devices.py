@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import os
 from collections.abc import Iterable, Mapping
 
@@ -26,13 +25,13 @@ import torch
 
 from ._errors import DeviceNotFoundError
 from ._format import plural
+from ._options import check_index
 from ._visible import ENV_VAR, torch_cuda_initialized
 
 __all__ = [
     "DeviceLike",
     "cuda_index",
     "describe_devices",
-    "local_device",
     "parse_cuda_index",
     "parse_cuda_indices",
     "resolve_cuda_devices",
@@ -94,25 +93,6 @@ def current_cuda_device() -> torch.device | None:
     it; before that, nothing can have chosen a device other than ``cuda:0``.
     """
     return torch.device("cuda", torch.cuda.current_device()) if torch_cuda_initialized() else None
-
-
-def check_index(value: object, *, name: str) -> int:
-    """Return ``value`` as a non-negative int, or raise an error that names it.
-
-    Accepts anything with ``__index__`` (numpy integers too) except ``bool``,
-    which is almost always a mistake (``try_gpu(True)`` is not device 1).
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a non-negative int, got the bool {value!r}")
-    try:
-        index = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a non-negative int, got {value!r} of type {type(value).__name__}"
-        ) from None
-    if index < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {index}; the first device is 0")
-    return index
 
 
 # --- the device model ------------------------------------------------------------------
@@ -398,55 +378,3 @@ def try_all_gpus() -> list[torch.device]:
     if kind is None or count == 0:
         return [_CPU]
     return [torch.device(kind, index) for index in range(count)]
-
-
-def local_device() -> torch.device:
-    """Return this process's device under torchrun, made current; else :func:`try_gpu`.
-
-    Under ``torchrun`` (or any launcher of ``torch.distributed.elastic``)
-    ``LOCAL_RANK`` is set, and rank ``r`` gets accelerator ``r``, which becomes
-    the current device (``torch.cuda.set_device``) so that NCCL and
-    ``torch.cuda.current_device()`` agree with it. On a machine without an
-    accelerator every rank gets the CPU (use the ``gloo`` backend).
-
-    Returns:
-        The device for this rank.
-
-    Raises:
-        ValueError: ``LOCAL_RANK`` is not a non-negative integer.
-        DeviceNotFoundError: ``LOCAL_RANK`` is larger than the number of visible
-            devices. devicekit never wraps the rank around silently: two ranks
-            on one GPU would halve its speed without a word.
-
-    Examples:
-        >>> import devicekit as dk
-        >>> dk.local_device() == dk.try_gpu()  # no LOCAL_RANK outside torchrun
-        True
-    """
-    raw = os.environ.get("LOCAL_RANK")
-    if raw is None:
-        return try_gpu()
-    try:
-        rank = check_index(int(raw.strip()), name="LOCAL_RANK")
-    except ValueError:
-        raise ValueError(
-            f"LOCAL_RANK must be a non-negative integer, got {raw!r}; torchrun sets it for "
-            "each process, so unset it when you are not launching with torchrun"
-        ) from None
-    kind = accelerator_type()
-    count = accelerator_count()
-    if kind is None or count == 0:
-        return _CPU
-    if rank >= count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        scope = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
-        raise DeviceNotFoundError(
-            f"LOCAL_RANK={rank} but this process sees only {count} {kind} device(s){scope}. "
-            f"Start at most {count} processes per node (torchrun --nproc_per_node={count}); "
-            "if your launcher already gives each process its own GPU, use dk.try_gpu() instead."
-        )
-    device = torch.device(kind, rank)
-    module = torch.get_device_module(kind)
-    if hasattr(module, "set_device"):  # MPS has a single device and no set_device
-        module.set_device(device)
-    return device

@@ -24,6 +24,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "DevicekitError",
     "GPUUnavailableError",
+    "RanksOutOfStepError",
     "SyncError",
     "WorkerError",
 ]
@@ -51,6 +52,15 @@ class DeviceMismatchError(DevicekitError, RuntimeError):
 
 class GPUUnavailableError(DevicekitError, RuntimeError):
     """Not enough GPUs meet a request; the message says why each one was turned down."""
+
+
+class RanksOutOfStepError(DevicekitError, RuntimeError):
+    """Ranks did not meet at a job-wide devicekit call (``job_status``, ``StragglerDetector.step``).
+
+    Some rank did not arrive within the call's timeout (it crashed, hangs, or
+    ran fewer steps), or the ranks arrived from different steps. Every rank
+    must make these calls together, the same number of times.
+    """
 
 
 class SyncError(DevicekitError, RuntimeError):
@@ -86,6 +96,7 @@ for _cls in (
     DeviceNotFoundError,
     DeviceOutOfMemoryError,
     GPUUnavailableError,
+    RanksOutOfStepError,
     SyncError,
     WorkerError,
 ):

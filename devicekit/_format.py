@@ -18,12 +18,14 @@ __all__ = [
     "UNKNOWN",
     "format_bytes",
     "format_count",
+    "format_joules",
     "format_percent",
     "format_seconds",
     "format_value",
     "html_table",
     "plural",
     "safe_text",
+    "text_table",
 ]
 
 UNKNOWN = "?"
@@ -66,6 +68,17 @@ def format_seconds(value: float | None) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value / 1e-9:.3g} ns"
+
+
+def format_joules(value: float | None) -> str:
+    """``0.0123`` -> ``"12.3 mJ"``: the same steps and digits as seconds; None -> ``"?"``.
+
+    Examples:
+        >>> format_joules(2.5), format_joules(1.234e-5), format_joules(None)
+        ('2.5 J', '12.3 µJ', '?')
+    """
+    text = format_seconds(value)
+    return text if text == UNKNOWN else text.removesuffix("s") + "J"
 
 
 def format_percent(value: float | None, *, digits: int = 0) -> str:
@@ -116,6 +129,22 @@ def safe_text(text: str) -> str:
         'python\\x1b]0;pwned\\x07'
     """
     return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns two spaces apart, as lines; trailing blanks trimmed.
+
+    Examples:
+        >>> for line in text_table(("a", "bb"), [("xyz", "1")]):
+        ...     print(line)
+        a    bb
+        xyz  1
+    """
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in (header, *rows)
+    ]
 
 
 def html_table(

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from . import _nvml
-from ._devices import DeviceLike, check_index, parse_cuda_index, parse_cuda_indices
+from ._devices import DeviceLike, parse_cuda_index, parse_cuda_indices
 from ._errors import DeviceNotFoundError, GPUUnavailableError
 from ._format import format_bytes
 from ._nvml import GPUInfo, PhysicalGPU
+from ._options import check_index
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
 __all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]

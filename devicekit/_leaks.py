@@ -29,9 +29,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._census import GroupKey, census, only_new_objects
-from ._devices import check_index
 from ._format import format_bytes, format_count, html_table, plural
 from ._frames import user_location
+from ._options import check_index
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Leak", "LeakReport", "find_leaks"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import statistics
 import time
 from collections.abc import Callable
@@ -14,33 +15,40 @@ import torch
 
 from ._conditions import Conditions, Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
-from ._format import format_seconds
+from ._energy import EnergyCounter, energy_counter, energy_use
+from ._format import UNKNOWN, format_joules, format_seconds, format_value, html_table, plural
+from ._options import check_seconds
+from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
 
-__all__ = ["Measurement", "benchmark"]
+__all__ = ["Measurement", "benchmark", "callable_name"]
 
 Mode = Literal["warm", "cold", "graph"]
 _MIN_SAMPLES = 10
 _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
 _GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
 _LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
+_NOISY = 0.05  # a median known to worse than ±5% is not trustworthy
 
 
-def median_ci(sorted_times: list[float]) -> tuple[float, float]:
-    """A distribution-free 95% confidence interval of the median, from order statistics."""
-    n = len(sorted_times)
-    half = 1.96 * math.sqrt(n) / 2
-    low, high = math.floor(n / 2 - half), math.ceil(n / 2 + half)
-    return sorted_times[max(low, 0)], sorted_times[min(high, n - 1)]
+def callable_name(fn: object) -> str:
+    """A short label for a function, module or other callable: never a multi-line repr.
 
-
-def relative_noise(times: list[float]) -> float:
-    """Half the width of the median's 95% confidence interval, over the median."""
-    ordered = sorted(times)
-    low, high = median_ci(ordered)
-    middle = statistics.median(ordered)
-    return math.inf if middle <= 0 else (high - low) / 2 / middle
+    Examples:
+        >>> import functools, torch
+        >>> callable_name(sorted), callable_name(torch.nn.Sequential(torch.nn.ReLU()))
+        ('sorted', 'Sequential')
+        >>> callable_name(functools.partial(max, 1)), callable_name(lambda: 0)
+        ('max', '<lambda>')
+    """
+    if isinstance(fn, functools.partial):
+        return callable_name(fn.func)
+    if isinstance(fn, torch.nn.Module):
+        inner = getattr(fn, "_orig_mod", None)  # torch.compile's wrapper names the model inside
+        return type(inner if isinstance(inner, torch.nn.Module) else fn).__name__
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) and name else type(fn).__name__
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class Measurement:
     waiting for the host, and ``notes`` says the code is launch-bound.
 
     Attributes:
-        name: The function's name.
+        name: The function's short name (``"matmul"``, ``"Sequential"``).
         mode: ``"warm"``, ``"cold"`` (L2 flushed before each call) or ``"graph"``.
         median: Median seconds per call.
         mean: Mean seconds per call.
@@ -62,13 +70,21 @@ class Measurement:
         iqr: Interquartile range (75th minus 25th percentile), seconds.
         rel_noise: Half-width of the 95% confidence interval of the median,
             relative to the median: 0.01 means the median is known to ±1%.
-        ci: That confidence interval, (low, high) seconds.
+            None when fewer than 6 calls were timed: no such interval exists
+            then, so the noise is unknown (and the result not trustworthy).
+        ci: That confidence interval, (low, high) seconds, or None.
         n: Number of timed calls.
         times: Every timed call, seconds.
         host_times: Host time to issue each call, seconds.
         stop_reason: ``"converged"`` (``rel_noise`` reached its target) or
             ``"max_time"`` (time ran out first).
         conditions: Evidence about the machine before, during and after the run.
+        energy_per_call: Joules per call, from the GPU's energy counter; None
+            on the CPU, without the counter (before Volta, without NVML), in
+            ``"cold"`` mode (the L2 flushes would count), and when the timed
+            calls took less than a second (the counter updates every 20 to
+            100 ms).
+        power: The GPU's average watts over the timed calls; None as above.
     """
 
     name: str
@@ -77,13 +93,15 @@ class Measurement:
     mean: float
     min: float
     iqr: float
-    rel_noise: float
-    ci: tuple[float, float]
+    rel_noise: float | None
+    ci: tuple[float, float] | None
     n: int
     times: tuple[float, ...]
     host_times: tuple[float, ...]
     stop_reason: str
     conditions: Conditions
+    energy_per_call: float | None = None
+    power: float | None = None
 
     @classmethod
     def from_times(
@@ -95,6 +113,8 @@ class Measurement:
         mode: str,
         stop_reason: str,
         conditions: Conditions,
+        energy_per_call: float | None = None,
+        power: float | None = None,
     ) -> Measurement:
         """Compute the statistics of ``times`` (at least one)."""
         ordered = sorted(times)
@@ -113,6 +133,8 @@ class Measurement:
             host_times=tuple(host_times),
             stop_reason=stop_reason,
             conditions=conditions,
+            energy_per_call=energy_per_call,
+            power=power,
         )
 
     @property
@@ -124,7 +146,15 @@ class Measurement:
     def notes(self) -> list[str]:
         """Plain sentences about anything that could make this measurement misleading."""
         notes = self.conditions.notes()
-        if self.rel_noise > 0.05:
+        if self.rel_noise is None:
+            stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
+            notes.append(
+                f"noise unknown: only {plural(self.n, 'call')} timed {stopped} (one takes "
+                f"{format_seconds(self.median)}), and a 95% confidence interval for the median "
+                f"needs at least {MIN_CI_SAMPLES}; allow max_time of at least "
+                f"{format_seconds((MIN_CI_SAMPLES + 2) * self.median)}"
+            )
+        elif self.rel_noise > _NOISY:
             notes.append(
                 f"noisy: the median is only known to ±{self.rel_noise:.1%} "
                 f"(interquartile range {format_seconds(self.iqr)})"
@@ -150,8 +180,9 @@ class Measurement:
 
     @property
     def trustworthy(self) -> bool:
-        """False when other work, throttling or noise could have distorted the result."""
-        return self.conditions.trustworthy() and self.rel_noise <= 0.05
+        """False when other work, throttling, noise or too few calls could mislead."""
+        noise_known = self.rel_noise is not None and self.rel_noise <= _NOISY
+        return noise_known and self.conditions.trustworthy()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with ``trustworthy`` and ``notes`` added."""
@@ -163,12 +194,14 @@ class Measurement:
             "min": self.min,
             "iqr": self.iqr,
             "rel_noise": self.rel_noise,
-            "ci": list(self.ci),
+            "ci": None if self.ci is None else list(self.ci),
             "n": self.n,
             "times": list(self.times),
             "host_times": list(self.host_times),
             "stop_reason": self.stop_reason,
             "conditions": self.conditions.to_dict(),
+            "energy_per_call": self.energy_per_call,
+            "power": self.power,
             "trustworthy": self.trustworthy,
             "notes": self.notes,
         }
@@ -177,41 +210,48 @@ class Measurement:
     def from_dict(cls, data: dict[str, Any]) -> Measurement:
         """Rebuild a measurement from :meth:`to_dict`'s output (derived keys are ignored)."""
         fields = {k: v for k, v in data.items() if k not in ("trustworthy", "notes")}
-        fields["ci"] = tuple(fields["ci"])
+        fields["ci"] = None if fields["ci"] is None else tuple(fields["ci"])
         fields["times"] = tuple(fields["times"])
         fields["host_times"] = tuple(fields["host_times"])
         fields["conditions"] = Conditions.from_dict(fields["conditions"])
         return cls(**fields)
 
+    def _noise(self) -> str:
+        return UNKNOWN if self.rel_noise is None else f"{self.rel_noise:.1%}"
+
+    def _interval(self) -> str:
+        if self.ci is None:
+            return UNKNOWN
+        return f"{format_seconds(self.ci[0])} to {format_seconds(self.ci[1])}"
+
+    def _energy(self) -> str | None:
+        if self.energy_per_call is None:
+            return None
+        return f"{format_joules(self.energy_per_call)} per call at {format_value(self.power, 'W')}"
+
     def __repr__(self) -> str:
-        low, high = self.ci
         verdict = "trustworthy" if self.trustworthy else "NOT trustworthy"
+        energy = self._energy()
         head = (
             f"Measurement({self.name} on {self.conditions.device}, {self.mode}: median "
-            f"{format_seconds(self.median)} ±{self.rel_noise:.1%} (95% CI "
-            f"{format_seconds(low)} to {format_seconds(high)}), n={self.n}, "
-            f"stopped: {self.stop_reason}; {verdict})"
+            f"{format_seconds(self.median)} ±{self._noise()} (95% CI {self._interval()}), "
+            f"n={self.n}, stopped: {self.stop_reason}{', ' + energy if energy else ''}; {verdict})"
         )
         return "\n".join([head, *(f"  - {note}" for note in self.notes)])
 
     def _repr_html_(self) -> str:
-        import html  # noqa: PLC0415 - only notebooks render HTML
-
         rows = [
             ("median", format_seconds(self.median)),
-            ("95% CI", f"{format_seconds(self.ci[0])} to {format_seconds(self.ci[1])}"),
-            ("noise", f"±{self.rel_noise:.2%}"),
+            ("95% CI", self._interval()),
+            ("noise", f"±{self._noise()}"),
             ("min / mean", f"{format_seconds(self.min)} / {format_seconds(self.mean)}"),
-            ("n / stopped", f"{self.n} / {self.stop_reason}"),
-            ("trustworthy", str(self.trustworthy)),
+            ("calls / stopped", f"{self.n} / {self.stop_reason}"),
+            *([("energy", self._energy())] if self.energy_per_call is not None else []),
+            ("trustworthy", "yes" if self.trustworthy else "no"),
             *(("note", note) for note in self.notes),
         ]
-        body = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-            for k, v in rows
-        )
-        caption = html.escape(f"{self.name} on {self.conditions.device} ({self.mode})")
-        return f"<table><caption>{caption}</caption>{body}</table>"
+        caption = f"{self.name} on {self.conditions.device} ({self.mode})"
+        return html_table(rows, caption=caption)
 
 
 def _infer_device(device: DeviceLike | None, args: Any, kwargs: Any) -> torch.device:
@@ -300,17 +340,28 @@ def _check_options(
 ) -> None:
     if not callable(fn):
         raise TypeError(f"benchmark() needs a function to time, got {fn!r}")
-    for name, value in (("warmup", warmup), ("min_time", min_time)):
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
-    if not max_time > 0 or max_time < min_time:
+    check_seconds(warmup, name="warmup", zero_ok=True, fix="0 warms up with a single call")
+    check_seconds(min_time, name="min_time", zero_ok=True, fix="0 stops as soon as it is precise")
+    check_seconds(
+        max_time, name="max_time", zero_ok=False, fix="it bounds the whole call: say max_time=10"
+    )
+    if max_time < min_time:
         raise ValueError(
-            f"max_time must be positive and at least min_time ({min_time!r}), got {max_time!r}"
+            f"max_time must be at least min_time ({min_time!r}), got {max_time!r}; "
+            "raise max_time or lower min_time"
         )
-    if not rel_noise > 0:
-        raise ValueError(f"rel_noise must be > 0 (0.01 means ±1%), got {rel_noise!r}")
+    value: object = rel_noise  # typed float, but callers pass anything
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"rel_noise must be a number (0.01 means ±1%), got {rel_noise!r}")
+    if not (math.isfinite(rel_noise) and rel_noise > 0):
+        raise ValueError(f"rel_noise must be finite and > 0 (0.01 means ±1%), got {rel_noise!r}")
     if mode not in ("warm", "cold", "graph"):
         raise ValueError(f"mode must be 'warm', 'cold' or 'graph', got {mode!r}")
+
+
+def _energy_counter(target: torch.device, mode: str) -> EnergyCounter | None:
+    # In cold mode the L2 flushes between calls would count as the function's energy.
+    return None if mode == "cold" else energy_counter(target)
 
 
 def benchmark(
@@ -331,21 +382,25 @@ def benchmark(
     interval is within ±``rel_noise`` (after at least ``min_time`` and 10
     calls) or the whole call has taken ``max_time``; ``stop_reason`` says
     which. On a GPU every call is timed with CUDA events, and the host time to
-    issue it is kept too, so launch-bound code shows itself. Before, during
-    and after the run it gathers evidence (other processes on the GPU, its
-    utilization, clocks and throttling, CPU load) into ``conditions``, and
-    ``Measurement.trustworthy`` and ``Measurement.notes`` say what it means.
+    issue it is kept too, so launch-bound code shows itself. Around the run it
+    gathers evidence (other processes on the GPU and on this process's CPU
+    cores, the GPU's utilization, clocks and throttling) into ``conditions``,
+    and ``Measurement.trustworthy`` and ``Measurement.notes`` say what it
+    means. On a GPU with an energy counter, timed calls lasting a second or
+    more also give joules per call and watts.
 
     Args:
-        fn: The function to time; its result is discarded.
+        fn: The function (or module) to time; its result is discarded.
         *args: Passed to ``fn``.
         device: Where ``fn`` runs. Default: the device of the first tensor
             in the arguments, else the current CUDA device if CUDA is
             initialized, else the CPU.
-        warmup: Seconds of untimed calls first.
-        min_time: Seconds to keep measuring at least.
-        max_time: Seconds the whole call may take (it overshoots by at most
-            one batch of about 10 ms, or one call when a call is longer).
+        warmup: Seconds of untimed calls first (at least one call). Warm-up
+            counts against ``max_time``, and stops at half of it at most.
+        min_time: Seconds of timed calls at least, unless ``max_time`` comes first.
+        max_time: Seconds the whole call may take, warm-up included (it
+            overshoots by at most one batch of about 10 ms, or by one call
+            when a call is longer: at least one call is timed).
         rel_noise: The precision target for the median: 0.01 is ±1%.
         mode: ``"warm"`` (caches warm, the default), ``"cold"`` (the L2 cache
             is flushed before every call, untimed) or ``"graph"`` (the calls
@@ -357,14 +412,14 @@ def benchmark(
         The :class:`Measurement`.
 
     Raises:
-        TypeError: ``fn`` is not callable.
-        ValueError: An option is out of range, or ``mode`` needs CUDA.
+        TypeError: ``fn`` is not callable, or an option is not a number.
+        ValueError: An option is out of range or not finite, or ``mode`` needs CUDA.
 
     Examples:
         >>> import devicekit as dk
         >>> m = dk.benchmark(sorted, list(range(1000, 0, -1)), max_time=0.5)
-        >>> m.median > 0 and m.n >= 1 and m.stop_reason in ("converged", "max_time")
-        True
+        >>> m.name, m.median > 0, m.stop_reason in ("converged", "max_time")
+        ('sorted', True, True)
     """
     _check_options(
         fn, warmup=warmup, min_time=min_time, max_time=max_time, rel_noise=rel_noise, mode=mode
@@ -373,14 +428,18 @@ def benchmark(
     if mode != "warm" and target.type != "cuda":
         raise ValueError(f"mode={mode!r} needs a CUDA device, but fn runs on {target}")
     began = time.perf_counter()
+    deadline = began + max_time
     sampler = Sampler(target)
     sampler.before()
+    counter = _energy_counter(target, mode)
     call = functools.partial(fn, *args, **kwargs)
     runner: _CpuRunner | _CudaRunner = (
         _CudaRunner(call, target, mode) if target.type == "cuda" else _CpuRunner(call)
     )
+    # Warm-up counts against max_time and leaves at least half of it for the timed calls.
+    warm_until = began + min(warmup, max_time / 2)
     warm_calls, warm_began = 0, time.perf_counter()
-    while warm_calls == 0 or time.perf_counter() - warm_began < warmup:
+    while warm_calls == 0 or time.perf_counter() < warm_until:
         runner.warm()
         warm_calls += 1
     per_call = (time.perf_counter() - warm_began) / warm_calls
@@ -390,26 +449,39 @@ def benchmark(
 
     times: list[float] = []
     host: list[float] = []
+    ordered: list[float] = []  # sorted times, merged in only when checked
+    sampler.start_timing()
+    energy_before = None if counter is None else counter.read()
     measure_began = time.perf_counter()
     while True:
-        left = max_time - (time.perf_counter() - began)
-        batch = max(1, min(int(_BATCH_SECONDS / max(per_call, 1e-7)), int(left / per_call) or 1))
+        left = deadline - time.perf_counter()
+        batch = max(1, min(int(_BATCH_SECONDS / max(per_call, 1e-7)), int(left / per_call)))
         device_times, host_times = runner.run(batch)
         times += device_times
         host += host_times
         sampler.during()
-        spent = time.perf_counter() - measure_began
-        if len(times) >= _MIN_SAMPLES and spent >= min_time and relative_noise(times) <= rel_noise:
-            stop_reason = "converged"
-            break
-        if time.perf_counter() - began >= max_time:
+        now = time.perf_counter()
+        if len(times) >= _MIN_SAMPLES and now - measure_began >= min_time:
+            # A sorted run plus the new tail: Timsort merges them in linear time.
+            ordered = sorted(ordered + times[len(ordered) :])
+            noise = relative_noise(ordered)
+            if noise is not None and noise <= rel_noise:
+                stop_reason = "converged"
+                break
+        if now >= deadline:
             stop_reason = "max_time"
             break
+    measured = time.perf_counter() - measure_began
+    energy_after = None if counter is None else counter.read()
+    calls = len(times) * (runner.calls_per_replay if isinstance(runner, _CudaRunner) else 1)
+    energy, power = energy_use(energy_before, energy_after, measured, calls)
     return Measurement.from_times(
         times,
         host,
-        name=getattr(fn, "__name__", None) or repr(fn),
+        name=callable_name(fn),
         mode=mode,
         stop_reason=stop_reason,
         conditions=sampler.after(),
+        energy_per_call=energy,
+        power=power,
     )

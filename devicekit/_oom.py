@@ -26,7 +26,6 @@ from ._devices import (
     DeviceLike,
     accelerator_count,
     accelerator_type,
-    check_index,
     current_cuda_device,
     resolve_device,
 )
@@ -38,6 +37,7 @@ from ._gpuinfo import GPUProcess
 from ._gpus import gpu
 from ._memory import cuda_bytes
 from ._oomtext import OOMText, is_oom, parse_oom
+from ._options import check_index
 from ._visible import torch_cuda_initialized
 
 __all__ = ["AllocationSite", "OOMReport", "build_report", "explain_oom"]

@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ._devices import DeviceLike, check_index, resolve_devices, try_all_gpus
+from ._devices import DeviceLike, resolve_devices, try_all_gpus
 from ._errors import WorkerError
 from ._format import plural
+from ._options import check_index
 from ._visible import ENV_VAR, _scoped_env, parse_visible_devices
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap, work
 

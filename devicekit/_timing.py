@@ -13,17 +13,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
 from ._devices import DeviceLike, accelerator_type, current_cuda_device, resolve_device
+from ._format import format_seconds, html_table, plural
 from ._visible import torch_cuda_initialized
 
-__all__ = ["Benchmark", "Timer"]
+__all__ = ["Benchmark", "TimedFunction", "Timer"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 # torch leaves these constructors unannotated; typed as Any once, here.
 CudaEvent: Any = torch.cuda.Event
@@ -44,6 +46,14 @@ class _Lap:
             return float(self.start_event.elapsed_time(self.end_event)) / 1e3
         assert self.host_end is not None
         return self.host_end - self.host_start
+
+
+class TimedFunction(Protocol[P, R_co]):
+    """A function decorated with a :class:`Timer`: call it as before; ``.timer`` has the laps."""
+
+    timer: Timer
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
 
 def _synchronize(device: torch.device | None) -> None:
@@ -71,7 +81,9 @@ class Timer:
     Use it as a context manager, as a decorator (each call is a lap), or with
     d2l's lap API: the timer starts when created, ``stop()`` ends a lap and
     returns its seconds, ``start()`` begins the next, and ``times``, ``avg()``,
-    ``sum()`` and ``cumsum()`` read the laps.
+    ``sum()`` and ``cumsum()`` read the laps. A decorated function keeps its
+    timer in its ``timer`` attribute, so ``@dk.Timer()`` loses nothing:
+    ``step.timer.times``.
 
     Args:
         device: Where the timed work runs. Default: decided per lap, as above.
@@ -89,6 +101,12 @@ class Timer:
         ...     _ = timer.stop()
         >>> len(timer.times), round(timer.sum(), 6) == round(sum(timer.times), 6)
         (4, True)
+        >>> @dk.Timer()
+        ... def step(n):
+        ...     return sum(range(n))
+        >>> _ = step(1000), step(2000)
+        >>> len(step.timer.times)
+        2
     """
 
     def __init__(self, *, device: DeviceLike | None = None, sync: bool = False) -> None:
@@ -179,8 +197,11 @@ class Timer:
     ) -> None:
         self._finish()
 
-    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        """Use the timer as a decorator: each call of ``fn`` is one lap."""
+    def __call__(self, fn: Callable[P, R]) -> TimedFunction[P, R]:
+        """Use the timer as a decorator: each call of ``fn`` is one lap.
+
+        The wrapped function's ``timer`` attribute is this timer.
+        """
 
         @functools.wraps(fn)
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -190,10 +211,34 @@ class Timer:
             finally:
                 self._finish()
 
-        return timed
+        wrapper = cast("TimedFunction[P, R]", timed)
+        wrapper.timer = self
+        return wrapper
+
+    def _summary(self) -> list[tuple[str, str]]:
+        times = self.times
+        if not times:
+            return [("laps", "none finished")]
+        rows = [("laps", str(len(times))), ("last", format_seconds(times[-1]))]
+        if len(times) > 1:
+            rows += [("mean", format_seconds(self.avg())), ("total", format_seconds(sum(times)))]
+        return rows
+
+    def _where(self) -> str:
+        parts = ([] if self._device is None else [f"on {self._device}"]) + (
+            ["synchronized"] if self._sync else []
+        )
+        return "; " + ", ".join(parts) if parts else ""
 
     def __repr__(self) -> str:
-        return f"Timer(laps={len(self._laps)}, device={self._device}, sync={self._sync})"
+        times = self.times
+        if not times:
+            return f"Timer(no lap finished yet{self._where()})"
+        stats = ", ".join(f"{label} {value}" for label, value in self._summary()[1:])
+        return f"Timer({plural(len(times), 'lap')}: {stats}{self._where()})"
+
+    def _repr_html_(self) -> str:
+        return html_table(self._summary(), caption="Timer" + self._where().replace(";", ""))
 
 
 class Benchmark:

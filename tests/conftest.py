@@ -112,3 +112,35 @@ def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
             monkeypatch.delenv(name, raising=False)
 
     return install
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 180) -> None:
+    """Run ``fn(rank, world, port, *args)`` in ``world`` spawned processes; fail on a hang.
+
+    ``fn`` must be a module-level function (spawned processes import it). A
+    rank that raises fails the call with its traceback; ranks still running
+    after ``timeout`` seconds are killed and the call fails.
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+                process.join(timeout=10)
+            pytest.fail(f"{world} ranks of {fn.__name__} still ran after {timeout} s: a hang")

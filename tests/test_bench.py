@@ -19,10 +19,12 @@ def test_bench_json_schema_on_the_cpu() -> None:
         timeout=120,
     )
     document = json.loads(result.stdout)
-    assert document["schema"] == 1
+    assert document["schema"] == 2
     assert set(document) == {"schema", "results", "speedups"}
     (cpu,) = [r for r in document["results"] if r["device"] == "cpu"]
-    assert set(cpu) == {"name", "device", "value", "unit", "trustworthy"}
+    assert set(cpu) == {"name", "device", "value", "unit", "trustworthy", "notes"}
+    assert isinstance(cpu["notes"], list)
+    assert cpu["trustworthy"] or cpu["notes"]  # never "not trustworthy" without a reason
     assert cpu["name"] == "matmul 1024 fp32"
     assert cpu["unit"] == "TFLOP/s"
     assert cpu["value"] > 0
@@ -30,17 +32,40 @@ def test_bench_json_schema_on_the_cpu() -> None:
 
 
 def test_report_reads_well() -> None:
+    noisy = "noisy: the median is only known to ±7.1% (interquartile range 1.2 ms)"
     report = dk.BenchReport(
         (
             dk.BenchResult("matmul 1024 fp32", "cpu", 0.2, "TFLOP/s", True),
             dk.BenchResult("matmul 4096 fp32", "cuda:0", 50.0, "TFLOP/s", True),
-            dk.BenchResult("host to device, pinned", "cuda:0", 24.5, "GB/s", False),
+            dk.BenchResult("host to device, pinned", "cuda:0", 24.5, "GB/s", False, (noisy,)),
+            dk.BenchResult("kernel launch (host)", "cuda:0", 8.6e-6, "s", True),
         )
     )
     assert report.speedups == {"cuda:0": 250.0}
-    text = str(report)
-    assert "cuda:0 multiplies fp32 matrices 250x faster than the CPU" in text
-    assert "host to device, pinned       cuda:0         24.5  GB/s  (not trustworthy" in text
+    lines = str(report).splitlines()
+    assert "cuda:0 multiplies fp32 matrices 250x faster than the CPU" in lines
+    row = lines.index("host to device, pinned       cuda:0        24.5 GB/s  (not trustworthy)")
+    assert lines[row + 1] == f"    - {noisy}"  # the reason, under its row
+    assert "kernel launch (host)         cuda:0           8.6 µs" in lines
+    assert report.to_dict()["results"][2]["notes"] == [noisy]
+    html = report._repr_html_()
+    assert "<td>24.5 GB/s</td><td>no</td><td>noisy: the median" in html
+    assert "<td>8.6 µs</td>" in html
+
+
+def test_results_carry_the_measurements_notes() -> None:
+    noisy = dk.Measurement.from_times(
+        [1e-3, 5e-3] * 5,
+        [1e-3, 5e-3] * 5,
+        name="copy_",
+        mode="warm",
+        stop_reason="max_time",
+        conditions=dk.Conditions(device="cuda:0"),
+    )
+    result = dk.BenchResult.of("host to device, pageable", "cuda:0", 17.9, "GB/s", noisy)
+    assert not result.trustworthy
+    assert result.notes == tuple(noisy.notes)
+    assert result.notes[0].startswith("noisy: the median is only known to ±")
 
 
 @pytest.mark.gpu

@@ -76,4 +76,24 @@ def test_to_dict_and_html() -> None:
     document = json.loads(json.dumps(table.to_dict()))
     assert document["reference"] == "y"
     assert [row["verdict"] for row in document["rows"]] == ["2.00x slower", "(reference)"]
-    assert table._repr_html_().startswith("<table><tr><th>variant</th>")
+    html = table._repr_html_()
+    assert html.startswith("<table><caption>against the fastest: y</caption><tr><th>variant</th>")
+    assert "<td>2.00x slower</td>" in html
+
+
+def test_unknown_noise_is_shown_and_never_called_same_or_different() -> None:
+    one = dk.Measurement.from_times(
+        [0.7],
+        [0.7],
+        name="slow",
+        mode="warm",
+        stop_reason="max_time",
+        conditions=dk.Conditions(device="cpu"),
+    )
+    table = dk.compare({"slow": one, "fast": measured(1e-3, 1e-6)})
+    (row,) = [row for row in table.rows if row.name == "slow"]
+    assert row.within_noise is None
+    assert row.verdict(table.reference) == "700.00x slower (noise unknown)"
+    assert str(table).splitlines()[1].split()[:4] == ["slow", "700", "ms", "±?"]
+    assert "0.0%" not in str(table).splitlines()[1]
+    assert table.to_dict()["rows"][0]["within_noise"] is None

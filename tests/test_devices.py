@@ -90,44 +90,6 @@ def test_try_all_gpus_on_this_machine_is_never_empty() -> None:
         assert devices == [torch.device("cpu")]
 
 
-def test_local_device_without_local_rank_is_try_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert dk.local_device() == dk.try_gpu()
-
-
-@pytest.mark.parametrize("rank", ["0", "3", " 7 "])
-def test_local_device_is_cpu_for_every_rank_without_accelerator(
-    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator, rank: str
-) -> None:
-    fake_accelerator("cuda", 0)
-    monkeypatch.setenv("LOCAL_RANK", rank)
-    assert dk.local_device() == torch.device("cpu")
-
-
-@pytest.mark.parametrize("raw", ["", "one", "-1", "1.5"])
-def test_local_device_rejects_a_malformed_local_rank(
-    monkeypatch: pytest.MonkeyPatch, raw: str
-) -> None:
-    monkeypatch.setenv("LOCAL_RANK", raw)
-    with pytest.raises(ValueError, match=f"LOCAL_RANK must be a non-negative integer, got {raw!r}"):
-        dk.local_device()
-
-
-def test_local_device_never_wraps_a_rank_around(
-    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
-) -> None:
-    fake_accelerator("cuda", 2)
-    monkeypatch.setenv("LOCAL_RANK", "2")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    with pytest.raises(
-        dk.DeviceNotFoundError,
-        match=r"LOCAL_RANK=2 but this process sees only 2 cuda device\(s\) "
-        r"\(CUDA_VISIBLE_DEVICES='4,5'\)\. Start at most 2 processes per node "
-        r"\(torchrun --nproc_per_node=2\)",
-    ):
-        dk.local_device()
-
-
 @pytest.mark.gpu
 def test_try_gpu_agrees_with_torch_on_a_real_gpu() -> None:
     # A fresh interpreter, so the answer is not coloured by this process's state.
@@ -148,17 +110,3 @@ def test_try_gpu_agrees_with_torch_on_a_real_gpu() -> None:
     assert result["first"] == "cuda:0"
     assert result["beyond"] == "cpu"
     assert result["initialized"] is False
-
-
-@pytest.mark.gpu
-def test_local_device_makes_the_rank_current_on_a_real_gpu() -> None:
-    last = GPU_COUNT - 1
-    result = run_python(
-        """
-        import json, torch, devicekit as dk
-        device = dk.local_device()
-        print(json.dumps({"device": str(device), "current": torch.cuda.current_device()}))
-        """,
-        env={"LOCAL_RANK": str(last)},
-    )
-    assert result == {"device": f"cuda:{last}", "current": last}

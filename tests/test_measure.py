@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _measure
+from devicekit import _measure, _stats
 from devicekit._conditions import Sampler
 
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -30,6 +32,7 @@ def conditions(**fields: Any) -> dk.Conditions:
 
 def measurement(times: list[float], **fields: Any) -> dk.Measurement:
     options = {"name": "f", "mode": "warm", "stop_reason": "converged"}
+    options |= {k: fields.pop(k) for k in ("energy_per_call", "power") if k in fields}
     options |= {k: fields.pop(k) for k in list(fields) if k in options}
     host = fields.pop("host_times", [t / 100 for t in times])  # GPU-bound unless given
     return dk.Measurement.from_times(
@@ -46,21 +49,64 @@ def test_statistics_match_hand_computed_values() -> None:
     assert m.mean == 5.5
     assert m.min == 1.0
     assert m.iqr == 8.25 - 2.75  # statistics.quantiles' default (exclusive) method
-    # n=10: ranks floor(5 - 1.96*sqrt(10)/2)=1 and ceil(5 + 3.099)=9 of the sorted samples
-    assert m.ci == (2.0, 10.0)
-    assert m.rel_noise == pytest.approx((10 - 2) / 2 / 5.5)
+    # n=10: P(Binomial(10, 1/2) <= 1) = 11/1024 <= 2.5% < P(<= 2) = 56/1024, so the
+    # interval runs from the 2nd smallest to the 2nd largest sample (97.9% coverage).
+    assert m.ci == (2.0, 9.0)
+    assert m.rel_noise == pytest.approx((9 - 2) / 2 / 5.5)
     assert m.n == 10
     assert m.times[:3] == (7.0, 1.0, 10.0)  # raw, in the order measured
 
 
-def test_a_single_sample() -> None:
-    m = measurement([0.25])
-    assert (m.median, m.min, m.iqr, m.ci, m.rel_noise) == (0.25, 0.25, 0.0, (0.25, 0.25), 0.0)
+def _coverage(n: int, low: int, high: int) -> float:
+    # P(the sample ranks low..high, 0-based, enclose the median) = P(low < B <= high).
+    return sum(math.comb(n, k) for k in range(low + 1, high + 1)) / 2**n
+
+
+@pytest.mark.parametrize("n", [*range(1, 60), 100, 199, 200, 201, 250, 400, 1000])
+def test_median_interval_covers_95_percent_and_no_more_than_it_must(n: int) -> None:
+    ranks = _stats.median_ci_ranks(n)
+    if ranks is None:
+        assert n < 6
+        assert _coverage(n, 0, n - 1) < 0.95  # not even the whole sample would do
+        return
+    low, high = ranks
+    assert 0 <= low <= high <= n - 1
+    assert low + high == n - 1  # symmetric
+    assert _coverage(n, low, high) >= 0.95
+    if n <= 200:  # exact: one rank narrower would fall short
+        assert _coverage(n, low + 1, high - 1) < 0.95
+    else:  # the normal approximation is at most one rank conservative
+        assert _coverage(n, low + 2, high - 2) < 0.95
+
+
+def test_a_single_sample_has_unknown_noise() -> None:
+    m = measurement([0.7], stop_reason="max_time", conditions=dk.Conditions(device="cpu"))
+    assert (m.median, m.min, m.iqr, m.n) == (0.7, 0.7, 0.0, 1)
+    assert m.rel_noise is None
+    assert m.ci is None
+    assert not m.trustworthy
+    assert m.notes == [
+        "noise unknown: only 1 call timed before max_time ran out (one takes 700 ms), and a "
+        "95% confidence interval for the median needs at least 6; allow max_time of at least 5.6 s"
+    ]
+    assert repr(m).startswith(
+        "Measurement(f on cpu, warm: median 700 ms ±? (95% CI ?), n=1, stopped: max_time; "
+        "NOT trustworthy)"
+    )
+    assert "0.0%" not in repr(m)
+    assert "<td>±?</td>" in m._repr_html_()
+
+
+def test_five_samples_are_too_few_and_six_enough() -> None:
+    assert measurement([1e-3] * 5).rel_noise is None
+    assert measurement([1e-3] * 6).rel_noise == 0.0
 
 
 def test_confidence_interval_narrows_with_more_samples() -> None:
-    few = _measure.relative_noise([1.0, 2.0, 3.0] * 4)
-    many = _measure.relative_noise([1.0, 2.0, 3.0] * 400)
+    few = _stats.relative_noise([1.0, 2.0, 3.0] * 4)
+    many = _stats.relative_noise([1.0, 2.0, 3.0] * 400)
+    assert few is not None
+    assert many is not None
     assert many < few
 
 
@@ -97,6 +143,26 @@ def test_benchmark_stops_at_max_time_when_the_target_is_out_of_reach() -> None:
     assert m.n >= 10
 
 
+def test_warmup_counts_against_max_time() -> None:
+    # Without the bound this would warm up for 30 s; with it, the call takes about 0.3 s.
+    started = time.perf_counter()
+    m = dk.benchmark(sum, [1, 2], warmup=30, max_time=0.3)
+    assert time.perf_counter() - started < 10
+    assert m.n >= 1
+
+
+def test_a_call_too_slow_for_max_time_reports_unknown_noise() -> None:
+    # Warm-up takes one call (0.3 s), leaving time for one timed call: n=1 or 2.
+    m = dk.benchmark(time.sleep, 0.3, max_time=0.5)
+    assert m.n < 6
+    assert m.stop_reason == "max_time"
+    assert m.rel_noise is None
+    assert m.ci is None
+    assert not m.trustworthy
+    assert f"only {m.n} call" in m.notes[-1]
+    assert "±? (95% CI ?)" in repr(m)
+
+
 def test_warmup_keeps_first_call_costs_out() -> None:
     calls = []
 
@@ -108,14 +174,38 @@ def test_warmup_keeps_first_call_costs_out() -> None:
     assert max(m.times) < 0.05
 
 
+def test_labels_are_short_names_never_a_repr() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    assert dk.benchmark(model, torch.ones(2, 4), max_time=0.1).name == "Sequential"
+
+    def my_fn(x: torch.Tensor, y: int) -> torch.Tensor:
+        return x + y
+
+    assert dk.benchmark(functools.partial(my_fn, y=1), torch.ones(2), max_time=0.1).name == "my_fn"
+
+    class Step:
+        def __call__(self) -> None:
+            pass
+
+    assert dk.benchmark(Step(), max_time=0.1).name == "Step"
+    assert dk.benchmark(torch.ones(3).add_, 1, max_time=0.1).name == "add_"
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"warmup": -1}, ValueError, r"warmup must be >= 0 seconds, got -1"),
-        ({"min_time": -0.5}, ValueError, r"min_time must be >= 0 seconds, got -0\.5"),
-        ({"max_time": 0}, ValueError, r"max_time must be positive and at least min_time"),
+        ({"warmup": -1}, ValueError, r"warmup must be a finite number of seconds >= 0, got -1"),
+        ({"warmup": math.inf}, ValueError, r"warmup must be a finite number .* got inf"),
+        ({"min_time": -0.5}, ValueError, r"min_time must be a finite number of seconds >= 0"),
+        ({"min_time": math.nan}, ValueError, r"min_time must be a finite .* got nan"),
+        ({"max_time": 0}, ValueError, r"max_time must be a finite number of seconds > 0, got 0"),
+        ({"max_time": math.inf}, ValueError, r"max_time must be .* got inf; it bounds the whole"),
+        ({"max_time": "1"}, TypeError, r"max_time must be a number of seconds, got '1'"),
+        ({"warmup": True}, TypeError, r"warmup must be a number of seconds, got True"),
         ({"min_time": 2, "max_time": 1}, ValueError, r"at least min_time \(2\), got 1"),
-        ({"rel_noise": 0}, ValueError, r"rel_noise must be > 0 \(0\.01 means ±1%\), got 0"),
+        ({"rel_noise": 0}, ValueError, r"rel_noise must be finite and > 0 \(0\.01 means ±1%\)"),
+        ({"rel_noise": math.inf}, ValueError, r"rel_noise must be finite and > 0 .* got inf"),
+        ({"rel_noise": None}, TypeError, r"rel_noise must be a number"),
         ({"mode": "hot"}, ValueError, r"mode must be 'warm', 'cold' or 'graph', got 'hot'"),
         ({"mode": "graph"}, ValueError, r"mode='graph' needs a CUDA device, but fn runs on cpu"),
         ({"mode": "cold", "device": "cpu"}, ValueError, r"mode='cold' needs a CUDA device"),
@@ -157,7 +247,8 @@ def test_other_processes_make_it_untrustworthy() -> None:
     )
     assert not m.trustworthy
     assert m.notes == [
-        "2 other process(es) were using cuda:0 (python, pid 7; 35% utilization before the run)"
+        "2 other processes were using cuda:0 (python, pid 7; 35% utilization before the run): "
+        "stop them, or run on an idle GPU (dk.pick_gpu())"
     ]
 
 
@@ -180,10 +271,13 @@ def test_thermal_throttling_is_untrustworthy_and_power_capping_only_noted() -> N
     assert capped.notes == ["SM clock fell to 1410 of 1980 MHz: power capping"]
 
 
-def test_cpu_overload_is_untrustworthy() -> None:
+def test_cpu_overload_is_untrustworthy_where_the_window_went_unmeasured() -> None:
     m = measurement([1e-3] * 20, conditions=conditions(load_average=9.5, cpu_count=4))
     assert not m.trustworthy
     assert m.notes == ["CPU load average 9.5 on 4 CPUs: other programs competed for the CPU"]
+    # A measurement of the window itself beats the 1-minute, system-wide average.
+    measured = conditions(load_average=9.5, cpu_count=4, cpu_window=1.0, other_cpu_time=0.01)
+    assert measurement([1e-3] * 20, conditions=measured).trustworthy
 
 
 def test_busy_before_without_visible_processes_is_noted() -> None:
@@ -219,7 +313,9 @@ def test_repr_and_html() -> None:
         "stopped: converged; NOT trustworthy)"
     )
     assert "\n  - CPU load average 9.0 on 2 CPUs" in text
-    assert "<th style='text-align:left'>trustworthy</th><td>False</td>" in m._repr_html_()
+    html = m._repr_html_()
+    assert html.startswith("<table><caption>f on cuda:0 (warm)</caption>")
+    assert '<th style="text-align:left">trustworthy</th><td>no</td>' in html
 
 
 def test_json_round_trip() -> None:
@@ -232,6 +328,111 @@ def test_json_round_trip() -> None:
     assert document["trustworthy"] is False
     assert document["notes"] == original.notes
     assert dk.Measurement.from_dict(document) == original
+
+
+def test_json_round_trip_with_unknown_noise_and_energy() -> None:
+    original = measurement([0.7], stop_reason="max_time", energy_per_call=0.21, power=300.0)
+    document = json.loads(json.dumps(original.to_dict()))
+    assert document["ci"] is None
+    assert document["rel_noise"] is None
+    assert (document["energy_per_call"], document["power"]) == (0.21, 300.0)
+    assert dk.Measurement.from_dict(document) == original
+
+
+def test_documents_from_before_energy_still_load() -> None:
+    document = measurement([1e-3] * 10).to_dict()
+    del document["energy_per_call"], document["power"]
+    assert dk.Measurement.from_dict(document).energy_per_call is None
+
+
+# --- CPU contention: the verdict (the real processes are in test_contention.py) ----------------
+
+
+def cpu(**fields: Any) -> dk.Conditions:
+    return dk.Conditions(**{"device": "cpu", "cpu_count": 2, "cpu_window": 1.0, **fields})
+
+
+def test_other_processes_on_our_cores_make_it_untrustworthy_and_say_the_fix() -> None:
+    contended = cpu(other_cpu_time=1.8, preemptions=312, competitors=((4242, "stress"), (7, None)))
+    m = measurement([1e-3] * 20, conditions=contended)
+    assert not m.trustworthy
+    assert m.notes == [
+        "other processes used 1.8 of the 2 cores this process runs on during the timing, "
+        "pre-empting it 312 times; running there at the end: stress (pid 4242), pid 7: close "
+        "them, or give the benchmark cores of its own (taskset -c)"
+    ]
+
+
+def test_a_little_background_work_is_not_contention() -> None:
+    quiet = cpu(other_cpu_time=0.05, steal_time=0.0, preemptions=2, load_average=7.0)
+    m = measurement([1e-3] * 20, conditions=quiet)
+    assert m.trustworthy
+    assert m.notes == []
+
+
+def test_steal_time_is_contention_from_other_machines() -> None:
+    m = measurement([1e-3] * 20, conditions=cpu(other_cpu_time=0.0, steal_time=0.6))
+    assert not m.trustworthy
+    assert m.notes[0].startswith(
+        "the hypervisor gave 0.6 of the 2 cores this process runs on to other virtual machines"
+    )
+
+
+def test_unknown_cpu_evidence_is_not_held_against_the_result() -> None:
+    m = measurement([1e-3] * 20, conditions=cpu(cpu_window=None, other_cpu_time=None))
+    assert m.trustworthy
+
+
+def test_contention_threshold_respects_the_counters_resolution() -> None:
+    from devicekit._contention import TICK, contended
+
+    # Over a short window, one tick per core is noise, not a competitor.
+    assert not contended(2 * TICK, window=0.1, cores=2)
+    assert contended(0.5, window=1.0, cores=2)
+    assert not contended(0.15, window=1.0, cores=2)
+
+
+# --- energy -------------------------------------------------------------------------------------
+
+
+class _WattMeter:
+    """A counter that gains ``watts`` joules per second of wall time."""
+
+    def __init__(self, watts: float) -> None:
+        self.watts = watts
+
+    def read(self) -> float:
+        return self.watts * time.perf_counter()
+
+
+def test_energy_is_measured_over_the_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_measure, "_energy_counter", lambda target, mode: _WattMeter(250.0))
+    m = dk.benchmark(busy, 0.002, min_time=1.0, max_time=3.0, rel_noise=1e-9)
+    assert m.power == pytest.approx(250.0, rel=0.05)
+    assert m.energy_per_call is not None
+    # Joules per call are the watts over the calls' time (and the few gaps between batches).
+    assert m.energy_per_call == pytest.approx(250.0 * m.mean, rel=0.2)
+    assert re.search(r", [\d.]+ [mµ]?J per call at \d+ W;", repr(m))
+
+
+def test_energy_needs_a_window_as_long_as_the_counter_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_measure, "_energy_counter", lambda target, mode: _WattMeter(250.0))
+    m = dk.benchmark(busy, 0.001, max_time=0.3)
+    assert (m.energy_per_call, m.power) == (None, None)
+    assert "per call at" not in repr(m)
+
+
+def test_energy_on_the_cpu_is_unknown() -> None:
+    m = dk.benchmark(sum, [1], max_time=0.1)
+    assert (m.energy_per_call, m.power) == (None, None)
+
+
+def test_energy_in_repr_and_html() -> None:
+    m = measurement([2e-3] * 20, energy_per_call=0.6, power=300.0)
+    assert "stopped: converged, 600 mJ per call at 300 W; trustworthy)" in repr(m)
+    assert "<td>600 mJ per call at 300 W</td>" in m._repr_html_()
 
 
 # --- evidence from the GPU (NVML stand-in; the real one is in the gpu tests) ----------------
@@ -306,7 +507,7 @@ def test_a_competing_process_makes_the_result_untrustworthy(
     m = dk.benchmark(torch.matmul, a, a, max_time=1)
     assert hammer.pid in [p.pid for p in m.conditions.other_processes or ()]
     assert not m.trustworthy
-    assert any("other process(es) were using cuda:0" in note for note in m.notes)
+    assert any(" using cuda:0 (" in note and "dk.pick_gpu()" in note for note in m.notes)
     assert math.isfinite(m.median)
 
 
@@ -318,3 +519,23 @@ def test_launch_bound_code_is_recognised_on_a_real_gpu() -> None:
     large = dk.benchmark(torch.matmul, big, big, max_time=0.5)
     assert any(note.startswith("launch-bound") for note in small.notes)
     assert not any(note.startswith("launch-bound") for note in large.notes)
+
+
+@pytest.mark.gpu
+def test_energy_on_a_real_gpu() -> None:
+    from devicekit._energy import energy_counter
+
+    a = torch.randn(4096, 4096, device="cuda")
+    m = dk.benchmark(torch.matmul, a, a, min_time=1.5, max_time=4)
+    if energy_counter(a.device) is None:
+        assert m.energy_per_call is None
+        pytest.skip("this GPU has no energy counter (before Volta, or a MIG instance)")
+    assert m.power is not None
+    assert m.energy_per_call is not None
+    assert 20 < m.power < 2000  # any datacenter or desktop GPU under a matmul load
+    # Joules per call are the average watts times a call's time (gaps between batches aside).
+    assert m.energy_per_call == pytest.approx(m.power * m.mean, rel=0.25)
+    short = dk.benchmark(torch.matmul, a, a, max_time=0.3)
+    assert short.energy_per_call is None  # under a second: the counter's steps are too coarse
+    cold = dk.benchmark(torch.matmul, a, a, min_time=1.5, max_time=4, mode="cold")
+    assert cold.energy_per_call is None  # the L2 flushes would count

@@ -29,6 +29,7 @@ def test_import_does_not_start_cuda() -> None:
 def test_no_query_starts_cuda() -> None:
     code = """
     import contextlib, io, os, subprocess, sys
+    import torch
     import devicekit as dk
     from devicekit._cli import main
 
@@ -43,7 +44,8 @@ def test_no_query_starts_cuda() -> None:
         dk.gpu(0); dk.gpu("cuda:0"); dk.pick_gpus(1)
     dk.nvml_available(); dk.nvml_error(); dk.driver_version(); dk.cuda_driver_version()
     dk.doctor(); dk.free_memory()
-    import torch
+    from devicekit._energy import energy_counter
+    energy_counter(torch.device("cuda", 0))
     for error in (lambda: torch.empty(2**62, dtype=torch.uint8),
                   lambda: (_ for _ in ()).throw(torch.OutOfMemoryError(
                       "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
@@ -65,6 +67,34 @@ def test_no_query_starts_cuda() -> None:
         assert main(["--json"]) == 0
         assert main(["watch", "-n", "0.01", "--count", "2"]) == 0
         assert main(["doctor"]) in (0, 1)
+    """
+    result = run_python(textwrap.dedent(code) + _REPORT)
+    assert result == {"torch": False, "started": None}
+
+
+def test_job_wide_calls_do_not_start_cuda() -> None:
+    # With and without a process group (a world of one, gloo), launcher variables set.
+    code = """
+    import os, tempfile
+    import torch.distributed as dist
+    import devicekit as dk
+
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ["SLURM_LOCALID"] = "0"
+    dk.job_status()
+    detector = dk.StragglerDetector(every=2)
+    for _ in range(2):
+        with detector.section("compute"):
+            pass
+        detector.step()
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    dk.job_status()
+    for _ in range(2):
+        with detector.section("compute"):
+            pass
+        detector.step()
+    dist.destroy_process_group()
     """
     result = run_python(textwrap.dedent(code) + _REPORT)
     assert result == {"torch": False, "started": None}

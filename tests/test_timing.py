@@ -57,6 +57,35 @@ def test_timer_as_decorator_times_each_call() -> None:
     assert second >= 0.01
 
 
+def test_an_anonymous_decorator_timer_keeps_its_laps_on_the_function() -> None:
+    @dk.Timer()
+    def step(seconds: float) -> None:
+        time.sleep(seconds)
+
+    step(0.005)
+    step(0.005)
+    assert len(step.timer.times) == 2
+    assert all(t >= 0.005 for t in step.timer.times)
+    assert step.__name__ == "step"
+
+
+def test_timer_repr_and_html() -> None:
+    timer = dk.Timer(device="cpu")
+    assert repr(timer) == "Timer(no lap finished yet; on cpu)"
+    timer.stop()
+    timer.start()
+    timer.stop()
+    text = repr(timer)
+    assert text.startswith("Timer(2 laps: last ")
+    assert ", mean " in text
+    assert ", total " in text
+    assert text.endswith("; on cpu)")
+    assert "\n" not in text
+    html = timer._repr_html_()
+    assert html.startswith("<table><caption>Timer on cpu</caption>")
+    assert '<th style="text-align:left">laps</th><td>2</td>' in html
+
+
 def test_decorated_function_that_raises_still_ends_its_lap() -> None:
     timer = dk.Timer()
 

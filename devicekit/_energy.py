@@ -1,0 +1,82 @@
+"""GPU energy from NVML's cumulative counter: joules per call and average watts.
+
+``nvmlDeviceGetTotalEnergyConsumption`` (Volta and newer) gives the energy
+the board has used since the driver loaded, in millijoules; the difference of
+two reads is the energy between them. The driver updates that counter every
+20 to 100 ms, so a read can lag by up to one update period, and a window of
+a few periods could be off by tens of percent. Energy is therefore computed
+only over windows of at least :data:`MIN_WINDOW` seconds (a 100 ms period is
+then at most 10% of the window), and is ``None`` otherwise.
+
+The counter covers the whole board: another process on the GPU counts too
+(``Measurement.trustworthy`` says when one was there), and so does every MIG
+instance of a GPU, which is why NVML does not offer it for a MIG instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._gpus import visible_gpus
+from ._nvml import library
+
+__all__ = ["MIN_WINDOW", "EnergyCounter", "energy_counter", "energy_use"]
+
+MIN_WINDOW = 1.0  # seconds: ten of the counter's slowest update periods
+
+
+class EnergyCounter:
+    """One GPU's cumulative energy counter."""
+
+    def __init__(self, nv: Any, handle: Any) -> None:
+        self.nv = nv
+        self.handle = handle
+
+    def read(self) -> float | None:
+        """Joules used since the driver loaded; None where NVML does not say."""
+        try:
+            return float(self.nv.nvmlDeviceGetTotalEnergyConsumption(self.handle)) / 1e3
+        except self.nv.NVMLError:  # NOT_SUPPORTED before Volta, or on a MIG instance
+            return None
+
+
+def energy_counter(device: torch.device) -> EnergyCounter | None:
+    """The energy counter of the CUDA ``device`` (torch's numbering), or None without one.
+
+    Never starts CUDA: the GPU is found through NVML.
+
+    Examples:
+        >>> import torch
+        >>> energy_counter(torch.device("cpu")) is None
+        True
+    """
+    if device.type != "cuda" or device.index is None:
+        return None
+    nv = library()
+    if nv is None:
+        return None
+    visible = visible_gpus()
+    if device.index >= len(visible):
+        return None
+    entry = visible[device.index]
+    counter = EnergyCounter(nv, entry.gpu.handle if entry.handle is None else entry.handle)
+    return counter if counter.read() is not None else None
+
+
+def energy_use(
+    before: float | None, after: float | None, seconds: float, calls: int
+) -> tuple[float | None, float | None]:
+    """Joules per call and average watts over a window, or (None, None) when it is too short.
+
+    Examples:
+        >>> energy_use(100.0, 700.0, seconds=2.0, calls=1000)
+        (0.6, 300.0)
+        >>> energy_use(100.0, 130.0, seconds=0.1, calls=50)  # shorter than the counter's steps
+        (None, None)
+    """
+    if before is None or after is None or seconds < MIN_WINDOW or calls < 1 or after < before:
+        return None, None
+    joules = after - before
+    return joules / calls, joules / seconds

@@ -1,0 +1,467 @@
+"""``StragglerDetector``: which rank is slow, when every rank's step takes the same time.
+
+Under data parallelism every step ends in collectives (DDP's gradient
+all-reduce) that wait for the slowest rank, so every rank's step timer shows
+the same number and hides the culprit. What differs is the work each rank does
+*alone*, before it waits: the forward pass, the loss, loading the batch. The
+detector times such named sections on each rank without synchronizing (CUDA
+events on a GPU, read only once they have completed; the host clock on the
+CPU), and every ``every`` steps one gather of each rank's medians shows which
+ranks are slower than the rest, and what waiting for them costs the job.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import html
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
+from ._errors import RanksOutOfStepError
+from ._format import UNKNOWN, format_seconds, html_table, plural, safe_text, text_table
+from ._timing import CudaEvent
+from ._visible import torch_cuda_initialized
+
+__all__ = ["RankTimes", "Straggler", "StragglerDetector", "StragglerReport"]
+
+ReportSink = Callable[["StragglerReport"], Any]
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's times over one report's window. Seconds; None where nothing was timed.
+
+    Attributes:
+        rank: The global rank.
+        host: Its host name.
+        step_time: The median time between ``step()`` calls, on the host clock.
+        median: The median time of each section.
+        spread: The interquartile range of each section's times (None with
+            fewer than two times).
+        samples: How many times of each section the window holds.
+    """
+
+    rank: int
+    host: str
+    step_time: float | None
+    median: dict[str, float | None]
+    spread: dict[str, float | None]
+    samples: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank slower than the job in one section.
+
+    Attributes:
+        rank: The global rank.
+        host: Its host name.
+        section: The section it is slow in.
+        median: Its median time there, in seconds.
+        job_median: The median over all ranks of their median times there.
+        lost: Seconds per step the rest of the job waits for it there
+            (``median - job_median``).
+    """
+
+    rank: int
+    host: str
+    section: str
+    median: float
+    job_median: float
+    lost: float
+
+    @property
+    def ratio(self) -> float:
+        """How many times the job median its median is."""
+        return self.median / self.job_median
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} ({safe_text(self.host)}): {safe_text(self.section)} "
+            f"{format_seconds(self.median)}, {self.ratio:.2f}x the job median "
+            f"{format_seconds(self.job_median)}; the job waits {format_seconds(self.lost)} "
+            "per step for it"
+        )
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    """Every rank's section times over the last ``steps`` steps, and the ranks that lag.
+
+    The same on every rank. ``print()`` it for a table with one row per rank.
+
+    Attributes:
+        step: The number of ``step()`` calls when it was made.
+        steps: How many steps it covers (the detector's ``every``).
+        threshold: A rank whose median exceeds ``threshold`` times the job
+            median in a section is a straggler there.
+        sections: The section names, in the order first seen.
+        ranks: One entry per rank, sorted by host, then rank.
+        job_median: Per section, the median over ranks of their medians.
+        job_step_time: The median over ranks of their step times.
+        stragglers: The ranks slower than ``threshold`` times the job median,
+            per section, slowest first.
+    """
+
+    step: int
+    steps: int
+    threshold: float
+    sections: tuple[str, ...]
+    ranks: tuple[RankTimes, ...]
+    job_median: dict[str, float | None]
+    job_step_time: float | None
+    stragglers: tuple[Straggler, ...]
+
+    @property
+    def lost_per_step(self) -> float:
+        """Seconds per step the job waits for stragglers: per section, the slowest one's lost time.
+
+        Summed over sections, which assumes that sections do not overlap.
+        """
+        worst: dict[str, float] = {}
+        for straggler in self.stragglers:
+            worst[straggler.section] = max(worst.get(straggler.section, 0.0), straggler.lost)
+        return sum(worst.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, with ``lost_per_step``."""
+        return {**dataclasses.asdict(self), "lost_per_step": self.lost_per_step}
+
+    def _title(self) -> str:
+        return (
+            f"straggler report at step {self.step}: {plural(len(self.ranks), 'rank')}, the last "
+            f"{plural(self.steps, 'step')}, threshold {self.threshold:g}x"
+        )
+
+    def _rows(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        header = ("host", "rank", "step", *(f"{name} (median, IQR)" for name in self.sections))
+        slow: dict[int, list[str]] = {}
+        for straggler in self.stragglers:
+            slow.setdefault(straggler.rank, []).append(straggler.section)
+        rows: list[tuple[str, ...]] = []
+        for times in self.ranks:
+            cells = [
+                safe_text(times.host),
+                str(times.rank),
+                format_seconds(times.step_time),
+                *(_cell(times, name) for name in self.sections),
+            ]
+            rows.append((*cells, ", ".join(safe_text(s) for s in slow.get(times.rank, ()))))
+        job = ("job median", "", format_seconds(self.job_step_time))
+        rows.append((*job, *(format_seconds(self.job_median[n]) for n in self.sections), ""))
+        return (*(safe_text(h) for h in header), "straggler in"), rows
+
+    def _summary(self) -> list[str]:
+        if not self.stragglers:
+            return ["no stragglers"]
+        lines = [f"straggler: {straggler}" for straggler in self.stragglers]
+        lost, step = self.lost_per_step, self.job_step_time
+        share = f", {100 * lost / step:.0f}% of its {format_seconds(step)} step" if step else ""
+        lines.append(f"the job loses {format_seconds(lost)} per step to stragglers{share}")
+        return lines
+
+    def __str__(self) -> str:
+        header, rows = self._rows()
+        return "\n".join([self._title(), *text_table(header, rows), *self._summary()])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        header, rows = self._rows()
+        summary = "".join(f"<p>{html.escape(line)}</p>" for line in self._summary())
+        return html_table(rows, header=header, caption=self._title()) + summary
+
+
+def _cell(times: RankTimes, name: str) -> str:
+    median = times.median.get(name)
+    if median is None:
+        return UNKNOWN
+    return f"{format_seconds(median)}, {format_seconds(times.spread.get(name))}"
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What one rank sends for a report: plain data, pickled across ranks."""
+
+    rank: int
+    host: str
+    step: int
+    every: int
+    step_time: float | None
+    sections: dict[str, tuple[float | None, float | None, int]]  # median, IQR, count
+
+
+class _Section:
+    """The context manager :meth:`StragglerDetector.section` returns; one per name, reused."""
+
+    __slots__ = ("_detector", "_event", "_name", "_open", "_samples", "_start")
+
+    def __init__(self, detector: StragglerDetector, name: str, samples: list[float]) -> None:
+        self._detector = detector
+        self._name = name
+        self._samples = samples
+        self._open = False
+        self._start = 0.0
+        self._event: Any = None
+
+    def __enter__(self) -> None:
+        if self._open:
+            raise RuntimeError(
+                f"section {self._name!r} is already open: a section does not nest in itself; "
+                "give the inner one another name"
+            )
+        self._open = True
+        if torch_cuda_initialized():
+            pool = self._detector._pool
+            self._event = pool.pop() if pool else CudaEvent(enable_timing=True)
+            self._event.record()  # on the current stream: no sync
+        else:
+            self._event = None
+            self._start = time.perf_counter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._open = False
+        start = self._event
+        if start is None:
+            if exc_type is None:  # a section cut short by an error is not a sample
+                self._samples.append(time.perf_counter() - self._start)
+            return
+        detector = self._detector
+        if exc_type is not None:
+            detector._pool.append(start)
+            return
+        end = detector._pool.pop() if detector._pool else CudaEvent(enable_timing=True)
+        end.record()
+        detector._pending.append((self._samples, start, end))
+
+
+class StragglerDetector:
+    """Find the ranks that make the whole job wait, without synchronizing.
+
+    Put ``with detector.section("compute"):`` around the work each rank does
+    alone (under DDP: the forward pass and the loss; the backward pass
+    includes waiting for the gradient all-reduce, which hides the culprit),
+    and call ``detector.step()`` once per step. Sections are timed with CUDA
+    events on the current stream once CUDA has started (read only after they
+    have completed, so nothing waits for the GPU), and with the host clock
+    before that or on the CPU.
+
+    Every ``every`` steps, ``step()`` gathers each rank's median per section
+    over those steps, in one collective on devicekit's gloo group, and sets
+    :attr:`report` to a :class:`StragglerReport` (the same on every rank):
+    ranks whose median exceeds ``threshold`` times the job median are
+    stragglers. Each sink is then called with the report; a sink that raises
+    does not stop the others, and the first error is raised once they ran.
+    Without a process group the report describes this process alone.
+
+    Every rank must call ``step()`` the same number of times: the collective
+    waits at most ``timeout`` seconds for the other ranks, then raises
+    :class:`~devicekit.RanksOutOfStepError` instead of hanging.
+
+    Args:
+        every: Steps between reports.
+        threshold: How many times the job median a rank's median must exceed
+            to count as a straggler; greater than 1.
+        sinks: Callables that receive each report.
+        timeout: Seconds the report's collective waits for every rank.
+
+    Examples:
+        >>> import time, devicekit as dk
+        >>> detector = dk.StragglerDetector(every=5)
+        >>> for step in range(10):
+        ...     with detector.section("compute"):
+        ...         time.sleep(0.001)
+        ...     _ = detector.step()
+        >>> detector.report.step, detector.report.stragglers  # no process group: one rank
+        (10, ())
+    """
+
+    def __init__(
+        self,
+        every: int = 100,
+        threshold: float = 1.2,
+        *,
+        sinks: Iterable[ReportSink] = (),
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int (steps between reports), got {every!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise TypeError(f"threshold must be a number greater than 1, got {threshold!r}")
+        if not threshold > 1:
+            raise ValueError(
+                f"threshold must be greater than 1, got {threshold!r}: at 1, half the ranks "
+                "would be stragglers; 1.2 flags a rank 20% slower than the job median"
+            )
+        self.every = every
+        self.threshold = float(threshold)
+        self.timeout = validated_timeout(timeout)
+        self.sinks: list[ReportSink] = list(sinks)
+        for sink in self.sinks:
+            if not callable(sink):
+                raise TypeError(f"each sink must be callable with a StragglerReport, got {sink!r}")
+        self.report: StragglerReport | None = None
+        """The latest report, or None before the first ``every`` steps."""
+        self.steps = 0
+        """How many times ``step()`` was called."""
+        self._sections: dict[str, _Section] = {}
+        self._samples: dict[str, list[float]] = {}
+        self._step_times: list[float] = []
+        self._last_step: float | None = None
+        # Event pairs recorded but maybe not completed, oldest first; and spare events.
+        self._pending: collections.deque[tuple[list[float], Any, Any]] = collections.deque()
+        self._pool: list[Any] = []
+
+    def section(self, name: str) -> _Section:
+        """A context manager that times its block as the section ``name``.
+
+        The same object is returned for the same name, so the call costs a
+        dictionary lookup. A block that raises is not counted.
+        """
+        section = self._sections.get(name)
+        if section is None:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"section name must be a non-empty str, got {name!r}")
+            samples = self._samples[name] = []
+            section = self._sections[name] = _Section(self, name, samples)
+        return section
+
+    def step(self) -> StragglerReport | None:
+        """Mark the end of a step; every ``every`` steps, make and return a report.
+
+        Returns:
+            The new :class:`StragglerReport` on the steps that make one, else None.
+
+        Raises:
+            RanksOutOfStepError: At a report, some rank did not call ``step()``
+                within ``timeout``, or the ranks are at different step counts.
+        """
+        now = time.perf_counter()
+        if self._last_step is not None:
+            self._step_times.append(now - self._last_step)
+        self._last_step = now
+        self.steps += 1
+        if self._pending:
+            self._collect()
+        if self.steps % self.every:
+            return None
+        return self._make_report()
+
+    def _collect(self) -> None:
+        """Read the event pairs that have completed, oldest first, without waiting."""
+        pending, pool = self._pending, self._pool
+        while pending:
+            samples, start, end = pending[0]
+            if not end.query():  # a later pair on the same stream cannot be done either
+                return
+            pending.popleft()
+            samples.append(start.elapsed_time(end) / 1e3)
+            pool.append(start)
+            pool.append(end)
+
+    def _window(self, rank: int, host: str) -> _Window:
+        sections = {name: _summarize(samples) for name, samples in self._samples.items()}
+        step_time = statistics.median(self._step_times) if self._step_times else None
+        return _Window(rank, host, self.steps, self.every, step_time, sections)
+
+    def _make_report(self) -> StragglerReport:
+        host = socket.gethostname()
+        if initialized():
+            import torch.distributed as dist  # noqa: PLC0415 - initialized() imported it
+
+            mine = self._window(dist.get_rank(), host)
+            windows: list[_Window] = gather_objects(
+                mine, timeout=self.timeout, what="StragglerDetector.step()"
+            )
+        else:
+            windows = [self._window(0, host)]
+        for samples in self._samples.values():
+            samples.clear()  # in place: pending event pairs still append to these lists
+        self._step_times.clear()
+        if len({w.step for w in windows}) > 1:
+            steps = "; ".join(f"rank {w.rank} at step {w.step} (every={w.every})" for w in windows)
+            raise RanksOutOfStepError(
+                f"StragglerDetector.step(): the ranks met from different steps: {steps}. Every "
+                "rank must create its detector with the same `every` and call step() once per step"
+            )
+        self.report = _build(windows, self.steps, self.every, self.threshold)
+        self._deliver(self.report)
+        return self.report
+
+    def _deliver(self, report: StragglerReport) -> None:
+        first_error: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink(report)
+            except Exception as error:  # noqa: BLE001 - every sink runs; the first error is raised
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def __repr__(self) -> str:
+        return (
+            f"StragglerDetector(every={self.every}, threshold={self.threshold:g}, "
+            f"steps={self.steps}, sections={list(self._sections)})"
+        )
+
+
+def _summarize(samples: list[float]) -> tuple[float | None, float | None, int]:
+    """Median, interquartile range and count of a section's times in this window."""
+    if not samples:
+        return None, None, 0
+    if len(samples) < 2:
+        return samples[0], None, 1
+    low, _, high = statistics.quantiles(samples, n=4, method="inclusive")
+    return statistics.median(samples), high - low, len(samples)
+
+
+def _build(windows: list[_Window], step: int, every: int, threshold: float) -> StragglerReport:
+    names = tuple(dict.fromkeys(name for w in windows for name in w.sections))
+    ranks = tuple(
+        RankTimes(
+            rank=w.rank,
+            host=w.host,
+            step_time=w.step_time,
+            median={n: w.sections.get(n, (None, None, 0))[0] for n in names},
+            spread={n: w.sections.get(n, (None, None, 0))[1] for n in names},
+            samples={n: w.sections.get(n, (None, None, 0))[2] for n in names},
+        )
+        for w in sorted(windows, key=lambda w: (w.host, w.rank))
+    )
+    job_median: dict[str, float | None] = {}
+    stragglers: list[Straggler] = []
+    for name in names:
+        medians = [(r, r.median[name]) for r in ranks if r.median[name] is not None]
+        job = statistics.median(m for _, m in medians if m is not None) if medians else None
+        job_median[name] = job
+        if not job:  # unknown, or sections that take no time: nobody is slower than zero
+            continue
+        for times, median in medians:
+            assert median is not None
+            if median > threshold * job:
+                stragglers.append(
+                    Straggler(times.rank, times.host, name, median, job, median - job)
+                )
+    step_times = [r.step_time for r in ranks if r.step_time is not None]
+    return StragglerReport(
+        step=step,
+        steps=every,
+        threshold=threshold,
+        sections=names,
+        ranks=ranks,
+        job_median=job_median,
+        job_step_time=statistics.median(step_times) if step_times else None,
+        stragglers=tuple(sorted(stragglers, key=lambda s: -s.lost)),
+    )

@@ -1,0 +1,343 @@
+"""StragglerDetector: the slow rank, found without a sync; a clear error when out of step."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _straggler
+
+from .conftest import spawn_ranks
+
+MS = 1e-3
+
+
+def window(rank: int, compute: float | None, *, host: str = "node-a", step: int = 10) -> Any:
+    sections = {"compute": (compute, 0.1 * MS, 10)} if compute is not None else {}
+    return _straggler._Window(rank, host, step, 10, 50 * MS, sections)
+
+
+# --- the arithmetic of a report --------------------------------------------------------------
+
+
+def test_a_rank_slower_than_threshold_times_the_job_median_is_a_straggler() -> None:
+    windows = [window(0, 10 * MS), window(1, 11 * MS), window(2, 40 * MS, host="node-b")]
+    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    assert report.job_median == {"compute": 11 * MS}
+    (straggler,) = report.stragglers
+    assert (straggler.rank, straggler.host, straggler.section) == (2, "node-b", "compute")
+    assert straggler.lost == pytest.approx(29 * MS)
+    assert straggler.ratio == pytest.approx(40 / 11)
+    assert report.lost_per_step == pytest.approx(29 * MS)
+
+
+def test_exactly_threshold_times_the_median_is_not_a_straggler() -> None:
+    windows = [window(0, 10 * MS), window(1, 10 * MS), window(2, 12 * MS)]
+    assert _straggler._build(windows, step=10, every=10, threshold=1.2).stragglers == ()
+    assert _straggler._build(windows, step=10, every=10, threshold=1.19).stragglers != ()
+
+
+def test_a_rank_without_times_in_a_section_is_unknown_there_not_zero() -> None:
+    windows = [window(0, 10 * MS), window(1, None), window(2, 10 * MS)]
+    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    assert report.ranks[1].median == {"compute": None}
+    assert report.ranks[1].samples == {"compute": 0}
+    assert report.job_median == {"compute": 10 * MS}
+    assert report.stragglers == ()
+    assert "?" in str(report).splitlines()[3]
+
+
+def test_lost_time_takes_the_slowest_rank_of_each_section() -> None:
+    windows = [
+        _straggler._Window(r, "h", 10, 10, 100 * MS, {"data": (d, None, 10), "fwd": (f, None, 10)})
+        for r, (d, f) in enumerate([(1 * MS, 10 * MS), (5 * MS, 10 * MS), (9 * MS, 30 * MS)] * 1)
+    ]
+    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    assert [(s.rank, s.section) for s in report.stragglers] == [(2, "fwd"), (2, "data")]
+    assert report.lost_per_step == pytest.approx(20 * MS + 4 * MS)
+
+
+def test_the_report_renders_as_a_table_json_and_html() -> None:
+    windows = [window(0, 10 * MS), window(1, 10 * MS), window(2, 40 * MS, host="node-b")]
+    report = _straggler._build(windows, step=200, every=100, threshold=1.2)
+    lines = str(report).splitlines()
+    assert lines[0] == "straggler report at step 200: 3 ranks, the last 100 steps, threshold 1.2x"
+    assert lines[1].split()[:4] == ["host", "rank", "step", "compute"]
+    assert lines[4].split()[:2] == ["node-b", "2"]
+    assert lines[4].endswith("compute")
+    assert lines[5].startswith("job median")
+    assert lines[6] == (
+        "straggler: rank 2 (node-b): compute 40 ms, 4.00x the job median 10 ms; "
+        "the job waits 30 ms per step for it"
+    )
+    assert lines[7] == "the job loses 30 ms per step to stragglers, 60% of its 50 ms step"
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["stragglers"][0]["rank"] == 2
+    assert data["lost_per_step"] == pytest.approx(30 * MS)
+    assert "<table>" in report._repr_html_()
+
+
+def test_median_and_interquartile_range() -> None:
+    assert _straggler._summarize([5.0, 1.0, 2.0, 4.0, 3.0]) == (3.0, 2.0, 5)
+    assert _straggler._summarize([7.0]) == (7.0, None, 1)
+    assert _straggler._summarize([]) == (None, None, 0)
+
+
+# --- one process -----------------------------------------------------------------------------
+
+
+def test_a_report_every_n_steps_with_this_process_alone() -> None:
+    detector = dk.StragglerDetector(every=4)
+    made = []
+    for _ in range(9):
+        with detector.section("compute"):
+            pass
+        with detector.section("data"):
+            pass
+        made.append(detector.step())
+    assert [step for step, report in enumerate(made, 1) if report is not None] == [4, 8]
+    report = detector.report
+    assert report is made[7]
+    assert report is not None
+    assert (report.step, report.steps, report.sections) == (8, 4, ("compute", "data"))
+    (me,) = report.ranks
+    assert me.samples == {"compute": 4, "data": 4}  # only this window's: the first was cleared
+    assert me.step_time is not None
+    assert report.stragglers == ()
+
+
+def test_a_block_that_raises_is_not_a_sample_and_sections_do_not_nest_in_themselves() -> None:
+    detector = dk.StragglerDetector(every=1)
+    with pytest.raises(KeyError), detector.section("compute"):
+        raise KeyError("boom")
+    with detector.section("compute"), pytest.raises(RuntimeError, match="already open"):  # noqa: SIM117
+        with detector.section("compute"):
+            pass
+    report = detector.step()
+    assert report is not None
+    assert report.ranks[0].samples == {"compute": 1}
+
+
+def test_every_sink_gets_each_report_and_the_first_error_is_raised_once() -> None:
+    seen: list[dk.StragglerReport] = []
+
+    def broken(report: dk.StragglerReport) -> None:
+        raise OSError("disk full")
+
+    detector = dk.StragglerDetector(every=1, sinks=[broken, seen.append])
+    with pytest.raises(OSError, match="disk full"):
+        detector.step()
+    assert seen == [detector.report]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"every": 0}, ValueError, "every must be a positive int"),
+        ({"every": True}, ValueError, "every must be a positive int"),
+        ({"threshold": 1.0}, ValueError, "threshold must be greater than 1, got 1.0"),
+        ({"threshold": "1.2"}, TypeError, "threshold must be a number greater than 1"),
+        ({"timeout": 0}, ValueError, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": float("inf")}, ValueError, "timeout must be a finite number of seconds > 0"),
+        ({"sinks": [3]}, TypeError, "each sink must be callable"),
+    ],
+)
+def test_bad_options(options: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        dk.StragglerDetector(**options)
+
+
+@pytest.mark.parametrize("name", ["", 3, None])
+def test_a_section_needs_a_name(name: Any) -> None:
+    with pytest.raises(TypeError, match="section name must be a non-empty str"):
+        dk.StragglerDetector().section(name)
+
+
+# --- three ranks -----------------------------------------------------------------------------
+
+BASE = 0.02  # seconds every rank's "compute" sleeps per step
+EXTRA = 0.03  # what the slow rank sleeps on top
+
+
+def _detector_rank(rank: int, world: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        results = {}
+        for phase, slow_rank in (("equal", None), ("slow", 2)):
+            detector = dk.StragglerDetector(every=10, timeout=60)
+            for _ in range(10):
+                with detector.section("compute"):
+                    time.sleep(BASE + (EXTRA if rank == slow_rank else 0.0))
+                with detector.section("idle"):
+                    pass
+                detector.step()
+            assert detector.report is not None
+            results[phase] = {"data": detector.report.to_dict(), "text": str(detector.report)}
+        Path(folder, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("stragglers")
+    spawn_ranks(_detector_rank, 3, str(folder), timeout=180)
+    return [json.loads((folder / f"{rank}.json").read_text()) for rank in range(3)]
+
+
+def test_every_rank_gets_the_same_report(three_ranks: list[dict[str, Any]]) -> None:
+    assert all(result == three_ranks[0] for result in three_ranks)
+
+
+def test_ranks_that_take_the_same_time_name_no_straggler(
+    three_ranks: list[dict[str, Any]],
+) -> None:
+    data = three_ranks[0]["equal"]["data"]
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2]
+    assert [r["samples"]["compute"] for r in data["ranks"]] == [10, 10, 10]
+    assert data["stragglers"] == []
+    assert three_ranks[0]["equal"]["text"].splitlines()[-1] == "no stragglers"
+
+
+def test_the_rank_that_sleeps_longer_is_named_and_only_it(
+    three_ranks: list[dict[str, Any]],
+) -> None:
+    data = three_ranks[0]["slow"]["data"]
+    assert [(s["rank"], s["section"]) for s in data["stragglers"]] == [(2, "compute")]
+    (straggler,) = data["stragglers"]
+    assert straggler["median"] > straggler["job_median"] + EXTRA / 2
+    assert data["job_median"]["compute"] >= BASE  # slept at least that long
+
+
+def _out_of_step_rank(rank: int, world: int, port: int, folder: str, timeout: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    outcome: dict[str, Any] = {}
+    try:
+        # 0. Rank 2 asks for the job's status while the others make a report.
+        try:
+            if rank == 2:
+                dk.job_status(timeout=timeout)
+            else:
+                dk.StragglerDetector(every=1, timeout=timeout).step()
+        except dk.RanksOutOfStepError as error:
+            outcome["calls"] = str(error)
+        # 1. Rank 2 reports every 4 steps, the others every 5: they meet from different steps.
+        detector = dk.StragglerDetector(every=4 if rank == 2 else 5, timeout=timeout)
+        try:
+            for _ in range(5):
+                detector.step()
+        except dk.RanksOutOfStepError as error:
+            outcome["different"] = str(error)
+        # 2. Rank 2 stops after 7 steps (its data ran out); the others reach step 10.
+        detector = dk.StragglerDetector(every=5, timeout=timeout)
+        started = time.monotonic()
+        try:
+            for _ in range(7 if rank == 2 else 10):
+                detector.step()
+        except dk.RanksOutOfStepError as error:
+            outcome["missing"] = str(error)
+            outcome["waited"] = time.monotonic() - started
+        Path(folder, f"{rank}.json").write_text(json.dumps(outcome))
+        # Rank 2 stays alive, elsewhere, until the others have given up on it.
+        deadline = time.monotonic() + 10 * timeout
+        while rank == 2 and time.monotonic() < deadline:
+            if all(Path(folder, f"{other}.json").exists() for other in (0, 1)):
+                break
+            time.sleep(0.05)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mismatched_step_counts_fail_within_the_timeout(tmp_path: Path) -> None:
+    timeout = 3.0
+    spawn_ranks(_out_of_step_rank, 3, str(tmp_path), timeout, timeout=120)
+    outcomes = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
+    calls = ["StragglerDetector.step()"] * 2 + ["job_status()"]
+    for outcome, call in zip(outcomes, calls, strict=True):
+        assert outcome["calls"].startswith(f"{call}: the ranks met from different calls: ")
+        assert "rank 1 in StragglerDetector.step(); rank 2 in job_status()" in outcome["calls"]
+    for outcome in outcomes:
+        assert "the ranks met from different steps: rank 0 at step 5" in outcome["different"]
+        assert "rank 2 at step 4 (every=4)" in outcome["different"]
+    for outcome in outcomes[:2]:
+        assert outcome["missing"].startswith(
+            "StragglerDetector.step(): not every rank joined within 3 s"
+        )
+        assert "Every rank must call StragglerDetector.step() together" in outcome["missing"]
+    assert "Ranks 2 failed to pass monitoredBarrier" in outcomes[0]["missing"]
+    assert "missing" not in outcomes[2]
+
+
+# --- on a real GPU ---------------------------------------------------------------------------
+
+
+def _nccl_rank(rank: int, world: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    device = dk.local_device()
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        x = torch.randn(2048, 2048, device=device)
+        detector = dk.StragglerDetector(every=50, timeout=60)
+        with dk.detect_syncs(mode="error"):
+            for _ in range(100):
+                with detector.section("matmul"):
+                    y = x @ x
+                with detector.section("add"):
+                    y += 1
+                detector.step()
+        torch.cuda.synchronize()
+        assert detector.report is not None
+        Path(folder, "report.json").write_text(json.dumps(detector.report.to_dict()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_the_detector_under_nccl_on_one_gpu_never_syncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    spawn_ranks(_nccl_rank, 1, str(tmp_path), timeout=180)
+    data = json.loads((tmp_path / "report.json").read_text())
+    (me,) = data["ranks"]
+    assert me["samples"]["matmul"] > 0  # events were read once complete, without waiting
+    assert me["median"]["matmul"] > 0
+    assert me["median"]["add"] > 0
+    assert data["stragglers"] == []
+
+
+@pytest.mark.gpu
+def test_events_are_read_once_complete_even_in_a_later_window() -> None:
+    x = torch.randn(4096, 4096, device="cuda")
+    detector = dk.StragglerDetector(every=40)
+    with dk.detect_syncs(mode="error"):
+        for _ in range(20):
+            with detector.section("matmul"):
+                x @ x
+            detector.step()
+    torch.cuda.synchronize()
+    for _ in range(20):
+        detector.step()
+    report = detector.report
+    assert report is not None
+    (me,) = report.ranks
+    assert me.samples == {"matmul": 20}
+    assert me.median["matmul"] is not None
+    assert me.median["matmul"] > 0
