@@ -31,6 +31,7 @@ import torch
 
 from ._census import only_new_objects
 from ._devices import DeviceLike, resolve_device
+from ._dist import initialized
 from ._errors import DeviceOutOfMemoryError
 from ._logbuffer import _all_reduce
 from ._oom import explain_oom
@@ -220,12 +221,6 @@ def _search_and_clean(trial: Callable[..., bool], start: int, max_size: int | No
         _give_back()
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist  # noqa: PLC0415 - only asked, never started
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def find_batch_size(
     fn: Callable[[int], Any],
     *,
@@ -293,7 +288,7 @@ def find_batch_size(
         )
     target = None if device is None else resolve_device(device, name="device")
     trial = _Isolated(fn, target) if isolate else _InProcess(fn, target)
-    if not _distributed():
+    if not initialized():
         found = _search_and_clean(trial, start, max_size)
     else:
         found, failure = 0, None
