@@ -185,8 +185,9 @@ class _CreationSites(TorchFunctionMode):
         return result
 
     def _note(self, tensor: torch.Tensor) -> None:
-        if tensor not in self.sites:
-            self.sites[tensor] = user_location()
+        # Nearly every tensor seen here is new, so no "already noted?" look-up first:
+        # setdefault makes one weak reference where a look-up and a store made two.
+        self.sites.setdefault(tensor, user_location())
 
     def site(self, tensor: torch.Tensor) -> str | None:
         found: str | None = self.sites.get(tensor)
