@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from ._census import LiveTensor as LiveTensor
     from ._checks import assert_same_device as assert_same_device
     from ._checks import check_module as check_module
+    from ._claims import claim_gpu as claim_gpu
+    from ._claims import release_gpu as release_gpu
     from ._compare import Comparison as Comparison
     from ._compare import ComparisonRow as ComparisonRow
     from ._compare import compare as compare
@@ -105,6 +107,8 @@ _EXPORTS: dict[str, str] = {
     "LiveTensor": "._census",
     "assert_same_device": "._checks",
     "check_module": "._checks",
+    "claim_gpu": "._claims",
+    "release_gpu": "._claims",
     "compare": "._compare",
     "Comparison": "._compare",
     "ComparisonRow": "._compare",
@@ -248,6 +252,7 @@ __all__ = [
     "bench",
     "benchmark",
     "check_module",
+    "claim_gpu",
     "compare",
     "cuda_driver_version",
     "data_parallel",
@@ -271,6 +276,7 @@ __all__ = [
     "parse_visible_devices",
     "pick_gpu",
     "pick_gpus",
+    "release_gpu",
     "status",
     "to_device",
     "try_all_gpus",

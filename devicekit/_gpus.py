@@ -19,21 +19,23 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _nvml
+from . import _claims, _nvml
 from ._devices import DeviceLike, parse_cuda_index, parse_cuda_indices
 from ._errors import DeviceNotFoundError, GPUUnavailableError
-from ._format import format_bytes
+from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
-from ._options import check_index
+from ._options import check_index, check_seconds
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
 __all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]
@@ -287,15 +289,15 @@ def _rejection(
     return None
 
 
+_POLL_SECONDS = 0.2  # between looks while waiting: an NVML snapshot takes well under 1 ms per GPU
+
+
 def _ranked(
-    min_free_memory: int | None,
-    max_utilization: float | None,
-    exclude: Iterable[DeviceLike] | DeviceLike,
-) -> tuple[list[torch.device], list[str]]:
-    """The qualifying GPUs, best first, and a reason for each one turned down."""
-    excluded = set(parse_cuda_indices(exclude, name="exclude"))
+    min_free_memory: int | None, max_utilization: float | None, excluded: set[int]
+) -> tuple[list[tuple[torch.device, str | None]], list[tuple[int, str]]]:
+    """The qualifying GPUs with their UUIDs, best first, and why each other one was turned down."""
     eligible: list[tuple[int, GPUInfo]] = []
-    rejected: list[str] = []
+    rejected: list[tuple[int, str]] = []
     for index, info in enumerate(gpus()):  # visible GPUs: result[i] is cuda:i
         reason = (
             "excluded" if index in excluded else _rejection(info, min_free_memory, max_utilization)
@@ -303,9 +305,93 @@ def _ranked(
         if reason is None:
             eligible.append((index, info))
         else:
-            rejected.append(f"cuda:{index}: {reason}")
+            rejected.append((index, reason))
     eligible.sort(key=lambda item: (-(item[1].memory_free or 0), item[1].utilization or 0, item[0]))
-    return [torch.device("cuda", index) for index, _ in eligible], rejected
+    return [(torch.device("cuda", index), info.uuid) for index, info in eligible], rejected
+
+
+def _take(
+    ranked: list[tuple[torch.device, str | None]], count: int, claim: bool
+) -> tuple[list[torch.device], list[tuple[int, str]]]:
+    """The best ``count`` of ``ranked``, claimed if asked; ``[]`` and the refusals if too few."""
+    if not claim:
+        return [device for device, _ in ranked[:count]] if len(ranked) >= count else [], []
+    taken: list[tuple[torch.device, str]] = []
+    refused: list[tuple[int, str]] = []
+    for device, uuid in ranked:
+        if len(taken) == count:
+            break
+        if uuid is None:
+            refused.append((device.index, "its UUID is unknown, so it cannot be claimed"))
+        elif _claims.claim(uuid, device.index):
+            taken.append((device, uuid))
+        elif _claims.is_held(uuid):
+            refused.append((device.index, "claimed by this process"))
+        else:
+            pid = _claims.holder(uuid)
+            refused.append((device.index, f"claimed by another process (pid {pid or '?'})"))
+    if len(taken) < count:
+        # All or nothing: two jobs that each held some GPUs while waiting for the
+        # rest could wait for each other forever.
+        for _, uuid in taken:
+            _claims.release(uuid)
+        return [], refused
+    return [device for device, _ in taken], refused
+
+
+def _check_wait(wait: object) -> float:
+    if wait is None:
+        return 0.0
+    return check_seconds(
+        wait,
+        name="wait",
+        zero_ok=True,
+        fix="None looks once; to wait as long as it takes, give a generous bound (24 * 3600)",
+    )
+
+
+def _pick(
+    count: int,
+    *,
+    min_free_memory: int | None,
+    max_utilization: float | None,
+    exclude: Iterable[DeviceLike] | DeviceLike,
+    wait: float | None,
+    claim: bool,
+) -> tuple[list[torch.device], str | None]:
+    """Look, claiming if asked, until ``count`` GPUs qualify or ``wait`` runs out.
+
+    Returns the GPUs, or ``[]`` and why not: ``None`` when no GPU is visible
+    at all, else a message for :class:`GPUUnavailableError`.
+    """
+    excluded = set(parse_cuda_indices(exclude, name="exclude"))
+    seconds = _check_wait(wait)
+    if not isinstance(claim, bool):
+        raise TypeError(f"claim={claim!r}: expected True or False, got {type(claim).__name__}")
+    if claim:
+        _claims.check_claims_supported()
+    deadline = time.monotonic() + seconds
+    while True:
+        ranked, rejected = _ranked(min_free_memory, max_utilization, excluded)
+        chosen, refused = _take(ranked, count, claim)
+        if len(chosen) == count:
+            return chosen, ""
+        seen = len(ranked) + len(rejected)
+        remaining = deadline - time.monotonic()
+        if seen < count or remaining <= 0:  # waiting cannot add GPUs this process does not see
+            break
+        # Jittered, so that jobs started together do not keep retrying in step.
+        time.sleep(min(remaining, _POLL_SECONDS * random.uniform(0.75, 1.25)))
+    if seen == 0:
+        return [], None
+    waited = f" after waiting {format_seconds(seconds)}" if seconds else ""
+    parts = [f"found {len(ranked) - len(refused)} GPU(s) that qualify{waited}"]
+    if seen < count:
+        parts.append(f"this process sees only {plural(seen, 'GPU')}")
+    if rejected or refused:
+        reasons = sorted(rejected + refused)
+        parts.append("rejected: " + "; ".join(f"cuda:{i}: {why}" for i, why in reasons))
+    return [], "; ".join(parts)
 
 
 def pick_gpu(
@@ -313,11 +399,21 @@ def pick_gpu(
     min_free_memory: int | None = None,
     max_utilization: float | None = None,
     exclude: Iterable[DeviceLike] | DeviceLike = (),
+    wait: float | None = None,
+    claim: bool = False,
 ) -> torch.device:
     """The visible GPU with the most free memory that meets the limits, else the CPU.
 
     Ties go to the lower utilization, then the lower index. Reads NVML only,
     so it never initializes CUDA: pick first, then start working.
+
+    Jobs started at the same moment see the same free GPU. With
+    ``claim=True`` each takes an exclusive claim on the GPU it picks, and
+    skips GPUs that other devicekit processes have claimed, so they get
+    different GPUs. A claim lasts until :func:`release_gpu` or until the
+    process exits, however it exits (the operating system drops it); see
+    :func:`claim_gpu` for a ``with`` block. Claims are advisory: only calls
+    with ``claim=True`` honour them.
 
     Args:
         min_free_memory: Bytes that must be free (a GPU whose free memory is
@@ -326,18 +422,44 @@ def pick_gpu(
         exclude: GPUs not to pick: a CUDA device (``1``, ``"cuda:1"``) or a
             list of them. One this process cannot see is ignored, so the same
             call runs on any machine.
+        wait: Seconds to keep looking, five times a second, until a GPU
+            qualifies (and, with ``claim``, is not claimed); then the CPU.
+            ``None`` looks once. Returns at once when this process sees no
+            GPU at all, since waiting cannot change that.
+        claim: Claim the chosen GPU for this process (see above).
 
     Returns:
         ``torch.device("cuda", i)``, or ``torch.device("cpu")`` when no GPU
         qualifies or there is none.
 
+    Raises:
+        TypeError: ``wait`` is not a number or ``claim`` not a bool.
+        ValueError: ``wait`` is negative, infinite or NaN.
+        NotImplementedError: ``claim=True`` on a system without file locks (Windows).
+        PermissionError: ``claim=True``, and the directory of claims belongs
+            to another user (the message names it).
+
     Examples:
         >>> import devicekit as dk
         >>> dk.pick_gpu(min_free_memory=2**60)  # nobody has an exbibyte free
         device(type='cpu')
+        >>> device = dk.pick_gpu(claim=True)  # other jobs asking with claim=True skip it
+        >>> dk.release_gpu(device) == (device.type == "cuda")
+        True
     """
-    eligible, _ = _ranked(min_free_memory, max_utilization, exclude)
-    return eligible[0] if eligible else torch.device("cpu")
+    chosen, why_not = _pick(
+        1,
+        min_free_memory=min_free_memory,
+        max_utilization=max_utilization,
+        exclude=exclude,
+        wait=wait,
+        claim=claim,
+    )
+    if chosen:
+        return chosen[0]
+    if why_not is not None:
+        _nvml.logger.info("pick_gpu: %s; using the CPU", why_not)
+    return torch.device("cpu")
 
 
 def pick_gpus(
@@ -346,21 +468,33 @@ def pick_gpus(
     min_free_memory: int | None = None,
     max_utilization: float | None = None,
     exclude: Iterable[DeviceLike] | DeviceLike = (),
+    wait: float | None = None,
+    claim: bool = False,
 ) -> list[torch.device]:
     """The best ``n`` visible GPUs by the rules of :func:`pick_gpu`.
+
+    With ``claim=True`` it claims all ``n`` or none: it never holds some
+    GPUs while it waits for the others, so two jobs cannot wait for each other.
 
     Args:
         n: How many GPUs are needed.
         min_free_memory: As for :func:`pick_gpu`.
         max_utilization: As for :func:`pick_gpu`.
         exclude: As for :func:`pick_gpu`.
+        wait: As for :func:`pick_gpu`; then it raises. Raises at once when
+            this process sees fewer than ``n`` GPUs.
+        claim: As for :func:`pick_gpu`; release each GPU with :func:`release_gpu`.
 
     Returns:
         ``n`` CUDA devices, best first.
 
     Raises:
-        GPUUnavailableError: Fewer than ``n`` GPUs qualify; the message gives
-            the reason each GPU was rejected.
+        GPUUnavailableError: Fewer than ``n`` GPUs qualify (after ``wait``);
+            the message gives the reason each GPU was rejected.
+        TypeError: ``wait`` is not a number or ``claim`` not a bool.
+        ValueError: ``wait`` is negative, infinite or NaN.
+        NotImplementedError: ``claim=True`` on a system without file locks (Windows).
+        PermissionError: As for :func:`pick_gpu`.
 
     Examples:
         >>> import devicekit as dk
@@ -368,13 +502,17 @@ def pick_gpus(
         []
     """
     count = check_index(n, name="pick_gpus(n)")
-    eligible, rejected = _ranked(min_free_memory, max_utilization, exclude)
-    if len(eligible) >= count:
-        return eligible[:count]
-    if not eligible and not rejected:
+    chosen, why_not = _pick(
+        count,
+        min_free_memory=min_free_memory,
+        max_utilization=max_utilization,
+        exclude=exclude,
+        wait=wait,
+        claim=claim,
+    )
+    if len(chosen) == count:
+        return chosen
+    if why_not is None:
         reason = _nvml.nvml_error() or "this process sees no GPU"
         raise GPUUnavailableError(f"pick_gpus({count}) found no GPU: {reason}")
-    raise GPUUnavailableError(
-        f"pick_gpus({count}) found {len(eligible)} GPU(s) that qualify; rejected: "
-        + "; ".join(rejected)
-    )
+    raise GPUUnavailableError(f"pick_gpus({count}) {why_not}")

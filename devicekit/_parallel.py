@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ._devices import DeviceLike, resolve_devices, try_all_gpus
 from ._errors import WorkerError
@@ -451,6 +451,7 @@ def gpu_map(
     devices: Sequence[DeviceLike] | DeviceLike | None = None,
     workers_per_device: int = 1,
     progress: bool | None = None,
+    executor: Literal["local", "ray"] = "local",
 ) -> list[R]:
     """Run ``fn(item)`` for every item in worker processes, one GPU per worker.
 
@@ -475,6 +476,16 @@ def gpu_map(
             every visible GPU, or one CPU worker per core when there is none.
         workers_per_device: Workers started per device.
         progress: Show progress on stderr (tqdm if installed, else a line).
+        executor: ``"local"``: spawned worker processes on this machine.
+            ``"ray"``: one Ray task per item, asking for
+            ``1/workers_per_device`` of a GPU (of a CPU for CPU tasks), on
+            the Ray cluster this process is connected to or that
+            ``RAY_ADDRESS`` names, else on a local one started for this
+            call and shut down after. ``devices=None`` then means every GPU
+            of the cluster (CPU tasks when it has none), and ``"cpu"`` CPU
+            tasks; GPUs of this machine can be named only when the cluster
+            is started for this call. Ray is optional: ``pip install
+            'devicekit[ray]'``.
 
     Returns:
         ``[fn(item) for item in items]``, computed in parallel.
@@ -488,13 +499,26 @@ def gpu_map(
             result could not be sent back, or a worker died (the message says
             how: its exit code or signal, and what it was running). Every
             worker is stopped before it is raised.
-        KeyboardInterrupt: On Ctrl-C, after stopping the workers.
+        KeyboardInterrupt: On Ctrl-C, after stopping the workers (cancelling
+            the outstanding Ray tasks).
+        ImportError: ``executor="ray"`` without Ray installed.
 
     Examples:
         >>> import math, devicekit as dk
         >>> dk.gpu_map(math.sqrt, [1, 4, 9], devices=["cpu"])
         [1.0, 2.0, 3.0]
     """
+    if executor not in ("local", "ray"):
+        raise ValueError(
+            f"executor={executor!r}: expected 'local' (spawned workers on this machine) or "
+            "'ray' (tasks on a Ray cluster)"
+        )
+    if executor == "ray":
+        from ._ray import ray_map  # noqa: PLC0415 - _ray builds on this module
+
+        return ray_map(
+            fn, items, devices=devices, workers_per_device=workers_per_device, progress=progress
+        )
     _refuse_during_worker_bootstrap()
     fn_bytes = _pickle_fn(fn)
     per_device = _workers_per_device(workers_per_device)

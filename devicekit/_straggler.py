@@ -107,7 +107,9 @@ class StragglerReport:
         job_median: Per section, the median over ranks of their medians.
         job_step_time: The median over ranks of their step times.
         stragglers: The ranks slower than ``threshold`` times the job median,
-            per section, slowest first.
+            per section, by at least 1% of the job's median step time (a
+            lead of microseconds is scheduling noise, and costs nothing);
+            slowest first.
     """
 
     step: int
@@ -261,9 +263,10 @@ class StragglerDetector:
     Every ``every`` steps, ``step()`` gathers each rank's median per section
     over those steps, in one collective on devicekit's gloo group, and sets
     :attr:`report` to a :class:`StragglerReport` (the same on every rank):
-    ranks whose median exceeds ``threshold`` times the job median are
-    stragglers. Each sink is then called with the report; a sink that raises
-    does not stop the others, and the first error is raised once they ran.
+    ranks whose median exceeds ``threshold`` times the job median, by at
+    least 1% of the job's median step time, are stragglers. Each sink is then
+    called with the report; a sink that raises does not stop the others, and
+    the first error is raised once they ran.
     Without a process group the report describes this process alone.
 
     Every rank must call ``step()`` the same number of times: the collective
@@ -427,6 +430,9 @@ def _summarize(samples: list[float]) -> tuple[float | None, float | None, int]:
     return statistics.median(samples), high - low, len(samples)
 
 
+_MIN_SHARE = 0.01  # of the job's median step: the least a straggler's lead must cost
+
+
 def _build(windows: list[_Window], step: int, every: int, threshold: float) -> StragglerReport:
     names = tuple(dict.fromkeys(name for w in windows for name in w.sections))
     ranks = tuple(
@@ -441,20 +447,27 @@ def _build(windows: list[_Window], step: int, every: int, threshold: float) -> S
         for w in sorted(windows, key=lambda w: (w.host, w.rank))
     )
     job_median: dict[str, float | None] = {}
+    for name in names:
+        medians = [r.median[name] for r in ranks if r.median[name] is not None]
+        job_median[name] = (
+            statistics.median(m for m in medians if m is not None) if medians else None
+        )
+    step_times = [r.step_time for r in ranks if r.step_time is not None]
+    job_step = statistics.median(step_times) if step_times else None
+    # A lead must also cost the job something: in a section of microseconds, scheduling
+    # noise alone makes a rank "1.2x slower", and reporting that would bury real stragglers.
+    floor = _MIN_SHARE * (job_step or sum(j for j in job_median.values() if j))
     stragglers: list[Straggler] = []
     for name in names:
-        medians = [(r, r.median[name]) for r in ranks if r.median[name] is not None]
-        job = statistics.median(m for _, m in medians if m is not None) if medians else None
-        job_median[name] = job
+        job = job_median[name]
         if not job:  # unknown, or sections that take no time: nobody is slower than zero
             continue
-        for times, median in medians:
-            assert median is not None
-            if median > threshold * job:
+        for times in ranks:
+            median = times.median[name]
+            if median is not None and median > threshold * job and median - job >= floor:
                 stragglers.append(
                     Straggler(times.rank, times.host, name, median, job, median - job)
                 )
-    step_times = [r.step_time for r in ranks if r.step_time is not None]
     return StragglerReport(
         step=step,
         steps=every,
@@ -462,6 +475,6 @@ def _build(windows: list[_Window], step: int, every: int, threshold: float) -> S
         sections=names,
         ranks=ranks,
         job_median=job_median,
-        job_step_time=statistics.median(step_times) if step_times else None,
+        job_step_time=job_step,
         stragglers=tuple(sorted(stragglers, key=lambda s: -s.lost)),
     )

@@ -42,6 +42,9 @@ def test_no_query_starts_cuda() -> None:
     infos = dk.gpus(); dk.gpus(all=True); dk.pick_gpu()
     if infos:
         dk.gpu(0); dk.gpu("cuda:0"); dk.pick_gpus(1)
+    dk.release_gpu(dk.pick_gpu(wait=0.3, claim=True))
+    with dk.claim_gpu(min_free_memory=2**60, wait=0.3):
+        pass
     dk.nvml_available(); dk.nvml_error(); dk.driver_version(); dk.cuda_driver_version()
     dk.doctor(); dk.free_memory()
     from devicekit._energy import energy_counter

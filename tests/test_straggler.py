@@ -341,3 +341,17 @@ def test_events_are_read_once_complete_even_in_a_later_window() -> None:
     assert me.samples == {"matmul": 20}
     assert me.median["matmul"] is not None
     assert me.median["matmul"] > 0
+
+
+def test_a_lead_of_microseconds_is_noise_not_a_straggler() -> None:
+    # An empty section: 2 µs on two ranks, 4 µs on the third, in 20 ms steps. The ratio
+    # is 2x and the job loses nothing; before, the third rank was named for it.
+    def idle(rank: int, idle_time: float, compute: float) -> Any:
+        sections = {"compute": (compute, 0.1 * MS, 10), "idle": (idle_time, 1e-7, 10)}
+        return _straggler._Window(rank, "node-a", 10, 10, compute, sections)
+
+    windows = [idle(0, 2e-6, 20 * MS), idle(1, 2e-6, 20 * MS), idle(2, 4e-6, 20 * MS)]
+    assert _straggler._build(windows, step=10, every=10, threshold=1.2).stragglers == ()
+    windows[2] = idle(2, 4e-6, 30 * MS)
+    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    assert [(s.rank, s.section) for s in report.stragglers] == [(2, "compute")]

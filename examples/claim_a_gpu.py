@@ -1,0 +1,32 @@
+"""Several jobs on one machine: each claims its own GPU, and waits when all are taken.
+
+Start it several times at once and each run gets a different GPU:
+
+    for i in 1 2 3 4; do python examples/claim_a_gpu.py & done; wait
+
+With more runs than GPUs, the extra runs wait (here up to 10 minutes) for a
+GPU to be released, then take it. A claim ends with the `with` block, or when
+the process exits however it exits (even killed), so a crashed job never
+leaves a GPU claimed. Without a GPU every run uses the CPU at once.
+"""
+
+import os
+import time
+
+import torch
+
+import devicekit as dk
+
+# Only GPUs with 4 GiB free qualify; look five times a second for up to 10 minutes.
+with dk.claim_gpu(min_free_memory=4 * 2**30, wait=600) as device:
+    print(f"process {os.getpid()} claimed {device}")
+    x = torch.randn(1024, 1024, device=device)
+    started = time.perf_counter()
+    for _ in range(5):
+        x = torch.tanh(x @ x / 1024)
+    print(f"worked on {device} for {time.perf_counter() - started:.2f} s: mean {x.mean():.4f}")
+print(f"process {os.getpid()} released {device}")
+
+# For a whole script, claim without a block: the claim lasts until the process exits.
+device = dk.pick_gpu(claim=True)
+print(f"pick_gpu(claim=True) -> {device}; held until exit or dk.release_gpu(device)")

@@ -1,0 +1,231 @@
+"""gpu_map(..., executor="ray") against a real Ray, on the CPU.
+
+``ray.init(num_gpus=2)`` declares two logical GPUs: Ray schedules tasks on
+them and sets ``CUDA_VISIBLE_DEVICES`` as it would for real ones, which is all
+devicekit relies on. The functions below run in Ray workers, which import
+this module by name (Ray puts the driver's working directory on their path).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import devicekit as dk
+
+from ..conftest import FakeAccelerator, run_python
+
+ray = pytest.importorskip("ray")
+
+TIMEOUT = 120  # seconds: generous, for a loaded 2-core machine; never a pass/fail timing
+
+
+def where(item: int) -> tuple[int, str | None, list[str]]:
+    return item, os.environ.get("CUDA_VISIBLE_DEVICES"), [str(i) for i in ray.get_gpu_ids()]
+
+
+def fail_on_three(item: int) -> int:
+    if item == 3:
+        raise ValueError(f"bad item {item}")
+    return item
+
+
+def meet(job: tuple[str, int, int]) -> tuple[str, int]:
+    """Report in, then wait (bounded) until all ``total`` tasks have: they all ran at once."""
+    directory, item, total = job
+    Path(directory, str(item)).write_text("here")
+    deadline = time.monotonic() + TIMEOUT
+    while len(os.listdir(directory)) < total and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.environ["CUDA_VISIBLE_DEVICES"], len(os.listdir(directory))
+
+
+def on_gpu(item: int) -> tuple[str, int, str]:
+    import torch
+
+    device = dk.try_gpu()
+    x = torch.randn(256, 256, device=device)
+    (x @ x).sum().item()
+    return str(device), torch.cuda.device_count(), str(dk.local_device())
+
+
+@pytest.fixture(scope="module")
+def _shut_down_at_the_end() -> Iterator[None]:
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def cluster(_shut_down_at_the_end: None) -> Any:
+    """A local Ray with 2 CPUs and 2 logical GPUs, shared by the tests that ask for it."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False)
+    return ray
+
+
+@pytest.fixture
+def no_cluster(_shut_down_at_the_end: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+# --- without a running cluster: gpu_map starts one (first, to start as few as possible) -------
+
+
+def test_without_a_cluster_gpu_map_starts_one_and_shuts_it_down(no_cluster: None) -> None:
+    results = dk.gpu_map(where, range(3), devices="cpu", executor="ray")
+    assert [item for item, _, _ in results] == [0, 1, 2]
+    assert {visible for _, visible, _ in results} == {""}  # CPU tasks hide every GPU
+    assert not ray.is_initialized()
+
+
+def test_gpus_named_here_pin_the_cluster_it_starts(
+    no_cluster: None, monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6,7")  # this process's 0 and 2 are GPUs 5 and 7
+    fake_accelerator("cuda", 3)
+    results = dk.gpu_map(where, range(2), devices=[0, "cuda:2"], executor="ray")
+    assert {visible for _, visible, _ in results} <= {"5", "7"}
+    assert all(visible == ",".join(ids) for _, visible, ids in results)
+    assert not ray.is_initialized()
+
+
+# --- on a running cluster --------------------------------------------------------------------
+
+
+def test_same_results_as_the_local_executor(cluster: Any) -> None:
+    local = dk.gpu_map(math.sqrt, range(20), devices=["cpu"])
+    assert dk.gpu_map(math.sqrt, range(20), devices="cpu", executor="ray") == local
+    assert dk.gpu_map(math.sqrt, [], executor="ray") == []
+    assert ray.is_initialized()  # a cluster gpu_map did not start is left running
+
+
+def test_each_task_sees_the_gpu_ray_gave_it(cluster: Any) -> None:
+    results = dk.gpu_map(where, range(4), executor="ray")
+    assert [item for item, _, _ in results] == [0, 1, 2, 3]
+    for _, visible, ids in results:
+        assert len(ids) == 1
+        assert visible == ids[0]
+    assert {visible for _, visible, _ in results} <= {"0", "1"}
+
+
+def test_cpu_tasks_hide_every_gpu(cluster: Any) -> None:
+    results = dk.gpu_map(where, range(3), devices=["cpu"], executor="ray")
+    assert {(visible, tuple(ids)) for _, visible, ids in results} == {("", ())}
+
+
+def test_a_failing_item_raises_worker_error_with_its_index(cluster: Any) -> None:
+    with pytest.raises(
+        dk.WorkerError, match=r"fn raised on item 3 \(3\) in a Ray task on .+ \(the CPU\)"
+    ) as caught:
+        dk.gpu_map(fail_on_three, range(6), devices="cpu", executor="ray")
+    assert "ValueError: bad item 3" in str(caught.value)
+    assert "in fail_on_three" in str(caught.value)  # the remote traceback
+
+
+def test_two_tasks_share_a_gpu_with_two_workers_per_device(cluster: Any, tmp_path: Path) -> None:
+    jobs = [(str(tmp_path), item, 4) for item in range(4)]
+    results = dk.gpu_map(meet, jobs, workers_per_device=2, executor="ray")
+    assert [count for _, count in results] == [4, 4, 4, 4]  # all four ran at the same time
+    assert collections.Counter(visible for visible, _ in results) == {"0": 2, "1": 2}
+
+
+def test_progress(cluster: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    dk.gpu_map(math.sqrt, range(3), devices="cpu", executor="ray", progress=True)
+    assert "gpu_map: 3/3" in capsys.readouterr().err
+
+
+def test_gpus_named_here_are_refused_on_a_running_cluster(
+    cluster: Any, fake_accelerator: FakeAccelerator
+) -> None:
+    fake_accelerator("cuda", 2)
+    with pytest.raises(ValueError, match=r"names GPUs of this machine, but gpu_map runs on a Ray"):
+        dk.gpu_map(math.sqrt, [1], devices=[1], executor="ray")
+
+
+_CONNECT = """
+import json, ray, devicekit as dk
+from tests.compat.test_ray import where
+results = dk.gpu_map(where, range(2), executor="ray")
+print(json.dumps({"visible": sorted({visible for _, visible, _ in results}),
+                  "connected": ray.is_initialized()}))
+"""
+
+
+def test_ray_address_names_the_cluster_to_use(cluster: Any) -> None:
+    # Without a GPU here, tasks that see one ran on the cluster's logical GPUs: a local
+    # cluster started instead would have none.
+    address = ray.get_runtime_context().gcs_address
+    found = run_python(_CONNECT, env={"RAY_ADDRESS": address}, timeout=TIMEOUT)
+    assert found["visible"]
+    assert set(found["visible"]) <= {"0", "1"}
+    assert found["connected"] is False  # it disconnected after
+    assert ray.cluster_resources().get("GPU") == 2  # and the cluster runs on
+
+
+@pytest.mark.gpu
+def test_try_gpu_in_a_task_is_the_gpu_ray_assigned(no_cluster: None) -> None:
+    results = dk.gpu_map(on_gpu, range(2), executor="ray")  # a cluster of this machine's GPUs
+    assert results == [("cuda:0", 1, "cuda:0")] * 2
+
+
+# --- Ctrl-C ----------------------------------------------------------------------------------
+
+_INTERRUPTED = """
+import json, os, sys, time
+import ray
+import devicekit as dk
+
+DIRECTORY = sys.argv[1]  # read here: in a Ray worker, sys.argv is the worker's
+
+def sleeper(item):
+    open(os.path.join(DIRECTORY, f"started-{item}"), "w").close()
+    time.sleep(600)
+
+ray.init(num_cpus=2, include_dashboard=False)
+try:
+    dk.gpu_map(sleeper, range(4), devices="cpu", executor="ray")
+except KeyboardInterrupt:
+    # Cancelled tasks give their CPUs back; tasks left running would hold them 10 minutes.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print(json.dumps({"free_cpus": ray.available_resources().get("CPU", 0)}))
+"""
+
+
+def test_ctrl_c_cancels_the_outstanding_tasks(tmp_path: Path) -> None:
+    driver = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_INTERRUPTED), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
+            assert driver.poll() is None, driver.communicate()
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("started-*"))) == 2  # both CPUs busy, two tasks queued
+        driver.send_signal(signal.SIGINT)
+        out, err = driver.communicate(timeout=TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert json.loads(out.strip().splitlines()[-1]) == {"free_cpus": 2.0}, err
+    assert len(list(tmp_path.glob("started-*"))) == 2  # the queued ones never started

@@ -1,0 +1,395 @@
+"""GPU claims and waiting: pick_gpu(claim=True, wait=...), claim_gpu, release_gpu.
+
+Processes that race for GPUs are real processes started behind a barrier;
+each installs a fake NVML before devicekit first asks for one, so no real
+GPU is touched. The lock directory is a temporary XDG_RUNTIME_DIR per test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import signal
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _claims
+
+from .fake_pynvml import FakeGPU, FakeNVML
+
+Install = Callable[[Any], None]
+TIMEOUT = 120  # seconds: generous, for a loaded 2-core machine; never a pass/fail timing
+GiB = 2**30
+
+
+def uuid(i: int) -> str:
+    return f"GPU-{i:04d}0000-0000-0000-0000-000000000000"
+
+
+def machine(count: int, *, used: int = 2 * GiB) -> FakeNVML:
+    return FakeNVML(
+        [FakeGPU(uuid(i), bus=f"00000000:{0x18 + i:02X}:00.0", used=used) for i in range(count)]
+    )
+
+
+@pytest.fixture(autouse=True)
+def private_claims(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """Each test's claims live in its own directory; children inherit it."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path
+    for held in list(_claims._held.claims):  # a failed test must not leave claims to the next one
+        _claims.release(held)
+
+
+# --- in one process --------------------------------------------------------------------------
+
+
+def test_a_claimed_gpu_is_skipped_by_the_next_claim(nvml_session: Install) -> None:
+    nvml_session(machine(2))
+    first, second = dk.pick_gpu(claim=True), dk.pick_gpu(claim=True)
+    assert {first, second} == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    assert dk.pick_gpu(claim=True) == torch.device("cpu")
+    assert dk.pick_gpu() == first  # without claim=True, claims are not looked at
+    with pytest.raises(
+        dk.GPUUnavailableError,
+        match=r"pick_gpus\(1\) found 0 GPU\(s\) that qualify; rejected: "
+        r"cuda:0: claimed by this process; cuda:1: claimed by this process",
+    ):
+        dk.pick_gpus(1, claim=True)
+    assert dk.release_gpu(first) is True
+    assert dk.release_gpu(first) is False  # nothing left to release
+    assert dk.pick_gpu(claim=True) == first
+
+
+def test_release_gpu_takes_what_pick_gpu_returned(nvml_session: Install) -> None:
+    nvml_session(machine(1))
+    device = dk.pick_gpu(claim=True)
+    assert dk.release_gpu("cuda:0") is True
+    assert dk.release_gpu("cpu") is False  # pick_gpu's fallback: nothing to release
+    assert dk.release_gpu(dk.pick_gpu(claim=True)) is True
+    assert device == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"device='meta' is not a CUDA device"):
+        dk.release_gpu("meta")
+    with pytest.raises(TypeError, match=r"device must be .* got the bool True"):
+        dk.release_gpu(True)  # type: ignore[arg-type]
+
+
+def test_pick_gpus_claims_all_or_none(nvml_session: Install) -> None:
+    nvml_session(machine(3))
+    held = dk.pick_gpu(claim=True, exclude=[0, 2])
+    assert held == torch.device("cuda", 1)
+    with pytest.raises(dk.GPUUnavailableError, match=r"cuda:1: claimed by this process"):
+        dk.pick_gpus(3, claim=True)
+    assert sorted(_claims._held.claims) == [uuid(1)]  # the two it could claim were let go
+    assert dk.pick_gpus(2, claim=True) == [torch.device("cuda", 0), torch.device("cuda", 2)]
+
+
+def test_claim_gpu_releases_at_the_end_of_the_block(nvml_session: Install) -> None:
+    nvml_session(machine(1))
+    with dk.claim_gpu() as device:
+        assert device == torch.device("cuda", 0)
+        assert dk.pick_gpu(claim=True) == torch.device("cpu")
+    assert dk.pick_gpu(claim=True) == device
+    dk.release_gpu(device)
+    with pytest.raises(RuntimeError, match="inside"), dk.claim_gpu():
+        raise RuntimeError("inside")
+    assert not _claims._held.claims
+    with dk.claim_gpu(min_free_memory=100 * GiB) as device:
+        assert device == torch.device("cpu")
+
+
+def test_a_claim_can_follow_its_gpu_under_other_visible_devices(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(machine(2))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)  # physical GPU 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)  # physical GPU 0
+    assert sorted(_claims._held.claims) == [uuid(0), uuid(1)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert dk.release_gpu(0) is True  # cuda:0 as this visibility numbers it
+    assert sorted(_claims._held.claims) == [uuid(0)]
+
+
+def test_lock_files_are_named_by_uuid_even_for_old_mig_names(private_claims: Path) -> None:
+    mig = "MIG-GPU-aaaa1111-0000-0000-0000-000000000000/1/0"  # drivers before R470
+    assert _claims.claim(mig, 0) is True
+    lock = private_claims / "devicekit" / "MIG-GPU-aaaa1111-0000-0000-0000-000000000000_1_0.lock"
+    assert lock.read_text().strip() == str(os.getpid())
+    assert _claims.holder(mig) == os.getpid()
+    assert _claims.claim(mig, 0) is False
+    assert _claims.release(mig) is True
+    assert lock.exists()  # never deleted: see the module's docstring
+
+
+def test_a_fork_child_does_not_keep_the_parents_claim() -> None:
+    assert _claims.claim(uuid(0), 0)
+    ready, report = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: say it runs, then hold on to everything it inherited
+        os.write(report, b"x")
+        time.sleep(30)
+        os._exit(0)
+    try:
+        assert select.select([ready], [], [], TIMEOUT)[0]  # the child is past its fork hooks
+        assert _claims.release(uuid(0))
+        assert _claims.claim(uuid(0), 0)  # free at once, although the child still runs
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready)
+        os.close(report)
+
+
+# --- the lock directory ----------------------------------------------------------------------
+
+
+def test_the_lock_directory_is_private(nvml_session: Install, private_claims: Path) -> None:
+    nvml_session(machine(1))
+    directory = private_claims / "devicekit"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)  # made by an older umask, say: readable by everyone
+    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert [path.name for path in directory.iterdir()] == [f"{uuid(0)}.lock"]
+    assert stat.S_IMODE((directory / f"{uuid(0)}.lock").stat().st_mode) & 0o077 == 0
+
+
+def test_without_xdg_runtime_dir_the_directory_is_per_user_in_tmp(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    directory = _claims.claims_directory()
+    assert directory == tmp_path / f"devicekit-{os.getuid()}"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+
+
+def test_a_directory_someone_else_made_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    elsewhere = tmp_path / "theirs"
+    elsewhere.mkdir()
+    (tmp_path / f"devicekit-{os.getuid()}").symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match=r"should be a directory of GPU claims owned by"):
+        _claims.claims_directory()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
+def test_a_directory_owned_by_another_user_is_refused(private_claims: Path) -> None:
+    directory = private_claims / "devicekit"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(PermissionError, match=r"directory owned by uid 65534"):
+        _claims.claims_directory()
+
+
+# --- arguments and platforms -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wait", [-1, float("nan"), float("inf")])
+def test_wait_must_be_finite_and_not_negative(nvml_session: Install, wait: float) -> None:
+    nvml_session(machine(1))
+    with pytest.raises(
+        ValueError, match=r"wait must be a finite number of seconds >= 0, got .*; None looks once"
+    ):
+        dk.pick_gpu(wait=wait)
+    with pytest.raises(ValueError, match=r"wait must be a finite number"):
+        dk.pick_gpus(1, wait=wait)
+
+
+@pytest.mark.parametrize("wait", ["3", True, [1]])
+def test_wait_must_be_a_number(nvml_session: Install, wait: Any) -> None:
+    nvml_session(machine(1))
+    with pytest.raises(TypeError, match=r"wait must be a number of seconds, got"):
+        dk.pick_gpu(wait=wait)
+
+
+def test_claim_must_be_a_bool(nvml_session: Install) -> None:
+    nvml_session(machine(1))
+    with pytest.raises(TypeError, match=r"claim=1: expected True or False, got int"):
+        dk.pick_gpu(claim=1)  # type: ignore[arg-type]
+    assert not _claims._held.claims
+
+
+def test_claims_need_file_locks(nvml_session: Install, monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml_session(machine(1))
+    monkeypatch.setattr(_claims, "fcntl", None)
+    with pytest.raises(NotImplementedError, match=r"claim=True needs OS file locks"):
+        dk.pick_gpu(claim=True)
+    with pytest.raises(NotImplementedError, match=r"claim=True needs OS file locks"):
+        dk.pick_gpus(1, claim=True)
+    with pytest.raises(NotImplementedError), dk.claim_gpu():
+        pass
+    assert dk.pick_gpu() == torch.device("cuda", 0)  # picking alone needs no locks
+
+
+# --- waiting ---------------------------------------------------------------------------------
+
+
+def later(seconds: float, action: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_wait_returns_once_a_gpu_frees_up(nvml_session: Install) -> None:
+    fake = machine(2, used=79 * GiB)  # 1 GiB free on each
+    nvml_session(fake)
+    freer = later(0.5, lambda: setattr(fake.gpus[1], "used", 10 * GiB))
+    started = time.monotonic()
+    device = dk.pick_gpu(min_free_memory=20 * GiB, wait=TIMEOUT)
+    elapsed = time.monotonic() - started
+    freer.join(TIMEOUT)
+    assert device == torch.device("cuda", 1)
+    assert 0.5 <= elapsed < TIMEOUT  # it waited, and stopped waiting once one qualified
+    assert fake.calls["nvmlDeviceGetMemoryInfo_v2"] >= 2 * 2  # looked more than once
+
+
+def test_wait_gives_up_after_its_time(nvml_session: Install) -> None:
+    nvml_session(machine(2, used=79 * GiB))
+    started = time.monotonic()
+    assert dk.pick_gpu(min_free_memory=20 * GiB, wait=0.6) == torch.device("cpu")
+    assert time.monotonic() - started >= 0.6
+    started = time.monotonic()
+    with pytest.raises(
+        dk.GPUUnavailableError,
+        match=r"pick_gpus\(1\) found 0 GPU\(s\) that qualify after waiting 600 ms; rejected: "
+        r"cuda:0: 1\.0 GiB free < 20\.0 GiB required; cuda:1: ",
+    ):
+        dk.pick_gpus(1, min_free_memory=20 * GiB, wait=0.6)
+    assert time.monotonic() - started >= 0.6
+
+
+def test_waiting_cannot_add_gpus_so_it_does_not(nvml_session: Install) -> None:
+    nvml_session(None)  # no NVML: no GPU will ever show up
+    started = time.monotonic()
+    assert dk.pick_gpu(wait=TIMEOUT) == torch.device("cpu")
+    with pytest.raises(dk.GPUUnavailableError, match=r"pick_gpus\(1\) found no GPU"):
+        dk.pick_gpus(1, wait=TIMEOUT)
+    nvml_session(machine(2))
+    with pytest.raises(
+        dk.GPUUnavailableError,
+        match=r"pick_gpus\(3\) found 2 GPU\(s\) that qualify after waiting .*; "
+        r"this process sees only 2 GPUs$",
+    ):
+        dk.pick_gpus(3, wait=TIMEOUT)
+    assert time.monotonic() - started < TIMEOUT
+
+
+def test_wait_with_claim_takes_the_gpu_once_it_is_released(nvml_session: Install) -> None:
+    nvml_session(machine(1))
+    held = dk.pick_gpu(claim=True)
+    releaser = later(0.5, lambda: dk.release_gpu(held))
+    assert dk.pick_gpu(claim=True, wait=TIMEOUT) == held
+    releaser.join(TIMEOUT)
+    assert list(_claims._held.claims) == [uuid(0)]
+
+
+# --- several processes -----------------------------------------------------------------------
+
+
+def _racer(gpus: int, barrier: Any, results: Any, done: Any) -> None:
+    """A job in its own process: a machine of fake GPUs, then pick_gpu(claim=True) at the gun."""
+    sys.modules["pynvml"] = machine(gpus)  # before devicekit first asks NVML anything
+    barrier.wait(TIMEOUT)
+    device = dk.pick_gpu(claim=True)
+    results.put((os.getpid(), str(device)))
+    done.wait(TIMEOUT)  # hold the claim until every racer has reported
+
+
+def race(processes: int, gpus: int) -> list[str]:
+    context = multiprocessing.get_context("spawn")
+    barrier, results, done = context.Barrier(processes), context.Queue(), context.Event()
+    racers = [
+        context.Process(target=_racer, args=(gpus, barrier, results, done))
+        for _ in range(processes)
+    ]
+    for racer in racers:
+        racer.start()
+    try:
+        picked = [results.get(timeout=TIMEOUT) for _ in racers]
+        done.set()
+        for racer in racers:
+            racer.join(TIMEOUT)
+            assert racer.exitcode == 0
+    finally:
+        for racer in racers:
+            if racer.is_alive():
+                racer.kill()
+                racer.join()
+    assert len({pid for pid, _ in picked}) == processes
+    return sorted(device for _, device in picked)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_jobs_started_together_get_different_gpus(processes: int) -> None:
+    assert race(processes, processes) == [f"cuda:{i}" for i in range(processes)]
+
+
+def test_with_one_gpu_the_second_job_gets_the_cpu() -> None:
+    assert race(2, 1) == ["cpu", "cuda:0"]
+
+
+def _holder(barrier: Any, release: Any) -> None:
+    sys.modules["pynvml"] = machine(1)
+    dk.pick_gpu(claim=True)
+    barrier.wait(TIMEOUT)
+    if release.wait(TIMEOUT):
+        dk.release_gpu(0)
+    time.sleep(TIMEOUT)  # alive, but no longer holding the GPU
+
+
+@pytest.fixture
+def holder() -> Any:
+    """Start a process that claims the one fake GPU; yields (process, release event)."""
+    context = multiprocessing.get_context("spawn")
+    barrier, release = context.Barrier(2), context.Event()
+    process = context.Process(target=_holder, args=(barrier, release), daemon=True)
+    process.start()
+    try:
+        barrier.wait(TIMEOUT)
+        yield process, release
+    finally:
+        process.kill()
+        process.join(TIMEOUT)
+
+
+def test_a_killed_process_leaves_no_claim(nvml_session: Install, holder: Any) -> None:
+    process, _ = holder
+    nvml_session(machine(1))
+    assert dk.pick_gpu(claim=True) == torch.device("cpu")
+    with pytest.raises(
+        dk.GPUUnavailableError, match=rf"cuda:0: claimed by another process \(pid {process.pid}\)"
+    ):
+        dk.pick_gpus(1, claim=True)
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(TIMEOUT)
+    assert process.exitcode == -signal.SIGKILL
+    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)  # at once: no wait
+
+
+def test_a_waiting_process_gets_the_gpu_another_releases(
+    nvml_session: Install, holder: Any
+) -> None:
+    process, release = holder
+    nvml_session(machine(1))
+    releaser = later(0.5, release.set)
+    assert dk.pick_gpu(claim=True, wait=TIMEOUT) == torch.device("cuda", 0)
+    releaser.join(TIMEOUT)
+    assert process.is_alive()  # released by release_gpu, not by exiting
