@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from ._batchsize import find_batch_size as find_batch_size
     from ._bench import BenchReport as BenchReport
     from ._bench import BenchResult as BenchResult
     from ._bench import bench as bench
+    from ._census import LiveTensor as LiveTensor
     from ._checks import assert_same_device as assert_same_device
     from ._checks import check_module as check_module
     from ._claims import claim_gpu as claim_gpu
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from ._errors import DevicekitError as DevicekitError
     from ._errors import DeviceMismatchError as DeviceMismatchError
     from ._errors import DeviceNotFoundError as DeviceNotFoundError
+    from ._errors import DeviceOutOfMemoryError as DeviceOutOfMemoryError
     from ._errors import GPUUnavailableError as GPUUnavailableError
     from ._errors import RanksOutOfStepError as RanksOutOfStepError
     from ._errors import SyncError as SyncError
@@ -50,6 +53,9 @@ if TYPE_CHECKING:
     from ._job import RankStatus as RankStatus
     from ._job import job_status as job_status
     from ._launch import local_device as local_device
+    from ._leaks import Leak as Leak
+    from ._leaks import LeakReport as LeakReport
+    from ._leaks import find_leaks as find_leaks
     from ._logbuffer import LogBuffer as LogBuffer
     from ._logbuffer import Record as Record
     from ._logbuffer import Sink as Sink
@@ -65,6 +71,9 @@ if TYPE_CHECKING:
     from ._nvml import driver_version as driver_version
     from ._nvml import nvml_available as nvml_available
     from ._nvml import nvml_error as nvml_error
+    from ._oom import AllocationSite as AllocationSite
+    from ._oom import OOMReport as OOMReport
+    from ._oom import explain_oom as explain_oom
     from ._parallel import GPUPool as GPUPool
     from ._parallel import gpu_map as gpu_map
     from ._parallel import gpu_pool as gpu_pool
@@ -91,9 +100,11 @@ if TYPE_CHECKING:
 # Where each public name lives; tests/test_init.py checks this against the imports
 # above and __all__.
 _EXPORTS: dict[str, str] = {
+    "find_batch_size": "._batchsize",
     "bench": "._bench",
     "BenchReport": "._bench",
     "BenchResult": "._bench",
+    "LiveTensor": "._census",
     "assert_same_device": "._checks",
     "check_module": "._checks",
     "claim_gpu": "._claims",
@@ -111,6 +122,7 @@ _EXPORTS: dict[str, str] = {
     "DevicekitError": "._errors",
     "DeviceMismatchError": "._errors",
     "DeviceNotFoundError": "._errors",
+    "DeviceOutOfMemoryError": "._errors",
     "GPUUnavailableError": "._errors",
     "RanksOutOfStepError": "._errors",
     "SyncError": "._errors",
@@ -127,6 +139,9 @@ _EXPORTS: dict[str, str] = {
     "JobStatus": "._job",
     "RankStatus": "._job",
     "local_device": "._launch",
+    "Leak": "._leaks",
+    "LeakReport": "._leaks",
+    "find_leaks": "._leaks",
     "LogBuffer": "._logbuffer",
     "Record": "._logbuffer",
     "Sink": "._logbuffer",
@@ -144,6 +159,9 @@ _EXPORTS: dict[str, str] = {
     "nvml_error": "._nvml",
     "gpu_map": "._parallel",
     "gpu_pool": "._parallel",
+    "AllocationSite": "._oom",
+    "OOMReport": "._oom",
+    "explain_oom": "._oom",
     "GPUPool": "._parallel",
     "data_parallel": "._placement",
     "load": "._placement",
@@ -181,6 +199,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AllocationSite",
     "BenchReport",
     "BenchResult",
     "Benchmark",
@@ -193,6 +212,7 @@ __all__ = [
     "DeviceMemory",
     "DeviceMismatchError",
     "DeviceNotFoundError",
+    "DeviceOutOfMemoryError",
     "DevicekitError",
     "Diagnosis",
     "Finding",
@@ -202,10 +222,14 @@ __all__ = [
     "GPUUnavailableError",
     "JobFlag",
     "JobStatus",
+    "Leak",
+    "LeakReport",
+    "LiveTensor",
     "LogBuffer",
     "Measurement",
     "MemoryReport",
     "MemoryScope",
+    "OOMReport",
     "ProgressBarSink",
     "RankStatus",
     "RankTimes",
@@ -235,6 +259,9 @@ __all__ = [
     "detect_syncs",
     "doctor",
     "driver_version",
+    "explain_oom",
+    "find_batch_size",
+    "find_leaks",
     "free_memory",
     "gpu",
     "gpu_map",

@@ -1,17 +1,27 @@
 """Every exception devicekit raises on purpose.
 
-Each one subclasses a builtin (``ValueError`` or ``RuntimeError``) as well as
-:class:`DevicekitError`, so callers can catch it either way. Bad argument
+Each one subclasses a builtin (``ValueError`` or ``RuntimeError``), or the torch
+exception it refines (``torch.OutOfMemoryError``, which is why this module
+imports torch), as well as :class:`DevicekitError`, so callers can catch it
+either way. Bad argument
 *types* and *values* that need no special handling raise the builtins
 ``TypeError`` and ``ValueError`` directly.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ._oom import OOMReport
+
 __all__ = [
     "CUDAInitializedError",
     "DeviceMismatchError",
     "DeviceNotFoundError",
+    "DeviceOutOfMemoryError",
     "DevicekitError",
     "GPUUnavailableError",
     "RanksOutOfStepError",
@@ -57,6 +67,22 @@ class SyncError(DevicekitError, RuntimeError):
     """Code inside ``detect_syncs(mode="error")`` made the host wait for the GPU."""
 
 
+class DeviceOutOfMemoryError(DevicekitError, torch.OutOfMemoryError):
+    """A device ran out of memory; the message is a report, and ``report`` holds its numbers.
+
+    A subclass of ``torch.OutOfMemoryError``, so ``except torch.OutOfMemoryError``
+    still catches it; raised ``from`` torch's own error, whose traceback is
+    kept as ``__cause__``.
+
+    Attributes:
+        report: The :class:`~devicekit.OOMReport`, or None where none could be built.
+    """
+
+    def __init__(self, message: str, report: OOMReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class WorkerError(DevicekitError, RuntimeError):
     """A ``gpu_map`` worker failed; the message has the item's index and the worker's traceback."""
 
@@ -68,6 +94,7 @@ for _cls in (
     CUDAInitializedError,
     DeviceMismatchError,
     DeviceNotFoundError,
+    DeviceOutOfMemoryError,
     GPUUnavailableError,
     RanksOutOfStepError,
     SyncError,

@@ -6,7 +6,7 @@ import gc
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,17 +18,62 @@ from ._devices import (
     resolve_cuda_devices,
     resolve_device,
 )
-from ._format import format_bytes
+from ._format import UNKNOWN, format_bytes, html_table, plural
 from ._visible import torch_cuda_initialized
 
 _ipc_collect: Any = torch.cuda.ipc_collect  # unannotated in torch
+_has_context: Any = getattr(torch._C, "_cuda_hasPrimaryContext", None)
 
 
 def _bytes(value: int | None) -> str:
     return format_bytes(value, digits=2)
 
 
-__all__ = ["DeviceMemory", "MemoryReport", "MemoryScope", "free_memory", "memory_scope"]
+def _signed(value: int | None) -> str:
+    return f"+{_bytes(value)}" if value is not None and value > 0 else _bytes(value)
+
+
+__all__ = [
+    "CUDABytes",
+    "DeviceMemory",
+    "MemoryReport",
+    "MemoryScope",
+    "cuda_bytes",
+    "free_memory",
+    "memory_scope",
+]
+
+
+class CUDABytes(NamedTuple):
+    """One CUDA device's memory as this process sees it, in bytes (None: unknown)."""
+
+    allocated: int
+    reserved: int
+    free: int | None
+    total: int | None
+
+
+def cuda_bytes(index: int) -> CUDABytes | None:
+    """Allocated, reserved, free and total bytes of ``cuda:index``; None before CUDA starts.
+
+    Reads counters only: it never starts CUDA, never allocates, and never
+    creates a context on a device this process has not used (a context costs
+    hundreds of MiB), where free and total are None.
+
+    Examples:
+        >>> import torch
+        >>> from devicekit._memory import cuda_bytes
+        >>> torch.cuda.is_initialized() or cuda_bytes(0) is None
+        True
+    """
+    if not torch_cuda_initialized():
+        return None
+    free = total = None
+    if _has_context is None or _has_context(index):
+        free, total = torch.cuda.mem_get_info(index)
+    return CUDABytes(
+        torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), free, total
+    )
 
 
 @dataclass(frozen=True)
@@ -89,11 +134,28 @@ class MemoryReport:
         return data
 
     def __repr__(self) -> str:
-        lines = [f"MemoryReport(gc collected {self.collected} objects)"]
+        lines = [f"MemoryReport(gc collected {plural(self.collected, 'object')})"]
         lines += [f"  {device}" for device in self.devices]
         if self.note:
             lines.append(f"  {self.note}")
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = [
+            (
+                d.device,
+                _bytes(d.returned),
+                f"{_bytes(d.allocated_before)} → {_bytes(d.allocated_after)}",
+                f"{_bytes(d.reserved_before)} → {_bytes(d.reserved_after)}",
+                f"{_bytes(d.driver_free_before)} → {_bytes(d.driver_free_after)}",
+            )
+            for d in self.devices
+        ]
+        caption = f"MemoryReport: gc collected {plural(self.collected, 'object')}"
+        if self.note:
+            caption += f"; {self.note}"
+        header = ("device", "returned", "allocated", "reserved", "driver free")
+        return html_table(rows, header=header, caption=caption)
 
 
 def _stats(index: int) -> tuple[int, int, int]:
@@ -195,10 +257,26 @@ class ScopeReport:
         return {**asdict(self), "net": self.net}
 
     def __repr__(self) -> str:
+        if self.peak_allocated is None:
+            return f"ScopeReport({self.device}: not measured, only CUDA devices count bytes)"
         return (
             f"ScopeReport({self.device}: peak allocated {_bytes(self.peak_allocated)}, "
-            f"peak reserved {_bytes(self.peak_reserved)}, net {_bytes(self.net)})"
+            f"peak reserved {_bytes(self.peak_reserved)}, net {_signed(self.net)})"
         )
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The report as (label, text) pairs in human units, for tables."""
+        return [
+            ("device", self.device),
+            ("allocated", f"{_bytes(self.allocated_before)} → {_bytes(self.allocated_after)}"),
+            ("peak allocated", _bytes(self.peak_allocated)),
+            ("reserved", f"{_bytes(self.reserved_before)} → {_bytes(self.reserved_after)}"),
+            ("peak reserved", _bytes(self.peak_reserved)),
+            ("net", _signed(self.net) if self.net is not None else UNKNOWN),
+        ]
+
+    def _repr_html_(self) -> str:
+        return html_table(self.rows(), caption=f"ScopeReport: {self.device}")
 
 
 class MemoryScope:

@@ -3,51 +3,29 @@
 from __future__ import annotations
 
 import collections
-import contextlib
-import sys
 import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ._devices import accelerator_count, accelerator_type
 from ._errors import SyncError
+from ._format import html_table, plural
+from ._frames import UNKNOWN_LOCATION, is_user, user_location
 
 __all__ = ["SyncReport", "detect_syncs"]
 
-# Frames inside these folders are not "the user's line".
-_SKIPPED = tuple(
-    str(path)
-    for path in (
-        Path(torch.__file__).parent,
-        Path(__file__).parent,
-        Path(warnings.__file__ or "warnings.py"),
-        Path(contextlib.__file__ or "contextlib.py"),
-    )
-)
 _SYNC_MESSAGE = "synchronizing CUDA operation"
 
 
-def _is_user(filename: str) -> bool:
-    return not filename.startswith(_SKIPPED)
-
-
-def _user_location() -> str:
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and not _is_user(frame.f_code.co_filename):
-        frame = frame.f_back
-    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
 def _traceback_location(traceback: types.TracebackType | None) -> str:
-    location = "<unknown>"
+    location = UNKNOWN_LOCATION
     while traceback is not None:  # the deepest user frame is the line that synced
         code = traceback.tb_frame.f_code
-        if _is_user(code.co_filename):
+        if is_user(code.co_filename):
             location = f"{code.co_filename}:{traceback.tb_lineno}"
         traceback = traceback.tb_next
     return location
@@ -85,14 +63,32 @@ class SyncReport:
             return f"sync detection unavailable: {self.reason}"
         if not self.events:
             return "no synchronizing CUDA operation seen"
-        lines = [f"{self.count} synchronizing CUDA operation(s):"]
+        lines = [f"{plural(self.count, 'synchronizing CUDA operation')}:"]
         lines += [f"  {count:6d}x  {where}" for where, count in self.locations.items()]
         return "\n".join(lines)
 
     __str__ = summary
 
     def __repr__(self) -> str:
-        return f"SyncReport(count={self.count}, locations={self.locations!r})"
+        if not self.supported:
+            return f"SyncReport(unavailable: {self.reason})"
+        lines = self.locations
+        if not lines:
+            return f"SyncReport({self.mode}: no sync)"
+        where = ", ".join(f"{line} ({count}x)" for line, count in lines.items())
+        return (
+            f"SyncReport({self.mode}: {plural(self.count, 'sync')} from "
+            f"{plural(len(lines), 'line')}: {where})"
+        )
+
+    def _repr_html_(self) -> str:
+        caption = f"SyncReport ({self.mode}): " + (
+            f"unavailable: {self.reason}"
+            if not self.supported
+            else plural(self.count, "synchronizing CUDA operation")
+        )
+        rows = [(where, f"{count}x") for where, count in self.locations.items()]
+        return html_table(rows, header=("line", "syncs"), caption=caption)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: mode, support, count and locations."""
@@ -153,7 +149,7 @@ def detect_syncs(*, mode: str = "record") -> Iterator[SyncReport]:
     original = torch.cuda.synchronize
 
     def synchronize(device: Any = None) -> None:
-        location = _user_location()
+        location = user_location()
         if mode == "error":
             raise SyncError(f"torch.cuda.synchronize() at {location} makes the host wait")
         report.events.append((location, "torch.cuda.synchronize()"))
@@ -161,7 +157,7 @@ def detect_syncs(*, mode: str = "record") -> Iterator[SyncReport]:
 
     def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
         if _SYNC_MESSAGE in str(message):
-            report.events.append((_user_location(), str(message).splitlines()[0]))
+            report.events.append((user_location(), str(message).splitlines()[0]))
         else:
             shown(message, category, *args, **kwargs)
 

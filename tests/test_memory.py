@@ -58,6 +58,58 @@ def test_reports_read_in_mib_and_gib() -> None:
     assert json.loads(json.dumps(report.to_dict()))["devices"][0]["returned"] == device.returned
 
 
+def test_memory_reports_read_in_words_and_in_html() -> None:
+    device = dk.DeviceMemory("cuda:0", 2**30, 0, 3 * 2**30, 2**21, 10 * 2**30, 13 * 2**30)
+    report = dk.MemoryReport((device,), collected=1)
+    assert repr(report).splitlines()[0] == "MemoryReport(gc collected 1 object)"
+    html = report._repr_html_()
+    assert html.startswith("<table><caption>MemoryReport: gc collected 1 object</caption>")
+    assert "<td>cuda:0</td><td>3.00 GiB</td><td>1.00 GiB → 0 B</td>" in html
+    empty = dk.MemoryReport((), 0, "CUDA is not initialized in this process: no GPU memory")
+    assert repr(empty) == (
+        "MemoryReport(gc collected 0 objects)\n"
+        "  CUDA is not initialized in this process: no GPU memory"
+    )
+    assert "no GPU memory</caption>" in empty._repr_html_()
+
+
+def test_scope_reports_read_in_words_and_in_html() -> None:
+    measured = dk.ScopeReport("cuda:1", 0, 2**26, 2**29, 0, 2**30, 2**30)
+    assert repr(measured) == (
+        "ScopeReport(cuda:1: peak allocated 512.00 MiB, peak reserved 1.00 GiB, net +64.00 MiB)"
+    )
+    freed = dk.ScopeReport("cuda:1", 2**26, 0, 2**26, 2**30, 2**30, 2**30)
+    assert repr(freed).endswith("net -64.00 MiB)")
+    assert '<th style="text-align:left">net</th><td>+64.00 MiB</td>' in measured._repr_html_()
+    cpu = dk.ScopeReport("cpu", None, None, None, None, None, None)
+    assert repr(cpu) == "ScopeReport(cpu: not measured, only CUDA devices count bytes)"
+    assert "<td>?</td>" in cpu._repr_html_()
+
+
+def test_cuda_bytes_is_none_before_cuda_starts() -> None:
+    from devicekit._memory import cuda_bytes
+
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA already started in this process")
+    assert cuda_bytes(0) is None
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.gpu
+def test_cuda_bytes_reads_the_allocator() -> None:
+    from devicekit._memory import cuda_bytes
+
+    keep = torch.empty(2**20, device="cuda")
+    read = cuda_bytes(torch.cuda.current_device())
+    assert read is not None
+    assert read.allocated == torch.cuda.memory_allocated()
+    assert read.reserved == torch.cuda.memory_reserved()
+    assert read.total == torch.cuda.mem_get_info()[1]
+    assert read.free is not None
+    assert 0 < read.free < read.total
+    del keep
+
+
 @pytest.mark.gpu
 def test_free_memory_gives_the_cache_back_to_the_driver() -> None:
     blocks = [torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(16)]

@@ -49,6 +49,22 @@ def test_no_query_starts_cuda() -> None:
     dk.doctor(); dk.free_memory()
     from devicekit._energy import energy_counter
     energy_counter(torch.device("cuda", 0))
+    for error in (lambda: torch.empty(2**62, dtype=torch.uint8),
+                  lambda: (_ for _ in ()).throw(torch.OutOfMemoryError(
+                      "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                      "capacity of 79.19 GiB of which 1.00 GiB is free."))):
+        try:
+            # record_history starts CUDA on purpose where there is CUDA; elsewhere a no-op
+            with dk.explain_oom(record_history=not torch.version.cuda):
+                error()
+        except dk.DeviceOutOfMemoryError as oom:
+            str(oom.report); oom.report._repr_html_()
+    kept = []
+    dk.find_leaks(lambda: kept.append(torch.ones(2)), repeat=2)
+    def step(size):
+        if size > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    dk.find_batch_size(step)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([]) == 0
         assert main(["--json"]) == 0

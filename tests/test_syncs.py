@@ -36,7 +36,7 @@ def test_report_summary_and_dict() -> None:
     assert report.count == 3
     assert report.locations == {"a.py:3": 2, "b.py:9": 1}
     assert report.summary() == (
-        "3 synchronizing CUDA operation(s):\n       2x  a.py:3\n       1x  b.py:9"
+        "3 synchronizing CUDA operations:\n       2x  a.py:3\n       1x  b.py:9"
     )
     assert report.to_dict() == {
         "mode": "record",
@@ -47,8 +47,29 @@ def test_report_summary_and_dict() -> None:
     }
 
 
+def test_reprs_read_in_words_and_in_html() -> None:
+    report = _syncs.SyncReport("record")
+    assert repr(report) == "SyncReport(record: no sync)"
+    report.events.append(("a.py:3", "x"))
+    assert report.summary().splitlines()[0] == "1 synchronizing CUDA operation:"
+    assert repr(report) == "SyncReport(record: 1 sync from 1 line: a.py:3 (1x))"
+    report.events += [("b.py:9", "y"), ("a.py:3", "x")]
+    assert repr(report) == "SyncReport(record: 3 syncs from 2 lines: a.py:3 (2x), b.py:9 (1x))"
+    html = report._repr_html_()
+    assert html.startswith(
+        "<table><caption>SyncReport (record): 3 synchronizing CUDA operations</caption>"
+    )
+    assert "<tr><td>a.py:3</td><td>2x</td></tr>" in html
+    unsupported = _syncs.SyncReport("error")
+    unsupported.supported, unsupported.reason = False, "no <CUDA> device"
+    assert repr(unsupported) == "SyncReport(unavailable: no <CUDA> device)"
+    assert "unavailable: no &lt;CUDA&gt; device" in unsupported._repr_html_()
+
+
 def test_the_user_line_is_the_first_frame_outside_torch_and_devicekit() -> None:
-    assert _syncs._user_location().startswith(f"{HERE}:")
+    from devicekit._frames import user_location
+
+    assert user_location().startswith(f"{HERE}:")
 
 
 @pytest.mark.gpu

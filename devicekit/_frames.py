@@ -1,0 +1,62 @@
+"""The user's line: the first frame outside torch and devicekit, as ``file:line``.
+
+``detect_syncs`` names the line that made the host wait, ``find_leaks`` the line
+that created a tensor, ``explain_oom`` the line that allocated a block. Each
+walks a stack past torch's and devicekit's own frames (and ``contextlib``'s and
+``warnings``' plumbing) to the first frame the user wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+__all__ = ["UNKNOWN_LOCATION", "first_user_location", "is_user", "user_location"]
+
+UNKNOWN_LOCATION = "<unknown>"
+"""The location of a frame that could not be found."""
+
+# Frames inside these folders are not "the user's line".
+_SKIPPED = tuple(
+    str(path)
+    for path in (
+        Path(torch.__file__).parent,
+        Path(__file__).parent,
+        Path(warnings.__file__ or "warnings.py"),
+        Path(contextlib.__file__ or "contextlib.py"),
+    )
+)
+
+
+def is_user(filename: str) -> bool:
+    """Whether a frame in ``filename`` is the user's (not torch's, devicekit's or contextlib's)."""
+    return not filename.startswith(_SKIPPED)
+
+
+def user_location(depth: int = 1) -> str:
+    """``file:line`` of the first user frame above the caller's (``depth`` frames up)."""
+    frame: types.FrameType | None = sys._getframe(depth)
+    while frame is not None and not is_user(frame.f_code.co_filename):
+        frame = frame.f_back
+    return UNKNOWN_LOCATION if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def first_user_location(frames: Iterable[tuple[str, int]]) -> str:
+    """The first user frame of ``(filename, line)`` pairs listed innermost first.
+
+    Examples:
+        >>> import torch
+        >>> from devicekit._frames import first_user_location
+        >>> first_user_location([(torch.__file__, 3), ("train.py", 12), ("main.py", 1)])
+        'train.py:12'
+    """
+    for filename, line in frames:
+        if is_user(filename):
+            return f"{filename}:{line}"
+    return UNKNOWN_LOCATION

@@ -1,0 +1,350 @@
+"""``find_leaks``: call a function again and again, and report what keeps growing.
+
+After the warm-up calls (caches fill, lazy state starts), each call is
+followed by ``gc.collect()`` and a census of every live tensor on every
+device, grouped by device, dtype, shape and the line that created it. A group
+leaks when it holds more tensors after the last call than after the warm-up,
+and was still growing in the second half of the calls (a cache that fills up
+and stops is not a leak). On CUDA, allocated bytes are read after every call
+too: growth that no tensor group explains is memory no Python object holds,
+usually an autograd graph kept alive (``losses.append(loss)`` keeps every
+step's saved activations).
+
+Creation sites come from a ``TorchFunctionMode`` that is active only while
+``fn`` runs: every tensor a torch function or tensor method returns is noted
+with the first line outside torch and devicekit that asked for it. Tensors
+made in C++ without a Python call (gradients in ``backward()``) have no site.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._census import GroupKey, census, only_new_objects
+from ._format import format_bytes, format_count, html_table, plural
+from ._frames import user_location
+from ._options import check_index
+from ._visible import torch_cuda_initialized
+
+__all__ = ["Leak", "LeakReport", "find_leaks"]
+
+_BLOCK = 512  # CUDA's caching allocator rounds every block up to a multiple of this
+_SPLIT = 2**20  # ... and does not split off a remainder smaller than this
+
+
+def _b(value: float | None) -> str:
+    return format_bytes(value, digits=2)
+
+
+@dataclass(frozen=True)
+class Leak:
+    """Something that grew with every call of the function.
+
+    Attributes:
+        device: Such as ``"cpu"`` or ``"cuda:0"``.
+        dtype: Such as ``"float32"``; None for memory no tensor holds.
+        shape: The tensors' shape; None when they vary, or for memory no tensor holds.
+        location: ``file:line`` that created the tensors; None when unknown
+            (created in C++, or before ``find_leaks`` started).
+        count_per_call: Tensors added per call; None for memory no tensor holds.
+        bytes_per_call: Bytes added per call (tensors: of their storages; else
+            CUDA allocated bytes that no tensor explains).
+        count_before: Tensors after the warm-up. Tensors that existed before
+            ``find_leaks`` was called are not counted: they cannot be what grows.
+        count_after: Tensors after the last call.
+    """
+
+    device: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    location: str | None
+    count_per_call: float | None
+    bytes_per_call: float
+    count_before: int | None
+    count_after: int | None
+
+    def __str__(self) -> str:
+        if self.dtype is None:
+            return (
+                f"+{_b(self.bytes_per_call)}/call on {self.device} held by no tensor "
+                "(an autograd graph kept alive, a C++ cache)"
+            )
+        shape = "various shapes" if self.shape is None else list(self.shape)
+        where = self.location or "an unknown line"
+        return (
+            f"+{self.count_per_call:g} tensor/call, +{_b(self.bytes_per_call)}/call: "
+            f"{self.device} {self.dtype} {shape}, created at {where} "
+            f"({self.count_before} → {self.count_after})"
+        )
+
+
+@dataclass(frozen=True)
+class DeviceGrowth:
+    """CUDA allocated bytes after the warm-up and after the last call."""
+
+    device: str
+    before: int
+    after: int
+    per_call: float
+
+
+@dataclass(frozen=True, repr=False)
+class LeakReport:
+    """What :func:`find_leaks` saw grow; ``leaks`` is empty when nothing did.
+
+    Attributes:
+        calls: Calls measured (after the warm-up).
+        warmup: Calls made before measuring.
+        leaks: What grew, most bytes per call first.
+        allocated: Per CUDA device in use: allocated bytes before and after.
+    """
+
+    calls: int
+    warmup: int
+    leaks: tuple[Leak, ...]
+    allocated: tuple[DeviceGrowth, ...]
+
+    @property
+    def verdict(self) -> str:
+        """One line: whether anything leaks, and the worst."""
+        if not self.leaks:
+            return self._summary()
+        return f"{self._summary()}; worst: {self.leaks[0]}"
+
+    def _summary(self) -> str:
+        calls = f"{plural(self.calls, 'call')} after {plural(self.warmup, 'warm-up call')}"
+        if not self.leaks:
+            return f"no leak: nothing grew over {calls}"
+        return f"{format_count(len(self.leaks), 'leak')} over {calls}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, with the verdict."""
+        return {**asdict(self), "verdict": self.verdict}
+
+    def __str__(self) -> str:
+        lines = [self._summary()]
+        lines += [f"  {leak}" for leak in self.leaks]
+        lines += [
+            f"  {g.device}: allocated {_b(g.before)} → {_b(g.after)} ({_b(g.per_call)}/call)"
+            for g in self.allocated
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"LeakReport({self.verdict})"
+
+    def _repr_html_(self) -> str:
+        rows = [
+            (
+                leak.device,
+                leak.dtype,
+                "various" if leak.shape is None else list(leak.shape),
+                leak.location,
+                "" if leak.count_per_call is None else f"{leak.count_per_call:g}",
+                _b(leak.bytes_per_call),
+            )
+            for leak in self.leaks
+        ]
+        header = ("device", "dtype", "shape", "created at", "tensors/call", "bytes/call")
+        return html_table(rows, header=header, caption=self._summary())
+
+
+class _CreationSites(TorchFunctionMode):
+    """Notes the user's line for every tensor a torch function returns while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: Any = WeakIdKeyDictionary()  # unannotated in torch
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        # In-place ops return their input, and getters (.grad, .data) an existing tensor:
+        # neither creates one, so neither is a creation site.
+        if getattr(func, "__name__", "") == "__get__" or (args and result is args[0]):
+            return result
+        if isinstance(result, torch.Tensor):
+            self._note(result)
+        elif isinstance(result, (tuple, list)):
+            for item in result:
+                if isinstance(item, torch.Tensor):
+                    self._note(item)
+        return result
+
+    def _note(self, tensor: torch.Tensor) -> None:
+        # Nearly every tensor seen here is new, so no "already noted?" look-up first:
+        # setdefault makes one weak reference where a look-up and a store made two.
+        self.sites.setdefault(tensor, user_location())
+
+    def site(self, tensor: torch.Tensor) -> str | None:
+        found: str | None = self.sites.get(tensor)
+        return found
+
+
+_MergedKey = tuple[str, str, Any, str | None]
+
+
+def _merge(groups: dict[GroupKey, tuple[int, int]]) -> dict[_MergedKey, tuple[int, int, set[Any]]]:
+    """Groups with a known creation line merge across shapes (``torch.zeros(step)`` leaks too)."""
+    merged: dict[_MergedKey, tuple[int, int, set[Any]]] = {}
+    for (device, dtype, shape, site), (count, size) in groups.items():
+        key = (device, dtype, None if site else shape, site)
+        old_count, old_size, shapes = merged.get(key, (0, 0, set()))
+        shapes.add(shape)
+        merged[key] = (old_count + count, old_size + size, shapes)
+    return merged
+
+
+def _allocated() -> dict[str, int]:
+    """Allocated bytes per CUDA device this process uses; nothing before CUDA starts."""
+    if not torch_cuda_initialized():
+        return {}
+    used = (i for i in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(i) > 0)
+    return {f"cuda:{i}": torch.cuda.memory_allocated(i) for i in used}
+
+
+def _growing(values: list[int]) -> bool:
+    """Grew over the calls, and still in their second half (a cache that filled up stopped)."""
+    middle = values[len(values) // 2] if len(values) > 2 else values[0]
+    return values[-1] > values[0] and values[-1] > middle
+
+
+def _allocator_bytes(leak: Leak) -> float:
+    """The most CUDA allocated bytes a tensor leak can account for, per call.
+
+    The caching allocator rounds each block up to 512 bytes, and may hand a
+    request over 1 MiB a block up to 1 MiB larger rather than split it.
+    """
+    if not leak.count_per_call:
+        return leak.bytes_per_call
+    each = leak.bytes_per_call / leak.count_per_call
+    slack = _SPLIT if each > _SPLIT else 0
+    return leak.count_per_call * (math.ceil(each / _BLOCK) * _BLOCK + slack)
+
+
+def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> LeakReport:
+    """Call ``fn()`` ``warmup + repeat`` times and report what keeps growing per call.
+
+    Counts live tensors on every device (CPU included) after each measured
+    call, grouped by device, dtype, shape and the line that created them, and
+    on CUDA the allocated bytes too. Catches the usual culprits: a list that
+    keeps each step's loss with its graph (``losses.append(loss)``), a tensor
+    cache keyed by step, a hook that stores activations. Creation lines are
+    recorded only while ``find_leaks`` runs.
+
+    Args:
+        fn: Called with no arguments; wrap arguments in a lambda. Its return
+            value is dropped at once.
+        repeat: Calls to measure (at least 1; 10 tells a leak from a cache).
+        warmup: Calls before measuring, for caches and lazy state to settle.
+
+    Returns:
+        A :class:`LeakReport`; ``report.leaks`` is empty when nothing grew.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or ``repeat``/``warmup`` not ints.
+        ValueError: ``repeat`` is below 1 or ``warmup`` negative.
+
+    Examples:
+        >>> import torch, devicekit as dk
+        >>> kept = []
+        >>> report = dk.find_leaks(lambda: kept.append(torch.ones(3)), repeat=4)
+        >>> [(leak.count_per_call, leak.shape) for leak in report.leaks]
+        [(1.0, (3,))]
+        >>> dk.find_leaks(lambda: torch.ones(3).sum()).leaks
+        ()
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
+    if check_index(repeat, name="repeat") < 1:
+        raise ValueError("repeat must be at least 1, got 0: measure one call or more")
+    check_index(warmup, name="warmup")
+    with only_new_objects():  # what existed before cannot be what grows
+        counts, allocated = _measure(fn, repeat, warmup)
+    leaks = _tensor_leaks(counts, repeat)
+    growth, unexplained = _device_growth(allocated, leaks, repeat)
+    return LeakReport(
+        calls=repeat,
+        warmup=warmup,
+        leaks=tuple(sorted(leaks + unexplained, key=lambda leak: -leak.bytes_per_call)),
+        allocated=growth,
+    )
+
+
+_Census = dict[_MergedKey, tuple[int, int, set[Any]]]
+
+
+def _measure(
+    fn: Callable[[], Any], repeat: int, warmup: int
+) -> tuple[list[_Census], list[dict[str, int]]]:
+    """Call ``fn``; after the warm-up and after each measured call, count what is alive."""
+    recorder = _CreationSites()
+    for _ in range(warmup):
+        with recorder:
+            fn()
+    counts: list[_Census] = []
+    allocated: list[dict[str, int]] = []
+    for call in range(repeat + 1):
+        if call:  # the first census is the baseline, after the warm-up
+            with recorder:
+                fn()
+        gc.collect()
+        counts.append(_merge(census(recorder.site)))
+        allocated.append(_allocated())
+    return counts, allocated
+
+
+def _tensor_leaks(
+    counts: list[dict[_MergedKey, tuple[int, int, set[Any]]]], calls: int
+) -> list[Leak]:
+    leaks = []
+    for key in counts[-1]:
+        series = [census.get(key, (0, 0, set())) for census in counts]
+        numbers = [count for count, _, _ in series]
+        if not _growing(numbers):
+            continue
+        device, dtype, _, site = key
+        shapes = series[-1][2]
+        leaks.append(
+            Leak(
+                device=device,
+                dtype=dtype,
+                shape=next(iter(shapes)) if len(shapes) == 1 else None,
+                location=site,
+                count_per_call=(numbers[-1] - numbers[0]) / calls,
+                bytes_per_call=(series[-1][1] - series[0][1]) / calls,
+                count_before=numbers[0],
+                count_after=numbers[-1],
+            )
+        )
+    return leaks
+
+
+def _device_growth(
+    allocated: list[dict[str, int]], leaks: list[Leak], calls: int
+) -> tuple[tuple[DeviceGrowth, ...], list[Leak]]:
+    """Per CUDA device: allocated bytes over the calls, and growth that no tensor leak explains."""
+    growth, unexplained = [], []
+    for device in allocated[-1]:
+        series = [values.get(device, 0) for values in allocated]
+        per_call = (series[-1] - series[0]) / calls
+        growth.append(DeviceGrowth(device, series[0], series[-1], per_call))
+        explained = sum(_allocator_bytes(leak) for leak in leaks if leak.device == device)
+        if _growing(series) and per_call - explained > 0:
+            unexplained.append(
+                Leak(device, None, None, None, None, per_call - explained, None, None)
+            )
+    return tuple(growth), unexplained

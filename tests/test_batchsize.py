@@ -1,0 +1,271 @@
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import devicekit as dk
+
+from .conftest import run_python
+
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 1.06 GiB is free. Of the allocated memory 76.00 GiB is allocated by PyTorch, and "
+    "1.20 GiB is reserved by PyTorch but unallocated."
+)
+
+
+class Step:
+    """Fails with torch's out-of-memory error above ``limit``; remembers what it was asked."""
+
+    def __init__(self, limit: int, error: type[Exception] = torch.OutOfMemoryError) -> None:
+        self.limit, self.error, self.calls = limit, error, []
+
+    def __call__(self, batch_size: int) -> None:
+        self.calls.append(batch_size)
+        if batch_size > self.limit:
+            raise self.error(TORCH_OOM)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 7, 48, 64, 1000])
+def test_the_threshold_is_found_exactly(limit: int) -> None:
+    step = Step(limit)
+    assert dk.find_batch_size(step) == limit
+    assert step.calls[:2] == [1, 2]  # doubling, then bisecting
+    assert len(step.calls) <= 2 * (limit.bit_length() + 1)
+
+
+def test_an_old_runtime_error_counts_as_out_of_memory() -> None:
+    assert dk.find_batch_size(Step(20, RuntimeError)) == 20
+
+
+def test_margin_keeps_a_fraction_free() -> None:
+    assert dk.find_batch_size(Step(48), margin=0.1) == 43
+    assert dk.find_batch_size(Step(50), margin=0.02) == 49  # 48.999... in floats
+    assert dk.find_batch_size(Step(48), margin=0.5) == 24
+    assert dk.find_batch_size(Step(48), start=40, margin=0.5) == 40  # never below start
+
+
+def test_max_size_bounds_the_search() -> None:
+    step = Step(1000)
+    assert dk.find_batch_size(step, max_size=100) == 100
+    assert max(step.calls) == 100
+    assert dk.find_batch_size(Step(1000), start=7, max_size=7) == 7
+    assert dk.find_batch_size(Step(60), max_size=100) == 60
+
+
+def test_start_is_where_it_begins() -> None:
+    step = Step(48)
+    assert dk.find_batch_size(step, start=5) == 48
+    assert step.calls[:3] == [5, 10, 20]
+    assert min(step.calls) == 5
+
+
+def test_a_start_that_fails_says_so_with_the_report() -> None:
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught:
+        dk.find_batch_size(Step(3), start=4)
+    error = caught.value
+    assert isinstance(error, torch.OutOfMemoryError)
+    message = str(error)
+    assert message.startswith("find_batch_size: fn(4) ran out of memory, so even start=4 does")
+    assert "cuda:0 is out of memory, asked for 2.00 GiB" in message
+    assert "fixes, most promising first:" in message
+    assert error.report is not None
+    assert error.report.requested == 2 * 2**30
+
+
+def test_other_errors_are_the_caller_s() -> None:
+    def step(batch_size: int) -> None:
+        if batch_size > 4:
+            raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        dk.find_batch_size(step)
+
+
+def test_a_function_that_always_fits_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="does not seem to use memory in proportion"):
+        dk.find_batch_size(lambda batch_size: None, start=2**30)
+
+
+def test_the_failed_trial_s_tensors_are_dropped() -> None:
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def step(batch_size: int) -> None:
+        activations = torch.ones(batch_size, 1000)
+        made.append(weakref.ref(activations))
+        if batch_size > 24:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+
+    assert dk.find_batch_size(step) == 24
+    assert len(made) > 5
+    assert all(ref() is None for ref in made)  # not even the failed trials' locals survive
+
+
+def test_arguments_are_checked() -> None:
+    step = Step(4)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        dk.find_batch_size(4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start must be at least 1"):
+        dk.find_batch_size(step, start=0)
+    with pytest.raises(ValueError, match="max_size=3 is below start=4"):
+        dk.find_batch_size(step, start=4, max_size=3)
+    for margin in (1, 1.5, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match=r"margin must be a fraction in \[0, 1\)"):
+            dk.find_batch_size(step, margin=margin)  # type: ignore[arg-type]
+    with pytest.raises(dk.DeviceNotFoundError):
+        dk.find_batch_size(step, device="cuda:9")
+    with pytest.raises(TypeError, match="must be picklable"):
+        dk.find_batch_size(lambda n: None, isolate=True)
+    assert step.calls == []
+
+
+# --- in child processes -----------------------------------------------------------------
+
+
+def isolated_step(batch_size: int) -> None:
+    """Runs only in a child: fails above 5, and refuses to run in the test's own process."""
+    if os.environ.get("DK_TEST_PARENT") == str(os.getpid()):
+        raise AssertionError("a trial ran in the parent")
+    if batch_size > 5:
+        raise torch.OutOfMemoryError(TORCH_OOM)
+    if batch_size == 3:
+        raise KeyError("three is not allowed")
+
+
+def test_isolated_trials_run_in_children() -> None:
+    result = run_python(
+        """
+        import json, os, torch, devicekit as dk
+        from tests.test_batchsize import isolated_step
+        os.environ["DK_TEST_PARENT"] = str(os.getpid())
+        found = dk.find_batch_size(isolated_step, start=5, max_size=6, isolate=True)
+        try:
+            dk.find_batch_size(isolated_step, start=6, isolate=True)
+        except dk.DeviceOutOfMemoryError as error:
+            started = [str(error).splitlines()[0], error.report.requested]
+        try:
+            dk.find_batch_size(isolated_step, start=3, max_size=3, isolate=True)
+        except RuntimeError as error:
+            other = str(error)
+        print(json.dumps({"found": found, "start": started, "other": other,
+                          "cuda": torch.cuda.is_initialized()}))
+        """,
+        timeout=280,
+    )
+    assert result["found"] == 5
+    assert result["start"][0].startswith("find_batch_size: fn(6) ran out of memory")
+    assert result["start"][1] == 2 * 2**30  # the child's report crossed back
+    assert "raised in its child process" in result["other"]
+    assert "KeyError: 'three is not allowed'" in result["other"]
+    assert result["cuda"] is False
+
+
+_RANKS = """
+import datetime, json, os, sys, torch, torch.distributed as dist, devicekit as dk
+
+def step(limit):
+    def run(batch_size):
+        if batch_size > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    return run
+
+def rank_main(rank, port, out, limits):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    answers = []
+    for limit in limits[rank]:  # one search per scenario, in the same process group
+        try:
+            answers.append(dk.find_batch_size(step(limit), start=4))
+        except Exception as error:
+            answers.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+        json.dump(answers, file)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    port, out = int(sys.argv[1]), sys.argv[2]
+    limits = json.loads(sys.argv[3])
+    torch.multiprocessing.spawn(rank_main, args=(port, out, limits), nprocs=2, join=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_every_rank_gets_the_same_answer_on_two_gloo_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "ranks.py"
+    script.write_text(_RANKS)
+    # Rank 0 fits up to 48, rank 1 up to 20; then rank 1 cannot even fit start=4.
+    limits = [[48, 48], [20, 2]]
+    completed = subprocess.run(
+        [sys.executable, str(script), str(free_port()), str(tmp_path), json.dumps(limits)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert first[0] == second[0] == 20  # the minimum over ranks
+    assert second[1].startswith("DeviceOutOfMemoryError: find_batch_size: fn(4) ran out of")
+    assert first[1] == (
+        "RuntimeError: find_batch_size: rank 1 failed (its own error says why), so no "
+        "batch size is common to every rank"
+    )
+
+
+# --- on a GPU ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_real_allocations_leave_the_allocator_where_it_was() -> None:
+    step_bytes = 2**30
+    keep = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    free, _ = torch.cuda.mem_get_info()
+
+    def step(batch_size: int) -> None:
+        half = torch.empty(batch_size * step_bytes // 2, dtype=torch.uint8, device="cuda")
+        other = torch.empty(batch_size * step_bytes // 2, dtype=torch.uint8, device="cuda")
+        (half[:1] + other[:1]).sum()  # the failed trial dies with `half` alive in its frame
+
+    found = dk.find_batch_size(step)
+    assert abs(torch.cuda.memory_reserved() - before) <= 2 * 2**20
+    assert found <= free // step_bytes
+    assert found >= free // step_bytes - 2  # what the driver keeps for itself, at most
+    # And the next real step at that size runs: nothing was left behind.
+    step(found)
+    del keep
+
+
+@pytest.mark.gpu
+def test_isolated_trials_never_touch_this_process_s_allocator() -> None:
+    result = run_python(
+        """
+        import json, torch, devicekit as dk
+        from tests.test_batchsize import gpu_step
+        found = dk.find_batch_size(gpu_step, isolate=True, max_size=1024)
+        print(json.dumps({"found": found, "cuda": torch.cuda.is_initialized()}))
+        """,
+        timeout=500,
+    )
+    assert result["found"] >= 1
+    assert result["cuda"] is False  # the parent never even started CUDA
+
+
+def gpu_step(batch_size: int) -> None:
+    torch.empty(batch_size * 2**30, dtype=torch.uint8, device="cuda")

@@ -1,0 +1,198 @@
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import pytest
+import torch
+
+import devicekit as dk
+
+HERE = __file__
+
+
+def line_of(marker: str) -> str:
+    """``file:line`` of the line of this file that ends with ``marker``."""
+    with open(HERE, encoding="utf-8") as source:
+        for number, text in enumerate(source, 1):
+            if text.rstrip().endswith(marker) and "line_of(" not in text:
+                return f"{HERE}:{number}"
+    raise AssertionError(marker)
+
+
+def test_a_list_that_grows_is_caught_with_its_line() -> None:
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        for _ in range(3):
+            kept.append(torch.zeros(5, 7, dtype=torch.float64))  # leak: three per call
+
+    report = dk.find_leaks(step, repeat=6, warmup=1)
+    (leak,) = report.leaks
+    assert leak.device == "cpu"
+    assert leak.dtype == "float64"
+    assert leak.shape == (5, 7)
+    assert leak.location == line_of("# leak: three per call")
+    assert leak.count_per_call == 3.0
+    assert leak.bytes_per_call == 3 * 5 * 7 * 8
+    assert (leak.count_before, leak.count_after) == (3, 21)
+    assert report.calls == 6
+    assert report.warmup == 1
+    assert len(kept) == 21
+
+
+def test_a_clean_function_reports_nothing() -> None:
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        optimizer.step()
+
+    report = dk.find_leaks(step)
+    assert report.leaks == ()
+    assert report.verdict == "no leak: nothing grew over 10 calls after 2 warm-up calls"
+    assert str(report) == report.verdict
+
+
+def test_losses_kept_with_their_graph() -> None:
+    model = torch.nn.Linear(16, 4)
+    losses = []
+
+    def step() -> None:
+        loss = model(torch.randn(8, 16)).pow(2).mean()  # the loss line
+        loss.backward()
+        losses.append(loss)
+
+    (leak,) = dk.find_leaks(step).leaks
+    assert leak.location == line_of("# the loss line")
+    assert (leak.shape, leak.count_per_call) == ((), 1.0)
+
+
+def test_a_cache_keyed_by_step_of_growing_shapes() -> None:
+    cache: dict[int, torch.Tensor] = {}
+
+    def step() -> None:
+        cache[len(cache)] = torch.ones(len(cache) + 1)  # the cache line
+
+    (leak,) = dk.find_leaks(step).leaks
+    assert leak.location == line_of("# the cache line")
+    assert leak.shape is None  # one tensor per call, each of a new shape
+    assert leak.count_per_call == 1.0
+    assert "various shapes" in str(leak)
+
+
+def test_a_hook_that_stores_activations() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    stored: list[torch.Tensor] = []
+    handle = model[0].register_forward_hook(lambda module, inputs, output: stored.append(output))
+    try:
+        report = dk.find_leaks(lambda: model(torch.randn(2, 8)))  # the model line
+    finally:
+        handle.remove()
+    assert report.leaks
+    assert all(leak.location == line_of("# the model line") for leak in report.leaks)
+    assert sum(leak.count_per_call or 0 for leak in report.leaks) >= 1
+
+
+def test_a_cache_that_fills_up_is_not_a_leak() -> None:
+    cache: list[torch.Tensor] = []
+
+    def step() -> None:
+        cache.append(torch.ones(4))
+        del cache[:-3]  # keeps the last three
+
+    assert dk.find_leaks(step, warmup=0).leaks == ()
+
+
+def test_the_recorder_is_active_only_while_it_runs() -> None:
+    depth = torch._C._len_torch_function_stack()
+    frozen = gc.get_freeze_count()
+    dk.find_leaks(lambda: torch.ones(2), repeat=2)
+    assert torch._C._len_torch_function_stack() == depth
+    assert gc.get_freeze_count() == frozen
+    with pytest.raises(ZeroDivisionError):
+        dk.find_leaks(lambda: 1 / 0)
+    assert torch._C._len_torch_function_stack() == depth
+    assert gc.get_freeze_count() == frozen
+
+
+def test_a_caller_s_own_frozen_objects_stay_frozen() -> None:
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        kept: list[torch.Tensor] = []
+        (leak,) = dk.find_leaks(lambda: kept.append(torch.ones(1)), repeat=3).leaks
+        assert leak.count_per_call == 1.0
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_the_report_reads_in_text_html_and_json() -> None:
+    kept: list[torch.Tensor] = []
+    report = dk.find_leaks(lambda: kept.append(torch.ones(2, 3)), repeat=4)
+    assert report.verdict.startswith("1 leak over 4 calls after 2 warm-up calls; worst: +1 tensor")
+    assert repr(report) == f"LeakReport({report.verdict})"
+    line = str(report).splitlines()[1]
+    assert line.startswith("  +1 tensor/call, +24 B/call: cpu float32 [2, 3]")
+    assert "<th>created at</th>" in report._repr_html_()
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["leaks"][0]["count_per_call"] == 1.0
+    assert data["verdict"] == report.verdict
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(TypeError, match="fn must be callable"):
+        dk.find_leaks(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="repeat must be at least 1"):
+        dk.find_leaks(lambda: None, repeat=0)
+    with pytest.raises(ValueError, match="warmup must be a non-negative int"):
+        dk.find_leaks(lambda: None, warmup=-1)
+    with pytest.raises(TypeError, match="repeat must be a non-negative int"):
+        dk.find_leaks(lambda: None, repeat=2.5)  # type: ignore[arg-type]
+
+
+def test_cuda_is_not_started() -> None:
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA already started in this process")
+    dk.find_leaks(lambda: torch.ones(3), repeat=2)
+    assert not torch.cuda.is_initialized()
+    assert "torch" in sys.modules
+
+
+@pytest.mark.gpu
+def test_a_real_leak_on_the_gpu() -> None:
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        kept.append(torch.empty(2**20, dtype=torch.uint8, device="cuda"))  # the gpu line
+
+    report = dk.find_leaks(step)
+    (leak,) = report.leaks  # the allocator's growth is explained by the tensors
+    assert leak.device == f"cuda:{torch.cuda.current_device()}"
+    assert leak.location == line_of("# the gpu line")
+    assert leak.bytes_per_call == 2**20
+    (growth,) = [g for g in report.allocated if g.device == leak.device]
+    assert growth.per_call == 2**20
+    kept.clear()
+
+
+@pytest.mark.gpu
+def test_a_graph_kept_alive_on_the_gpu_shows_as_memory_no_tensor_holds() -> None:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1)
+    ).cuda()
+    losses = []
+
+    def step() -> None:
+        losses.append(model(torch.randn(256, 1024, device="cuda")).mean())  # no backward
+
+    report = dk.find_leaks(step)
+    held = sum(leak.bytes_per_call for leak in report.leaks)
+    # The saved activations: at least the ReLU output, 256 x 4096 floats per call.
+    assert held >= 256 * 4096 * 4
+    assert any(leak.shape == () for leak in report.leaks)
+    losses.clear()

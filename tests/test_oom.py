@@ -1,0 +1,413 @@
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _oom
+from devicekit._fixes import rank_fixes
+from devicekit._oomtext import is_oom, parse_oom
+
+from .fake_pynvml import FakeGPU, FakeNVML
+
+Install = Callable[[Any], None]
+GiB, MiB = 2**30, 2**20
+
+# torch's own texts, from c10/cuda/CUDACachingAllocator.cpp (2.1 and later, then before),
+# c10/xpu/XPUCachingAllocator.cpp, aten/src/ATen/mps/MPSAllocator.mm (older in GB, newer
+# in GiB), c10/core/impl/alloc_cpu.cpp (Linux, then Windows), and the CUDA runtime.
+CUDA = (
+    "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 3.06 MiB is free. Process 2493055 has 12.02 GiB memory in use. Including "
+    "non-PyTorch memory, this process has 67.15 GiB memory in use. Of the allocated memory "
+    "64.07 GiB is allocated by PyTorch, and 2.50 GiB is reserved by PyTorch but unallocated. "
+    "If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+    "documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+CUDA_OLD = (
+    "CUDA out of memory. Tried to allocate 36.00 MiB (GPU 1; 7.93 GiB total capacity; "
+    "130.35 MiB already allocated; 47.06 MiB free; 188.00 MiB reserved in total by PyTorch) "
+    "If reserved memory is >> allocated memory try setting max_split_size_mb to avoid "
+    "fragmentation.  See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF"
+)
+XPU = (
+    "XPU out of memory. Tried to allocate 192.00 MiB. GPU 3 has a total capacity of 31.89 GiB "
+    "of which 13.22 GiB is free. Of the allocated memory 10.43 GiB is allocated by PyTorch, "
+    "and 94.57 MiB is reserved by PyTorch but unallocated. Please use `empty_cache` to release "
+    "all unoccupied cached memory."
+)
+MPS = (
+    "MPS backend out of memory (MPS allocated: 3.11 GB, other allocations: 5.42 GB, max "
+    "allowed: 9.07 GB). Tried to allocate 720.00 MB on private pool. Use "
+    "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations "
+    "(may cause system failure)."
+)
+CPU = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 4611686018427387904 bytes. Error code 12 (Cannot allocate memory)"
+)
+CPU_WINDOWS = (
+    "[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: you "
+    "tried to allocate 3221225472 bytes."
+)
+RUNTIME = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
+
+
+def gib(value: float) -> int:
+    return round(value * GiB)
+
+
+def mib(value: float) -> int:
+    return round(value * MiB)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (CUDA, ("cuda:0", mib(20), gib(79.19), mib(3.06), gib(64.07), gib(64.07) + gib(2.5))),
+        (CUDA_OLD, ("cuda:1", mib(36), gib(7.93), mib(47.06), mib(130.35), mib(188))),
+        (XPU, ("xpu:3", mib(192), gib(31.89), gib(13.22), gib(10.43), gib(10.43) + mib(94.57))),
+        (MPS, ("mps:0", mib(720), gib(9.07), None, gib(3.11), None)),
+        (CPU, ("cpu", 2**62, None, None, None, None)),
+        (CPU_WINDOWS, ("cpu", 3 * GiB, None, None, None, None)),
+        (RUNTIME, (None, None, None, None, None, None)),
+    ],
+)
+def test_torch_messages_are_read(text: str, expected: tuple[Any, ...]) -> None:
+    # expected: device, requested, total, free, allocated, reserved
+    parsed = parse_oom(text)
+    device = None if parsed.device is None else str(parsed.device)
+    read = (device, parsed.requested, parsed.total, parsed.free, parsed.allocated, parsed.reserved)
+    assert read == expected
+    assert is_oom(RuntimeError(text))
+
+
+def test_the_cuda_message_lists_the_processes() -> None:
+    parsed = parse_oom(CUDA)
+    assert parsed.processes == ((2493055, gib(12.02)),)
+    assert parsed.this_process == gib(67.15)
+    assert parse_oom(CPU).kind == "cpu"
+    assert parse_oom(RUNTIME).kind == "cuda"
+
+
+def test_what_is_an_out_of_memory_error() -> None:
+    assert is_oom(torch.OutOfMemoryError("anything"))
+    assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom(ValueError("out of memory"))
+    assert not is_oom(MemoryError())
+
+
+def test_an_oom_becomes_the_subclass_with_the_request_fixes_and_the_cause() -> None:
+    original = torch.OutOfMemoryError(CUDA)
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise original
+    error = caught.value
+    assert isinstance(error, torch.OutOfMemoryError)
+    assert type(error).__module__ == "devicekit"
+    assert error.__cause__ is original
+    assert error.__cause__.__traceback__ is not None  # torch's traceback is kept
+    report = error.report
+    assert report is not None
+    assert report.device == "cuda:0"
+    assert report.requested == 20 * MiB
+    assert report.message.startswith("CUDA out of memory. Tried to allocate 20.00 MiB.")
+    assert report.fixes
+    assert str(error) == str(report)
+    assert str(error).startswith("cuda:0 is out of memory, asked for 20.00 MiB: ")
+    assert "fixes, most promising first:\n  1. " in str(error)
+
+
+def test_a_message_from_a_process_with_cuda_is_not_judged_by_one_without() -> None:
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA already started in this process")
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(CUDA)
+    report = caught.value.report
+    assert report is not None
+    # The message's numbers are kept; this process's (empty) census is not used.
+    assert report.allocated == gib(64.07)
+    assert (report.tensor_count, report.tensor_bytes, report.unseen) == (None, None, None)
+    assert "  live tensors          ? (CUDA has not started in this process)" in str(report)
+    assert not any(fix.startswith("Keep fewer activations") for fix in report.fixes)
+    assert not torch.cuda.is_initialized()
+
+
+def test_older_runtime_errors_are_explained_too() -> None:
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise RuntimeError(CUDA_OLD)
+    assert caught.value.report is not None
+    assert caught.value.report.device == "cuda:1"
+    assert caught.value.report.reserved == mib(188)
+
+
+def test_other_errors_pass_through_untouched() -> None:
+    error = ValueError("not memory")
+    with pytest.raises(ValueError, match="not memory") as caught, dk.explain_oom():
+        raise error
+    assert caught.value is error
+    with dk.explain_oom():
+        pass
+
+
+def test_nested_blocks_explain_once() -> None:
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom(), dk.explain_oom():
+        raise torch.OutOfMemoryError(CUDA)
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+    assert not isinstance(caught.value.__cause__, dk.DeviceOutOfMemoryError)
+
+
+def test_a_real_cpu_oom_is_explained() -> None:
+    with pytest.raises(torch.OutOfMemoryError) as caught, dk.explain_oom():
+        torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: more than any machine has
+    report = caught.value.report  # type: ignore[attr-defined]
+    assert report.device == "cpu"
+    assert report.requested == 2**62
+    assert "DefaultCPUAllocator" in report.message
+    if sys.platform == "linux":
+        assert report.total is not None
+        assert report.free is not None
+        assert 0 < report.free <= report.total
+    assert report.allocated is None  # no allocator counts CPU bytes: unknown, not 0
+    assert report.fixes[0].startswith("Check the shape that asked for 4096.00 PiB")
+    assert report.fixes[1].startswith("Use a smaller batch")
+
+
+def test_as_a_decorator_bare_and_with_options() -> None:
+    model = torch.nn.Linear(256, 512)
+
+    @dk.explain_oom
+    def bare(x: int) -> int:
+        return x + 1
+
+    @dk.explain_oom(model=model, top=2)
+    def step() -> None:
+        model.weight.grad = torch.ones_like(model.weight)
+        torch.empty(2**62, dtype=torch.uint8)
+
+    assert bare(1) == 2
+    assert bare.__name__ == "bare"
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught:
+        step()
+    report = caught.value.report
+    assert report is not None
+    names = sorted(str(t.name) for t in report.tensors)
+    assert names == ["weight", "weight.grad"]  # the two largest (same size), named
+    assert report.tensors[0].shape == (512, 256)
+    assert report.tensors[0].dtype == "float32"
+    assert report.tensors[0].bytes == 512 * 256 * 4
+
+
+def test_the_census_counts_storages_and_keeps_no_tensor_alive() -> None:
+    def fail() -> None:
+        big = torch.ones(1000, 1000)
+        views = [big[i] for i in range(10)]  # ten views of one storage count once
+        assert views
+        probe.append(weakref.ref(big))
+        torch.empty(2**62, dtype=torch.uint8)
+
+    probe: list[weakref.ref[torch.Tensor]] = []
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        fail()
+    report = caught.value.report
+    assert report is not None
+    assert report.tensors[0].bytes == 4_000_000
+    assert report.tensors[0].shape == (1000, 1000)
+    assert all(t.bytes < 4_000_000 for t in report.tensors[1:])
+    del caught  # the exception's traceback holds the frames; the report must not
+    gc.collect()
+    assert probe[0]() is None
+    assert json.loads(json.dumps(report.to_dict()))["tensors"][0]["shape"] == [1000, 1000]
+
+
+def test_other_processes_come_from_nvml_by_torch_index(nvml_session: Install) -> None:
+    fake = FakeNVML(
+        [
+            FakeGPU("GPU-a", bus="00000000:18:00.0"),
+            FakeGPU(
+                "GPU-b",
+                bus="00000000:3A:00.0",
+                compute=[(os.getpid(), 70 * GiB), (5_000_001, 6 * GiB)],
+            ),
+        ]
+    )
+    nvml_session(fake)
+    message = CUDA.replace("GPU 0 ", "GPU 1 ")
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(message)
+    report = caught.value.report
+    assert report is not None
+    assert report.device == "cuda:1"
+    assert report.this_process == 70 * GiB
+    assert report.processes is not None
+    assert [(p.pid, p.used_memory) for p in report.processes] == [(5_000_001, 6 * GiB)]
+    assert report.other_processes_bytes == 6 * GiB
+    assert any(
+        fix.startswith("Free cuda:1: 1 other process holds 6.00 GiB") for fix in report.fixes
+    )
+    assert not torch.cuda.is_initialized()
+
+
+def test_without_nvml_the_message_lists_the_processes(nvml_session: Install) -> None:
+    nvml_session(None)
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(CUDA)
+    report = caught.value.report
+    assert report is not None
+    assert report.processes is not None
+    assert [(p.pid, p.name, p.used_memory) for p in report.processes] == [
+        (2493055, None, gib(12.02))
+    ]
+    assert report.this_process == gib(67.15)
+    assert report.largest_free_block is None  # CUDA never started here: unknown
+
+
+def numbers(**fields: Any) -> SimpleNamespace:
+    base: dict[str, Any] = {
+        "device": "cuda:0",
+        "requested": 2 * GiB,
+        "total": 80 * GiB,
+        "free": 100 * MiB,
+        "allocated": 60 * GiB,
+        "reserved": 61 * GiB,
+        "largest_free_block": 1 * GiB,
+        "processes": (),
+        "tensor_bytes": 50 * GiB,
+    }
+    return SimpleNamespace(**{**base, **fields})
+
+
+def first_words(fixes: tuple[str, ...]) -> list[str]:
+    return [fix.split(":")[0] for fix in fixes]
+
+
+def test_fixes_are_ranked_by_what_the_numbers_show() -> None:
+    # Plain: the batch is all there is to change.
+    assert first_words(rank_fixes(numbers())) == ["Use a smaller batch"]
+    # Fragmentation: 12 GiB unallocated would hold 2 GiB, but no block of 2 GiB is free.
+    fragmented = rank_fixes(numbers(reserved=72 * GiB))
+    assert first_words(fragmented) == [
+        "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments",
+        "Use a smaller batch",
+    ]
+    expected = "12.00 GiB is reserved but unallocated, yet the largest free block is 1.00 GiB"
+    assert expected in fragmented[0]
+    unknown_block = rank_fixes(numbers(reserved=72 * GiB, largest_free_block=None))
+    assert "unallocated, yet it could not serve the request: the free memory" in unknown_block[0]
+    # Another process holds more than this one could save.
+    other = dk.GPUProcess(4242, "python", 30 * GiB, "compute")
+    crowded = rank_fixes(numbers(processes=(other,)))
+    assert crowded[0].startswith("Free cuda:0: 1 other process holds 30.00 GiB on it (4242 python")
+    # Activations: most allocated bytes are held by no tensor.
+    saved = rank_fixes(numbers(tensor_bytes=10 * GiB))
+    assert first_words(saved) == ["Keep fewer activations", "Use a smaller batch"]
+    assert "50.00 GiB of the 60.00 GiB allocated is held by no Python tensor" in saved[0]
+    # Outside the caching allocator, with a cache holding memory.
+    outside = rank_fixes(numbers(requested=None, reserved=70 * GiB))
+    assert first_words(outside)[0] == "Call dk.free_memory() before this step"
+    # A request larger than the device: no setting helps.
+    assert rank_fixes(numbers(requested=100 * GiB))[0].startswith("Check the shape")
+
+
+def test_the_report_reads_in_text_and_html() -> None:
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(CUDA)
+    report = caught.value.report
+    assert report is not None
+    assert repr(report) == f"OOMReport({report.headline()})"
+    html = report._repr_html_()
+    assert "<table><caption>cuda:0 is out of memory, asked for 20.00 MiB" in html
+    assert "fixes, most promising first" in html
+    text = str(report)
+    assert "  reserved by PyTorch   66.57 GiB, 2.50 GiB of it unallocated" in text
+    assert "  other processes       " in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["unallocated"] == report.unallocated
+    assert data["requested"] == 20 * MiB
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        dk.explain_oom(model="net")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="top and history_entries must be at least 1"):
+        dk.explain_oom(top=0)
+    with pytest.raises(dk.DeviceNotFoundError):
+        dk.explain_oom(device="cuda:7")
+    with pytest.raises(TypeError, match="a function to decorate or keyword options"):
+        dk.explain_oom(3)  # type: ignore[call-overload]
+
+
+def test_a_report_that_cannot_be_built_leaves_the_oom_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug in the report")
+
+    monkeypatch.setattr(_oom, "build_report", broken)
+    original = torch.OutOfMemoryError(CUDA)
+    with pytest.raises(torch.OutOfMemoryError) as caught, dk.explain_oom():
+        raise original
+    assert caught.value is original
+    if sys.version_info >= (3, 11):
+        assert "could not build a report: KeyError" in caught.value.__notes__[0]
+
+
+@pytest.mark.gpu
+def test_a_real_gpu_oom() -> None:
+    keep = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    _, total = torch.cuda.mem_get_info()
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    report = caught.value.report
+    assert report is not None
+    assert report.device == f"cuda:{torch.cuda.current_device()}"
+    assert report.requested is not None
+    assert abs(report.requested - 2 * total) <= 8 * MiB  # torch prints two decimals of GiB
+    assert report.total == total
+    # What it read is what the allocator holds now: building it allocated nothing.
+    assert report.allocated == torch.cuda.memory_allocated()
+    assert report.reserved == torch.cuda.memory_reserved()
+    assert report.largest_free_block is not None
+    assert report.processes is not None  # NVML answers on a real GPU
+    assert report.tensors[0].bytes >= 256 * MiB
+    assert report.fixes[0].startswith("Check the shape")
+    del keep
+
+
+@pytest.mark.gpu
+def test_memory_history_names_the_line_that_allocated() -> None:
+    blocks = []
+
+    def step() -> None:
+        blocks.append(torch.empty(512 * MiB, dtype=torch.uint8, device="cuda"))  # the big one
+        torch.empty(10**15, dtype=torch.uint8, device="cuda")
+
+    with open(__file__, encoding="utf-8") as source:
+        line = next(n for n, text in enumerate(source, 1) if text.rstrip().endswith("big one"))
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom(record_history=True):
+        step()
+    report = caught.value.report
+    assert report is not None
+    assert report.allocation_sites
+    sites = {site.location: site.bytes for site in report.allocation_sites}
+    assert sites[f"{__file__}:{line}"] >= 512 * MiB
+    # The recorder is off again: a block allocated now carries no stack.
+    after = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    snapshot = torch.cuda.memory._snapshot()
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["address"] == after.data_ptr():
+                assert not block.get("frames")
+    blocks.clear()
+    del after
