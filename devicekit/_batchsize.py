@@ -206,7 +206,7 @@ def _search(trial: Callable[..., bool], start: int, max_size: int | None) -> int
 
 
 def _search_and_clean(trial: Callable[..., bool], start: int, max_size: int | None) -> int:
-    """:func:`_search`, with a cheap collection after each trial and a full one at the end.
+    """`_search()`, with a cheap collection after each trial and a full one at the end.
 
     A trial's garbage is new objects, so collecting only what is new finds it
     (0.01 s instead of 0.27 s per trial with torch imported); the full
@@ -261,7 +261,7 @@ def find_batch_size(
 
     Raises:
         DeviceOutOfMemoryError: Even ``start`` does not fit; the message has
-            the out-of-memory report (:func:`explain_oom`).
+            the out-of-memory report ([`explain_oom()`][devicekit.explain_oom]).
         TypeError: ``fn`` is not callable, or not picklable with ``isolate=True``.
         ValueError: ``start`` below 1, ``max_size`` below ``start``, or
             ``margin`` outside [0, 1).

@@ -1,9 +1,9 @@
 """``bench``: is the GPU used, and how much faster than the CPU is it?
 
-A survey of the machine, not a timer for your code (that is :func:`benchmark`).
+A survey of the machine, not a timer for your code (that is [`benchmark()`][devicekit.benchmark]).
 Rates are in TFLOP/s (10^12 floating-point operations per second), bandwidth
 in GB/s (10^9 bytes per second), latencies in seconds. Everything is measured
-with :func:`benchmark`, so each number comes with the same care (warm-up, CUDA
+with [`benchmark()`][devicekit.benchmark], so each number comes with the same care (warm-up, CUDA
 events, repeats until precise) and the same verdict.
 """
 
@@ -26,14 +26,14 @@ _SCHEMA = 2  # 2: latencies in seconds (unit "s", were "us"), and each result's 
 
 @dataclass(frozen=True)
 class BenchResult:
-    """One number from :func:`bench`.
+    """One number from [`bench()`][devicekit.bench].
 
     Attributes:
         name: What was measured, such as ``"matmul 4096 bf16"``.
         device: Where, such as ``"cuda:0"``.
         value: The number, in ``unit``.
         unit: ``"TFLOP/s"``, ``"GB/s"`` (10^9 bytes per second) or ``"s"``.
-        trustworthy: Whether :func:`benchmark` judged the timing trustworthy.
+        trustworthy: Whether [`benchmark()`][devicekit.benchmark] judged the timing trustworthy.
         notes: Why not (or anything else worth knowing): the measurement's notes.
     """
 
@@ -58,7 +58,7 @@ class BenchResult:
 
 @dataclass(frozen=True)
 class BenchReport:
-    """All of :func:`bench`'s numbers, and the GPU's matmul speed-up over the CPU.
+    """All of [`bench()`][devicekit.bench]'s numbers, and the GPU's matmul speed-up over the CPU.
 
     ``str()`` prints a table with each untrustworthy number's reasons under
     it; ``to_dict()`` is what ``devicekit bench --json`` prints.
@@ -148,8 +148,9 @@ def _latencies(device: torch.device) -> list[BenchResult]:
 def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchReport:
     """Survey this machine: matmul rates, copy bandwidth, launch and sync costs.
 
-    Not for timing your own code: that is :func:`benchmark` (one function,
-    a :class:`Measurement`) or :class:`Timer` (a block). On the CPU: an fp32
+    Not for timing your own code: that is [`benchmark()`][devicekit.benchmark] (one function,
+    a [`Measurement`][devicekit.Measurement]) or [`Timer`][devicekit.Timer] (a block). On the CPU:
+    an fp32
     1024x1024 matmul. On each GPU: fp32 and (where supported) bf16 4096x4096
     matmuls, host-to-device and device-to-host bandwidth from pageable and
     from pinned memory (64 MiB), the host's cost of launching one small
@@ -158,12 +159,12 @@ def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchRepor
     well under 30 seconds. Initializes CUDA (it has to use the GPU).
 
     Args:
-        devices: GPUs to measure, as a list of :data:`DeviceLike` (``[0]``,
+        devices: GPUs to measure, as a list of [`DeviceLike`][devicekit.DeviceLike] (``[0]``,
             ``["cuda:1"]``) or one. Default: every visible GPU. The CPU is
             always measured; ``[]`` measures only the CPU.
 
     Returns:
-        A :class:`BenchReport`.
+        A [`BenchReport`][devicekit.BenchReport].
 
     Raises:
         ValueError: One of ``devices`` is not a CUDA device.

@@ -18,7 +18,7 @@ _SHOWN_PER_DEVICE = 5  # paths listed per device before "... and N more"
 def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
     """Check that every tensor in the arguments is on one device, and return that device.
 
-    Walks the same structures as :func:`to_device`, and a module's parameters
+    Walks the same structures as [`to_device()`][devicekit.to_device], and a module's parameters
     and buffers. Positional arguments are named ``arg0``, ``arg1``...; keyword
     arguments by their names, so ``assert_same_device(model=model,
     batch=batch)`` reports paths such as ``model.fc.weight`` and

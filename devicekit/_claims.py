@@ -150,7 +150,8 @@ def _lock_file(uuid: str) -> Path:
 def claim(uuid: str, index: int) -> bool:
     """Claim the GPU with this UUID for this process; False if anyone holds it, this process too.
 
-    ``index`` is the torch index the caller knows it by, for :func:`release_gpu`.
+    ``index`` is the torch index the caller knows it by, for
+    [`release_gpu()`][devicekit.release_gpu].
     """
     check_claims_supported()
     assert fcntl is not None
@@ -259,10 +260,10 @@ def claim_gpu(
     the GPU meanwhile.
 
     Args:
-        min_free_memory: As for :func:`pick_gpu`.
-        max_utilization: As for :func:`pick_gpu`.
-        exclude: As for :func:`pick_gpu`.
-        wait: As for :func:`pick_gpu`: seconds to keep looking for a GPU
+        min_free_memory: As for [`pick_gpu()`][devicekit.pick_gpu].
+        max_utilization: As for [`pick_gpu()`][devicekit.pick_gpu].
+        exclude: As for [`pick_gpu()`][devicekit.pick_gpu].
+        wait: As for [`pick_gpu()`][devicekit.pick_gpu]: seconds to keep looking for a GPU
             that qualifies and that nobody has claimed.
 
     Yields:

@@ -1,6 +1,6 @@
 """The ``devicekit`` command: what torch can use here, and what each GPU is doing.
 
-``devicekit`` prints :func:`~devicekit.status` (``--json``: its JSON),
+``devicekit`` prints [`status()`][devicekit.status] (``--json``: its JSON),
 ``devicekit watch`` refreshes it until Ctrl-C, ``devicekit doctor`` diagnoses
 the environment and ``devicekit bench`` measures it. All but ``bench`` leave
 CUDA uninitialized. ``--help`` and ``--version`` import nothing heavy (torch

@@ -14,7 +14,7 @@ __all__ = ["Comparison", "ComparisonRow", "compare"]
 
 @dataclass(frozen=True)
 class ComparisonRow:
-    """One variant in a :class:`Comparison`.
+    """One variant in a [`Comparison`][devicekit.Comparison].
 
     Attributes:
         name: The variant's name.
@@ -46,10 +46,10 @@ class ComparisonRow:
 
 @dataclass(frozen=True)
 class Comparison:
-    """The table :func:`compare` returns; ``str()`` renders it, notebooks show HTML.
+    """The table `compare()` returns; ``str()`` renders it, notebooks show HTML.
 
     An ``energy`` column (joules per call) appears when every variant has an
-    energy figure (see :attr:`Measurement.energy_per_call`).
+    energy figure (see `Measurement.energy_per_call`).
     """
 
     rows: tuple[ComparisonRow, ...]
@@ -129,7 +129,7 @@ def compare(
 ) -> Comparison:
     """Compare variants: medians, noise, and speed relative to the fastest or a baseline.
 
-    Functions in ``results`` are measured first with :func:`benchmark` and
+    Functions in ``results`` are measured first with [`benchmark()`][devicekit.benchmark] and
     ``options`` (call them with no arguments: wrap arguments in a lambda).
     A variant whose 95% confidence interval overlaps the reference's is marked
     "same within noise" instead of faster or slower.
@@ -137,10 +137,10 @@ def compare(
     Args:
         results: Names mapped to measurements, or to functions to measure.
         baseline: The name to compare against. Default: the fastest.
-        **options: Passed to :func:`benchmark` for the functions.
+        **options: Passed to [`benchmark()`][devicekit.benchmark] for the functions.
 
     Returns:
-        A :class:`Comparison`; ``print()`` it for a table.
+        A [`Comparison`][devicekit.Comparison]; ``print()`` it for a table.
 
     Raises:
         ValueError: ``results`` is empty, or ``baseline`` is not one of its names.

@@ -188,7 +188,7 @@ class Conditions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Conditions:
-        """Rebuild from :meth:`to_dict`'s output."""
+        """Rebuild from [`to_dict()`][devicekit.Conditions.to_dict]'s output."""
         fields = dict(data)
         if fields.get("other_processes") is not None:
             fields["other_processes"] = tuple(GPUProcess(**p) for p in fields["other_processes"])
@@ -207,7 +207,7 @@ def _load_average() -> float | None:
 
 
 class Sampler:
-    """Collects :class:`Conditions` for one benchmark run, from NVML and the OS.
+    """Collects [`Conditions`][devicekit.Conditions] for one benchmark run, from NVML and the OS.
 
     ``before()`` ahead of the warm-up, ``start_timing()`` as the timed calls
     begin, ``during()`` between batches, ``after()`` once they end.

@@ -131,7 +131,7 @@ def running_on(cpus: frozenset[int], *, budget: float = 1.0) -> tuple[tuple[int,
 
 @dataclass(frozen=True)
 class CpuEvidence:
-    """What :class:`CpuWindow` saw; every field None where the OS does not say."""
+    """What `CpuWindow` saw; every field None where the OS does not say."""
 
     window: float | None = None
     other_cpu_time: float | None = None
@@ -141,7 +141,7 @@ class CpuEvidence:
 
 
 class CpuWindow:
-    """Measures, between :meth:`start` and :meth:`stop`, what other processes took."""
+    """Measures, between `start()` and `stop()`, what other processes took."""
 
     def __init__(self) -> None:
         self.cpus = allowed_cpus()

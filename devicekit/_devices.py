@@ -7,10 +7,10 @@ come from ``torch.cuda.device_count()``, which asks NVML and honours
 missing, torch itself falls back to the CUDA runtime; devicekit cannot avoid
 that, but it still leaves ``torch.cuda.is_initialized()`` False.)
 
-Every public function that takes a device calls :func:`resolve_device` (or
-:func:`resolve_devices` for a list), so the same input means the same device
+Every public function that takes a device calls `resolve_device()` (or
+`resolve_devices()` for a list), so the same input means the same device
 everywhere, and a device this process does not have is refused the same way
-everywhere: with a :class:`~devicekit.DeviceNotFoundError` that names the
+everywhere: with a [`DeviceNotFoundError`][devicekit.DeviceNotFoundError] that names the
 parameter, what was given, what this process has, and the fix.
 """
 
@@ -50,9 +50,9 @@ current CUDA device, and ``"cpu:0"`` is the CPU.
 """
 
 CPU = torch.device("cpu")
-"""The canonical CPU device: :func:`resolve_device` returns this very object for the CPU."""
+"""The canonical CPU device: `resolve_device()` returns this very object for the CPU."""
 META = torch.device("meta")
-"""The canonical meta device, as :data:`CPU`."""
+"""The canonical meta device, as `CPU`."""
 _CPU, _META = CPU, META
 _LABELS = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hip": "ROCm"}
 _EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
@@ -130,7 +130,7 @@ def describe_devices() -> str:
 def resolve_device(value: object, *, name: str = "device") -> torch.device:
     """Read one device argument, check that this process has it, and return it canonical.
 
-    Accepts a :data:`DeviceLike`. Checks, without initializing CUDA, that the
+    Accepts a [`DeviceLike`][devicekit.DeviceLike]. Checks, without initializing CUDA, that the
     device type is known to torch, that this torch build supports it, and
     that an indexed accelerator exists. Returns one canonical
     ``torch.device``: ``cpu:0`` becomes ``cpu``, and an accelerator without an
@@ -173,7 +173,7 @@ def resolve_devices(value: object, *, name: str = "devices") -> list[torch.devic
     """Read a list-of-devices argument; a single device is a list of one.
 
     A string is one device (``"cpu"``, ``"cuda:1"``), never a sequence of
-    letters; each entry is checked by :func:`resolve_device` and named in
+    letters; each entry is checked by `resolve_device()` and named in
     errors by its position (``devices[1]``).
 
     Raises:
@@ -188,7 +188,7 @@ def resolve_devices(value: object, *, name: str = "devices") -> list[torch.devic
 
 
 def resolve_cuda_devices(value: object, *, name: str, why: str) -> list[torch.device]:
-    """:func:`resolve_devices`, refusing any device that is not CUDA with ``why`` as the reason.
+    """`resolve_devices()`, refusing any device that is not CUDA with ``why`` as the reason.
 
     Examples:
         >>> from devicekit._devices import resolve_cuda_devices
@@ -250,7 +250,7 @@ def parse_cuda_index(value: object, *, name: str) -> int:
 
 
 def parse_cuda_indices(value: object, *, name: str) -> list[int]:
-    """:func:`parse_cuda_index` for a list-of-devices argument; one device is a list of one."""
+    """`parse_cuda_index()` for a list-of-devices argument; one device is a list of one."""
     return [parse_cuda_index(item, name=label) for label, item in _entries(value, name)]
 
 

@@ -20,7 +20,7 @@ __all__ = ["Diagnosis", "doctor"]
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The findings of :func:`doctor`; ``print()`` it, or let a notebook render it."""
+    """The findings of `doctor()`; ``print()`` it, or let a notebook render it."""
 
     findings: tuple[Finding, ...]
 
@@ -120,7 +120,7 @@ def doctor() -> Diagnosis:
     spawns workers; too little free GPU memory. Never initializes CUDA.
 
     Returns:
-        A :class:`Diagnosis`; ``diagnosis.ok`` is False when a finding is an error.
+        A [`Diagnosis`][devicekit.Diagnosis]; ``diagnosis.ok`` is False when a finding is an error.
 
     Examples:
         >>> import devicekit as dk

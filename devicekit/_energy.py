@@ -5,7 +5,7 @@ the board has used since the driver loaded, in millijoules; the difference of
 two reads is the energy between them. The driver updates that counter every
 20 to 100 ms, so a read can lag by up to one update period, and a window of
 a few periods could be off by tens of percent. Energy is therefore computed
-only over windows of at least :data:`MIN_WINDOW` seconds (a 100 ms period is
+only over windows of at least `MIN_WINDOW` seconds (a 100 ms period is
 then at most 10% of the window), and is ``None`` otherwise.
 
 The counter covers the whole board: another process on the GPU counts too

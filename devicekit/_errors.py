@@ -2,7 +2,7 @@
 
 Each one subclasses a builtin (``ValueError`` or ``RuntimeError``), or the torch
 exception it refines (``torch.OutOfMemoryError``, which is why this module
-imports torch), as well as :class:`DevicekitError`, so callers can catch it
+imports torch), as well as [`DevicekitError`][devicekit.DevicekitError], so callers can catch it
 either way. Bad argument
 *types* and *values* that need no special handling raise the builtins
 ``TypeError`` and ``ValueError`` directly.
@@ -75,7 +75,7 @@ class DeviceOutOfMemoryError(DevicekitError, torch.OutOfMemoryError):
     kept as ``__cause__``.
 
     Attributes:
-        report: The :class:`~devicekit.OOMReport`, or None where none could be built.
+        report: The [`OOMReport`][devicekit.OOMReport], or None where none could be built.
     """
 
     def __init__(self, message: str, report: OOMReport | None = None) -> None:

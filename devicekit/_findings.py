@@ -1,9 +1,9 @@
 """Judgements about this machine, each written once, for ``status``, ``doctor`` and the CLI.
 
 A judgement is a function of plain facts (a variable's value, a GPU
-snapshot, the torch build) that returns a :class:`Finding`, or None when there
-is nothing to say. :class:`~devicekit.Status` shows the ones about what this
-process can use; :func:`~devicekit.doctor` adds the ones about speed.
+snapshot, the torch build) that returns a [`Finding`][devicekit.Finding], or None when there
+is nothing to say. [`Status`][devicekit.Status] shows the ones about what this
+process can use; [`doctor()`][devicekit.doctor] adds the ones about speed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How every repr, table and message spells numbers, units and the unknown.
 
 One module, so that bytes are MiB/GiB everywhere, time is s/ms/µs/ns
-everywhere, and a value nobody knows prints as :data:`UNKNOWN` everywhere
+everywhere, and a value nobody knows prints as `UNKNOWN` everywhere
 (never ``0``, ``-`` or ``nan``). It also makes text from outside the process
 (process names from ``/proc``, NVML strings) safe to print, and renders the
 small HTML tables notebooks show.

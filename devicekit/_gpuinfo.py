@@ -1,7 +1,7 @@
-"""What NVML says about a GPU, as results: :class:`GPUInfo` and :class:`GPUProcess`.
+"""What NVML says about a GPU, as results: `GPUInfo` and `GPUProcess`.
 
-Reading them is :mod:`devicekit._nvml`'s job; this module only holds and
-renders them, in the units and spellings of :mod:`devicekit._format`.
+Reading them is `_nvml`'s job; this module only holds and
+renders them, in the units and spellings of `_format`.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class GPUInfo:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GPUInfo:
-        """Rebuild a snapshot from :meth:`to_dict`'s output."""
+        """Rebuild a snapshot from [`to_dict()`][devicekit.GPUInfo.to_dict]'s output."""
         fields = dict(data)
         if fields.get("throttle_reasons") is not None:
             fields["throttle_reasons"] = tuple(fields["throttle_reasons"])

@@ -217,8 +217,8 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
             ``torch_index=None`` for those this process cannot see.
 
     Returns:
-        One :class:`GPUInfo` per GPU; an empty list without NVML (see
-        :func:`nvml_error` for why).
+        One [`GPUInfo`][devicekit.GPUInfo] per GPU; an empty list without NVML (see
+        [`nvml_error()`][devicekit.nvml_error] for why).
 
     Examples:
         >>> import devicekit as dk
@@ -245,7 +245,7 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
             ``torch.device``; ``"cuda"`` is the current CUDA device.
 
     Returns:
-        Its :class:`GPUInfo`.
+        Its [`GPUInfo`][devicekit.GPUInfo].
 
     Raises:
         DeviceNotFoundError: No such GPU is visible (the message lists the
@@ -362,7 +362,7 @@ def _pick(
     """Look, claiming if asked, until ``count`` GPUs qualify or ``wait`` runs out.
 
     Returns the GPUs, or ``[]`` and why not: ``None`` when no GPU is visible
-    at all, else a message for :class:`GPUUnavailableError`.
+    at all, else a message for [`GPUUnavailableError`][devicekit.GPUUnavailableError].
     """
     excluded = set(parse_cuda_indices(exclude, name="exclude"))
     seconds = _check_wait(wait)
@@ -410,9 +410,9 @@ def pick_gpu(
     Jobs started at the same moment see the same free GPU. With
     ``claim=True`` each takes an exclusive claim on the GPU it picks, and
     skips GPUs that other devicekit processes have claimed, so they get
-    different GPUs. A claim lasts until :func:`release_gpu` or until the
+    different GPUs. A claim lasts until [`release_gpu()`][devicekit.release_gpu] or until the
     process exits, however it exits (the operating system drops it); see
-    :func:`claim_gpu` for a ``with`` block. Claims are advisory: only calls
+    [`claim_gpu()`][devicekit.claim_gpu] for a ``with`` block. Claims are advisory: only calls
     with ``claim=True`` honour them.
 
     Args:
@@ -471,19 +471,20 @@ def pick_gpus(
     wait: float | None = None,
     claim: bool = False,
 ) -> list[torch.device]:
-    """The best ``n`` visible GPUs by the rules of :func:`pick_gpu`.
+    """The best ``n`` visible GPUs by the rules of [`pick_gpu()`][devicekit.pick_gpu].
 
     With ``claim=True`` it claims all ``n`` or none: it never holds some
     GPUs while it waits for the others, so two jobs cannot wait for each other.
 
     Args:
         n: How many GPUs are needed.
-        min_free_memory: As for :func:`pick_gpu`.
-        max_utilization: As for :func:`pick_gpu`.
-        exclude: As for :func:`pick_gpu`.
-        wait: As for :func:`pick_gpu`; then it raises. Raises at once when
+        min_free_memory: As for [`pick_gpu()`][devicekit.pick_gpu].
+        max_utilization: As for [`pick_gpu()`][devicekit.pick_gpu].
+        exclude: As for [`pick_gpu()`][devicekit.pick_gpu].
+        wait: As for [`pick_gpu()`][devicekit.pick_gpu]; then it raises. Raises at once when
             this process sees fewer than ``n`` GPUs.
-        claim: As for :func:`pick_gpu`; release each GPU with :func:`release_gpu`.
+        claim: As for [`pick_gpu()`][devicekit.pick_gpu]; release each GPU
+            with [`release_gpu()`][devicekit.release_gpu].
 
     Returns:
         ``n`` CUDA devices, best first.
@@ -494,7 +495,7 @@ def pick_gpus(
         TypeError: ``wait`` is not a number or ``claim`` not a bool.
         ValueError: ``wait`` is negative, infinite or NaN.
         NotImplementedError: ``claim=True`` on a system without file locks (Windows).
-        PermissionError: As for :func:`pick_gpu`.
+        PermissionError: As for [`pick_gpu()`][devicekit.pick_gpu].
 
     Examples:
         >>> import devicekit as dk

@@ -8,7 +8,7 @@ reuses brings every snapshot to every rank. The group is gloo whatever the
 job's backend: Python objects travel as CPU bytes, so an NCCL job's streams
 never carry them, and a CPU-only job works the same.
 
-The gather itself is :func:`devicekit._dist.gather_objects`.
+The gather itself is `_dist.gather_objects()`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ FlagKind = Literal["duplicate_gpu", "throttling", "hot", "nearly_full"]
 
 @dataclass(frozen=True)
 class RankStatus:
-    """One rank of a job, as :func:`job_status` sees it.
+    """One rank of a job, as [`job_status()`][devicekit.job_status] sees it.
 
     Attributes:
         rank: The global rank.
@@ -77,7 +77,7 @@ class RankStatus:
         host: The host name.
         pid: The process id on that host.
         device: The torch device the rank uses (its current CUDA device once
-            CUDA has started, else the one :func:`~devicekit.local_device`
+            CUDA has started, else the one [`local_device()`][devicekit.local_device]
             would choose), or None when that cannot be told.
         gpu: A snapshot of that GPU, or None (a CPU rank, or no NVML).
     """
@@ -144,7 +144,7 @@ class JobStatus:
         return tuple(dict.fromkeys(rank.host for rank in self.ranks))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (each GPU snapshot as :meth:`GPUInfo.to_dict` gives it)."""
+        """JSON-ready fields (each GPU snapshot as `GPUInfo.to_dict()` gives it)."""
         return {**dataclasses.asdict(self), "ok": self.ok, "hosts": list(self.hosts)}
 
     def _rows(self) -> list[tuple[str, ...]]:
@@ -339,7 +339,7 @@ def job_status(*, timeout: float = DEFAULT_TIMEOUT) -> JobStatus:
 
     A collective: every rank must call it, together. Each rank contributes its
     host name, global and local rank, PID, torch device and a
-    :class:`~devicekit.GPUInfo` snapshot of its GPU (None on the CPU or
+    [`GPUInfo`][devicekit.GPUInfo] snapshot of its GPU (None on the CPU or
     without NVML); one gather over a gloo group that devicekit creates on
     the first call and reuses brings them to every rank, whatever the job's
     backend. Never starts CUDA.
@@ -355,7 +355,7 @@ def job_status(*, timeout: float = DEFAULT_TIMEOUT) -> JobStatus:
             in time (it crashed, hangs, or is elsewhere) is an error, not a hang.
 
     Returns:
-        A :class:`JobStatus`; ``print()`` it for the table.
+        A [`JobStatus`][devicekit.JobStatus]; ``print()`` it for the table.
 
     Raises:
         RanksOutOfStepError: Not every rank called it within ``timeout``.

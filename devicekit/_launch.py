@@ -17,7 +17,7 @@ wins, and the precedence is:
 3. ``OMPI_COMM_WORLD_LOCAL_RANK``, then ``MV2_COMM_WORLD_LOCAL_RANK``.
 4. ``SLURM_LOCALID``.
 
-Nothing here initializes CUDA except ``set_device`` in :func:`local_device`.
+Nothing here initializes CUDA except ``set_device`` in [`local_device()`][devicekit.local_device].
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def resolve_local_device() -> tuple[torch.device, bool, str | None]:
     """This process's device by the launcher precedence, without making it current.
 
     Returns:
-        The device; whether a launcher chose it (else it is :func:`try_gpu`'s);
+        The device; whether a launcher chose it (else it is [`try_gpu()`][devicekit.try_gpu]'s);
         and a warning worth logging, or None.
 
     Examples:
@@ -174,7 +174,7 @@ def resolve_local_device() -> tuple[torch.device, bool, str | None]:
 
 
 def local_device() -> torch.device:
-    """Return this process's device under any launcher, made current; else :func:`try_gpu`.
+    """Return this process's device under any launcher, made current; else `try_gpu()`.
 
     The launcher decides, in this order (the innermost launcher first, since
     outer launchers' variables are inherited by the processes inner ones start):
@@ -195,7 +195,7 @@ def local_device() -> torch.device:
     device becomes current (``torch.cuda.set_device``) so that NCCL and
     ``torch.cuda.current_device()`` agree with it. Without an accelerator every
     rank gets the CPU (use the ``gloo`` backend). Without any launcher, it is
-    :func:`try_gpu` and nothing is made current.
+    [`try_gpu()`][devicekit.try_gpu] and nothing is made current.
 
     Returns:
         The device for this process.

@@ -98,7 +98,7 @@ class DeviceGrowth:
 
 @dataclass(frozen=True, repr=False)
 class LeakReport:
-    """What :func:`find_leaks` saw grow; ``leaks`` is empty when nothing did.
+    """What [`find_leaks()`][devicekit.find_leaks] saw grow; ``leaks`` is empty when nothing did.
 
     Attributes:
         calls: Calls measured (after the warm-up).
@@ -252,7 +252,7 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
         warmup: Calls before measuring, for caches and lazy state to settle.
 
     Returns:
-        A :class:`LeakReport`; ``report.leaks`` is empty when nothing grew.
+        A [`LeakReport`][devicekit.LeakReport]; ``report.leaks`` is empty when nothing grew.
 
     Raises:
         TypeError: ``fn`` is not callable, or ``repeat``/``warmup`` not ints.

@@ -76,7 +76,8 @@ class LogBuffer:
     the pending values that are already on the host, stacks the others per
     device and dtype, copies each stack to the host in one non-blocking copy
     (into pinned memory on CUDA), and waits for that copy only; the records
-    land in :attr:`history` and are handed to each sink. :meth:`flush` and
+    land in [`history`][devicekit.LogBuffer.history] and are handed to each sink.
+    [`flush()`][devicekit.LogBuffer.flush] and
     the end of a ``with`` block flush at once. The automatic flush every
     ``flush_every`` calls only *starts* the copy: waiting for it would also
     wait for every kernel queued before it, so its records arrive at the next
@@ -95,7 +96,7 @@ class LogBuffer:
       once). When the ``with`` block is already leaving on an exception, a
       failing flush or sink never replaces it: the block's exception
       propagates, with a note saying what else failed (logged on Python 3.10).
-    - NaN and inf are kept (and counted in :attr:`nonfinite`).
+    - NaN and inf are kept (and counted in [`nonfinite`][devicekit.LogBuffer.nonfinite]).
 
     Device memory holds at most ``flush_every`` pending values plus one
     stacked copy in flight.
@@ -214,7 +215,7 @@ class LogBuffer:
         Args:
             wait: False starts the copy and returns at once, so it overlaps
                 the next steps; the records arrive at the next flush (or when
-                :attr:`history` is read).
+                [`history`][devicekit.LogBuffer.history] is read).
 
         Returns:
             The records this call added to ``history`` (none with ``wait=False``).

@@ -1,10 +1,10 @@
-"""How a :class:`~devicekit.LogBuffer`'s pending values reach the host: by key, in bulk.
+"""How a [`LogBuffer`][devicekit.LogBuffer]'s pending values reach the host: by key, in bulk.
 
 A flush sees its values by key: one column per key, in order of first
 appearance. Values already on the host (Python numbers, CPU tensors) are read
 at once, one ``float()`` each, which is faster than stacking them. Values on an
 accelerator are stacked per device and dtype and copied to the host in one
-non-blocking copy per stack (into pinned memory on CUDA), and :func:`land`
+non-blocking copy per stack (into pinned memory on CUDA), and `land()`
 waits for those copies only. Across ranks, every rank arranges its values by
 key name, checks with the other ranks (over devicekit's gloo group, ``_dist``)
 that all logged the same, and only then combines them in one ``all_reduce``.

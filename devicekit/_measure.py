@@ -53,7 +53,7 @@ def callable_name(fn: object) -> str:
 
 @dataclass(frozen=True)
 class Measurement:
-    """What :func:`benchmark` measured, with the evidence to judge it by.
+    """What [`benchmark()`][devicekit.benchmark] measured, with the evidence to judge it by.
 
     Times are seconds per call. On a GPU ``times`` are device times from CUDA
     events and ``host_times`` the host's time to issue each call; on the CPU
@@ -208,7 +208,7 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Measurement:
-        """Rebuild a measurement from :meth:`to_dict`'s output (derived keys are ignored)."""
+        """Rebuild a measurement from `to_dict()`'s output (derived keys are ignored)."""
         fields = {k: v for k, v in data.items() if k not in ("trustworthy", "notes")}
         fields["ci"] = None if fields["ci"] is None else tuple(fields["ci"])
         fields["times"] = tuple(fields["times"])
@@ -409,7 +409,7 @@ def benchmark(
         **kwargs: Passed to ``fn`` (so ``fn`` cannot take the option names above).
 
     Returns:
-        The :class:`Measurement`.
+        The [`Measurement`][devicekit.Measurement].
 
     Raises:
         TypeError: ``fn`` is not callable, or an option is not a number.

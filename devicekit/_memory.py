@@ -78,7 +78,7 @@ def cuda_bytes(index: int) -> CUDABytes | None:
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """One device's memory before and after :func:`free_memory` (bytes).
+    """One device's memory before and after [`free_memory()`][devicekit.free_memory] (bytes).
 
     Attributes:
         device: Such as ``"cuda:0"``.
@@ -114,7 +114,7 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """What :func:`free_memory` did.
+    """What [`free_memory()`][devicekit.free_memory] did.
 
     Attributes:
         devices: One entry per device that was emptied.
@@ -177,12 +177,12 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
     nothing to give back, and the report says so.
 
     Args:
-        devices: CUDA devices to report on (a list of :data:`DeviceLike`, or
+        devices: CUDA devices to report on (a list of [`DeviceLike`][devicekit.DeviceLike], or
             one). Default: every device where this process holds memory, and
             the current one.
 
     Returns:
-        A :class:`MemoryReport`.
+        A [`MemoryReport`][devicekit.MemoryReport].
 
     Raises:
         ValueError: One of ``devices`` is not a CUDA device (the CPU has no
@@ -225,7 +225,7 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
 
 @dataclass(frozen=True)
 class ScopeReport:
-    """Memory inside a :func:`memory_scope` block (bytes; None off CUDA).
+    """Memory inside a [`memory_scope()`][devicekit.memory_scope] block (bytes; None off CUDA).
 
     Attributes:
         device: Such as ``"cuda:0"``.
@@ -280,7 +280,7 @@ class ScopeReport:
 
 
 class MemoryScope:
-    """What :func:`memory_scope` yields; its ``report`` is set when the block ends."""
+    """What `memory_scope()` yields; its ``report`` is set when the block ends."""
 
     def __init__(self) -> None:
         self.report: ScopeReport | None = None
@@ -305,12 +305,12 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
     when it ends. On the CPU every value is None.
 
     Args:
-        device: The device, a :data:`DeviceLike`. Default: the current CUDA
+        device: The device, a [`DeviceLike`][devicekit.DeviceLike]. Default: the current CUDA
             device (the block may be the first to use CUDA), or the CPU
             where there is no CUDA device.
 
     Yields:
-        A :class:`MemoryScope` whose ``report`` is filled in on exit.
+        A [`MemoryScope`][devicekit.MemoryScope] whose ``report`` is filled in on exit.
 
     Raises:
         DeviceNotFoundError: ``device`` does not exist here.

@@ -58,7 +58,7 @@ _INIT_ERRORS = {
 
 
 class _Session:
-    """Every piece of NVML state in this process, in one place, with one :meth:`reset`.
+    """Every piece of NVML state in this process, in one place, with one `reset()`.
 
     NVML starts at most once per session, under a lock. A child made by
     ``fork`` gets a fresh session (``os.register_at_fork``): a lock held by

@@ -322,7 +322,7 @@ def build_report(
     top: int = 10,
     sites: bool = False,
 ) -> OOMReport:
-    """Read the numbers of an out-of-memory ``error`` into an :class:`OOMReport`."""
+    """Read the numbers of an out-of-memory ``error`` into an [`OOMReport`][devicekit.OOMReport]."""
     parsed = parse_oom(str(error))
     target = _target(error, parsed, device)
     total, free = parsed.total, parsed.free
@@ -372,7 +372,7 @@ def build_report(
 
 
 class _ExplainOOM:
-    """What :func:`explain_oom` returns: a context manager, and a decorator."""
+    """What [`explain_oom()`][devicekit.explain_oom] returns: a context manager, and a decorator."""
 
     def __init__(
         self,
@@ -458,9 +458,9 @@ def explain_oom(
     (``@dk.explain_oom`` or ``@dk.explain_oom(model=model)``). When
     ``torch.OutOfMemoryError``, or an older out-of-memory ``RuntimeError`` (the
     CPU's "can't allocate memory" included), leaves the block, it raises
-    :class:`DeviceOutOfMemoryError` from it: a subclass of
+    [`DeviceOutOfMemoryError`][devicekit.DeviceOutOfMemoryError] from it: a subclass of
     ``torch.OutOfMemoryError``, so existing handlers still catch it, whose
-    message is the report and whose ``report`` is an :class:`OOMReport`.
+    message is the report and whose ``report`` is an [`OOMReport`][devicekit.OOMReport].
     torch's error and its traceback stay attached as ``__cause__``. Any other
     exception passes through untouched.
 

@@ -10,7 +10,7 @@ Faults end the call promptly and say what happened; nothing is left running:
 
 - ``fn`` or an item that cannot be pickled is refused before any worker
   starts, by its index; a result that cannot be sent back names its item;
-- ``fn`` raising ends the call with a :class:`~devicekit.WorkerError` that has
+- ``fn`` raising ends the call with a [`WorkerError`][devicekit.WorkerError] that has
   the item's index, the worker and its device, and the worker's traceback;
 - a worker that dies (the out-of-memory killer, a segfault, ``kill -9``) is
   seen at once, through its process sentinel, and named with its device,
@@ -168,9 +168,9 @@ def _stop(workers: list[_Worker], *, gently: bool) -> None:
 
 
 class GPUPool:
-    """Worker processes, one per GPU slot, reused by every :meth:`map` until closed.
+    """Worker processes, one per GPU slot, reused by every `map()` until closed.
 
-    Make one with :func:`gpu_pool`. Starting a worker costs about a second
+    Make one with [`gpu_pool()`][devicekit.gpu_pool]. Starting a worker costs about a second
     (mostly importing torch), so many small ``map`` calls share one pool
     instead of each paying it. After a failed ``map`` the workers are stopped;
     the next ``map`` starts fresh ones. Use a pool from one thread at a time.
@@ -218,7 +218,7 @@ class GPUPool:
     ) -> list[R]:
         """``[fn(item) for item in items]``, computed by the pool's workers, in input order.
 
-        Raises as :func:`gpu_map` does.
+        Raises as [`gpu_map()`][devicekit.gpu_map] does.
         """
         fn_bytes = _pickle_fn(fn)
         work = list(items)
@@ -407,18 +407,18 @@ def gpu_pool(
 ) -> GPUPool:
     """Start worker processes once and reuse them: ``with dk.gpu_pool() as pool: pool.map(...)``.
 
-    The workers are those :func:`gpu_map` would start (same ``devices`` and
+    The workers are those [`gpu_map()`][devicekit.gpu_map] would start (same ``devices`` and
     ``workers_per_device``), but they stay up between ``map`` calls, so a
     loop of small maps does not pay a worker start-up (about a second each,
     mostly importing torch) every time. Close the pool (or leave the ``with``
     block) to stop them; they also stop when this process exits.
 
     Args:
-        devices: As for :func:`gpu_map`.
-        workers_per_device: As for :func:`gpu_map`.
+        devices: As for [`gpu_map()`][devicekit.gpu_map].
+        workers_per_device: As for [`gpu_map()`][devicekit.gpu_map].
 
     Returns:
-        A :class:`GPUPool`.
+        A [`GPUPool`][devicekit.GPUPool].
 
     Raises:
         ValueError: ``devices`` is empty or names a device that is neither CUDA
@@ -464,13 +464,13 @@ def gpu_map(
 
     Because workers are spawned, each imports the main module again: in a
     script, call ``gpu_map`` under ``if __name__ == "__main__":``. To run
-    many maps with the same workers, use :func:`gpu_pool`.
+    many maps with the same workers, use [`gpu_pool()`][devicekit.gpu_pool].
 
     Args:
         fn: A picklable function (defined at the top level of a module, not a
             lambda or a function defined inside another).
         items: The inputs; each must be picklable, and so must each result.
-        devices: Where workers run: a list of :data:`DeviceLike`, or one.
+        devices: Where workers run: a list of [`DeviceLike`][devicekit.DeviceLike], or one.
             GPUs are named as this process numbers them (``0``, ``"cuda:1"``,
             ``torch.device("cuda", 1)``); ``"cpu"`` is a CPU worker. Default:
             every visible GPU, or one CPU worker per core when there is none.

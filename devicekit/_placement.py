@@ -97,7 +97,7 @@ class _Mover:
 
     Building the walk's closures costs about 2 µs, a sixth of moving a batch of
     a dozen small tensors, so each thread keeps one mover per target and policy
-    and reuses it (see :func:`_borrow`); :meth:`finish` empties it for the next
+    and reuses it (see `_borrow()`); `finish()` empties it for the next
     call.
     """
 
@@ -468,9 +468,9 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
 
     Args:
         obj: A tensor, module, or any nesting of the containers above.
-        device: Where to move it: a :data:`DeviceLike` (``"cuda:1"``, ``1``,
+        device: Where to move it: a [`DeviceLike`][devicekit.DeviceLike] (``"cuda:1"``, ``1``,
             a ``torch.device``; ``"cuda"`` is the current CUDA device).
-            Default: :func:`try_gpu`.
+            Default: [`try_gpu()`][devicekit.try_gpu].
         non_blocking: ``None`` for the safe policy above, or ``True`` or
             ``False`` to force it.
 
@@ -524,7 +524,8 @@ def load(path: str | os.PathLike[str], device: DeviceLike | None = None, **kwarg
 
     Args:
         path: The file to load (or anything ``torch.load`` accepts).
-        device: Where the tensors go, a :data:`DeviceLike`. Default: :func:`try_gpu`.
+        device: Where the tensors go, a [`DeviceLike`][devicekit.DeviceLike].
+            Default: [`try_gpu()`][devicekit.try_gpu].
         **kwargs: Passed to ``torch.load`` (``weights_only``, ``mmap``...).
 
     Returns:
@@ -562,14 +563,14 @@ def data_parallel(
 
     With two or more devices, the module goes to the first and is wrapped in
     ``nn.DataParallel`` over all of them. With one device or none, the module
-    is moved to that device (or :func:`try_gpu`) and returned unwrapped, so
+    is moved to that device (or [`try_gpu()`][devicekit.try_gpu]) and returned unwrapped, so
     the same script runs everywhere. The first time it wraps, it logs (with
     ``logging``, at WARNING) that ``DistributedDataParallel`` is faster.
 
     Args:
         module: The model.
-        devices: The devices to use: a list of :data:`DeviceLike`, or one
-            device. Default: :func:`try_all_gpus`.
+        devices: The devices to use: a list of [`DeviceLike`][devicekit.DeviceLike], or one
+            device. Default: [`try_all_gpus()`][devicekit.try_all_gpus].
 
     Returns:
         ``nn.DataParallel(module)`` or ``module`` itself, moved.

@@ -5,7 +5,7 @@ Ray already schedules GPUs across a cluster: a task declares ``num_gpus``
 ``CUDA_VISIBLE_DEVICES`` to the GPU it assigned, so inside the task
 ``dk.try_gpu()`` is that GPU, as ``cuda:0``. devicekit delegates to it and
 adds only what ``gpu_map`` promises: results in input order, a failing item
-as :class:`~devicekit.WorkerError` with its index and traceback, progress,
+as [`WorkerError`][devicekit.WorkerError] with its index and traceback, progress,
 and Ctrl-C that stops the work.
 
 Ray is optional (``pip install 'devicekit[ray]'``) and imported only here,

@@ -1,4 +1,4 @@
-"""Built-in :class:`~devicekit.LogBuffer` sinks: a CSV file, TensorBoard, a progress bar.
+"""Built-in [`LogBuffer`][devicekit.LogBuffer] sinks: a CSV file, TensorBoard, a progress bar.
 
 Each is called once per flush with the new records, so none of them costs a
 sync per step. TensorBoard and tqdm are not dependencies: pass your own writer

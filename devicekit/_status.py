@@ -3,7 +3,7 @@
 The ``devicekit`` command prints ``str(status())``, ``devicekit --json``
 prints ``status().to_dict()``, and a notebook shows ``_repr_html_``; ``doctor``
 starts from the same result. So there is one snapshot and one set of
-judgements (:mod:`devicekit._findings`), rendered three ways.
+judgements (`_findings`), rendered three ways.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ._visible import ENV_VAR, cuda_started, parse_visible_devices, reads_as_wri
 __all__ = ["SCHEMA_VERSION", "Status", "status", "torch_build"]
 
 SCHEMA_VERSION = 2
-"""The version of :meth:`Status.to_dict`'s layout (``devicekit --json``)."""
+"""The version of [`Status.to_dict()`][devicekit.Status.to_dict]'s layout (``devicekit --json``)."""
 
 _LABEL = 22  # the width of the report's left column
 _GPU_COLUMNS = (
@@ -199,7 +199,7 @@ class Status:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document of ``devicekit --json`` (its layout is :data:`SCHEMA_VERSION`)."""
+        """The JSON document of ``devicekit --json`` (its layout is `SCHEMA_VERSION`)."""
         return {
             "schema": SCHEMA_VERSION,
             "time": datetime.datetime.fromtimestamp(self.taken_at).astimezone().isoformat(),
@@ -277,7 +277,7 @@ def status() -> Status:
     """Snapshot what torch can use here and what every GPU is doing. Never initializes CUDA.
 
     Returns:
-        A :class:`Status`. ``print()`` it for the ``devicekit`` report,
+        A [`Status`][devicekit.Status]. ``print()`` it for the ``devicekit`` report,
         ``to_dict()`` it for JSON; a notebook renders it as tables.
 
     Examples:

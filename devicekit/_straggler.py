@@ -201,7 +201,7 @@ class _Window:
 
 
 class _Section:
-    """The context manager :meth:`StragglerDetector.section` returns; one per name, reused."""
+    """The context manager `StragglerDetector.section()` returns; one per name, reused."""
 
     __slots__ = ("_detector", "_event", "_name", "_open", "_samples", "_start")
 
@@ -262,7 +262,8 @@ class StragglerDetector:
 
     Every ``every`` steps, ``step()`` gathers each rank's median per section
     over those steps, in one collective on devicekit's gloo group, and sets
-    :attr:`report` to a :class:`StragglerReport` (the same on every rank):
+    [`report`][devicekit.StragglerDetector.report] to a
+    [`StragglerReport`][devicekit.StragglerReport] (the same on every rank):
     ranks whose median exceeds ``threshold`` times the job median, by at
     least 1% of the job's median step time, are stragglers. Each sink is then
     called with the report; a sink that raises does not stop the others, and
@@ -271,7 +272,7 @@ class StragglerDetector:
 
     Every rank must call ``step()`` the same number of times: the collective
     waits at most ``timeout`` seconds for the other ranks, then raises
-    :class:`~devicekit.RanksOutOfStepError` instead of hanging.
+    [`RanksOutOfStepError`][devicekit.RanksOutOfStepError] instead of hanging.
 
     Args:
         every: Steps between reports.
@@ -345,7 +346,8 @@ class StragglerDetector:
         """Mark the end of a step; every ``every`` steps, make and return a report.
 
         Returns:
-            The new :class:`StragglerReport` on the steps that make one, else None.
+            The new [`StragglerReport`][devicekit.StragglerReport] on the steps that make one, else
+            None.
 
         Raises:
             RanksOutOfStepError: At a report, some rank did not call ``step()``

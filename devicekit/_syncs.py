@@ -32,7 +32,7 @@ def _traceback_location(traceback: types.TracebackType | None) -> str:
 
 
 class SyncReport:
-    """What :func:`detect_syncs` saw: each synchronizing call and the user line it came from.
+    """What `detect_syncs()` saw: each synchronizing call and the user line it came from.
 
     Attributes:
         mode: ``"record"`` or ``"error"``.
@@ -120,10 +120,10 @@ def detect_syncs(*, mode: str = "record") -> Iterator[SyncReport]:
 
     Args:
         mode: ``"record"`` counts syncs and their lines; ``"error"`` raises
-            :class:`SyncError` at the first one, naming the line.
+            [`SyncError`][devicekit.SyncError] at the first one, naming the line.
 
     Yields:
-        A :class:`SyncReport`, filled in as the block runs. Without a CUDA
+        A [`SyncReport`][devicekit.SyncReport], filled in as the block runs. Without a CUDA
         device it records nothing, and ``report.reason`` says why.
 
     Raises:

@@ -49,7 +49,7 @@ class _Lap:
 
 
 class TimedFunction(Protocol[P, R_co]):
-    """A function decorated with a :class:`Timer`: call it as before; ``.timer`` has the laps."""
+    """A function decorated with a `Timer`: call it as before; ``.timer`` has the laps."""
 
     timer: Timer
 
@@ -249,7 +249,7 @@ class Benchmark:
 
     Args:
         description: What the printed line starts with.
-        device: As for :class:`Timer`.
+        device: As for [`Timer`][devicekit.Timer].
 
     Examples:
         >>> import devicekit as dk

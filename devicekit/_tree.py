@@ -1,7 +1,8 @@
 """Nested structures as devicekit sees them: which containers it walks into, and how.
 
-One definition serves :func:`~devicekit.to_device` (which rebuilds), and
-:func:`~devicekit.assert_same_device` and :func:`~devicekit.check_module`
+One definition serves [`to_device()`][devicekit.to_device] (which rebuilds), and
+[`assert_same_device()`][devicekit.assert_same_device] and
+[`check_module()`][devicekit.check_module]
 (which only look), so the three always agree on what "inside" means.
 """
 
@@ -61,7 +62,7 @@ def iter_tensors(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_leaves(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
-    """Like :func:`iter_tensors`, but a module is yielded itself, not opened."""
+    """Like `iter_tensors()`, but a module is yielded itself, not opened."""
     yield from _iter(obj, path, False, set())
 
 

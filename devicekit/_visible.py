@@ -2,7 +2,7 @@
 
 The variable is read once, when the CUDA driver starts in a process. Setting it
 later changes nothing for that process, only for the processes it starts, so
-:func:`visible_devices` refuses to pretend otherwise.
+[`visible_devices()`][devicekit.visible_devices] refuses to pretend otherwise.
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ def visible_devices(
             string (``"0,2"``), a sequence of indices or of ``GPU-``/``MIG-``
             UUIDs (unique prefixes are fine); ``""`` or ``[]`` to hide every
             GPU; ``None`` to unset the variable, so that every GPU is visible.
-            Each value round-trips with :func:`parse_visible_devices`:
+            Each value round-trips with
+            [`parse_visible_devices()`][devicekit.parse_visible_devices]:
             ``visible_devices(dk.parse_visible_devices())`` changes nothing.
         subprocesses_only: Set the variable even though CUDA has already
             started in this process, because it is meant only for processes
