@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ._callbacks import call_each, checked_sinks
 from ._dist import initialized
 from ._format import html_table, plural
 from ._logflush import InFlight, by_key, land, start, start_reduced
@@ -151,10 +152,7 @@ class LogBuffer:
                 f"reduce must be one of {', '.join(_REDUCE_OPS)} or None, got {reduce!r}"
             )
         self.flush_every = flush_every
-        self.sinks: list[Sink] = list(sinks)
-        for sink in self.sinks:
-            if not callable(sink):
-                raise TypeError(f"each sink must be callable with a list of records, got {sink!r}")
+        self.sinks: list[Sink] = checked_sinks(sinks, receives="a list of records")
         self.reduce = reduce
         self.nonfinite = 0
         """How many NaN or infinite values have been recorded (they are kept)."""
@@ -383,12 +381,8 @@ class LogBuffer:
         """Hand each landed flush to every sink, in order; return the first error."""
         first_error: BaseException | None = None
         while self._undelivered:
-            records = self._undelivered.popleft()
-            for sink in self.sinks:
-                try:
-                    sink(records)
-                except Exception as error:  # noqa: BLE001 - every sink runs; the first error is raised
-                    first_error = first_error or error
+            error = call_each(self.sinks, self._undelivered.popleft())
+            first_error = first_error or error
         return first_error
 
 

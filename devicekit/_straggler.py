@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from ._callbacks import call_each, checked_sinks
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
 from ._errors import RanksOutOfStepError
 from ._format import UNKNOWN, format_seconds, html_table, plural, safe_text, text_table
@@ -312,10 +313,7 @@ class StragglerDetector:
         self.every = every
         self.threshold = float(threshold)
         self.timeout = validated_timeout(timeout)
-        self.sinks: list[ReportSink] = list(sinks)
-        for sink in self.sinks:
-            if not callable(sink):
-                raise TypeError(f"each sink must be callable with a StragglerReport, got {sink!r}")
+        self.sinks: list[ReportSink] = checked_sinks(sinks, receives="a StragglerReport")
         self.report: StragglerReport | None = None
         """The latest report, or None before the first ``every`` steps."""
         self.steps = 0
@@ -406,12 +404,7 @@ class StragglerDetector:
         return self.report
 
     def _deliver(self, report: StragglerReport) -> None:
-        first_error: BaseException | None = None
-        for sink in self.sinks:
-            try:
-                sink(report)
-            except Exception as error:  # noqa: BLE001 - every sink runs; the first error is raised
-                first_error = first_error or error
+        first_error = call_each(self.sinks, report)
         if first_error is not None:
             raise first_error
 

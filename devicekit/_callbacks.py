@@ -1,0 +1,47 @@
+"""Sinks: callables that receive each result (LogBuffer's records, straggler reports).
+
+One rule for all of them: every sink runs, in order, even when an earlier one
+raised, and the first error is raised once they have all run, so that one
+broken sink (a full disk) never keeps the others (the progress bar) from
+their data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+__all__ = ["call_each", "checked_sinks"]
+
+S = TypeVar("S", bound=Callable[..., Any])
+
+
+def checked_sinks(sinks: Iterable[S], *, receives: str) -> list[S]:
+    """``sinks`` as a list, or a ``TypeError`` naming the first that cannot be called.
+
+    Examples:
+        >>> checked_sinks([print], receives="a list of records") == [print]
+        True
+    """
+    found = list(sinks)
+    for sink in found:
+        if not callable(sink):
+            raise TypeError(f"each sink must be callable with {receives}, got {sink!r}")
+    return found
+
+
+def call_each(sinks: Iterable[Callable[[Any], Any]], value: Any) -> BaseException | None:
+    """Call every sink with ``value``; return the first error any of them raised.
+
+    Examples:
+        >>> call_each([lambda v: 1 / 0, print], "still printed")
+        still printed
+        ZeroDivisionError('division by zero')
+    """
+    first_error: BaseException | None = None
+    for sink in sinks:
+        try:
+            sink(value)
+        except Exception as error:  # noqa: BLE001 - every sink runs; the first error is raised
+            first_error = first_error or error
+    return first_error
