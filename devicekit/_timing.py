@@ -277,3 +277,7 @@ class Benchmark:
     ) -> None:
         self.elapsed = self._timer.stop()
         print(f"{self.description}: {self.elapsed:.4f} sec")
+
+    def __repr__(self) -> str:
+        took = "not run yet" if self.elapsed is None else format_seconds(self.elapsed)
+        return f"Benchmark({self.description!r}: {took})"

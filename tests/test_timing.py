@@ -187,3 +187,12 @@ def test_timer_starting_cuda_inside_a_lap_still_waits_for_the_gpu() -> None:
     )
     first, warm = result
     assert first >= warm * 0.9  # the first lap includes the five matmuls, not only launches
+
+
+def test_benchmark_context_has_a_readable_repr(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = dk.Benchmark("load data")
+    assert repr(bench) == "Benchmark('load data': not run yet)"
+    with bench:
+        pass
+    capsys.readouterr()
+    assert re.fullmatch(r"Benchmark\('load data': [\d.]+ (s|ms|µs|ns)\)", repr(bench))
