@@ -39,13 +39,19 @@ class _Lap:
     start_event: Any = None
     end_event: Any = None
     host_end: float | None = None
+    value: float | None = None  # seconds, once known; the events are let go then
 
     def seconds(self) -> float:
-        if self.start_event is not None:
-            self.end_event.synchronize()  # waits for this lap's work, nothing later
-            return float(self.start_event.elapsed_time(self.end_event)) / 1e3
-        assert self.host_end is not None
-        return self.host_end - self.host_start
+        if self.value is None:
+            if self.start_event is not None:
+                self.end_event.synchronize()  # waits for this lap's work, nothing later
+                self.value = float(self.start_event.elapsed_time(self.end_event)) / 1e3
+                # A million laps must not hold two million CUDA events.
+                self.start_event = self.end_event = None
+            else:
+                assert self.host_end is not None
+                self.value = self.host_end - self.host_start
+        return self.value
 
 
 class TimedFunction(Protocol[P, R_co]):
@@ -123,6 +129,9 @@ class Timer:
 
     def start(self) -> None:
         """Begin a lap (the timer also begins one when it is created)."""
+        self._running = self._begin()
+
+    def _begin(self) -> _Lap:
         device = self._cuda_device()
         if self._sync:
             _synchronize(device or self._device)
@@ -131,12 +140,16 @@ class Timer:
             lap.start_event = CudaEvent(enable_timing=True)
             lap.start_event.record(torch.cuda.current_stream(device))
         lap.host_start = time.perf_counter()
-        self._running = lap
+        return lap
 
     def _finish(self) -> _Lap:
         lap = self._running
         if lap is None:
             raise RuntimeError("Timer.stop() needs a running lap: call start() first")
+        self._running = None
+        return self._end(lap)
+
+    def _end(self, lap: _Lap) -> _Lap:
         if lap.start_event is not None:
             lap.end_event = CudaEvent(enable_timing=True)
             lap.end_event.record(torch.cuda.current_stream(lap.device))
@@ -146,8 +159,7 @@ class Timer:
             if self._sync or (self._device is None and torch_cuda_initialized()):
                 _synchronize(lap.device or self._device)
             lap.host_end = time.perf_counter()
-        self._laps.append(lap)
-        self._running = None
+        self._laps.append(lap)  # one atomic append: laps from several threads all land
         return lap
 
     def stop(self) -> float:
@@ -200,16 +212,18 @@ class Timer:
     def __call__(self, fn: Callable[P, R]) -> TimedFunction[P, R]:
         """Use the timer as a decorator: each call of ``fn`` is one lap.
 
-        The wrapped function's ``timer`` attribute is this timer.
+        The wrapped function's ``timer`` attribute is this timer. Each call
+        keeps its own lap, so recursive calls, and calls from several threads,
+        each record one (in the order they finish).
         """
 
         @functools.wraps(fn)
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
-            self.start()
+            lap = self._begin()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._finish()
+                self._end(lap)
 
         wrapper = cast("TimedFunction[P, R]", timed)
         wrapper.timer = self

@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 requires_two_gpus = pytest.mark.skipif(GPU_COUNT < 2, reason="needs two or more visible GPUs")
 
 
+CTRL_C_WORKS = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+"""The first line of a child that must take Ctrl-C as Python does.
+
+A shell starts background jobs with SIGINT ignored, children inherit that, and
+Python raises no KeyboardInterrupt where SIGINT was ignored at start: a Ctrl-C
+test run from such a job would wait forever for a child that never hears it.
+"""
+
+
 def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
     """Run ``code`` in a fresh interpreter and return the JSON it prints on its last line."""
     full_env = {**os.environ, **(env or {})}

@@ -24,7 +24,7 @@ import torch
 import devicekit as dk
 from devicekit import _cli, _status
 
-from .conftest import GPU_COUNT, FakeAccelerator
+from .conftest import CTRL_C_WORKS, GPU_COUNT, FakeAccelerator
 from .fake_pynvml import FakeGPU, FakeNVML
 
 Install = Callable[[Any], None]
@@ -356,7 +356,14 @@ def test_python_dash_m_runs_the_same_report() -> None:
 
 def test_watch_stops_cleanly_on_ctrl_c() -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "devicekit", "watch", "-n", "0.05"],
+        [
+            sys.executable,
+            "-c",
+            CTRL_C_WORKS + "import runpy; runpy.run_module('devicekit', run_name='__main__')",
+            "watch",
+            "-n",
+            "0.05",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,7 +18,7 @@ import torch
 
 import devicekit as dk
 
-from .conftest import GPU_COUNT, FakeAccelerator
+from .conftest import CTRL_C_WORKS, GPU_COUNT, FakeAccelerator
 
 
 def where(item: int) -> tuple[int, str | None, int]:
@@ -204,7 +204,7 @@ def test_ctrl_c_with_many_items_queued_stops_the_workers_and_exits() -> None:
         """
     )
     process = subprocess.Popen(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", CTRL_C_WORKS + script],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+import threading
 import time
 
 import pytest
@@ -196,3 +198,29 @@ def test_benchmark_context_has_a_readable_repr(capsys: pytest.CaptureFixture[str
         pass
     capsys.readouterr()
     assert re.fullmatch(r"Benchmark\('load data': [\d.]+ (s|ms|µs|ns)\)", repr(bench))
+
+
+def test_a_decorated_function_may_recurse_and_run_in_threads() -> None:
+    timer = dk.Timer()
+
+    @timer
+    def countdown(n: int) -> int:
+        return 0 if n == 0 else 1 + countdown(n - 1)
+
+    assert countdown(3) == 3  # before: "Timer.stop() needs a running lap"
+    assert len(countdown.timer.times) == 4
+    threads = [threading.Thread(target=countdown, args=(2,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(timer.times) == 4 + 4 * 3
+    assert all(t >= 0 for t in timer.times)
+
+
+def test_a_lap_remembers_its_seconds() -> None:
+    timer = dk.Timer()
+    with timer:
+        pass
+    first = timer.times
+    assert timer.times == first  # read once, then kept: the same floats every time

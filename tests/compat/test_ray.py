@@ -25,7 +25,7 @@ import pytest
 
 import devicekit as dk
 
-from ..conftest import FakeAccelerator, run_python
+from ..conftest import CTRL_C_WORKS, FakeAccelerator, run_python
 
 ray = pytest.importorskip("ray")
 
@@ -210,7 +210,7 @@ except KeyboardInterrupt:
 
 def test_ctrl_c_cancels_the_outstanding_tasks(tmp_path: Path) -> None:
     driver = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_INTERRUPTED), str(tmp_path)],
+        [sys.executable, "-c", CTRL_C_WORKS + textwrap.dedent(_INTERRUPTED), str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
