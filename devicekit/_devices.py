@@ -37,6 +37,7 @@ __all__ = [
     "resolve_cuda_devices",
     "resolve_device",
     "resolve_devices",
+    "synchronize",
     "try_all_gpus",
     "try_gpu",
 ]
@@ -96,6 +97,22 @@ def current_cuda_device() -> torch.device | None:
     it; before that, nothing can have chosen a device other than ``cuda:0``.
     """
     return torch.device("cuda", torch.cuda.current_device()) if torch_cuda_initialized() else None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for everything queued on ``device``; nothing to wait for on the CPU or meta.
+
+    One place for it because the backends differ: ``torch.mps.synchronize()``
+    takes no device (MPS has one), the others take it.
+    """
+    kind = device.type
+    if kind in ("cpu", "meta"):
+        return
+    module = torch.get_device_module(kind)
+    if kind == "mps":
+        module.synchronize()
+    else:
+        module.synchronize(device)
 
 
 # --- the device model ------------------------------------------------------------------

@@ -17,7 +17,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._devices import CPU, META, DeviceLike, resolve_device, resolve_devices, try_all_gpus, try_gpu
+from ._devices import (
+    CPU,
+    META,
+    DeviceLike,
+    resolve_device,
+    resolve_devices,
+    synchronize,
+    try_all_gpus,
+    try_gpu,
+)
 from ._tree import describe_cycle, is_dataclass_instance, is_namedtuple
 
 __all__ = ["data_parallel", "load", "to_device"]
@@ -159,8 +168,7 @@ class _Mover:
         """Wait for the copies to the host the call left in flight, and forget the call."""
         if self.unsynced:
             for source in self.unsynced:
-                if source.type != "cpu":
-                    torch.get_device_module(source.type).synchronize(source)
+                synchronize(source)
             self.unsynced.clear()
         self.memo.clear()  # lets go of every moved tensor
         self.returned_none = None

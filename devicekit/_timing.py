@@ -17,7 +17,13 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
-from ._devices import DeviceLike, accelerator_type, current_cuda_device, resolve_device
+from ._devices import (
+    DeviceLike,
+    accelerator_type,
+    current_cuda_device,
+    resolve_device,
+    synchronize,
+)
 from ._format import format_seconds, html_table, plural
 from ._visible import torch_cuda_initialized
 
@@ -67,7 +73,7 @@ def _synchronize(device: torch.device | None) -> None:
         if torch_cuda_initialized():
             torch.cuda.synchronize()
     elif device.type == accelerator_type():
-        torch.get_device_module(device.type).synchronize(device)
+        synchronize(device)
 
 
 class Timer:

@@ -110,3 +110,21 @@ def test_try_gpu_agrees_with_torch_on_a_real_gpu() -> None:
     assert result["first"] == "cuda:0"
     assert result["beyond"] == "cpu"
     assert result["initialized"] is False
+
+
+def test_synchronize_calls_each_backend_as_it_wants(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, tuple[object, ...]]] = []
+
+    class Module:
+        def __init__(self, kind: str) -> None:
+            self.kind = kind
+
+        def synchronize(self, *args: object) -> None:
+            calls.append((self.kind, args))
+
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: Module(kind))
+    _devices.synchronize(torch.device("mps", 0))  # torch.mps.synchronize() takes no device
+    _devices.synchronize(torch.device("cuda", 1))
+    _devices.synchronize(torch.device("cpu"))  # nothing to wait for
+    _devices.synchronize(torch.device("meta"))
+    assert calls == [("mps", ()), ("cuda", (torch.device("cuda", 1),))]
