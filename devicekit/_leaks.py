@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._census import GroupKey, census, only_new_objects
 from ._format import format_bytes, format_count, html_table, plural
 from ._frames import user_location
+from ._memory import used_cuda_indices
 from ._options import check_index
 from ._visible import torch_cuda_initialized
 
@@ -212,8 +213,7 @@ def _allocated() -> dict[str, int]:
     """Allocated bytes per CUDA device this process uses; nothing before CUDA starts."""
     if not torch_cuda_initialized():
         return {}
-    used = (i for i in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(i) > 0)
-    return {f"cuda:{i}": torch.cuda.memory_allocated(i) for i in used}
+    return {f"cuda:{i}": torch.cuda.memory_allocated(i) for i in used_cuda_indices()}
 
 
 def _growing(values: list[int]) -> bool:

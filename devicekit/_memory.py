@@ -41,6 +41,7 @@ __all__ = [
     "cuda_bytes",
     "free_memory",
     "memory_scope",
+    "used_cuda_indices",
 ]
 
 
@@ -86,7 +87,9 @@ class DeviceMemory:
         allocated_after: The same, after.
         reserved_before: Bytes the caching allocator held from the driver, before.
         reserved_after: The same, after.
-        driver_free_before: Bytes the driver reported free on the device, before.
+        driver_free_before: Bytes the driver reported free on the device,
+            before; None where reading it would create a context on a device
+            this process has not used.
         driver_free_after: The same, after (other processes move it too).
     """
 
@@ -95,8 +98,8 @@ class DeviceMemory:
     allocated_after: int
     reserved_before: int
     reserved_after: int
-    driver_free_before: int
-    driver_free_after: int
+    driver_free_before: int | None
+    driver_free_after: int | None
 
     @property
     def returned(self) -> int:
@@ -158,9 +161,11 @@ class MemoryReport:
         return html_table(rows, header=header, caption=caption)
 
 
-def _stats(index: int) -> tuple[int, int, int]:
-    free, _ = torch.cuda.mem_get_info(index)
-    return torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), free
+def used_cuda_indices() -> list[int]:
+    """The CUDA devices this process holds memory on, and the current one (CUDA started)."""
+    current = torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    return [i for i in range(count) if i == current or torch.cuda.memory_reserved(i) > 0]
 
 
 def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> MemoryReport:
@@ -207,18 +212,27 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
     if not torch_cuda_initialized():
         return MemoryReport((), collected, "CUDA is not initialized in this process: no GPU memory")
     if indices is None:
-        current = torch.cuda.current_device()
-        count = torch.cuda.device_count()
-        indices = [i for i in range(count) if i == current or torch.cuda.memory_reserved(i) > 0]
-    before = {index: _stats(index) for index in indices}
+        indices = used_cuda_indices()
+    # cuda_bytes reads counters only: naming a GPU this process never used must not
+    # create a context there (hundreds of MiB) just to report it.
+    before = {index: cuda_bytes(index) for index in indices}
     torch.cuda.empty_cache()
     _ipc_collect()
     entries = []
     for index in indices:
-        allocated, reserved, free = _stats(index)
-        old = before[index]
+        old, new = before[index], cuda_bytes(index)
+        assert old is not None  # CUDA is initialized here, so neither is None
+        assert new is not None
         entries.append(
-            DeviceMemory(f"cuda:{index}", old[0], allocated, old[1], reserved, old[2], free)
+            DeviceMemory(
+                f"cuda:{index}",
+                old.allocated,
+                new.allocated,
+                old.reserved,
+                new.reserved,
+                old.free,
+                new.free,
+            )
         )
     return MemoryReport(tuple(entries), collected)
 
