@@ -139,8 +139,10 @@ def _latencies(device: torch.device) -> list[BenchResult]:
     x = torch.zeros(1, device=device)
     launch = benchmark(x.add_, 1, max_time=_BUDGET)
     sync = benchmark(torch.cuda.synchronize, device, device="cpu", max_time=_BUDGET)
+    issue = launch.host_median
+    assert issue is not None  # benchmark() keeps the host time of every timed call
     return [
-        BenchResult.of("kernel launch (host)", device, launch.host_median, "s", launch),
+        BenchResult.of("kernel launch (host)", device, issue, "s", launch),
         BenchResult.of("synchronize, idle GPU", device, sync.median, "s", sync),
     ]
 

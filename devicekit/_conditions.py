@@ -14,7 +14,7 @@ from . import _gpus
 from ._contention import CpuWindow, contended
 from ._errors import DeviceNotFoundError
 from ._findings import ENVIRONMENTAL  # throttle reasons that are the environment's doing
-from ._format import html_table, plural, safe_text
+from ._format import format_count, html_table, plural, safe_text
 from ._gpuinfo import GPUInfo, GPUProcess
 
 __all__ = ["Conditions", "Sampler"]
@@ -85,7 +85,7 @@ class Conditions:
     def notes(self) -> list[str]:
         """Plain sentences about whatever could distort a timing, each with its fix."""
         notes = self._gpu_notes()
-        on_cores = f"of the {plural(self.cpu_count or 0, 'core')} this process runs on"
+        on_cores = f"of the {format_count(self.cpu_count, 'core')} this process runs on"
         if self._contended(self.other_cpu_time):
             preempted = f", pre-empting it {self.preemptions} times" if self.preemptions else ""
             seen = ", ".join(
@@ -172,7 +172,7 @@ class Conditions:
         if self.other_processes is not None:
             rows.append(("other processes on the GPU", str(len(self.other_processes))))
         if self.other_cores is not None:
-            cores = plural(self.cpu_count or 0, "core")
+            cores = format_count(self.cpu_count, "core")
             rows.append(("other processes on the CPU", f"{self.other_cores:.2f} of {cores}"))
         if self.preemptions is not None:
             rows.append(("pre-emptions", str(self.preemptions)))

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from ._format import format_bytes, plural
+from ._format import UNKNOWN, format_bytes, format_percent, format_value, plural, safe_text
 from ._gpuinfo import GPUInfo
 from ._visible import ENV_VAR, parse_visible_devices, reads_as_written
 
@@ -128,8 +128,8 @@ def torch_cannot_use_gpus(
     return Finding(
         "error",
         "torch is a CPU build, but this machine has NVIDIA GPUs",
-        f"{plural(len(gpus), 'GPU')} ({gpus[0].name}), driver {driver}; torch {torch_version} "
-        "cannot use them",
+        f"{plural(len(gpus), 'GPU')} ({safe_text(gpus[0].name or UNKNOWN)}), driver "
+        f"{driver or UNKNOWN}; torch {torch_version} cannot use them",
         f"install a CUDA build of torch for CUDA {cuda or 'your driver version'} or older "
         "(pytorch.org/get-started/locally)",
     )
@@ -162,7 +162,7 @@ def busy(info: GPUInfo) -> Finding | None:
     return Finding(
         "warning",
         f"{info.device} is busy with {plural(len(others), 'other process')}",
-        f"{shown}; utilization {'?' if info.utilization is None else info.utilization}%",
+        f"{shown}; utilization {format_percent(info.utilization)}",
         "wait, use another GPU (dk.pick_gpu()), or stop them; timings taken now mislead",
     )
 
@@ -175,7 +175,7 @@ def held_clocks(info: GPUInfo) -> Finding | None:
     return Finding(
         "warning",
         f"{info.device} clocks are held down: {', '.join(reasons)}",
-        f"SM clock {info.clock_text()}, {'?' if info.temperature is None else info.temperature} °C",
+        f"SM clock {info.clock_text()}, {format_value(info.temperature, '°C')}",
         "check cooling and power; results until then are slower than the GPU can do",
     )
 

@@ -139,7 +139,8 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
             )
         )
     others = n.processes or ()
-    held = sum(p.used_memory or 0 for p in others)
+    # What the others hold, at least: a process NVML cannot size adds nothing here.
+    held = sum(p.used_memory for p in others if p.used_memory is not None)
     if cuda and held:
         would_fit = held + (n.free or 0) >= request if request is not None else True
         if would_fit and (request is not None or held >= 0.05 * (n.total or math.inf)):

@@ -138,9 +138,9 @@ class Measurement:
         )
 
     @property
-    def host_median(self) -> float:
-        """Median host time to issue one call, seconds."""
-        return statistics.median(self.host_times) if self.host_times else 0.0
+    def host_median(self) -> float | None:
+        """Median host time to issue one call, seconds; None when none was kept."""
+        return statistics.median(self.host_times) if self.host_times else None
 
     @property
     def notes(self) -> list[str]:
@@ -170,7 +170,7 @@ class Measurement:
         # Only warm mode: graph replays have no launch cost, and in cold mode the
         # L2 flush keeps the GPU busy while the host issues the call.
         on_gpu = self.conditions.device.startswith("cuda") and self.mode == "warm"
-        if on_gpu and host >= _LAUNCH_BOUND * self.median:
+        if on_gpu and host is not None and host >= _LAUNCH_BOUND * self.median:
             notes.append(
                 f"launch-bound: issuing a call takes {format_seconds(host)} on the host and "
                 f"its GPU time is {format_seconds(self.median)}, so the GPU mostly waits for "

@@ -122,10 +122,10 @@ class OOMReport:
 
     @property
     def other_processes_bytes(self) -> int | None:
-        """Bytes the other processes hold, where NVML says (None: unknown)."""
-        if self.processes is None:
+        """Bytes the other processes hold; None when NVML cannot say for one of them."""
+        if self.processes is None or any(p.used_memory is None for p in self.processes):
             return None
-        return sum(p.used_memory or 0 for p in self.processes)
+        return sum(p.used_memory for p in self.processes if p.used_memory is not None)
 
     @property
     def unseen(self) -> int | None:

@@ -81,7 +81,7 @@ class OOMText(NamedTuple):
     allocated: int | None
     reserved: int | None
     this_process: int | None
-    processes: tuple[tuple[int, int], ...]  # (pid, bytes) of the other processes it lists
+    processes: tuple[tuple[int, int | None], ...]  # (pid, bytes) of the other processes it lists
 
     @property
     def device(self) -> torch.device | None:
@@ -144,9 +144,7 @@ def parse_oom(text: str) -> OOMText:
     reserved = _bytes(_RESERVED.search(text))
     if reserved is None and allocated is not None and unallocated is not None:
         reserved = allocated + unallocated
-    processes = tuple(
-        (int(match.group(1)), _bytes(match, 2) or 0) for match in _PROCESS.finditer(text)
-    )
+    processes = tuple((int(match.group(1)), _bytes(match, 2)) for match in _PROCESS.finditer(text))
     return OOMText(
         kind=kind,
         device_index=None if index is None else int(index.group(1)),

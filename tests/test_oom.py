@@ -259,6 +259,18 @@ def test_other_processes_come_from_nvml_by_torch_index(nvml_session: Install) ->
     assert not torch.cuda.is_initialized()
 
 
+def test_memory_nvml_cannot_size_is_unknown_not_zero(nvml_session: Install) -> None:
+    # Windows WDDM and some MIG setups: NVML lists the process but not its memory.
+    other = FakeGPU("GPU-a", compute=[(5_000_001, None), (5_000_002, 2 * GiB)])
+    nvml_session(FakeNVML([other]))
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(CUDA)
+    report = caught.value.report
+    assert report is not None
+    assert report.other_processes_bytes is None  # before: 2 GiB, as if the first held 0
+    assert "? in 2 processes" in str(report)
+
+
 def test_without_nvml_the_message_lists_the_processes(nvml_session: Install) -> None:
     nvml_session(None)
     with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
