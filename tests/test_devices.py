@@ -122,7 +122,7 @@ def test_synchronize_calls_each_backend_as_it_wants(monkeypatch: pytest.MonkeyPa
         def synchronize(self, *args: object) -> None:
             calls.append((self.kind, args))
 
-    monkeypatch.setattr(torch, "get_device_module", lambda kind: Module(kind))
+    monkeypatch.setattr(torch, "get_device_module", Module)
     _devices.synchronize(torch.device("mps", 0))  # torch.mps.synchronize() takes no device
     _devices.synchronize(torch.device("cuda", 1))
     _devices.synchronize(torch.device("cpu"))  # nothing to wait for
