@@ -35,7 +35,7 @@ from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._errors import DeviceOutOfMemoryError
 from ._oom import explain_oom
 from ._oomtext import is_oom
-from ._options import check_index
+from ._options import check_count, check_number
 from ._visible import torch_cuda_initialized
 
 __all__ = ["find_batch_size"]
@@ -277,14 +277,10 @@ def find_batch_size(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable with a batch size, got {type(fn).__name__}")
-    if check_index(start, name="start") < 1:
-        raise ValueError("start must be at least 1, got 0")
-    if max_size is not None and check_index(max_size, name="max_size") < start:
-        raise ValueError(f"max_size={max_size} is below start={start}; pass max_size >= start")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ValueError(
-            f"margin must be a fraction in [0, 1), such as 0.1 for 10% headroom, got {margin!r}"
-        )
+    check_count(start, name="start", minimum=1)
+    if max_size is not None:
+        check_count(max_size, name="max_size", minimum=start, fix="pass max_size >= start")
+    check_number(margin, name="margin", at_least=0, below=1, meaning="0.1 is 10% headroom")
     target = None if device is None else resolve_device(device, name="device")
     trial = _Isolated(fn, target) if isolate else _InProcess(fn, target)
     if not initialized():

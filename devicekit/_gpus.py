@@ -35,7 +35,7 @@ from ._devices import DeviceLike, parse_cuda_index, parse_cuda_indices
 from ._errors import DeviceNotFoundError, GPUUnavailableError
 from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
-from ._options import check_index, check_seconds
+from ._options import check_count, check_seconds
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
 __all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]
@@ -502,7 +502,7 @@ def pick_gpus(
         >>> dk.pick_gpus(0)
         []
     """
-    count = check_index(n, name="pick_gpus(n)")
+    count = check_count(n, name="n")
     chosen, why_not = _pick(
         count,
         min_free_memory=min_free_memory,

@@ -32,7 +32,7 @@ from ._census import GroupKey, census, only_new_objects
 from ._format import format_bytes, format_count, html_table, plural
 from ._frames import user_location
 from ._memory import used_cuda_indices
-from ._options import check_index
+from ._options import check_count
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Leak", "LeakReport", "find_leaks"]
@@ -269,9 +269,8 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
-    if check_index(repeat, name="repeat") < 1:
-        raise ValueError("repeat must be at least 1, got 0: measure one call or more")
-    check_index(warmup, name="warmup")
+    check_count(repeat, name="repeat", minimum=1, fix="measure one call or more")
+    check_count(warmup, name="warmup")
     with only_new_objects():  # what existed before cannot be what grows
         counts, allocated = _measure(fn, repeat, warmup)
     leaks = _tensor_leaks(counts, repeat)

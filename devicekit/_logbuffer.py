@@ -26,6 +26,7 @@ from ._callbacks import call_each, checked_sinks
 from ._dist import initialized
 from ._format import html_table, plural
 from ._logflush import InFlight, by_key, land, start, start_reduced
+from ._options import check_count
 
 __all__ = ["LogBuffer", "Record", "Sink"]
 
@@ -145,8 +146,7 @@ class LogBuffer:
         sinks: Iterable[Sink] = (),
         reduce: str | None = None,
     ) -> None:
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise ValueError(f"flush_every must be a positive int, got {flush_every!r}")
+        check_count(flush_every, name="flush_every", minimum=1)
         if reduce is not None and reduce not in _REDUCE_OPS:
             raise ValueError(
                 f"reduce must be one of {', '.join(_REDUCE_OPS)} or None, got {reduce!r}"
@@ -245,7 +245,9 @@ class LogBuffer:
 
     def mean(self, key: str, *, last: int | None = None) -> float:
         """The mean of ``key`` over the history, or over its ``last`` values (NaN propagates)."""
-        values = self.values(key)[-last:] if last else self.values(key)
+        values = self.values(key)
+        if last is not None:  # a negative slice would drop the *first* values instead
+            values = values[-check_count(last, name="last", minimum=1) :]
         if not values:
             raise KeyError(f"no value of {key!r} has been recorded yet")
         return sum(values) / len(values)

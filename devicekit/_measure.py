@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 import statistics
 import time
 from collections.abc import Callable
@@ -17,7 +15,7 @@ from ._conditions import Conditions, Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
 from ._format import UNKNOWN, format_joules, format_seconds, format_value, html_table, plural
-from ._options import check_seconds
+from ._options import check_number, check_seconds
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
@@ -350,11 +348,7 @@ def _check_options(
             f"max_time must be at least min_time ({min_time!r}), got {max_time!r}; "
             "raise max_time or lower min_time"
         )
-    value: object = rel_noise  # typed float, but callers pass anything
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"rel_noise must be a number (0.01 means ±1%), got {rel_noise!r}")
-    if not (math.isfinite(rel_noise) and rel_noise > 0):
-        raise ValueError(f"rel_noise must be finite and > 0 (0.01 means ±1%), got {rel_noise!r}")
+    check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
     if mode not in ("warm", "cold", "graph"):
         raise ValueError(f"mode must be 'warm', 'cold' or 'graph', got {mode!r}")
 

@@ -37,7 +37,7 @@ from ._gpuinfo import GPUProcess
 from ._gpus import gpu
 from ._memory import cuda_bytes
 from ._oomtext import OOMText, is_oom, parse_oom
-from ._options import check_index
+from ._options import check_count
 from ._visible import torch_cuda_initialized
 
 __all__ = ["AllocationSite", "OOMReport", "build_report", "explain_oom"]
@@ -515,8 +515,6 @@ def explain_oom(
             f"model must be a torch.nn.Module, whose parameter names label the report, got "
             f"{type(model).__name__}"
         )
-    if check_index(top, name="top") < 1 or check_index(history_entries, name="history_entries") < 1:
-        raise ValueError(
-            f"top and history_entries must be at least 1, got {top}, {history_entries}"
-        )
+    check_count(top, name="top", minimum=1)
+    check_count(history_entries, name="history_entries", minimum=1)
     return _ExplainOOM(target, model, bool(record_history), top, history_entries)

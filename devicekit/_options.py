@@ -1,4 +1,4 @@
-"""Checking plain option values: a count, a number of seconds.
+"""Checking plain option values: a device index, a count, a number, a number of seconds.
 
 Every devicekit option that is a number goes through one of these, so an
 ``inf``, a ``nan``, a bool or a string is refused the same way everywhere,
@@ -11,7 +11,7 @@ import math
 import numbers
 import operator
 
-__all__ = ["check_index", "check_seconds"]
+__all__ = ["check_count", "check_index", "check_number", "check_seconds"]
 
 
 def check_index(value: object, *, name: str) -> int:
@@ -35,6 +35,75 @@ def check_index(value: object, *, name: str) -> int:
     if index < 0:
         raise ValueError(f"{name} must be a non-negative int, got {index}; the first device is 0")
     return index
+
+
+def check_count(value: object, *, name: str, minimum: int = 0, fix: str = "") -> int:
+    """Return ``value`` as an int of at least ``minimum`` (a count of steps, items, workers).
+
+    Accepts anything with ``__index__`` except ``bool``; a float, even ``3.0``,
+    is refused (``range`` refuses it too).
+
+    Examples:
+        >>> check_count(2, name="repeat", minimum=1)
+        2
+        >>> check_count(0, name="repeat", minimum=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: repeat must be an int >= 1, got 0
+    """
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {_got(value)}")
+    count = operator.index(value)
+    if count < minimum:
+        raise ValueError(
+            f"{name} must be an int >= {minimum}, got {count}" + (f"; {fix}" if fix else "")
+        )
+    return count
+
+
+def check_number(
+    value: object,
+    *,
+    name: str,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+    meaning: str = "",
+) -> float:
+    """Return ``value`` as a finite float within the bounds given, or an error that names it.
+
+    Examples:
+        >>> check_number(0.1, name="margin", at_least=0, below=1)
+        0.1
+        >>> check_number(1, name="threshold", above=1, meaning="1.2 means 20% slower")
+        Traceback (most recent call last):
+        ...
+        ValueError: threshold must be a finite number > 1, got 1 (1.2 means 20% slower)
+    """
+    bounds = [
+        f"{sign} {bound:g}"
+        for sign, bound in ((">", above), (">=", at_least), ("<", below))
+        if bound is not None
+    ]
+    wanted = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    hint = f" ({meaning})" if meaning else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {wanted}, got {_got(value)}{hint}")
+    number = float(value)
+    if (
+        not math.isfinite(number)
+        or (above is not None and not number > above)
+        or (at_least is not None and not number >= at_least)
+        or (below is not None and not number < below)
+    ):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}{hint}")
+    return number
+
+
+def _got(value: object) -> str:
+    if isinstance(value, bool):
+        return f"the bool {value!r}"
+    return f"{value!r} of type {type(value).__name__}"
 
 
 def check_seconds(value: object, *, name: str, zero_ok: bool = False, fix: str = "") -> float:

@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeVar
 from ._devices import DeviceLike, resolve_devices, try_all_gpus
 from ._errors import WorkerError
 from ._format import plural
-from ._options import check_index
+from ._options import check_count
 from ._visible import ENV_VAR, _scoped_env, parse_visible_devices
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap, work
 
@@ -438,10 +438,7 @@ def gpu_pool(
 
 
 def _workers_per_device(value: object) -> int:
-    count = check_index(value, name="workers_per_device")
-    if count < 1:
-        raise ValueError("workers_per_device must be at least 1, got 0")
-    return count
+    return check_count(value, name="workers_per_device", minimum=1)
 
 
 def gpu_map(

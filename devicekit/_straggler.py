@@ -27,6 +27,7 @@ from ._callbacks import call_each, checked_sinks
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
 from ._errors import RanksOutOfStepError
 from ._format import UNKNOWN, format_seconds, html_table, plural, safe_text, text_table
+from ._options import check_count, check_number
 from ._timing import CudaEvent
 from ._visible import torch_cuda_initialized
 
@@ -301,17 +302,14 @@ class StragglerDetector:
         sinks: Iterable[ReportSink] = (),
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int (steps between reports), got {every!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-            raise TypeError(f"threshold must be a number greater than 1, got {threshold!r}")
-        if not threshold > 1:
-            raise ValueError(
-                f"threshold must be greater than 1, got {threshold!r}: at 1, half the ranks "
-                "would be stragglers; 1.2 flags a rank 20% slower than the job median"
-            )
-        self.every = every
-        self.threshold = float(threshold)
+        self.every = check_count(every, name="every", minimum=1, fix="steps between reports")
+        self.threshold = check_number(
+            threshold,
+            name="threshold",
+            above=1,
+            meaning="1.2 flags a rank 20% slower than the job median; at 1, half the ranks "
+            "would be stragglers",
+        )
         self.timeout = validated_timeout(timeout)
         self.sinks: list[ReportSink] = checked_sinks(sinks, receives="a StragglerReport")
         self.report: StragglerReport | None = None

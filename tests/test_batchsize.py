@@ -114,12 +114,17 @@ def test_arguments_are_checked() -> None:
     step = Step(4)
     with pytest.raises(TypeError, match="fn must be callable"):
         dk.find_batch_size(4)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="start must be at least 1"):
+    with pytest.raises(ValueError, match="start must be an int >= 1, got 0"):
         dk.find_batch_size(step, start=0)
-    with pytest.raises(ValueError, match="max_size=3 is below start=4"):
+    with pytest.raises(
+        ValueError, match="max_size must be an int >= 4, got 3; pass max_size >= st"
+    ):
         dk.find_batch_size(step, start=4, max_size=3)
-    for margin in (1, 1.5, -0.1, True, "0.1"):
-        with pytest.raises(ValueError, match=r"margin must be a fraction in \[0, 1\)"):
+    for margin in (1, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"margin must be a finite number >= 0 and < 1, got"):
+            dk.find_batch_size(step, margin=margin)
+    for margin in (True, "0.1"):
+        with pytest.raises(TypeError, match=r"margin must be a finite number >= 0 and < 1, got"):
             dk.find_batch_size(step, margin=margin)  # type: ignore[arg-type]
     with pytest.raises(dk.DeviceNotFoundError):
         dk.find_batch_size(step, device="cuda:9")

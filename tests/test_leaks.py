@@ -147,11 +147,11 @@ def test_the_report_reads_in_text_html_and_json() -> None:
 def test_arguments_are_checked() -> None:
     with pytest.raises(TypeError, match="fn must be callable"):
         dk.find_leaks(3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="repeat must be at least 1"):
+    with pytest.raises(ValueError, match="repeat must be an int >= 1, got 0; measure one call"):
         dk.find_leaks(lambda: None, repeat=0)
-    with pytest.raises(ValueError, match="warmup must be a non-negative int"):
-        dk.find_leaks(lambda: None, warmup=-1)
-    with pytest.raises(TypeError, match="repeat must be a non-negative int"):
+    with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1$"):
+        dk.find_leaks(lambda: None, warmup=-1)  # no "first device" hint for a count
+    with pytest.raises(TypeError, match="repeat must be an int >= 1, got 2.5 of type float"):
         dk.find_leaks(lambda: None, repeat=2.5)  # type: ignore[arg-type]
 
 

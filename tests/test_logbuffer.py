@@ -228,8 +228,9 @@ def test_bools_and_every_real_dtype_are_recorded_as_floats() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"flush_every": 0}, ValueError, r"flush_every must be a positive int, got 0"),
-        ({"flush_every": 2.5}, ValueError, r"got 2\.5"),
+        ({"flush_every": 0}, ValueError, r"flush_every must be an int >= 1, got 0"),
+        ({"flush_every": 2.5}, TypeError, r"flush_every must be an int >= 1, got 2\.5 of type"),
+        ({"flush_every": "3"}, TypeError, r"flush_every must be an int >= 1, got '3' of type"),
         (
             {"reduce": "avg"},
             ValueError,
@@ -780,3 +781,14 @@ def test_pinned_non_blocking_flush_returns_exact_values() -> None:
     halves = source.to(torch.bfloat16).cpu().tolist()
     assert [r["value"] for r in buffer.history] == expected
     assert [r["half"] for r in buffer.history] == halves
+
+
+def test_mean_of_the_last_values_never_reads_a_negative_count_backwards() -> None:
+    logs = dk.LogBuffer()
+    for value in (1.0, 2.0, 3.0, 4.0):
+        logs.log(loss=value)
+    assert logs.mean("loss", last=2) == 3.5
+    with pytest.raises(ValueError, match="last must be an int >= 1, got -2"):
+        logs.mean("loss", last=-2)  # before: silently the mean of all but the first two
+    with pytest.raises(ValueError, match="last must be an int >= 1, got 0"):
+        logs.mean("loss", last=0)

@@ -352,8 +352,10 @@ def test_the_report_reads_in_text_and_html() -> None:
 def test_options_are_checked() -> None:
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         dk.explain_oom(model="net")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="top and history_entries must be at least 1"):
+    with pytest.raises(ValueError, match="top must be an int >= 1, got 0"):
         dk.explain_oom(top=0)
+    with pytest.raises(ValueError, match="history_entries must be an int >= 1, got -1"):
+        dk.explain_oom(history_entries=-1)
     with pytest.raises(dk.DeviceNotFoundError):
         dk.explain_oom(device="cuda:7")
     with pytest.raises(TypeError, match="a function to decorate or keyword options"):

@@ -132,7 +132,7 @@ def test_an_unpicklable_function_is_refused_before_any_worker_starts() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"workers_per_device": 0}, ValueError, "workers_per_device must be at least 1"),
+        ({"workers_per_device": 0}, ValueError, "workers_per_device must be an int >= 1, got 0"),
         ({"devices": []}, ValueError, "needs at least one device"),
         ({"devices": [-1]}, ValueError, r"devices\[0\] must be a non-negative int"),
     ],

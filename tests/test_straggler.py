@@ -139,10 +139,10 @@ def test_every_sink_gets_each_report_and_the_first_error_is_raised_once() -> Non
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"every": 0}, ValueError, "every must be a positive int"),
-        ({"every": True}, ValueError, "every must be a positive int"),
-        ({"threshold": 1.0}, ValueError, "threshold must be greater than 1, got 1.0"),
-        ({"threshold": "1.2"}, TypeError, "threshold must be a number greater than 1"),
+        ({"every": 0}, ValueError, "every must be an int >= 1, got 0; steps between reports"),
+        ({"every": True}, TypeError, "every must be an int >= 1, got the bool True"),
+        ({"threshold": 1.0}, ValueError, "threshold must be a finite number > 1, got 1.0"),
+        ({"threshold": "1.2"}, TypeError, "threshold must be a finite number > 1, got '1.2'"),
         ({"timeout": 0}, ValueError, "timeout must be a finite number of seconds > 0"),
         ({"timeout": float("inf")}, ValueError, "timeout must be a finite number of seconds > 0"),
         ({"sinks": [3]}, TypeError, "each sink must be callable"),
