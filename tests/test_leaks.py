@@ -149,9 +149,9 @@ def test_arguments_are_checked() -> None:
         dk.find_leaks(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="repeat must be an int >= 1, got 0; measure one call"):
         dk.find_leaks(lambda: None, repeat=0)
-    with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"warmup must be an int >= 0, got -1$"):
         dk.find_leaks(lambda: None, warmup=-1)  # no "first device" hint for a count
-    with pytest.raises(TypeError, match="repeat must be an int >= 1, got 2.5 of type float"):
+    with pytest.raises(TypeError, match=r"repeat must be an int >= 1, got 2\.5 of type float"):
         dk.find_leaks(lambda: None, repeat=2.5)  # type: ignore[arg-type]
 
 

@@ -787,6 +787,7 @@ def test_mean_of_the_last_values_never_reads_a_negative_count_backwards() -> Non
     logs = dk.LogBuffer()
     for value in (1.0, 2.0, 3.0, 4.0):
         logs.log(loss=value)
+    logs.flush()
     assert logs.mean("loss", last=2) == 3.5
     with pytest.raises(ValueError, match="last must be an int >= 1, got -2"):
         logs.mean("loss", last=-2)  # before: silently the mean of all but the first two
