@@ -46,10 +46,19 @@ from ._devices import DeviceLike, resolve_devices, try_all_gpus
 from ._errors import WorkerError
 from ._format import plural
 from ._options import check_count
-from ._visible import ENV_VAR, _scoped_env, parse_visible_devices
+from ._visible import ENV_VAR, parse_visible_devices, scoped_env
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap, work
 
-__all__ = ["GPUPool", "gpu_map", "gpu_pool"]
+__all__ = [
+    "GPUPool",
+    "Progress",
+    "fn_raised",
+    "gpu_map",
+    "gpu_pool",
+    "show_item",
+    "worker_env",
+    "workers_per_device_count",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -64,7 +73,7 @@ _MAIN_GUARD_FIX = (
 )
 
 
-def _worker_env(device: str | int) -> str:
+def worker_env(device: str | int) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` a worker on this device gets ("" hides every GPU)."""
     if device == "cpu":
         return ""
@@ -93,7 +102,7 @@ def _slots(devices: object, workers_per_device: int) -> list[str | int]:
     return [slot for slot in slots for _ in range(workers_per_device)]
 
 
-class _Progress:
+class Progress:
     def __init__(self, total: int, enabled: bool | None) -> None:
         self.total, self.done, self.bar = total, 0, None
         self.enabled = bool(enabled)
@@ -246,7 +255,7 @@ class GPUPool:
                 name=f"devicekit-worker-{number}",
             )
             # The child copies this environment at start, before it imports anything.
-            with _scoped_env(ENV_VAR, _worker_env(slot)), _scoped_env(_WARNINGS, _quiet):
+            with scoped_env(ENV_VAR, worker_env(slot)), scoped_env(_WARNINGS, _quiet):
                 process.start()
             child_end.close()  # so that the worker's death reads as EOF here
             self._workers.append(_Worker(number, slot, process, parent_end))
@@ -261,7 +270,7 @@ class GPUPool:
         fn_id = next(self._maps)
         todo = deque(range(len(work)))
         output: list[Any] = [None] * len(work)
-        bar = _Progress(len(work), progress)
+        bar = Progress(len(work), progress)
         try:
             for worker in self._workers:
                 _feed(worker, fn_id, fn_bytes, todo, payloads)
@@ -279,7 +288,7 @@ class GPUPool:
             bar.close()
         return output
 
-    def _collect(self, work: list[Any], output: list[Any], bar: _Progress) -> int:
+    def _collect(self, work: list[Any], output: list[Any], bar: Progress) -> int:
         """Wait for the next answers; return how many items finished."""
         by_handle: dict[Any, _Worker] = {}
         for worker in self._workers:
@@ -303,21 +312,18 @@ class GPUPool:
             kind, index, payload = message
             worker.running = None
             if kind == "raised":
-                raise WorkerError(
-                    f"gpu_map: fn raised on item {index} ({_show(work[index])}) in "
-                    f"{worker.where()}; the worker's traceback:\n{payload}"
-                )
+                raise WorkerError(fn_raised(index, work[index], worker.where(), payload))
             if kind == "unpicklable":
                 raise WorkerError(
-                    f"gpu_map: the result of item {index} ({_show(work[index])}) cannot be sent "
-                    f"back from {worker.where()}: {payload}. Return picklable data: numbers, "
+                    f"gpu_map: the result of item {index} ({show_item(work[index])}) cannot be "
+                    f"sent back from {worker.where()}: {payload}. Return picklable data: numbers, "
                     "strings, CPU tensors, or containers of them."
                 )
             try:
                 output[index] = pickle.loads(payload)
             except Exception as error:
                 raise WorkerError(
-                    f"gpu_map: the result of item {index} ({_show(work[index])}) from "
+                    f"gpu_map: the result of item {index} ({show_item(work[index])}) from "
                     f"{worker.where()} cannot be rebuilt here: {type(error).__name__}: {error}"
                 ) from error
             finished += 1
@@ -355,12 +361,21 @@ def _death_message(worker: _Worker, work: list[Any], finished: int) -> str:
     doing = (
         "between items"
         if worker.running is None
-        else f"while running item {worker.running} ({_show(work[worker.running])})"
+        else f"while running item {worker.running} ({show_item(work[worker.running])})"
     )
     return f"gpu_map: {worker.where()} {how} {doing}"
 
 
-def _show(item: object) -> str:
+def fn_raised(index: int, item: object, where: str, remote_traceback: str) -> str:
+    """The ``WorkerError`` message for an item whose ``fn`` raised, whichever executor ran it."""
+    return (
+        f"gpu_map: fn raised on item {index} ({show_item(item)}) in {where}; the worker's "
+        f"traceback:\n{remote_traceback}"
+    )
+
+
+def show_item(item: object) -> str:
+    """An item as error messages show it: its repr, cut short."""
     return reprlib.repr(item)
 
 
@@ -384,7 +399,7 @@ def _pickle_items(items: list[Any]) -> list[bytes]:
         except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
             raise TypeError(
                 f"gpu_map() sends each item to a worker process, so it must be picklable, and "
-                f"item {index} ({_show(item)}, a {type(item).__name__}) is not: "
+                f"item {index} ({show_item(item)}, a {type(item).__name__}) is not: "
                 f"{type(error).__name__}: {error}. Pass data (numbers, strings, paths, tensors) "
                 "and let fn build the rest."
             ) from None
@@ -434,10 +449,11 @@ def gpu_pool(
         ([1.0, 2.0], [6, 24])
     """
     _refuse_during_worker_bootstrap()
-    return GPUPool(_slots(devices, _workers_per_device(workers_per_device)))
+    return GPUPool(_slots(devices, workers_per_device_count(workers_per_device)))
 
 
-def _workers_per_device(value: object) -> int:
+def workers_per_device_count(value: object) -> int:
+    """``workers_per_device``, checked."""
     return check_count(value, name="workers_per_device", minimum=1)
 
 
@@ -518,7 +534,7 @@ def gpu_map(
         )
     _refuse_during_worker_bootstrap()
     fn_bytes = _pickle_fn(fn)
-    per_device = _workers_per_device(workers_per_device)
+    per_device = workers_per_device_count(workers_per_device)
     slots = _slots(devices, per_device)
     work = list(items)
     payloads = _pickle_items(work)

@@ -25,8 +25,8 @@ import torch
 
 from ._devices import DeviceLike, resolve_devices
 from ._errors import WorkerError
-from ._parallel import _Progress, _show, _worker_env, _workers_per_device
-from ._visible import ENV_VAR, _scoped_env
+from ._parallel import Progress, fn_raised, show_item, worker_env, workers_per_device_count
+from ._visible import ENV_VAR, scoped_env
 
 __all__ = ["ray_map"]
 
@@ -36,18 +36,10 @@ _POLL = 0.1  # seconds per wait for results, so that Ctrl-C is seen at once
 _INSTALL = "pip install 'devicekit[ray]'"
 
 
-def _fn_raised(index: int, item: object, where: str, remote_traceback: str) -> str:
-    """The WorkerError message for an item whose fn raised (the local executor's wording)."""
-    return (
-        f"gpu_map: fn raised on item {index} ({_show(item)}) in {where}; the worker's "
-        f"traceback:\n{remote_traceback}"
-    )
-
-
 def _run(fn: Callable[[Any], Any], item: Any, hide_gpus: bool) -> tuple[bool, Any]:
     """One item, in a Ray worker: (True, result), or (False, (where, traceback)) if fn raised."""
     # A CPU task sees every GPU unless told otherwise; the local executor hides them.
-    with _scoped_env(ENV_VAR, "") if hide_gpus else contextlib.nullcontext():
+    with scoped_env(ENV_VAR, "") if hide_gpus else contextlib.nullcontext():
         try:
             return True, fn(item)
         except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
@@ -108,8 +100,8 @@ def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
         return
     # A local cluster of our own. Ray reads CUDA_VISIBLE_DEVICES when it starts and
     # hands out only those GPUs, so scoping it to the chosen ones pins the tasks there.
-    visible = ",".join(_worker_env(index) for index in gpus) if gpus else None
-    with _scoped_env(ENV_VAR, visible) if gpus else contextlib.nullcontext():
+    visible = ",".join(worker_env(index) for index in gpus) if gpus else None
+    with scoped_env(ENV_VAR, visible) if gpus else contextlib.nullcontext():
         ray.init(
             address="local",
             include_dashboard=False,
@@ -130,7 +122,7 @@ def ray_map(
     progress: bool | None,
 ) -> list[R]:
     """``gpu_map`` on Ray: one task per item, ``1/workers_per_device`` of a GPU (or CPU) each."""
-    per_device = _workers_per_device(workers_per_device)
+    per_device = workers_per_device_count(workers_per_device)
     targets = _targets(devices)
     ray = _import_ray()
     work = list(items)
@@ -154,10 +146,10 @@ def ray_map(
         task = ray.remote(**options)(_run)
         fn_ref = ray.put(fn)  # serialized once, not once per item
         refs = [task.remote(fn_ref, item, not use_gpus) for item in work]
-        return _collect(ray, refs, work, _Progress(len(work), progress))
+        return _collect(ray, refs, work, Progress(len(work), progress))
 
 
-def _collect(ray: Any, refs: list[Any], work: list[Any], progress: _Progress) -> list[Any]:
+def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> list[Any]:
     """Results in input order as tasks finish; on failure or Ctrl-C, cancel what is left."""
     position = {ref: index for index, ref in enumerate(refs)}
     output: list[Any] = [None] * len(refs)
@@ -171,11 +163,11 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: _Progress) ->
                     ok, payload = ray.get(ref)
                 except ray.exceptions.RayError as error:  # the worker died, was killed, ...
                     raise WorkerError(
-                        f"gpu_map: the Ray task for item {index} ({_show(work[index])}) failed: "
-                        f"{error}"
+                        f"gpu_map: the Ray task for item {index} ({show_item(work[index])}) "
+                        f"failed: {error}"
                     ) from None
                 if not ok:
-                    raise WorkerError(_fn_raised(index, work[index], *payload))
+                    raise WorkerError(fn_raised(index, work[index], *payload))
                 output[index] = payload
                 progress.step()
     finally:

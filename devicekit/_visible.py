@@ -24,6 +24,7 @@ __all__ = [
     "cuda_started",
     "parse_visible_devices",
     "reads_as_written",
+    "scoped_env",
     "visible_devices",
 ]
 
@@ -154,7 +155,7 @@ def _driver_started() -> bool:
 
 
 @contextmanager
-def _scoped_env(name: str, value: str | None) -> Iterator[None]:
+def scoped_env(name: str, value: str | None) -> Iterator[None]:
     """Set (or, for None, unset) an environment variable inside a block; restore it after."""
     previous = os.environ.get(name)
     if value is None:
@@ -232,7 +233,7 @@ def visible_devices(
                 f"in the shell: {shell} python train.py), or pass subprocesses_only=True to do "
                 "it only for processes started in the block."
             )
-    with _scoped_env(ENV_VAR, value):
+    with scoped_env(ENV_VAR, value):
         yield parsed
 
 

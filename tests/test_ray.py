@@ -31,7 +31,7 @@ def test_bad_arguments_are_refused_before_ray_is_needed(
 ) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)
     fake_accelerator("cuda", 2)
-    with pytest.raises(ValueError, match=r"workers_per_device must be at least 1"):
+    with pytest.raises(ValueError, match=r"workers_per_device must be an int >= 1, got 0"):
         dk.gpu_map(math.sqrt, [1], executor="ray", workers_per_device=0)
     with pytest.raises(ValueError, match=r"at least one device, got an empty list"):
         dk.gpu_map(math.sqrt, [1], executor="ray", devices=[])
