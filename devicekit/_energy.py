@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ._gpus import visible_gpus
-from ._nvml import library
+from ._gpus import nvml_handle
+from ._nvml import read_energy
 
 __all__ = ["MIN_WINDOW", "EnergyCounter", "energy_counter", "energy_use"]
 
@@ -30,16 +30,12 @@ MIN_WINDOW = 1.0  # seconds: ten of the counter's slowest update periods
 class EnergyCounter:
     """One GPU's cumulative energy counter."""
 
-    def __init__(self, nv: Any, handle: Any) -> None:
-        self.nv = nv
+    def __init__(self, handle: Any) -> None:
         self.handle = handle
 
     def read(self) -> float | None:
         """Joules used since the driver loaded; None where NVML does not say."""
-        try:
-            return float(self.nv.nvmlDeviceGetTotalEnergyConsumption(self.handle)) / 1e3
-        except self.nv.NVMLError:  # NOT_SUPPORTED before Volta, or on a MIG instance
-            return None
+        return read_energy(self.handle)
 
 
 def energy_counter(device: torch.device) -> EnergyCounter | None:
@@ -54,14 +50,10 @@ def energy_counter(device: torch.device) -> EnergyCounter | None:
     """
     if device.type != "cuda" or device.index is None:
         return None
-    nv = library()
-    if nv is None:
+    handle = nvml_handle(device.index)
+    if handle is None:
         return None
-    visible = visible_gpus()
-    if device.index >= len(visible):
-        return None
-    entry = visible[device.index]
-    counter = EnergyCounter(nv, entry.gpu.handle if entry.handle is None else entry.handle)
+    counter = EnergyCounter(handle)
     return counter if counter.read() is not None else None
 
 

@@ -38,7 +38,7 @@ from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_count, check_seconds
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
-__all__ = ["gpu", "gpus", "pick_gpu", "pick_gpus"]
+__all__ = ["gpu", "gpus", "nvml_handle", "pick_gpu", "pick_gpus", "visible_gpus"]
 
 _ORDER_VAR = "CUDA_DEVICE_ORDER"
 
@@ -197,6 +197,15 @@ def _find(entry: int | str, in_cuda_order: list[PhysicalGPU]) -> _Visible | None
         return None
     matches = [gpu for gpu in in_cuda_order if (gpu.uuid or "").startswith(entry)]
     return _Visible(matches[0]) if len(matches) == 1 else None  # ambiguous prefix: no match
+
+
+def nvml_handle(torch_index: int) -> Any:
+    """The NVML handle of ``cuda:<torch_index>`` (a MIG instance's own), or None."""
+    visible = visible_gpus()
+    if not 0 <= torch_index < len(visible):
+        return None
+    entry = visible[torch_index]
+    return entry.gpu.handle if entry.handle is None else entry.handle
 
 
 def _snapshot(visible: _Visible, torch_index: int | None) -> GPUInfo:

@@ -29,6 +29,7 @@ __all__ = [
     "nvml_available",
     "nvml_error",
     "physical_gpus",
+    "read_energy",
     "read_gpu",
 ]
 
@@ -182,6 +183,19 @@ def _text(value: Any) -> str | None:
     if value is None:
         return None
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read_energy(handle: Any) -> float | None:
+    """Joules the GPU behind ``handle`` consumed since the driver loaded; None without a counter.
+
+    The counter exists from Volta on, and not for a MIG instance (it covers
+    the whole board). The driver updates it every 20 to 100 ms.
+    """
+    nv = library()
+    if nv is None:
+        return None
+    millijoules = _read(nv, nv.nvmlDeviceGetTotalEnergyConsumption, handle)
+    return None if millijoules is None else float(millijoules) / 1e3
 
 
 def driver_version() -> str | None:
