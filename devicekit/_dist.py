@@ -31,6 +31,7 @@ from ._options import check_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "all_reduce",
     "gather_objects",
     "gloo_lets_go",
     "initialized",
@@ -164,6 +165,23 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
             "devicekit's job-wide calls (job_status(), StragglerDetector.step()) in the same order"
         )
     return [answer for _, answer in answers]
+
+
+def all_reduce(tensor: torch.Tensor, op: Any, *, timeout: float, what: str) -> None:
+    """``all_reduce`` of a CPU tensor over devicekit's gloo group, bounded by ``timeout``.
+
+    Raises:
+        RanksOutOfStepError: Not every rank arrived within ``timeout``.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    group = _group(timeout, what)
+    try:
+        with gloo_lets_go(tensor):
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+            work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as error:
+        raise _out_of_step(what, timeout, error) from error
 
 
 def _all_gather(

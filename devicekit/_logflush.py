@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._dist import DEFAULT_TIMEOUT, gather_objects, gloo_lets_go
+from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
 from ._format import plural
 from ._timing import CudaEvent
 
@@ -149,10 +149,16 @@ def start_reduced(steps: list[Any], columns: list[_Column], op: str) -> InFlight
     """
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
 
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     ordered = sorted(columns, key=lambda column: column[0])  # by name: the same on every rank
-    layout: str | None = f"{len(steps)} steps; " + "; ".join(
+    # Values on a GPU under NCCL are combined there, by the job's own group, queued on the
+    # stream: no host sync. Values all on the host go through devicekit's gloo group,
+    # bounded in time, and never start CUDA. The ranks agree on the path below, with the
+    # keys, so that no rank waits in a collective the others never join.
+    gpu = next((v.device for _, _, values in ordered for v in values if _on_cuda(v)), None)
+    on_gpu = gpu is not None and dist.get_backend() == "nccl"
+    device = gpu if on_gpu and gpu is not None else torch.device("cpu")
+    path = "NCCL on the GPU" if on_gpu else "gloo on the host"
+    layout: str | None = f"{path}; {len(steps)} steps; " + "; ".join(
         key if rows is None else f"{key} at {rows}" for key, rows, _ in ordered
     )
     said = f"logged {_summary(ordered, len(steps))}"
@@ -173,11 +179,10 @@ def start_reduced(steps: list[Any], columns: list[_Column], op: str) -> InFlight
         )
     assert flat is not None
     reduce_op = dist.ReduceOp.SUM if op in ("mean", "sum") else getattr(dist.ReduceOp, op.upper())
-    if nccl:
+    if on_gpu:
         dist.all_reduce(flat, op=reduce_op)
     else:
-        with gloo_lets_go(flat):  # so a flush on a script's last line cannot abort it
-            dist.all_reduce(flat, op=reduce_op)
+        all_reduce(flat, reduce_op, timeout=DEFAULT_TIMEOUT, what=what)
     if op == "mean":
         flat /= dist.get_world_size()
     in_flight = InFlight(steps, [])
@@ -189,6 +194,10 @@ def start_reduced(steps: list[Any], columns: list[_Column], op: str) -> InFlight
         offset += len(values)
     _copy_to_host(in_flight, flat)
     return in_flight
+
+
+def _on_cuda(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_cuda
 
 
 def _as_float64(values: list[Any], device: torch.device) -> torch.Tensor:

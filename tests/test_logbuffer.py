@@ -713,11 +713,20 @@ def test_a_gloo_flush_returns_only_once_the_worker_has_let_go(
         real_all_reduce = dist.all_reduce
         reduced: list[torch.Tensor] = []
 
-        def late_all_reduce(tensor: torch.Tensor, op: Any) -> None:  # gloo, but 50 ms late
-            late = [real_all_reduce(tensor, op=op, async_op=True)]
-            late[0].wait()
-            reduced.append(tensor)
-            threading.Timer(0.05, late.clear).start()  # the worker lets go later
+        class LateWork:  # gloo's work, whose worker lets go of the tensor 50 ms late
+            def __init__(self, tensor: torch.Tensor, **options: Any) -> None:
+                self.tensor = tensor
+                self.late = [real_all_reduce(tensor, **options)]
+
+            def wait(self, timeout: Any = None) -> bool:
+                self.late[0].wait()
+                reduced.append(self.tensor)
+                threading.Timer(0.05, self.late.clear).start()
+                return True
+
+        def late_all_reduce(tensor: torch.Tensor, **options: Any) -> LateWork:
+            assert options.pop("async_op")  # devicekit waits with a timeout
+            return LateWork(tensor, async_op=True, **options)
 
         monkeypatch.setattr(dist, "all_reduce", late_all_reduce)
         with dk.LogBuffer(reduce="sum") as buffer:
