@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ._errors import DeviceNotFoundError
-from ._format import plural
+from ._format import first_line, plural
 from ._options import check_index
 from ._visible import ENV_VAR, torch_cuda_initialized
 
@@ -292,7 +292,7 @@ def _parse(value: object, name: str) -> torch.device:
         try:
             return torch.device(value)
         except RuntimeError as error:
-            reason = str(error).splitlines()[0]
+            reason = first_line(error)
             raise ValueError(
                 f"{name}={value!r} is not a device torch knows ({reason}); write 'cpu', "
                 "'cuda', 'cuda:1', or an index such as 1"

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ._errors import RanksOutOfStepError
-from ._format import format_seconds
+from ._format import first_line, format_seconds
 from ._options import check_seconds
 
 __all__ = [
@@ -113,7 +113,7 @@ def _group(timeout: float, what: str) -> Any:
 
 
 def _out_of_step(what: str, timeout: float, error: BaseException) -> RanksOutOfStepError:
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = first_line(error)
     return RanksOutOfStepError(
         f"{what}: not every rank joined within {format_seconds(timeout)} ({reason}). Every rank "
         f"must call {what} together, the same number of times; a rank that crashed, hangs, or "

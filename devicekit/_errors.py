@@ -2,14 +2,16 @@
 
 Each one subclasses a builtin (``ValueError`` or ``RuntimeError``), or the torch
 exception it refines (``torch.OutOfMemoryError``, which is why this module
-imports torch), as well as [`DevicekitError`][devicekit.DevicekitError], so callers can catch it
-either way. Bad argument
-*types* and *values* that need no special handling raise the builtins
-``TypeError`` and ``ValueError`` directly.
+imports torch), as well as [`DevicekitError`][devicekit.DevicekitError], so
+callers can catch it either way. Bad argument *types* and *values* that need
+no special handling raise the builtins ``TypeError`` and ``ValueError``
+directly.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "RanksOutOfStepError",
     "SyncError",
     "WorkerError",
+    "add_note",
 ]
 
 
@@ -85,6 +88,18 @@ class DeviceOutOfMemoryError(DevicekitError, torch.OutOfMemoryError):
 
 class WorkerError(DevicekitError, RuntimeError):
     """A ``gpu_map`` worker failed; the message has the item's index and the worker's traceback."""
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Attach ``note`` to ``error``'s traceback (Python 3.11+); on 3.10, log it (no notes there).
+
+    For what else went wrong while ``error`` was on its way out: it must be
+    told, and must not replace ``error``.
+    """
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:  # pragma: no cover - Python 3.10 has no notes
+        logging.getLogger("devicekit").error("%s (while raising %r)", note, error)
 
 
 # Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 
 __all__ = [
     "UNKNOWN",
+    "first_line",
     "format_bytes",
     "format_count",
     "format_joules",
@@ -115,6 +116,17 @@ def plural(count: int, word: str) -> str:
 
 def _plural_word(word: str) -> str:
     return word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+
+
+def first_line(error: BaseException) -> str:
+    r"""An error's message, its first line only; the error's type when the message is empty.
+
+    Examples:
+        >>> first_line(RuntimeError("out of memory.\nTried to allocate")), first_line(KeyError())
+        ('out of memory.', 'KeyError')
+    """
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def safe_text(text: str) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ import torch
 
 from ._callbacks import call_each, checked_sinks
 from ._dist import initialized
+from ._errors import add_note
 from ._format import html_table, plural
 from ._logflush import InFlight, by_key, land, start, start_reduced
 from ._options import check_count
@@ -449,10 +449,7 @@ def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int)
         f"devicekit: while the LogBuffer block was exiting on this exception, its final flush "
         f"raised {type(error).__name__}: {error} ({kept})"
     )
-    if sys.version_info >= (3, 11):
-        exc.add_note(note)
-    else:  # pragma: no cover - Python 3.10 has no notes
-        logger.error(note, exc_info=error)
+    add_note(exc, note)
 
 
 def _describe_sink(sink: Sink) -> str:

@@ -29,9 +29,9 @@ from ._devices import (
     current_cuda_device,
     resolve_device,
 )
-from ._errors import DeviceNotFoundError, DeviceOutOfMemoryError
+from ._errors import DeviceNotFoundError, DeviceOutOfMemoryError, add_note
 from ._fixes import rank_fixes
-from ._format import UNKNOWN, format_bytes, format_count, html_table, safe_text
+from ._format import UNKNOWN, first_line, format_bytes, format_count, html_table, safe_text
 from ._frames import first_user_location
 from ._gpuinfo import GPUProcess
 from ._gpus import gpu
@@ -347,10 +347,10 @@ def build_report(
     # No CUDA tensor can live in a process that has not started CUDA: counting
     # none there would claim the message's allocated bytes are held by no tensor.
     counted = not (target.type == "cuda" and not torch_cuda_initialized())
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    headline = first_line(error)
     report = OOMReport(
         device=str(target),
-        message=safe_text(first_line),
+        message=safe_text(headline),
         requested=parsed.requested,
         total=total,
         free=free,
@@ -407,8 +407,7 @@ class _ExplainOOM:
                     error, device=device, model=model, top=top, sites=self._recording
                 )
             except Exception as failure:  # noqa: BLE001 - a failed report must never hide the OOM
-                if hasattr(error, "add_note"):
-                    error.add_note(f"devicekit.explain_oom could not build a report: {failure!r}")
+                add_note(error, f"devicekit.explain_oom could not build a report: {failure!r}")
                 return False
             raise DeviceOutOfMemoryError(str(report), report) from error
         finally:
