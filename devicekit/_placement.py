@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -350,15 +350,23 @@ def _rebuild_mapping(mover: _Mover, obj: Mapping[Any, Any]) -> Any:
     # which keeps attribute mirrors (ModelOutput, EasyDict) in step.
     result = copy.copy(obj)
     changed = [(key, value) for key, value in moved.items() if value is not obj[key]]
-    try:
-        for key, value in changed:
+    if changed:
+        key, value = changed[0]
+        try:
             result[key] = value
-    except Exception:  # a read-only dict subclass: set the copy's storage
-        if not isinstance(result, dict):
-            raise
-        base = OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
-        for key, value in changed:
-            base(result, key, value)
+            refuses = False
+        except Exception:
+            if not isinstance(result, dict):
+                raise
+            refuses = True
+        if refuses:  # a read-only dict subclass, from the first item: set the copy's storage
+            base = OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
+            storage = cast("dict[Any, Any]", result)
+            for key, value in changed:
+                base(storage, key, value)
+        else:  # it takes items: a later refusal is the class's own error, and it is raised
+            for key, value in changed[1:]:
+                result[key] = value
     if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
         _replace_fields(mover, result, obj)
     _forget_cached_properties(result)

@@ -789,3 +789,32 @@ def test_threads_moving_at_once_each_get_their_own_results() -> None:
         thread.join(timeout=60)
     assert not errors, errors[0]
     assert not any(thread.is_alive() for thread in threads)
+
+
+class _Validated(dict):  # type: ignore[type-arg]
+    """A dict subclass that checks what it is given: its refusal is an error, not read-only."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key == "bad":
+            raise ValueError(f"{key!r} is not allowed on the meta device")
+        super().__setitem__(key, value)
+
+
+class _FrozenDict(dict):  # type: ignore[type-arg]
+    """A read-only dict subclass that copies itself, and refuses assignment with any Exception."""
+
+    def __copy__(self) -> _FrozenDict:
+        new = type(self).__new__(type(self))
+        dict.update(new, self)
+        return new
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise Exception(f"You cannot use __setitem__ on a {type(self).__name__} instance.")  # noqa: TRY002
+
+
+def test_a_read_only_mapping_is_rebuilt_and_a_validating_one_keeps_its_errors() -> None:
+    frozen = dk.to_device(_FrozenDict(x=torch.ones(1)), META)
+    assert type(frozen) is _FrozenDict
+    assert on(META, frozen["x"])
+    with pytest.raises(ValueError, match="'bad' is not allowed"):
+        dk.to_device(_Validated(ok=torch.ones(1), bad=torch.ones(1)), META)
