@@ -13,7 +13,7 @@ import torch
 from . import _gpus
 from ._contention import CpuWindow, contended
 from ._errors import DeviceNotFoundError
-from ._findings import ENVIRONMENTAL  # throttle reasons that are the environment's doing
+from ._findings import ENVIRONMENTAL, environmental
 from ._format import format_count, html_table, plural, safe_text
 from ._gpuinfo import GPUInfo, GPUProcess
 
@@ -144,7 +144,7 @@ class Conditions:
         """No other process on the GPU or on this process's cores, no environmental throttling."""
         if self.other_processes:
             return False
-        if any(r in ENVIRONMENTAL for r in self.throttle_reasons or ()):
+        if environmental(self.throttle_reasons):
             return False
         if self._contended(self.other_cpu_time) or self._contended(self.steal_time):
             return False

@@ -115,7 +115,8 @@ def doctor() -> Diagnosis:
     Checks: a CPU build of torch on a machine with a driver (or a torch build
     newer than the driver supports); ``CUDA_VISIBLE_DEVICES`` hiding every GPU
     or read differently than written; GPUs busy with other processes; clocks
-    held down by heat or power trouble now; persistence mode off; CUDA already
+    held down by heat or power trouble now; a GPU at 85 °C or more;
+    persistence mode off; CUDA already
     initialized in this process (fork unsafe); Jupyter on a platform that
     spawns workers; too little free GPU memory. Never initializes CUDA.
 
@@ -137,6 +138,7 @@ def doctor() -> Diagnosis:
         *snapshot.findings,
         *each_gpu(_findings.busy),
         *each_gpu(_findings.held_clocks),
+        *each_gpu(_findings.hot),
         *_persistence(list(snapshot.gpus)),
         *_this_process(),
         *_jupyter(),

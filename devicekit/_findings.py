@@ -9,19 +9,24 @@ process can use; [`doctor()`][devicekit.doctor] adds the ones about speed.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ._format import UNKNOWN, format_bytes, format_percent, format_value, plural, safe_text
 from ._gpuinfo import GPUInfo
-from ._visible import ENV_VAR, parse_visible_devices, reads_as_written
+from ._visible import ENV_VAR, parse_visible_devices, read_as, reads_as_written
 
 __all__ = [
     "Finding",
     "Severity",
     "busy",
     "driver_too_old",
+    "environmental",
     "held_clocks",
+    "hot",
+    "is_hot",
+    "is_low_on_memory",
     "low_memory",
     "no_gpu",
     "torch_cannot_use_gpus",
@@ -30,6 +35,11 @@ __all__ = [
 
 Severity = Literal["error", "warning", "info"]
 LOW_MEMORY = 2 * 2**30  # bytes free below which typical work will not fit
+# Busy data-centre GPUs run at 30 to 75 °C and slow themselves down in the high
+# 80s (each board's "GPU Slowdown Temp" in `nvidia-smi -q`), so 85 °C flags a GPU
+# that is close to throttling. (NVML reports each board's own slowdown
+# temperature, but GPUInfo does not carry it yet.)
+HOT_CELSIUS = 85
 
 # Throttle reasons that mean the environment, not the workload, slowed the GPU down.
 ENVIRONMENTAL = {
@@ -81,7 +91,7 @@ def visibility(raw: str | None, gpus_on_machine: int) -> Finding | None:
             f"unset {ENV_VAR}, or list the GPUs to use, such as {ENV_VAR}=0",
         )
     if not reads_as_written(raw):
-        shown = ",".join(str(entry) for entry in parsed or [])
+        shown = read_as(raw)
         return Finding(
             "warning",
             f"CUDA reads {ENV_VAR} differently than it is written",
@@ -167,9 +177,30 @@ def busy(info: GPUInfo) -> Finding | None:
     )
 
 
+# --- the facts each judgement rests on, shared with job_status and benchmark --------------
+
+
+def environmental(reasons: Iterable[str] | None) -> list[str]:
+    """The throttle reasons that are the environment's doing (heat, power), in order."""
+    return [reason for reason in reasons or () if reason in ENVIRONMENTAL]
+
+
+def is_hot(info: GPUInfo) -> bool:
+    """At or above ``HOT_CELSIUS``: close to slowing itself down."""
+    return info.temperature is not None and info.temperature >= HOT_CELSIUS
+
+
+def is_low_on_memory(info: GPUInfo) -> bool:
+    """Less free memory than typical work needs (``LOW_MEMORY``); False when unknown."""
+    return info.memory_free is not None and info.memory_free < LOW_MEMORY
+
+
+# --- per GPU ---------------------------------------------------------------------------------
+
+
 def held_clocks(info: GPUInfo) -> Finding | None:
     """The environment (heat, power delivery), not the workload, holds the clocks down."""
-    reasons = [r for r in info.throttle_reasons or () if r in ENVIRONMENTAL]
+    reasons = environmental(info.throttle_reasons)
     if info.torch_index is None or not reasons:
         return None
     return Finding(
@@ -180,9 +211,21 @@ def held_clocks(info: GPUInfo) -> Finding | None:
     )
 
 
+def hot(info: GPUInfo) -> Finding | None:
+    """A GPU this process can see runs close to the temperature where it slows itself down."""
+    if info.torch_index is None or not is_hot(info):
+        return None
+    return Finding(
+        "warning",
+        f"{info.device} runs hot: {info.temperature} °C",
+        f"at {HOT_CELSIUS} °C and above, a GPU is close to slowing itself down",
+        "check the machine's airflow and fans; results taken now may be slower than the GPU can do",
+    )
+
+
 def low_memory(info: GPUInfo) -> Finding | None:
     """Too little free memory on a GPU this process can see for typical work."""
-    if info.torch_index is None or info.memory_free is None or info.memory_free >= LOW_MEMORY:
+    if info.torch_index is None or not is_low_on_memory(info):
         return None
     return Finding(
         "warning",

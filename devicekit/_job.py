@@ -25,7 +25,7 @@ import torch
 from ._devices import current_cuda_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
 from ._errors import DeviceNotFoundError
-from ._findings import ENVIRONMENTAL, LOW_MEMORY
+from ._findings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
 from ._format import (
     UNKNOWN,
     format_bytes,
@@ -41,12 +41,6 @@ from ._gpus import gpu
 from ._launch import local_rank, resolve_local_device
 
 __all__ = ["JobFlag", "JobStatus", "RankStatus", "job_status"]
-
-# Busy data-centre GPUs run at 30 to 75 °C and slow themselves down in the high
-# 80s (each board's "GPU Slowdown Temp" in `nvidia-smi -q`), so 85 °C flags a GPU
-# that is close to throttling. (NVML reports each board's own slowdown
-# temperature, but GPUInfo does not carry it yet.)
-_HOT_CELSIUS = 85
 
 _COLUMNS = (
     "host",
@@ -248,8 +242,8 @@ def _gpu_flags(entry: RankStatus) -> list[JobFlag]:
         return []
     flags = []
     rank = (entry.rank,)
-    # The same reasons doctor() and benchmark conditions count as the environment's fault.
-    reasons = [r for r in info.throttle_reasons or () if r in ENVIRONMENTAL]
+    # The same judgements as doctor(), worded for a job: every rank waits for this one.
+    reasons = environmental(info.throttle_reasons)
     if reasons:
         words = ", ".join(dict.fromkeys(ENVIRONMENTAL[r] for r in reasons))
         clock = f"SM clock {info.clock_text()}"
@@ -262,7 +256,7 @@ def _gpu_flags(entry: RankStatus) -> list[JobFlag]:
                 "the whole job runs at its speed",
             )
         )
-    if info.temperature is not None and info.temperature >= _HOT_CELSIUS:
+    if is_hot(info):
         flags.append(
             JobFlag(
                 "hot",
@@ -271,8 +265,7 @@ def _gpu_flags(entry: RankStatus) -> list[JobFlag]:
                 "check this node's airflow and fans; a little hotter and the GPU slows itself down",
             )
         )
-    # The same limit doctor() warns at: below it, typical work no longer fits.
-    if info.memory_free is not None and info.memory_free < LOW_MEMORY:
+    if is_low_on_memory(info):
         flags.append(
             JobFlag(
                 "nearly_full",

@@ -25,7 +25,7 @@ from ._findings import Finding
 from ._format import UNKNOWN, format_percent, format_value, html_table, plural, safe_text
 from ._gpuinfo import GPUInfo
 from ._version import __version__
-from ._visible import ENV_VAR, cuda_started, parse_visible_devices, reads_as_written
+from ._visible import ENV_VAR, cuda_started, parse_visible_devices, read_as, reads_as_written
 
 __all__ = ["SCHEMA_VERSION", "Status", "status", "torch_build"]
 
@@ -168,8 +168,7 @@ class Status:
             return f"{safe_text(repr(raw))} -> hides every GPU"
         if not reads_as_written(raw):
             # CUDA silently drops what follows a bad entry; say what it really reads.
-            shown = ",".join(str(entry) for entry in self.cuda_reads or ())
-            return f"{safe_text(repr(raw))} -> CUDA reads it as {shown!r}"
+            return f"{safe_text(repr(raw))} -> CUDA reads it as {read_as(raw)!r}"
         return safe_text(repr(raw))
 
     def __str__(self) -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "ENV_VAR",
     "cuda_started",
     "parse_visible_devices",
+    "read_as",
     "reads_as_written",
     "scoped_env",
     "visible_devices",
@@ -96,6 +97,16 @@ def reads_as_written(value: str) -> bool:
     """
     parsed = parse_visible_devices(value) or []
     return [str(entry) for entry in parsed] == [entry.strip() for entry in value.split(",")]
+
+
+def read_as(value: str) -> str:
+    """What CUDA reads from ``value``, written back as a value: ``"0,x,1"`` -> ``"0"``.
+
+    Examples:
+        >>> read_as("0,x,1"), read_as("2, 0"), read_as("0,0")
+        ('0', '2,0', '')
+    """
+    return ",".join(str(entry) for entry in parse_visible_devices(value) or [])
 
 
 def _parse_uuids(entries: list[str], prefix: str) -> list[int | str]:

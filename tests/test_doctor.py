@@ -122,6 +122,18 @@ def test_busy_throttled_persistence_off_and_low_memory(
     assert diagnosis.ok  # warnings only
 
 
+def test_a_hot_gpu_is_a_warning_with_the_same_limit_as_job_status(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    from devicekit import _findings
+
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A, temperature=_findings.HOT_CELSIUS)]))
+    assert titles(dk.doctor()) == [("warning", "cuda:0 runs hot: 85 °C")]
+    nvml_session(FakeNVML([FakeGPU(A, temperature=_findings.HOT_CELSIUS - 1)]))
+    assert dk.doctor().findings == ()
+
+
 def test_cuda_already_initialized(
     nvml_session: Install, cuda_build: Callable[[str | None], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
