@@ -186,7 +186,7 @@ def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchRepor
     results = [_matmul(1024, torch.float32, torch.device("cpu"))]
     for device in targets:
         results.append(_matmul(4096, torch.float32, device))
-        if torch.cuda.is_bf16_supported():
+        if torch.cuda.get_device_capability(device) >= (8, 0):  # bf16 matmuls: Ampere on
             results.append(_matmul(4096, torch.bfloat16, device))
         results += _copies(device)
         results += _latencies(device)

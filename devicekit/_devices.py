@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -30,7 +30,7 @@ from ._visible import ENV_VAR, torch_cuda_initialized
 
 __all__ = [
     "DeviceLike",
-    "cuda_index",
+    "default_cuda_device",
     "describe_devices",
     "parse_cuda_index",
     "parse_cuda_indices",
@@ -55,6 +55,7 @@ CPU = torch.device("cpu")
 META = torch.device("meta")
 """The canonical meta device, as `CPU`."""
 _CPU, _META = CPU, META
+_xpu_initialized: Callable[[], bool] = torch.xpu.is_initialized  # untyped in torch
 _LABELS = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hip": "ROCm"}
 _EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
 
@@ -97,6 +98,14 @@ def current_cuda_device() -> torch.device | None:
     it; before that, nothing can have chosen a device other than ``cuda:0``.
     """
     return torch.device("cuda", torch.cuda.current_device()) if torch_cuda_initialized() else None
+
+
+def default_cuda_device() -> torch.device:
+    """The current CUDA device; ``cuda:0`` before CUDA starts (nothing can have chosen another).
+
+    What ``"cuda"`` without an index means.
+    """
+    return current_cuda_device() or torch.device("cuda", 0)
 
 
 def synchronize(device: torch.device) -> None:
@@ -222,18 +231,6 @@ def resolve_cuda_devices(value: object, *, name: str, why: str) -> list[torch.de
     return devices
 
 
-def cuda_index(value: object, *, name: str = "device") -> int | None:
-    """The CUDA index of a device argument, or None when it is not a CUDA device.
-
-    Examples:
-        >>> from devicekit._devices import cuda_index
-        >>> cuda_index("cpu") is None
-        True
-    """
-    device = resolve_device(value, name=name)
-    return device.index if device.type == "cuda" else None
-
-
 def parse_cuda_index(value: object, *, name: str) -> int:
     """The CUDA index ``value`` names (``1``, ``"cuda:1"``, a ``torch.device``), by form only.
 
@@ -260,10 +257,7 @@ def parse_cuda_index(value: object, *, name: str) -> int:
             f"{name}={value!r} is not a CUDA device; pass a CUDA index such as 0 or 'cuda:0'"
         )
     index: int | None = device.index  # torch's stubs say int; it is None for "cuda"
-    if index is not None:
-        return index
-    current = current_cuda_device()
-    return 0 if current is None else int(current.index)
+    return int(default_cuda_device().index) if index is None else index
 
 
 def parse_cuda_indices(value: object, *, name: str) -> list[int]:
@@ -328,8 +322,8 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
         count = accelerator_count()
         if index is None and count > 0:
             if kind == "cuda":
-                return current_cuda_device() or torch.device("cuda", 0)
-            if kind == "xpu":
+                return default_cuda_device()
+            if kind == "xpu" and _xpu_initialized():  # asking earlier would start it
                 return torch.device(kind, torch.xpu.current_device())
             return torch.device(kind, 0)
         if index is not None and index < count:

@@ -14,7 +14,7 @@ from ._devices import (
     DeviceLike,
     accelerator_count,
     accelerator_type,
-    current_cuda_device,
+    default_cuda_device,
     resolve_cuda_devices,
     resolve_device,
 )
@@ -307,7 +307,7 @@ def _default_scope_device() -> torch.device:
     """The current CUDA device (``cuda:0`` before CUDA starts), or the CPU without CUDA."""
     if accelerator_type() != "cuda" or accelerator_count() == 0:
         return torch.device("cpu")
-    return current_cuda_device() or torch.device("cuda", 0)
+    return default_cuda_device()
 
 
 @contextmanager

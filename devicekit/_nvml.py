@@ -38,7 +38,6 @@ logger = logging.getLogger("devicekit")
 # NVML return codes (stable across drivers; pynvml exposes the same numbers).
 _NOT_SUPPORTED = 3
 _NO_PERMISSION = 4
-_NOT_FOUND = 6
 _DRIVER_NOT_LOADED = 9
 _LIBRARY_NOT_FOUND = 12
 _FUNCTION_NOT_FOUND = 13

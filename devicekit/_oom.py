@@ -27,6 +27,7 @@ from ._devices import (
     accelerator_count,
     accelerator_type,
     current_cuda_device,
+    default_cuda_device,
     resolve_device,
 )
 from ._errors import DeviceNotFoundError, DeviceOutOfMemoryError, add_note
@@ -310,7 +311,7 @@ def _target(error: BaseException, parsed: OOMText, device: torch.device | None) 
     if parsed.device is not None:
         return parsed.device
     if parsed.kind == "cuda":
-        return current_cuda_device() or torch.device("cuda", 0)
+        return default_cuda_device()
     return current_cuda_device() or torch.device("cpu")
 
 
