@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ._errors import DeviceMismatchError
+from ._format import plural
 from ._tree import children, iter_leaves, iter_tensors
 
 __all__ = ["assert_same_device", "check_module"]
@@ -136,14 +137,14 @@ def _describe(attr: str, value: object) -> str | None:
     if modules:
         fix = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
         return (
-            f"a {kind} holding {len(modules)} module(s) as a plain attribute; module.to() will "
-            f"not move them and their parameters are not registered. Use {fix}."
+            f"a {kind} holding {plural(len(modules), 'module')} as a plain attribute; "
+            f"module.to() will not move them and their parameters are not registered. Use {fix}."
         )
     if tensors:
         devices = ", ".join(sorted({str(t.device) for t in tensors}))
         fix = "nn.ParameterDict" if isinstance(value, dict) else "nn.ParameterList"
         return (
-            f"a {kind} of {len(tensors)} tensor(s) on {devices} held as a plain attribute; "
+            f"a {kind} of {plural(len(tensors), 'tensor')} on {devices} held as a plain attribute; "
             f"module.to() will not move them. Use {fix} for trainable tensors, or register "
             "each one with self.register_buffer()."
         )

@@ -69,8 +69,9 @@ def _persistence(infos: list[GPUInfo]) -> list[Finding]:
         Finding(
             "warning",
             "persistence mode is off",
-            f"on {len(off)} GPU(s): the driver tears each GPU down when no process uses it, so "
-            "the first CUDA call of every process waits for it to start again (up to seconds)",
+            f"on {plural(len(off), 'GPU')}: the driver tears each GPU down when no process uses "
+            "it, so the first CUDA call of every process waits for it to start again (up to "
+            "seconds)",
             "as root: nvidia-smi -pm 1, or run the nvidia-persistenced service",
         )
     ]

@@ -9,6 +9,7 @@ walks a stack past torch's and devicekit's own frames (and ``contextlib``'s and
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import types
 import warnings
@@ -23,19 +24,17 @@ UNKNOWN_LOCATION = "<unknown>"
 """The location of a frame that could not be found."""
 
 # Frames inside these folders are not "the user's line".
-_SKIPPED = tuple(
-    str(path)
-    for path in (
-        Path(torch.__file__).parent,
-        Path(__file__).parent,
-        Path(warnings.__file__ or "warnings.py"),
-        Path(contextlib.__file__ or "contextlib.py"),
-    )
+_SKIPPED = (
+    *(str(folder) + os.sep for folder in (Path(torch.__file__).parent, Path(__file__).parent)),
+    *(str(Path(module.__file__ or "")) for module in (warnings, contextlib)),
 )
 
 
 def is_user(filename: str) -> bool:
-    """Whether a frame in ``filename`` is the user's (not torch's, devicekit's or contextlib's)."""
+    """Whether a frame in ``filename`` is the user's (not torch's, devicekit's or contextlib's).
+
+    Folders end in a separator here: ``.../torch`` must not hide ``.../torchvision``.
+    """
     return not filename.startswith(_SKIPPED)
 
 

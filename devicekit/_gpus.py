@@ -394,7 +394,10 @@ def _pick(
     if seen == 0:
         return [], None
     waited = f" after waiting {format_seconds(seconds)}" if seconds else ""
-    parts = [f"found {len(ranked) - len(refused)} GPU(s) that qualify{waited}"]
+    found = len(ranked) - len(refused)
+    parts = [
+        f"found {plural(found, 'GPU')} that {'qualifies' if found == 1 else 'qualify'}{waited}"
+    ]
     if seen < count:
         parts.append(f"this process sees only {plural(seen, 'GPU')}")
     if rejected or refused:

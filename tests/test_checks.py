@@ -104,13 +104,13 @@ def test_check_module_reports_each_attribute_that_stays_behind() -> None:
     assert dk.check_module(model) == [
         "0.scale: a cpu tensor held as a plain attribute; module.to() will not move it. "
         "Use self.register_buffer('scale', ...) (or nn.Parameter if it should be trained).",
-        "0.masks: a list of 2 tensor(s) on cpu held as a plain attribute; module.to() will not "
+        "0.masks: a list of 2 tensors on cpu held as a plain attribute; module.to() will not "
         "move them. Use nn.ParameterList for trainable tensors, or register each one with "
         "self.register_buffer().",
-        "0.tables: a dict of 1 tensor(s) on cpu held as a plain attribute; module.to() will not "
+        "0.tables: a dict of 1 tensor on cpu held as a plain attribute; module.to() will not "
         "move them. Use nn.ParameterDict for trainable tensors, or register each one with "
         "self.register_buffer().",
-        "0.heads: a list holding 1 module(s) as a plain attribute; module.to() will not move "
+        "0.heads: a list holding 1 module as a plain attribute; module.to() will not move "
         "them and their parameters are not registered. Use nn.ModuleList.",
         "0.linear.cache: a cpu tensor held as a plain attribute; module.to() will not move it. "
         "Use self.register_buffer('cache', ...) (or nn.Parameter if it should be trained).",

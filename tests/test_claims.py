@@ -64,7 +64,7 @@ def test_a_claimed_gpu_is_skipped_by_the_next_claim(nvml_session: Install) -> No
     assert dk.pick_gpu() == first  # without claim=True, claims are not looked at
     with pytest.raises(
         dk.GPUUnavailableError,
-        match=r"pick_gpus\(1\) found 0 GPU\(s\) that qualify; rejected: "
+        match=r"pick_gpus\(1\) found 0 GPUs that qualify; rejected: "
         r"cuda:0: claimed by this process; cuda:1: claimed by this process",
     ):
         dk.pick_gpus(1, claim=True)
@@ -269,7 +269,7 @@ def test_wait_gives_up_after_its_time(nvml_session: Install) -> None:
     started = time.monotonic()
     with pytest.raises(
         dk.GPUUnavailableError,
-        match=r"pick_gpus\(1\) found 0 GPU\(s\) that qualify after waiting 600 ms; rejected: "
+        match=r"pick_gpus\(1\) found 0 GPUs that qualify after waiting 600 ms; rejected: "
         r"cuda:0: 1\.0 GiB free < 20\.0 GiB required; cuda:1: ",
     ):
         dk.pick_gpus(1, min_free_memory=20 * GiB, wait=0.6)
@@ -285,7 +285,7 @@ def test_waiting_cannot_add_gpus_so_it_does_not(nvml_session: Install) -> None:
     nvml_session(machine(2))
     with pytest.raises(
         dk.GPUUnavailableError,
-        match=r"pick_gpus\(3\) found 2 GPU\(s\) that qualify after waiting .*; "
+        match=r"pick_gpus\(3\) found 2 GPUs that qualify after waiting .*; "
         r"this process sees only 2 GPUs$",
     ):
         dk.pick_gpus(3, wait=TIMEOUT)

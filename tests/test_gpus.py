@@ -268,7 +268,7 @@ def test_pick_gpus_says_why_each_gpu_was_rejected(nvml_session: Install) -> None
     nvml_session(three([10, 40, 30], [0, 90, 20]))
     with pytest.raises(
         dk.GPUUnavailableError,
-        match=r"pick_gpus\(2\) found 1 GPU\(s\) that qualify; rejected: "
+        match=r"pick_gpus\(2\) found 1 GPU that qualifies; rejected: "
         r"cuda:0: 10\.0 GiB free < 20\.0 GiB required; cuda:1: excluded",
     ):
         dk.pick_gpus(2, min_free_memory=20 * 2**30, exclude=[1])
