@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: a refresh in place on a terminal
+_LONGEST_INTERVAL = 86_400.0
 
 
 def _seconds(text: str) -> float:
@@ -38,6 +39,11 @@ def _seconds(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(
             f"expected a finite, positive number of seconds, got {text!r}"
+        )
+    if value > _LONGEST_INTERVAL:  # time.sleep overflows long before inf
+        raise argparse.ArgumentTypeError(
+            f"expected at most {_LONGEST_INTERVAL:g} seconds (a day) between refreshes, "
+            f"got {text!r}"
         )
     return value
 
@@ -65,7 +71,9 @@ def _indices(text: str) -> list[int]:
     return indices
 
 
-def _shared_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+def _shared_options(
+    parser: argparse.ArgumentParser, *, top: bool, ids: bool = True, json_help: str = ""
+) -> None:
     """--json and -i, accepted before or after a subcommand (and honoured either way)."""
     # Below a subcommand the default is SUPPRESS, so that not repeating an option
     # there keeps the value given before it.
@@ -74,16 +82,17 @@ def _shared_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
         "--json",
         action="store_true",
         default=False if top else default,
-        help="print JSON instead of text (watch: one JSON document per line)",
+        help=json_help or "print JSON instead of text",
     )
-    parser.add_argument(
-        "-i",
-        "--id",
-        type=_indices,
-        default=None if top else default,
-        metavar="IDS",
-        help="only these GPUs, by torch index: 0 or 0,2 (status and watch)",
-    )
+    if ids:  # doctor and bench look at the whole machine: they do not offer -i at all
+        parser.add_argument(
+            "-i",
+            "--id",
+            type=_indices,
+            default=None if top else default,
+            metavar="IDS",
+            help="only these GPUs, by torch index: 0 or 0,2",
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument(
         "--count", type=_count, default=None, metavar="N", help="stop after N refreshes"
     )
-    _shared_options(watch, top=False)
+    _shared_options(watch, top=False, json_help="print one JSON document per line")
     doctor = commands.add_parser(
         "doctor",
         help="diagnose slow or broken GPU work; exit 1 on errors",
@@ -122,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "the driver, CUDA_VISIBLE_DEVICES, busy or throttled GPUs, persistence mode, "
         "fork safety, low memory), each finding with a fix. Exits 1 when one is an error.",
     )
-    _shared_options(doctor, top=False)
+    _shared_options(doctor, top=False, ids=False)
     bench = commands.add_parser(
         "bench",
         help="measure CPU vs GPU speed, bandwidth, latencies",
@@ -130,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
         "host-device copy bandwidth (GB/s) and launch and synchronize latencies (µs). "
         "Takes well under 30 seconds; starts CUDA.",
     )
-    _shared_options(bench, top=False)
+    _shared_options(bench, top=False, ids=False)
     return parser
 
 

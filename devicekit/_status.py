@@ -113,7 +113,7 @@ class Status:
         for info in self.visible:
             if info.torch_index == index:
                 return info
-        raise KeyError(f"cuda:{index} is not in this status; it has {self._visible_names()}")
+        raise KeyError(f"there is no cuda:{index}; {self._visible_names()}")
 
     def select(self, indices: Iterable[int]) -> Status:
         """The same status with only the GPUs of these torch indices (``devicekit -i``).
@@ -126,7 +126,10 @@ class Status:
 
     def _visible_names(self) -> str:
         names = [info.device or "" for info in self.visible]
-        return f"{plural(len(names), 'GPU')}" + (f": {', '.join(names)}" if names else "")
+        if names:
+            return f"this process sees {plural(len(names), 'GPU')}: {', '.join(names)}"
+        why = self.nvml_error or "NVML sees none"
+        return f"this process sees no GPU ({why})"
 
     # --- renderings --------------------------------------------------------------------
 

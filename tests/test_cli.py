@@ -322,8 +322,10 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
         (["watch", "--count", "-5"], "expected at least 1 refresh, got '-5'"),
         (["watch", "--count", "x"], "expected a whole number, got 'x'"),
         (["-i", "a"], "expected GPU indices separated by commas, such as 0,2; got 'a'"),
-        (["-i", "99"], "argument -i/--id: cuda:99 is not in this status"),
-        (["doctor", "-i", "0"], "doctor does not take GPU indices"),
+        (["-i", "99"], "argument -i/--id: there is no cuda:99; this process sees "),
+        (["-i", "0", "doctor"], "doctor does not take GPU indices"),
+        (["doctor", "-i", "0"], "unrecognized arguments: -i 0"),
+        (["watch", "-n", "1e10"], "expected at most 86400 seconds (a day) between refreshes"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
