@@ -35,7 +35,7 @@ from ._devices import DeviceLike, parse_cuda_index, parse_cuda_indices
 from ._errors import DeviceNotFoundError, GPUUnavailableError
 from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
-from ._options import check_count, check_seconds
+from ._options import check_count, check_number, check_seconds
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
 __all__ = ["gpu", "gpus", "nvml_handle", "pick_gpu", "pick_gpus", "visible_gpus"]
@@ -374,6 +374,12 @@ def _pick(
     at all, else a message for [`GPUUnavailableError`][devicekit.GPUUnavailableError].
     """
     excluded = set(parse_cuda_indices(exclude, name="exclude"))
+    if min_free_memory is not None:
+        check_number(min_free_memory, name="min_free_memory", at_least=0, meaning="bytes")
+    if max_utilization is not None:
+        check_number(
+            max_utilization, name="max_utilization", at_least=0, at_most=100, meaning="percent"
+        )
     seconds = _check_wait(wait)
     if not isinstance(claim, bool):
         raise TypeError(f"claim={claim!r}: expected True or False, got {type(claim).__name__}")

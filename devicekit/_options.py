@@ -68,6 +68,7 @@ def check_number(
     above: float | None = None,
     at_least: float | None = None,
     below: float | None = None,
+    at_most: float | None = None,
     meaning: str = "",
 ) -> float:
     """Return ``value`` as a finite float within the bounds given, or an error that names it.
@@ -82,7 +83,7 @@ def check_number(
     """
     bounds = [
         f"{sign} {bound:g}"
-        for sign, bound in ((">", above), (">=", at_least), ("<", below))
+        for sign, bound in ((">", above), (">=", at_least), ("<", below), ("<=", at_most))
         if bound is not None
     ]
     wanted = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
@@ -95,6 +96,7 @@ def check_number(
         or (above is not None and not number > above)
         or (at_least is not None and not number >= at_least)
         or (below is not None and not number < below)
+        or (at_most is not None and not number <= at_most)
     ):
         raise ValueError(f"{name} must be {wanted}, got {value!r}{hint}")
     return number

@@ -427,3 +427,24 @@ def test_after_cuda_starts_in_a_scope_gpu0_is_torchs_cuda0() -> None:
     last, described, torch_uuid = result
     assert described == last
     assert described.endswith(torch_uuid)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "text"),
+    [
+        ({"min_free_memory": "20GB"}, TypeError, "min_free_memory must be a finite number >= 0"),
+        ({"min_free_memory": -5}, ValueError, "min_free_memory must be a finite number >= 0"),
+        ({"min_free_memory": float("nan")}, ValueError, "got nan (bytes)"),
+        ({"max_utilization": "abc"}, TypeError, "max_utilization must be a finite number >= 0"),
+        ({"max_utilization": -1}, ValueError, "and <= 100, got -1 (percent)"),
+        ({"max_utilization": 150}, ValueError, "and <= 100, got 150 (percent)"),
+    ],
+)
+def test_the_limits_are_checked_on_every_machine(
+    nvml_session: Install, options: dict[str, Any], error: type[Exception], text: str
+) -> None:
+    nvml_session(None)  # no GPU at all: still refused, not silently the CPU
+    for pick in (dk.pick_gpu, lambda **o: dk.pick_gpus(1, **o)):
+        with pytest.raises(error) as info:
+            pick(**options)
+        assert text in str(info.value)
