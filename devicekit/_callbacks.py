@@ -16,14 +16,23 @@ __all__ = ["call_each", "checked_sinks"]
 S = TypeVar("S", bound=Callable[..., Any])
 
 
-def checked_sinks(sinks: Iterable[S], *, receives: str) -> list[S]:
+def checked_sinks(sinks: Iterable[S] | S, *, receives: str) -> list[S]:
     """``sinks`` as a list, or a ``TypeError`` naming the first that cannot be called.
 
+    One sink where a list is expected is a list of one (as one device is).
+
     Examples:
-        >>> checked_sinks([print], receives="a list of records") == [print]
+        >>> checked_sinks(print, receives="records") == checked_sinks([print], receives="records")
         True
     """
-    found = list(sinks)
+    if callable(sinks):
+        return [sinks]
+    given: object = sinks  # typed, but callers pass anything
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+        raise TypeError(
+            f"sinks must be a list of callables (each called with {receives}), got {given!r}"
+        )
+    found: list[S] = list(given)
     for sink in found:
         if not callable(sink):
             raise TypeError(f"each sink must be callable with {receives}, got {sink!r}")

@@ -111,6 +111,8 @@ def check_module(module: torch.nn.Module) -> list[str]:
         ...     print(finding)
         scale: a cpu tensor held as a plain attribute; module.to() will not move it. Use self.register_buffer('scale', ...) (or nn.Parameter if it should be trained).
     """  # noqa: E501 - the expected output is one line
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"check_module() needs a torch.nn.Module, got {type(module).__name__}")
     findings: list[str] = []
     for prefix, submodule in module.named_modules():
         for attr, value in vars(submodule).items():

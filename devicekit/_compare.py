@@ -154,8 +154,21 @@ def compare(
         >>> [row.name for row in table.rows]
         ['sorted', 'list']
     """
+    if not isinstance(results, Mapping):
+        raise TypeError(
+            f"results must map names to measurements or functions, such as "
+            f"{{'eager': f, 'compiled': g}}, got {type(results).__name__}"
+        )
     if not results:
         raise ValueError("compare() needs at least one variant")
+    for name, value in results.items():
+        if not isinstance(name, str):
+            raise TypeError(f"each name in results must be a string, got {name!r}")
+        if not (isinstance(value, Measurement) or callable(value)):
+            raise TypeError(
+                f"results[{name!r}] must be a Measurement or a function to measure, got "
+                f"{value!r} of type {type(value).__name__}"
+            )
     if baseline is not None and baseline not in results:
         raise ValueError(f"baseline {baseline!r} is not one of {', '.join(map(repr, results))}")
     measured = {

@@ -143,7 +143,7 @@ class LogBuffer:
         self,
         *,
         flush_every: int = 100,
-        sinks: Iterable[Sink] = (),
+        sinks: Iterable[Sink] | Sink = (),
         reduce: str | None = None,
     ) -> None:
         check_count(flush_every, name="flush_every", minimum=1)
@@ -174,12 +174,20 @@ class LogBuffer:
         """Record scalars for one step; ``step`` defaults to the number of earlier ``log`` calls.
 
         Raises:
-            TypeError: A value is not a tensor of a real dtype or a Python number.
-            ValueError: A tensor has more than one element, is sparse or on the
-                ``meta`` device, or an int is too large for a float64.
+            TypeError: A value is not a tensor of a real dtype or a Python number,
+                or ``step`` is not an int.
+            ValueError: No value was given; a tensor has more than one element,
+                is sparse or on the ``meta`` device; or an int is too large for
+                a float64.
         """
         # Runs every training step: one pass, attribute reads only, no new dict
         # (kwargs is already fresh). Anything unusual goes to _checked().
+        if step is not None and step.__class__ is not int:
+            step = _checked_step(step)
+        if not scalars:
+            raise ValueError(
+                "log() needs at least one value to record, such as log(step, loss=loss)"
+            )
         on_device = False
         for key in scalars:  # noqa: PLC0206 - indexing is 50 ns faster than .items() here
             value = scalars[key]
@@ -450,6 +458,16 @@ def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int)
         f"raised {type(error).__name__}: {error} ({kept})"
     )
     add_note(exc, note)
+
+
+def _checked_step(step: object) -> int:
+    """A step that is not a plain int: an integer-like one (numpy's) is taken as an int."""
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise TypeError(
+            f"step must be an int (or None for the number of earlier log() calls), got "
+            f"{step!r} of type {type(step).__name__}"
+        )
+    return operator.index(step)
 
 
 def _describe_sink(sink: Sink) -> str:

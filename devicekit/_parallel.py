@@ -103,7 +103,11 @@ def _slots(devices: object, workers_per_device: int) -> list[str | int]:
 
 
 class Progress:
+    """``progress=True``: a tqdm bar on stderr, or a line where tqdm is not installed."""
+
     def __init__(self, total: int, enabled: bool | None) -> None:
+        if enabled is not None and not isinstance(enabled, bool):
+            raise TypeError(f"progress must be True or False, got {enabled!r}")
         self.total, self.done, self.bar = total, 0, None
         self.enabled = bool(enabled)
         if self.enabled:
@@ -263,14 +267,15 @@ class GPUPool:
     def _run(
         self, fn_bytes: bytes, work: list[Any], payloads: list[bytes], progress: bool | None
     ) -> list[Any]:
+        bar = Progress(len(work), progress)  # checks `progress` before any worker starts
         if not work:
+            bar.close()
             return []
         if not self._workers:
             self._start()
         fn_id = next(self._maps)
         todo = deque(range(len(work)))
         output: list[Any] = [None] * len(work)
-        bar = Progress(len(work), progress)
         try:
             for worker in self._workers:
                 _feed(worker, fn_id, fn_bytes, todo, payloads)

@@ -602,6 +602,8 @@ def data_parallel(
         ('Linear', device(type='cpu'))
     """
     global _warned_data_parallel  # noqa: PLW0603 - a once-per-process flag
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"data_parallel() needs a torch.nn.Module, got {type(module).__name__}")
     targets = try_all_gpus() if devices is None else resolve_devices(devices)
     if not targets:
         raise ValueError("data_parallel() needs at least one device, got an empty list")

@@ -148,6 +148,11 @@ class TensorBoardSink:
     """
 
     def __init__(self, writer: _ScalarWriter, *, prefix: str = "") -> None:
+        if not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(
+                f"writer must have an add_scalar(tag, value, step) method, such as a "
+                f"torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}"
+            )
         self.writer = writer
         self.prefix = prefix
 
@@ -191,6 +196,11 @@ class ProgressBarSink:
     """
 
     def __init__(self, bar: _Bar, *, keys: list[str] | None = None, fmt: str = ".4g") -> None:
+        if not callable(getattr(bar, "set_postfix", None)):
+            raise TypeError(
+                f"bar must have a set_postfix() method, such as a tqdm bar, got "
+                f"{type(bar).__name__}"
+            )
         self.bar = bar
         self.keys = keys
         self.fmt = fmt

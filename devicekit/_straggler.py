@@ -299,7 +299,7 @@ class StragglerDetector:
         every: int = 100,
         threshold: float = 1.2,
         *,
-        sinks: Iterable[ReportSink] = (),
+        sinks: Iterable[ReportSink] | ReportSink = (),
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.every = check_count(every, name="every", minimum=1, fix="steps between reports")

@@ -132,3 +132,10 @@ def test_check_module_is_empty_for_a_clean_module() -> None:
     assert (
         dk.check_module(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) == []
     )
+
+
+def test_check_module_and_data_parallel_need_a_module() -> None:
+    with pytest.raises(TypeError, match=r"check_module\(\) needs a torch.nn.Module, got int"):
+        dk.check_module(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"data_parallel\(\) needs a torch.nn.Module, got int"):
+        dk.data_parallel(42)  # type: ignore[arg-type]

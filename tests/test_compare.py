@@ -64,7 +64,7 @@ def test_untrustworthy_rows_are_marked() -> None:
 
 @pytest.mark.parametrize(
     ("results", "options", "message"),
-    [({}, {}, "needs at least one variant"), ({"a": None}, {"baseline": "b"}, "baseline 'b'")],
+    [({}, {}, "needs at least one variant"), ({"a": min}, {"baseline": "b"}, "baseline 'b'")],
 )
 def test_errors(results: dict[str, Any], options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -97,3 +97,17 @@ def test_unknown_noise_is_shown_and_never_called_same_or_different() -> None:
     assert str(table).splitlines()[1].split()[:4] == ["slow", "700", "ms", "±?"]
     assert "0.0%" not in str(table).splitlines()[1]
     assert table.to_dict()["rows"][0]["within_noise"] is None
+
+
+@pytest.mark.parametrize(
+    ("results", "text"),
+    [
+        ([lambda: 1], "results must map names to measurements or functions"),
+        ({1: lambda: 1}, "each name in results must be a string, got 1"),
+        ({"a": 42}, "results['a'] must be a Measurement or a function to measure, got 42"),
+    ],
+)
+def test_results_that_are_not_named_variants_are_refused(results: Any, text: str) -> None:
+    with pytest.raises(TypeError) as info:
+        dk.compare(results)
+    assert text in str(info.value)

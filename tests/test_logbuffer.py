@@ -802,3 +802,20 @@ def test_mean_of_the_last_values_never_reads_a_negative_count_backwards() -> Non
         logs.mean("loss", last=-2)  # before: silently the mean of all but the first two
     with pytest.raises(ValueError, match="last must be an int >= 1, got 0"):
         logs.mean("loss", last=0)
+
+
+def test_a_step_is_an_int_and_a_log_call_records_something() -> None:
+    logs = dk.LogBuffer()
+    for bad in ("a", 1.5, True):
+        with pytest.raises(TypeError, match="step must be an int"):
+            logs.log(bad, loss=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"log\(\) needs at least one value to record"):
+        logs.log(3)
+
+    class Step:  # an integer-like step, as numpy's int64 is
+        def __index__(self) -> int:
+            return 7
+
+    logs.log(Step(), loss=2.0)  # type: ignore[arg-type]
+    logs.flush()
+    assert logs.history == [{"step": 7, "loss": 2.0}]

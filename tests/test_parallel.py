@@ -388,3 +388,10 @@ def test_three_workers_share_one_gpu() -> None:
     assert {count for _, _, count, _ in results} == {1}
     assert len({uuid for _, _, _, uuid in results}) == 1
     assert GPU_COUNT >= 1
+
+
+def test_progress_must_be_a_bool() -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+        dk.gpu_map(math.sqrt, [1], devices=["cpu"], progress="yes")  # type: ignore[arg-type]
+    assert set(multiprocessing.active_children()) == before  # refused before any worker started

@@ -149,7 +149,33 @@ def test_tensorboard_and_progress_bar_sinks() -> None:
     assert bar.postfix == {"loss": "0.25"}
 
 
+class _Writer:
+    def add_scalar(self, tag: str, value: float, step: int | None = None) -> None: ...
+
+
+class _Bar:
+    def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None: ...
+
+
 def test_sink_reprs() -> None:
     assert repr(dk.CSVSink("runs/log.csv")) == "CSVSink('runs/log.csv')"
-    assert repr(dk.TensorBoardSink(object(), prefix="train/")) == "TensorBoardSink(prefix='train/')"  # type: ignore[arg-type]
-    assert repr(dk.ProgressBarSink(object(), keys=["loss"])) == "ProgressBarSink(keys=['loss'])"  # type: ignore[arg-type]
+    assert (
+        repr(dk.TensorBoardSink(_Writer(), prefix="train/")) == "TensorBoardSink(prefix='train/')"
+    )
+    assert repr(dk.ProgressBarSink(_Bar(), keys=["loss"])) == "ProgressBarSink(keys=['loss'])"
+
+
+def test_sinks_that_cannot_write_are_refused_when_made() -> None:
+    with pytest.raises(TypeError, match="writer must have an add_scalar"):
+        dk.TensorBoardSink(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bar must have a set_postfix"):
+        dk.ProgressBarSink(42)  # type: ignore[arg-type]
+
+
+def test_one_sink_is_a_list_of_one() -> None:
+    seen: list[Any] = []
+    with dk.LogBuffer(sinks=seen.append) as logs:
+        logs.log(loss=1.0)
+    assert [len(records) for records in seen] == [1]
+    with pytest.raises(TypeError, match="sinks must be a list of callables"):
+        dk.LogBuffer(sinks="log.csv")  # type: ignore[arg-type]
