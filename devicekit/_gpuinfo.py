@@ -51,6 +51,10 @@ class GPUProcess:
         """The fields as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
+    def __repr__(self) -> str:
+        where = "" if self.pid_visible else ", in another PID namespace"
+        return f"GPUProcess({self}, {self.kind}{where})"
+
     def __str__(self) -> str:
         if self.name is not None:
             name = safe_text(self.name)

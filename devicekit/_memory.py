@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import html
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -157,6 +158,8 @@ class MemoryReport:
         caption = f"MemoryReport: gc collected {plural(self.collected, 'object')}"
         if self.note:
             caption += f"; {self.note}"
+        if not rows:  # no device was emptied: the caption says why, a header says nothing
+            return f"<p>{html.escape(caption)}</p>"
         header = ("device", "returned", "allocated", "reserved", "driver free")
         return html_table(rows, header=header, caption=caption)
 

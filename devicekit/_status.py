@@ -194,9 +194,11 @@ class Status:
         gpus = ", ".join(
             f"{info.device or 'hidden'} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
         )
+        # Without NVML nobody knows how many GPUs the machine has: never say 0.
+        count = UNKNOWN + " GPUs" if self.nvml_error is not None else plural(len(self.gpus), "GPU")
         return (
             f"Status(torch {self.torch} ({self.torch_build}), devices: "
-            f"{', '.join(self.devices) or 'cpu only'}; {plural(len(self.gpus), 'GPU')} on the "
+            f"{', '.join(self.devices) or 'cpu only'}; {count} on the "
             f"machine{': ' + gpus if gpus else ''}; {plural(len(self.findings), 'finding')})"
         )
 

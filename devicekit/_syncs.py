@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import html
 import types
 import warnings
 from collections.abc import Iterator
@@ -82,12 +83,12 @@ class SyncReport:
         )
 
     def _repr_html_(self) -> str:
-        caption = f"SyncReport ({self.mode}): " + (
-            f"unavailable: {self.reason}"
-            if not self.supported
-            else plural(self.count, "synchronizing CUDA operation")
-        )
+        if not self.supported:
+            return f"<p>{html.escape(f'sync detection unavailable: {self.reason}')}</p>"
+        caption = f"detect_syncs: {plural(self.count, 'synchronizing CUDA operation')}"
         rows = [(where, f"{count}x") for where, count in self.locations.items()]
+        if not rows:
+            return f"<p>{html.escape(caption)}</p>"
         return html_table(rows, header=("line", "syncs"), caption=caption)
 
     def to_dict(self) -> dict[str, Any]:

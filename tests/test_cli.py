@@ -396,3 +396,8 @@ def test_the_readme_shows_what_the_command_prints_today() -> None:
     assert [line for line in block.splitlines() if not line.startswith(varying)] == [
         line for line in ours.splitlines() if not line.startswith(varying)
     ]
+
+
+def test_without_nvml_the_number_of_gpus_is_unknown_not_zero(nvml_session: Install) -> None:
+    nvml_session(None)
+    assert "? GPUs on the machine" in repr(dk.status())

@@ -70,7 +70,7 @@ def test_memory_reports_read_in_words_and_in_html() -> None:
         "MemoryReport(gc collected 0 objects)\n"
         "  CUDA is not initialized in this process: no GPU memory"
     )
-    assert "no GPU memory</caption>" in empty._repr_html_()
+    assert "no GPU memory</p>" in empty._repr_html_()
 
 
 def test_scope_reports_read_in_words_and_in_html() -> None:

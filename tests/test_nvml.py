@@ -419,3 +419,9 @@ def test_a_process_in_another_pid_namespace_says_so(nvml_session: Install) -> No
     (process,) = dk.gpus()[0].processes or ()
     assert process.pid_visible is False
     assert str(process) == "999999999 (another PID namespace) 1 MiB"
+
+
+def test_a_process_repr_is_in_human_units() -> None:
+    process = dk.GPUProcess(1234, "python3", 40 * 2**30, "compute")
+    assert repr(process) == "GPUProcess(1234 python3 40 GiB, compute)"
+    assert "42949672960" not in repr(process)

@@ -57,7 +57,7 @@ def test_reprs_read_in_words_and_in_html() -> None:
     assert repr(report) == "SyncReport(record: 3 syncs from 2 lines: a.py:3 (2x), b.py:9 (1x))"
     html = report._repr_html_()
     assert html.startswith(
-        "<table><caption>SyncReport (record): 3 synchronizing CUDA operations</caption>"
+        "<table><caption>detect_syncs: 3 synchronizing CUDA operations</caption>"
     )
     assert "<tr><td>a.py:3</td><td>2x</td></tr>" in html
     unsupported = _syncs.SyncReport("error")
