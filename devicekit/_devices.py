@@ -287,8 +287,14 @@ def _parse(value: object, name: str) -> torch.device:
             return torch.device(value)
         except RuntimeError as error:
             reason = first_line(error)
+            # torch's own message lists every type it knows (twenty of them): say the common ones.
+            known = (
+                "it knows cpu, cuda, mps, xpu, meta and a few more"
+                if "Expected one of" in reason
+                else reason
+            )
             raise ValueError(
-                f"{name}={value!r} is not a device torch knows ({reason}); write 'cpu', "
+                f"{name}={value!r} is not a device torch knows ({known}); write 'cpu', "
                 "'cuda', 'cuda:1', or an index such as 1"
             ) from None
     if isinstance(value, torch.device):
@@ -303,6 +309,11 @@ def _parse(value: object, name: str) -> torch.device:
             )
         return torch.device(kind, index)
     raise TypeError(f"{name} must be {_EXPECTED}, got {_got(value)}")
+
+
+def _article(word: str) -> str:
+    """``"an MPS"``, ``"a CUDA"``: by how the first letter sounds."""
+    return "an" if word[:1].upper() in "AEFHILMNORSX" else "a"
 
 
 def _got(value: object) -> str:
@@ -338,7 +349,8 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
     label = _LABELS.get(kind, kind)
     here = ", ".join(["cpu", *(str(d) for d in try_all_gpus() if d.type != "cpu")])
     raise DeviceNotFoundError(
-        f"{name}={value!r} names a {label} device, but this torch build ({torch.__version__}) "
+        f"{name}={value!r} names {_article(label)} {label} device, but this torch build "
+        f"({torch.__version__}) "
         f"has no {label} support; devices here: {here}. Install a torch build with {label} "
         "to use it, or dk.try_gpu() to fall back to the CPU when there is no GPU."
     )

@@ -177,7 +177,7 @@ class OOMReport:
             )
         if self.device.startswith("cuda"):
             rows.append(
-                ("this process", f"{_bytes(self.this_process)} (NVML: everything it holds)")
+                ("this process", f"{_bytes(self.this_process)} (all it holds there, context too)")
             )
             rows.append(("other processes", self._processes_text()))
         return rows

@@ -199,8 +199,8 @@ def test_cuda_only_lists_refuse_the_cpu(function: str, value: object, expected: 
     [
         ("cuda:2", (dk.DeviceNotFoundError, "2 GPUs are visible: cuda:0, cuda:1")),
         (5, (dk.DeviceNotFoundError, "2 GPUs are visible: cuda:0, cuda:1")),
-        ("xpu", (dk.DeviceNotFoundError, "names a XPU device")),
-        ("mps:0", (dk.DeviceNotFoundError, "names a MPS device")),
+        ("xpu", (dk.DeviceNotFoundError, "names an XPU device")),
+        ("mps:0", (dk.DeviceNotFoundError, "names an MPS device")),
     ],
     ids=repr,
 )
