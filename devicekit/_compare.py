@@ -80,14 +80,19 @@ class Comparison:
         lines = [self._header(), *self._lines()]
         columns = len(lines[0])
         widths = [max(len(line[i]) for line in lines) for i in range(columns - 1)]
-        return "\n".join(
+        table = [
             "  ".join(
                 [line[0].ljust(widths[0])]
                 + [cell.rjust(width) for cell, width in zip(line[1:-1], widths[1:], strict=True)]
                 + [line[-1]]
             )
             for line in lines
-        )
+        ]
+        # Why a row is not to be trusted, under the table: the reasons, as bench prints them.
+        for row in self.rows:
+            if not row.measurement.trustworthy:
+                table += [f"  {row.name}: {note}" for note in row.measurement.notes]
+        return "\n".join(table)
 
     __repr__ = __str__
 

@@ -248,7 +248,11 @@ class LogBuffer:
         return history[-1] if history else None
 
     def values(self, key: str) -> list[float]:
-        """Every recorded value of ``key``, oldest first."""
+        """Every value of ``key`` that has reached the host, oldest first.
+
+        Values logged since the last flush are still on their device: call
+        [`flush()`][devicekit.LogBuffer.flush] first to include them.
+        """
         return [record[key] for record in self.history if key in record]
 
     def mean(self, key: str, *, last: int | None = None) -> float:

@@ -5,7 +5,9 @@
    precise and says whether anything could have spoiled it.
 3. With a GPU: the same benchmark with another process hammering the GPU.
 
-Runs on the CPU too (then the "GPU" work runs on the CPU and the clocks agree).
+Runs on the CPU too: then the "GPU" work runs on the CPU, where nothing is
+asynchronous and the host clock is right, though a single reading still varies
+from run to run (which is why step 2 repeats it).
 """
 
 import subprocess

@@ -9,6 +9,7 @@ Run without torchrun, it trains alone (a world of one).
 """
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,10 @@ import devicekit as dk
 
 if "LOCAL_RANK" not in os.environ:  # plain `python train_ddp.py`: a world of one
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    with socket.socket() as probe:  # a free port: two runs at once must not collide
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 device = dk.local_device()
 dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -43,8 +47,9 @@ with dk.LogBuffer(flush_every=20, reduce="mean") as logs:
         logs.log(step, loss=loss)
 
 if rank == 0:
+    processes = "1 process" if world == 1 else f"{world} processes"
     print(
-        f"{world} process(es) on {device.type}: mean loss {logs.history[0]['loss']:.3f} "
+        f"{processes} on {device.type}: mean loss {logs.history[0]['loss']:.3f} "
         f"at step 0, {logs.latest['loss']:.5f} at step {logs.latest['step']}"
     )
 # Shut down in order: drop DDP, let every rank finish its collectives, then

@@ -370,10 +370,15 @@ def test_watch_stops_cleanly_on_ctrl_c() -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert process.stdout is not None
-    process.stdout.readline()  # it is running
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=30)
+    try:
+        assert process.stdout is not None
+        process.stdout.readline()  # it is running
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:  # never an orphan, even when the test fails
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
     assert process.returncode == 0
     assert "Traceback" not in stderr
 

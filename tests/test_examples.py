@@ -45,4 +45,4 @@ def test_the_ddp_example_under_torchrun_with_two_processes() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "2 process(es) on" in result.stdout
+    assert "2 processes on" in result.stdout

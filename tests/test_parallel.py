@@ -210,11 +210,16 @@ def test_ctrl_c_with_many_items_queued_stops_the_workers_and_exits() -> None:
         text=True,
         cwd=REPO,
     )
-    assert process.stdout is not None
-    process.stdout.readline()
-    time.sleep(3)  # workers are running
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        assert process.stdout is not None
+        process.stdout.readline()
+        time.sleep(3)  # workers are running
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:  # a failure leaves no orphan: its workers end with it (parent-death signal)
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
     assert process.returncode != 0
     assert "KeyboardInterrupt" in stderr
 
