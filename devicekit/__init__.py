@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from ._job import RankStatus as RankStatus
     from ._job import job_status as job_status
     from ._launch import local_device as local_device
+    from ._leaks import DeviceGrowth as DeviceGrowth
     from ._leaks import Leak as Leak
     from ._leaks import LeakReport as LeakReport
     from ._leaks import find_leaks as find_leaks
@@ -139,9 +140,10 @@ _EXPORTS: dict[str, str] = {
     "JobStatus": "._job",
     "RankStatus": "._job",
     "local_device": "._launch",
+    "DeviceGrowth": "._leaks",
+    "find_leaks": "._leaks",
     "Leak": "._leaks",
     "LeakReport": "._leaks",
-    "find_leaks": "._leaks",
     "LogBuffer": "._logbuffer",
     "Record": "._logbuffer",
     "Sink": "._logbuffer",
@@ -157,11 +159,11 @@ _EXPORTS: dict[str, str] = {
     "driver_version": "._nvml",
     "nvml_available": "._nvml",
     "nvml_error": "._nvml",
+    "AllocationSite": "._oom",
+    "explain_oom": "._oom",
+    "OOMReport": "._oom",
     "gpu_map": "._parallel",
     "gpu_pool": "._parallel",
-    "AllocationSite": "._oom",
-    "OOMReport": "._oom",
-    "explain_oom": "._oom",
     "GPUPool": "._parallel",
     "data_parallel": "._placement",
     "load": "._placement",
@@ -208,6 +210,7 @@ __all__ = [
     "Comparison",
     "ComparisonRow",
     "Conditions",
+    "DeviceGrowth",
     "DeviceLike",
     "DeviceMemory",
     "DeviceMismatchError",

@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -144,7 +144,7 @@ class LogBuffer:
         *,
         flush_every: int = 100,
         sinks: Iterable[Sink] | Sink = (),
-        reduce: str | None = None,
+        reduce: Literal["mean", "sum", "max", "min"] | None = None,
     ) -> None:
         check_count(flush_every, name="flush_every", minimum=1)
         if reduce is not None and reduce not in _REDUCE_OPS:

@@ -296,9 +296,9 @@ class StragglerDetector:
 
     def __init__(
         self,
+        *,
         every: int = 100,
         threshold: float = 1.2,
-        *,
         sinks: Iterable[ReportSink] | ReportSink = (),
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:

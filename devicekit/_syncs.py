@@ -8,7 +8,7 @@ import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -103,7 +103,7 @@ class SyncReport:
 
 
 @contextmanager
-def detect_syncs(*, mode: str = "record") -> Iterator[SyncReport]:
+def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[SyncReport]:
     """Record (or refuse) every operation that makes the host wait for the GPU.
 
     Inside the block, PyTorch's sync debug mode reports each synchronizing
