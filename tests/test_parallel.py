@@ -400,3 +400,19 @@ def test_progress_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
         dk.gpu_map(math.sqrt, [1], devices=["cpu"], progress="yes")  # type: ignore[arg-type]
     assert set(multiprocessing.active_children()) == before  # refused before any worker started
+
+
+def test_progress_without_tqdm_is_a_line_that_ends_at_the_total(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    assert dk.gpu_map(math.sqrt, [1, 4, 9], devices=["cpu"], progress=True) == [1.0, 2.0, 3.0]
+    err = capsys.readouterr().err
+    assert err.endswith("\rgpu_map: 3/3\n"), err
+    assert "gpu_map: 1/3" in err
+
+
+def test_progress_with_tqdm_is_a_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    assert dk.gpu_map(math.sqrt, [1, 4, 9], devices=["cpu"], progress=True) == [1.0, 2.0, 3.0]
+    assert re.search(r"gpu_map: 100%.*3/3", capsys.readouterr().err)
