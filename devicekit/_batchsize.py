@@ -22,6 +22,7 @@ import gc
 import math
 import multiprocessing
 import pickle
+import time
 import traceback
 from collections.abc import Callable
 from fractions import Fraction
@@ -35,7 +36,7 @@ from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._errors import DeviceOutOfMemoryError
 from ._oom import explain_oom
 from ._oomtext import is_oom
-from ._options import check_count, check_number
+from ._options import check_count, check_number, check_seconds
 from ._visible import torch_cuda_initialized
 
 __all__ = ["find_batch_size"]
@@ -123,7 +124,10 @@ def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: 
 class _Isolated:
     """Runs each trial in a spawned child process and reads back how it ended."""
 
-    def __init__(self, fn: Callable[[int], Any], device: torch.device | None) -> None:
+    def __init__(
+        self, fn: Callable[[int], Any], device: torch.device | None, timeout: float | None
+    ) -> None:
+        self.timeout = timeout
         try:
             self.fn_bytes = pickle.dumps(fn)
         except (pickle.PicklingError, AttributeError, TypeError) as error:
@@ -142,8 +146,16 @@ class _Isolated:
         )
         process.start()
         send.close()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         try:
             while not receive.poll(_POLL):
+                if deadline is not None and time.monotonic() > deadline:
+                    process.kill()  # a hung trial: its child goes, and so does its memory
+                    raise TimeoutError(
+                        f"find_batch_size: fn({size}) ran longer than trial_timeout="
+                        f"{self.timeout:g} s in its child process, which was killed; raise "
+                        "trial_timeout if one step really takes that long"
+                    )
                 if not process.is_alive() and not receive.poll():
                     raise RuntimeError(
                         f"find_batch_size: the child process running fn({size}) exited with "
@@ -228,6 +240,7 @@ def find_batch_size(
     margin: float = 0.0,
     device: DeviceLike | None = None,
     isolate: bool = False,
+    trial_timeout: float | None = None,
 ) -> int:
     """Find the largest batch size ``fn(batch_size)`` runs with, without leaving memory behind.
 
@@ -255,6 +268,11 @@ def find_batch_size(
         isolate: Run each trial in a child process (``spawn``), so this
             process's allocator never sees an out-of-memory error; ``fn``
             must then be picklable. Each trial then pays a process start.
+        trial_timeout: With ``isolate=True``, the seconds one trial may run
+            before its child process is killed and ``TimeoutError`` is
+            raised (a trial that hangs cannot hang the search). Default: no
+            bound. Without ``isolate`` a running ``fn`` cannot be stopped, so
+            this is refused there.
 
     Returns:
         The largest size that ran, reduced by ``margin``.
@@ -263,8 +281,10 @@ def find_batch_size(
         DeviceOutOfMemoryError: Even ``start`` does not fit; the message has
             the out-of-memory report ([`explain_oom()`][devicekit.explain_oom]).
         TypeError: ``fn`` is not callable, or not picklable with ``isolate=True``.
-        ValueError: ``start`` below 1, ``max_size`` below ``start``, or
-            ``margin`` outside [0, 1).
+        ValueError: ``start`` below 1, ``max_size`` below ``start``,
+            ``margin`` outside [0, 1), or ``trial_timeout`` not a positive
+            number of seconds or given without ``isolate=True``.
+        TimeoutError: A trial ran longer than ``trial_timeout``.
         RuntimeError: Another rank failed, or ``fn`` fits at any size.
 
     Examples:
@@ -281,8 +301,15 @@ def find_batch_size(
     if max_size is not None:
         check_count(max_size, name="max_size", minimum=start, fix="pass max_size >= start")
     check_number(margin, name="margin", at_least=0, below=1, meaning="0.1 is 10% headroom")
+    if trial_timeout is not None:
+        trial_timeout = check_seconds(trial_timeout, name="trial_timeout")
+        if not isolate:
+            raise ValueError(
+                f"trial_timeout={trial_timeout:g} needs isolate=True: a trial in this process "
+                "cannot be stopped; pass isolate=True, or drop trial_timeout"
+            )
     target = None if device is None else resolve_device(device, name="device")
-    trial = _Isolated(fn, target) if isolate else _InProcess(fn, target)
+    trial = _Isolated(fn, target, trial_timeout) if isolate else _InProcess(fn, target)
     if not initialized():
         found = _search_and_clean(trial, start, max_size)
     else:

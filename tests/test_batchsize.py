@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -130,6 +131,13 @@ def test_arguments_are_checked() -> None:
         dk.find_batch_size(step, device="cuda:9")
     with pytest.raises(TypeError, match="must be picklable"):
         dk.find_batch_size(lambda n: None, isolate=True)
+    with pytest.raises(ValueError, match=r"trial_timeout=5 needs isolate=True: a trial in this"):
+        dk.find_batch_size(step, trial_timeout=5)
+    for timeout in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="trial_timeout must be a finite number of seconds"):
+            dk.find_batch_size(step, isolate=True, trial_timeout=timeout)
+    with pytest.raises(TypeError, match="trial_timeout must be a number of seconds, got '5'"):
+        dk.find_batch_size(step, isolate=True, trial_timeout="5")  # type: ignore[arg-type]
     assert step.calls == []
 
 
@@ -144,6 +152,37 @@ def isolated_step(batch_size: int) -> None:
         raise torch.OutOfMemoryError(TORCH_OOM)
     if batch_size == 3:
         raise KeyError("three is not allowed")
+
+
+def hanging_step(batch_size: int) -> None:
+    """Runs only in a child: from 4 up it writes its pid where the test reads it, and hangs."""
+    if batch_size >= 4:
+        with open(os.environ["DK_TEST_PID_FILE"], "w") as file:
+            file.write(str(os.getpid()))
+        time.sleep(3600)
+
+
+def test_a_hung_isolated_trial_is_killed_at_its_timeout(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    result = run_python(
+        f"""
+        import json, os, devicekit as dk
+        from tests.test_batchsize import hanging_step
+        os.environ["DK_TEST_PID_FILE"] = {str(pid_file)!r}
+        try:
+            dk.find_batch_size(hanging_step, isolate=True, trial_timeout=2)
+        except TimeoutError as error:
+            print(json.dumps({{"error": str(error)}}))
+        """,
+        timeout=120,
+    )
+    assert result["error"].startswith(
+        "find_batch_size: fn(4) ran longer than trial_timeout=2 s in its child process, which "
+        "was killed"
+    )
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan left behind
+        os.kill(child, 0)
 
 
 def test_isolated_trials_run_in_children() -> None:
