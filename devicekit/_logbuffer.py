@@ -38,7 +38,6 @@ Sink = Callable[[list[Record]], Any]
 logger = logging.getLogger("devicekit")
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
-_ON_DEVICE = operator.itemgetter(2)  # of a pending entry
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 # Real numbers that stack and convert to a Python float exactly (as float64).
@@ -370,13 +369,12 @@ class LogBuffer:
             return finished
 
     def _start(self, batch: list[tuple[Any, dict[str, Any], bool]], *, reduce: bool) -> InFlight:
-        steps = [step for step, _, _ in batch]
+        steps, rows, on_device = map(list, zip(*batch, strict=True))  # one pass, in C
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
-        columns = by_key([values for _, values, _ in batch])
         if reduce and self.reduce is not None and initialized():
-            return start_reduced(steps, columns, self.reduce)
-        return start(steps, columns, on_device=any(map(_ON_DEVICE, batch)))
+            return start_reduced(steps, by_key(rows), self.reduce)
+        return start(steps, rows, on_device=True in on_device)
 
     def _complete(self) -> list[Record]:
         in_flight = self._in_flight

@@ -13,7 +13,9 @@ that all logged the same, and only then combines them in one ``all_reduce``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -50,15 +52,18 @@ def land(in_flight: InFlight) -> tuple[list[dict[str, Any]], int]:
     host_values = [host.tolist() for host in in_flight.hosts]
     for host, offset, floats, index, count in in_flight.fills:
         floats[index : index + count] = map(float, host_values[host][offset : offset + count])
-    records: list[dict[str, Any]] = [{"step": step} for step in in_flight.steps]
+    steps, columns = in_flight.steps, in_flight.columns
+    rest = columns
+    if columns and columns[0][1] is None:  # nearly always: every step has the first key
+        (key, _, floats), *rest = columns
+        records = [{"step": s, key: v} for s, v in zip(steps, floats, strict=True)]
+    else:
+        records = [{"step": step} for step in steps]
+    for key, rows, floats in rest:  # keys in order of first appearance, as they were logged
+        for row, value in zip(range(len(steps)) if rows is None else rows, floats, strict=True):
+            records[row][key] = value
     nonfinite = 0
-    for key, rows, floats in in_flight.columns:
-        if rows is None:
-            for record, value in zip(records, floats, strict=True):
-                record[key] = value
-        else:
-            for row, value in zip(rows, floats, strict=True):
-                records[row][key] = value
+    for _, _, floats in columns:
         if not math.isfinite(sum(floats)):  # one C loop; count only when needed
             nonfinite += sum(not math.isfinite(value) for value in floats)
     return records, nonfinite
@@ -67,12 +72,19 @@ def land(in_flight: InFlight) -> tuple[list[dict[str, Any]], int]:
 # --- one rank ---------------------------------------------------------------------------------
 
 
-def by_key(rows: list[dict[str, Any]]) -> list[_Column]:
-    """The pending values by key: one list each, in order of first appearance."""
+def by_key(
+    rows: list[dict[str, Any]], *, read: Callable[[Any], Any] | None = None
+) -> list[_Column]:
+    """The pending values by key: one list each, in order of first appearance.
+
+    ``read`` converts each value on the way (``float``), in the same pass.
+    """
     first = rows[0]
     if sum(map(len, rows)) == len(first) * len(rows):
         try:  # nearly always: every step logs the same keys
-            return [(key, None, [values[key] for values in rows]) for key in first]
+            if read is None:
+                return [(key, None, list(map(itemgetter(key), rows))) for key in first]
+            return [(key, None, list(map(read, map(itemgetter(key), rows)))) for key in first]
         except KeyError:
             pass
     columns: dict[str, tuple[list[int], list[Any]]] = {}
@@ -83,18 +95,19 @@ def by_key(rows: list[dict[str, Any]]) -> list[_Column]:
                 column = columns[key] = ([], [])
             column[0].append(row)
             column[1].append(value)
-    return [(key, indices, values) for key, (indices, values) in columns.items()]
+    return [
+        (key, indices, values if read is None else list(map(read, values)))
+        for key, (indices, values) in columns.items()
+    ]
 
 
-def start(steps: list[Any], columns: list[_Column], *, on_device: bool) -> InFlight:
+def start(steps: list[Any], rows: list[dict[str, Any]], *, on_device: bool) -> InFlight:
     """Start bringing one rank's values to the host: read those already there, copy the rest."""
     if not on_device:
         # Every value is a number or on the CPU: read each, nothing to copy. This
-        # is faster than stacking them (15 µs for 100 values instead of 25).
-        return InFlight(
-            steps, [(key, rows, list(map(float, values))) for key, rows, values in columns]
-        )
-    return _start_copies(steps, columns)
+        # is faster than stacking them (13 µs for 100 values instead of 21).
+        return InFlight(steps, by_key(rows, read=float))
+    return _start_copies(steps, by_key(rows))
 
 
 def _start_copies(steps: list[Any], columns: list[_Column]) -> InFlight:

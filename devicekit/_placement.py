@@ -214,6 +214,9 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
     # torch parses a keyword argument for every call (0.13 µs): pass non_blocking only
     # where it changes something, a copy that is not to the meta device.
     keyword = non_blocking and kind != _META
+    # Closure cells, not globals, in the loops below: each read is a few ns cheaper.
+    tensor_class, once_in_list, once_in_dict = _Tensor, _ONCE_IN_LIST, _ONCE_IN_DICT
+    to_cuda, to_host, to_meta = kind == _CUDA, kind == _HOST, kind == _META
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=True) if keyword else tensor.to(device)
@@ -241,7 +244,7 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
     def move(obj: Any) -> Any:
         cls = obj.__class__
         if cls is not dict and cls is not list and cls is not tuple:
-            if cls is _Tensor or isinstance(obj, _Tensor):
+            if cls is tensor_class or isinstance(obj, tensor_class):
                 return move_tensor(obj)
             return obj if cls in _LEAVES else mover.other(obj)
         key = id(obj)
@@ -266,21 +269,21 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
             result = {}
             for name, value in obj.items():
                 vcls = value.__class__
-                if vcls is not _Tensor or not inline:
+                if vcls is not tensor_class or not inline:
                     if (vcls is dict or vcls is list or vcls is tuple) and count(
                         value
-                    ) <= _ONCE_IN_DICT:
+                    ) <= once_in_dict:
                         result[name] = rebuild(value, vcls)
                     else:
                         result[name] = move(value)
                 elif (
-                    value.is_cpu if kind == _HOST
-                    else (value.is_cuda and value.get_device() == index) if kind == _CUDA
-                    else value.is_meta if kind == _META
+                    (value.is_cuda and value.get_device() == index) if to_cuda
+                    else value.is_cpu if to_host
+                    else value.is_meta if to_meta
                     else value.device == device
                 ):  # fmt: skip
                     result[name] = value
-                elif count(value) <= _ONCE_IN_DICT:  # this dict alone holds it
+                elif count(value) <= once_in_dict:  # this dict alone holds it
                     moved = value.to(device, non_blocking=True) if keyword else value.to(device)
                     result[name] = moved
                 else:
@@ -293,21 +296,19 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
         append = result.append
         for value in obj:
             vcls = value.__class__
-            if vcls is not _Tensor or not inline:
-                if (vcls is dict or vcls is list or vcls is tuple) and count(
-                    value
-                ) <= _ONCE_IN_LIST:
+            if vcls is not tensor_class or not inline:
+                if (vcls is dict or vcls is list or vcls is tuple) and count(value) <= once_in_list:
                     append(rebuild(value, vcls))
                 else:
                     append(move(value))
             elif (
-                value.is_cpu if kind == _HOST
-                else (value.is_cuda and value.get_device() == index) if kind == _CUDA
-                else value.is_meta if kind == _META
+                (value.is_cuda and value.get_device() == index) if to_cuda
+                else value.is_cpu if to_host
+                else value.is_meta if to_meta
                 else value.device == device
             ):  # fmt: skip
                 append(value)
-            elif count(value) <= _ONCE_IN_LIST:  # this list alone holds it
+            elif count(value) <= once_in_list:  # this list alone holds it
                 append(value.to(device, non_blocking=True) if keyword else value.to(device))
             else:
                 moved = get(id(value))

@@ -462,7 +462,7 @@ def test_values_on_an_accelerator_are_grouped_by_dtype_and_land_in_place() -> No
         )
         rows.append(row)
     rows[3]["loss"] = float("nan")  # a number among tensors of the same key
-    in_flight = _logflush.start(list(range(6)), _logflush.by_key(rows), on_device=True)
+    in_flight = _logflush.start(list(range(6)), rows, on_device=True)
     assert len(in_flight.hosts) == 3  # float32, bfloat16, int64: one stack and copy each
     records, nonfinite = _logflush.land(in_flight)
     assert nonfinite == 1
