@@ -282,6 +282,8 @@ def claim_gpu(
     """
     from ._gpus import pick_gpu  # noqa: PLC0415 - _gpus builds on the claims made here
 
+    with _held.lock:
+        before = set(_held.claims)
     device = pick_gpu(
         min_free_memory=min_free_memory,
         max_utilization=max_utilization,
@@ -289,7 +291,13 @@ def claim_gpu(
         wait=wait,
         claim=True,
     )
+    # Released by UUID, not by index: the block may change CUDA_VISIBLE_DEVICES, and then
+    # cuda:<index> can name another GPU, even one this process claimed elsewhere.
+    with _held.lock:
+        ours = [] if device.type == "cpu" else _held_at(device.index or 0)
+        ours = [uuid for uuid in ours if uuid not in before]
     try:
         yield device
     finally:
-        release_gpu(device)
+        for uuid in ours:
+            release(uuid)

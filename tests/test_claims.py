@@ -124,6 +124,20 @@ def test_a_claim_can_follow_its_gpu_under_other_visible_devices(
     assert sorted(_claims._held.claims) == [uuid(0)]
 
 
+def test_claim_gpu_releases_its_own_claim_whatever_the_block_makes_visible(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(machine(2))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)  # physical GPU 1, kept
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with dk.claim_gpu() as device:
+        assert device == torch.device("cuda", 0)  # physical GPU 0
+        # The block leaves cuda:0 naming physical GPU 1, which the other claim holds.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert sorted(_claims._held.claims) == [uuid(1)]  # the block's own claim went, no other
+
+
 def test_lock_files_are_named_by_uuid_even_for_old_mig_names(private_claims: Path) -> None:
     mig = "MIG-GPU-aaaa1111-0000-0000-0000-000000000000/1/0"  # drivers before R470
     assert _claims.claim(mig, 0) is True
