@@ -44,7 +44,7 @@ from typing import Any, Literal, TypeVar
 
 from ._devices import DeviceLike, resolve_devices, try_all_gpus
 from ._errors import WorkerError
-from ._format import plural
+from ._format import html_table, plural
 from ._options import check_count
 from ._visible import ENV_VAR, parse_visible_devices, scoped_env
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap, work
@@ -201,13 +201,29 @@ class GPUPool:
         """Each worker's device, in worker order: ``"cuda:0"``, ``"cpu"``..."""
         return ["cpu" if slot == "cpu" else f"cuda:{slot}" for slot in self._slots]
 
-    def __repr__(self) -> str:
+    def _summary(self) -> tuple[str, str]:
+        """Its devices (``"cuda:0 x2, cuda:1"``) and its state (``"2 running"``)."""
         state = "closed" if self._closed else f"{len(self._workers)} running"
         counts: dict[str, int] = {}
         for device in self.devices:
             counts[device] = counts.get(device, 0) + 1
         shown = ", ".join(f"{device} x{n}" if n > 1 else device for device, n in counts.items())
+        return shown, state
+
+    def __repr__(self) -> str:
+        shown, state = self._summary()
         return f"GPUPool({plural(len(self._slots), 'worker')}: {shown}; {state})"
+
+    def _repr_html_(self) -> str:
+        shown, state = self._summary()
+        if not self._workers and not self._closed:
+            state += " (workers start at the first map)"
+        rows = [
+            ("workers", plural(len(self._slots), "worker")),
+            ("devices", shown),
+            ("state", state),
+        ]
+        return html_table(rows, caption="GPUPool")
 
     def __enter__(self) -> GPUPool:
         return self

@@ -412,6 +412,19 @@ class StragglerDetector:
             f"steps={self.steps}, sections={list(self._sections)})"
         )
 
+    def _repr_html_(self) -> str:
+        settings = html_table(
+            [
+                ("every", plural(self.every, "step")),
+                ("threshold", f"{self.threshold:g}x the job median"),
+                ("steps", str(self.steps)),
+                ("sections", ", ".join(self._sections) or "none yet"),
+            ],
+            caption="StragglerDetector",
+        )
+        report = self.report
+        return settings + (report._repr_html_() if report is not None else "<p>no report yet</p>")
+
 
 def _summarize(samples: list[float]) -> tuple[float | None, float | None, int]:
     """Median, interquartile range and count of a section's times in this window."""

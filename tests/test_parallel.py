@@ -366,12 +366,18 @@ def test_a_missing_main_guard_is_named_in_a_few_lines(tmp_path: Any) -> None:
 
 def test_a_pool_reuses_its_workers_and_stops_them() -> None:
     with dk.gpu_pool(devices=["cpu", "cpu"]) as pool:
+        assert "0 running (workers start at the first map)" in pool._repr_html_()
         first = {pid for pid, _, _ in pool.map(where, range(6))}
         second = {pid for pid, _, _ in pool.map(where, range(6))}
         assert first == second
         assert len(first) == 2
         assert "2 workers: cpu x2; 2 running" in repr(pool)
+        html = pool._repr_html_()
+        assert "<caption>GPUPool</caption>" in html
+        assert "<td>cpu x2</td>" in html
+        assert "<td>2 running</td>" in html
     assert "closed" in repr(pool)
+    assert "<td>closed</td>" in pool._repr_html_()
     assert not any(_alive(pid) for pid in first)
     with pytest.raises(ValueError, match="this GPUPool is closed"):
         pool.map(where, [1])

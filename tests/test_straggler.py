@@ -83,6 +83,23 @@ def test_the_report_renders_as_a_table_json_and_html() -> None:
     assert "<table>" in report._repr_html_()
 
 
+def test_the_detector_shows_its_settings_and_last_report_in_html() -> None:
+    detector = dk.StragglerDetector(every=2, threshold=1.5)
+    html = detector._repr_html_()
+    assert "<caption>StragglerDetector</caption>" in html
+    assert "<td>1.5x the job median</td>" in html
+    assert "no report yet" in html
+    for _ in range(2):
+        with detector.section("<fwd>"):  # a name is escaped, never markup
+            pass
+        detector.step()
+    html = detector._repr_html_()
+    assert "&lt;fwd&gt;" in html
+    assert "<fwd>" not in html
+    assert "no report yet" not in html
+    assert html.count("<table>") == 2  # the settings, then the report
+
+
 def test_median_and_interquartile_range() -> None:
     assert _straggler._summarize([5.0, 1.0, 2.0, 4.0, 3.0]) == (3.0, 2.0, 5)
     assert _straggler._summarize([7.0]) == (7.0, None, 1)
