@@ -45,6 +45,14 @@ __all__ = ["AllocationSite", "OOMReport", "build_report", "explain_oom"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _record_history: Any = torch.cuda.memory._record_memory_history  # unannotated in torch
+
+
+def _history_enabled() -> bool:
+    """Whether CUDA's memory-history recorder is on (a private torch call, there since 2.1)."""
+    probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    return bool(probe()) if probe is not None else False
+
+
 _memory_snapshot: Any = torch.cuda.memory_snapshot  # unannotated in torch
 # torch >= 2.9 can leave the trace ring out of a snapshot; reading only segments is faster.
 _SNAPSHOT_OPTIONS = (
@@ -384,13 +392,19 @@ class _ExplainOOM:
         history_entries: int,
     ) -> None:
         self._options = (device, model, record_history, top, history_entries)
-        self._recording = False
+        self._recording = False  # the recorder is on: the report can name allocation sites
+        self._started = False  # this block turned it on, so it turns it off
 
     def __enter__(self) -> None:
         _, _, record_history, _, entries = self._options
         if record_history and accelerator_type() == "cuda" and accelerator_count() > 0:
             # Starts CUDA if it has not started: the recorder lives in CUDA's allocator.
-            _record_history(enabled="all", context="alloc", stacks="python", max_entries=entries)
+            # A recorder someone else started keeps running, with their settings.
+            if not _history_enabled():
+                _record_history(
+                    enabled="all", context="alloc", stacks="python", max_entries=entries
+                )
+                self._started = True
             self._recording = True
 
     def __exit__(
@@ -412,9 +426,9 @@ class _ExplainOOM:
                 return False
             raise DeviceOutOfMemoryError(str(report), report) from error
         finally:
-            if self._recording:
+            if self._started:
                 _record_history(enabled=None)
-                self._recording = False
+            self._recording = self._started = False
 
     def __call__(self, func: F) -> F:
         options = self._options
@@ -479,8 +493,9 @@ def explain_oom(
             tensors in the report.
         record_history: Record where each block is allocated while the block
             runs (torch's memory-history recorder, at most ``history_entries``
-            events, switched off again on exit), and list the lines that
-            allocated the largest blocks. CUDA only; starts CUDA if needed.
+            events, switched off again on exit unless it was already on), and
+            list the lines that allocated the largest blocks. CUDA only;
+            starts CUDA if needed.
         top: How many tensors and blocks to list.
         history_entries: The recorder's ring size, when recording.
 

@@ -399,6 +399,35 @@ def test_a_real_gpu_oom() -> None:
     del keep
 
 
+@pytest.mark.parametrize("already_on", [False, True])
+def test_the_recorder_is_turned_off_only_by_the_block_that_started_it(
+    monkeypatch: pytest.MonkeyPatch, already_on: bool
+) -> None:
+    # CUDA's recorder cannot run without a GPU: stand-ins record what the block asks of it.
+    calls: list[Any] = []
+    monkeypatch.setattr(_oom, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(_oom, "accelerator_count", lambda: 1)
+    monkeypatch.setattr(_oom, "_record_history", lambda **options: calls.append(options))
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: already_on, raising=False)
+    with dk.explain_oom(record_history=True):
+        pass
+    if already_on:
+        assert calls == []  # the user's recorder, with the user's settings, runs on
+    else:
+        assert [call["enabled"] for call in calls] == ["all", None]
+
+
+@pytest.mark.gpu
+def test_a_recorder_that_was_on_stays_on() -> None:
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=1000)
+    try:
+        with pytest.raises(dk.DeviceOutOfMemoryError), dk.explain_oom(record_history=True):
+            torch.empty(10**15, dtype=torch.uint8, device="cuda")
+        assert torch._C._cuda_isHistoryEnabled()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 @pytest.mark.gpu
 def test_memory_history_names_the_line_that_allocated() -> None:
     blocks = []
