@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ._bench import BenchResult as BenchResult
     from ._bench import bench as bench
     from ._census import LiveTensor as LiveTensor
+    from ._checkpoint import load as load
     from ._checks import assert_same_device as assert_same_device
     from ._checks import check_module as check_module
     from ._claims import claim_gpu as claim_gpu
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from ._devices import try_gpu as try_gpu
     from ._doctor import Diagnosis as Diagnosis
     from ._doctor import doctor as doctor
+    from ._errors import CheckpointError as CheckpointError
     from ._errors import CUDAInitializedError as CUDAInitializedError
     from ._errors import DevicekitError as DevicekitError
     from ._errors import DeviceMismatchError as DeviceMismatchError
@@ -79,7 +81,6 @@ if TYPE_CHECKING:
     from ._parallel import gpu_map as gpu_map
     from ._parallel import gpu_pool as gpu_pool
     from ._placement import data_parallel as data_parallel
-    from ._placement import load as load
     from ._placement import to_device as to_device
     from ._sinks import CSVSink as CSVSink
     from ._sinks import ProgressBarSink as ProgressBarSink
@@ -106,6 +107,7 @@ _EXPORTS: dict[str, str] = {
     "BenchReport": "._bench",
     "BenchResult": "._bench",
     "LiveTensor": "._census",
+    "load": "._checkpoint",
     "assert_same_device": "._checks",
     "check_module": "._checks",
     "claim_gpu": "._claims",
@@ -119,6 +121,7 @@ _EXPORTS: dict[str, str] = {
     "try_gpu": "._devices",
     "Diagnosis": "._doctor",
     "doctor": "._doctor",
+    "CheckpointError": "._errors",
     "CUDAInitializedError": "._errors",
     "DevicekitError": "._errors",
     "DeviceMismatchError": "._errors",
@@ -166,7 +169,6 @@ _EXPORTS: dict[str, str] = {
     "gpu_pool": "._parallel",
     "GPUPool": "._parallel",
     "data_parallel": "._placement",
-    "load": "._placement",
     "to_device": "._placement",
     "CSVSink": "._sinks",
     "ProgressBarSink": "._sinks",
@@ -207,6 +209,7 @@ __all__ = [
     "Benchmark",
     "CSVSink",
     "CUDAInitializedError",
+    "CheckpointError",
     "Comparison",
     "ComparisonRow",
     "Conditions",

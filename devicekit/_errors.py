@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CUDAInitializedError",
+    "CheckpointError",
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DeviceOutOfMemoryError",
@@ -35,6 +36,14 @@ __all__ = [
 
 class DevicekitError(Exception):
     """Base class of every exception devicekit defines."""
+
+
+class CheckpointError(DevicekitError, ValueError):
+    """A file given to [`load()`][devicekit.load] is not a checkpoint torch can read.
+
+    It is empty, cut short, or not written by ``torch.save``; torch's own
+    error is kept as ``__cause__``.
+    """
 
 
 class CUDAInitializedError(DevicekitError, RuntimeError):

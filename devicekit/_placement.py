@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import functools
 import logging
-import os
 import sys
 import threading
 import warnings
@@ -29,7 +28,7 @@ from ._devices import (
 )
 from ._tree import describe_cycle, is_dataclass_instance, is_namedtuple
 
-__all__ = ["data_parallel", "load", "to_device"]
+__all__ = ["data_parallel", "to_device"]
 
 T = TypeVar("T")
 
@@ -529,45 +528,6 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     if returned_none is not None:
         _warn_returned_none(returned_none)
     return result  # type: ignore[no-any-return]
-
-
-def load(path: str | os.PathLike[str], device: DeviceLike | None = None, **kwargs: Any) -> Any:
-    """``torch.load`` onto ``device``, whatever device the checkpoint was saved from.
-
-    A checkpoint saved on ``cuda:1`` loads on a CPU-only or one-GPU machine:
-    every tensor is mapped to ``device``. ``weights_only=True`` is the default,
-    so loading never runs code from the file; pass ``weights_only=False`` only
-    for files you trust.
-
-    Args:
-        path: The file to load (or anything ``torch.load`` accepts).
-        device: Where the tensors go, a [`DeviceLike`][devicekit.DeviceLike].
-            Default: [`try_gpu()`][devicekit.try_gpu].
-        **kwargs: Passed to ``torch.load`` (``weights_only``, ``mmap``...).
-
-    Returns:
-        What ``torch.load`` returns, with its tensors on ``device``.
-
-    Raises:
-        TypeError: Both ``device`` and ``map_location`` were given.
-        DeviceNotFoundError: This torch build or machine has no such device.
-
-    Examples:
-        >>> import io, torch, devicekit as dk
-        >>> buffer = io.BytesIO()
-        >>> torch.save({"w": torch.ones(2)}, buffer)
-        >>> _ = buffer.seek(0)
-        >>> dk.load(buffer, "cpu")
-        {'w': tensor([1., 1.])}
-    """
-    if "map_location" in kwargs:
-        if device is not None:
-            raise TypeError("load() takes device or map_location, not both; pass only device")
-        map_location = kwargs.pop("map_location")
-    else:
-        map_location = try_gpu() if device is None else resolve_device(device)
-    kwargs.setdefault("weights_only", True)
-    return torch.load(path, map_location=map_location, **kwargs)
 
 
 _warned_data_parallel = False

@@ -3,13 +3,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import io
 import logging
 import threading
 import types
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 import devicekit as dk
 from devicekit import _placement
 
-from .conftest import GPU_COUNT, FakeAccelerator
+from .conftest import FakeAccelerator
 
 META = torch.device("meta")
 
@@ -589,44 +587,6 @@ def test_copies_to_meta_pass_no_keyword_for_torch_to_parse() -> None:
 # --- load ------------------------------------------------------------------------------
 
 
-def _saved_as_if_on(location: str, monkeypatch: pytest.MonkeyPatch, path: Path) -> Path:
-    """Write a checkpoint whose storages claim to come from ``location`` (say cuda:1)."""
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.serialization, "location_tag", lambda storage: location)
-        torch.save({"w": torch.arange(4.0), "step": 7}, path)
-    return path
-
-
-def test_load_a_cuda1_checkpoint_anywhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    path = _saved_as_if_on("cuda:1", monkeypatch, tmp_path / "ckpt.pt")
-    if GPU_COUNT < 2:  # the problem devicekit solves: plain torch.load cannot place it
-        with pytest.raises(RuntimeError):
-            torch.load(path, weights_only=True)
-    state = dk.load(path)
-    assert state["step"] == 7
-    assert state["w"].device == dk.try_gpu()
-    assert torch.equal(state["w"].cpu(), torch.arange(4.0))
-
-
-def test_load_to_an_explicit_device(tmp_path: Path) -> None:
-    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
-    assert on(META, dk.load(tmp_path / "w.pt", META)["w"])
-    assert on(META, dk.load(tmp_path / "w.pt", map_location="meta")["w"])
-
-
-def test_load_defaults_to_weights_only(tmp_path: Path) -> None:
-    # An arbitrary class could run code when unpickled; weights_only refuses it.
-    torch.save({"batch": Batch(torch.ones(1), {})}, tmp_path / "code.pt")
-    with pytest.raises(Exception, match=r"(?i)weights.only"):
-        dk.load(tmp_path / "code.pt", "cpu")
-    assert type(dk.load(tmp_path / "code.pt", "cpu", weights_only=False)["batch"]) is Batch
-
-
-def test_load_rejects_device_and_map_location_together() -> None:
-    with pytest.raises(TypeError, match="takes device or map_location, not both"):
-        dk.load(io.BytesIO(), "cpu", map_location="cpu")
-
-
 # --- data_parallel ---------------------------------------------------------------------
 
 
@@ -693,14 +653,6 @@ def test_mismatch_names_the_tensor_left_on_the_cpu() -> None:
     assert "found 2: cpu (1 tensor), cuda:0 (3 tensors)" in message
     assert "  batch['labels']: cpu\n" in message
     assert "  model.0.weight: cuda:0\n" in message
-
-
-@pytest.mark.gpu
-def test_load_a_gpu_checkpoint_to_the_cpu(tmp_path: Path) -> None:
-    torch.save({"w": torch.arange(3.0, device="cuda")}, tmp_path / "gpu.pt")
-    state = dk.load(tmp_path / "gpu.pt", "cpu")
-    assert on("cpu", state["w"])
-    assert torch.equal(state["w"], torch.arange(3.0))
 
 
 @pytest.mark.gpu
