@@ -81,7 +81,7 @@ def worker_env(device: str | int) -> str:
     return str(device) if entries is None else str(entries[int(device)])
 
 
-def _slots(devices: object, workers_per_device: int) -> list[str | int]:
+def _slots(devices: object, workers_per_device: int, *, caller: str) -> list[str | int]:
     if devices is None:
         targets = [device for device in try_all_gpus() if device.type == "cuda"]
         if not targets:
@@ -93,12 +93,15 @@ def _slots(devices: object, workers_per_device: int) -> list[str | int]:
     for position, device in enumerate(targets):
         if device.type not in ("cpu", "cuda"):
             raise ValueError(
-                f"devices[{position}]={str(device)!r}: gpu_map() runs its workers on CUDA GPUs "
+                f"devices[{position}]={str(device)!r}: {caller} runs its workers on CUDA GPUs "
                 "or on the CPU; pass CUDA devices or 'cpu'"
             )
         slots.append("cpu" if device.type == "cpu" else int(device.index))
     if not slots:
-        raise ValueError("gpu_map() needs at least one device, got an empty list")
+        raise ValueError(
+            f"{caller} needs at least one device, got devices=[]; pass devices=None for every "
+            "visible GPU (or the CPU), or name one"
+        )
     return [slot for slot in slots for _ in range(workers_per_device)]
 
 
@@ -249,8 +252,8 @@ class GPUPool:
 
         Raises as [`gpu_map()`][devicekit.gpu_map] does.
         """
+        work = checked_work(fn, items, caller="GPUPool.map()")
         fn_bytes = _pickle_fn(fn)
-        work = list(items)
         payloads = _pickle_items(work)
         if self._closed:
             raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
@@ -470,7 +473,23 @@ def gpu_pool(
         ([1.0, 2.0], [6, 24])
     """
     _refuse_during_worker_bootstrap()
-    return GPUPool(_slots(devices, workers_per_device_count(workers_per_device)))
+    per_device = workers_per_device_count(workers_per_device)
+    return GPUPool(_slots(devices, per_device, caller="gpu_pool()"))
+
+
+def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
+    """The items as a list, once ``fn`` is known to be callable and ``items`` iterable."""
+    if not callable(fn):
+        raise TypeError(
+            f"{caller} needs fn, the function to run on each item, got {fn!r} of type "
+            f"{type(fn).__name__}; pass a function defined with def"
+        )
+    if not isinstance(items, Iterable):
+        raise TypeError(
+            f"{caller} needs items, an iterable of the items to run fn on, got {items!r} of "
+            f"type {type(items).__name__}; pass a list, such as [{items!r}]"
+        )
+    return list(items)
 
 
 def workers_per_device_count(value: object) -> int:
@@ -547,17 +566,17 @@ def gpu_map(
             f"executor={executor!r}: expected 'local' (spawned workers on this machine) or "
             "'ray' (tasks on a Ray cluster)"
         )
+    work = checked_work(fn, items, caller="gpu_map()")
     if executor == "ray":
         from ._ray import ray_map  # noqa: PLC0415 - _ray builds on this module
 
         return ray_map(
-            fn, items, devices=devices, workers_per_device=workers_per_device, progress=progress
+            fn, work, devices=devices, workers_per_device=workers_per_device, progress=progress
         )
     _refuse_during_worker_bootstrap()
     fn_bytes = _pickle_fn(fn)
     per_device = workers_per_device_count(workers_per_device)
-    slots = _slots(devices, per_device)
-    work = list(items)
+    slots = _slots(devices, per_device, caller="gpu_map()")
     payloads = _pickle_items(work)
     if not work:
         return []

@@ -125,7 +125,7 @@ def ray_map(
     per_device = workers_per_device_count(workers_per_device)
     targets = _targets(devices)
     ray = _import_ray()
-    work = list(items)
+    work = list(items)  # gpu_map checked them
     if not work:
         return []
     share = 1 / per_device

@@ -142,6 +142,23 @@ def test_bad_options(options: dict[str, Any], error: type[Exception], message: s
         dk.gpu_map(math.sqrt, [1], **options)
 
 
+def test_fn_and_items_are_checked_before_any_worker_starts() -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(TypeError, match=r"^gpu_map\(\) needs fn, the function to run on each "):
+        dk.gpu_map(None, [1], devices=["cpu"])  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"^gpu_map\(\) needs items, an iterable .* got 5 of type int; pass a list"
+    ):
+        dk.gpu_map(math.sqrt, 5, devices=["cpu"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^gpu_pool\(\) needs at least one device, got devices"):
+        dk.gpu_pool(devices=[])
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        with pytest.raises(TypeError, match=r"^GPUPool.map\(\) needs fn"):
+            pool.map("sqrt", [1])  # type: ignore[arg-type]
+        assert not pool._workers  # refused before its workers started
+    assert set(multiprocessing.active_children()) == before
+
+
 def test_a_device_beyond_the_visible_ones(
     monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
 ) -> None:
