@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._format import UNKNOWN, format_joules, format_seconds, html_table
-from ._measure import Measurement, benchmark
+from ._measure import OPTIONS, Measurement, benchmark, misspelled_options
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 
@@ -148,6 +148,7 @@ def compare(
         A [`Comparison`][devicekit.Comparison]; ``print()`` it for a table.
 
     Raises:
+        TypeError: An option is not one of [`benchmark()`][devicekit.benchmark]'s.
         ValueError: ``results`` is empty, or ``baseline`` is not one of its names.
 
     Examples:
@@ -174,6 +175,15 @@ def compare(
                 f"results[{name!r}] must be a Measurement or a function to measure, got "
                 f"{value!r} of type {type(value).__name__}"
             )
+    unknown = [name for name in options if name not in OPTIONS]
+    if unknown:
+        guesses = misspelled_options(unknown)
+        raise TypeError(
+            f"compare() got unknown options {', '.join(guesses or unknown)}: it takes "
+            f"baseline and benchmark()'s options ({', '.join(OPTIONS)}); the functions are "
+            "called with no arguments, so wrap arguments in a lambda"
+        )
+
     if baseline is not None and baseline not in results:
         raise ValueError(f"baseline {baseline!r} is not one of {', '.join(map(repr, results))}")
     measured = {

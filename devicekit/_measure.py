@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,6 +15,7 @@ import torch
 from ._conditions import Conditions, Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
+from ._errors import add_note
 from ._format import UNKNOWN, format_joules, format_seconds, format_value, html_table, plural
 from ._options import check_number, check_seconds
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
@@ -333,6 +335,41 @@ class _CudaRunner:
         return device_times, [h / k for h in host]
 
 
+# benchmark()'s own keyword options: every other keyword goes to fn.
+OPTIONS = ("device", "warmup", "min_time", "max_time", "rel_noise", "mode")
+
+
+def misspelled_options(names: Iterable[str]) -> list[str]:
+    """``"min_tme (did you mean min_time?)"`` for each name that looks like a mistyped option."""
+    found = []
+    for name in names:
+        close = difflib.get_close_matches(name, OPTIONS, n=1, cutoff=0.75)
+        if close:
+            found.append(f"{name} (did you mean {close[0]}?)")
+    return found
+
+
+def _warm_up(runner: _CpuRunner | _CudaRunner, until: float, kwargs: dict[str, Any]) -> float:
+    """Call fn until ``until`` (once at least); the seconds each warm call took."""
+    calls, began = 0, time.perf_counter()
+    try:
+        runner.warm()
+    except TypeError as error:  # a mistyped option reaches fn as a keyword argument
+        guesses = misspelled_options(kwargs)
+        if guesses:
+            add_note(
+                error,
+                f"devicekit: benchmark() passes keywords it does not know to fn, and fn was "
+                f"given {', '.join(guesses)}",
+            )
+        raise
+    calls += 1
+    while time.perf_counter() < until:
+        runner.warm()
+        calls += 1
+    return (time.perf_counter() - began) / calls
+
+
 def _check_options(
     fn: object, *, warmup: float, min_time: float, max_time: float, rel_noise: float, mode: str
 ) -> None:
@@ -432,11 +469,7 @@ def benchmark(
     )
     # Warm-up counts against max_time and leaves at least half of it for the timed calls.
     warm_until = began + min(warmup, max_time / 2)
-    warm_calls, warm_began = 0, time.perf_counter()
-    while warm_calls == 0 or time.perf_counter() < warm_until:
-        runner.warm()
-        warm_calls += 1
-    per_call = (time.perf_counter() - warm_began) / warm_calls
+    per_call = _warm_up(runner, warm_until, kwargs)
     if isinstance(runner, _CudaRunner) and mode == "graph":
         runner.capture(per_call)
         per_call /= 2  # replays are cheaper than eager calls; batches stay short anyway

@@ -111,3 +111,12 @@ def test_results_that_are_not_named_variants_are_refused(results: Any, text: str
     with pytest.raises(TypeError) as info:
         dk.compare(results)
     assert text in str(info.value)
+
+
+def test_unknown_options_are_refused_with_a_suggestion() -> None:
+    with pytest.raises(
+        TypeError, match=r"^compare\(\) got unknown options min_tme \(did you mean min_time\?\)"
+    ):
+        dk.compare({"a": lambda: None}, min_tme=1)
+    with pytest.raises(TypeError, match=r"got unknown options bogus: it takes baseline and"):
+        dk.compare({"a": lambda: None}, bogus=1)

@@ -543,3 +543,28 @@ def test_energy_on_a_real_gpu() -> None:
     assert short.energy_per_call is None  # under a second: the counter's steps are too coarse
     cold = dk.benchmark(torch.matmul, a, a, min_time=1.5, max_time=4, mode="cold")
     assert cold.energy_per_call is None  # the L2 flushes would count
+
+
+def test_a_mistyped_option_reaching_fn_says_what_it_meant() -> None:
+    def fn() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'min_tme'") as caught:
+        dk.benchmark(fn, min_tme=1)
+    assert caught.value.__notes__ == [
+        "devicekit: benchmark() passes keywords it does not know to fn, and fn was given "
+        "min_tme (did you mean min_time?)"
+    ]
+
+
+def test_keywords_for_fn_still_reach_it() -> None:
+    seen: list[int] = []
+    dk.benchmark(seen.append, 7, min_time=0.01, max_time=0.05)
+    assert set(seen) == {7}
+
+    def fails(*, size: int) -> None:
+        raise TypeError(f"fn's own error for {size}")
+
+    with pytest.raises(TypeError, match="fn's own error for 3") as caught:
+        dk.benchmark(fails, size=3, max_time=0.1)
+    assert not getattr(caught.value, "__notes__", None)  # nothing looks like a mistyped option
