@@ -46,9 +46,11 @@ def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
     """
     named = {f"arg{index}": obj for index, obj in enumerate(objs)} | named_objs
     where: dict[torch.device, list[str]] = defaultdict(list)
+    owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices
     for name, obj in named.items():
         for path, tensor in iter_tensors(obj, name):
             where[tensor.device].append(path)
+            owners[name].add(tensor.device)
     if not where:
         raise ValueError(
             f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}; "
@@ -56,12 +58,15 @@ def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
         )
     if len(where) == 1:
         return next(iter(where))
-    raise DeviceMismatchError(_mismatch_message(where))
+    raise DeviceMismatchError(_mismatch_message(where, owners, named))
 
 
-def _mismatch_message(where: dict[torch.device, list[str]]) -> str:
+def _mismatch_message(
+    where: dict[torch.device, list[str]],
+    owners: dict[str, set[torch.device]],
+    named: dict[str, Any],
+) -> str:
     groups = sorted(where.items(), key=lambda item: len(item[1]))  # strays first
-    majority = groups[-1][0]
     lines = [
         f"expected every tensor on one device, found {len(groups)}: "
         + ", ".join(f"{device} ({_count(paths)})" for device, paths in groups)
@@ -70,11 +75,39 @@ def _mismatch_message(where: dict[torch.device, list[str]]) -> str:
         lines.extend(f"  {path}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
         if len(paths) > _SHOWN_PER_DEVICE:
             lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
-    lines.append(
-        f"Fix: move everything to one device, e.g. batch = dk.to_device(batch, '{majority}') "
-        f"and model.to('{majority}'), or move the tensors listed above."
-    )
+    lines.extend(_fix(where, owners, named))
     return "\n".join(lines)
+
+
+def _fix(
+    where: dict[torch.device, list[str]],
+    owners: dict[str, set[torch.device]],
+    named: dict[str, Any],
+) -> list[str]:
+    """What to run: every argument that is not all on the target, moved there."""
+    # The target is where the work should run: the accelerator that holds the most,
+    # else the CPU. Never meta: its tensors hold no values, so nothing can run there.
+    ranked = sorted(where, key=lambda device: len(where[device]), reverse=True)
+    accelerators = [device for device in ranked if device.type not in ("cpu", "meta")]
+    target = accelerators[0] if accelerators else torch.device("cpu")
+    steps = []
+    for name, devices in owners.items():
+        if devices == {target}:
+            continue
+        if isinstance(named[name], torch.nn.Module):
+            if torch.device("meta") in devices:
+                steps.append(f"{name}.to_empty(device='{target}'), then load its weights")
+            else:
+                steps.append(f"{name}.to('{target}')")
+        else:
+            steps.append(f"{name} = dk.to_device({name}, '{target}')")
+    fix = [f"Fix: move everything to {target}: {'; '.join(steps)}."]
+    if torch.device("meta") in where:
+        fix.append(
+            "Tensors on meta hold no values (shapes only): make them on a real device, or "
+            "materialize a model with to_empty() and load its weights."
+        )
+    return fix
 
 
 def _count(paths: list[str]) -> str:

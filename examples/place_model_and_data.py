@@ -2,6 +2,8 @@
 
 On a GPU machine the "other" device is the GPU; on a CPU-only machine the
 example uses torch's `meta` device in its place, so the same mistakes show.
+devicekit's suggested fix then points at the CPU instead: meta tensors hold no
+values, so no real work can move there.
 """
 
 import tempfile
@@ -32,7 +34,7 @@ try:
 except dk.DeviceMismatchError as error:
     print(f"\ndevicekit says:\n{error}")
 
-# 3. The fix: move the whole nested batch at once.
+# 3. The fix on a GPU machine: move the whole nested batch to the model's device at once.
 batch = dk.to_device(batch, device)
 print(f"\nafter to_device, everything is on {dk.assert_same_device(model=model, batch=batch)}")
 

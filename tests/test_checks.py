@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import devicekit as dk
+from devicekit import _checks
 
 META = torch.device("meta")
 
@@ -30,8 +31,10 @@ def test_mismatch_lists_each_device_with_its_paths() -> None:
         "  model.0.weight: meta\n"
         "  model.0.bias: meta\n"
         "  batch['input']: meta\n"
-        "Fix: move everything to one device, e.g. batch = dk.to_device(batch, 'meta') "
-        "and model.to('meta'), or move the tensors listed above."
+        "Fix: move everything to cpu: model.to_empty(device='cpu'), then load its weights; "
+        "batch = dk.to_device(batch, 'cpu').\n"
+        "Tensors on meta hold no values (shapes only): make them on a real device, or "
+        "materialize a model with to_empty() and load its weights."
     )
 
 
@@ -61,7 +64,34 @@ def test_many_paths_are_shortened() -> None:
     assert lines[1] == "  stray: meta"
     assert lines[2:7] == [f"  weights['w{index}']: cpu" for index in range(5)]
     assert lines[7] == "  ... and 7 more on cpu"
-    assert lines[8].startswith("Fix: move everything to one device, e.g. batch = dk.to_device(")
+    assert lines[8] == "Fix: move everything to cpu: stray = dk.to_device(stray, 'cpu')."
+
+
+CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+
+
+def _fix_for(where: dict[torch.device, int], owners: dict[str, set[torch.device]]) -> str:
+    """The fix line for a made-up mismatch: CUDA tensors cannot be made without a GPU."""
+    named = {name: torch.nn.Linear(1, 1) if name == "model" else {} for name in owners}
+    paths = {device: [f"t{index}" for index in range(count)] for device, count in where.items()}
+    return _checks._fix(paths, owners, named)[0]
+
+
+def test_the_fix_moves_work_to_the_accelerator_even_when_most_tensors_are_on_the_cpu() -> None:
+    # A model never moved (many CPU parameters) and a batch already on the GPU: move the model.
+    fix = _fix_for({CPU: 200, CUDA0: 2}, {"model": {CPU}, "batch": {CUDA0}})
+    assert fix == "Fix: move everything to cuda:0: model.to('cuda:0')."
+    # The classic: the batch stayed on the CPU.
+    fix = _fix_for({CPU: 2, CUDA0: 200}, {"model": {CUDA0}, "batch": {CPU}})
+    assert fix == "Fix: move everything to cuda:0: batch = dk.to_device(batch, 'cuda:0')."
+    # Two GPUs: the one that holds the most.
+    fix = _fix_for({CUDA1: 3, CUDA0: 9}, {"model": {CUDA0}, "batch": {CUDA0, CUDA1}})
+    assert fix == "Fix: move everything to cuda:0: batch = dk.to_device(batch, 'cuda:0')."
+    # Meta is never the target, even where it holds the most.
+    fix = _fix_for({META: 50, CUDA0: 1}, {"model": {META}, "batch": {CUDA0}})
+    assert fix == (
+        "Fix: move everything to cuda:0: model.to_empty(device='cuda:0'), then load its weights."
+    )
 
 
 def test_a_mismatch_is_a_runtime_error() -> None:
