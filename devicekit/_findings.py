@@ -129,6 +129,21 @@ def no_gpu(accelerator: str | None, visible: int, nvml_error: str | None) -> Fin
     )
 
 
+def no_gpu_reason(accelerator: str | None, nvml_error: str | None) -> str:
+    """Why this process has no GPU, and the fix, as one clause for an error message.
+
+    Examples:
+        >>> no_gpu_reason(None, "libnvidia-ml.so.1 was not found")
+        'this is a CPU-only torch build; install a CUDA or ROCm build of torch to use a GPU'
+    """
+    finding = no_gpu(accelerator, 0, nvml_error)
+    assert finding is not None  # no visible device always has a reason
+    reason = finding.title.removeprefix("No GPU: ")
+    if accelerator is not None and parse_visible_devices() != []:
+        reason += f" ({nvml_error or 'no driver, or no device'})"
+    return f"{reason}; {finding.fix}"
+
+
 def torch_cannot_use_gpus(
     torch_version: str, cpu_build: bool, gpus: list[GPUInfo], driver: str | None, cuda: str | None
 ) -> Finding | None:

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from . import _claims, _nvml
-from ._devices import DeviceLike, parse_cuda_index, parse_cuda_indices
+from ._devices import DeviceLike, accelerator_type, parse_cuda_index, parse_cuda_indices
 from ._errors import DeviceNotFoundError, GPUUnavailableError
+from ._findings import no_gpu_reason
 from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_count, check_number, check_seconds
@@ -272,8 +273,10 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
     if wanted < len(visible):
         return _snapshot(visible[wanted], wanted)
     if not visible:
-        reason = _nvml.nvml_error() or "this process sees no GPU"
-        raise DeviceNotFoundError(f"index={index!r}: cuda:{wanted} cannot be described: {reason}")
+        raise DeviceNotFoundError(
+            f"index={index!r}: cuda:{wanted} cannot be described: this process sees no GPU: "
+            f"{no_gpu_reason(accelerator_type(), _nvml.nvml_error())}"
+        )
     listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
     raise DeviceNotFoundError(
         f"index={index!r}: cuda:{wanted} does not exist; this process sees {listing}"
@@ -532,6 +535,8 @@ def pick_gpus(
     if len(chosen) == count:
         return chosen
     if why_not is None:
-        reason = _nvml.nvml_error() or "this process sees no GPU"
-        raise GPUUnavailableError(f"pick_gpus({count}) found no GPU: {reason}")
+        raise GPUUnavailableError(
+            f"pick_gpus({count}) found no GPU: "
+            f"{no_gpu_reason(accelerator_type(), _nvml.nvml_error())}"
+        )
     raise GPUUnavailableError(f"pick_gpus({count}) {why_not}")

@@ -128,8 +128,8 @@ class Status:
         names = [info.device or "" for info in self.visible]
         if names:
             return f"this process sees {plural(len(names), 'GPU')}: {', '.join(names)}"
-        why = self.nvml_error or "NVML sees none"
-        return f"this process sees no GPU ({why})"
+        reason = _findings.no_gpu_reason(self.accelerator, self.nvml_error)
+        return f"this process sees no GPU: {reason}"
 
     # --- renderings --------------------------------------------------------------------
 

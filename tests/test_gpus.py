@@ -17,7 +17,7 @@ import torch
 import devicekit as dk
 from devicekit import _gpus
 
-from .conftest import run_python
+from .conftest import FakeAccelerator, run_python
 from .fake_pynvml import FakeGPU, FakeNVML
 
 Install = Callable[[Any], None]
@@ -198,9 +198,27 @@ def test_gpu_that_does_not_exist_lists_what_does(nvml_session: Install) -> None:
         dk.gpu(5)
 
 
-def test_gpu_without_nvml_says_why(nvml_session: Install) -> None:
+def test_gpu_without_nvml_says_why(
+    nvml_session: Install, fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     nvml_session(None)
-    with pytest.raises(ValueError, match="cuda:0 cannot be described: the nvidia-ml-py package"):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake_accelerator("cuda", 0)  # a CUDA build that sees no device: NVML's reason is the news
+    with pytest.raises(
+        ValueError,
+        match=r"cuda:0 cannot be described: this process sees no GPU: torch is built for cuda "
+        r"but sees no device \(the nvidia-ml-py package",
+    ):
+        dk.gpu()
+    fake_accelerator(None, 0)  # a CPU-only build: that is the reason, whatever NVML says
+    with pytest.raises(
+        ValueError,
+        match=r"sees no GPU: this is a CPU-only torch build; install a CUDA or ROCm build of torch",
+    ):
+        dk.gpu()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    fake_accelerator("cuda", 0)
+    with pytest.raises(ValueError, match=r"sees no GPU: CUDA_VISIBLE_DEVICES hides every GPU; "):
         dk.gpu()
 
 
@@ -274,10 +292,13 @@ def test_pick_gpus_says_why_each_gpu_was_rejected(nvml_session: Install) -> None
         dk.pick_gpus(2, min_free_memory=20 * 2**30, exclude=[1])
 
 
-def test_pick_without_gpus(nvml_session: Install) -> None:
+def test_pick_without_gpus(nvml_session: Install, fake_accelerator: FakeAccelerator) -> None:
     nvml_session(None)
+    fake_accelerator(None, 0)
     assert dk.pick_gpu() == torch.device("cpu")
-    with pytest.raises(RuntimeError, match=r"pick_gpus\(1\) found no GPU: the nvidia-ml-py"):
+    with pytest.raises(
+        RuntimeError, match=r"pick_gpus\(1\) found no GPU: this is a CPU-only torch build; "
+    ):
         dk.pick_gpus(1)
 
 
