@@ -66,8 +66,10 @@ def _start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemor
     report = error.report
     return DeviceOutOfMemoryError(
         f"find_batch_size: fn({start}) ran out of memory, so even start={start} does not fit. "
-        "Pass a smaller start, or free memory first (the fixes below); what the memory "
-        f"held when it failed:\n{report if report is not None else error}",
+        + ("Pass a smaller start, or free memory" if start > 1 else "Free memory")
+        + " first (the fixes below), or make one step smaller (a smaller model, shorter "
+        f"inputs, mixed precision); what the memory held when it failed:\n"
+        f"{report if report is not None else error}",
         report,
     )
 

@@ -81,6 +81,11 @@ def test_a_start_that_fails_says_so_with_the_report() -> None:
     assert "fixes, most promising first:" in message
     assert error.report is not None
     assert error.report.requested == 2 * 2**30
+    assert "Pass a smaller start, or free memory first" in message
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught:
+        dk.find_batch_size(Step(0))  # start=1 cannot be made smaller: no such advice
+    assert "so even start=1 does not fit. Free memory first" in str(caught.value)
+    assert "smaller start" not in str(caught.value)
 
 
 def test_other_errors_are_the_caller_s() -> None:
