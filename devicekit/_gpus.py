@@ -36,7 +36,7 @@ from ._errors import DeviceNotFoundError, GPUUnavailableError
 from ._findings import no_gpu_reason
 from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
-from ._options import check_count, check_number, check_seconds
+from ._options import check_count, check_flag, check_number, check_seconds
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
 __all__ = ["gpu", "gpus", "nvml_handle", "pick_gpu", "pick_gpus", "visible_gpus"]
@@ -236,6 +236,7 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
         True
     """
     visible = visible_gpus()
+    check_flag(all, name="all")
     if not all:
         return [_snapshot(v, index) for index, v in enumerate(visible)]
     torch_index = {v.gpu.nvml_index: i for i, v in enumerate(visible) if v.handle is None}
@@ -384,8 +385,7 @@ def _pick(
             max_utilization, name="max_utilization", at_least=0, at_most=100, meaning="percent"
         )
     seconds = _check_wait(wait)
-    if not isinstance(claim, bool):
-        raise TypeError(f"claim={claim!r}: expected True or False, got {type(claim).__name__}")
+    check_flag(claim, name="claim")
     if claim:
         _claims.check_claims_supported()
     deadline = time.monotonic() + seconds

@@ -11,7 +11,7 @@ import math
 import numbers
 import operator
 
-__all__ = ["check_count", "check_index", "check_number", "check_seconds"]
+__all__ = ["check_count", "check_flag", "check_index", "check_number", "check_seconds"]
 
 
 def check_index(value: object, *, name: str) -> int:
@@ -100,6 +100,22 @@ def check_number(
     ):
         raise ValueError(f"{name} must be {wanted}, got {value!r}{hint}")
     return number
+
+
+def check_flag(value: object, *, name: str) -> bool:
+    """Return ``value`` when it is True or False; anything else (``"yes"``, ``1``) is refused.
+
+    Examples:
+        >>> check_flag(True, name="sync")
+        True
+        >>> check_flag("yes", name="sync")
+        Traceback (most recent call last):
+        ...
+        TypeError: sync must be True or False, got 'yes' of type str
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {_got(value)}")
+    return value
 
 
 def _got(value: object) -> str:

@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeVar
 from ._devices import DeviceLike, resolve_devices, try_all_gpus
 from ._errors import WorkerError
 from ._format import html_table, plural
-from ._options import check_count
+from ._options import check_count, check_flag
 from ._visible import ENV_VAR, parse_visible_devices, scoped_env
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap, work
 
@@ -109,8 +109,8 @@ class Progress:
     """``progress=True``: a tqdm bar on stderr, or a line where tqdm is not installed."""
 
     def __init__(self, total: int, enabled: bool | None) -> None:
-        if enabled is not None and not isinstance(enabled, bool):
-            raise TypeError(f"progress must be True or False, got {enabled!r}")
+        if enabled is not None:
+            check_flag(enabled, name="progress")
         self.total, self.done, self.bar = total, 0, None
         self.enabled = bool(enabled)
         if self.enabled:

@@ -26,6 +26,7 @@ from ._devices import (
     try_all_gpus,
     try_gpu,
 )
+from ._options import check_flag
 from ._tree import describe_cycle, is_dataclass_instance, is_namedtuple
 
 __all__ = ["data_parallel", "to_device"]
@@ -514,6 +515,8 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         if target is _CPU or target is _META_DEVICE:  # no keyword for torch to parse
             return obj.to(target)  # type: ignore[attr-defined,no-any-return]
         return obj.to(target, non_blocking=True)  # type: ignore[attr-defined,no-any-return]
+    if non_blocking is not None:
+        check_flag(non_blocking, name="non_blocking")
     mover = _borrow(target, non_blocking)
     try:
         result = mover.move(obj)

@@ -46,6 +46,11 @@ class CSVSink:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"path must be a file path (str or os.PathLike), got {path!r} of type "
+                f"{type(path).__name__}; pass where the CSV file goes, such as 'log.csv'"
+            )
         self.path = Path(path)
         self.columns: list[str] = []
         self._started = False

@@ -25,6 +25,7 @@ from ._devices import (
     synchronize,
 )
 from ._format import format_seconds, html_table, plural
+from ._options import check_flag
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Benchmark", "TimedFunction", "Timer"]
@@ -122,6 +123,7 @@ class Timer:
     """
 
     def __init__(self, *, device: DeviceLike | None = None, sync: bool = False) -> None:
+        check_flag(sync, name="sync")
         self._device = None if device is None else resolve_device(device)
         self._sync = sync
         self._laps: list[_Lap] = []
@@ -281,6 +283,12 @@ class Benchmark:
     """
 
     def __init__(self, description: str = "Done", *, device: DeviceLike | None = None) -> None:
+        if not isinstance(description, str):
+            raise TypeError(
+                f"description must be a string, the label printed with the time, got "
+                f"{description!r} of type {type(description).__name__}; Benchmark takes it "
+                "first, and the device as device="
+            )
         self.description = description
         self.elapsed: float | None = None
         self._timer = Timer(device=device, sync=True)

@@ -236,7 +236,7 @@ def test_wait_must_be_a_number(nvml_session: Install, wait: Any) -> None:
 
 def test_claim_must_be_a_bool(nvml_session: Install) -> None:
     nvml_session(machine(1))
-    with pytest.raises(TypeError, match=r"claim=1: expected True or False, got int"):
+    with pytest.raises(TypeError, match=r"claim must be True or False, got 1 of type int"):
         dk.pick_gpu(claim=1)  # type: ignore[arg-type]
     assert not _claims._held.claims
 

@@ -469,3 +469,8 @@ def test_the_limits_are_checked_on_every_machine(
         with pytest.raises(error) as info:
             pick(**options)
         assert text in str(info.value)
+
+
+def test_all_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"^all must be True or False, got 'yes' of type str"):
+        dk.gpus(all="yes")  # type: ignore[arg-type]

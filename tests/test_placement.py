@@ -770,3 +770,8 @@ def test_a_read_only_mapping_is_rebuilt_and_a_validating_one_keeps_its_errors() 
     assert on(META, frozen["x"])
     with pytest.raises(ValueError, match="'bad' is not allowed"):
         dk.to_device(_Validated(ok=torch.ones(1), bad=torch.ones(1)), META)
+
+
+def test_non_blocking_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match=r"^non_blocking must be True or False, got 'yes' of type"):
+        dk.to_device({"x": torch.ones(1)}, "cpu", non_blocking="yes")  # type: ignore[arg-type]

@@ -179,3 +179,8 @@ def test_one_sink_is_a_list_of_one() -> None:
     assert [len(records) for records in seen] == [1]
     with pytest.raises(TypeError, match="sinks must be a list of callables"):
         dk.LogBuffer(sinks="log.csv")  # type: ignore[arg-type]
+
+
+def test_csv_sink_needs_a_path() -> None:
+    with pytest.raises(TypeError, match=r"^path must be a file path \(str or os.PathLike\), got"):
+        dk.CSVSink(None)  # type: ignore[arg-type]

@@ -224,3 +224,10 @@ def test_a_lap_remembers_its_seconds() -> None:
         pass
     first = timer.times
     assert timer.times == first  # read once, then kept: the same floats every time
+
+
+def test_flags_and_labels_of_the_wrong_type_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"^sync must be True or False, got 'yes' of type str"):
+        dk.Timer(sync="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^description must be a string, the label printed"):
+        dk.Benchmark(3)  # type: ignore[arg-type]
