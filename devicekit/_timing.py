@@ -128,6 +128,7 @@ class Timer:
         self._sync = sync
         self._laps: list[_Lap] = []
         self._running: _Lap | None = None
+        self._in_block = False  # inside `with timer:`, whose exit ends the lap it began
         self.start()
 
     def _cuda_device(self) -> torch.device | None:
@@ -206,7 +207,15 @@ class Timer:
         return totals
 
     def __enter__(self) -> Timer:
+        if self._in_block:
+            # The inner block would restart the lap and its exit end it: the outer
+            # block's time would be lost. Refuse instead.
+            raise RuntimeError(
+                "this Timer is already timing a `with` block; a Timer times one block at a "
+                "time: use a second Timer for the inner block"
+            )
         self.start()
+        self._in_block = True
         return self
 
     def __exit__(
@@ -215,6 +224,7 @@ class Timer:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._in_block = False
         self._finish()
 
     def __call__(self, fn: Callable[P, R]) -> TimedFunction[P, R]:

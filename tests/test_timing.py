@@ -231,3 +231,17 @@ def test_flags_and_labels_of_the_wrong_type_are_refused() -> None:
         dk.Timer(sync="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^description must be a string, the label printed"):
         dk.Benchmark(3)  # type: ignore[arg-type]
+
+
+def test_a_timer_refuses_a_with_block_inside_its_own() -> None:
+    timer = dk.Timer()
+    with (
+        timer,
+        pytest.raises(RuntimeError, match=r"^this Timer is already timing a `with` block"),
+        timer,
+    ):
+        pass
+    assert len(timer.times) == 1  # the outer block's lap, whole
+    with timer:  # and it times the next block as before
+        pass
+    assert len(timer.times) == 2
