@@ -336,6 +336,10 @@ class StragglerDetector:
                 raise TypeError(f"section name must be a non-empty str, got {name!r}")
             samples = self._samples[name] = []
             section = self._sections[name] = _Section(self, name, samples)
+            if self._last_step is None:
+                # The first step starts at its first section (no step() has marked it), so
+                # its time is counted, as its sections' are: here, off the hot path.
+                self._last_step = time.perf_counter()
         return section
 
     def step(self) -> StragglerReport | None:

@@ -372,3 +372,16 @@ def test_a_lead_of_microseconds_is_noise_not_a_straggler() -> None:
     windows[2] = idle(2, 4e-6, 30 * MS)
     report = _straggler._build(windows, step=10, every=10, threshold=1.2)
     assert [(s.rank, s.section) for s in report.stragglers] == [(2, "compute")]
+
+
+def test_the_first_step_is_timed_from_its_first_section() -> None:
+    detector = dk.StragglerDetector(every=1)
+    with detector.section("fwd"):
+        time.sleep(0.02)
+    report = detector.step()
+    assert report is not None
+    (me,) = report.ranks
+    # Before, the first step had no start, so the step column was empty (or, at every=2,
+    # the second step alone) while the section's median counted the first step too.
+    assert me.step_time is not None
+    assert me.step_time >= me.median["fwd"]  # a step holds its sections
