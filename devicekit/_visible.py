@@ -17,7 +17,9 @@ from contextlib import contextmanager
 
 import torch
 
+from . import _nvml
 from ._errors import CUDAInitializedError
+from ._format import plural
 
 __all__ = [
     "ENV_VAR",
@@ -221,7 +223,8 @@ def visible_devices(
     Raises:
         TypeError: ``devices`` or one of its entries has the wrong type.
         ValueError: An entry is negative, duplicated, malformed, or indices
-            and UUIDs are mixed.
+            and UUIDs are mixed; or an index is past the machine's GPUs
+            (checked where NVML can count them).
         CUDAInitializedError: CUDA has already started in this process and
             ``subprocesses_only`` is False.
 
@@ -272,7 +275,24 @@ def _normalize(devices: object) -> list[int | str]:
         )
     parsed = [_parse_entry(entry, devices) for entry in raw]
     _check_consistent(parsed, devices)
+    _check_on_machine(parsed, devices)
     return parsed
+
+
+def _check_on_machine(parsed: list[int | str], devices: object) -> None:
+    """Refuse an index past the machine's GPUs, where NVML can count them (else accept it)."""
+    indices = [entry for entry in parsed if isinstance(entry, int)]
+    if not indices or not _nvml.nvml_available():
+        return
+    count = len(_nvml.physical_gpus())
+    beyond = next((index for index in indices if index >= count), None)
+    if beyond is not None:
+        have = f"{plural(count, 'GPU')} (0 to {count - 1})" if count else "no GPU"
+        raise ValueError(
+            f"entry {beyond} in visible_devices({devices!r}): this machine has {have}, and CUDA "
+            f"hides every GPU from an entry that does not exist; list indices below {count} "
+            "(nvidia-smi -L lists them)"
+        )
 
 
 def _parse_entry(entry: object, devices: object) -> int | str:

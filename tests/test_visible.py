@@ -3,6 +3,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -14,6 +16,7 @@ import devicekit as dk
 from devicekit import _visible
 
 from .conftest import run_python
+from .fake_pynvml import FakeGPU, FakeNVML
 
 VAR = "CUDA_VISIBLE_DEVICES"
 
@@ -353,3 +356,30 @@ def test_a_child_started_inside_an_empty_scope_sees_no_gpu() -> None:
 )
 def test_reads_as_written(value: str, as_written: bool) -> None:
     assert _visible.reads_as_written(value) is as_written
+
+
+def test_an_index_past_the_machine_s_gpus_is_refused_where_nvml_counts_them(
+    nvml_session: Callable[[Any], None],
+) -> None:
+    nvml_session(FakeNVML([FakeGPU(f"GPU-{i}0000000-0000-0000-0000-000000000000") for i in (1, 2)]))
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"^entry 7 in visible_devices\(\[1, 7\]\): this machine has 2 GPUs \(0 to 1\), and "
+            r"CUDA hides every GPU from an entry that does not exist; list indices below 2",
+        ),
+        dk.visible_devices([1, 7]),
+    ):
+        pass
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before  # nothing changed
+    with (
+        pytest.raises(ValueError, match=r"^entry 1000000000000000000000000000000 in"),
+        dk.visible_devices(10**30),
+    ):
+        pass
+    with dk.visible_devices("1,0") as parsed:  # indices the machine has: as before
+        assert parsed == [1, 0]
+    nvml_session(None)  # no NVML: the count is unknown, so any index is taken as written
+    with dk.visible_devices([7]) as parsed:
+        assert parsed == [7]
