@@ -81,7 +81,9 @@ def worker_env(device: str | int) -> str:
     return str(device) if entries is None else str(entries[int(device)])
 
 
-def _slots(devices: object, workers_per_device: int, *, caller: str) -> list[str | int]:
+def _slots(
+    devices: object, workers_per_device: int, *, caller: str = "gpu_map()"
+) -> list[str | int]:
     if devices is None:
         targets = [device for device in try_all_gpus() if device.type == "cuda"]
         if not targets:
