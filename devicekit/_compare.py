@@ -102,8 +102,16 @@ class Comparison:
         caption = f"against the {against}: {self.reference}"
         return html_table(self._lines(), header=header, caption=caption)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the reference and, per variant, its ratio, verdict and measurement."""
+    def to_dict(self, *, times: bool = False) -> dict[str, Any]:
+        """JSON-ready: the reference and, per variant, its ratio, verdict and measurement.
+
+        Args:
+            times: Include each measurement's raw times (see
+                [`Measurement.to_dict()`][devicekit.Measurement.to_dict]).
+
+        Returns:
+            ``reference``, ``reference_is_baseline`` and ``rows``.
+        """
         return {
             "reference": self.reference,
             "reference_is_baseline": self.reference_is_baseline,
@@ -113,7 +121,7 @@ class Comparison:
                     "ratio": row.ratio,
                     "within_noise": row.within_noise,
                     "verdict": row.verdict(self.reference),
-                    "measurement": row.measurement.to_dict(),
+                    "measurement": row.measurement.to_dict(times=times),
                 }
                 for row in self.rows
             ],

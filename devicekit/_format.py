@@ -9,10 +9,12 @@ small HTML tables notebooks show.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "UNKNOWN",
@@ -24,6 +26,8 @@ __all__ = [
     "format_seconds",
     "format_value",
     "html_table",
+    "plain_data",
+    "plain_fields",
     "plural",
     "safe_text",
     "text_table",
@@ -190,3 +194,69 @@ def html_table(
 def _cell(value: object) -> str:
     text = UNKNOWN if value is None else str(value)
     return "<br>".join(html.escape(line) for line in text.splitlines()) or ""
+
+
+def plain_fields(result: object) -> dict[str, Any]:
+    """A dataclass's fields as `plain_data`: where a result's ``to_dict()`` starts.
+
+    Examples:
+        >>> from dataclasses import dataclass
+        >>> @dataclass(frozen=True)
+        ... class Span:
+        ...     shape: tuple[int, ...]
+        >>> plain_fields(Span((2, 3)))
+        {'shape': [2, 3]}
+    """
+    if not dataclasses.is_dataclass(result) or isinstance(result, type):
+        raise TypeError(f"plain_fields() needs a dataclass instance, got {type(result).__name__}")
+    return {f.name: plain_data(getattr(result, f.name)) for f in dataclasses.fields(result)}
+
+
+def plain_data(value: object) -> Any:
+    """``value`` as JSON-ready data: dicts, lists, str, int, float, bool and None only.
+
+    Tuples and sets become lists; a nested result becomes its own
+    ``to_dict()``, any other dataclass a dict of its fields; a subclass of
+    str, int or float (torch's version string) becomes the plain type; a
+    float that is not finite becomes None (JSON has no ``NaN``, and
+    devicekit's unknown is None). So
+    ``json.loads(json.dumps(plain_data(x))) == plain_data(x)``.
+
+    Raises:
+        TypeError: Something that has no plain form (a tensor, a device), or a
+            mapping key that is not a string or an int (ints become strings,
+            as JSON writes them).
+
+    Examples:
+        >>> plain_data({"shape": (2, 3), "ci": (1.0, float("nan")), 4: None})
+        {'shape': [2, 3], 'ci': [1.0, None], '4': None}
+    """
+    if value is None or type(value) in (bool, int, str):
+        return value
+    # Subclasses (torch's TorchVersion is a str, an IntEnum an int) as the plain type.
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and not isinstance(value, type):  # a result inside a result
+        return to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_fields(value)
+    if isinstance(value, Mapping):
+        return {_plain_key(key): plain_data(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain_data(item) for item in value]
+    raise TypeError(f"{type(value).__name__} has no JSON-ready form: {value!r}")
+
+
+def _plain_key(key: object) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key)
+    raise TypeError(f"a JSON object's keys are strings, got {key!r}")

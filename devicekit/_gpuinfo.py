@@ -6,7 +6,6 @@ renders them, in the units and spellings of `_format`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +16,7 @@ from ._format import (
     format_percent,
     format_value,
     html_table,
+    plain_fields,
     safe_text,
 )
 
@@ -49,7 +49,7 @@ class GPUProcess:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
-        return dataclasses.asdict(self)
+        return plain_fields(self)
 
     def __repr__(self) -> str:
         where = "" if self.pid_visible else ", in another PID namespace"
@@ -136,8 +136,8 @@ class GPUInfo:
         return self.memory_used / self.memory_total
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict (processes as a list of dicts)."""
-        return dataclasses.asdict(self)
+        """The fields as a JSON-ready dict (processes as a list of dicts, tuples as lists)."""
+        return plain_fields(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GPUInfo:

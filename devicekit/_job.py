@@ -13,7 +13,6 @@ The gather itself is `_dist.gather_objects()`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from ._format import (
     format_percent,
     format_value,
     html_table,
+    plain_fields,
     plural,
     safe_text,
     text_table,
@@ -139,7 +139,7 @@ class JobStatus:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (each GPU snapshot as `GPUInfo.to_dict()` gives it)."""
-        return {**dataclasses.asdict(self), "ok": self.ok, "hosts": list(self.hosts)}
+        return {**plain_fields(self), "ok": self.ok, "hosts": list(self.hosts)}
 
     def _rows(self) -> list[tuple[str, ...]]:
         flagged: dict[int, list[str]] = {}

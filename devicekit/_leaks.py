@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._census import GroupKey, census, only_new_objects
-from ._format import format_bytes, format_count, html_table, plural
+from ._format import format_bytes, format_count, html_table, plain_fields, plural
 from ._frames import user_location
 from ._memory import used_cuda_indices
 from ._options import check_count
@@ -128,7 +128,7 @@ class LeakReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with the verdict."""
-        return {**asdict(self), "verdict": self.verdict}
+        return {**plain_fields(self), "verdict": self.verdict}
 
     def __str__(self) -> str:
         lines = [self._summary()]

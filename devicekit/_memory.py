@@ -6,7 +6,7 @@ import gc
 import html
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -19,7 +19,7 @@ from ._devices import (
     resolve_cuda_devices,
     resolve_device,
 )
-from ._format import UNKNOWN, format_bytes, html_table, plural
+from ._format import UNKNOWN, format_bytes, html_table, plain_fields, plural
 from ._visible import torch_cuda_initialized
 
 _ipc_collect: Any = torch.cuda.ipc_collect  # unannotated in torch
@@ -132,7 +132,7 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with each device's ``returned`` bytes."""
-        data = asdict(self)
+        data = plain_fields(self)
         for entry, device in zip(data["devices"], self.devices, strict=True):
             entry["returned"] = device.returned
         return data
@@ -271,7 +271,7 @@ class ScopeReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with ``net``."""
-        return {**asdict(self), "net": self.net}
+        return {**plain_fields(self), "net": self.net}
 
     def __repr__(self) -> str:
         if self.peak_allocated is None:

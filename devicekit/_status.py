@@ -22,7 +22,15 @@ import torch
 from . import _findings, _gpus, _nvml
 from ._devices import accelerator_type, try_all_gpus
 from ._findings import Finding
-from ._format import UNKNOWN, format_percent, format_value, html_table, plural, safe_text
+from ._format import (
+    UNKNOWN,
+    format_percent,
+    format_value,
+    html_table,
+    plain_data,
+    plural,
+    safe_text,
+)
 from ._gpuinfo import GPUInfo
 from ._version import __version__
 from ._visible import ENV_VAR, cuda_started, parse_visible_devices, read_as, reads_as_written
@@ -204,7 +212,7 @@ class Status:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of ``devicekit --json`` (its layout is `SCHEMA_VERSION`)."""
-        return {
+        document = {
             "schema": SCHEMA_VERSION,
             "time": datetime.datetime.fromtimestamp(self.taken_at).astimezone().isoformat(),
             "devicekit": self.devicekit,
@@ -225,6 +233,8 @@ class Status:
             "gpus": [info.to_dict() for info in self.gpus],
             "findings": [finding.to_dict() for finding in self.findings],
         }
+        plain: dict[str, Any] = plain_data(document)  # torch's version is a str subclass
+        return plain
 
     def _repr_html_(self) -> str:
         parts = [html_table(self.report_rows(), caption=f"devicekit status, {self.time_text}")]

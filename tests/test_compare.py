@@ -76,6 +76,10 @@ def test_to_dict_and_html() -> None:
     document = json.loads(json.dumps(table.to_dict()))
     assert document["reference"] == "y"
     assert [row["verdict"] for row in document["rows"]] == ["2.00x slower", "(reference)"]
+    assert [row["measurement"]["n"] for row in document["rows"]] == [30, 30]
+    assert "times" not in document["rows"][0]["measurement"]  # only when asked for
+    with_times = table.to_dict(times=True)["rows"][0]["measurement"]
+    assert len(with_times["times"]) == len(with_times["host_times"]) == 30
     html = table._repr_html_()
     assert html.startswith("<table><caption>against the fastest: y</caption><tr><th>variant</th>")
     assert "<td>2.00x slower</td>" in html
