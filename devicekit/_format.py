@@ -1,10 +1,12 @@
-"""How every repr, table and message spells numbers, units and the unknown.
+"""How every repr, table, message and ``to_dict()`` spells numbers, units and the unknown.
 
 One module, so that bytes are MiB/GiB everywhere, time is s/ms/µs/ns
-everywhere, and a value nobody knows prints as `UNKNOWN` everywhere
-(never ``0``, ``-`` or ``nan``). It also makes text from outside the process
-(process names from ``/proc``, NVML strings) safe to print, and renders the
-small HTML tables notebooks show.
+everywhere, a value nobody knows prints as `UNKNOWN` everywhere (never ``0``,
+``-`` or ``nan``), and a value that does not apply (a CPU rank's GPU
+temperature) as `NOT_APPLICABLE`. It also makes text from outside the process
+(process names from ``/proc``, NVML strings) safe to print, renders the small
+HTML tables notebooks show, and turns results into the plain data every
+``to_dict()`` returns (`plain_data`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "NOT_APPLICABLE",
     "UNKNOWN",
     "first_line",
     "format_bytes",
@@ -34,7 +37,10 @@ __all__ = [
 ]
 
 UNKNOWN = "?"
-"""How text spells a value that is ``None`` in the data."""
+"""How text spells a value that is ``None`` in the data because nobody knows it."""
+
+NOT_APPLICABLE = "-"
+"""How a table cell spells a value that does not exist, such as a CPU rank's GPU name."""
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))

@@ -90,7 +90,10 @@ class GPUInfo:
         memory_clock: MHz now.
         throttle_reasons: Why clocks are held down now, such as ``("power_cap",)``;
             ``()`` when nothing holds them down, None when unknown.
-        fan_speed: Percent of the maximum, None for passively cooled boards.
+        fan_speed: Percent of the maximum; None when NVML does not say. NVML
+            answers *not supported* alike for a board with no fan of its own
+            (passively cooled data-center GPUs) and for one whose fans the
+            system controls (laptops), so None does not tell them apart.
         compute_mode: ``"default"``, ``"exclusive_process"`` or ``"prohibited"``.
         mig_enabled: Whether MIG mode is on; None when the GPU cannot tell.
         processes: Processes with a context on this GPU, or None when NVML

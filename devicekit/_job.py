@@ -26,6 +26,7 @@ from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeo
 from ._errors import DeviceNotFoundError
 from ._findings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
 from ._format import (
+    NOT_APPLICABLE,
     UNKNOWN,
     format_bytes,
     format_percent,
@@ -148,7 +149,6 @@ class JobStatus:
                 flagged.setdefault(rank, []).append(flag.kind)
         rows: list[tuple[str, ...]] = []
         for entry in self.ranks:
-            info = entry.gpu
             rows.append(
                 (
                     safe_text(entry.host),
@@ -156,12 +156,7 @@ class JobStatus:
                     UNKNOWN if entry.local_rank is None else str(entry.local_rank),
                     str(entry.pid),
                     entry.device or UNKNOWN,
-                    "-" if info is None else safe_text(info.name or UNKNOWN),
-                    "-" if info is None else _short(info.uuid),
-                    "-" if info is None else info.memory_text(),
-                    "-" if info is None else format_value(info.temperature, "°C"),
-                    "-" if info is None else format_percent(info.utilization),
-                    "-" if info is None else info.held_text(),
+                    *_gpu_cells(entry),
                     ", ".join(flagged.get(entry.rank, ())),
                 )
             )
@@ -194,6 +189,25 @@ class JobStatus:
 
 def _listing(ranks: Sequence[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
+
+
+def _gpu_cells(entry: RankStatus) -> tuple[str, ...]:
+    """The GPU columns of one rank: ``"-"`` for a rank without a GPU, ``"?"`` for one unread."""
+    info = entry.gpu
+    if info is None:
+        # A CPU (or MPS) rank has no NVIDIA GPU to describe: the columns do not apply. A
+        # CUDA rank, or one whose device is unknown, may well have one that nobody
+        # could read (no NVML): that is unknown, not absent.
+        on_gpu = entry.device is None or entry.device.startswith("cuda")
+        return (UNKNOWN if on_gpu else NOT_APPLICABLE,) * 6
+    return (
+        safe_text(info.name or UNKNOWN),
+        _short(info.uuid),
+        info.memory_text(),
+        format_value(info.temperature, "°C"),
+        format_percent(info.utilization),
+        info.held_text(),
+    )
 
 
 def _short(uuid: str | None) -> str:

@@ -30,6 +30,9 @@ def _bytes(value: int | None) -> str:
     return format_bytes(value, digits=2)
 
 
+_NOT_MEASURED = "not measured, only CUDA devices count bytes"
+
+
 def _signed(value: int | None) -> str:
     return f"+{_bytes(value)}" if value is not None and value > 0 else _bytes(value)
 
@@ -275,14 +278,19 @@ class ScopeReport:
 
     def __repr__(self) -> str:
         if self.peak_allocated is None:
-            return f"ScopeReport({self.device}: not measured, only CUDA devices count bytes)"
+            return f"ScopeReport({self.device}: {_NOT_MEASURED})"
         return (
             f"ScopeReport({self.device}: peak allocated {_bytes(self.peak_allocated)}, "
             f"peak reserved {_bytes(self.peak_reserved)}, net {_signed(self.net)})"
         )
 
     def rows(self) -> list[tuple[str, str]]:
-        """The report as (label, text) pairs in human units, for tables."""
+        """The report as (label, text) pairs in human units, for tables.
+
+        Off CUDA nothing was counted: one row says so, instead of a column of ``?``.
+        """
+        if self.peak_allocated is None:
+            return [("device", self.device), ("memory", _NOT_MEASURED)]
         return [
             ("device", self.device),
             ("allocated", f"{_bytes(self.allocated_before)} → {_bytes(self.allocated_after)}"),

@@ -202,12 +202,16 @@ class Status:
         gpus = ", ".join(
             f"{info.device or 'hidden'} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
         )
-        # Without NVML nobody knows how many GPUs the machine has: never say 0.
-        count = UNKNOWN + " GPUs" if self.nvml_error is not None else plural(len(self.gpus), "GPU")
+        if self.nvml_error is not None:
+            # Without NVML nobody knows how many GPUs the machine has: never say 0, and
+            # say why rather than print "? GPUs".
+            machine = f"GPU count unknown: no NVML ({self.nvml_error})"
+        else:
+            machine = f"{plural(len(self.gpus), 'GPU')} on the machine{': ' + gpus if gpus else ''}"
         return (
             f"Status(torch {self.torch} ({self.torch_build}), devices: "
-            f"{', '.join(self.devices) or 'cpu only'}; {count} on the "
-            f"machine{': ' + gpus if gpus else ''}; {plural(len(self.findings), 'finding')})"
+            f"{', '.join(self.devices) or 'cpu only'}; {machine}; "
+            f"{plural(len(self.findings), 'finding')})"
         )
 
     def to_dict(self) -> dict[str, Any]:
