@@ -9,13 +9,13 @@ events, repeats until precise) and the same verdict.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
-from ._format import format_seconds, html_table
+from ._format import format_seconds, html_table, plain_data
 from ._measure import Measurement, benchmark
 
 __all__ = ["BenchReport", "BenchResult", "bench"]
@@ -83,8 +83,8 @@ class BenchReport:
         """JSON-ready: schema version, results (with their notes) and speed-ups."""
         return {
             "schema": _SCHEMA,
-            "results": [{**asdict(r), "notes": list(r.notes)} for r in self.results],
-            "speedups": self.speedups,
+            "results": plain_data(self.results),
+            "speedups": plain_data(self.speedups),
         }
 
     def _summary(self) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._format import UNKNOWN, format_joules, format_seconds, html_table
@@ -18,7 +18,7 @@ class ComparisonRow:
 
     Attributes:
         name: The variant's name.
-        measurement: Its measurement.
+        measurement: Its measurement, named after the variant (``measurement.name == name``).
         ratio: Its median over the reference's median (above 1 is slower).
         within_noise: Its 95% confidence interval overlaps the reference's, so
             the difference may be noise; None when either interval is unknown
@@ -102,8 +102,16 @@ class Comparison:
         caption = f"against the {against}: {self.reference}"
         return html_table(self._lines(), header=header, caption=caption)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the reference and, per variant, its ratio, verdict and measurement."""
+    def to_dict(self, *, times: bool = False) -> dict[str, Any]:
+        """JSON-ready: the reference and, per variant, its ratio, verdict and measurement.
+
+        Args:
+            times: Include each measurement's raw times (see
+                [`Measurement.to_dict()`][devicekit.Measurement.to_dict]).
+
+        Returns:
+            ``reference``, ``reference_is_baseline`` and ``rows``.
+        """
         return {
             "reference": self.reference,
             "reference_is_baseline": self.reference_is_baseline,
@@ -113,7 +121,7 @@ class Comparison:
                     "ratio": row.ratio,
                     "within_noise": row.within_noise,
                     "verdict": row.verdict(self.reference),
-                    "measurement": row.measurement.to_dict(),
+                    "measurement": row.measurement.to_dict(times=times),
                 }
                 for row in self.rows
             ],
@@ -137,7 +145,9 @@ def compare(
     Functions in ``results`` are measured first with [`benchmark()`][devicekit.benchmark] and
     ``options`` (call them with no arguments: wrap arguments in a lambda).
     A variant whose 95% confidence interval overlaps the reference's is marked
-    "same within noise" instead of faster or slower.
+    "same within noise" instead of faster or slower. Each row's measurement
+    is called by the variant's name, whatever the function or the given
+    measurement was called.
 
     Args:
         results: Names mapped to measurements, or to functions to measure.
@@ -186,8 +196,12 @@ def compare(
 
     if baseline is not None and baseline not in results:
         raise ValueError(f"baseline {baseline!r} is not one of {', '.join(map(repr, results))}")
+    # Named after the variant: a lambda's measurement would be "<lambda>", and one given
+    # under a new name answers to that name in this table.
     measured = {
-        name: value if isinstance(value, Measurement) else benchmark(value, **options)
+        name: replace(
+            value if isinstance(value, Measurement) else benchmark(value, **options), name=name
+        )
         for name, value in results.items()
     }
     reference = baseline or min(measured, key=lambda name: measured[name].median)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from . import _gpus
 from ._contention import CpuWindow, contended
 from ._errors import DeviceNotFoundError
 from ._findings import ENVIRONMENTAL, environmental
-from ._format import format_count, html_table, plural, safe_text
+from ._format import format_count, html_table, plain_fields, plural, safe_text
 from ._gpuinfo import GPUInfo, GPUProcess
 
 __all__ = ["Conditions", "Sampler"]
@@ -183,8 +182,8 @@ class Conditions:
         return html_table([*self.rows(), *notes], caption=f"conditions on {self.device}")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return dataclasses.asdict(self)
+        """JSON-ready fields (tuples as lists)."""
+        return plain_fields(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Conditions:

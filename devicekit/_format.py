@@ -1,20 +1,25 @@
-"""How every repr, table and message spells numbers, units and the unknown.
+"""How every repr, table, message and ``to_dict()`` spells numbers, units and the unknown.
 
 One module, so that bytes are MiB/GiB everywhere, time is s/ms/µs/ns
-everywhere, and a value nobody knows prints as `UNKNOWN` everywhere
-(never ``0``, ``-`` or ``nan``). It also makes text from outside the process
-(process names from ``/proc``, NVML strings) safe to print, and renders the
-small HTML tables notebooks show.
+everywhere, a value nobody knows prints as `UNKNOWN` everywhere (never ``0``,
+``-`` or ``nan``), and a value that does not apply (a CPU rank's GPU
+temperature) as `NOT_APPLICABLE`. It also makes text from outside the process
+(process names from ``/proc``, NVML strings) safe to print, renders the small
+HTML tables notebooks show, and turns results into the plain data every
+``to_dict()`` returns (`plain_data`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
+    "NOT_APPLICABLE",
     "UNKNOWN",
     "first_line",
     "format_bytes",
@@ -24,13 +29,18 @@ __all__ = [
     "format_seconds",
     "format_value",
     "html_table",
+    "plain_data",
+    "plain_fields",
     "plural",
     "safe_text",
     "text_table",
 ]
 
 UNKNOWN = "?"
-"""How text spells a value that is ``None`` in the data."""
+"""How text spells a value that is ``None`` in the data because nobody knows it."""
+
+NOT_APPLICABLE = "-"
+"""How a table cell spells a value that does not exist, such as a CPU rank's GPU name."""
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
@@ -190,3 +200,69 @@ def html_table(
 def _cell(value: object) -> str:
     text = UNKNOWN if value is None else str(value)
     return "<br>".join(html.escape(line) for line in text.splitlines()) or ""
+
+
+def plain_fields(result: object) -> dict[str, Any]:
+    """A dataclass's fields as `plain_data`: where a result's ``to_dict()`` starts.
+
+    Examples:
+        >>> from dataclasses import dataclass
+        >>> @dataclass(frozen=True)
+        ... class Span:
+        ...     shape: tuple[int, ...]
+        >>> plain_fields(Span((2, 3)))
+        {'shape': [2, 3]}
+    """
+    if not dataclasses.is_dataclass(result) or isinstance(result, type):
+        raise TypeError(f"plain_fields() needs a dataclass instance, got {type(result).__name__}")
+    return {f.name: plain_data(getattr(result, f.name)) for f in dataclasses.fields(result)}
+
+
+def plain_data(value: object) -> Any:
+    """``value`` as JSON-ready data: dicts, lists, str, int, float, bool and None only.
+
+    Tuples and sets become lists; a nested result becomes its own
+    ``to_dict()``, any other dataclass a dict of its fields; a subclass of
+    str, int or float (torch's version string) becomes the plain type; a
+    float that is not finite becomes None (JSON has no ``NaN``, and
+    devicekit's unknown is None). So
+    ``json.loads(json.dumps(plain_data(x))) == plain_data(x)``.
+
+    Raises:
+        TypeError: Something that has no plain form (a tensor, a device), or a
+            mapping key that is not a string or an int (ints become strings,
+            as JSON writes them).
+
+    Examples:
+        >>> plain_data({"shape": (2, 3), "ci": (1.0, float("nan")), 4: None})
+        {'shape': [2, 3], 'ci': [1.0, None], '4': None}
+    """
+    if value is None or type(value) in (bool, int, str):
+        return value
+    # Subclasses (torch's TorchVersion is a str, an IntEnum an int) as the plain type.
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and not isinstance(value, type):  # a result inside a result
+        return to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_fields(value)
+    if isinstance(value, Mapping):
+        return {_plain_key(key): plain_data(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain_data(item) for item in value]
+    raise TypeError(f"{type(value).__name__} has no JSON-ready form: {value!r}")
+
+
+def _plain_key(key: object) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key)
+    raise TypeError(f"a JSON object's keys are strings, got {key!r}")

@@ -6,7 +6,6 @@ renders them, in the units and spellings of `_format`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +16,7 @@ from ._format import (
     format_percent,
     format_value,
     html_table,
+    plain_fields,
     safe_text,
 )
 
@@ -49,7 +49,7 @@ class GPUProcess:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
-        return dataclasses.asdict(self)
+        return plain_fields(self)
 
     def __repr__(self) -> str:
         where = "" if self.pid_visible else ", in another PID namespace"
@@ -90,7 +90,10 @@ class GPUInfo:
         memory_clock: MHz now.
         throttle_reasons: Why clocks are held down now, such as ``("power_cap",)``;
             ``()`` when nothing holds them down, None when unknown.
-        fan_speed: Percent of the maximum, None for passively cooled boards.
+        fan_speed: Percent of the maximum; None when NVML does not say. NVML
+            answers *not supported* alike for a board with no fan of its own
+            (passively cooled data-center GPUs) and for one whose fans the
+            system controls (laptops), so None does not tell them apart.
         compute_mode: ``"default"``, ``"exclusive_process"`` or ``"prohibited"``.
         mig_enabled: Whether MIG mode is on; None when the GPU cannot tell.
         processes: Processes with a context on this GPU, or None when NVML
@@ -136,8 +139,8 @@ class GPUInfo:
         return self.memory_used / self.memory_total
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict (processes as a list of dicts)."""
-        return dataclasses.asdict(self)
+        """The fields as a JSON-ready dict (processes as a list of dicts, tuples as lists)."""
+        return plain_fields(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GPUInfo:

@@ -13,7 +13,6 @@ The gather itself is `_dist.gather_objects()`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from collections.abc import Sequence
@@ -27,11 +26,13 @@ from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeo
 from ._errors import DeviceNotFoundError
 from ._findings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
 from ._format import (
+    NOT_APPLICABLE,
     UNKNOWN,
     format_bytes,
     format_percent,
     format_value,
     html_table,
+    plain_fields,
     plural,
     safe_text,
     text_table,
@@ -139,7 +140,7 @@ class JobStatus:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (each GPU snapshot as `GPUInfo.to_dict()` gives it)."""
-        return {**dataclasses.asdict(self), "ok": self.ok, "hosts": list(self.hosts)}
+        return {**plain_fields(self), "ok": self.ok, "hosts": list(self.hosts)}
 
     def _rows(self) -> list[tuple[str, ...]]:
         flagged: dict[int, list[str]] = {}
@@ -148,7 +149,6 @@ class JobStatus:
                 flagged.setdefault(rank, []).append(flag.kind)
         rows: list[tuple[str, ...]] = []
         for entry in self.ranks:
-            info = entry.gpu
             rows.append(
                 (
                     safe_text(entry.host),
@@ -156,12 +156,7 @@ class JobStatus:
                     UNKNOWN if entry.local_rank is None else str(entry.local_rank),
                     str(entry.pid),
                     entry.device or UNKNOWN,
-                    "-" if info is None else safe_text(info.name or UNKNOWN),
-                    "-" if info is None else _short(info.uuid),
-                    "-" if info is None else info.memory_text(),
-                    "-" if info is None else format_value(info.temperature, "°C"),
-                    "-" if info is None else format_percent(info.utilization),
-                    "-" if info is None else info.held_text(),
+                    *_gpu_cells(entry),
                     ", ".join(flagged.get(entry.rank, ())),
                 )
             )
@@ -194,6 +189,25 @@ class JobStatus:
 
 def _listing(ranks: Sequence[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
+
+
+def _gpu_cells(entry: RankStatus) -> tuple[str, ...]:
+    """The GPU columns of one rank: ``"-"`` for a rank without a GPU, ``"?"`` for one unread."""
+    info = entry.gpu
+    if info is None:
+        # A CPU (or MPS) rank has no NVIDIA GPU to describe: the columns do not apply. A
+        # CUDA rank, or one whose device is unknown, may well have one that nobody
+        # could read (no NVML): that is unknown, not absent.
+        on_gpu = entry.device is None or entry.device.startswith("cuda")
+        return (UNKNOWN if on_gpu else NOT_APPLICABLE,) * 6
+    return (
+        safe_text(info.name or UNKNOWN),
+        _short(info.uuid),
+        info.memory_text(),
+        format_value(info.temperature, "°C"),
+        format_percent(info.utilization),
+        info.held_text(),
+    )
 
 
 def _short(uuid: str | None) -> str:

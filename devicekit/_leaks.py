@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._census import GroupKey, census, only_new_objects
-from ._format import format_bytes, format_count, html_table, plural
+from ._format import (
+    NOT_APPLICABLE,
+    UNKNOWN,
+    format_bytes,
+    format_count,
+    html_table,
+    plain_fields,
+    plural,
+)
 from ._frames import user_location
 from ._memory import used_cuda_indices
 from ._options import check_count
@@ -128,7 +136,7 @@ class LeakReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with the verdict."""
-        return {**asdict(self), "verdict": self.verdict}
+        return {**plain_fields(self), "verdict": self.verdict}
 
     def __str__(self) -> str:
         lines = [self._summary()]
@@ -149,9 +157,12 @@ class LeakReport:
                 leak.dtype,
                 "various" if leak.shape is None else list(leak.shape),
                 leak.location,
-                "" if leak.count_per_call is None else f"{leak.count_per_call:g}",
+                UNKNOWN if leak.count_per_call is None else f"{leak.count_per_call:g}",
                 _b(leak.bytes_per_call),
             )
+            if leak.dtype is not None
+            # Memory no tensor holds: the tensor columns do not apply (None there is not "?").
+            else (leak.device, *[NOT_APPLICABLE] * 4, _b(leak.bytes_per_call))
             for leak in self.leaks
         ]
         header = ("device", "dtype", "shape", "created at", "tensors/call", "bytes/call")

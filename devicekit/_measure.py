@@ -16,7 +16,15 @@ from ._conditions import Conditions, Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
 from ._errors import add_note
-from ._format import UNKNOWN, format_joules, format_seconds, format_value, html_table, plural
+from ._format import (
+    UNKNOWN,
+    format_joules,
+    format_seconds,
+    format_value,
+    html_table,
+    plain_data,
+    plural,
+)
 from ._options import check_number, check_seconds
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
@@ -74,7 +82,8 @@ class Measurement:
             then, so the noise is unknown (and the result not trustworthy).
         ci: That confidence interval, (low, high) seconds, or None.
         n: Number of timed calls.
-        times: Every timed call, seconds.
+        times: Every timed call, seconds (``to_dict()`` leaves them out
+            unless asked: ``to_dict(times=True)``).
         host_times: Host time to issue each call, seconds.
         stop_reason: ``"converged"`` (``rel_noise`` reached its target) or
             ``"max_time"`` (time ran out first).
@@ -184,9 +193,23 @@ class Measurement:
         noise_known = self.rel_noise is not None and self.rel_noise <= _NOISY
         return noise_known and self.conditions.trustworthy()
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, with ``trustworthy`` and ``notes`` added."""
-        return {
+    def to_dict(self, *, times: bool = False) -> dict[str, Any]:
+        """JSON-ready: the statistics and the verdict; the raw times only when asked.
+
+        Half a second of timing a fast function can be hundreds of thousands
+        of calls, so by default the document holds what they add up to
+        (``median``, ``ci``, ``n``... and ``host_median``), not each one:
+        about a kilobyte whatever ``n`` is. The raw times stay on the
+        measurement (``times``, ``host_times``).
+
+        Args:
+            times: Add ``times`` and ``host_times``, every timed call's
+                seconds; [`from_dict()`][devicekit.Measurement.from_dict] needs them.
+
+        Returns:
+            The fields, with the derived ``host_median``, ``trustworthy`` and ``notes``.
+        """
+        document: dict[str, Any] = {
             "name": self.name,
             "mode": self.mode,
             "median": self.median,
@@ -196,8 +219,7 @@ class Measurement:
             "rel_noise": self.rel_noise,
             "ci": None if self.ci is None else list(self.ci),
             "n": self.n,
-            "times": list(self.times),
-            "host_times": list(self.host_times),
+            "host_median": self.host_median,
             "stop_reason": self.stop_reason,
             "conditions": self.conditions.to_dict(),
             "energy_per_call": self.energy_per_call,
@@ -205,11 +227,27 @@ class Measurement:
             "trustworthy": self.trustworthy,
             "notes": self.notes,
         }
+        if times:
+            document["times"] = list(self.times)
+            document["host_times"] = list(self.host_times)
+        plain: dict[str, Any] = plain_data(document)
+        return plain
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Measurement:
-        """Rebuild a measurement from `to_dict()`'s output (derived keys are ignored)."""
-        fields = {k: v for k, v in data.items() if k not in ("trustworthy", "notes")}
+        """Rebuild a measurement from ``to_dict(times=True)``'s output (derived keys are ignored).
+
+        Raises:
+            ValueError: The document has no raw times (``to_dict()`` without
+                ``times=True`` leaves them out), so the measurement cannot be rebuilt.
+        """
+        if "times" not in data or "host_times" not in data:
+            raise ValueError(
+                "this document has only the statistics, not the raw times a Measurement "
+                "holds; write it with to_dict(times=True) to rebuild it"
+            )
+        derived = ("trustworthy", "notes", "host_median")
+        fields = {k: v for k, v in data.items() if k not in derived}
         fields["ci"] = None if fields["ci"] is None else tuple(fields["ci"])
         fields["times"] = tuple(fields["times"])
         fields["host_times"] = tuple(fields["host_times"])

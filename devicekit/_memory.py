@@ -6,7 +6,7 @@ import gc
 import html
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -19,7 +19,7 @@ from ._devices import (
     resolve_cuda_devices,
     resolve_device,
 )
-from ._format import UNKNOWN, format_bytes, html_table, plural
+from ._format import UNKNOWN, format_bytes, html_table, plain_fields, plural
 from ._visible import torch_cuda_initialized
 
 _ipc_collect: Any = torch.cuda.ipc_collect  # unannotated in torch
@@ -28,6 +28,9 @@ _has_context: Any = getattr(torch._C, "_cuda_hasPrimaryContext", None)
 
 def _bytes(value: int | None) -> str:
     return format_bytes(value, digits=2)
+
+
+_NOT_MEASURED = "not measured, only CUDA devices count bytes"
 
 
 def _signed(value: int | None) -> str:
@@ -132,7 +135,7 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with each device's ``returned`` bytes."""
-        data = asdict(self)
+        data = plain_fields(self)
         for entry, device in zip(data["devices"], self.devices, strict=True):
             entry["returned"] = device.returned
         return data
@@ -271,18 +274,23 @@ class ScopeReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with ``net``."""
-        return {**asdict(self), "net": self.net}
+        return {**plain_fields(self), "net": self.net}
 
     def __repr__(self) -> str:
         if self.peak_allocated is None:
-            return f"ScopeReport({self.device}: not measured, only CUDA devices count bytes)"
+            return f"ScopeReport({self.device}: {_NOT_MEASURED})"
         return (
             f"ScopeReport({self.device}: peak allocated {_bytes(self.peak_allocated)}, "
             f"peak reserved {_bytes(self.peak_reserved)}, net {_signed(self.net)})"
         )
 
     def rows(self) -> list[tuple[str, str]]:
-        """The report as (label, text) pairs in human units, for tables."""
+        """The report as (label, text) pairs in human units, for tables.
+
+        Off CUDA nothing was counted: one row says so, instead of a column of ``?``.
+        """
+        if self.peak_allocated is None:
+            return [("device", self.device), ("memory", _NOT_MEASURED)]
         return [
             ("device", self.device),
             ("allocated", f"{_bytes(self.allocated_before)} → {_bytes(self.allocated_after)}"),

@@ -16,7 +16,7 @@ import itertools
 import os
 import types
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar, overload
 
 import torch
@@ -32,7 +32,15 @@ from ._devices import (
 )
 from ._errors import DeviceNotFoundError, DeviceOutOfMemoryError, add_note
 from ._fixes import rank_fixes
-from ._format import UNKNOWN, first_line, format_bytes, format_count, html_table, safe_text
+from ._format import (
+    UNKNOWN,
+    first_line,
+    format_bytes,
+    format_count,
+    html_table,
+    plain_fields,
+    safe_text,
+)
 from ._frames import first_user_location
 from ._gpuinfo import GPUProcess
 from ._gpus import gpu
@@ -146,7 +154,7 @@ class OOMReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with ``unallocated``, ``other_processes_bytes`` and ``unseen``."""
         return {
-            **asdict(self),
+            **plain_fields(self),
             "unallocated": self.unallocated,
             "other_processes_bytes": self.other_processes_bytes,
             "unseen": self.unseen,

@@ -22,7 +22,15 @@ import torch
 from . import _findings, _gpus, _nvml
 from ._devices import accelerator_type, try_all_gpus
 from ._findings import Finding
-from ._format import UNKNOWN, format_percent, format_value, html_table, plural, safe_text
+from ._format import (
+    UNKNOWN,
+    format_percent,
+    format_value,
+    html_table,
+    plain_data,
+    plural,
+    safe_text,
+)
 from ._gpuinfo import GPUInfo
 from ._version import __version__
 from ._visible import ENV_VAR, cuda_started, parse_visible_devices, read_as, reads_as_written
@@ -194,17 +202,21 @@ class Status:
         gpus = ", ".join(
             f"{info.device or 'hidden'} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
         )
-        # Without NVML nobody knows how many GPUs the machine has: never say 0.
-        count = UNKNOWN + " GPUs" if self.nvml_error is not None else plural(len(self.gpus), "GPU")
+        if self.nvml_error is not None:
+            # Without NVML nobody knows how many GPUs the machine has: never say 0, and
+            # say why rather than print "? GPUs".
+            machine = f"GPU count unknown: no NVML ({self.nvml_error})"
+        else:
+            machine = f"{plural(len(self.gpus), 'GPU')} on the machine{': ' + gpus if gpus else ''}"
         return (
             f"Status(torch {self.torch} ({self.torch_build}), devices: "
-            f"{', '.join(self.devices) or 'cpu only'}; {count} on the "
-            f"machine{': ' + gpus if gpus else ''}; {plural(len(self.findings), 'finding')})"
+            f"{', '.join(self.devices) or 'cpu only'}; {machine}; "
+            f"{plural(len(self.findings), 'finding')})"
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of ``devicekit --json`` (its layout is `SCHEMA_VERSION`)."""
-        return {
+        document = {
             "schema": SCHEMA_VERSION,
             "time": datetime.datetime.fromtimestamp(self.taken_at).astimezone().isoformat(),
             "devicekit": self.devicekit,
@@ -225,6 +237,8 @@ class Status:
             "gpus": [info.to_dict() for info in self.gpus],
             "findings": [finding.to_dict() for finding in self.findings],
         }
+        plain: dict[str, Any] = plain_data(document)  # torch's version is a str subclass
+        return plain
 
     def _repr_html_(self) -> str:
         parts = [html_table(self.report_rows(), caption=f"devicekit status, {self.time_text}")]

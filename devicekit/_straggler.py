@@ -13,7 +13,6 @@ ranks are slower than the rest, and what waiting for them costs the job.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import html
 import socket
 import statistics
@@ -26,7 +25,15 @@ from typing import Any
 from ._callbacks import call_each, checked_sinks
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
 from ._errors import RanksOutOfStepError
-from ._format import UNKNOWN, format_seconds, html_table, plural, safe_text, text_table
+from ._format import (
+    UNKNOWN,
+    format_seconds,
+    html_table,
+    plain_fields,
+    plural,
+    safe_text,
+    text_table,
+)
 from ._options import check_count, check_number
 from ._timing import CudaEvent
 from ._visible import torch_cuda_initialized
@@ -136,7 +143,7 @@ class StragglerReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with ``lost_per_step``."""
-        return {**dataclasses.asdict(self), "lost_per_step": self.lost_per_step}
+        return {**plain_fields(self), "lost_per_step": self.lost_per_step}
 
     def _title(self) -> str:
         return (

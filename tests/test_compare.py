@@ -44,10 +44,24 @@ def test_against_a_named_baseline() -> None:
     assert "vs baseline (old)" in str(table)
 
 
-def test_functions_are_measured_with_the_options() -> None:
+def test_functions_are_measured_with_the_options_and_named_after_their_variant() -> None:
     table = dk.compare({"a": lambda: sum(range(100)), "b": lambda: sum(range(10))}, max_time=0.2)
-    assert [row.measurement.name for row in table.rows] == ["<lambda>", "<lambda>"]
+    assert [row.measurement.name for row in table.rows] == ["a", "b"]  # not "<lambda>"
     assert all(row.measurement.n >= 1 for row in table.rows)
+    document = table.to_dict()
+    assert [(row["name"], row["measurement"]["name"]) for row in document["rows"]] == [
+        ("a", "a"),
+        ("b", "b"),
+    ]
+    assert repr(table.rows[0].measurement).startswith("Measurement(a on cpu, warm: median")
+
+
+def test_a_given_measurement_answers_to_its_variant_name_and_stays_unchanged() -> None:
+    given = measured(1e-3, 1e-6, name="matmul")
+    table = dk.compare({"eager": given, "compiled": measured(2e-3, 1e-6, name="matmul")})
+    assert [row.measurement.name for row in table.rows] == ["eager", "compiled"]
+    assert table.rows[0].measurement.median == given.median
+    assert given.name == "matmul"  # a frozen result: compare copies it under the new name
 
 
 def test_untrustworthy_rows_are_marked() -> None:
@@ -76,6 +90,10 @@ def test_to_dict_and_html() -> None:
     document = json.loads(json.dumps(table.to_dict()))
     assert document["reference"] == "y"
     assert [row["verdict"] for row in document["rows"]] == ["2.00x slower", "(reference)"]
+    assert [row["measurement"]["n"] for row in document["rows"]] == [30, 30]
+    assert "times" not in document["rows"][0]["measurement"]  # only when asked for
+    with_times = table.to_dict(times=True)["rows"][0]["measurement"]
+    assert len(with_times["times"]) == len(with_times["host_times"]) == 30
     html = table._repr_html_()
     assert html.startswith("<table><caption>against the fastest: y</caption><tr><th>variant</th>")
     assert "<td>2.00x slower</td>" in html

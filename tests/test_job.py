@@ -174,6 +174,27 @@ def test_the_table_is_sorted_by_host_then_local_rank_and_lists_the_flags() -> No
     assert data["ranks"][0]["gpu"]["uuid"] == SHARED
 
 
+def test_gpu_cells_say_unknown_for_an_unread_gpu_and_not_applicable_for_a_cpu_rank() -> None:
+    ranks = (
+        dk.RankStatus(0, 0, "node-a", 10, "cuda:0", None),  # a GPU, but no NVML to read it
+        dk.RankStatus(1, None, "node-a", 11, "cpu", None),  # no GPU: the columns do not apply
+        dk.RankStatus(2, 2, "node-a", 12, None, None),  # device unknown: so is its GPU
+        dk.RankStatus(3, 3, "node-a", 13, "cuda:1", info(name=None, temperature=None)),
+    )
+    status = dk.JobStatus(ranks, 4, "gloo", ())
+    gpu_columns = slice(5, 11)
+    cells = [row[gpu_columns] for row in status._rows()]
+    assert cells[0] == ("?",) * 6
+    assert cells[1] == ("-",) * 6
+    assert cells[2] == ("?",) * 6
+    assert cells[3][:2] == ("?", SHARED[:12])
+    assert cells[3][3] == "?"
+    assert [row[2] for row in status._rows()] == ["0", "?", "2", "3"]  # local rank unknown: "?"
+    lines = str(status).splitlines()
+    assert lines[3].split()[:6] == ["node-a", "1", "?", "11", "cpu", "-"]
+    assert "<td>cpu</td><td>-</td>" in status._repr_html_()
+
+
 def test_a_gather_returns_only_once_gloo_has_let_go_of_its_tensors(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -144,6 +144,22 @@ def test_the_report_reads_in_text_html_and_json() -> None:
     assert data["verdict"] == report.verdict
 
 
+def test_html_leaves_the_tensor_columns_of_memory_no_tensor_holds_as_not_applicable() -> None:
+    report = dk.LeakReport(
+        calls=4,
+        warmup=2,
+        leaks=(
+            dk.Leak("cuda:0", None, None, None, None, 4096.0, None, None),
+            dk.Leak("cpu", "float32", (2, 3), None, 1.0, 24.0, 0, 4),
+        ),
+        allocated=(),
+    )
+    page = report._repr_html_()
+    assert "<tr><td>cuda:0</td>" + "<td>-</td>" * 4 + "<td>4.00 KiB</td></tr>" in page
+    # A tensor leak whose line is unknown says so: "?" is unknown, "-" does not apply.
+    assert "<tr><td>cpu</td><td>float32</td><td>[2, 3]</td><td>?</td><td>1</td>" in page
+
+
 def test_arguments_are_checked() -> None:
     with pytest.raises(TypeError, match="fn must be callable"):
         dk.find_leaks(3)  # type: ignore[arg-type]

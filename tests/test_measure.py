@@ -328,7 +328,7 @@ def test_json_round_trip() -> None:
         [1e-3, 1.2e-3, 0.9e-3] * 5,
         conditions=conditions(other_processes=others, throttle_reasons=("power_cap",)),
     )
-    document = json.loads(json.dumps(original.to_dict()))
+    document = json.loads(json.dumps(original.to_dict(times=True)))
     assert document["trustworthy"] is False
     assert document["notes"] == original.notes
     assert dk.Measurement.from_dict(document) == original
@@ -336,15 +336,35 @@ def test_json_round_trip() -> None:
 
 def test_json_round_trip_with_unknown_noise_and_energy() -> None:
     original = measurement([0.7], stop_reason="max_time", energy_per_call=0.21, power=300.0)
-    document = json.loads(json.dumps(original.to_dict()))
+    document = json.loads(json.dumps(original.to_dict(times=True)))
     assert document["ci"] is None
     assert document["rel_noise"] is None
     assert (document["energy_per_call"], document["power"]) == (0.21, 300.0)
     assert dk.Measurement.from_dict(document) == original
 
 
+def test_to_dict_keeps_the_statistics_and_leaves_the_raw_times_out_unless_asked() -> None:
+    m = measurement([1e-6 * (1 + i % 7) for i in range(50_000)], host_times=[2e-7] * 50_000)
+    document = m.to_dict()
+    assert "times" not in document
+    assert "host_times" not in document
+    assert (document["n"], document["median"], document["min"]) == (50_000, m.median, m.min)
+    assert document["ci"] == list(m.ci or ())
+    assert document["host_median"] == 2e-7
+    assert len(json.dumps(document)) < 2_000  # whatever n is; every time was 50,000 floats
+    everything = m.to_dict(times=True)
+    assert everything["times"] == list(m.times)
+    assert everything["host_times"] == list(m.host_times)
+    assert {k: v for k, v in everything.items() if "times" not in k} == document
+
+
+def test_a_document_without_the_raw_times_cannot_be_rebuilt_and_says_how() -> None:
+    with pytest.raises(ValueError, match=r"write it with to_dict\(times=True\) to rebuild it"):
+        dk.Measurement.from_dict(measurement([1e-3] * 10).to_dict())
+
+
 def test_documents_from_before_energy_still_load() -> None:
-    document = measurement([1e-3] * 10).to_dict()
+    document = measurement([1e-3] * 10).to_dict(times=True)
     del document["energy_per_call"], document["power"]
     assert dk.Measurement.from_dict(document).energy_per_call is None
 

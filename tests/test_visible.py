@@ -366,8 +366,8 @@ def test_an_index_past_the_machine_s_gpus_is_refused_where_nvml_counts_them(
     with (
         pytest.raises(
             ValueError,
-            match=r"^entry 7 in visible_devices\(\[1, 7\]\): this machine has 2 GPUs \(0 to 1\), and "
-            r"CUDA hides every GPU from an entry that does not exist; list indices below 2",
+            match=r"^entry 7 in visible_devices\(\[1, 7\]\): this machine has 2 GPUs \(0 to 1\), "
+            r"and CUDA hides every GPU from an entry that does not exist; list indices below 2",
         ),
         dk.visible_devices([1, 7]),
     ):
