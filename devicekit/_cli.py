@@ -12,13 +12,14 @@ Exit codes: 0; 1 when ``doctor`` finds an error; 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._version import __version__
 
@@ -29,6 +30,12 @@ __all__ = ["main"]
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: a refresh in place on a terminal
 _LONGEST_INTERVAL = 86_400.0
+# procps watch's floor too. Each refresh reads every GPU and takes a CPU core for a
+# moment; shorter intervals only keep that core busy (1e-9 was accepted and spun).
+_SHORTEST_INTERVAL = 0.1
+# torch warns on import when numpy is absent (numpy is not a dependency): two lines of
+# noise on every run. Hidden inside this command only, never in a caller's process.
+_NUMPY_WARNING = r"Failed to initialize NumPy: No module named 'numpy'"
 
 
 def _seconds(text: str) -> float:
@@ -36,9 +43,13 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
+    if value < _SHORTEST_INTERVAL:
         raise argparse.ArgumentTypeError(
-            f"expected a finite, positive number of seconds, got {text!r}"
+            f"expected at least {_SHORTEST_INTERVAL:g} seconds between refreshes, got {text!r}; "
+            f"use -n {_SHORTEST_INTERVAL:g} or more (a refresh reads every GPU: "
+            "more often only keeps a CPU core busy)"
         )
     if value > _LONGEST_INTERVAL:  # time.sleep overflows long before inf
         raise argparse.ArgumentTypeError(
@@ -71,6 +82,64 @@ def _indices(text: str) -> list[int]:
     return indices
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean ...?" for a mistyped subcommand or option.
+
+    Python 3.14's ``suggest_on_error`` does the subcommand only, and we support
+    3.10. The exit code (2) and the usage line stay argparse's own.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: list[str] = []  # every option string, as they are added (-h, --help first)
+        self.commands: dict[str, _Parser] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """Add an argument as argparse does, and note its option strings for suggestions."""
+        action = super().add_argument(*args, **kwargs)
+        self.options.extend(action.option_strings)
+        return action
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # The one place argparse checks a choice (a subcommand); private, but its
+        # signature is unchanged from Python 3.2 to 3.14.
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as error:
+            guess = _close_match(str(value), [str(choice) for choice in action.choices or ()])
+            if guess is None:
+                raise
+            raise argparse.ArgumentError(
+                action, f"{error.message}; did you mean {guess}?"
+            ) from None
+
+    def unrecognized(self, args: argparse.Namespace, unknown: list[str]) -> NoReturn:
+        """Exit 2 for arguments no parser took, suggesting the options they resemble.
+
+        The usage line and the suggestions are the subcommand's, when there is one.
+        """
+        parser = self.commands.get(getattr(args, "command", None) or "", self)
+        guesses = []
+        for word in unknown:
+            written = word.partition("=")[0]
+            guess = _close_match(written, parser.options) if written.startswith("-") else None
+            if guess is not None:
+                guesses.append((written, guess))
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        if len(guesses) == 1:
+            message += f" (did you mean {guesses[0][1]}?)"
+        elif guesses:
+            shown = ", ".join(f"{guess} instead of {written}" for written, guess in guesses)
+            message += f" (did you mean {shown}?)"
+        parser.error(message)
+
+
+def _close_match(word: str, known: list[str]) -> str | None:
+    """The known word ``word`` most likely misspells, if one is close enough."""
+    matches = difflib.get_close_matches(word, [k for k in known if k != word], n=1)
+    return matches[0] if matches else None
+
+
 def _shared_options(
     parser: argparse.ArgumentParser, *, top: bool, ids: bool = True, json_help: str = ""
 ) -> None:
@@ -95,8 +164,8 @@ def _shared_options(
         )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> _Parser:
+    parser = _Parser(
         prog="devicekit",
         description="Show what torch can use here and what each GPU is doing, "
         "without initializing CUDA.",
@@ -118,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=2.0,
         metavar="SECONDS",
-        help="seconds between refreshes (default: 2)",
+        help=f"seconds between refreshes (default: 2; at least {_SHORTEST_INTERVAL:g})",
     )
     watch.add_argument(
         "--count", type=_count, default=None, metavar="N", help="stop after N refreshes"
@@ -140,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
         "Takes well under 30 seconds; starts CUDA.",
     )
     _shared_options(bench, top=False, ids=False)
+    parser.commands = {"watch": watch, "doctor": doctor, "bench": bench}
     return parser
 
 
@@ -187,9 +257,17 @@ def _watch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``devicekit`` command line and return its exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
-    # torch without numpy warns when it is imported; this is devicekit's own process.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.unrecognized(args, unknown)  # exits with 2
+    # Each command imports torch; filters set here are undone when it returns (tests and
+    # other callers of main() in their own process keep theirs).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NUMPY_WARNING, category=UserWarning)
+        return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "watch":
         return _watch(parser, args)
     if args.command in ("doctor", "bench"):

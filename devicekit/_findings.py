@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from ._format import UNKNOWN, format_bytes, format_percent, format_value, plural, safe_text
 from ._gpuinfo import GPUInfo
-from ._visible import ENV_VAR, parse_visible_devices, read_as, reads_as_written
+from ._visible import ENV_VAR, misreading, parse_visible_devices, read_as
 
 __all__ = [
     "Finding",
@@ -78,28 +78,36 @@ class Finding:
 
 
 def visibility(raw: str | None, gpus_on_machine: int) -> Finding | None:
-    """``CUDA_VISIBLE_DEVICES`` hides every GPU, or CUDA reads it differently than written."""
+    """``CUDA_VISIBLE_DEVICES`` hides every GPU, or CUDA reads it differently than written.
+
+    Examples:
+        >>> print(visibility("0,0", 2))
+        CUDA_VISIBLE_DEVICES hides every GPU: CUDA_VISIBLE_DEVICES='0,0' hides all 2 GPUs from \
+this process: 0 is listed twice, and any duplicate makes CUDA hide every GPU. Fix: list each \
+GPU once, such as CUDA_VISIBLE_DEVICES=0.
+    """
     if raw is None:
         return None
-    parsed = parse_visible_devices(raw)
-    if parsed == []:
-        seen = f"none of the {plural(gpus_on_machine, 'GPU')}" if gpus_on_machine else "no GPU"
+    wrong = misreading(raw)
+    if wrong is None:
+        return None
+    if parse_visible_devices(raw) == []:
+        if gpus_on_machine > 1:
+            hidden = f"all {gpus_on_machine} GPUs"
+        else:
+            hidden = "the machine's one GPU" if gpus_on_machine else "every GPU"
         return Finding(
             "error" if gpus_on_machine else "info",
             f"{ENV_VAR} hides every GPU",
-            f"{ENV_VAR}={raw!r} leaves {seen} visible to this process",
-            f"unset {ENV_VAR}, or list the GPUs to use, such as {ENV_VAR}=0",
+            f"{ENV_VAR}={raw!r} hides {hidden} from this process: {wrong.why}",
+            wrong.fix,
         )
-    if not reads_as_written(raw):
-        shown = read_as(raw)
-        return Finding(
-            "warning",
-            f"CUDA reads {ENV_VAR} differently than it is written",
-            f"{ENV_VAR}={raw!r} is read as {shown!r}: CUDA stops at the first entry it cannot "
-            "use, and ignores the rest",
-            "write only valid, distinct indices or UUIDs, such as 0,1",
-        )
-    return None
+    return Finding(
+        "warning",
+        f"CUDA reads {ENV_VAR} differently than it is written",
+        f"{ENV_VAR}={raw!r} is read as {read_as(raw)!r}: {wrong.why}",
+        wrong.fix,
+    )
 
 
 def no_gpu(accelerator: str | None, visible: int, nvml_error: str | None) -> Finding | None:

@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -23,7 +24,9 @@ from ._format import plural
 
 __all__ = [
     "ENV_VAR",
+    "Misreading",
     "cuda_started",
+    "misreading",
     "parse_visible_devices",
     "read_as",
     "reads_as_written",
@@ -41,6 +44,10 @@ _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]*")
 # MIG-<uuid> (R470+ drivers) or the older MIG-GPU-<uuid>/<gi>/<ci>.
 _MIG_UUID = re.compile(r"MIG-(?:[0-9a-fA-F][0-9a-fA-F-]*|GPU-[0-9a-fA-F-]+/\d+/\d+)")
 _CUDA_ERROR_NOT_INITIALIZED = 3
+# CUDA's rules, in the words every message about them uses (visible_devices' errors,
+# and the finding that status, doctor and the CLI show).
+_DUPLICATE = "any duplicate makes CUDA hide every GPU"
+_STOPS = "CUDA stops reading at the first entry it cannot use and ignores the rest"
 # Typed alias: torch leaves is_initialized unannotated.
 torch_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 
@@ -85,6 +92,55 @@ def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
             f"parse_visible_devices() expects a string or None, got {value!r} "
             f"of type {type(value).__name__}"
         )
+    return _read(value)[0]
+
+
+class Misreading(NamedTuple):
+    """How CUDA's reading of a ``CUDA_VISIBLE_DEVICES`` value departs from what was written.
+
+    Attributes:
+        why: The rule that makes the difference, naming the entry.
+        fix: What to write instead.
+    """
+
+    why: str
+    fix: str
+
+
+def misreading(value: str) -> Misreading | None:
+    """Why CUDA reads ``value`` differently than written, and the fix; None if as written.
+
+    Examples:
+        >>> misreading("0,1,0")
+        Misreading(why='0 is listed twice, and any duplicate makes CUDA hide every GPU', \
+fix='list each GPU once, such as CUDA_VISIBLE_DEVICES=0,1')
+        >>> misreading("0,x,1").why
+        "'x' is not a device index, and CUDA stops reading at the first entry it cannot use and \
+ignores the rest"
+        >>> misreading("3a,1").why
+        "'3a' is read as 3"
+        >>> misreading("1, 0") is None
+        True
+    """
+    if reads_as_written(value):
+        return None
+    entries, notes = _read(value)
+    why = "; ".join(notes) if value.strip() else "an empty value lists no GPU"
+    if entries:
+        fix = (
+            "write only valid, distinct indices or UUIDs of one kind; "
+            f"as written, CUDA uses {ENV_VAR}={read_as(value)}"
+        )
+        return Misreading(why, fix)
+    # Nothing read, yet the first entry was valid: a duplicate hid everything.
+    distinct = read_as(",".join(dict.fromkeys(entry.strip() for entry in value.split(","))))
+    if distinct:
+        return Misreading(why, f"list each GPU once, such as {ENV_VAR}={distinct}")
+    return Misreading(why, f"unset {ENV_VAR}, or list the GPUs to use, such as {ENV_VAR}=0")
+
+
+def _read(value: str) -> tuple[list[int | str], list[str]]:
+    """CUDA's entries for ``value``, and a note for each place its reading departs from the text."""
     entries = [entry.strip() for entry in value.split(",")]
     for prefix in _UUID_PREFIXES:
         if entries[0].startswith(prefix):
@@ -111,28 +167,39 @@ def read_as(value: str) -> str:
     return ",".join(str(entry) for entry in parse_visible_devices(value) or [])
 
 
-def _parse_uuids(entries: list[str], prefix: str) -> list[int | str]:
+def _named(entry: str) -> str:
+    return repr(entry) if entry else "an empty entry"
+
+
+def _parse_uuids(entries: list[str], prefix: str) -> tuple[list[int | str], list[str]]:
     parsed: list[int | str] = []
     for entry in entries:
         if entry in parsed:
-            return []
+            return [], [f"{entry!r} is listed twice, and {_DUPLICATE}"]
         if not entry.startswith(prefix):
-            break
+            return parsed, [
+                f"{_named(entry)} is not a {prefix} UUID like the first entry, and {_STOPS}"
+            ]
         parsed.append(entry)
-    return parsed
+    return parsed, []
 
 
-def _parse_indices(entries: list[str]) -> list[int | str]:
+def _parse_indices(entries: list[str]) -> tuple[list[int | str], list[str]]:
     parsed: list[int | str] = []
+    notes: list[str] = []
     for entry in entries:
         match = _LEADING_INT.match(entry)
-        index = int(match.group()) if match else -1
+        if match is None:
+            return parsed, [*notes, f"{_named(entry)} is not a device index, and {_STOPS}"]
+        index = int(match.group())
         if index in parsed:
-            return []
+            return [], [f"{index} is listed twice, and {_DUPLICATE}"]
         if index < 0:
-            break
+            return parsed, [*notes, f"the negative entry {entry!r} ends the list"]
+        if str(index) != entry:
+            notes.append(f"{entry!r} is read as {index}")
         parsed.append(index)
-    return parsed
+    return parsed, notes
 
 
 def cuda_started() -> str | None:
@@ -333,9 +400,7 @@ def _check_consistent(parsed: list[int | str], devices: object) -> None:
     for entry in parsed:
         key = entry.upper() if isinstance(entry, str) else entry
         if key in seen:
-            raise ValueError(
-                f"duplicate entry {entry!r} {where}: CUDA would hide every GPU; list each once"
-            )
+            raise ValueError(f"duplicate entry {entry!r} {where}: {_DUPLICATE}; list each once")
         seen.add(key)
     kinds = {_kind(entry) for entry in parsed}
     if len(kinds) > 1:

@@ -3,7 +3,7 @@
 Runs on the CPU; on a GPU it uses the GPU, and its out-of-memory errors are real.
 
 1. dk.explain_oom: turn an out-of-memory error into a report with fixes.
-2. dk.find_leaks: the classic leak, `losses.append(loss)`, found with its line.
+2. dk.find_leaks: the classic leak, keeping a loss whose graph is alive, found with its line.
 3. dk.find_batch_size: the largest batch that fits, and the allocator left as it was.
 """
 
@@ -35,11 +35,21 @@ try:
 except torch.OutOfMemoryError as error:  # DeviceOutOfMemoryError is one
     print(error)
 
-# 2. A leak: keeping each step's loss keeps its graph too. Then the fix: keep a number.
+# 2. A leak: a loss keeps its graph, and the graph keeps the activations saved for
+# backward(), until backward() frees them. A validation loss never gets a backward(),
+# so keeping it keeps all of that: 4 tensors a call here (the input, two activations and
+# the loss itself). The fix: keep a number (.item()), or compute it under torch.no_grad().
 print("\n2. dk.find_leaks")
-losses = []
-print(dk.find_leaks(lambda: losses.append(train_step(8))))
-print(dk.find_leaks(lambda: losses.append(train_step(8).item())))
+
+
+def validation_loss() -> torch.Tensor:
+    return model(torch.randn(64, 1024, device=device)).pow(2).mean()
+
+
+val_losses = []
+print(dk.find_leaks(lambda: val_losses.append(validation_loss())))
+val_losses.clear()
+print(dk.find_leaks(lambda: val_losses.append(validation_loss().item())))
 
 # 3. The largest batch that fits. A CPU has no out-of-memory error one can safely
 # provoke, so there the step gets a budget and fails like torch does above it.

@@ -16,11 +16,16 @@ for info in dk.gpus(all=True):
     where = info.device or "hidden from this process"
     print(f"{where}: {info!r}")
     for process in info.processes or ():
-        print(f"    pid {process.pid} ({process.name or 'not visible here'}) {process.used_memory}")
+        print(f"    {process}")  # pid, name (escaped), memory in GiB; "?" when unknown
 
 # Which GPU has room for a 20 GiB job and is not busy? cpu when none does.
 device = dk.pick_gpu(min_free_memory=20 * 2**30, max_utilization=50)
 print(f"pick_gpu(min_free_memory=20 GiB, max_utilization=50%) -> {device}")
 
 # Snapshots are plain data: log them as JSON.
-print(json.dumps([info.to_dict() for info in dk.gpus()])[:200])
+visible = dk.gpus()
+if visible:
+    print(f"{visible[0].device} as JSON:")
+    print(json.dumps(visible[0].to_dict(), indent=2))
+else:
+    print("as JSON: [] (no GPU is visible to this process, so there is no snapshot to log)")

@@ -8,12 +8,14 @@ entry point in a subprocess.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -291,7 +293,7 @@ def test_json_is_honoured_before_or_after_the_subcommand(args: list[str]) -> Non
 
 
 def test_watch_json_writes_one_document_per_line() -> None:
-    result = run_cli("watch", "--json", "-n", "0.01", "--count", "3")
+    result = run_cli("watch", "--json", "-n", "0.1", "--count", "3")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 3
@@ -302,22 +304,28 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
     nvml_session: Install, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nvml_session(two_gpus())
-    assert _cli.main(["watch", "-n", "0.01", "--count", "3"]) == 0
+    assert _cli.main(["watch", "-n", "0.1", "--count", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("devicekit             ") == 3
     assert out.count("devicekit watch, ") == 3
     assert "\x1b[2J" not in out  # not a terminal: never cleared
-    assert "every 0.01 s\n=" in out
+    assert "every 0.1 s\n=" in out
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["watch", "-n", "inf"], "expected a finite, positive number of seconds, got 'inf'"),
-        (["watch", "-n", "nan"], "expected a finite, positive number of seconds, got 'nan'"),
+        (["watch", "-n", "inf"], "expected a finite number of seconds, got 'inf'"),
+        (["watch", "-n", "nan"], "expected a finite number of seconds, got 'nan'"),
         (["watch", "-n", "abc"], "expected a number of seconds, got 'abc'"),
-        (["watch", "-n", "0"], "expected a finite, positive number of seconds, got '0'"),
-        (["watch", "-n", "-1"], "expected a finite, positive number of seconds, got '-1'"),
+        (
+            ["watch", "-n", "1e-9", "--count", "3"],
+            "argument -n/--interval: expected at least 0.1 seconds between refreshes, "
+            "got '1e-9'; use -n 0.1 or more",
+        ),
+        (["watch", "-n", "0.09"], "expected at least 0.1 seconds between refreshes, got '0.09'"),
+        (["watch", "-n", "0"], "expected at least 0.1 seconds between refreshes, got '0'"),
+        (["watch", "-n", "-1"], "expected at least 0.1 seconds between refreshes, got '-1'"),
         (["watch", "--count", "0"], "expected at least 1 refresh, got '0'"),
         (["watch", "--count", "-5"], "expected at least 1 refresh, got '-5'"),
         (["watch", "--count", "x"], "expected a whole number, got 'x'"),
@@ -334,6 +342,64 @@ def test_bad_arguments_exit_2_with_a_readable_message(args: list[str], message: 
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "usage", "message"),
+    [
+        (
+            ["watch", "--jsn"],
+            "usage: devicekit watch [-h]",
+            "devicekit watch: error: unrecognized arguments: --jsn (did you mean --json?)",
+        ),
+        (
+            ["--jsn"],
+            "usage: devicekit [-h]",
+            "devicekit: error: unrecognized arguments: --jsn (did you mean --json?)",
+        ),
+        (
+            ["--jsn", "doctor"],  # before the subcommand: it would take it there too
+            "usage: devicekit doctor [-h]",
+            "unrecognized arguments: --jsn (did you mean --json?)",
+        ),
+        (
+            ["watch", "--intervl=3", "--cout", "2"],
+            "usage: devicekit watch [-h]",
+            "unrecognized arguments: --intervl=3 --cout 2 "
+            "(did you mean --interval instead of --intervl, --count instead of --cout?)",
+        ),
+        (
+            ["doctr"],
+            "usage: devicekit [-h]",
+            "devicekit: error: argument COMMAND: invalid choice: 'doctr' (choose from ",
+        ),
+        (["doctr"], "usage: devicekit [-h]", "; did you mean doctor?"),
+        (["bnech", "--json"], "usage: devicekit [-h]", "; did you mean bench?"),
+    ],
+)
+def test_a_typo_exits_2_with_the_usage_and_a_suggestion(
+    capsys: pytest.CaptureFixture[str], args: list[str], usage: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(args)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage)
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["watch", "--zzz"], ["qqq"], ["doctor", "-i", "0"], ["doctor", "extra"], ["-V2"]],
+    ids=" ".join,
+)
+def test_nothing_close_gets_no_suggestion(
+    capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(args)
+    assert exited.value.code == 2
+    assert "did you mean" not in capsys.readouterr().err
 
 
 def test_select_gpus_by_torch_index(
@@ -356,6 +422,33 @@ def test_python_dash_m_runs_the_same_report() -> None:
     assert NUMPY_WARNING not in result.stderr
 
 
+def test_the_command_hides_torchs_numpy_warning() -> None:
+    if importlib.util.find_spec("numpy") is not None:
+        pytest.skip("torch warns only where numpy is not installed")
+    bare = subprocess.run(
+        [sys.executable, "-c", "import torch"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert NUMPY_WARNING in bare.stderr  # what the command hides is really there
+    for args in (["doctor"], ["watch", "--count", "1"]):
+        result = run_cli(*args)
+        assert result.returncode in (0, 1), result.stderr
+        assert NUMPY_WARNING not in result.stderr
+        assert "UserWarning" not in result.stderr
+
+
+def test_the_command_leaves_its_callers_warning_filters_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    before = list(warnings.filters)
+    assert _cli.main(["--json"]) == 0
+    assert warnings.filters == before
+    capsys.readouterr()
+
+
 def test_watch_stops_cleanly_on_ctrl_c() -> None:
     process = subprocess.Popen(
         [
@@ -364,7 +457,7 @@ def test_watch_stops_cleanly_on_ctrl_c() -> None:
             CTRL_C_WORKS + "import runpy; runpy.run_module('devicekit', run_name='__main__')",
             "watch",
             "-n",
-            "0.05",
+            "0.1",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

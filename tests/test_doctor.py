@@ -97,6 +97,25 @@ def test_cuda_visible_devices(
     assert expected in titles(dk.doctor())
 
 
+def test_a_duplicate_in_cuda_visible_devices_is_named_with_the_fix(
+    nvml_session: Install,
+    cuda_build: Callable[[str | None], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It used to say only "'0,0' leaves no GPU visible", while visible_devices('0,0') said why.
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,0")
+    (finding,) = [f for f in dk.doctor().findings if "CUDA_VISIBLE" in f.title]
+    assert finding.detail == (
+        "CUDA_VISIBLE_DEVICES='0,0' hides the machine's one GPU from this process: "
+        "0 is listed twice, and any duplicate makes CUDA hide every GPU"
+    )
+    assert finding.fix == "list each GPU once, such as CUDA_VISIBLE_DEVICES=0"
+    with pytest.raises(ValueError, match="any duplicate makes CUDA hide every GPU"):  # one wording
+        dk.visible_devices("0,0").__enter__()
+
+
 def test_busy_throttled_persistence_off_and_low_memory(
     nvml_session: Install, cuda_build: Callable[[str | None], None]
 ) -> None:

@@ -68,7 +68,7 @@ def test_no_query_starts_cuda() -> None:
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([]) == 0
         assert main(["--json"]) == 0
-        assert main(["watch", "-n", "0.01", "--count", "2"]) == 0
+        assert main(["watch", "-n", "0.1", "--count", "2"]) == 0
         assert main(["doctor"]) in (0, 1)
     """
     result = run_python(textwrap.dedent(code) + _REPORT)

@@ -62,6 +62,61 @@ def test_parse_follows_cuda_rules(value: str, expected: list[int | str]) -> None
     assert dk.parse_visible_devices(value) == expected
 
 
+@pytest.mark.parametrize(
+    ("value", "why", "fix"),
+    [
+        (
+            "0,0",
+            "0 is listed twice, and any duplicate makes CUDA hide every GPU",
+            "list each GPU once, such as CUDA_VISIBLE_DEVICES=0",
+        ),
+        (
+            "2, 1,2,3",
+            "2 is listed twice, and any duplicate makes CUDA hide every GPU",
+            "list each GPU once, such as CUDA_VISIBLE_DEVICES=2,1,3",
+        ),
+        (
+            "GPU-ab12,GPU-ab12",
+            "'GPU-ab12' is listed twice, and any duplicate makes CUDA hide every GPU",
+            "list each GPU once, such as CUDA_VISIBLE_DEVICES=GPU-ab12",
+        ),
+        ("", "an empty value lists no GPU", "unset CUDA_VISIBLE_DEVICES, or list the GPUs"),
+        ("-1", "the negative entry '-1' ends the list", "unset CUDA_VISIBLE_DEVICES, or list"),
+        ("x", "'x' is not a device index, and CUDA stops reading at the first entry", "unset"),
+        (
+            "0,x,1",
+            "'x' is not a device index, and CUDA stops reading at the first entry it cannot use "
+            "and ignores the rest",
+            "as written, CUDA uses CUDA_VISIBLE_DEVICES=0",
+        ),
+        ("0,,1", "an empty entry is not a device index", "CUDA uses CUDA_VISIBLE_DEVICES=0"),
+        ("3a,1", "'3a' is read as 3", "as written, CUDA uses CUDA_VISIBLE_DEVICES=3,1"),
+        ("00,+1", "'00' is read as 0; '+1' is read as 1", "CUDA uses CUDA_VISIBLE_DEVICES=0,1"),
+        ("0,-1,1", "the negative entry '-1' ends the list", "CUDA uses CUDA_VISIBLE_DEVICES=0"),
+        ("GPU-ab12,0", "'0' is not a GPU- UUID like the first entry", "=GPU-ab12"),
+    ],
+)
+def test_misreading_names_the_rule_and_the_fix(value: str, why: str, fix: str) -> None:
+    found = _visible.misreading(value)
+    assert found is not None
+    assert found.why.startswith(why)
+    assert fix in found.fix
+
+
+@pytest.mark.parametrize("value", ["0", "1,0", " 2 , 3 ", "GPU-ab12,GPU-cd34"])
+def test_a_value_read_as_written_has_no_misreading(value: str) -> None:
+    assert _visible.misreading(value) is None
+
+
+@given(st.text(alphabet="0123-x, ", max_size=8))
+def test_misreading_exactly_when_not_read_as_written(value: str) -> None:
+    found = _visible.misreading(value)
+    assert (found is None) == _visible.reads_as_written(value)
+    if found is not None:
+        assert found.why
+        assert found.fix
+
+
 def test_parse_reads_the_environment_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(VAR, raising=False)
     assert dk.parse_visible_devices() is None
@@ -209,7 +264,12 @@ def test_empty_values_hide_every_gpu(hide: object) -> None:
         (-1, ValueError, r"negative entry -1 in visible_devices\(-1\): device indices start at 0"),
         ([0, -2], ValueError, r"negative entry -2 in visible_devices\(\[0, -2\]\)"),
         ("0,-1", ValueError, r"negative entry -1 in visible_devices\('0,-1'\)"),
-        ("0,0", ValueError, r"duplicate entry 0 in visible_devices\('0,0'\): CUDA would hide"),
+        (
+            "0,0",
+            ValueError,
+            r"duplicate entry 0 in visible_devices\('0,0'\): any duplicate makes CUDA hide every "
+            r"GPU; list each once",
+        ),
         (
             ["GPU-ab12", "gpu-AB12"],
             ValueError,
