@@ -12,7 +12,6 @@ Exit codes: 0; 1 when ``doctor`` finds an error; 2 for a usage error.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import math
 import sys
@@ -21,6 +20,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ._format import close_match
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class _Parser(argparse.ArgumentParser):
         try:
             super()._check_value(action, value)
         except argparse.ArgumentError as error:
-            guess = _close_match(str(value), [str(choice) for choice in action.choices or ()])
+            guess = close_match(str(value), [str(choice) for choice in action.choices or ()])
             if guess is None:
                 raise
             raise argparse.ArgumentError(
@@ -122,7 +122,7 @@ class _Parser(argparse.ArgumentParser):
         guesses = []
         for word in unknown:
             written = word.partition("=")[0]
-            guess = _close_match(written, parser.options) if written.startswith("-") else None
+            guess = close_match(written, parser.options) if written.startswith("-") else None
             if guess is not None:
                 guesses.append((written, guess))
         message = f"unrecognized arguments: {' '.join(unknown)}"
@@ -132,12 +132,6 @@ class _Parser(argparse.ArgumentParser):
             shown = ", ".join(f"{guess} instead of {written}" for written, guess in guesses)
             message += f" (did you mean {shown}?)"
         parser.error(message)
-
-
-def _close_match(word: str, known: list[str]) -> str | None:
-    """The known word ``word`` most likely misspells, if one is close enough."""
-    matches = difflib.get_close_matches(word, [k for k in known if k != word], n=1)
-    return matches[0] if matches else None
 
 
 def _shared_options(

@@ -12,6 +12,7 @@ HTML tables notebooks show, and turns results into the plain data every
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import html
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Any
 __all__ = [
     "NOT_APPLICABLE",
     "UNKNOWN",
+    "close_match",
     "first_line",
     "format_bytes",
     "format_count",
@@ -200,6 +202,19 @@ def html_table(
 def _cell(value: object) -> str:
     text = UNKNOWN if value is None else str(value)
     return "<br>".join(html.escape(line) for line in text.splitlines()) or ""
+
+
+def close_match(word: str, known: Iterable[str], *, cutoff: float = 0.6) -> str | None:
+    """The known word ``word`` most likely misspells, if one is close enough; never ``word``.
+
+    Examples:
+        >>> close_match("doctr", ["watch", "doctor", "bench"])
+        'doctor'
+        >>> close_match("zzz", ["watch"]) is None
+        True
+    """
+    matches = difflib.get_close_matches(word, [k for k in known if k != word], n=1, cutoff=cutoff)
+    return matches[0] if matches else None
 
 
 def plain_fields(result: object) -> dict[str, Any]:

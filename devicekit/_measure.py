@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import statistics
 import time
@@ -18,6 +17,7 @@ from ._energy import EnergyCounter, energy_counter, energy_use
 from ._errors import add_note
 from ._format import (
     UNKNOWN,
+    close_match,
     format_joules,
     format_seconds,
     format_value,
@@ -381,9 +381,9 @@ def misspelled_options(names: Iterable[str]) -> list[str]:
     """``"min_tme (did you mean min_time?)"`` for each name that looks like a mistyped option."""
     found = []
     for name in names:
-        close = difflib.get_close_matches(name, OPTIONS, n=1, cutoff=0.75)
-        if close:
-            found.append(f"{name} (did you mean {close[0]}?)")
+        close = close_match(name, OPTIONS, cutoff=0.75)
+        if close is not None:
+            found.append(f"{name} (did you mean {close}?)")
     return found
 
 
