@@ -11,6 +11,7 @@ import torch
 from ._devices import DeviceLike, resolve_device, try_gpu
 from ._errors import CheckpointError
 from ._format import first_line
+from ._options import check_path
 
 __all__ = ["load"]
 
@@ -53,13 +54,7 @@ def load(
         >>> dk.load(buffer, "cpu")
         {'w': tensor([1., 1.])}
     """
-    if not isinstance(path, (str, os.PathLike)) and not (
-        callable(getattr(path, "read", None)) and callable(getattr(path, "seek", None))
-    ):
-        raise TypeError(
-            f"path must be a file path (str or os.PathLike) or a binary file object with read() "
-            f"and seek(), got {type(path).__name__}; pass the checkpoint's path"
-        )
+    check_path(path, name="path", fix="pass the checkpoint's path", file_objects=True)
     if "map_location" in kwargs:
         if device is not None:
             raise TypeError("load() takes device or map_location, not both; pass only device")

@@ -10,8 +10,16 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 
-__all__ = ["check_count", "check_flag", "check_index", "check_number", "check_seconds"]
+__all__ = [
+    "check_count",
+    "check_flag",
+    "check_index",
+    "check_number",
+    "check_path",
+    "check_seconds",
+]
 
 
 def check_index(value: object, *, name: str) -> int:
@@ -116,6 +124,29 @@ def check_flag(value: object, *, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {_got(value)}")
     return value
+
+
+def check_path(value: object, *, name: str, fix: str, file_objects: bool = False) -> None:
+    """Refuse what is not a file path (``str`` or ``os.PathLike``).
+
+    With ``file_objects``, a binary file object (``read()`` and ``seek()``) is
+    accepted too.
+
+    Examples:
+        >>> check_path(None, name="path", fix="pass where the CSV file goes")
+        Traceback (most recent call last):
+        ...
+        TypeError: path must be a file path (str or os.PathLike), got None of type NoneType; pass where the CSV file goes
+    """  # noqa: E501 - the expected output is one line
+    if isinstance(value, (str, os.PathLike)):
+        return
+    readable = callable(getattr(value, "read", None)) and callable(getattr(value, "seek", None))
+    if file_objects and readable:
+        return
+    also = " or a binary file object with read() and seek()" if file_objects else ""
+    raise TypeError(
+        f"{name} must be a file path (str or os.PathLike){also}, got {_got(value)}; {fix}"
+    )
 
 
 def _got(value: object) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._logbuffer import Record
+from ._options import check_path
 
 __all__ = ["CSVSink", "ProgressBarSink", "TensorBoardSink"]
 
@@ -46,11 +47,7 @@ class CSVSink:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(
-                f"path must be a file path (str or os.PathLike), got {path!r} of type "
-                f"{type(path).__name__}; pass where the CSV file goes, such as 'log.csv'"
-            )
+        check_path(path, name="path", fix="pass where the CSV file goes, such as 'log.csv'")
         self.path = Path(path)
         self.columns: list[str] = []
         self._started = False
