@@ -87,9 +87,8 @@ def _fix(
     """What to run: every argument that is not all on the target, moved there."""
     # The target is where the work should run: the accelerator that holds the most,
     # else the CPU. Never meta: its tensors hold no values, so nothing can run there.
-    ranked = sorted(where, key=lambda device: len(where[device]), reverse=True)
-    accelerators = [device for device in ranked if device.type not in ("cpu", "meta")]
-    target = accelerators[0] if accelerators else torch.device("cpu")
+    accelerators = [device for device in where if device.type not in ("cpu", "meta")]
+    target = max(accelerators, key=lambda device: len(where[device]), default=torch.device("cpu"))
     steps = []
     for name, devices in owners.items():
         if devices == {target}:

@@ -235,8 +235,8 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
         >>> [info.torch_index for info in dk.gpus()] == list(range(len(dk.gpus())))
         True
     """
-    visible = visible_gpus()
     check_flag(all, name="all")
+    visible = visible_gpus()
     if not all:
         return [_snapshot(v, index) for index, v in enumerate(visible)]
     torch_index = {v.gpu.nvml_index: i for i, v in enumerate(visible) if v.handle is None}
