@@ -53,14 +53,6 @@ __all__ = ["AllocationSite", "OOMReport", "build_report", "explain_oom"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _record_history: Any = torch.cuda.memory._record_memory_history  # unannotated in torch
-
-
-def _history_enabled() -> bool:
-    """Whether CUDA's memory-history recorder is on (a private torch call, there since 2.1)."""
-    probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
-    return bool(probe()) if probe is not None else False
-
-
 _memory_snapshot: Any = torch.cuda.memory_snapshot  # unannotated in torch
 # torch >= 2.9 can leave the trace ring out of a snapshot; reading only segments is faster.
 _SNAPSHOT_OPTIONS = (
@@ -68,6 +60,12 @@ _SNAPSHOT_OPTIONS = (
     if "include_traces" in inspect.signature(torch.cuda.memory_snapshot).parameters
     else {}
 )
+
+
+def _history_enabled() -> bool:
+    """Whether CUDA's memory-history recorder is on (a private torch call, there since 2.1)."""
+    probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    return bool(probe()) if probe is not None else False
 
 
 def _bytes(value: int | None) -> str:
