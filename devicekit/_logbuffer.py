@@ -15,7 +15,7 @@ import logging
 import operator
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -25,7 +25,16 @@ from ._callbacks import call_each, checked_sinks
 from ._dist import initialized
 from ._errors import add_note
 from ._format import html_table, plural
-from ._logflush import InFlight, by_key, land, start, start_reduced
+from ._logflush import (
+    HOST_TENSORS,
+    HOST_VALUES,
+    ON_DEVICE,
+    InFlight,
+    by_key,
+    land,
+    start,
+    start_reduced,
+)
 from ._options import check_count
 
 __all__ = ["LogBuffer", "Record", "Sink"]
@@ -65,6 +74,8 @@ _LOGGABLE = frozenset(
     )
     if isinstance(getattr(torch, name, None), torch.dtype)  # the uints and float8s: torch >= 2.3
 )
+# Those whose Tensor.item() is already a Python float: log()'s fast path takes these.
+_FLOATING = frozenset(dtype for dtype in _LOGGABLE if dtype.is_floating_point)
 
 
 class LogBuffer:
@@ -161,7 +172,7 @@ class LogBuffer:
         # which is re-entrant so that a sink may read the buffer; a flush takes
         # entries from the front of the same list, in place (see _flush).
         self._lock = threading.RLock()
-        self._pending: list[tuple[Any, dict[str, Any], bool]] = []  # (step, values, on a device)
+        self._pending: list[tuple[Any, dict[str, Any], int]] = []  # (step, values, how to read)
         self._taken = 0  # log() calls whose entries left _pending: the next default step
         self._flush_at = flush_every  # pending steps that start a flush
         self._in_flight: InFlight | None = None
@@ -187,12 +198,12 @@ class LogBuffer:
             raise ValueError(
                 "log() needs at least one value to record, such as log(step, loss=loss)"
             )
-        on_device = False
+        read = HOST_TENSORS  # how the flush will read this step (see _logflush)
         for key in scalars:  # noqa: PLC0206 - indexing is 50 ns faster than .items() here
             value = scalars[key]
             if (
                 value.__class__ is _Tensor
-                and value.dtype in _LOGGABLE
+                and value.dtype in _FLOATING
                 and not value.ndim
                 and value.layout is _STRIDED
             ):
@@ -203,12 +214,14 @@ class LogBuffer:
                 if not value.is_cpu:
                     if value.is_meta:
                         raise _refuse(key, value)
-                    on_device = True
-            elif value.__class__ is not float:
+                    read = ON_DEVICE
+            elif value.__class__ is float:
+                read = read or HOST_VALUES
+            else:  # integers, one-element tensors, anything unusual
                 scalars[key] = value = _checked(key, value)
-                on_device = on_device or (isinstance(value, _Tensor) and not value.is_cpu)
+                read = max(read, ON_DEVICE if _on_device(value) else HOST_VALUES)
         pending = self._pending
-        pending.append((step, scalars, on_device))  # atomic: no lock (see __init__)
+        pending.append((step, scalars, read))  # atomic: no lock (see __init__)
         if len(pending) >= self._flush_at:
             # Waiting here would wait for every kernel queued before the copy: the
             # GPU's queue would drain each flush. The copy lands long before the next.
@@ -368,13 +381,14 @@ class LogBuffer:
                 raise sink_error
             return finished
 
-    def _start(self, batch: list[tuple[Any, dict[str, Any], bool]], *, reduce: bool) -> InFlight:
-        steps, rows, on_device = map(list, zip(*batch, strict=True))  # one pass, in C
+    def _start(self, batch: list[tuple[Any, dict[str, Any], int]], *, reduce: bool) -> InFlight:
+        steps: Sequence[Any]
+        steps, rows, reads = zip(*batch, strict=True)  # one pass, in C
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
         if reduce and self.reduce is not None and initialized():
             return start_reduced(steps, by_key(rows), self.reduce)
-        return start(steps, rows, on_device=True in on_device)
+        return start(steps, rows, read=max(reads))
 
     def _complete(self) -> list[Record]:
         in_flight = self._in_flight
@@ -436,6 +450,10 @@ def _checked(key: str, value: Any) -> Any:
         f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got {type(value).__name__}"
         + ("; log float(value)" if hasattr(value, "__float__") else "")
     )
+
+
+def _on_device(value: Any) -> bool:
+    return isinstance(value, _Tensor) and not value.is_cpu
 
 
 def _refuse(key: str, value: torch.Tensor) -> ValueError:

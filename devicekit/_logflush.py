@@ -13,7 +13,7 @@ that all logged the same, and only then combines them in one ``all_reduce``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -24,9 +24,27 @@ from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
 from ._format import plural
 from ._timing import CudaEvent
 
-__all__ = ["InFlight", "by_key", "land", "start", "start_reduced"]
+__all__ = [
+    "HOST_TENSORS",
+    "HOST_VALUES",
+    "ON_DEVICE",
+    "InFlight",
+    "by_key",
+    "land",
+    "start",
+    "start_reduced",
+]
 
 _Tensor = torch.Tensor
+_item = torch.Tensor.item
+
+# How a flush reads its values; log() notes the least general that fits each step.
+HOST_TENSORS = 0
+"""Only CPU tensors of a floating dtype: ``Tensor.item()`` each, 20% faster than ``float()``."""
+HOST_VALUES = 1
+"""Values on the host of any kind (Python numbers, integer tensors): ``float()`` each."""
+ON_DEVICE = 2
+"""Some on an accelerator: those are stacked per device and dtype and copied."""
 
 # A column: the key, the rows (indices into the flush's steps) that have it or
 # None when every row does, and one value per row.
@@ -37,7 +55,7 @@ _Column = tuple[str, list[int] | None, list[Any]]
 class InFlight:
     """A flush whose copies to the host were started but not yet waited on."""
 
-    steps: list[Any]
+    steps: Sequence[Any]
     columns: list[_Column]  # values become floats; None where a copy has yet to land
     hosts: list[torch.Tensor] = field(default_factory=list)  # one per copied group
     done: list[Any] = field(default_factory=list)  # events that mark each copy complete
@@ -73,7 +91,7 @@ def land(in_flight: InFlight) -> tuple[list[dict[str, Any]], int]:
 
 
 def by_key(
-    rows: list[dict[str, Any]], *, read: Callable[[Any], Any] | None = None
+    rows: Sequence[dict[str, Any]], *, read: Callable[[Any], Any] | None = None
 ) -> list[_Column]:
     """The pending values by key: one list each, in order of first appearance.
 
@@ -101,16 +119,22 @@ def by_key(
     ]
 
 
-def start(steps: list[Any], rows: list[dict[str, Any]], *, on_device: bool) -> InFlight:
-    """Start bringing one rank's values to the host: read those already there, copy the rest."""
-    if not on_device:
+def start(steps: Sequence[Any], rows: Sequence[dict[str, Any]], *, read: int) -> InFlight:
+    """Start bringing one rank's values to the host: read those already there, copy the rest.
+
+    ``read`` is the most general of `HOST_TENSORS`, `HOST_VALUES` and `ON_DEVICE`
+    that the values need.
+    """
+    if read == HOST_TENSORS:
+        return InFlight(steps, by_key(rows, read=_item))
+    if read == HOST_VALUES:
         # Every value is a number or on the CPU: read each, nothing to copy. This
         # is faster than stacking them (13 µs for 100 values instead of 21).
         return InFlight(steps, by_key(rows, read=float))
     return _start_copies(steps, by_key(rows))
 
 
-def _start_copies(steps: list[Any], columns: list[_Column]) -> InFlight:
+def _start_copies(steps: Sequence[Any], columns: list[_Column]) -> InFlight:
     """Read host values now; stack the others per device and dtype and start their copies."""
     in_flight = InFlight(steps, [])
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -147,7 +171,7 @@ def _copy_to_host(in_flight: InFlight, tensor: torch.Tensor) -> None:
 # --- across ranks ----------------------------------------------------------------------------
 
 
-def start_reduced(steps: list[Any], columns: list[_Column], op: str) -> InFlight:
+def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFlight:
     """Combine every rank's values, matched by key name, in one collective.
 
     First every rank says what it logged (which keys, at which steps) through

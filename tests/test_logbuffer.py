@@ -225,6 +225,19 @@ def test_bools_and_every_real_dtype_are_recorded_as_floats() -> None:
     assert all(type(value) is float for value in record.values() if value != 0)
 
 
+def test_each_dtype_alone_in_a_flush_is_recorded_as_a_float() -> None:
+    # A flush of only floating CPU tensors reads them by Tensor.item(); a step with an
+    # integer tensor must still come out as a float, whichever way the flush reads.
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
+    for dtype in dtypes:
+        with dk.LogBuffer() as buffer:
+            buffer.log(v=torch.tensor(1, dtype=dtype))
+            buffer.flush()  # a flush of that one step alone
+            buffer.log(v=torch.tensor(0, dtype=dtype).reshape(1))
+        assert buffer.values("v") == [1.0, 0.0]
+        assert all(type(value) is float for value in buffer.values("v")), dtype
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
@@ -462,7 +475,7 @@ def test_values_on_an_accelerator_are_grouped_by_dtype_and_land_in_place() -> No
         )
         rows.append(row)
     rows[3]["loss"] = float("nan")  # a number among tensors of the same key
-    in_flight = _logflush.start(list(range(6)), rows, on_device=True)
+    in_flight = _logflush.start(list(range(6)), rows, read=_logflush.ON_DEVICE)
     assert len(in_flight.hosts) == 3  # float32, bfloat16, int64: one stack and copy each
     records, nonfinite = _logflush.land(in_flight)
     assert nonfinite == 1
