@@ -26,6 +26,8 @@ import time
 import traceback
 from collections.abc import Callable
 from fractions import Fraction
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -42,6 +44,11 @@ from ._visible import torch_cuda_initialized
 __all__ = ["find_batch_size"]
 
 _POLL = 0.1  # seconds between checks that a trial's child process is still alive
+# A child's start (a new interpreter importing torch and fn's module) is not the trial's
+# time: trial_timeout counts from when fn is loaded and about to run, which the child
+# says with this message. Starting is bounded too, generously, so nothing hangs.
+_STARTED = b""
+_START_LIMIT = 300.0
 _CEILING = 2**31  # no batch is this large: a function that still fits ignores its argument
 
 
@@ -104,6 +111,7 @@ def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: 
     """A trial in a child process: send back None (it ran) or the exception it raised."""
     try:
         fn = pickle.loads(fn_bytes)
+        result.send_bytes(_STARTED)
         if first:
             with explain_oom(device=device):
                 fn(size)
@@ -140,6 +148,37 @@ class _Isolated:
             ) from None
         self.device = None if device is None else str(device)
 
+    def _wait(self, process: BaseProcess, receive: Connection, size: int) -> bytes:
+        """The child's outcome; a child that hangs (starting, or in fn) is killed."""
+        started = False
+        deadline = None if self.timeout is None else time.monotonic() + _START_LIMIT
+        while True:
+            if receive.poll(_POLL):
+                message = receive.recv_bytes()
+                if message != _STARTED:
+                    return message
+                started = True
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            elif deadline is not None and time.monotonic() > deadline:
+                process.kill()  # a hung trial: its child goes, and so does its memory
+                if not started:
+                    raise TimeoutError(
+                        f"find_batch_size: the child process for fn({size}) did not start "
+                        f"within {_START_LIMIT:g} s (importing torch and fn's module), and was "
+                        "killed; check that importing fn's module does not hang"
+                    )
+                raise TimeoutError(
+                    f"find_batch_size: fn({size}) ran longer than trial_timeout="
+                    f"{self.timeout:g} s in its child process, which was killed; raise "
+                    "trial_timeout if one step really takes that long"
+                )
+            elif not process.is_alive() and not receive.poll():
+                raise RuntimeError(
+                    f"find_batch_size: the child process running fn({size}) exited with "
+                    f"code {process.exitcode} and no result (killed by a signal? a host "
+                    "out of memory ends a process with SIGKILL, code -9)"
+                )
+
     def __call__(self, size: int, *, first: bool) -> bool:
         context = multiprocessing.get_context("spawn")  # a forked CUDA process cannot use CUDA
         receive, send = context.Pipe(duplex=False)
@@ -148,23 +187,8 @@ class _Isolated:
         )
         process.start()
         send.close()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         try:
-            while not receive.poll(_POLL):
-                if deadline is not None and time.monotonic() > deadline:
-                    process.kill()  # a hung trial: its child goes, and so does its memory
-                    raise TimeoutError(
-                        f"find_batch_size: fn({size}) ran longer than trial_timeout="
-                        f"{self.timeout:g} s in its child process, which was killed; raise "
-                        "trial_timeout if one step really takes that long"
-                    )
-                if not process.is_alive() and not receive.poll():
-                    raise RuntimeError(
-                        f"find_batch_size: the child process running fn({size}) exited with "
-                        f"code {process.exitcode} and no result (killed by a signal? a host "
-                        "out of memory ends a process with SIGKILL, code -9)"
-                    )
-            received = receive.recv_bytes()
+            received = self._wait(process, receive, size)
         finally:
             process.join(timeout=10)
             if process.is_alive():
@@ -272,9 +296,12 @@ def find_batch_size(
             must then be picklable. Each trial then pays a process start.
         trial_timeout: With ``isolate=True``, the seconds one trial may run
             before its child process is killed and ``TimeoutError`` is
-            raised (a trial that hangs cannot hang the search). Default: no
-            bound. Without ``isolate`` a running ``fn`` cannot be stopped, so
-            this is refused there.
+            raised (a trial that hangs cannot hang the search). It counts
+            from when ``fn`` is loaded in the child, so the child's start
+            (importing torch and ``fn``'s module) is not part of it; the
+            start has its own bound of 300 s. Default: no bound. Without
+            ``isolate`` a running ``fn`` cannot be stopped, so this is
+            refused there.
 
     Returns:
         The largest size that ran, reduced by ``margin``.

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,42 @@ def test_a_hung_isolated_trial_is_killed_at_its_timeout(tmp_path: Path) -> None:
     child = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan left behind
         os.kill(child, 0)
+
+
+def _load_slowly() -> Callable[[int], None]:
+    time.sleep(float(os.environ["DK_TEST_LOAD_SECONDS"]))
+    return isolated_step
+
+
+class SlowToLoad:
+    """Loads in the child only after a sleep: a stand-in for fn's module being slow to import."""
+
+    def __call__(self, batch_size: int) -> None:
+        raise AssertionError("only the loaded function runs")
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[[int], None]], tuple[()]]:
+        return (_load_slowly, ())
+
+
+def test_the_trial_timeout_counts_from_fn_not_from_the_child_s_start() -> None:
+    result = run_python(
+        """
+        import json, os, devicekit as dk, devicekit._batchsize as batchsize
+        from tests.test_batchsize import SlowToLoad
+        os.environ["DK_TEST_LOAD_SECONDS"] = "2.5"
+        found = dk.find_batch_size(SlowToLoad(), max_size=2, isolate=True, trial_timeout=1)
+        batchsize._START_LIMIT = 1.0  # a child that never finishes starting is killed too
+        try:
+            dk.find_batch_size(SlowToLoad(), max_size=2, isolate=True, trial_timeout=1)
+        except TimeoutError as error:
+            print(json.dumps({"found": found, "error": str(error)}))
+        """,
+        timeout=120,
+    )
+    assert result["found"] == 2  # each child took 2.5 s to load fn, longer than the timeout
+    assert result["error"].startswith(
+        "find_batch_size: the child process for fn(1) did not start within 1 s"
+    )
 
 
 def test_isolated_trials_run_in_children() -> None:
