@@ -501,6 +501,22 @@ def test_tensors_already_there_are_not_copied() -> None:
     assert dk.to_device({"t": tensor}, "cpu")["t"] is tensor
 
 
+def test_a_tensor_already_there_after_a_copied_sibling_is_itself() -> None:
+    # After a copy the walk stops asking each sibling where it is (.to() answers that):
+    # the one already on the target must still come back as itself, shared or not.
+    there, shared_there = torch.ones(1, device=META), torch.ones(1, device=META)
+    moved = dk.to_device(
+        {"copied": torch.ones(1), "there": there, "shared": shared_there, "again": shared_there},
+        META,
+    )
+    assert moved["copied"].is_meta
+    assert moved["there"] is there
+    assert moved["shared"] is moved["again"] is shared_there
+    as_list = dk.to_device([torch.ones(1), there, [torch.ones(1), there]], META)
+    assert as_list[1] is there
+    assert as_list[2][1] is there
+
+
 def test_cycles_raise_with_the_path() -> None:
     looped: dict[str, Any] = {"x": [torch.ones(1)]}
     looped["x"].append(looped)
