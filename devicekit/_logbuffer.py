@@ -11,17 +11,19 @@ sinks; ``_logflush`` brings them to the host, by key, and across ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, SupportsIndex, cast
 
 import torch
 
-from ._callbacks import call_each, checked_sinks
+from ._callbacks import checked_sinks
 from ._dist import initialized
 from ._errors import add_note
 from ._format import html_table, plural
@@ -109,6 +111,9 @@ class LogBuffer:
       failing flush or sink never replaces it: the block's exception
       propagates, with a note saying what else failed (logged on Python 3.10).
     - NaN and inf are kept (and counted in [`nonfinite`][devicekit.LogBuffer.nonfinite]).
+    - Each sink gets its own copies of the records, in the order they reached
+      ``history``, even when a sink logs too; a buffer dropped with values it
+      never recorded warns (``ResourceWarning``).
 
     Device memory holds at most ``flush_every`` pending values plus one
     stacked copy in flight.
@@ -177,7 +182,9 @@ class LogBuffer:
         self._flush_at = flush_every  # pending steps that start a flush
         self._in_flight: InFlight | None = None
         self._history: list[Record] = []
-        self._undelivered: deque[list[Record]] = deque()
+        # Landed flushes not yet handed to every sink: [records, index of the next sink].
+        self._undelivered: deque[list[Any]] = deque()
+        self._delivering = False  # the sinks are running (one may log, and so flush)
         self._keys: dict[str, None] = {}  # every key recorded, in order of first appearance
 
     def log(self, step: int | None = None, **scalars: torch.Tensor | float | int) -> None:
@@ -236,7 +243,8 @@ class LogBuffer:
                 [`history`][devicekit.LogBuffer.history] is read).
 
         Returns:
-            The records this call added to ``history`` (none with ``wait=False``).
+            The records this call added to ``history``: with ``wait=False``, only
+            those of an earlier flush that landed meanwhile.
 
         Raises:
             ValueError: With ``reduce``, the ranks logged different keys.
@@ -248,16 +256,21 @@ class LogBuffer:
 
     @property
     def history(self) -> list[Record]:
-        """Every record on the host so far, oldest first (completes an in-flight flush)."""
+        """Every record on the host so far, oldest first (completes an in-flight flush).
+
+        A new list at each read, so changing it changes nothing in the buffer;
+        [`latest`][devicekit.LogBuffer.latest] reads the newest record without the copy.
+        """
         with self._lock:
             self._complete()  # sinks get these records at the next flush
-            return self._history
+            return list(self._history)
 
     @property
     def latest(self) -> Record | None:
         """The newest record on the host, or None."""
-        history = self.history
-        return history[-1] if history else None
+        with self._lock:
+            self._complete()
+            return self._history[-1] if self._history else None
 
     def values(self, key: str) -> list[float]:
         """Every value of ``key`` that has reached the host, oldest first.
@@ -265,7 +278,9 @@ class LogBuffer:
         Values logged since the last flush are still on their device: call
         [`flush()`][devicekit.LogBuffer.flush] first to include them.
         """
-        return [record[key] for record in self.history if key in record]
+        with self._lock:
+            self._complete()
+            return [record[key] for record in self._history if key in record]
 
     def mean(self, key: str, *, last: int | None = None) -> float:
         """The mean of ``key`` over the history, or over its ``last`` values (NaN propagates)."""
@@ -295,11 +310,25 @@ class LogBuffer:
         except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
             _report_while_exiting(exc, error, pending=self._pending_count())
 
+    def __del__(self) -> None:
+        # Values dropped with the buffer are lost: say so, as Python does for an unclosed file.
+        try:
+            pending = self._pending_count()
+        except AttributeError:  # __init__ refused its arguments: nothing was ever logged
+            return
+        if pending:
+            warnings.warn(
+                f"a LogBuffer was dropped with {plural(pending, 'value')} never recorded; "
+                "use it in a with block, or call flush() before letting it go",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
     # --- notebooks ---------------------------------------------------------------------
 
     def __repr__(self) -> str:
         state = self._state()
-        parts = [f"{plural(state['records'], 'record')} of {', '.join(state['keys']) or '(none)'}"]
+        parts = [f"{plural(state['records'], 'record')} of {_some(state['keys']) or '(none)'}"]
         parts.append(f"{plural(state['pending'], 'value')} pending")
         if state["last"] is not None:
             parts.append(f"last {state['last']}")
@@ -312,7 +341,7 @@ class LogBuffer:
         last = state["last"] or {}
         rows = [
             ("records", plural(state["records"], "record")),
-            ("keys", ", ".join(state["keys"]) or "none yet"),
+            ("keys", _some(state["keys"], shown=50) or "none yet"),
             ("pending", f"{plural(state['pending'], 'value')} not yet on the host"),
             ("last record", ", ".join(f"{key}={value}" for key, value in last.items()) or "none"),
             ("sinks", ", ".join(state["sinks"]) or "none"),
@@ -400,15 +429,37 @@ class LogBuffer:
         self.nonfinite += nonfinite
         self._keys.update(dict.fromkeys(key for key, _, _ in in_flight.columns))
         self._history.extend(records)
-        self._undelivered.append(records)
+        self._undelivered.append([records, 0])
         return records
 
     def _deliver(self) -> BaseException | None:
-        """Hand each landed flush to every sink, in order; return the first error."""
+        """Hand each landed flush to every sink, in order; return the first error.
+
+        Each sink gets its own copies of the records, so one that changes them
+        (``record.pop("step")``) changes nothing for ``history`` or the other
+        sinks. A sink that logs may start a flush: that flush delivers nothing,
+        and this loop hands its records on after the ones before them. A sink
+        interrupted by Ctrl-C counts as done; the sinks after it get the records
+        at the next flush.
+        """
+        if self._delivering:
+            return None
+        self._delivering = True
         first_error: BaseException | None = None
-        while self._undelivered:
-            error = call_each(self.sinks, self._undelivered.popleft())
-            first_error = first_error or error
+        try:
+            undelivered = self._undelivered
+            while undelivered:
+                entry = undelivered[0]
+                records, first = entry
+                for index in range(first, len(self.sinks)):
+                    entry[1] = index + 1
+                    try:
+                        self.sinks[index](list(map(dict.copy, records)))
+                    except Exception as error:  # noqa: BLE001 - every sink runs; the first is raised
+                        first_error = first_error or error
+                undelivered.popleft()
+        finally:
+            self._delivering = False
         return first_error
 
 
@@ -419,9 +470,17 @@ def _checked(key: str, value: Any) -> Any:
     """What to keep for a value the fast path of log() did not accept, or an error."""
     if isinstance(value, _Tensor):
         if value.dtype not in _LOGGABLE:
+            expected, fix = (
+                ("a real number", "value.real or value.abs()")
+                if value.dtype.is_complex
+                else (
+                    "a dtype that converts to a float",
+                    "value.dequantize()" if value.is_quantized else "value.float()",
+                )
+            )
             raise TypeError(
-                f"LogBuffer.log({key}=...) expects a real number, got a tensor of dtype "
-                f"{value.dtype}; log value.real, value.abs() or value.float()"
+                f"LogBuffer.log({key}=...) expects {expected}, got a tensor of dtype "
+                f"{value.dtype}; log {fix}"
             )
         if value.layout is not _STRIDED or value.is_nested:
             raise TypeError(
@@ -482,12 +541,29 @@ def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int)
 
 def _checked_step(step: object) -> int:
     """A step that is not a plain int: an integer-like one (numpy's) is taken as an int."""
-    if isinstance(step, bool) or not hasattr(step, "__index__"):
-        raise TypeError(
-            f"step must be an int (or None for the number of earlier log() calls), got "
-            f"{step!r} of type {type(step).__name__}"
-        )
-    return operator.index(step)
+    usable = not isinstance(step, bool) and hasattr(step, "__index__")
+    if isinstance(step, _Tensor) and not step.is_cpu:
+        usable = False  # reading it would wait for the device at every log()
+    if usable:
+        with contextlib.suppress(TypeError):  # a float tensor: its __index__ refuses
+            return operator.index(cast("SupportsIndex", step))
+    raise TypeError(
+        f"step must be an int (or None for the number of earlier log() calls), got "
+        f"{_short(step)} of type {type(step).__name__}; pass int(step) once it is on the "
+        "host, or leave step out"
+    )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _some(keys: list[str], *, shown: int = 10) -> str:
+    """The first keys, then how many more: a repr with 2,000 keys stays one readable line."""
+    if len(keys) <= shown:
+        return ", ".join(keys)
+    return f"{', '.join(keys[:shown])} and {len(keys) - shown} more"
 
 
 def _describe_sink(sink: Sink) -> str:

@@ -215,13 +215,25 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
             "number of times, on every rank (log a NaN where a rank has no value)."
         )
     assert flat is not None
-    reduce_op = dist.ReduceOp.SUM if op in ("mean", "sum") else getattr(dist.ReduceOp, op.upper())
+    count = flat.numel()
+    if op in ("max", "min"):
+        # gloo's MAX keeps or drops a NaN by rank order; NaN must win wherever a rank had
+        # one. Still one collective: min is the max of the negated values, and each
+        # value's NaN flag (1.0 or 0.0) travels beside it under the same MAX.
+        sign = -1.0 if op == "min" else 1.0
+        flat = torch.cat([flat * sign, flat.isnan().to(flat.dtype)])
+        reduce_op = dist.ReduceOp.MAX
+    else:
+        reduce_op = dist.ReduceOp.SUM  # a NaN on any rank makes the sum NaN
     if on_gpu:
         dist.all_reduce(flat, op=reduce_op)
     else:
         all_reduce(flat, reduce_op, timeout=DEFAULT_TIMEOUT, what=what)
     if op == "mean":
         flat /= dist.get_world_size()
+    elif op in ("max", "min"):
+        nan = flat[count:] > 0
+        flat = (flat[:count] * sign).masked_fill_(nan, math.nan)
     in_flight = InFlight(steps, [])
     offset = 0
     for key, rows, values in ordered:

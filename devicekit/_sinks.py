@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._logbuffer import Record
-from ._options import check_path
+from ._options import check_flag, check_path
 
 __all__ = ["CSVSink", "ProgressBarSink", "TensorBoardSink"]
 
@@ -31,11 +31,15 @@ class CSVSink:
     written to a new file beside the old one, which then replaces it in one
     step (``os.replace``); an append that fails (a full disk) is cut back to
     where it began. The records it could not write are kept and written first
-    at the next flush.
+    at the next flush. A file that disappears while the run goes on (a log
+    rotation) is started again with the header.
 
     Args:
-        path: The file; created (with its folder) on the first flush, replaced
-            if it exists.
+        path: The file; created (with its folder) on the first flush.
+        append: What to do with a file already at ``path``: False (the
+            default, as ``open(path, "w")``) replaces it at the first flush;
+            True keeps its rows and goes on after them (to resume a run), its
+            header widened if the new records bring new keys.
 
     Examples:
         >>> import pathlib, tempfile, devicekit as dk
@@ -46,18 +50,24 @@ class CSVSink:
         ['step,loss', '0,0.5']
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
         check_path(path, name="path", fix="pass where the CSV file goes, such as 'log.csv'")
+        check_flag(append, name="append")
         self.path = Path(path)
+        self.append = append
         self.columns: list[str] = []
-        self._started = False
+        self._started = False  # the file at path is this sink's, with self.columns as header
         self._unwritten: list[Record] = []  # what a failed write left out, written first next time
 
     def __repr__(self) -> str:
-        return f"CSVSink({str(self.path)!r})"
+        append = ", append=True" if self.append else ""
+        return f"CSVSink({str(self.path)!r}{append})"
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
+        if not self._started and self.append:
+            self.columns = _header(self.path)
+            self._started = bool(self.columns)
         rows = [*self._unwritten, *records]
         new = [
             key for key in dict.fromkeys(k for row in rows for k in row) if key not in self.columns
@@ -76,10 +86,10 @@ class CSVSink:
         self._started = True
 
     def _append(self, columns: list[str], rows: list[Record]) -> None:
-        data = _render(columns, rows, header=False)
         descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             size = os.fstat(descriptor).st_size
+            data = _render(columns, rows, header=not size)  # a file rotated away: a new header
             try:
                 _write_all(descriptor, data)
             except BaseException:
@@ -95,8 +105,11 @@ class CSVSink:
         writer.writerow(columns)
         if self._started:  # the rows on disk, each with an empty cell per new column
             padding = [""] * (len(columns) - len(self.columns))
-            with self.path.open(newline="", encoding="utf-8") as old:
-                writer.writerows([*row, *padding] for row in list(csv.reader(old))[1:])
+            try:
+                with self.path.open(newline="", encoding="utf-8") as old:
+                    writer.writerows([*row, *padding] for row in list(csv.reader(old))[1:])
+            except FileNotFoundError:  # rotated away: nothing of it to keep here
+                pass
         data = text.getvalue().encode() + _render(columns, rows, header=False)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:12]}.tmp")
@@ -111,6 +124,15 @@ class CSVSink:
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
+
+
+def _header(path: Path) -> list[str]:
+    """The header of the CSV file at ``path``; none when there is no such file, or it is empty."""
+    try:
+        with path.open(newline="", encoding="utf-8") as file:
+            return next(csv.reader(file), [])
+    except FileNotFoundError:
+        return []
 
 
 def _render(columns: list[str], rows: list[Record], *, header: bool) -> bytes:
@@ -177,7 +199,7 @@ class _Bar(Protocol):
 
 
 class ProgressBarSink:
-    """Show the latest values in a progress bar's postfix (a ``tqdm`` bar, or alike).
+    """Show the newest value of each key in a progress bar's postfix (a ``tqdm`` bar, or alike).
 
     Updating the bar once per flush, from host values, is what makes showing
     the loss in a progress bar free: no ``.item()`` per step.
@@ -206,15 +228,21 @@ class ProgressBarSink:
         self.bar = bar
         self.keys = keys
         self.fmt = fmt
+        self._newest: dict[str, Any] = {}  # each key shown, with its newest value
 
     def __repr__(self) -> str:
         return f"ProgressBarSink(keys={self.keys!r})" if self.keys else "ProgressBarSink()"
 
     def __call__(self, records: list[Record]) -> None:
-        """Show the newest record (called by the buffer at each flush)."""
-        if not records:
-            return
-        latest = records[-1]
-        keys = self.keys or [key for key in latest if key != "step"]
-        shown = {key: format(latest[key], self.fmt) for key in keys if key in latest}
-        self.bar.set_postfix(shown, refresh=True)
+        """Show the newest value of each key (called by the buffer at each flush)."""
+        # Each key's newest value, kept across flushes: a key logged now and then (a
+        # validation loss) stays on the bar, and a record without the keys clears nothing.
+        wanted = None if self.keys is None else set(self.keys)
+        for record in records:
+            for key, value in record.items():
+                if key != "step" and (wanted is None or key in wanted):
+                    self._newest[key] = value
+        keys = self.keys if self.keys is not None else list(self._newest)
+        shown = {key: format(self._newest[key], self.fmt) for key in keys if key in self._newest}
+        if shown:
+            self.bar.set_postfix(shown, refresh=True)

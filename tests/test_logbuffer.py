@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import gc
 import json
 import math
 import socket
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -438,6 +440,79 @@ def test_without_an_exception_a_failing_sink_raises_from_the_block() -> None:
     assert buffer.values("loss") == [1.0]
 
 
+def test_a_sink_that_logs_keeps_every_sink_in_history_order() -> None:
+    # The sink's log() flushes inside the flush that called it: that inner flush
+    # must not hand newer records to the later sinks before the older ones.
+    seen: list[dk.Record] = []
+
+    def halves(records: list[dk.Record]) -> None:
+        for record in records:
+            if "loss" in record:
+                buffer.log(record["step"], half=record["loss"] / 2)
+
+    buffer = dk.LogBuffer(flush_every=1, sinks=[halves, seen.extend])
+    for step in range(4):
+        buffer.log(step, loss=float(step))
+    buffer.flush()
+    buffer.flush()  # what the sink logged during the last flush
+    assert seen == buffer.history
+    assert sorted((r["step"], "half" in r) for r in seen) == [
+        (step, half) for step in range(4) for half in (False, True)
+    ]
+
+
+def test_a_sink_interrupted_by_ctrl_c_leaves_the_records_to_the_sinks_after_it() -> None:
+    calls: list[int] = []
+    received: list[dk.Record] = []
+
+    def interrupted_once(records: list[dk.Record]) -> None:
+        calls.append(len(records))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    buffer = dk.LogBuffer(flush_every=10, sinks=[interrupted_once, received.extend])
+    buffer.log(loss=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        buffer.flush()
+    assert received == []
+    buffer.log(loss=2.0)
+    buffer.flush()
+    assert [r["loss"] for r in received] == [1.0, 2.0]  # none lost, none twice
+    assert calls == [1, 1]  # the interrupted sink is not handed the same records again
+
+
+def test_each_sink_gets_its_own_records_and_history_is_a_copy() -> None:
+    received: list[dk.Record] = []
+
+    def pops_the_step(records: list[dk.Record]) -> None:
+        for record in records:
+            record.pop("step")  # as a sink that passes step separately does
+
+    buffer = dk.LogBuffer(sinks=[pops_the_step, received.extend])
+    buffer.log(loss=1.0)
+    buffer.flush()
+    assert received == [{"step": 0, "loss": 1.0}]
+    assert buffer.history == [{"step": 0, "loss": 1.0}]
+    buffer.history.clear()
+    assert buffer.latest == {"step": 0, "loss": 1.0}  # the buffer's own list is untouched
+
+
+def _log_and_let_go(*, flush: bool) -> None:
+    buffer = dk.LogBuffer()
+    buffer.log(loss=torch.tensor(1.0))
+    if flush:
+        buffer.flush()
+
+
+def test_a_buffer_dropped_with_values_never_recorded_says_so() -> None:
+    gc.collect()  # no other test's buffer is dropped in the blocks below
+    with pytest.warns(ResourceWarning, match="dropped with 1 value never recorded"):
+        _log_and_let_go(flush=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _log_and_let_go(flush=True)
+
+
 def test_reading_history_does_not_run_the_sinks() -> None:
     received: list[int] = []
     buffer = dk.LogBuffer(flush_every=2, sinks=[lambda records: received.append(len(records))])
@@ -592,6 +667,9 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
             buffer.flush()
             results[op] = buffer.history
 
+        for op in ("max", "min"):
+            results[f"nan {op}"] = _reduce_with_a_nan(op, rank, world, device)
+
         # Keys of other kinds on each rank: a number here, an int tensor there.
         buffer = dk.LogBuffer(flush_every=4, reduce="sum")
         for step in range(6):
@@ -631,6 +709,20 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
         dist.destroy_process_group()
 
 
+def _reduce_with_a_nan(op: str, rank: int, world: int, device: torch.device) -> list[Any]:
+    """At step r, rank r logs NaN: it must be NaN in the result, whichever rank had it.
+
+    gloo's MAX alone keeps or drops a NaN by rank order; ``b = -a`` makes max and
+    min each meet it on both sides.
+    """
+    buffer = dk.LogBuffer(reduce=op)  # type: ignore[arg-type]
+    for step in range(world + 1):
+        value = math.nan if step == rank else float(step + rank)
+        buffer.log(step, a=torch.tensor(value, device=device), b=-value)
+    buffer.flush()
+    return buffer.history
+
+
 def _spawn(main: Any, args: tuple[Any, ...], world: int, *, timeout: float = 240) -> None:
     """``mp.spawn``, but a rank that hangs fails the test instead of hanging it."""
     context = mp.spawn(main, args=args, nprocs=world, join=False)
@@ -662,6 +754,14 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
         assert ranks[0][op] == [
             {"step": s, "loss": values(s)[0], "rank": values(s)[1]} for s in range(7)
         ], op
+    for op, pick in (("max", max), ("min", min)):
+        records = ranks[0][f"nan {op}"]
+        assert [record["step"] for record in records] == list(range(world + 1))
+        for record in records[:world]:  # the step where one rank logged NaN
+            assert math.isnan(record["a"]), (op, record)
+            assert math.isnan(record["b"]), (op, record)
+        assert records[world]["a"] == pick(float(world + r) for r in range(world)), op
+        assert records[world]["b"] == pick(-float(world + r) for r in range(world)), op
     rank_sum = world * top / 2
     assert ranks[0]["kinds"] == [
         {"step": s, "loss": world * float(s), "acc": rank_sum} for s in range(6)
@@ -832,3 +932,20 @@ def test_a_step_is_an_int_and_a_log_call_records_something() -> None:
     logs.log(Step(), loss=2.0)  # type: ignore[arg-type]
     logs.flush()
     assert logs.history == [{"step": 7, "loss": 2.0}]
+    # A tensor step: an int one on the host is an int; a float one, or one on a device
+    # (reading it would wait for the device at every log()), is refused by name.
+    logs.log(torch.tensor(8), loss=3.0)  # type: ignore[arg-type]
+    for bad in (torch.tensor(9.0), torch.tensor(9, device="meta")):
+        with pytest.raises(TypeError, match=r"step must be an int .* pass int"):
+            logs.log(bad, loss=1.0)  # type: ignore[arg-type]
+    logs.flush()
+    assert logs.latest == {"step": 8, "loss": 3.0}
+
+
+def test_the_repr_of_many_keys_stays_short() -> None:
+    logs = dk.LogBuffer()
+    logs.log(0, **{f"key{n}": float(n) for n in range(2000)})
+    assert "key0, key1, key2, key3, key4, key5, key6, key7, key8, key9 and 1990 more" in repr(logs)
+    assert len(repr(logs)) < 300
+    assert "and 1950 more" in logs._repr_html_()
+    logs.flush()

@@ -184,3 +184,60 @@ def test_one_sink_is_a_list_of_one() -> None:
 def test_csv_sink_needs_a_path() -> None:
     with pytest.raises(TypeError, match=r"^path must be a file path \(str or os.PathLike\), got"):
         dk.CSVSink(None)  # type: ignore[arg-type]
+
+
+def test_append_keeps_an_earlier_run_s_rows_and_widens_its_header(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    with dk.LogBuffer(sinks=[dk.CSVSink(path)]) as first_run:
+        first_run.log(0, loss=0.5)
+    with dk.LogBuffer(sinks=[dk.CSVSink(path, append=True)]) as resumed:
+        resumed.log(1, loss=0.25)
+        resumed.flush()
+        resumed.log(2, acc=0.9, loss=0.125)  # a new key: the earlier run's rows widen too
+    assert read_rows(path) == [
+        ["step", "loss", "acc"],
+        ["0", "0.5", ""],
+        ["1", "0.25", ""],
+        ["2", "0.125", "0.9"],
+    ]
+    dk.CSVSink(path)([{"step": 0, "lr": 0.1}])  # the default replaces the file
+    assert read_rows(path) == [["step", "lr"], ["0", "0.1"]]
+    new = tmp_path / "new.csv"
+    dk.CSVSink(new, append=True)([{"step": 0, "lr": 0.1}])  # nothing to append to: a new file
+    assert read_rows(new) == [["step", "lr"], ["0", "0.1"]]
+    assert repr(dk.CSVSink(new, append=True)) == f"CSVSink({str(new)!r}, append=True)"
+    with pytest.raises(TypeError, match="append must be True or False"):
+        dk.CSVSink(new, append="yes")  # type: ignore[arg-type]
+
+
+def test_a_file_rotated_away_mid_run_starts_again_with_its_header(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    sink = dk.CSVSink(path)
+    sink([{"step": 0, "loss": 0.5}])
+    path.unlink()  # logrotate, or a user cleaning up
+    sink([{"step": 1, "loss": 0.25}])
+    assert read_rows(path) == [["step", "loss"], ["1", "0.25"]]
+    path.unlink()
+    sink([{"step": 2, "loss": 0.125, "acc": 0.9}])  # a new key, and no old file to widen
+    assert read_rows(path) == [["step", "loss", "acc"], ["2", "0.125", "0.9"]]
+
+
+def test_the_progress_bar_shows_each_key_s_newest_value() -> None:
+    class Bar:
+        def __init__(self) -> None:
+            self.postfix: dict[str, Any] | None = None
+
+        def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
+            self.postfix = values
+
+    bar, chosen = Bar(), Bar()
+    sinks = [dk.ProgressBarSink(bar), dk.ProgressBarSink(chosen, keys=["val_loss"])]
+    with dk.LogBuffer(flush_every=2, sinks=sinks) as logs:
+        logs.log(0, loss=0.5)
+        logs.log(1, val_loss=0.75)  # logged now and then
+        logs.flush()
+        assert bar.postfix == {"loss": "0.5", "val_loss": "0.75"}
+        logs.log(2, loss=0.25)
+        logs.flush()
+    assert bar.postfix == {"loss": "0.25", "val_loss": "0.75"}  # the validation loss stays
+    assert chosen.postfix == {"val_loss": "0.75"}  # a flush without the key cleared nothing
