@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 import logging
 import sys
 import threading
 import warnings
-import weakref
-from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,7 +22,14 @@ from ._devices import (
     try_gpu,
 )
 from ._options import check_flag
-from ._tree import describe_cycle, is_dataclass_instance, is_namedtuple
+from ._rebuild import (
+    rebuild_dataclass,
+    rebuild_list_subclass,
+    rebuild_mapping,
+    rebuild_set,
+    rebuild_tuple,
+)
+from ._tree import describe_cycle, is_dataclass_instance
 
 __all__ = ["data_parallel", "to_device"]
 
@@ -92,8 +94,19 @@ def _twice_in_list() -> int:
 
 def _unshared_counts() -> tuple[int, int]:
     exact = getattr(sys, "_is_gil_enabled", lambda: True)()
-    once_list, once_dict = _once_in_list(), _once_in_dict()
-    if not exact or _twice_in_list() <= once_list:
+    # A trace or profile function (a debugger stepping through this import) that reads
+    # frame.f_locals holds one more reference to each local: counts measured under it
+    # are too high, and would take a tensor held twice for one held once. Measure
+    # without them. (Under one later, counts only look higher: the memo decides.)
+    trace, profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(None)
+    sys.setprofile(None)
+    try:
+        once_list, once_dict, twice_list = _once_in_list(), _once_in_dict(), _twice_in_list()
+    finally:
+        sys.settrace(trace)
+        sys.setprofile(profile)
+    if not exact or twice_list <= once_list:
         return -1, -1  # no count is "unshared": the memo always decides
     return once_list, once_dict
 
@@ -110,7 +123,16 @@ class _Mover:
     call.
     """
 
-    __slots__ = ("busy", "device", "memo", "move", "non_blocking", "returned_none", "unsynced")
+    __slots__ = (
+        "busy",
+        "device",
+        "kept",
+        "memo",
+        "move",
+        "non_blocking",
+        "returned_none",
+        "unsynced",
+    )
 
     def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
         self.device = device
@@ -125,6 +147,7 @@ class _Mover:
         # Sources of non-blocking copies to the host, which must be waited for.
         self.unsynced: set[torch.device] | None = set() if self.non_blocking and to_host else None
         self.returned_none: list[type] | None = None  # classes whose .to() returned None
+        self.kept: list[Any] = []  # objects made during the call: alive while memo has their id
         self.busy = False  # a call is walking with it (a .to() may call to_device again)
         self.move: Callable[[Any], Any] = _walk(self, kind, index)
 
@@ -150,19 +173,24 @@ class _Mover:
                 self.unsynced.update(t.device for t in obj.parameters())
                 self.unsynced.update(t.device for t in obj.buffers())
             return obj.to(self.device, non_blocking=self.non_blocking)
-        if callable(getattr(obj, "to", None)):
+        # The class's .to(), not the instance's: an attribute-style dict may hold a "to" key.
+        if callable(getattr(type(obj), "to", None)):
             return self.container(obj, _call_to)
         if isinstance(obj, Mapping):
-            return self.container(obj, _rebuild_mapping)
+            return self.container(obj, rebuild_mapping)
         if isinstance(obj, tuple):
-            return self.container(obj, _rebuild_tuple)
+            return self.container(obj, rebuild_tuple)
         if isinstance(obj, list):
-            return self.container(obj, _rebuild_list_subclass)
+            return self.container(obj, rebuild_list_subclass)
         if isinstance(obj, (set, frozenset)):
-            return self.container(obj, lambda m, o: type(o)(m.move(x) for x in o))
+            return self.container(obj, rebuild_set)
         if is_dataclass_instance(obj):
-            return self.container(obj, _rebuild_dataclass)
+            return self.container(obj, rebuild_dataclass)
         return obj
+
+    def keep(self, obj: Any) -> None:
+        """Hold ``obj`` until the call ends (see `Walk.keep`)."""
+        self.kept.append(obj)
 
     def finish(self) -> None:
         """Wait for the copies to the host the call left in flight, and forget the call."""
@@ -171,6 +199,7 @@ class _Mover:
                 synchronize(source)
             self.unsynced.clear()
         self.memo.clear()  # lets go of every moved tensor
+        self.kept.clear()
         self.returned_none = None
         self.busy = False
 
@@ -335,107 +364,6 @@ def _call_to(mover: _Mover, obj: Any) -> Any:
     return moved
 
 
-def _rebuild_mapping(mover: _Mover, obj: Mapping[Any, Any]) -> Any:
-    """A mapping of the same type and meaning, holding the moved values.
-
-    Never ``copy`` then ``update``: ``Counter.update`` adds the counts, and a
-    ``ModelOutput`` refuses ``update`` altogether.
-    """
-    cls = type(obj)
-    moved = {key: mover.move(value) for key, value in obj.items()}
-    if cls is OrderedDict:
-        return OrderedDict(moved)
-    if cls is defaultdict:
-        return defaultdict(obj.default_factory, moved)  # type: ignore[attr-defined]
-    if cls is Counter:
-        return Counter(moved)  # an empty Counter takes a mapping as is
-    if not isinstance(obj, MutableMapping):
-        return cls(moved)  # type: ignore[call-arg]  # read-only: MappingProxyType...
-    # A subclass (a ModelOutput, a user's dict) or a MutableMapping (UserDict):
-    # a shallow copy made the class's own way (its __reduce__ or __copy__) keeps
-    # its state, then each value that moved is replaced with its own __setitem__,
-    # which keeps attribute mirrors (ModelOutput, EasyDict) in step.
-    result = copy.copy(obj)
-    changed = [(key, value) for key, value in moved.items() if value is not obj[key]]
-    if changed:
-        key, value = changed[0]
-        try:
-            result[key] = value
-            refuses = False
-        except Exception:
-            if not isinstance(result, dict):
-                raise
-            refuses = True
-        if refuses:  # a read-only dict subclass, from the first item: set the copy's storage
-            base = OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
-            storage = cast("dict[Any, Any]", result)
-            for key, value in changed:
-                base(storage, key, value)
-        else:  # it takes items: a later refusal is the class's own error, and it is raised
-            for key, value in changed[1:]:
-                result[key] = value
-    if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
-        _replace_fields(mover, result, obj)
-    _forget_cached_properties(result)
-    return result
-
-
-def _rebuild_list_subclass(mover: _Mover, obj: list[Any]) -> list[Any]:
-    result = copy.copy(obj)
-    result[:] = [mover.move(item) for item in obj]
-    _forget_cached_properties(result)
-    return result
-
-
-def _rebuild_tuple(mover: _Mover, obj: tuple[Any, ...]) -> tuple[Any, ...]:
-    items = [mover.move(item) for item in obj]
-    if type(obj) is tuple:
-        return tuple(items)
-    if is_namedtuple(obj):
-        return type(obj)(*items)
-    return type(obj)(items)  # other tuple subclasses, such as torch.return_types
-
-
-def _rebuild_dataclass(mover: _Mover, obj: Any) -> Any:
-    # Every field, init=False ones too, on a copy: frozen instances are rebuilt,
-    # never mutated, and __post_init__ does not run again.
-    result = copy.copy(obj)
-    _replace_fields(mover, result, obj)
-    _forget_cached_properties(result)
-    return result
-
-
-def _replace_fields(mover: _Mover, result: Any, obj: Any) -> None:
-    missing = object()
-    for field in dataclasses.fields(obj):
-        value = getattr(obj, field.name, missing)
-        if value is not missing:
-            object.__setattr__(result, field.name, mover.move(value))
-
-
-_cached_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
-
-
-def _forget_cached_properties(obj: Any) -> None:
-    """Drop the ``functools.cached_property`` values of a copy: computed from the old tensors."""
-    cls = type(obj)
-    names = _cached_names.get(cls)
-    if names is None:
-        seen: dict[str, Any] = {}
-        for klass in cls.__mro__:
-            for name, attribute in vars(klass).items():
-                seen.setdefault(name, attribute)  # the first in the MRO is the one in use
-        names = _cached_names[cls] = tuple(
-            attribute.attrname or name
-            for name, attribute in seen.items()
-            if isinstance(attribute, functools.cached_property)
-        )
-    state = getattr(obj, "__dict__", None)
-    if names and state is not None:
-        for name in names:
-            state.pop(name, None)
-
-
 _warned_returned_none: set[type] = set()
 
 
@@ -465,10 +393,12 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     - ``OrderedDict`` keeps its order, ``defaultdict`` its ``default_factory``,
       ``Counter`` its counts (never added twice).
     - Other mappings: a ``dict`` subclass or ``MutableMapping`` (a Hugging
-      Face ``ModelOutput``, a ``UserDict``) is copied the class's own way and
-      each moved value is set with its own ``__setitem__`` (``update`` is never
+      Face ``ModelOutput``, a ``UserDict``) is shallow-copied (its own way if
+      its class defines one, else without calling its ``__init__``) and each
+      moved value is set with its own ``__setitem__`` (``update`` is never
       called: ``ModelOutput`` refuses it, ``Counter`` adds); a read-only
       mapping is rebuilt as ``type(m)(moved_items)``.
+    - ``set`` and ``frozenset`` subclasses keep their type and attributes.
     - Dataclasses, frozen or not: a shallow copy with every field moved,
       ``init=False`` fields too; ``__post_init__`` does not run again, and
       ``functools.cached_property`` values are dropped from the copy (they
@@ -479,7 +409,9 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     - Modules are moved in place, as ``Module.to`` does.
 
     Anything else is returned unchanged, and the input is never modified
-    (except modules, and objects whose ``.to()`` moves them in place). A
+    (except modules, and objects whose ``.to()`` moves them in place): a copy
+    whose writes would reach the input (shared storage) is refused with
+    ``TypeError``, the input put back. A
     tensor reached twice is moved once, so shared tensors stay shared, and a
     tensor already on ``device`` is returned as is.
 
@@ -502,6 +434,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
 
     Raises:
         ValueError: ``obj`` contains itself, or ``device`` is malformed.
+        TypeError: A mapping in ``obj`` cannot be copied without changing it.
         DeviceNotFoundError: This torch build or machine has no such device.
 
     Examples:

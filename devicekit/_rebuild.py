@@ -1,0 +1,282 @@
+"""How `to_device` rebuilds each kind of container so that it keeps its type and meaning.
+
+Plain dicts, lists and tuples are rebuilt inline by the walk in ``_placement``
+(the hot path); everything else that holds tensors comes here: mappings of
+every kind, list and tuple subclasses, sets, dataclasses. Each rebuild makes a
+new object and never writes into the input:
+
+- a copy that the class's own ``__copy__`` returns as the input itself (an
+  immutable class's idiom) is made again without it;
+- a shallow copy shares its mutable attributes (the dict a ``MutableMapping``
+  keeps its items in, a list its ``__setitem__`` appends to) with the input,
+  so those are copied one level before anything is written into the copy;
+- if writing into the copy changed the input anyway, the input is put back
+  and ``to_device`` says which class it could not copy, rather than return
+  with the input modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import weakref
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any, Protocol
+
+from ._tree import is_dataclass_instance, is_namedtuple
+
+__all__ = [
+    "Walk",
+    "forget_cached_properties",
+    "rebuild_dataclass",
+    "rebuild_list_subclass",
+    "rebuild_mapping",
+    "rebuild_set",
+    "rebuild_tuple",
+]
+
+
+class Walk(Protocol):
+    """What a rebuild needs of the walk: move one value, and keep an object alive."""
+
+    def move(self, obj: Any) -> Any: ...
+
+    def keep(self, obj: Any) -> None:
+        """Hold ``obj`` until the call ends: the walk's memo is keyed by ``id()``."""
+
+
+def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
+    """A mapping of the same type and meaning, holding the moved values.
+
+    Never ``copy`` then ``update``: ``Counter.update`` adds the counts, and a
+    ``ModelOutput`` refuses ``update`` altogether.
+    """
+    cls = type(obj)
+    # A mapping may build its values on access (a lazy loader): each must stay alive
+    # until the call ends, or a later value could take its id() and hit its memo entry.
+    items = list(obj.items())
+    walk.keep(items)
+    moved = {key: walk.move(value) for key, value in items}
+    if cls is OrderedDict:
+        return OrderedDict(moved)
+    if cls is defaultdict:
+        return defaultdict(obj.default_factory, moved)  # type: ignore[attr-defined]
+    if cls is Counter:
+        return Counter(moved)  # an empty Counter takes a mapping as is
+    if not isinstance(obj, MutableMapping):
+        return cls(moved)  # type: ignore[call-arg]  # read-only: MappingProxyType...
+    # A subclass (a ModelOutput, a user's dict) or a MutableMapping (UserDict):
+    # a shallow copy made the class's own way (its __reduce__ or __copy__) keeps
+    # its state, then each value that moved is replaced with its own __setitem__,
+    # which keeps attribute mirrors (ModelOutput, EasyDict) in step.
+    result = _own_copy(obj, unshare=True)
+    originals = dict(items)
+    changed = [(key, value) for key, value in moved.items() if value is not originals[key]]
+    if changed:
+        try:
+            _set_items(result, changed)
+        finally:
+            _check_untouched(obj, changed, originals)
+    if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
+        _replace_fields(walk, result, obj)
+    forget_cached_properties(result)
+    return result
+
+
+def _set_items(result: MutableMapping[Any, Any], changed: list[tuple[Any, Any]]) -> None:
+    key, value = changed[0]
+    try:
+        result[key] = value
+    except Exception:
+        if not isinstance(result, dict):
+            raise
+        # A read-only dict subclass, from the first item: set the copy's storage.
+        base = OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
+        for key, value in changed:
+            base(result, key, value)
+        return
+    for key, value in changed[1:]:  # it takes items: a later refusal is the class's own error
+        result[key] = value
+
+
+def _check_untouched(
+    obj: MutableMapping[Any, Any], changed: list[tuple[Any, Any]], originals: dict[Any, Any]
+) -> None:
+    """Put back an input that writing into its copy changed (they share storage), and say so.
+
+    A moved value is new, so only a write that leaked can make the input hold it.
+    """
+    leaked = [key for key, value in changed if _reads_back(obj, key, value)]
+    if not leaked:
+        return
+    for key in leaked:
+        if isinstance(obj, dict):
+            dict.__setitem__(obj, key, originals[key])
+        else:
+            obj[key] = originals[key]
+    cls = type(obj)
+    raise TypeError(
+        f"to_device() cannot copy a {cls.__module__}.{cls.__qualname__} without changing it: "
+        f"writing {leaked[0]!r} into its copy wrote into the input too (they share storage; "
+        f"the input is put back). Give {cls.__qualname__} a __copy__ that copies its storage, "
+        "or a .to() method."
+    )
+
+
+def _reads_back(obj: Mapping[Any, Any], key: Any, value: Any) -> bool:
+    try:
+        return obj[key] is value
+    except Exception:  # noqa: BLE001 - a mapping that cannot read it back was not written to
+        return False
+
+
+def rebuild_list_subclass(walk: Walk, obj: list[Any]) -> list[Any]:
+    result: list[Any] = _own_copy(obj, unshare=True)
+    result[:] = [walk.move(item) for item in obj]
+    forget_cached_properties(result)
+    return result
+
+
+def rebuild_tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
+    items = [walk.move(item) for item in obj]
+    if type(obj) is tuple:
+        return tuple(items)
+    if is_namedtuple(obj):
+        return type(obj)(*items)
+    return type(obj)(items)  # other tuple subclasses, such as torch.return_types
+
+
+def rebuild_set(walk: Walk, obj: set[Any] | frozenset[Any]) -> set[Any] | frozenset[Any]:
+    moved = [walk.move(item) for item in obj]
+    cls: Any = type(obj)
+    if cls is set or cls is frozenset:
+        return cls(moved)
+    # A subclass: made without its __init__ (its signature is the class's own, and
+    # copying a set calls it with the items), then its attributes and the items.
+    result: set[Any] | frozenset[Any] = (
+        cls.__new__(cls, moved) if isinstance(obj, frozenset) else cls.__new__(cls)
+    )
+    _copy_state(obj, result)
+    if isinstance(result, set):
+        set.update(result, moved)
+    forget_cached_properties(result)
+    return result
+
+
+def rebuild_dataclass(walk: Walk, obj: Any) -> Any:
+    # Every field, init=False ones too, on a copy: frozen instances are rebuilt,
+    # never mutated, and __post_init__ does not run again.
+    result = _own_copy(obj, unshare=False)  # fields are set on the copy's own __dict__
+    _replace_fields(walk, result, obj)
+    forget_cached_properties(result)
+    return result
+
+
+def _replace_fields(walk: Walk, result: Any, obj: Any) -> None:
+    missing = object()
+    values = [(field.name, getattr(obj, field.name, missing)) for field in dataclasses.fields(obj)]
+    walk.keep(values)  # a field may be a property that builds its value at each read
+    for name, value in values:
+        if value is not missing:
+            object.__setattr__(result, name, walk.move(value))
+
+
+def _own_copy(obj: Any, *, unshare: bool) -> Any:
+    """A shallow copy of ``obj``, never ``obj`` itself, that ``to_device`` may write into.
+
+    A class that says how it is copied (``__copy__``, ``__reduce__``,
+    ``__getstate__``...) is copied its own way. Any other is made without its
+    ``__init__`` (whose signature is its own) and without its ``__setitem__``
+    (``copy.copy`` calls it on a copy that shares the input's attributes):
+    a new instance gets the items and the attributes directly. With
+    ``unshare``, the copy's mutable attributes are its own, copied one level,
+    so that writing items into the copy writes nothing into ``obj``.
+    """
+    cls: Any = type(obj)
+    if _copies_its_own_way(cls):
+        result = copy.copy(obj)
+        if result is not obj:  # an immutable class's __copy__ returns self
+            if unshare:
+                _unshare(result, obj)
+            return result
+    result = cls.__new__(cls)
+    if isinstance(obj, dict):
+        (OrderedDict.update if isinstance(obj, OrderedDict) else dict.update)(result, obj)
+        if isinstance(obj, defaultdict):
+            result.default_factory = obj.default_factory
+    elif isinstance(obj, list):
+        list.extend(result, obj)
+    _copy_state(obj, result)
+    if unshare:
+        _unshare(result, obj)
+    return result
+
+
+def _unshare(result: Any, obj: Any) -> None:
+    mine, theirs = getattr(result, "__dict__", None), getattr(obj, "__dict__", None)
+    if mine and theirs:
+        for name, value in mine.items():
+            if value is theirs.get(name) and isinstance(value, (dict, list, set, MutableMapping)):
+                mine[name] = copy.copy(value)
+
+
+_COPY_HOOKS = frozenset(
+    {"__copy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__"}
+)
+_STANDARD = frozenset({"builtins", "collections", "collections.abc", "abc", "typing"})
+_own_way: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _copies_its_own_way(cls: type) -> bool:
+    """Whether a class of the user's (not a builtin base) defines how it is copied."""
+    known = _own_way.get(cls)
+    if known is None:
+        known = _own_way[cls] = any(
+            not _COPY_HOOKS.isdisjoint(vars(klass))
+            for klass in cls.__mro__
+            if klass.__module__ not in _STANDARD
+        )
+    return known
+
+
+def _copy_state(source: Any, target: Any) -> None:
+    """``source``'s attributes onto ``target``: its ``__dict__`` and its slots."""
+    state = getattr(source, "__dict__", None)
+    if state is not None:
+        object.__getattribute__(target, "__dict__").update(state)
+    for name in _slot_names(type(source)):
+        if hasattr(source, name):
+            object.__setattr__(target, name, getattr(source, name))
+
+
+def _slot_names(cls: type) -> Iterator[str]:
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                yield name
+
+
+_cached_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def forget_cached_properties(obj: Any) -> None:
+    """Drop the ``functools.cached_property`` values of a copy: computed from the old tensors."""
+    cls = type(obj)
+    names = _cached_names.get(cls)
+    if names is None:
+        seen: dict[str, Any] = {}
+        for klass in cls.__mro__:
+            for name, attribute in vars(klass).items():
+                seen.setdefault(name, attribute)  # the first in the MRO is the one in use
+        names = _cached_names[cls] = tuple(
+            attribute.attrname or name
+            for name, attribute in seen.items()
+            if isinstance(attribute, functools.cached_property)
+        )
+    state = getattr(obj, "__dict__", None)
+    if names and state is not None:
+        for name in names:
+            state.pop(name, None)
