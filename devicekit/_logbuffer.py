@@ -49,6 +49,7 @@ Sink = Callable[[list[Record]], Any]
 logger = logging.getLogger("devicekit")
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
+_FINAL_ROUNDS = 8  # flushes at the end of a with block for what sinks log (each may log again)
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 # Real numbers that stack and convert to a Python float exactly (as float64).
@@ -252,25 +253,26 @@ class LogBuffer:
             Exception: The first error a sink raised, once all sinks have run,
                 or what made the copy fail (the values are still pending).
         """
-        return self._flush(wait=wait, reduce=True)
+        return list(map(dict.copy, self._flush(wait=wait, reduce=True)))
 
     @property
     def history(self) -> list[Record]:
         """Every record on the host so far, oldest first (completes an in-flight flush).
 
-        A new list at each read, so changing it changes nothing in the buffer;
-        [`latest`][devicekit.LogBuffer.latest] reads the newest record without the copy.
+        New copies at each read, so changing them changes nothing in the buffer
+        (for a long history, [`latest`][devicekit.LogBuffer.latest] and
+        [`values()`][devicekit.LogBuffer.values] read less).
         """
         with self._lock:
             self._complete()  # sinks get these records at the next flush
-            return list(self._history)
+            return list(map(dict.copy, self._history))
 
     @property
     def latest(self) -> Record | None:
         """The newest record on the host, or None."""
         with self._lock:
             self._complete()
-            return self._history[-1] if self._history else None
+            return dict(self._history[-1]) if self._history else None
 
     def values(self, key: str) -> list[float]:
         """Every value of ``key`` that has reached the host, oldest first.
@@ -302,13 +304,26 @@ class LogBuffer:
     ) -> None:
         if exc is None:
             self.flush()
+            self._flush_what_sinks_logged()
             return
         # Leaving on an exception: flush without the collective (other ranks may
         # never reach it), and never let a failing flush or sink replace `exc`.
         try:
             self._flush(wait=True, reduce=False)
+            self._flush_what_sinks_logged()
         except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
             _report_while_exiting(exc, error, pending=self._pending_count())
+
+    def _flush_what_sinks_logged(self) -> None:
+        """Record what sinks logged during the last flush, a few rounds at most.
+
+        Not reduced: it comes from records every rank already shares, and a rank
+        whose sinks logged nothing would not join the collective.
+        """
+        for _ in range(_FINAL_ROUNDS):
+            if not (self._pending or self._in_flight or self._undelivered):
+                return
+            self._flush(wait=True, reduce=False)
 
     def __del__(self) -> None:
         # Values dropped with the buffer are lost: say so, as Python does for an unclosed file.
@@ -331,7 +346,7 @@ class LogBuffer:
         parts = [f"{plural(state['records'], 'record')} of {_some(state['keys']) or '(none)'}"]
         parts.append(f"{plural(state['pending'], 'value')} pending")
         if state["last"] is not None:
-            parts.append(f"last {state['last']}")
+            parts.append(f"last {_some_items(state['last'])}")
         if self.sinks:
             parts.append(f"sinks {', '.join(state['sinks'])}")
         return f"{state['name']}: {', '.join(parts)}"
@@ -343,7 +358,7 @@ class LogBuffer:
             ("records", plural(state["records"], "record")),
             ("keys", _some(state["keys"], shown=50) or "none yet"),
             ("pending", f"{plural(state['pending'], 'value')} not yet on the host"),
-            ("last record", ", ".join(f"{key}={value}" for key, value in last.items()) or "none"),
+            ("last record", _some_items(last, shown=50, braces=False) or "none"),
             ("sinks", ", ".join(state["sinks"]) or "none"),
         ]
         if self.nonfinite:
@@ -446,15 +461,19 @@ class LogBuffer:
             return None
         self._delivering = True
         first_error: BaseException | None = None
+        undelivered = self._undelivered
         try:
-            undelivered = self._undelivered
-            while undelivered:
+            # Only what had landed when this call began: what the sinks log meanwhile
+            # waits for the next flush, so a sink that logs at every record cannot
+            # keep this loop going forever.
+            for _ in range(len(undelivered)):
                 entry = undelivered[0]
                 records, first = entry
-                for index in range(first, len(self.sinks)):
+                sinks = list(self.sinks)  # a sink may remove itself from the list
+                for index in range(first, len(sinks)):
                     entry[1] = index + 1
                     try:
-                        self.sinks[index](list(map(dict.copy, records)))
+                        sinks[index](list(map(dict.copy, records)))
                     except Exception as error:  # noqa: BLE001 - every sink runs; the first is raised
                         first_error = first_error or error
                 undelivered.popleft()
@@ -542,8 +561,8 @@ def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int)
 def _checked_step(step: object) -> int:
     """A step that is not a plain int: an integer-like one (numpy's) is taken as an int."""
     usable = not isinstance(step, bool) and hasattr(step, "__index__")
-    if isinstance(step, _Tensor) and not step.is_cpu:
-        usable = False  # reading it would wait for the device at every log()
+    if isinstance(step, _Tensor) and (not step.is_cpu or step.dtype is torch.bool):
+        usable = False  # reading one on a device would wait for it at every log()
     if usable:
         with contextlib.suppress(TypeError):  # a float tensor: its __index__ refuses
             return operator.index(cast("SupportsIndex", step))
@@ -564,6 +583,17 @@ def _some(keys: list[str], *, shown: int = 10) -> str:
     if len(keys) <= shown:
         return ", ".join(keys)
     return f"{', '.join(keys[:shown])} and {len(keys) - shown} more"
+
+
+def _some_items(record: Record, *, shown: int = 10, braces: bool = True) -> str:
+    """The first items of a record, then how many more."""
+    if braces and len(record) <= shown:
+        return repr(record)
+    items = [f"{key!r}: {value!r}" if braces else f"{key}={value}" for key, value in record.items()]
+    text = ", ".join(items[:shown]) + (
+        f" and {len(items) - shown} more" if len(items) > shown else ""
+    )
+    return f"{{{text}}}" if braces else text
 
 
 def _describe_sink(sink: Sink) -> str:

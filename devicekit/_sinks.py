@@ -57,6 +57,7 @@ class CSVSink:
         self.append = append
         self.columns: list[str] = []
         self._started = False  # the file at path is this sink's, with self.columns as header
+        self._newline_first = False  # appending to a file whose last line has no line end
         self._unwritten: list[Record] = []  # what a failed write left out, written first next time
 
     def __repr__(self) -> str:
@@ -65,10 +66,14 @@ class CSVSink:
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
-        if not self._started and self.append:
-            self.columns = _header(self.path)
-            self._started = bool(self.columns)
         rows = [*self._unwritten, *records]
+        if not self._started and self.append:
+            try:
+                self.columns, self._newline_first = _existing(self.path)
+            except BaseException:
+                self._unwritten = rows
+                raise
+            self._started = bool(self.columns)
         new = [
             key for key in dict.fromkeys(k for row in rows for k in row) if key not in self.columns
         ]
@@ -82,6 +87,7 @@ class CSVSink:
             self._unwritten = rows
             raise
         self._unwritten = []
+        self._newline_first = False
         self.columns = columns
         self._started = True
 
@@ -90,6 +96,8 @@ class CSVSink:
         try:
             size = os.fstat(descriptor).st_size
             data = _render(columns, rows, header=not size)  # a file rotated away: a new header
+            if self._newline_first and size:
+                data = b"\r\n" + data
             try:
                 _write_all(descriptor, data)
             except BaseException:
@@ -126,13 +134,23 @@ class CSVSink:
             raise
 
 
-def _header(path: Path) -> list[str]:
-    """The header of the CSV file at ``path``; none when there is no such file, or it is empty."""
+def _existing(path: Path) -> tuple[list[str], bool]:
+    """The header of the CSV file at ``path`` (none without one), and whether it needs a line end.
+
+    A file whose last line has no line end gets one before the first appended row.
+    """
     try:
-        with path.open(newline="", encoding="utf-8") as file:
-            return next(csv.reader(file), [])
+        data = path.read_bytes()
     except FileNotFoundError:
-        return []
+        return [], False
+    # utf-8-sig: a file saved by Excel starts with a byte-order mark, not part of the header.
+    header = next(csv.reader(io.StringIO(data.decode("utf-8-sig"), newline="")), [])
+    if data and not any(header):
+        raise ValueError(
+            f"CSVSink(append=True) cannot go on after {str(path)!r}: its first line is not a "
+            "CSV header. Fix or move the file, or pass append=False to replace it"
+        )
+    return header, bool(data) and not data.endswith((b"\n", b"\r"))
 
 
 def _render(columns: list[str], rows: list[Record], *, header: bool) -> bytes:
@@ -240,7 +258,7 @@ class ProgressBarSink:
         wanted = None if self.keys is None else set(self.keys)
         for record in records:
             for key, value in record.items():
-                if key != "step" and (wanted is None or key in wanted):
+                if key in wanted if wanted is not None else key != "step":
                     self._newest[key] = value
         keys = self.keys if self.keys is not None else list(self._newest)
         shown = {key: format(self._newest[key], self.fmt) for key in keys if key in self._newest}

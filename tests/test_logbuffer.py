@@ -481,6 +481,51 @@ def test_a_sink_interrupted_by_ctrl_c_leaves_the_records_to_the_sinks_after_it()
     assert calls == [1, 1]  # the interrupted sink is not handed the same records again
 
 
+def test_what_a_sink_logs_in_the_last_flush_of_a_block_is_recorded() -> None:
+    seen: list[dk.Record] = []
+
+    def derive(records: list[dk.Record]) -> None:
+        for record in records:
+            if "loss" in record:
+                logs.log(record["step"], half=record["loss"] / 2)
+
+    with dk.LogBuffer(sinks=[derive, seen.extend]) as logs:
+        logs.log(0, loss=1.0)
+    assert logs.history == [{"step": 0, "loss": 1.0}, {"step": 0, "half": 0.5}]
+    assert seen == logs.history
+    assert logs._pending_count() == 0
+
+
+def test_a_sink_that_logs_at_every_record_cannot_keep_a_flush_going() -> None:
+    def echo(records: list[dk.Record]) -> None:
+        for record in records:
+            logs.log(record["step"] + 1, echo=1.0)
+
+    logs = dk.LogBuffer(flush_every=1, sinks=[echo])
+    logs.log(0, echo=1.0)
+    # It returns: what the sink logs meanwhile waits for a later flush. (In a thread,
+    # so that a regression fails this test instead of hanging the run.)
+    flushing = threading.Thread(target=logs.flush, daemon=True)
+    flushing.start()
+    flushing.join(timeout=60)
+    assert not flushing.is_alive()
+    logs.sinks.clear()
+    logs.flush()
+    assert 1 <= len(logs.history) < 20
+
+
+def test_a_sink_may_remove_itself_while_the_sinks_run() -> None:
+    seen: list[dk.Record] = []
+
+    def once(records: list[dk.Record]) -> None:
+        logs.sinks.remove(once)
+
+    logs = dk.LogBuffer(sinks=[once, seen.extend])
+    logs.log(loss=1.0)
+    logs.flush()
+    assert seen == [{"step": 0, "loss": 1.0}]
+
+
 def test_each_sink_gets_its_own_records_and_history_is_a_copy() -> None:
     received: list[dk.Record] = []
 
@@ -494,7 +539,11 @@ def test_each_sink_gets_its_own_records_and_history_is_a_copy() -> None:
     assert received == [{"step": 0, "loss": 1.0}]
     assert buffer.history == [{"step": 0, "loss": 1.0}]
     buffer.history.clear()
-    assert buffer.latest == {"step": 0, "loss": 1.0}  # the buffer's own list is untouched
+    buffer.history[0]["loss"] = -1.0
+    buffer.latest["loss"] = -1.0  # type: ignore[index]
+    buffer.log(loss=2.0)
+    buffer.flush()[0]["loss"] = -1.0
+    assert buffer.history == [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 2.0}]  # untouched
 
 
 def _log_and_let_go(*, flush: bool) -> None:
@@ -935,7 +984,7 @@ def test_a_step_is_an_int_and_a_log_call_records_something() -> None:
     # A tensor step: an int one on the host is an int; a float one, or one on a device
     # (reading it would wait for the device at every log()), is refused by name.
     logs.log(torch.tensor(8), loss=3.0)  # type: ignore[arg-type]
-    for bad in (torch.tensor(9.0), torch.tensor(9, device="meta")):
+    for bad in (torch.tensor(9.0), torch.tensor(9, device="meta"), torch.tensor(True)):
         with pytest.raises(TypeError, match=r"step must be an int .* pass int"):
             logs.log(bad, loss=1.0)  # type: ignore[arg-type]
     logs.flush()
@@ -948,4 +997,7 @@ def test_the_repr_of_many_keys_stays_short() -> None:
     assert "key0, key1, key2, key3, key4, key5, key6, key7, key8, key9 and 1990 more" in repr(logs)
     assert len(repr(logs)) < 300
     assert "and 1950 more" in logs._repr_html_()
-    logs.flush()
+    logs.flush()  # now the last record has 2,001 items, and the reprs show a few
+    assert len(repr(logs)) < 500
+    assert "'key8': 8.0 and 1991 more}" in repr(logs)  # step and nine keys
+    assert len(logs._repr_html_()) < 5000

@@ -241,3 +241,47 @@ def test_the_progress_bar_shows_each_key_s_newest_value() -> None:
         logs.flush()
     assert bar.postfix == {"loss": "0.25", "val_loss": "0.75"}  # the validation loss stays
     assert chosen.postfix == {"val_loss": "0.75"}  # a flush without the key cleared nothing
+
+
+@pytest.mark.parametrize(
+    ("existing", "expected"),
+    [
+        ("step,loss\n0,0.5", "step,loss\n0,0.5\r\n1,0.25\r\n"),  # no line end after the last row
+        ("step,loss", "step,loss\r\n1,0.25\r\n"),  # a header alone, no line end
+        ("\ufeffstep,loss\r\n0,0.5\r\n", "\ufeffstep,loss\r\n0,0.5\r\n1,0.25\r\n"),  # Excel's BOM
+    ],
+)
+def test_append_goes_on_after_any_well_formed_file(
+    tmp_path: Path, existing: str, expected: str
+) -> None:
+    path = tmp_path / "train.csv"
+    path.write_bytes(existing.encode())
+    dk.CSVSink(path, append=True)([{"step": 1, "loss": 0.25}])
+    assert path.read_bytes().decode() == expected
+
+
+def test_append_never_replaces_a_file_it_cannot_read_and_keeps_the_records(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("\nstep,loss\n0,0.5\n")  # a blank first line: not a header
+    sink = dk.CSVSink(path, append=True)
+    with pytest.raises(ValueError, match="first line is not a CSV header"):
+        sink([{"step": 1, "loss": 0.25}])
+    assert path.read_text() == "\nstep,loss\n0,0.5\n"  # untouched
+    path.write_text("step,loss\n0,0.5\n")  # the user fixed it
+    sink([{"step": 2, "loss": 0.125}])
+    assert read_rows(path) == [["step", "loss"], ["0", "0.5"], ["1", "0.25"], ["2", "0.125"]]
+
+
+def test_the_progress_bar_shows_the_step_when_asked() -> None:
+    class Bar:
+        postfix: dict[str, Any] | None = None
+
+        def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
+            self.postfix = values
+
+    bar = Bar()
+    with dk.LogBuffer(sinks=[dk.ProgressBarSink(bar, keys=["step", "loss"])]) as logs:
+        logs.log(7, loss=0.5)
+    assert bar.postfix == {"step": "7", "loss": "0.5"}
