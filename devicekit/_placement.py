@@ -173,8 +173,7 @@ class _Mover:
                 self.unsynced.update(t.device for t in obj.parameters())
                 self.unsynced.update(t.device for t in obj.buffers())
             return obj.to(self.device, non_blocking=self.non_blocking)
-        # The class's .to(), not the instance's: an attribute-style dict may hold a "to" key.
-        if callable(getattr(type(obj), "to", None)):
+        if _has_to_method(type(obj)):
             return self.container(obj, _call_to)
         if isinstance(obj, Mapping):
             return self.container(obj, rebuild_mapping)
@@ -353,6 +352,15 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
         return tuple(result) if cls is tuple else result
 
     return move
+
+
+def _has_to_method(cls: type) -> bool:
+    """Whether the class defines ``.to`` itself, or a base class does.
+
+    Not an instance's "to" key (an attribute-style dict), nor a metaclass's
+    ``to`` (which the class has, and its instances do not).
+    """
+    return callable(getattr(cls, "to", None)) and any("to" in vars(k) for k in cls.__mro__)
 
 
 def _call_to(mover: _Mover, obj: Any) -> Any:

@@ -134,13 +134,13 @@ def _reads_back(obj: Mapping[Any, Any], key: Any, value: Any) -> bool:
 
 def rebuild_list_subclass(walk: Walk, obj: list[Any]) -> list[Any]:
     result: list[Any] = _own_copy(obj, unshare=True)
-    result[:] = [walk.move(item) for item in obj]
+    result[:] = [walk.move(item) for item in _kept(walk, obj)]
     forget_cached_properties(result)
     return result
 
 
 def rebuild_tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
-    items = [walk.move(item) for item in obj]
+    items = [walk.move(item) for item in _kept(walk, obj)]
     if type(obj) is tuple:
         return tuple(items)
     if is_namedtuple(obj):
@@ -149,20 +149,28 @@ def rebuild_tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def rebuild_set(walk: Walk, obj: set[Any] | frozenset[Any]) -> set[Any] | frozenset[Any]:
-    moved = [walk.move(item) for item in obj]
+    moved = [walk.move(item) for item in _kept(walk, obj)]
     cls: Any = type(obj)
     if cls is set or cls is frozenset:
         return cls(moved)
     # A subclass: made without its __init__ (its signature is the class's own, and
     # copying a set calls it with the items), then its attributes and the items.
     result: set[Any] | frozenset[Any] = (
-        cls.__new__(cls, moved) if isinstance(obj, frozenset) else cls.__new__(cls)
+        frozenset.__new__(cls, moved) if isinstance(obj, frozenset) else set.__new__(cls)
     )
     _copy_state(obj, result)
     if isinstance(result, set):
         set.update(result, moved)
     forget_cached_properties(result)
     return result
+
+
+def _kept(walk: Walk, obj: Any) -> list[Any]:
+    """The items ``obj`` yields, held until the call ends (a subclass may build them)."""
+    items = list(obj)
+    if type(obj) not in (list, tuple, set, frozenset):
+        walk.keep(items)
+    return items
 
 
 def rebuild_dataclass(walk: Walk, obj: Any) -> Any:
@@ -202,12 +210,15 @@ def _own_copy(obj: Any, *, unshare: bool) -> Any:
                 _unshare(result, obj)
             return result
     result = cls.__new__(cls)
-    if isinstance(obj, dict):
-        (OrderedDict.update if isinstance(obj, OrderedDict) else dict.update)(result, obj)
-        if isinstance(obj, defaultdict):
-            result.default_factory = obj.default_factory
+    if isinstance(obj, OrderedDict):  # its base __setitem__: the subclass's may need state
+        for key, value in OrderedDict.items(obj):
+            OrderedDict.__setitem__(result, key, value)
+    elif isinstance(obj, dict):
+        dict.update(result, obj)
     elif isinstance(obj, list):
         list.extend(result, obj)
+    if isinstance(obj, defaultdict):
+        result.default_factory = obj.default_factory
     _copy_state(obj, result)
     if unshare:
         _unshare(result, obj)
@@ -215,28 +226,38 @@ def _own_copy(obj: Any, *, unshare: bool) -> Any:
 
 
 def _unshare(result: Any, obj: Any) -> None:
+    """Give ``result`` its own copy of each mutable attribute it shares with ``obj``."""
     mine, theirs = getattr(result, "__dict__", None), getattr(obj, "__dict__", None)
     if mine and theirs:
         for name, value in mine.items():
-            if value is theirs.get(name) and isinstance(value, (dict, list, set, MutableMapping)):
+            if value is theirs.get(name) and _mutable(value):
                 mine[name] = copy.copy(value)
+    for name in _slot_names(type(obj)):
+        value = getattr(result, name, None)
+        if value is not None and value is getattr(obj, name, None) and _mutable(value):
+            object.__setattr__(result, name, copy.copy(value))
+
+
+def _mutable(value: object) -> bool:
+    return isinstance(value, (dict, list, set, MutableMapping))
 
 
 _COPY_HOOKS = frozenset(
     {"__copy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__"}
 )
-_STANDARD = frozenset({"builtins", "collections", "collections.abc", "abc", "typing"})
+# Their copy hooks are the generic ones that `_own_copy` does itself, without
+# __init__ or __setitem__; any other class's hooks (ChainMap's, UserDict's, a
+# ModelOutput's) say how that class is copied.
+_PLAIN = frozenset({object, dict, list, set, frozenset, tuple, OrderedDict, defaultdict, Counter})
 _own_way: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def _copies_its_own_way(cls: type) -> bool:
-    """Whether a class of the user's (not a builtin base) defines how it is copied."""
+    """Whether a class other than the plain bases defines how it is copied."""
     known = _own_way.get(cls)
     if known is None:
         known = _own_way[cls] = any(
-            not _COPY_HOOKS.isdisjoint(vars(klass))
-            for klass in cls.__mro__
-            if klass.__module__ not in _STANDARD
+            not _COPY_HOOKS.isdisjoint(vars(klass)) for klass in cls.__mro__ if klass not in _PLAIN
         )
     return known
 
@@ -252,11 +273,14 @@ def _copy_state(source: Any, target: Any) -> None:
 
 
 def _slot_names(cls: type) -> Iterator[str]:
+    """The attribute name of every slot, private (``__name``) ones as Python mangles them."""
     for klass in cls.__mro__:
         slots = vars(klass).get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__"):
-                yield name
+            if name in ("__dict__", "__weakref__"):
+                continue
+            private = name.startswith("__") and not name.endswith("__")
+            yield f"_{klass.__name__.lstrip('_')}{name}" if private else name
 
 
 _cached_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()

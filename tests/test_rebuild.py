@@ -260,3 +260,109 @@ def test_subclasses_with_their_own_init_are_copied_without_calling_it() -> None:
     assert (type(moved_defaulted), moved_defaulted.name) == (Defaulted, "counts")
     assert moved_defaulted.default_factory is list
     assert moved_defaulted["x"][0].is_meta
+
+
+def test_chain_maps_are_copied_their_own_way() -> None:
+    tensor = torch.ones(1)
+    chain = collections.ChainMap({}, {"x": tensor})
+    moved = dk.to_device(chain, META)
+    assert type(moved) is collections.ChainMap
+    assert moved["x"].is_meta
+    assert chain.maps == [{}, {"x": tensor}]  # the input, untouched
+
+
+class Audited(collections.OrderedDict[str, Any]):
+    """An OrderedDict subclass whose __setitem__ needs its own state."""
+
+    def __init__(self, *args: Any) -> None:
+        self.audit: list[str] = []
+        super().__init__(*args)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.audit.append(key)
+        super().__setitem__(key, value)
+
+
+class ReadOnlyOrdered(collections.OrderedDict[str, Any]):
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise TypeError("read-only")
+
+
+class SlottedJournal(dict[str, Any]):
+    __slots__ = ("__private", "writes")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.writes: list[str] = []
+        self.__private = "kept"
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.writes.append(key)
+        super().__setitem__(key, value)
+
+    def private(self) -> str:
+        return self.__private
+
+
+def test_subclasses_with_state_in_setitem_or_slots_leave_the_input_alone() -> None:
+    tensor = torch.ones(1)
+    audited = Audited([("a", tensor)])
+    audited.audit.clear()
+    moved = dk.to_device(audited, META)
+    assert (audited.audit, moved.audit, moved["a"].is_meta) == ([], ["a"], True)
+    frozen = ReadOnlyOrdered()
+    for key in ("b", "a"):
+        collections.OrderedDict.__setitem__(frozen, key, tensor)  # as its own code fills it
+    read_only = dk.to_device(frozen, META)
+    assert type(read_only) is ReadOnlyOrdered
+    assert list(read_only) == ["b", "a"]
+    assert read_only["a"].is_meta
+    journal = SlottedJournal({"x": tensor})
+    moved_journal = dk.to_device(journal, META)
+    assert journal.writes == []  # the slot's list is the copy's own
+    assert moved_journal.writes == ["x"]
+    assert moved_journal.private() == "kept"  # a private slot, under its mangled name
+
+
+class Built(list[Any]):
+    """Yields values it builds as it goes, as a lazy sequence does."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return (torch.zeros(k) if k % 2 else "label" for k in range(1, 9))
+
+
+class BuiltTuple(tuple[Any, ...]):
+    def __iter__(self) -> Iterator[Any]:
+        return (torch.zeros(k) if k % 2 else "label" for k in range(1, 9))
+
+
+def test_items_built_by_a_sequence_subclass_are_each_moved_as_themselves() -> None:
+    for moved in dk.to_device([Built([0]), Built([0]), BuiltTuple([0]), BuiltTuple([0])], META):
+        stored = list.__iter__(moved) if isinstance(moved, list) else tuple.__iter__(moved)
+        tensors = [item for item in stored if isinstance(item, torch.Tensor)]  # what it holds
+        assert [tuple(tensor.shape) for tensor in tensors] == [(1,), (3,), (5,), (7,)]
+        assert all(tensor.is_meta for tensor in tensors)
+
+
+class NamedFrozen(frozenset[Any]):
+    def __new__(cls, name: str, items: Any = ()) -> NamedFrozen:
+        made = super().__new__(cls, items)
+        made.name = name  # type: ignore[attr-defined]
+        return made
+
+
+class WithTo(type):
+    def to(cls, device: Any) -> None:  # a metaclass's method: the class has it, not instances
+        raise AssertionError("never called on an instance")
+
+
+class Configured(metaclass=WithTo):
+    pass
+
+
+def test_frozenset_subclass_with_its_own_new_and_a_metaclass_to() -> None:
+    moved = dk.to_device(NamedFrozen("inputs", [torch.ones(1)]), META)
+    assert (type(moved), moved.name, len(moved)) == (NamedFrozen, "inputs", 1)  # type: ignore[attr-defined]
+    assert next(iter(moved)).is_meta
+    configured = Configured()
+    assert dk.to_device(configured, META) is configured  # no .to of its own: left as it is
