@@ -225,13 +225,13 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
         reduce_op = dist.ReduceOp.MAX
     else:
         reduce_op = dist.ReduceOp.SUM  # a NaN on any rank makes the sum NaN
+        if op == "mean":  # divided first: a sum of large values would overflow to inf
+            flat /= dist.get_world_size()
     if on_gpu:
         dist.all_reduce(flat, op=reduce_op)
     else:
         all_reduce(flat, reduce_op, timeout=DEFAULT_TIMEOUT, what=what)
-    if op == "mean":
-        flat /= dist.get_world_size()
-    elif op in ("max", "min"):
+    if op in ("max", "min"):
         nan = flat[count:] > 0
         flat = (flat[:count] * sign).masked_fill_(nan, math.nan)
     in_flight = InFlight(steps, [])

@@ -58,6 +58,7 @@ class CSVSink:
         self.columns: list[str] = []
         self._started = False  # the file at path is this sink's, with self.columns as header
         self._newline_first = False  # appending to a file whose last line has no line end
+        self._line_end = "\r\n"  # the csv module's; a file appended to keeps its own
         self._unwritten: list[Record] = []  # what a failed write left out, written first next time
 
     def __repr__(self) -> str:
@@ -69,7 +70,7 @@ class CSVSink:
         rows = [*self._unwritten, *records]
         if not self._started and self.append:
             try:
-                self.columns, self._newline_first = _existing(self.path)
+                self.columns, self._newline_first, self._line_end = _existing(self.path)
             except BaseException:
                 self._unwritten = rows
                 raise
@@ -95,9 +96,10 @@ class CSVSink:
         descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             size = os.fstat(descriptor).st_size
-            data = _render(columns, rows, header=not size)  # a file rotated away: a new header
+            # A file rotated away (empty now) gets a new header.
+            data = _render(columns, rows, header=not size, line_end=self._line_end)
             if self._newline_first and size:
-                data = b"\r\n" + data
+                data = self._line_end.encode() + data
             try:
                 _write_all(descriptor, data)
             except BaseException:
@@ -109,7 +111,7 @@ class CSVSink:
     def _replace(self, columns: list[str], rows: list[Record]) -> None:
         """Write the whole file (old rows widened, then ``rows``) beside it, then swap it in."""
         text = io.StringIO()
-        writer = csv.writer(text)
+        writer = csv.writer(text, lineterminator=self._line_end)
         writer.writerow(columns)
         if self._started:  # the rows on disk, each with an empty cell per new column
             padding = [""] * (len(columns) - len(self.columns))
@@ -118,7 +120,9 @@ class CSVSink:
                     writer.writerows([*row, *padding] for row in list(csv.reader(old))[1:])
             except FileNotFoundError:  # rotated away: nothing of it to keep here
                 pass
-        data = text.getvalue().encode() + _render(columns, rows, header=False)
+        data = text.getvalue().encode() + _render(
+            columns, rows, header=False, line_end=self._line_end
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:12]}.tmp")
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -134,15 +138,17 @@ class CSVSink:
             raise
 
 
-def _existing(path: Path) -> tuple[list[str], bool]:
-    """The header of the CSV file at ``path`` (none without one), and whether it needs a line end.
+def _existing(path: Path) -> tuple[list[str], bool, str]:
+    """The header of the CSV file at ``path`` (none without one), and how to go on after it.
 
-    A file whose last line has no line end gets one before the first appended row.
+    Also whether its last line lacks a line end (the first appended row then
+    starts with one), and the line end it uses: a bare line feed, or the csv
+    module's carriage return and line feed.
     """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return [], False
+        return [], False, "\r\n"
     # utf-8-sig: a file saved by Excel starts with a byte-order mark, not part of the header.
     header = next(csv.reader(io.StringIO(data.decode("utf-8-sig"), newline="")), [])
     if data and not any(header):
@@ -150,12 +156,14 @@ def _existing(path: Path) -> tuple[list[str], bool]:
             f"CSVSink(append=True) cannot go on after {str(path)!r}: its first line is not a "
             "CSV header. Fix or move the file, or pass append=False to replace it"
         )
-    return header, bool(data) and not data.endswith((b"\n", b"\r"))
+    end = data.find(b"\n")
+    line_end = "\n" if end >= 0 and data[end - 1 : end] != b"\r" else "\r\n"
+    return header, bool(data) and not data.endswith((b"\n", b"\r")), line_end
 
 
-def _render(columns: list[str], rows: list[Record], *, header: bool) -> bytes:
+def _render(columns: list[str], rows: list[Record], *, header: bool, line_end: str) -> bytes:
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    writer = csv.DictWriter(text, fieldnames=columns, restval="", lineterminator=line_end)
     if header:
         writer.writeheader()
     writer.writerows(rows)

@@ -716,8 +716,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
             buffer.flush()
             results[op] = buffer.history
 
-        for op in ("max", "min"):
-            results[f"nan {op}"] = _reduce_with_a_nan(op, rank, world, device)
+        results.update(_reduce_edge_cases(rank, world, device))
 
         # Keys of other kinds on each rank: a number here, an int tensor there.
         buffer = dk.LogBuffer(flush_every=4, reduce="sum")
@@ -772,6 +771,15 @@ def _reduce_with_a_nan(op: str, rank: int, world: int, device: torch.device) -> 
     return buffer.history
 
 
+def _reduce_edge_cases(rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    results = {f"nan {op}": _reduce_with_a_nan(op, rank, world, device) for op in ("max", "min")}
+    huge = dk.LogBuffer(reduce="mean")  # a mean of values near float64's largest
+    huge.log(0, big=torch.tensor(1e308, dtype=torch.float64, device=device))
+    huge.flush()
+    results["huge mean"] = huge.history
+    return results
+
+
 def _spawn(main: Any, args: tuple[Any, ...], world: int, *, timeout: float = 240) -> None:
     """``mp.spawn``, but a rank that hangs fails the test instead of hanging it."""
     context = mp.spawn(main, args=args, nprocs=world, join=False)
@@ -803,6 +811,7 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
         assert ranks[0][op] == [
             {"step": s, "loss": values(s)[0], "rank": values(s)[1]} for s in range(7)
         ], op
+    assert ranks[0]["huge mean"] == [{"step": 0, "big": 1e308}]  # not inf
     for op, pick in (("max", max), ("min", min)):
         records = ranks[0][f"nan {op}"]
         assert [record["step"] for record in records] == list(range(world + 1))

@@ -246,7 +246,8 @@ def test_the_progress_bar_shows_each_key_s_newest_value() -> None:
 @pytest.mark.parametrize(
     ("existing", "expected"),
     [
-        ("step,loss\n0,0.5", "step,loss\n0,0.5\r\n1,0.25\r\n"),  # no line end after the last row
+        ("step,loss\n0,0.5", "step,loss\n0,0.5\n1,0.25\n"),  # no line end after the last row
+        ("step,loss\n0,0.5\n", "step,loss\n0,0.5\n1,0.25\n"),  # its own line ends are kept
         ("step,loss", "step,loss\r\n1,0.25\r\n"),  # a header alone, no line end
         ("\ufeffstep,loss\r\n0,0.5\r\n", "\ufeffstep,loss\r\n0,0.5\r\n1,0.25\r\n"),  # Excel's BOM
     ],
@@ -285,3 +286,11 @@ def test_the_progress_bar_shows_the_step_when_asked() -> None:
     with dk.LogBuffer(sinks=[dk.ProgressBarSink(bar, keys=["step", "loss"])]) as logs:
         logs.log(7, loss=0.5)
     assert bar.postfix == {"step": "7", "loss": "0.5"}
+
+
+def test_append_keeps_the_file_s_line_ends_when_it_widens(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("step,loss\n0,0.5\n")
+    sink = dk.CSVSink(path, append=True)
+    sink([{"step": 1, "loss": 0.25, "acc": 0.9}])
+    assert path.read_bytes() == b"step,loss,acc\n0,0.5,\n1,0.25,0.9\n"
