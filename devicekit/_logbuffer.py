@@ -401,7 +401,10 @@ class LogBuffer:
                 count = len(pending)
                 batch = pending[:count]
                 del pending[:count]
-                if batch:
+                # A reducing flush is a collective: a rank with nothing to send still
+                # joins, so that a rank with values hears at once that the ranks
+                # disagree, instead of waiting for it until the timeout.
+                if batch or (reduce and self.reduce is not None and initialized()):
                     try:
                         self._in_flight = self._start(batch, reduce=reduce)
                     except BaseException:
@@ -427,11 +430,11 @@ class LogBuffer:
 
     def _start(self, batch: list[tuple[Any, dict[str, Any], int]], *, reduce: bool) -> InFlight:
         steps: Sequence[Any]
-        steps, rows, reads = zip(*batch, strict=True)  # one pass, in C
+        steps, rows, reads = zip(*batch, strict=True) if batch else ((), (), ())  # in C
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
         if reduce and self.reduce is not None and initialized():
-            return start_reduced(steps, by_key(rows), self.reduce)
+            return start_reduced(steps, by_key(rows) if rows else [], self.reduce)
         return start(steps, rows, read=max(reads))
 
     def _complete(self) -> list[Record]:
@@ -443,8 +446,9 @@ class LogBuffer:
         self._in_flight = None
         self.nonfinite += nonfinite
         self._keys.update(dict.fromkeys(key for key, _, _ in in_flight.columns))
-        self._history.extend(records)
-        self._undelivered.append([records, 0])
+        if records:  # a reducing flush with nothing to send lands nothing
+            self._history.extend(records)
+            self._undelivered.append([records, 0])
         return records
 
     def _deliver(self) -> BaseException | None:

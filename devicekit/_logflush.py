@@ -201,7 +201,10 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     said = f"logged {_summary(ordered, len(steps))}"
     flat: torch.Tensor | None = None
     try:
-        flat = torch.cat([_as_float64(values, device) for _, _, values in ordered])
+        flat = torch.cat(
+            [torch.zeros(0, dtype=torch.float64, device=device)]
+            + [_as_float64(values, device) for _, _, values in ordered]
+        )
     except Exception as error:  # noqa: BLE001 - every rank must still hear of it
         layout, said = None, f"could not prepare its values: {error!r}"
     what = f"LogBuffer(reduce={op!r}).flush()"
@@ -215,6 +218,8 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
             "number of times, on every rank (log a NaN where a rank has no value)."
         )
     assert flat is not None
+    if not ordered:  # every rank had nothing to send, and all agree
+        return InFlight(steps, [])
     count = flat.numel()
     if op in ("max", "min"):
         # gloo's MAX keeps or drops a NaN by rank order; NaN must win wherever a rank had

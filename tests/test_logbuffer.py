@@ -740,6 +740,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
 
         results["keys"] = disagreement(3, {"extra": 2.0} if rank == 0 else {})
         results["steps"] = disagreement(3 if rank == 0 else 2, {})
+        results["one empty"] = disagreement(2 if rank == 0 else 0, {})  # no 300 s wait
+        results["all empty"] = disagreement(0, {})
         if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
             real = _logflush._as_float64
 
@@ -798,7 +800,7 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     ranks = [json.loads((folder / f"{rank}.json").read_text()) for rank in range(world)]
     for name in ("mean", "sum", "max", "min", "kinds", "after"):
         assert all(other[name] == ranks[0][name] for other in ranks), name  # the same records
-    for name in ("keys", "steps", "failure"):
+    for name in ("keys", "steps", "failure", "one empty"):
         assert all(other[name][0] == ranks[0][name][0] for other in ranks), name  # one error
     top = world - 1  # the largest rank
     expected = {  # (loss, rank) at step s
@@ -835,6 +837,10 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     message, pending, history = ranks[0]["steps"]
     assert "  rank 0: logged 3 steps of loss\n  rank 1: logged 2 steps of loss\n" in message
     assert (pending, history) == (3, [])
+    message, pending, history = ranks[0]["one empty"]
+    assert "  rank 0: logged 2 steps of loss\n  rank 1: logged 0 steps of nothing\n" in message
+    assert (pending, history) == (2, [])
+    assert ranks[0]["all empty"] == ranks[1]["all empty"] == ["no error", 0, []]
     message = ranks[0]["failure"][0]
     assert "  rank 1: could not prepare its values: RuntimeError('out of memory')" in message
     assert ranks[0]["after"] == [
