@@ -590,13 +590,9 @@ def _some(keys: list[str], *, shown: int = 10) -> str:
 
 
 def _some_items(record: Record, *, shown: int = 10, braces: bool = True) -> str:
-    """The first items of a record, then how many more."""
-    if braces and len(record) <= shown:
-        return repr(record)
+    """The first items of a record (as its repr writes them), then how many more."""
     items = [f"{key!r}: {value!r}" if braces else f"{key}={value}" for key, value in record.items()]
-    text = ", ".join(items[:shown]) + (
-        f" and {len(items) - shown} more" if len(items) > shown else ""
-    )
+    text = _some(items, shown=shown)
     return f"{{{text}}}" if braces else text
 
 

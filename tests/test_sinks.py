@@ -124,6 +124,16 @@ def test_the_first_write_replaces_an_old_file_only_once_it_is_complete(
     assert read_rows(path) == [["step", "loss"], ["0", "1.0"]]
 
 
+class _Bar:
+    """Stands in for a tqdm bar: keeps the last postfix it was given."""
+
+    def __init__(self) -> None:
+        self.postfix: dict[str, Any] | None = None
+
+    def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
+        self.postfix = values
+
+
 def test_tensorboard_and_progress_bar_sinks() -> None:
     class Writer:
         def __init__(self) -> None:
@@ -132,14 +142,7 @@ def test_tensorboard_and_progress_bar_sinks() -> None:
         def add_scalar(self, tag: str, value: float, step: int | None = None) -> None:
             self.calls.append((tag, value, step))
 
-    class Bar:
-        def __init__(self) -> None:
-            self.postfix: dict[str, Any] | None = None
-
-        def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
-            self.postfix = values
-
-    writer, bar = Writer(), Bar()
+    writer, bar = Writer(), _Bar()
     with dk.LogBuffer(
         sinks=[dk.TensorBoardSink(writer), dk.ProgressBarSink(bar, keys=["loss"])]
     ) as b:
@@ -151,10 +154,6 @@ def test_tensorboard_and_progress_bar_sinks() -> None:
 
 class _Writer:
     def add_scalar(self, tag: str, value: float, step: int | None = None) -> None: ...
-
-
-class _Bar:
-    def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None: ...
 
 
 def test_sink_reprs() -> None:
@@ -223,14 +222,7 @@ def test_a_file_rotated_away_mid_run_starts_again_with_its_header(tmp_path: Path
 
 
 def test_the_progress_bar_shows_each_key_s_newest_value() -> None:
-    class Bar:
-        def __init__(self) -> None:
-            self.postfix: dict[str, Any] | None = None
-
-        def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
-            self.postfix = values
-
-    bar, chosen = Bar(), Bar()
+    bar, chosen = _Bar(), _Bar()
     sinks = [dk.ProgressBarSink(bar), dk.ProgressBarSink(chosen, keys=["val_loss"])]
     with dk.LogBuffer(flush_every=2, sinks=sinks) as logs:
         logs.log(0, loss=0.5)
@@ -276,13 +268,7 @@ def test_append_never_replaces_a_file_it_cannot_read_and_keeps_the_records(
 
 
 def test_the_progress_bar_shows_the_step_when_asked() -> None:
-    class Bar:
-        postfix: dict[str, Any] | None = None
-
-        def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = True) -> None:
-            self.postfix = values
-
-    bar = Bar()
+    bar = _Bar()
     with dk.LogBuffer(sinks=[dk.ProgressBarSink(bar, keys=["step", "loss"])]) as logs:
         logs.log(7, loss=0.5)
     assert bar.postfix == {"step": "7", "loss": "0.5"}
