@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ._errors import DeviceNotFoundError as DeviceNotFoundError
     from ._errors import DeviceOutOfMemoryError as DeviceOutOfMemoryError
     from ._errors import GPUUnavailableError as GPUUnavailableError
+    from ._errors import RanksDisagreeError as RanksDisagreeError
     from ._errors import RanksOutOfStepError as RanksOutOfStepError
     from ._errors import SyncError as SyncError
     from ._errors import WorkerError as WorkerError
@@ -128,6 +129,7 @@ _EXPORTS: dict[str, str] = {
     "DeviceNotFoundError": "._errors",
     "DeviceOutOfMemoryError": "._errors",
     "GPUUnavailableError": "._errors",
+    "RanksDisagreeError": "._errors",
     "RanksOutOfStepError": "._errors",
     "SyncError": "._errors",
     "WorkerError": "._errors",
@@ -239,6 +241,7 @@ __all__ = [
     "ProgressBarSink",
     "RankStatus",
     "RankTimes",
+    "RanksDisagreeError",
     "RanksOutOfStepError",
     "Record",
     "ScopeReport",

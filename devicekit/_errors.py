@@ -27,6 +27,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "DevicekitError",
     "GPUUnavailableError",
+    "RanksDisagreeError",
     "RanksOutOfStepError",
     "SyncError",
     "WorkerError",
@@ -64,6 +65,15 @@ class DeviceMismatchError(DevicekitError, RuntimeError):
 
 class GPUUnavailableError(DevicekitError, RuntimeError):
     """Not enough GPUs meet a request; the message says why each one was turned down."""
+
+
+class RanksDisagreeError(DevicekitError, ValueError):
+    """The ranks of a ``LogBuffer(reduce=...)`` logged different keys or numbers of steps.
+
+    Values are matched by key name, so such a flush cannot be combined; every
+    rank raises this, with what each rank logged, and records its own values
+    of that flush unreduced (none is lost; later flushes combine again).
+    """
 
 
 class RanksOutOfStepError(DevicekitError, RuntimeError):
@@ -120,6 +130,7 @@ for _cls in (
     DeviceNotFoundError,
     DeviceOutOfMemoryError,
     GPUUnavailableError,
+    RanksDisagreeError,
     RanksOutOfStepError,
     SyncError,
     WorkerError,

@@ -25,7 +25,7 @@ import torch
 
 from ._callbacks import checked_sinks
 from ._dist import initialized
-from ._errors import add_note
+from ._errors import RanksDisagreeError, add_note
 from ._format import html_table, plural
 from ._logflush import (
     HOST_TENSORS,
@@ -130,8 +130,10 @@ class LogBuffer:
     records the same numbers. Values are matched by key name, never by
     position: the keyword order may differ between ranks. Every rank must log
     the same keys the same number of times between flushes; if the ranks
-    disagree, every rank raises ``ValueError`` naming what each rank logged,
-    and no values are mixed. (To compare, the ranks first exchange what they
+    disagree, every rank raises [`RanksDisagreeError`][devicekit.RanksDisagreeError]
+    naming what each rank logged, no values are mixed, and each rank records
+    its own values of that flush unreduced (retrying could never pass; the
+    next flushes combine again). (To compare, the ranks first exchange what they
     logged over devicekit's own gloo group, as ``job_status()`` does: no GPU
     sync, and ``RanksOutOfStepError`` if a rank never arrives within 300 s.)
     When the ``with`` block leaves on an exception, its final flush
@@ -248,7 +250,10 @@ class LogBuffer:
             those of an earlier flush that landed meanwhile.
 
         Raises:
-            ValueError: With ``reduce``, the ranks logged different keys.
+            RanksDisagreeError: With ``reduce``, the ranks logged different keys or
+                numbers of steps; each rank recorded its own values, unreduced.
+            ValueError: With ``reduce``, a rank could not prepare its values (they
+                stay pending).
             RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s.
             Exception: The first error a sink raised, once all sinks have run,
                 or what made the copy fail (the values are still pending).
@@ -406,7 +411,14 @@ class LogBuffer:
                 # disagree, instead of waiting for it until the timeout.
                 if batch or (reduce and self.reduce is not None and initialized()):
                     try:
-                        self._in_flight = self._start(batch, reduce=reduce)
+                        try:
+                            self._in_flight = self._start(batch, reduce=reduce)
+                        except RanksDisagreeError as error:
+                            # Every rank has the same verdict, and trying again would fail
+                            # again: each records its own values, and raises it below.
+                            failure = error
+                            if batch:
+                                self._in_flight = self._start(batch, reduce=False)
                     except BaseException:
                         pending[:0] = batch  # keep the values, in order
                         raise
@@ -421,6 +433,9 @@ class LogBuffer:
                 self._flush_at = self.flush_every
             sink_error = self._deliver()
             if failure is not None:
+                if sink_error is not None and not isinstance(sink_error, Exception):
+                    logger.error("a LogBuffer flush failed", exc_info=failure)
+                    raise sink_error  # Ctrl-C is never swallowed; the values are kept
                 if sink_error is not None:
                     logger.error("a LogBuffer sink raised", exc_info=sink_error)
                 raise failure
@@ -458,13 +473,16 @@ class LogBuffer:
         (``record.pop("step")``) changes nothing for ``history`` or the other
         sinks. A sink that logs may start a flush: that flush delivers nothing,
         and this loop hands its records on after the ones before them. A sink
-        interrupted by Ctrl-C counts as done; the sinks after it get the records
-        at the next flush.
+        interrupted by Ctrl-C (or that calls ``sys.exit``) counts as done; the
+        other sinks still get the records, and the interrupt is returned, ahead
+        of any error, so that it is raised once they have: the end of a ``with``
+        block has no next flush to hand them on.
         """
         if self._delivering:
             return None
         self._delivering = True
         first_error: BaseException | None = None
+        interrupt: BaseException | None = None
         undelivered = self._undelivered
         try:
             # Only what had landed when this call began: what the sinks log meanwhile
@@ -480,10 +498,12 @@ class LogBuffer:
                         sinks[index](list(map(dict.copy, records)))
                     except Exception as error:  # noqa: BLE001 - every sink runs; the first is raised
                         first_error = first_error or error
+                    except BaseException as error:  # noqa: BLE001 - Ctrl-C: raised once all ran
+                        interrupt = interrupt or error
                 undelivered.popleft()
         finally:
             self._delivering = False
-        return first_error
+        return interrupt or first_error
 
 
 # --- checking values when they are logged ---------------------------------------------------

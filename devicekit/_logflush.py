@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
+from ._errors import RanksDisagreeError
 from ._format import plural
 from ._timing import CudaEvent
 
@@ -180,9 +181,9 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     a hang. Only when all ranks agree are the values combined, in key order.
 
     Raises:
-        ValueError: The ranks logged different keys or numbers of steps, or one
-            could not prepare its values; every rank raises it, and no values
-            are mixed.
+        RanksDisagreeError: The ranks logged different keys or numbers of steps;
+            every rank raises it, and no values are mixed.
+        ValueError: A rank could not prepare its values; every rank raises it.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
 
@@ -210,11 +211,18 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     what = f"LogBuffer(reduce={op!r}).flush()"
     answers = gather_objects((layout, said), timeout=DEFAULT_TIMEOUT, what=what)
     layouts = [answer[0] for answer in answers]
-    if None in layouts or len(set(layouts)) > 1:  # the same verdict on every rank
-        lines = "\n".join(f"  rank {rank}: {text}" for rank, (_, text) in enumerate(answers))
+    lines = "\n".join(f"  rank {rank}: {text}" for rank, (_, text) in enumerate(answers))
+    # The same verdict on every rank, from the same answers.
+    if None in layouts:  # may pass (out of memory): the values stay pending, to try again
         raise ValueError(
+            f"LogBuffer(reduce={op!r}) cannot combine this flush: a rank could not prepare its "
+            f"values:\n{lines}\nThe values stay pending; the next flush tries again."
+        )
+    if len(set(layouts)) > 1:  # never passes: trying again would fail again, every time
+        raise RanksDisagreeError(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, and values "
-            f"are matched by key name, never by position:\n{lines}\nLog the same keys, the same "
+            f"are matched by key name, never by position:\n{lines}\nEach rank records its own "
+            "values of this flush, unreduced, so none is lost. Log the same keys, the same "
             "number of times, on every rank (log a NaN where a rank has no value)."
         )
     assert flat is not None

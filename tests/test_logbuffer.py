@@ -474,11 +474,58 @@ def test_a_sink_interrupted_by_ctrl_c_leaves_the_records_to_the_sinks_after_it()
     buffer.log(loss=1.0)
     with pytest.raises(KeyboardInterrupt):
         buffer.flush()
-    assert received == []
+    assert [r["loss"] for r in received] == [1.0]  # the sinks after it still ran
     buffer.log(loss=2.0)
     buffer.flush()
     assert [r["loss"] for r in received] == [1.0, 2.0]  # none lost, none twice
     assert calls == [1, 1]  # the interrupted sink is not handed the same records again
+
+
+def test_ctrl_c_in_a_sink_is_raised_even_when_the_flush_failed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    received: list[dk.Record] = []
+
+    def interrupted(records: list[dk.Record]) -> None:
+        received.extend(records)
+        if len(received) == 1:
+            raise KeyboardInterrupt
+
+    buffer = dk.LogBuffer(flush_every=1, sinks=[interrupted])
+    buffer.log(0, loss=1.0)  # its flush starts the copy; the sinks run at the next flush
+
+    def failing_start(self: dk.LogBuffer, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(dk.LogBuffer, "_start", failing_start)
+    with pytest.raises(KeyboardInterrupt):  # not the RuntimeError: Ctrl-C is never swallowed
+        buffer.log(1, loss=2.0)
+    assert "a LogBuffer flush failed" in caplog.text
+    assert "RuntimeError: copy failed" in caplog.text
+    assert buffer._pending_count() == 1  # the failed flush kept its value
+    monkeypatch.undo()
+    assert buffer.flush() == [{"step": 1, "loss": 2.0}]
+    assert received == buffer.history
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(1)])
+def test_an_interrupted_sink_at_the_end_of_a_block_loses_nothing_for_the_others(
+    interrupt: BaseException,
+) -> None:
+    """The last flush has no next flush: the sinks after the interrupted one run first."""
+    received: list[dk.Record] = []
+
+    def interrupted(records: list[dk.Record]) -> None:
+        raise interrupt
+
+    def broken(records: list[dk.Record]) -> None:
+        raise OSError("disk full")
+
+    logs = dk.LogBuffer(sinks=[broken, interrupted, received.extend])
+    with pytest.raises(type(interrupt)) as info, logs:  # the interrupt wins over the OSError
+        logs.log(0, loss=1.0)
+    assert info.value is interrupt
+    assert received == [{"step": 0, "loss": 1.0}]
 
 
 def test_what_a_sink_logs_in_the_last_flush_of_a_block_is_recorded() -> None:
@@ -690,8 +737,6 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
 
     import torch.distributed as dist
 
-    from devicekit import _logflush
-
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", rank)
@@ -728,35 +773,50 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
         buffer.flush()
         results["kinds"] = buffer.history
 
-        def disagreement(steps: int, extra: dict[str, float]) -> list[Any]:
-            buffer = dk.LogBuffer(reduce="mean")
-            for step in range(steps):
-                buffer.log(step, loss=torch.tensor(1.0, device=device), **extra)
-            try:
-                buffer.flush()
-            except ValueError as error:
-                return [str(error), len(buffer._pending), buffer.history]
-            return ["no error", len(buffer._pending), buffer.history]
-
-        results["keys"] = disagreement(3, {"extra": 2.0} if rank == 0 else {})
-        results["steps"] = disagreement(3 if rank == 0 else 2, {})
-        results["one empty"] = disagreement(2 if rank == 0 else 0, {})  # no 300 s wait
-        results["all empty"] = disagreement(0, {})
-        if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
-            real = _logflush._as_float64
-
-            def failing(values: Any, on: Any) -> Any:
-                raise RuntimeError("out of memory")
-
-            _logflush._as_float64 = failing  # type: ignore[assignment]
-        results["failure"] = disagreement(2, {})
-        if rank == 1:
-            _logflush._as_float64 = real  # type: ignore[assignment]
-        results["after"] = disagreement(2, {})  # the group still works afterwards
+        results.update(_disagreements(rank, device))
         Path(folder, f"{rank}.json").write_text(json.dumps(results))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
+    """Flushes the ranks cannot combine, each followed by one they can."""
+    from devicekit import _logflush
+
+    results: dict[str, Any] = {}
+
+    def disagreement(steps: int, extra: dict[str, float]) -> list[Any]:
+        """What one flush raised and left, then what an agreeing flush adds after it."""
+        buffer = dk.LogBuffer(reduce="mean")
+        for step in range(steps):
+            buffer.log(step, loss=torch.tensor(1.0 + rank, device=device), **extra)
+        try:
+            buffer.flush()
+        except ValueError as error:
+            outcome = [type(error).__name__, str(error)]
+        else:
+            outcome = ["no error", ""]
+        outcome += [len(buffer._pending), buffer.history]
+        buffer.log(10, loss=float(rank))  # every rank agrees on this one
+        buffer.flush()
+        return [*outcome, buffer.history[len(outcome[3]) :]]
+
+    results["keys"] = disagreement(3, {"extra": 2.0} if rank == 0 else {})
+    results["steps"] = disagreement(3 if rank == 0 else 2, {})
+    results["one empty"] = disagreement(2 if rank == 0 else 0, {})  # no 300 s wait
+    results["all empty"] = disagreement(0, {})
+    if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
+        real = _logflush._as_float64
+
+        def failing(values: Any, on: Any) -> Any:
+            _logflush._as_float64 = real  # once: the next flush succeeds
+            raise RuntimeError("out of memory")
+
+        _logflush._as_float64 = failing  # type: ignore[assignment]
+    results["failure"] = disagreement(2, {})
+    results["after"] = disagreement(2, {})  # the group still works afterwards
+    return results
 
 
 def _reduce_with_a_nan(op: str, rank: int, world: int, device: torch.device) -> list[Any]:
@@ -801,7 +861,7 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     for name in ("mean", "sum", "max", "min", "kinds", "after"):
         assert all(other[name] == ranks[0][name] for other in ranks), name  # the same records
     for name in ("keys", "steps", "failure", "one empty"):
-        assert all(other[name][0] == ranks[0][name][0] for other in ranks), name  # one error
+        assert all(other[name][:2] == ranks[0][name][:2] for other in ranks), name  # one error
     top = world - 1  # the largest rank
     expected = {  # (loss, rank) at step s
         "mean": lambda s: (s + 10.0 * top / 2, top / 2),
@@ -828,25 +888,46 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     ]
     if world < 2:
         return
-    message, pending, history = ranks[0]["keys"]
+    # Ranks that disagree: each records its own values, unreduced (never mixed, never
+    # lost, never pending forever), and the next flush, where they agree, combines again.
+    combined = [{"step": 10, "loss": 0.5}]  # the mean of rank 0's 0.0 and rank 1's 1.0
+    name, message, pending, history, after = ranks[0]["keys"]
+    assert name == "RanksDisagreeError"
     assert "LogBuffer(reduce='mean') cannot combine this flush: the ranks disagree" in message
     assert "  rank 0: logged 3 steps of extra, loss\n" in message
     assert "  rank 1: logged 3 steps of loss\n" in message
-    assert (pending, history) == (3, [])  # nothing mixed, nothing recorded, all kept
-    assert ranks[1]["keys"][1:] == [3, []]
-    message, pending, history = ranks[0]["steps"]
+    assert "Each rank records its own values of this flush, unreduced" in message
+    assert (pending, history, after) == (
+        0,
+        [{"step": s, "loss": 1.0, "extra": 2.0} for s in range(3)],
+        combined,
+    )
+    assert ranks[1]["keys"][2:] == [0, [{"step": s, "loss": 2.0} for s in range(3)], combined]
+    name, message, pending, history, after = ranks[0]["steps"]
+    assert name == "RanksDisagreeError"
     assert "  rank 0: logged 3 steps of loss\n  rank 1: logged 2 steps of loss\n" in message
-    assert (pending, history) == (3, [])
-    message, pending, history = ranks[0]["one empty"]
+    assert (pending, len(history), after) == (0, 3, combined)
+    assert ranks[1]["steps"][2:] == [0, [{"step": s, "loss": 2.0} for s in range(2)], combined]
+    name, message, pending, history, after = ranks[0]["one empty"]
+    assert name == "RanksDisagreeError"
     assert "  rank 0: logged 2 steps of loss\n  rank 1: logged 0 steps of nothing\n" in message
-    assert (pending, history) == (2, [])
-    assert ranks[0]["all empty"] == ranks[1]["all empty"] == ["no error", 0, []]
-    message = ranks[0]["failure"][0]
+    assert (pending, len(history), after) == (0, 2, combined)
+    assert ranks[1]["one empty"][2:] == [0, [], combined]
+    assert ranks[0]["all empty"] == ranks[1]["all empty"] == ["no error", "", 0, [], combined]
+    # A rank that could not prepare its values: the values stay pending on every rank,
+    # and the next flush combines them with the new ones.
+    name, message, pending, history, after = ranks[0]["failure"]
+    assert name == "ValueError"
     assert "  rank 1: could not prepare its values: RuntimeError('out of memory')" in message
+    assert "The values stay pending; the next flush tries again." in message
+    assert (pending, history) == (2, [])
+    assert after == [{"step": 0, "loss": 1.5}, {"step": 1, "loss": 1.5}, *combined]
     assert ranks[0]["after"] == [
         "no error",
+        "",
         0,
-        [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 1.0}],
+        [{"step": 0, "loss": 1.5}, {"step": 1, "loss": 1.5}],
+        combined,
     ]
 
 
