@@ -517,6 +517,31 @@ def test_a_tensor_already_there_after_a_copied_sibling_is_itself() -> None:
     assert as_list[2][1] is there
 
 
+def test_the_next_call_checks_again_where_each_tensor_is() -> None:
+    """Skipping the check after a copy lasts one call: a later call that copies nothing
+    calls no .to() at all."""
+    from torch.overrides import TorchFunctionMode
+
+    calls: list[str] = []
+
+    class CountTo(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if getattr(func, "__name__", "") == "to":
+                calls.append("to")
+            return func(*args, **(kwargs or {}))
+
+    there = {"a": [torch.ones(1, device=META)], "b": {"c": torch.ones(1, device=META)}}
+    with CountTo():
+        dk.to_device({"a": [torch.ones(1)], "b": {"c": torch.ones(1)}}, META)
+        assert calls == ["to", "to"]
+        moved = dk.to_device(there, META)
+    assert calls == ["to", "to"]  # none for the tensors already there
+    assert moved["a"][0] is there["a"][0]
+    assert moved["b"]["c"] is there["b"]["c"]
+
+
 def test_cycles_raise_with_the_path() -> None:
     looped: dict[str, Any] = {"x": [torch.ones(1)]}
     looped["x"].append(looped)
