@@ -68,9 +68,9 @@ class GPUUnavailableError(DevicekitError, RuntimeError):
 
 
 class RanksDisagreeError(DevicekitError, ValueError):
-    """The ranks of a ``LogBuffer(reduce=...)`` logged different keys or numbers of steps.
+    """The ranks of a ``LogBuffer(reduce=...)`` logged different keys or steps.
 
-    Values are matched by key name, so such a flush cannot be combined; every
+    Values are matched by key name and step, so such a flush cannot be combined; every
     rank raises this, with what each rank logged, and records its own values
     of that flush unreduced (none is lost; later flushes combine again).
     """

@@ -127,13 +127,15 @@ class LogBuffer:
 
     With ``reduce`` set and ``torch.distributed`` initialized, each flush
     combines the values of all ranks in one ``all_reduce``, so every rank
-    records the same numbers. Values are matched by key name, never by
-    position: the keyword order may differ between ranks. Every rank must log
-    the same keys the same number of times between flushes; if the ranks
+    records the same numbers. Values are matched by key name and step, never
+    by position: the keyword order may differ between ranks. Every rank must
+    log the same keys at the same steps between flushes; if the ranks
     disagree, every rank raises [`RanksDisagreeError`][devicekit.RanksDisagreeError]
     naming what each rank logged, no values are mixed, and each rank records
     its own values of that flush unreduced (retrying could never pass; the
-    next flushes combine again). (To compare, the ranks first exchange what they
+    next flushes combine again once the ranks agree; a default step counts
+    this rank's own ``log()`` calls, so pass the step where ranks may log
+    different numbers of times). (To compare, the ranks first exchange what they
     logged over devicekit's own gloo group, as ``job_status()`` does: no GPU
     sync, and ``RanksOutOfStepError`` if a rank never arrives within 300 s.)
     When the ``with`` block leaves on an exception, its final flush
@@ -251,7 +253,7 @@ class LogBuffer:
 
         Raises:
             RanksDisagreeError: With ``reduce``, the ranks logged different keys or
-                numbers of steps; each rank recorded its own values, unreduced.
+                steps; each rank recorded its own values, unreduced.
             ValueError: With ``reduce``, a rank could not prepare its values (they
                 stay pending).
             RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s.
@@ -308,27 +310,41 @@ class LogBuffer:
         traceback: TracebackType | None,
     ) -> None:
         if exc is None:
-            self.flush()
+            try:
+                self.flush()
+            except BaseException as error:
+                # What the sinks logged meanwhile is still recorded; after Ctrl-C in a
+                # sink, without calling the sinks again.
+                self._record_what_sinks_logged(error, deliver=isinstance(error, Exception))
+                raise
             self._flush_what_sinks_logged()
             return
         # Leaving on an exception: flush without the collective (other ranks may
         # never reach it), and never let a failing flush or sink replace `exc`.
         try:
             self._flush(wait=True, reduce=False)
-            self._flush_what_sinks_logged()
         except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
             _report_while_exiting(exc, error, pending=self._pending_count())
+        self._record_what_sinks_logged(exc, deliver=True)
 
-    def _flush_what_sinks_logged(self) -> None:
+    def _record_what_sinks_logged(self, raised: BaseException, *, deliver: bool) -> None:
+        """`_flush_what_sinks_logged`, when ``raised`` is on its way out: its errors go on it."""
+        try:
+            self._flush_what_sinks_logged(deliver=deliver)
+        except Exception as error:  # noqa: BLE001 - reported on raised, which propagates
+            _report_while_exiting(raised, error, pending=self._pending_count())
+
+    def _flush_what_sinks_logged(self, *, deliver: bool = True) -> None:
         """Record what sinks logged during the last flush, a few rounds at most.
 
         Not reduced: it comes from records every rank already shares, and a rank
-        whose sinks logged nothing would not join the collective.
+        whose sinks logged nothing would not join the collective. With
+        ``deliver=False`` the records land in ``history`` without calling the sinks.
         """
         for _ in range(_FINAL_ROUNDS):
-            if not (self._pending or self._in_flight or self._undelivered):
+            if not (self._pending or self._in_flight or (deliver and self._undelivered)):
                 return
-            self._flush(wait=True, reduce=False)
+            self._flush(wait=True, reduce=False, deliver=deliver)
 
     def __del__(self) -> None:
         # Values dropped with the buffer are lost: say so, as Python does for an unclosed file.
@@ -394,7 +410,7 @@ class LogBuffer:
 
     # --- the flush -----------------------------------------------------------------------
 
-    def _flush(self, *, wait: bool, reduce: bool) -> list[Record]:
+    def _flush(self, *, wait: bool, reduce: bool, deliver: bool = True) -> list[Record]:
         with self._lock:
             finished: list[Record] = []
             failure: BaseException | None = None
@@ -431,7 +447,7 @@ class LogBuffer:
                 failure = error
             else:
                 self._flush_at = self.flush_every
-            sink_error = self._deliver()
+            sink_error = self._deliver() if deliver else None
             if failure is not None:
                 if sink_error is not None and not isinstance(sink_error, Exception):
                     logger.error("a LogBuffer flush failed", exc_info=failure)
@@ -467,22 +483,23 @@ class LogBuffer:
         return records
 
     def _deliver(self) -> BaseException | None:
-        """Hand each landed flush to every sink, in order; return the first error.
+        """Hand each landed flush to every sink, in order; return the error to raise.
 
         Each sink gets its own copies of the records, so one that changes them
         (``record.pop("step")``) changes nothing for ``history`` or the other
         sinks. A sink that logs may start a flush: that flush delivers nothing,
         and this loop hands its records on after the ones before them. A sink
-        interrupted by Ctrl-C (or that calls ``sys.exit``) counts as done; the
-        other sinks still get the records, and the interrupt is returned, ahead
-        of any error, so that it is raised once they have: the end of a ``with``
-        block has no next flush to hand them on.
+        interrupted by Ctrl-C (or that calls ``sys.exit``) counts as done, and
+        is not called again by this loop; the other sinks still get the
+        records. The interrupt is returned ahead of any error, so that it is
+        raised once they have (the end of a ``with`` block has no next flush to
+        hand them on); the errors not returned are logged.
         """
         if self._delivering:
             return None
         self._delivering = True
-        first_error: BaseException | None = None
-        interrupt: BaseException | None = None
+        errors: list[BaseException] = []
+        interrupted: set[int] = set()  # id() of the sinks Ctrl-C got out of
         undelivered = self._undelivered
         try:
             # Only what had landed when this call began: what the sinks log meanwhile
@@ -494,16 +511,25 @@ class LogBuffer:
                 sinks = list(self.sinks)  # a sink may remove itself from the list
                 for index in range(first, len(sinks)):
                     entry[1] = index + 1
+                    if id(sinks[index]) in interrupted:
+                        continue
                     try:
                         sinks[index](list(map(dict.copy, records)))
-                    except Exception as error:  # noqa: BLE001 - every sink runs; the first is raised
-                        first_error = first_error or error
+                    except Exception as error:  # noqa: BLE001 - every sink runs; one is raised
+                        errors.append(error)
                     except BaseException as error:  # noqa: BLE001 - Ctrl-C: raised once all ran
-                        interrupt = interrupt or error
+                        errors.append(error)
+                        interrupted.add(id(sinks[index]))
                 undelivered.popleft()
         finally:
             self._delivering = False
-        return interrupt or first_error
+        if not errors:
+            return None
+        raised = next((e for e in errors if not isinstance(e, Exception)), errors[0])
+        for other in errors:
+            if other is not raised:
+                logger.error("a LogBuffer sink raised", exc_info=other)
+        return raised
 
 
 # --- checking values when they are logged ---------------------------------------------------
@@ -579,7 +605,8 @@ def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int)
         f"devicekit: while the LogBuffer block was exiting on this exception, its final flush "
         f"raised {type(error).__name__}: {error} ({kept})"
     )
-    add_note(exc, note)
+    if note not in getattr(exc, "__notes__", ()):  # a flush tried again and failed the same way
+        add_note(exc, note)
 
 
 def _checked_step(step: object) -> int:

@@ -181,8 +181,9 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     a hang. Only when all ranks agree are the values combined, in key order.
 
     Raises:
-        RanksDisagreeError: The ranks logged different keys or numbers of steps;
-            every rank raises it, and no values are mixed.
+        RanksDisagreeError: The ranks logged different keys or steps (or a key on
+            the GPU on one rank and on the host on another); every rank raises it,
+            and no values are mixed.
         ValueError: A rank could not prepare its values; every rank raises it.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
@@ -196,10 +197,11 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     on_gpu = gpu is not None and dist.get_backend() == "nccl"
     device = gpu if on_gpu and gpu is not None else torch.device("cpu")
     path = "NCCL on the GPU" if on_gpu else "gloo on the host"
-    layout: str | None = f"{path}; {len(steps)} steps; " + "; ".join(
-        key if rows is None else f"{key} at {rows}" for key, rows, _ in ordered
+    # The steps themselves, not only how many: values of different steps never combine.
+    layout: str | None = f"{path}; steps {list(steps)}; keys " + ", ".join(
+        key if rows is None else f"{key} at rows {rows}" for key, rows, _ in ordered
     )
-    said = f"logged {_summary(ordered, len(steps))}"
+    said = f"logged {_summary(ordered, steps)}"
     flat: torch.Tensor | None = None
     try:
         flat = torch.cat(
@@ -211,7 +213,10 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     what = f"LogBuffer(reduce={op!r}).flush()"
     answers = gather_objects((layout, said), timeout=DEFAULT_TIMEOUT, what=what)
     layouts = [answer[0] for answer in answers]
-    lines = "\n".join(f"  rank {rank}: {text}" for rank, (_, text) in enumerate(answers))
+    summaries = [text for _, text in answers]
+    if len(set(summaries)) == 1 and len(set(layouts)) > 1:  # they differ in what no summary shows
+        summaries = [_short(str(layout)) for layout in layouts]
+    lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))
     # The same verdict on every rank, from the same answers.
     if None in layouts:  # may pass (out of memory): the values stay pending, to try again
         raise ValueError(
@@ -221,9 +226,11 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     if len(set(layouts)) > 1:  # never passes: trying again would fail again, every time
         raise RanksDisagreeError(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, and values "
-            f"are matched by key name, never by position:\n{lines}\nEach rank records its own "
-            "values of this flush, unreduced, so none is lost. Log the same keys, the same "
-            "number of times, on every rank (log a NaN where a rank has no value)."
+            f"are matched by key name and step, never by position:\n{lines}\nEach rank records "
+            "its own values of this flush, unreduced, so none is lost. Log the same keys at the "
+            "same steps on every rank, each key on the same kind of device (log a NaN where a "
+            "rank has no value; pass the step explicitly where ranks may log different numbers "
+            "of times, since the default step counts this rank's own log() calls)."
         )
     assert flat is not None
     if not ordered:  # every rank had nothing to send, and all agree
@@ -280,8 +287,23 @@ def _as_float64(values: list[Any], device: torch.device) -> torch.Tensor:
     )
 
 
-def _summary(columns: list[_Column], steps: int) -> str:
+def _summary(columns: list[_Column], steps: Sequence[Any]) -> str:
     keys = ", ".join(
         key if rows is None else f"{key} ({plural(len(rows), 'step')})" for key, rows, _ in columns
     )
-    return f"{plural(steps, 'step')} of {keys or 'nothing'}"
+    return f"{plural(len(steps), 'step')}{_step_range(steps)} of {keys or 'nothing'}"
+
+
+def _step_range(steps: Sequence[Any]) -> str:
+    """`` (3 to 5)`` for consecutive steps, else the first few: where the ranks stand."""
+    if not steps:
+        return ""
+    first = steps[0]
+    if list(steps) == list(range(first, first + len(steps))):
+        return f" ({first})" if len(steps) == 1 else f" ({first} to {steps[-1]})"
+    shown = ", ".join(map(str, steps[:4]))
+    return f" ({shown}{', ...' if len(steps) > 4 else ''})"
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

@@ -126,7 +126,6 @@ class _Mover:
     __slots__ = (
         "busy",
         "device",
-        "forget",
         "kept",
         "memo",
         "move",
@@ -150,7 +149,7 @@ class _Mover:
         self.returned_none: list[type] | None = None  # classes whose .to() returned None
         self.kept: list[Any] = []  # objects made during the call: alive while memo has their id
         self.busy = False  # a call is walking with it (a .to() may call to_device again)
-        self.move, self.forget = _walk(self, kind, index)
+        self.move: Callable[[Any], Any] = _walk(self, kind, index)
 
     def container(self, obj: Any, rebuild: Callable[[_Mover, Any], Any]) -> Any:
         """Rebuild ``obj`` once, however often it is reached; raise _Cycle if it contains itself."""
@@ -198,7 +197,6 @@ class _Mover:
             for source in self.unsynced:
                 synchronize(source)
             self.unsynced.clear()
-        self.forget()
         self.memo.clear()  # lets go of every moved tensor
         self.kept.clear()
         self.returned_none = None
@@ -227,21 +225,16 @@ class _Cycle(Exception):
     """Raised inside the walk; to_device turns it into a ValueError with the path."""
 
 
-def _walk(  # noqa: PLR0915
-    mover: _Mover, kind: int, index: int | None
-) -> tuple[Callable[[Any], Any], Callable[[], None]]:
-    """The walk of one call, as a closure (its state is in local cells), and its reset.
+def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]:  # noqa: PLR0915
+    """The walk of one call, as a closure: its state is in local cells, not attributes.
 
     This is the hot path of every training step. Plain dicts, lists and tuples
     hold nearly every batch, so their loops are written out here, and so is the
     move of each tensor inside them: on a batch of small tensors a Python call
     per element costs more than the copy (docs/benchmarks.md has the numbers).
     What is left costs about 100 ns per tensor: the class check, the reference
-    count that spares a tensor nothing else holds the memo, and, until the
-    call's first copy, the check that returns a tensor already there. Once one
-    tensor needed a copy, the others almost surely do, and ``.to()`` itself
-    returns a tensor that is already there: the check is skipped (``forget``,
-    at the end of each call, starts the next with it again).
+    count that spares a tensor nothing else holds the memo, and, until a
+    container's first copy, the check that returns a tensor already there.
     """
     device, non_blocking, memo = mover.device, mover.non_blocking, mover.memo
     get = memo.get
@@ -293,12 +286,6 @@ def _walk(  # noqa: PLR0915
         result = memo[key] = rebuild(obj, cls)
         return result
 
-    copying = False  # a tensor of this call needed a copy
-
-    def forget() -> None:
-        nonlocal copying
-        copying = False
-
     def rebuild(obj: Any, cls: type) -> Any:  # noqa: PLR0912 - the hot path, written out
         """A plain dict, list or tuple, rebuilt; children nothing else holds skip the memo.
 
@@ -306,8 +293,10 @@ def _walk(  # noqa: PLR0915
         cycle (the first member of a cycle the walk reaches is held by its parent
         and by the back edge, so it goes through ``move``, memo and all).
         """
-        nonlocal copying
         result: Any
+        # Once one tensor of a container needs a copy, its siblings almost surely do:
+        # .to() itself returns a tensor that is already there, so the check is skipped.
+        copying = False
         if cls is dict:
             result = {}
             for name, value in obj.items():
@@ -362,7 +351,7 @@ def _walk(  # noqa: PLR0915
                 append(moved)
         return tuple(result) if cls is tuple else result
 
-    return move, forget
+    return move
 
 
 def _has_to_method(cls: type) -> bool:

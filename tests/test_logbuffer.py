@@ -508,6 +508,54 @@ def test_ctrl_c_in_a_sink_is_raised_even_when_the_flush_failed(
     assert received == buffer.history
 
 
+def test_one_ctrl_c_gets_out_of_a_sink_for_the_whole_flush(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    entered: list[list[dk.Record]] = []
+    received: list[dk.Record] = []
+
+    def hung(records: list[dk.Record]) -> None:
+        entered.append(records)
+        raise KeyboardInterrupt  # as if Ctrl-C got it out of a hang
+
+    def broken(records: list[dk.Record]) -> None:
+        raise OSError("disk full")
+
+    buffer = dk.LogBuffer(flush_every=1, sinks=[broken, hung, received.extend])
+    buffer.log(0, loss=1.0)  # its copy lands at the next flush, which hands on two batches
+    buffer._flush_at = 10  # so that the next log() starts no flush of its own
+    buffer.log(1, loss=2.0)
+    with pytest.raises(KeyboardInterrupt):
+        buffer.flush()
+    assert len(entered) == 1  # not entered again for the second batch
+    assert [r["loss"] for r in received] == [1.0, 2.0]  # the sink after it got both
+    assert "OSError: disk full" in caplog.text  # the error not raised is logged
+
+
+@pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()])
+def test_what_a_failing_sink_logs_in_the_last_flush_of_a_block_is_recorded(
+    failure: BaseException,
+) -> None:
+    calls: list[int] = []
+
+    def derive_then_fail(records: list[dk.Record]) -> None:
+        calls.append(len(records))
+        for record in records:
+            if "loss" in record:
+                logs.log(record["step"], half=record["loss"] / 2)
+        if len(calls) == 1:
+            raise failure
+
+    logs = dk.LogBuffer(sinks=[derive_then_fail])
+    with pytest.raises(type(failure)), logs:
+        logs.log(0, loss=1.0)
+    assert logs.history == [{"step": 0, "loss": 1.0}, {"step": 0, "half": 0.5}]
+    assert logs._pending_count() == 0  # nothing left for a ResourceWarning
+    # After an error the sinks get the derived record too; after Ctrl-C they are not
+    # called again (one Ctrl-C gets out), and the record is in history.
+    assert calls == ([1] if isinstance(failure, KeyboardInterrupt) else [1, 1])
+
+
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(1)])
 def test_an_interrupted_sink_at_the_end_of_a_block_loses_nothing_for_the_others(
     interrupt: BaseException,
@@ -786,10 +834,10 @@ def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
 
     results: dict[str, Any] = {}
 
-    def disagreement(steps: int, extra: dict[str, float]) -> list[Any]:
+    def disagreement(steps: int, extra: dict[str, float], *, first: int = 0) -> list[Any]:
         """What one flush raised and left, then what an agreeing flush adds after it."""
         buffer = dk.LogBuffer(reduce="mean")
-        for step in range(steps):
+        for step in range(first, first + steps):
             buffer.log(step, loss=torch.tensor(1.0 + rank, device=device), **extra)
         try:
             buffer.flush()
@@ -806,6 +854,17 @@ def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
     results["steps"] = disagreement(3 if rank == 0 else 2, {})
     results["one empty"] = disagreement(2 if rank == 0 else 0, {})  # no 300 s wait
     results["all empty"] = disagreement(0, {})
+    # As many steps, but not the same ones: values of different steps never combine.
+    results["shifted"] = disagreement(2, {}, first=rank)
+    # Summaries alike (2 steps; grad_norm once), rows not: the message shows what differs.
+    buffer = dk.LogBuffer(reduce="sum")
+    for step in range(2):
+        buffer.log(step, loss=1.0, **({"grad_norm": 1.0} if step == rank else {}))
+    try:
+        buffer.flush()
+        results["rows"] = "no error"
+    except dk.RanksDisagreeError as error:
+        results["rows"] = str(error)
     if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
         real = _logflush._as_float64
 
@@ -860,7 +919,7 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     ranks = [json.loads((folder / f"{rank}.json").read_text()) for rank in range(world)]
     for name in ("mean", "sum", "max", "min", "kinds", "after"):
         assert all(other[name] == ranks[0][name] for other in ranks), name  # the same records
-    for name in ("keys", "steps", "failure", "one empty"):
+    for name in ("keys", "steps", "failure", "one empty", "shifted"):
         assert all(other[name][:2] == ranks[0][name][:2] for other in ranks), name  # one error
     top = world - 1  # the largest rank
     expected = {  # (loss, rank) at step s
@@ -888,14 +947,18 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     ]
     if world < 2:
         return
+    _check_disagreements(ranks)
+
+
+def _check_disagreements(ranks: list[dict[str, Any]]) -> None:
     # Ranks that disagree: each records its own values, unreduced (never mixed, never
     # lost, never pending forever), and the next flush, where they agree, combines again.
     combined = [{"step": 10, "loss": 0.5}]  # the mean of rank 0's 0.0 and rank 1's 1.0
     name, message, pending, history, after = ranks[0]["keys"]
     assert name == "RanksDisagreeError"
     assert "LogBuffer(reduce='mean') cannot combine this flush: the ranks disagree" in message
-    assert "  rank 0: logged 3 steps of extra, loss\n" in message
-    assert "  rank 1: logged 3 steps of loss\n" in message
+    assert "  rank 0: logged 3 steps (0 to 2) of extra, loss\n" in message
+    assert "  rank 1: logged 3 steps (0 to 2) of loss\n" in message
     assert "Each rank records its own values of this flush, unreduced" in message
     assert (pending, history, after) == (
         0,
@@ -905,15 +968,34 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     assert ranks[1]["keys"][2:] == [0, [{"step": s, "loss": 2.0} for s in range(3)], combined]
     name, message, pending, history, after = ranks[0]["steps"]
     assert name == "RanksDisagreeError"
-    assert "  rank 0: logged 3 steps of loss\n  rank 1: logged 2 steps of loss\n" in message
+    assert (
+        "  rank 0: logged 3 steps (0 to 2) of loss\n  rank 1: logged 2 steps (0 to 1) of loss\n"
+        in message
+    )
     assert (pending, len(history), after) == (0, 3, combined)
     assert ranks[1]["steps"][2:] == [0, [{"step": s, "loss": 2.0} for s in range(2)], combined]
     name, message, pending, history, after = ranks[0]["one empty"]
     assert name == "RanksDisagreeError"
-    assert "  rank 0: logged 2 steps of loss\n  rank 1: logged 0 steps of nothing\n" in message
+    assert (
+        "  rank 0: logged 2 steps (0 to 1) of loss\n  rank 1: logged 0 steps of nothing\n"
+        in message
+    )
     assert (pending, len(history), after) == (0, 2, combined)
     assert ranks[1]["one empty"][2:] == [0, [], combined]
     assert ranks[0]["all empty"] == ranks[1]["all empty"] == ["no error", "", 0, [], combined]
+    name, message, pending, history, after = ranks[0]["shifted"]  # steps 0-1 against 1-2
+    assert name == "RanksDisagreeError"  # combining them would mix different steps
+    assert (
+        "  rank 0: logged 2 steps (0 to 1) of loss\n  rank 1: logged 2 steps (1 to 2) of loss\n"
+        in message
+    )
+    assert (pending, len(history), after) == (0, 2, combined)
+    rows = ranks[0]["rows"]  # the summaries are alike: each line shows what differs
+    assert ranks[1]["rows"] == rows
+    layout = "gloo on the host; steps [0, 1]; keys grad_norm at rows [0], loss at rows [0, 1]"
+    assert f"  rank 0: {layout}\n" in rows
+    layout = "gloo on the host; steps [0, 1]; keys grad_norm at rows [1], loss at rows [0, 1]"
+    assert f"  rank 1: {layout}\n" in rows
     # A rank that could not prepare its values: the values stay pending on every rank,
     # and the next flush combines them with the new ones.
     name, message, pending, history, after = ranks[0]["failure"]
