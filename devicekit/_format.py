@@ -35,6 +35,7 @@ __all__ = [
     "plain_fields",
     "plural",
     "safe_text",
+    "shorten",
     "text_table",
 ]
 
@@ -139,6 +140,16 @@ def first_line(error: BaseException) -> str:
     """
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text``, cut to at most ``limit`` characters ending in ``...`` when longer.
+
+    Examples:
+        >>> shorten("tensor([1., 2., 3.])", 12), shorten("12", 12)
+        ('tensor([1...', '12')
+    """
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def safe_text(text: str) -> str:

@@ -26,7 +26,7 @@ import torch
 from ._callbacks import checked_sinks
 from ._dist import initialized
 from ._errors import RanksDisagreeError, add_note
-from ._format import html_table, plural
+from ._format import html_table, plural, shorten
 from ._logflush import (
     HOST_TENSORS,
     HOST_VALUES,
@@ -619,14 +619,9 @@ def _checked_step(step: object) -> int:
             return operator.index(cast("SupportsIndex", step))
     raise TypeError(
         f"step must be an int (or None for the number of earlier log() calls), got "
-        f"{_short(step)} of type {type(step).__name__}; pass int(step) once it is on the "
-        "host, or leave step out"
+        f"{shorten(repr(step), 60)} of type {type(step).__name__}; pass int(step) once it is "
+        "on the host, or leave step out"
     )
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _some(keys: list[str], *, shown: int = 10) -> str:

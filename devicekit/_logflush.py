@@ -22,7 +22,7 @@ import torch
 
 from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
 from ._errors import RanksDisagreeError
-from ._format import plural
+from ._format import plural, shorten
 from ._timing import CudaEvent
 
 __all__ = [
@@ -215,7 +215,7 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     layouts = [answer[0] for answer in answers]
     summaries = [text for _, text in answers]
     if len(set(summaries)) == 1 and len(set(layouts)) > 1:  # they differ in what no summary shows
-        summaries = [_short(str(layout)) for layout in layouts]
+        summaries = [shorten(str(layout), 300) for layout in layouts]
     lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))
     # The same verdict on every rank, from the same answers.
     if None in layouts:  # may pass (out of memory): the values stay pending, to try again
@@ -303,7 +303,3 @@ def _step_range(steps: Sequence[Any]) -> str:
         return f" ({first})" if len(steps) == 1 else f" ({first} to {steps[-1]})"
     shown = ", ".join(map(str, steps[:4]))
     return f" ({shown}{', ...' if len(steps) > 4 else ''})"
-
-
-def _short(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."

@@ -262,20 +262,22 @@ def test_bad_options(options: dict[str, Any], error: type[Exception], message: s
 # --- sinks and failures ------------------------------------------------------------------
 
 
+def _full_disk(records: list[dk.Record]) -> None:
+    """A sink that always fails, as one writing to a full disk does."""
+    raise OSError("disk full")
+
+
 def test_a_failing_sink_loses_nothing_and_raises_once() -> None:
     received: list[list[dk.Record]] = []
 
-    def broken(records: list[dk.Record]) -> None:
-        raise OSError("disk full")
-
-    buffer = dk.LogBuffer(flush_every=2, sinks=[broken, received.append])
+    buffer = dk.LogBuffer(flush_every=2, sinks=[_full_disk, received.append])
     buffer.log(loss=1.0)
     buffer.log(loss=2.0)  # starts the copy; its records arrive at the next flush
     with pytest.raises(OSError, match="disk full"):
         buffer.flush()
     assert buffer.values("loss") == [1.0, 2.0]  # kept
     assert [r["loss"] for r in received[0]] == [1.0, 2.0]  # the other sink still ran
-    buffer.sinks.remove(broken)
+    buffer.sinks.remove(_full_disk)
     buffer.log(loss=3.0)
     buffer.log(loss=4.0)
     buffer.flush()
@@ -401,10 +403,7 @@ def _notes(error: BaseException) -> str:
 def test_a_failing_sink_never_replaces_the_exception_the_block_leaves_on(
     leaving_on: BaseException, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(records: list[dk.Record]) -> None:
-        raise OSError("disk full")
-
-    buffer = dk.LogBuffer(sinks=[broken])
+    buffer = dk.LogBuffer(sinks=[_full_disk])
     with pytest.raises(type(leaving_on)) as info:
         _leave_block(buffer, leaving_on, loss=torch.tensor(1.0))
     assert info.value is leaving_on
@@ -432,10 +431,7 @@ def test_a_failing_final_flush_never_replaces_the_exception_either(
 
 
 def test_without_an_exception_a_failing_sink_raises_from_the_block() -> None:
-    def broken(records: list[dk.Record]) -> None:
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"), dk.LogBuffer(sinks=[broken]) as buffer:
+    with pytest.raises(OSError, match="disk full"), dk.LogBuffer(sinks=[_full_disk]) as buffer:
         buffer.log(loss=1.0)
     assert buffer.values("loss") == [1.0]
 
@@ -518,10 +514,7 @@ def test_one_ctrl_c_gets_out_of_a_sink_for_the_whole_flush(
         entered.append(records)
         raise KeyboardInterrupt  # as if Ctrl-C got it out of a hang
 
-    def broken(records: list[dk.Record]) -> None:
-        raise OSError("disk full")
-
-    buffer = dk.LogBuffer(flush_every=1, sinks=[broken, hung, received.extend])
+    buffer = dk.LogBuffer(flush_every=1, sinks=[_full_disk, hung, received.extend])
     buffer.log(0, loss=1.0)  # its copy lands at the next flush, which hands on two batches
     buffer._flush_at = 10  # so that the next log() starts no flush of its own
     buffer.log(1, loss=2.0)
@@ -566,10 +559,7 @@ def test_an_interrupted_sink_at_the_end_of_a_block_loses_nothing_for_the_others(
     def interrupted(records: list[dk.Record]) -> None:
         raise interrupt
 
-    def broken(records: list[dk.Record]) -> None:
-        raise OSError("disk full")
-
-    logs = dk.LogBuffer(sinks=[broken, interrupted, received.extend])
+    logs = dk.LogBuffer(sinks=[_full_disk, interrupted, received.extend])
     with pytest.raises(type(interrupt)) as info, logs:  # the interrupt wins over the OSError
         logs.log(0, loss=1.0)
     assert info.value is interrupt

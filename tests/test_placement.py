@@ -518,8 +518,8 @@ def test_a_tensor_already_there_after_a_copied_sibling_is_itself() -> None:
 
 
 def test_the_next_call_checks_again_where_each_tensor_is() -> None:
-    """Skipping the check after a copy lasts one call: a later call that copies nothing
-    calls no .to() at all."""
+    """Skipping the already-there check after a copy never outlasts the call: a later
+    call that copies nothing calls no .to() at all."""
     from torch.overrides import TorchFunctionMode
 
     calls: list[str] = []
