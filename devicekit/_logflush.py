@@ -181,24 +181,24 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     a hang. Only when all ranks agree are the values combined, in key order.
 
     Raises:
-        RanksDisagreeError: The ranks logged different keys or steps (or a key on
-            the GPU on one rank and on the host on another); every rank raises it,
-            and no values are mixed.
+        RanksDisagreeError: The ranks logged different keys or steps; every rank
+            raises it, and no values are mixed.
         ValueError: A rank could not prepare its values; every rank raises it.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
 
     ordered = sorted(columns, key=lambda column: column[0])  # by name: the same on every rank
     # Values on a GPU under NCCL are combined there, by the job's own group, queued on the
-    # stream: no host sync. Values all on the host go through devicekit's gloo group,
-    # bounded in time, and never start CUDA. The ranks agree on the path below, with the
-    # keys, so that no rank waits in a collective the others never join.
+    # stream: no host sync. Otherwise they go through devicekit's gloo group, bounded in
+    # time, which never starts CUDA. The path is chosen from every rank's answer below,
+    # so that no rank waits in a collective the others never join: NCCL only when every
+    # rank's values are on its GPU. (Moving a host-only rank's values to "its" GPU could
+    # put two ranks on one device, which NCCL refuses or hangs on.)
     gpu = next((v.device for _, _, values in ordered for v in values if _on_cuda(v)), None)
-    on_gpu = gpu is not None and dist.get_backend() == "nccl"
-    device = gpu if on_gpu and gpu is not None else torch.device("cpu")
-    path = "NCCL on the GPU" if on_gpu else "gloo on the host"
+    wants_gpu = gpu is not None and dist.get_backend() == "nccl"
+    device = gpu if wants_gpu and gpu is not None else torch.device("cpu")
     # The steps themselves, not only how many: values of different steps never combine.
-    layout: str | None = f"{path}; steps {list(steps)}; keys " + ", ".join(
+    layout: str | None = f"steps {list(steps)}; keys " + ", ".join(
         key if rows is None else f"{key} at rows {rows}" for key, rows, _ in ordered
     )
     said = f"logged {_summary(ordered, steps)}"
@@ -211,13 +211,33 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     except Exception as error:  # noqa: BLE001 - every rank must still hear of it
         layout, said = None, f"could not prepare its values: {error!r}"
     what = f"LogBuffer(reduce={op!r}).flush()"
-    answers = gather_objects((layout, said), timeout=DEFAULT_TIMEOUT, what=what)
-    layouts = [answer[0] for answer in answers]
-    summaries = [text for _, text in answers]
+    answers = gather_objects((layout, said, wants_gpu), timeout=DEFAULT_TIMEOUT, what=what)
+    _check_agreement(answers, op)  # the same verdict on every rank, from the same answers
+    assert flat is not None
+    if not ordered:  # every rank had nothing to send, and all agree
+        return InFlight(steps, [])
+    on_gpu = all(wants for _, _, wants in answers)
+    if wants_gpu and not on_gpu:  # a rank's values are all on the host: gloo, on the host
+        flat = flat.cpu()
+    flat = _combine(flat, op, on_gpu=on_gpu, what=what)
+    in_flight = InFlight(steps, [])
+    offset = 0
+    for key, rows, values in ordered:
+        floats: list[Any] = [None] * len(values)
+        in_flight.columns.append((key, rows, floats))
+        in_flight.fills.append((0, offset, floats, 0, len(values)))
+        offset += len(values)
+    _copy_to_host(in_flight, flat)
+    return in_flight
+
+
+def _check_agreement(answers: list[tuple[str | None, str, bool]], op: str) -> None:
+    """Raise unless every rank prepared its values and logged the same keys at the same steps."""
+    layouts = [layout for layout, _, _ in answers]
+    summaries = [said for _, said, _ in answers]
     if len(set(summaries)) == 1 and len(set(layouts)) > 1:  # they differ in what no summary shows
         summaries = [shorten(str(layout), 300) for layout in layouts]
     lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))
-    # The same verdict on every rank, from the same answers.
     if None in layouts:  # may pass (out of memory): the values stay pending, to try again
         raise ValueError(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: a rank could not prepare its "
@@ -228,13 +248,16 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
             f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, and values "
             f"are matched by key name and step, never by position:\n{lines}\nEach rank records "
             "its own values of this flush, unreduced, so none is lost. Log the same keys at the "
-            "same steps on every rank, each key on the same kind of device (log a NaN where a "
-            "rank has no value; pass the step explicitly where ranks may log different numbers "
-            "of times, since the default step counts this rank's own log() calls)."
+            "same steps on every rank (log a NaN where a rank has no value; pass the step "
+            "explicitly where ranks may log different numbers of times, since the default step "
+            "counts this rank's own log() calls)."
         )
-    assert flat is not None
-    if not ordered:  # every rank had nothing to send, and all agree
-        return InFlight(steps, [])
+
+
+def _combine(flat: torch.Tensor, op: str, *, on_gpu: bool, what: str) -> torch.Tensor:
+    """Every rank's ``flat`` combined by ``op``, in one collective: NCCL's or devicekit's gloo."""
+    import torch.distributed as dist  # noqa: PLC0415 - only when reducing
+
     count = flat.numel()
     if op in ("max", "min"):
         # gloo's MAX keeps or drops a NaN by rank order; NaN must win wherever a rank had
@@ -254,15 +277,7 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     if op in ("max", "min"):
         nan = flat[count:] > 0
         flat = (flat[:count] * sign).masked_fill_(nan, math.nan)
-    in_flight = InFlight(steps, [])
-    offset = 0
-    for key, rows, values in ordered:
-        floats: list[Any] = [None] * len(values)
-        in_flight.columns.append((key, rows, floats))
-        in_flight.fills.append((0, offset, floats, 0, len(values)))
-        offset += len(values)
-    _copy_to_host(in_flight, flat)
-    return in_flight
+    return flat
 
 
 def _on_cuda(value: Any) -> bool:

@@ -4,6 +4,7 @@ import gc
 import json
 import math
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -812,6 +813,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
         results["kinds"] = buffer.history
 
         results.update(_disagreements(rank, device))
+        if backend == "gloo":
+            results.update(_host_and_gpu_ranks(rank))
         Path(folder, f"{rank}.json").write_text(json.dumps(results))
         dist.barrier()
     finally:
@@ -866,6 +869,39 @@ def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
     results["failure"] = disagreement(2, {})
     results["after"] = disagreement(2, {})  # the group still works afterwards
     return results
+
+
+def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
+    """Under NCCL: values on the GPU on one rank and all on the host on another.
+
+    Each rank alone would combine its values on a different path (NCCL on the GPU,
+    gloo on the host); they must agree on one and combine. Without a GPU, the job
+    passes for an NCCL job and each rank's tensors for GPU tensors; the NCCL path
+    then runs the job's own (gloo) group on the host.
+    """
+    import torch.distributed as dist
+
+    from devicekit import _logflush
+
+    real_backend, real_on_cuda = dist.get_backend, _logflush._on_cuda
+    dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    _logflush._on_cuda = lambda value: isinstance(value, torch.Tensor)  # type: ignore[assignment]
+    try:
+        results: dict[str, Any] = {}
+        for name, op in (("rank 1 on the host", "mean"), ("both on the gpu", "max")):
+            buffer = dk.LogBuffer(reduce=op)  # type: ignore[arg-type]
+            for step in range(3):
+                value = float(rank * 10 + step)
+                if name == "rank 1 on the host" and rank == 1:
+                    buffer.log(step, loss=value)
+                else:
+                    buffer.log(step, loss=torch.tensor(value))
+            buffer.flush()
+            results[name] = buffer.history
+        return results
+    finally:
+        dist.get_backend = real_backend  # type: ignore[assignment]
+        _logflush._on_cuda = real_on_cuda  # type: ignore[assignment]
 
 
 def _reduce_with_a_nan(op: str, rank: int, world: int, device: torch.device) -> list[Any]:
@@ -938,6 +974,12 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
     if world < 2:
         return
     _check_disagreements(ranks)
+    if backend == "gloo":  # each rank's values at each step: 0 + s and 10 + s
+        for name, combine in (("rank 1 on the host", statistics.mean), ("both on the gpu", max)):
+            assert all(other[name] == ranks[0][name] for other in ranks), name
+            assert ranks[0][name] == [
+                {"step": s, "loss": float(combine([s, 10 + s]))} for s in range(3)
+            ], name
 
 
 def _check_disagreements(ranks: list[dict[str, Any]]) -> None:
@@ -982,9 +1024,9 @@ def _check_disagreements(ranks: list[dict[str, Any]]) -> None:
     assert (pending, len(history), after) == (0, 2, combined)
     rows = ranks[0]["rows"]  # the summaries are alike: each line shows what differs
     assert ranks[1]["rows"] == rows
-    layout = "gloo on the host; steps [0, 1]; keys grad_norm at rows [0], loss at rows [0, 1]"
+    layout = "steps [0, 1]; keys grad_norm at rows [0], loss at rows [0, 1]"
     assert f"  rank 0: {layout}\n" in rows
-    layout = "gloo on the host; steps [0, 1]; keys grad_norm at rows [1], loss at rows [0, 1]"
+    layout = "steps [0, 1]; keys grad_norm at rows [1], loss at rows [0, 1]"
     assert f"  rank 1: {layout}\n" in rows
     # A rank that could not prepare its values: the values stay pending on every rank,
     # and the next flush combines them with the new ones.
