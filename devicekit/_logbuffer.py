@@ -190,6 +190,7 @@ class LogBuffer:
         # Landed flushes not yet handed to every sink: [records, index of the next sink].
         self._undelivered: deque[list[Any]] = deque()
         self._delivering = False  # the sinks are running (one may log, and so flush)
+        self._leaving_on_error = False  # the with block is exiting on an exception
         self._keys: dict[str, None] = {}  # every key recorded, in order of first appearance
 
     def log(self, step: int | None = None, **scalars: torch.Tensor | float | int) -> None:
@@ -321,11 +322,20 @@ class LogBuffer:
             return
         # Leaving on an exception: flush without the collective (other ranks may
         # never reach it), and never let a failing flush or sink replace `exc`.
+        self._leaving_on_error = True
         try:
             self._flush(wait=True, reduce=False)
         except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
             _report_while_exiting(exc, error, pending=self._pending_count())
-        self._record_what_sinks_logged(exc, deliver=True)
+        except BaseException as interrupt:
+            # Ctrl-C (or sys.exit) in a sink: the user's newest wish wins, with `exc` as
+            # its context; what the sinks logged is still recorded, without calling them.
+            self._record_what_sinks_logged(interrupt, deliver=False)
+            raise
+        else:
+            self._record_what_sinks_logged(exc, deliver=True)
+        finally:
+            self._leaving_on_error = False
 
     def _record_what_sinks_logged(self, raised: BaseException, *, deliver: bool) -> None:
         """`_flush_what_sinks_logged`, when ``raised`` is on its way out: its errors go on it."""
@@ -352,10 +362,15 @@ class LogBuffer:
             pending = self._pending_count()
         except AttributeError:  # __init__ refused its arguments: nothing was ever logged
             return
-        if pending:
+        # Records that landed (a read of history completes a flush) but never reached the
+        # sinks: a CSV file would miss their rows.
+        unsent = sum(len(records) for records, _ in self._undelivered) if self.sinks else 0
+        if pending or unsent:
+            lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
+            lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
             warnings.warn(
-                f"a LogBuffer was dropped with {plural(pending, 'value')} never recorded; "
-                "use it in a with block, or call flush() before letting it go",
+                f"a LogBuffer was dropped with {' and '.join(lost)}; use it in a with block, "
+                "or call flush() before letting it go",
                 ResourceWarning,
                 stacklevel=2,
             )
@@ -412,6 +427,9 @@ class LogBuffer:
 
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = True) -> list[Record]:
         with self._lock:
+            # Leaving a block on an exception: no flush joins a collective, not even one
+            # a sink starts (the other ranks may never reach it).
+            reduce = reduce and not self._leaving_on_error
             finished: list[Record] = []
             failure: BaseException | None = None
             pending = self._pending
@@ -439,6 +457,8 @@ class LogBuffer:
                         pending[:0] = batch  # keep the values, in order
                         raise
                     self._taken += count
+                    if self._in_flight is not None and self._in_flight.unreadable:
+                        failure = failure or _unreadable_error(self._in_flight.unreadable)
                     if wait:
                         finished += self._complete()
             except BaseException as error:  # noqa: BLE001 - raised below, once the sinks ran
@@ -607,6 +627,22 @@ def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int)
     )
     if note not in getattr(exc, "__notes__", ()):  # a flush tried again and failed the same way
         add_note(exc, note)
+
+
+def _unreadable_error(unreadable: list[tuple[str, Any, Exception]]) -> ValueError:
+    """What a flush raises for values that passed log() and could no longer be read."""
+    shown = "; ".join(
+        f"{key!r} at step {step} ({type(error).__name__}: {shorten(str(error), 80)})"
+        for key, step, error in unreadable[:3]
+    )
+    more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+    return ValueError(
+        f"LogBuffer could not read {plural(len(unreadable), 'logged value')}: {shown}{more}. "
+        "Each was recorded as NaN, every other value as usual. A tensor that passed log() "
+        "and cannot be read at the flush was most likely changed after log() (resized, or "
+        "its storage freed): log one that stays as it is until the flush, such as "
+        "value.clone()."
+    )
 
 
 def _checked_step(step: object) -> int:

@@ -62,6 +62,9 @@ class InFlight:
     done: list[Any] = field(default_factory=list)  # events that mark each copy complete
     # Where each group's values go: (host index, its offset, column floats, index, count).
     fills: list[tuple[int, int, list[Any], int, int]] = field(default_factory=list)
+    # Values that could not be read (changed after log(): resized, storage freed),
+    # recorded as NaN: (key, step, the error).
+    unreadable: list[tuple[str, Any, Exception]] = field(default_factory=list)
 
 
 def land(in_flight: InFlight) -> tuple[list[dict[str, Any]], int]:
@@ -126,13 +129,37 @@ def start(steps: Sequence[Any], rows: Sequence[dict[str, Any]], *, read: int) ->
     ``read`` is the most general of `HOST_TENSORS`, `HOST_VALUES` and `ON_DEVICE`
     that the values need.
     """
-    if read == HOST_TENSORS:
-        return InFlight(steps, by_key(rows, read=_item))
-    if read == HOST_VALUES:
-        # Every value is a number or on the CPU: read each, nothing to copy. This
-        # is faster than stacking them (13 µs for 100 values instead of 21).
-        return InFlight(steps, by_key(rows, read=float))
-    return _start_copies(steps, by_key(rows))
+    try:
+        if read == HOST_TENSORS:
+            return InFlight(steps, by_key(rows, read=_item))
+        if read == HOST_VALUES:
+            # Every value is a number or on the CPU: read each, nothing to copy. This
+            # is faster than stacking them (13 µs for 100 values instead of 21).
+            return InFlight(steps, by_key(rows, read=float))
+        return _start_copies(steps, by_key(rows))
+    except Exception:  # noqa: BLE001 - a value changed since log(), or a stack out of memory
+        return read_each(steps, by_key(rows))
+
+
+def read_each(steps: Sequence[Any], columns: list[_Column]) -> InFlight:
+    """Read every value alone (a GPU's wait for each): NaN where one cannot be read.
+
+    The slow path, after reading in bulk failed: a value that passed ``log()``
+    may have changed since (``resize_``, its storage freed), and one such value
+    must not keep every other from being recorded, flush after flush. Reading
+    alone also gets past a stack that ran out of memory.
+    """
+    in_flight = InFlight(steps, [])
+    for key, rows, values in columns:
+        floats: list[Any] = []
+        for row, value in zip(range(len(values)) if rows is None else rows, values, strict=True):
+            try:
+                floats.append(float(value))
+            except Exception as error:  # noqa: BLE001 - named in the error the flush raises
+                floats.append(math.nan)
+                in_flight.unreadable.append((key, steps[row], error))
+        in_flight.columns.append((key, rows, floats))
+    return in_flight
 
 
 def _start_copies(steps: Sequence[Any], columns: list[_Column]) -> InFlight:
@@ -197,17 +224,17 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     gpu = next((v.device for _, _, values in ordered for v in values if _on_cuda(v)), None)
     wants_gpu = gpu is not None and dist.get_backend() == "nccl"
     device = gpu if wants_gpu and gpu is not None else torch.device("cpu")
-    # The steps themselves, not only how many: values of different steps never combine.
-    layout: str | None = f"steps {list(steps)}; keys " + ", ".join(
-        key if rows is None else f"{key} at rows {rows}" for key, rows, _ in ordered
+    # Compared as data, never as joined text (a key may hold ", "), and the steps
+    # themselves, not only how many: values of different steps never combine.
+    layout: _Layout | None = (
+        tuple(steps),
+        tuple((key, None if rows is None else tuple(rows)) for key, rows, _ in ordered),
     )
     said = f"logged {_summary(ordered, steps)}"
     flat: torch.Tensor | None = None
+    unreadable: list[tuple[str, Any, Exception]] = []
     try:
-        flat = torch.cat(
-            [torch.zeros(0, dtype=torch.float64, device=device)]
-            + [_as_float64(values, device) for _, _, values in ordered]
-        )
+        flat, unreadable = _flatten(steps, ordered, device)
     except Exception as error:  # noqa: BLE001 - every rank must still hear of it
         layout, said = None, f"could not prepare its values: {error!r}"
     what = f"LogBuffer(reduce={op!r}).flush()"
@@ -220,7 +247,7 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     if wants_gpu and not on_gpu:  # a rank's values are all on the host: gloo, on the host
         flat = flat.cpu()
     flat = _combine(flat, op, on_gpu=on_gpu, what=what)
-    in_flight = InFlight(steps, [])
+    in_flight = InFlight(steps, [], unreadable=unreadable)
     offset = 0
     for key, rows, values in ordered:
         floats: list[Any] = [None] * len(values)
@@ -231,12 +258,44 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     return in_flight
 
 
-def _check_agreement(answers: list[tuple[str | None, str, bool]], op: str) -> None:
+_Layout = tuple[tuple[Any, ...], tuple[tuple[str, tuple[int, ...] | None], ...]]
+"""What a rank logged in one flush: its steps, and each key with its rows (None: all)."""
+
+
+def _flatten(
+    steps: Sequence[Any], ordered: list[_Column], device: torch.device
+) -> tuple[torch.Tensor, list[tuple[str, Any, Exception]]]:
+    """Every value as one float64 tensor on ``device``, and those that could not be read."""
+    try:
+        return _concatenated(ordered, device), []
+    except Exception:  # noqa: BLE001 - a value changed since log(): read each (NaN for it)
+        each = read_each(steps, ordered)
+        return _concatenated(each.columns, device), each.unreadable
+
+
+def _concatenated(columns: list[_Column], device: torch.device) -> torch.Tensor:
+    return torch.cat(
+        [torch.zeros(0, dtype=torch.float64, device=device)]
+        + [_as_float64(values, device) for _, _, values in columns]
+    )
+
+
+def _describe(layout: _Layout | None) -> str:
+    if layout is None:
+        return "None"
+    steps, keys = layout
+    shown = ", ".join(
+        repr(key) if rows is None else f"{key!r} at rows {list(rows)}" for key, rows in keys
+    )
+    return f"steps {list(steps)}; keys {shown}"
+
+
+def _check_agreement(answers: list[tuple[_Layout | None, str, bool]], op: str) -> None:
     """Raise unless every rank prepared its values and logged the same keys at the same steps."""
     layouts = [layout for layout, _, _ in answers]
     summaries = [said for _, said, _ in answers]
     if len(set(summaries)) == 1 and len(set(layouts)) > 1:  # they differ in what no summary shows
-        summaries = [shorten(str(layout), 300) for layout in layouts]
+        summaries = [shorten(_describe(layout), 300) for layout in layouts]
     lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))
     if None in layouts:  # may pass (out of memory): the values stay pending, to try again
         raise ValueError(

@@ -203,6 +203,11 @@ class TensorBoardSink:
                 f"writer must have an add_scalar(tag, value, step) method, such as a "
                 f"torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}"
             )
+        if not isinstance(prefix, str):
+            raise TypeError(
+                f"prefix must be a str put before each key, such as 'train/', got "
+                f"{type(prefix).__name__}; pass '' for none"
+            )
         self.writer = writer
         self.prefix = prefix
 
@@ -251,6 +256,23 @@ class ProgressBarSink:
                 f"bar must have a set_postfix() method, such as a tqdm bar, got "
                 f"{type(bar).__name__}"
             )
+        given: object = keys  # typed as a list, but a caller may pass anything
+        if keys is not None:
+            if isinstance(given, str) or not all(isinstance(key, str) for key in keys):
+                raise TypeError(
+                    f"keys must be a list of key names, such as ['loss'], got {keys!r}; "
+                    "pass None to show every key"
+                )
+            keys = list(keys)
+        if not isinstance(fmt, str):
+            raise TypeError(f"fmt must be a format spec such as '.4g', got {type(fmt).__name__}")
+        try:
+            format(0.5, fmt)  # every value a flush records is a float
+        except ValueError as error:
+            raise ValueError(
+                f"fmt={fmt!r} cannot format a float ({error}); pass a float format such as "
+                "'.4g' or '.3f'"
+            ) from None
         self.bar = bar
         self.keys = keys
         self.fmt = fmt

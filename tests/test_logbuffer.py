@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +312,38 @@ def test_a_flush_that_fails_keeps_its_values_and_retries_later(
     assert [record["step"] for record in buffer.history] == list(range(8))
 
 
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda t: t.resize_(0),
+        lambda t: t.untyped_storage().resize_(0),  # how FSDP-style code frees storage
+        lambda t: t.set_(torch.zeros(2, dtype=t.dtype)),
+    ],
+    ids=["resized", "storage freed", "set to two elements"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])  # read by item(), by float()
+def test_a_value_spoiled_after_log_is_named_and_never_poisons_the_others(
+    spoil: Callable[[torch.Tensor], Any], dtype: torch.dtype
+) -> None:
+    buffer = dk.LogBuffer(flush_every=10)
+    bad = torch.tensor(1, dtype=dtype)
+    buffer.log(0, loss=torch.tensor(0.5), w=bad)  # fine when logged
+    spoil(bad)
+    for step in range(1, 9):
+        buffer.log(step, loss=torch.tensor(float(step)))
+    with pytest.raises(ValueError, match="could not read 1 logged value: 'w' at step 0") as info:
+        buffer.log(9, loss=torch.tensor(9.0))  # the automatic flush
+    assert "recorded as NaN" in str(info.value)
+    assert "value.clone()" in str(info.value)
+    for step in range(10, 30):  # nothing failed again: the spoiled value is not retried
+        buffer.log(step, loss=torch.tensor(float(step)))
+    buffer.flush()
+    assert buffer.values("loss") == [0.5, *map(float, range(1, 30))]
+    assert math.isnan(buffer.history[0]["w"])
+    assert buffer._pending_count() == 0
+    assert buffer.nonfinite == 1
+
+
 def test_a_copy_that_fails_to_land_is_kept_and_completed_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -414,6 +447,29 @@ def test_a_failing_sink_never_replaces_the_exception_the_block_leaves_on(
         assert "every record is in LogBuffer.history" in _notes(leaving_on)
     else:
         assert "OSError: disk full" in caplog.text
+
+
+@pytest.mark.parametrize("interrupt", [SystemExit("sink gave up"), KeyboardInterrupt()])
+def test_ctrl_c_in_a_sink_while_leaving_on_an_exception_still_records_what_sinks_logged(
+    interrupt: BaseException,
+) -> None:
+    # The user's newest wish wins (the block's exception is its context), and what
+    # the sinks logged before it reaches history; the sinks are not called again.
+    calls: list[Any] = []
+
+    def derive_then_give_up(records: list[dict[str, Any]]) -> None:
+        calls.append(records)
+        buffer.log(99, derived=1.0)
+        raise interrupt
+
+    buffer = dk.LogBuffer(sinks=[derive_then_give_up])
+    with pytest.raises(type(interrupt)) as info:
+        _leave_block(buffer, ValueError("the real training error"), loss=1.0)
+    assert info.value is interrupt
+    assert isinstance(info.value.__context__, ValueError)
+    assert buffer.history == [{"step": 0, "loss": 1.0}, {"step": 99, "derived": 1.0}]
+    assert buffer._pending_count() == 0
+    assert len(calls) == 1
 
 
 def test_a_failing_final_flush_never_replaces_the_exception_either(
@@ -648,6 +704,20 @@ def test_a_buffer_dropped_with_values_never_recorded_says_so() -> None:
         _log_and_let_go(flush=True)
 
 
+def test_a_buffer_dropped_with_records_its_sinks_never_got_says_so() -> None:
+    gc.collect()
+    received: list[Any] = []
+
+    def read_and_let_go() -> None:
+        buffer = dk.LogBuffer(flush_every=1, sinks=[received.append])
+        buffer.log(loss=1.0)  # starts a copy
+        assert buffer.history == [{"step": 0, "loss": 1.0}]  # lands it: the sink is not called
+
+    with pytest.warns(ResourceWarning, match="dropped with 1 record never handed to its sinks"):
+        read_and_let_go()
+    assert received == []
+
+
 def test_reading_history_does_not_run_the_sinks() -> None:
     received: list[int] = []
     buffer = dk.LogBuffer(flush_every=2, sinks=[lambda records: received.append(len(records))])
@@ -849,6 +919,11 @@ def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
     results["all empty"] = disagreement(0, {})
     # As many steps, but not the same ones: values of different steps never combine.
     results["shifted"] = disagreement(2, {}, first=rank)
+    # Other keys, whose names joined by ", " read alike: compared as names, never as text.
+    results["commas"] = disagreement(
+        1, {"a, b": 1.0, "c": 10.0} if rank == 0 else {"a": 100.0, "b, c": 1000.0}
+    )
+    results["spoiled"] = _spoiled_on_one_rank(rank)
     # Summaries alike (2 steps; grad_norm once), rows not: the message shows what differs.
     buffer = dk.LogBuffer(reduce="sum")
     for step in range(2):
@@ -859,16 +934,32 @@ def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
     except dk.RanksDisagreeError as error:
         results["rows"] = str(error)
     if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
-        real = _logflush._as_float64
+        real = _logflush._flatten
 
-        def failing(values: Any, on: Any) -> Any:
-            _logflush._as_float64 = real  # once: the next flush succeeds
+        def failing(steps: Any, ordered: Any, on: Any) -> Any:
+            _logflush._flatten = real  # once: the next flush succeeds
             raise RuntimeError("out of memory")
 
-        _logflush._as_float64 = failing  # type: ignore[assignment]
+        _logflush._flatten = failing  # type: ignore[assignment]
     results["failure"] = disagreement(2, {})
     results["after"] = disagreement(2, {})  # the group still works afterwards
     return results
+
+
+def _spoiled_on_one_rank(rank: int) -> list[Any]:
+    """Rank 1 resizes a tensor it logged: NaN at that step on every rank, an error on rank 1."""
+    buffer = dk.LogBuffer(reduce="mean")
+    for step in range(3):
+        value = torch.tensor(float(rank + step))
+        buffer.log(step, loss=value)
+        if rank == 1 and step == 1:
+            value.resize_(0)
+    try:
+        buffer.flush()
+        outcome = "no error"
+    except ValueError as error:
+        outcome = str(error)
+    return [outcome, buffer.history, buffer._pending_count()]
 
 
 def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
@@ -1022,11 +1113,27 @@ def _check_disagreements(ranks: list[dict[str, Any]]) -> None:
         in message
     )
     assert (pending, len(history), after) == (0, 2, combined)
+    name, message, pending, history, after = ranks[0]["commas"]
+    assert name == "RanksDisagreeError"  # never 1 + 100 under "a, b"
+    assert "  rank 0: steps [0]; keys 'a, b', 'c', 'loss'\n" in message
+    assert "  rank 1: steps [0]; keys 'a', 'b, c', 'loss'\n" in message
+    assert (pending, history, after) == (
+        0,
+        [{"step": 0, "loss": 1.0, "a, b": 1.0, "c": 10.0}],
+        combined,
+    )
+    for rank, said in enumerate(("no error", "could not read 1 logged value: 'loss' at step 1")):
+        outcome, history, pending = ranks[rank]["spoiled"]
+        assert said in outcome
+        assert pending == 0
+        assert [record["step"] for record in history] == [0, 1, 2]
+        assert [history[0]["loss"], history[2]["loss"]] == [0.5, 2.5]  # (0 + 1) / 2, (2 + 3) / 2
+        assert math.isnan(history[1]["loss"])  # unknown on one rank: unknown in the mean
     rows = ranks[0]["rows"]  # the summaries are alike: each line shows what differs
     assert ranks[1]["rows"] == rows
-    layout = "steps [0, 1]; keys grad_norm at rows [0], loss at rows [0, 1]"
+    layout = "steps [0, 1]; keys 'grad_norm' at rows [0], 'loss' at rows [0, 1]"
     assert f"  rank 0: {layout}\n" in rows
-    layout = "steps [0, 1]; keys grad_norm at rows [1], loss at rows [0, 1]"
+    layout = "steps [0, 1]; keys 'grad_norm' at rows [1], 'loss' at rows [0, 1]"
     assert f"  rank 1: {layout}\n" in rows
     # A rank that could not prepare its values: the values stay pending on every rank,
     # and the next flush combines them with the new ones.
@@ -1111,12 +1218,16 @@ def test_a_gloo_flush_returns_only_once_the_worker_has_let_go(
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("sink", ["none", "one that flushes", "one that logs"])
 def test_leaving_on_an_exception_never_enters_a_collective(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sink: str
 ) -> None:
     # The other ranks may never reach it: a collective would hang, or pair with
-    # an unrelated one. So the last flush records this rank's own values.
+    # an unrelated one. So the last flush records this rank's own values, and so
+    # does any flush a sink starts meanwhile (flush(), or log()'s automatic one).
     import torch.distributed as dist
+
+    from devicekit import _logbuffer
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
@@ -1124,11 +1235,27 @@ def test_leaving_on_an_exception_never_enters_a_collective(
     try:
         called: list[str] = []
         monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: called.append("all_reduce"))
-        buffer = dk.LogBuffer(reduce="mean")
-        with pytest.raises(KeyError):
+        monkeypatch.setattr(
+            _logbuffer, "start_reduced", lambda *a, **k: called.append("start_reduced")
+        )
+
+        def logs_twice(records: list[dict[str, Any]]) -> None:  # the second log() flushes
+            if "derived" not in records[0]:
+                buffer.log(derived=1.0)
+                buffer.log(derived=2.0)
+
+        sinks = {
+            "none": [],
+            "one that flushes": [lambda records: buffer.flush()],
+            "one that logs": [logs_twice],
+        }[sink]
+        buffer = dk.LogBuffer(reduce="mean", flush_every=2, sinks=sinks)
+        with pytest.raises(KeyError) as raised:
             _leave_block(buffer, KeyError("crash"), loss=torch.tensor(3.0))
         assert called == []
         assert buffer.values("loss") == [3.0]
+        assert not getattr(raised.value, "__notes__", [])  # nothing else failed
+        assert not buffer._leaving_on_error  # a later block reduces again
     finally:
         dist.destroy_process_group()
 

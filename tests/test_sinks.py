@@ -171,6 +171,21 @@ def test_sinks_that_cannot_write_are_refused_when_made() -> None:
         dk.ProgressBarSink(42)  # type: ignore[arg-type]
 
 
+def test_sink_options_are_checked_when_made_not_at_the_first_flush() -> None:
+    # A string of keys would be a set of letters: the bar would show nothing, silently.
+    with pytest.raises(TypeError, match=r"keys must be a list of key names.*got 'loss'"):
+        dk.ProgressBarSink(_Bar(), keys="loss")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="keys must be a list of key names"):
+        dk.ProgressBarSink(_Bar(), keys=[1])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"fmt='d' cannot format a float.*'\.4g'"):
+        dk.ProgressBarSink(_Bar(), fmt="d")
+    with pytest.raises(TypeError, match="fmt must be a format spec"):
+        dk.ProgressBarSink(_Bar(), fmt=4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"prefix must be a str.*got NoneType"):
+        dk.TensorBoardSink(_Writer(), prefix=None)  # type: ignore[arg-type]
+    assert dk.ProgressBarSink(_Bar(), keys=("loss",)).keys == ["loss"]
+
+
 def test_one_sink_is_a_list_of_one() -> None:
     seen: list[Any] = []
     with dk.LogBuffer(sinks=seen.append) as logs:
