@@ -65,7 +65,8 @@ def step(batch_size: int) -> None:
 
 if device.type == "cuda":
     reserved = torch.cuda.memory_reserved(device)
-print(f"largest batch that fits: {dk.find_batch_size(step, max_size=2**16)}")
+within = "" if device.type == "cuda" else f" (in the {budget // 2**20} MiB budget set above)"
+print(f"largest batch that fits{within}: {dk.find_batch_size(step, max_size=2**16)}")
 print(f"with 10% kept free: {dk.find_batch_size(step, max_size=2**16, margin=0.1)}")
 if device.type == "cuda":
     print(f"reserved before: {reserved} bytes, after: {torch.cuda.memory_reserved(device)} bytes")

@@ -19,6 +19,7 @@ if device.type == "cpu":
 print(f"model device: {device}")
 
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+weights = {name: value.clone() for name, value in model.state_dict().items()}  # for step 3
 model.to(device)
 batch = {"inputs": torch.randn(4, 8), "labels": torch.tensor([0, 1, 1, 0])}
 
@@ -34,9 +35,17 @@ try:
 except dk.DeviceMismatchError as error:
     print(f"\ndevicekit says:\n{error}")
 
-# 3. The fix on a GPU machine: move the whole nested batch to the model's device at once.
+# 3. The fix. On a GPU machine: move the whole nested batch to the model's device at
+# once. With the meta stand-in, follow devicekit's advice above: meta holds no values,
+# so the model comes back to the CPU (to_empty, then its weights) and the batch stays.
+if device.type == "meta":
+    model.to_empty(device="cpu")
+    model.load_state_dict(weights)
+    device = torch.device("cpu")
 batch = dk.to_device(batch, device)
-print(f"\nafter to_device, everything is on {dk.assert_same_device(model=model, batch=batch)}")
+where = dk.assert_same_device(model=model, batch=batch)
+print(f"\nafter the fix, everything is on {where}; model(inputs) gives shape", end=" ")
+print(tuple(model(batch["inputs"]).shape))
 
 
 # 4. Tensors that model.to() cannot see.
