@@ -6,24 +6,35 @@ the environment and ``devicekit bench`` measures it. All but ``bench`` leave
 CUDA uninitialized. ``--help`` and ``--version`` import nothing heavy (torch
 takes over a second to import), so they answer at once.
 
-Exit codes: 0; 1 when ``doctor`` finds an error; 2 for a usage error.
+Exit codes: 0; 1 when ``doctor`` finds an error; 2 for a usage error; 74 when stdout
+cannot be written (a full disk); 130 on Ctrl-C (``watch`` stops with 0); 141 when the
+reader of a pipe closes it early (``devicekit | head -1``). None of them shows a
+traceback: ``main()`` handles them, once, for every command.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
+import io
 import json
 import math
+import os
+import signal
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from ._format import close_match
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
     from ._status import Status
 
 __all__ = ["main"]
@@ -36,6 +47,13 @@ _SHORTEST_INTERVAL = 0.1
 # torch warns on import when numpy is absent (numpy is not a dependency): two lines of
 # noise on every run. Hidden inside this command only, never in a caller's process.
 _NUMPY_WARNING = r"Failed to initialize NumPy: No module named 'numpy'"
+# Exit statuses for what happens to a command line rather than in it (see main()).
+_EXIT_CANNOT_WRITE = 74  # sysexits.h EX_IOERR; 1 already means "doctor found an error"
+_EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell shows for a command stopped by Ctrl-C
+# 128 + SIGPIPE: what a shell shows for cat or grep when `| head` stops reading, so
+# scripts that excuse SIGPIPE under `set -o pipefail` excuse us too. Not 1 (Python's
+# recipe), which here means "doctor found an error".
+_EXIT_PIPE_CLOSED = 141
 
 
 def _seconds(text: str) -> float:
@@ -107,11 +125,22 @@ class _Parser(argparse.ArgumentParser):
             super()._check_value(action, value)
         except argparse.ArgumentError as error:
             guess = close_match(str(value), [str(choice) for choice in action.choices or ()])
-            if guess is None:
-                raise
-            raise argparse.ArgumentError(
-                action, f"{error.message}; did you mean {guess}?"
-            ) from None
+            fix = f"see {self.prog} --help" if guess is None else f"did you mean {guess}?"
+            raise argparse.ArgumentError(action, f"{error.message}; {fix}") from None
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # Where argparse writes --help, --version and errors. Its own drops a failed
+        # write (`devicekit --help > /dev/full` printed nothing and exited 0); private,
+        # but its signature is unchanged from Python 3.2 to 3.14.
+        stream = file or sys.stderr
+        if not message:
+            return
+        try:
+            stream.write(message)
+        except (AttributeError, OSError) as error:  # AttributeError: no stream (pythonw)
+            if isinstance(error, OSError) and stream is sys.stdout:
+                raise _StdoutError(error) from error
+            # A failed stderr leaves no one to tell; the exit code (2) still says it.
 
     def unrecognized(self, args: argparse.Namespace, unknown: list[str]) -> NoReturn:
         """Exit 2 for arguments no parser took, suggesting the options they resemble.
@@ -119,6 +148,8 @@ class _Parser(argparse.ArgumentParser):
         The usage line and the suggestions are the subcommand's, when there is one.
         """
         parser = self.commands.get(getattr(args, "command", None) or "", self)
+        if "-i" not in parser.options and any(map(_is_id_option, unknown)):
+            parser.error(_no_ids(parser.prog))
         guesses = []
         for word in unknown:
             written = word.partition("=")[0]
@@ -131,7 +162,16 @@ class _Parser(argparse.ArgumentParser):
         elif guesses:
             shown = ", ".join(f"{guess} instead of {written}" for written, guess in guesses)
             message += f" (did you mean {shown}?)"
-        parser.error(message)
+        parser.error(f"{message}; see {parser.prog} --help")
+
+
+def _is_id_option(word: str) -> bool:
+    """``-i 0``, ``-i0``, ``--id 0``, ``--id=0``: the words of an -i given where none is taken."""
+    return word in ("-i", "--id") or word.startswith(("-i", "--id="))
+
+
+def _no_ids(prog: str) -> str:
+    return f"argument -i/--id: {prog} does not take GPU indices (it covers every GPU); drop -i"
 
 
 def _shared_options(
@@ -163,7 +203,8 @@ def _parser() -> _Parser:
         prog="devicekit",
         description="Show what torch can use here and what each GPU is doing, "
         "without initializing CUDA.",
-        epilog="Exit codes: 0 ok, 1 doctor found an error, 2 usage error.",
+        epilog="Exit codes: 0 ok, 1 doctor found an error, 2 usage error, 74 stdout cannot be "
+        "written, 130 interrupted (Ctrl-C), 141 the pipe was closed (| head).",
     )
     parser.add_argument("-V", "--version", action="version", version=f"devicekit {__version__}")
     _shared_options(parser, top=True)
@@ -207,8 +248,29 @@ def _parser() -> _Parser:
     return parser
 
 
+class _StdoutError(Exception):
+    """Writing to stdout failed (a closed pipe, a full disk); ``main`` tells the user.
+
+    Raised only where we write to stdout (``_print``, ``_flush_stdout`` and argparse's
+    ``_print_message``), so an ``OSError`` from anywhere else is never reported as a
+    failure of stdout.
+    """
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _print(text: str = "") -> None:
+    """Print ``text`` and a line end to stdout now; a failed write raises ``_StdoutError``."""
+    try:
+        print(text, flush=True)  # flushed here, so a failure surfaces here, not at exit
+    except OSError as error:
+        raise _StdoutError(error) from error
+
+
 def _print_json(document: Any, *, lines: bool = False) -> None:
-    print(json.dumps(document, indent=None if lines else 2), flush=True)
+    _print(json.dumps(document, indent=None if lines else 2))
 
 
 def _snapshot(parser: argparse.ArgumentParser, ids: list[int] | None) -> Status:
@@ -224,32 +286,62 @@ def _snapshot(parser: argparse.ArgumentParser, ids: list[int] | None) -> Status:
         raise  # pragma: no cover - parser.error does not return
 
 
-def _watch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _watch(parser: _Parser, args: argparse.Namespace) -> int:
     on_terminal = sys.stdout.isatty() and not args.json
     shown = 0
     try:
+        _load_torch()
         while args.count is None or shown < args.count:
-            current = _snapshot(parser, args.id)
+            current = _snapshot(parser.commands["watch"], args.id)
             if args.json:
                 _print_json(current.to_dict(), lines=True)
             else:
-                if on_terminal:
-                    sys.stdout.write(_CLEAR)
-                elif shown:
-                    print()  # piped: a blank line between refreshes
+                # Piped, a blank line between refreshes instead of clearing.
+                start = _CLEAR if on_terminal else "\n" if shown else ""
                 header = f"devicekit watch, {current.time_text}, every {args.interval:g} s"
-                print(f"{header}\n{'=' * len(header)}\n{current}", flush=True)
+                _print(f"{start}{header}\n{'=' * len(header)}\n{current}")
             shown += 1
             if args.count is None or shown < args.count:
                 time.sleep(args.interval)
     except KeyboardInterrupt:  # the way to stop watching: not an error
         if not args.json:
-            print()
+            _print()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``devicekit`` command line and return its exit code."""
+    r"""Run the ``devicekit`` command line and return its exit code.
+
+    What a command line meets from outside is handled here, once for every command,
+    and none of it shows a traceback: Ctrl-C returns 130 with "devicekit: interrupted"
+    on stderr; a reader that closes the pipe early returns 141 quietly; a stdout that
+    cannot be written (a full disk) returns 74 with one line on stderr naming the
+    error. In those two cases stdout is then pointed at the null device, also in a
+    caller's own process: its unwritten bytes would fail again when Python exits.
+    Characters stdout or stderr cannot encode (an ASCII locale) are written as
+    backslash escapes, such as ``\xb5`` for µ.
+    """
+    with _escaping_unencodable(sys.stdout), _escaping_unencodable(sys.stderr):
+        try:
+            try:
+                return _main(argv)
+            finally:
+                # argparse's --help and --version are still buffered (and argparse
+                # ignores write errors): flushed here, a failure is ours to report.
+                _flush_stdout()
+        except KeyboardInterrupt:
+            _complain("interrupted")
+            return _EXIT_INTERRUPTED
+        except _StdoutError as failure:
+            _silence_stdout()
+            if isinstance(failure.error, BrokenPipeError):
+                # The reader has what it wanted (| head): not worth a word.
+                return _EXIT_PIPE_CLOSED
+            _complain(f"cannot write to stdout: {failure.error}")
+            return _EXIT_CANNOT_WRITE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -261,12 +353,72 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(parser, args)
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _escaping_unencodable(stream: TextIO | None) -> Iterator[None]:
+    """Write what ``stream``'s encoding cannot hold as backslash escapes, during the block.
+
+    Our output holds µ and ± (and whatever a GPU or a process is named): on an ASCII
+    stream (``LC_ALL=C``, ``PYTHONIOENCODING=ascii``) it raised UnicodeEncodeError. A
+    UTF encoding holds every character, and a stream without ``reconfigure`` (a
+    caller's StringIO) cannot be changed: both are left as they are. The stream's own
+    error handler is put back on return, for callers of main() in their own process.
+    """
+    if not isinstance(stream, io.TextIOWrapper) or _is_unicode(stream.encoding):
+        yield
+        return
+    errors = stream.errors
+    stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        # reconfigure() flushes first: a stream that failed is left as it is.
+        with contextlib.suppress(OSError, ValueError):
+            stream.reconfigure(errors=errors)
+
+
+def _is_unicode(encoding: str) -> bool:
+    try:
+        return codecs.lookup(encoding).name.startswith("utf")
+    except LookupError:  # pragma: no cover - a stream cannot be opened with one
+        return False
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except OSError as error:
+        raise _StdoutError(error) from error
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at the null device, as Python's documentation does.
+
+    The bytes that failed are still in the buffer: when Python flushes it at exit it
+    would print "Exception ignored ... BrokenPipeError" and exit 120 instead of ours.
+    """
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
+
+
+def _complain(message: str) -> None:
+    """``devicekit: message`` on stderr; a stderr that fails as well is let be."""
+    with contextlib.suppress(OSError):
+        print(f"devicekit: {message}", file=sys.stderr, flush=True)
+
+
+def _run(parser: _Parser, args: argparse.Namespace) -> int:
     if args.command == "watch":
-        return _watch(parser, args)
+        return _watch(parser, args)  # it loads torch in its own Ctrl-C handling
+    _load_torch()
     if args.command in ("doctor", "bench"):
-        if args.id is not None:
-            parser.error(f"argument -i/--id: {args.command} does not take GPU indices")
+        if args.id is not None:  # given before the subcommand: `devicekit -i 0 doctor`
+            command = parser.commands[args.command]
+            command.error(_no_ids(command.prog))
         if args.command == "doctor":
             from ._doctor import doctor  # noqa: PLC0415 - see _snapshot
 
@@ -281,8 +433,41 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_torch() -> None:
+    """Import torch (with the status, which every command uses), holding Ctrl-C till done.
+
+    torch's import swallows a KeyboardInterrupt raised inside it: its C++ part imports
+    numpy and turns any failure into a warning. Interrupted there, the command ran on
+    to the end and exited 0, or failed with numpy's "ImportError: cannot load module
+    more than once per process" (4 of 60 tries of Ctrl-C during startup). So a Ctrl-C in
+    the import is held and raised when it returns, about a second later at worst.
+    """
+    with _ctrl_c_held():
+        from . import _status  # noqa: F401, PLC0415 - see _snapshot
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives during the block, and raise it once the block is done."""
+    previous = signal.getsignal(signal.SIGINT)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    # Ignored (a background job) or a caller's own handler: theirs to keep. And only
+    # the main thread may set a handler.
+    if previous is not signal.default_int_handler or not on_main_thread:
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda number, _: held.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
 def _show(result: Any, *, json_form: bool) -> None:
     if json_form:
         _print_json(result.to_dict())
     else:
-        print(result)
+        _print(str(result))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ Install = Callable[[Any], None]
 A = "GPU-aaaa1111-0000-0000-0000-000000000000"
 B = "GPU-bbbb2222-0000-0000-0000-000000000000"
 NUMPY_WARNING = "Failed to initialize NumPy"
+NO_IDS = "devicekit {} does not take GPU indices (it covers every GPU); drop -i"
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -269,8 +271,11 @@ def test_every_subcommand_has_a_description() -> None:
         usage, _, rest = result.stdout.partition("\n\n")
         assert usage.startswith(f"usage: devicekit {command}")
         assert len(rest.split("\n\n")[0]) > 40, result.stdout  # a sentence, not nothing
-    main_help = run_cli("--help").stdout
-    assert "Exit codes: 0 ok, 1 doctor found an error, 2 usage error." in main_help
+    main_help = " ".join(run_cli("--help").stdout.split())  # as one line, however wrapped
+    assert (
+        "Exit codes: 0 ok, 1 doctor found an error, 2 usage error, 74 stdout cannot be "
+        "written, 130 interrupted (Ctrl-C), 141 the pipe was closed (| head)."
+    ) in main_help
 
 
 @pytest.mark.parametrize(
@@ -331,10 +336,17 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
         (["watch", "--count", "x"], "expected a whole number, got 'x'"),
         (["-i", "a"], "expected GPU indices separated by commas, such as 0,2; got 'a'"),
         (["-i", "99"], "argument -i/--id: there is no cuda:99; this process sees "),
-        (["-i", "0", "doctor"], "doctor does not take GPU indices"),
-        (["doctor", "-i", "0"], "unrecognized arguments: -i 0"),
+        (["-i", "0", "doctor"], f"argument -i/--id: {NO_IDS.format('doctor')}"),
+        (["doctor", "-i", "0"], f"argument -i/--id: {NO_IDS.format('doctor')}"),
+        (["bench", "-i", "0"], f"argument -i/--id: {NO_IDS.format('bench')}"),
+        (["bench", "--id=0,1"], f"argument -i/--id: {NO_IDS.format('bench')}"),
+        (
+            ["doctor", "extra"],
+            "error: unrecognized arguments: extra; see devicekit doctor --help\n",
+        ),
+        (["foo"], "; see devicekit --help\n"),
         (["watch", "-n", "1e10"], "expected at most 86400 seconds (a day) between refreshes"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--bogus"], "error: unrecognized arguments: --bogus; see devicekit --help\n"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_readable_message(args: list[str], message: str) -> None:
@@ -375,6 +387,10 @@ def test_bad_arguments_exit_2_with_a_readable_message(args: list[str], message: 
         ),
         (["doctr"], "usage: devicekit [-h]", "; did you mean doctor?"),
         (["bnech", "--json"], "usage: devicekit [-h]", "; did you mean bench?"),
+        # An error about a subcommand's arguments shows that subcommand's usage.
+        (["watch", "-i", "99"], "usage: devicekit watch [-h]", "there is no cuda:99"),
+        (["-i", "0", "doctor"], "usage: devicekit doctor [-h]", "does not take GPU indices"),
+        (["doctor", "-i0"], "usage: devicekit doctor [-h]", "does not take GPU indices"),
     ],
 )
 def test_a_typo_exits_2_with_the_usage_and_a_suggestion(
@@ -474,6 +490,196 @@ def test_watch_stops_cleanly_on_ctrl_c() -> None:
             process.wait(timeout=30)
     assert process.returncode == 0
     assert "Traceback" not in stderr
+
+
+# --- what a command line meets: closed pipes, full disks, Ctrl-C, ASCII terminals -------------
+
+
+def no_traceback(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert "Exception ignored" not in stderr, stderr  # Python's own, at exit
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--json"], ["doctor"], ["watch", "-n", "0.1", "--count", "3"], ["--help"]],
+    ids=lambda args: " ".join(args) or "status",
+)
+def test_a_closed_pipe_ends_the_command_quietly_with_141(args: list[str]) -> None:
+    # The read end is closed before the command writes anything, so its first write
+    # always fails (with `| head -1` that depends on timing).
+    process = subprocess.Popen(
+        [sys.executable, "-m", "devicekit", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        process.stdout.close()
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode == 141, stderr
+    no_traceback(stderr)
+    assert "devicekit:" not in stderr  # the reader has what it wanted: not worth a word
+
+
+def test_watch_piped_into_head_stops_quietly() -> None:
+    result = subprocess.run(
+        ["sh", "-c", f"'{sys.executable}' -m devicekit watch -n 0.1 --count 3 | head -1"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.stdout.startswith("devicekit watch, ")
+    assert result.stdout.count("\n") == 1
+    no_traceback(result.stderr)
+    assert result.stderr == "", result.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--json"], ["watch", "--count", "1"], ["--help"], ["--version"]],
+    ids=lambda args: " ".join(args) or "status",
+)
+def test_a_full_disk_is_one_line_on_stderr(args: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "devicekit", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    assert result.returncode == 74, result.stderr
+    no_traceback(result.stderr)
+    assert result.stderr.endswith(
+        "devicekit: cannot write to stdout: [Errno 28] No space left on device\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["bench"], []],  # [] is interrupted while it imports torch
+    ids=lambda args: " ".join(args) or "status",
+)
+def test_ctrl_c_exits_130_without_a_traceback(args: list[str]) -> None:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CTRL_C_WORKS + "import runpy, sys; import devicekit._cli\n"
+            "print('ready', file=sys.stderr, flush=True)\n"
+            "runpy.run_module('devicekit', run_name='__main__')",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        assert process.stderr.readline() == "ready\n"
+        # Past runpy and into main() (microseconds), not yet done importing torch (a
+        # second or more) or benchmarking.
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode == 130, (stdout, stderr)
+    no_traceback(stderr)
+    assert stderr.endswith("devicekit: interrupted\n"), stderr
+
+
+def test_ctrl_c_while_torch_loads_is_raised_once_it_has_loaded() -> None:
+    seen_inside: list[bool] = []
+
+    def load() -> None:
+        # Stands in for torch's import, which swallows a KeyboardInterrupt raised in it
+        # (see _load_torch): it must not see the Ctrl-C.
+        with _cli._ctrl_c_held():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.1)  # Python runs the handler at the next bytecode
+            except KeyboardInterrupt:
+                seen_inside.append(True)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load()
+        assert seen_inside == []
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"PYTHONIOENCODING": "ascii"},
+        {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"},  # surrogateescape
+    ],
+    ids=["PYTHONIOENCODING=ascii", "LC_ALL=C"],
+)
+def test_an_ascii_stdout_gets_escapes_not_a_crash(env: dict[str, str]) -> None:
+    result = run_cli("bench", "--help", env=env)  # launch latencies in µs
+    assert result.returncode == 0, result.stderr
+    no_traceback(result.stderr)
+    assert "latencies (\\xb5s)" in " ".join(result.stdout.split())
+
+
+def test_an_ascii_stdout_shows_the_report_escaped() -> None:
+    # The variable is shown as it is set: the one report text anyone can make non-ASCII.
+    result = run_cli(env={"PYTHONIOENCODING": "ascii", "CUDA_VISIBLE_DEVICES": "µ"})
+    assert result.returncode == 0, result.stderr
+    no_traceback(result.stderr)
+    assert "CUDA_VISIBLE_DEVICES  '\\xb5'" in result.stdout
+
+
+def test_the_callers_stdout_keeps_its_error_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    written = io.BytesIO()
+    stdout = io.TextIOWrapper(written, encoding="ascii", errors="strict")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["bench", "--help"])
+    assert exited.value.code == 0
+    assert b"latencies (\\xb5s)" in b" ".join(written.getvalue().split())
+    assert stdout.errors == "strict"
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "err"),
+    [
+        (BrokenPipeError(32, "Broken pipe"), 141, ""),
+        (OSError(28, "No space left on device"), 74, "devicekit: cannot write to stdout: "),
+    ],
+)
+def test_a_stdout_without_a_file_descriptor_fails_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    error: OSError,
+    code: int,
+    err: str,
+) -> None:
+    # A caller's own stream in place of stdout: nothing to point at the null device.
+    class Failing(io.StringIO):
+        def write(self, text: str) -> int:
+            raise error
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", Failing())
+    assert _cli.main(["--version"]) == code
+    assert capsys.readouterr().err == (f"{err}{error}\n" if err else "")
 
 
 def test_the_readme_shows_what_the_command_prints_today() -> None:
