@@ -345,15 +345,28 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
             f"{fallback} to fall back to the CPU when there is no such device."
         )
     if kind == torch._C._get_privateuse1_backend_name():  # an out-of-tree backend, such as npu
-        return device
+        # Its package registers torch.<kind> when imported; without it, the first copy
+        # fails inside torch with "No module named 'torch.privateuseone'".
+        if hasattr(torch, kind):
+            return device
+        raise DeviceNotFoundError(
+            f"{name}={value!r} names the out-of-tree (PrivateUse1) backend {kind!r}, but no "
+            f"such backend is registered with this torch build ({torch.__version__}): there "
+            f"is no torch.{kind} module; devices here: {_here()}. Import the backend's package "
+            "(such as torch_npu) first, or use dk.try_gpu() to fall back to the CPU when "
+            "there is no GPU."
+        )
     label = _LABELS.get(kind, kind)
-    here = ", ".join(["cpu", *(str(d) for d in try_all_gpus() if d.type != "cpu")])
     raise DeviceNotFoundError(
         f"{name}={value!r} names {_article(label)} {label} device, but this torch build "
         f"({torch.__version__}) "
-        f"has no {label} support; devices here: {here}. Install a torch build with {label} "
+        f"has no {label} support; devices here: {_here()}. Install a torch build with {label} "
         "to use it, or dk.try_gpu() to fall back to the CPU when there is no GPU."
     )
+
+
+def _here() -> str:
+    return ", ".join(["cpu", *(str(d) for d in try_all_gpus() if d.type != "cpu")])
 
 
 def try_gpu(i: int = 0) -> torch.device:

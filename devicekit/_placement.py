@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -26,6 +27,7 @@ from ._rebuild import (
     rebuild_dataclass,
     rebuild_list_subclass,
     rebuild_mapping,
+    rebuild_sequence,
     rebuild_set,
     rebuild_tuple,
 )
@@ -169,6 +171,10 @@ class _Mover:
         if isinstance(obj, type):
             return obj  # a class, even one with a .to attribute (nn.Linear.to)
         if isinstance(obj, torch.nn.Module):
+            if type(obj).to is not torch.nn.Module.to:
+                # Its own .to(), whose signature may not take non_blocking, and which may
+                # forget `return self`: called as any other object's .to() is.
+                return self.container(obj, _call_to)
             if self.unsynced is not None:
                 self.unsynced.update(t.device for t in obj.parameters())
                 self.unsynced.update(t.device for t in obj.buffers())
@@ -181,6 +187,8 @@ class _Mover:
             return self.container(obj, rebuild_tuple)
         if isinstance(obj, list):
             return self.container(obj, rebuild_list_subclass)
+        if isinstance(obj, MutableSequence):  # a deque, a UserList (not a str, nor a range)
+            return self.container(obj, rebuild_sequence)
         if isinstance(obj, (set, frozenset)):
             return self.container(obj, rebuild_set)
         if is_dataclass_instance(obj):
@@ -358,9 +366,18 @@ def _has_to_method(cls: type) -> bool:
     """Whether the class defines ``.to`` itself, or a base class does.
 
     Not an instance's "to" key (an attribute-style dict), nor a metaclass's
-    ``to`` (which the class has, and its instances do not).
+    ``to`` (which the class has, and its instances do not), nor a dataclass
+    field named ``to`` (whose callable default is a class attribute too).
     """
-    return callable(getattr(cls, "to", None)) and any("to" in vars(k) for k in cls.__mro__)
+    return (
+        callable(getattr(cls, "to", None))
+        and any("to" in vars(k) for k in cls.__mro__)
+        and not _is_field(cls, "to")
+    )
+
+
+def _is_field(cls: type, name: str) -> bool:
+    return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
 
 
 def _call_to(mover: _Mover, obj: Any) -> Any:
@@ -397,31 +414,43 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     type and its meaning:
 
     - ``dict``, ``list``, ``tuple``, namedtuples, ``torch.return_types``,
-      ``set`` and ``frozenset``: the same type, elements moved.
+      ``set`` and ``frozenset``: the same type, elements moved. Tuple
+      subclasses keep their attributes, and are made without calling their
+      ``__new__`` (whose signature is their own; ``torch.Size`` and
+      ``torch.return_types`` are made by their own constructor).
     - ``OrderedDict`` keeps its order, ``defaultdict`` its ``default_factory``,
-      ``Counter`` its counts (never added twice).
+      ``Counter`` its counts (never added twice), ``ChainMap`` its chain (each
+      of its maps moved, so writes and deletions still go to the first).
     - Other mappings: a ``dict`` subclass or ``MutableMapping`` (a Hugging
       Face ``ModelOutput``, a ``UserDict``) is shallow-copied (its own way if
       its class defines one, else without calling its ``__init__``) and each
       moved value is set with its own ``__setitem__`` (``update`` is never
       called: ``ModelOutput`` refuses it, ``Counter`` adds); a read-only
-      mapping is rebuilt as ``type(m)(moved_items)``.
+      mapping is rebuilt as ``type(m)(moved_items)``, and refused with
+      ``TypeError`` when that does not give back its type with the same keys.
+      A ``WeakValueDictionary`` is refused (it would come back empty).
+    - ``deque`` (with its ``maxlen``), ``UserList`` and other mutable
+      sequences: copied as mappings are, each moved item set by index;
+      ``bytearray`` and ``array.array`` are returned as they are.
     - ``set`` and ``frozenset`` subclasses keep their type and attributes.
     - Dataclasses, frozen or not: a shallow copy with every field moved,
-      ``init=False`` fields too; ``__post_init__`` does not run again, and
+      ``init=False`` fields too; ``__post_init__`` does not run again (an
+      attribute it computed that is not a field keeps its old value), and
       ``functools.cached_property`` values are dropped from the copy (they
       were computed from the old tensors) so they are computed again.
-    - Objects with their own ``.to(device)`` method are moved by it; one whose
-      ``.to()`` returns None is kept (it moved itself), with a warning once
-      per class.
-    - Modules are moved in place, as ``Module.to`` does.
+    - Objects with their own ``.to(device)`` method are moved by it, modules
+      whose class overrides ``.to`` too; one whose ``.to()`` returns None is
+      kept (it moved itself), with a warning once per class.
+    - Other modules are moved in place, as ``Module.to`` does.
 
-    Anything else is returned unchanged, and the input is never modified
+    Anything else (a ``range``, your own read-only ``Sequence``) is returned
+    unchanged, and the input is never modified
     (except modules, and objects whose ``.to()`` moves them in place): a copy
     whose writes would reach the input (shared storage) is refused with
     ``TypeError``, the input put back. A
     tensor reached twice is moved once, so shared tensors stay shared, and a
-    tensor already on ``device`` is returned as is.
+    tensor already on ``device`` is returned as is. An ``nn.Parameter`` comes
+    back as a plain tensor, as its own ``.to()`` returns it.
 
     Copies *to an accelerator* are non-blocking; copies *to the host* are
     blocking, because the host may read a non-blocking copy before it has
@@ -442,7 +471,10 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
 
     Raises:
         ValueError: ``obj`` contains itself, or ``device`` is malformed.
-        TypeError: A mapping in ``obj`` cannot be copied without changing it.
+        TypeError: A mapping or sequence in ``obj`` cannot be copied without
+            changing it, a read-only mapping cannot be rebuilt from its items,
+            or ``obj`` holds a ``WeakValueDictionary``.
+        RecursionError: ``obj`` nests deeper than Python's recursion limit.
         DeviceNotFoundError: This torch build or machine has no such device.
 
     Examples:
@@ -453,6 +485,8 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         (device(type='meta'), device(type='meta'), 'label')
         >>> dk.to_device(collections.Counter(tokens=3), "meta")
         Counter({'tokens': 3})
+        >>> dk.to_device(collections.deque([torch.ones(1)], maxlen=2), "meta")
+        deque([tensor(..., device='meta', size=(1,))], maxlen=2)
     """
     target = try_gpu() if device is None else resolve_device(device)
     if obj.__class__ is _Tensor and non_blocking is None:
@@ -473,11 +507,25 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
             f"to_device() cannot move a structure that contains itself: "
             f"{describe_cycle(obj, 'obj')}. Break the cycle, or give the object a .to() method."
         ) from None
+    except RecursionError:
+        # Counting the depth in the walk would cost every call; Python counts it anyway.
+        raise RecursionError(_too_deep()) from None
     finally:
         mover.finish()
     if returned_none is not None:
         _warn_returned_none(returned_none)
     return result  # type: ignore[no-any-return]
+
+
+def _too_deep() -> str:
+    return (
+        "to_device() cannot move obj: it nests containers deeper than Python's recursion limit "
+        f"(sys.getrecursionlimit() is {sys.getrecursionlimit()}) allows. A level of plain "
+        "dicts, lists or tuples takes one frame or two; any other container (a dataclass, an "
+        "OrderedDict, a deque...) five to eight. Raise the limit with sys.setrecursionlimit(), "
+        "or flatten the structure. (If obj is not that deep, a .to() or __copy__ it calls "
+        "recursed without end: the original error is this one's __context__.)"
+    )
 
 
 _warned_data_parallel = False

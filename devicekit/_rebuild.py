@@ -2,8 +2,9 @@
 
 Plain dicts, lists and tuples are rebuilt inline by the walk in ``_placement``
 (the hot path); everything else that holds tensors comes here: mappings of
-every kind, list and tuple subclasses, sets, dataclasses. Each rebuild makes a
-new object and never writes into the input:
+every kind, list and tuple subclasses, deques and other mutable sequences,
+sets, dataclasses. Each rebuild makes a new object and never writes into the
+input:
 
 - a copy that the class's own ``__copy__`` returns as the input itself (an
   immutable class's idiom) is made again without it;
@@ -17,15 +18,18 @@ new object and never writes into the input:
 
 from __future__ import annotations
 
+import array
 import copy
 import dataclasses
 import functools
+import types
 import weakref
-from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections import ChainMap, Counter, OrderedDict, defaultdict, deque
+from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
 from typing import Any, Protocol
 
-from ._tree import is_dataclass_instance, is_namedtuple
+from ._format import first_line, shorten
+from ._tree import is_dataclass_instance
 
 __all__ = [
     "Walk",
@@ -33,6 +37,7 @@ __all__ = [
     "rebuild_dataclass",
     "rebuild_list_subclass",
     "rebuild_mapping",
+    "rebuild_sequence",
     "rebuild_set",
     "rebuild_tuple",
 ]
@@ -54,6 +59,10 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     ``ModelOutput`` refuses ``update`` altogether.
     """
     cls = type(obj)
+    if isinstance(obj, weakref.WeakValueDictionary):
+        _refuse_weak_values(cls)
+    if isinstance(obj, ChainMap):
+        return _rebuild_chain_map(walk, obj)
     # A mapping may build its values on access (a lazy loader): each must stay alive
     # until the call ends, or a later value could take its id() and hit its memo entry.
     items = list(obj.items())
@@ -66,7 +75,7 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     if cls is Counter:
         return Counter(moved)  # an empty Counter takes a mapping as is
     if not isinstance(obj, MutableMapping):
-        return cls(moved)  # type: ignore[call-arg]  # read-only: MappingProxyType...
+        return _rebuild_read_only(cls, moved)  # MappingProxyType, a user's Mapping
     # A subclass (a ModelOutput, a user's dict) or a MutableMapping (UserDict):
     # a shallow copy made the class's own way (its __reduce__ or __copy__) keeps
     # its state, then each value that moved is replaced with its own __setitem__,
@@ -85,10 +94,68 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     return result
 
 
+def _refuse_weak_values(cls: type) -> None:
+    raise TypeError(
+        f"to_device() cannot move a {_name(cls)}: it holds its values weakly, and the moved "
+        "tensors are held by nothing else, so it would come back empty. Move a dict of it "
+        "instead: to_device(dict(the_mapping), device)."
+    )
+
+
+def _rebuild_chain_map(walk: Walk, obj: ChainMap[Any, Any]) -> ChainMap[Any, Any]:
+    """The same chain of maps, each moved: writes and deletions still go to the first.
+
+    Its items, set into a copy, would all land in the copy's first map (and a
+    deletion would uncover a later map's old value). Each map is moved by the
+    walk, so a map shared with the rest of the structure stays shared.
+    """
+    cls = type(obj)
+    result = cls.__new__(cls)  # not its __init__, whose signature may be a subclass's own
+    _copy_state(obj, result)
+    # Not through the class's __setattr__: an attribute-style subclass makes it an item.
+    object.__setattr__(result, "maps", [walk.move(child) for child in obj.maps])
+    forget_cached_properties(result)
+    return result
+
+
+def _rebuild_read_only(cls: Any, moved: dict[Any, Any]) -> Any:
+    """``cls(moved)``, checked: a constructor with another signature loses items silently."""
+    try:
+        result = cls(moved)
+    except RecursionError:
+        raise  # the walk is too deep: to_device says so
+    except Exception as error:
+        raised = f"raised {type(error).__name__}: {first_line(error)}"
+        raise TypeError(_not_rebuilt(cls, raised)) from error
+    # Keys only: a mapping may wrap its values (and values are never compared with ==).
+    if type(result) is not cls:
+        what = f"returned a {_name(type(result))}"
+    elif result.keys() != moved.keys():
+        keys, expected = shorten(repr(list(result)), 80), shorten(repr(list(moved)), 80)
+        what = f"returned one with the keys {keys} instead of {expected}"
+    else:
+        return result
+    raise TypeError(_not_rebuilt(cls, what))
+
+
+def _not_rebuilt(cls: type, what: str) -> str:
+    return (
+        f"to_device() cannot rebuild the read-only mapping {_name(cls)}: "
+        f"{cls.__qualname__}(mapping_of_moved_values) {what}. Give {cls.__qualname__} a "
+        ".to(device) method, or a constructor that takes a mapping of its items."
+    )
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _set_items(result: MutableMapping[Any, Any], changed: list[tuple[Any, Any]]) -> None:
     key, value = changed[0]
     try:
         result[key] = value
+    except RecursionError:
+        raise  # not a refusal: the walk is too deep, and to_device says so
     except Exception:
         if not isinstance(result, dict):
             raise
@@ -102,11 +169,14 @@ def _set_items(result: MutableMapping[Any, Any], changed: list[tuple[Any, Any]])
 
 
 def _check_untouched(
-    obj: MutableMapping[Any, Any], changed: list[tuple[Any, Any]], originals: dict[Any, Any]
+    obj: MutableMapping[Any, Any] | MutableSequence[Any],
+    changed: list[tuple[Any, Any]],
+    originals: dict[Any, Any],
 ) -> None:
     """Put back an input that writing into its copy changed (they share storage), and say so.
 
     A moved value is new, so only a write that leaked can make the input hold it.
+    ``changed`` holds (key or index, moved value); ``originals`` each key's old value.
     """
     leaked = [key for key, value in changed if _reads_back(obj, key, value)]
     if not leaked:
@@ -118,14 +188,14 @@ def _check_untouched(
             obj[key] = originals[key]
     cls = type(obj)
     raise TypeError(
-        f"to_device() cannot copy a {cls.__module__}.{cls.__qualname__} without changing it: "
-        f"writing {leaked[0]!r} into its copy wrote into the input too (they share storage; "
+        f"to_device() cannot copy a {_name(cls)} without changing it: "
+        f"setting item {leaked[0]!r} of its copy wrote into the input too (they share storage; "
         f"the input is put back). Give {cls.__qualname__} a __copy__ that copies its storage, "
         "or a .to() method."
     )
 
 
-def _reads_back(obj: Mapping[Any, Any], key: Any, value: Any) -> bool:
+def _reads_back(obj: Any, key: Any, value: Any) -> bool:
     try:
         return obj[key] is value
     except Exception:  # noqa: BLE001 - a mapping that cannot read it back was not written to
@@ -139,13 +209,61 @@ def rebuild_list_subclass(walk: Walk, obj: list[Any]) -> list[Any]:
     return result
 
 
+def rebuild_sequence(walk: Walk, obj: MutableSequence[Any]) -> MutableSequence[Any]:
+    """A deque, ``UserList`` or other mutable sequence of the same type, items moved.
+
+    An exact deque is built anew, with its ``maxlen``. Any other is shallow-copied
+    as a mapping is (its own way, or without ``__init__``, its attributes
+    unshared), then each item that moved is set by index with its own
+    ``__setitem__``, and the input checked for writes that leaked into it.
+    """
+    if isinstance(obj, (bytearray, array.array)):
+        return obj  # holds numbers only, never a tensor: nothing to copy
+    items = _kept(walk, obj)
+    moved = [walk.move(item) for item in items]
+    if type(obj) is deque:
+        return deque(moved, maxlen=obj.maxlen)
+    result: MutableSequence[Any] = _own_copy(obj, unshare=True)
+    pairs = enumerate(zip(moved, items, strict=True))
+    changed = [(index, new) for index, (new, old) in pairs if new is not old]
+    if changed:
+        try:
+            for index, value in changed:
+                result[index] = value
+        finally:
+            _check_untouched(obj, changed, dict(enumerate(items)))
+    forget_cached_properties(result)
+    return result
+
+
 def rebuild_tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
     items = [walk.move(item) for item in _kept(walk, obj)]
-    if type(obj) is tuple:
+    cls = type(obj)
+    if cls is tuple:
         return tuple(items)
-    if is_namedtuple(obj):
-        return type(obj)(*items)
-    return type(obj)(items)  # other tuple subclasses, such as torch.return_types
+    if not _tuple_new_makes(cls):
+        return cls(items)  # torch.Size, a structseq (torch.return_types): tuple.__new__ refuses
+    # A namedtuple or another subclass: made without its __new__ (whose signature is
+    # its own, and may take more than the items), then its attributes.
+    result: tuple[Any, ...] = tuple.__new__(cls, items)
+    _copy_state(obj, result)
+    forget_cached_properties(result)
+    return result
+
+
+def _tuple_new_makes(cls: type) -> bool:
+    """Whether ``tuple.__new__(cls, items)`` is allowed: no C base of ``cls`` has its own __new__.
+
+    Python refuses it ("is not safe") when the first class in the MRO whose
+    ``__new__`` is not written in Python is not ``tuple`` itself.
+    """
+    for klass in cls.__mro__:
+        new = vars(klass).get("__new__")
+        if isinstance(new, staticmethod):
+            new = new.__func__
+        if new is not None and not isinstance(new, types.FunctionType):
+            return klass is tuple
+    return False  # pragma: no cover - tuple is in the MRO of every tuple subclass
 
 
 def rebuild_set(walk: Walk, obj: set[Any] | frozenset[Any]) -> set[Any] | frozenset[Any]:
@@ -217,6 +335,8 @@ def _own_copy(obj: Any, *, unshare: bool) -> Any:
         dict.update(result, obj)
     elif isinstance(obj, list):
         list.extend(result, obj)
+    elif isinstance(obj, deque):  # cls.__new__ made it empty and unbounded
+        deque.__init__(result, obj, obj.maxlen)
     if isinstance(obj, defaultdict):
         result.default_factory = obj.default_factory
     _copy_state(obj, result)
@@ -246,9 +366,12 @@ _COPY_HOOKS = frozenset(
     {"__copy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__"}
 )
 # Their copy hooks are the generic ones that `_own_copy` does itself, without
-# __init__ or __setitem__; any other class's hooks (ChainMap's, UserDict's, a
-# ModelOutput's) say how that class is copied.
-_PLAIN = frozenset({object, dict, list, set, frozenset, tuple, OrderedDict, defaultdict, Counter})
+# __init__ or __setitem__; any other class's hooks (UserDict's, UserList's, a
+# ModelOutput's) say how that class is copied. (A deque's __copy__ calls a
+# subclass's __init__ with the items, whatever its signature.)
+_PLAIN = frozenset(
+    {object, dict, list, set, frozenset, tuple, OrderedDict, defaultdict, Counter, deque}
+)
 _own_way: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import types
 from collections.abc import Callable
 
 import pytest
@@ -115,6 +116,7 @@ CPU_BUILD_CASES: list[tuple[object, object]] = [
     ("cuda", (dk.DeviceNotFoundError, "names a CUDA device, but this torch build")),
     ("cuda:99", (dk.DeviceNotFoundError, "names a CUDA device, but this torch build")),
     ("npu", (ValueError, "is not a device torch knows")),
+    ("privateuseone", (dk.DeviceNotFoundError, "no such backend is registered")),
     (1.5, (TypeError, "got 1.5 of type float")),
     ("cpu:0", [CPU]),
     (torch.device("cpu", 0), [CPU]),
@@ -211,6 +213,26 @@ def test_with_two_fake_gpus_a_third_is_refused_everywhere(
     fake_accelerator("cuda", 2)
     call, name = {**SINGLE, **LISTS, **CUDA_ONLY_LISTS}[function]
     _check(call, name, value, expected)
+
+
+def test_a_private_use_backend_is_a_device_once_its_package_registers_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from devicekit._devices import resolve_device
+
+    backend = torch._C._get_privateuse1_backend_name()
+    if hasattr(torch, backend):
+        pytest.skip(f"this torch has the {backend!r} backend registered")
+    with pytest.raises(
+        dk.DeviceNotFoundError,
+        match=rf"device='{backend}' names the out-of-tree \(PrivateUse1\) backend '{backend}', "
+        rf"but no such backend is registered .*there is no torch\.{backend} module.*"
+        r"Import the backend's package \(such as torch_npu\) first",
+    ):
+        resolve_device(backend)
+    # What the backend's package does when imported (torch._register_device_module).
+    monkeypatch.setattr(torch, backend, types.ModuleType(f"torch.{backend}"), raising=False)
+    assert resolve_device(f"{backend}:1") == torch.device(backend, 1)
 
 
 def test_the_device_model_normalizes_fake_gpus(

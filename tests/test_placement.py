@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import sys
 import threading
 import types
 import warnings
@@ -448,6 +449,41 @@ def test_an_object_whose_to_returns_none_is_kept_with_one_warning() -> None:
     assert on(META, second.tensor)
 
 
+class ForgetsToReturn(torch.nn.Module):
+    """A common mistake: a .to() override that moves the module and returns None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 2)
+
+    def to(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        super().to(*args, **kwargs)
+
+
+class TakesOnlyADevice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 2)
+
+    def to(self, device: torch.device) -> TakesOnlyADevice:  # type: ignore[override]
+        return super().to(device)  # no non_blocking keyword
+
+
+def test_a_module_with_its_own_to_is_moved_by_it_as_other_objects_are() -> None:
+    _placement._warned_returned_none.discard(ForgetsToReturn)
+    model = ForgetsToReturn()
+    batch: dict[str, Any] = {"model": model, "again": [model]}
+    with pytest.warns(RuntimeWarning, match=r"ForgetsToReturn\.to\(\) returned None") as caught:
+        moved = dk.to_device(batch, META)
+    assert moved["model"] is model  # kept, not None
+    assert moved["again"][0] is model
+    assert on(META, model.net.weight)
+    assert len(caught) == 1
+    device_only = TakesOnlyADevice()
+    assert dk.to_device([device_only], META)[0] is device_only
+    assert on(META, device_only.net.weight)
+
+
 def test_tensor_subclasses_are_moved() -> None:
     weight = torch.nn.Parameter(torch.ones(2))
     moved = dk.to_device({"w": weight}, META)
@@ -557,6 +593,24 @@ def test_cycle_through_a_dataclass() -> None:
     batch.meta["self"] = batch
     with pytest.raises(ValueError, match=r"obj\.meta\['self'\] is obj\."):
         dk.to_device(batch, META)
+
+
+def test_nesting_deeper_than_the_recursion_limit_says_so_and_leaves_the_walk_clean() -> None:
+    chain: Any = torch.ones(1)
+    for _ in range(sys.getrecursionlimit()):  # five frames a level: far too deep
+        chain = Batch(chain, {})
+    with pytest.raises(
+        RecursionError,
+        match=r"^to_device\(\) cannot move obj: it nests containers deeper than Python's "
+        r"recursion limit \(sys\.getrecursionlimit\(\) is \d+\) allows\..*"
+        r"Raise the limit with sys\.setrecursionlimit\(\), or flatten the structure",
+    ) as info:
+        dk.to_device(chain, META)
+    assert info.value.__cause__ is None
+    mover = _placement._local.movers[META]
+    assert (mover.busy, mover.memo, mover.kept) == (False, {}, [])
+    moved = dk.to_device({"a": Batch(torch.ones(1), {})}, META)  # the same walk, reused
+    assert on(META, moved["a"].x)
 
 
 # --- devices and the copy policy -----------------------------------------------------

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
-from collections.abc import Iterator, MutableMapping
+import gc
+import types
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import pytest
@@ -209,6 +213,19 @@ def test_a_key_named_to_is_not_a_to_method() -> None:
     assert moved["x"].is_meta  # moved as a mapping, not through the "to" item
 
 
+@dataclasses.dataclass
+class Route:
+    x: torch.Tensor
+    to: Callable[[Any], str] = str  # a field whose default is a callable class attribute
+
+
+def test_a_dataclass_field_named_to_is_not_a_to_method() -> None:
+    moved = dk.to_device(Route(torch.ones(2)), META)
+    assert type(moved) is Route
+    assert moved.x.is_meta  # moved as a dataclass, not replaced by str(META)
+    assert moved.to is str
+
+
 def test_a_debugger_tracing_the_import_does_not_break_sharing() -> None:
     # A trace function that reads frame.f_locals (a debugger's variables view) adds a
     # reference to each local while the reference counts are calibrated at import.
@@ -366,3 +383,258 @@ def test_frozenset_subclass_with_its_own_new_and_a_metaclass_to() -> None:
     assert next(iter(moved)).is_meta
     configured = Configured()
     assert dk.to_device(configured, META) is configured  # no .to of its own: left as it is
+
+
+# --- tuple subclasses ------------------------------------------------------------------
+
+_Point = collections.namedtuple("_Point", "x y")
+
+
+class TaggedPoint(_Point):
+    """A namedtuple subclass without ``__slots__ = ()``: its instances have a __dict__."""
+
+
+class ScaledPoint(collections.namedtuple("ScaledPoint", "x y")):
+    __slots__ = ()
+
+    def __new__(cls, x: Any, y: Any, *, scale: int) -> ScaledPoint:
+        return super().__new__(cls, x * scale, y * scale)
+
+
+class Labelled(tuple[Any, ...]):
+    label: str
+
+    def __new__(cls, items: Any, label: str) -> Labelled:
+        made = super().__new__(cls, items)
+        made.label = label
+        return made
+
+
+def test_tuple_subclasses_keep_their_attributes_and_skip_their_new() -> None:
+    tensor = torch.ones(2)
+    point = TaggedPoint(tensor, "y")
+    point.source = "shard-7"  # type: ignore[attr-defined]
+    moved = dk.to_device(point, META)
+    assert (type(moved), moved.source, moved.y) == (TaggedPoint, "shard-7", "y")  # type: ignore[attr-defined]
+    assert moved.x.is_meta
+    assert point.x is tensor
+    scaled = dk.to_device(ScaledPoint(tensor, 3, scale=2), META)  # its __new__ needs scale=
+    assert (type(scaled), scaled.y) == (ScaledPoint, 6)  # stored as is, not scaled again
+    assert scaled.x.is_meta
+    labelled = dk.to_device(Labelled([tensor], "a"), META)  # its __new__ needs a label
+    assert (type(labelled), labelled.label) == (Labelled, "a")
+    assert labelled[0].is_meta
+    shape = dk.to_device([torch.Size([2, 3])], META)[0]  # a C subclass: its own constructor
+    assert (type(shape), shape) == (torch.Size, (2, 3))
+
+
+# --- ChainMap ------------------------------------------------------------------------
+
+
+class Scope(collections.ChainMap[str, Any]):
+    def __init__(self, name: str, *maps: Any) -> None:
+        super().__init__(*maps)
+        self.name = name
+
+
+def test_a_chain_map_keeps_each_map_in_its_place() -> None:
+    overrides, defaults = {"x": torch.ones(2)}, {"mask": torch.ones(2)}
+    chain = collections.ChainMap(overrides, defaults)
+    moved = dk.to_device({"chain": chain, "defaults": defaults}, META)
+    result = moved["chain"]
+    assert type(result) is collections.ChainMap
+    assert [list(m) for m in result.maps] == [["x"], ["mask"]]  # nothing copied into maps[0]
+    assert result.maps[1] is moved["defaults"]  # a map shared with the rest stays shared
+    assert result.parents["mask"].is_meta
+    assert result.new_child()["mask"] is result["mask"]
+    with pytest.raises(KeyError, match="first mapping"):
+        del result["mask"]  # a later map's item, as in the input: no old tensor uncovered
+    assert chain.maps[0] is overrides
+    assert chain.maps[1] is defaults
+    assert list(overrides) == ["x"]  # the input's maps, untouched
+    assert not overrides["x"].is_meta
+    assert not defaults["mask"].is_meta
+    scope = dk.to_device(Scope("eval", {"y": torch.ones(1)}), META)  # made without its __init__
+    assert (type(scope), scope.name, scope["y"].is_meta) == (Scope, "eval", True)
+
+
+# --- read-only and weak mappings -------------------------------------------------------
+
+
+class Config(Mapping[str, Any]):
+    """Read-only, built from keywords: ``Config(mapping)`` is not a copy of it."""
+
+    def __init__(self, name: str = "default", **items: Any) -> None:
+        self.name, self._items = name, dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Schema(Config):
+    def __init__(self, items: dict[str, Any], version: int) -> None:
+        super().__init__("schema", **items)
+
+
+class Wrapping(Config):
+    """Takes a mapping, and wraps each value: its values are never the moved ones."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self.name, self._items = "wrapped", {key: [value] for key, value in items.items()}
+
+
+def test_a_read_only_mapping_its_constructor_cannot_rebuild_is_refused() -> None:
+    config = Config("run1", x=torch.ones(2))
+    with pytest.raises(
+        TypeError,
+        match=r"cannot rebuild the read-only mapping tests\.test_rebuild\.Config: "
+        r"Config\(mapping_of_moved_values\) returned one with the keys \[\] instead of "
+        r"\['x'\]\. Give Config a \.to\(device\) method, or a constructor that takes a mapping",
+    ):
+        dk.to_device(config, META)
+    with pytest.raises(
+        TypeError, match=r"Schema\(mapping_of_moved_values\) raised TypeError"
+    ) as info:
+        dk.to_device(Schema({"x": torch.ones(1)}, version=2), META)
+    assert isinstance(info.value.__cause__, TypeError)  # the constructor's own error
+    assert "version" in str(info.value.__cause__)
+    wrapped = dk.to_device(Wrapping({"x": torch.ones(1)}), META)  # same keys: accepted
+    assert wrapped["x"][0][0].is_meta
+
+
+class Handle:
+    """Something a WeakKeyDictionary can hold a weak reference to."""
+
+
+def test_weak_value_dictionaries_are_refused_and_weak_key_ones_moved() -> None:
+    tensor = torch.ones(1)
+    cache = weakref.WeakValueDictionary({"k": tensor})
+    with pytest.raises(
+        TypeError,
+        match=r"cannot move a weakref\.WeakValueDictionary: it holds its values weakly.*"
+        r"to_device\(dict\(the_mapping\), device\)",
+    ):
+        dk.to_device({"cache": cache}, META)
+    assert cache["k"] is tensor
+    handle = Handle()
+    weak_keys = weakref.WeakKeyDictionary({handle: tensor})
+    moved = dk.to_device(weak_keys, META)
+    gc.collect()
+    assert type(moved) is weakref.WeakKeyDictionary
+    assert moved[handle].is_meta  # its values are held strongly: still there
+    assert weak_keys[handle] is tensor
+
+
+# --- deques and other mutable sequences --------------------------------------------------
+
+
+class Ring(collections.deque[Any]):
+    def __init__(self, name: str, items: Any = (), maxlen: int | None = None) -> None:
+        super().__init__(items, maxlen)
+        self.name = name
+
+
+class Frames(MutableSequence[Any]):
+    """A user's mutable sequence, with its items in a list attribute."""
+
+    def __init__(self, name: str, items: Any = ()) -> None:
+        self.name, self._items = name, list(items)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._items[index]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self._items[index] = value
+
+    def __delitem__(self, index: Any) -> None:
+        del self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def insert(self, index: int, value: Any) -> None:
+        self._items.insert(index, value)
+
+
+def test_deques_and_mutable_sequences_keep_their_type_and_state() -> None:
+    tensor = torch.ones(1)
+    recent: collections.deque[Any] = collections.deque([tensor, "label"], maxlen=3)
+    moved = dk.to_device(recent, META)
+    assert (type(moved), moved.maxlen, moved[1]) == (collections.deque, 3, "label")
+    assert moved[0].is_meta
+    assert recent[0] is tensor
+    ring = dk.to_device(Ring("recent", [tensor], maxlen=2), META)  # made without its __init__
+    assert (type(ring), ring.name, ring.maxlen, ring[0].is_meta) == (Ring, "recent", 2, True)
+    user = collections.UserList([tensor])
+    assert dk.to_device(user, META)[0].is_meta
+    assert user[0] is tensor
+    frames = Frames("clip", [tensor, "label"])
+    moved_frames = dk.to_device(frames, META)
+    assert (type(moved_frames), moved_frames.name, moved_frames[1]) == (Frames, "clip", "label")
+    assert moved_frames[0].is_meta
+    assert frames[0] is tensor  # its list was copied before the copy was written
+    looped: collections.deque[Any] = collections.deque([tensor])
+    looped.append(looped)
+    with pytest.raises(ValueError, match="contains itself"):
+        dk.to_device(looped, META)
+
+
+class BoxedFrames(MutableSequence[Any]):
+    """Its storage is one object further than a shallow copy reaches."""
+
+    def __init__(self, items: Any = ()) -> None:
+        self.box = types.SimpleNamespace(items=list(items))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.box.items[index]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.box.items[index] = value
+
+    def __delitem__(self, index: Any) -> None:
+        del self.box.items[index]
+
+    def __len__(self) -> int:
+        return len(self.box.items)
+
+    def insert(self, index: int, value: Any) -> None:
+        raise NotImplementedError
+
+
+def test_a_sequence_copy_that_writes_into_the_input_is_put_back_and_refused() -> None:
+    tensor = torch.ones(1)
+    boxed = BoxedFrames([tensor])
+    with pytest.raises(
+        TypeError,
+        match=r"cannot copy a .*BoxedFrames without changing it: setting item 0 of its copy",
+    ):
+        dk.to_device(boxed, META)
+    assert boxed[0] is tensor
+
+
+class Clip(Sequence[Any]):
+    """A read-only sequence: documented as returned unchanged."""
+
+    def __init__(self, items: Any) -> None:
+        self._items = list(items)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_byte_arrays_and_read_only_sequences_are_returned_unchanged() -> None:
+    data, numbers, clip = bytearray(b"abc"), array.array("f", [1.0]), Clip([torch.ones(1)])
+    moved = dk.to_device([data, numbers, clip, range(3)], META)
+    assert moved[0] is data  # mutable sequences of numbers: no copy, nothing to move
+    assert moved[1] is numbers
+    assert moved[2] is clip
+    assert moved[3] == range(3)
