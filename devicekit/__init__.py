@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ._errors import DeviceMismatchError as DeviceMismatchError
     from ._errors import DeviceNotFoundError as DeviceNotFoundError
     from ._errors import DeviceOutOfMemoryError as DeviceOutOfMemoryError
+    from ._errors import GPUNotFoundError as GPUNotFoundError
     from ._errors import GPUUnavailableError as GPUUnavailableError
     from ._errors import RanksDisagreeError as RanksDisagreeError
     from ._errors import RanksOutOfStepError as RanksOutOfStepError
@@ -128,6 +129,7 @@ _EXPORTS: dict[str, str] = {
     "DeviceMismatchError": "._errors",
     "DeviceNotFoundError": "._errors",
     "DeviceOutOfMemoryError": "._errors",
+    "GPUNotFoundError": "._errors",
     "GPUUnavailableError": "._errors",
     "RanksDisagreeError": "._errors",
     "RanksOutOfStepError": "._errors",
@@ -225,6 +227,7 @@ __all__ = [
     "Diagnosis",
     "Finding",
     "GPUInfo",
+    "GPUNotFoundError",
     "GPUPool",
     "GPUProcess",
     "GPUUnavailableError",

@@ -1,6 +1,7 @@
 """Every exception devicekit raises on purpose.
 
-Each one subclasses a builtin (``ValueError`` or ``RuntimeError``), or the torch
+Each one subclasses a builtin (``ValueError`` or ``RuntimeError``; one is a
+``KeyError`` as well, because the error it replaced was one), or the torch
 exception it refines (``torch.OutOfMemoryError``, which is why this module
 imports torch), as well as [`DevicekitError`][devicekit.DevicekitError], so
 callers can catch it either way. Bad argument *types* and *values* that need
@@ -26,6 +27,7 @@ __all__ = [
     "DeviceNotFoundError",
     "DeviceOutOfMemoryError",
     "DevicekitError",
+    "GPUNotFoundError",
     "GPUUnavailableError",
     "RanksDisagreeError",
     "RanksOutOfStepError",
@@ -57,6 +59,21 @@ class CUDAInitializedError(DevicekitError, RuntimeError):
 
 class DeviceNotFoundError(DevicekitError, ValueError):
     """A device was asked for by index, but no such device is visible to this process."""
+
+
+class GPUNotFoundError(DeviceNotFoundError, KeyError):
+    """No GPU has that torch index: [`gpu()`][devicekit.gpu] and ``Status.gpu()`` raise it.
+
+    A [`DeviceNotFoundError`][devicekit.DeviceNotFoundError] like any other
+    missing device. It is a ``KeyError`` too, because ``Status.gpu()`` and
+    ``Status.select()`` raised a plain ``KeyError`` before, and code catching
+    that must keep working; unlike a plain ``KeyError``, its message prints
+    as written, not quoted.
+    """
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ prints repr(message), quotes and escapes included.
+        return ValueError.__str__(self)
 
 
 class DeviceMismatchError(DevicekitError, RuntimeError):
@@ -129,6 +146,7 @@ for _cls in (
     DeviceMismatchError,
     DeviceNotFoundError,
     DeviceOutOfMemoryError,
+    GPUNotFoundError,
     GPUUnavailableError,
     RanksDisagreeError,
     RanksOutOfStepError,

@@ -8,6 +8,7 @@ process can use; [`doctor()`][devicekit.doctor] adds the ones about speed.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -28,7 +29,9 @@ __all__ = [
     "is_hot",
     "is_low_on_memory",
     "low_memory",
+    "models",
     "no_gpu",
+    "no_gpu_reason",
     "torch_cannot_use_gpus",
     "visibility",
 ]
@@ -137,19 +140,46 @@ def no_gpu(accelerator: str | None, visible: int, nvml_error: str | None) -> Fin
     )
 
 
-def no_gpu_reason(accelerator: str | None, nvml_error: str | None) -> str:
+def no_gpu_reason(accelerator: str | None, nvml_error: str | None, unusable: int = 0) -> str:
     """Why this process has no GPU, and the fix, as one clause for an error message.
+
+    Args:
+        accelerator: The torch build's accelerator type, or None.
+        nvml_error: Why NVML cannot be queried, or None.
+        unusable: How many NVIDIA GPUs NVML sees that torch cannot use because
+            the build has no CUDA; when any, that is the reason.
 
     Examples:
         >>> no_gpu_reason(None, "libnvidia-ml.so.1 was not found")
         'this is a CPU-only torch build; install a CUDA or ROCm build of torch to use a GPU'
+        >>> no_gpu_reason(None, None, unusable=2)
+        "this torch build has no CUDA, so it cannot use the machine's 2 NVIDIA GPUs; install a \
+CUDA build of torch (pytorch.org/get-started/locally)"
     """
+    if unusable:
+        # A CPU build on a GPU machine: "no GPU" would hide that the GPUs are right there.
+        return (
+            f"this torch build has no CUDA, so it cannot use the machine's "
+            f"{plural(unusable, 'NVIDIA GPU')}; install a CUDA build of torch "
+            "(pytorch.org/get-started/locally)"
+        )
     finding = no_gpu(accelerator, 0, nvml_error)
     assert finding is not None  # no visible device always has a reason
     reason = finding.title.removeprefix("No GPU: ")
     if accelerator is not None and parse_visible_devices() != []:
         reason += f" ({nvml_error or 'no driver, or no device'})"
     return f"{reason}; {finding.fix}"
+
+
+def models(names: Iterable[str | None]) -> str:
+    """Each GPU model with its count, in the order first seen: ``"1x NVIDIA H100, 1x T4"``.
+
+    Examples:
+        >>> models(["NVIDIA H100", "T4", "NVIDIA H100", None])
+        '2x NVIDIA H100, 1x T4, 1x ?'
+    """
+    counts = collections.Counter(safe_text(name or UNKNOWN) for name in names)
+    return ", ".join(f"{count}x {name}" for name, count in counts.items())
 
 
 def torch_cannot_use_gpus(
@@ -161,7 +191,7 @@ def torch_cannot_use_gpus(
     return Finding(
         "error",
         "torch is a CPU build, but this machine has NVIDIA GPUs",
-        f"{plural(len(gpus), 'GPU')} ({safe_text(gpus[0].name or UNKNOWN)}), driver "
+        f"{plural(len(gpus), 'GPU')} ({models(info.name for info in gpus)}), driver "
         f"{driver or UNKNOWN}; torch {torch_version} cannot use them",
         f"install a CUDA build of torch for CUDA {cuda or 'your driver version'} or older "
         "(pytorch.org/get-started/locally)",

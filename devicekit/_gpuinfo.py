@@ -22,6 +22,10 @@ from ._format import (
 
 __all__ = ["GPUInfo", "GPUProcess"]
 
+# A GPU without a torch index. Why (CUDA_VISIBLE_DEVICES hides it, or torch has no
+# CUDA) is not part of the snapshot, so the words must hold for either reason.
+_UNUSABLE = "not usable here"
+
 
 @dataclass(frozen=True)
 class GPUProcess:
@@ -69,7 +73,8 @@ class GPUInfo:
 
     Attributes:
         torch_index: The index torch uses for this GPU (``cuda:<torch_index>``),
-            or None when this process cannot see it.
+            or None when this process cannot use it: ``CUDA_VISIBLE_DEVICES``
+            hides it, or torch is a build without CUDA.
         nvml_index: NVML's index of the physical GPU (for a MIG instance: of
             its parent GPU). It is *not* the torch index in general.
         uuid: ``GPU-...`` (or ``MIG-...`` for a MIG instance).
@@ -128,7 +133,7 @@ class GPUInfo:
 
     @property
     def device(self) -> str | None:
-        """``"cuda:N"`` for a GPU this process can see, else None."""
+        """``"cuda:N"`` for a GPU this process can use, else None."""
         return None if self.torch_index is None else f"cuda:{self.torch_index}"
 
     @property
@@ -178,7 +183,7 @@ class GPUInfo:
         return separator.join(str(p) for p in self.processes) or "none"
 
     def __repr__(self) -> str:
-        where = self.device or "not visible"
+        where = self.device or _UNUSABLE
         parts = [f"{where} (nvml {self.nvml_index})", safe_text(self.name or UNKNOWN)]
         parts.append(f"memory {self.memory_text()}")
         if self.utilization is not None:
@@ -199,7 +204,7 @@ class GPUInfo:
         """The snapshot as (label, text) pairs in human units, for tables."""
         mig = self.mig_enabled
         return [
-            ("device", self.device or "not visible to this process"),
+            ("device", self.device or f"none: {_UNUSABLE}"),
             ("nvml index", str(self.nvml_index)),
             ("name", safe_text(self.name or UNKNOWN)),
             ("uuid", self.uuid or UNKNOWN),
@@ -220,4 +225,4 @@ class GPUInfo:
         ]
 
     def _repr_html_(self) -> str:
-        return html_table(self.rows(), caption=f"GPUInfo: {self.device or 'not visible'}")
+        return html_table(self.rows(), caption=f"GPUInfo: {self.device or _UNUSABLE}")

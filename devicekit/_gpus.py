@@ -13,6 +13,9 @@ as soon as either applies. devicekit maps through UUIDs instead:
    cached per value of the two variables.
 2. ``CUDA_VISIBLE_DEVICES`` applied to that order, with CUDA's rules
    (indices, unique ``GPU-`` UUID prefixes, ``MIG-`` UUIDs).
+
+A torch build without CUDA (CPU, ROCm, XPU, MPS) has no ``cuda:N`` for an
+NVIDIA GPU, so there it sees none, whatever NVML lists.
 """
 
 from __future__ import annotations
@@ -32,14 +35,22 @@ import torch
 
 from . import _claims, _nvml
 from ._devices import DeviceLike, accelerator_type, parse_cuda_index, parse_cuda_indices
-from ._errors import DeviceNotFoundError, GPUUnavailableError
+from ._errors import GPUNotFoundError, GPUUnavailableError
 from ._findings import no_gpu_reason
 from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_count, check_flag, check_number, check_seconds
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
 
-__all__ = ["gpu", "gpus", "nvml_handle", "pick_gpu", "pick_gpus", "visible_gpus"]
+__all__ = [
+    "gpu",
+    "gpus",
+    "nvml_handle",
+    "pick_gpu",
+    "pick_gpus",
+    "torch_has_cuda",
+    "visible_gpus",
+]
 
 _ORDER_VAR = "CUDA_DEVICE_ORDER"
 
@@ -132,6 +143,21 @@ def _order_in_this_process() -> list[str] | None:
     return session.cuda_order
 
 
+def torch_has_cuda() -> bool:
+    """Whether this torch build can drive NVIDIA GPUs at all: a CUDA build.
+
+    Read from the build (ROCm builds, too, leave ``torch.version.cuda`` None),
+    so it starts nothing.
+    """
+    return torch.version.cuda is not None
+
+
+def _why_none_visible() -> str:
+    """Why this process sees no GPU, and the fix, as one clause for an error message."""
+    unusable = 0 if torch_has_cuda() else len(_nvml.physical_gpus())
+    return no_gpu_reason(accelerator_type(), _nvml.nvml_error(), unusable)
+
+
 def visible_gpus() -> list[_Visible]:
     """The GPUs this process can see, in torch index order (``cuda:0`` first).
 
@@ -139,7 +165,10 @@ def visible_gpus() -> list[_Visible]:
     order), so it is worked out once per value and kept in the NVML session.
     """
     physical = _nvml.physical_gpus()
-    if not physical:
+    if not physical or not torch_has_cuda():
+        # Without CUDA no GPU is cuda:N. Asking a child's CUDA for its order would
+        # say so only on machines of mixed models: one model skips the child and
+        # would number the GPUs as if torch could use them.
         return []
     session = _nvml.session()
     key = (os.environ.get(ENV_VAR), os.environ.get(_ORDER_VAR), torch_cuda_initialized())
@@ -224,11 +253,14 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
 
     Args:
         all: Snapshot every GPU on the machine instead, in NVML order, with
-            ``torch_index=None`` for those this process cannot see.
+            ``torch_index=None`` for those this process cannot use (hidden by
+            ``CUDA_VISIBLE_DEVICES``, or all of them when torch has no CUDA).
 
     Returns:
-        One [`GPUInfo`][devicekit.GPUInfo] per GPU; an empty list without NVML (see
-        [`nvml_error()`][devicekit.nvml_error] for why).
+        One [`GPUInfo`][devicekit.GPUInfo] per GPU. An empty list when there is
+        no ``cuda:0``: without NVML (see [`nvml_error()`][devicekit.nvml_error]),
+        and with a torch build without CUDA, even on a GPU machine
+        ([`status()`][devicekit.status] says why).
 
     Examples:
         >>> import devicekit as dk
@@ -248,8 +280,8 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
 def gpu(index: DeviceLike = 0) -> GPUInfo:
     """Snapshot one GPU, named the way torch names it: ``1``, ``"cuda:1"`` or a ``torch.device``.
 
-    Works with any torch build, a CPU build included: the GPUs are those
-    NVML sees, numbered as CUDA would number them for this process.
+    Only a CUDA build of torch has ``cuda:N``; with any other build, use
+    ``dk.gpus(all=True)`` to describe the machine's GPUs.
 
     Args:
         index: The torch index of the GPU (``1``), ``"cuda:1"``, or a
@@ -259,8 +291,9 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
         Its [`GPUInfo`][devicekit.GPUInfo].
 
     Raises:
-        DeviceNotFoundError: No such GPU is visible (the message lists the
-            ones that are), or NVML is not usable here (the message says why).
+        GPUNotFoundError: No such GPU is visible (the message lists the ones
+            that are), or none is (the message says why: no NVML, or no
+            CUDA in torch). A [`DeviceNotFoundError`][devicekit.DeviceNotFoundError].
         TypeError: ``index`` is a bool or not a device.
         ValueError: ``index`` is negative or names a device that is not CUDA.
 
@@ -274,12 +307,13 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
     if wanted < len(visible):
         return _snapshot(visible[wanted], wanted)
     if not visible:
-        raise DeviceNotFoundError(
+        also = "; dk.gpus(all=True) describes them all the same" if _nvml.physical_gpus() else ""
+        raise GPUNotFoundError(
             f"index={index!r}: cuda:{wanted} cannot be described: this process sees no GPU: "
-            f"{no_gpu_reason(accelerator_type(), _nvml.nvml_error())}"
+            f"{_why_none_visible()}{also}"
         )
     listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
-    raise DeviceNotFoundError(
+    raise GPUNotFoundError(
         f"index={index!r}: cuda:{wanted} does not exist; this process sees {listing}"
     )
 
@@ -535,8 +569,5 @@ def pick_gpus(
     if len(chosen) == count:
         return chosen
     if why_not is None:
-        raise GPUUnavailableError(
-            f"pick_gpus({count}) found no GPU: "
-            f"{no_gpu_reason(accelerator_type(), _nvml.nvml_error())}"
-        )
+        raise GPUUnavailableError(f"pick_gpus({count}) found no GPU: {_why_none_visible()}")
     raise GPUUnavailableError(f"pick_gpus({count}) {why_not}")

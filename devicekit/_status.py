@@ -21,6 +21,7 @@ import torch
 
 from . import _findings, _gpus, _nvml
 from ._devices import accelerator_type, try_all_gpus
+from ._errors import GPUNotFoundError
 from ._findings import Finding
 from ._format import (
     UNKNOWN,
@@ -84,8 +85,9 @@ class Status:
         nvml_error: Why NVML cannot be queried here, or None when it can.
         driver_version: The NVIDIA driver's version, or None.
         cuda_driver_version: The newest CUDA the driver supports, or None.
-        gpus: Every GPU NVML sees: those this process can see first, by torch
-            index, then the hidden ones (``torch_index`` None).
+        gpus: Every GPU NVML sees: those this process can use first, by torch
+            index, then the others (``torch_index`` None): those
+            ``CUDA_VISIBLE_DEVICES`` hides, or every one when torch has no CUDA.
         findings: What is wrong or worth knowing about what this process can
             use (visibility, the build, no GPU).
         taken_at: When the snapshot was taken (seconds since the epoch).
@@ -112,22 +114,29 @@ class Status:
         """The GPUs this process can see, in torch index order."""
         return tuple(info for info in self.gpus if info.torch_index is not None)
 
+    @property
+    def _cuda_build(self) -> bool:
+        """Whether torch is a CUDA build, so that NVIDIA GPUs can be ``cuda:N`` at all."""
+        return self.torch_build.startswith("CUDA ")
+
     def gpu(self, index: int) -> GPUInfo:
         """The snapshot of ``cuda:<index>``.
 
         Raises:
-            KeyError: This process sees no such GPU.
+            GPUNotFoundError: This process sees no such GPU; the message lists
+                those it sees, or says why it sees none. Also a ``KeyError``.
         """
         for info in self.visible:
             if info.torch_index == index:
                 return info
-        raise KeyError(f"there is no cuda:{index}; {self._visible_names()}")
+        raise GPUNotFoundError(f"there is no cuda:{index}; {self._visible_names()}")
 
     def select(self, indices: Iterable[int]) -> Status:
         """The same status with only the GPUs of these torch indices (``devicekit -i``).
 
         Raises:
-            KeyError: One of ``indices`` is not a GPU this process sees.
+            GPUNotFoundError: One of ``indices`` is not a GPU this process
+                sees. Also a ``KeyError``.
         """
         chosen = tuple(self.gpu(index) for index in dict.fromkeys(indices))
         return dataclasses.replace(self, gpus=chosen)
@@ -136,8 +145,20 @@ class Status:
         names = [info.device or "" for info in self.visible]
         if names:
             return f"this process sees {plural(len(names), 'GPU')}: {', '.join(names)}"
-        reason = _findings.no_gpu_reason(self.accelerator, self.nvml_error)
+        unusable = 0 if self._cuda_build else len(self.gpus)
+        reason = _findings.no_gpu_reason(self.accelerator, self.nvml_error, unusable)
         return f"this process sees no GPU: {reason}"
+
+    def _label(self, info: GPUInfo) -> str:
+        """Where ``info`` is for this process: ``"cuda:0"``, ``"hidden"``, or ``"no CUDA"``.
+
+        A GPU without a torch index is hidden by ``CUDA_VISIBLE_DEVICES`` in a
+        CUDA build; in any other build torch cannot use it at all, and
+        "hidden" would send the reader to the wrong variable.
+        """
+        if info.device is not None:
+            return info.device
+        return "hidden" if self._cuda_build else "no CUDA"
 
     # --- renderings --------------------------------------------------------------------
 
@@ -191,7 +212,7 @@ class Status:
             lines.append("GPU status: NVML sees no GPU")
         for info in self.gpus:
             lines.append("")
-            lines.extend(_gpu_block(info))
+            lines.extend(_gpu_block(info, self._label(info)))
         if any(not p.pid_visible for info in self.gpus for p in info.processes or ()):
             lines.append(
                 "\nSome PIDs are not visible from here: inside a container NVML reports host PIDs."
@@ -199,14 +220,20 @@ class Status:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        gpus = ", ".join(
-            f"{info.device or 'hidden'} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
-        )
         if self.nvml_error is not None:
             # Without NVML nobody knows how many GPUs the machine has: never say 0, and
             # say why rather than print "? GPUs".
             machine = f"GPU count unknown: no NVML ({self.nvml_error})"
+        elif self.gpus and not self._cuda_build:
+            names = ", ".join(safe_text(info.name or UNKNOWN) for info in self.gpus)
+            machine = (
+                f"{plural(len(self.gpus), 'GPU')} on the machine, which this torch build "
+                f"cannot use (no CUDA): {names}"
+            )
         else:
+            gpus = ", ".join(
+                f"{self._label(info)} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
+            )
             machine = f"{plural(len(self.gpus), 'GPU')} on the machine{': ' + gpus if gpus else ''}"
         return (
             f"Status(torch {self.torch} ({self.torch_build}), devices: "
@@ -245,7 +272,7 @@ class Status:
         if self.gpus:
             rows = [
                 (
-                    info.device or "hidden",
+                    self._label(info),
                     safe_text(info.name or UNKNOWN),
                     info.memory_text(),
                     format_percent(info.utilization),
@@ -266,21 +293,22 @@ class Status:
         return "".join(parts)
 
 
-def _gpu_block(info: GPUInfo) -> list[str]:
-    """One GPU in the text report: four lines."""
-    where = info.device or "hidden"
+def _gpu_block(info: GPUInfo, label: str) -> list[str]:
+    """One GPU in the text report: four lines, under ``label`` (``"cuda:0"``, ``"hidden"``)."""
+    width = max(8, len(label) + 2)  # two spaces after the label, however long
+    indent = " " * width
     fraction = info.memory_fraction
     share = "" if fraction is None else f" ({100 * fraction:.0f}%)"
     return [
-        f"{where:<8}nvml {info.nvml_index}  {safe_text(info.name or UNKNOWN)}  "
+        f"{label:<{width}}nvml {info.nvml_index}  {safe_text(info.name or UNKNOWN)}  "
         f"{safe_text(info.pci_bus_id or UNKNOWN)}  {safe_text(info.uuid or UNKNOWN)}",
-        f"{'':8}memory {_bar(fraction)} {info.memory_text()}{share}  "
+        f"{indent}memory {_bar(fraction)} {info.memory_text()}{share}  "
         f"util {format_percent(info.utilization)}  "
         f"memory util {format_percent(info.memory_utilization)}",
-        f"{'':8}{format_value(info.temperature, '°C')}  fan {format_percent(info.fan_speed)}  "
+        f"{indent}{format_value(info.temperature, '°C')}  fan {format_percent(info.fan_speed)}  "
         f"power {info.power_text()}  SM {info.clock_text()}  "
         f"memory {format_value(info.memory_clock, 'MHz')}  clocks held by: {info.held_text()}",
-        f"{'':8}processes: {info.processes_text()}",
+        f"{indent}processes: {info.processes_text()}",
     ]
 
 

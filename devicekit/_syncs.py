@@ -40,6 +40,7 @@ class SyncReport:
         supported: False where nothing can be detected (no CUDA device).
         reason: Why not, when ``supported`` is False.
         events: ``(location, what)`` per sync, in order; location is ``file:line``.
+            Empty when ``supported`` is False: nothing was looked for.
     """
 
     def __init__(self, mode: str) -> None:
@@ -49,13 +50,22 @@ class SyncReport:
         self.events: list[tuple[str, str]] = []
 
     @property
-    def count(self) -> int:
-        """How many synchronizing calls were seen."""
-        return len(self.events)
+    def count(self) -> int | None:
+        """How many synchronizing calls were seen; None where none could be (``supported`` False).
+
+        Not 0 there: 0 would claim the block was checked and found free of syncs.
+        """
+        return len(self.events) if self.supported else None
 
     @property
-    def locations(self) -> dict[str, int]:
-        """``file:line`` of each user line that synchronized, with how often, most first."""
+    def locations(self) -> dict[str, int] | None:
+        """``file:line`` of each user line that synchronized, with how often, most first.
+
+        None where nothing could be seen (``supported`` False), as for ``count``.
+        """
+        return self._counted() if self.supported else None
+
+    def _counted(self) -> dict[str, int]:
         return dict(collections.Counter(location for location, _ in self.events).most_common())
 
     def summary(self) -> str:
@@ -64,8 +74,8 @@ class SyncReport:
             return f"sync detection unavailable: {self.reason}"
         if not self.events:
             return "no synchronizing CUDA operation seen"
-        lines = [f"{plural(self.count, 'synchronizing CUDA operation')}:"]
-        lines += [f"  {count:6d}x  {where}" for where, count in self.locations.items()]
+        lines = [f"{plural(len(self.events), 'synchronizing CUDA operation')}:"]
+        lines += [f"  {count:6d}x  {where}" for where, count in self._counted().items()]
         return "\n".join(lines)
 
     __str__ = summary
@@ -73,26 +83,26 @@ class SyncReport:
     def __repr__(self) -> str:
         if not self.supported:
             return f"SyncReport(unavailable: {self.reason})"
-        lines = self.locations
+        lines = self._counted()
         if not lines:
             return f"SyncReport({self.mode}: no sync)"
         where = ", ".join(f"{line} ({count}x)" for line, count in lines.items())
         return (
-            f"SyncReport({self.mode}: {plural(self.count, 'sync')} from "
+            f"SyncReport({self.mode}: {plural(len(self.events), 'sync')} from "
             f"{plural(len(lines), 'line')}: {where})"
         )
 
     def _repr_html_(self) -> str:
         if not self.supported:
             return f"<p>{html.escape(f'sync detection unavailable: {self.reason}')}</p>"
-        caption = f"detect_syncs: {plural(self.count, 'synchronizing CUDA operation')}"
-        rows = [(where, f"{count}x") for where, count in self.locations.items()]
+        caption = f"detect_syncs: {plural(len(self.events), 'synchronizing CUDA operation')}"
+        rows = [(where, f"{count}x") for where, count in self._counted().items()]
         if not rows:
             return f"<p>{html.escape(caption)}</p>"
         return html_table(rows, header=("line", "syncs"), caption=caption)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: mode, support, count and locations."""
+        """JSON-ready: mode, support, count (null where unsupported) and locations."""
         return {
             "mode": self.mode,
             "supported": self.supported,
@@ -100,6 +110,33 @@ class SyncReport:
             "count": self.count,
             "locations": self.locations,
         }
+
+
+def _unsupported(kind: str | None, count: int) -> str | None:
+    """Why syncs cannot be detected with this build and device count, or None when they can.
+
+    Examples:
+        >>> print(_unsupported("mps", 1))
+        no CUDA device: this torch build drives MPS, whose work is asynchronous and makes the \
+host wait too, but PyTorch's sync debug mode watches CUDA only
+    """
+    if kind == "cuda" and count:
+        return None
+    # Only where work runs on the CPU is "synchronous, nothing to find" true; an MPS
+    # or XPU build queues work and syncs as CUDA does, unseen by torch's debug mode.
+    if kind is None:
+        where = "this torch build has no accelerator"
+    elif not count:
+        where = (
+            f"torch is built for {'CUDA' if kind == 'cuda' else kind.upper()} but sees no device"
+        )
+    else:
+        return (
+            f"no CUDA device: this torch build drives {kind.upper()}, whose work is "
+            "asynchronous and makes the host wait too, but PyTorch's sync debug mode "
+            "watches CUDA only"
+        )
+    return f"no CUDA device: {where}, so work runs on the CPU, which is synchronous"
 
 
 @contextmanager
@@ -125,7 +162,8 @@ def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[Syn
 
     Yields:
         A [`SyncReport`][devicekit.SyncReport], filled in as the block runs. Without a CUDA
-        device it records nothing, and ``report.reason`` says why.
+        device it records nothing: ``report.count`` is None (unknown, not 0), and
+        ``report.reason`` says why.
 
     Raises:
         ValueError: ``mode`` is neither ``"record"`` nor ``"error"``.
@@ -135,15 +173,16 @@ def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[Syn
         >>> import devicekit as dk
         >>> with dk.detect_syncs() as syncs:
         ...     pass
-        >>> syncs.count
-        0
+        >>> syncs.count == (0 if syncs.supported else None)  # None: no CUDA device to watch
+        True
     """
     if mode not in ("record", "error"):
         raise ValueError(f"mode must be 'record' or 'error', got {mode!r}")
     report = SyncReport(mode)
-    if accelerator_type() != "cuda" or accelerator_count() == 0:
+    reason = _unsupported(accelerator_type(), accelerator_count())
+    if reason is not None:
         report.supported = False
-        report.reason = "no CUDA device: work on the CPU is synchronous, there is nothing to find"
+        report.reason = reason
         yield report
         return
     previous = torch.cuda.get_sync_debug_mode()

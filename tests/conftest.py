@@ -110,7 +110,13 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
 
 @pytest.fixture
 def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
-    """Install a ``pynvml`` stand-in (or None: not installed) with devicekit's NVML state reset."""
+    """Install a ``pynvml`` stand-in (or None: not installed) with devicekit's NVML state reset.
+
+    A stand-in machine comes with a CUDA build of torch: where torch has no
+    CUDA, ``torch.version.cuda`` is patched to the CUDA version the fake driver
+    supports, since without CUDA no GPU is ``cuda:N``. To test a torch build
+    without CUDA, patch ``torch.version.cuda`` to None *after* installing.
+    """
     from devicekit import _nvml
 
     def install(module: Any) -> None:
@@ -119,6 +125,9 @@ def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
         monkeypatch.setattr("atexit.register", lambda *args: None)
         for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
             monkeypatch.delenv(name, raising=False)
+        if module is not None and torch.version.cuda is None:
+            version = getattr(module, "cuda_version", 12000)  # NVML's 12040 is CUDA 12.4
+            monkeypatch.setattr(torch.version, "cuda", f"{version // 1000}.{version % 1000 // 10}")
 
     return install
 

@@ -318,9 +318,15 @@ def test_wait_with_claim_takes_the_gpu_once_it_is_released(nvml_session: Install
 # --- several processes -----------------------------------------------------------------------
 
 
+def _on_fake_machine(gpus: int) -> None:
+    """In a spawned job: a machine of ``gpus`` fake GPUs, with a CUDA build as nvml_session has."""
+    sys.modules["pynvml"] = machine(gpus)  # before devicekit first asks NVML anything
+    torch.version.cuda = torch.version.cuda or "13.0"  # without CUDA no GPU is cuda:N
+
+
 def _racer(gpus: int, barrier: Any, results: Any, done: Any) -> None:
     """A job in its own process: a machine of fake GPUs, then pick_gpu(claim=True) at the gun."""
-    sys.modules["pynvml"] = machine(gpus)  # before devicekit first asks NVML anything
+    _on_fake_machine(gpus)
     barrier.wait(TIMEOUT)
     device = dk.pick_gpu(claim=True)
     results.put((os.getpid(), str(device)))
@@ -361,7 +367,7 @@ def test_with_one_gpu_the_second_job_gets_the_cpu() -> None:
 
 
 def _holder(barrier: Any, release: Any) -> None:
-    sys.modules["pynvml"] = machine(1)
+    _on_fake_machine(1)
     dk.pick_gpu(claim=True)
     barrier.wait(TIMEOUT)
     if release.wait(TIMEOUT):

@@ -53,8 +53,8 @@ def test_a_healthy_gpu_machine_has_no_findings(
 def test_cpu_torch_on_a_machine_with_a_driver_is_an_error(
     nvml_session: Install, cuda_build: Callable[[str | None], None]
 ) -> None:
-    cuda_build(None)
     nvml_session(FakeNVML([FakeGPU(A)]))
+    cuda_build(None)  # after: a stand-in machine comes with a CUDA build
     diagnosis = dk.doctor()
     assert titles(diagnosis) == [
         ("error", "torch is a CPU build, but this machine has NVIDIA GPUs")
@@ -204,8 +204,8 @@ def test_the_command_exits_1_on_an_error_and_prints_json(
     cuda_build: Callable[[str | None], None],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    cuda_build(None)
     nvml_session(FakeNVML([FakeGPU(A)]))
+    cuda_build(None)  # after: a stand-in machine comes with a CUDA build
     assert _cli.main(["doctor"]) == 1
     assert capsys.readouterr().out.startswith(
         "ERROR   torch is a CPU build, but this machine has NVIDIA GPUs"

@@ -5,7 +5,7 @@ import pytest
 import devicekit as dk
 from devicekit import _errors
 
-ERRORS = [dk.DevicekitError, dk.CUDAInitializedError, dk.DeviceNotFoundError]
+ERRORS = [dk.DevicekitError, dk.CUDAInitializedError, dk.DeviceNotFoundError, dk.GPUNotFoundError]
 
 
 @pytest.mark.parametrize("error", ERRORS)
@@ -21,6 +21,13 @@ def test_errors_subclass_a_builtin_and_the_base() -> None:
         assert issubclass(error, dk.DevicekitError)
     with pytest.raises(ValueError, match="nope"):
         raise dk.DeviceNotFoundError("nope")
+
+
+def test_a_missing_gpu_is_a_missing_device_and_a_key_error_that_prints_plainly() -> None:
+    assert issubclass(dk.GPUNotFoundError, dk.DeviceNotFoundError)
+    assert issubclass(dk.GPUNotFoundError, KeyError)
+    # KeyError's own str() would print "'there is no cuda:3'", quotes and all.
+    assert str(dk.GPUNotFoundError("there is no cuda:3")) == "there is no cuda:3"
 
 
 @pytest.mark.parametrize("error", ERRORS)

@@ -174,6 +174,42 @@ def test_mig_without_mig_uuids_asks_cuda(
     assert uuids(dk.gpus()) == ["MIG-11111111-aaaa"]
 
 
+def two_models() -> FakeNVML:
+    return machine(FakeGPU(A), FakeGPU(B, name="NVIDIA A100-SXM4-80GB", bus="00000000:3A:00.0"))
+
+
+@pytest.mark.parametrize("fake", [two_same, two_models], ids=["one model", "two models"])
+def test_a_torch_build_without_cuda_sees_no_gpu_whatever_the_models(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, fake: Callable[[], FakeNVML]
+) -> None:
+    # Before, two H100s were cuda:0 and cuda:1 (and pick_gpu chose one), while an H100
+    # and an A100 were hidden: one model skipped asking CUDA, which has no GPU here.
+    nvml_session(fake())
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build
+
+    def no_child() -> list[str]:
+        raise AssertionError("a build without CUDA has no order to ask for")
+
+    monkeypatch.setattr(_gpus, "_order_from_cuda", no_child)
+    assert dk.gpus() == []
+    assert [info.torch_index for info in dk.gpus(all=True)] == [None, None]
+    assert repr(dk.gpus(all=True)[0]).startswith("GPUInfo(not usable here (nvml 0), NVIDIA H100")
+    assert dk.pick_gpu() == torch.device("cpu")
+    assert _gpus.nvml_handle(0) is None
+    with pytest.raises(
+        dk.GPUNotFoundError,
+        match=r"^index=0: cuda:0 cannot be described: this process sees no GPU: this torch build "
+        r"has no CUDA, so it cannot use the machine's 2 NVIDIA GPUs; install a CUDA build of "
+        r"torch \(pytorch.org/get-started/locally\); dk.gpus\(all=True\) describes them all "
+        r"the same$",
+    ):
+        dk.gpu(0)
+    with pytest.raises(
+        dk.GPUUnavailableError, match=r"pick_gpus\(1\) found no GPU: this torch build has no CUDA"
+    ):
+        dk.pick_gpus(1)
+
+
 # --- gpu() -------------------------------------------------------------------------------
 
 
@@ -191,7 +227,7 @@ def test_gpu_cuda_without_index_is_the_first_before_cuda_starts(nvml_session: In
 def test_gpu_that_does_not_exist_lists_what_does(nvml_session: Install) -> None:
     nvml_session(two_same())
     with pytest.raises(
-        dk.DeviceNotFoundError,
+        dk.GPUNotFoundError,  # a DeviceNotFoundError, as dk.status().gpu(5) raises
         match=r"cuda:5 does not exist; this process sees cuda:0 \(NVIDIA H100 80GB HBM3\), "
         r"cuda:1 \(NVIDIA H100 80GB HBM3\)",
     ):

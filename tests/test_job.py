@@ -261,6 +261,7 @@ def _job_rank(rank: int, world: int, port: int, folder: str) -> None:
         for uuid, bus in place["gpus"]
     ]
     sys.modules["pynvml"] = FakeNVML(gpus)
+    torch.version.cuda = torch.version.cuda or "13.0"  # without CUDA no GPU is cuda:N
     visible = 1 if place["visible"] is not None else len(gpus)
     _launch.accelerator_type = lambda: "cuda"  # type: ignore[assignment]
     _launch.accelerator_count = lambda: visible  # type: ignore[assignment]

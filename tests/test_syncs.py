@@ -6,7 +6,7 @@ import torch
 import devicekit as dk
 from devicekit import _syncs
 
-from .conftest import GPU_COUNT
+from .conftest import GPU_COUNT, FakeAccelerator
 
 HERE = __file__
 
@@ -16,10 +16,58 @@ def test_without_cuda_it_records_nothing_and_says_why() -> None:
     with dk.detect_syncs() as syncs:
         torch.ones(3).sum().item()
     assert syncs.supported is False
-    assert syncs.count == 0
+    assert syncs.count is None  # nothing was watched: unknown, not "no sync"
+    assert syncs.locations is None
     assert syncs.reason is not None
     assert syncs.reason.startswith("no CUDA device")
     assert str(syncs) == f"sync detection unavailable: {syncs.reason}"
+    assert syncs.to_dict()["count"] is None
+    assert syncs.to_dict()["locations"] is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "count", "reason"),
+    [
+        (
+            None,
+            0,
+            "no CUDA device: this torch build has no accelerator, so work runs on the CPU, "
+            "which is synchronous",
+        ),
+        (
+            "cuda",
+            0,
+            "no CUDA device: torch is built for CUDA but sees no device, so work runs on the "
+            "CPU, which is synchronous",
+        ),
+        (
+            "mps",
+            1,
+            "no CUDA device: this torch build drives MPS, whose work is asynchronous and makes "
+            "the host wait too, but PyTorch's sync debug mode watches CUDA only",
+        ),
+        (
+            "xpu",
+            2,
+            "no CUDA device: this torch build drives XPU, whose work is asynchronous and makes "
+            "the host wait too, but PyTorch's sync debug mode watches CUDA only",
+        ),
+        (
+            "xpu",
+            0,
+            "no CUDA device: torch is built for XPU but sees no device, so work runs on the CPU, "
+            "which is synchronous",
+        ),
+    ],
+)
+def test_the_reason_is_true_for_the_build(
+    fake_accelerator: FakeAccelerator, kind: str | None, count: int, reason: str
+) -> None:
+    # Before, an MPS or XPU build was told its work is synchronous, as the CPU's is.
+    fake_accelerator(kind, count)
+    with dk.detect_syncs() as syncs:
+        pass
+    assert (syncs.supported, syncs.count, syncs.reason) == (False, None, reason)
 
 
 def test_mode_is_checked() -> None:
@@ -64,6 +112,13 @@ def test_reprs_read_in_words_and_in_html() -> None:
     unsupported.supported, unsupported.reason = False, "no <CUDA> device"
     assert repr(unsupported) == "SyncReport(unavailable: no <CUDA> device)"
     assert "unavailable: no &lt;CUDA&gt; device" in unsupported._repr_html_()
+    assert unsupported.to_dict() == {
+        "mode": "error",
+        "supported": False,
+        "reason": "no <CUDA> device",
+        "count": None,
+        "locations": None,
+    }
 
 
 def test_the_user_line_is_the_first_frame_outside_torch_and_devicekit() -> None:

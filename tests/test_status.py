@@ -1,0 +1,117 @@
+"""Status: how it labels GPUs this process cannot use, and how it refuses an index it lacks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit import _status
+
+from .fake_pynvml import FakeGPU, FakeNVML
+
+Install = Callable[[Any], None]
+A = "GPU-aaaa1111-0000-0000-0000-000000000000"
+B = "GPU-bbbb2222-0000-0000-0000-000000000000"
+DOCS = Path(__file__).parent.parent / "docs"
+
+
+def h100_and_a100() -> FakeNVML:
+    return FakeNVML([FakeGPU(A), FakeGPU(B, name="NVIDIA A100-SXM4-80GB", bus="00000000:3A:00.0")])
+
+
+def test_the_label_of_a_gpu_this_process_cannot_use_says_why(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: "hidden", as if CUDA_VISIBLE_DEVICES hid them, and the finding named only
+    # the first model ("2 GPUs (NVIDIA H100 80GB HBM3)").
+    nvml_session(h100_and_a100())
+    monkeypatch.setattr(torch.version, "cuda", None)
+    snapshot = dk.status()
+    text = str(snapshot)
+    assert "hidden" not in text
+    assert f"no CUDA  nvml 0  NVIDIA H100 80GB HBM3  00000000:18:00.0  {A}\n" in text
+    assert f"no CUDA  nvml 1  NVIDIA A100-SXM4-80GB  00000000:3A:00.0  {B}\n" in text
+    assert "\n         memory [" in text  # the block's lines line up under the longer label
+    (finding,) = snapshot.findings
+    assert finding.detail.startswith(
+        "2 GPUs (1x NVIDIA H100 80GB HBM3, 1x NVIDIA A100-SXM4-80GB), driver 580.159.04"
+    )
+    assert repr(snapshot).endswith(
+        "2 GPUs on the machine, which this torch build cannot use (no CUDA): "
+        "NVIDIA H100 80GB HBM3, NVIDIA A100-SXM4-80GB; 1 finding)"
+    )
+    assert "<tr><td>no CUDA</td><td>NVIDIA A100-SXM4-80GB</td>" in snapshot._repr_html_()
+    assert snapshot.visible == ()
+    assert snapshot.devices == ()  # the header's "devices  none" agrees with dk.gpus()
+    # In a CUDA build, a GPU without an index is one the variable hides, and says so.
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", B)
+    text = str(dk.status())
+    assert f"cuda:0  nvml 1  NVIDIA A100-SXM4-80GB  00000000:3A:00.0  {B}\n" in text
+    assert f"hidden  nvml 0  NVIDIA H100 80GB HBM3  00000000:18:00.0  {A}\n" in text
+    assert "no CUDA" not in text
+
+
+def test_a_missing_gpu_is_the_error_dk_gpu_raises_and_still_a_key_error(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: a plain KeyError, printed in quotes, where dk.gpu(5) raised DeviceNotFoundError.
+    nvml_session(h100_and_a100())
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA's order without asking CUDA
+    snapshot = dk.status()
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        snapshot.gpu(5)
+    assert isinstance(caught.value, dk.DeviceNotFoundError)
+    assert isinstance(caught.value, KeyError)  # what code written for the old error catches
+    assert str(caught.value) == "there is no cuda:5; this process sees 2 GPUs: cuda:0, cuda:1"
+    with pytest.raises(dk.GPUNotFoundError, match=r"^there is no cuda:7; "):
+        snapshot.select([0, 7])
+    assert [info.device for info in snapshot.select([1]).gpus] == ["cuda:1"]
+
+
+def test_a_cpu_build_says_why_it_has_no_gpu_of_that_index(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(h100_and_a100())
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(
+        dk.GPUNotFoundError,
+        match=r"^there is no cuda:0; this process sees no GPU: this torch build has no CUDA, so "
+        r"it cannot use the machine's 2 NVIDIA GPUs; install a CUDA build of torch",
+    ):
+        dk.status().gpu(0)
+
+
+def test_the_gpu_block_in_the_docs_is_what_the_renderer_prints() -> None:
+    # The numbers the benchmarks' idle H100 gave (docs/nvml.md says the block is rendered).
+    total = 81559 * 2**20
+    h100 = dk.GPUInfo(
+        torch_index=0,
+        nvml_index=0,
+        uuid="GPU-9d933037-c316-7146-05b6-41ac14a388a2",
+        name="NVIDIA H100 80GB HBM3",
+        pci_bus_id="00000000:00:06.0",
+        memory_total=total,
+        memory_used=0,
+        memory_free=total,
+        utilization=0,
+        memory_utilization=0,
+        temperature=33,
+        power_draw=72.0,
+        power_limit=700.0,
+        sm_clock=345,
+        sm_clock_max=1980,
+        memory_clock=2619,
+        throttle_reasons=("idle",),
+        fan_speed=None,
+        compute_mode="default",
+        mig_enabled=False,
+        processes=(),
+    )
+    block = "\n".join(_status._gpu_block(h100, "cuda:0"))
+    assert f"```console\n{block}\n```" in (DOCS / "nvml.md").read_text(encoding="utf-8")
