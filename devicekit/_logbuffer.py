@@ -202,6 +202,9 @@ class LogBuffer:
             ValueError: No value was given; a tensor has more than one element,
                 is sparse or on the ``meta`` device; or an int is too large for
                 a float64.
+            Exception: What the automatic flush this call started raised (see
+                [`flush()`][devicekit.LogBuffer.flush]); this call's value is
+                recorded or pending all the same: do not log it again.
         """
         # Runs every training step: one pass, attribute reads only, no new dict
         # (kwargs is already fresh). Anything unusual goes to _checked().
@@ -255,8 +258,11 @@ class LogBuffer:
         Raises:
             RanksDisagreeError: With ``reduce``, the ranks logged different keys or
                 steps; each rank recorded its own values, unreduced.
-            ValueError: With ``reduce``, a rank could not prepare its values (they
-                stay pending).
+            ValueError: A value that passed ``log()`` could not be read (changed
+                since: resized, its storage freed); it is recorded as NaN, the
+                others as usual, and they are in ``history`` and the sinks have
+                them. Or, with ``reduce``, a rank could not prepare its values
+                (they stay pending).
             RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s.
             Exception: The first error a sink raised, once all sinks have run,
                 or what made the copy fail (the values are still pending).
@@ -324,15 +330,15 @@ class LogBuffer:
         # never reach it), and never let a failing flush or sink replace `exc`.
         self._leaving_on_error = True
         try:
-            self._flush(wait=True, reduce=False)
-        except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
-            _report_while_exiting(exc, error, pending=self._pending_count())
-        except BaseException as interrupt:
-            # Ctrl-C (or sys.exit) in a sink: the user's newest wish wins, with `exc` as
-            # its context; what the sinks logged is still recorded, without calling them.
-            self._record_what_sinks_logged(interrupt, deliver=False)
-            raise
-        else:
+            try:
+                self._flush(wait=True, reduce=False)
+            except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
+                _report_while_exiting(exc, error, pending=self._pending_count())
+            except BaseException as interrupt:
+                # Ctrl-C (or sys.exit) in a sink: the user's newest wish wins, with `exc`
+                # as its context; what the sinks logged is recorded, without calling them.
+                self._record_what_sinks_logged(interrupt, deliver=False)
+                raise
             self._record_what_sinks_logged(exc, deliver=True)
         finally:
             self._leaving_on_error = False
@@ -457,9 +463,10 @@ class LogBuffer:
                         pending[:0] = batch  # keep the values, in order
                         raise
                     self._taken += count
-                    if self._in_flight is not None and self._in_flight.unreadable:
-                        failure = failure or _unreadable_error(self._in_flight.unreadable)
-                    if wait:
+                    spoiled = self._in_flight is not None and self._in_flight.unreadable
+                    if spoiled:  # raised below, once the records are in history and sinks
+                        failure = failure or _unreadable_error(spoiled)
+                    if wait or spoiled:
                         finished += self._complete()
             except BaseException as error:  # noqa: BLE001 - raised below, once the sinks ran
                 # Try again flush_every calls later, never at every log() call.

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import Any, TypeVar
 
@@ -171,14 +173,11 @@ class _Mover:
         if isinstance(obj, type):
             return obj  # a class, even one with a .to attribute (nn.Linear.to)
         if isinstance(obj, torch.nn.Module):
-            if type(obj).to is not torch.nn.Module.to:
-                # Its own .to(), whose signature may not take non_blocking, and which may
-                # forget `return self`: called as any other object's .to() is.
+            if not _takes_non_blocking(type(obj)):
+                # Its own .to(), whose signature does not take non_blocking (and which
+                # may forget `return self`): called as any other object's .to() is.
                 return self.container(obj, _call_to)
-            if self.unsynced is not None:
-                self.unsynced.update(t.device for t in obj.parameters())
-                self.unsynced.update(t.device for t in obj.buffers())
-            return obj.to(self.device, non_blocking=self.non_blocking)
+            return self.container(obj, _call_module_to)  # once, however often reached
         if _has_to_method(type(obj)):
             return self.container(obj, _call_to)
         if isinstance(obj, Mapping):
@@ -381,12 +380,49 @@ def _is_field(cls: type, name: str) -> bool:
 
 
 def _call_to(mover: _Mover, obj: Any) -> Any:
-    moved = obj.to(mover.device)
+    return _returned(mover, obj, obj.to(mover.device))
+
+
+def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
+    if mover.unsynced is not None:
+        mover.unsynced.update(t.device for t in module.parameters())
+        mover.unsynced.update(t.device for t in module.buffers())
+    return _returned(mover, module, module.to(mover.device, non_blocking=mover.non_blocking))
+
+
+def _returned(mover: _Mover, obj: Any, moved: Any) -> Any:
+    """What ``obj.to()`` returned, or ``obj`` itself where that was None."""
     if moved is None:
         # It moved itself in place and forgot to return self (Lightning keeps it too).
         mover.returned_none = [*(mover.returned_none or ()), type(obj)]
         return obj
     return moved
+
+
+_non_blocking_taken: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _takes_non_blocking(cls: type[torch.nn.Module]) -> bool:
+    """Whether a module class's ``.to`` takes ``non_blocking=`` (``Module.to`` does).
+
+    Hugging Face and Lightning models override ``.to`` with ``*args, **kwargs``:
+    they take it, and their copies to a GPU stay non-blocking.
+    """
+    known = _non_blocking_taken.get(cls)
+    if known is None:
+        if cls.to is torch.nn.Module.to:
+            known = True
+        else:
+            try:
+                parameters = inspect.signature(cls.to).parameters.values()
+            except (TypeError, ValueError):  # a signature Python cannot read: not assumed
+                parameters = ()  # type: ignore[assignment]
+            known = any(
+                p.name == "non_blocking" or p.kind is inspect.Parameter.VAR_KEYWORD
+                for p in parameters
+            )
+        _non_blocking_taken[cls] = known
+    return known
 
 
 _warned_returned_none: set[type] = set()
@@ -428,7 +464,8 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
       called: ``ModelOutput`` refuses it, ``Counter`` adds); a read-only
       mapping is rebuilt as ``type(m)(moved_items)``, and refused with
       ``TypeError`` when that does not give back its type with the same keys.
-      A ``WeakValueDictionary`` is refused (it would come back empty).
+      A ``WeakValueDictionary`` whose values move is refused (it would come
+      back empty); one whose values stay is copied.
     - ``deque`` (with its ``maxlen``), ``UserList`` and other mutable
       sequences: copied as mappings are, each moved item set by index;
       ``bytearray`` and ``array.array`` are returned as they are.
@@ -473,7 +510,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         ValueError: ``obj`` contains itself, or ``device`` is malformed.
         TypeError: A mapping or sequence in ``obj`` cannot be copied without
             changing it, a read-only mapping cannot be rebuilt from its items,
-            or ``obj`` holds a ``WeakValueDictionary``.
+            or ``obj`` holds a ``WeakValueDictionary`` whose values move.
         RecursionError: ``obj`` nests deeper than Python's recursion limit.
         DeviceNotFoundError: This torch build or machine has no such device.
 

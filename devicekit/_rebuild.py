@@ -59,8 +59,6 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     ``ModelOutput`` refuses ``update`` altogether.
     """
     cls = type(obj)
-    if isinstance(obj, weakref.WeakValueDictionary):
-        _refuse_weak_values(cls)
     if isinstance(obj, ChainMap):
         return _rebuild_chain_map(walk, obj)
     # A mapping may build its values on access (a lazy loader): each must stay alive
@@ -68,6 +66,10 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     items = list(obj.items())
     walk.keep(items)
     moved = {key: walk.move(value) for key, value in items}
+    if isinstance(obj, weakref.WeakValueDictionary) and any(
+        moved[key] is not value for key, value in items
+    ):
+        _refuse_weak_values(cls)  # one that moves nothing (a registry) is copied as any other
     if cls is OrderedDict:
         return OrderedDict(moved)
     if cls is defaultdict:

@@ -258,12 +258,13 @@ class ProgressBarSink:
             )
         given: object = keys  # typed as a list, but a caller may pass anything
         if keys is not None:
+            if not isinstance(given, str):
+                keys = list(keys)  # once: a generator would be empty after the check
             if isinstance(given, str) or not all(isinstance(key, str) for key in keys):
                 raise TypeError(
-                    f"keys must be a list of key names, such as ['loss'], got {keys!r}; "
+                    f"keys must be a list of key names, such as ['loss'], got {given!r}; "
                     "pass None to show every key"
                 )
-            keys = list(keys)
         if not isinstance(fmt, str):
             raise TypeError(f"fmt must be a format spec such as '.4g', got {type(fmt).__name__}")
         try:

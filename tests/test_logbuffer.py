@@ -325,16 +325,20 @@ def test_a_flush_that_fails_keeps_its_values_and_retries_later(
 def test_a_value_spoiled_after_log_is_named_and_never_poisons_the_others(
     spoil: Callable[[torch.Tensor], Any], dtype: torch.dtype
 ) -> None:
-    buffer = dk.LogBuffer(flush_every=10)
+    received: list[dict[str, Any]] = []
+    buffer = dk.LogBuffer(flush_every=10, sinks=[received.extend])
     bad = torch.tensor(1, dtype=dtype)
     buffer.log(0, loss=torch.tensor(0.5), w=bad)  # fine when logged
     spoil(bad)
     for step in range(1, 9):
         buffer.log(step, loss=torch.tensor(float(step)))
     with pytest.raises(ValueError, match="could not read 1 logged value: 'w' at step 0") as info:
-        buffer.log(9, loss=torch.tensor(9.0))  # the automatic flush
+        buffer.log(9, loss=torch.tensor(9.0))  # the automatic flush (it does not wait)
     assert "recorded as NaN" in str(info.value)
     assert "value.clone()" in str(info.value)
+    # Raised once the records are in history and the sinks have them, as it says.
+    assert [record["step"] for record in received] == list(range(10))
+    assert len(buffer._history) == 10
     for step in range(10, 30):  # nothing failed again: the spoiled value is not retried
         buffer.log(step, loss=torch.tensor(float(step)))
     buffer.flush()
@@ -470,6 +474,20 @@ def test_ctrl_c_in_a_sink_while_leaving_on_an_exception_still_records_what_sinks
     assert buffer.history == [{"step": 0, "loss": 1.0}, {"step": 99, "derived": 1.0}]
     assert buffer._pending_count() == 0
     assert len(calls) == 1
+
+
+def test_what_sinks_log_while_a_failing_block_exits_is_recorded_when_a_sink_fails() -> None:
+    # The block raises, a sink fails in its last flush, and another sink logs a value
+    # derived from the records: that value is recorded too, not left pending.
+    def derive(records: list[dict[str, Any]]) -> None:
+        if "loss" in records[0]:
+            buffer.log(1000, derived=records[0]["loss"] * 2)
+
+    buffer = dk.LogBuffer(sinks=[_full_disk, derive])
+    with pytest.raises(ValueError, match="training failed"):
+        _leave_block(buffer, ValueError("training failed"), loss=1.0)
+    assert buffer.history == [{"step": 0, "loss": 1.0}, {"step": 1000, "derived": 2.0}]
+    assert buffer._pending_count() == 0
 
 
 def test_a_failing_final_flush_never_replaces_the_exception_either(

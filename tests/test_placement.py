@@ -455,8 +455,10 @@ class ForgetsToReturn(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Linear(2, 2)
+        self.calls: list[dict[str, Any]] = []
 
     def to(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self.calls.append(kwargs)
         super().to(*args, **kwargs)
 
 
@@ -479,6 +481,9 @@ def test_a_module_with_its_own_to_is_moved_by_it_as_other_objects_are() -> None:
     assert moved["again"][0] is model
     assert on(META, model.net.weight)
     assert len(caught) == 1
+    # It takes **kwargs, so it gets the copy policy, as Module.to would: a Hugging Face
+    # or Lightning model stays non-blocking on its way to a GPU.
+    assert model.calls == [{"non_blocking": True}]
     device_only = TakesOnlyADevice()
     assert dk.to_device([device_only], META)[0] is device_only
     assert on(META, device_only.net.weight)

@@ -523,6 +523,10 @@ def test_weak_value_dictionaries_are_refused_and_weak_key_ones_moved() -> None:
         dk.to_device({"cache": cache}, META)
     assert cache["k"] is tensor
     handle = Handle()
+    registry = weakref.WeakValueDictionary({"a": handle})  # nothing in it moves: copied
+    copied = dk.to_device({"x": tensor, "registry": registry}, META)["registry"]
+    assert type(copied) is weakref.WeakValueDictionary
+    assert dict(copied) == {"a": handle}
     weak_keys = weakref.WeakKeyDictionary({handle: tensor})
     moved = dk.to_device(weak_keys, META)
     gc.collect()

@@ -184,6 +184,7 @@ def test_sink_options_are_checked_when_made_not_at_the_first_flush() -> None:
     with pytest.raises(TypeError, match=r"prefix must be a str.*got NoneType"):
         dk.TensorBoardSink(_Writer(), prefix=None)  # type: ignore[arg-type]
     assert dk.ProgressBarSink(_Bar(), keys=("loss",)).keys == ["loss"]
+    assert dk.ProgressBarSink(_Bar(), keys=(k for k in ["loss"])).keys == ["loss"]  # type: ignore[arg-type]
 
 
 def test_one_sink_is_a_list_of_one() -> None:
