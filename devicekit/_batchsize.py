@@ -38,7 +38,7 @@ from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._errors import DeviceOutOfMemoryError
 from ._oom import explain_oom
 from ._oomtext import is_oom
-from ._options import check_count, check_number, check_seconds
+from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
 from ._visible import torch_cuda_initialized
 
 __all__ = ["find_batch_size"]
@@ -50,6 +50,15 @@ _POLL = 0.1  # seconds between checks that a trial's child process is still aliv
 _STARTED = b""
 _START_LIMIT = 300.0
 _CEILING = 2**31  # no batch is this large: a function that still fits ignores its argument
+_LAZY_FIX = (
+    "pass a function that does the work: lambda n: list(gen(n)) for a generator, "
+    "lambda n: asyncio.run(step(n)) for async def"
+)
+
+
+def _run(fn: Callable[[int], Any], size: int) -> None:
+    """``fn(size)``, refusing a result that means its body never ran (so every size fits)."""
+    refuse_lazy(fn, call=f"fn({size})", fix=_LAZY_FIX, result=fn(size))
 
 
 def _give_back(*, collect: bool = True) -> None:
@@ -91,9 +100,9 @@ class _InProcess:
         try:
             if first:
                 with explain_oom(device=self.device):
-                    self.fn(size)  # the result is dropped at once
+                    _run(self.fn, size)  # the result is dropped at once
             else:
-                self.fn(size)
+                _run(self.fn, size)
         except DeviceOutOfMemoryError as error:
             _drop_frames(error)
             raise _start_failed(size, error) from error
@@ -114,9 +123,9 @@ def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: 
         result.send_bytes(_STARTED)
         if first:
             with explain_oom(device=device):
-                fn(size)
+                _run(fn, size)
         else:
-            fn(size)
+            _run(fn, size)
     except Exception as error:  # noqa: BLE001 - every failure goes back to the parent
         try:
             payload = pickle.dumps((error, traceback.format_exc()))
@@ -309,7 +318,9 @@ def find_batch_size(
     Raises:
         DeviceOutOfMemoryError: Even ``start`` does not fit; the message has
             the out-of-memory report ([`explain_oom()`][devicekit.explain_oom]).
-        TypeError: ``fn`` is not callable, or not picklable with ``isolate=True``.
+        TypeError: ``fn`` is not callable, a generator or ``async def`` function
+            (its body would never run), or not picklable with ``isolate=True``;
+            ``isolate`` is not True or False.
         ValueError: ``start`` below 1, ``max_size`` below ``start``,
             ``margin`` outside [0, 1), or ``trial_timeout`` not a positive
             number of seconds or given without ``isolate=True``.
@@ -326,6 +337,8 @@ def find_batch_size(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable with a batch size, got {type(fn).__name__}")
+    refuse_lazy(fn, call="fn(batch_size)", fix=_LAZY_FIX)
+    isolate = check_flag(isolate, name="isolate")
     check_count(start, name="start", minimum=1)
     if max_size is not None:
         check_count(max_size, name="max_size", minimum=start, fix="pass max_size >= start")

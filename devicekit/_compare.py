@@ -19,7 +19,9 @@ class ComparisonRow:
     Attributes:
         name: The variant's name.
         measurement: Its measurement, named after the variant (``measurement.name == name``).
-        ratio: Its median over the reference's median (above 1 is slower).
+        ratio: Its median over the reference's median (above 1 is slower);
+            None when either median is 0 (a call faster than the clock's
+            resolution), since no ratio is known then.
         within_noise: Its 95% confidence interval overlaps the reference's, so
             the difference may be noise; None when either interval is unknown
             (too few calls were timed).
@@ -27,7 +29,7 @@ class ComparisonRow:
 
     name: str
     measurement: Measurement
-    ratio: float
+    ratio: float | None
     within_noise: bool | None
 
     def verdict(self, reference: str) -> str:
@@ -39,6 +41,8 @@ class ComparisonRow:
             return "(reference)"
         if self.within_noise:
             return "same within noise"
+        if self.ratio is None:
+            return f"{UNKNOWN} (a median of 0: faster than the clock can tell)"
         slower = self.ratio >= 1
         text = f"{self.ratio:.2f}x slower" if slower else f"{1 / self.ratio:.2f}x faster"
         return text + (" (noise unknown)" if self.within_noise is None else "")
@@ -70,7 +74,7 @@ class Comparison:
         lines = []
         for row in self.rows:
             m = row.measurement
-            noise = UNKNOWN if m.rel_noise is None else f"{m.rel_noise:.1%}"
+            noise = m._noise()
             energy = [format_joules(m.energy_per_call)] if self.has_energy else []
             verdict = row.verdict(self.reference) + ("" if m.trustworthy else "  [not trustworthy]")
             lines.append([row.name, format_seconds(m.median), f"±{noise}", *energy, verdict])
@@ -126,6 +130,14 @@ class Comparison:
                 for row in self.rows
             ],
         }
+
+
+def _ratio(m: Measurement, ref: Measurement) -> float | None:
+    # A median of 0 means calls shorter than the clock's tick (perf_counter is
+    # 100 ns on Windows): neither 0x nor infinitely slower is known.
+    if m.median <= 0 or ref.median <= 0:
+        return None
+    return m.median / ref.median
 
 
 def _overlap(a: Measurement, b: Measurement) -> bool | None:
@@ -210,7 +222,7 @@ def compare(
         ComparisonRow(
             name=name,
             measurement=m,
-            ratio=m.median / ref.median,
+            ratio=_ratio(m, ref),
             within_noise=False if name == reference else _overlap(m, ref),
         )
         for name, m in measured.items()

@@ -40,7 +40,7 @@ from ._format import (
 )
 from ._frames import user_location
 from ._memory import used_cuda_indices
-from ._options import check_count
+from ._options import check_count, refuse_lazy
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Leak", "LeakReport", "find_leaks"]
@@ -266,7 +266,8 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
         A [`LeakReport`][devicekit.LeakReport]; ``report.leaks`` is empty when nothing grew.
 
     Raises:
-        TypeError: ``fn`` is not callable, or ``repeat``/``warmup`` not ints.
+        TypeError: ``fn`` is not callable, is a generator or ``async def``
+            function (its body would never run), or ``repeat``/``warmup`` not ints.
         ValueError: ``repeat`` is below 1 or ``warmup`` negative.
 
     Examples:
@@ -280,6 +281,7 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
+    refuse_lazy(fn, call="fn()", fix=_LAZY_FIX)
     check_count(repeat, name="repeat", minimum=1, fix="measure one call or more")
     check_count(warmup, name="warmup")
     with only_new_objects():  # what existed before cannot be what grows
@@ -295,6 +297,15 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
 
 
 _Census = dict[_MergedKey, tuple[int, int, set[Any]]]
+_LAZY_FIX = (
+    "pass a function that does the work: lambda: list(gen()) for a generator, "
+    "lambda: asyncio.run(step()) for async def"
+)
+
+
+def _call(fn: Callable[[], Any]) -> None:
+    """Call ``fn``, refusing a result that means its body never ran."""
+    refuse_lazy(fn, call="fn()", fix=_LAZY_FIX, result=fn())
 
 
 def _measure(
@@ -304,13 +315,13 @@ def _measure(
     recorder = _CreationSites()
     for _ in range(warmup):
         with recorder:
-            fn()
+            _call(fn)
     counts: list[_Census] = []
     allocated: list[dict[str, int]] = []
     for call in range(repeat + 1):
         if call:  # the first census is the baseline, after the warm-up
             with recorder:
-                fn()
+                _call(fn)
         gc.collect()
         counts.append(_merge(census(recorder.site)))
         allocated.append(_allocated())

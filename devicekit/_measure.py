@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -25,7 +26,7 @@ from ._format import (
     plain_data,
     plural,
 )
-from ._options import check_number, check_seconds
+from ._options import check_number, check_seconds, refuse_lazy
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
@@ -155,7 +156,13 @@ class Measurement:
     def notes(self) -> list[str]:
         """Plain sentences about anything that could make this measurement misleading."""
         notes = self.conditions.notes()
-        if self.rel_noise is None:
+        if self.median <= 0:
+            # The noise is then infinite relative to the median: say what it means.
+            notes.append(
+                "a median of 0: the calls are shorter than the clock's resolution, so no "
+                "time is known; time a loop of many calls inside one function"
+            )
+        elif self.rel_noise is None:
             stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
             notes.append(
                 f"noise unknown: only {plural(self.n, 'call')} timed {stopped} (one takes "
@@ -255,7 +262,8 @@ class Measurement:
         return cls(**fields)
 
     def _noise(self) -> str:
-        return UNKNOWN if self.rel_noise is None else f"{self.rel_noise:.1%}"
+        known = self.rel_noise is not None and math.isfinite(self.rel_noise)
+        return f"{self.rel_noise:.1%}" if known else UNKNOWN
 
     def _interval(self) -> str:
         if self.ci is None:
@@ -413,6 +421,7 @@ def _check_options(
 ) -> None:
     if not callable(fn):
         raise TypeError(f"benchmark() needs a function to time, got {fn!r}")
+    refuse_lazy(fn, call="benchmark(fn): fn()")
     check_seconds(warmup, name="warmup", zero_ok=True, fix="0 warms up with a single call")
     check_seconds(min_time, name="min_time", zero_ok=True, fix="0 stops as soon as it is precise")
     check_seconds(
@@ -481,7 +490,9 @@ def benchmark(
         The [`Measurement`][devicekit.Measurement].
 
     Raises:
-        TypeError: ``fn`` is not callable, or an option is not a number.
+        TypeError: ``fn`` is not callable, or is a generator or ``async``
+            function (a call would only create the generator or coroutine),
+            or an option is not a number.
         ValueError: An option is out of range or not finite, or ``mode`` needs CUDA.
 
     Examples:
@@ -507,7 +518,7 @@ def benchmark(
     )
     # Warm-up counts against max_time and leaves at least half of it for the timed calls.
     warm_until = began + min(warmup, max_time / 2)
-    per_call = _warm_up(runner, warm_until, kwargs)
+    per_call = max(_warm_up(runner, warm_until, kwargs), 1e-9)  # a coarse clock can read 0
     if isinstance(runner, _CudaRunner) and mode == "graph":
         runner.capture(per_call)
         per_call /= 2  # replays are cheaper than eager calls; batches stay short anyway
@@ -521,7 +532,11 @@ def benchmark(
     while True:
         left = deadline - time.perf_counter()
         batch = max(1, min(int(_BATCH_SECONDS / max(per_call, 1e-7)), int(left / per_call)))
+        batch_began = time.perf_counter()
         device_times, host_times = runner.run(batch)
+        # The warm-up's estimate can be far off (a first call that compiles takes
+        # seconds): without this, a fast function would be timed one call per batch.
+        per_call = max((time.perf_counter() - batch_began) / batch, 1e-9)
         times += device_times
         host += host_times
         sampler.during()

@@ -46,7 +46,7 @@ from ._gpuinfo import GPUProcess
 from ._gpus import gpu
 from ._memory import cuda_bytes
 from ._oomtext import OOMText, is_oom, parse_oom
-from ._options import check_count
+from ._options import check_count, check_flag
 from ._visible import torch_cuda_initialized
 
 __all__ = ["AllocationSite", "OOMReport", "build_report", "explain_oom"]
@@ -438,6 +438,30 @@ class _ExplainOOM:
 
     def __call__(self, func: F) -> F:
         options = self._options
+        # A generator's or coroutine's body runs after the call returns, so wrapping the
+        # call alone would leave every out-of-memory error in it unexplained.
+        if inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def explained_generator(*args: Any, **kwargs: Any) -> Any:
+                with _ExplainOOM(*options):
+                    return (yield from func(*args, **kwargs))
+
+            return explained_generator  # type: ignore[return-value]
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def explained_coroutine(*args: Any, **kwargs: Any) -> Any:
+                with _ExplainOOM(*options):
+                    return await func(*args, **kwargs)
+
+            return explained_coroutine  # type: ignore[return-value]
+        if inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"explain_oom cannot decorate the async generator {func.__qualname__}: its "
+                "body runs between the awaits of whoever iterates it; use "
+                "`with dk.explain_oom():` inside it instead"
+            )
 
         @functools.wraps(func)
         def explained(*args: Any, **kwargs: Any) -> Any:
@@ -448,7 +472,16 @@ class _ExplainOOM:
 
 
 @overload
-def explain_oom(func: F, /) -> F: ...
+def explain_oom(
+    func: F,
+    /,
+    *,
+    device: DeviceLike | None = None,
+    model: torch.nn.Module | None = None,
+    record_history: bool = False,
+    top: int = 10,
+    history_entries: int = 100_000,
+) -> F: ...
 
 
 @overload
@@ -511,7 +544,9 @@ def explain_oom(
 
     Raises:
         DeviceOutOfMemoryError: From the block, in place of an out-of-memory error.
-        TypeError: ``model`` is not a ``torch.nn.Module``, or ``device`` not a device.
+        TypeError: ``model`` is not a ``torch.nn.Module``, ``device`` not a
+            device, ``record_history`` not True or False, or ``func`` an async
+            generator function (use the context manager inside it).
         DeviceNotFoundError: ``device`` does not exist here.
 
     Examples:
@@ -523,19 +558,21 @@ def explain_oom(
         ...     print(error.report.device, error.report.requested == 2**62)
         cpu True
     """
-    if func is not None:
-        if not callable(func):
-            raise TypeError(
-                f"explain_oom() takes a function to decorate or keyword options only, got "
-                f"{func!r}; write dk.explain_oom(device=...) for options"
-            )
-        return _ExplainOOM(None, None, False, 10, 100_000)(func)
+    if func is not None and not callable(func):
+        raise TypeError(
+            f"explain_oom() takes a function to decorate or keyword options only, got "
+            f"{func!r}; write dk.explain_oom(device=...) for options"
+        )
     target = None if device is None else resolve_device(device, name="device")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module, whose parameter names label the report, got "
             f"{type(model).__name__}"
         )
+    # Strictly a bool: record_history="no" would be truthy, and recording starts CUDA.
+    check_flag(record_history, name="record_history")
     check_count(top, name="top", minimum=1)
     check_count(history_entries, name="history_entries", minimum=1)
-    return _ExplainOOM(target, model, bool(record_history), top, history_entries)
+    options = _ExplainOOM(target, model, record_history, top, history_entries)
+    # explain_oom(fn, model=m) applies its options to fn, as @explain_oom(model=m) does.
+    return options if func is None else options(func)

@@ -25,7 +25,7 @@ from ._devices import (
     synchronize,
 )
 from ._format import format_seconds, html_table, plural
-from ._options import check_flag
+from ._options import check_flag, refuse_lazy
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Benchmark", "TimedFunction", "Timer"]
@@ -99,8 +99,15 @@ class Timer:
     ``step.timer.times``.
 
     Args:
+        fn: Not taken: it is there to explain ``@dk.Timer`` without
+            parentheses (which passes the function here), and a device
+            given positionally.
         device: Where the timed work runs. Default: decided per lap, as above.
         sync: Synchronize around the host clock instead of recording events.
+
+    Raises:
+        TypeError: A positional argument was given, ``sync`` is not a bool,
+            or (as a decorator) the function is a generator or ``async``.
 
     Examples:
         >>> import devicekit as dk
@@ -122,7 +129,19 @@ class Timer:
         2
     """
 
-    def __init__(self, *, device: DeviceLike | None = None, sync: bool = False) -> None:
+    def __init__(
+        self, fn: object = None, /, *, device: DeviceLike | None = None, sync: bool = False
+    ) -> None:
+        if callable(fn):
+            raise TypeError(
+                f"Timer was given the function {getattr(fn, '__name__', fn)!r} to decorate: "
+                "write @dk.Timer() with parentheses (or timer = dk.Timer(), then @timer)"
+            )
+        if fn is not None:
+            raise TypeError(
+                f"Timer takes its options by keyword, got the positional argument {fn!r}; "
+                f"write dk.Timer(device={fn!r})"
+            )
         check_flag(sync, name="sync")
         self._device = None if device is None else resolve_device(device)
         self._sync = sync
@@ -225,6 +244,10 @@ class Timer:
         traceback: TracebackType | None,
     ) -> None:
         self._in_block = False
+        if self._running is None:
+            # stop() inside the block already ended its lap; raising here would
+            # also hide any exception leaving the block.
+            return
         self._finish()
 
     def __call__(self, fn: Callable[P, R]) -> TimedFunction[P, R]:
@@ -233,7 +256,15 @@ class Timer:
         The wrapped function's ``timer`` attribute is this timer. Each call
         keeps its own lap, so recursive calls, and calls from several threads,
         each record one (in the order they finish).
+
+        Raises:
+            TypeError: ``fn`` is a generator or ``async`` function: a call only
+                creates the generator or coroutine, so its lap would time
+                nothing of the work.
         """
+        refuse_lazy(
+            fn, call="@Timer() on fn: fn()", fix="time the loop that does the work `with timer:`"
+        )
 
         @functools.wraps(fn)
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -304,7 +335,14 @@ class Benchmark:
         self._timer = Timer(device=device, sync=True)
 
     def __enter__(self) -> Benchmark:
-        self._timer.start()
+        if self._timer._in_block:
+            # The inner block would restart the timing and the outer one find no
+            # lap to end: refuse, as Timer does.
+            raise RuntimeError(
+                f"this Benchmark ({self.description!r}) is already timing a `with` block; "
+                "use a second Benchmark for the inner block"
+            )
+        self._timer.__enter__()
         return self
 
     def __exit__(
@@ -313,7 +351,8 @@ class Benchmark:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.elapsed = self._timer.stop()
+        self._timer.__exit__(exc_type, exc, traceback)
+        self.elapsed = self._timer.elapsed
         print(f"{self.description}: {self.elapsed:.4f} sec")
 
     def __repr__(self) -> str:

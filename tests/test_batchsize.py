@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -355,3 +355,34 @@ def test_isolated_trials_never_touch_this_process_s_allocator() -> None:
 
 def gpu_step(batch_size: int) -> None:
     torch.empty(batch_size * 2**30, dtype=torch.uint8, device="cuda")
+
+
+def test_a_step_whose_body_never_runs_is_refused() -> None:
+    # A generator's or coroutine's body runs only when consumed: called as a step, it
+    # would "fit" at every size, and the answer would be max_size, never measured.
+    ran: list[int] = []
+
+    def generator_step(batch_size: int) -> Iterator[None]:
+        ran.append(batch_size)
+        yield
+
+    async def async_step(batch_size: int) -> None:
+        ran.append(batch_size)
+
+    for step in (generator_step, async_step):
+        with pytest.raises(TypeError, match=r"fn\(batch_size\) returns a (generator|coroutine) wi"):
+            dk.find_batch_size(step, max_size=8)
+
+    def looks_plain(batch_size: int) -> Iterator[None]:
+        return generator_step(batch_size)
+
+    # One that looks plain is caught at its first call, before a size is trusted.
+    with pytest.raises(TypeError, match=r"fn\(1\) returns a generator without running its bo"):
+        dk.find_batch_size(looks_plain, max_size=8)
+    assert ran == []
+
+
+def test_isolate_must_be_a_bool() -> None:
+    # isolate="no" is truthy: it would run every trial in a child process.
+    with pytest.raises(TypeError, match="isolate must be True or False, got 'no' of type str"):
+        dk.find_batch_size(Step(4), isolate="no")  # type: ignore[arg-type]

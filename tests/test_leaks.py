@@ -3,6 +3,8 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import warnings
+from collections.abc import Coroutine, Iterator
 
 import pytest
 import torch
@@ -212,3 +214,52 @@ def test_a_graph_kept_alive_on_the_gpu_shows_as_memory_no_tensor_holds() -> None
     assert held >= 256 * 4096 * 4
     assert any(leak.shape == () for leak in report.leaks)
     losses.clear()
+
+
+def test_a_function_whose_body_never_runs_is_refused() -> None:
+    # Called as fn(), a generator or coroutine runs none of its body: "no leak" would be
+    # an answer about nothing.
+    kept: list[torch.Tensor] = []
+
+    def generator() -> Iterator[None]:
+        kept.append(torch.ones(3))
+        yield
+
+    async def coroutine() -> None:
+        kept.append(torch.ones(3))
+
+    for fn in (generator, coroutine):
+        with pytest.raises(TypeError, match=r"fn\(\) returns a (generator|coroutine) without ru"):
+            dk.find_leaks(fn)
+
+    def plain_generator() -> Iterator[None]:
+        return generator()
+
+    def plain_coroutine() -> Coroutine[None, None, None]:
+        return coroutine()
+
+    # Ones that look plain are caught at their first call.
+    with pytest.raises(TypeError, match=r"lambda: list\(gen\(\)\) for a generator"):
+        dk.find_leaks(plain_generator)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TypeError, match="returns a coroutine"):
+            dk.find_leaks(plain_coroutine)
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]  # it was closed
+    assert kept == []
+
+
+def test_an_error_from_fn_propagates_and_leaves_nothing_on() -> None:
+    calls = []
+
+    def fails_on_the_fourth_call() -> None:
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+
+    frozen = gc.get_freeze_count()
+    with pytest.raises(KeyboardInterrupt):
+        dk.find_leaks(fails_on_the_fourth_call)
+    assert gc.get_freeze_count() == frozen
+    assert not torch.overrides._get_current_function_mode_stack()  # the recorder is off

@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -588,3 +588,54 @@ def test_keywords_for_fn_still_reach_it() -> None:
     with pytest.raises(TypeError, match="fn's own error for 3") as caught:
         dk.benchmark(fails, size=3, max_time=0.1)
     assert not getattr(caught.value, "__notes__", None)  # nothing looks like a mistyped option
+
+
+def test_benchmark_refuses_a_generator_or_async_function() -> None:
+    def numbers() -> Iterator[int]:
+        yield from range(1000)
+
+    async def main() -> None: ...
+
+    with pytest.raises(TypeError, match=r"lambda: list\(numbers\(\)\)$"):
+        dk.benchmark(numbers)
+    with pytest.raises(TypeError, match=r"^benchmark\(fn\): fn\(\) returns a coroutine"):
+        dk.benchmark(main)
+    m = dk.benchmark(lambda: list(numbers()), max_time=0.2)  # the fix works
+    assert m.n >= 1
+
+
+def test_a_slow_first_call_does_not_shrink_every_batch_to_one_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A first call that compiles makes the warm-up's estimate per call huge;
+    # the batches must follow the timed calls' own pace afterwards.
+    batches: list[int] = []
+    run = _measure._CpuRunner.run
+
+    def counting(self: _measure._CpuRunner, count: int) -> tuple[list[float], list[float]]:
+        batches.append(count)
+        return run(self, count)
+
+    monkeypatch.setattr(_measure._CpuRunner, "run", counting)
+    first = [True]
+
+    def compiles_once() -> None:
+        if first[0]:
+            first[0] = False
+            time.sleep(0.2)
+
+    dk.benchmark(compiles_once, warmup=0, min_time=0, max_time=0.5)
+    assert batches[0] == 1
+    assert max(batches) > 1
+
+
+def test_a_median_of_zero_says_the_clock_is_too_coarse() -> None:
+    m = measurement([0.0] * 20, conditions=conditions(device="cpu"))
+    assert "±?" in repr(m)
+    assert "inf" not in repr(m)
+    assert m.notes == [
+        "a median of 0: the calls are shorter than the clock's resolution, so no time is "
+        "known; time a loop of many calls inside one function"
+    ]
+    assert not m.trustworthy
+    assert m.to_dict()["rel_noise"] is None

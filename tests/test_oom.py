@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -454,3 +455,76 @@ def test_memory_history_names_the_line_that_allocated() -> None:
                 assert not block.get("frames")
     blocks.clear()
     del after
+
+
+def test_options_given_with_the_function_are_applied_and_checked() -> None:
+    model = torch.nn.Linear(256, 512)
+
+    def step() -> None:
+        torch.empty(2**62, dtype=torch.uint8)
+
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught:
+        dk.explain_oom(step, model=model, top=1)()  # as @dk.explain_oom(model=model, top=1)
+    report = caught.value.report
+    assert report is not None
+    assert [t.name for t in report.tensors] == ["weight"]  # named, and only the largest
+    with pytest.raises(ValueError, match="top must be an int >= 1, got 0"):
+        dk.explain_oom(step, top=0)
+
+
+def test_record_history_must_be_a_bool() -> None:
+    # "no" is truthy, and recording starts CUDA.
+    with pytest.raises(TypeError, match="record_history must be True or False, got 'no' of ty"):
+        dk.explain_oom(record_history="no")  # type: ignore[arg-type]
+
+
+def test_a_decorated_generator_or_coroutine_is_explained_while_its_body_runs() -> None:
+    @dk.explain_oom
+    def batches() -> Iterator[int]:
+        yield 1
+        torch.empty(2**62, dtype=torch.uint8)
+
+    @dk.explain_oom(top=1)
+    async def step() -> int:
+        torch.empty(2**62, dtype=torch.uint8)
+        return 1
+
+    with pytest.raises(dk.DeviceOutOfMemoryError):
+        list(batches())
+    with pytest.raises(dk.DeviceOutOfMemoryError):
+        asyncio.run(step())
+    assert batches.__name__ == "batches"
+
+    @dk.explain_oom
+    def returns() -> Iterator[int]:
+        return (yield 1)
+
+    generator = returns()
+    next(generator)
+    with pytest.raises(StopIteration) as stopped:
+        generator.send(7)  # what the generator returns comes through
+    assert stopped.value.value == 7
+
+
+def test_an_async_generator_is_refused() -> None:
+    async def stream() -> AsyncIterator[int]:
+        yield 1
+
+    with pytest.raises(TypeError, match=r"cannot decorate the async generator .*stream: its bo"):
+        dk.explain_oom(stream)
+
+
+def test_a_keyboard_interrupt_passes_through_and_the_recorder_is_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[Any] = []
+    monkeypatch.setattr(_oom, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(_oom, "accelerator_count", lambda: 1)
+    monkeypatch.setattr(_oom, "_record_history", lambda **options: calls.append(options))
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: False, raising=False)
+    interrupt = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt) as caught, dk.explain_oom(record_history=True):
+        raise interrupt
+    assert caught.value is interrupt
+    assert caught.value.__cause__ is None
+    assert [call["enabled"] for call in calls] == ["all", None]

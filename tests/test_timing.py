@@ -3,6 +3,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -245,3 +246,56 @@ def test_a_timer_refuses_a_with_block_inside_its_own() -> None:
     with timer:  # and it times the next block as before
         pass
     assert len(timer.times) == 2
+
+
+def test_timer_as_a_decorator_without_parentheses_says_so() -> None:
+    def step() -> None: ...
+
+    with pytest.raises(TypeError, match=r"^Timer was given the function 'step' to decorate: "):
+        dk.Timer(step)
+    with pytest.raises(TypeError, match=r"write dk.Timer\(device='cpu'\)$"):
+        dk.Timer("cpu")
+
+
+@pytest.mark.parametrize("kind", ["generator", "async"])
+def test_timer_refuses_to_decorate_what_a_call_would_not_run(kind: str) -> None:
+    def gen() -> Iterator[int]:
+        yield 1
+
+    async def coro() -> None: ...
+
+    fn = gen if kind == "generator" else coro
+    with pytest.raises(
+        TypeError, match=r"^@Timer\(\) on fn: fn\(\) returns a (generator|coroutine) without"
+    ):
+        dk.Timer()(fn)
+
+
+def test_stop_inside_a_with_block_ends_its_lap_and_hides_no_exception() -> None:
+    timer = dk.Timer()
+    with timer:
+        timer.stop()
+    assert len(timer.times) == 1
+
+    def stop_then_interrupt() -> None:
+        with timer:
+            timer.stop()
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # the user's exception, not a RuntimeError
+        stop_then_interrupt()
+    assert len(timer.times) == 2
+
+
+def test_a_benchmark_refuses_a_with_block_inside_its_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = dk.Benchmark("outer")
+    with (
+        bench,
+        pytest.raises(RuntimeError, match=r"^this Benchmark \('outer'\) is already timing"),
+        bench,
+    ):
+        pass
+    assert bench.elapsed is not None
+    assert capsys.readouterr().out.startswith("outer: ")
