@@ -198,6 +198,12 @@ class _Isolated:
         send.close()
         try:
             received = self._wait(process, receive, size)
+        except BaseException:
+            # Ctrl-C, or a trial that failed: its child is of no more use. Killed now, not
+            # after the 10 s wait below (Ctrl-C from a terminal reaches the child too, but
+            # a signal to this process alone, or an IDE's stop button, does not).
+            process.kill()
+            raise
         finally:
             process.join(timeout=10)
             if process.is_alive():

@@ -157,7 +157,7 @@ class Measurement:
         """Plain sentences about anything that could make this measurement misleading."""
         notes = self.conditions.notes()
         if self.median <= 0:
-            # The noise is then infinite relative to the median: say what it means.
+            # No relative noise is known (rel_noise is None): say what it means.
             notes.append(
                 "a median of 0: the calls are shorter than the clock's resolution, so no "
                 "time is known; time a loop of many calls inside one function"

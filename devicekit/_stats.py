@@ -62,4 +62,6 @@ def relative_noise(times: list[float]) -> float | None:
     if ci is None:
         return None
     middle = statistics.median(ordered)
-    return math.inf if middle <= 0 else (ci[1] - ci[0]) / 2 / middle
+    # A median of 0 (calls shorter than the clock's tick): no relative noise is known,
+    # and an inf would reach to_dict() as JSON's invalid "Infinity".
+    return None if middle <= 0 else (ci[1] - ci[0]) / 2 / middle

@@ -191,6 +191,48 @@ def test_a_hung_isolated_trial_is_killed_at_its_timeout(tmp_path: Path) -> None:
         os.kill(child, 0)
 
 
+def test_ctrl_c_during_an_isolated_trial_kills_its_child_at_once(tmp_path: Path) -> None:
+    # A Ctrl-C that reaches this process alone: the parent never waits on a live child.
+    pid_file = tmp_path / "pid"
+    result = run_python(
+        f"""
+        import _thread, json, os, threading, time
+        from multiprocessing.process import BaseProcess
+        import devicekit as dk
+        from tests.test_batchsize import hanging_step
+        os.environ["DK_TEST_PID_FILE"] = {str(pid_file)!r}
+        calls = []
+        real_start, real_join, real_kill = BaseProcess.start, BaseProcess.join, BaseProcess.kill
+        def start(self):
+            calls.append("start")
+            return real_start(self)
+        def join(self, timeout=None):
+            calls.append("join")
+            return real_join(self, timeout)
+        def kill(self):
+            calls.append("kill")
+            return real_kill(self)
+        BaseProcess.start, BaseProcess.join, BaseProcess.kill = start, join, kill
+        def interrupt():
+            while not os.path.exists({str(pid_file)!r}):
+                time.sleep(0.05)
+            _thread.interrupt_main()
+        threading.Thread(target=interrupt, daemon=True).start()
+        try:
+            dk.find_batch_size(hanging_step, isolate=True)
+        except KeyboardInterrupt:
+            print(json.dumps({{"calls": calls}}))
+        """,
+        timeout=120,
+    )
+    calls = result["calls"]
+    last_trial = calls[len(calls) - calls[::-1].index("start") - 1 :]
+    assert last_trial == ["start", "kill", "join"]  # not a join (up to 10 s) on a live child
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan left behind
+        os.kill(child, 0)
+
+
 def _load_slowly() -> Callable[[int], None]:
     time.sleep(float(os.environ["DK_TEST_LOAD_SECONDS"]))
     return isolated_step

@@ -102,6 +102,14 @@ def test_five_samples_are_too_few_and_six_enough() -> None:
     assert measurement([1e-3] * 6).rel_noise == 0.0
 
 
+def test_a_zero_median_has_no_known_relative_noise() -> None:
+    # Calls shorter than the clock's tick: an interval exists, a ratio to 0 does not.
+    times = [0.0] * 12 + [1e-7] * 8
+    assert _stats.median_ci(sorted(times)) == (0.0, 1e-7)
+    assert _stats.relative_noise(times) is None  # not inf: JSON has no Infinity
+    assert measurement(times).to_dict()["rel_noise"] is None
+
+
 def test_confidence_interval_narrows_with_more_samples() -> None:
     few = _stats.relative_noise([1.0, 2.0, 3.0] * 4)
     many = _stats.relative_noise([1.0, 2.0, 3.0] * 400)
