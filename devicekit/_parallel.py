@@ -104,7 +104,9 @@ def _slots(
             f"{caller} needs at least one device, got devices=[]; pass devices=None for every "
             "visible GPU (or the CPU), or name one"
         )
-    return [slot for slot in slots for _ in range(workers_per_device)]
+    # Round-robin, not device by device: gpu_map starts only as many workers as it
+    # has items, a prefix of these, and that prefix must spread over every device.
+    return [slot for _ in range(workers_per_device) for slot in slots]
 
 
 class Progress:
@@ -292,12 +294,14 @@ class GPUPool:
         if not work:
             bar.close()
             return []
-        if not self._workers:
-            self._start()
         fn_id = next(self._maps)
         todo = deque(range(len(work)))
         output: list[Any] = [None] * len(work)
         try:
+            if not self._workers:
+                # Inside the try: a failed start (or Ctrl-C during one) must not leave
+                # the pool with the workers started so far, short of its devices.
+                self._start()
             for worker in self._workers:
                 _feed(worker, fn_id, fn_bytes, todo, payloads)
             received = 0
@@ -389,6 +393,16 @@ def _death_message(worker: _Worker, work: list[Any], finished: int) -> str:
         if worker.running is None
         else f"while running item {worker.running} ({show_item(work[worker.running])})"
     )
+    code = worker.process.exitcode
+    if worker.running is not None and code is not None and code >= 0:
+        # It exited by itself mid-item: the worker sends back only what fn raises as
+        # an Exception, so fn called sys.exit() or os._exit(), raised another
+        # BaseException, or could not be unpickled there; without this the message
+        # reads like a crash of devicekit's own.
+        doing += (
+            ". fn must return or raise an Exception: sys.exit(), os._exit() or "
+            "KeyboardInterrupt in fn ends its worker (any traceback is on stderr above)"
+        )
     return f"gpu_map: {worker.where()} {how} {doing}"
 
 
@@ -578,7 +592,9 @@ def gpu_map(
     _refuse_during_worker_bootstrap()
     fn_bytes = _pickle_fn(fn)
     per_device = workers_per_device_count(workers_per_device)
-    slots = _slots(devices, per_device, caller="gpu_map()")
+    # More workers per device than items would never run: not building them keeps
+    # workers_per_device=10**9 from exhausting memory before one item runs.
+    slots = _slots(devices, min(per_device, max(len(work), 1)), caller="gpu_map()")
     payloads = _pickle_items(work)
     if not work:
         return []

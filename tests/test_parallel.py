@@ -44,6 +44,12 @@ def die(item: int) -> int:
     return item
 
 
+def exit_on_two(item: int) -> int:
+    if item == 2:
+        sys.exit(0)
+    return item
+
+
 def write_pid(item: int) -> int:
     """Write this worker's PID where the test can see it, and a moment later return."""
     with open(os.path.join(os.environ["DK_TEST_PIDS"], str(os.getpid())), "w") as file:
@@ -189,6 +195,73 @@ def test_devices_accept_torch_devices_and_one_string(fake_accelerator: FakeAccel
     assert _parallel._slots([torch.device("cuda", 1), "cpu"], 1) == [1, "cpu"]
     assert _parallel._slots("cpu", 2) == ["cpu", "cpu"]  # one string is one device
     assert _parallel._slots(torch.device("cuda", 0), 1) == [0]
+
+
+def test_few_items_spread_over_every_device(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before, slots were device by device ([0, 0, 1, 1]) and gpu_map kept the first
+    # len(items): two items ran both on the first GPU while the second sat idle.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    fake_accelerator("cuda", 2)
+    results = dk.gpu_map(where, range(2), devices=[0, 1], workers_per_device=2)
+    assert sorted(visible or "" for _, visible, _ in results) == ["5", "7"]
+    from devicekit import _parallel
+
+    assert _parallel._slots([0, 1], 2) == [0, 1, 0, 1]
+
+
+def test_workers_per_device_beyond_the_items_builds_no_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from devicekit import _parallel
+
+    real_slots = _parallel._slots
+    asked: list[int] = []
+
+    def slots(devices: object, workers_per_device: int, *, caller: str = "") -> list[str | int]:
+        asked.append(workers_per_device)
+        # Before, gpu_map built all 10**12 slots (memory, for minutes) to use two.
+        assert workers_per_device <= 2, "gpu_map built slots for workers it never starts"
+        return real_slots(devices, workers_per_device, caller=caller)
+
+    monkeypatch.setattr(_parallel, "_slots", slots)
+    assert dk.gpu_map(abs, [-1, -2], devices=["cpu"], workers_per_device=10**12) == [1, 2]
+    assert asked == [2]
+
+
+def test_a_failed_start_leaves_no_worker_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit import _parallel
+
+    real_env = _parallel.worker_env
+    calls: list[str | int] = []
+
+    def env_then_fail(device: str | int) -> str:
+        calls.append(device)
+        if len(calls) == 2:  # the second worker cannot start (EAGAIN, Ctrl-C...)
+            raise OSError("cannot start a process")
+        return real_env(device)
+
+    monkeypatch.setattr(_parallel, "worker_env", env_then_fail)
+    with dk.gpu_pool(devices=["cpu", "cpu"]) as pool:
+        with pytest.raises(OSError, match="cannot start a process"):
+            pool.map(abs, [1, 2])
+        # Before, the first worker stayed in the pool, and every later map ran on
+        # it alone, one worker short, without a word.
+        assert pool._workers == []
+        assert not multiprocessing.active_children()
+        assert pool.map(where, range(2))
+        assert len(pool._workers) == 2
+
+
+def test_a_worker_that_exits_in_fn_says_why() -> None:
+    with pytest.raises(dk.WorkerError) as info:
+        dk.gpu_map(exit_on_two, [1, 2], devices=["cpu"])
+    assert str(info.value) == (
+        "gpu_map: worker 1 on the CPU exited with code 0 while running item 1 (2). fn must "
+        "return or raise an Exception: sys.exit(), os._exit() or KeyboardInterrupt in fn "
+        "ends its worker (any traceback is on stderr above)"
+    )
 
 
 REPO = os.path.dirname(os.path.dirname(__file__))
