@@ -34,6 +34,7 @@ __all__ = [
     "plain_data",
     "plain_fields",
     "plural",
+    "qualified_name",
     "safe_text",
     "shorten",
     "text_table",
@@ -140,6 +141,17 @@ def first_line(error: BaseException) -> str:
     """
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def qualified_name(cls: type) -> str:
+    """A class as messages name it: its module, then its qualified name.
+
+    Examples:
+        >>> import collections
+        >>> qualified_name(collections.OrderedDict)
+        'collections.OrderedDict'
+    """
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def shorten(text: str, limit: int) -> str:

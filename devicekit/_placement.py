@@ -24,6 +24,7 @@ from ._devices import (
     try_all_gpus,
     try_gpu,
 )
+from ._format import qualified_name
 from ._options import check_flag
 from ._rebuild import (
     rebuild_dataclass,
@@ -433,7 +434,7 @@ def _warn_returned_none(classes: list[type]) -> None:
         if cls in _warned_returned_none:
             continue
         _warned_returned_none.add(cls)
-        name = f"{cls.__module__}.{cls.__qualname__}"
+        name = qualified_name(cls)
         warnings.warn(
             f"{name}.to() returned None; to_device() kept the object itself, assuming it moved "
             f"in place. Make {cls.__qualname__}.to() return self (or its moved copy). "

@@ -28,7 +28,7 @@ from collections import ChainMap, Counter, OrderedDict, defaultdict, deque
 from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
 from typing import Any, Protocol
 
-from ._format import first_line, shorten
+from ._format import first_line, qualified_name, shorten
 from ._tree import is_dataclass_instance
 
 __all__ = [
@@ -85,11 +85,7 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     result = _own_copy(obj, unshare=True)
     originals = dict(items)
     changed = [(key, value) for key, value in moved.items() if value is not originals[key]]
-    if changed:
-        try:
-            _set_items(result, changed)
-        finally:
-            _check_untouched(obj, changed, originals)
+    _write_moved(obj, result, changed, originals)
     if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
         _replace_fields(walk, result, obj)
     forget_cached_properties(result)
@@ -98,9 +94,9 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
 
 def _refuse_weak_values(cls: type) -> None:
     raise TypeError(
-        f"to_device() cannot move a {_name(cls)}: it holds its values weakly, and the moved "
-        "tensors are held by nothing else, so it would come back empty. Move a dict of it "
-        "instead: to_device(dict(the_mapping), device)."
+        f"to_device() cannot move a {qualified_name(cls)}: it holds its values weakly, and "
+        "the moved tensors are held by nothing else, so it would come back empty. Move a dict "
+        "of it instead: to_device(dict(the_mapping), device)."
     )
 
 
@@ -131,7 +127,7 @@ def _rebuild_read_only(cls: Any, moved: dict[Any, Any]) -> Any:
         raise TypeError(_not_rebuilt(cls, raised)) from error
     # Keys only: a mapping may wrap its values (and values are never compared with ==).
     if type(result) is not cls:
-        what = f"returned a {_name(type(result))}"
+        what = f"returned a {qualified_name(type(result))}"
     elif result.keys() != moved.keys():
         keys, expected = shorten(repr(list(result)), 80), shorten(repr(list(moved)), 80)
         what = f"returned one with the keys {keys} instead of {expected}"
@@ -142,17 +138,33 @@ def _rebuild_read_only(cls: Any, moved: dict[Any, Any]) -> Any:
 
 def _not_rebuilt(cls: type, what: str) -> str:
     return (
-        f"to_device() cannot rebuild the read-only mapping {_name(cls)}: "
+        f"to_device() cannot rebuild the read-only mapping {qualified_name(cls)}: "
         f"{cls.__qualname__}(mapping_of_moved_values) {what}. Give {cls.__qualname__} a "
         ".to(device) method, or a constructor that takes a mapping of its items."
     )
 
 
-def _name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+def _write_moved(
+    obj: MutableMapping[Any, Any] | MutableSequence[Any],
+    result: MutableMapping[Any, Any] | MutableSequence[Any],
+    changed: list[tuple[Any, Any]],
+    originals: dict[Any, Any],
+) -> None:
+    """Set each moved value into the copy (its own ``__setitem__``), then check the input.
+
+    ``changed`` holds (key or index, moved value); ``originals`` each key's old value.
+    A write that leaked into the input is put back there, and refused.
+    """
+    if changed:
+        try:
+            _set_items(result, changed)
+        finally:
+            _check_untouched(obj, changed, originals)
 
 
-def _set_items(result: MutableMapping[Any, Any], changed: list[tuple[Any, Any]]) -> None:
+def _set_items(
+    result: MutableMapping[Any, Any] | MutableSequence[Any], changed: list[tuple[Any, Any]]
+) -> None:
     key, value = changed[0]
     try:
         result[key] = value
@@ -190,7 +202,7 @@ def _check_untouched(
             obj[key] = originals[key]
     cls = type(obj)
     raise TypeError(
-        f"to_device() cannot copy a {_name(cls)} without changing it: "
+        f"to_device() cannot copy a {qualified_name(cls)} without changing it: "
         f"setting item {leaked[0]!r} of its copy wrote into the input too (they share storage; "
         f"the input is put back). Give {cls.__qualname__} a __copy__ that copies its storage, "
         "or a .to() method."
@@ -226,14 +238,9 @@ def rebuild_sequence(walk: Walk, obj: MutableSequence[Any]) -> MutableSequence[A
     if type(obj) is deque:
         return deque(moved, maxlen=obj.maxlen)
     result: MutableSequence[Any] = _own_copy(obj, unshare=True)
-    pairs = enumerate(zip(moved, items, strict=True))
-    changed = [(index, new) for index, (new, old) in pairs if new is not old]
-    if changed:
-        try:
-            for index, value in changed:
-                result[index] = value
-        finally:
-            _check_untouched(obj, changed, dict(enumerate(items)))
+    originals = dict(enumerate(items))
+    changed = [(index, new) for index, new in enumerate(moved) if new is not originals[index]]
+    _write_moved(obj, result, changed, originals)
     forget_cached_properties(result)
     return result
 
