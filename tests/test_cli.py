@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -465,30 +465,49 @@ def test_the_command_leaves_its_callers_warning_filters_alone(
     capsys.readouterr()
 
 
-def test_watch_stops_cleanly_on_ctrl_c() -> None:
+def _interrupted(
+    code: str,
+    args: list[str],
+    *,
+    ready: Literal["stdout", "stderr"],
+    pause: float = 0.0,
+    timeout: float,
+) -> tuple[int, str, str]:
+    """Run ``python -c code args``; Ctrl-C it once it prints a line on ``ready``.
+
+    ``pause`` seconds after that line, SIGINT; returns (exit status, stdout, stderr).
+    The process never outlives the call, even when the test fails.
+    """
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            CTRL_C_WORKS + "import runpy; runpy.run_module('devicekit', run_name='__main__')",
-            "watch",
-            "-n",
-            "0.1",
-        ],
+        [sys.executable, "-c", CTRL_C_WORKS + code, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        assert process.stdout is not None
-        process.stdout.readline()  # it is running
+        stream = process.stdout if ready == "stdout" else process.stderr
+        assert stream is not None
+        line = stream.readline()  # it is running
+        time.sleep(pause)
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=30)
-    finally:  # never an orphan, even when the test fails
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
-    assert process.returncode == 0
+    output = {"stdout": stdout, "stderr": stderr}
+    output[ready] = line + output[ready]  # the line read before the rest
+    return process.returncode, output["stdout"], output["stderr"]
+
+
+def test_watch_stops_cleanly_on_ctrl_c() -> None:
+    status, _, stderr = _interrupted(
+        "import runpy; runpy.run_module('devicekit', run_name='__main__')",
+        ["watch", "-n", "0.1"],
+        ready="stdout",
+        timeout=30,
+    )
+    assert status == 0
     assert "Traceback" not in stderr
 
 
@@ -570,32 +589,19 @@ def test_a_full_disk_is_one_line_on_stderr(args: list[str]) -> None:
     ids=lambda args: " ".join(args) or "status",
 )
 def test_ctrl_c_exits_130_without_a_traceback(args: list[str]) -> None:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            CTRL_C_WORKS + "import runpy, sys; import devicekit._cli\n"
-            "print('ready', file=sys.stderr, flush=True)\n"
-            "runpy.run_module('devicekit', run_name='__main__')",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stderr is not None
-        assert process.stderr.readline() == "ready\n"
+    status, stdout, stderr = _interrupted(
+        "import runpy, sys; import devicekit._cli\n"
+        "print('ready', file=sys.stderr, flush=True)\n"
+        "runpy.run_module('devicekit', run_name='__main__')",
+        args,
+        ready="stderr",
         # Past runpy and into main() (microseconds), not yet done importing torch (a
         # second or more) or benchmarking.
-        time.sleep(0.3)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-    assert process.returncode == 130, (stdout, stderr)
+        pause=0.3,
+        timeout=60,
+    )
+    assert stderr.startswith("ready\n"), stderr
+    assert status == 130, (stdout, stderr)
     no_traceback(stderr)
     assert stderr.endswith("devicekit: interrupted\n"), stderr
 

@@ -400,16 +400,21 @@ def test_a_real_gpu_oom() -> None:
     del keep
 
 
-@pytest.mark.parametrize("already_on", [False, True])
-def test_the_recorder_is_turned_off_only_by_the_block_that_started_it(
-    monkeypatch: pytest.MonkeyPatch, already_on: bool
-) -> None:
-    # CUDA's recorder cannot run without a GPU: stand-ins record what the block asks of it.
+def _stand_in_recorder(monkeypatch: pytest.MonkeyPatch, *, already_on: bool) -> list[Any]:
+    """CUDA's recorder cannot run without a GPU: stand-ins note what a block asks of it."""
     calls: list[Any] = []
     monkeypatch.setattr(_oom, "accelerator_type", lambda: "cuda")
     monkeypatch.setattr(_oom, "accelerator_count", lambda: 1)
     monkeypatch.setattr(_oom, "_record_history", lambda **options: calls.append(options))
     monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: already_on, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("already_on", [False, True])
+def test_the_recorder_is_turned_off_only_by_the_block_that_started_it(
+    monkeypatch: pytest.MonkeyPatch, already_on: bool
+) -> None:
+    calls = _stand_in_recorder(monkeypatch, already_on=already_on)
     with dk.explain_oom(record_history=True):
         pass
     if already_on:
@@ -517,11 +522,7 @@ def test_an_async_generator_is_refused() -> None:
 def test_a_keyboard_interrupt_passes_through_and_the_recorder_is_stopped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[Any] = []
-    monkeypatch.setattr(_oom, "accelerator_type", lambda: "cuda")
-    monkeypatch.setattr(_oom, "accelerator_count", lambda: 1)
-    monkeypatch.setattr(_oom, "_record_history", lambda **options: calls.append(options))
-    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: False, raising=False)
+    calls = _stand_in_recorder(monkeypatch, already_on=False)
     interrupt = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt) as caught, dk.explain_oom(record_history=True):
         raise interrupt
