@@ -1107,30 +1107,21 @@ def _check_disagreements(ranks: list[dict[str, Any]]) -> None:
         combined,
     )
     assert ranks[1]["keys"][2:] == [0, [{"step": s, "loss": 2.0} for s in range(3)], combined]
-    name, message, pending, history, after = ranks[0]["steps"]
-    assert name == "RanksDisagreeError"
-    assert (
-        "  rank 0: logged 3 steps (0 to 2) of loss\n  rank 1: logged 2 steps (0 to 1) of loss\n"
-        in message
-    )
-    assert (pending, len(history), after) == (0, 3, combined)
+    # Each: what rank 1 logged, as the message says it, and how many steps rank 0 recorded.
+    for case, rank_1_logged, recorded in (
+        ("steps", "logged 2 steps (0 to 1) of loss", 3),
+        ("one empty", "logged 0 steps of nothing", 2),
+        # Steps 0-1 against 1-2: combining them would mix different steps.
+        ("shifted", "logged 2 steps (1 to 2) of loss", 2),
+    ):
+        name, message, pending, history, after = ranks[0][case]
+        assert name == "RanksDisagreeError", case
+        rank_0_logged = f"logged {recorded} steps (0 to {recorded - 1}) of loss"
+        assert f"  rank 0: {rank_0_logged}\n  rank 1: {rank_1_logged}\n" in message, case
+        assert (pending, len(history), after) == (0, recorded, combined), case
     assert ranks[1]["steps"][2:] == [0, [{"step": s, "loss": 2.0} for s in range(2)], combined]
-    name, message, pending, history, after = ranks[0]["one empty"]
-    assert name == "RanksDisagreeError"
-    assert (
-        "  rank 0: logged 2 steps (0 to 1) of loss\n  rank 1: logged 0 steps of nothing\n"
-        in message
-    )
-    assert (pending, len(history), after) == (0, 2, combined)
     assert ranks[1]["one empty"][2:] == [0, [], combined]
     assert ranks[0]["all empty"] == ranks[1]["all empty"] == ["no error", "", 0, [], combined]
-    name, message, pending, history, after = ranks[0]["shifted"]  # steps 0-1 against 1-2
-    assert name == "RanksDisagreeError"  # combining them would mix different steps
-    assert (
-        "  rank 0: logged 2 steps (0 to 1) of loss\n  rank 1: logged 2 steps (1 to 2) of loss\n"
-        in message
-    )
-    assert (pending, len(history), after) == (0, 2, combined)
     name, message, pending, history, after = ranks[0]["commas"]
     assert name == "RanksDisagreeError"  # never 1 + 100 under "a, b"
     assert "  rank 0: steps [0]; keys 'a, b', 'c', 'loss'\n" in message
