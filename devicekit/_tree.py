@@ -8,8 +8,9 @@ One definition serves [`to_device()`][devicekit.to_device] (which rebuilds), and
 
 from __future__ import annotations
 
+import array
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableSequence
 from typing import Any, cast
 
 import torch
@@ -32,14 +33,14 @@ def children(obj: object) -> list[tuple[str, Any]] | None:
 
     Tensors and modules are leaves here: callers decide what to do with them.
     """
-    if isinstance(obj, (torch.Tensor, torch.nn.Module, str, bytes)):
+    if isinstance(obj, (torch.Tensor, torch.nn.Module, str, bytes, bytearray, array.array)):
         return None
     if isinstance(obj, Mapping):
         return [(f"[{key!r}]", value) for key, value in obj.items()]
     if is_namedtuple(obj):
         named: dict[str, Any] = obj._asdict()  # type: ignore[attr-defined]
         return [(f".{name}", value) for name, value in named.items()]
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, MutableSequence)):  # a deque, a UserList: as to_device
         return [(f"[{index}]", value) for index, value in enumerate(obj)]
     if isinstance(obj, (set, frozenset)):
         return [(f"{{{index}}}", value) for index, value in enumerate(obj)]

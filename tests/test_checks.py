@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -54,6 +55,15 @@ def test_buffers_namedtuple_fields_and_dataclass_fields_are_named() -> None:
     message = str(info.value)
     assert "  inputs.ids: meta\n" in message
     assert "model.running_mean: cpu" in message
+
+
+def test_deques_and_user_lists_are_looked_inside_as_to_device_moves_them() -> None:
+    stray = torch.ones(1, device="meta")
+    for holder in (collections.deque([stray]), collections.UserList([stray])):
+        with pytest.raises(dk.DeviceMismatchError, match=r"  held\[0\]: meta\n"):
+            dk.assert_same_device(x=torch.ones(1), held=holder)
+    # Byte buffers are data, not containers of tensors.
+    assert dk.assert_same_device(torch.ones(1), bytearray(b"ab")) == torch.device("cpu")
 
 
 def test_many_paths_are_shortened() -> None:

@@ -593,6 +593,13 @@ def test_cycles_raise_with_the_path() -> None:
         dk.to_device(looped, META)
 
 
+def test_cycle_through_a_deque_is_named_by_its_path() -> None:
+    looped: collections.deque[Any] = collections.deque()
+    looped.append({"a": looped})
+    with pytest.raises(ValueError, match=r"obj\['x'\]\[0\]\['a'\] is obj\['x'\]\."):
+        dk.to_device({"x": looped}, META)
+
+
 def test_cycle_through_a_dataclass() -> None:
     batch = Batch(torch.ones(1), {})
     batch.meta["self"] = batch
