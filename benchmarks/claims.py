@@ -190,14 +190,17 @@ def main() -> None:
         f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {load}"
     )
     if "claims" in args.parts:
-        with tempfile.TemporaryDirectory() as runtime:
-            previous = os.environ.get("XDG_RUNTIME_DIR")
-            os.environ["XDG_RUNTIME_DIR"] = runtime  # the benchmark's claims never meet real ones
-            claims(args.calls, args.rounds)
-            if previous is None:
-                del os.environ["XDG_RUNTIME_DIR"]
-            else:
-                os.environ["XDG_RUNTIME_DIR"] = previous
+        with tempfile.TemporaryDirectory() as directory:
+            previous = os.environ.get("DEVICEKIT_CLAIMS_DIR")
+            # The benchmark's claims never meet real ones.
+            os.environ["DEVICEKIT_CLAIMS_DIR"] = os.path.join(directory, "claims")
+            try:
+                claims(args.calls, args.rounds)
+            finally:
+                if previous is None:
+                    del os.environ["DEVICEKIT_CLAIMS_DIR"]
+                else:
+                    os.environ["DEVICEKIT_CLAIMS_DIR"] = previous
     if "ray" in args.parts:
         ray_startup(args.items, args.ray_rounds)
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
