@@ -17,23 +17,31 @@ already holds, and closing *any* descriptor of the file would drop them.
 process, and a child made by ``fork`` closes its inherited copy (below)
 without releasing the parent's claim.
 
-The files live in a directory only this user can read: ``$XDG_RUNTIME_DIR/devicekit``
-(a per-user, memory-backed directory on systemd machines), else
-``<tempdir>/devicekit-<uid>``, mode 0700. They are never deleted: deleting a
-lock file while another process has it open but not yet locked would let two
-processes lock two different files for one GPU. There is one small file per
-GPU ever claimed.
+Every job of one user must find the same files, whatever its environment, so
+the directory is fixed: ``/tmp/devicekit-<uid>``, mode 0700, or
+``$DEVICEKIT_CLAIMS_DIR`` where the user names one. Not ``$XDG_RUNTIME_DIR``
+or ``$TMPDIR``: a job started from cron, Slurm, ``sudo -u`` or a service has
+neither, or its own, and would claim GPUs other jobs hold; and logind deletes
+``/run/user/<uid>`` at logout, under the claims of jobs left running. The
+files are never deleted: deleting a lock file while another process has it
+open but not yet locked would let two processes lock two different files for
+one GPU. There is one small file per GPU ever claimed. While it holds a
+claim, a process also holds a shared ``flock`` on the directory, which
+``systemd-tmpfiles`` honours: it does not age a locked directory, so the
+files of a claim held for weeks stay where the next job looks for them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +59,7 @@ except ImportError:  # Windows has no flock
     fcntl = None
 
 __all__ = [
+    "DIR_VAR",
     "check_claims_supported",
     "claim",
     "claim_gpu",
@@ -61,10 +70,24 @@ __all__ = [
     "release_gpu",
 ]
 
+DIR_VAR = "DEVICEKIT_CLAIMS_DIR"
+# Fixed, not tempfile.gettempdir(): TMPDIR differs between jobs of one user (Slurm sets
+# one per job), and jobs that look in different directories do not see each other.
+_SHARED_TMP = "/tmp"
+# systemd-tmpfiles holds a directory it ages exclusively for milliseconds; wait that out,
+# but never hang on a process that keeps it locked (then the claim goes on without it).
+_DIRECTORY_LOCK_TRIES = 100
+_DIRECTORY_LOCK_PAUSE = 0.01  # seconds
+_FIX = (
+    f"set {DIR_VAR} to a directory of your own on a local disk with free space (every job "
+    "that shares these GPUs must see the same value), or pass claim=False"
+)
+
 
 @dataclass(frozen=True)
 class _Claim:
     fd: int  # the open, locked lock file; closing it releases the claim
+    directory_fd: int  # the directory, share-locked so that tmp cleaners leave it alone
     index: int  # cuda:<index> as pick_gpu returned it
     visible: str | None  # CUDA_VISIBLE_DEVICES then, which gave the index its meaning
 
@@ -85,8 +108,9 @@ class _Held:
         # not when the last child made by fork (a DataLoader worker, say) does.
         self.lock = threading.Lock()  # another thread may have held it at the fork
         for held in self.claims.values():
-            with contextlib.suppress(OSError):
-                os.close(held.fd)
+            for fd in (held.fd, held.directory_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self.claims.clear()
 
 
@@ -107,33 +131,55 @@ def check_claims_supported() -> None:
 def claims_directory() -> Path:
     """The directory of this user's lock files, created with mode 0700 if needed.
 
+    ``$DEVICEKIT_CLAIMS_DIR`` when set (an absolute path), else
+    ``/tmp/devicekit-<uid>``, whatever ``TMPDIR`` or ``XDG_RUNTIME_DIR`` say:
+    jobs see each other's claims only where they look in the same directory.
+
     Raises:
         PermissionError: The directory exists but is not a directory owned
-            by this user (someone else created it, or it is a link).
+            by this user (someone else created it, or it is a link), or it
+            cannot be created here.
+        OSError: It cannot be created for another reason (a full or
+            read-only disk); the message names the directory and the fix.
+        ValueError: ``$DEVICEKIT_CLAIMS_DIR`` is a relative path.
 
     Examples:
         >>> from devicekit._claims import claims_directory
         >>> oct(claims_directory().stat().st_mode & 0o777)
         '0o700'
     """
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        path = Path(runtime) / "devicekit"
+    chosen = os.environ.get(DIR_VAR)
+    if chosen:
+        if not os.path.isabs(chosen):
+            raise ValueError(
+                f"{DIR_VAR}={chosen!r} is a relative path, which names a different directory "
+                "for each job's working directory; give an absolute path"
+            )
+        path = Path(chosen)
     else:
-        path = Path(tempfile.gettempdir()) / f"devicekit-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
+        base = _SHARED_TMP if os.path.isdir(_SHARED_TMP) else tempfile.gettempdir()
+        path = Path(base) / f"devicekit-{os.getuid()}"
+    try:
         os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise _cannot("create the directory of GPU claims", path, error) from None
     info = os.lstat(path)
     # In a shared temp directory another user could have made this name first:
     # then their files would decide our claims, so refuse instead.
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise PermissionError(
+            errno.EACCES,
             f"{path} should be a directory of GPU claims owned by this user (uid "
-            f"{os.getuid()}), but it is {_describe(info)}; remove it, or set XDG_RUNTIME_DIR "
-            "to a private directory"
+            f"{os.getuid()}), but it is {_describe(info)}; remove it, or set {DIR_VAR} "
+            "to a directory of your own",
         )
     if stat.S_IMODE(info.st_mode) & 0o077:
-        os.chmod(path, 0o700)  # made by an older umask or by hand: make it private again
+        try:  # made by an older umask or by hand: make it private again
+            os.chmod(path, 0o700)
+        except OSError as error:
+            raise _cannot("make private (mode 0700)", path, error) from None
     return path
 
 
@@ -142,9 +188,31 @@ def _describe(info: os.stat_result) -> str:
     return f"{kind} owned by uid {info.st_uid}"
 
 
+def _cannot(action: str, path: Path, error: OSError) -> OSError:
+    """``error`` retold: what claim=True was doing, where, and what to do (same errno, so class)."""
+    return OSError(
+        error.errno,
+        f"claim=True cannot {action} {path}: {error.strerror or error}; {_FIX}",
+    )
+
+
 def _lock_file(uuid: str) -> Path:
     # Old drivers name MIG instances "MIG-GPU-<uuid>/<gi>/<ci>": no slashes in a file name.
     return claims_directory() / (re.sub(r"[^A-Za-z0-9._-]", "_", uuid) + ".lock")
+
+
+def _share_lock(directory_fd: int) -> None:
+    """Share-lock the directory, so that ``systemd-tmpfiles`` does not age it (best effort)."""
+    assert fcntl is not None
+    for _ in range(_DIRECTORY_LOCK_TRIES):
+        try:
+            fcntl.flock(directory_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # a cleaner is looking at it right now
+            time.sleep(_DIRECTORY_LOCK_PAUSE)
+        except OSError:  # a file system without directory locks: nothing to protect it with
+            return
+        else:
+            return
 
 
 def claim(uuid: str, index: int) -> bool:
@@ -152,39 +220,60 @@ def claim(uuid: str, index: int) -> bool:
 
     ``index`` is the torch index the caller knows it by, for
     [`release_gpu()`][devicekit.release_gpu].
+
+    Raises:
+        OSError: The lock file cannot be made (a full or read-only disk, or
+            a file of another user); the message names it and the fix.
     """
     check_claims_supported()
     assert fcntl is not None
     with _held.lock:
         if uuid in _held.claims:
             return False
-        fd = os.open(_lock_file(uuid), os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by exec
-        locked = False
+        path = _lock_file(uuid)
+        opened: list[int] = []
+        made: _Claim | None = None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = True
-        except BlockingIOError:
-            return False
+            try:
+                opened.append(os.open(path.parent, os.O_RDONLY))
+                # The directory's lock first: a cleaner already at work in it could delete
+                # the lock file between our open and our lock, and the next job make another.
+                _share_lock(opened[0])
+                opened.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # closed by exec
+            except OSError as error:
+                raise _cannot("open the lock file", path, error) from None
+            directory_fd, fd = opened
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            except OSError as error:  # a file system without flock (some FUSE mounts)
+                raise _cannot("lock", path, error) from None
+            # Who holds it, for the messages of processes turned away (best effort). Fixed
+            # width, written over the last holder's: truncating first would make ext4 flush
+            # the file to disk at close (its auto_da_alloc rule), 4.5 ms instead of 20 us.
+            # Best effort: a full disk must not fail the claim (holder() asks the kernel).
+            with contextlib.suppress(OSError):
+                os.pwrite(fd, f"{os.getpid():>{_PID_WIDTH}}\n".encode(), 0)
+            made = _Claim(fd, directory_fd, index, os.environ.get(ENV_VAR))
+            _held.claims[uuid] = made
+            return True
         finally:
-            if not locked:
-                os.close(fd)
-        # Who holds it, for the messages of processes turned away (best effort). Fixed
-        # width, written over the last holder's: truncating first would make ext4 flush
-        # the file to disk at close (its auto_da_alloc rule), 4.5 ms instead of 20 us.
-        # Best effort: a full disk must not leak the locked descriptor (and so the claim).
-        with contextlib.suppress(OSError):
-            os.pwrite(fd, f"{os.getpid():>{_PID_WIDTH}}\n".encode(), 0)
-        _held.claims[uuid] = _Claim(fd, index, os.environ.get(ENV_VAR))
-        return True
+            # Whatever stopped it before the claim was recorded (a Ctrl-C included), the
+            # lock must not outlive it: an unrecorded lock could never be released.
+            if made is None or _held.claims.get(uuid) is not made:
+                for descriptor in opened:
+                    os.close(descriptor)
 
 
 def release(uuid: str) -> bool:
     """Release this process's claim on the GPU with this UUID; False if it held none."""
-    with _held.lock:
+    with _held.lock:  # closed under the lock: a claim racing in sees the GPU free or held, not both
         held = _held.claims.pop(uuid, None)
-    if held is None:
-        return False
-    os.close(held.fd)  # closing the only descriptor of the file drops its lock
+        if held is None:
+            return False
+        os.close(held.fd)  # closing the only descriptor of the file drops its lock
+        os.close(held.directory_fd)
     return True
 
 
@@ -193,13 +282,57 @@ def is_held(uuid: str) -> bool:
     return uuid in _held.claims
 
 
+_PROC_LOCKS = "/proc/locks"
+
+
 def holder(uuid: str) -> int | None:
-    """The process id that last claimed this GPU, as its lock file says; None if unknown."""
+    """The process id that holds the claim on this GPU; None if unknown.
+
+    The kernel's lock table says, where there is one (Linux): the pid the
+    lock file holds is only what the holder wrote, and a holder that could
+    not write it (a full disk) leaves the pid of an earlier holder there,
+    which may since belong to an unrelated process.
+    """
+    path = _lock_file(uuid)
     try:
-        text = _lock_file(uuid).read_text(encoding="ascii").strip()
+        info = os.stat(path)
+    except OSError:
+        return None
+    listed, pid = _kernel_holder(info)
+    if listed:
+        return pid
+    try:
+        text = path.read_text(encoding="ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return int(text) if text.isdigit() else None
+
+
+def _kernel_holder(info: os.stat_result) -> tuple[bool, int | None]:
+    """Whether ``/proc/locks`` lists an exclusive ``flock`` on this file, and by which pid.
+
+    The pid is None where the holder lives in another pid namespace (the
+    kernel writes 0 or less for it then). Not listed: no lock table, or a
+    file system whose device number there differs from ``stat``'s (btrfs).
+    """
+    try:
+        with open(_PROC_LOCKS, encoding="ascii") as table:
+            lines = table.readlines()
+    except (OSError, UnicodeDecodeError):
+        return False, None
+    # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2147666 0 EOF"; waiters' lines carry "->".
+    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if (
+            len(fields) >= 6
+            and fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"]
+            and fields[5] == key
+            and fields[4].lstrip("-").isdigit()
+        ):
+            pid = int(fields[4])
+            return True, pid if pid > 0 else None
+    return False, None
 
 
 def _held_at(index: int) -> list[str]:

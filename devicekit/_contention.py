@@ -67,24 +67,35 @@ def contended(cpu_time: float, window: float, cores: int) -> bool:
     return cpu_time > max(CONTENDED_SHARE * cores * window, (cores + 1) * TICK)
 
 
+_PROC_STAT = "/proc/stat"
+
+
 def _proc_stat(cpus: frozenset[int]) -> tuple[int, int] | None:
-    """Busy and steal ticks summed over ``cpus``; None without ``/proc/stat``."""
+    """Busy and steal ticks summed over ``cpus``; None unless ``/proc/stat`` lists each of them.
+
+    The affinity mask holds online CPUs only, and ``/proc/stat`` lists every
+    online CPU, so one missing means the file describes other CPUs than ours:
+    a container's ``/proc/stat`` rewritten by LXCFS numbers its CPUs from 0.
+    Summing what matched would report an idle machine, not an unknown one.
+    """
     try:
-        with open("/proc/stat", "rb") as file:
+        with open(_PROC_STAT, "rb") as file:
             text = file.read()
     except OSError:
         return None
     busy = steal = 0
+    seen: set[int] = set()
     for line in text.split(b"\n")[1:]:  # the first line is the total of all CPUs
         if not line.startswith(b"cpu"):
             break  # per-CPU lines come first
         name, *values = line.split()
-        if int(name[3:]) not in cpus:
+        if not name[3:].isdigit() or int(name[3:]) not in cpus:
             continue
+        seen.add(int(name[3:]))
         ticks = [int(v) for v in values]
         busy += sum(ticks[i] for i in _BUSY_COLUMNS if i < len(ticks))
         steal += ticks[_STEAL_COLUMN] if len(ticks) > _STEAL_COLUMN else 0
-    return busy, steal
+    return (busy, steal) if seen == cpus else None
 
 
 def _own_usage() -> tuple[float, int] | None:

@@ -23,12 +23,16 @@ print(f"a tensor made on it lives on {x.device}")
 for value in ["1,0", "0,1a,2", "0,x,1", "1,1", "-1"]:
     print(f"CUDA_VISIBLE_DEVICES={value!r:9} -> CUDA reads {dk.parse_visible_devices(value)}")
 
-# 3. Give a child process only the first GPU; it sees it as cuda:0.
+# 3. Give a child process only this script's first GPU; it sees it as cuda:0.
+#    Entries are physical GPUs, not this script's cuda:N: under CUDA_VISIBLE_DEVICES=2,3
+#    (a scheduler's share) this script's cuda:0 is GPU 2, so take what the variable lists.
 #    subprocesses_only=True keeps this working even if this script had used CUDA already.
+listed = dk.parse_visible_devices()  # None: every GPU is visible
+first = [0] if listed is None else listed[:1]
 child = "import torch; print(torch.cuda.device_count())"
-with dk.visible_devices([0], subprocesses_only=True):
+with dk.visible_devices(first, subprocesses_only=True):
     seen = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
-print(f"a child limited to GPU 0 sees {seen.stdout.strip()} CUDA device(s)")
+print(f"a child shown GPUs {first} sees {seen.stdout.strip()} CUDA device(s)")
 
 # 4. Mistakes are caught before anything changes, instead of silently hiding GPUs.
 try:

@@ -2,17 +2,22 @@
 
 Processes that race for GPUs are real processes started behind a barrier;
 each installs a fake NVML before devicekit first asks for one, so no real
-GPU is touched. The lock directory is a temporary XDG_RUNTIME_DIR per test.
+GPU is touched. The lock directory is a temporary DEVICEKIT_CLAIMS_DIR per test.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import multiprocessing
 import os
 import select
+import shutil
 import signal
 import stat
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +30,7 @@ import torch
 import devicekit as dk
 from devicekit import _claims
 
+from .conftest import CTRL_C_WORKS
 from .fake_pynvml import FakeGPU, FakeNVML
 
 Install = Callable[[Any], None]
@@ -44,11 +50,12 @@ def machine(count: int, *, used: int = 2 * GiB) -> FakeNVML:
 
 @pytest.fixture(autouse=True)
 def private_claims(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """Each test's claims live in its own directory; children inherit it."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    """Each test's claims live in its own directory; children inherit it. Yields that directory."""
+    directory = tmp_path / "claims"
+    monkeypatch.setenv(_claims.DIR_VAR, str(directory))
     for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
         monkeypatch.delenv(name, raising=False)
-    yield tmp_path
+    yield directory
     for held in list(_claims._held.claims):  # a failed test must not leave claims to the next one
         _claims.release(held)
 
@@ -141,7 +148,7 @@ def test_claim_gpu_releases_its_own_claim_whatever_the_block_makes_visible(
 def test_lock_files_are_named_by_uuid_even_for_old_mig_names(private_claims: Path) -> None:
     mig = "MIG-GPU-aaaa1111-0000-0000-0000-000000000000/1/0"  # drivers before R470
     assert _claims.claim(mig, 0) is True
-    lock = private_claims / "devicekit" / "MIG-GPU-aaaa1111-0000-0000-0000-000000000000_1_0.lock"
+    lock = private_claims / "MIG-GPU-aaaa1111-0000-0000-0000-000000000000_1_0.lock"
     assert lock.read_text().strip() == str(os.getpid())
     assert _claims.holder(mig) == os.getpid()
     assert _claims.claim(mig, 0) is False
@@ -168,12 +175,37 @@ def test_a_fork_child_does_not_keep_the_parents_claim() -> None:
         os.close(report)
 
 
+def test_an_interrupt_inside_a_claim_leaves_no_lock_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ctrl-C can land between taking the lock and recording it; an unrecorded lock
+    # could never be released, and this process would see its own GPU as another's.
+    def interrupted(fd: int, data: bytes, offset: int) -> int:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "pwrite", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _claims.claim(uuid(0), 0)
+    assert not _claims._held.claims
+    assert _claims.claim(uuid(0), 0) is True
+
+
+def test_a_full_disk_does_not_fail_a_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)  # the holder's pid cannot be written
+    assert _claims.claim(uuid(0), 0) is True
+    assert _claims.is_held(uuid(0))
+
+
 # --- the lock directory ----------------------------------------------------------------------
 
 
 def test_the_lock_directory_is_private(nvml_session: Install, private_claims: Path) -> None:
     nvml_session(machine(1))
-    directory = private_claims / "devicekit"
+    directory = private_claims
     directory.mkdir(mode=0o755)
     directory.chmod(0o755)  # made by an older umask, say: readable by everyone
     assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)
@@ -182,35 +214,191 @@ def test_the_lock_directory_is_private(nvml_session: Install, private_claims: Pa
     assert stat.S_IMODE((directory / f"{uuid(0)}.lock").stat().st_mode) & 0o077 == 0
 
 
-def test_without_xdg_runtime_dir_the_directory_is_per_user_in_tmp(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.delenv("XDG_RUNTIME_DIR")
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    directory = _claims.claims_directory()
-    assert directory == tmp_path / f"devicekit-{os.getuid()}"
-    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+@pytest.fixture
+def default_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No DEVICEKIT_CLAIMS_DIR, and a stand-in for /tmp: yields where the claims must go."""
+    monkeypatch.delenv(_claims.DIR_VAR)
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    monkeypatch.setattr(_claims, "_SHARED_TMP", str(shared))
+    return shared / f"devicekit-{os.getuid()}"
 
 
-def test_a_directory_someone_else_made_is_refused(
+def test_every_job_of_a_user_finds_the_same_directory_whatever_its_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, default_directory: Path
+) -> None:
+    # A login shell has XDG_RUNTIME_DIR; cron, Slurm, sudo -u and services do not, and
+    # Slurm gives each job its own TMPDIR. Jobs that looked in different directories
+    # never saw each other's claims, and took the same GPU.
+    environments: list[dict[str, str | None]] = [
+        {"XDG_RUNTIME_DIR": None, "TMPDIR": None},
+        {"XDG_RUNTIME_DIR": str(tmp_path), "TMPDIR": None},
+        {"XDG_RUNTIME_DIR": None, "TMPDIR": str(tmp_path)},
+    ]
+    for environment in environments:
+        for name, value in environment.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+        assert _claims.claims_directory() == default_directory
+    assert stat.S_IMODE(default_directory.stat().st_mode) == 0o700
+
+
+def test_devicekit_claims_dir_names_the_directory(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.delenv("XDG_RUNTIME_DIR")
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setenv(_claims.DIR_VAR, str(tmp_path / "mine"))
+    assert _claims.claims_directory() == tmp_path / "mine"
+    assert stat.S_IMODE((tmp_path / "mine").stat().st_mode) == 0o700
+    monkeypatch.setenv(_claims.DIR_VAR, "claims")  # relative: one per working directory
+    with pytest.raises(
+        ValueError, match=r"DEVICEKIT_CLAIMS_DIR='claims' is a relative path, .*absolute path"
+    ):
+        _claims.claims_directory()
+
+
+def test_a_directory_someone_else_made_is_refused(tmp_path: Path, default_directory: Path) -> None:
     elsewhere = tmp_path / "theirs"
     elsewhere.mkdir()
-    (tmp_path / f"devicekit-{os.getuid()}").symlink_to(elsewhere)
-    with pytest.raises(PermissionError, match=r"should be a directory of GPU claims owned by"):
+    default_directory.symlink_to(elsewhere)
+    with pytest.raises(
+        PermissionError,
+        match=r"should be a directory of GPU claims owned by .* set DEVICEKIT_CLAIMS_DIR",
+    ):
         _claims.claims_directory()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
 def test_a_directory_owned_by_another_user_is_refused(private_claims: Path) -> None:
-    directory = private_claims / "devicekit"
-    directory.mkdir(mode=0o700)
-    os.chown(directory, 65534, 65534)
+    private_claims.mkdir(mode=0o700)
+    os.chown(private_claims, 65534, 65534)
     with pytest.raises(PermissionError, match=r"directory owned by uid 65534"):
         _claims.claims_directory()
+
+
+def test_a_directory_that_cannot_be_made_is_a_clear_error(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    nvml_session(machine(1))
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(_claims.DIR_VAR, str(tmp_path / "a-file" / "claims"))
+    with pytest.raises(
+        NotADirectoryError,
+        match=r"claim=True cannot create the directory of GPU claims .*a-file/claims: "
+        r"Not a directory; set DEVICEKIT_CLAIMS_DIR to a directory of your own .* "
+        r"or pass claim=False",
+    ):
+        dk.pick_gpu(claim=True)
+    assert not _claims._held.claims
+    assert dk.pick_gpu() == torch.device("cuda", 0)  # without claims, nothing is written
+
+
+def test_a_lock_file_that_cannot_be_made_is_a_clear_error(
+    nvml_session: Install, private_claims: Path
+) -> None:
+    nvml_session(machine(1))
+    private_claims.mkdir(mode=0o700)
+    (private_claims / f"{uuid(0)}.lock").mkdir()  # in the way of the lock file
+    with pytest.raises(
+        IsADirectoryError,
+        match=rf"claim=True cannot open the lock file .*{uuid(0)}\.lock: Is a directory; set ",
+    ):
+        dk.pick_gpu(claim=True)
+    assert not _claims._held.claims
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a job as another user")
+def test_another_users_job_is_told_what_to_do(tmp_path: Path) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)  # root's: nobody cannot make its claims directory in here
+    code = CTRL_C_WORKS + textwrap.dedent(
+        """
+        import json, os
+        from devicekit import _claims  # imported as root: nobody may not read this checkout
+        os.setgid(65534); os.setuid(65534)
+        try:
+            _claims.claim("GPU-0000", 0)
+        except PermissionError as error:
+            print(json.dumps(str(error)))
+        """
+    )
+    env = {**os.environ, _claims.DIR_VAR: str(private / "claims")}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    message = json.loads(result.stdout.splitlines()[-1])
+    assert "claim=True cannot create the directory of GPU claims" in message
+    assert "Permission denied; set DEVICEKIT_CLAIMS_DIR" in message
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A file system with room for four files, mounted for the test (root only)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small file system")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=4", "tmpfs", str(mount)],
+        capture_output=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], timeout=TIMEOUT, check=False)
+
+
+def test_a_full_disk_is_a_clear_error_and_keeps_what_works(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, tiny_disk: Path
+) -> None:
+    nvml_session(machine(3))
+    monkeypatch.setenv(_claims.DIR_VAR, str(tiny_disk / "claims"))
+    # The root, the directory and two lock files take the four inodes there are.
+    assert dk.pick_gpus(2, claim=True) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for device in (0, 1):
+        dk.release_gpu(device)
+    with pytest.raises(
+        OSError, match=r"claim=True cannot open the lock file .*: No space left on device; set "
+    ) as caught:
+        dk.pick_gpu(claim=True, exclude=[0, 1])
+    assert caught.value.errno == errno.ENOSPC
+    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)  # GPUs claimed before still can be
+
+
+def test_a_claim_share_locks_its_directory_against_tmp_cleaners(private_claims: Path) -> None:
+    # systemd-tmpfiles ages /tmp, but skips a directory someone holds a flock on: a
+    # claim held for weeks keeps its file where the next job looks for it.
+    import fcntl
+
+    def cleaner_may_age_it() -> bool:
+        probe = os.open(private_claims, os.O_RDONLY)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(probe)
+        return True
+
+    assert _claims.claim(uuid(0), 0)
+    assert _claims.claim(uuid(1), 1)
+    assert not cleaner_may_age_it()
+    _claims.release(uuid(0))
+    assert not cleaner_may_age_it()  # one claim left
+    _claims.release(uuid(1))
+    assert cleaner_may_age_it()
 
 
 # --- arguments and platforms -----------------------------------------------------------------
@@ -364,6 +552,131 @@ def test_jobs_started_together_get_different_gpus(processes: int) -> None:
 
 def test_with_one_gpu_the_second_job_gets_the_cpu() -> None:
     assert race(2, 1) == ["cpu", "cuda:0"]
+
+
+def _job(code: str, env: dict[str, str | None]) -> subprocess.Popen[str]:
+    """A Python job on a fake 1-GPU machine, under ``env`` (None: unset): runs ``code``."""
+    full = {**os.environ}
+    for name, value in env.items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
+    prelude = f"""
+        import os, sys, time, torch
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.fake_pynvml import FakeGPU, FakeNVML
+        U = {uuid(0)!r}  # the UUID of the one GPU
+        sys.modules["pynvml"] = FakeNVML([FakeGPU(U)])
+        torch.version.cuda = torch.version.cuda or "13.0"
+        import devicekit as dk
+        from devicekit import _claims, _gpus
+        """
+    program = CTRL_C_WORKS + textwrap.dedent(prelude) + textwrap.dedent(code)
+    return subprocess.Popen(
+        [sys.executable, "-c", program],
+        env=full,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(job: subprocess.Popen[str]) -> tuple[int, str, str]:
+    """Close the job's stdin, wait for it to end (killed after TIMEOUT), and return its output."""
+    try:
+        out, err = job.communicate(timeout=TIMEOUT)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    return job.returncode, out, err
+
+
+def test_a_job_from_a_login_shell_and_one_from_cron_get_different_gpus(
+    tmp_path: Path, default_directory: Path
+) -> None:
+    # The same user; one job has a login session's XDG_RUNTIME_DIR, the other none and
+    # a TMPDIR of its own (cron, Slurm). Both take /tmp, patched here to a stand-in.
+    claim = f"""
+        _claims._SHARED_TMP = {str(default_directory.parent)!r}
+        print(dk.pick_gpu(claim=True), flush=True)
+        sys.stdin.read()  # hold the claim until the test closes stdin
+        """
+    login = _job(claim, {_claims.DIR_VAR: None, "XDG_RUNTIME_DIR": str(tmp_path)})
+    cron = None
+    try:
+        assert login.stdout is not None
+        assert login.stdout.readline().strip() == "cuda:0"
+        cron = _job(claim, {_claims.DIR_VAR: None, "XDG_RUNTIME_DIR": None, "TMPDIR": "/var/tmp"})
+        assert cron.stdout is not None
+        assert cron.stdout.readline().strip() == "cpu"  # it saw the login job's claim
+    finally:
+        for job in (login, cron):
+            if job is not None:
+                _finish(job)  # closes stdin: the job lets go and exits
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs Linux's lock table")
+def test_the_holder_named_is_the_process_that_holds_the_lock(nvml_session: Install) -> None:
+    nvml_session(machine(1))
+    # An earlier job held GPU 0 and exited: its pid stays in the file, free for reuse.
+    earlier = _job("print(os.getpid()); _claims.claim(U, 0)", {})
+    code, out, err = _finish(earlier)
+    assert code == 0, err
+    dead = int(out.split()[0])
+    # The next holder's disk is full: it holds the lock but cannot write its pid.
+    full = _job(
+        """
+        import errno
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.pwrite = full
+        assert _claims.claim(U, 0)
+        print(os.getpid(), flush=True)
+        sys.stdin.read()
+        """,
+        {},
+    )
+    try:
+        assert full.stdout is not None
+        holding = int(full.stdout.readline())
+        assert _claims.claim(uuid(0), 0) is False
+        assert _claims.holder(uuid(0)) == holding != dead  # not the pid in the file
+        with pytest.raises(
+            dk.GPUUnavailableError, match=rf"claimed by another process \(pid {holding}\)"
+        ):
+            dk.pick_gpus(1, claim=True)
+    finally:
+        _finish(full)
+
+
+def test_ctrl_c_while_waiting_stops_the_wait_and_holds_nothing() -> None:
+    assert _claims.claim(uuid(0), 0)  # the one GPU is taken: the job waits
+    job = _job(
+        """
+        tried = _claims.claim
+        def claim(*args):
+            taken = tried(*args)
+            print("looked", flush=True)  # the wait has begun
+            return taken
+        _claims.claim = claim
+        try:
+            dk.pick_gpu(claim=True, wait=3600)
+        except KeyboardInterrupt:
+            print("interrupted", sorted(_claims._held.claims), flush=True)
+        """,
+        {},
+    )
+    try:
+        assert job.stdout is not None
+        assert job.stdout.readline().strip() == "looked"
+        job.send_signal(signal.SIGINT)
+    finally:
+        code, out, err = _finish(job)
+    assert code == 0, err
+    assert out.splitlines()[-1] == "interrupted []"
 
 
 def _holder(barrier: Any, release: Any) -> None:

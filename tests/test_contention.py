@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from devicekit import _contention
 from devicekit._contention import CpuWindow, allowed_cpus, running_on
 
 from .conftest import run_python
@@ -164,3 +165,21 @@ def test_this_processs_own_threads_do_not_count() -> None:
     # Two spinning threads (the GIL lets about one core's worth run) are this process's
     # own time; counted as others they would add about a core.
     assert during < max(before, after) + 0.5
+
+
+def test_cpus_that_proc_stat_does_not_list_are_unknown_not_idle() -> None:
+    # In a container whose /proc/stat LXCFS rewrites, CPUs are numbered from 0 there
+    # but not in the affinity mask: summing the lines that match would read as idle.
+    cpus = allowed_cpus()
+    assert cpus is not None
+    elsewhere = frozenset({max(cpus) + 4096})  # no machine lists this CPU
+    assert _contention._proc_stat(cpus) is not None
+    assert _contention._proc_stat(elsewhere) is None
+    assert _contention._proc_stat(cpus | elsewhere) is None
+    window = CpuWindow()
+    window.cpus = elsewhere
+    window.start()
+    found = window.stop()
+    assert found.other_cpu_time is None
+    assert found.steal_time is None
+    assert found.window is not None

@@ -3,6 +3,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -376,6 +378,125 @@ def test_any_nesting_restores_what_it_changed(
         assert os.environ.get(VAR) == previous
 
 
+@given(
+    previous=st.one_of(st.none(), st.sampled_from(["", "3", "GPU-ab12"])),
+    values=st.lists(st.one_of(st.none(), st.sampled_from(["0", "1", "0,1", ""])), max_size=5),
+    data=st.data(),
+)
+def test_blocks_that_end_in_any_order_restore_the_variable(
+    previous: str | None, values: list[str | None], data: st.DataObject
+) -> None:
+    # Two generators, an ExitStack unwound by hand, or two threads: blocks need not
+    # end innermost first. Each time, the block that began last and is still open
+    # decides; once all have ended, the variable is as before the first.
+    with mock.patch.dict(os.environ, {} if previous is None else {VAR: previous}):
+        if previous is None:
+            os.environ.pop(VAR, None)
+        blocks = [_visible.scoped_env(VAR, value) for value in values]
+        for block in blocks:
+            block.__enter__()
+        still_open = list(range(len(values)))
+        for ending in data.draw(st.permutations(range(len(values)))):
+            blocks[ending].__exit__(None, None, None)
+            still_open.remove(ending)
+            expected = values[still_open[-1]] if still_open else previous
+            assert os.environ.get(VAR) == expected
+        assert os.environ.get(VAR) == previous
+        assert VAR not in _visible._scopes.open
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_visible_devices_blocks_in_two_threads_restore_the_variable() -> None:
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, str | None] = {}
+
+    def first() -> None:
+        with dk.visible_devices("0"):
+            first_in.set()
+            second_in.wait(60)
+        first_out.set()
+        seen["first left"] = os.environ.get(VAR)
+
+    def second() -> None:
+        first_in.wait(60)
+        with dk.visible_devices("1"):
+            second_in.set()
+            first_out.wait(60)
+        seen["second left"] = os.environ.get(VAR)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert seen == {"first left": "1", "second left": None}  # the second still held "1"
+    assert VAR not in os.environ  # as before either began
+
+
+def test_subprocesses_only_must_be_a_bool(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A truthy "no" used to skip the CUDA check: refused before anything changes.
+    monkeypatch.setattr(_visible, "cuda_started", lambda: "torch has initialized CUDA")
+    monkeypatch.delenv(VAR, raising=False)
+    with (
+        pytest.raises(TypeError, match=r"subprocesses_only must be True or False, got 'no'"),
+        dk.visible_devices(1, subprocesses_only="no"),  # type: ignore[arg-type]
+    ):
+        pytest.fail("the block must not run")
+    assert VAR not in os.environ
+
+
+def test_subprocesses_only_warns_when_cuda_starts_in_this_process_inside_the_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(VAR, raising=False)
+    state: list[str | None] = [None]
+    monkeypatch.setattr(_visible, "cuda_started", lambda: state[0])
+    with (
+        pytest.warns(
+            RuntimeWarning,
+            match=r"subprocesses_only=True\) was meant for the processes started in it, but "
+            r"torch has initialized CUDA inside the block, so this process read "
+            r"CUDA_VISIBLE_DEVICES=1 too and keeps that view of the GPUs until it exits",
+        ) as caught,
+        dk.visible_devices([1], subprocesses_only=True),
+    ):
+        state[0] = "torch has initialized CUDA"  # torch.zeros(1, device="cuda"), say
+    assert VAR not in os.environ
+    assert caught[0].filename == __file__  # points at the with block, not at devicekit
+
+
+def test_subprocesses_only_is_quiet_when_cuda_started_before_or_not_at_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(VAR, raising=False)
+    state: list[str | None] = [None]
+    monkeypatch.setattr(_visible, "cuda_started", lambda: state[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with dk.visible_devices([1], subprocesses_only=True):  # CUDA never starts
+            pass
+        state[0] = "torch has initialized CUDA"
+        with dk.visible_devices([1], subprocesses_only=True):  # started before: its view is set
+            pass
+
+
+@pytest.mark.gpu
+def test_subprocesses_only_warns_when_this_process_starts_cuda_in_the_block() -> None:
+    found = run_python(
+        """
+        import json, warnings, torch
+        import devicekit as dk
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with dk.visible_devices([0], subprocesses_only=True):
+                torch.zeros(1, device="cuda")
+        print(json.dumps([str(w.message) for w in caught if w.category is RuntimeWarning]))
+        """
+    )
+    assert any("keeps that view of the GPUs until it exits" in message for message in found)
+
+
 def test_cuda_started_is_none_in_a_fresh_process() -> None:
     result = run_python(
         """
@@ -443,3 +564,59 @@ def test_an_index_past_the_machine_s_gpus_is_refused_where_nvml_counts_them(
     nvml_session(None)  # no NVML: the count is unknown, so any index is taken as written
     with dk.visible_devices([7]) as parsed:
         assert parsed == [7]
+
+
+_A = "GPU-5bd6a7e1-0000-0000-0000-000000000000"
+_B = "GPU-5bd6f00d-0000-0000-0000-000000000000"
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        (
+            ["GPU-deadbeef"],
+            r"^entry 'GPU-deadbeef' in visible_devices\(\['GPU-deadbeef'\]\) is the UUID of no "
+            r"GPU on this machine \(it has GPU-5bd6a7e1-.*, GPU-5bd6f00d-.*\), and CUDA stops "
+            r"reading at the first entry it cannot use and ignores the rest; copy the UUID from "
+            r"nvidia-smi -L$",
+        ),
+        (
+            "GPU-5bd6",
+            r"^entry 'GPU-5bd6' in visible_devices\('GPU-5bd6'\) starts the UUIDs of 2 GPUs "
+            r"\(GPU-5bd6a7e1-.*, GPU-5bd6f00d-.*\), so CUDA cannot tell which it means.*"
+            r"give enough of the UUID to name one$",
+        ),
+        (
+            [_A, "GPU-5bd6a7"],
+            r"^entries 'GPU-5bd6a7e1-0000-0000-0000-000000000000' and 'GPU-5bd6a7' in "
+            r"visible_devices\(.*\) both name GPU-5bd6a7e1-0000-0000-0000-000000000000, and any "
+            r"duplicate makes CUDA hide every GPU; list each GPU once$",
+        ),
+    ],
+)
+def test_a_gpu_uuid_that_names_no_gpu_or_several_is_refused_where_nvml_lists_them(
+    nvml_session: Callable[[Any], None], devices: object, message: str
+) -> None:
+    nvml_session(
+        FakeNVML([FakeGPU(_A, bus="00000000:18:00.0"), FakeGPU(_B, bus="00000000:19:00.0")])
+    )
+    with pytest.raises(ValueError, match=message), dk.visible_devices(devices):  # type: ignore[arg-type]
+        pytest.fail("the block must not run")
+    assert VAR not in os.environ
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_gpu_uuids_the_machine_has_are_accepted(nvml_session: Callable[[Any], None]) -> None:
+    nvml_session(
+        FakeNVML([FakeGPU(_A, bus="00000000:18:00.0"), FakeGPU(_B, bus="00000000:19:00.0")])
+    )
+    for devices in (["GPU-5bd6f", "GPU-5bd6a"], [_A], ["GPU-5BD6A7E1"], ["MIG-abcd1234"]):
+        with dk.visible_devices(devices) as parsed:  # case aside; MIG UUIDs are not checked
+            assert parsed == devices
+    nvml_session(FakeNVML([FakeGPU(_A), FakeGPU(None)]))  # type: ignore[arg-type]
+    with dk.visible_devices(["GPU-deadbeef"]):  # a GPU of unknown UUID could be the one
+        pass
+    nvml_session(None)  # no NVML: nothing to check against
+    with dk.visible_devices(["GPU-deadbeef"]) as parsed:
+        assert parsed == ["GPU-deadbeef"]
