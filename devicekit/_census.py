@@ -4,11 +4,16 @@
 included; the set of types among them is small, so finding the tensors is a
 set lookup per object (100,000 tensors among 760,000 objects: 0.04 to 0.1 s
 on a busy 2-core CPU, the whole census 0.11 to 0.15 s). Several tensors can
-view one storage, so bytes are counted per storage.
+view one storage, so bytes are counted per storage, once: in a census by
+group, in the group of the tensor that views most of it. A sparse tensor has
+no storage of its own; the storages of its indices and values are its bytes.
 
 What a census cannot see: tensors that no Python object refers to, such as
 the activations autograd saves for the backward pass, and workspaces of C++
 libraries. On CUDA, allocated bytes minus the census total is that memory.
+Objects hidden by ``gc.freeze()`` are not listed by ``gc.get_objects()``:
+`device_census` (for out-of-memory reports) unfreezes them while it counts,
+`census` (for ``find_leaks``, which freezes what existed before) does not.
 
 Nothing here keeps a reference to a tensor once it returns, and nothing
 allocates on a device: shapes, dtypes and storage sizes are host-side fields.
@@ -121,20 +126,113 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
     """(data pointer, bytes) of the storage ``tensor`` views; None when it has no real one.
 
-    Sparse and wrapper-subclass tensors have no storage of their own (their
-    inner tensors are counted instead); meta and fake tensors own no memory.
+    Sparse and wrapper-subclass tensors have no storage of their own (a
+    nested tensor's values and a DTensor's local shard are tensors of their
+    own, counted as such; a sparse tensor's parts: see `_parts`); meta and
+    fake tensors own no memory.
+
+    Examples:
+        >>> import torch
+        >>> storage_key(torch.ones(2, device="meta")), storage_key(torch.ones(2))[1]
+        (None, 8)
+        >>> jagged = torch.nested.nested_tensor([torch.ones(3)], layout=torch.jagged)
+        >>> storage_key(jagged) is None  # its storage refuses data_ptr(); its values count
+        True
     """
     try:
         storage = tensor.untyped_storage()
+        if tensor.is_meta or (type(tensor) not in _PLAIN and storage.device.type == "meta"):
+            return None  # a fake tensor says it is on a device, but its storage is meta
+        # A wrapper subclass (a jagged nested tensor) has a storage that refuses its pointer.
+        return storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    if tensor.is_meta or (type(tensor) not in _PLAIN and storage.device.type == "meta"):
-        return None  # a fake tensor says it is on a device, but its storage is meta
-    return storage.data_ptr(), storage.nbytes()
+
+
+_COMPRESSED = {
+    torch.sparse_csr: ("crow_indices", "col_indices"),
+    torch.sparse_bsr: ("crow_indices", "col_indices"),
+    torch.sparse_csc: ("ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices"),
+}
+
+
+def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors whose storages hold ``tensor``'s data: itself, or a sparse tensor's parts.
+
+    A sparse tensor's indices and values have no Python object until asked
+    for, so the garbage collector does not list them: without this a 1 GiB
+    sparse tensor counted 0 bytes. Asking makes host-side views, no copies.
+    A (strided) nested tensor is described by its flat buffer, since it has
+    no single shape; a jagged one is a wrapper whose inner tensors count.
+
+    Examples:
+        >>> import torch
+        >>> sparse = torch.eye(3).to_sparse()
+        >>> [tuple(part.shape) for part in _parts(sparse)]
+        [(2, 3), (3,)]
+        >>> [tuple(part.shape) for part in _parts(sparse.to_sparse_csr())]
+        [(4,), (3,), (3,)]
+        >>> nested = torch.nested.nested_tensor([torch.ones(3), torch.ones(2)])
+        >>> [tuple(part.shape) for part in _parts(nested)]
+        [(5,)]
+    """
+    layout = tensor.layout
+    if layout == torch.strided and not tensor.is_nested:
+        return (tensor,)
+    try:
+        if layout == torch.strided:  # a nested tensor: its buffer, flat (it has no one shape)
+            return (tensor.values(),)
+        if layout == torch.sparse_coo:
+            return (tensor._indices(), tensor._values())
+        names = _COMPRESSED.get(layout)
+        if names is not None:
+            return (*(getattr(tensor, name)() for name in names), tensor.values())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return ()
+    return (tensor,)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+@contextmanager
+def _unfrozen() -> Iterator[None]:
+    """Let ``gc.get_objects()`` list the objects ``gc.freeze()`` hid, for the block.
+
+    An out-of-memory report made inside ``find_batch_size`` (which freezes what
+    existed before it), or in a worker forked from a server that froze its
+    objects first, would otherwise leave out the model's parameters. They are
+    frozen again after, with what was made since and is still alive (a full
+    collection first, so that no garbage ends up frozen for good); the
+    ``only_new_objects`` block unfreezes them all when it ends. Call it with
+    the collector paused, so nothing is collected while objects are listed.
+
+    Examples:
+        >>> import torch
+        >>> weights = torch.ones(250_000)  # 1 MB, made before the freeze
+        >>> with only_new_objects():  # as in find_batch_size
+        ...     device_census(torch.device("cpu"), top=0).bytes >= 1_000_000
+        True
+    """
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.collect()
+            gc.freeze()
+
+
+def _widest(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` views of its storage, to choose which view describes a storage."""
+    try:
+        return int(tensor.nbytes)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def device_census(
@@ -142,25 +240,36 @@ def device_census(
 ) -> DeviceCensus:
     """The storages live on ``device``, their total bytes, and the ``top`` largest.
 
+    Sees objects frozen by ``gc.freeze()`` too (see `_unfrozen`).
+
     Args:
         device: The device to count.
         names: Storage data pointers mapped to names (parameters, gradients).
         top: How many of the largest storages to describe.
+
+    Examples:
+        >>> import torch
+        >>> kept = torch.ones(1000).to_sparse()  # indices (1, 1000) int64 and values (1000,)
+        >>> device_census(torch.device("cpu"), top=0).bytes >= 1000 * 8 + 1000 * 4
+        True
     """
     names = names or {}
     # pointer -> (storage bytes, bytes of the widest view, that view)
     storages: dict[int, tuple[int, int, torch.Tensor]] = {}
     with _no_collection():
-        tensors = live_tensors()
+        with _unfrozen():
+            tensors = live_tensors()
         for tensor in tensors:
             if tensor.device != device:
                 continue
-            key = storage_key(tensor)
-            if key is None or key[1] == 0:
-                continue
-            seen = storages.get(key[0])
-            if seen is None or tensor.nbytes > seen[1]:  # show the view that covers most of it
-                storages[key[0]] = (key[1], tensor.nbytes, tensor)
+            for part in _parts(tensor):
+                key = storage_key(part)
+                if key is None or key[1] == 0:
+                    continue
+                seen = storages.get(key[0])
+                width = _widest(part)
+                if seen is None or width > seen[1]:  # show the view that covers most of it
+                    storages[key[0]] = (key[1], width, part)
         largest = heapq.nlargest(top, storages.items(), key=lambda item: item[1][0])
         described = tuple(
             LiveTensor(tuple(view.shape), _dtype_name(view.dtype), size, names.get(pointer))
@@ -174,33 +283,56 @@ def device_census(
     return DeviceCensus(count, total, described)
 
 
-GroupKey = tuple[str, str, tuple[int, ...], str | None]
-"""(device, dtype, shape, creation site) of a group of tensors."""
+GroupKey = tuple[str, str, tuple[int, ...] | None, str | None]
+"""(device, dtype, shape, creation site) of a group of tensors; shape None for a nested tensor."""
 
 
 def census(site: Callable[[torch.Tensor], str | None]) -> dict[GroupKey, tuple[int, int]]:
     """Every live tensor on every device, grouped: key -> (tensors, bytes of their storages).
 
+    Each storage's bytes count once in the whole census, in the group of the
+    tensor that views most of it (the first such tensor on a tie): a view kept
+    beside its base adds a tensor to its group, not the base's bytes again.
+
     Args:
         site: Where a tensor was created (``file:line``), or None when unknown.
+
+    Examples:
+        >>> import torch
+        >>> base = torch.ones(1000)
+        >>> kept = (base, base[:10], base.view(10, 100))
+        >>> groups = census(lambda tensor: "here" if tensor.data_ptr() == base.data_ptr() else None)
+        >>> [groups[("cpu", "float32", shape, "here")] for shape in [(1000,), (10,), (10, 100)]]
+        [(1, 4000), (1, 0), (1, 0)]
+        >>> nested = torch.nested.nested_tensor([torch.ones(3), torch.ones(2)])
+        >>> census(lambda tensor: "nested" if tensor is nested else None)[
+        ...     ("cpu", "float32", None, "nested")
+        ... ]
+        (1, 20)
     """
-    groups: dict[GroupKey, tuple[int, set[int], int]] = {}
+    counts: dict[GroupKey, int] = {}
+    # (device, pointer) -> (storage bytes, bytes of the widest view, its group)
+    owners: dict[tuple[str, int], tuple[int, int, GroupKey]] = {}
     with _no_collection():
         tensors = live_tensors()
         for tensor in tensors:
-            key = storage_key(tensor)
-            if key is None:
-                continue
+            found = [(storage_key(part), _widest(part)) for part in _parts(tensor)]
+            keys = [(key, width) for key, width in found if key is not None]
+            if not keys or len(keys) < len(found):
+                continue  # no memory of its own (meta, fake), or unreadable
             group = (
                 str(tensor.device),
                 _dtype_name(tensor.dtype),
-                tuple(tensor.shape),
+                None if tensor.is_nested else tuple(tensor.shape),
                 site(tensor),
             )
-            count, pointers, size = groups.get(group, (0, set(), 0))
-            if key[0] not in pointers:  # views of one storage count its bytes once
-                pointers.add(key[0])
-                size += key[1]
-            groups[group] = (count + 1, pointers, size)
+            counts[group] = counts.get(group, 0) + 1
+            for (pointer, size), width in keys:
+                owner = owners.get((group[0], pointer))
+                if owner is None or width > owner[1]:
+                    owners[group[0], pointer] = (size, width, group)
         tensors.clear()
-    return {group: (count, size) for group, (count, _, size) in groups.items()}
+    sizes = dict.fromkeys(counts, 0)
+    for size, _, group in owners.values():
+        sizes[group] += size
+    return {group: (count, sizes[group]) for group, count in counts.items()}

@@ -1,19 +1,62 @@
-"""Loading checkpoints onto the device at hand: `load()`."""
+"""Loading checkpoints onto the device at hand: `load()`.
+
+When ``torch.load`` fails, its error rarely says what is wrong with the file:
+random bytes, a JSON file or a safetensors file under ``weights_only=True``
+all read as "Weights only load failed ... re-running with weights_only=False
+will likely succeed", advice that is wrong (the file is no checkpoint at all)
+and unsafe. So after a failure devicekit reads the file's first bytes, which
+tell torch's two formats (a zip archive; the legacy pickle, which starts with
+torch's magic number) from everything else, and says which it is:
+
+- not torch's format: always a `CheckpointError` that names what the file
+  looks like (empty, safetensors, NumPy, a plain pickle) and how to load it;
+- torch's format: a `CheckpointError` ("cut short or damaged") only where
+  torch's error is one its readers raise on bad bytes; an error raised in the
+  user's own code (a ``__setstate__``), a ``weights_only`` refusal, a device
+  or out-of-memory error stays torch's own, unchanged.
+
+Nothing of this runs when the load succeeds.
+"""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import struct
 from typing import IO, Any
 
 import torch
 
 from ._devices import DeviceLike, resolve_device, try_gpu
 from ._errors import CheckpointError
-from ._format import first_line
+from ._format import first_line, shorten
+from ._frames import is_user
 from ._options import check_path
 
 __all__ = ["load"]
+
+# torch.save's two formats: a zip archive (the default since torch 1.6), and before
+# it a pickle that starts with torch's magic number (binary, or as text in protocol 0/1).
+_ZIP = b"PK\x03\x04"
+_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+_MAGIC_TEXT = b"119547037146038801333356"
+_HEAD = 64  # bytes read to tell the formats apart
+
+# What torch's readers say about bad bytes in a file of its own format. A RuntimeError
+# saying anything else (a device that does not exist, out of memory) is not the file's fault.
+_DAMAGED = (
+    "PytorchStreamReader",
+    "inline_container",
+    "unexpected EOF",
+    "corrupt",
+    "wrong byte size",
+    "record size",
+    "hasRecord",
+    "magic number",
+    "protocol version",
+    "unsupported pickle protocol",
+)
 
 
 def load(
@@ -26,25 +69,38 @@ def load(
     so loading never runs code from the file; pass ``weights_only=False`` only
     for files you trust.
 
+    A file that is not a checkpoint gets an error that says what it is
+    instead: empty, cut short or damaged, or another format (safetensors,
+    NumPy, a plain pickle), with how to load that.
+
     Args:
         path: The file to load: a path, or a binary file object with
-            ``read()`` and ``seek()``.
+            ``read()`` and ``seek()`` (opened with ``"rb"``, not ``"r"``).
         device: Where the tensors go, a [`DeviceLike`][devicekit.DeviceLike].
             Default: [`try_gpu()`][devicekit.try_gpu].
         **kwargs: Passed to ``torch.load`` (``weights_only``, ``mmap``...).
+            ``map_location`` may replace ``device``: a device string or
+            ``torch.device`` is checked as ``device`` is, a dict or a function
+            goes to torch as it is, and ``None`` means "not given" (the
+            tensors go to ``try_gpu()``, never back to the device they were
+            saved from).
 
     Returns:
         What ``torch.load`` returns, with its tensors on ``device``.
 
     Raises:
-        TypeError: ``path`` is neither a path nor a binary file, or both
-            ``device`` and ``map_location`` were given.
+        TypeError: ``path`` is neither a path nor a binary file (or is a
+            file opened in text mode), both ``device`` and ``map_location``
+            were given, ``map_location`` is of no type torch takes, or
+            ``weights_only`` is not True, False or None.
         DeviceNotFoundError: This torch build or machine has no such device.
         CheckpointError: The file is not one ``torch.save`` wrote (empty,
-            cut short, or another format); torch's own error is its cause.
-        pickle.UnpicklingError: With ``weights_only=True``, the file holds
-            objects other than tensors and plain data (torch's message
-            lists them, and how to allow them).
+            another format), or is one cut short or damaged; the message says
+            which, and torch's own error is its cause.
+        pickle.UnpicklingError: With ``weights_only=True``, a checkpoint
+            that holds objects other than tensors and plain data (torch's
+            message lists them, and how to allow them).
+        FileNotFoundError: No file at ``path`` (``IsADirectoryError``: a folder).
 
     Examples:
         >>> import io, torch, devicekit as dk
@@ -53,32 +109,164 @@ def load(
         >>> _ = buffer.seek(0)
         >>> dk.load(buffer, "cpu")
         {'w': tensor([1., 1.])}
+        >>> dk.load(io.BytesIO(b'{"w": [1.0, 1.0]}'), "cpu")
+        Traceback (most recent call last):
+        ...
+        devicekit.CheckpointError: load(path=the file): not a checkpoint torch.load can read: \
+it was not written by torch.save (its first bytes are neither a zip archive nor torch's \
+legacy format). Check the path
     """
     check_path(path, name="path", fix="pass the checkpoint's path", file_objects=True)
-    if "map_location" in kwargs:
-        if device is not None:
-            raise TypeError("load() takes device or map_location, not both; pass only device")
-        map_location = kwargs.pop("map_location")
-    else:
-        map_location = try_gpu() if device is None else resolve_device(device)
-    kwargs.setdefault("weights_only", True)
+    if isinstance(path, io.TextIOBase):
+        raise TypeError(
+            "path is a file opened in text mode, but a checkpoint is binary; "
+            "open it with open(path, 'rb'), or pass the path itself"
+        )
+    map_location = _map_location(device, kwargs.pop("map_location", None))
+    weights_only = kwargs.setdefault("weights_only", True)
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise TypeError(
+            f"weights_only must be True, False or None (torch's default), got {weights_only!r} "
+            f"of type {type(weights_only).__name__}; pass weights_only=False only for files "
+            "you trust"
+        )
+    start = _position(path)
     try:
         return torch.load(path, map_location=map_location, **kwargs)
-    except (KeyError, EOFError, pickle.UnpicklingError, RuntimeError) as error:
-        if not _unreadable(error):
+    except (
+        KeyError,
+        EOFError,
+        IndexError,
+        pickle.UnpicklingError,
+        RuntimeError,
+        ValueError,
+        struct.error,
+    ) as error:
+        why = _why_unreadable(error, _head(path, start))
+        if why is None:
             raise  # torch's own message says it best (weights_only refusals, device errors)
-        name = repr(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else "the file"
-        raise CheckpointError(
-            f"load(path={name}): not a checkpoint torch.load can read ({type(error).__name__}: "
-            f"{first_line(error) or 'no message'}); it is empty, cut short, or not written by "
-            "torch.save. Check the path, and save it again if it was cut short"
-        ) from error
+        message = f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
+        raise CheckpointError(message) from error
 
 
-def _unreadable(error: BaseException) -> bool:
-    """Whether torch.load failed because the bytes are not a checkpoint, not for another reason."""
+def _map_location(device: DeviceLike | None, given: object) -> Any:
+    """The ``map_location`` torch gets: from ``device``, or ``map_location`` checked."""
+    if given is None:
+        return try_gpu() if device is None else resolve_device(device)
+    if device is not None:
+        raise TypeError("load() takes device or map_location, not both; pass only device")
+    if isinstance(given, (str, torch.device)):
+        return resolve_device(given, name="map_location")
+    if isinstance(given, dict) or callable(given):
+        return given  # torch's own forms: {"cuda:1": "cpu"}, or a function of (storage, location)
+    raise TypeError(
+        "map_location must be a device (such as 'cpu' or 'cuda:0'), a dict of locations or a "
+        f"function, got {given!r} of type {type(given).__name__}; pass device instead"
+    )
+
+
+def _name(path: object) -> str:
+    """How messages name the file: its path, a file object's name, or "the file"."""
+    if isinstance(path, (str, os.PathLike)):
+        return repr(os.fspath(path))
+    name = getattr(path, "name", None)
+    return repr(name) if isinstance(name, str) else "the file"
+
+
+def _position(path: object) -> int | None:
+    """Where a file object stands before torch reads it; 0 for a path; None if unknown."""
+    if isinstance(path, (str, os.PathLike)):
+        return 0
+    try:
+        return int(path.tell())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+
+
+def _head(path: object, start: int | None) -> bytes | None:
+    """The file's first bytes (from where torch began reading), or None if they cannot be read."""
+    if start is None:
+        return None
+    try:
+        if isinstance(path, (str, os.PathLike)):
+            with open(path, "rb") as file:
+                return file.read(_HEAD)
+        path.seek(start)  # type: ignore[attr-defined]
+        head = path.read(_HEAD)  # type: ignore[attr-defined]
+        path.seek(start)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+    return head if isinstance(head, bytes) else None
+
+
+def _kind(head: bytes) -> str | None:
+    r"""What a file's first bytes say it is; None when they are torch.save's.
+
+    Examples:
+        >>> _kind(b""), _kind(b"\x93NUMPY\x01\x00"), _kind(b"PK\x03\x04...") is None
+        ('empty', 'numpy', True)
+    """
+    if head.startswith(_ZIP) or _MAGIC in head or _MAGIC_TEXT in head:
+        return None
+    if not head:
+        return "empty"
+    if head.startswith(b"\x93NUMPY"):
+        return "numpy"
+    # safetensors: an 8-byte little-endian header length, then the JSON header.
+    if len(head) > 9 and head[8:10] == b'{"' and struct.unpack("<Q", head[:8])[0] < 2**30:
+        return "safetensors"
+    if head[:1] == b"\x80":  # a pickle's PROTO opcode
+        return "pickle"
+    return "other"
+
+
+_KINDS = {
+    "empty": "the file is empty (0 bytes): a save that never ran or was stopped at once. "
+    "Save it again",
+    "numpy": "it is a NumPy .npy file, not one torch.save wrote; load it with "
+    "torch.from_numpy(numpy.load(path))",
+    "safetensors": "it is a safetensors file, not one torch.save wrote; load it with "
+    "safetensors.torch.load_file(path, device='cpu') (or another device)",
+    "pickle": "it is a pickle, but not one torch.save wrote (no torch header); if you trust "
+    "it, load it with pickle.load",
+    "other": "it was not written by torch.save (its first bytes are neither a zip archive nor "
+    "torch's legacy format). Check the path",
+}
+
+
+def _why_unreadable(error: BaseException, head: bytes | None) -> str | None:
+    """What is wrong with the file, for the message; None when the file is not to blame."""
+    if _raised_outside_torch(error):
+        return None  # the file's own objects (a __setstate__) or a map_location function failed
+    kind = None if head is None else _kind(head)
+    if kind is not None:
+        return f": {_KINDS[kind]}"
+    if not _damaged(error):
+        return None
+    return (
+        f" ({type(error).__name__}: {shorten(first_line(error), 120)}): it is cut short or "
+        "damaged (a writer killed or a disk full mid-save), or not written by torch.save. "
+        "Check the path, and save it again if it was cut short"
+    )
+
+
+def _damaged(error: BaseException) -> bool:
+    """Whether torch's error, on a file in torch's format, means bad bytes."""
     if isinstance(error, pickle.UnpicklingError):
         return not str(error).startswith("Weights only load failed")
-    if isinstance(error, RuntimeError):
-        return "PytorchStreamReader" in str(error)
-    return True  # KeyError and EOFError: the unpickler read bytes that are not a pickle
+    if isinstance(error, (RuntimeError, ValueError)) and not isinstance(
+        error, torch.OutOfMemoryError
+    ):
+        text = str(error)
+        return isinstance(error, UnicodeDecodeError) or any(words in text for words in _DAMAGED)
+    return True  # KeyError, EOFError, IndexError, struct.error: the unpickler read bad bytes
+
+
+def _raised_outside_torch(error: BaseException) -> bool:
+    """Whether the innermost Python frame of ``error`` is outside torch (and devicekit)."""
+    traceback = error.__traceback__
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return is_user(traceback.tb_frame.f_code.co_filename)

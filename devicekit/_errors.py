@@ -142,6 +142,7 @@ def add_note(error: BaseException, note: str) -> None:
 # not the private module the class happens to live in.
 for _cls in (
     DevicekitError,
+    CheckpointError,
     CUDAInitializedError,
     DeviceMismatchError,
     DeviceNotFoundError,

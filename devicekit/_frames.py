@@ -1,9 +1,13 @@
-"""The user's line: the first frame outside torch and devicekit, as ``file:line``.
+"""The user's line: the first frame outside torch, devicekit and the stdlib, as ``file:line``.
 
 ``detect_syncs`` names the line that made the host wait, ``find_leaks`` the line
 that created a tensor, ``explain_oom`` the line that allocated a block. Each
-walks a stack past torch's and devicekit's own frames (and ``contextlib``'s and
-``warnings``' plumbing) to the first frame the user wrote.
+walks a stack past torch's and devicekit's own frames, and the standard
+library's, to the first frame the user wrote: a tensor copied by
+``copy.deepcopy`` or logged through ``logging`` was the user's line's doing,
+not ``copy.py``'s. Packages installed in ``site-packages`` (torchvision,
+transformers) count as the user's, and so does code with no file: ``<stdin>``
+at a REPL, ``<string>`` under ``exec``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import sysconfig
 import types
 import warnings
 from collections.abc import Iterable
@@ -27,15 +32,36 @@ UNKNOWN_LOCATION = "<unknown>"
 _SKIPPED = (
     *(str(folder) + os.sep for folder in (Path(torch.__file__).parent, Path(__file__).parent)),
     *(str(Path(module.__file__ or "")) for module in (warnings, contextlib)),
+    "<frozen ",  # the standard library's frozen modules: <frozen runpy>, <frozen importlib...>
 )
+# The standard library's folder, as imports name it and as sysconfig does (a venv's
+# "platstdlib" holds its site-packages, so it is not one of them).
+_STDLIB = tuple(
+    sorted(
+        {
+            str(Path(folder)) + os.sep
+            for folder in (os.path.dirname(os.__file__), sysconfig.get_path("stdlib"))
+        }
+    )
+)
+_INSTALLED = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
 def is_user(filename: str) -> bool:
-    """Whether a frame in ``filename`` is the user's (not torch's, devicekit's or contextlib's).
+    """Whether a frame in ``filename`` is the user's: not torch's, devicekit's or the stdlib's.
 
     Folders end in a separator here: ``.../torch`` must not hide ``.../torchvision``.
+    A package in a ``site-packages`` folder inside the standard library's (a
+    Python without a venv) is the user's.
+
+    Examples:
+        >>> import copy, torch
+        >>> is_user("train.py"), is_user("<stdin>"), is_user(copy.__file__), is_user(torch.__file__)
+        (True, True, False, False)
     """
-    return not filename.startswith(_SKIPPED)
+    if filename.startswith(_SKIPPED):
+        return False
+    return not filename.startswith(_STDLIB) or any(part in filename for part in _INSTALLED)
 
 
 def user_location(depth: int = 1) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import html
+import threading
 import types
 import warnings
 from collections.abc import Iterator
@@ -139,6 +140,84 @@ host wait too, but PyTorch's sync debug mode watches CUDA only
     return f"no CUDA device: {where}, so work runs on the CPU, which is synchronous"
 
 
+class _Watch:
+    """What every ``detect_syncs`` block open now shares: they nest, and may end in any order.
+
+    The sync debug mode, ``torch.cuda.synchronize`` and the warnings hook are
+    process-wide, so they are set up when the first block opens and put back
+    when the last one closes, not by each block: a block that saved and
+    restored them itself would, closing before one opened after it (another
+    thread, a generator), leave the debug mode on and the hooks installed for
+    good. A sync is counted by every open block, and the debug mode is
+    ``"error"`` while any open block is in error mode.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reports: list[SyncReport] = []
+        self.previous: int | str = 0
+        self.original: Any = None  # torch.cuda.synchronize before the first block
+        self.shown: Any = None  # warnings.showwarning before the first block
+        self.warnings: warnings.catch_warnings | None = None
+
+    def open(self, report: SyncReport) -> None:
+        with self.lock:
+            if not self.reports:
+                self.previous = torch.cuda.get_sync_debug_mode()
+                self.original = torch.cuda.synchronize
+                self.warnings = warnings.catch_warnings()
+                self.warnings.__enter__()
+                warnings.filterwarnings("always", message=f".*{_SYNC_MESSAGE}")
+                # torch's own caveat; the docstring above says what is not detected.
+                warnings.filterwarnings(
+                    "ignore", message="Synchronization debug mode is a prototype"
+                )
+                self.shown = warnings.showwarning
+                warnings.showwarning = self.show
+                torch.cuda.synchronize = self.synchronize
+            self.reports.append(report)
+            self.set_mode()
+
+    def close(self, report: SyncReport) -> None:
+        with self.lock:
+            self.reports = [open_ for open_ in self.reports if open_ is not report]
+            if self.reports:
+                self.set_mode()
+                return
+            torch.cuda.set_sync_debug_mode(self.previous)
+            if torch.cuda.synchronize == self.synchronize:  # not if someone replaced it since
+                torch.cuda.synchronize = self.original
+            if self.warnings is not None:
+                self.warnings.__exit__(None, None, None)  # showwarning and filters, as they were
+            self.original = self.shown = self.warnings = None
+
+    def set_mode(self) -> None:
+        strict = any(report.mode == "error" for report in self.reports)
+        torch.cuda.set_sync_debug_mode("error" if strict else "warn")
+
+    def record(self, location: str, what: str) -> None:
+        for report in list(self.reports):
+            report.events.append((location, what))
+
+    def synchronize(self, device: Any = None) -> None:
+        location = user_location()
+        if any(report.mode == "error" for report in self.reports):
+            raise SyncError(f"torch.cuda.synchronize() at {location} makes the host wait")
+        self.record(location, "torch.cuda.synchronize()")
+        original = self.original
+        if original is not None:
+            original(device)
+
+    def show(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        if _SYNC_MESSAGE in str(message) and self.reports:
+            self.record(user_location(), str(message).splitlines()[0])
+        elif self.shown is not None:
+            self.shown(message, category, *args, **kwargs)
+
+
+_watch = _Watch()
+
+
 @contextmanager
 def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[SyncReport]:
     """Record (or refuse) every operation that makes the host wait for the GPU.
@@ -148,13 +227,17 @@ def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[Syn
     blocking copies, ``nonzero``, boolean masking...), and devicekit notes the
     first line outside torch and devicekit that caused it. Calls of
     ``torch.cuda.synchronize()`` are caught too. The previous debug mode is
-    restored on exit.
+    restored when the last block open ends.
+
+    Blocks nest: a sync counts in every block open around it, and inside an
+    ``"error"`` block every sync raises, even within a ``"record"`` block
+    nested in it. It applies to the whole process: a sync in another thread
+    is counted too, and blocks opened from several threads may end in any
+    order. Entering it initializes CUDA, as the GPU code inside would.
 
     It cannot see: ``Event.synchronize()``, ``Stream.synchronize()`` and other
     event waits, collectives, a ``synchronize`` imported by name before the
-    block, or syncs in C++ extensions that bypass PyTorch's check. It applies
-    to the whole process: do not use it from several threads at once.
-    Entering it initializes CUDA, as the GPU code inside would.
+    block, or syncs in C++ extensions that bypass PyTorch's check.
 
     Args:
         mode: ``"record"`` counts syncs and their lines; ``"error"`` raises
@@ -185,40 +268,16 @@ def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[Syn
         report.reason = reason
         yield report
         return
-    previous = torch.cuda.get_sync_debug_mode()
-    original = torch.cuda.synchronize
-
-    def synchronize(device: Any = None) -> None:
-        location = user_location()
-        if mode == "error":
-            raise SyncError(f"torch.cuda.synchronize() at {location} makes the host wait")
-        report.events.append((location, "torch.cuda.synchronize()"))
-        original(device)
-
-    def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-        if _SYNC_MESSAGE in str(message):
-            report.events.append((user_location(), str(message).splitlines()[0]))
-        else:
-            shown(message, category, *args, **kwargs)
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("always", message=f".*{_SYNC_MESSAGE}")
-        # torch's own caveat; the docstring above says what is not detected.
-        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
-        shown = warnings.showwarning
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("error" if mode == "error" else "warn")
-        torch.cuda.synchronize = synchronize
-        try:
-            yield report
-        except RuntimeError as error:
-            if mode == "error" and _SYNC_MESSAGE in str(error):
-                where = _traceback_location(error.__traceback__)
-                raise SyncError(
-                    f"{where} makes the host wait for the GPU ({str(error).strip()}); keep the "
-                    "value on the device (dk.LogBuffer for logging) or sync outside the loop"
-                ) from error
-            raise
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-            torch.cuda.synchronize = original
+    _watch.open(report)
+    try:
+        yield report
+    except RuntimeError as error:
+        if mode == "error" and _SYNC_MESSAGE in str(error) and not isinstance(error, SyncError):
+            where = _traceback_location(error.__traceback__)
+            raise SyncError(
+                f"{where} makes the host wait for the GPU ({str(error).strip()}); keep the "
+                "value on the device (dk.LogBuffer for logging) or sync outside the loop"
+            ) from error
+        raise
+    finally:
+        _watch.close(report)

@@ -1,7 +1,9 @@
 """How do I save parameters on one device and load them on another?
 
 Save the state dict (not the model object); load it with dk.load, which maps
-every tensor to this machine's device, whatever device it was saved from.
+every tensor to this machine's device, whatever device it was saved from. A
+file that is not a checkpoint (cut short by a killed writer, or another
+format) gets a dk.CheckpointError that says what it is.
 """
 
 import tempfile
@@ -25,3 +27,14 @@ with tempfile.TemporaryDirectory() as folder:
         restored.load_state_dict(state)
         same = torch.equal(restored.weight.cpu(), model.weight.cpu())
         print(f"loaded onto {target}: weights on {restored.weight.device}, identical: {same}")
+
+    # A save cut short (a full disk, a killed job), and a file that is not torch's.
+    cut = Path(folder) / "cut.pt"
+    cut.write_bytes(path.read_bytes()[:200])
+    other = Path(folder) / "config.json"
+    other.write_text('{"lr": 0.1}')
+    for bad in [cut, other]:
+        try:
+            dk.load(bad, "cpu")
+        except dk.CheckpointError as error:
+            print(error)

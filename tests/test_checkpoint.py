@@ -74,24 +74,30 @@ def _good(tmp_path: Path) -> bytes:
     return (tmp_path / "good.pt").read_bytes()
 
 
+def _legacy(tmp_path: Path) -> bytes:
+    torch.save({"w": torch.ones(64)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    return (tmp_path / "old.pt").read_bytes()
+
+
 @pytest.mark.parametrize("weights_only", [True, False])
 @pytest.mark.parametrize(
     ("name", "content"),
     [
-        ("text", lambda good: b"hello"),  # torch raises KeyError: 101 (or "Memo value not found")
-        ("empty", lambda good: b""),  # EOFError
-        ("cut short", lambda good: good[: len(good) // 2]),  # PytorchStreamReader's RuntimeError
+        # PytorchStreamReader's RuntimeError: failed finding central directory
+        ("cut short", lambda tmp_path: _good(tmp_path)[: len(_good(tmp_path)) // 2]),
+        ("legacy cut short", lambda tmp_path: _legacy(tmp_path)[:20]),  # EOFError
     ],
 )
-def test_a_file_that_is_not_a_checkpoint_says_so(
+def test_a_checkpoint_cut_short_says_so(
     tmp_path: Path, name: str, content: object, weights_only: bool
 ) -> None:
     path = tmp_path / "bad.pt"
-    path.write_bytes(content(_good(tmp_path)))  # type: ignore[operator]
+    path.write_bytes(content(tmp_path))  # type: ignore[operator]
     with pytest.raises(dk.CheckpointError) as caught:
         dk.load(path, "cpu", weights_only=weights_only)
     message = str(caught.value)
     assert message.startswith(f"load(path={str(path)!r}): not a checkpoint torch.load can read (")
+    assert "): it is cut short or damaged" in message
     assert "not written by torch.save" in message
     assert caught.value.__cause__ is not None  # torch's own error, kept
     assert isinstance(caught.value, ValueError)
@@ -110,3 +116,168 @@ def test_load_a_gpu_checkpoint_to_the_cpu(tmp_path: Path) -> None:
     state = dk.load(tmp_path / "gpu.pt", "cpu")
     assert state["w"].device == torch.device("cpu")
     assert torch.equal(state["w"], torch.arange(3.0))
+
+
+def test_checkpoint_error_shows_its_public_path() -> None:
+    # Before, tracebacks read devicekit._errors.CheckpointError.
+    assert dk.CheckpointError.__module__ == "devicekit"
+
+
+def _safetensors() -> bytes:
+    header = b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
+    return len(header).to_bytes(8, "little") + header + bytes(8)
+
+
+def _npy() -> bytes:
+    return b"\x93NUMPY\x01\x00v\x00{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }"
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"", "the file is empty (0 bytes)"),
+        (b'{"w": [1.0, 2.0]}', "it was not written by torch.save (its first bytes are neither"),
+        (bytes(range(256)) * 2, "it was not written by torch.save"),
+        (bytes(100), "it was not written by torch.save"),
+        (_safetensors(), "it is a safetensors file, not one torch.save wrote; load it with "),
+        (_npy(), "it is a NumPy .npy file, not one torch.save wrote"),
+        (pickle.dumps({"w": [1.0]}, protocol=2), "it is a pickle, but not one torch.save wrote"),
+    ],
+    ids=["empty", "json", "random", "zeros", "safetensors", "npy", "pickle"],
+)
+def test_a_file_in_another_format_says_what_it_is(
+    tmp_path: Path, content: bytes, says: str, weights_only: bool
+) -> None:
+    # Before, with weights_only=True, torch's "Weights only load failed ... re-running
+    # with weights_only=False will likely succeed" came through: wrong, and unsafe advice.
+    path = tmp_path / "other.bin"
+    path.write_bytes(content)
+    with pytest.raises(dk.CheckpointError) as caught:
+        dk.load(path, "cpu", weights_only=weights_only)
+    assert str(caught.value).startswith(
+        f"load(path={str(path)!r}): not a checkpoint torch.load can read: {says}"
+    )
+    assert "Weights only" not in str(caught.value)
+    assert caught.value.__cause__ is not None
+
+
+def test_a_legacy_checkpoint_cut_short_is_a_checkpoint_error(tmp_path: Path) -> None:
+    # torch's legacy (pre-1.6) format cut inside its tensor data: torch raised a bare
+    # RuntimeError("unexpected EOF, expected 10 more bytes. The file might be corrupted.").
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(64)}, buffer, _use_new_zipfile_serialization=False)
+    path = tmp_path / "legacy.pt"
+    path.write_bytes(buffer.getvalue()[:-10])
+    for weights_only in (True, False):
+        with pytest.raises(dk.CheckpointError, match=r"unexpected EOF.*\): it is cut short"):
+            dk.load(path, "cpu", weights_only=weights_only)
+
+
+def test_a_zip_that_is_not_a_checkpoint_is_a_checkpoint_error(tmp_path: Path) -> None:
+    # Before: torch's raw "[enforce fail at inline_container.cc:...]" RuntimeError.
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "notes.zip", "w") as archive:
+        archive.writestr("notes.txt", "hello")
+    with pytest.raises(dk.CheckpointError, match=r"or not written by torch\.save"):
+        dk.load(tmp_path / "notes.zip", "cpu")
+
+
+class Unloadable:
+    def __init__(self) -> None:
+        self.value = 1
+
+    def __setstate__(self, state: object) -> None:
+        raise KeyError("a key the class itself misses")
+
+
+def test_an_error_from_the_files_own_objects_is_not_blamed_on_the_file(tmp_path: Path) -> None:
+    # Before, the user's own KeyError read as "empty, cut short, or not written by torch.save".
+    torch.save({"obj": Unloadable()}, tmp_path / "obj.pt")
+    with pytest.raises(KeyError, match="a key the class itself misses") as caught:
+        dk.load(tmp_path / "obj.pt", "cpu", weights_only=False)
+    assert not isinstance(caught.value, dk.CheckpointError)
+
+
+def test_a_file_opened_in_text_mode_is_a_type_error(tmp_path: Path) -> None:
+    # Before: UnicodeDecodeError from deep inside torch.
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    with (
+        open(tmp_path / "w.pt", encoding="latin-1") as file,
+        pytest.raises(TypeError, match=r"^path is a file opened in text mode.*open\(path, 'rb'\)"),
+    ):
+        dk.load(file, "cpu")  # type: ignore[arg-type]
+
+
+def test_a_file_object_is_named_by_its_name(tmp_path: Path) -> None:
+    (tmp_path / "bad.pt").write_bytes(b"")
+    with (
+        open(tmp_path / "bad.pt", "rb") as file,
+        pytest.raises(dk.CheckpointError, match=r"^load\(path='.*bad\.pt'\): .* empty"),
+    ):
+        dk.load(file, "cpu")
+
+
+def test_a_file_object_is_read_from_where_it_stands(tmp_path: Path) -> None:
+    buffer = io.BytesIO(b"HEADER")
+    buffer.seek(0, io.SEEK_END)
+    torch.save({"w": torch.ones(2)}, buffer)
+    buffer.seek(6)
+    assert torch.equal(dk.load(buffer, "cpu")["w"], torch.ones(2))
+    damaged = io.BytesIO(b"HEADER" + buffer.getvalue()[6:-20])
+    damaged.seek(6)  # the header is not torch's; what follows it is, cut short
+    with pytest.raises(dk.CheckpointError, match="it is cut short or damaged"):
+        dk.load(damaged, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("map_location", "error", "match"),
+    [
+        ("gpu", ValueError, r"^map_location='gpu' is not a device torch knows"),
+        ("cuda:99", dk.DeviceNotFoundError, r"^map_location='cuda:99'"),
+        (torch.device("cuda", 99), dk.DeviceNotFoundError, r"^map_location=device\("),
+        (0, TypeError, r"^map_location must be a device .* got 0 of type int"),
+        (True, TypeError, r"^map_location must be a device .* got True of type bool"),
+    ],
+)
+def test_map_location_is_checked_as_device_is(
+    tmp_path: Path, map_location: object, error: type[Exception], match: str
+) -> None:
+    # Before: "don't know how to restore data location ... (tagged with gpu)",
+    # "'int' object is not callable", torch's CUDA RuntimeError.
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    with pytest.raises(error, match=match):
+        dk.load(tmp_path / "w.pt", map_location=map_location)
+
+
+def test_map_location_forms_torch_takes_still_work(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    assert dk.load(tmp_path / "w.pt", map_location=torch.device("meta"))["w"].device == META
+    assert dk.load(tmp_path / "w.pt", map_location={"cpu": "meta"})["w"].device == META
+    assert dk.load(tmp_path / "w.pt", map_location=lambda storage, _: storage)["w"].is_cpu
+
+
+def test_map_location_none_is_not_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Before, map_location=None reached torch, which put tensors back on cuda:1.
+    path = _saved_as_if_on("cuda:1", monkeypatch, tmp_path / "ckpt.pt")
+    assert dk.load(path, map_location=None)["w"].device == dk.try_gpu()
+    assert dk.load(path, META, map_location=None)["w"].device == META
+
+
+@pytest.mark.skipif(GPU_COUNT >= 2, reason="needs a machine without a cuda:1")
+def test_a_device_error_from_the_users_mapping_stays_torchs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = _saved_as_if_on("cuda:1", monkeypatch, tmp_path / "ckpt.pt")
+    with pytest.raises(RuntimeError, match="deserialize object on") as caught:
+        dk.load(path, map_location={"cuda:0": "cpu"})  # cuda:1 left unmapped
+    assert not isinstance(caught.value, dk.CheckpointError)
+
+
+@pytest.mark.parametrize("weights_only", ["False", 0, 1])
+def test_weights_only_must_be_a_bool(tmp_path: Path, weights_only: object) -> None:
+    # Before, weights_only="False" was truthy: a weights-only load, silently.
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    with pytest.raises(TypeError, match=r"^weights_only must be True, False or None"):
+        dk.load(tmp_path / "w.pt", "cpu", weights_only=weights_only)

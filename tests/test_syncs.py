@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import copy
+import os
+import threading
+import warnings
+
 import pytest
 import torch
 
@@ -159,3 +164,191 @@ def test_error_mode_stops_at_the_first_sync_with_its_line() -> None:
         torch.cuda.synchronize()
     assert torch.cuda.synchronize is original
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+# --- several blocks, threads, errors: a stand-in for CUDA's sync debug mode -----------------
+
+
+class FakeSyncs:
+    """PyTorch's sync debug mode without a GPU: ``sync()`` does what ``.item()`` would."""
+
+    def __init__(self) -> None:
+        self.mode = 0
+        self.synchronized = 0
+
+    def get(self) -> int:
+        return self.mode
+
+    def set(self, mode: int | str) -> None:
+        self.mode = {"default": 0, "warn": 1, "error": 2}.get(mode, mode)  # type: ignore[call-overload]
+
+    def synchronize(self, device: object = None) -> None:
+        self.synchronized += 1
+
+    def sync(self) -> None:
+        if self.mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        if self.mode == 1:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
+
+
+@pytest.fixture
+def fake_syncs(monkeypatch: pytest.MonkeyPatch) -> FakeSyncs:
+    fake = FakeSyncs()
+    monkeypatch.setattr(_syncs, "_unsupported", lambda kind, count: None)
+    monkeypatch.setattr(_syncs, "_watch", _syncs._Watch())
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", fake.get)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", fake.set)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    return fake
+
+
+def _restored(fake: FakeSyncs, shown: object) -> bool:
+    return (
+        fake.mode == 0
+        and torch.cuda.synchronize == fake.synchronize
+        and warnings.showwarning is shown
+        and not _syncs._watch.reports
+    )
+
+
+def test_a_sync_is_recorded_with_the_users_line(fake_syncs: FakeSyncs) -> None:
+    with dk.detect_syncs() as syncs:
+        fake_syncs.sync()
+        torch.cuda.synchronize()
+    assert syncs.count == 2
+    assert all(line.startswith(f"{HERE}:") for line in syncs.locations or {})
+    assert fake_syncs.synchronized == 1  # the real synchronize still ran
+
+
+def test_nested_blocks_each_count_every_sync_inside_them(fake_syncs: FakeSyncs) -> None:
+    # Before, the outer block missed the syncs of the inner one (but not its synchronize()).
+    shown = warnings.showwarning
+    with dk.detect_syncs() as outer:
+        fake_syncs.sync()
+        with dk.detect_syncs() as inner:
+            fake_syncs.sync()
+            torch.cuda.synchronize()
+        fake_syncs.sync()
+    assert (outer.count, inner.count) == (4, 2)
+    assert _restored(fake_syncs, shown)
+
+
+def test_an_error_block_refuses_syncs_in_a_record_block_inside_it(fake_syncs: FakeSyncs) -> None:
+    # Before, the inner block turned the debug mode back to "warn": no error was raised.
+    with (
+        pytest.raises(dk.SyncError, match=rf"^{HERE}:\d+ makes the host wait for the GPU"),
+        dk.detect_syncs(mode="error"),
+        dk.detect_syncs() as inner,
+    ):
+        fake_syncs.sync()
+    assert inner.count == 0  # refused, so it never happened
+    with (
+        pytest.raises(dk.SyncError, match=r"torch.cuda.synchronize\(\) at .* makes the host"),
+        dk.detect_syncs(mode="error"),
+        dk.detect_syncs(),
+    ):
+        torch.cuda.synchronize()
+    assert fake_syncs.synchronized == 0
+
+
+def test_nested_error_blocks_explain_the_sync_once(fake_syncs: FakeSyncs) -> None:
+    # Before, each error block wrapped the SyncError of the one inside it again.
+    with (
+        pytest.raises(dk.SyncError) as caught,
+        dk.detect_syncs(mode="error"),
+        dk.detect_syncs(mode="error"),
+    ):
+        fake_syncs.sync()
+    assert str(caught.value).count("makes the host wait") == 1
+
+
+def test_blocks_that_end_out_of_order_leave_nothing_behind(fake_syncs: FakeSyncs) -> None:
+    # Two threads, or two generators, each with a block: the first opened ends first.
+    # Before, the second block then saw nothing, and when it ended it left the debug
+    # mode on "warn", synchronize wrapped and the warnings hook installed, for good.
+    shown = warnings.showwarning
+    first, second = dk.detect_syncs(), dk.detect_syncs()
+    seen_first, seen_second = first.__enter__(), second.__enter__()
+    first.__exit__(None, None, None)
+    fake_syncs.sync()
+    assert (seen_first.count, seen_second.count) == (0, 1)
+    second.__exit__(None, None, None)
+    assert _restored(fake_syncs, shown)
+
+
+def test_blocks_in_two_threads_leave_nothing_behind(fake_syncs: FakeSyncs) -> None:
+    shown = warnings.showwarning
+    opened, release = threading.Event(), threading.Event()
+    seen: list[_syncs.SyncReport] = []
+
+    def worker() -> None:
+        with dk.detect_syncs() as syncs:
+            seen.append(syncs)
+            opened.set()
+            release.wait(timeout=30)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert opened.wait(timeout=30)
+    with dk.detect_syncs() as mine:
+        release.set()
+        thread.join(timeout=30)  # the worker's block ends inside this one
+        assert not thread.is_alive()
+        fake_syncs.sync()
+    assert mine.count == 1
+    assert seen[0].count == 0
+    assert _restored(fake_syncs, shown)
+
+
+def test_an_exception_inside_restores_everything(fake_syncs: FakeSyncs) -> None:
+    shown = warnings.showwarning
+    with pytest.raises(KeyError), dk.detect_syncs(), dk.detect_syncs(mode="error"):
+        raise KeyError("boom")
+    assert _restored(fake_syncs, shown)
+
+
+def test_other_warnings_still_show(fake_syncs: FakeSyncs) -> None:
+    with pytest.warns(UserWarning, match="something else"), dk.detect_syncs() as syncs:
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    assert syncs.count == 0
+
+
+# --- the user's line (devicekit._frames) ---------------------------------------------------
+
+
+def test_a_tensor_made_by_the_standard_library_is_the_callers_line() -> None:
+    # Before: the leak was put on copy.py's line, not on the line that called deepcopy.
+    x = torch.ones(3)
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        kept.append(copy.deepcopy(x))
+
+    report = dk.find_leaks(step, repeat=3)
+    assert [leak.location for leak in report.leaks] == [
+        f"{HERE}:{step.__code__.co_firstlineno + 1}"
+    ]
+
+
+def test_code_without_a_file_is_the_users() -> None:
+    from devicekit._frames import user_location
+
+    namespace: dict[str, object] = {"user_location": user_location}
+    exec(compile("\nwhere = user_location()", "<stdin>", "exec"), namespace)  # a REPL line
+    assert namespace["where"] == "<stdin>:2"
+    where = (lambda: user_location())()  # noqa: PLC3002, PLW0108 - a lambda's own frame
+    assert where.startswith(f"{HERE}:")
+
+
+def test_which_files_are_the_users() -> None:
+    from devicekit._frames import _STDLIB, is_user
+
+    stdlib = _STDLIB[0]
+    assert not is_user(copy.__file__)
+    assert not is_user(f"{stdlib}logging{os.sep}__init__.py")
+    assert not is_user("<frozen runpy>")
+    assert is_user(f"{stdlib}site-packages{os.sep}transformers{os.sep}trainer.py")
+    assert is_user(torch.__file__.replace(f"{os.sep}torch{os.sep}", f"{os.sep}torchvision{os.sep}"))
+    assert is_user("<stdin>")
+    assert is_user("<string>")
