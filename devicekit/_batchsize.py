@@ -11,9 +11,14 @@ never sees an out-of-memory error at all.
 
 The search doubles from ``start`` until a size fails, then bisects between the
 last size that ran and the first that failed. An out-of-memory error is
-recognized by its type (``torch.OutOfMemoryError``), or for older torch and
-the CPU by the message of a ``RuntimeError``; any other error is the caller's
-and propagates.
+recognized by its type (``torch.OutOfMemoryError``, and Python's
+``MemoryError``: the host's memory), or for older torch and the CPU by the
+message of a ``RuntimeError``; any other error is the caller's and propagates.
+
+A size that fails is tried once more, after the clean-up, before it counts as
+too big: memory another process held for a moment, or a cache not yet given
+back, would otherwise end the doubling early and halve the answer. A size
+that fails and then runs is reported with a ``RuntimeWarning``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import multiprocessing
 import pickle
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from multiprocessing.connection import Connection
@@ -35,8 +41,8 @@ import torch
 from ._census import only_new_objects
 from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
-from ._errors import DeviceOutOfMemoryError
-from ._oom import explain_oom
+from ._errors import DeviceOutOfMemoryError, add_note
+from ._oom import build_report
 from ._oomtext import is_oom
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
 from ._visible import torch_cuda_initialized
@@ -54,6 +60,23 @@ _LAZY_FIX = (
     "pass a function that does the work: lambda n: list(gen(n)) for a generator, "
     "lambda n: asyncio.run(step(n)) for async def"
 )
+
+
+def _too_big(error: BaseException) -> bool:
+    """Whether ``error`` says a size did not fit: torch's out-of-memory errors, or the host's."""
+    return is_oom(error) or isinstance(error, MemoryError)
+
+
+def _explained(error: BaseException, device: torch.device | None) -> DeviceOutOfMemoryError:
+    """``error`` as a `DeviceOutOfMemoryError` with its report, built while its frames live."""
+    if isinstance(error, DeviceOutOfMemoryError):  # fn explains its own (@dk.explain_oom)
+        return error
+    try:
+        report = build_report(error, device=device)
+    except Exception as failure:  # noqa: BLE001 - a failed report must not hide the failure
+        add_note(error, f"devicekit.find_batch_size could not build a report: {failure!r}")
+        return DeviceOutOfMemoryError(f"{type(error).__name__}: {error}")
+    return DeviceOutOfMemoryError(str(report), report)
 
 
 def _run(fn: Callable[[int], Any], size: int) -> None:
@@ -91,25 +114,26 @@ def _start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemor
 
 
 class _InProcess:
-    """Runs trials in this process; cleans up after each."""
+    """Runs trials in this process; cleans up after each.
+
+    A trial returns whether ``fn(size)`` ran; with ``first``, one that ran out
+    of memory raises `DeviceOutOfMemoryError` with the report instead.
+    """
 
     def __init__(self, fn: Callable[[int], Any], device: torch.device | None) -> None:
         self.fn, self.device = fn, device
 
     def __call__(self, size: int, *, first: bool) -> bool:
         try:
-            if first:
-                with explain_oom(device=self.device):
-                    _run(self.fn, size)  # the result is dropped at once
-            else:
-                _run(self.fn, size)
-        except DeviceOutOfMemoryError as error:
-            _drop_frames(error)
-            raise _start_failed(size, error) from error
+            _run(self.fn, size)  # the result is dropped at once
         except Exception as error:
-            if not is_oom(error):
+            if not _too_big(error):
                 raise
+            # Read while the failed frames are alive: the report counts their tensors.
+            explained = _explained(error, self.device) if first else None
             _drop_frames(error)
+            if explained is not None:
+                raise _start_failed(size, explained) from error
             return False
         finally:
             _give_back()
@@ -121,20 +145,17 @@ def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: 
     try:
         fn = pickle.loads(fn_bytes)
         result.send_bytes(_STARTED)
-        if first:
-            with explain_oom(device=device):
-                _run(fn, size)
-        else:
-            _run(fn, size)
+        _run(fn, size)
     except Exception as error:  # noqa: BLE001 - every failure goes back to the parent
+        text = traceback.format_exc()
+        if first and _too_big(error):  # the report is of this process's memory: built here
+            error = _explained(error, None if device is None else torch.device(device))
         try:
-            payload = pickle.dumps((error, traceback.format_exc()))
+            payload = pickle.dumps((error, text))
         except (pickle.PicklingError, AttributeError, TypeError):
             # Keep what matters: whether it was an out-of-memory error, and the text.
-            kind = torch.OutOfMemoryError if is_oom(error) else RuntimeError
-            payload = pickle.dumps(
-                (kind(f"{type(error).__name__}: {error}"), traceback.format_exc())
-            )
+            kind = torch.OutOfMemoryError if _too_big(error) else RuntimeError
+            payload = pickle.dumps((kind(f"{type(error).__name__}: {error}"), text))
         result.send_bytes(payload)
     else:
         result.send_bytes(pickle.dumps(None))
@@ -220,24 +241,42 @@ class _Isolated:
         if outcome is None:
             return True
         raised, text = outcome
-        if isinstance(raised, DeviceOutOfMemoryError) and first:
+        if first and _too_big(raised):
+            # The child sends its report; a stand-in for an error that would not pickle has none.
+            if not isinstance(raised, DeviceOutOfMemoryError):
+                raised = DeviceOutOfMemoryError(str(raised))
             raise _start_failed(size, raised) from None
-        if is_oom(raised):
+        if _too_big(raised):
             return False
         raise RuntimeError(
             f"find_batch_size: fn({size}) raised in its child process:\n{text}"
         ) from raised
 
 
-def _search(trial: Callable[..., bool], start: int, max_size: int | None) -> int:
+def _fits(trial: Callable[..., bool], size: int, flaky: list[int], *, first: bool = False) -> bool:
+    """Whether ``fn(size)`` runs: a size that fails is tried once more before it counts.
+
+    The trial has cleaned up after itself (frames, garbage, cache), so the second
+    try sees all the memory there is; a size that runs then goes into ``flaky``.
+    With ``first``, a second failure raises the report instead of returning False.
+    """
+    if trial(size, first=False):
+        return True
+    if not trial(size, first=first):
+        return False
+    flaky.append(size)
+    return True
+
+
+def _search(trial: Callable[..., bool], start: int, max_size: int | None, flaky: list[int]) -> int:
     """The largest size that ran: doubling from ``start``, then bisecting."""
-    trial(start, first=True)  # raises when even start does not fit
+    _fits(trial, start, flaky, first=True)  # raises when even start does not fit, twice
     fits = start
     limit = _CEILING if max_size is None else max_size
     failed = None
     while fits < limit:
         size = min(fits * 2, limit)
-        if trial(size, first=False):
+        if _fits(trial, size, flaky):
             fits = size
         else:
             failed = size
@@ -251,14 +290,16 @@ def _search(trial: Callable[..., bool], start: int, max_size: int | None) -> int
         return fits
     while failed - fits > 1:
         middle = (fits + failed) // 2
-        if trial(middle, first=False):
+        if _fits(trial, middle, flaky):
             fits = middle
         else:
             failed = middle
     return fits
 
 
-def _search_and_clean(trial: Callable[..., bool], start: int, max_size: int | None) -> int:
+def _search_and_clean(
+    trial: Callable[..., bool], start: int, max_size: int | None, flaky: list[int]
+) -> int:
     """`_search()`, with a cheap collection after each trial and a full one at the end.
 
     A trial's garbage is new objects, so collecting only what is new finds it
@@ -268,9 +309,22 @@ def _search_and_clean(trial: Callable[..., bool], start: int, max_size: int | No
     try:
         with only_new_objects():  # which collects everything first
             _give_back(collect=False)  # the baseline: nothing cached
-            return _search(trial, start, max_size)
+            return _search(trial, start, max_size, flaky)
     finally:
         _give_back()
+
+
+def _warn_flaky(flaky: list[int], found: int) -> None:
+    sizes = ", ".join(f"fn({size})" for size in flaky)
+    warnings.warn(
+        f"find_batch_size: {sizes} ran out of memory and then ran on a second try, so "
+        f"memory near the limit is not steady here (another process, fragmentation, a "
+        f"cache); the search counts such a size as fitting (the largest that ran: {found}), "
+        "and a step near it may still fail now and then: pass margin= (0.1 keeps 10% free) "
+        "for headroom",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def find_batch_size(
@@ -287,10 +341,19 @@ def find_batch_size(
 
     Calls ``fn(batch_size)``, doubling from ``start`` until an out-of-memory
     error (or ``max_size``), then bisects between the last size that ran and
-    the first that failed. Before the first trial and after every trial it
-    drops the trial's references and returns cached memory to the driver, so
-    when it returns, the allocator's reserved memory is where it was before
-    (less any cache that was idle when it began, which it gave back first).
+    the first that failed. Out of memory means ``torch.OutOfMemoryError``,
+    torch's older out-of-memory ``RuntimeError`` (the CPU allocator's "can't
+    allocate memory" included), or Python's ``MemoryError`` (the host's
+    memory ran out: a size too big for the machine); any other error is
+    ``fn``'s own and propagates. A size that runs out of memory is tried once
+    more, after freeing memory, before it counts as too big: a failure that
+    does not repeat (another process held memory for a moment) would
+    otherwise end the doubling early and the answer come out low. Each size
+    that fails for good costs that one more trial. Before the first trial and
+    after every trial it drops the trial's references and returns cached
+    memory to the driver, so when it returns, the allocator's reserved memory
+    is where it was before (less any cache that was idle when it began, which
+    it gave back first).
     Under ``torch.distributed`` every rank gets the same answer, the minimum
     over ranks, in one collective; a rank that fails makes every rank raise,
     so none waits forever.
@@ -321,9 +384,15 @@ def find_batch_size(
     Returns:
         The largest size that ran, reduced by ``margin``.
 
+    Warns:
+        RuntimeWarning: A size ran out of memory and then ran on its second
+            try: memory near the limit is not steady, and the warning names
+            the sizes and suggests a ``margin``.
+
     Raises:
-        DeviceOutOfMemoryError: Even ``start`` does not fit; the message has
-            the out-of-memory report ([`explain_oom()`][devicekit.explain_oom]).
+        DeviceOutOfMemoryError: Even ``start`` does not fit, on two tries; the
+            message has the out-of-memory report
+            ([`explain_oom()`][devicekit.explain_oom]).
         TypeError: ``fn`` is not callable, a generator or ``async def`` function
             (its body would never run), or not picklable with ``isolate=True``;
             ``isolate`` is not True or False.
@@ -358,12 +427,13 @@ def find_batch_size(
             )
     target = None if device is None else resolve_device(device, name="device")
     trial = _Isolated(fn, target, trial_timeout) if isolate else _InProcess(fn, target)
+    flaky: list[int] = []
     if not initialized():
-        found = _search_and_clean(trial, start, max_size)
+        found = _search_and_clean(trial, start, max_size, flaky)
     else:
         found, failure = 0, None
         try:
-            found = _search_and_clean(trial, start, max_size)
+            found = _search_and_clean(trial, start, max_size, flaky)
         except Exception as error:  # noqa: BLE001 - raised below, once every rank has answered
             failure = error
         # Over devicekit's gloo group: no GPU buffer under NCCL, and bounded in time.
@@ -379,6 +449,8 @@ def find_batch_size(
                 "says why), so no batch size is common to every rank"
             )
         found = min(size for size, _ in answers)
+    if flaky:
+        _warn_flaky(flaky, found)
     # In fractions, not floats: 50 * (1 - 0.02) is 48.99999999999999 in floats.
     keep = 1 - Fraction(margin).limit_denominator(10**9)
     return max(start, math.floor(found * keep))

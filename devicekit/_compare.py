@@ -6,8 +6,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ._errors import add_note
 from ._format import UNKNOWN, format_joules, format_seconds, html_table
-from ._measure import OPTIONS, Measurement, benchmark, misspelled_options
+from ._measure import OPTIONS, Measurement, benchmark, check_options, misspelled_options
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 
@@ -104,7 +105,14 @@ class Comparison:
         against = "baseline" if self.reference_is_baseline else "fastest"
         header = [*self._header()[:-1], "verdict"]
         caption = f"against the {against}: {self.reference}"
-        return html_table(self._lines(), header=header, caption=caption)
+        lines = self._lines()
+        # Why a row is not to be trusted, as str() prints it under the table: a column here.
+        if any(not row.measurement.trustworthy for row in self.rows):
+            header.append("why not trustworthy")
+            for line, row in zip(lines, self.rows, strict=True):
+                m = row.measurement
+                line.append("" if m.trustworthy else "\n".join(m.notes))
+        return html_table(lines, header=header, caption=caption)
 
     def to_dict(self, *, times: bool = False) -> dict[str, Any]:
         """JSON-ready: the reference and, per variant, its ratio, verdict and measurement.
@@ -144,6 +152,15 @@ def _overlap(a: Measurement, b: Measurement) -> bool | None:
     if a.ci is None or b.ci is None:
         return None
     return a.ci[0] <= b.ci[1] and b.ci[0] <= a.ci[1]
+
+
+def _benchmark_variant(name: str, fn: Callable[[], Any], options: dict[str, Any]) -> Measurement:
+    try:
+        return benchmark(fn, **options)
+    except Exception as error:
+        # Every variant is often a lambda on one line: the traceback cannot tell which.
+        add_note(error, f"devicekit: compare() was measuring the variant {name!r}")
+        raise
 
 
 def compare(
@@ -208,11 +225,13 @@ def compare(
 
     if baseline is not None and baseline not in results:
         raise ValueError(f"baseline {baseline!r} is not one of {', '.join(map(repr, results))}")
+    check_options(options)  # before the first variant's minutes of measuring, not after
     # Named after the variant: a lambda's measurement would be "<lambda>", and one given
     # under a new name answers to that name in this table.
     measured = {
         name: replace(
-            value if isinstance(value, Measurement) else benchmark(value, **options), name=name
+            value if isinstance(value, Measurement) else _benchmark_variant(name, value, options),
+            name=name,
         )
         for name, value in results.items()
     }

@@ -12,6 +12,7 @@ HTML tables notebooks show, and turns results into the plain data every
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import html
 import math
@@ -46,7 +47,7 @@ UNKNOWN = "?"
 NOT_APPLICABLE = "-"
 """How a table cell spells a value that does not exist, such as a CPU rank's GPU name."""
 
-_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
 _TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
 # C0 and C1 control characters and DEL: anything that could move a terminal's
 # cursor, change its colours or its title, or ring its bell.
@@ -54,18 +55,41 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def format_bytes(value: float | None, *, digits: int = 1) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units up to PiB; None -> ``"?"``.
+    """``1536`` -> ``"1.5 KiB"``; binary units up to YiB; None, NaN or infinity -> ``"?"``.
+
+    The unit is chosen after rounding, so a value just short of the next
+    unit reads as one of it (``"1.0 MiB"``, never ``"1024.0 KiB"``). Past
+    a million YiB, and for ints too large for a float, the count of YiB is
+    written in scientific notation.
 
     Examples:
         >>> format_bytes(80 * 2**30), format_bytes(-3 * 2**20), format_bytes(None)
         ('80.0 GiB', '-3.0 MiB', '?')
+        >>> format_bytes(0), format_bytes(2**20 - 1), format_bytes(4 * 2**60)
+        ('0 B', '1.0 MiB', '4.0 EiB')
+        >>> format_bytes(3 * 2**80), format_bytes(10**400), format_bytes(float("nan"))
+        ('3.0 YiB', '8.3e+375 YiB', '?')
     """
-    if value is None or not math.isfinite(value):
+    if value is None:
         return UNKNOWN
-    sign, size = ("-" if value < 0 else ""), abs(value)
+    try:
+        size = float(value)
+    except OverflowError:  # an int past a float's range: count YiB exactly, in Decimal
+        count = decimal.Decimal(abs(int(value))) / (1024 ** (len(_BINARY_UNITS) - 1))
+        return f"{'-' if value < 0 else ''}{count:.{digits}e} {_BINARY_UNITS[-1]}"
+    if not math.isfinite(size):
+        return UNKNOWN
+    negative, size = size < 0, abs(size)
     for unit in _BINARY_UNITS:
-        if size < 1024 or unit == _BINARY_UNITS[-1]:
-            return f"{sign}{size:.0f} B" if unit == "B" else f"{sign}{size:.{digits}f} {unit}"
+        places = 0 if unit == "B" else digits
+        if round(size, places) < 1024 or unit == _BINARY_UNITS[-1]:
+            if unit == _BINARY_UNITS[-1] and size >= 1e6:
+                text = f"{size:.{digits}e}"
+            else:
+                text = f"{size:.{places}f}"
+            # -0.2 bytes is "0 B", not "-0 B".
+            sign = "-" if negative and float(text) != 0 else ""
+            return f"{sign}{text} {unit}"
         size /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
 

@@ -19,6 +19,7 @@ made in C++ without a Python call (gradients in ``backward()``) have no site.
 from __future__ import annotations
 
 import gc
+import html
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,8 +166,21 @@ class LeakReport:
             else (leak.device, *[NOT_APPLICABLE] * 4, _b(leak.bytes_per_call))
             for leak in self.leaks
         ]
-        header = ("device", "dtype", "shape", "created at", "tensors/call", "bytes/call")
-        return html_table(rows, header=header, caption=self._summary())
+        # Nothing grew: the caption says so, and a header over no rows would say nothing.
+        parts = [
+            html_table(
+                rows,
+                header=("device", "dtype", "shape", "created at", "tensors/call", "bytes/call"),
+                caption=self._summary(),
+            )
+            if rows
+            else f"<p>{html.escape(self._summary())}</p>"
+        ]
+        if self.allocated:  # CUDA's allocated bytes, as str() lists them
+            growth = [(g.device, _b(g.before), _b(g.after), _b(g.per_call)) for g in self.allocated]
+            header = ("device", "allocated before", "after", "per call")
+            parts.append(html_table(growth, header=header, caption="allocated by PyTorch"))
+        return "".join(parts)
 
 
 class _CreationSites(TorchFunctionMode):

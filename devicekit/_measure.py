@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import statistics
 import time
@@ -31,7 +32,7 @@ from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
 
-__all__ = ["Measurement", "benchmark", "callable_name"]
+__all__ = ["Measurement", "benchmark", "callable_name", "check_options"]
 
 Mode = Literal["warm", "cold", "graph"]
 _MIN_SAMPLES = 10
@@ -39,6 +40,13 @@ _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to sto
 _GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
 _LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
 _NOISY = 0.05  # a median known to worse than ±5% is not trustworthy
+# Timing a call that does nothing reads the clock's own cost, which every call's time
+# includes: under ten times that, a tenth or more of the median may be the clock's, twice
+# the ±5% a trustworthy median may be off (sorted() of 100 numbers: 501 ns, 70 ns floor).
+_FLOOR_SHARE = 0.1
+_FLOOR_CALLS = 1000  # empty calls timed for the floor: about 0.1 ms on a CPU
+# cudaEventElapsedTime: "a resolution of around 0.5 microseconds" (CUDA runtime API).
+_EVENT_RESOLUTION = 0.5e-6
 
 
 def callable_name(fn: object) -> str:
@@ -95,6 +103,18 @@ class Measurement:
             calls took less than a second (the counter updates every 20 to
             100 ms).
         power: The GPU's average watts over the timed calls; None as above.
+        warmup: The warm-up asked for (the ``warmup`` option), seconds; None
+            where unknown (a measurement built by hand, a document from before
+            it was kept).
+        warmup_time: Seconds the warm-up took (one call at least: a first
+            call that compiles shows here); None where unknown.
+        clock_floor: Seconds per call that timing a call that does nothing
+            reads: the clock's own cost and resolution, in the median too. On
+            the CPU it is measured with the same loop (about 70 ns); on a GPU
+            it is the CUDA events' resolution, 0.5 µs (divided by the calls
+            per replay in graph mode). None where unknown. Under ten times
+            it, a tenth or more of the median may be the clock's: the result
+            is not trustworthy, and ``notes`` says so.
     """
 
     name: str
@@ -112,6 +132,9 @@ class Measurement:
     conditions: Conditions
     energy_per_call: float | None = None
     power: float | None = None
+    warmup: float | None = None
+    warmup_time: float | None = None
+    clock_floor: float | None = None
 
     @classmethod
     def from_times(
@@ -125,8 +148,28 @@ class Measurement:
         conditions: Conditions,
         energy_per_call: float | None = None,
         power: float | None = None,
+        warmup: float | None = None,
+        warmup_time: float | None = None,
+        clock_floor: float | None = None,
     ) -> Measurement:
-        """Compute the statistics of ``times`` (at least one)."""
+        """Compute the statistics of ``times``: one or more finite, non-negative seconds.
+
+        Raises:
+            ValueError: ``times`` is empty, or holds a NaN, an infinity or a
+                negative number (which no clock reads: a statistic of it
+                would print as a time).
+        """
+        if not times:
+            raise ValueError("Measurement.from_times() needs at least one time, got none")
+        # A NaN or an infinity makes the sum one (C speed: 700,000 times take 3 ms).
+        if not math.isfinite(sum(times)) or min(times) < 0:
+            index, bad = next(
+                (i, t) for i, t in enumerate(times) if not (math.isfinite(t) and t >= 0)
+            )
+            raise ValueError(
+                f"times[{index}] is {bad!r}: every time must be a finite number of seconds "
+                ">= 0; drop the calls that were not timed"
+            )
         ordered = sorted(times)
         quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
         return cls(
@@ -145,6 +188,9 @@ class Measurement:
             conditions=conditions,
             energy_per_call=energy_per_call,
             power=power,
+            warmup=warmup,
+            warmup_time=warmup_time,
+            clock_floor=clock_floor,
         )
 
     @property
@@ -163,13 +209,7 @@ class Measurement:
                 "time is known; time a loop of many calls inside one function"
             )
         elif self.rel_noise is None:
-            stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
-            notes.append(
-                f"noise unknown: only {plural(self.n, 'call')} timed {stopped} (one takes "
-                f"{format_seconds(self.median)}), and a 95% confidence interval for the median "
-                f"needs at least {MIN_CI_SAMPLES}; allow max_time of at least "
-                f"{format_seconds((MIN_CI_SAMPLES + 2) * self.median)}"
-            )
+            notes.append(self._too_few_note())
         elif self.rel_noise > _NOISY:
             notes.append(
                 f"noisy: the median is only known to ±{self.rel_noise:.1%} "
@@ -180,6 +220,9 @@ class Measurement:
                 f"stopped at max_time with the median known to ±{self.rel_noise:.1%}, "
                 "short of the target; allow more time for a tighter result"
             )
+        floor = self._floor_note()
+        if floor is not None:
+            notes.append(floor)
         host = self.host_median
         # Between a call's events the GPU also waits for the host to issue the
         # call, so a launch-bound call's GPU time is about its host time.
@@ -194,11 +237,75 @@ class Measurement:
             )
         return notes
 
+    def _needed_max_time(self) -> float:
+        """The smallest ``max_time`` that times enough calls for a confidence interval.
+
+        Six timed calls and one to spare (batches end a call late), after the
+        warm-up. With the warm-up known: it takes as long again, or longer
+        when the ``warmup`` option outgrows what it took, up to half of
+        ``max_time`` plus the call that crosses the line.
+        """
+        call = self.median
+        timed = (MIN_CI_SAMPLES + 1) * call
+        if self.warmup is None or self.warmup_time is None:
+            return _round_up(timed + call)  # one warm-up call, as for slow calls by default
+        again = self.warmup_time + timed
+        # The warm-up runs min(warmup, max_time / 2) and one call more: bounded so that the
+        # timed calls keep `timed` seconds either way (warmup, or half of max_time).
+        grown = min(self.warmup, timed + call) + call + timed
+        return _round_up(max(again, grown))
+
+    def _too_few_note(self) -> str:
+        stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
+        needed = self._needed_max_time()
+        warm = self.warmup_time
+        # A warm-up longer than the timed calls need (a first call that compiles) is the
+        # reason: say it, or the advice would look like a max_time smaller than enough.
+        slow_start = warm is not None and warm > (MIN_CI_SAMPLES + 1) * self.median
+        warmed = f"; the warm-up took {format_seconds(warm)}" if slow_start else ""
+        fix = (
+            ", or call fn once before benchmark() if its first call is the slow one"
+            if slow_start
+            else ""
+        )
+        return (
+            f"noise unknown: only {plural(self.n, 'call')} timed {stopped} (one takes "
+            f"{format_seconds(self.median)}{warmed}), and a 95% confidence interval for the "
+            f"median needs at least {MIN_CI_SAMPLES}; allow max_time of at least "
+            f"{format_seconds(needed)}{fix}"
+        )
+
+    def _at_floor(self) -> bool:
+        """The median is within ten times what timing an empty call reads."""
+        floor = self.clock_floor
+        return floor is not None and self.median > 0 and floor >= _FLOOR_SHARE * self.median
+
+    def _floor_note(self) -> str | None:
+        if not self._at_floor():
+            return None
+        assert self.clock_floor is not None
+        share = self.clock_floor / self.median
+        part = (
+            f"{share:.0%} of this median: that much of it may be the clock's own cost, not fn's"
+            if round(share, 2) < 1  # not "100% of this median"
+            else "as much as this median: it may all be the clock's own cost, none of it fn's"
+        )
+        on_gpu = self.conditions.device.startswith("cuda") and self.mode != "graph"
+        fix = (
+            "mode='graph' times many calls per replay"
+            if on_gpu
+            else "time a loop of many calls inside one function, and divide"
+        )
+        return (
+            f"at the clock's floor: timing a call that does nothing reads "
+            f"{format_seconds(self.clock_floor)}, {part}; {fix}"
+        )
+
     @property
     def trustworthy(self) -> bool:
-        """False when other work, throttling, noise or too few calls could mislead."""
+        """False when other work, throttling, noise, too few calls or the clock could mislead."""
         noise_known = self.rel_noise is not None and self.rel_noise <= _NOISY
-        return noise_known and self.conditions.trustworthy()
+        return noise_known and not self._at_floor() and self.conditions.trustworthy()
 
     def to_dict(self, *, times: bool = False) -> dict[str, Any]:
         """JSON-ready: the statistics and the verdict; the raw times only when asked.
@@ -231,6 +338,9 @@ class Measurement:
             "conditions": self.conditions.to_dict(),
             "energy_per_call": self.energy_per_call,
             "power": self.power,
+            "warmup": self.warmup,
+            "warmup_time": self.warmup_time,
+            "clock_floor": self.clock_floor,
             "trustworthy": self.trustworthy,
             "notes": self.notes,
         }
@@ -292,12 +402,28 @@ class Measurement:
             ("noise", f"±{self._noise()}"),
             ("min / mean", f"{format_seconds(self.min)} / {format_seconds(self.mean)}"),
             ("calls / stopped", f"{self.n} / {self.stop_reason}"),
+            *([("warm-up", format_seconds(self.warmup_time))] if self.warmup_time else []),
+            *([("clock floor", format_seconds(self.clock_floor))] if self.clock_floor else []),
             *([("energy", self._energy())] if self.energy_per_call is not None else []),
             ("trustworthy", "yes" if self.trustworthy else "no"),
             *(("note", note) for note in self.notes),
         ]
         caption = f"{self.name} on {self.conditions.device} ({self.mode})"
         return html_table(rows, caption=caption)
+
+
+def _round_up(seconds: float) -> float:
+    """``seconds`` rounded up to the three digits `format_seconds` prints: advice stays enough.
+
+    Examples:
+        >>> _round_up(0.30011), _round_up(5.6), _round_up(0.0)
+        (0.301, 5.6, 0.0)
+    """
+    if seconds <= 0 or not math.isfinite(seconds):
+        return seconds
+    step = 10.0 ** (math.floor(math.log10(seconds)) - 2)
+    # The tolerance keeps 5.6 (5.6000000000000005 / 0.01 in floats) at 5.6, not 5.61.
+    return round(math.ceil(seconds / step * (1 - 1e-12)) * step, 12)
 
 
 def _infer_device(device: DeviceLike | None, args: Any, kwargs: Any) -> torch.device:
@@ -308,6 +434,19 @@ def _infer_device(device: DeviceLike | None, args: Any, kwargs: Any) -> torch.de
     return current_cuda_device() or torch.device("cpu")
 
 
+def _nothing() -> None:
+    """What the clock's floor is timed with: a call that does nothing."""
+
+
+def _time_calls(call: Callable[[], Any], count: int) -> list[float]:
+    clock, times = time.perf_counter, []
+    for _ in range(count):
+        start = clock()
+        call()
+        times.append(clock() - start)
+    return times
+
+
 class _CpuRunner:
     def __init__(self, call: Callable[[], Any]) -> None:
         self.call = call
@@ -315,12 +454,16 @@ class _CpuRunner:
     def warm(self) -> None:
         self.call()
 
+    def floor(self) -> float:
+        """What timing an empty call reads here: the clock's cost, at least its resolution."""
+        # The same loop, through a partial as benchmark() calls fn: benchmark(lambda: None)
+        # reads about this.
+        empty = _time_calls(functools.partial(_nothing), _FLOOR_CALLS)
+        resolution = time.get_clock_info("perf_counter").resolution
+        return max(statistics.median(empty), resolution)
+
     def run(self, count: int) -> tuple[list[float], list[float]]:
-        call, clock, times = self.call, time.perf_counter, []
-        for _ in range(count):
-            start = clock()
-            call()
-            times.append(clock() - start)
+        times = _time_calls(self.call, count)
         return times, times
 
 
@@ -362,6 +505,10 @@ class _CudaRunner:
         self.graph.replay()
         torch.cuda.synchronize(self.device)
 
+    def floor(self) -> float:
+        """The events' resolution, per call: a graph replay spreads it over its calls."""
+        return _EVENT_RESOLUTION / self.calls_per_replay
+
     def run(self, count: int) -> tuple[list[float], list[float]]:
         starts = [CudaEvent(enable_timing=True) for _ in range(count)]
         ends = [CudaEvent(enable_timing=True) for _ in range(count)]
@@ -395,8 +542,10 @@ def misspelled_options(names: Iterable[str]) -> list[str]:
     return found
 
 
-def _warm_up(runner: _CpuRunner | _CudaRunner, until: float, kwargs: dict[str, Any]) -> float:
-    """Call fn until ``until`` (once at least); the seconds each warm call took."""
+def _warm_up(
+    runner: _CpuRunner | _CudaRunner, until: float, kwargs: dict[str, Any]
+) -> tuple[float, int]:
+    """Call fn until ``until`` (once at least); the seconds it took, and the calls."""
     calls, began = 0, time.perf_counter()
     try:
         runner.warm()
@@ -413,7 +562,7 @@ def _warm_up(runner: _CpuRunner | _CudaRunner, until: float, kwargs: dict[str, A
     while time.perf_counter() < until:
         runner.warm()
         calls += 1
-    return (time.perf_counter() - began) / calls
+    return time.perf_counter() - began, calls
 
 
 def _check_options(
@@ -435,6 +584,23 @@ def _check_options(
     check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
     if mode not in ("warm", "cold", "graph"):
         raise ValueError(f"mode must be 'warm', 'cold' or 'graph', got {mode!r}")
+
+
+_CHECKED = ("warmup", "min_time", "max_time", "rel_noise", "mode")  # OPTIONS but device
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Check `benchmark()`'s keyword ``options`` (names already known) before any call.
+
+    For `compare()`, whose functions would otherwise meet a bad option only
+    once the first of them was about to be measured.
+    """
+    given = {name: value for name, value in options.items() if name != "device"}
+    signature = inspect.signature(benchmark).parameters
+    values = {name: signature[name].default for name in _CHECKED} | given
+    _check_options(_nothing, **{name: values[name] for name in _CHECKED})
+    if options.get("device") is not None:
+        resolve_device(options["device"])
 
 
 def _energy_counter(target: torch.device, mode: str) -> EnergyCounter | None:
@@ -464,8 +630,11 @@ def benchmark(
     gathers evidence (other processes on the GPU and on this process's CPU
     cores, the GPU's utilization, clocks and throttling) into ``conditions``,
     and ``Measurement.trustworthy`` and ``Measurement.notes`` say what it
-    means. On a GPU with an energy counter, timed calls lasting a second or
-    more also give joules per call and watts.
+    means. It also times a call that does nothing (on a GPU: takes the
+    events' 0.5 µs resolution): a median under ten times that floor may be
+    a tenth or more the clock's own cost, and is not trustworthy. On a GPU
+    with an energy counter, timed calls lasting a second or more also give
+    joules per call and watts.
 
     Args:
         fn: The function (or module) to time; its result is discarded.
@@ -474,7 +643,10 @@ def benchmark(
             in the arguments, else the current CUDA device if CUDA is
             initialized, else the CPU.
         warmup: Seconds of untimed calls first (at least one call). Warm-up
-            counts against ``max_time``, and stops at half of it at most.
+            counts against ``max_time``, and stops at half of it at most
+            (but a first call longer than that still runs to its end: when
+            it leaves too little time, the note says how long it took and
+            how much ``max_time`` would do).
         min_time: Seconds of timed calls at least, unless ``max_time`` comes first.
         max_time: Seconds the whole call may take, warm-up included (it
             overshoots by at most one batch of about 10 ms, or by one call
@@ -518,10 +690,12 @@ def benchmark(
     )
     # Warm-up counts against max_time and leaves at least half of it for the timed calls.
     warm_until = began + min(warmup, max_time / 2)
-    per_call = max(_warm_up(runner, warm_until, kwargs), 1e-9)  # a coarse clock can read 0
+    warmup_time, warm_calls = _warm_up(runner, warm_until, kwargs)
+    per_call = max(warmup_time / warm_calls, 1e-9)  # a coarse clock can read 0
     if isinstance(runner, _CudaRunner) and mode == "graph":
         runner.capture(per_call)
         per_call /= 2  # replays are cheaper than eager calls; batches stay short anyway
+    clock_floor = runner.floor()
 
     times: list[float] = []
     host: list[float] = []
@@ -564,4 +738,7 @@ def benchmark(
         conditions=sampler.after(),
         energy_per_call=energy,
         power=power,
+        warmup=warmup,
+        warmup_time=warmup_time,
+        clock_floor=clock_floor,
     )

@@ -320,6 +320,10 @@ def _names(model: torch.nn.Module | None) -> dict[int, str]:
 
 
 def _target(error: BaseException, parsed: OOMText, device: torch.device | None) -> torch.device:
+    # The host's memory ran out (Python's MemoryError, torch's CPU allocator): a report on
+    # a GPU, even the one asked for, would describe memory that did not run out.
+    if isinstance(error, MemoryError) or parsed.kind == "cpu":
+        return torch.device("cpu")
     if device is not None:
         return device
     if parsed.device is not None:
@@ -421,7 +425,10 @@ class _ExplainOOM:
     ) -> Literal[False]:
         device, model, _, top, _ = self._options
         try:
-            if error is None or isinstance(error, DeviceOutOfMemoryError) or not is_oom(error):
+            if error is None or isinstance(error, DeviceOutOfMemoryError):
+                return False
+            host = isinstance(error, MemoryError)
+            if not (host or is_oom(error)):
                 return False
             try:
                 report = build_report(
@@ -429,6 +436,13 @@ class _ExplainOOM:
                 )
             except Exception as failure:  # noqa: BLE001 - a failed report must never hide the OOM
                 add_note(error, f"devicekit.explain_oom could not build a report: {failure!r}")
+                return False
+            if host:
+                # Still a MemoryError, so `except MemoryError` catches it: the report is a note.
+                add_note(
+                    error,
+                    f"devicekit.explain_oom: a host allocation failed (MemoryError).\n{report}",
+                )
                 return False
             raise DeviceOutOfMemoryError(str(report), report) from error
         finally:
@@ -514,8 +528,11 @@ def explain_oom(
     [`DeviceOutOfMemoryError`][devicekit.DeviceOutOfMemoryError] from it: a subclass of
     ``torch.OutOfMemoryError``, so existing handlers still catch it, whose
     message is the report and whose ``report`` is an [`OOMReport`][devicekit.OOMReport].
-    torch's error and its traceback stay attached as ``__cause__``. Any other
-    exception passes through untouched.
+    torch's error and its traceback stay attached as ``__cause__``. Python's
+    ``MemoryError`` (the host's memory: NumPy, ``bytearray``, a list) stays a
+    ``MemoryError``, so ``except MemoryError`` still catches it, and gets the
+    report of the CPU's memory as a note (Python 3.11 and later; logged on
+    3.10). Any other exception passes through untouched.
 
     The report has the device's total, free, allocated and reserved bytes;
     the reserved-but-unallocated bytes and the largest free block (the
@@ -527,7 +544,9 @@ def explain_oom(
     Args:
         func: The function to decorate, when used as ``@dk.explain_oom``.
         device: The device to report on. Default: the one torch's message
-            names, else the current CUDA device, else the CPU.
+            names, else the current CUDA device, else the CPU. The host's
+            memory running out (``MemoryError``, the CPU allocator's message)
+            is reported on the CPU, whatever ``device`` says.
         model: A module whose parameter, gradient and buffer names label the
             tensors in the report.
         record_history: Record where each block is allocated while the block

@@ -20,6 +20,12 @@ but divides by 1024 all the same):
   bytes. Error code 12 (Cannot allocate memory)`` (``not enough memory`` on Windows).
 - Outside the caching allocator: ``CUDA error: out of memory`` (a kernel, a
   context) and ``CUBLAS_STATUS_ALLOC_FAILED`` (cuBLAS's workspace).
+- NumPy's ``MemoryError``: ``Unable to allocate 4.00 EiB for an array with
+  shape (4611686018427387904,) and data type uint8`` (binary units up to EiB).
+
+Python's ``MemoryError`` is the host's memory running out, not one of torch's
+errors: `is_oom` leaves it out (``explain_oom`` keeps it a ``MemoryError``),
+and the callers that count it as out of memory say so.
 """
 
 from __future__ import annotations
@@ -31,8 +37,17 @@ import torch
 
 __all__ = ["OOMText", "is_oom", "parse_oom"]
 
-_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
-_SCALE = {"bytes": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB|PiB|EiB|KB|MB|GB|TB)\b"
+_SCALE = {
+    "bytes": 1,
+    "B": 1,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
+    "P": 2**50,
+    "E": 2**60,
+}
 _OOM_WORDS = (
     "out of memory",
     "can't allocate memory",
@@ -45,7 +60,7 @@ def _pattern(template: str) -> re.Pattern[str]:
     return re.compile(template.replace("{size}", _SIZE), re.IGNORECASE)
 
 
-_REQUESTED = _pattern(r"tried to allocate {size}")
+_REQUESTED = (_pattern(r"tried to allocate {size}"), _pattern(r"unable to allocate {size}"))
 _TOTAL = (
     _pattern(r"total capacity of {size}"),
     _pattern(r"{size} total capacity"),
@@ -148,7 +163,7 @@ def parse_oom(text: str) -> OOMText:
     return OOMText(
         kind=kind,
         device_index=None if index is None else int(index.group(1)),
-        requested=_bytes(_REQUESTED.search(text)),
+        requested=_first(_REQUESTED, text),
         total=_first(_TOTAL, text),
         free=_first(_FREE, text),
         allocated=allocated,

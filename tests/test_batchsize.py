@@ -42,7 +42,12 @@ def test_the_threshold_is_found_exactly(limit: int) -> None:
     step = Step(limit)
     assert dk.find_batch_size(step) == limit
     assert step.calls[:2] == [1, 2]  # doubling, then bisecting
-    assert len(step.calls) <= 2 * (limit.bit_length() + 1)
+    assert len(set(step.calls)) <= 2 * (limit.bit_length() + 1)
+    # A size that ran is tried once; one that failed once more, right after, before it counts.
+    for size in set(step.calls):
+        assert step.calls.count(size) == (1 if size <= limit else 2)
+        if size > limit:
+            assert step.calls[step.calls.index(size) + 1] == size
 
 
 def test_an_old_runtime_error_counts_as_out_of_memory() -> None:
@@ -147,6 +152,69 @@ def test_arguments_are_checked() -> None:
     assert step.calls == []
 
 
+class FlakyStep(Step):
+    """Like `Step`, but ``fail_once`` sizes run out of memory on their first try only."""
+
+    def __init__(self, limit: int, fail_once: set[int]) -> None:
+        super().__init__(limit)
+        self.fail_once = set(fail_once)
+
+    def __call__(self, batch_size: int) -> None:
+        if batch_size in self.fail_once:
+            self.fail_once.discard(batch_size)
+            self.calls.append(batch_size)
+            raise torch.OutOfMemoryError(TORCH_OOM)
+        super().__call__(batch_size)
+
+
+def test_a_size_that_fails_once_is_tried_again_and_reported() -> None:
+    # Without the second try the doubling ends at 64 and the answer is 63, not 100.
+    step = FlakyStep(100, fail_once={64, 96})
+    with pytest.warns(RuntimeWarning) as caught:
+        assert dk.find_batch_size(step) == 100
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "find_batch_size: fn(64), fn(96) ran out of memory and then ran on a second try, so "
+        "memory near the limit is not steady here"
+    )
+    assert "(the largest that ran: 100)" in str(warning.message)
+    assert "pass margin= (0.1 keeps 10% free)" in str(warning.message)
+    assert warning.filename == __file__  # it points at the caller's line
+
+
+def test_a_start_that_fails_once_is_tried_again() -> None:
+    with pytest.warns(RuntimeWarning, match=r"fn\(4\) ran out of memory and then ran"):
+        assert dk.find_batch_size(FlakyStep(20, fail_once={4}), start=4) == 20
+
+
+def test_a_real_host_allocation_failure_counts_as_too_big() -> None:
+    def step(batch_size: int) -> None:
+        if batch_size > 12:
+            bytearray(2**62)  # a real failed allocation of the host's memory: 4 EiB
+
+    def torch_step(batch_size: int) -> None:  # torch's CPU allocator: a RuntimeError
+        torch.empty(2**62 if batch_size > 5 else 8, dtype=torch.uint8)
+
+    assert dk.find_batch_size(torch_step, device="cpu") == 5
+    assert dk.find_batch_size(step) == 12  # Python's MemoryError
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught:
+        dk.find_batch_size(step, start=13)
+    error = caught.value
+    assert str(error).startswith("find_batch_size: fn(13) ran out of memory, so even start=13")
+    assert isinstance(error.__cause__, MemoryError)
+    assert error.report is not None
+    assert error.report.device == "cpu"  # the host's memory ran out, not a GPU's
+
+
+def test_a_step_that_explains_its_own_oom_is_searched_like_any_other() -> None:
+    # @dk.explain_oom on the step turns each out-of-memory error into a
+    # DeviceOutOfMemoryError: that is a size too big, not "even start does not fit".
+    step = dk.explain_oom(Step(48))
+    assert dk.find_batch_size(step) == 48
+    with pytest.raises(dk.DeviceOutOfMemoryError, match=r"^find_batch_size: fn\(64\) ran out"):
+        dk.find_batch_size(step, start=64)
+
+
 # --- in child processes -----------------------------------------------------------------
 
 
@@ -158,6 +226,12 @@ def isolated_step(batch_size: int) -> None:
         raise torch.OutOfMemoryError(TORCH_OOM)
     if batch_size == 3:
         raise KeyError("three is not allowed")
+
+
+def host_memory_step(batch_size: int) -> None:
+    """Runs out of the host's memory (a real MemoryError) above 2."""
+    if batch_size > 2:
+        bytearray(2**62)
 
 
 def hanging_step(batch_size: int) -> None:
@@ -231,6 +305,25 @@ def test_ctrl_c_during_an_isolated_trial_kills_its_child_at_once(tmp_path: Path)
     child = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan left behind
         os.kill(child, 0)
+
+
+def test_an_isolated_trial_s_memory_error_counts_as_too_big() -> None:
+    result = run_python(
+        """
+        import json, devicekit as dk
+        from tests.test_batchsize import host_memory_step
+        found = dk.find_batch_size(host_memory_step, start=2, max_size=3, isolate=True)
+        try:
+            dk.find_batch_size(host_memory_step, start=3, isolate=True)
+        except dk.DeviceOutOfMemoryError as error:
+            started = [str(error).splitlines()[0], error.report.device]
+        print(json.dumps({"found": found, "start": started}))
+        """,
+        timeout=280,
+    )
+    assert result["found"] == 2
+    assert result["start"][0].startswith("find_batch_size: fn(3) ran out of memory, so even")
+    assert result["start"][1] == "cpu"  # the child's report of its host memory crossed back
 
 
 def _load_slowly() -> Callable[[int], None]:

@@ -152,3 +152,33 @@ def test_a_median_of_zero_gives_an_unknown_ratio_not_a_crash() -> None:
         )
         assert "?" in str(table)
         assert json.loads(json.dumps(table.to_dict()))["rows"][0]["ratio"] in (None, 1.0)
+
+
+def test_an_error_in_a_variant_names_the_variant() -> None:
+    ran: list[str] = []
+    with pytest.raises(ZeroDivisionError) as caught:
+        dk.compare({"a": lambda: ran.append("a"), "b": lambda: 1 / 0}, max_time=0.15)
+    assert ran  # "a" was measured; the lambdas' traceback alone cannot tell which failed
+    assert caught.value.__notes__ == ["devicekit: compare() was measuring the variant 'b'"]
+    # A bad option is refused before any variant runs, and blames none of them.
+    with pytest.raises(ValueError, match=r"max_time must be at least min_time") as option:
+        dk.compare({"a": lambda: ran.append("again")}, max_time=0.05)
+    assert not getattr(option.value, "__notes__", None)
+    assert "again" not in ran
+
+
+def test_html_says_why_a_row_is_not_trustworthy() -> None:
+    noisy = dk.Measurement.from_times(
+        [1e-3, 5e-3] * 3,
+        [1e-3, 5e-3] * 3,
+        name="noisy",
+        mode="warm",
+        stop_reason="max_time",
+        conditions=dk.Conditions(device="cpu"),
+    )
+    table = dk.compare({"noisy": noisy, "ok": measured(1e-3, 0)})
+    html = table._repr_html_()
+    assert "<th>why not trustworthy</th>" in html
+    assert "<td>noisy: the median is only known to ±" in html  # as str() lists it under the table
+    assert html.endswith("<td></td></tr></table>")  # the trustworthy row: nothing to say
+    assert "why not" not in dk.compare({"ok": measured(1e-3, 0)})._repr_html_()

@@ -263,3 +263,19 @@ def test_an_error_from_fn_propagates_and_leaves_nothing_on() -> None:
         dk.find_leaks(fails_on_the_fourth_call)
     assert gc.get_freeze_count() == frozen
     assert not torch.overrides._get_current_function_mode_stack()  # the recorder is off
+
+
+def test_html_of_nothing_grown_is_the_verdict_and_shows_allocated_bytes() -> None:
+    from devicekit._leaks import DeviceGrowth
+
+    clean = dk.find_leaks(lambda: torch.ones(3).sum(), repeat=2)
+    # A header over no rows says nothing: the verdict does.
+    assert clean._repr_html_() == "<p>no leak: nothing grew over 2 calls after 2 warm-up calls</p>"
+    # The CUDA allocated bytes str() lists are in the notebook's view too.
+    growth = DeviceGrowth("cuda:0", 2**20, 3 * 2**20, 2**19)
+    report = dk.LeakReport(calls=4, warmup=2, leaks=(), allocated=(growth,))
+    assert "  cuda:0: allocated 1.00 MiB → 3.00 MiB (512.00 KiB/call)" in str(report)
+    assert (
+        "<tr><td>cuda:0</td><td>1.00 MiB</td><td>3.00 MiB</td><td>512.00 KiB</td></tr>"
+        in report._repr_html_()
+    )

@@ -32,7 +32,8 @@ def conditions(**fields: Any) -> dk.Conditions:
 
 def measurement(times: list[float], **fields: Any) -> dk.Measurement:
     options = {"name": "f", "mode": "warm", "stop_reason": "converged"}
-    options |= {k: fields.pop(k) for k in ("energy_per_call", "power") if k in fields}
+    extra = ("energy_per_call", "power", "warmup", "warmup_time", "clock_floor")
+    options |= {k: fields.pop(k) for k in extra if k in fields}
     options |= {k: fields.pop(k) for k in list(fields) if k in options}
     host = fields.pop("host_times", [t / 100 for t in times])  # GPU-bound unless given
     return dk.Measurement.from_times(
@@ -647,3 +648,119 @@ def test_a_median_of_zero_says_the_clock_is_too_coarse() -> None:
     ]
     assert not m.trustworthy
     assert m.to_dict()["rel_noise"] is None
+
+
+# --- warm-up and the clock's floor ---------------------------------------------------------------
+
+
+def _advised_max_time(note: str) -> float:
+    found = re.search(r"allow max_time of at least ([\d.]+) (s|ms)", note)
+    assert found, note
+    return float(found.group(1)) * (1e-3 if found.group(2) == "ms" else 1)
+
+
+def test_a_warm_up_that_uses_up_max_time_is_said_and_the_advice_covers_it() -> None:
+    first = [True]
+
+    def compiles_once() -> None:  # a first call that compiles, then fast ones
+        if first[0]:
+            first[0] = False
+            time.sleep(0.3)
+
+    m = dk.benchmark(compiles_once, max_time=0.2)
+    assert m.n < 6  # the warm-up took all of max_time: one batch of one call is timed
+    assert m.warmup == 0.05
+    assert m.warmup_time is not None
+    assert m.warmup_time >= 0.3
+    (note,) = [n for n in m.notes if n.startswith("noise unknown")]
+    assert "; the warm-up took 3" in note
+    assert note.endswith("or call fn once before benchmark() if its first call is the slow one")
+    # Advice to allow less than the 0.2 s given (or than the warm-up alone) would be nonsense.
+    assert _advised_max_time(note) > m.warmup_time
+
+
+def test_the_advised_max_time_counts_the_warm_up_as_it_would_run_again() -> None:
+    cpu_only = dk.Conditions(device="cpu")
+    compiled = measurement(
+        [0.01], stop_reason="max_time", warmup=0.05, warmup_time=0.6, conditions=cpu_only
+    )
+    assert compiled.notes == [
+        "noise unknown: only 1 call timed before max_time ran out (one takes 10 ms; the warm-up "
+        "took 600 ms), and a 95% confidence interval for the median needs at least 6; allow "
+        "max_time of at least 670 ms, or call fn once before benchmark() if its first call is "
+        "the slow one"
+    ]
+    # warmup=30 with max_time=0.3: the warm-up stopped at half of max_time (0.15 s), and
+    # grows with it: 0.8 s (7 calls after 0.15 s) would warm up for 0.4 s and time 4 calls.
+    capped = measurement(
+        [0.1], stop_reason="max_time", warmup=30.0, warmup_time=0.15, conditions=cpu_only
+    )
+    assert _advised_max_time(capped.notes[0]) == 1.6
+    assert "warm-up took" not in capped.notes[0]  # it is not the slow part here
+
+
+def test_timing_a_call_that_does_nothing_is_at_the_clock_floor() -> None:
+    m = dk.benchmark(lambda: None, max_time=0.2)
+    assert m.clock_floor is not None
+    assert m.clock_floor > 0
+    assert not m.trustworthy
+    (note,) = [n for n in m.notes if n.startswith("at the clock's floor")]
+    assert "timing a call that does nothing reads" in note
+    assert note.endswith("time a loop of many calls inside one function, and divide")
+    assert m.to_dict()["clock_floor"] == m.clock_floor
+
+
+def test_a_call_far_above_the_floor_gets_no_floor_note() -> None:
+    m = dk.benchmark(busy, 0.001, max_time=0.3)
+    assert m.clock_floor is not None
+    assert not any(note.startswith("at the clock's floor") for note in m.notes)
+
+
+def test_the_floor_note_and_its_threshold() -> None:
+    cpu_only = dk.Conditions(device="cpu")
+    at = measurement([1e-6] * 20, clock_floor=1e-7, conditions=cpu_only)
+    assert not at.trustworthy
+    assert at.notes == [
+        "at the clock's floor: timing a call that does nothing reads 100 ns, 10% of this "
+        "median: that much of it may be the clock's own cost, not fn's; time a loop of many "
+        "calls inside one function, and divide"
+    ]
+    above = measurement([1e-6] * 20, clock_floor=0.9e-7, conditions=cpu_only)
+    assert above.trustworthy
+    assert above.notes == []
+    nothing = measurement([7e-8] * 20, clock_floor=8e-8, conditions=cpu_only)
+    assert "reads 80 ns, as much as this median: it may all be the clock's" in nothing.notes[0]
+    # On a GPU the events' resolution is the floor, and a graph spreads it over its calls.
+    gpu = measurement([3e-6] * 20, host_times=[1e-7] * 20, clock_floor=0.5e-6)
+    assert gpu.notes[0].endswith("mode='graph' times many calls per replay")
+
+
+def test_json_round_trip_keeps_the_warm_up_and_the_floor() -> None:
+    original = measurement([1e-3] * 10, warmup=0.05, warmup_time=0.2, clock_floor=6e-8)
+    document = json.loads(json.dumps(original.to_dict(times=True)))
+    assert (document["warmup"], document["warmup_time"], document["clock_floor"]) == (
+        0.05,
+        0.2,
+        6e-8,
+    )
+    assert dk.Measurement.from_dict(document) == original
+    for key in ("warmup", "warmup_time", "clock_floor"):  # documents from before them load
+        del document[key]
+    assert dk.Measurement.from_dict(document).clock_floor is None
+    assert "clock floor" in original._repr_html_()
+    assert "<td>200 ms</td>" in original._repr_html_()  # the warm-up
+
+
+@pytest.mark.parametrize(
+    ("times", "message"),
+    [
+        ([], r"^Measurement\.from_times\(\) needs at least one time, got none$"),
+        ([1e-3, math.nan], r"^times\[1\] is nan: every time must be a finite number of seconds"),
+        ([math.inf], r"^times\[0\] is inf: every time"),
+        ([1e-3, -1e-3], r"^times\[1\] is -0\.001: every time"),
+    ],
+)
+def test_from_times_refuses_what_no_clock_reads(times: list[float], message: str) -> None:
+    # A NaN would print as "median ?" and compare as "nanx faster"; none would be an IndexError.
+    with pytest.raises(ValueError, match=message):
+        measurement(times)

@@ -181,8 +181,41 @@ def test_a_real_cpu_oom_is_explained() -> None:
         assert report.free is not None
         assert 0 < report.free <= report.total
     assert report.allocated is None  # no allocator counts CPU bytes: unknown, not 0
-    assert report.fixes[0].startswith("Check the shape that asked for 4096.00 PiB")
+    assert report.fixes[0].startswith("Check the shape that asked for 4.00 EiB")
     assert report.fixes[1].startswith("Use a smaller batch")
+
+
+def test_python_s_memory_error_stays_one_and_carries_the_host_s_report() -> None:
+    with pytest.raises(MemoryError) as caught, dk.explain_oom():
+        bytearray(2**62)  # a real failed allocation: 4 EiB, more than any machine has
+    error = caught.value
+    assert type(error) is MemoryError  # `except MemoryError` still catches it
+    if sys.version_info >= (3, 11):
+        (note,) = error.__notes__
+        assert note.startswith(
+            "devicekit.explain_oom: a host allocation failed (MemoryError).\ncpu is out of memory"
+        )
+        assert "fixes, most promising first:" in note
+
+
+def test_a_host_failure_is_reported_on_the_cpu_whatever_device_says() -> None:
+    # With device="meta" (or a GPU) the report would describe memory that did not run out.
+    with pytest.raises(torch.OutOfMemoryError) as caught, dk.explain_oom(device="meta"):
+        torch.empty(2**62, dtype=torch.uint8)
+    assert caught.value.report.device == "cpu"  # type: ignore[attr-defined]
+    with pytest.raises(MemoryError) as memory, dk.explain_oom(device="meta"):
+        bytearray(2**62)
+    if sys.version_info >= (3, 11):
+        assert "\ncpu is out of memory" in memory.value.__notes__[0]
+
+
+def test_numpy_s_message_says_what_it_asked_for() -> None:
+    text = (
+        "Unable to allocate 4.00 EiB for an array with shape (4611686018427387904,) and "
+        "data type uint8"
+    )
+    assert parse_oom(text).requested == 2**62
+    assert parse_oom("Tried to allocate 2.00 PiB.").requested == 2 * 2**50
 
 
 def test_as_a_decorator_bare_and_with_options() -> None:
