@@ -62,7 +62,9 @@ class Diagnosis:
 
 
 def _persistence(infos: list[GPUInfo]) -> list[Finding]:
-    off = [i for i in infos if _nvml.persistence_mode(i.nvml_index) is False]
+    # Per physical GPU: a GPU in MIG mode and its instances share one NVML index.
+    indices = dict.fromkeys(info.nvml_index for info in infos)
+    off = [i for i in indices if _nvml.persistence_mode(i) is False]
     if not off or not sys.platform.startswith("linux"):
         return []
     return [
@@ -115,7 +117,8 @@ def doctor() -> Diagnosis:
 
     Checks: a CPU build of torch on a machine with a driver (or a torch build
     newer than the driver supports); ``CUDA_VISIBLE_DEVICES`` hiding every GPU
-    or read differently than written; GPUs busy with other processes; clocks
+    or read differently than written; a GPU that is lost (fallen off the bus)
+    or needs a reset; GPUs busy with other processes; clocks
     held down by heat or power trouble now; a GPU at 85 °C or more;
     persistence mode off; CUDA already
     initialized in this process (fork unsafe); Jupyter on a platform that

@@ -11,6 +11,14 @@ then at most 10% of the window), and is ``None`` otherwise.
 The counter covers the whole board: another process on the GPU counts too
 (``Measurement.trustworthy`` says when one was there), and so does every MIG
 instance of a GPU, which is why NVML does not offer it for a MIG instance.
+
+What reads as unknown (None), never as a number: a read NVML answers with an
+error, or with ``NVML_VALUE_NOT_AVAILABLE`` (2**64 - 1 mJ, which would read as
+18 PJ); and a window over which the counter went down (the driver reloaded
+and it restarted from 0; an unsigned 64-bit count of millijoules wraps only
+after 585,000 years at 1 kW) or did not move at all (a GPU draws tens of
+watts even idle, so a counter that stands still for a second is not being
+updated, and 0 J would be a wrong answer).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ class EnergyCounter:
 
     def read(self) -> float | None:
         """Joules used since the driver loaded; None where NVML does not say."""
-        return read_energy(self.handle)
+        return read_energy(self.handle)  # None for NVML_VALUE_NOT_AVAILABLE too
 
 
 def energy_counter(device: torch.device) -> EnergyCounter | None:
@@ -67,8 +75,10 @@ def energy_use(
         (0.6, 300.0)
         >>> energy_use(100.0, 130.0, seconds=0.1, calls=50)  # shorter than the counter's steps
         (None, None)
+        >>> energy_use(100.0, 100.0, seconds=2.0, calls=1000)  # a counter that stood still
+        (None, None)
     """
-    if before is None or after is None or seconds < MIN_WINDOW or calls < 1 or after < before:
+    if before is None or after is None or seconds < MIN_WINDOW or calls < 1 or after <= before:
         return None, None
     joules = after - before
     return joules / calls, joules / seconds

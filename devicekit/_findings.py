@@ -28,11 +28,13 @@ __all__ = [
     "hot",
     "is_hot",
     "is_low_on_memory",
+    "lost",
     "low_memory",
     "models",
     "no_gpu",
     "no_gpu_reason",
     "torch_cannot_use_gpus",
+    "unreadable",
     "visibility",
 ]
 
@@ -285,4 +287,28 @@ def low_memory(info: GPUInfo) -> Finding | None:
         f"{info.device} has little free memory",
         f"{format_bytes(info.memory_free)} of {format_bytes(info.memory_total)} free",
         "free it (dk.free_memory() in the process holding it), or use another GPU",
+    )
+
+
+def unreadable(info: GPUInfo) -> Finding | None:
+    """NVML cannot read a GPU this process can see at all: it is lost, or needs a reset."""
+    if info.torch_index is None or info.error is None:
+        return None
+    return lost(str(info.device), info.error)
+
+
+def lost(where: str, reason: str) -> Finding:
+    """A GPU that stopped answering the driver; ``where`` names it (``"cuda:0"``).
+
+    Examples:
+        >>> print(lost("cuda:1", "NVML says the GPU is lost").title)
+        cuda:1 cannot be read
+    """
+    return Finding(
+        "error",
+        f"{where} cannot be read",
+        safe_text(reason),
+        "look for Xid errors in the kernel log (sudo dmesg | grep -i xid); reset the GPU "
+        "(sudo nvidia-smi -r -i <nvml index>) or reboot; if it happens again, check its "
+        "power and cooling",
     )

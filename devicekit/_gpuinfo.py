@@ -106,6 +106,10 @@ class GPUInfo:
         energy: Joules the GPU consumed since the driver loaded (Volta and
             newer); the difference between two snapshots is the energy used
             in between.
+        error: Why NVML could not read this GPU at all, such as "NVML says
+            the GPU is lost" (it fell off the bus); then every reading is
+            None. None when NVML answered (a field it cannot give is None
+            without a reason here).
     """
 
     torch_index: int | None
@@ -130,11 +134,17 @@ class GPUInfo:
     mig_enabled: bool | None
     processes: tuple[GPUProcess, ...] | None
     energy: float | None = None
+    error: str | None = None
 
     @property
     def device(self) -> str | None:
         """``"cuda:N"`` for a GPU this process can use, else None."""
         return None if self.torch_index is None else f"cuda:{self.torch_index}"
+
+    @property
+    def mig_instance(self) -> bool:
+        """Whether this is a MIG instance (``MIG-...``), not a whole GPU."""
+        return self.uuid is not None and self.uuid.startswith("MIG-")
 
     @property
     def memory_fraction(self) -> float | None:
@@ -185,6 +195,8 @@ class GPUInfo:
     def __repr__(self) -> str:
         where = self.device or _UNUSABLE
         parts = [f"{where} (nvml {self.nvml_index})", safe_text(self.name or UNKNOWN)]
+        if self.error is not None:
+            parts.append(f"cannot be read: {safe_text(self.error)}")
         parts.append(f"memory {self.memory_text()}")
         if self.utilization is not None:
             parts.append(f"util {self.utilization}%")
@@ -203,7 +215,9 @@ class GPUInfo:
     def rows(self) -> list[tuple[str, str]]:
         """The snapshot as (label, text) pairs in human units, for tables."""
         mig = self.mig_enabled
+        problem = [] if self.error is None else [("cannot be read", safe_text(self.error))]
         return [
+            *problem,
             ("device", self.device or f"none: {_UNUSABLE}"),
             ("nvml index", str(self.nvml_index)),
             ("name", safe_text(self.name or UNKNOWN)),

@@ -12,7 +12,14 @@ as soon as either applies. devicekit maps through UUIDs instead:
    CUDA itself, so the caller's process never starts CUDA. The answer is
    cached per value of the two variables.
 2. ``CUDA_VISIBLE_DEVICES`` applied to that order, with CUDA's rules
-   (indices, unique ``GPU-`` UUID prefixes, ``MIG-`` UUIDs).
+   (indices, unique ``GPU-`` UUID prefixes, ``MIG-`` UUIDs). A CUDA process
+   enumerates one MIG instance at most, so a list of several ``MIG-`` UUIDs
+   is a question for the child too (without it: the first one).
+
+A CUDA device NVML cannot place (a UUID in CUDA's order that NVML does not
+list) ends the list there, as a bad ``CUDA_VISIBLE_DEVICES`` entry does: the
+devices after it cannot be numbered for certain, and ``result[i]`` must be
+``cuda:i``.
 
 A torch build without CUDA (CPU, ROCm, XPU, MPS) has no ``cuda:N`` for an
 NVIDIA GPU, so there it sees none, whatever NVML lists.
@@ -74,7 +81,9 @@ def _normalized(uuid: str | None) -> str:
 
 def _needs_cuda_to_order(physical: list[PhysicalGPU], entries: list[int | str] | None) -> bool:
     if entries and isinstance(entries[0], str):
-        return False  # UUIDs name the devices and their order outright
+        # UUIDs name the devices and their order outright; but of several MIG
+        # instances CUDA enumerates only one, and only CUDA says which.
+        return sum(str(entry).startswith("MIG-") for entry in entries) > 1
     if any(gpu.mig for gpu in physical):
         return True  # CUDA enumerates MIG instances; only CUDA knows their order
     if os.environ.get(_ORDER_VAR) == "PCI_BUS_ID":
@@ -194,10 +203,25 @@ def _visible_now(physical: list[PhysicalGPU]) -> list[_Visible]:
 def _match_uuids(physical: list[PhysicalGPU], order: list[str]) -> list[_Visible]:
     by_uuid: dict[str, _Visible] = {}
     for gpu in physical:
-        by_uuid[_normalized(gpu.uuid)] = _Visible(gpu)
+        if gpu.uuid is not None:
+            by_uuid[_normalized(gpu.uuid)] = _Visible(gpu)
         for mig_uuid, handle in gpu.mig:
             by_uuid[_normalized(mig_uuid)] = _Visible(gpu, handle, mig_uuid)
-    return [by_uuid[_normalized(uuid)] for uuid in order if _normalized(uuid) in by_uuid]
+    matched: list[_Visible] = []
+    for uuid in order:
+        found = by_uuid.get(_normalized(uuid))
+        if found is None:
+            # Skipping it would give every later device the index of the one before.
+            _nvml.logger.warning(
+                "cuda:%d (UUID %s) is not a device NVML lists here, so devicekit describes "
+                "only the %d CUDA devices before it",
+                len(matched),
+                uuid,
+                len(matched),
+            )
+            break
+        matched.append(found)
+    return matched
 
 
 def _apply_visible_devices(
@@ -213,6 +237,10 @@ def _apply_visible_devices(
         if any(v.gpu is found.gpu and v.uuid == found.uuid for v in visible):
             return []  # a duplicate hides everything
         visible.append(found)
+    if any(v.handle is not None for v in visible):
+        # CUDA enumerates one MIG instance per process, the first one listed (the
+        # child process, when it could be asked, said so for this CUDA itself).
+        return visible[:1]
     return visible
 
 
@@ -255,6 +283,8 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
         all: Snapshot every GPU on the machine instead, in NVML order, with
             ``torch_index=None`` for those this process cannot use (hidden by
             ``CUDA_VISIBLE_DEVICES``, or all of them when torch has no CUDA).
+            A GPU in MIG mode is followed by its MIG instances, which are the
+            devices CUDA can use; the GPU itself is not one.
 
     Returns:
         One [`GPUInfo`][devicekit.GPUInfo] per GPU. An empty list when there is
@@ -271,10 +301,13 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
     visible = visible_gpus()
     if not all:
         return [_snapshot(v, index) for index, v in enumerate(visible)]
-    torch_index = {v.gpu.nvml_index: i for i, v in enumerate(visible) if v.handle is None}
-    return [
-        _snapshot(_Visible(gpu), torch_index.get(gpu.nvml_index)) for gpu in _nvml.physical_gpus()
-    ]
+    torch_index = {(v.gpu.nvml_index, v.uuid): i for i, v in enumerate(visible)}
+    every = []
+    for gpu in _nvml.physical_gpus():
+        every.append(_Visible(gpu))
+        # A GPU in MIG mode is not a CUDA device itself; its instances are.
+        every.extend(_Visible(gpu, handle, uuid) for uuid, handle in gpu.mig)
+    return [_snapshot(v, torch_index.get((v.gpu.nvml_index, v.uuid))) for v in every]
 
 
 def gpu(index: DeviceLike = 0) -> GPUInfo:
@@ -321,6 +354,8 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
 def _rejection(
     info: GPUInfo, min_free_memory: int | None, max_utilization: float | None
 ) -> str | None:
+    if info.error is not None:  # lost: whatever the limits, no work will run there
+        return f"it cannot be read ({info.error})"
     if min_free_memory is not None:
         if info.memory_free is None:
             return "free memory is unknown"
@@ -459,7 +494,8 @@ def pick_gpu(
 ) -> torch.device:
     """The visible GPU with the most free memory that meets the limits, else the CPU.
 
-    Ties go to the lower utilization, then the lower index. Reads NVML only,
+    Ties go to the lower utilization, then the lower index. A GPU NVML
+    cannot read at all (lost: fallen off the bus) never qualifies. Reads NVML only,
     so it never initializes CUDA: pick first, then start working.
 
     Jobs started at the same moment see the same free GPU. With

@@ -88,8 +88,9 @@ class Status:
         gpus: Every GPU NVML sees: those this process can use first, by torch
             index, then the others (``torch_index`` None): those
             ``CUDA_VISIBLE_DEVICES`` hides, or every one when torch has no CUDA.
+            A GPU in MIG mode is listed with each of its MIG instances.
         findings: What is wrong or worth knowing about what this process can
-            use (visibility, the build, no GPU).
+            use (visibility, the build, no GPU, a GPU that cannot be read).
         taken_at: When the snapshot was taken (seconds since the epoch).
     """
 
@@ -113,6 +114,11 @@ class Status:
     def visible(self) -> tuple[GPUInfo, ...]:
         """The GPUs this process can see, in torch index order."""
         return tuple(info for info in self.gpus if info.torch_index is not None)
+
+    @property
+    def _machine(self) -> tuple[GPUInfo, ...]:
+        """The physical GPUs, each once: without the MIG instances of a GPU in MIG mode."""
+        return tuple(info for info in self.gpus if not info.mig_instance)
 
     @property
     def _cuda_build(self) -> bool:
@@ -145,20 +151,23 @@ class Status:
         names = [info.device or "" for info in self.visible]
         if names:
             return f"this process sees {plural(len(names), 'GPU')}: {', '.join(names)}"
-        unusable = 0 if self._cuda_build else len(self.gpus)
+        unusable = 0 if self._cuda_build else len(self._machine)
         reason = _findings.no_gpu_reason(self.accelerator, self.nvml_error, unusable)
         return f"this process sees no GPU: {reason}"
 
     def _label(self, info: GPUInfo) -> str:
-        """Where ``info`` is for this process: ``"cuda:0"``, ``"hidden"``, or ``"no CUDA"``.
+        """Where ``info`` is for this process: ``"cuda:0"``, ``"hidden"``, ``"no CUDA"``...
 
         A GPU without a torch index is hidden by ``CUDA_VISIBLE_DEVICES`` in a
         CUDA build; in any other build torch cannot use it at all, and
-        "hidden" would send the reader to the wrong variable.
+        "hidden" would send the reader to the wrong variable. A GPU in MIG
+        mode is no CUDA device at all (its instances are): ``"MIG on"``.
         """
         if info.device is not None:
             return info.device
-        return "hidden" if self._cuda_build else "no CUDA"
+        if not self._cuda_build:
+            return "no CUDA"
+        return "MIG on" if info.mig_enabled and not info.mig_instance else "hidden"
 
     # --- renderings --------------------------------------------------------------------
 
@@ -225,16 +234,17 @@ class Status:
             # say why rather than print "? GPUs".
             machine = f"GPU count unknown: no NVML ({self.nvml_error})"
         elif self.gpus and not self._cuda_build:
-            names = ", ".join(safe_text(info.name or UNKNOWN) for info in self.gpus)
+            names = ", ".join(safe_text(info.name or UNKNOWN) for info in self._machine)
             machine = (
-                f"{plural(len(self.gpus), 'GPU')} on the machine, which this torch build "
+                f"{plural(len(self._machine), 'GPU')} on the machine, which this torch build "
                 f"cannot use (no CUDA): {names}"
             )
         else:
             gpus = ", ".join(
                 f"{self._label(info)} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
             )
-            machine = f"{plural(len(self.gpus), 'GPU')} on the machine{': ' + gpus if gpus else ''}"
+            count = plural(len(self._machine), "GPU")
+            machine = f"{count} on the machine{': ' + gpus if gpus else ''}"
         return (
             f"Status(torch {self.torch} ({self.torch_build}), devices: "
             f"{', '.join(self.devices) or 'cpu only'}; {machine}; "
@@ -299,6 +309,7 @@ def _gpu_block(info: GPUInfo, label: str) -> list[str]:
     indent = " " * width
     fraction = info.memory_fraction
     share = "" if fraction is None else f" ({100 * fraction:.0f}%)"
+    problem = [] if info.error is None else [f"{indent}cannot be read: {safe_text(info.error)}"]
     return [
         f"{label:<{width}}nvml {info.nvml_index}  {safe_text(info.name or UNKNOWN)}  "
         f"{safe_text(info.pci_bus_id or UNKNOWN)}  {safe_text(info.uuid or UNKNOWN)}",
@@ -309,6 +320,7 @@ def _gpu_block(info: GPUInfo, label: str) -> list[str]:
         f"power {info.power_text()}  SM {info.clock_text()}  "
         f"memory {format_value(info.memory_clock, 'MHz')}  clocks held by: {info.held_text()}",
         f"{indent}processes: {info.processes_text()}",
+        *problem,
     ]
 
 
@@ -340,17 +352,23 @@ def status() -> Status:
     devices = tuple(str(d) for d in try_all_gpus() if d.type != "cpu")
     infos = _gpus.gpus(all=True)
     ordered = tuple(sorted(infos, key=lambda i: (i.torch_index is None, i.torch_index or 0)))
+    machine = [info for info in infos if not info.mig_instance]  # each physical GPU once
     error = _nvml.nvml_error()
     driver = _nvml.driver_version()
     cuda = _nvml.cuda_driver_version()
     cpu_build = not (torch.version.cuda or torch.version.hip)
-    wrong_build = _findings.torch_cannot_use_gpus(torch.__version__, cpu_build, infos, driver, cuda)
+    wrong_build = _findings.torch_cannot_use_gpus(
+        torch.__version__, cpu_build, machine, driver, cuda
+    )
+    lost = _nvml.lost_gpus()
     findings = [
         wrong_build,
         _findings.driver_too_old(torch.__version__, torch.version.cuda, cuda, driver),
-        _findings.visibility(raw, len(infos)),
+        _findings.visibility(raw, len(machine) + len(lost)),
         # "No GPU" says nothing new beside "torch is a CPU build, but ... has GPUs".
         None if wrong_build else _findings.no_gpu(accelerator, len(devices), error),
+        *(_findings.unreadable(info) for info in ordered),
+        *(_findings.lost(f"the GPU at NVML index {i}", why) for i, why in lost.items()),
     ]
     return Status(
         devicekit=__version__,

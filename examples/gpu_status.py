@@ -13,8 +13,10 @@ if not dk.nvml_available():
     print(f"no GPU status here: {dk.nvml_error()}")
 
 for info in dk.gpus(all=True):
-    where = info.device or "hidden from this process"
-    print(f"{where}: {info!r}")
+    # No torch index: CUDA_VISIBLE_DEVICES hides it, torch has no CUDA, or it is a GPU
+    # in MIG mode (its MIG instances, listed after it, are the devices).
+    where = info.device or "not usable by this process"
+    print(f"{where}: {info!r}")  # a lost GPU says "cannot be read: ..." here
     for process in info.processes or ():
         print(f"    {process}")  # pid, name (escaped), memory in GiB; "?" when unknown
 

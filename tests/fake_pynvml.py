@@ -19,6 +19,10 @@ DRIVER_NOT_LOADED = 9
 INSUFFICIENT_SIZE = 7
 LIBRARY_NOT_FOUND = 12
 FUNCTION_NOT_FOUND = 13
+TIMEOUT = 10
+GPU_IS_LOST = 15
+ARGUMENT_VERSION_MISMATCH = 25
+UNKNOWN = 999
 
 
 class NVMLError(Exception):
@@ -55,6 +59,11 @@ class FakeGPU:
     compute: list[tuple[int, int | None]] = field(default_factory=list)
     graphics: list[tuple[int, int | None]] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)  # NVML function names answering 3
+    # Faults: function name -> the NVML error code it raises on every call, or a list of
+    # codes it raises on its next calls, one per call, before it answers again.
+    errors: dict[str, int | list[int]] = field(default_factory=dict)
+    lost: bool = False  # every call about this GPU raises GPU_IS_LOST (fallen off the bus)
+    free: int | None = None  # what NVML reports free, when not total - used (a driver's oddity)
 
 
 class FakeNVML(types.ModuleType):
@@ -76,6 +85,9 @@ class FakeNVML(types.ModuleType):
         self.shutdown_calls = 0
         self.calls: collections.Counter[str] = collections.Counter()
         self.NVMLError = NVMLError
+        # Faults of calls about no one GPU (nvmlDeviceGetCount...), as FakeGPU.errors.
+        self.errors: dict[str, int | list[int]] = {}
+        self.strings_as_bytes = False  # old bindings return bytes for names and versions
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -83,8 +95,16 @@ class FakeNVML(types.ModuleType):
         self.calls[name] += 1
         if name in self.missing:
             raise NVMLError(FUNCTION_NOT_FOUND)
+        _fault(self.errors, name)
+        if handle is not None:
+            if handle.lost:
+                raise NVMLError(GPU_IS_LOST)
+            _fault(handle.errors, name)
         if handle is not None and name in handle.unsupported:
             raise NVMLError(NOT_SUPPORTED)
+
+    def _string(self, text: str) -> str | bytes:
+        return text.encode() if self.strings_as_bytes else text
 
     def _nvmlGetFunctionPointer(self, name: str) -> Any:
         self._check(name)
@@ -118,29 +138,35 @@ class FakeNVML(types.ModuleType):
     def nvmlShutdown(self) -> None:
         self.shutdown_calls += 1
 
-    def nvmlSystemGetDriverVersion(self) -> str:
-        return self.driver
+    def nvmlSystemGetDriverVersion(self) -> str | bytes:
+        self._check("nvmlSystemGetDriverVersion")
+        return self._string(self.driver)
 
     def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
         self._check("nvmlSystemGetCudaDriverVersion_v2")
         return self.cuda_version
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._check("nvmlSystemGetCudaDriverVersion")
         return self.cuda_version
 
     # --- devices ----------------------------------------------------------------------
 
     def nvmlDeviceGetCount(self) -> int:
+        self._check("nvmlDeviceGetCount")
         return len(self.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGPU:
+        self._check("nvmlDeviceGetHandleByIndex", self.gpus[index])
         return self.gpus[index]
 
-    def nvmlDeviceGetUUID(self, h: FakeGPU) -> str:
-        return h.uuid
+    def nvmlDeviceGetUUID(self, h: FakeGPU) -> str | bytes:
+        self._check("nvmlDeviceGetUUID", h)
+        return self._string(h.uuid)
 
-    def nvmlDeviceGetName(self, h: FakeGPU) -> str:
-        return h.name
+    def nvmlDeviceGetName(self, h: FakeGPU) -> str | bytes:
+        self._check("nvmlDeviceGetName", h)
+        return self._string(h.name)
 
     def nvmlDeviceGetPciInfo(self, h: FakeGPU) -> Any:
         self._check("nvmlDeviceGetPciInfo", h)
@@ -153,7 +179,8 @@ class FakeNVML(types.ModuleType):
         else:
             self._check("nvmlDeviceGetMemoryInfo", h)
             used = h.used + h.reserved  # v1 counts the driver's reservation as used
-        return types.SimpleNamespace(total=h.total, used=used, free=h.total - used)
+        free = h.total - used if h.free is None else h.free
+        return types.SimpleNamespace(total=h.total, used=used, free=free)
 
     def nvmlDeviceGetUtilizationRates(self, h: FakeGPU) -> Any:
         self._check("nvmlDeviceGetUtilizationRates", h)
@@ -229,9 +256,11 @@ class FakeNVML(types.ModuleType):
         return (1, 1) if h.mig else (0, 0)
 
     def nvmlDeviceGetMaxMigDeviceCount(self, h: FakeGPU) -> int:
+        self._check("nvmlDeviceGetMaxMigDeviceCount", h)
         return 7 if h.mig else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, h: FakeGPU, slot: int) -> FakeGPU:
+        self._check("nvmlDeviceGetMigDeviceHandleByIndex", h)
         if slot >= len(h.mig):
             raise NVMLError(6)  # NOT_FOUND: an empty slot
         return h.mig[slot]
@@ -254,3 +283,13 @@ class FakeNVML(types.ModuleType):
 
     def nvmlDeviceGetGraphicsRunningProcesses_v2(self, h: FakeGPU) -> list[Any]:
         return self._processes(h, "graphics", 2)
+
+
+def _fault(errors: dict[str, int | list[int]], name: str) -> None:
+    """Raise the error ``errors`` holds for ``name``: always that code, or the next one listed."""
+    code = errors.get(name)
+    if isinstance(code, list):
+        if code:
+            raise NVMLError(code.pop(0))
+    elif code is not None:
+        raise NVMLError(code)

@@ -238,3 +238,42 @@ def test_doctor_reports_a_competing_process(
     busy = [f for f in diagnosis.findings if "busy with" in f.title]
     assert busy
     assert str(hammer.pid) in busy[0].detail
+
+
+def test_a_busy_full_mig_instance_is_found_and_persistence_counted_per_gpu(
+    nvml_session: Install, cuda_build: Callable[[str | None], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the MIG instance in use was not in status().visible, so doctor said nothing.
+    cuda_build("12.8")
+    slices = [
+        FakeGPU(
+            "MIG-11111111-aaaa",
+            total=20 * 2**30,
+            used=19 * 2**30,
+            compute=[(5_000_001, 19 * 2**30)],
+        ),
+        FakeGPU("MIG-22222222-bbbb", total=20 * 2**30),
+    ]
+    nvml_session(FakeNVML([FakeGPU(A, mig=slices, persistence=0)]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-11111111-aaaa")
+    diagnosis = dk.doctor()
+    assert titles(diagnosis) == [
+        ("warning", "cuda:0 is busy with 1 other process"),
+        ("warning", "persistence mode is off"),
+        ("warning", "cuda:0 has little free memory"),
+    ]
+    assert diagnosis.findings[1].detail.startswith("on 1 GPU: ")  # not 3: one board
+
+
+def test_a_lost_gpu_is_an_error_with_the_fix(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    cuda_build("12.8")
+    fake = FakeNVML([FakeGPU(A)])
+    nvml_session(fake)
+    dk.gpus()
+    fake.gpus[0].lost = True
+    diagnosis = dk.doctor()
+    assert titles(diagnosis) == [("error", "cuda:0 cannot be read")]
+    assert "nvidia-smi -r" in diagnosis.findings[0].fix
+    assert diagnosis.exit_code == 1

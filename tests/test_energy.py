@@ -106,3 +106,42 @@ def test_compare_shows_energy_when_every_row_has_it() -> None:
     partial = dk.compare({"a": _measured("a", 2e-3, 0.6), "b": _measured("b", 1e-3, None)})
     assert not partial.has_energy
     assert "energy" not in str(partial)
+
+
+def test_a_counter_not_available_reads_as_none(nvml_session: Callable[[Any], None]) -> None:
+    # NVML_VALUE_NOT_AVAILABLE (2**64 - 1 mJ) must not read as 18 PJ: a benchmark whose
+    # second read got it would report petajoules per call.
+    gpu = FakeGPU("GPU-1", energy_mj=1_000_000)
+    nvml_session(FakeNVML([gpu]))
+    counter = energy_counter(CUDA0)
+    assert counter is not None
+    before = counter.read()
+    gpu.energy_mj = 2**64 - 1
+    after = counter.read()
+    assert after is None
+    assert energy_use(before, after, seconds=2.0, calls=100) == (None, None)
+    gpu.energy_mj = 2**64 - 1
+    nvml_session(FakeNVML([gpu]))
+    assert energy_counter(CUDA0) is None  # not available from the first read: no counter
+
+
+def test_a_counter_that_stood_still_is_unknown_not_zero() -> None:
+    # Before: (0.0, 0.0), "0 J per call at 0 W", for a counter the driver did not update.
+    assert energy_use(500.0, 500.0, seconds=3.0, calls=1000) == (None, None)
+
+
+def test_a_gpu_lost_mid_window_gives_none(nvml_session: Callable[[Any], None]) -> None:
+    gpu = FakeGPU("GPU-1", energy_mj=1_000_000)
+    nvml_session(FakeNVML([gpu]))
+    counter = energy_counter(CUDA0)
+    assert counter is not None
+    before = counter.read()
+    gpu.lost = True  # fell off the bus
+    assert counter.read() is None
+    assert energy_use(before, counter.read(), seconds=2.0, calls=10) == (None, None)
+
+
+def test_a_counter_that_wrapped_or_restarted_gives_none() -> None:
+    # Driver reloaded (or, after 585,000 years at 1 kW, the 64-bit count wrapped): the
+    # counter went down. The difference would be negative, or the whole count: unknown.
+    assert energy_use(2.0e9, 12.0, seconds=2.0, calls=10) == (None, None)

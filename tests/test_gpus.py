@@ -174,6 +174,55 @@ def test_mig_without_mig_uuids_asks_cuda(
     assert uuids(dk.gpus()) == ["MIG-11111111-aaaa"]
 
 
+def a100_in_mig_mode() -> FakeNVML:
+    slices = [
+        FakeGPU("MIG-11111111-aaaa", name="NVIDIA A100 MIG 3g.20gb", total=20 * 2**30),
+        FakeGPU("MIG-22222222-bbbb", name="NVIDIA A100 MIG 3g.20gb", total=20 * 2**30),
+    ]
+    return machine(FakeGPU(A, name="NVIDIA A100", mig=slices))
+
+
+def test_all_lists_the_mig_instances_with_the_torch_index_of_the_one_in_use(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: only the GPU in MIG mode, with torch_index None, while dk.gpus() had cuda:0:
+    # so dk.status() had no visible GPU and doctor looked at nothing.
+    nvml_session(a100_in_mig_mode())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-22222222-bbbb")
+    infos = dk.gpus(all=True)
+    assert [(i.uuid, i.torch_index, i.mig_instance) for i in infos] == [
+        (A, None, False),  # the GPU in MIG mode is no CUDA device itself
+        ("MIG-11111111-aaaa", None, True),
+        ("MIG-22222222-bbbb", 0, True),
+    ]
+    assert infos[2] == dk.gpus()[0]
+
+
+def test_cuda_enumerates_one_mig_instance_of_several_listed(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: cuda:0 and cuda:1, where CUDA has only cuda:0 (one MIG instance per process).
+    nvml_session(a100_in_mig_mode())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-22222222-bbbb,MIG-11111111-aaaa")
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: ["22222222-bbbb"])  # CUDA's answer
+    assert uuids(dk.gpus()) == ["MIG-22222222-bbbb"]
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: None)  # no child: the first listed
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-11111111-aaaa,MIG-22222222-bbbb")
+    assert uuids(dk.gpus()) == ["MIG-11111111-aaaa"]
+
+
+def test_a_cuda_device_nvml_cannot_place_ends_the_list(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: the unknown device was dropped and C, CUDA's cuda:2, was described as cuda:1.
+    nvml_session(machine(FakeGPU(A, name="T4"), FakeGPU(C, name="H100", bus="00000000:5C:00.0")))
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: [A[4:], B[4:], C[4:]])
+    with caplog.at_level(logging.WARNING, logger="devicekit"):
+        assert [(i.torch_index, i.uuid) for i in dk.gpus()] == [(0, A)]
+    assert "cuda:1 (UUID bbbb2222-" in caplog.text
+    assert [(i.torch_index, i.uuid) for i in dk.gpus(all=True)] == [(0, A), (None, C)]
+
+
 def two_models() -> FakeNVML:
     return machine(FakeGPU(A), FakeGPU(B, name="NVIDIA A100-SXM4-80GB", bus="00000000:3A:00.0"))
 
@@ -316,6 +365,21 @@ def test_pick_gpu_rejects_unknown_values_when_limited(nvml_session: Install) -> 
     nvml_session(fake)
     assert dk.pick_gpu() == torch.device("cuda", 1)
     assert dk.pick_gpu(max_utilization=100) == torch.device("cuda", 2)
+
+
+def test_pick_gpu_never_picks_a_lost_gpu(nvml_session: Install) -> None:
+    # Before: a GPU that fell off the bus had free memory None, ranked as 0, and with no
+    # limit pick_gpu() returned it: the job then failed on its first CUDA call.
+    fake = three([10, 40, 30], [0, 90, 20])
+    nvml_session(fake)
+    dk.gpus()
+    for gpu in fake.gpus:
+        gpu.lost = True
+    assert dk.pick_gpu() == torch.device("cpu")
+    with pytest.raises(
+        dk.GPUUnavailableError, match=r"rejected: cuda:0: it cannot be read \(NVML says the GPU"
+    ):
+        dk.pick_gpus(1)
 
 
 def test_pick_gpus_says_why_each_gpu_was_rejected(nvml_session: Install) -> None:

@@ -23,8 +23,14 @@ from devicekit import _nvml
 from .conftest import GPU_COUNT, run_python
 from .fake_pynvml import (
     DRIVER_NOT_LOADED,
+    FUNCTION_NOT_FOUND,
+    GPU_IS_LOST,
+    INSUFFICIENT_SIZE,
     LIBRARY_NOT_FOUND,
     NO_PERMISSION,
+    NOT_SUPPORTED,
+    TIMEOUT,
+    UNKNOWN,
     FakeGPU,
     FakeNVML,
 )
@@ -425,3 +431,240 @@ def test_a_process_repr_is_in_human_units() -> None:
     process = dk.GPUProcess(1234, "python3", 40 * 2**30, "compute")
     assert repr(process) == "GPUProcess(1234 python3 40 GiB, compute)"
     assert "42949672960" not in repr(process)
+
+
+# --- faults real machines show ---------------------------------------------------------------
+
+H100_B = "GPU-bbbb2222-0000-0000-0000-000000000000"
+
+
+def two_gpus(**first: Any) -> FakeNVML:
+    return FakeNVML([FakeGPU(H100, **first), FakeGPU(H100_B, bus="00000000:3A:00.0")])
+
+
+@pytest.mark.parametrize("code", [GPU_IS_LOST, UNKNOWN, TIMEOUT, NOT_SUPPORTED, NO_PERMISSION])
+def test_one_gpus_error_decides_nothing_for_the_others(nvml_session: Install, code: int) -> None:
+    # Before: the first GPU read answering anything but NO_PERMISSION to the v2 memory
+    # call switched the whole process to v1, so every other GPU's memory_used silently
+    # counted the driver's reservation (2.5 GiB here instead of 2.0), and the batched
+    # power and energy call was never tried again.
+    fake = two_gpus()
+    fake.gpus[0].errors = {"nvmlDeviceGetMemoryInfo_v2": code, "nvmlDeviceGetFieldValues": code}
+    nvml_session(fake)
+    _, second = dk.gpus(all=True)
+    assert second.memory_used == 2 * 2**30
+    assert second.power_draw == 120.0
+    assert _nvml._session.memory_v2 is True
+    assert _nvml._session.field_values is True
+
+
+@pytest.mark.parametrize("absent", [FUNCTION_NOT_FOUND, 25])  # 25: ARGUMENT_VERSION_MISMATCH
+def test_a_driver_without_v2_memory_is_asked_once(nvml_session: Install, absent: int) -> None:
+    fake = two_gpus()
+    fake.errors = {"nvmlDeviceGetMemoryInfo_v2": absent}
+    nvml_session(fake)
+    for _ in range(2):
+        infos = dk.gpus(all=True)
+    assert [info.memory_used for info in infos] == [2 * 2**30 + 512 * 2**20] * 2  # v1
+    assert fake.calls["nvmlDeviceGetMemoryInfo_v2"] == 1
+
+
+def test_a_gpu_lost_after_enumeration_reads_as_unknown_with_the_reason(
+    nvml_session: Install,
+) -> None:
+    fake = two_gpus()
+    nvml_session(fake)
+    assert dk.gpus(all=True)[0].error is None
+    fake.gpus[0].lost = True  # it falls off the bus between two snapshots
+    lost, fine = dk.gpus(all=True)
+    assert lost.error is not None
+    assert lost.error.startswith("NVML says the GPU is lost: it stopped answering the driver")
+    assert (lost.memory_total, lost.utilization, lost.temperature, lost.processes) == (None,) * 4
+    assert lost.throttle_reasons is None
+    assert "cannot be read: NVML says the GPU is lost" in repr(lost)
+    assert '<th style="text-align:left">cannot be read</th>' in lost._repr_html_()
+    assert (fine.error, fine.memory_used) == (None, 2 * 2**30)
+    # The first call that says "lost" ends the snapshot: the others would fail alike.
+    before = sum(fake.calls.values())
+    assert dk.gpu(0).error == lost.error
+    assert sum(fake.calls.values()) - before == 1
+    assert dk.GPUInfo.from_dict(lost.to_dict()) == lost
+
+
+@pytest.mark.parametrize("code", [UNKNOWN, GPU_IS_LOST, TIMEOUT])
+def test_nvml_that_cannot_count_the_gpus_says_so_and_asks_again(
+    nvml_session: Install, code: int
+) -> None:
+    # Before: an empty list cached for good, nvml_error() None ("NVML sees no GPU"), and
+    # visible_devices(0) refused with "this machine has no GPU".
+    fake = one_gpu()
+    fake.errors = {"nvmlDeviceGetCount": [code]}  # once
+    nvml_session(fake)
+    assert dk.nvml_available() is False
+    assert dk.nvml_error() is None  # asked again: the driver answers now
+    assert len(dk.gpus()) == 1
+    fake.errors = {"nvmlDeviceGetCount": code}
+    _nvml._session.physical = None
+    reason = dk.nvml_error()
+    assert reason is not None
+    assert reason.startswith("NVML started but could not count the GPUs: ")
+    assert dk.gpus(all=True) == []
+    assert "GPU status unavailable: NVML started but could not count" in str(dk.status())
+    with dk.visible_devices(0) as entries:  # not refused as "this machine has no GPU"
+        assert entries == [0]
+
+
+_SENTINEL = 2**32 - 1  # NVML's "not available" for an unsigned int
+
+
+def test_nvml_sentinels_and_impossible_readings_are_none_not_numbers(
+    nvml_session: Install,
+) -> None:
+    nvml_session(
+        one_gpu(
+            util=_SENTINEL,
+            mem_util=150,  # a percentage over 100
+            temperature=_SENTINEL,
+            power_mw=_SENTINEL,
+            limit_mw=_SENTINEL,
+            sm=_SENTINEL,
+            mem_clock=_SENTINEL,
+            fan=_SENTINEL,
+            throttle=2**64 - 1,  # all ones: not "every reason at once"
+            compute=[(1, 2**64 - 1)],
+        )
+    )
+    info = dk.gpus()[0]
+    assert info.utilization is None
+    assert info.memory_utilization is None
+    assert info.temperature is None
+    assert (info.power_draw, info.power_limit) == (None, None)
+    assert (info.sm_clock, info.memory_clock, info.fan_speed) == (None, None, None)
+    assert info.throttle_reasons is None
+    assert [p.used_memory for p in info.processes or ()] == [None]
+    assert "4294967" not in repr(info) + str(dk.status())
+
+
+def test_a_fan_may_pass_100_percent(nvml_session: Install) -> None:
+    nvml_session(one_gpu(fan=110))  # NVML: a percentage of the rated speed, may exceed 100
+    assert dk.gpus()[0].fan_speed == 110
+
+
+def test_more_memory_used_than_the_gpu_has_is_unknown_not_exabytes_free(
+    nvml_session: Install,
+) -> None:
+    # Before: 16 EiB "free" (NVML's unsigned arithmetic wrapped), and pick_gpu chose it
+    # for a job that asked for 1 TiB.
+    nvml_session(one_gpu(used=90 * 2**30, free=2**64 - 10 * 2**30))
+    info = dk.gpus()[0]
+    assert (info.memory_total, info.memory_used, info.memory_free) == (80 * 2**30, None, None)
+    assert info.memory_fraction is None
+    assert dk.pick_gpu(min_free_memory=2**40) == torch.device("cpu")
+    assert "memory [??????????] ? / 80.0 GiB  util" in str(dk.status())
+
+
+def test_a_process_that_starts_between_nvmls_two_calls_is_listed_not_unknown(
+    nvml_session: Install,
+) -> None:
+    # Before: processes=None, "cannot list", when one INSUFFICIENT_SIZE race happened.
+    fake = one_gpu(compute=[(1, 2**20)])
+    fake.gpus[0].errors = {"nvmlDeviceGetComputeRunningProcesses_v3": [INSUFFICIENT_SIZE]}
+    nvml_session(fake)
+    assert [p.pid for p in dk.gpus()[0].processes or ()] == [1]
+
+
+def test_a_process_list_that_never_settles_is_unknown_after_a_few_tries(
+    nvml_session: Install,
+) -> None:
+    fake = one_gpu(compute=[(1, 2**20)])
+    fake.gpus[0].errors = {"nvmlDeviceGetComputeRunningProcesses_v3": INSUFFICIENT_SIZE}
+    nvml_session(fake)
+    assert dk.gpus()[0].processes is None
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == _nvml._PROCESS_LIST_TRIES
+
+
+def test_names_from_old_bindings_are_bytes_and_may_not_be_utf8(nvml_session: Install) -> None:
+    # Before: bytes that are not UTF-8 raised UnicodeDecodeError out of dk.gpus().
+    fake = one_gpu()
+    fake.strings_as_bytes = True
+    nvml_session(fake)
+    assert dk.gpus()[0].name == "NVIDIA H100 80GB HBM3"
+    assert dk.driver_version() == "580.159.04"
+    garbled = FakeNVML([FakeGPU(H100)])
+    garbled._string = lambda text: b"NVIDIA \xff\xfe"  # type: ignore[method-assign]
+    nvml_session(garbled)
+    assert dk.gpus()[0].name == "NVIDIA \ufffd\ufffd"
+
+
+def test_a_gpu_nvml_cannot_open_is_skipped_as_cuda_skips_it(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A job scheduler's cgroup: NVML counts both GPUs, opens only the one this job has,
+    # and CUDA numbers only that one: cuda:0 is the GPU on bus 3A.
+    fake = two_gpus()
+    fake.gpus[0].errors = {"nvmlDeviceGetHandleByIndex": NO_PERMISSION}
+    nvml_session(fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert [(i.torch_index, i.uuid) for i in dk.gpus(all=True)] == [(0, H100_B)]
+    assert _nvml.lost_gpus() == {}  # no permission is not a fault to report
+
+
+def test_a_gpu_lost_before_enumeration_is_an_error_finding(nvml_session: Install) -> None:
+    fake = two_gpus(lost=True)
+    nvml_session(fake)
+    assert [info.uuid for info in dk.gpus(all=True)] == [H100_B]
+    assert list(_nvml.lost_gpus()) == [0]
+    (finding,) = [f for f in dk.status().findings if f.severity == "error"]
+    assert finding.title == "the GPU at NVML index 0 cannot be read"
+    assert finding.detail.startswith("NVML says the GPU is lost")
+    assert "dmesg" in finding.fix
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_opens_its_own_handles(nvml_session: Install) -> None:
+    fake = one_gpu()
+    nvml_session(fake)
+    dk.gpus()
+    opened = fake.calls["nvmlDeviceGetHandleByIndex"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            dk.gpus()
+            answer = [fake.init_calls, fake.calls["nvmlDeviceGetHandleByIndex"] - opened]
+            os.write(write, json.dumps(answer).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child did not finish")
+            time.sleep(0.05)
+        assert json.loads(os.read(read, 64)) == [2, 1]  # NVML started again, GPU opened again
+    finally:
+        os.close(read)
+    assert fake.init_calls == 1  # the parent's session is untouched
+
+
+def test_threads_reading_at_once_agree(nvml_session: Install) -> None:
+    fake = two_gpus(compute=[(1, 2**20)])
+    nvml_session(fake)
+    results: list[list[dict[str, Any]]] = []
+
+    def snapshot() -> None:
+        results.append([info.to_dict() for info in dk.gpus(all=True)])
+
+    threads = [threading.Thread(target=snapshot) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(results) == 16
+    assert all(result == results[0] for result in results)
+    assert fake.init_calls == 1
+    assert fake.calls["nvmlDeviceGetCount"] == 1

@@ -12,6 +12,7 @@ import torch
 import devicekit as dk
 from devicekit import _status
 
+from .conftest import FakeAccelerator
 from .fake_pynvml import FakeGPU, FakeNVML
 
 Install = Callable[[Any], None]
@@ -115,3 +116,65 @@ def test_the_gpu_block_in_the_docs_is_what_the_renderer_prints() -> None:
     )
     block = "\n".join(_status._gpu_block(h100, "cuda:0"))
     assert f"```console\n{block}\n```" in (DOCS / "nvml.md").read_text(encoding="utf-8")
+
+
+def a100_in_mig_mode() -> FakeNVML:
+    slices = [
+        FakeGPU("MIG-11111111-aaaa", name="NVIDIA A100 MIG 3g.20gb", total=20 * 2**30),
+        FakeGPU("MIG-22222222-bbbb", name="NVIDIA A100 MIG 3g.20gb", total=20 * 2**30),
+    ]
+    return FakeNVML([FakeGPU(A, name="NVIDIA A100", mig=slices)])
+
+
+def test_a_mig_instance_in_use_is_the_status_gpu_of_its_index(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: devices said cuda:0 while visible was (), and status().gpu(0) raised
+    # "this process sees no GPU: ... (no driver, or no device)".
+    nvml_session(a100_in_mig_mode())
+    fake_accelerator("cuda", 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-11111111-aaaa")
+    snapshot = dk.status()
+    assert snapshot.devices == ("cuda:0",)
+    assert [info.uuid for info in snapshot.visible] == ["MIG-11111111-aaaa"]
+    assert snapshot.gpu(0).name == "NVIDIA A100 MIG 3g.20gb"
+    text = str(snapshot)
+    assert (
+        "\ncuda:0  nvml 0  NVIDIA A100 MIG 3g.20gb  00000000:18:00.0  MIG-11111111-aaaa\n" in text
+    )
+    assert f"\nMIG on  nvml 0  NVIDIA A100  00000000:18:00.0  {A}\n" in text
+    assert "\nhidden  nvml 0  NVIDIA A100 MIG 3g.20gb  00000000:18:00.0  MIG-22222222-bbbb" in text
+    assert "1 GPU on the machine: cuda:0 NVIDIA A100 MIG 3g.20gb, MIG on NVIDIA A100" in repr(
+        snapshot
+    )
+    assert snapshot.findings == ()
+
+
+def test_a_cpu_build_counts_a_gpu_in_mig_mode_once(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(a100_in_mig_mode())
+    monkeypatch.setattr(torch.version, "cuda", None)
+    snapshot = dk.status()
+    (finding,) = snapshot.findings
+    assert finding.detail.startswith("1 GPU (1x NVIDIA A100), driver")
+    assert "1 GPU on the machine, which this torch build cannot use" in repr(snapshot)
+
+
+def test_a_lost_gpu_this_process_uses_is_an_error_finding_and_says_so_in_its_block(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    fake = h100_and_a100()
+    nvml_session(fake)
+    fake_accelerator("cuda", 2)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA's order without asking CUDA
+    dk.gpus()
+    fake.gpus[1].lost = True
+    snapshot = dk.status()
+    (finding,) = snapshot.findings
+    assert (finding.severity, finding.title) == ("error", "cuda:1 cannot be read")
+    assert finding.detail.startswith("NVML says the GPU is lost")
+    text = str(snapshot)
+    assert "\n        cannot be read: NVML says the GPU is lost" in text
+    assert "memory [??????????] ? / ?  util ?" in text
+    assert snapshot.to_dict()["gpus"][1]["error"].startswith("NVML says the GPU is lost")
