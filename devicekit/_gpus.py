@@ -400,25 +400,34 @@ def _take(
         return [device for device, _ in ranked[:count]] if len(ranked) >= count else [], []
     taken: list[tuple[torch.device, str]] = []
     refused: list[tuple[int, str]] = []
-    for device, uuid in ranked:
-        if len(taken) == count:
-            break
-        if uuid is None:
-            refused.append((device.index, "its UUID is unknown, so it cannot be claimed"))
-        elif _claims.claim(uuid, device.index):
-            taken.append((device, uuid))
-        elif _claims.is_held(uuid):
-            refused.append((device.index, "claimed by this process"))
-        else:
-            pid = _claims.holder(uuid)
-            refused.append((device.index, f"claimed by another process (pid {pid or '?'})"))
+    try:
+        for device, uuid in ranked:
+            if len(taken) == count:
+                break
+            if uuid is None:
+                refused.append((device.index, "its UUID is unknown, so it cannot be claimed"))
+            elif _claims.claim(uuid, device.index):
+                taken.append((device, uuid))
+            elif _claims.is_held(uuid):
+                refused.append((device.index, "claimed by this process"))
+            else:
+                pid = _claims.holder(uuid)
+                refused.append((device.index, f"claimed by another process (pid {pid or '?'})"))
+    except BaseException:
+        # A claim that raised (a full disk, Ctrl-C) leaves none of the others held.
+        _release(taken)
+        raise
     if len(taken) < count:
         # All or nothing: two jobs that each held some GPUs while waiting for the
         # rest could wait for each other forever.
-        for _, uuid in taken:
-            _claims.release(uuid)
+        _release(taken)
         return [], refused
     return [device for device, _ in taken], refused
+
+
+def _release(taken: list[tuple[torch.device, str]]) -> None:
+    for _, uuid in taken:
+        _claims.release(uuid)
 
 
 def _check_wait(wait: object) -> float:
@@ -529,6 +538,8 @@ def pick_gpu(
         NotImplementedError: ``claim=True`` on a system without file locks (Windows).
         PermissionError: ``claim=True``, and the directory of claims belongs
             to another user (the message names it).
+        OSError: ``claim=True``, and the directory of claims cannot be made or
+            written (a full or read-only disk); the message names it and the fix.
 
     Examples:
         >>> import devicekit as dk
@@ -587,6 +598,8 @@ def pick_gpus(
         ValueError: ``wait`` is negative, infinite or NaN.
         NotImplementedError: ``claim=True`` on a system without file locks (Windows).
         PermissionError: As for [`pick_gpu()`][devicekit.pick_gpu].
+        OSError: As for [`pick_gpu()`][devicekit.pick_gpu]; no GPU stays
+            claimed, not even those claimed before the error.
 
     Examples:
         >>> import devicekit as dk

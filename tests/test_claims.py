@@ -103,6 +103,26 @@ def test_pick_gpus_claims_all_or_none(nvml_session: Install) -> None:
     assert dk.pick_gpus(2, claim=True) == [torch.device("cuda", 0), torch.device("cuda", 2)]
 
 
+def test_pick_gpus_holds_none_when_a_claim_raises(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(machine(3))
+    claim = _claims.claim
+    calls: list[int] = []
+
+    def third_fails(gpu_uuid: str, index: int) -> bool:
+        calls.append(index)
+        if len(calls) == 3:  # the disk filled up, or Ctrl-C, at the third GPU
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return claim(gpu_uuid, index)
+
+    monkeypatch.setattr(_claims, "claim", third_fails)
+    with pytest.raises(OSError, match="No space left"):
+        dk.pick_gpus(3, claim=True)
+    assert len(calls) == 3
+    assert not _claims._held.claims  # the two claimed before it were let go
+
+
 def test_claim_gpu_releases_at_the_end_of_the_block(nvml_session: Install) -> None:
     nvml_session(machine(1))
     with dk.claim_gpu() as device:
