@@ -50,8 +50,9 @@ NOT_APPLICABLE = "-"
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
 _TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
 # C0 and C1 control characters and DEL: anything that could move a terminal's
-# cursor, change its colours or its title, or ring its bell.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# cursor, change its colours or its title, or ring its bell. And the bidirectional
+# marks and overrides, which make the rest of a line read in another order.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def format_bytes(value: float | None, *, digits: int = 1) -> str:
@@ -198,8 +199,15 @@ def safe_text(text: str) -> str:
     Examples:
         >>> safe_text("python\x1b]0;pwned\x07")
         'python\\x1b]0;pwned\\x07'
+        >>> safe_text("report\u202etxt.exe")  # would print as "reportexe.txt"
+        'report\\u202etxt.exe'
     """
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+    return _CONTROL.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from devicekit._format import format_bytes
+from devicekit._format import format_bytes, safe_text
 
 
 def test_format_bytes_goes_on_past_pib_to_yib() -> None:
@@ -35,3 +35,9 @@ def test_format_bytes_huge_ints_and_floats() -> None:
     # An int no float can hold: counted exactly, never an OverflowError.
     assert format_bytes(10**400) == "8.3e+375 YiB"
     assert format_bytes(-(10**400), digits=2) == "-8.27e+375 YiB"
+
+
+def test_safe_text_escapes_bidirectional_overrides_as_well_as_control_characters() -> None:
+    name = "evil\u202e\u2066\u200fname\x1b[2J"
+    assert safe_text(name) == "evil\\u202e\\u2066\\u200fname\\x1b[2J"
+    assert safe_text("résumé 日本") == "résumé 日本"  # printable text is left alone
