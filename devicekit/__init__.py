@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     from ._logbuffer import LogBuffer as LogBuffer
     from ._logbuffer import Record as Record
     from ._logbuffer import Sink as Sink
-    from ._measure import Measurement as Measurement
     from ._measure import benchmark as benchmark
+    from ._measurement import Measurement as Measurement
     from ._memory import DeviceMemory as DeviceMemory
     from ._memory import MemoryReport as MemoryReport
     from ._memory import MemoryScope as MemoryScope
@@ -155,7 +155,7 @@ _EXPORTS: dict[str, str] = {
     "Record": "._logbuffer",
     "Sink": "._logbuffer",
     "benchmark": "._measure",
-    "Measurement": "._measure",
+    "Measurement": "._measurement",
     "DeviceMemory": "._memory",
     "free_memory": "._memory",
     "memory_scope": "._memory",

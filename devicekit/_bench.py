@@ -16,7 +16,8 @@ import torch
 
 from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
 from ._format import format_seconds, html_table, plain_data
-from ._measure import Measurement, benchmark
+from ._measure import benchmark
+from ._measurement import Measurement
 
 __all__ = ["BenchReport", "BenchResult", "bench"]
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from ._errors import add_note
 from ._format import UNKNOWN, format_joules, format_seconds, html_table
-from ._measure import OPTIONS, Measurement, benchmark, check_options, misspelled_options
+from ._measure import OPTIONS, benchmark, check_options, misspelled_options
+from ._measurement import Measurement
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 

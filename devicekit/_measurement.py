@@ -1,0 +1,391 @@
+"""`Measurement`: what `benchmark()` measured, and whether to trust it.
+
+The numbers, the evidence about the machine they were taken on, the notes that
+say what spoils them, and their forms: text, a notebook table, plain data.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from ._conditions import Conditions
+from ._format import (
+    UNKNOWN,
+    format_joules,
+    format_seconds,
+    format_value,
+    html_table,
+    plain_data,
+    plural,
+)
+from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
+
+__all__ = ["Measurement"]
+
+_LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
+_NOISY = 0.05  # a median known to worse than ±5% is not trustworthy
+# Timing a call that does nothing reads the clock's own cost, which every call's time
+# includes: under ten times that, a tenth or more of the median may be the clock's, twice
+# the ±5% a trustworthy median may be off (sorted() of 100 numbers: 501 ns, 70 ns floor).
+_FLOOR_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What [`benchmark()`][devicekit.benchmark] measured, with the evidence to judge it by.
+
+    Times are seconds per call. On a GPU ``times`` are device times from CUDA
+    events and ``host_times`` the host's time to issue each call; on the CPU
+    both are the wall time of each call. When issuing a call takes the host
+    at least half as long as the call takes the GPU, the GPU spends its time
+    waiting for the host, and ``notes`` says the code is launch-bound.
+
+    Attributes:
+        name: The function's short name (``"matmul"``, ``"Sequential"``).
+        mode: ``"warm"``, ``"cold"`` (L2 flushed before each call) or ``"graph"``.
+        median: Median seconds per call.
+        mean: Mean seconds per call.
+        min: Fastest call.
+        iqr: Interquartile range (75th minus 25th percentile), seconds.
+        rel_noise: Half-width of the 95% confidence interval of the median,
+            relative to the median: 0.01 means the median is known to ±1%.
+            None when fewer than 6 calls were timed: no such interval exists
+            then, so the noise is unknown (and the result not trustworthy).
+        ci: That confidence interval, (low, high) seconds, or None.
+        n: Number of timed calls.
+        times: Every timed call, seconds (``to_dict()`` leaves them out
+            unless asked: ``to_dict(times=True)``).
+        host_times: Host time to issue each call, seconds.
+        stop_reason: ``"converged"`` (``rel_noise`` reached its target) or
+            ``"max_time"`` (time ran out first).
+        conditions: Evidence about the machine before, during and after the run.
+        energy_per_call: Joules per call, from the GPU's energy counter; None
+            on the CPU, without the counter (before Volta, without NVML), in
+            ``"cold"`` mode (the L2 flushes would count), and when the timed
+            calls took less than a second (the counter updates every 20 to
+            100 ms).
+        power: The GPU's average watts over the timed calls; None as above.
+        warmup: The warm-up asked for (the ``warmup`` option), seconds; None
+            where unknown (a measurement built by hand, a document from before
+            it was kept).
+        warmup_time: Seconds the warm-up took (one call at least: a first
+            call that compiles shows here); None where unknown.
+        clock_floor: Seconds per call that timing a call that does nothing
+            reads: the clock's own cost and resolution, in the median too. On
+            the CPU it is measured with the same loop (about 70 ns); on a GPU
+            it is the CUDA events' resolution, 0.5 µs (divided by the calls
+            per replay in graph mode). None where unknown. Under ten times
+            it, a tenth or more of the median may be the clock's: the result
+            is not trustworthy, and ``notes`` says so.
+    """
+
+    name: str
+    mode: str
+    median: float
+    mean: float
+    min: float
+    iqr: float
+    rel_noise: float | None
+    ci: tuple[float, float] | None
+    n: int
+    times: tuple[float, ...]
+    host_times: tuple[float, ...]
+    stop_reason: str
+    conditions: Conditions
+    energy_per_call: float | None = None
+    power: float | None = None
+    warmup: float | None = None
+    warmup_time: float | None = None
+    clock_floor: float | None = None
+
+    @classmethod
+    def from_times(
+        cls,
+        times: list[float],
+        host_times: list[float],
+        *,
+        name: str,
+        mode: str,
+        stop_reason: str,
+        conditions: Conditions,
+        energy_per_call: float | None = None,
+        power: float | None = None,
+        warmup: float | None = None,
+        warmup_time: float | None = None,
+        clock_floor: float | None = None,
+    ) -> Measurement:
+        """Compute the statistics of ``times``: one or more finite, non-negative seconds.
+
+        Raises:
+            ValueError: ``times`` is empty, or holds a NaN, an infinity or a
+                negative number (which no clock reads: a statistic of it
+                would print as a time).
+        """
+        if not times:
+            raise ValueError("Measurement.from_times() needs at least one time, got none")
+        # A NaN or an infinity makes the sum one (C speed: 700,000 times take 3 ms).
+        if not math.isfinite(sum(times)) or min(times) < 0:
+            index, bad = next(
+                (i, t) for i, t in enumerate(times) if not (math.isfinite(t) and t >= 0)
+            )
+            raise ValueError(
+                f"times[{index}] is {bad!r}: every time must be a finite number of seconds "
+                ">= 0; drop the calls that were not timed"
+            )
+        ordered = sorted(times)
+        quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
+        return cls(
+            name=name,
+            mode=mode,
+            median=statistics.median(ordered),
+            mean=statistics.fmean(ordered),
+            min=ordered[0],
+            iqr=quartiles[2] - quartiles[0],
+            rel_noise=relative_noise(ordered),
+            ci=median_ci(ordered),
+            n=len(ordered),
+            times=tuple(times),
+            host_times=tuple(host_times),
+            stop_reason=stop_reason,
+            conditions=conditions,
+            energy_per_call=energy_per_call,
+            power=power,
+            warmup=warmup,
+            warmup_time=warmup_time,
+            clock_floor=clock_floor,
+        )
+
+    @property
+    def host_median(self) -> float | None:
+        """Median host time to issue one call, seconds; None when none was kept."""
+        return statistics.median(self.host_times) if self.host_times else None
+
+    @property
+    def notes(self) -> list[str]:
+        """Plain sentences about anything that could make this measurement misleading."""
+        notes = self.conditions.notes()
+        if self.median <= 0:
+            # No relative noise is known (rel_noise is None): say what it means.
+            notes.append(
+                "a median of 0: the calls are shorter than the clock's resolution, so no "
+                "time is known; time a loop of many calls inside one function"
+            )
+        elif self.rel_noise is None:
+            notes.append(self._too_few_note())
+        elif self.rel_noise > _NOISY:
+            notes.append(
+                f"noisy: the median is only known to ±{self.rel_noise:.1%} "
+                f"(interquartile range {format_seconds(self.iqr)})"
+            )
+        elif self.stop_reason == "max_time":
+            notes.append(
+                f"stopped at max_time with the median known to ±{self.rel_noise:.1%}, "
+                "short of the target; allow more time for a tighter result"
+            )
+        floor = self._floor_note()
+        if floor is not None:
+            notes.append(floor)
+        host = self.host_median
+        # Between a call's events the GPU also waits for the host to issue the
+        # call, so a launch-bound call's GPU time is about its host time.
+        # Only warm mode: graph replays have no launch cost, and in cold mode the
+        # L2 flush keeps the GPU busy while the host issues the call.
+        on_gpu = self.conditions.device.startswith("cuda") and self.mode == "warm"
+        if on_gpu and host is not None and host >= _LAUNCH_BOUND * self.median:
+            notes.append(
+                f"launch-bound: issuing a call takes {format_seconds(host)} on the host and "
+                f"its GPU time is {format_seconds(self.median)}, so the GPU mostly waits for "
+                "the host; mode='graph' shows the GPU time without launch overhead"
+            )
+        return notes
+
+    def _needed_max_time(self) -> float:
+        """The smallest ``max_time`` that times enough calls for a confidence interval.
+
+        Six timed calls and one to spare (batches end a call late), after the
+        warm-up. With the warm-up known: it takes as long again, or longer
+        when the ``warmup`` option outgrows what it took, up to half of
+        ``max_time`` plus the call that crosses the line.
+        """
+        call = self.median
+        timed = (MIN_CI_SAMPLES + 1) * call
+        if self.warmup is None or self.warmup_time is None:
+            return _round_up(timed + call)  # one warm-up call, as for slow calls by default
+        again = self.warmup_time + timed
+        # The warm-up runs min(warmup, max_time / 2) and one call more: bounded so that the
+        # timed calls keep `timed` seconds either way (warmup, or half of max_time).
+        grown = min(self.warmup, timed + call) + call + timed
+        return _round_up(max(again, grown))
+
+    def _too_few_note(self) -> str:
+        stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
+        needed = self._needed_max_time()
+        warm = self.warmup_time
+        # A warm-up longer than the timed calls need (a first call that compiles) is the
+        # reason: say it, or the advice would look like a max_time smaller than enough.
+        slow_start = warm is not None and warm > (MIN_CI_SAMPLES + 1) * self.median
+        warmed = f"; the warm-up took {format_seconds(warm)}" if slow_start else ""
+        fix = (
+            ", or call fn once before benchmark() if its first call is the slow one"
+            if slow_start
+            else ""
+        )
+        return (
+            f"noise unknown: only {plural(self.n, 'call')} timed {stopped} (one takes "
+            f"{format_seconds(self.median)}{warmed}), and a 95% confidence interval for the "
+            f"median needs at least {MIN_CI_SAMPLES}; allow max_time of at least "
+            f"{format_seconds(needed)}{fix}"
+        )
+
+    def _at_floor(self) -> bool:
+        """The median is within ten times what timing an empty call reads."""
+        floor = self.clock_floor
+        return floor is not None and self.median > 0 and floor >= _FLOOR_SHARE * self.median
+
+    def _floor_note(self) -> str | None:
+        if not self._at_floor():
+            return None
+        assert self.clock_floor is not None
+        share = self.clock_floor / self.median
+        part = (
+            f"{share:.0%} of this median: that much of it may be the clock's own cost, not fn's"
+            if round(share, 2) < 1  # not "100% of this median"
+            else "as much as this median: it may all be the clock's own cost, none of it fn's"
+        )
+        on_gpu = self.conditions.device.startswith("cuda") and self.mode != "graph"
+        fix = (
+            "mode='graph' times many calls per replay"
+            if on_gpu
+            else "time a loop of many calls inside one function, and divide"
+        )
+        return (
+            f"at the clock's floor: timing a call that does nothing reads "
+            f"{format_seconds(self.clock_floor)}, {part}; {fix}"
+        )
+
+    @property
+    def trustworthy(self) -> bool:
+        """False when other work, throttling, noise, too few calls or the clock could mislead."""
+        noise_known = self.rel_noise is not None and self.rel_noise <= _NOISY
+        return noise_known and not self._at_floor() and self.conditions.trustworthy()
+
+    def to_dict(self, *, times: bool = False) -> dict[str, Any]:
+        """JSON-ready: the statistics and the verdict; the raw times only when asked.
+
+        Half a second of timing a fast function can be hundreds of thousands
+        of calls, so by default the document holds what they add up to
+        (``median``, ``ci``, ``n``... and ``host_median``), not each one:
+        about a kilobyte whatever ``n`` is. The raw times stay on the
+        measurement (``times``, ``host_times``).
+
+        Args:
+            times: Add ``times`` and ``host_times``, every timed call's
+                seconds; [`from_dict()`][devicekit.Measurement.from_dict] needs them.
+
+        Returns:
+            The fields, with the derived ``host_median``, ``trustworthy`` and ``notes``.
+        """
+        document: dict[str, Any] = {
+            "name": self.name,
+            "mode": self.mode,
+            "median": self.median,
+            "mean": self.mean,
+            "min": self.min,
+            "iqr": self.iqr,
+            "rel_noise": self.rel_noise,
+            "ci": None if self.ci is None else list(self.ci),
+            "n": self.n,
+            "host_median": self.host_median,
+            "stop_reason": self.stop_reason,
+            "conditions": self.conditions.to_dict(),
+            "energy_per_call": self.energy_per_call,
+            "power": self.power,
+            "warmup": self.warmup,
+            "warmup_time": self.warmup_time,
+            "clock_floor": self.clock_floor,
+            "trustworthy": self.trustworthy,
+            "notes": self.notes,
+        }
+        if times:
+            document["times"] = list(self.times)
+            document["host_times"] = list(self.host_times)
+        plain: dict[str, Any] = plain_data(document)
+        return plain
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        """Rebuild a measurement from ``to_dict(times=True)``'s output (derived keys are ignored).
+
+        Raises:
+            ValueError: The document has no raw times (``to_dict()`` without
+                ``times=True`` leaves them out), so the measurement cannot be rebuilt.
+        """
+        if "times" not in data or "host_times" not in data:
+            raise ValueError(
+                "this document has only the statistics, not the raw times a Measurement "
+                "holds; write it with to_dict(times=True) to rebuild it"
+            )
+        derived = ("trustworthy", "notes", "host_median")
+        fields = {k: v for k, v in data.items() if k not in derived}
+        fields["ci"] = None if fields["ci"] is None else tuple(fields["ci"])
+        fields["times"] = tuple(fields["times"])
+        fields["host_times"] = tuple(fields["host_times"])
+        fields["conditions"] = Conditions.from_dict(fields["conditions"])
+        return cls(**fields)
+
+    def _noise(self) -> str:
+        known = self.rel_noise is not None and math.isfinite(self.rel_noise)
+        return f"{self.rel_noise:.1%}" if known else UNKNOWN
+
+    def _interval(self) -> str:
+        if self.ci is None:
+            return UNKNOWN
+        return f"{format_seconds(self.ci[0])} to {format_seconds(self.ci[1])}"
+
+    def _energy(self) -> str | None:
+        if self.energy_per_call is None:
+            return None
+        return f"{format_joules(self.energy_per_call)} per call at {format_value(self.power, 'W')}"
+
+    def __repr__(self) -> str:
+        verdict = "trustworthy" if self.trustworthy else "NOT trustworthy"
+        energy = self._energy()
+        head = (
+            f"Measurement({self.name} on {self.conditions.device}, {self.mode}: median "
+            f"{format_seconds(self.median)} ±{self._noise()} (95% CI {self._interval()}), "
+            f"n={self.n}, stopped: {self.stop_reason}{', ' + energy if energy else ''}; {verdict})"
+        )
+        return "\n".join([head, *(f"  - {note}" for note in self.notes)])
+
+    def _repr_html_(self) -> str:
+        rows = [
+            ("median", format_seconds(self.median)),
+            ("95% CI", self._interval()),
+            ("noise", f"±{self._noise()}"),
+            ("min / mean", f"{format_seconds(self.min)} / {format_seconds(self.mean)}"),
+            ("calls / stopped", f"{self.n} / {self.stop_reason}"),
+            *([("warm-up", format_seconds(self.warmup_time))] if self.warmup_time else []),
+            *([("clock floor", format_seconds(self.clock_floor))] if self.clock_floor else []),
+            *([("energy", self._energy())] if self.energy_per_call is not None else []),
+            ("trustworthy", "yes" if self.trustworthy else "no"),
+            *(("note", note) for note in self.notes),
+        ]
+        caption = f"{self.name} on {self.conditions.device} ({self.mode})"
+        return html_table(rows, caption=caption)
+
+
+def _round_up(seconds: float) -> float:
+    """``seconds`` rounded up to the three digits `format_seconds` prints: advice stays enough.
+
+    Examples:
+        >>> _round_up(0.30011), _round_up(5.6), _round_up(0.0)
+        (0.301, 5.6, 0.0)
+    """
+    if seconds <= 0 or not math.isfinite(seconds):
+        return seconds
+    step = 10.0 ** (math.floor(math.log10(seconds)) - 2)
+    # The tolerance keeps 5.6 (5.6000000000000005 / 0.01 in floats) at 5.6, not 5.61.
+    return round(math.ceil(seconds / step * (1 - 1e-12)) * step, 12)
