@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _claims, _nvml
+from . import _claims, _nvml, _nvmlread
 from ._devices import DeviceLike, accelerator_type, parse_cuda_index, parse_cuda_indices
 from ._errors import GPUNotFoundError, GPUUnavailableError
 from ._findings import no_gpu_reason
@@ -267,7 +267,7 @@ def nvml_handle(torch_index: int) -> Any:
 
 
 def _snapshot(visible: _Visible, torch_index: int | None) -> GPUInfo:
-    return _nvml.read_gpu(
+    return _nvmlread.read_gpu(
         visible.gpu, torch_index=torch_index, handle=visible.handle, uuid=visible.uuid
     )
 

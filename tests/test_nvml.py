@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _nvml
+from devicekit import _nvml, _nvmlread
 
 from .conftest import GPU_COUNT, run_python
 from .fake_pynvml import (
@@ -223,7 +223,7 @@ def test_container_pids_are_said_once_not_misnamed(
     warnings = [r for r in caplog.records if "PID namespace" in r.getMessage()]
     assert len(warnings) == 1
     assert "inside a container NVML shows host PIDs" in warnings[0].getMessage()
-    assert _nvml.foreign_pids() == frozenset(host_pids)
+    assert _nvmlread.foreign_pids() == frozenset(host_pids)
 
 
 @pytest.mark.parametrize(("raw", "text"), [(13000, "13.0"), (12040, "12.4"), (11080, "11.8")])
@@ -285,8 +285,8 @@ def test_a_hostile_process_name_cannot_reach_the_terminal() -> None:
 
 
 def test_throttle_names_cover_every_bit() -> None:
-    assert _nvml.throttle_names(0) == ()
-    assert _nvml.throttle_names(0x7FF) == tuple(_nvml._THROTTLE_NAMES.values())
+    assert _nvmlread.throttle_names(0) == ()
+    assert _nvmlread.throttle_names(0x7FF) == tuple(_nvmlread._THROTTLE_NAMES.values())
 
 
 @pytest.mark.skipif(GPU_COUNT > 0, reason="checks the machine without a driver")
@@ -580,7 +580,7 @@ def test_a_process_list_that_never_settles_is_unknown_after_a_few_tries(
     fake.gpus[0].errors = {"nvmlDeviceGetComputeRunningProcesses_v3": INSUFFICIENT_SIZE}
     nvml_session(fake)
     assert dk.gpus()[0].processes is None
-    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == _nvml._PROCESS_LIST_TRIES
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == _nvmlread._PROCESS_LIST_TRIES
 
 
 def test_names_from_old_bindings_are_bytes_and_may_not_be_utf8(nvml_session: Install) -> None:
