@@ -3,6 +3,7 @@
 Each round runs, in rotating order:
 - ``gpu_map``: a fresh call (it starts its workers, maps, stops them),
 - ``pool.map``: a map on a pool started once, before the rounds,
+- ``pool.map(timeout=60)``: the same, with a deadline kept for every item,
 - a plain ``multiprocessing`` spawn pool's ``map``, started once (the floor),
 each over the same small items with a trivial function, on CPU workers. It
 prints the median seconds per map of each, and the ratios, side by side; and,
@@ -46,6 +47,7 @@ def main() -> None:
     variants: dict[str, Callable[[], list[float]]] = {
         "gpu_map (fresh workers)": lambda: dk.gpu_map(math.sqrt, items, devices=devices),
         "gpu_pool: pool.map": lambda: pool.map(math.sqrt, items),
+        "pool.map(timeout=60)": lambda: pool.map(math.sqrt, items, timeout=60),
         "multiprocessing.Pool.map": lambda: plain.map(math.sqrt, items),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ._errors import RanksOutOfStepError as RanksOutOfStepError
     from ._errors import SyncError as SyncError
     from ._errors import WorkerError as WorkerError
+    from ._errors import WorkerTimeoutError as WorkerTimeoutError
     from ._findings import Finding as Finding
     from ._gpuinfo import GPUInfo as GPUInfo
     from ._gpuinfo import GPUProcess as GPUProcess
@@ -135,6 +136,7 @@ _EXPORTS: dict[str, str] = {
     "RanksOutOfStepError": "._errors",
     "SyncError": "._errors",
     "WorkerError": "._errors",
+    "WorkerTimeoutError": "._errors",
     "Finding": "._findings",
     "GPUInfo": "._gpuinfo",
     "GPUProcess": "._gpuinfo",
@@ -259,6 +261,7 @@ __all__ = [
     "TimedFunction",
     "Timer",
     "WorkerError",
+    "WorkerTimeoutError",
     "__version__",
     "assert_same_device",
     "bench",

@@ -11,9 +11,10 @@ directly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +34,7 @@ __all__ = [
     "RanksOutOfStepError",
     "SyncError",
     "WorkerError",
+    "WorkerTimeoutError",
     "add_note",
 ]
 
@@ -97,8 +99,10 @@ class RanksOutOfStepError(DevicekitError, RuntimeError):
     """Ranks did not meet at a job-wide devicekit call (``job_status``, ``StragglerDetector.step``).
 
     Some rank did not arrive within the call's timeout (it crashed, hangs, or
-    ran fewer steps), or the ranks arrived from different steps. Every rank
-    must make these calls together, the same number of times.
+    ran fewer steps), the ranks arrived from different steps, or one rank
+    failed in its own part of the call. Every rank that took part raises it,
+    naming the ranks concerned. Every rank must make these calls together,
+    the same number of times.
     """
 
 
@@ -124,6 +128,34 @@ class DeviceOutOfMemoryError(DevicekitError, torch.OutOfMemoryError):
 
 class WorkerError(DevicekitError, RuntimeError):
     """A ``gpu_map`` worker failed; the message has the item's index and the worker's traceback."""
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A ``gpu_map`` item ran longer than its ``timeout``; every worker was stopped.
+
+    A [`WorkerError`][devicekit.WorkerError] and a ``TimeoutError``, so either
+    ``except`` catches it. The message names the item, its worker and device,
+    and the limit.
+
+    Attributes:
+        index: The index of the item that ran too long.
+        timeout: The limit, in seconds.
+        results: The results of the items that had finished, by index: the
+            items of the map not in it were lost (run them again).
+    """
+
+    def __init__(
+        self, message: str, *, index: int, timeout: float, results: dict[int, Any]
+    ) -> None:
+        super().__init__(message)
+        self.index, self.timeout, self.results = index, timeout, results
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its fields (it crosses processes): the default pickles args alone.
+        rebuild = functools.partial(
+            type(self), *self.args, index=self.index, timeout=self.timeout, results=self.results
+        )
+        return rebuild, ()
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -153,6 +185,7 @@ for _cls in (
     RanksOutOfStepError,
     SyncError,
     WorkerError,
+    WorkerTimeoutError,
 ):
     _cls.__module__ = "devicekit"
 del _cls

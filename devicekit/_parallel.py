@@ -4,14 +4,20 @@ Workers are started with ``spawn``, never ``fork``: a forked child of a process
 that has touched CUDA fails with "Cannot re-initialize CUDA in forked
 subprocess". Each worker inherits ``CUDA_VISIBLE_DEVICES`` naming its one GPU,
 set before the child starts (so before it imports torch), so inside it the
-GPU is always ``cuda:0``.
+GPU is always ``cuda:0``. This module checks the arguments and owns the
+workers; ``_dispatch`` starts them and runs a map over them, ``_worker`` is
+the workers' side.
 
 Faults end the call promptly and say what happened; nothing is left running:
 
 - ``fn`` or an item that cannot be pickled is refused before any worker
-  starts, by its index; a result that cannot be sent back names its item;
+  starts, by its index; one that cannot be unpickled in a worker, or a
+  result that cannot be sent back, is named with its item and worker;
 - ``fn`` raising ends the call with a [`WorkerError`][devicekit.WorkerError] that has
-  the item's index, the worker and its device, and the worker's traceback;
+  the item's index, the worker and its device, and the worker's traceback
+  (``sys.exit()`` in ``fn`` too, said as such);
+- an item that runs longer than ``timeout`` ends it with a
+  ``WorkerTimeoutError`` that keeps the results already computed;
 - a worker that dies (the out-of-memory killer, a segfault, ``kill -9``) is
   seen at once, through its process sentinel, and named with its device,
   its exit code or signal and the item it was running;
@@ -25,29 +31,30 @@ Faults end the call promptly and say what happened; nothing is left running:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
-import reprlib
-import signal
 import sys
-import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from ._devices import DeviceLike, resolve_devices, try_all_gpus
-from ._errors import WorkerError
+from ._dispatch import (
+    MAIN_GUARD_FIX,
+    Slot,
+    Worker,
+    fn_raised,
+    run_map,
+    show_item,
+    start_workers,
+    stop_workers,
+    worker_env,
+)
 from ._format import html_table, plural
-from ._options import check_count, check_flag
-from ._visible import ENV_VAR, parse_visible_devices, scoped_env
-from ._worker import NO_MAIN_GUARD, in_worker_bootstrap, work
+from ._options import check_count, check_flag, check_number
+from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
 
 __all__ = [
     "GPUPool",
@@ -62,23 +69,15 @@ __all__ = [
 
 T = TypeVar("T")
 R = TypeVar("R")
-Slot = str | int  # "cpu", or a CUDA index as this process numbers it
-_WARNINGS = "PYTHONWARNINGS"
-_NUMPY_WARNING = "ignore:Failed to initialize NumPy"
-_STOP_SECONDS = 5.0  # a worker asked to stop gets this long before it is terminated
-_MAIN_GUARD_FIX = (
-    "Workers are started with spawn: each one imports the main module again, so a "
-    'script must call gpu_map() under `if __name__ == "__main__":` (and define fn at '
-    "the top level of a module, above that line)."
-)
+T_co = TypeVar("T_co", covariant=True)
 
 
-def worker_env(device: str | int) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` a worker on this device gets ("" hides every GPU)."""
-    if device == "cpu":
-        return ""
-    entries = parse_visible_devices()  # resolve_devices checked the index against these
-    return str(device) if entries is None else str(entries[int(device)])
+class _MapStyle(Protocol[T_co]):
+    """A map-style dataset: ``len()`` and ``[i]`` (``torch.utils.data.Dataset``, say)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> T_co: ...
 
 
 def _slots(
@@ -138,55 +137,6 @@ class Progress:
             self.bar.close()
 
 
-@dataclass
-class _Worker:
-    number: int
-    slot: Slot
-    process: Any  # a spawn-context Process
-    conn: Any  # the parent's end of the duplex pipe
-    ready: bool = False
-    running: int | None = None  # the index of the item it is working on
-    fn_id: int = -1  # whose fn it holds: each map numbers its fn
-
-    def where(self) -> str:
-        """``"worker 2 on cuda:1"``, ``"worker 1 on the CPU"``."""
-        device = "the CPU" if self.slot == "cpu" else f"cuda:{self.slot}"
-        return f"worker {self.number} on {device}"
-
-    def death(self) -> str:
-        """How it ended: ``"was killed by SIGKILL"``, ``"exited with code 1"``."""
-        self.process.join(1.0)
-        code = self.process.exitcode
-        if code is None:
-            return "closed its connection"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            hint = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
-            return f"was killed by {name}{hint}"
-        return f"exited with code {code}"
-
-
-def _stop(workers: list[_Worker], *, gently: bool) -> None:
-    """Stop every worker and wait for it; terminate, then kill, whoever lingers."""
-    for worker in workers:
-        if gently and worker.process.is_alive():
-            with contextlib.suppress(OSError):  # it is already gone
-                worker.conn.send(("stop",))
-    for worker in workers:
-        if gently:
-            worker.process.join(_STOP_SECONDS)
-        if worker.process.is_alive():
-            worker.process.terminate()
-            worker.process.join(_STOP_SECONDS)
-        if worker.process.is_alive():
-            worker.process.kill()
-            worker.process.join()
-        worker.conn.close()
-
-
 class GPUPool:
     """Worker processes, one per GPU slot, reused by every `map()` until closed.
 
@@ -198,10 +148,10 @@ class GPUPool:
 
     def __init__(self, slots: list[Slot]) -> None:
         self._slots = slots
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._closed = False
         self._maps = itertools.count()
-        self._finalizer = weakref.finalize(self, _stop, self._workers, gently=False)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers, gently=False)
 
     @property
     def devices(self) -> list[str]:
@@ -247,176 +197,57 @@ class GPUPool:
         """Stop the workers (each finishes nothing new) and wait for them."""
         self._closed = True
         workers, self._workers[:] = list(self._workers), []
-        _stop(workers, gently=True)
+        stop_workers(workers, gently=True)
 
     def map(
-        self, fn: Callable[[T], R], items: Iterable[T], *, progress: bool | None = None
+        self,
+        fn: Callable[[T], R],
+        items: Iterable[T] | _MapStyle[T],
+        *,
+        progress: bool | None = None,
+        timeout: float | None = None,
     ) -> list[R]:
         """``[fn(item) for item in items]``, computed by the pool's workers, in input order.
 
-        Raises as [`gpu_map()`][devicekit.gpu_map] does.
+        Takes ``progress`` and ``timeout`` and raises as [`gpu_map()`][devicekit.gpu_map] does.
         """
         work = checked_work(fn, items, caller="GPUPool.map()")
+        limit = item_timeout(timeout)
         fn_bytes = _pickle_fn(fn)
         payloads = _pickle_items(work)
         if self._closed:
             raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
-        return self._run(fn_bytes, work, payloads, progress)
-
-    # --- the parent's loop ---------------------------------------------------------------
-
-    def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        # The parent-death signal fires when the *thread* that started the worker
-        # ends; only the main thread lives as long as the process.
-        main_thread = threading.current_thread() is threading.main_thread()
-        # torch without numpy warns on import; the workers are devicekit's processes,
-        # so that warning is silenced there (and only there), from the first import.
-        _quiet = ",".join(filter(None, [os.environ.get(_WARNINGS), _NUMPY_WARNING]))
-        for number, slot in enumerate(self._slots, 1):
-            parent_end, child_end = context.Pipe(duplex=True)
-            process = context.Process(
-                target=work,
-                args=(child_end, os.getpid(), main_thread),
-                daemon=True,
-                name=f"devicekit-worker-{number}",
-            )
-            # The child copies this environment at start, before it imports anything.
-            with scoped_env(ENV_VAR, worker_env(slot)), scoped_env(_WARNINGS, _quiet):
-                process.start()
-            child_end.close()  # so that the worker's death reads as EOF here
-            self._workers.append(_Worker(number, slot, process, parent_end))
+        return self._run(fn_bytes, work, payloads, progress=progress, timeout=limit)
 
     def _run(
-        self, fn_bytes: bytes, work: list[Any], payloads: list[bytes], progress: bool | None
+        self,
+        fn_bytes: bytes,
+        work: list[Any],
+        payloads: list[bytes],
+        *,
+        progress: bool | None,
+        timeout: float | None,
     ) -> list[Any]:
         bar = Progress(len(work), progress)  # checks `progress` before any worker starts
         if not work:
             bar.close()
             return []
-        fn_id = next(self._maps)
-        todo = deque(range(len(work)))
-        output: list[Any] = [None] * len(work)
         try:
             if not self._workers:
-                # Inside the try: a failed start (or Ctrl-C during one) must not leave
-                # the pool with the workers started so far, short of its devices.
-                self._start()
-            for worker in self._workers:
-                _feed(worker, fn_id, fn_bytes, todo, payloads)
-            received = 0
-            while received < len(work):
-                received += self._collect(work, output, bar)
-                for worker in self._workers:
-                    _feed(worker, fn_id, fn_bytes, todo, payloads)
+                # A failed start (or Ctrl-C during one) stops the workers it started,
+                # so the pool is never left short of its devices.
+                self._workers[:] = start_workers(self._slots)
+            fn_id = next(self._maps)
+            return run_map(
+                self._workers, fn_id, fn_bytes, work, payloads, step=bar.step, timeout=timeout
+            )
         except BaseException:
-            # A failure, or Ctrl-C: stop everyone now, whatever is still to do.
+            # A failure, a timeout, or Ctrl-C: stop everyone now, whatever is still to do.
             workers, self._workers[:] = list(self._workers), []
-            _stop(workers, gently=False)
+            stop_workers(workers, gently=False)
             raise
         finally:
             bar.close()
-        return output
-
-    def _collect(self, work: list[Any], output: list[Any], bar: Progress) -> int:
-        """Wait for the next answers; return how many items finished."""
-        by_handle: dict[Any, _Worker] = {}
-        for worker in self._workers:
-            by_handle[worker.conn] = worker
-            by_handle[worker.process.sentinel] = worker
-        finished = 0
-        ready = multiprocessing.connection.wait(list(by_handle))
-        for handle in sorted(ready, key=lambda h: h is by_handle[h].process.sentinel):
-            worker = by_handle[handle]
-            if handle is worker.process.sentinel:
-                if not worker.conn.poll():  # it died, and said nothing more
-                    raise WorkerError(_death_message(worker, work, finished))
-                continue
-            try:
-                message = worker.conn.recv()
-            except (EOFError, OSError):
-                raise WorkerError(_death_message(worker, work, finished)) from None
-            if message[0] == "ready":
-                worker.ready = True
-                continue
-            kind, index, payload = message
-            worker.running = None
-            if kind == "raised":
-                raise WorkerError(fn_raised(index, work[index], worker.where(), payload))
-            if kind == "unpicklable":
-                raise WorkerError(
-                    f"gpu_map: the result of item {index} ({show_item(work[index])}) cannot be "
-                    f"sent back from {worker.where()}: {payload}. Return picklable data: numbers, "
-                    "strings, CPU tensors, or containers of them."
-                )
-            try:
-                output[index] = pickle.loads(payload)
-            except Exception as error:
-                raise WorkerError(
-                    f"gpu_map: the result of item {index} ({show_item(work[index])}) from "
-                    f"{worker.where()} cannot be rebuilt here: {type(error).__name__}: {error}"
-                ) from error
-            finished += 1
-            bar.step()
-        return finished
-
-
-def _feed(
-    worker: _Worker, fn_id: int, fn_bytes: bytes, todo: deque[int], payloads: list[bytes]
-) -> None:
-    """Give an idle worker the next item (and this map's fn, the first time)."""
-    if worker.running is not None or not todo:
-        return
-    if worker.fn_id != fn_id:
-        worker.conn.send(("fn", fn_bytes))
-        worker.fn_id = fn_id
-    index = todo.popleft()
-    worker.conn.send(("item", index, payloads[index]))
-    worker.running = index
-
-
-def _death_message(worker: _Worker, work: list[Any], finished: int) -> str:
-    how = worker.death()
-    if worker.process.exitcode == NO_MAIN_GUARD:
-        return (
-            f"gpu_map: {worker.where()} stopped while importing the main module, because the "
-            f"script calls gpu_map() at import time. {_MAIN_GUARD_FIX}"
-        )
-    if not worker.ready:
-        return (
-            f"gpu_map: {worker.where()} {how} before it started: it could not import fn's "
-            "module or the main module (its own error is printed above, on stderr). "
-            + _MAIN_GUARD_FIX
-        )
-    doing = (
-        "between items"
-        if worker.running is None
-        else f"while running item {worker.running} ({show_item(work[worker.running])})"
-    )
-    code = worker.process.exitcode
-    if worker.running is not None and code is not None and code >= 0:
-        # It exited by itself mid-item: the worker sends back only what fn raises as
-        # an Exception, so fn called sys.exit() or os._exit(), raised another
-        # BaseException, or could not be unpickled there; without this the message
-        # reads like a crash of devicekit's own.
-        doing += (
-            ". fn must return or raise an Exception: sys.exit(), os._exit() or "
-            "KeyboardInterrupt in fn ends its worker (any traceback is on stderr above)"
-        )
-    return f"gpu_map: {worker.where()} {how} {doing}"
-
-
-def fn_raised(index: int, item: object, where: str, remote_traceback: str) -> str:
-    """The ``WorkerError`` message for an item whose ``fn`` raised, whichever executor ran it."""
-    return (
-        f"gpu_map: fn raised on item {index} ({show_item(item)}) in {where}; the worker's "
-        f"traceback:\n{remote_traceback}"
-    )
-
-
-def show_item(item: object) -> str:
-    """An item as error messages show it: its repr, cut short."""
-    return reprlib.repr(item)
 
 
 def _pickle_fn(fn: object) -> bytes:
@@ -450,8 +281,12 @@ def _refuse_during_worker_bootstrap() -> None:
     if in_worker_bootstrap():
         # We are a spawned worker importing the user's main module, which calls us
         # at import time: starting workers here would recurse. Say so, briefly, and
-        # stop with an exit code the parent recognizes.
-        print(f"devicekit: gpu_map() called at import time. {_MAIN_GUARD_FIX}", file=sys.stderr)
+        # stop with an exit code the parent recognizes. One write, newline included:
+        # print() writes the line and its end apart, and under PYTHONUNBUFFERED (as
+        # in many containers) each is a system call, so every worker's line was
+        # liable to run into another's.
+        sys.stderr.write(f"devicekit: gpu_map() called at import time. {MAIN_GUARD_FIX}\n")
+        sys.stderr.flush()
         raise SystemExit(NO_MAIN_GUARD)
 
 
@@ -494,12 +329,20 @@ def gpu_pool(
 
 
 def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
-    """The items as a list, once ``fn`` is known to be callable and ``items`` iterable."""
+    """The items as a list, once ``fn`` is known to be callable and ``items`` iterable.
+
+    A map-style dataset (``len()`` and ``[i]``, no ``__iter__``, as
+    ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``.
+    """
     if not callable(fn):
         raise TypeError(
             f"{caller} needs fn, the function to run on each item, got {fn!r} of type "
             f"{type(fn).__name__}; pass a function defined with def"
         )
+    if not isinstance(items, Iterable) and hasattr(items, "__len__"):
+        getitem = getattr(items, "__getitem__", None)
+        if getitem is not None:
+            return [getitem(index) for index in range(len(items))]
     if not isinstance(items, Iterable):
         raise TypeError(
             f"{caller} needs items, an iterable of the items to run fn on, got {items!r} of "
@@ -513,13 +356,23 @@ def workers_per_device_count(value: object) -> int:
     return check_count(value, name="workers_per_device", minimum=1)
 
 
+def item_timeout(value: object) -> float | None:
+    """``timeout``, checked: None, or a finite number of seconds > 0 (a bool is refused)."""
+    if value is None:
+        return None
+    return check_number(
+        value, name="timeout", above=0, meaning="the seconds one item may run; None: no limit"
+    )
+
+
 def gpu_map(
     fn: Callable[[T], R],
-    items: Iterable[T],
+    items: Iterable[T] | _MapStyle[T],
     *,
     devices: Sequence[DeviceLike] | DeviceLike | None = None,
     workers_per_device: int = 1,
     progress: bool | None = None,
+    timeout: float | None = None,
     executor: Literal["local", "ray"] = "local",
 ) -> list[R]:
     """Run ``fn(item)`` for every item in worker processes, one GPU per worker.
@@ -538,13 +391,23 @@ def gpu_map(
     Args:
         fn: A picklable function (defined at the top level of a module, not a
             lambda or a function defined inside another).
-        items: The inputs; each must be picklable, and so must each result.
+        items: The inputs: an iterable (read once, up front: a generator is
+            consumed), or a map-style dataset with ``len()`` and ``[i]`` such
+            as a ``torch.utils.data.Dataset``. Each item must be picklable,
+            and so must each result.
         devices: Where workers run: a list of [`DeviceLike`][devicekit.DeviceLike], or one.
             GPUs are named as this process numbers them (``0``, ``"cuda:1"``,
             ``torch.device("cuda", 1)``); ``"cpu"`` is a CPU worker. Default:
             every visible GPU, or one CPU worker per core when there is none.
         workers_per_device: Workers started per device.
         progress: Show progress on stderr (tqdm if installed, else a line).
+        timeout: The most seconds one item may run, or None for no limit. An
+            item's clock starts once its worker has it and has loaded
+            ``fn``: a worker's start-up and the import of ``fn``'s module do
+            not count, but what ``fn`` does the first time it runs in a
+            worker (starting CUDA, loading a model) does, so leave room for
+            it. An item that runs longer stops every worker and raises.
+            ``executor="local"`` only.
         executor: ``"local"``: spawned worker processes on this machine.
             ``"ray"``: one Ray task per item, asking for
             ``1/workers_per_device`` of a GPU (of a CPU for CPU tasks), on
@@ -561,13 +424,23 @@ def gpu_map(
 
     Raises:
         TypeError: ``fn`` or an item cannot be pickled (the item's index is
-            named), or ``devices`` is not a device or list.
+            named), ``devices`` is not a device or list, or ``timeout`` or
+            ``progress`` is of the wrong type (a bool ``timeout`` included).
+        ValueError: ``devices`` is empty, ``workers_per_device`` is below 1,
+            ``timeout`` is not a finite number above zero, or ``timeout`` is
+            given with ``executor="ray"``.
         DeviceNotFoundError: One of ``devices`` does not exist here.
-        WorkerError: ``fn`` raised for an item (the message has the item's
-            index, the worker and its device, and the worker's traceback), a
-            result could not be sent back, or a worker died (the message says
-            how: its exit code or signal, and what it was running). Every
-            worker is stopped before it is raised.
+        WorkerError: ``fn`` raised for an item, ``sys.exit()`` included (the
+            message has the item's index, the worker and its device, and the
+            worker's traceback), ``fn`` or an item could not be unpickled in a
+            worker, a result could not be sent back, or a worker died (the
+            message says how: its exit code or signal, and what it was
+            running). Every worker is stopped before it is raised.
+        WorkerTimeoutError: An item ran longer than ``timeout`` (the message
+            names it, its worker and device, and the limit). A
+            ``WorkerError`` and a ``TimeoutError``; its ``results`` holds the
+            results of the items that had finished, by index (the others
+            are lost). Every worker is stopped before it is raised.
         KeyboardInterrupt: On Ctrl-C, after stopping the workers (cancelling
             the outstanding Ray tasks).
         ImportError: ``executor="ray"`` without Ray installed.
@@ -583,7 +456,16 @@ def gpu_map(
             "'ray' (tasks on a Ray cluster)"
         )
     work = checked_work(fn, items, caller="gpu_map()")
+    limit = item_timeout(timeout)
+    if progress is not None:  # checked here too: an empty map shows no progress
+        check_flag(progress, name="progress")
     if executor == "ray":
+        if limit is not None:
+            raise ValueError(
+                f"timeout={timeout!r} works with executor='local' only: Ray does not say when "
+                "a task starts to run, so the time of one item cannot be measured from here; "
+                "pass timeout=None with executor='ray'"
+            )
         from ._ray import ray_map  # noqa: PLC0415 - _ray builds on this module
 
         return ray_map(
@@ -600,6 +482,6 @@ def gpu_map(
         return []
     pool = GPUPool(slots[: len(work)])
     try:
-        return pool._run(fn_bytes, work, payloads, progress)
+        return pool._run(fn_bytes, work, payloads, progress=progress, timeout=limit)
     finally:
         pool.close()

@@ -6,10 +6,21 @@ uses torch imports it itself when it is unpickled.
 
 The protocol, over one duplex pipe per worker (a message is a pickled tuple):
 
-- parent to worker: ``("fn", bytes)`` (the function for the items that
-  follow), ``("item", index, bytes)``, ``("stop",)``;
-- worker to parent: ``("ready", pid)``, then per item ``("ok", index, bytes)``,
-  ``("raised", index, traceback)`` or ``("unpicklable", index, message)``.
+- parent to worker: ``("fn", fn_id, bytes)`` (the function for the items
+  that follow), ``("item", index, bytes)``, ``("stop",)``;
+- worker to parent: ``("ready", pid)`` once started; per function
+  ``("loaded", fn_id)``, or ``("fn_failed", fn_id, summary, traceback)``
+  when it cannot be unpickled here; then per item ``("ok", index, bytes)``,
+  ``("raised", index, traceback)`` (an ``Exception``), ``("exited", index,
+  what, traceback)`` (``sys.exit()`` or another ``BaseException``),
+  ``("unpicklable", index, message)`` (the result) or ``("item_failed",
+  index, summary, traceback)`` (the item could not be unpickled here).
+
+Everything ``fn`` can raise is caught and sent back, ``SystemExit`` and
+``KeyboardInterrupt`` included, so that the caller reads what happened in its
+own exception instead of "the worker exited"; only ``os._exit()`` or a signal
+ends a worker mid-item. ``"loaded"`` is what starts the clock of a
+``timeout``: importing ``fn``'s module (torch, often) is start-up, not item.
 
 The parent sends a worker its next item only after that item's answer came
 back, so neither side can block writing while the other writes too, and
@@ -65,6 +76,7 @@ def work(conn: Any, parent: int, signal_on_death: bool) -> None:
     _die_with_parent(parent, signal_on_death=signal_on_death)
     conn.send(("ready", os.getpid()))
     fn: Any = None
+    failed: tuple[Any, ...] | None = None  # why the current fn could not be unpickled
     while True:
         # A dead parent closes its end of the pipe (recv raises EOFError) and, where
         # there is no parent-death signal, re-parents us (the PPID changes).
@@ -78,19 +90,41 @@ def work(conn: Any, parent: int, signal_on_death: bool) -> None:
         if message[0] == "stop":
             return
         if message[0] == "fn":
-            fn = pickle.loads(message[1])
+            fn, failed = _load_fn(message[1], message[2])
+            conn.send(failed or ("loaded", message[1]))
             continue
         _, index, payload = message
-        conn.send(_run(fn, index, payload))
+        # Without fn, every item gets the same answer; the parent stops at the first.
+        conn.send(failed or _run(fn, index, payload))
+
+
+def _load_fn(fn_id: int, payload: bytes) -> tuple[Any, tuple[Any, ...] | None]:
+    """``(fn, None)``, or ``(None, the "fn_failed" answer)`` when it cannot be unpickled."""
+    try:
+        return pickle.loads(payload), None
+    except BaseException as error:  # noqa: BLE001 - an import can raise anything, SystemExit too
+        return None, ("fn_failed", fn_id, _summary(error), traceback.format_exc())
 
 
 def _run(fn: Any, index: int, payload: bytes) -> tuple[Any, ...]:
     try:
-        result = fn(pickle.loads(payload))
+        item = pickle.loads(payload)
+    except BaseException as error:  # noqa: BLE001 - a __reduce__ can raise anything
+        return ("item_failed", index, _summary(error), traceback.format_exc())
+    try:
+        result = fn(item)
     except Exception:  # noqa: BLE001 - every failure goes back to the caller, with its traceback
         return ("raised", index, traceback.format_exc())
+    except BaseException as error:  # noqa: BLE001 - sys.exit() in fn must not end the worker
+        what = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
+        return ("exited", index, what, traceback.format_exc())
     try:
         return ("ok", index, pickle.dumps(result))
     except Exception as error:  # noqa: BLE001 - pickling can raise anything a __reduce__ raises
         kind = type(result).__name__
         return ("unpicklable", index, f"{kind} result: {type(error).__name__}: {error}")
+
+
+def _summary(error: BaseException) -> str:
+    """``"AttributeError: Can't get attribute 'f' on <module '__main__'>"``: the last line."""
+    return "".join(traceback.format_exception_only(type(error), error)).strip()

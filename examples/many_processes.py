@@ -21,7 +21,8 @@ def work(seed: int) -> tuple[int, str, float]:
 if __name__ == "__main__":  # spawned workers import this file: guard the main work
     gpus = [d.index for d in dk.try_all_gpus() if d.type == "cuda"]
     devices = gpus or ["cpu", "cpu"]
-    results = dk.gpu_map(work, range(8), devices=devices, workers_per_device=2)
+    # timeout: an item that hangs fails the map (dk.WorkerTimeoutError) instead of waiting forever.
+    results = dk.gpu_map(work, range(8), devices=devices, workers_per_device=2, timeout=300)
     for seed, (pid, device, norm) in enumerate(results):
         print(f"item {seed}: worker {pid} on {device}: norm {norm:.1f}")
     print(f"results came from {len({pid for pid, _, _ in results})} worker processes")

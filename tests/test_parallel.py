@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import multiprocessing
 import os
@@ -10,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +21,8 @@ import torch
 import devicekit as dk
 
 from .conftest import CTRL_C_WORKS, GPU_COUNT, FakeAccelerator
+
+REPO = os.path.dirname(os.path.dirname(__file__))
 
 
 def where(item: int) -> tuple[int, str | None, int]:
@@ -48,6 +52,49 @@ def exit_on_two(item: int) -> int:
     if item == 2:
         sys.exit(0)
     return item
+
+
+def interrupt_on_two(item: int) -> int:
+    if item == 2:
+        raise KeyboardInterrupt
+    return item
+
+
+def hang_on_two(item: int) -> int:
+    if item == 2:
+        time.sleep(60)  # far beyond the test's timeout, well within its subprocess's
+    return item * 10
+
+
+def _fail_to_load() -> None:
+    raise RuntimeError("cannot be rebuilt in a worker")
+
+
+class LoadsBadly:
+    """Pickles here; unpickling it (in the worker) raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _fail_to_load, ()
+
+
+class CallableThatLoadsBadly(LoadsBadly):
+    def __call__(self, item: int) -> int:
+        return item
+
+
+def _load_slowly() -> Callable[[int], int]:
+    time.sleep(4)  # as a worker importing a heavy module for fn would
+    return abs
+
+
+class LoadsSlowly:
+    """A function whose unpickling (in the worker) takes 4 s."""
+
+    def __call__(self, item: int) -> int:
+        return abs(item)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _load_slowly, ()
 
 
 def write_pid(item: int) -> int:
@@ -231,9 +278,9 @@ def test_workers_per_device_beyond_the_items_builds_no_slots(
 
 
 def test_a_failed_start_leaves_no_worker_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    from devicekit import _parallel
+    from devicekit import _dispatch
 
-    real_env = _parallel.worker_env
+    real_env = _dispatch.worker_env
     calls: list[str | int] = []
 
     def env_then_fail(device: str | int) -> str:
@@ -242,7 +289,7 @@ def test_a_failed_start_leaves_no_worker_behind(monkeypatch: pytest.MonkeyPatch)
             raise OSError("cannot start a process")
         return real_env(device)
 
-    monkeypatch.setattr(_parallel, "worker_env", env_then_fail)
+    monkeypatch.setattr(_dispatch, "worker_env", env_then_fail)
     with dk.gpu_pool(devices=["cpu", "cpu"]) as pool:
         with pytest.raises(OSError, match="cannot start a process"):
             pool.map(abs, [1, 2])
@@ -254,17 +301,83 @@ def test_a_failed_start_leaves_no_worker_behind(monkeypatch: pytest.MonkeyPatch)
         assert len(pool._workers) == 2
 
 
-def test_a_worker_that_exits_in_fn_says_why() -> None:
+def test_sys_exit_or_keyboard_interrupt_in_fn_is_named_with_its_traceback() -> None:
+    # Before, the worker died and the message said only "exited with code 0" (or 1),
+    # with the traceback, if any, somewhere on stderr.
     with pytest.raises(dk.WorkerError) as info:
         dk.gpu_map(exit_on_two, [1, 2], devices=["cpu"])
-    assert str(info.value) == (
-        "gpu_map: worker 1 on the CPU exited with code 0 while running item 1 (2). fn must "
-        "return or raise an Exception: sys.exit(), os._exit() or KeyboardInterrupt in fn "
-        "ends its worker (any traceback is on stderr above)"
+    message = str(info.value)
+    assert message.startswith(
+        "gpu_map: fn called sys.exit(0) on item 1 (2) in worker 1 on the CPU; fn must return a "
+        "result, or raise an Exception to fail its item (SystemExit and KeyboardInterrupt are "
+        "not Exceptions). The worker's traceback:\n"
+    ), message
+    assert "in exit_on_two" in message
+    with pytest.raises(
+        dk.WorkerError,
+        match=r"^gpu_map: fn raised KeyboardInterrupt on item 1 \(2\) in worker 1 on the CPU; "
+        r"fn must return a result, or raise an Exception",
+    ):
+        dk.gpu_map(interrupt_on_two, [1, 2], devices=["cpu"])
+
+
+def test_an_fn_that_cannot_be_unpickled_in_a_worker_is_named() -> None:
+    # Before: "worker 1 exited with code 1 while running item 0. fn must return or
+    # raise an Exception", about an fn that never ran.
+    with pytest.raises(dk.WorkerError) as info:
+        dk.gpu_map(CallableThatLoadsBadly(), [1, 2], devices=["cpu"])
+    message = str(info.value)
+    assert message.startswith(
+        "gpu_map: fn could not be unpickled in worker 1 on the CPU: RuntimeError: cannot be "
+        "rebuilt in a worker. A worker finds fn by its module and name, and imports that module: "
+        "define fn with def at the top level of a module"
+    ), message
+    assert "in _fail_to_load" in message  # the worker's traceback
+
+
+def test_an_fn_defined_in_python_c_is_named_as_not_importable() -> None:
+    # What a notebook or `python -c` gives: fn pickles by reference to __main__,
+    # which a spawned worker cannot import.
+    script = textwrap.dedent(
+        """
+        import devicekit as dk
+        def double(x):
+            return 2 * x
+        try:
+            dk.gpu_map(double, [1], devices=["cpu"])
+        except dk.WorkerError as error:
+            print(str(error).splitlines()[0])
+        """
     )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(
+        "gpu_map: fn could not be unpickled in worker 1 on the CPU: AttributeError: Can't get "
+        "attribute 'double' on <module '__main__'"
+    ), result.stdout
+    assert "not in a notebook or `python -c`: put it in a .py file and import it" in result.stdout
+    assert "Traceback" not in result.stderr  # the worker no longer dies, printing its own
 
 
-REPO = os.path.dirname(os.path.dirname(__file__))
+def test_an_item_that_cannot_be_unpickled_in_a_worker_is_named() -> None:
+    # Before: "fn raised on item 1", though fn never saw it.
+    with pytest.raises(dk.WorkerError) as info:
+        dk.gpu_map(abs, [1, LoadsBadly(), 3], devices=["cpu"])
+    message = str(info.value)
+    assert re.match(
+        r"gpu_map: item 1 \(<tests\.test_p.*\) could not be unpickled in "
+        r"worker 1 on the CPU: RuntimeError: cannot be rebuilt in a worker\. Each item is rebuilt "
+        r"in its worker from its pickle",
+        message,
+    ), message
+    assert "in _fail_to_load" in message
 
 
 def _alive(pid: int) -> bool:
@@ -362,7 +475,11 @@ def test_a_dead_worker_is_named_with_its_signal_and_item() -> None:
         "gpu_map: worker 1 on the CPU was killed by SIGKILL (the out-of-memory killer sends it) "
         "while running item 0 (1)"
     )
-    with pytest.raises(dk.WorkerError, match=r"worker 1 on the CPU exited with code 3 while"):
+    with pytest.raises(
+        dk.WorkerError,
+        match=r"worker 1 on the CPU exited with code 3 while running item 0 \(2\)\. fn must "
+        r"return or raise an Exception: os\._exit\(\) in fn",
+    ):
         dk.gpu_map(die, [2], devices=["cpu"])
 
 
@@ -512,3 +629,270 @@ def test_progress_with_tqdm_is_a_bar(capsys: pytest.CaptureFixture[str]) -> None
     pytest.importorskip("tqdm")
     assert dk.gpu_map(math.sqrt, [1, 4, 9], devices=["cpu"], progress=True) == [1.0, 2.0, 3.0]
     assert re.search(r"gpu_map: 100%.*3/3", capsys.readouterr().err)
+
+
+def test_progress_is_checked_for_an_empty_map_too() -> None:
+    # Before, an empty map returned [] without looking at progress at all.
+    with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+        dk.gpu_map(math.sqrt, [], devices=["cpu"], progress="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+        dk.gpu_map(math.sqrt, [], executor="ray", progress="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        (0, ValueError, "timeout must be a finite number > 0, got 0 "),
+        (-1.5, ValueError, "timeout must be a finite number > 0, got -1.5 "),
+        (math.inf, ValueError, "timeout must be a finite number > 0, got inf "),
+        (math.nan, ValueError, "timeout must be a finite number > 0, got nan "),
+        (True, TypeError, "timeout must be a finite number > 0, got the bool True "),
+        ("60", TypeError, "timeout must be a finite number > 0, got '60' of type str "),
+    ],
+)
+def test_timeout_must_be_a_positive_number_of_seconds(
+    timeout: object, error: type[Exception], message: str
+) -> None:
+    before = set(multiprocessing.active_children())
+    fix = r"\(the seconds one item may run; None: no limit\)$"
+    with pytest.raises(error, match="^" + re.escape(message) + fix):
+        dk.gpu_map(abs, [1], devices=["cpu"], timeout=timeout)  # type: ignore[arg-type]
+    with dk.gpu_pool(devices=["cpu"]) as pool, pytest.raises(error, match=re.escape(message)):
+        pool.map(abs, [1], timeout=timeout)  # type: ignore[arg-type]
+    assert set(multiprocessing.active_children()) == before  # refused before any worker started
+
+
+def test_timeout_with_ray_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^timeout=5 works with executor='local' only: Ray does"):
+        dk.gpu_map(abs, [1], executor="ray", timeout=5)
+
+
+def test_an_item_over_its_timeout_stops_every_worker_and_keeps_the_results(tmp_path: Any) -> None:
+    # A subprocess bounds the test: were the timeout ignored, fn would sleep 60 s.
+    script = textwrap.dedent(
+        """
+        import json, multiprocessing, os, pickle, devicekit as dk
+        from tests.test_parallel import hang_on_two, pid_and_wait
+        out = {}
+        with dk.gpu_pool(devices=["cpu"]) as pool:
+            try:
+                pool.map(hang_on_two, range(4), timeout=0.5)
+            except TimeoutError as error:
+                copy = pickle.loads(pickle.dumps(error))
+                out["first"] = [type(error).__name__, isinstance(error, dk.WorkerError), str(error),
+                                error.index, error.timeout, sorted(error.results.items()),
+                                sorted(copy.results.items()), copy.index]
+                out["left"] = len(multiprocessing.active_children())
+            out["again"] = pool.map(abs, [-1, -2], timeout=30)  # fresh workers
+        try:
+            dk.gpu_map(pid_and_wait, range(2), devices=["cpu", "cpu"], timeout=0.5)
+        except dk.WorkerTimeoutError as error:
+            out["second"] = str(error).split(" ran longer")[0]
+        out["children"] = len(multiprocessing.active_children())
+        pids = [int(name) for name in os.listdir(os.environ["DK_TEST_PIDS"])]
+        out["alive"] = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]  # before we exit
+        print(json.dumps(out))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "DK_TEST_PIDS": str(tmp_path)},
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    name, is_worker_error, message, index, limit, results, copied, copied_index = out["first"]
+    assert (name, is_worker_error, index, limit) == ("WorkerTimeoutError", True, 2, 0.5)
+    assert message == (
+        "gpu_map: item 2 (2) ran longer than timeout=0.5 s in worker 1 on the CPU, so every "
+        "worker was stopped. 2 of 4 items had finished: their results are in this error's "
+        ".results (a dict by item index); the others were lost. If the item needs longer, pass "
+        "a larger timeout (or timeout=None for no limit)."
+    )
+    assert results == copied == [[0, 0], [1, 10]]  # item 3 never ran
+    assert copied_index == 2
+    assert out["left"] == 0
+    assert out["again"] == [1, 2]
+    assert re.fullmatch(r"gpu_map: item [01] \([01]\)", out["second"])
+    assert out["children"] == 0
+    assert out["alive"] == []  # stopped and reaped, not orphaned: while their parent still runs
+
+
+def test_timeout_starts_once_the_worker_has_loaded_fn() -> None:
+    # Loading fn (importing its module: torch, often) takes 4 s here; the item
+    # itself, microseconds. Counted from the hand-over, the item would time out.
+    assert dk.gpu_map(LoadsSlowly(), [-1, -2], devices=["cpu"], timeout=2) == [1, 2]
+
+
+def test_a_missing_main_guard_with_large_items_is_named_too(tmp_path: Any) -> None:
+    # Before, sending an item larger than the pipe's buffer to a worker that died
+    # importing the main module raised a bare BrokenPipeError.
+    script = tmp_path / "no_guard_large.py"
+    script.write_text(
+        "import devicekit as dk\n"
+        "try:\n"
+        "    dk.gpu_map(len, [bytes(2_000_000)] * 2, devices=['cpu'])\n"
+        "except dk.WorkerError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "stopped while importing the main module" in result.stdout, result.stderr
+    assert "BrokenPipeError" not in result.stderr
+
+
+def test_a_pool_worker_killed_between_maps_is_named() -> None:
+    # Before, the next map wrote to the dead worker's pipe: a bare BrokenPipeError.
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        assert pool.map(abs, [-1]) == [1]
+        process = pool._workers[0].process
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+        with pytest.raises(
+            dk.WorkerError,
+            match=r"^gpu_map: worker 1 on the CPU was killed by SIGKILL .* between items$",
+        ):
+            pool.map(abs, [-2])
+        assert pool.map(abs, [-3]) == [3]  # fresh workers
+
+
+class _Stubborn:
+    """A stand-in worker process that ignores SIGTERM: only SIGKILL ends it."""
+
+    def __init__(self, number: int, events: list[str]) -> None:
+        self.number, self.events, self.alive = number, events, True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        self.events.append(f"terminate {self.number}")
+
+    def kill(self) -> None:
+        self.events.append(f"kill {self.number}")
+        self.alive = False
+
+    def join(self, timeout: float | None = None) -> None:
+        self.events.append(f"join {self.number}")
+
+
+class _Conn:
+    def send(self, message: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_stopping_workers_that_ignore_sigterm_waits_for_them_together() -> None:
+    # Before, each stubborn worker was terminated and waited for (5 s) in turn:
+    # 32 workers whose fn hung with SIGTERM ignored took minutes to stop.
+    from devicekit import _dispatch
+
+    events: list[str] = []
+    workers = [_dispatch.Worker(n, "cpu", _Stubborn(n, events), _Conn()) for n in (1, 2, 3)]
+    _dispatch.stop_workers(workers, gently=False)
+    assert events == [
+        *("terminate 1", "terminate 2", "terminate 3", "join 1", "join 2", "join 3"),
+        *("kill 1", "kill 2", "kill 3", "join 1", "join 2", "join 3"),
+    ]
+
+
+def test_maps_started_from_two_threads_at_once_give_each_worker_its_device(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # CUDA_VISIBLE_DEVICES is set around each worker's start, and the environment
+    # is the process's. Before, two threads starting workers at once read or
+    # lent each other's value: a worker on the wrong GPU, an IndexError, or the
+    # caller's own variable left changed. The barrier holds both threads inside
+    # that window together, where the code lets them in.
+    from devicekit import _dispatch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    fake_accelerator("cuda", 1)
+    real_scoped_env = _dispatch.scoped_env
+    both_inside = threading.Barrier(2)
+
+    @contextlib.contextmanager
+    def scoped_env(name: str, value: str | None) -> Iterator[None]:
+        with real_scoped_env(name, value):
+            if name == "CUDA_VISIBLE_DEVICES":
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both_inside.wait(timeout=2)  # with a lock, the other never comes in
+            yield
+
+    monkeypatch.setattr(_dispatch, "scoped_env", scoped_env)
+    seen: dict[str, object] = {}
+
+    def run(name: str, devices: list[str | int]) -> None:
+        try:
+            seen[name] = {visible for _, visible, _ in dk.gpu_map(where, [1], devices=devices)}
+        except Exception as error:  # noqa: BLE001 - shown by the assertion below
+            seen[name] = error
+
+    threads = [
+        threading.Thread(target=run, args=("cpu", ["cpu"])),
+        threading.Thread(target=run, args=("gpu", [0])),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert seen == {"cpu": {""}, "gpu": {"5"}}
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+class Squares:
+    """Map-style, like ``torch.utils.data.Dataset``: ``len()`` and ``[i]``, no ``__iter__``."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < 4:
+            raise IndexError(index)
+        return index * index
+
+
+def test_a_map_style_dataset_is_its_items() -> None:
+    # Before: "needs items, an iterable ...; pass a list, such as [<Squares>]", the
+    # dataset as one item, for the commonest container of items in PyTorch.
+    assert dk.gpu_map(abs, Squares(), devices=["cpu"]) == [0, 1, 4, 9]
+
+
+def test_the_missing_main_guard_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, print() wrote the line and its newline apart: under PYTHONUNBUFFERED,
+    # two workers' lines could interleave into one long line and an empty one.
+    from devicekit import _parallel
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    recorder = Recorder()
+    monkeypatch.setattr(sys, "stderr", recorder)
+    monkeypatch.setattr(_parallel, "in_worker_bootstrap", lambda: True)
+    with pytest.raises(SystemExit) as info:
+        dk.gpu_map(abs, [1], devices=["cpu"])
+    assert info.value.code == 87
+    assert len(recorder.writes) == 1
+    assert recorder.writes[0].startswith("devicekit: gpu_map() called at import time. ")
+    assert recorder.writes[0].endswith(" above that line).\n")
