@@ -38,7 +38,7 @@ from ._visible import ENV_VAR, cuda_started, parse_visible_devices, read_as, rea
 
 __all__ = ["SCHEMA_VERSION", "Status", "status", "torch_build"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version of [`Status.to_dict()`][devicekit.Status.to_dict]'s layout (``devicekit --json``)."""
 
 _LABEL = 22  # the width of the report's left column
@@ -342,7 +342,7 @@ def status() -> Status:
         >>> import devicekit as dk
         >>> snapshot = dk.status()
         >>> snapshot.to_dict()["schema"]
-        2
+        3
         >>> str(snapshot).startswith("devicekit")
         True
     """

@@ -155,7 +155,7 @@ def test_json_document(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     assert _cli.main(["--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["schema"] == _status.SCHEMA_VERSION == 2
+    assert document["schema"] == _status.SCHEMA_VERSION == 3
     assert document["cuda_visible_devices"] == "1,0"
     assert document["cuda_visible_devices_parsed"] == [1, 0]
     assert document["nvml_available"] is True
@@ -302,7 +302,7 @@ def test_watch_json_writes_one_document_per_line() -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 3
-    assert [json.loads(line)["schema"] for line in lines] == [2, 2, 2]
+    assert [json.loads(line)["schema"] for line in lines] == [3, 3, 3]
 
 
 def test_watch_piped_separates_refreshes_and_stamps_each(
