@@ -10,33 +10,59 @@ The gather is what ``torch.distributed.all_gather_object`` does (one
 because torch's version needs numpy, which neither torch nor devicekit
 requires, and because each step must be bounded by a timeout: a rank that
 never arrives must end in a clear error, not a hang.
+
+Bounded means the call's own timeout, rounded up to whole milliseconds
+(gloo reads 0 ms as "no limit of its own"), on every step. A gloo group keeps
+the timeout it was made with, that of devicekit's first call, and runs each
+collective under it; so each call sets the group's timeout to its own first
+(a local setting, no collective), or a rank late by more than the first
+call's timeout would fail a later call that allowed for it.
+
+Naming the rank that did not arrive. Gloo's ``monitored_barrier`` names the
+missing ranks on rank 0 only; the others learn merely that rank 0 did not
+answer. So on its way in, each rank notes in the job's store (the key-value
+store every process group has) how many job-wide calls it has made and which
+one it is in. When a call fails, every rank reads those notes and names the
+ranks that are not in this call, and where each one is instead. The notes
+are one key per rank, overwritten at each call: nothing accumulates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
+import math
+import os
 import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from ._errors import RanksOutOfStepError
-from ._format import first_line, format_seconds
+from ._errors import RanksOutOfStepError, add_note
+from ._format import first_line, format_seconds, plural
 from ._options import check_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_TIMEOUT",
     "all_reduce",
     "gather_objects",
+    "gather_results",
     "gloo_lets_go",
     "initialized",
     "validated_timeout",
+    "warn_if_launched_alone",
 ]
+
+T = TypeVar("T")
+
+logger = logging.getLogger("devicekit")
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a job-wide call waits for every rank before it fails.
@@ -46,13 +72,49 @@ shard or a checkpoint more slowly), so a short default would fail good jobs;
 five minutes still turns a rank that will never arrive into an error.
 """
 
+MAX_TIMEOUT = 7 * 24 * 3600.0
+"""The longest wait a job-wide call accepts: a week.
+
+Far longer than any rank should take to arrive. Gloo adds the timeout to a
+nanosecond clock, which overflows somewhere past 290 years: a call given
+``timeout=1e10`` failed at once in a healthy job, and ``1e15`` raised an
+``OverflowError``. A bound well below that keeps every wait real.
+"""
+
 
 def validated_timeout(timeout: object, *, name: str = "timeout") -> float:
-    """``timeout`` as finite, positive seconds, or a ``ValueError``/``TypeError`` naming it."""
-    return check_seconds(timeout, name=name, fix=f"the default is {DEFAULT_TIMEOUT:g}")
+    """``timeout`` as finite, positive seconds, at most a week, or an error naming it.
+
+    Examples:
+        >>> validated_timeout(60)
+        60.0
+        >>> validated_timeout(1e10)
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout must be at most 604800 seconds (a week), got 10000000000.0; ...
+    """
+    seconds = check_seconds(timeout, name=name, fix=f"the default is {DEFAULT_TIMEOUT:g}")
+    if seconds > MAX_TIMEOUT:
+        raise ValueError(
+            f"{name} must be at most {MAX_TIMEOUT:g} seconds (a week), got {timeout!r}; "
+            f"every rank of a healthy job arrives well within that (the default is "
+            f"{DEFAULT_TIMEOUT:g})"
+        )
+    return seconds
 
 
-@contextmanager
+def _wait(timeout: float) -> datetime.timedelta:
+    """``timeout`` in whole milliseconds, rounded up, at least 1: gloo reads 0 ms as "forever".
+
+    Examples:
+        >>> _wait(0.0004), _wait(2.5)
+        (datetime.timedelta(microseconds=1000), datetime.timedelta(seconds=2, microseconds=500000))
+    """
+    milliseconds = math.ceil(min(timeout, MAX_TIMEOUT) * 1000)
+    return datetime.timedelta(milliseconds=max(1, milliseconds))
+
+
+@contextlib.contextmanager
 def gloo_lets_go(*tensors: torch.Tensor) -> Iterator[None]:
     """Around a gloo collective: on the way out, wait until gloo's worker lets go of ``tensors``.
 
@@ -75,12 +137,13 @@ def gloo_lets_go(*tensors: torch.Tensor) -> Iterator[None]:
         time.sleep(0)  # hands the GIL to the worker thread
 
 
-class _Group:
-    """devicekit's gloo group over every rank, for the default group it was made under."""
+class _Job:
+    """devicekit's state for one job: its gloo group, and how many job-wide calls this rank made."""
 
     lock = threading.Lock()
-    world: Any = None  # the default group the gloo group belongs to
-    group: Any = None
+    world: Any = None  # the default group this state belongs to
+    group: Any = None  # devicekit's gloo group over every rank, once made
+    calls = 0  # job-wide calls this rank has made in this job (its notes in the store)
 
 
 def initialized() -> bool:
@@ -90,8 +153,97 @@ def initialized() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-def _group(timeout: float, what: str) -> Any:
-    """Create devicekit's gloo group on the first call, then reuse it.
+_warned_alone: set[str] = set()
+
+
+def warn_if_launched_alone(what: str) -> None:
+    """Log once per call when a launcher says there are several ranks but no process group exists.
+
+    Under ``torchrun`` (``WORLD_SIZE=4``) without ``init_process_group``, a
+    job-wide call describes each process alone: four one-rank tables, and a
+    straggler detector that can never find a straggler. That is legal (the
+    group may come later), so it is a warning, not an error.
+    """
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    if what in _warned_alone or not raw.isascii() or not raw.isdigit() or int(raw) < 2:
+        return
+    _warned_alone.add(what)
+    logger.warning(
+        "%s: WORLD_SIZE=%s says this process is one of %s ranks, but torch.distributed is not "
+        "initialized, so it describes this process alone. Call "
+        "torch.distributed.init_process_group() first.",
+        what,
+        raw,
+        raw,
+    )
+
+
+def _this_job() -> None:
+    """Forget the group and the count of an earlier job in this process (call under the lock)."""
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    world = dist.group.WORLD
+    if _Job.world is not world:  # destroyed and made again: a new job, a new group, a new count
+        _Job.world, _Job.group, _Job.calls = world, None, 0
+
+
+def _arrive(what: str) -> int:
+    """Count this job-wide call, note it in the job's store, and return its number."""
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    with _Job.lock:
+        _this_job()
+        _Job.calls += 1
+        call = _Job.calls
+    store = _store()
+    if store is not None:
+        # Without the note, a failing call names fewer ranks; the call itself goes on.
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            store.set(_key(dist.get_rank()), f"{call}\n{what}")
+    return call
+
+
+def _store() -> Any:
+    """The job's key-value store (the one ``init_process_group`` made), or None."""
+    try:
+        from torch.distributed.distributed_c10d import (  # noqa: PLC0415 - with a process group
+            _get_default_store,
+        )
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError, KeyError):
+        return None
+
+
+def _key(rank: int) -> str:
+    return f"devicekit/call/{rank}"
+
+
+def _where_ranks_are(world_size: int) -> dict[int, tuple[int, str] | None] | None:
+    """Each rank's latest job-wide call (its number and name), None for a rank that made none.
+
+    None as a whole where the store cannot be read (it lives in one rank's
+    process, which may be the one that died).
+    """
+    store = _store()
+    if store is None:
+        return None
+    found: dict[int, tuple[int, str] | None] = {}
+    try:
+        for rank in range(world_size):
+            key = _key(rank)
+            if not store.check([key]):  # check never waits; get would, for a missing key
+                found[rank] = None
+                continue
+            count, _, name = store.get(key).decode("utf-8", "replace").partition("\n")
+            found[rank] = (int(count), name)
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return found
+
+
+def _group(timeout: float, what: str, call: int, started: float) -> Any:
+    """Create devicekit's gloo group on the first call of a job, then reuse it.
 
     Creating a group is itself a collective: every rank must create it, in the
     same order relative to the job's other groups. devicekit creates it inside
@@ -99,47 +251,105 @@ def _group(timeout: float, what: str) -> Any:
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
-    world = dist.group.WORLD
-    with _Group.lock:
-        if _Group.group is None or _Group.world is not world:  # a new job in this process
+    with _Job.lock:
+        _this_job()
+        if _Job.group is None:
             try:
-                _Group.group = dist.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=timeout)
-                )
+                _Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
             except RuntimeError as error:
-                raise _out_of_step(what, timeout, error) from error
-            _Group.world = world
-        return _Group.group
+                raise _out_of_step(what, timeout, error, call, started) from error
+        group = _Job.group
+    _set_timeout(group, _wait(timeout))
+    return group
 
 
-def _out_of_step(what: str, timeout: float, error: BaseException) -> RanksOutOfStepError:
+def _set_timeout(group: Any, wait: datetime.timedelta) -> None:
+    """Run ``group``'s next collectives under ``wait``, not under the timeout it was made with."""
+    try:
+        from torch.distributed.distributed_c10d import (  # noqa: PLC0415 - with a process group
+            _set_pg_timeout,
+        )
+    except ImportError:  # older torch: the group's own timeout (the first call's) stays
+        return
+    _set_pg_timeout(wait, group)
+
+
+def _out_of_step(
+    what: str, timeout: float, error: BaseException, call: int, started: float
+) -> RanksOutOfStepError:
+    """The error every rank raises when a job-wide call fails: who is missing, and where."""
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    me = dist.get_rank()
+    waited = time.monotonic() - started
     reason = first_line(error)
-    return RanksOutOfStepError(
-        f"{what}: not every rank joined within {format_seconds(timeout)} ({reason}). Every rank "
-        f"must call {what} together, the same number of times; a rank that crashed, hangs, or "
-        "ran fewer steps never arrives (rank 0's message names the ranks that did not)."
+    rule = (
+        f"Every rank must call {what} together, the same number of times; a rank that crashed, "
+        "hangs, skipped a call or ran fewer steps never arrives."
     )
+    if waited >= 0.9 * timeout:
+        when = f"within {format_seconds(timeout)}"
+    else:  # gloo gave up early: a connection closed
+        when = (
+            f"(the wait failed after {format_seconds(waited)}, before the "
+            f"{format_seconds(timeout)} timeout: a rank exited or crashed)"
+        )
+    where = _where_ranks_are(dist.get_world_size())
+    if where is None:  # no store to read: only gloo's own words (rank 0's name the ranks)
+        return RanksOutOfStepError(
+            f"{what}: not every rank joined {when} ({reason}). {rule} The job's store, which "
+            "would name them, could not be read (it lives in one rank's process, maybe the one "
+            "that exited); rank 0's message may name them."
+        )
+    missing = {rank: at for rank, at in where.items() if at is None or at[0] != call}
+    if not missing:
+        return RanksOutOfStepError(
+            f"{what}: every rank arrived, then the collective failed after "
+            f"{format_seconds(waited)} ({reason}); a rank that exits or crashes during a "
+            f"collective fails it on every rank. {rule}"
+        )
+    ranks = ", ".join(str(rank) for rank in missing)
+    how = f"did not arrive {when}"
+    places = [f"rank {rank} {_place(at, call)}" for rank, at in list(missing.items())[:8]] + (
+        [f"and {plural(len(missing) - 8, 'more rank')}"] if len(missing) > 8 else []
+    )
+    return RanksOutOfStepError(
+        f"{what}: {'rank' if len(missing) == 1 else 'ranks'} {ranks} {how}. Where they are: "
+        f"{'; '.join(places)}; rank {me} is in job-wide call #{call}, {what}. {rule} "
+        f"(gloo: {reason})"
+    )
+
+
+def _place(at: tuple[int, str] | None, call: int) -> str:
+    if at is None:
+        return "has made no devicekit job-wide call yet"
+    count, name = at
+    if count < call:
+        return f"last entered job-wide call #{count}, {name}"
+    return f"is ahead, in job-wide call #{count}, {name}"
 
 
 def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     """Every rank's ``obj``, in rank order, through devicekit's gloo group, bounded by ``timeout``.
 
-    The ranks first meet at a ``monitored_barrier``: it fails within
-    ``timeout`` when a rank is missing, and on rank 0 it names the missing
-    ranks. Then one ``all_gather`` of sizes and one of pickled bytes, as
-    ``all_gather_object`` does, each waited on with the same timeout. Each
-    rank sends ``what`` along: every devicekit call shares the one group, so
-    a rank in ``job_status()`` would otherwise meet a rank in a detector's
-    ``step()`` and take its data for an answer.
+    The ranks first meet at a ``monitored_barrier``, which fails within
+    ``timeout`` when a rank is missing. Then one ``all_gather`` of sizes and
+    one of pickled bytes, as ``all_gather_object`` does, each waited on for
+    at most the same timeout. Each rank sends ``what`` along: every devicekit call shares
+    the one group, so a rank in ``job_status()`` would otherwise meet a rank
+    in a detector's ``step()`` and take its data for an answer.
 
     Raises:
-        RanksOutOfStepError: Not every rank arrived within ``timeout``, or
-            the ranks arrived from different calls.
+        RanksOutOfStepError: Not every rank arrived within ``timeout`` (every
+            rank's message names the missing ranks and the call each one is
+            in), or the ranks arrived from different calls.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
-    group = _group(timeout, what)
-    wait = datetime.timedelta(seconds=timeout)
+    started = time.monotonic()
+    call = _arrive(what)
+    group = _group(timeout, what, call, started)
+    wait = _wait(timeout)
     world = dist.get_world_size(group)
     data = pickle.dumps((what, obj))
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -152,7 +362,7 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
         received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
         _all_gather(received, mine, group, wait)
     except RuntimeError as error:
-        raise _out_of_step(what, timeout, error) from error
+        raise _out_of_step(what, timeout, error, call, started) from error
     answers = [
         pickle.loads(bytes(tensor.untyped_storage())[: int(length)])  # our own job's ranks
         for tensor, length in zip(received, sizes, strict=True)
@@ -167,21 +377,79 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     return [answer for _, answer in answers]
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """What a rank sends instead of its answer when its own part of a job-wide call raised."""
+
+    rank: int
+    error: str
+
+
+def gather_results(make: Callable[[], T], *, timeout: float, what: str) -> list[T]:
+    """``gather_objects(make())``, but a rank whose ``make()`` raises still joins the gather.
+
+    A rank that raised before the collective would leave the others waiting
+    for the whole timeout, to learn only that it never came. Instead it sends
+    its error, and every rank raises the same
+    [`RanksOutOfStepError`][devicekit.RanksOutOfStepError] at once, naming
+    it; on that rank the error is raised from its own.
+
+    Raises:
+        RanksOutOfStepError: A rank's ``make()`` raised, or ``gather_objects``'s reasons.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    failure: Exception | None = None
+    try:
+        mine: object = make()
+    except Exception as error:  # noqa: BLE001 - sent to every rank, then raised on each
+        failure = error
+        mine = _Failed(dist.get_rank(), f"{type(error).__name__}: {first_line(error)}")
+    try:
+        answers = gather_objects(mine, timeout=timeout, what=what)
+    except RanksOutOfStepError as error:
+        if failure is not None:
+            add_note(
+                error,
+                f"this rank had failed first: {type(failure).__name__}: {first_line(failure)}",
+            )
+        raise
+    failed = [answer for answer in answers if isinstance(answer, _Failed)]
+    if failed:
+        ranks = ", ".join(str(f.rank) for f in failed)
+        errors = "; ".join(f"rank {f.rank}: {f.error}" for f in failed[:4])
+        raise RanksOutOfStepError(
+            f"{what}: {'rank' if len(failed) == 1 else 'ranks'} {ranks} failed in its own part "
+            f"of the call ({errors}), so no rank has an answer; every rank raises this. The "
+            f"full traceback is on {'that rank' if len(failed) == 1 else 'those ranks'}."
+        ) from failure
+    return answers
+
+
 def all_reduce(tensor: torch.Tensor, op: Any, *, timeout: float, what: str) -> None:
     """``all_reduce`` of a CPU tensor over devicekit's gloo group, bounded by ``timeout``.
+
+    Gloo runs it under this call's timeout (before, under the first call's:
+    a rank 3 s late failed a 60 s call after 1 s, because devicekit's group
+    had been made by a call with ``timeout=1``).
 
     Raises:
         RanksOutOfStepError: Not every rank arrived within ``timeout``.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
-    group = _group(timeout, what)
+    started = time.monotonic()
+    with _Job.lock:
+        _this_job()
+        call = _Job.calls  # the last gather's: an all_reduce follows one
+    group = _group(timeout, what, call, started)
+    wait = _wait(timeout)
     try:
         with gloo_lets_go(tensor):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-            work.wait(datetime.timedelta(seconds=timeout))
+            work.wait(wait)
     except RuntimeError as error:
-        raise _out_of_step(what, timeout, error) from error
+        raise _out_of_step(what, timeout, error, call, started) from error
 
 
 def _all_gather(

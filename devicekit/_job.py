@@ -8,7 +8,9 @@ reuses brings every snapshot to every rank. The group is gloo whatever the
 job's backend: Python objects travel as CPU bytes, so an NCCL job's streams
 never carry them, and a CPU-only job works the same.
 
-The gather itself is `_dist.gather_objects()`.
+The gather itself is `_dist.gather_results()`: a rank whose own part raises
+still joins it, so every rank fails at once, naming that rank, instead of
+waiting out the timeout for a rank that will never come.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ from typing import Any, Literal
 import torch
 
 from ._devices import current_cuda_device
-from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
-from ._errors import DeviceNotFoundError
+from ._dist import (
+    DEFAULT_TIMEOUT,
+    gather_results,
+    initialized,
+    validated_timeout,
+    warn_if_launched_alone,
+)
 from ._findings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
 from ._format import (
     NOT_APPLICABLE,
@@ -303,7 +310,7 @@ def _this_device() -> torch.device | None:
         return current
     try:
         return resolve_local_device()[0]
-    except (ValueError, DeviceNotFoundError):  # a launcher misconfigured: local_device says so
+    except ValueError:  # a launcher misconfigured (DeviceNotFoundError too): local_device says so
         return None
 
 
@@ -313,7 +320,9 @@ def _gpu_snapshot(device: torch.device | None) -> GPUInfo | None:
         return None
     try:
         return gpu(device)
-    except DeviceNotFoundError:  # no NVML here: the GPU's state is unknown
+    except ValueError:
+        # No NVML here (DeviceNotFoundError), or CUDA_VISIBLE_DEVICES malformed on this
+        # rank: its GPU is unknown, as a malformed launcher variable makes its device.
         return None
 
 
@@ -355,7 +364,14 @@ def job_status(*, timeout: float = DEFAULT_TIMEOUT) -> JobStatus:
     clocks held down by heat or power trouble, a GPU at 85 °C or more, and
     less than 2 GiB of GPU memory free.
 
-    Without an initialized process group it describes this process alone.
+    Without an initialized process group it describes this process alone
+    (and logs a warning once if ``WORLD_SIZE`` says there are several ranks:
+    ``init_process_group`` was forgotten, or comes later).
+
+    What cannot be read on a rank is unknown in its row, not an error: a
+    malformed launcher variable or ``CUDA_VISIBLE_DEVICES``, a GPU without
+    NVML. Anything else that fails on one rank fails the call on every rank
+    at once, naming that rank.
 
     Args:
         timeout: Seconds to wait for every rank; a rank that does not arrive
@@ -365,8 +381,10 @@ def job_status(*, timeout: float = DEFAULT_TIMEOUT) -> JobStatus:
         A [`JobStatus`][devicekit.JobStatus]; ``print()`` it for the table.
 
     Raises:
-        RanksOutOfStepError: Not every rank called it within ``timeout``.
-        ValueError: ``timeout`` is not a positive number.
+        RanksOutOfStepError: Not every rank called it within ``timeout`` (every
+            rank's message names the ranks missing and where they are), or
+            one rank failed to describe itself (every rank's message names it).
+        ValueError: ``timeout`` is not a positive number of seconds, at most a week.
 
     Examples:
         >>> import devicekit as dk
@@ -376,13 +394,13 @@ def job_status(*, timeout: float = DEFAULT_TIMEOUT) -> JobStatus:
     """
     seconds = validated_timeout(timeout)
     if not initialized():
+        warn_if_launched_alone("job_status()")
         alone = _this_rank(0)
         return JobStatus((alone,), world_size=1, backend=None, flags=tuple(_flags([alone])))
     import torch.distributed as dist  # noqa: PLC0415 - initialized() imported it already
 
-    everyone: list[RankStatus] = gather_objects(
-        _this_rank(dist.get_rank()), timeout=seconds, what="job_status()"
-    )
+    rank = dist.get_rank()
+    everyone = gather_results(lambda: _this_rank(rank), timeout=seconds, what="job_status()")
     return JobStatus(
         ranks=tuple(sorted(everyone, key=_sort_key)),
         world_size=len(everyone),

@@ -30,7 +30,6 @@ import torch
 
 from ._devices import accelerator_count, accelerator_type, describe_devices, try_gpu
 from ._errors import DeviceNotFoundError
-from ._options import check_index
 from ._visible import ENV_VAR, parse_visible_devices
 
 __all__ = ["LAUNCHERS", "local_device", "local_rank", "resolve_local_device"]
@@ -71,13 +70,15 @@ def local_rank() -> tuple[str, int] | None:
         raw = os.environ.get(variable)
         if raw is None:
             continue
-        try:
-            return variable, check_index(int(raw.strip()), name=variable)
-        except ValueError:
+        digits = raw.strip()
+        # ASCII digits only: int() also reads "1_0" as 10, "+3" and other scripts' digits,
+        # none of which a launcher writes; such a value is a mistake, not a rank.
+        if not (digits.isascii() and digits.isdigit()):
             raise ValueError(
                 f"{variable} must be a non-negative integer, got {raw!r}; {launcher} sets it for "
                 f"each process, so unset it when you are not launching with {launcher}"
-            ) from None
+            )
+        return variable, int(digits)
     return None
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ._devices import DeviceLike, resolve_devices
 from ._errors import WorkerError
+from ._format import first_line
 from ._parallel import Progress, fn_raised, show_item, worker_env, workers_per_device_count
 from ._visible import ENV_VAR, scoped_env
 
@@ -78,6 +79,35 @@ def _targets(devices: object) -> list[torch.device] | None:
     return targets
 
 
+_CONNECT_TIMEOUT = 10.0  # seconds to wait for RAY_ADDRESS's port to accept a connection
+
+
+def _check_answers(address: str) -> None:
+    """Refuse a ``RAY_ADDRESS`` whose port nothing listens on, before ``ray.init()`` hangs on it.
+
+    ``ray.init()`` retries an address that does not answer for many minutes
+    (Ray 2.60 took 14 minutes to give up on a port nothing listened on),
+    printing warnings: a stale ``RAY_ADDRESS`` looks like a hang. One TCP
+    connection, bounded, tells a cluster that is down at once. Only
+    ``host:port`` and ``ray://host:port`` are checked; other forms
+    (``auto``, ``local``) are Ray's to read.
+    """
+    target = address.strip().removeprefix("ray://").rstrip("/")
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not host or not port.isascii() or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT):
+            pass
+    except OSError as error:
+        raise ConnectionError(
+            f"RAY_ADDRESS={address!r} names a Ray cluster that does not answer: connecting to "
+            f"{host}:{port} failed ({error}). Start the cluster (ray start --head), correct "
+            "RAY_ADDRESS, or unset it to let gpu_map start a local Ray for the call."
+        ) from None
+
+
 @contextlib.contextmanager
 def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
     """Use the Ray cluster this process is connected to or ``RAY_ADDRESS`` names, else start one."""
@@ -91,6 +121,7 @@ def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
             )
         connect = not ray.is_initialized()
         if connect:
+            _check_answers(os.environ["RAY_ADDRESS"])
             ray.init()  # connects to RAY_ADDRESS
         try:
             yield
@@ -144,9 +175,41 @@ def ray_map(
         else:
             options = {"num_cpus": share}
         task = ray.remote(**options)(_run)
-        fn_ref = ray.put(fn)  # serialized once, not once per item
-        refs = [task.remote(fn_ref, item, not use_gpus) for item in work]
+        fn_ref = _put_fn(ray, fn)  # serialized once, not once per item
+        refs: list[Any] = []
+        try:
+            for index, item in enumerate(work):
+                refs.append(_submit(task, fn_ref, index, item, not use_gpus))
+        except BaseException:
+            # An item Ray cannot serialize, or Ctrl-C: the tasks already submitted would
+            # run on, on a cluster that outlives this call.
+            for ref in refs:
+                ray.cancel(ref, force=True)
+            raise
         return _collect(ray, refs, work, Progress(len(work), progress))
+
+
+def _put_fn(ray: Any, fn: object) -> Any:
+    try:
+        return ray.put(fn)
+    except TypeError as error:  # what Ray raises for what it cannot serialize
+        raise TypeError(
+            f"gpu_map(executor='ray') sends fn to Ray tasks, so Ray must be able to serialize "
+            f"it, and {fn!r} cannot be: {first_line(error).rstrip(':')}"
+        ) from None
+
+
+def _submit(task: Any, fn_ref: Any, index: int, item: Any, hide_gpus: bool) -> Any:
+    try:
+        return task.remote(fn_ref, item, hide_gpus)
+    except TypeError as error:  # what Ray raises for an argument it cannot serialize
+        reason = first_line(error).rstrip(":")
+        raise TypeError(
+            f"gpu_map(executor='ray') sends each item to a Ray task, so Ray must be able to "
+            f"serialize it, and item {index} ({show_item(item)}, a {type(item).__name__}) "
+            f"cannot be: {reason}. Pass data (numbers, strings, paths, tensors) and let fn "
+            "build the rest."
+        ) from None
 
 
 def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> list[Any]:

@@ -23,7 +23,13 @@ from types import TracebackType
 from typing import Any
 
 from ._callbacks import call_each, checked_sinks
-from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized, validated_timeout
+from ._dist import (
+    DEFAULT_TIMEOUT,
+    gather_results,
+    initialized,
+    validated_timeout,
+    warn_if_launched_alone,
+)
 from ._errors import RanksOutOfStepError
 from ._format import (
     UNKNOWN,
@@ -205,6 +211,7 @@ class _Window:
     host: str
     step: int
     every: int
+    threshold: float
     step_time: float | None
     sections: dict[str, tuple[float | None, float | None, int]]  # median, IQR, count
 
@@ -337,7 +344,10 @@ class StragglerDetector:
         The same object is returned for the same name, so the call costs a
         dictionary lookup. A block that raises is not counted.
         """
-        section = self._sections.get(name)
+        try:
+            section = self._sections.get(name)
+        except TypeError:  # unhashable: a list, a dict
+            section = None
         if section is None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"section name must be a non-empty str, got {name!r}")
@@ -358,7 +368,9 @@ class StragglerDetector:
 
         Raises:
             RanksOutOfStepError: At a report, some rank did not call ``step()``
-                within ``timeout``, or the ranks are at different step counts.
+                within ``timeout`` (every rank's message names it), the ranks are
+                at different step counts, or their detectors have different
+                thresholds (each rank would judge by its own).
         """
         now = time.perf_counter()
         if self._last_step is not None:
@@ -386,18 +398,21 @@ class StragglerDetector:
     def _window(self, rank: int, host: str) -> _Window:
         sections = {name: _summarize(samples) for name, samples in self._samples.items()}
         step_time = statistics.median(self._step_times) if self._step_times else None
-        return _Window(rank, host, self.steps, self.every, step_time, sections)
+        return _Window(rank, host, self.steps, self.every, self.threshold, step_time, sections)
 
     def _make_report(self) -> StragglerReport:
         host = socket.gethostname()
         if initialized():
             import torch.distributed as dist  # noqa: PLC0415 - initialized() imported it
 
-            mine = self._window(dist.get_rank(), host)
-            windows: list[_Window] = gather_objects(
-                mine, timeout=self.timeout, what="StragglerDetector.step()"
+            rank = dist.get_rank()
+            windows = gather_results(
+                lambda: self._window(rank, host),
+                timeout=self.timeout,
+                what="StragglerDetector.step()",
             )
         else:
+            warn_if_launched_alone("StragglerDetector.step()")
             windows = [self._window(0, host)]
         for samples in self._samples.values():
             samples.clear()  # in place: pending event pairs still append to these lists
@@ -407,6 +422,14 @@ class StragglerDetector:
             raise RanksOutOfStepError(
                 f"StragglerDetector.step(): the ranks met from different steps: {steps}. Every "
                 "rank must create its detector with the same `every` and call step() once per step"
+            )
+        if len({w.threshold for w in windows}) > 1:
+            # Each rank would judge by its own threshold: reports that differ between ranks.
+            thresholds = "; ".join(f"rank {w.rank}: {w.threshold:g}" for w in windows)
+            raise RanksOutOfStepError(
+                f"StragglerDetector.step(): the ranks' detectors have different thresholds "
+                f"({thresholds}), so their reports would differ. Create the detector with the "
+                "same `threshold` on every rank"
             )
         self.report = _build(windows, self.steps, self.every, self.threshold)
         self._deliver(self.report)

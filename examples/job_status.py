@@ -65,7 +65,8 @@ def spawned(rank: int, world: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" in os.environ:  # started by torchrun: one process per rank already
+    # torchrun sets WORLD_SIZE (a LOCAL_RANK alone may be left over from elsewhere).
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: one process per rank already
         device = dk.local_device()  # before the process group: NCCL needs the current device
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         try:

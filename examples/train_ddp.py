@@ -17,7 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import devicekit as dk
 
-if "LOCAL_RANK" not in os.environ:  # plain `python train_ddp.py`: a world of one
+# torchrun sets WORLD_SIZE with the rest. Without it, this is a world of one, even when a
+# LOCAL_RANK is left over in the environment (from a notebook, or a Slurm allocation).
+if "WORLD_SIZE" not in os.environ:  # plain `python train_ddp.py`
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
     with socket.socket() as probe:  # a free port: two runs at once must not collide
         probe.bind(("127.0.0.1", 0))

@@ -335,3 +335,190 @@ def test_job_status_under_nccl_on_one_gpu(tmp_path: Path, monkeypatch: pytest.Mo
     assert me["device"] == "cuda:0"
     assert me["gpu"]["uuid"] == result["uuid"]
     assert me["gpu"]["memory_used"] > 0
+
+
+# --- a rank that fails, or never comes ---------------------------------------------------------
+
+
+def test_a_malformed_cuda_visible_devices_makes_the_gpu_unknown_not_an_error(
+    monkeypatch: pytest.MonkeyPatch, nvml_session: Any, fake_accelerator: Any
+) -> None:
+    # Before, the snapshot's ValueError escaped job_status() on that rank alone, and the
+    # other ranks waited out the timeout for it.
+    nvml_session(FakeNVML([FakeGPU(SHARED)]))
+    fake_accelerator("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,0")
+    (me,) = dk.job_status().ranks
+    assert (me.device, me.gpu) == ("cuda:0", None)
+
+
+@pytest.mark.parametrize("bad", [1e10, 1e15, 7 * 24 * 3600 + 1])
+def test_a_timeout_longer_than_a_week_is_refused(bad: float) -> None:
+    # timeout=1e10 made gloo's deadline overflow: a healthy job failed at once; 1e15
+    # raised OverflowError. Refused here, by name, even without a process group.
+    with pytest.raises(ValueError, match=r"timeout must be at most 604800 seconds \(a week\)"):
+        dk.job_status(timeout=bad)
+    with pytest.raises(ValueError, match=r"timeout must be at most 604800 seconds"):
+        dk.StragglerDetector(timeout=bad)
+
+
+def test_without_a_process_group_under_a_launcher_it_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_dist, "_warned_alone", set())
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with caplog.at_level("WARNING", logger="devicekit"):
+        dk.job_status()
+        dk.job_status()
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "job_status(): WORLD_SIZE=4 says this process is one of 4 ranks, but torch.distributed "
+        "is not initialized"
+    )
+    caplog.clear()
+    monkeypatch.setattr(_dist, "_warned_alone", set())
+    for world in ("1", "x", ""):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with caplog.at_level("WARNING", logger="devicekit"):
+            dk.job_status()
+    assert caplog.records == []
+
+
+def _scenario(folder: str, name: str, rank: int, world: int) -> Any:
+    """A process group of its own for one scenario (a file store: no port to pick)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{Path(folder, name + '.store')}", rank=rank, world_size=world
+    )
+    return dist
+
+
+def _record(folder: str, name: str, rank: int, outcome: dict[str, Any]) -> None:
+    Path(folder, f"{name}-{rank}.json").write_text(json.dumps(outcome))
+
+
+def _wait_for(folder: str, names: list[str], seconds: float = 120) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(Path(folder, name).exists() for name in names):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _never_comes_to_the_first_call(rank: int, world: int, folder: str) -> None:
+    """The last rank never makes the first call (the one that creates devicekit's group)."""
+    dist = _scenario(folder, "first", rank, world)
+    if rank != world - 1:
+        try:
+            dk.job_status(timeout=2)
+        except dk.RanksOutOfStepError as error:
+            _record(folder, "first", rank, {"error": str(error)})
+    else:
+        _wait_for(folder, [f"first-{r}.json" for r in range(world - 1)])
+    dist.destroy_process_group()
+
+
+def _raises_in_its_own_part(rank: int, world: int, folder: str) -> None:
+    """Rank 1 cannot describe itself: every rank is told at once."""
+    dist = _scenario(folder, "raises", rank, world)
+    if rank == 1:
+
+        def no_name() -> str:
+            raise OSError("name lookup failed")
+
+        socket.gethostname = no_name  # type: ignore[assignment]
+    outcome = {}
+    try:
+        dk.job_status(timeout=60)
+    except dk.RanksOutOfStepError as error:
+        outcome = {"error": str(error), "cause": repr(error.__cause__)}
+    finally:
+        socket.gethostname = _HOSTNAME
+    _record(folder, "raises", rank, outcome)
+    dist.destroy_process_group()
+
+
+def _waits_less_than_a_millisecond(rank: int, world: int, folder: str) -> None:
+    """Rank 0 alone calls, with timeout=0.0004; the others wait (bounded) for it to return.
+
+    Before, gloo read the timeout's 0 whole milliseconds as "no timeout" and waited the
+    group's own (the first call's, 60 s here) instead: rank 0 returned only once the
+    others gave up and left.
+    """
+    dist = _scenario(folder, "tiny", rank, world)
+    dk.job_status(timeout=60)  # the group exists, with a 60 s timeout of its own
+    outcome: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            dk.job_status(timeout=0.0004)
+        except dk.RanksOutOfStepError as error:
+            outcome["error"] = str(error)
+    else:  # half the group's timeout: time enough for a wait of a millisecond
+        outcome["rank 0 returned"] = _wait_for(folder, ["tiny-0.json"], seconds=30)
+    _record(folder, "tiny", rank, outcome)
+    _wait_for(folder, [f"tiny-{r}.json" for r in range(world)])
+    dist.destroy_process_group()
+
+
+def _late_for_a_call_that_asked_for_longer(rank: int, world: int, folder: str) -> None:
+    """The group is made with a 1 s timeout; a later 60 s call waits for a rank 3 s late."""
+    import time
+
+    dist = _scenario(folder, "longer", rank, world)
+    dk.job_status(timeout=1)
+    if rank == world - 1:
+        time.sleep(3)
+    total = torch.ones(1)
+    outcome: dict[str, Any] = {}
+    try:
+        _dist.all_reduce(total, dist.ReduceOp.SUM, timeout=60, what="test")
+        outcome["total"] = float(total)
+    except dk.RanksOutOfStepError as error:
+        outcome["error"] = str(error)
+    _record(folder, "longer", rank, outcome)
+    dist.destroy_process_group()
+
+
+def _failing_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """Ranks that fail in the ways job-wide calls must survive, a process group for each."""
+    _never_comes_to_the_first_call(rank, world, folder)
+    _raises_in_its_own_part(rank, world, folder)
+    _waits_less_than_a_millisecond(rank, world, folder)
+    _late_for_a_call_that_asked_for_longer(rank, world, folder)
+
+
+_HOSTNAME = socket.gethostname
+
+
+def test_a_rank_that_fails_or_never_comes_is_named_on_every_rank(tmp_path: Path) -> None:
+    spawn_ranks(_failing_rank, 3, str(tmp_path), timeout=240)
+
+    def outcomes(name: str) -> list[dict[str, Any]]:
+        return [json.loads((tmp_path / f"{name}-{r}.json").read_text()) for r in range(3)]
+
+    # 1. Before, no rank named rank 2 (only a store key did), and rank 1's message blamed
+    #    rank 0; now every rank that came names it, and says where it is.
+    for rank in (0, 1):
+        message = json.loads((tmp_path / f"first-{rank}.json").read_text())["error"]
+        assert message.startswith("job_status(): rank 2 did not arrive within 2 s."), message
+        assert "rank 2 has made no devicekit job-wide call yet" in message
+        assert f"rank {rank} is in job-wide call #1, job_status()" in message
+    # 2. Before, rank 1 raised its OSError alone and the others waited out the timeout.
+    for rank, outcome in enumerate(outcomes("raises")):
+        assert outcome["error"].startswith(
+            "job_status(): rank 1 failed in its own part of the call (rank 1: OSError: name "
+            "lookup failed), so no rank has an answer; every rank raises this."
+        ), outcome
+        assert outcome["cause"] == ("OSError('name lookup failed')" if rank == 1 else "None")
+    # 3. Before, rank 0 waited until rank 2 left (and would have waited forever).
+    tiny = outcomes("tiny")
+    assert tiny[1:] == [{"rank 0 returned": True}] * 2
+    assert tiny[0]["error"].startswith("job_status(): ranks 1, 2 did not arrive within 400 µs.")
+    assert "rank 2 last entered job-wide call #1, job_status()" in tiny[0]["error"]
+    # 4. Before, rank 0 failed after 1 s, saying "within 60 s".
+    assert outcomes("longer") == [{"total": 3.0}] * 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.abc
 import logging
+import re
 import sys
 import types
 from collections.abc import Sequence
@@ -124,12 +125,15 @@ def test_every_rank_gets_the_cpu_without_an_accelerator(
 
 @pytest.mark.usefixtures("no_launcher")
 @pytest.mark.parametrize("variable", VARIABLES)
-@pytest.mark.parametrize("raw", ["", "one", "-1", "1.5"])
+# "1_0", "+3" and "٣" (an Arabic-Indic 3) were read by int() as ranks 10, 3 and 3.
+@pytest.mark.parametrize("raw", ["", "one", "-1", "1.5", "1_0", "+3", "\u0663", "0x1"])
 def test_a_malformed_local_rank_is_refused_by_name(
     monkeypatch: pytest.MonkeyPatch, variable: str, raw: str
 ) -> None:
     monkeypatch.setenv(variable, raw)
-    with pytest.raises(ValueError, match=f"{variable} must be a non-negative integer, got {raw!r}"):
+    with pytest.raises(
+        ValueError, match=re.escape(f"{variable} must be a non-negative integer, got {raw!r}")
+    ):
         dk.local_device()
 
 

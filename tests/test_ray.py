@@ -6,13 +6,16 @@ What needs Ray itself is in tests/compat/test_ray.py.
 from __future__ import annotations
 
 import math
+import re
 import sys
+import types
+from typing import Any
 
 import pytest
 
 import devicekit as dk
 
-from .conftest import FakeAccelerator
+from .conftest import FakeAccelerator, free_port
 
 
 def test_an_unknown_executor_is_refused() -> None:
@@ -41,3 +44,81 @@ def test_bad_arguments_are_refused_before_ray_is_needed(
         dk.gpu_map(math.sqrt, [1], executor="ray", devices=["cpu", 1])
     with pytest.raises(TypeError, match=r"devices must be a device or a list of devices"):
         dk.gpu_map(math.sqrt, [1], executor="ray", devices={"cpu": 1})
+
+
+class _Unserializable:
+    """An item Ray's serializer refuses (as it refuses a lock)."""
+
+
+class _FakeRay(types.ModuleType):
+    """Just enough of ``ray`` for ray_map's bookkeeping; it never runs a task."""
+
+    def __init__(self, *, initialized: bool) -> None:
+        super().__init__("ray")
+        self.initialized = initialized
+        self.exceptions = types.SimpleNamespace(RayError=RuntimeError)
+        self.submitted: list[str] = []
+        self.cancelled: list[str] = []
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("ray.init() retries an address that does not answer for minutes")
+
+    def shutdown(self) -> None:
+        self.initialized = False
+
+    def cluster_resources(self) -> dict[str, float]:
+        return {"CPU": 2.0}
+
+    def put(self, value: object) -> object:
+        return value
+
+    def remote(self, **options: Any) -> Any:
+        ray = self
+
+        class Task:
+            def remote(self, fn: object, item: object, hide_gpus: bool) -> str:
+                if isinstance(item, _Unserializable):
+                    raise TypeError(f"Could not serialize the argument {item!r} for a task")
+                ray.submitted.append(f"ref-{item}")
+                return ray.submitted[-1]
+
+        return lambda fn: Task()
+
+    def cancel(self, ref: str, *, force: bool = False) -> None:
+        self.cancelled.append(ref)
+
+
+def test_an_item_ray_cannot_serialize_is_named_and_the_tasks_before_it_are_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, Ray's TypeError named no index, and the tasks already submitted ran on (on a
+    # cluster that outlives the call, to the end).
+    ray = _FakeRay(initialized=True)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(
+        TypeError,
+        match=r"sends each item to a Ray task, so Ray must be able to serialize it, and item 2 "
+        r"\(<tests.test_r.*>, a _Unserializable\) cannot be: Could not serialize",
+    ):
+        dk.gpu_map(math.sqrt, [1, 4, _Unserializable(), 9], devices="cpu", executor="ray")
+    assert ray.submitted == ["ref-1", "ref-4"]
+    assert ray.cancelled == ray.submitted
+
+
+def test_a_ray_address_nothing_answers_at_is_an_error_not_a_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, ray.init() retried it for 14 minutes (Ray 2.60), printing warnings.
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=False))
+    port = free_port()  # nothing listens there
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        with pytest.raises(
+            ConnectionError,
+            match=rf"RAY_ADDRESS='{re.escape(address)}' names a Ray cluster that does not "
+            rf"answer: connecting to 127.0.0.1:{port} failed",
+        ):
+            dk.gpu_map(math.sqrt, [1], devices="cpu", executor="ray")

@@ -20,7 +20,7 @@ MS = 1e-3
 
 def window(rank: int, compute: float | None, *, host: str = "node-a", step: int = 10) -> Any:
     sections = {"compute": (compute, 0.1 * MS, 10)} if compute is not None else {}
-    return _straggler._Window(rank, host, step, 10, 50 * MS, sections)
+    return _straggler._Window(rank, host, step, 10, 1.2, 50 * MS, sections)
 
 
 # --- the arithmetic of a report --------------------------------------------------------------
@@ -55,7 +55,9 @@ def test_a_rank_without_times_in_a_section_is_unknown_there_not_zero() -> None:
 
 def test_lost_time_takes_the_slowest_rank_of_each_section() -> None:
     windows = [
-        _straggler._Window(r, "h", 10, 10, 100 * MS, {"data": (d, None, 10), "fwd": (f, None, 10)})
+        _straggler._Window(
+            r, "h", 10, 10, 1.2, 100 * MS, {"data": (d, None, 10), "fwd": (f, None, 10)}
+        )
         for r, (d, f) in enumerate([(1 * MS, 10 * MS), (5 * MS, 10 * MS), (9 * MS, 30 * MS)] * 1)
     ]
     report = _straggler._build(windows, step=10, every=10, threshold=1.2)
@@ -170,8 +172,9 @@ def test_bad_options(options: dict[str, Any], error: type[Exception], message: s
         dk.StragglerDetector(**options)
 
 
-@pytest.mark.parametrize("name", ["", 3, None])
+@pytest.mark.parametrize("name", ["", 3, None, ["compute"], {"name": "compute"}])
 def test_a_section_needs_a_name(name: Any) -> None:
+    # An unhashable name (a list) raised "unhashable type: 'list'" before.
     with pytest.raises(TypeError, match="section name must be a non-empty str"):
         dk.StragglerDetector().section(name)
 
@@ -259,6 +262,12 @@ def _out_of_step_rank(rank: int, world: int, port: int, folder: str, timeout: fl
                 detector.step()
         except dk.RanksOutOfStepError as error:
             outcome["different"] = str(error)
+        # 1b. Rank 2's detector judges by another threshold: each rank's report would differ.
+        detector = dk.StragglerDetector(every=1, threshold=2 if rank == 2 else 1.5, timeout=timeout)
+        try:
+            detector.step()
+        except dk.RanksOutOfStepError as error:
+            outcome["thresholds"] = str(error)
         # 2. Rank 2 stops after 7 steps (its data ran out); the others reach step 10.
         detector = dk.StragglerDetector(every=5, timeout=timeout)
         started = time.monotonic()
@@ -290,12 +299,21 @@ def test_mismatched_step_counts_fail_within_the_timeout(tmp_path: Path) -> None:
     for outcome in outcomes:
         assert "the ranks met from different steps: rank 0 at step 5" in outcome["different"]
         assert "rank 2 at step 4 (every=4)" in outcome["different"]
-    for outcome in outcomes[:2]:
-        assert outcome["missing"].startswith(
-            "StragglerDetector.step(): not every rank joined within 3 s"
+    for outcome in outcomes:
+        # Before, each rank built its report with its own threshold, and they differed.
+        assert outcome["thresholds"] == (
+            "StragglerDetector.step(): the ranks' detectors have different thresholds (rank 0: "
+            "1.5; rank 1: 1.5; rank 2: 2), so their reports would differ. Create the detector "
+            "with the same `threshold` on every rank"
         )
+    for rank, outcome in enumerate(outcomes[:2]):
+        # Before, only rank 0 named rank 2; rank 1 said that rank 0 had not answered.
+        assert outcome["missing"].startswith(
+            "StragglerDetector.step(): rank 2 did not arrive within 3 s. Where they are: rank 2 "
+            "last entered job-wide call #4, StragglerDetector.step(); "
+            f"rank {rank} is in job-wide call #5, StragglerDetector.step()."
+        ), outcome["missing"]
         assert "Every rank must call StragglerDetector.step() together" in outcome["missing"]
-    assert "Ranks 2 failed to pass monitoredBarrier" in outcomes[0]["missing"]
     assert "missing" not in outcomes[2]
 
 
@@ -365,7 +383,7 @@ def test_a_lead_of_microseconds_is_noise_not_a_straggler() -> None:
     # is 2x and the job loses nothing; before, the third rank was named for it.
     def idle(rank: int, idle_time: float, compute: float) -> Any:
         sections = {"compute": (compute, 0.1 * MS, 10), "idle": (idle_time, 1e-7, 10)}
-        return _straggler._Window(rank, "node-a", 10, 10, compute, sections)
+        return _straggler._Window(rank, "node-a", 10, 10, 1.2, compute, sections)
 
     windows = [idle(0, 2e-6, 20 * MS), idle(1, 2e-6, 20 * MS), idle(2, 4e-6, 20 * MS)]
     assert _straggler._build(windows, step=10, every=10, threshold=1.2).stragglers == ()

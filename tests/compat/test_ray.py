@@ -43,6 +43,12 @@ def fail_on_three(item: int) -> int:
     return item
 
 
+def die_on_one(item: int) -> int:
+    if item == 1:
+        os._exit(3)  # the worker process dies, as under the out-of-memory killer
+    return item
+
+
 def meet(job: tuple[str, int, int]) -> tuple[str, int]:
     """Report in, then wait (bounded) until all ``total`` tasks have: they all ran at once."""
     directory, item, total = job
@@ -136,6 +142,26 @@ def test_a_failing_item_raises_worker_error_with_its_index(cluster: Any) -> None
         dk.gpu_map(fail_on_three, range(6), devices="cpu", executor="ray")
     assert "ValueError: bad item 3" in str(caught.value)
     assert "in fail_on_three" in str(caught.value)  # the remote traceback
+
+
+def test_an_item_ray_cannot_serialize_raises_type_error_with_its_index(cluster: Any) -> None:
+    import threading
+
+    with pytest.raises(
+        TypeError,
+        match=r"and item 2 \(<unlocked .*>, a lock\) cannot be: Could not serialize the "
+        r"argument <unlocked .*> for a task or actor devicekit._ray._run. Pass data",
+    ):
+        dk.gpu_map(math.sqrt, [1, 4, threading.Lock()], devices="cpu", executor="ray")
+    assert dk.gpu_map(math.sqrt, [1, 4], devices="cpu", executor="ray") == [1.0, 2.0]
+
+
+def test_a_task_whose_worker_dies_raises_worker_error_with_its_index(cluster: Any) -> None:
+    # Ray retries a task whose worker died (max_retries, 3 by default), then gives up.
+    with pytest.raises(
+        dk.WorkerError, match=r"gpu_map: the Ray task for item 1 \(1\) failed: .*worker died"
+    ):
+        dk.gpu_map(die_on_one, range(3), devices="cpu", executor="ray")
 
 
 def test_two_tasks_share_a_gpu_with_two_workers_per_device(cluster: Any, tmp_path: Path) -> None:
