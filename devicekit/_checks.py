@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from ._errors import DeviceMismatchError
 from ._format import plural
-from ._tree import children, iter_leaves, iter_tensors
+from ._tree import children, iter_tensors
 
 __all__ = ["assert_same_device", "check_module"]
 
@@ -37,6 +38,8 @@ def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
             lists each device with the paths on it, the fewest first (they are
             usually the strays), and ends with a fix.
         ValueError: The arguments hold no tensor, or contain themselves.
+        TypeError: A keyword argument is named ``arg0``, ``arg1``... like a
+            positional one (one of the two would go unchecked).
 
     Examples:
         >>> import torch, devicekit as dk
@@ -44,7 +47,13 @@ def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
         >>> dk.assert_same_device(model=model, batch={"x": torch.ones(2)})
         device(type='cpu')
     """
-    named = {f"arg{index}": obj for index, obj in enumerate(objs)} | named_objs
+    named = {f"arg{index}": obj for index, obj in enumerate(objs)}
+    for name in named.keys() & named_objs.keys():  # the keyword would hide the positional
+        raise TypeError(
+            f"assert_same_device() got {name} twice: as positional argument {name[3:]} (which "
+            f"it names {name}) and as a keyword; give the keyword argument another name"
+        )
+    named |= named_objs
     where: dict[torch.device, list[str]] = defaultdict(list)
     owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices
     for name, obj in named.items():
@@ -98,6 +107,8 @@ def _fix(
                 steps.append(f"{name}.to_empty(device='{target}'), then load its weights")
             else:
                 steps.append(f"{name}.to('{target}')")
+        elif torch.device("meta") in devices:  # copying a meta tensor fails: it has no data
+            steps.append(f"make {name} again on {target} (its meta tensors hold no values to copy)")
         else:
             steps.append(f"{name} = dk.to_device({name}, '{target}')")
     fix = [f"Fix: move everything to {target}: {'; '.join(steps)}."]
@@ -115,6 +126,33 @@ def _count(paths: list[str]) -> str:
 
 # Attributes every module has (hooks, flags, the registries themselves): not user state.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+# The attribute a forward pre-hook recomputes before every call names itself in one of
+# these: WeightNorm and SpectralNorm (torch.nn.utils) say ``name``, pruning ``_tensor_name``.
+_HOOK_TARGETS = ("name", "_tensor_name")
+
+
+class _Registered:
+    """What ``module.to()`` moves in the tree under inspection, by ``id()``.
+
+    Each set is built the first time a plain attribute needs it, so a clean
+    module pays for none of them.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+    @functools.cached_property
+    def modules(self) -> frozenset[int]:
+        return frozenset(map(id, self._module.modules()))
+
+    @functools.cached_property
+    def parameters(self) -> frozenset[int]:
+        return frozenset(map(id, self._module.parameters()))
+
+    @functools.cached_property
+    def buffers(self) -> dict[int, str]:
+        """``id()`` -> dotted name, for the message."""
+        return {id(buffer): name for name, buffer in self._module.named_buffers()}
 
 
 def check_module(module: torch.nn.Module) -> list[str]:
@@ -126,12 +164,26 @@ def check_module(module: torch.nn.Module) -> list[str]:
     where they are, and the model fails later with a device mismatch. This
     reports each such attribute with the device it is on and the fix.
 
+    Not reported, because ``module.to()`` does move them: a plain reference to
+    a module or a parameter registered elsewhere in ``module`` (both are
+    moved in place, so ``self.groups = [self.fc.weight]`` follows; only a
+    move to ``meta`` makes new parameters), and an attribute a forward
+    pre-hook recomputes on every call (``weight`` after
+    ``torch.nn.utils.weight_norm``, ``spectral_norm`` or pruning). A plain
+    reference to a registered *buffer* is reported: ``module.to()`` replaces
+    buffers, so the reference keeps the old tensor. The walk takes time in
+    proportion to the module's size, and a plain attribute that contains
+    itself is looked inside once.
+
     Args:
         module: The model to inspect (all its submodules are inspected too).
 
     Returns:
         One readable finding per attribute; empty when ``module.to()`` moves
         everything.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``.
 
     Examples:
         >>> import torch, devicekit as dk
@@ -145,28 +197,55 @@ def check_module(module: torch.nn.Module) -> list[str]:
     """  # noqa: E501 - the expected output is one line
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"check_module() needs a torch.nn.Module, got {type(module).__name__}")
+    registered = _Registered(module)
     findings: list[str] = []
     for prefix, submodule in module.named_modules():
+        recomputed = _recomputed(submodule)
         for attr, value in vars(submodule).items():
-            if attr in _MODULE_INTERNALS:
+            if attr in _MODULE_INTERNALS or attr in recomputed:
                 continue
-            finding = _describe(attr, value)
+            finding = _describe(attr, value, registered)
             if finding is not None:
                 findings.append(f"{prefix}.{attr}: {finding}" if prefix else f"{attr}: {finding}")
     return findings
 
 
-def _describe(attr: str, value: object) -> str | None:
+def _recomputed(module: torch.nn.Module) -> set[str]:
+    """The attributes the module's forward pre-hooks set again before every call."""
+    names = set()
+    for hook in module._forward_pre_hooks.values():
+        for field in _HOOK_TARGETS:
+            name = getattr(hook, field, None)
+            if isinstance(name, str):
+                names.add(name)
+    return names
+
+
+def _describe(attr: str, value: object, registered: _Registered) -> str | None:
     if isinstance(value, torch.Tensor):
+        if id(value) in registered.parameters:
+            return None  # Module.to() moves a parameter in place: this reference follows
+        buffer = registered.buffers.get(id(value))
+        if buffer is not None:
+            return (
+                f"the buffer {buffer!r} held again as a plain attribute; module.to() replaces "
+                f"buffers with moved copies, so this one stays the old {value.device} tensor. "
+                "Read the buffer through its module instead (a @property can keep this name)."
+            )
         return (
             f"a {value.device} tensor held as a plain attribute; module.to() will not move it. "
             f"Use self.register_buffer({attr!r}, ...) (or nn.Parameter if it should be trained)."
         )
+    if isinstance(value, torch.nn.Module):  # set with object.__setattr__ or through __dict__
+        if id(value) in registered.modules:
+            return None  # a back-reference to a module the tree registers: moved with it
+        return (
+            f"a {type(value).__name__} module held as a plain attribute, not registered; "
+            "module.to() will not move it. Assign it with self.<name> = module to register it."
+        )
     if children(value) is None:
         return None
-    found = list(iter_leaves(value, attr))
-    modules = [item for _, item in found if isinstance(item, torch.nn.Module)]
-    tensors = [item for _, item in found if isinstance(item, torch.Tensor)]
+    modules, tensors = _leaves(value, registered)
     kind = type(value).__name__
     if modules:
         fix = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
@@ -183,3 +262,32 @@ def _describe(attr: str, value: object) -> str | None:
             "each one with self.register_buffer()."
         )
     return None
+
+
+def _leaves(
+    value: object, registered: _Registered
+) -> tuple[list[torch.nn.Module], list[torch.Tensor]]:
+    """The modules and tensors inside a plain container that ``module.to()`` will not move.
+
+    Each object is visited once, so a container that holds itself (or one
+    object twice) ends the walk instead of raising or counting twice; the walk
+    uses its own stack, so depth is no limit.
+    """
+    modules: list[torch.nn.Module] = []
+    tensors: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if id(item) not in registered.parameters:
+                tensors.append(item)
+        elif isinstance(item, torch.nn.Module):
+            if id(item) not in registered.modules:
+                modules.append(item)
+        else:
+            stack.extend(child for _, child in reversed(children(item) or []))
+    return modules, tensors

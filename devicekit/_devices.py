@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -56,7 +58,29 @@ META = torch.device("meta")
 """The canonical meta device, as `CPU`."""
 _CPU, _META = CPU, META
 _xpu_initialized: Callable[[], bool] = torch.xpu.is_initialized  # untyped in torch
-_LABELS = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hip": "ROCm"}
+_LABELS = {
+    "cuda": "CUDA",
+    "xpu": "XPU",
+    "mps": "MPS",
+    "hpu": "HPU",
+    "xla": "XLA",
+    "mtia": "MTIA",
+    "maia": "MAIA",
+    "ipu": "IPU",
+    "ve": "VE",
+    "fpga": "FPGA",
+    "ideep": "IDEEP",
+    "mkldnn": "MKL-DNN",
+    "opengl": "OpenGL",
+    "opencl": "OpenCL",
+    "vulkan": "Vulkan",
+}
+# Device types whose torch.<type> module ships with every torch build: having the module
+# says nothing. Any other type with a torch.<type> module was registered by an out-of-tree
+# backend's package (habana_frameworks registers torch.hpu; torch_npu, torch.npu).
+_IN_TREE = frozenset({"cpu", "meta", "cuda", "xpu", "mps", "mtia"})
+# The package that makes each out-of-tree type work, for the message when it is missing.
+_PACKAGES = {"hpu": "habana_frameworks.torch", "xla": "torch_xla"}
 _EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
 
 
@@ -157,8 +181,10 @@ def resolve_device(value: object, *, name: str = "device") -> torch.device:
     """Read one device argument, check that this process has it, and return it canonical.
 
     Accepts a [`DeviceLike`][devicekit.DeviceLike]. Checks, without initializing CUDA, that the
-    device type is known to torch, that this torch build supports it, and
-    that an indexed accelerator exists. Returns one canonical
+    device type is known to torch, that this torch build supports it (or,
+    for an out-of-tree backend such as ``hpu``, ``xla`` or ``npu``, that its
+    package is imported), and that an indexed accelerator exists. A tensor is
+    refused, never read as an index. Returns one canonical
     ``torch.device``: ``cpu:0`` becomes ``cpu``, and an accelerator without an
     index (``"cuda"``) becomes the current device (``cuda:0`` until CUDA has
     started), so that comparing it with a tensor's device is meaningful.
@@ -171,8 +197,10 @@ def resolve_device(value: object, *, name: str = "device") -> torch.device:
         The ``torch.device``.
 
     Raises:
-        TypeError: ``value`` is a bool or not a device at all.
-        ValueError: A negative index, or a string torch cannot parse.
+        TypeError: ``value`` is a bool, a tensor, or not a device at all.
+        ValueError: A negative index, or a string torch cannot parse; the
+            message gives the string it most likely means (``"CUDA:0"`` is
+            ``'cuda:0'``).
         DeviceNotFoundError: This torch build or machine has no such device.
 
     Examples:
@@ -180,7 +208,11 @@ def resolve_device(value: object, *, name: str = "device") -> torch.device:
         >>> from devicekit._devices import resolve_device
         >>> resolve_device("cpu:0"), resolve_device(torch.device("meta"))
         (device(type='cpu'), device(type='meta'))
-    """
+        >>> resolve_device(" CPU")
+        Traceback (most recent call last):
+        ...
+        ValueError: device=' CPU' is not a device torch knows; write 'cpu' (device types are lower case, without spaces)
+    """  # noqa: E501 - the expected output is one line
     if value is _CPU or value is _META:  # the hottest path: identity, no string built
         return value
     if value.__class__ is torch.device:  # the hot path: to_device with a device object
@@ -248,7 +280,7 @@ def parse_cuda_index(value: object, *, name: str) -> int:
         >>> parse_cuda_index("cuda:2", name="index"), parse_cuda_index(3, name="index")
         (2, 3)
     """
-    if hasattr(value, "__index__") and not isinstance(value, (bool, torch.device)):
+    if hasattr(value, "__index__") and not isinstance(value, (bool, torch.device, torch.Tensor)):
         return check_index(value, name=name)
     device = value if value.__class__ is torch.device else _parse(value, name)
     assert isinstance(device, torch.device)
@@ -267,15 +299,24 @@ def parse_cuda_indices(value: object, *, name: str) -> list[int]:
 
 def _entries(value: object, name: str) -> list[tuple[str, object]]:
     """A list-of-devices argument as (name for errors, entry) pairs; one device is one entry."""
-    if isinstance(value, (str, torch.device)) or (
-        hasattr(value, "__index__") and not isinstance(value, bool)
-    ):
-        return [(name, value)]
+    if isinstance(value, (str, torch.device, torch.Tensor)) or _is_index(value):
+        return [(name, value)]  # a tensor is one (refused) entry, never a list of indices
     if isinstance(value, (bool, bytes, Mapping)) or not isinstance(value, Iterable):
         raise TypeError(
             f"{name} must be a device or a list of devices ({_EXPECTED} each), got {_got(value)}"
         )
     return [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+
+
+def _is_index(value: object) -> bool:
+    """Whether ``value`` is one integer (an int, a numpy integer), not a bool or an array."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return False
+    try:  # a numpy array has __index__ too, and raises unless it holds one integer
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _parse(value: object, name: str) -> torch.device:
@@ -286,20 +327,18 @@ def _parse(value: object, name: str) -> torch.device:
         try:
             return torch.device(value)
         except RuntimeError as error:
-            reason = first_line(error)
-            # torch's own message lists every type it knows (twenty of them): say the common ones.
-            known = (
-                "it knows cpu, cuda, mps, xpu, meta and a few more"
-                if "Expected one of" in reason
-                else reason
-            )
-            raise ValueError(
-                f"{name}={value!r} is not a device torch knows ({known}); write 'cpu', "
-                "'cuda', 'cuda:1', or an index such as 1"
-            ) from None
+            raise _unreadable(value, name, first_line(error)) from None
     if isinstance(value, torch.device):
         return value
     if hasattr(value, "__index__"):
+        # A one-element integer tensor has __index__: reading its value as a device index
+        # would move data to wherever the number points (torch's own x.to(other) means
+        # other's device and dtype instead). A plain int skips the isinstance (50 ns).
+        if value.__class__ is not int and isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{name} must be {_EXPECTED}, got a tensor (shape {list(value.shape)}, on "
+                f"{value.device}); pass tensor.device to use the device a tensor is on"
+            )
         index = check_index(value, name=name)
         kind = accelerator_type()
         if kind is None:
@@ -311,9 +350,45 @@ def _parse(value: object, name: str) -> torch.device:
     raise TypeError(f"{name} must be {_EXPECTED}, got {_got(value)}")
 
 
+def _unreadable(value: str, name: str, reason: str) -> ValueError:
+    """The error for a string torch cannot parse, with the string it most likely means."""
+    kind, colon, index = value.strip().lower().partition(":")
+    if kind == "gpu":  # torch calls GPUs "cuda"; dk.try_gpu() is "whichever accelerator"
+        kind = "cuda"
+    fixed = kind + colon + index
+    if fixed != value and _parses(fixed):
+        fix = f"write {fixed!r} (device types are lower case, without spaces)"
+        if value.strip().lower().startswith("gpu"):
+            fix = f"write {fixed!r}, or dk.try_gpu() to use whichever accelerator this machine has"
+        return ValueError(f"{name}={value!r} is not a device torch knows; {fix}")
+    if colon and _parses(kind):
+        return ValueError(
+            f"{name}={value!r} is not a device torch knows ({reason}): the index after ':' "
+            f"must be a non-negative integer written with the digits 0-9, such as '{kind}:1', "
+            f"or leave it out ('{kind}')"
+        )
+    # torch's own message lists every type it knows (twenty of them): say the common ones.
+    common = "it knows cpu, cuda, mps, xpu, meta and a few more"
+    known = common if "Expected one" in reason else reason
+    return ValueError(
+        f"{name}={value!r} is not a device torch knows ({known}); write 'cpu', "
+        "'cuda', 'cuda:1', or an index such as 1"
+    )
+
+
+def _parses(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _article(word: str) -> str:
-    """``"an MPS"``, ``"a CUDA"``: by how the first letter sounds."""
-    return "an" if word[:1].upper() in "AEFHILMNORSX" else "a"
+    """``"an MPS"``, ``"a CUDA"``: by how an acronym's first letter sounds; ``"a lazy"``."""
+    if word.isupper():  # an acronym, read letter by letter ("ROCm" and "Vulkan" are words)
+        return "an" if word[:1] in "AEFHILMNORSX" else "a"
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def _got(value: object) -> str:
@@ -344,11 +419,11 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
             f"{name}={value!r} does not exist: {describe_devices()}. Use one of those, or "
             f"{fallback} to fall back to the CPU when there is no such device."
         )
+    if kind not in _IN_TREE and _registered(kind):  # an out-of-tree backend: hpu, npu, xla
+        return device  # its package owns the device count; torch checks the index on use
     if kind == torch._C._get_privateuse1_backend_name():  # an out-of-tree backend, such as npu
         # Its package registers torch.<kind> when imported; without it, the first copy
         # fails inside torch with "No module named 'torch.privateuseone'".
-        if hasattr(torch, kind):
-            return device
         raise DeviceNotFoundError(
             f"{name}={value!r} names the out-of-tree (PrivateUse1) backend {kind!r}, but no "
             f"such backend is registered with this torch build ({torch.__version__}): there "
@@ -357,12 +432,33 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
             "there is no GPU."
         )
     label = _LABELS.get(kind, kind)
+    if kind == "hip":  # torch's tensors never use it: ROCm builds present AMD GPUs as cuda
+        written = "cuda" if index is None else f"cuda:{index}"
+        raise DeviceNotFoundError(
+            f"{name}={value!r} names a HIP device, but torch calls AMD GPUs 'cuda', on ROCm "
+            f"builds too; devices here: {_here()}. Write {written!r} (this build is "
+            f"{torch.__version__}), or dk.try_gpu() to fall back to the CPU when there is no GPU."
+        )
+    if kind in _PACKAGES:  # no torch build has it: a package adds it
+        raise DeviceNotFoundError(
+            f"{name}={value!r} names {_article(label)} {label} device, which torch "
+            f"({torch.__version__}) supports only once {_PACKAGES[kind]} is imported, and it "
+            f"is not; devices here: {_here()}. Import {_PACKAGES[kind]} first, or use "
+            "dk.try_gpu() to fall back to the CPU when there is no GPU."
+        )
     raise DeviceNotFoundError(
         f"{name}={value!r} names {_article(label)} {label} device, but this torch build "
         f"({torch.__version__}) "
         f"has no {label} support; devices here: {_here()}. Install a torch build with {label} "
         "to use it, or dk.try_gpu() to fall back to the CPU when there is no GPU."
     )
+
+
+def _registered(kind: str) -> bool:
+    """Whether an out-of-tree backend's package has made ``kind`` a device torch can use."""
+    if kind == "xla":  # torch_xla registers no torch.xla module, but its import is what counts
+        return "torch_xla" in sys.modules
+    return getattr(torch, kind, None) is not None  # torch._register_device_module(kind, ...)
 
 
 def _here() -> str:

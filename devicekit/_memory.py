@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import html
+import os
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -314,6 +316,61 @@ class MemoryScope:
         return f"MemoryScope(report={self.report!r})"
 
 
+class _Peaks:
+    """The highest allocated and reserved bytes an open CUDA scope has seen wiped.
+
+    torch keeps one pair of peak counters per device, and a scope resets them
+    when it begins. So that a scope that is open at that moment (an outer one,
+    or one in another thread on the same device) keeps its peak, the scope
+    that resets first reads the counters and hands their values to every open
+    scope of that device, which takes the larger of those and the counters
+    when it ends.
+    """
+
+    __slots__ = ("allocated", "reserved")
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.reserved = 0
+
+
+class _OpenScopes:
+    """The open CUDA `memory_scope` blocks of each device index, and their lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[int, list[_Peaks]] = {}
+
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # another thread may have held it at the fork
+
+    def begin(self, index: int, peaks: _Peaks, *, started: bool) -> None:
+        """Register a scope on ``cuda:index``; with CUDA started, reset the peaks for it."""
+        with self.lock:
+            if started:
+                wiped_allocated = torch.cuda.max_memory_allocated(index)
+                wiped_reserved = torch.cuda.max_memory_reserved(index)
+                for other in self.open.get(index, ()):
+                    other.allocated = max(other.allocated, wiped_allocated)
+                    other.reserved = max(other.reserved, wiped_reserved)
+                torch.cuda.reset_peak_memory_stats(index)
+            self.open.setdefault(index, []).append(peaks)
+
+    def end(self, index: int, peaks: _Peaks) -> None:
+        """Unregister a scope; one that never registered (Ctrl-C came first) is no error."""
+        with self.lock:
+            scopes = self.open.get(index, [])
+            if peaks in scopes:
+                scopes.remove(peaks)
+            if not scopes:
+                self.open.pop(index, None)
+
+
+_scopes = _OpenScopes()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_scopes.after_fork)
+
+
 def _default_scope_device() -> torch.device:
     """The current CUDA device (``cuda:0`` before CUDA starts), or the CPU without CUDA."""
     if accelerator_type() != "cuda" or accelerator_count() == 0:
@@ -325,9 +382,15 @@ def _default_scope_device() -> torch.device:
 def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
     """Measure the peak and net GPU memory of a block.
 
-    Resets the device's peak-memory counters when the block begins (so an
-    enclosing scope on the same device loses its own peak), and reads them
-    when it ends. On the CPU every value is None.
+    Resets the device's peak-memory counters when the block begins, and
+    reads them when it ends. Scopes nest, and may overlap across threads: an
+    enclosing scope on the same device still reports the peak reached inside
+    the inner one. The counters belong to the device, not the thread, so a
+    scope counts every thread's allocations on its device, and after a scope
+    ``torch.cuda.max_memory_allocated()`` counts from the start of the last
+    scope that began. Where CUDA has not started, the scope does not start
+    it: it counts from zero, as nothing can have been allocated yet. On a
+    device that is not CUDA (the CPU, MPS, XPU) every value is None.
 
     Args:
         device: The device, a [`DeviceLike`][devicekit.DeviceLike]. Default: the current CUDA
@@ -355,22 +418,24 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
         finally:
             scope.report = ScopeReport(str(target), None, None, None, None, None, None)
         return
-    started = torch_cuda_initialized()
     index = int(target.index)
-    if started:
-        torch.cuda.reset_peak_memory_stats(index)
+    started = torch_cuda_initialized()
+    # Before CUDA starts nothing is allocated: 0 is known, not a guess.
     allocated = torch.cuda.memory_allocated(index) if started else 0
     reserved = torch.cuda.memory_reserved(index) if started else 0
+    peaks = _Peaks()
     try:
+        _scopes.begin(index, peaks, started=started)
         yield scope
     finally:
+        _scopes.end(index, peaks)
         live = torch_cuda_initialized()
         scope.report = ScopeReport(
             f"cuda:{index}",
             allocated,
             torch.cuda.memory_allocated(index) if live else 0,
-            torch.cuda.max_memory_allocated(index) if live else 0,
+            max(torch.cuda.max_memory_allocated(index) if live else 0, peaks.allocated),
             reserved,
             torch.cuda.memory_reserved(index) if live else 0,
-            torch.cuda.max_memory_reserved(index) if live else 0,
+            max(torch.cuda.max_memory_reserved(index) if live else 0, peaks.reserved),
         )

@@ -40,3 +40,11 @@ try:
         pass
 except ValueError as error:
     print(f"visible_devices('0,0') -> ValueError: {error}")
+
+# 5. Every devicekit function reads a device argument the same way, and a refusal says
+#    what to write instead.
+for value in ["CUDA:0", "cuda:-1", torch.tensor(1)]:
+    try:
+        dk.to_device(x, value)
+    except (TypeError, ValueError) as error:
+        print(f"to_device(x, {value!r}) -> {type(error).__name__}: {error}")

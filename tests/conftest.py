@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+
+import devicekit
 
 
 def _visible_gpus() -> int:
@@ -93,6 +97,12 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
     """
     from devicekit import _devices
 
+    # Import every module first: one first imported under the fake would keep the fake
+    # functions it imported by name for the rest of the session (the undo restores only
+    # the modules patched here), and later tests would see this test's machine.
+    for info in pkgutil.iter_modules(devicekit.__path__):
+        if not info.name.startswith("__"):  # __main__ would run the command
+            importlib.import_module(f"devicekit.{info.name}")
     replaced = {_devices.accelerator_type, _devices.accelerator_count}  # and, later, fakes
 
     def install(kind: str | None, count: int) -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import devicekit as dk
 from devicekit import _checks
 
 META = torch.device("meta")
+CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
 
 
 def test_returns_the_common_device() -> None:
@@ -33,10 +35,34 @@ def test_mismatch_lists_each_device_with_its_paths() -> None:
         "  model.0.bias: meta\n"
         "  batch['input']: meta\n"
         "Fix: move everything to cpu: model.to_empty(device='cpu'), then load its weights; "
-        "batch = dk.to_device(batch, 'cpu').\n"
+        "make batch again on cpu (its meta tensors hold no values to copy).\n"
         "Tensors on meta hold no values (shapes only): make them on a real device, or "
         "materialize a model with to_empty() and load its weights."
     )
+
+
+def test_the_fix_never_copies_out_of_meta() -> None:
+    # What the old fix said to run fails: a meta tensor has no data to copy.
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        dk.to_device({"x": torch.ones(1, device="meta")}, "cpu")
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(x=torch.ones(1), batch={"x": torch.ones(1, device="meta")})
+    assert (
+        "Fix: move everything to cpu: make batch again on cpu (its meta tensors hold no values "
+        in str(info.value)
+    )
+    assert "dk.to_device(batch" not in str(info.value)
+
+
+def test_a_keyword_named_like_a_positional_argument_is_refused() -> None:
+    # Before, the keyword replaced the positional tensor, and the stray on meta went unchecked.
+    with pytest.raises(
+        TypeError,
+        match=r"^assert_same_device\(\) got arg0 twice: as positional argument 0 \(which it "
+        r"names arg0\) and as a keyword; give the keyword argument another name$",
+    ):
+        dk.assert_same_device(torch.ones(1, device="meta"), arg0=torch.ones(1))
+    assert dk.assert_same_device(torch.ones(1), arg1=torch.ones(1)) == CPU  # no clash
 
 
 def test_positional_arguments_are_named_arg0_arg1() -> None:
@@ -74,10 +100,10 @@ def test_many_paths_are_shortened() -> None:
     assert lines[1] == "  stray: meta"
     assert lines[2:7] == [f"  weights['w{index}']: cpu" for index in range(5)]
     assert lines[7] == "  ... and 7 more on cpu"
-    assert lines[8] == "Fix: move everything to cpu: stray = dk.to_device(stray, 'cpu')."
-
-
-CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    assert lines[8] == (
+        "Fix: move everything to cpu: make stray again on cpu (its meta tensors hold no values "
+        "to copy)."
+    )
 
 
 def _fix_for(where: dict[torch.device, int], owners: dict[str, set[torch.device]]) -> str:
@@ -179,3 +205,87 @@ def test_check_module_and_data_parallel_need_a_module() -> None:
         dk.check_module(42)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"data_parallel\(\) needs a torch.nn.Module, got int"):
         dk.data_parallel(42)  # type: ignore[arg-type]
+
+
+class Grouped(torch.nn.Module):
+    """Plain references to state the module registers anyway, and one to a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.norm = torch.nn.BatchNorm1d(2)
+        self.decay = [self.fc.weight]  # parameter groups, made once
+        self.layers = {"fc": self.fc}  # a registered module, looked up by name
+        object.__setattr__(self.fc, "owner", self)  # a back-reference, kept unregistered
+        self.stats = self.norm.running_mean  # a buffer under a second name
+
+
+def test_check_module_does_not_report_what_module_to_moves_in_place() -> None:
+    model = Grouped()
+    assert dk.check_module(model) == [
+        "stats: the buffer 'norm.running_mean' held again as a plain attribute; module.to() "
+        "replaces buffers with moved copies, so this one stays the old cpu tensor. Read the "
+        "buffer through its module instead (a @property can keep this name)."
+    ]
+    # Both claims are true: the references that were not reported follow, the one that was stays.
+    model.double()
+    assert model.decay[0] is model.fc.weight
+    assert model.decay[0].dtype == torch.float64
+    assert model.layers["fc"].weight.dtype == torch.float64
+    assert model.norm.running_mean.dtype == torch.float64
+    assert model.stats.dtype == torch.float32
+
+
+def test_check_module_reports_a_module_kept_out_of_the_registry() -> None:
+    model = torch.nn.Linear(2, 2)
+    object.__setattr__(model, "helper", torch.nn.Linear(1, 1))  # as some wrappers do
+    assert dk.check_module(model) == [
+        "helper: a Linear module held as a plain attribute, not registered; module.to() will "
+        "not move it. Assign it with self.<name> = module to register it."
+    ]
+    model.to("meta")
+    assert model.helper.weight.device == CPU  # type: ignore[union-attr]
+
+
+def test_check_module_ignores_weights_a_pre_hook_recomputes() -> None:
+    prune = pytest.importorskip("torch.nn.utils.prune")
+    pruned = torch.nn.Linear(2, 2)
+    prune.l1_unstructured(pruned, "weight", amount=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # both are deprecated, and still used
+        normed = torch.nn.utils.weight_norm(torch.nn.Linear(2, 2))
+    spectral = torch.nn.utils.spectral_norm(torch.nn.Linear(2, 2))
+    for model in (pruned, normed, spectral):
+        assert "weight" in vars(model)  # a plain tensor attribute...
+        assert dk.check_module(model) == []
+        model.to("meta")
+        model(torch.ones(1, 2, device="meta"))
+        assert model.weight.device == META  # ...that the next call makes again on the device
+
+
+def test_check_module_looks_inside_a_plain_attribute_that_contains_itself() -> None:
+    model = torch.nn.Linear(1, 1)
+    registry: dict[str, Any] = {"masks": [torch.ones(1), torch.ones(1, device="meta")]}
+    registry["self"] = registry
+    model.registry = registry  # type: ignore[assignment]
+    assert dk.check_module(model) == [
+        "registry: a dict of 2 tensors on cpu, meta held as a plain attribute; module.to() will "
+        "not move them. Use nn.ParameterDict for trainable tensors, or register each one with "
+        "self.register_buffer()."
+    ]
+
+
+def test_check_module_on_lazy_tied_and_none_state() -> None:
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 2)
+            self.head = torch.nn.Linear(2, 4, bias=False)
+            self.head.weight = self.embed.weight  # tied
+            self.lazy = torch.nn.LazyLinear(3)
+            self.register_buffer("absent", None)
+            self.register_parameter("unused", None)
+
+    model = Model()
+    assert dk.check_module(model) == []
+    assert dk.assert_same_device(model=model) == CPU

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import sys
 import types
 from collections.abc import Callable
 
@@ -310,3 +311,105 @@ def test_a_real_cpu_build_refuses_cuda_without_a_torch_assertion() -> None:
         pytest.skip("this torch build has CUDA")
     for call, name in [*SINGLE.values(), *LISTS.values()]:
         _check(call, name, "cuda", (dk.DeviceNotFoundError, "names a CUDA device"))
+
+
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        ("CUDA:0", "write 'cuda:0' (device types are lower case, without spaces)"),
+        (" cuda", "write 'cuda' (device types are lower case, without spaces)"),
+        ("cpu ", "write 'cpu' (device types are lower case, without spaces)"),
+        ("Meta", "write 'meta' (device types are lower case, without spaces)"),
+        ("gpu", "write 'cuda', or dk.try_gpu() to use whichever accelerator this machine has"),
+        ("GPU:1", "write 'cuda:1', or dk.try_gpu() to use whichever accelerator"),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("function", [*SINGLE, *LISTS])
+def test_a_string_torch_misses_by_case_or_spaces_gets_the_string_it_means(
+    function: str, value: str, fix: str
+) -> None:
+    call, name = {**SINGLE, **LISTS}[function]
+    _check(call, name, value, (ValueError, f"{value!r} is not a device torch knows; {fix}"))
+
+
+@pytest.mark.parametrize(
+    "value", ["cuda:", "cuda:-1", "cuda:1.5", "cuda:+1", "cuda:\u0663", "cpu:-1"]
+)
+def test_a_string_with_a_bad_index_says_how_to_write_one(value: str) -> None:
+    from devicekit._devices import resolve_device
+
+    kind = value.partition(":")[0]
+    fix = (
+        "the index after ':' must be a non-negative integer written with the digits 0-9, "
+        f"such as '{kind}:1', or leave it out ('{kind}')"
+    )
+    start = re.escape(f"device={value!r} is not a device torch knows (")
+    with pytest.raises(ValueError, match=rf"^{start}.*\): {re.escape(fix)}$"):
+        resolve_device(value)
+
+
+def test_a_tensor_is_never_read_as_a_device_index(fake_accelerator: FakeAccelerator) -> None:
+    from devicekit._devices import parse_cuda_index, resolve_device, resolve_devices
+
+    fake_accelerator("cuda", 2)
+    message = r"got a tensor \(shape \[\], on cpu\); pass tensor.device to use the device"
+    with pytest.raises(TypeError, match=rf"^device must be a torch.device.*{message}"):
+        resolve_device(torch.tensor(1))  # its value, 1, is not where anything should go
+    with pytest.raises(TypeError, match=rf"^exclude must be a torch.device.*{message}"):
+        parse_cuda_index(torch.tensor(1), name="exclude")
+    with pytest.raises(TypeError, match=r"^devices must be .*got a tensor \(shape \[2\], on cpu\)"):
+        resolve_devices(torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match=r"^device must be .*got a tensor"):
+        dk.to_device(torch.ones(1), torch.ones(1, dtype=torch.long))  # type: ignore[arg-type]
+
+
+def test_a_numpy_array_of_indices_is_a_list_of_devices(fake_accelerator: FakeAccelerator) -> None:
+    np = pytest.importorskip("numpy")
+    from devicekit._devices import parse_cuda_indices, resolve_device, resolve_devices
+
+    fake_accelerator("cuda", 2)
+    assert resolve_devices(np.arange(2)) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert parse_cuda_indices(np.array([1]), name="exclude") == [1]
+    assert resolve_devices(np.int64(1)) == [torch.device("cuda", 1)]  # one integer: one device
+    assert resolve_device(np.array(1)) == torch.device("cuda", 1)  # a 0-d array is an integer
+
+
+def test_an_out_of_tree_backend_is_a_device_once_its_package_is_imported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from devicekit._devices import resolve_device
+
+    if hasattr(torch, "hpu") or "torch_xla" in sys.modules:
+        pytest.skip("an out-of-tree backend is installed here")
+    for kind, package in [("hpu", "habana_frameworks.torch"), ("xla", "torch_xla")]:
+        with pytest.raises(
+            dk.DeviceNotFoundError,
+            match=rf"^device='{kind}:0' names an {kind.upper()} device, which torch \(.*\) "
+            rf"supports only once {package} is imported, and it is not; devices here: .*"
+            rf"Import {package} first",
+        ):
+            resolve_device(f"{kind}:0")
+    # What habana_frameworks.torch does when imported (torch._register_device_module).
+    monkeypatch.setattr(torch, "hpu", types.ModuleType("torch.hpu"), raising=False)
+    assert resolve_device("hpu:1") == torch.device("hpu", 1)
+    monkeypatch.setitem(sys.modules, "torch_xla", types.ModuleType("torch_xla"))
+    assert resolve_device("xla") == torch.device("xla")
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        ("hip:1", "names a HIP device, but torch calls AMD GPUs 'cuda', on ROCm builds too; "),
+        ("lazy", "names a lazy device, but this torch build"),
+        ("mtia", "names an MTIA device, but this torch build"),
+        ("vulkan", "names a Vulkan device, but this torch build"),
+    ],
+    ids=repr,
+)
+def test_devices_this_build_lacks_are_named_in_plain_words(value: str, text: str) -> None:
+    from devicekit._devices import resolve_device
+
+    with pytest.raises(dk.DeviceNotFoundError, match=re.escape(text)):
+        resolve_device(value)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 
 import pytest
 import torch
@@ -156,3 +157,168 @@ def test_a_scope_measures_the_device_asked_for_even_cuda0(
     assert _memory._default_scope_device() == torch.device("cuda", 0)
     fake_accelerator(None, 0)
     assert _memory._default_scope_device() == torch.device("cpu")
+
+
+class FakeCUDAAllocator:
+    """torch.cuda's counters for one device, driven by hand: no GPU needed."""
+
+    def __init__(self) -> None:
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from devicekit import _memory
+
+        monkeypatch.setattr(_memory, "torch_cuda_initialized", lambda: True)
+        counters = {
+            "memory_allocated": lambda: self.allocated,
+            "memory_reserved": lambda: self.reserved,
+            "max_memory_allocated": lambda: self.peak_allocated,
+            "max_memory_reserved": lambda: self.peak_reserved,
+        }
+        for name, read in counters.items():
+            monkeypatch.setattr(torch.cuda, name, lambda index, read=read: read())
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index: self.reset())
+
+    def reset(self) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def allocate(self, size: int) -> None:
+        self.allocated += size
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+
+@pytest.fixture
+def fake_cuda(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> FakeCUDAAllocator:
+    fake_accelerator("cuda", 1)
+    allocator = FakeCUDAAllocator()
+    allocator.install(monkeypatch)
+    return allocator
+
+
+def test_an_outer_scope_keeps_the_peak_an_inner_one_resets(fake_cuda: FakeCUDAAllocator) -> None:
+    from devicekit import _memory
+
+    fake_cuda.allocate(100)
+    with dk.memory_scope("cuda:0") as outer:
+        fake_cuda.allocate(900)  # the outer block's peak: 1000
+        fake_cuda.allocate(-800)
+        with dk.memory_scope("cuda:0") as inner:  # resets torch's peak counters to 200
+            fake_cuda.allocate(100)
+        fake_cuda.allocate(-100)
+    assert inner.report is not None
+    assert outer.report is not None
+    assert (inner.report.peak_allocated, inner.report.net) == (300, 100)
+    assert (outer.report.peak_allocated, outer.report.net) == (1000, 100)  # before: 300
+    assert outer.report.peak_reserved == 1000
+    assert _memory._scopes.open == {}
+
+
+def test_scopes_that_overlap_without_nesting_keep_their_peaks(
+    fake_cuda: FakeCUDAAllocator,
+) -> None:
+    # As two threads' scopes, or two generators', on one device: the first ends first.
+    first, second = dk.memory_scope("cuda:0"), dk.memory_scope("cuda:0")
+    one = first.__enter__()
+    fake_cuda.allocate(500)
+    fake_cuda.allocate(-500)
+    two = second.__enter__()
+    fake_cuda.allocate(50)
+    first.__exit__(None, None, None)
+    fake_cuda.allocate(70)
+    second.__exit__(None, None, None)
+    assert one.report is not None
+    assert two.report is not None
+    assert one.report.peak_allocated == 500
+    assert two.report.peak_allocated == 120
+
+
+def test_scopes_in_two_threads_keep_their_peaks(fake_cuda: FakeCUDAAllocator) -> None:
+    # The first thread's scope is open when the second's resets the device's counters.
+    opened, measured = threading.Barrier(2, timeout=30), threading.Barrier(2, timeout=30)
+    reports: dict[str, dk.ScopeReport | None] = {}
+
+    def first() -> None:
+        with dk.memory_scope("cuda:0") as scope:
+            fake_cuda.allocate(1000)
+            fake_cuda.allocate(-1000)
+            opened.wait()
+            measured.wait()
+        reports["first"] = scope.report
+
+    def second() -> None:
+        opened.wait()
+        with dk.memory_scope("cuda:0") as scope:
+            fake_cuda.allocate(10)
+        measured.wait()
+        reports["second"] = scope.report
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    first_report, second_report = reports["first"], reports["second"]
+    assert first_report is not None
+    assert second_report is not None
+    assert first_report.peak_allocated == 1000
+    assert second_report.peak_allocated == 10
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_a_scope_reports_and_closes_when_its_block_raises(
+    fake_cuda: FakeCUDAAllocator, error: type[BaseException]
+) -> None:
+    from devicekit import _memory
+
+    scopes: list[dk.MemoryScope] = []
+
+    def block() -> None:
+        with dk.memory_scope("cuda:0") as scope:
+            scopes.append(scope)
+            fake_cuda.allocate(64)
+            raise error
+
+    with pytest.raises(error):
+        block()
+    (scope,) = scopes
+    assert scope.report is not None
+    assert (scope.report.peak_allocated, scope.report.net) == (64, 64)
+    assert _memory._scopes.open == {}
+
+
+def test_scopes_and_free_memory_never_start_cuda() -> None:
+    result = run_python(
+        """
+        import json, threading, torch, devicekit as dk
+        from devicekit._visible import cuda_started
+        reports = []
+        with dk.memory_scope() as outer:
+            with dk.memory_scope(dk.try_gpu()) as inner:
+                pass
+        try:
+            with dk.memory_scope(dk.try_gpu()):
+                raise ValueError
+        except ValueError:
+            pass
+        thread = threading.Thread(target=lambda: dk.memory_scope().__enter__())
+        thread.start(); thread.join(60)
+        cuda = [d for d in dk.try_all_gpus() if d.type == "cuda"]
+        report = dk.free_memory(devices=cuda)
+        print(json.dumps({
+            "torch": torch.cuda.is_initialized(), "started": cuda_started(),
+            "peak": outer.report.peak_allocated, "devices": report.to_dict()["devices"],
+        }))
+        """
+    )
+    assert result["torch"] is False
+    assert result["started"] is None
+    assert result["peak"] in (
+        None,
+        0,
+    )  # None off CUDA; 0 when CUDA never started: nothing allocated
+    assert result["devices"] == []
