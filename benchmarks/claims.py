@@ -55,10 +55,18 @@ def use_fake_nvml_without_a_gpu() -> str:
     from devicekit import _nvml
     from tests.fake_pynvml import FakeGPU, FakeNVML
 
-    sys.modules["pynvml"] = FakeNVML(
+    fake = FakeNVML(
         [FakeGPU(f"GPU-{i:04d}-bench", bus=f"00000000:{0x18 + i:02X}:00.0") for i in range(4)]
     )
+    sys.modules["pynvml"] = fake
     _nvml._session = _nvml._Session()
+    if torch.version.cuda is None:
+        # A CPU-only torch has no cuda:N, so devicekit would pick the CPU without looking:
+        # pose as a CUDA build, as the tests' NVML fixture does.
+        version = getattr(fake, "cuda_version", 12000)
+        torch.version.cuda = f"{version // 1000}.{version % 1000 // 10}"
+    if not dk.gpus():
+        raise RuntimeError("the NVML stand-in shows no GPU: the claims would not be timed")
     return "fake NVML (tests/fake_pynvml.py), 4 GPUs: NVML's share of the times is not a driver's"
 
 
