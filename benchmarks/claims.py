@@ -63,8 +63,7 @@ def use_fake_nvml_without_a_gpu() -> str:
     if torch.version.cuda is None:
         # A CPU-only torch has no cuda:N, so devicekit would pick the CPU without looking:
         # pose as a CUDA build, as the tests' NVML fixture does.
-        version = getattr(fake, "cuda_version", 12000)
-        torch.version.cuda = f"{version // 1000}.{version % 1000 // 10}"
+        torch.version.cuda = fake.torch_cuda
     if not dk.gpus():
         raise RuntimeError("the NVML stand-in shows no GPU: the claims would not be timed")
     return "fake NVML (tests/fake_pynvml.py), 4 GPUs: NVML's share of the times is not a driver's"

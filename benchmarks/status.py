@@ -57,7 +57,12 @@ def main() -> None:
     args = parser.parse_args()
     fake = FakeNVML([FakeGPU(UUID, compute=[(os.getpid(), 2**30)])])
     sys.modules["pynvml"] = fake
+    import torch
+
     import devicekit as dk
+
+    if torch.version.cuda is None:  # a CPU-only torch has no cuda:0 to describe: pose as CUDA
+        torch.version.cuda = fake.torch_cuda
 
     handle = fake.gpus[0]
     floor_calls = [
@@ -78,8 +83,6 @@ def main() -> None:
     def floor() -> None:
         for fn, call_args in floor_calls:
             fn(*call_args)
-
-    import torch  # noqa: F401 - loaded first, so the first call below times NVML's start only
 
     start = time.perf_counter()
     dk.gpus()

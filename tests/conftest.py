@@ -136,8 +136,7 @@ def nvml_session(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
         for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
             monkeypatch.delenv(name, raising=False)
         if module is not None and torch.version.cuda is None:
-            version = getattr(module, "cuda_version", 12000)  # NVML's 12040 is CUDA 12.4
-            monkeypatch.setattr(torch.version, "cuda", f"{version // 1000}.{version % 1000 // 10}")
+            monkeypatch.setattr(torch.version, "cuda", getattr(module, "torch_cuda", "12.0"))
 
     return install
 

@@ -91,6 +91,11 @@ class FakeNVML(types.ModuleType):
 
     # --- plumbing ---------------------------------------------------------------------
 
+    @property
+    def torch_cuda(self) -> str:
+        """What ``torch.version.cuda`` says in a CUDA build for this driver: 13000 is "13.0"."""
+        return f"{self.cuda_version // 1000}.{self.cuda_version % 1000 // 10}"
+
     def _check(self, name: str, handle: FakeGPU | None = None) -> None:
         self.calls[name] += 1
         if name in self.missing:
