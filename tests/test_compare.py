@@ -64,8 +64,9 @@ def test_a_given_measurement_answers_to_its_variant_name_and_stays_unchanged() -
     assert given.name == "matmul"  # a frozen result: compare copies it under the new name
 
 
-def test_untrustworthy_rows_are_marked() -> None:
-    noisy = dk.Measurement.from_times(
+def _noisy() -> dk.Measurement:
+    """A measurement whose spread makes it untrustworthy."""
+    return dk.Measurement.from_times(
         [1e-3, 5e-3] * 3,
         [1e-3, 5e-3] * 3,
         name="noisy",
@@ -73,6 +74,10 @@ def test_untrustworthy_rows_are_marked() -> None:
         stop_reason="max_time",
         conditions=dk.Conditions(device="cpu"),
     )
+
+
+def test_untrustworthy_rows_are_marked() -> None:
+    noisy = _noisy()
     assert "[not trustworthy]" in str(dk.compare({"noisy": noisy, "ok": measured(1e-3, 0)}))
 
 
@@ -168,14 +173,7 @@ def test_an_error_in_a_variant_names_the_variant() -> None:
 
 
 def test_html_says_why_a_row_is_not_trustworthy() -> None:
-    noisy = dk.Measurement.from_times(
-        [1e-3, 5e-3] * 3,
-        [1e-3, 5e-3] * 3,
-        name="noisy",
-        mode="warm",
-        stop_reason="max_time",
-        conditions=dk.Conditions(device="cpu"),
-    )
+    noisy = _noisy()
     table = dk.compare({"noisy": noisy, "ok": measured(1e-3, 0)})
     html = table._repr_html_()
     assert "<th>why not trustworthy</th>" in html

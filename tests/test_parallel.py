@@ -539,12 +539,15 @@ def test_idle_pool_workers_end_when_their_parent_is_killed(tmp_path: Any) -> Non
     _kill_parent_and_watch(script, 2, tmp_path)
 
 
-def test_a_missing_main_guard_is_named_in_a_few_lines(tmp_path: Any) -> None:
+def _run_without_main_guard(
+    tmp_path: Any, imports: str, call: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``call`` at the top of a script, with no main guard; print its WorkerError."""
     script = tmp_path / "no_guard.py"
     script.write_text(
-        "import math, devicekit as dk\n"
+        f"{imports}\nimport devicekit as dk\n"
         "try:\n"
-        "    dk.gpu_map(math.sqrt, range(4), devices=['cpu', 'cpu'])\n"
+        f"    {call}\n"
         "except dk.WorkerError as error:\n"
         "    print(error)\n"
     )
@@ -557,6 +560,13 @@ def test_a_missing_main_guard_is_named_in_a_few_lines(tmp_path: Any) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_a_missing_main_guard_is_named_in_a_few_lines(tmp_path: Any) -> None:
+    result = _run_without_main_guard(
+        tmp_path, "import math", "dk.gpu_map(math.sqrt, range(4), devices=['cpu', 'cpu'])"
+    )
     assert 'if __name__ == "__main__":' in result.stdout
     assert "stopped while importing the main module" in result.stdout
     assert "bootstrapping phase" not in result.stderr  # multiprocessing's long story
@@ -731,23 +741,9 @@ def test_timeout_starts_once_the_worker_has_loaded_fn() -> None:
 def test_a_missing_main_guard_with_large_items_is_named_too(tmp_path: Any) -> None:
     # Before, sending an item larger than the pipe's buffer to a worker that died
     # importing the main module raised a bare BrokenPipeError.
-    script = tmp_path / "no_guard_large.py"
-    script.write_text(
-        "import devicekit as dk\n"
-        "try:\n"
-        "    dk.gpu_map(len, [bytes(2_000_000)] * 2, devices=['cpu'])\n"
-        "except dk.WorkerError as error:\n"
-        "    print(error)\n"
+    result = _run_without_main_guard(
+        tmp_path, "", "dk.gpu_map(len, [bytes(2_000_000)] * 2, devices=['cpu'])"
     )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
     assert "stopped while importing the main module" in result.stdout, result.stderr
     assert "BrokenPipeError" not in result.stderr
 
