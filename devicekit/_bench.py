@@ -9,6 +9,7 @@ events, repeats until precise) and the same verdict.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +19,12 @@ from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
 from ._format import format_seconds, html_table, plain_data
 from ._measure import benchmark
 from ._measurement import Measurement
+from ._options import check_seconds
 
 __all__ = ["BenchReport", "BenchResult", "bench"]
 
-_BUDGET = 0.4  # seconds of measuring per number: the whole run stays well under 30 s
+_BUDGET = 0.4  # seconds of measuring per number by default: the run stays well under 30 s
+_MIN_TIME = 0.1  # benchmark()'s default min_time, lowered to a shorter max_time
 _SCHEMA = 2  # 2: latencies in seconds (unit "s", were "us"), and each result's notes
 
 
@@ -114,15 +117,19 @@ class BenchReport:
         return html_table(rows, header=header, caption="; ".join(self._summary()))
 
 
-def _matmul(n: int, dtype: torch.dtype, device: torch.device) -> BenchResult:
+def _time(fn: Callable[..., Any], *args: Any, max_time: float, **kwargs: Any) -> Measurement:
+    return benchmark(fn, *args, min_time=min(_MIN_TIME, max_time), max_time=max_time, **kwargs)
+
+
+def _matmul(n: int, dtype: torch.dtype, device: torch.device, max_time: float) -> BenchResult:
     a = torch.randn(n, n, device=device, dtype=dtype)
-    m = benchmark(torch.matmul, a, a, max_time=_BUDGET)
+    m = _time(torch.matmul, a, a, max_time=max_time)
     name = f"matmul {n} {str(dtype).removeprefix('torch.').replace('float32', 'fp32')}"
     name = name.replace("bfloat16", "bf16")
     return BenchResult.of(name, device, 2 * n**3 / m.median / 1e12, "TFLOP/s", m)
 
 
-def _copies(device: torch.device) -> list[BenchResult]:
+def _copies(device: torch.device, max_time: float) -> list[BenchResult]:
     size = 64 * 2**20
     gpu = torch.empty(size, dtype=torch.uint8, device=device)
     results = []
@@ -130,16 +137,16 @@ def _copies(device: torch.device) -> list[BenchResult]:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         kind = "pinned" if pinned else "pageable"
         for name, dst, src in (("host to device", gpu, host), ("device to host", host, gpu)):
-            m = benchmark(dst.copy_, src, non_blocking=pinned, device=device, max_time=_BUDGET)
+            m = _time(dst.copy_, src, non_blocking=pinned, device=device, max_time=max_time)
             rate = size / m.median / 1e9
             results.append(BenchResult.of(f"{name}, {kind}", device, rate, "GB/s", m))
     return results
 
 
-def _latencies(device: torch.device) -> list[BenchResult]:
+def _latencies(device: torch.device, max_time: float) -> list[BenchResult]:
     x = torch.zeros(1, device=device)
-    launch = benchmark(x.add_, 1, max_time=_BUDGET)
-    sync = benchmark(torch.cuda.synchronize, device, device="cpu", max_time=_BUDGET)
+    launch = _time(x.add_, 1, max_time=max_time)
+    sync = _time(torch.cuda.synchronize, device, device="cpu", max_time=max_time)
     issue = launch.host_median
     assert issue is not None  # benchmark() keeps the host time of every timed call
     return [
@@ -148,7 +155,9 @@ def _latencies(device: torch.device) -> list[BenchResult]:
     ]
 
 
-def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchReport:
+def bench(
+    *, devices: list[DeviceLike] | DeviceLike | None = None, max_time: float = _BUDGET
+) -> BenchReport:
     """Survey this machine: matmul rates, copy bandwidth, launch and sync costs.
 
     Not for timing your own code: that is [`benchmark()`][devicekit.benchmark] (one function,
@@ -159,18 +168,24 @@ def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchRepor
     from pinned memory (64 MiB), the host's cost of launching one small
     kernel, and of one ``synchronize`` on an idle GPU. Rates are in TFLOP/s,
     bandwidth in GB/s (10^9 bytes per second), latencies in seconds. Takes
-    well under 30 seconds. Initializes CUDA (it has to use the GPU).
+    well under 30 seconds by default (about ``max_time`` per number: 1 on
+    the CPU, 7 or 8 per GPU). Initializes CUDA (it has to use the GPU).
 
     Args:
         devices: GPUs to measure, as a list of [`DeviceLike`][devicekit.DeviceLike] (``[0]``,
             ``["cuda:1"]``) or one. Default: every visible GPU. The CPU is
             always measured; ``[]`` measures only the CPU.
+        max_time: Seconds [`benchmark()`][devicekit.benchmark] may spend on each
+            number (its ``max_time``). A note such as "allow max_time of at
+            least 1.43 s" means this.
 
     Returns:
         A [`BenchReport`][devicekit.BenchReport].
 
     Raises:
-        ValueError: One of ``devices`` is not a CUDA device.
+        TypeError: ``max_time`` is not a number.
+        ValueError: One of ``devices`` is not a CUDA device, or ``max_time``
+            is not a finite number of seconds > 0.
         DeviceNotFoundError: One of ``devices`` does not exist here.
 
     Examples:
@@ -179,16 +194,17 @@ def bench(*, devices: list[DeviceLike] | DeviceLike | None = None) -> BenchRepor
         >>> report.results[0].unit
         'TFLOP/s'
     """
+    max_time = check_seconds(max_time, name="max_time", fix="the default is 0.4 per number")
     if devices is None:
         targets = [d for d in try_all_gpus() if d.type == "cuda"]
     else:
         why = "bench() measures CUDA GPUs there, and always measures the CPU"
         targets = resolve_cuda_devices(devices, name="devices", why=why)
-    results = [_matmul(1024, torch.float32, torch.device("cpu"))]
+    results = [_matmul(1024, torch.float32, torch.device("cpu"), max_time)]
     for device in targets:
-        results.append(_matmul(4096, torch.float32, device))
+        results.append(_matmul(4096, torch.float32, device, max_time))
         if torch.cuda.get_device_capability(device) >= (8, 0):  # bf16 matmuls: Ampere on
-            results.append(_matmul(4096, torch.bfloat16, device))
-        results += _copies(device)
-        results += _latencies(device)
+            results.append(_matmul(4096, torch.bfloat16, device, max_time))
+        results += _copies(device, max_time)
+        results += _latencies(device, max_time)
     return BenchReport(tuple(results))

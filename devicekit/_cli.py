@@ -77,6 +77,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _max_time(text: str) -> float:
+    """``--max-time``: seconds per number for ``bench``, finite and above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds above 0, got {text!r}; the default is 0.4"
+        )
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -242,6 +255,14 @@ def _parser() -> _Parser:
         description="Measure matrix multiplication rates (TFLOP/s) on the CPU and each GPU, "
         "host-device copy bandwidth (GB/s) and launch and synchronize latencies (µs). "
         "Takes well under 30 seconds; starts CUDA.",
+    )
+    bench.add_argument(
+        "--max-time",
+        type=_max_time,
+        default=None,
+        metavar="SECONDS",
+        help="seconds to measure each number for (default: 0.4); a note's "
+        "'allow max_time of at least ...' means this",
     )
     _shared_options(bench, top=False, ids=False)
     parser.commands = {"watch": watch, "doctor": doctor, "bench": bench}
@@ -427,7 +448,8 @@ def _run(parser: _Parser, args: argparse.Namespace) -> int:
             return diagnosis.exit_code
         from ._bench import bench  # noqa: PLC0415 - see _snapshot
 
-        _show(bench(), json_form=args.json)
+        max_time = {} if args.max_time is None else {"max_time": args.max_time}
+        _show(bench(**max_time), json_form=args.json)
         return 0
     _show(_snapshot(parser, args.id), json_form=args.json)
     return 0

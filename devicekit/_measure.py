@@ -14,7 +14,6 @@ import torch
 from ._conditions import Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
-from ._errors import add_note
 from ._format import close_match
 from ._measurement import Measurement
 from ._options import check_number, check_seconds, refuse_lazy
@@ -168,27 +167,32 @@ def misspelled_options(names: Iterable[str]) -> list[str]:
     return found
 
 
-def _warm_up(
-    runner: _CpuRunner | _CudaRunner, until: float, kwargs: dict[str, Any]
-) -> tuple[float, int]:
+def _warm_up(runner: _CpuRunner | _CudaRunner, until: float) -> tuple[float, int]:
     """Call fn until ``until`` (once at least); the seconds it took, and the calls."""
     calls, began = 0, time.perf_counter()
-    try:
-        runner.warm()
-    except TypeError as error:  # a mistyped option reaches fn as a keyword argument
-        guesses = misspelled_options(kwargs)
-        if guesses:
-            add_note(
-                error,
-                f"devicekit: benchmark() passes keywords it does not know to fn, and fn was "
-                f"given {', '.join(guesses)}",
-            )
-        raise
+    runner.warm()
     calls += 1
     while time.perf_counter() < until:
         runner.warm()
         calls += 1
     return time.perf_counter() - began, calls
+
+
+def _refuse_misspelled(kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword for fn that looks like a mistyped option, before any call.
+
+    Passed on, ``maxtime=0.1`` would fail inside fn as fn's own error, or, to
+    an fn taking ``**kwargs``, be ignored while the default ``max_time`` ran.
+    """
+    guesses = misspelled_options(kwargs)
+    if guesses:
+        name = next(name for name in kwargs if misspelled_options([name]))  # the first
+        raise TypeError(
+            f"benchmark() got {', '.join(guesses)}: it passes keywords it does not know to "
+            "fn, but not one this close to its own, which fn would take for its own; if fn "
+            f"does take {name}, bind it first: benchmark(functools.partial(fn, {name}=...)) "
+            f"or benchmark(lambda: fn({name}=...))"
+        )
 
 
 def _check_options(
@@ -282,7 +286,10 @@ def benchmark(
             is flushed before every call, untimed) or ``"graph"`` (the calls
             are captured in a CUDA graph and its replays timed: no launch
             overhead). ``cold`` and ``graph`` need a CUDA device.
-        **kwargs: Passed to ``fn`` (so ``fn`` cannot take the option names above).
+        **kwargs: Passed to ``fn`` (so ``fn`` cannot take the option names
+            above). A keyword one typo away from an option (``maxtime``,
+            ``min_tme``) is refused instead: bind it with `functools.partial`
+            or a lambda if ``fn`` really takes it.
 
     Returns:
         The [`Measurement`][devicekit.Measurement].
@@ -290,7 +297,8 @@ def benchmark(
     Raises:
         TypeError: ``fn`` is not callable, or is a generator or ``async``
             function (a call would only create the generator or coroutine),
-            or an option is not a number.
+            or an option is not a number, or a keyword looks like a
+            misspelled option.
         ValueError: An option is out of range or not finite, or ``mode`` needs CUDA.
 
     Examples:
@@ -302,6 +310,7 @@ def benchmark(
     _check_options(
         fn, warmup=warmup, min_time=min_time, max_time=max_time, rel_noise=rel_noise, mode=mode
     )
+    _refuse_misspelled(kwargs)
     target = _infer_device(device, args, kwargs)
     if mode != "warm" and target.type != "cuda":
         raise ValueError(f"mode={mode!r} needs a CUDA device, but fn runs on {target}")
@@ -316,7 +325,7 @@ def benchmark(
     )
     # Warm-up counts against max_time and leaves at least half of it for the timed calls.
     warm_until = began + min(warmup, max_time / 2)
-    warmup_time, warm_calls = _warm_up(runner, warm_until, kwargs)
+    warmup_time, warm_calls = _warm_up(runner, warm_until)
     per_call = max(warmup_time / warm_calls, 1e-9)  # a coarse clock can read 0
     if isinstance(runner, _CudaRunner) and mode == "graph":
         runner.capture(per_call)

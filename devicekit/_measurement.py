@@ -58,9 +58,11 @@ class Measurement:
         n: Number of timed calls.
         times: Every timed call, seconds (``to_dict()`` leaves them out
             unless asked: ``to_dict(times=True)``).
-        host_times: Host time to issue each call, seconds.
+        host_times: Host time to issue each call, seconds; empty where none
+            was kept (times given to ``from_times()`` alone).
         stop_reason: ``"converged"`` (``rel_noise`` reached its target) or
-            ``"max_time"`` (time ran out first).
+            ``"max_time"`` (time ran out first); ``"given"`` for times given to
+            [`from_times()`][devicekit.Measurement.from_times].
         conditions: Evidence about the machine before, during and after the run.
         energy_per_call: Joules per call, from the GPU's energy counter; None
             on the CPU, without the counter (before Volta, without NVML), in
@@ -105,12 +107,12 @@ class Measurement:
     def from_times(
         cls,
         times: list[float],
-        host_times: list[float],
+        host_times: list[float] | None = None,
         *,
-        name: str,
-        mode: str,
-        stop_reason: str,
-        conditions: Conditions,
+        name: str = "times",
+        mode: str = "warm",
+        stop_reason: str = "given",
+        conditions: Conditions | None = None,
         energy_per_call: float | None = None,
         power: float | None = None,
         warmup: float | None = None,
@@ -119,10 +121,44 @@ class Measurement:
     ) -> Measurement:
         """Compute the statistics of ``times``: one or more finite, non-negative seconds.
 
+        [`benchmark()`][devicekit.benchmark] builds its result with it; given
+        only your own times, it judges them the same way (the median's noise,
+        too few calls) with everything else unknown.
+
+        Args:
+            times: Seconds per call, one per timed call.
+            host_times: Host seconds to issue each call. Default: none kept
+                (``host_median`` is None).
+            name: What was timed. Default: ``"times"``.
+            mode: ``"warm"`` (the default), ``"cold"`` or ``"graph"``.
+            stop_reason: Why timing stopped. Default: ``"given"``, for times
+                that were given rather than measured.
+            conditions: Evidence about the machine. Default: none, all of it
+                unknown (``None``) on ``device="unknown"``; nothing is read
+                now, since the times were taken before, and CUDA is not started.
+            energy_per_call: Joules per call, or None (unknown).
+            power: Watts, or None (unknown).
+            warmup: The warm-up asked for, seconds, or None (unknown).
+            warmup_time: Seconds the warm-up took, or None (unknown).
+            clock_floor: Seconds an empty call reads, or None (unknown).
+
+        Returns:
+            The [`Measurement`][devicekit.Measurement].
+
         Raises:
             ValueError: ``times`` is empty, or holds a NaN, an infinity or a
                 negative number (which no clock reads: a statistic of it
                 would print as a time).
+
+        Examples:
+            >>> import devicekit as dk
+            >>> m = dk.Measurement.from_times([0.010, 0.011, 0.012, 0.011, 0.013, 0.011, 0.010])
+            >>> m.median, m.n, m.stop_reason, m.host_median
+            (0.011, 7, 'given', None)
+            >>> dk.Measurement.from_times([1.0, float("nan")])  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: times[1] is nan: every time must be a finite number of seconds >= 0; ...
         """
         if not times:
             raise ValueError("Measurement.from_times() needs at least one time, got none")
@@ -148,9 +184,9 @@ class Measurement:
             ci=median_ci(ordered),
             n=len(ordered),
             times=tuple(times),
-            host_times=tuple(host_times),
+            host_times=() if host_times is None else tuple(host_times),
             stop_reason=stop_reason,
-            conditions=conditions,
+            conditions=Conditions(device="unknown") if conditions is None else conditions,
             energy_per_call=energy_per_call,
             power=power,
             warmup=warmup,

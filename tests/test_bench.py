@@ -80,3 +80,25 @@ def test_the_gpu_is_faster_than_the_cpu_at_matmul() -> None:
         "kernel launch (host)",
         "synchronize, idle GPU",
     } <= names
+
+
+def test_max_time_bounds_each_number_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The notes' "allow max_time of at least ..." is bench()'s own option.
+    from devicekit import _bench  # the module, to watch benchmark()
+
+    seen: list[tuple[float, float]] = []
+    real = _bench.benchmark
+
+    def watched(*args: object, min_time: float, max_time: float, **kwargs: object) -> object:
+        seen.append((min_time, max_time))
+        return real(*args, min_time=min_time, max_time=max_time, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_bench, "benchmark", watched)
+    dk.bench(devices=[], max_time=0.05)
+    assert seen == [(0.05, 0.05)]  # min_time lowered to fit, not an error
+    dk.bench(devices=[])
+    assert seen[-1] == (0.1, 0.4)  # the defaults as before
+    with pytest.raises(ValueError, match=r"^max_time must be a finite number of seconds > 0"):
+        dk.bench(devices=[], max_time=0)
+    with pytest.raises(TypeError, match=r"^max_time must be a number of seconds, got '1'"):
+        dk.bench(devices=[], max_time="1")  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -714,3 +715,36 @@ def test_without_nvml_the_number_of_gpus_is_unknown_not_zero(nvml_session: Insta
     assert "; GPU count unknown: no NVML (the nvidia-ml-py package is not installed" in text
     assert "?" not in text
     assert "0 GPUs" not in text
+
+
+def test_watch_help_describes_its_ids_option() -> None:
+    help_text = run_cli("watch", "--help", env={"COLUMNS": "100"}).stdout
+    assert "[-i IDS]" in help_text  # in the usage line, and described under the options:
+    assert re.search(r"^  -i IDS, --id IDS +only these GPUs, by torch index", help_text, re.M)
+
+
+def test_bench_max_time_reaches_bench(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from devicekit import _bench  # the module _run imports bench() from
+
+    asked: list[dict[str, object]] = []
+
+    def fake_bench(**options: object) -> dk.BenchReport:
+        asked.append(options)
+        return dk.BenchReport(())
+
+    monkeypatch.setattr(_bench, "bench", fake_bench)
+    assert _cli.main(["bench", "--max-time", "1.5"]) == 0
+    assert _cli.main(["bench"]) == 0
+    assert asked == [{"max_time": 1.5}, {}]  # bench()'s own default otherwise
+    assert "--max-time SECONDS" in run_cli("bench", "--help").stdout
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_bench_max_time_is_checked(value: str) -> None:
+    result = run_cli("bench", "--max-time", value)
+    assert result.returncode == 2
+    assert "devicekit bench: error: argument --max-time: expected a " in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import doctest
 import functools
 import json
 import math
@@ -8,6 +9,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -574,16 +576,27 @@ def test_energy_on_a_real_gpu() -> None:
     assert cold.energy_per_call is None  # the L2 flushes would count
 
 
-def test_a_mistyped_option_reaching_fn_says_what_it_meant() -> None:
-    def fn() -> None:
-        pass
+def test_a_mistyped_option_is_refused_before_fn_is_called() -> None:
+    calls: list[dict[str, object]] = []
 
-    with pytest.raises(TypeError, match="unexpected keyword argument 'min_tme'") as caught:
-        dk.benchmark(fn, min_tme=1)
-    assert caught.value.__notes__ == [
-        "devicekit: benchmark() passes keywords it does not know to fn, and fn was given "
-        "min_tme (did you mean min_time?)"
-    ]
+    def step(**kwargs: object) -> None:  # would take the typo and run with the default max_time
+        calls.append(kwargs)
+
+    with pytest.raises(TypeError) as caught:
+        dk.benchmark(step, max_tme=0.1)
+    assert str(caught.value) == (
+        "benchmark() got max_tme (did you mean max_time?): it passes keywords it does not "
+        "know to fn, but not one this close to its own, which fn would take for its own; if "
+        "fn does take max_tme, bind it first: benchmark(functools.partial(fn, max_tme=...)) "
+        "or benchmark(lambda: fn(max_tme=...))"
+    )
+    assert calls == []  # refused before any call, not after a run with the default max_time
+    a = torch.ones(2, 2)
+    with pytest.raises(TypeError, match=r"^benchmark\(\) got maxtime \(did you mean max_time\?\)"):
+        dk.benchmark(torch.matmul, a, a, maxtime=0.1)  # not matmul's "unexpected keyword"
+    # The way the message gives, for an fn that does take such a keyword:
+    dk.benchmark(functools.partial(step, max_tme=1), min_time=0, max_time=0.05)
+    assert calls[-1] == {"max_tme": 1}
 
 
 def test_keywords_for_fn_still_reach_it() -> None:
@@ -764,3 +777,44 @@ def test_from_times_refuses_what_no_clock_reads(times: list[float], message: str
     # A NaN would print as "median ?" and compare as "nanx faster"; none would be an IndexError.
     with pytest.raises(ValueError, match=message):
         measurement(times)
+
+
+def test_from_times_needs_only_the_times() -> None:
+    m = dk.Measurement.from_times([0.010, 0.011, 0.012, 0.011, 0.013, 0.011, 0.010])
+    assert (m.name, m.mode, m.stop_reason, m.host_times, m.host_median) == (
+        "times",
+        "warm",
+        "given",
+        (),
+        None,
+    )
+    assert m.conditions == dk.Conditions(device="unknown")  # every piece of evidence None
+    assert m.warmup is m.clock_floor is m.energy_per_call is None
+    assert dk.Measurement.from_dict(m.to_dict(times=True)) == m
+    with pytest.raises(ValueError, match=r"^times\[1\] is nan: every time must be"):
+        dk.Measurement.from_times([1.0, float("nan")])
+
+
+def _timing_page() -> str:
+    return (Path(__file__).parent.parent / "docs" / "timing.md").read_text(encoding="utf-8")
+
+
+def test_timing_pages_from_times_examples_run_as_written() -> None:
+    page = _timing_page()
+    blocks = [b for b in re.findall(r"```text\n(.*?)```", page, re.S) if "from_times(" in b]
+    assert blocks
+    for block in blocks:
+        test = doctest.DocTestParser().get_doctest(block, {"dk": dk}, "timing.md", None, 0)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        assert runner.run(test, out=lambda _: None).failed == 0, block
+
+
+def test_timing_page_shows_the_clock_floor_notes_the_code_writes() -> None:
+    page = _timing_page()
+    for floor in (60e-9, 70e-9):  # the page's example, and its "as much as" case
+        m = dk.Measurement.from_times(
+            [70e-9] * 10, name="<lambda>", conditions=dk.Conditions(device="cpu"), clock_floor=floor
+        )
+        (note,) = [n for n in m.notes if n.startswith("at the clock's floor")]
+        reads = note.partition("reads ")[2].partition("; ")[0]
+        assert reads in " ".join(page.split()), reads  # as the page wraps it
