@@ -20,6 +20,8 @@ Nothing of this runs when the load succeeds.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import io
 import os
 import pickle
@@ -30,7 +32,7 @@ import torch
 
 from ._devices import DeviceLike, resolve_device, try_gpu
 from ._errors import CheckpointError
-from ._format import first_line, shorten
+from ._format import close_match, first_line, shorten
 from ._frames import is_user
 from ._options import check_path
 
@@ -90,9 +92,11 @@ def load(
 
     Raises:
         TypeError: ``path`` is neither a path nor a binary file (or is a
-            file opened in text mode), both ``device`` and ``map_location``
-            were given, ``map_location`` is of no type torch takes, or
-            ``weights_only`` is not True, False or None.
+            file opened in text mode), a keyword is one neither ``torch.load``
+            nor its unpickler takes (a typo such as ``maplocation``), both
+            ``device`` and ``map_location`` were given, ``map_location`` is
+            of no type torch takes, or ``weights_only`` is not True, False or
+            None.
         DeviceNotFoundError: This torch build or machine has no such device.
         CheckpointError: The file is not one ``torch.save`` wrote (empty,
             another format), or is one cut short or damaged; the message says
@@ -122,6 +126,7 @@ legacy format). Check the path
             "path is a file opened in text mode, but a checkpoint is binary; "
             "open it with open(path, 'rb'), or pass the path itself"
         )
+    _check_keywords(kwargs)
     map_location = _map_location(device, kwargs.pop("map_location", None))
     weights_only = kwargs.setdefault("weights_only", True)
     if weights_only is not None and not isinstance(weights_only, bool):
@@ -147,6 +152,50 @@ legacy format). Check the path
             raise  # torch's own message says it best (weights_only refusals, device errors)
         message = f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
         raise CheckpointError(message) from error
+
+
+# The pickle module's load() and Unpickler take these; torch.load passes them on.
+_PICKLE_KEYWORDS = ("encoding", "errors", "fix_imports", "buffers")
+
+
+@functools.cache
+def _keywords() -> tuple[str, ...]:
+    """The keywords ``load()`` passes on: this torch.load's own, and the pickle's."""
+    parameters = inspect.signature(torch.load).parameters.values()
+    own = [
+        p.name
+        for p in parameters
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "f"
+    ]
+    return (*own, *_PICKLE_KEYWORDS)
+
+
+def _check_keywords(kwargs: dict[str, Any]) -> None:
+    """Refuse, before the file is read, a keyword neither torch.load nor its unpickler takes.
+
+    Torch would pass it to the unpickler, whose ``TypeError`` names neither
+    ``load`` nor the keyword meant. A ``pickle_module`` of the caller's own
+    may take keywords of its own, so then every keyword goes through.
+
+    Examples:
+        >>> _check_keywords({"maplocation": "cpu"})
+        Traceback (most recent call last):
+        ...
+        TypeError: load() got an unexpected keyword argument 'maplocation'; did you mean \
+map_location? ...
+    """
+    if kwargs.get("pickle_module") not in (None, pickle):
+        return
+    known = ("device", *_keywords())
+    for key in kwargs:
+        if key in known:
+            continue
+        match = close_match(key, known)
+        fix = f"did you mean {match}?" if match else "check the spelling."
+        raise TypeError(
+            f"load() got an unexpected keyword argument {key!r}; {fix} load() takes "
+            f"{', '.join(known)}"
+        )
 
 
 def _map_location(device: DeviceLike | None, given: object) -> Any:

@@ -462,6 +462,13 @@ def _pick(
         check_number(
             max_utilization, name="max_utilization", at_least=0, at_most=100, meaning="percent"
         )
+        if 0 < max_utilization < 1:  # a fraction (0.5 for half) read as a percentage
+            raise ValueError(
+                f"max_utilization is a percentage from 0 to 100, got {max_utilization!r}: "
+                f"{max_utilization:g} % is below NVML's whole-percent resolution, so it means "
+                f"idle GPUs only. For {max_utilization * 100:g} %, write {max_utilization * 100:g} "
+                "(0 stays allowed: idle GPUs only)"
+            )
     seconds = _check_wait(wait)
     check_flag(claim, name="claim")
     if claim:
@@ -518,7 +525,10 @@ def pick_gpu(
     Args:
         min_free_memory: Bytes that must be free (a GPU whose free memory is
             unknown does not qualify).
-        max_utilization: Highest acceptable utilization, in percent.
+        max_utilization: Highest acceptable utilization, a percentage from 0
+            to 100 (``50`` for half; NVML reports whole percents). ``0`` means
+            idle GPUs only; a fraction between 0 and 1 (``0.5``) is refused,
+            since it is most likely meant as a share, not a percent.
         exclude: GPUs not to pick: a CUDA device (``1``, ``"cuda:1"``) or a
             list of them. One this process cannot see is ignored, so the same
             call runs on any machine.
@@ -534,7 +544,9 @@ def pick_gpu(
 
     Raises:
         TypeError: ``wait`` is not a number or ``claim`` not a bool.
-        ValueError: ``wait`` is negative, infinite or NaN.
+        ValueError: ``wait`` is negative, infinite or NaN, or
+            ``max_utilization`` is outside 0 to 100 or a fraction between 0
+            and 1 (a percentage is meant: ``50`` for half).
         NotImplementedError: ``claim=True`` on a system without file locks (Windows).
         PermissionError: ``claim=True``, and the directory of claims belongs
             to another user (the message names it).
@@ -595,7 +607,9 @@ def pick_gpus(
         GPUUnavailableError: Fewer than ``n`` GPUs qualify (after ``wait``);
             the message gives the reason each GPU was rejected.
         TypeError: ``wait`` is not a number or ``claim`` not a bool.
-        ValueError: ``wait`` is negative, infinite or NaN.
+        ValueError: ``wait`` is negative, infinite or NaN, or
+            ``max_utilization`` is outside 0 to 100 or a fraction between 0
+            and 1 (a percentage is meant: ``50`` for half).
         NotImplementedError: ``claim=True`` on a system without file locks (Windows).
         PermissionError: As for [`pick_gpu()`][devicekit.pick_gpu].
         OSError: As for [`pick_gpu()`][devicekit.pick_gpu]; no GPU stays

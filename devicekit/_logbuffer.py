@@ -26,7 +26,7 @@ import torch
 from ._callbacks import checked_sinks
 from ._dist import initialized
 from ._errors import RanksDisagreeError, add_note
-from ._format import html_table, plural, shorten
+from ._format import close_match, html_table, plural, shorten
 from ._logflush import (
     HOST_TENSORS,
     HOST_VALUES,
@@ -299,13 +299,42 @@ class LogBuffer:
             return [record[key] for record in self._history if key in record]
 
     def mean(self, key: str, *, last: int | None = None) -> float:
-        """The mean of ``key`` over the history, or over its ``last`` values (NaN propagates)."""
+        """The mean of ``key`` over the history, or over its ``last`` values (NaN propagates).
+
+        Raises:
+            KeyError: No value of ``key`` has reached the host; the message
+                names the keys recorded and the one ``key`` likely misspells.
+
+        Examples:
+            >>> import devicekit as dk
+            >>> with dk.LogBuffer() as logs:
+            ...     logs.log(0, loss=0.5)
+            >>> logs.mean("los")
+            Traceback (most recent call last):
+            ...
+            KeyError: "no value of 'los' has been recorded yet (keys recorded: 'loss'); did you \
+mean 'loss'?"
+        """
         values = self.values(key)
         if last is not None:  # a negative slice would drop the *first* values instead
             values = values[-check_count(last, name="last", minimum=1) :]
         if not values:
-            raise KeyError(f"no value of {key!r} has been recorded yet")
+            raise KeyError(self._unknown(key))
         return sum(values) / len(values)
+
+    def _unknown(self, key: str) -> str:
+        """Why ``key`` has no value: the keys recorded, the one meant, a pending flush."""
+        with self._lock:
+            known = list(dict.fromkeys(k for record in self._history for k in record))
+        known = [k for k in known if k != "step"]
+        match = close_match(key, known)
+        keys = ", ".join(map(repr, known)) if known else "none"
+        message = f"no value of {key!r} has been recorded yet (keys recorded: {keys})"
+        if match:
+            message += f"; did you mean {match!r}?"
+        if self._pending_count():
+            message += "; values logged since the last flush are not recorded yet: call flush()"
+        return message
 
     def __enter__(self) -> LogBuffer:
         return self

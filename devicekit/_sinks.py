@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from ._errors import add_note
 from ._logbuffer import Record
 from ._options import check_flag, check_path
 
@@ -32,14 +33,24 @@ class CSVSink:
     step (``os.replace``); an append that fails (a full disk) is cut back to
     where it began. The records it could not write are kept and written first
     at the next flush. A file that disappears while the run goes on (a log
-    rotation) is started again with the header.
+    rotation) is started again with the header. An error writing the file
+    keeps its type (``except OSError`` still catches it) and gains a note
+    naming the sink and its path: it may surface at a ``log()`` call far from
+    where the sink was made.
 
     Args:
-        path: The file; created (with its folder) on the first flush.
+        path: The file, created on the first flush. Its folder is created
+            when the sink is made, so a folder that cannot be (a typo, no
+            permission) is refused at once, not at the first flush.
         append: What to do with a file already at ``path``: False (the
             default, as ``open(path, "w")``) replaces it at the first flush;
             True keeps its rows and goes on after them (to resume a run), its
             header widened if the new records bring new keys.
+
+    Raises:
+        OSError: The folder of ``path`` cannot be created (the error
+            ``mkdir`` raised, such as ``FileNotFoundError`` or
+            ``PermissionError``, with a message naming ``path``).
 
     Examples:
         >>> import pathlib, tempfile, devicekit as dk
@@ -53,6 +64,19 @@ class CSVSink:
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
         check_path(path, name="path", fix="pass where the CSV file goes, such as 'log.csv'")
         check_flag(append, name="append")
+        folder = Path(path).parent
+        try:  # now, so a folder that cannot be made is refused here, not at a far-off log()
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            why = (
+                "is a file, not a folder"
+                if folder.exists()
+                else f"does not exist and cannot be created ({error.strerror or error})"
+            )
+            raise type(error)(
+                f"CSVSink(path={os.fspath(path)!r}): its folder {str(folder)!r} {why}. Pass a "
+                "path in a folder you can write to, or create the folder first"
+            ) from None
         self.path = Path(path)
         self.append = append
         self.columns: list[str] = []
@@ -71,8 +95,9 @@ class CSVSink:
         if not self._started and self.append:
             try:
                 self.columns, self._newline_first, self._line_end = _existing(self.path)
-            except BaseException:
+            except BaseException as error:
                 self._unwritten = rows
+                self._note(error, rows)
                 raise
             self._started = bool(self.columns)
         new = [
@@ -84,13 +109,23 @@ class CSVSink:
                 self._append(columns, rows)
             else:
                 self._replace(columns, rows)
-        except BaseException:
+        except BaseException as error:
             self._unwritten = rows
+            self._note(error, rows)
             raise
         self._unwritten = []
         self._newline_first = False
         self.columns = columns
         self._started = True
+
+    def _note(self, error: BaseException, rows: list[Record]) -> None:
+        """Name this sink on a write error, which may surface at a distant ``log()``."""
+        if isinstance(error, OSError):
+            add_note(
+                error,
+                f"raised by {self!r} writing {str(self.path)!r}; its {len(rows)} unwritten "
+                "records are kept and written first at its next call",
+            )
 
     def _append(self, columns: list[str], rows: list[Record]) -> None:
         descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)

@@ -4,7 +4,10 @@ Every rank calls dk.job_status() at the start of the job and gets the same
 table. Then DDP trains a small model; its gradient all-reduce makes every
 rank's step take as long as the slowest rank's, so a StragglerDetector times
 what each rank does alone (the forward pass and the loss). Here the last rank
-sleeps 20 ms more per step to play the straggler.
+plays the straggler: it sleeps 30 ms plus three times its own forward pass
+per step, so it stays well past the detector's 1.2x threshold even on a
+loaded machine, where every rank's forward pass slows down. The reports name
+it, and say how long the job waits for it per step.
 
     python examples/job_status.py [ranks]                  # spawns gloo ranks (default 2)
     torchrun --nproc_per_node=2 examples/job_status.py     # or under torchrun, GPUs or not
@@ -37,9 +40,10 @@ def train(device: torch.device) -> None:
     try:
         for _ in range(40):
             with detector.section("forward"):  # what each rank does alone
+                start = time.perf_counter()
                 loss = model(batch).square().mean()
-                if rank == world - 1:
-                    time.sleep(0.02)  # the straggler
+                if rank == world - 1:  # the straggler: a fixed 20 ms would drown in load
+                    time.sleep(0.03 + 3 * (time.perf_counter() - start))
             loss.backward()  # DDP's all-reduce: every rank waits for the slowest here
             optimizer.step()
             optimizer.zero_grad()

@@ -281,3 +281,24 @@ def test_weights_only_must_be_a_bool(tmp_path: Path, weights_only: object) -> No
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
     with pytest.raises(TypeError, match=r"^weights_only must be True, False or None"):
         dk.load(tmp_path / "w.pt", "cpu", weights_only=weights_only)
+
+
+def test_a_misspelt_keyword_names_load_and_the_keyword_meant(tmp_path: Path) -> None:
+    # Before, torch passed it to the unpickler: "Unpickler.__init__() got an unexpected
+    # keyword argument 'maplocation'", naming neither load nor map_location.
+    with pytest.raises(
+        TypeError,
+        match=r"^load\(\) got an unexpected keyword argument 'maplocation'; did you mean "
+        r"map_location\?",
+    ):
+        dk.load(tmp_path / "absent.pt", maplocation="cpu")  # refused before the file is read
+
+
+def test_the_keywords_torch_and_the_unpickler_take_still_pass(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    loaded = dk.load(tmp_path / "w.pt", "cpu", weights_only=False, encoding="latin1", mmap=True)
+    assert loaded["w"].tolist() == [1.0, 1.0]
+    loaded = dk.load(
+        tmp_path / "w.pt", "cpu", weights_only=False, pickle_module=pickle, fix_imports=True
+    )
+    assert loaded["w"].sum() == 2

@@ -559,13 +559,26 @@ def test_after_cuda_starts_in_a_scope_gpu0_is_torchs_cuda0() -> None:
         ({"max_utilization": "abc"}, TypeError, "max_utilization must be a finite number >= 0"),
         ({"max_utilization": -1}, ValueError, "and <= 100, got -1 (percent)"),
         ({"max_utilization": 150}, ValueError, "and <= 100, got 150 (percent)"),
+        # Before, 0.5 was taken as 0.5 % (idle GPUs only) when half was meant.
+        (
+            {"max_utilization": 0.5},
+            ValueError,
+            "max_utilization is a percentage from 0 to 100, got 0.5: 0.5 % is below NVML's "
+            "whole-percent resolution, so it means idle GPUs only. For 50 %, write 50 "
+            "(0 stays allowed: idle GPUs only)",
+        ),
     ],
 )
 def test_the_limits_are_checked_on_every_machine(
     nvml_session: Install, options: dict[str, Any], error: type[Exception], text: str
 ) -> None:
     nvml_session(None)  # no GPU at all: still refused, not silently the CPU
-    for pick in (dk.pick_gpu, lambda **o: dk.pick_gpus(1, **o)):
+
+    def claim(**o: Any) -> object:
+        with dk.claim_gpu(**o) as device:
+            return device
+
+    for pick in (dk.pick_gpu, lambda **o: dk.pick_gpus(1, **o), claim):
         with pytest.raises(error) as info:
             pick(**options)
         assert text in str(info.value)

@@ -1347,3 +1347,20 @@ def test_the_repr_of_many_keys_stays_short() -> None:
     assert len(repr(logs)) < 500
     assert "'key8': 8.0 and 1991 more}" in repr(logs)  # step and nine keys
     assert len(logs._repr_html_()) < 5000
+
+
+def test_mean_of_an_unknown_key_names_the_keys_recorded_and_the_one_meant() -> None:
+    # Before: "no value of 'los' has been recorded yet", with no hint of 'loss'.
+    with dk.LogBuffer() as buffer:
+        buffer.log(0, loss=1.0, acc=0.5)
+    with pytest.raises(
+        KeyError, match=r"'los' .*\(keys recorded: 'loss', 'acc'\); did you mean 'loss'\?"
+    ):
+        buffer.mean("los")
+    with pytest.raises(KeyError, match=r"\(keys recorded: 'loss', 'acc'\)\"$"):
+        buffer.mean("lr")  # nothing close: no guess
+    pending = dk.LogBuffer()
+    pending.log(0, loss=1.0)
+    with pytest.raises(KeyError, match=r"\(keys recorded: none\); values logged since the last"):
+        pending.mean("loss")
+    pending.flush()

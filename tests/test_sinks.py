@@ -157,7 +157,7 @@ class _Writer:
 
 
 def test_sink_reprs() -> None:
-    assert repr(dk.CSVSink("runs/log.csv")) == "CSVSink('runs/log.csv')"
+    assert repr(dk.CSVSink("log.csv")) == "CSVSink('log.csv')"
     assert (
         repr(dk.TensorBoardSink(_Writer(), prefix="train/")) == "TensorBoardSink(prefix='train/')"
     )
@@ -296,3 +296,35 @@ def test_append_keeps_the_file_s_line_ends_when_it_widens(tmp_path: Path) -> Non
     sink = dk.CSVSink(path, append=True)
     sink([{"step": 1, "loss": 0.25, "acc": 0.9}])
     assert path.read_bytes() == b"step,loss,acc\n0,0.5,\n1,0.25,0.9\n"
+
+
+def test_a_folder_that_cannot_be_made_is_refused_when_the_sink_is_made(tmp_path: Path) -> None:
+    # Before, it surfaced as a bare FileNotFoundError from a log() call steps later.
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"^CSVSink\(path='/proc/nope/x.csv'\): its folder '/proc/nope' does not exist and "
+        r"cannot be created \(No such file or directory\)\. Pass a path in a folder",
+    ):
+        dk.CSVSink("/proc/nope/x.csv")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match=r"its folder '.*file' is a file, not a folder"):
+        dk.CSVSink(tmp_path / "file" / "x.csv")
+    dk.CSVSink(tmp_path / "runs" / "a" / "log.csv")
+    assert (tmp_path / "runs" / "a").is_dir()  # made now, so the first flush cannot fail on it
+
+
+def test_a_write_error_names_the_sink_and_keeps_its_type_and_rows(tmp_path: Path) -> None:
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    sink = dk.CSVSink(folder / "train.csv")
+    buffer = dk.LogBuffer(sinks=[sink])
+    _logged(buffer, range(3))
+    (folder / "train.csv").unlink()
+    folder.rmdir()  # removed mid-run: the next write cannot open the file
+    with pytest.raises(FileNotFoundError) as caught:
+        _logged(buffer, range(3, 5))
+    notes = getattr(caught.value, "__notes__", [])
+    assert any(f"raised by {sink!r} writing {str(folder / 'train.csv')!r}" in n for n in notes)
+    folder.mkdir()
+    _logged(buffer, range(5, 6))
+    assert [int(row[0]) for row in read_rows(folder / "train.csv")[1:]] == [3, 4, 5]
