@@ -991,9 +991,25 @@ def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from devicekit import _logflush
+    from devicekit._dist import gloo_lets_go
 
-    real_backend, real_on_cuda = dist.get_backend, _logflush._on_cuda
+    real_backend, real_on_cuda, real_all_reduce = (
+        dist.get_backend,
+        _logflush._on_cuda,
+        dist.all_reduce,
+    )
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("async_op"):  # devicekit's own gloo path waits for the worker itself
+            return real_all_reduce(tensor, *args, **kwargs)
+        # The NCCL path, run here on gloo: NCCL's watchdog lets go of the tensor at
+        # destroy_process_group, but gloo's worker lets go just after the collective,
+        # and at exit that aborts the rank (gloo_lets_go says why). Wait for it here.
+        with gloo_lets_go(tensor):
+            return real_all_reduce(tensor, *args, **kwargs)
+
     dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    dist.all_reduce = all_reduce
     _logflush._on_cuda = lambda value: isinstance(value, torch.Tensor)  # type: ignore[assignment]
     try:
         results: dict[str, Any] = {}
@@ -1010,6 +1026,7 @@ def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
         return results
     finally:
         dist.get_backend = real_backend  # type: ignore[assignment]
+        dist.all_reduce = real_all_reduce
         _logflush._on_cuda = real_on_cuda  # type: ignore[assignment]
 
 
