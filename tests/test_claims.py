@@ -8,7 +8,6 @@ GPU is touched. The lock directory is a temporary DEVICEKIT_CLAIMS_DIR per test.
 from __future__ import annotations
 
 import errno
-import json
 import multiprocessing
 import os
 import select
@@ -30,7 +29,7 @@ import torch
 import devicekit as dk
 from devicekit import _claims
 
-from .conftest import CTRL_C_WORKS
+from .conftest import CTRL_C_WORKS, run_python
 from .fake_pynvml import FakeGPU, FakeNVML
 
 Install = Callable[[Any], None]
@@ -344,17 +343,7 @@ def test_another_users_job_is_told_what_to_do(tmp_path: Path) -> None:
             print(json.dumps(str(error)))
         """
     )
-    env = {**os.environ, _claims.DIR_VAR: str(private / "claims")}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=TIMEOUT,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    message = json.loads(result.stdout.splitlines()[-1])
+    message = run_python(code, env={_claims.DIR_VAR: str(private / "claims")}, timeout=TIMEOUT)
     assert "claim=True cannot create the directory of GPU claims" in message
     assert "Permission denied; set DEVICEKIT_CLAIMS_DIR" in message
 

@@ -335,6 +335,23 @@ def test_an_fn_that_cannot_be_unpickled_in_a_worker_is_named() -> None:
     assert "in _fail_to_load" in message  # the worker's traceback
 
 
+def _run_in_repo(
+    script: str, *, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``python -c`` from the repository (its functions importable there)."""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 def test_an_fn_defined_in_python_c_is_named_as_not_importable() -> None:
     # What a notebook or `python -c` gives: fn pickles by reference to __main__,
     # which a spawned worker cannot import.
@@ -349,15 +366,7 @@ def test_an_fn_defined_in_python_c_is_named_as_not_importable() -> None:
             print(str(error).splitlines()[0])
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_in_repo(script)
     assert result.stdout.startswith(
         "gpu_map: fn could not be unpickled in worker 1 on the CPU: AttributeError: Can't get "
         "attribute 'double' on <module '__main__'"
@@ -440,15 +449,7 @@ def test_a_failure_with_many_items_queued_lets_the_program_exit() -> None:
                 print("caught", str(error).splitlines()[0], flush=True)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_in_repo(script)
     assert result.stdout.startswith("caught gpu_map: fn raised on item 3")
 
 
@@ -704,16 +705,7 @@ def test_an_item_over_its_timeout_stops_every_worker_and_keeps_the_results(tmp_p
         print(json.dumps(out))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "DK_TEST_PIDS": str(tmp_path)},
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_in_repo(script, env={"DK_TEST_PIDS": str(tmp_path)})
     out = json.loads(result.stdout.strip().splitlines()[-1])
     name, is_worker_error, message, index, limit, results, copied, copied_index = out["first"]
     assert (name, is_worker_error, index, limit) == ("WorkerTimeoutError", True, 2, 0.5)
