@@ -47,7 +47,7 @@ from ._findings import no_gpu_reason
 from ._format import format_bytes, format_seconds, plural
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_count, check_flag, check_number, check_seconds
-from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized
+from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized, uuid_matches
 
 __all__ = [
     "gpu",
@@ -253,8 +253,8 @@ def _find(entry: int | str, in_cuda_order: list[PhysicalGPU]) -> _Visible | None
                 if mig_uuid.startswith(entry) or _normalized(mig_uuid) == _normalized(entry):
                     return _Visible(gpu, handle, mig_uuid)
         return None
-    matches = [gpu for gpu in in_cuda_order if (gpu.uuid or "").startswith(entry)]
-    return _Visible(matches[0]) if len(matches) == 1 else None  # ambiguous prefix: no match
+    matches = uuid_matches(entry, [gpu.uuid for gpu in in_cuda_order])
+    return _Visible(in_cuda_order[matches[0]]) if len(matches) == 1 else None  # ambiguous: none
 
 
 def nvml_handle(torch_index: int) -> Any:

@@ -14,9 +14,9 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -34,6 +34,7 @@ __all__ = [
     "read_as",
     "reads_as_written",
     "scoped_env",
+    "uuid_matches",
     "visible_devices",
 ]
 
@@ -363,8 +364,9 @@ def visible_devices(
             ``subprocesses_only`` is not a bool.
         ValueError: An entry is negative, duplicated, malformed, or indices
             and UUIDs are mixed; or, where NVML lists the machine's GPUs, an
-            index is past them, or a ``GPU-`` UUID matches none of them,
-            several (an ambiguous prefix), or the same GPU as another entry.
+            index is past them, or a ``GPU-`` UUID matches none of them (case
+            counts, as in torch), several (an ambiguous prefix), or the same
+            GPU as another entry.
         CUDAInitializedError: CUDA has already started in this process and
             ``subprocesses_only`` is False.
 
@@ -462,12 +464,27 @@ def _check_indices(parsed: list[int | str], devices: object) -> None:
         )
 
 
+def uuid_matches(entry: str, uuids: Sequence[str | None]) -> list[int]:
+    """The positions of the UUIDs that ``entry`` is a prefix of, compared as torch does.
+
+    torch (``torch.cuda.device_count()`` before CUDA starts) and devicekit's
+    own mapping both read ``CUDA_VISIBLE_DEVICES`` UUIDs this way: a prefix, case
+    and all. One match places the entry; none or several stop the list.
+
+    Examples:
+        >>> uuid_matches("GPU-5b", ["GPU-5bd6", "GPU-5bf0", None])
+        [0, 1]
+        >>> uuid_matches("GPU-5BD6", ["GPU-5bd6"])
+        []
+    """
+    return [index for index, uuid in enumerate(uuids) if uuid and uuid.startswith(entry)]
+
+
 def _check_gpu_uuids(parsed: list[int | str], devices: object) -> None:
     """Refuse a ``GPU-`` entry that names no GPU, several, or one another entry names.
 
-    Prefixes are compared without regard to case, so only what no reading of
-    CUDA's rules could place is refused. MIG UUIDs are not checked: drivers
-    name them in two forms, and NVML may list the other one.
+    MIG UUIDs are not checked: drivers name them in two forms, and NVML may
+    list the other one.
     """
     entries = [entry for entry in parsed if isinstance(entry, str) and entry.startswith("GPU-")]
     uuids = [gpu.uuid for gpu in _nvml.physical_gpus()]
@@ -476,13 +493,9 @@ def _check_gpu_uuids(parsed: list[int | str], devices: object) -> None:
     where = f"in visible_devices({devices!r})"
     named: dict[str, str] = {}  # GPU UUID -> the entry that names it
     for entry in entries:
-        matches = [uuid for uuid in uuids if uuid and uuid.lower().startswith(entry.lower())]
+        matches = [uuids[index] or "" for index in uuid_matches(entry, uuids)]
         if not matches:
-            have = ", ".join(uuid for uuid in uuids if uuid) or "none"
-            raise ValueError(
-                f"entry {entry!r} {where} is the UUID of no GPU on this machine (it has "
-                f"{have}), and {_STOPS}; copy the UUID from nvidia-smi -L"
-            )
+            _refuse_unmatched(entry, where, [uuid for uuid in uuids if uuid])
         if len(matches) > 1:
             raise ValueError(
                 f"entry {entry!r} {where} starts the UUIDs of {len(matches)} GPUs "
@@ -495,6 +508,24 @@ def _check_gpu_uuids(parsed: list[int | str], devices: object) -> None:
                 f"and {_DUPLICATE}; list each GPU once"
             )
         named[matches[0]] = entry
+
+
+def _refuse_unmatched(entry: str, where: str, uuids: list[str]) -> NoReturn:
+    folded = [uuid for uuid in uuids if uuid.lower().startswith(entry.lower())]
+    if len(folded) == 1:
+        # torch matches case and all: it would count no GPU here, while the
+        # driver's own count may differ, and a script would quietly use the CPU.
+        written = folded[0][: len(entry)]
+        raise ValueError(
+            f"entry {entry!r} {where} names {folded[0]} only if case is ignored, and torch "
+            f"compares UUIDs case and all, so it would find no GPU there; write {written!r}, "
+            "as nvidia-smi -L prints it"
+        )
+    have = ", ".join(uuids) or "none"
+    raise ValueError(
+        f"entry {entry!r} {where} is the UUID of no GPU on this machine (it has "
+        f"{have}), and {_STOPS}; copy the UUID from nvidia-smi -L"
+    )
 
 
 def _parse_entry(entry: object, devices: object) -> int | str:

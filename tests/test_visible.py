@@ -607,12 +607,34 @@ def test_a_gpu_uuid_that_names_no_gpu_or_several_is_refused_where_nvml_lists_the
 
 
 @pytest.mark.usefixtures("cuda_not_started")
+def test_a_gpu_uuid_in_the_wrong_case_is_refused_with_the_case_nvidia_smi_prints(
+    nvml_session: Callable[[Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml_session(
+        FakeNVML([FakeGPU(_A, bus="00000000:18:00.0"), FakeGPU(_B, bus="00000000:19:00.0")])
+    )
+    message = (
+        r"^entry 'GPU-5BD6A7' in visible_devices\(\['GPU-5BD6A7'\]\) names "
+        r"GPU-5bd6a7e1-0000-0000-0000-000000000000 only if case is ignored, and torch compares "
+        r"UUIDs case and all, so it would find no GPU there; write 'GPU-5bd6a7', as "
+        r"nvidia-smi -L prints it$"
+    )
+    with pytest.raises(ValueError, match=message), dk.visible_devices(["GPU-5BD6A7"]):
+        pytest.fail("the block must not run")
+    # What the check refuses is what the mapping cannot place: one rule for both.
+    monkeypatch.setenv(VAR, "GPU-5BD6A7")
+    assert dk.gpus() == []
+    monkeypatch.setenv(VAR, "GPU-5bd6a7")
+    assert [info.uuid for info in dk.gpus()] == [_A]
+
+
+@pytest.mark.usefixtures("cuda_not_started")
 def test_gpu_uuids_the_machine_has_are_accepted(nvml_session: Callable[[Any], None]) -> None:
     nvml_session(
         FakeNVML([FakeGPU(_A, bus="00000000:18:00.0"), FakeGPU(_B, bus="00000000:19:00.0")])
     )
-    for devices in (["GPU-5bd6f", "GPU-5bd6a"], [_A], ["GPU-5BD6A7E1"], ["MIG-abcd1234"]):
-        with dk.visible_devices(devices) as parsed:  # case aside; MIG UUIDs are not checked
+    for devices in (["GPU-5bd6f", "GPU-5bd6a"], [_A], ["MIG-abcd1234"]):
+        with dk.visible_devices(devices) as parsed:  # MIG UUIDs are not checked
             assert parsed == devices
     nvml_session(FakeNVML([FakeGPU(_A), FakeGPU(None)]))  # type: ignore[arg-type]
     with dk.visible_devices(["GPU-deadbeef"]):  # a GPU of unknown UUID could be the one
