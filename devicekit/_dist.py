@@ -25,6 +25,12 @@ store every process group has) how many job-wide calls it has made and which
 one it is in. When a call fails, every rank reads those notes and names the
 ranks that are not in this call, and where each one is instead. The notes
 are one key per rank, overwritten at each call: nothing accumulates.
+
+After a failure. Gloo closes a group's connections when a collective fails,
+so no later job-wide call of the job can complete. The rank whose call failed
+first writes that down under one more key; every later call, on every rank,
+reads it and raises at once, naming that call, instead of failing after a
+wait with a misleading "a rank crashed".
 """
 
 from __future__ import annotations
@@ -144,6 +150,10 @@ class _Job:
     world: Any = None  # the default group this state belongs to
     group: Any = None  # devicekit's gloo group over every rank, once made
     calls = 0  # job-wide calls this rank has made in this job (its notes in the store)
+    # The call whose collective failed here, in words. Gloo closes a group's
+    # connections when a collective times out, so every later call would fail
+    # too, blaming a crash: it is refused at once, saying why, instead.
+    broken: str | None = None
 
 
 def initialized() -> bool:
@@ -184,23 +194,75 @@ def _this_job() -> None:
 
     world = dist.group.WORLD
     if _Job.world is not world:  # destroyed and made again: a new job, a new group, a new count
-        _Job.world, _Job.group, _Job.calls = world, None, 0
+        _Job.world, _Job.group, _Job.calls, _Job.broken = world, None, 0, None
 
 
 def _arrive(what: str) -> int:
-    """Count this job-wide call, note it in the job's store, and return its number."""
+    """Count this job-wide call, note it in the job's store, and return its number.
+
+    Refused at once when an earlier call of this job failed, here or on
+    another rank (one store read says so): its collective could never complete.
+    """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
     with _Job.lock:
         _this_job()
+        _refuse_if_broken(what)
+    store = _store()
+    elsewhere = _read_broken(store)
+    with _Job.lock:
+        if elsewhere is not None and _Job.broken is None:
+            _Job.broken = elsewhere
+        _refuse_if_broken(what)
         _Job.calls += 1
         call = _Job.calls
-    store = _store()
     if store is not None:
         # Without the note, a failing call names fewer ranks; the call itself goes on.
         with contextlib.suppress(RuntimeError, ValueError, OSError):
             store.set(_key(dist.get_rank()), f"{call}\n{what}")
     return call
+
+
+def _refuse_if_broken(what: str) -> None:
+    """Raise if a job-wide call of this job has failed (call under the lock)."""
+    if _Job.broken is not None:
+        raise RanksOutOfStepError(
+            f"{what}: {_Job.broken}, and gloo closes devicekit's connections between the "
+            "ranks when a call fails, so no later job-wide call can complete in this job. "
+            "Treat the first failure as the end of the job (log it, then exit), as after "
+            "NCCL's own timeout; the failed call's own error says why it failed"
+        )
+
+
+def _read_broken(store: Any) -> str | None:
+    """The job-wide call another rank wrote down as failed, or None (one store round trip)."""
+    if store is None:
+        return None
+    try:
+        if store.check([_BROKEN_KEY]):  # check never waits; get would, for a missing key
+            return bytes(store.get(_BROKEN_KEY)).decode("utf-8", "replace")
+    except (RuntimeError, ValueError, OSError):
+        pass  # the store lives in one rank's process, maybe one that exited: the call goes on
+    return None
+
+
+def _break(call: int, what: str, reason: str, earlier: str | None) -> None:
+    """Remember that this job-wide call failed, and tell the other ranks through the store.
+
+    ``earlier``: another rank's failed call, which this one failed because of:
+    later calls here name that one, the cause.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    broken = f"rank {dist.get_rank()}'s job-wide call #{call}, {what}, failed ({reason})"
+    with _Job.lock:
+        if _Job.broken is None:
+            _Job.broken = earlier or broken
+    store = _store()
+    if store is not None:
+        # The first rank to fail is the one the others name: the rest failed because of it.
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            store.compare_set(_BROKEN_KEY, "", broken)
 
 
 def _store() -> Any:
@@ -217,6 +279,9 @@ def _store() -> Any:
 
 def _key(rank: int) -> str:
     return f"devicekit/call/{rank}"
+
+
+_BROKEN_KEY = "devicekit/broken"
 
 
 def _where_ranks_are(world_size: int) -> dict[int, tuple[int, str] | None] | None:
@@ -251,14 +316,17 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
+    failure: RuntimeError | None = None
     with _Job.lock:
         _this_job()
         if _Job.group is None:
             try:
                 _Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
             except RuntimeError as error:
-                raise _out_of_step(what, timeout, error, call, started) from error
+                failure = error
         group = _Job.group
+    if failure is not None:  # out of the lock: the error notes the failure under it
+        raise _out_of_step(what, timeout, failure, call, started) from failure
     _set_timeout(group, _wait(timeout))
     return group
 
@@ -283,6 +351,10 @@ def _out_of_step(
     me = dist.get_rank()
     waited = time.monotonic() - started
     reason = first_line(error)
+    # Failed early (a closed connection) after another rank's call failed: that failure
+    # closed it. A rank that waited out its own timeout failed on its own account.
+    earlier = _read_broken(_store()) if waited < 0.9 * timeout else None
+    _break(call, what, reason, earlier)
     rule = (
         f"Every rank must call {what} together, the same number of times; a rank that crashed, "
         "hangs, skipped a call or ran fewer steps never arrives."
@@ -300,6 +372,13 @@ def _out_of_step(
             f"{what}: not every rank joined {when} ({reason}). {rule} The job's store, which "
             "would name them, could not be read (it lives in one rank's process, maybe the one "
             "that exited); rank 0's message may name them."
+        )
+    if earlier is not None:  # its failure closed the connections: this call had no chance
+        return RanksOutOfStepError(
+            f"{what}: {earlier}, and gloo closes devicekit's connections between the ranks "
+            "when a call fails, so this call could not complete, nor can any later one in "
+            "this job. Treat the first failure as the end of the job (log it, then exit); "
+            f"that rank's own error says why it failed. (gloo: {reason})"
         )
     missing = {rank: at for rank, at in where.items() if at is None or at[0] != call}
     if not missing:
@@ -441,6 +520,7 @@ def all_reduce(tensor: torch.Tensor, op: Any, *, timeout: float, what: str) -> N
     started = time.monotonic()
     with _Job.lock:
         _this_job()
+        _refuse_if_broken(what)
         call = _Job.calls  # the last gather's: an all_reduce follows one
     group = _group(timeout, what, call, started)
     wait = _wait(timeout)

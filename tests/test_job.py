@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -465,6 +466,32 @@ def _waits_less_than_a_millisecond(rank: int, world: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
+def _behind_after_a_call_that_failed_on_one_rank(rank: int, world: int, folder: str) -> None:
+    """Rank 0 alone makes a call that fails; then every rank makes the next call.
+
+    Gloo closed the group's connections when rank 0's call timed out. Before, the
+    next call failed on every rank blaming a crash ("a rank exited or crashed"),
+    and so did every later one, rank 0's after a collective it could not complete.
+    """
+    dist = _scenario(folder, "behind", rank, world)
+    dk.job_status(timeout=60)
+    if rank == 0:
+        with contextlib.suppress(dk.RanksOutOfStepError):
+            dk.job_status(timeout=0.0004)  # the others never come: it fails on rank 0 alone
+        Path(folder, "behind-failed").touch()
+    else:
+        _wait_for(folder, ["behind-failed"], seconds=30)
+    outcome: dict[str, Any] = {}
+    for attempt in ("next", "later"):
+        try:
+            dk.job_status(timeout=60)
+        except dk.RanksOutOfStepError as error:
+            outcome[attempt] = str(error)
+    _record(folder, "behind", rank, outcome)
+    _wait_for(folder, [f"behind-{r}.json" for r in range(world)])
+    dist.destroy_process_group()
+
+
 def _late_for_a_call_that_asked_for_longer(rank: int, world: int, folder: str) -> None:
     """The group is made with a 1 s timeout; a later 60 s call waits for a rank 3 s late."""
     import time
@@ -489,6 +516,7 @@ def _failing_rank(rank: int, world: int, port: int, folder: str) -> None:
     _never_comes_to_the_first_call(rank, world, folder)
     _raises_in_its_own_part(rank, world, folder)
     _waits_less_than_a_millisecond(rank, world, folder)
+    _behind_after_a_call_that_failed_on_one_rank(rank, world, folder)
     _late_for_a_call_that_asked_for_longer(rank, world, folder)
 
 
@@ -520,5 +548,14 @@ def test_a_rank_that_fails_or_never_comes_is_named_on_every_rank(tmp_path: Path)
     assert tiny[1:] == [{"rank 0 returned": True}] * 2
     assert tiny[0]["error"].startswith("job_status(): ranks 1, 2 did not arrive within 400 µs.")
     assert "rank 2 last entered job-wide call #1, job_status()" in tiny[0]["error"]
-    # 4. Before, rank 0 failed after 1 s, saying "within 60 s".
+    # 4. Before, every later call failed on every rank, blaming a crash, rank 0's only
+    #    after the wait; now each is refused at once, naming the call that failed first.
+    for outcome in outcomes("behind"):
+        for attempt in ("next", "later"):
+            assert outcome[attempt].startswith(
+                "job_status(): rank 0's job-wide call #2, job_status(), failed ([Rank 0]: "
+                "Ranks 1, 2 failed to pass monitoredBarrier in 1 ms)"
+            ), outcome
+            assert "so no later job-wide call can complete in this job" in outcome[attempt]
+    # 5. Before, rank 0 failed after 1 s, saying "within 60 s".
     assert outcomes("longer") == [{"total": 3.0}] * 3
