@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import operator
+import sys
 import threading
 import warnings
 from collections import deque
@@ -85,9 +87,13 @@ class LogBuffer:
     """Collect scalars on the device and bring them to the host in bulk, never per step.
 
     ``log(step, loss=loss, lr=0.1)`` takes 0-d (or one-element) tensors of a
-    real dtype on any real device, and Python numbers. It never synchronizes
+    real dtype on any real device, Python numbers, and numpy's real scalars
+    (read at once: ``np.float32(0.5)``). It never synchronizes
     and launches no kernel: it checks each value, keeps a reference to it
-    (detached, so no autograd graph stays alive), and returns. A flush reads
+    (detached, so no autograd graph stays alive), and returns. A reference,
+    not a copy: a tensor changed in place after ``log()`` (an accumulator,
+    ``total += loss``; a learning rate tensor its scheduler sets) is recorded
+    with its value at the flush; log ``total.clone()``. A flush reads
     the pending values that are already on the host, stacks the others per
     device and dtype, copies each stack to the host in one non-blocking copy
     (into pinned memory on CUDA), and waits for that copy only; the records
@@ -197,7 +203,7 @@ class LogBuffer:
         """Record scalars for one step; ``step`` defaults to the number of earlier ``log`` calls.
 
         Raises:
-            TypeError: A value is not a tensor of a real dtype or a Python number,
+            TypeError: A value is not a tensor of a real dtype or a real number,
                 or ``step`` is not an int.
             ValueError: No value was given; a tensor has more than one element,
                 is sparse or on the ``meta`` device; or an int is too large for
@@ -390,6 +396,30 @@ mean 'loss'?"
             if not (self._pending or self._in_flight or (deliver and self._undelivered)):
                 return
             self._flush(wait=True, reduce=False, deliver=deliver)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Its state, without the lock: for ``copy.deepcopy``, ``pickle`` and ``torch.save``.
+
+        A model that holds a buffer is deep-copied (an EMA copy) or saved whole:
+        the copy gets the records, the pending values, the options and the
+        sinks (copied, as the rest), and is independent of the buffer it came from.
+        """
+        with self._lock:
+            self._complete()  # an in-flight copy holds CUDA events and pinned memory
+            state = self.__dict__.copy()
+            # Even a shallow copy.copy() must not share the lists the buffer appends to.
+            state["_pending"] = list(self._pending)
+            state["_history"] = list(self._history)
+            state["_undelivered"] = deque([records, sink] for records, sink in self._undelivered)
+            state["_keys"] = dict(self._keys)
+            state["sinks"] = list(self.sinks)
+        del state["_lock"]
+        state["_delivering"] = state["_leaving_on_error"] = False  # a sink may make the copy
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     def __del__(self) -> None:
         # Values dropped with the buffer are lost: say so, as Python does for an unclosed file.
@@ -622,18 +652,34 @@ def _checked(key: str, value: Any) -> Any:
         if value.requires_grad:
             value = value.detach()
         return value.reshape(()) if value.ndim else value  # a view: no kernel
-    if isinstance(value, (int, float)):  # bool and int subclasses included
+    if isinstance(value, (int, float)) or _is_real(value):  # bool and int subclasses included
         try:
-            return float(value)
+            return float(value)  # now: a numpy scalar is exact as a float64
         except OverflowError:
-            raise ValueError(
-                f"LogBuffer.log({key}=...) got an int of {int(value).bit_length()} bits, too large "
-                "for a float64 (1024 bits at most); log it scaled"
-            ) from None
+            what = (
+                f"an int of {int(value).bit_length()} bits, too large for a float64 (1024 bits "
+                "at most)"
+                if isinstance(value, int)
+                else f"a {type(value).__name__} too large for a float64"
+            )
+            raise ValueError(f"LogBuffer.log({key}=...) got {what}; log it scaled") from None
     raise TypeError(
         f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got {type(value).__name__}"
         + ("; log float(value)" if hasattr(value, "__float__") else "")
     )
+
+
+def _is_real(value: object) -> bool:
+    """A real number that is not a Python one: numpy's scalars (bool_ too), a Fraction.
+
+    ``numbers.Real`` is what they register as; numpy's ``bool_`` registers as
+    nothing. A Decimal is not a ``numbers.Real`` (nor is ``float()`` of one
+    checked: a huge one becomes inf), and stays refused.
+    """
+    if isinstance(value, numbers.Real):
+        return True
+    numpy = sys.modules.get("numpy")  # a numpy value exists: numpy is imported
+    return numpy is not None and isinstance(value, numpy.bool_)
 
 
 def _on_device(value: Any) -> bool:

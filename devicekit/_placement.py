@@ -24,17 +24,19 @@ from ._devices import (
     try_all_gpus,
     try_gpu,
 )
+from ._errors import add_note
 from ._format import qualified_name
 from ._options import check_flag
 from ._rebuild import (
     rebuild_dataclass,
     rebuild_list_subclass,
     rebuild_mapping,
+    rebuild_record,
     rebuild_sequence,
     rebuild_set,
     rebuild_tuple,
 )
-from ._tree import describe_cycle, is_dataclass_instance
+from ._tree import describe_cycle, is_dataclass_instance, is_record, iter_tensors
 
 __all__ = ["data_parallel", "to_device"]
 
@@ -193,6 +195,8 @@ class _Mover:
             return self.container(obj, rebuild_set)
         if is_dataclass_instance(obj):
             return self.container(obj, rebuild_dataclass)
+        if is_record(obj):  # a SimpleNamespace, an attrs instance, a pydantic model
+            return self.container(obj, rebuild_record)
         return obj
 
     def keep(self, obj: Any) -> None:
@@ -381,7 +385,22 @@ def _is_field(cls: type, name: str) -> bool:
 
 
 def _call_to(mover: _Mover, obj: Any) -> Any:
-    return _returned(mover, obj, obj.to(mover.device))
+    try:
+        moved = obj.to(mover.device)
+    except RecursionError:
+        raise  # the walk is too deep: to_device says so
+    except Exception as error:
+        # The traceback ends in the user's own .to(), far from the to_device() call.
+        cls = type(obj)
+        add_note(
+            error,
+            f"devicekit: to_device() moves a {qualified_name(cls)} by calling its own "
+            f".to({str(mover.device)!r}), which raised this. If {cls.__qualname__}.to() takes "
+            "other arguments or means something else (a unit conversion), move its tensors "
+            "yourself, or give it a .to(device) that moves them and returns the result.",
+        )
+        raise
+    return _returned(mover, obj, moved)
 
 
 def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
@@ -531,9 +550,13 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         # One tensor, the most common call: no walk, no mover. The same policy.
         if obj.device == target:  # type: ignore[attr-defined]
             return obj
-        if target is _CPU or target is _META_DEVICE:  # no keyword for torch to parse
-            return obj.to(target)  # type: ignore[attr-defined,no-any-return]
-        return obj.to(target, non_blocking=True)  # type: ignore[attr-defined,no-any-return]
+        try:  # free unless it raises (Python 3.11+)
+            if target is _CPU or target is _META_DEVICE:  # no keyword for torch to parse
+                return obj.to(target)  # type: ignore[attr-defined,no-any-return]
+            return obj.to(target, non_blocking=True)  # type: ignore[attr-defined,no-any-return]
+        except NotImplementedError as error:
+            _explain_meta(error, obj, target)
+            raise
     if non_blocking is not None:
         check_flag(non_blocking, name="non_blocking")
     mover = _borrow(target, non_blocking)
@@ -548,11 +571,31 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     except RecursionError:
         # Counting the depth in the walk would cost every call; Python counts it anyway.
         raise RecursionError(_too_deep()) from None
+    except NotImplementedError as error:
+        _explain_meta(error, obj, target)
+        raise
     finally:
         mover.finish()
     if returned_none is not None:
         _warn_returned_none(returned_none)
     return result  # type: ignore[no-any-return]
+
+
+def _explain_meta(error: NotImplementedError, obj: object, target: torch.device) -> None:
+    """Name the meta tensor behind torch's "Cannot copy out of meta tensor", and the fix."""
+    if "meta tensor" not in str(error):
+        return
+    try:
+        path = next((p for p, t in iter_tensors(obj, "obj") if t.is_meta), "a tensor in obj")
+    except Exception:  # noqa: BLE001 - a structure iter_tensors cannot walk: say less
+        path = "a tensor in obj"
+    add_note(
+        error,
+        f"devicekit: to_device(obj, {str(target)!r}) cannot move {path}: it is on the meta "
+        f"device, which holds no values to copy. Make it again on {str(target)!r}; for a "
+        f"model built on meta, call model.to_empty(device={str(target)!r}), then load its "
+        "weights.",
+    )
 
 
 def _too_deep() -> str:

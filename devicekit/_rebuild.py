@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
 from typing import Any, Protocol
 
 from ._format import first_line, qualified_name, shorten
-from ._tree import is_dataclass_instance
+from ._tree import is_dataclass_instance, record_fields
 
 __all__ = [
     "Walk",
@@ -37,6 +37,7 @@ __all__ = [
     "rebuild_dataclass",
     "rebuild_list_subclass",
     "rebuild_mapping",
+    "rebuild_record",
     "rebuild_sequence",
     "rebuild_set",
     "rebuild_tuple",
@@ -318,6 +319,32 @@ def _replace_fields(walk: Walk, result: Any, obj: Any) -> None:
             object.__setattr__(result, name, walk.move(value))
 
 
+def rebuild_record(walk: Walk, obj: Any) -> Any:
+    """A ``SimpleNamespace``, ``attrs`` instance or pydantic model: a copy, every field moved.
+
+    As a dataclass is: a shallow copy (its class's own way: ``attrs`` slotted
+    classes and pydantic models say how), each value set with
+    ``object.__setattr__`` (frozen classes too; no validator or converter runs
+    again), cached properties dropped. A pydantic model's extra values go back
+    into its copy's ``__pydantic_extra__``, and its fields-set record is the
+    input's (``model_dump(exclude_unset=True)`` gives the same keys).
+    """
+    result = _own_copy(obj, unshare=False)
+    values = record_fields(obj)
+    walk.keep(values)  # a property may build its value at each read
+    extra = getattr(result, "__pydantic_extra__", None)
+    for name, value in values:
+        moved = walk.move(value)
+        if moved is value:
+            continue
+        if extra is not None and name in extra:
+            extra[name] = moved  # the copy's own dict: pydantic's __copy__ copies it
+        else:
+            object.__setattr__(result, name, moved)
+    forget_cached_properties(result)
+    return result
+
+
 def _own_copy(obj: Any, *, unshare: bool) -> Any:
     """A shallow copy of ``obj``, never ``obj`` itself, that ``to_device`` may write into.
 
@@ -379,7 +406,19 @@ _COPY_HOOKS = frozenset(
 # ModelOutput's) say how that class is copied. (A deque's __copy__ calls a
 # subclass's __init__ with the items, whatever its signature.)
 _PLAIN = frozenset(
-    {object, dict, list, set, frozenset, tuple, OrderedDict, defaultdict, Counter, deque}
+    {
+        object,
+        dict,
+        list,
+        set,
+        frozenset,
+        tuple,
+        OrderedDict,
+        defaultdict,
+        Counter,
+        deque,
+        types.SimpleNamespace,  # its __reduce__ calls a subclass's __init__ with no arguments
+    }
 )
 _own_way: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 

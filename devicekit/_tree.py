@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import sys
+import types
 from collections.abc import Iterator, Mapping, MutableSequence
 from typing import Any, cast
 
 import torch
 
-__all__ = ["children", "describe_cycle", "is_namedtuple", "iter_leaves", "iter_tensors"]
+__all__ = [
+    "children",
+    "describe_cycle",
+    "is_namedtuple",
+    "is_record",
+    "iter_leaves",
+    "iter_tensors",
+    "record_fields",
+]
 
 
 def is_namedtuple(obj: object) -> bool:
@@ -26,6 +36,48 @@ def is_namedtuple(obj: object) -> bool:
 def is_dataclass_instance(obj: object) -> bool:
     """True for dataclass instances (not for dataclass types)."""
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def is_record(obj: object) -> bool:
+    """True for the records other than dataclasses that hold values by name.
+
+    A ``types.SimpleNamespace``, an ``attrs`` class instance, a pydantic (v2)
+    model: checked by their marks (``__attrs_attrs__``, ``__pydantic_fields__``),
+    so that neither library is imported here.
+    """
+    if isinstance(obj, types.SimpleNamespace):
+        return True
+    cls = type(obj)
+    if isinstance(getattr(cls, "__attrs_attrs__", None), tuple):
+        return True
+    return isinstance(getattr(cls, "__pydantic_fields__", None), dict) and _is_pydantic(obj)
+
+
+def _is_pydantic(obj: object) -> bool:
+    pydantic = sys.modules.get("pydantic")  # a model exists: pydantic is imported
+    return pydantic is not None and isinstance(obj, pydantic.BaseModel)
+
+
+def record_fields(obj: object) -> list[tuple[str, Any]]:
+    """A record's values by name: its fields (those set), or a namespace's attributes.
+
+    For a dataclass or an ``attrs`` class, every field, ``init=False`` ones
+    too; for a pydantic model, its fields then its extra values (with
+    ``extra="allow"``). A field with no value yet is left out.
+    """
+    if isinstance(obj, types.SimpleNamespace):
+        return list(vars(obj).items())
+    missing = object()
+    names: list[str]
+    if dataclasses.is_dataclass(obj):
+        names = [field.name for field in dataclasses.fields(obj)]
+    elif isinstance(getattr(type(obj), "__attrs_attrs__", None), tuple):
+        names = [attribute.name for attribute in type(obj).__attrs_attrs__]  # type: ignore[attr-defined]
+    else:  # pydantic
+        names = list(type(obj).__pydantic_fields__)  # type: ignore[attr-defined]
+        names += list(getattr(obj, "__pydantic_extra__", None) or ())
+    values = ((name, getattr(obj, name, missing)) for name in names)
+    return [(name, value) for name, value in values if value is not missing]
 
 
 def children(obj: object) -> list[tuple[str, Any]] | None:
@@ -44,10 +96,8 @@ def children(obj: object) -> list[tuple[str, Any]] | None:
         return [(f"[{index}]", value) for index, value in enumerate(obj)]
     if isinstance(obj, (set, frozenset)):
         return [(f"{{{index}}}", value) for index, value in enumerate(obj)]
-    if is_dataclass_instance(obj):
-        missing = object()
-        fields = ((f.name, getattr(obj, f.name, missing)) for f in dataclasses.fields(obj))  # type: ignore[arg-type]
-        return [(f".{name}", value) for name, value in fields if value is not missing]
+    if is_dataclass_instance(obj) or is_record(obj):
+        return [(f".{name}", value) for name, value in record_fields(obj)]
     return None
 
 

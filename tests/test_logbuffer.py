@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import copy
+import decimal
+import fractions
 import gc
 import json
 import math
+import pickle
 import socket
 import statistics
 import sys
@@ -179,6 +183,8 @@ def _sparse_scalar() -> torch.Tensor:
         (torch.tensor(1.0, device="meta"), ValueError, r"on the meta device, which holds no"),
         (torch.ones(1, device="meta"), ValueError, r"on the meta device"),
         (10**400, ValueError, r"an int of 1329 bits, too large for a float64"),
+        (decimal.Decimal("1e400"), TypeError, r"got Decimal; log float\(value\)"),
+        (fractions.Fraction(10**400), ValueError, r"got a Fraction too large for a float64"),
     ],
     ids=[
         "vector",
@@ -191,6 +197,8 @@ def _sparse_scalar() -> torch.Tensor:
         "meta",
         "meta-1d",
         "huge-int",
+        "decimal",
+        "huge-fraction",
     ],
 )
 def test_bad_values_are_refused_by_the_log_call_that_passes_them(
@@ -205,6 +213,24 @@ def test_bad_values_are_refused_by_the_log_call_that_passes_them(
     buffer.flush()
     assert buffer.values("loss") == [1.0, 0.0, 1.0, 2.0, 3.0, 4.0]  # the refused call: nothing
     assert "bad" not in buffer._keys
+
+
+def test_numpy_scalars_and_fractions_are_read_when_logged() -> None:
+    np = pytest.importorskip("numpy")
+    value = np.float32(0.1)
+    with dk.LogBuffer() as buffer:
+        buffer.log(
+            a=value,
+            b=np.int64(2**53 + 1),
+            c=np.bool_(True),
+            d=fractions.Fraction(1, 4),
+            e=np.uint8(7),
+        )
+    # Exactly as float() reads each: np.float32(0.1) is not 0.1, and 2**53 + 1 rounds.
+    assert buffer.history == [
+        {"step": 0, "a": float(value), "b": float(2**53), "c": 1.0, "d": 0.25, "e": 7.0}
+    ]
+    assert type(buffer.history[0]["a"]) is float
 
 
 def test_a_refused_value_in_a_tensor_subclass_is_refused_too() -> None:
@@ -1381,3 +1407,25 @@ def test_mean_of_an_unknown_key_names_the_keys_recorded_and_the_one_meant() -> N
     with pytest.raises(KeyError, match=r"\(keys recorded: none\); values logged since the last"):
         pending.mean("loss")
     pending.flush()
+
+
+def test_a_buffer_is_copied_and_pickled_with_its_records_and_pending_values() -> None:
+    # A model holding a buffer is deep-copied (an EMA copy) or saved whole.
+    model = torch.nn.Linear(1, 1)
+    model.logs = dk.LogBuffer(flush_every=3)  # type: ignore[assignment]
+    buffer: dk.LogBuffer = model.logs  # type: ignore[assignment]
+    for step in range(4):  # three recorded, one pending
+        buffer.log(step, loss=torch.tensor(float(step), requires_grad=True))
+    copies = [
+        copy.deepcopy(model).logs,
+        pickle.loads(pickle.dumps(buffer)),
+        copy.copy(buffer),
+    ]
+    for other in copies:
+        assert other.flush_every == 3
+        assert other is not buffer
+        other.log(4, loss=4.0)
+        other.flush()
+        assert other.values("loss") == [0.0, 1.0, 2.0, 3.0, 4.0]
+    buffer.flush()  # the original is independent of its copies, and still works
+    assert buffer.values("loss") == [0.0, 1.0, 2.0, 3.0]

@@ -194,6 +194,87 @@ def test_modules_are_moved_in_place() -> None:
     assert on(META, model.weight)
 
 
+class Namespace(types.SimpleNamespace):
+    def __init__(self, required: str, **values: Any) -> None:  # not what copying calls
+        super().__init__(required=required, **values)
+
+
+def test_simple_namespaces_are_copied_with_every_attribute_moved() -> None:
+    shared = torch.ones(1)
+    batch = types.SimpleNamespace(x=shared, y=shared, label="a", nested=[torch.zeros(1)])
+    moved = dk.to_device(batch, META)
+    assert type(moved) is types.SimpleNamespace
+    assert on(META, moved.x)
+    assert moved.y is moved.x
+    assert moved.label == "a"
+    assert on(META, moved.nested[0])
+    assert batch.x is shared
+    assert on("cpu", batch.nested[0])
+    own = dk.to_device(Namespace("r", t=torch.ones(1)), META)
+    assert type(own) is Namespace
+    assert own.required == "r"
+    assert on(META, own.t)
+    assert "batch.x: cpu" in _mismatch(batch=batch, other=moved)  # assert_same_device looks in
+
+
+def _mismatch(**named: Any) -> str:
+    with pytest.raises(dk.DeviceMismatchError) as raised:
+        dk.assert_same_device(**named)
+    return str(raised.value)
+
+
+def test_attrs_instances_move_every_attribute() -> None:
+    attrs = pytest.importorskip("attrs")
+
+    @attrs.frozen
+    class Frozen:
+        x: torch.Tensor
+        y: int = 1
+        z: torch.Tensor = attrs.field(init=False, factory=lambda: torch.zeros(1))
+
+    @attrs.define(slots=False)
+    class Cached:
+        x: torch.Tensor
+
+        @functools.cached_property
+        def double(self) -> torch.Tensor:
+            return self.x * 2
+
+    frozen = Frozen(torch.ones(1))
+    moved = dk.to_device({"batch": frozen}, META)["batch"]
+    assert type(moved) is Frozen
+    assert moved.y == 1
+    assert on(META, moved.x)
+    assert on(META, moved.z)
+    assert on("cpu", frozen.x)
+    assert on("cpu", frozen.z)
+    cached = Cached(torch.ones(1))
+    assert on("cpu", cached.double)
+    assert on(META, dk.to_device(cached, META).double)  # computed again from the moved x
+
+
+def test_pydantic_models_move_fields_and_extras_and_keep_what_was_set() -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Model(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(arbitrary_types_allowed=True, extra="allow", frozen=True)
+        x: torch.Tensor
+        n: int = 2
+        mask: torch.Tensor | None = None
+
+    model = Model(x=torch.ones(1), mask=None, extra_tensor=torch.zeros(1))
+    moved = dk.to_device([model], META)[0]
+    assert type(moved) is Model
+    assert moved.n == 2
+    assert moved.mask is None
+    assert on(META, moved.x)
+    assert on(META, moved.extra_tensor)
+    assert "extra_tensor" not in vars(moved)  # an extra stays an extra
+    assert moved.model_fields_set == model.model_fields_set == {"x", "mask", "extra_tensor"}
+    assert on("cpu", model.x)
+    assert on("cpu", model.extra_tensor)
+
+
 @pytest.mark.parametrize("leaf", [1, 2.5, "text", b"bytes", None, int, 1j, object()])
 def test_everything_else_is_returned_unchanged(leaf: object) -> None:
     assert dk.to_device([leaf], META)[0] is leaf
@@ -882,3 +963,28 @@ def test_a_read_only_mapping_is_rebuilt_and_a_validating_one_keeps_its_errors() 
 def test_non_blocking_must_be_a_bool_or_none() -> None:
     with pytest.raises(TypeError, match=r"^non_blocking must be True or False, got 'yes' of type"):
         dk.to_device({"x": torch.ones(1)}, "cpu", non_blocking="yes")  # type: ignore[arg-type]
+
+
+def test_a_meta_tensor_that_cannot_be_copied_is_named_with_the_fix() -> None:
+    for obj, path in [
+        (torch.empty(2, device="meta"), "obj"),
+        ({"a": [1, torch.empty(2, device="meta")]}, "obj['a'][1]"),
+        (torch.nn.Linear(2, 2, device="meta"), "obj.weight"),
+    ]:
+        with pytest.raises(NotImplementedError, match="meta tensor") as raised:
+            dk.to_device(obj, "cpu")
+        note = "\n".join(getattr(raised.value, "__notes__", []))
+        assert f"cannot move {path}: it is on the meta device" in note
+        assert "model.to_empty(device='cpu')" in note
+
+
+def test_an_error_raised_by_an_object_s_own_to_names_it() -> None:
+    class Quantity:  # a .to() that means something else, with another signature
+        def to(self, unit: str, *, strict: bool) -> Quantity:
+            return self
+
+    with pytest.raises(TypeError, match="strict") as raised:
+        dk.to_device({"q": Quantity()}, META)
+    (note,) = raised.value.__notes__
+    assert "to_device() moves a " in note
+    assert "Quantity by calling its own .to('meta')" in note

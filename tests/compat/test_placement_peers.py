@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -207,3 +208,24 @@ def test_tensors_already_there_are_the_same_objects(peer: Callable[[], Move]) ->
     ours, theirs = dk.to_device(batch, META), peer()(batch)
     assert ours["x"] is theirs["x"] is batch["x"]
     assert ours["y"][0] is theirs["y"][0] is batch["y"][0]
+
+
+@pytest.mark.parametrize("peer", [accelerate_move, lightning_move])
+def test_namespaces_and_attrs_records_are_moved_where_the_peers_leave_them(
+    peer: Callable[[], Move],
+) -> None:
+    # Both peers return these unchanged, their tensors where they were: devicekit
+    # moves them as it moves a dataclass (a deliberate difference, in docs/placement.md).
+    attrs = pytest.importorskip("attrs")
+
+    @attrs.define
+    class Record:
+        x: torch.Tensor
+
+    for record in (types.SimpleNamespace(x=torch.ones(1)), Record(torch.ones(1))):
+        theirs = peer()(record)
+        assert theirs is record
+        assert theirs.x.device.type == "cpu"
+        ours = dk.to_device(record, META)
+        assert type(ours) is type(record)
+        assert ours.x.device == META
