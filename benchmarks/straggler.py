@@ -181,6 +181,8 @@ def _rank(rank: int, world: int, port: int, rounds: int, folder: str) -> None:
                 rank, timeout=60, what="benchmark"
             ),
             "job_status()": dk.job_status,
+            # What each job-wide call adds to learn whether an earlier one failed elsewhere.
+            "store read (failed call?)": lambda: _dist._read_broken(_dist._store()),
         }
         names = list(calls)
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -208,7 +210,7 @@ def many_ranks(world: int, rounds: int) -> None:
     first = max(result["first"] for result in results)
     print(f"  first call (creates the group), slowest rank: {first * 1e3:.1f} ms")
     base = None
-    for name in ("barrier", "gather of a tiny object", "job_status()"):
+    for name in ("barrier", "gather of a tiny object", "job_status()", "store read (failed call?)"):
         slowest = [max(result[name][i] for result in results) for i in range(rounds)]
         median = statistics.median(slowest)
         base = base or median
