@@ -1,4 +1,4 @@
-"""NVML: started lazily, once, under a lock; its GPUs listed; shut down at exit.
+"""NVML: started lazily under a lock, waited for within a bound; its GPUs listed; shut down at exit.
 
 This module knows NVML and nothing of torch; `_nvmlread` reads one GPU
 through the session kept here. Every field NVML cannot give on a
@@ -13,8 +13,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +25,12 @@ from ._gpuinfo import GPUInfo, GPUProcess
 
 __all__ = [
     "ABSENT_CALLS",
+    "DEFAULT_TIMEOUT",
     "FUNCTION_NOT_FOUND",
     "INSUFFICIENT_SIZE",
     "NOT_SUPPORTED",
+    "RETRY_AFTER",
+    "TIMEOUT_VAR",
     "GPUInfo",
     "GPUProcess",
     "PhysicalGPU",
@@ -37,12 +42,14 @@ __all__ = [
     "logger",
     "lost_gpus",
     "lost_reason",
+    "mig_instances",
     "nvml_available",
     "nvml_error",
     "nvml_text",
     "physical_gpus",
     "read_energy",
     "session",
+    "start_timeout",
 ]
 
 logger = logging.getLogger("devicekit")
@@ -73,16 +80,38 @@ _INIT_ERRORS = {
         "the NVIDIA driver library and kernel module versions differ (reboot after a driver update)"
     ),
 }
+_NOT_INSTALLED = "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+# Start failures no retry can change while the process runs: no driver library on the
+# machine (a container started without GPUs). A driver not loaded yet, no permission
+# yet, or an error NVML does not explain, may change: those are tried again.
+_PERMANENT = frozenset({_LIBRARY_NOT_FOUND})
+
+TIMEOUT_VAR = "DEVICEKIT_NVML_TIMEOUT"
+# Well above a slow but healthy start: without persistence mode nvmlInit initializes
+# every GPU, which takes seconds on an 8-GPU machine; a hung one never returns.
+DEFAULT_TIMEOUT = 30.0
+# Seconds before a failed start is tried again: often enough for a notebook that began
+# before the driver loaded, and never a loop (`devicekit watch -n 0.1` asks ten times a
+# second; a failed nvmlInit is tried once per 10 s of it).
+RETRY_AFTER = 10.0
 
 
 class _Session:
     """Every piece of NVML state in this process, in one place, with one `reset()`.
 
-    NVML starts at most once per session, under a lock. A child made by
-    ``fork`` gets a fresh session (``os.register_at_fork``): a lock held by
-    another thread at the moment of the fork would otherwise stay locked in
-    the child forever, and the parent's handles and caches are not the
-    child's to trust.
+    NVML starts under a lock, in a daemon thread the caller waits for at most
+    `start_timeout()` seconds: a wedged driver can block ``nvmlInit`` for good,
+    and then the caller gets "NVML did not answer" instead of a hang. While
+    that start is still blocked no second one begins; if it ever returns, the
+    next query takes its result. A start that failed is tried again
+    `RETRY_AFTER` seconds later, at the earliest (a driver loaded after this
+    process started is then seen), except where nothing can change while the
+    process runs (`_PERMANENT`).
+
+    A child made by ``fork`` gets a fresh session (``os.register_at_fork``): a
+    lock held by another thread at the moment of the fork would otherwise stay
+    locked in the child forever, and the parent's handles and caches are not
+    the child's to trust.
     """
 
     def __init__(self) -> None:
@@ -94,6 +123,11 @@ class _Session:
         self.tried = False
         self.module: Any = None
         self.error: str | None = None
+        # When (time.monotonic()) the last start failed, if it may be tried again; None
+        # while NVML runs, and for a failure no retry can change.
+        self.failed_at: float | None = None
+        # A start whose caller gave up waiting: its thread is still blocked in nvmlInit.
+        self.blocked: _Start | None = None
         self.physical: list[PhysicalGPU] | None = None
         # Why NVML, started, could not count the GPUs at the last try (not cached: the
         # next query tries again), or None.
@@ -121,32 +155,165 @@ class _Session:
         self.visible: dict[tuple[str | None, str | None, bool], Any] = {}
 
     def start(self) -> Any:
-        if self.tried:  # fast path: no lock once started (or failed)
-            return self.module
+        """The started ``pynvml`` module, starting it if due; None while NVML is not usable."""
+        module = self.module
+        if module is not None:  # fast path: no lock once started
+            return module
+        if self.tried and self.blocked is None and not self._retry_due():
+            return None  # failed, and not to be tried again yet (or ever)
         with self.lock:
-            if not self.tried:
-                self.module, self.error = _start()
-                self.tried = True
+            if self.module is None:
+                if self.blocked is not None:
+                    self._take(self.blocked)  # if that start has returned since
+                elif not self.tried or self._retry_due():
+                    self._begin()
         return self.module
 
+    def _retry_due(self) -> bool:
+        failed_at = self.failed_at
+        return failed_at is not None and time.monotonic() - failed_at >= RETRY_AFTER
 
-def _start() -> tuple[Any, str | None]:
+    def _begin(self) -> None:
+        """Start NVML and wait for it, at most `start_timeout()` seconds (under the lock).
+
+        ``tried``, ``blocked`` and ``failed_at`` are read without the lock (the
+        fast path in `start`), so each outcome sets them last, once the answer
+        they describe is in place.
+        """
+        try:
+            import pynvml  # noqa: PLC0415 - lazy on purpose: no NVML work until asked
+        except ImportError:
+            # Importing is no driver call, so it cannot hang; a package installed
+            # later needs a new process, as any import does.
+            self.module, self.error, self.failed_at = None, _NOT_INSTALLED, None
+            self.tried = True
+            return
+        try:
+            timeout = start_timeout()
+        except ValueError as error:
+            # The reason NVML is unavailable, where status() and the CLI say it, rather
+            # than a traceback out of every query; read again at each one (no driver
+            # call), so a corrected variable counts at once.
+            self.module, self.error = None, str(error)
+            return
+        attempt = _Start(pynvml, timeout)
+        thread = threading.Thread(target=attempt.run, name="devicekit-nvml-start", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            # Python 3.12+ starts no thread while the interpreter exits (an atexit handler
+            # asking for status): start NVML here, unbounded, as the only way to answer.
+            attempt.run()
+        if attempt.done.wait(timeout):
+            self._take(attempt)
+            return
+        self.module, self.failed_at = None, None  # not retried while it is still blocked
+        self.error = (
+            f"NVML did not answer in {timeout:g} s: nvmlInit is blocked in the NVIDIA driver "
+            "(a hung GPU or a wedged driver: look for Xid errors in `dmesg`); if this machine "
+            f"is only slow to start NVML (GPUs without persistence mode), set {TIMEOUT_VAR} "
+            "to more seconds"
+        )
+        self.blocked = attempt
+        self.tried = True
+
+    def _take(self, attempt: _Start) -> None:
+        """Adopt the result of ``attempt`` once it has one; until then change nothing."""
+        if not attempt.done.is_set():
+            return
+        if attempt.unexpected is not None:
+            self.blocked = None
+            self.tried = False  # not NVML's answer: the next query starts afresh
+            raise attempt.unexpected
+        self.module, self.error = attempt.module, attempt.error
+        self.failed_at = None if attempt.module is not None or attempt.final else attempt.ended
+        self.tried = True
+        self.blocked = None
+
+    def mig_changed(self) -> None:
+        """Forget the enumeration: a GPU's MIG mode or instances changed since it was made.
+
+        The next query opens every GPU again and lists its MIG instances as they
+        are now; which GPUs are visible, and CUDA's order of them in a new child
+        process, follow from that list, so they go too. What this process's own
+        CUDA uses (`cuda_order`) does not change: CUDA keeps its first view.
+        """
+        self.physical = None
+        self.visible.clear()
+        self.child_orders.clear()
+
+
+class _Start:
+    """One call of ``nvmlInit``, in its own thread, and what it answered."""
+
+    def __init__(self, pynvml: Any, timeout: float) -> None:
+        self.pynvml = pynvml
+        self.timeout = timeout  # kept for the shutdown at exit, which is bounded alike
+        self.done = threading.Event()
+        self.module: Any = None
+        self.error: str | None = None
+        self.final = False  # a failure no retry in this process can change
+        self.ended = 0.0
+        self.unexpected: Exception | None = None
+
+    def run(self) -> None:
+        pynvml = self.pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as error:
+            code = error_code(error)
+            self.error = _INIT_ERRORS.get(code, f"NVML failed to start: {error}")  # type: ignore[arg-type]
+            self.final = code in _PERMANENT
+        except Exception as error:  # noqa: BLE001 - not NVML's answer: raised to the caller
+            self.unexpected = error
+        else:
+            self.module = pynvml
+            # Registered by the start that succeeded, whoever takes its result (a start
+            # that returns after its caller gave up still holds one NVML reference).
+            atexit.register(_shutdown, pynvml, self.timeout)
+        finally:
+            self.ended = time.monotonic()
+            self.done.set()
+
+
+def start_timeout() -> float:
+    """Seconds a query waits for NVML to start: ``$DEVICEKIT_NVML_TIMEOUT``, else 30.
+
+    Raises:
+        ValueError: ``$DEVICEKIT_NVML_TIMEOUT`` is not a finite number of
+            seconds above 0.
+    """
+    text = os.environ.get(TIMEOUT_VAR, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
     try:
-        import pynvml  # noqa: PLC0415 - lazy on purpose: no NVML work until asked
-    except ImportError:
-        return None, "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"{TIMEOUT_VAR}={text!r}: expected a finite number of seconds above 0 for "
+            f"NVML to start, such as 60; unset it for the default, {DEFAULT_TIMEOUT:g}"
+        )
+    return seconds
+
+
+def _shutdown(pynvml: Any, timeout: float) -> None:
+    """``nvmlShutdown`` at exit, bounded as the start is: a wedged driver must not hang the exit."""
+    done = threading.Event()
+
+    def run() -> None:
+        with contextlib.suppress(pynvml.NVMLError):  # at exit there is nobody left to tell
+            pynvml.nvmlShutdown()
+        done.set()
+
     try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as error:
-        code = getattr(error, "value", None)
-        return None, _INIT_ERRORS.get(code, f"NVML failed to start: {error}")  # type: ignore[arg-type]
-    atexit.register(_shutdown, pynvml)
-    return pynvml, None
-
-
-def _shutdown(pynvml: Any) -> None:
-    with contextlib.suppress(pynvml.NVMLError):  # at exit there is nobody left to tell
-        pynvml.nvmlShutdown()
+        threading.Thread(target=run, name="devicekit-nvml-shutdown", daemon=True).start()
+    except RuntimeError:
+        # Python 3.12+ starts no thread in an atexit handler, so the call cannot be
+        # bounded there; skip it: the driver frees what a process held when it ends.
+        return
+    done.wait(timeout)
 
 
 _session = _Session()
@@ -185,7 +352,12 @@ def nvml_error() -> str | None:
     """Why NVML is not usable here (no driver, driver not loaded...), or None when it is.
 
     Also not usable: an NVML that starts but cannot count the GPUs (a GPU that
-    fell off the bus can do that); that is asked again on the next query.
+    fell off the bus can do that); that is asked again on the next query. An
+    ``nvmlInit`` that does not return within ``$DEVICEKIT_NVML_TIMEOUT``
+    seconds (default 30: a wedged driver) reads as not usable, with that
+    reason, instead of hanging the caller. A start that failed is tried again
+    10 s later at the earliest, unless nothing can change it in this process
+    (no driver library, no ``nvidia-ml-py``).
 
     Examples:
         >>> import devicekit as dk
@@ -289,7 +461,10 @@ class PhysicalGPU:
     name: str | None
     pci_bus_id: str | None
     sm_clock_max: int | None
-    mig_enabled: bool | None  # changing it needs a GPU reset, which invalidates handles
+    # As enumerated. Both can change while NVML runs (`nvidia-smi -mig 1`, creating or
+    # destroying instances): each snapshot reads the mode again, and a change, or a MIG
+    # handle that no longer answers as its instance, makes the session enumerate again.
+    mig_enabled: bool | None
     mig: tuple[tuple[str, Any], ...]  # (uuid, handle) of each MIG instance, if any
 
 
@@ -320,6 +495,7 @@ def _enumerate(nv: Any) -> list[PhysicalGPU] | None:
         _session.count_error = f"NVML started but could not count the GPUs: {_why(error)}"
         return None
     _session.count_error = None
+    _session.lost = {}  # made afresh with the list: a GPU reset since may answer now
     found = []
     for index in range(count):
         try:
@@ -345,7 +521,7 @@ def _enumerate(nv: Any) -> list[PhysicalGPU] | None:
                     _read(nv, nv.nvmlDeviceGetMaxClockInfo, handle, nv.NVML_CLOCK_SM)
                 ),
                 mig_enabled=None if mig_mode is None else mig_mode[0] == 1,
-                mig=_mig_instances(nv, handle) if mig_mode and mig_mode[0] == 1 else (),
+                mig=mig_instances(nv, handle) if mig_mode and mig_mode[0] == 1 else (),
             )
         )
     return found
@@ -380,7 +556,8 @@ def lost_gpus() -> dict[int, str]:
     return dict(_session.lost)
 
 
-def _mig_instances(nv: Any, handle: Any) -> tuple[tuple[str, Any], ...]:
+def mig_instances(nv: Any, handle: Any) -> tuple[tuple[str, Any], ...]:
+    """(UUID, handle) of each MIG instance the GPU behind ``handle`` has now."""
     instances = []
     for slot in range(checked_number(_read(nv, nv.nvmlDeviceGetMaxMigDeviceCount, handle)) or 0):
         mig = _read(nv, nv.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)

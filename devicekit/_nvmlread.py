@@ -26,6 +26,7 @@ from ._nvml import (
     library,
     logger,
     lost_reason,
+    mig_instances,
     nvml_text,
     session,
 )
@@ -65,6 +66,11 @@ def read_gpu(
         gpu.handle if handle is None else handle,
         (uuid or gpu.uuid) or f"nvml:{gpu.nvml_index}",  # stable, unlike id(handle)
     )
+    if handle is None:
+        mig_enabled = _mig_mode(snap, gpu)
+    else:
+        mig_enabled = gpu.mig_enabled
+        _check_mig_instance(snap, gpu, uuid)
     total, used, free = _memory(snap)
     rates = snap.read(nv.nvmlDeviceGetUtilizationRates)
     power, energy = _power_and_energy(snap)
@@ -92,10 +98,64 @@ def read_gpu(
         throttle_reasons=None if mask is None else throttle_names(mask),
         fan_speed=checked_number(snap.read(nv.nvmlDeviceGetFanSpeed)),  # may pass 100 %, NVML says
         compute_mode=None if mode is None else _COMPUTE_MODES.get(mode, str(mode)),
-        mig_enabled=gpu.mig_enabled,
+        mig_enabled=mig_enabled,
         processes=processes,
         energy=None if energy is None else energy / 1000,
         error=snap.lost,
+    )
+
+
+def _mig_mode(snap: _Snapshot, gpu: PhysicalGPU) -> bool | None:
+    """Whether MIG is on now; a change since the enumeration (or new instances) renews it.
+
+    ``nvidia-smi -mig 1`` (with a GPU reset where the GPU needs one) changes the
+    mode while NVML runs, and instances can be created or destroyed at any time:
+    the enumeration would otherwise keep listing the GPU as it was.
+    """
+    mode = snap.read(snap.nv.nvmlDeviceGetMigMode)
+    enabled = None if mode is None else mode[0] == 1
+    if gpu.mig_enabled is not None and enabled is not None:
+        if enabled != gpu.mig_enabled:
+            session().mig_changed()
+        elif enabled:
+            listed = [mig_uuid for mig_uuid, _ in gpu.mig]
+            if [mig_uuid for mig_uuid, _ in mig_instances(snap.nv, gpu.handle)] != listed:
+                session().mig_changed()
+    return enabled
+
+
+def _check_mig_instance(snap: _Snapshot, gpu: PhysicalGPU, uuid: str | None) -> None:
+    """Make sure a MIG instance's handle still names that instance, or say it is gone.
+
+    A handle outlives its instance: once the instance is destroyed (or MIG
+    turned off), it answers with an error, or, reused, with another
+    instance's readings, which would be reported under this one's UUID. One
+    call (its UUID) tells; where it does not answer, or the GPU's MIG setup
+    was found changed since ``gpu`` was listed, the GPU's instances as they
+    are now decide.
+    """
+    nv = snap.nv
+    try:
+        answered = nvml_text(nv.nvmlDeviceGetUUID(snap.handle))
+    except nv.NVMLError as error:
+        snap.lost = lost_reason(error)  # the whole GPU is lost: that is the reason
+        if snap.lost is not None:
+            return
+        answered = None
+    if answered is not None and answered != uuid:  # reused: another instance's readings
+        why = f"its handle now answers as {answered}"
+    else:
+        listed_now = any(known is gpu for known in session().physical or ())
+        if answered == uuid and listed_now:
+            return
+        current = [mig_uuid for mig_uuid, _ in mig_instances(nv, gpu.handle)]
+        if uuid in current:
+            return  # it exists: a failure this once, which its fields report one by one
+        why = "it no longer exists on this GPU"
+    session().mig_changed()
+    snap.lost = (
+        f"MIG instance {uuid} cannot be read: {why} (its GPU's MIG mode or instances changed "
+        "since devicekit listed them; the next query lists them as they are now)"
     )
 
 

@@ -9,13 +9,16 @@ real GPU in the ``gpu``-marked tests.
 from __future__ import annotations
 
 import collections
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
+INVALID_ARGUMENT = 2
 NOT_SUPPORTED = 3
 NO_PERMISSION = 4
 DRIVER_NOT_LOADED = 9
+NOT_FOUND = 6
 INSUFFICIENT_SIZE = 7
 LIBRARY_NOT_FOUND = 12
 FUNCTION_NOT_FOUND = 13
@@ -88,6 +91,9 @@ class FakeNVML(types.ModuleType):
         # Faults of calls about no one GPU (nvmlDeviceGetCount...), as FakeGPU.errors.
         self.errors: dict[str, int | list[int]] = {}
         self.strings_as_bytes = False  # old bindings return bytes for names and versions
+        # A wedged driver: nvmlInit (or nvmlShutdown) blocks until the test sets the event.
+        self.init_gate: threading.Event | None = None
+        self.shutdown_gate: threading.Event | None = None
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -137,11 +143,15 @@ class FakeNVML(types.ModuleType):
 
     def nvmlInit(self) -> None:
         self.init_calls += 1
+        if self.init_gate is not None:
+            self.init_gate.wait()
         if self.init_error is not None:
             raise NVMLError(self.init_error)
 
     def nvmlShutdown(self) -> None:
         self.shutdown_calls += 1
+        if self.shutdown_gate is not None:
+            self.shutdown_gate.wait()
 
     def nvmlSystemGetDriverVersion(self) -> str | bytes:
         self._check("nvmlSystemGetDriverVersion")

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _nvml, _nvmlread
+from devicekit import _gpus, _nvml, _nvmlread
 
 from .conftest import GPU_COUNT, run_python
 from .fake_pynvml import (
@@ -26,6 +27,7 @@ from .fake_pynvml import (
     FUNCTION_NOT_FOUND,
     GPU_IS_LOST,
     INSUFFICIENT_SIZE,
+    INVALID_ARGUMENT,
     LIBRARY_NOT_FOUND,
     NO_PERMISSION,
     NOT_SUPPORTED,
@@ -315,7 +317,8 @@ def test_unsupported_answers_are_remembered_per_gpu(nvml_session: Install) -> No
     assert (
         fake.calls["nvmlDeviceGetFanSpeed"] == 1 + 3
     )  # once for the first GPU, always for the second
-    assert fake.calls["nvmlDeviceGetMigMode"] == 2  # read once per GPU, at enumeration
+    # At enumeration, then once per snapshot: MIG mode can change while NVML runs.
+    assert fake.calls["nvmlDeviceGetMigMode"] == 2 + 3 * 2
 
 
 def test_a_not_supported_answer_is_remembered_by_uuid_not_by_handle(nvml_session: Install) -> None:
@@ -668,3 +671,269 @@ def test_threads_reading_at_once_agree(nvml_session: Install) -> None:
     assert all(result == results[0] for result in results)
     assert fake.init_calls == 1
     assert fake.calls["nvmlDeviceGetCount"] == 1
+
+
+# --- a wedged driver, a driver loaded late, MIG changed while NVML runs ----------------------
+
+_HANG_BOUND = 60  # seconds: only a hang takes this long; every answer here takes milliseconds
+
+
+def finishes(fn: Callable[[], Any]) -> Any:
+    """``fn()``, run in a daemon thread; fails the test (instead of hanging it) if it hangs."""
+    outcome: list[Any] = []
+    thread = threading.Thread(target=lambda: outcome.append(fn()), daemon=True)
+    thread.start()
+    thread.join(_HANG_BOUND)
+    if thread.is_alive():
+        pytest.fail(f"{fn} still ran after {_HANG_BOUND} s: it hangs")
+    assert outcome, f"{fn} raised (its traceback is above)"
+    return outcome[0]
+
+
+def test_a_hung_nvml_start_is_given_up_on_and_not_started_twice(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: a wedged driver's nvmlInit hung dk.status(), the CLI and pick_gpu for good.
+    fake = one_gpu()
+    fake.init_gate = threading.Event()
+    nvml_session(fake)
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "0.2")
+    try:
+        reason = finishes(dk.nvml_error)
+        assert reason.startswith("NVML did not answer in 0.2 s: nvmlInit is blocked in the NVIDIA")
+        assert f"set {_nvml.TIMEOUT_VAR} to more seconds" in reason
+        assert finishes(dk.gpus) == []
+        assert finishes(dk.pick_gpu) == torch.device("cpu")
+        assert "GPU status unavailable: NVML did not answer in 0.2 s" in str(finishes(dk.status))
+        assert fake.init_calls == 1  # the blocked start is the only one, however often asked
+    finally:
+        fake.init_gate.set()  # the driver answers at last
+    blocked = _nvml._session.blocked
+    assert blocked is not None
+    assert blocked.done.wait(_HANG_BOUND)
+    assert dk.nvml_error() is None  # the late answer is taken: NVML is usable from now on
+    assert len(dk.gpus()) == 1
+    assert fake.init_calls == 1
+
+
+def test_a_hung_start_that_ends_in_an_error_is_tried_again_later(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = one_gpu()
+    fake.init_gate, fake.init_error = threading.Event(), UNKNOWN
+    nvml_session(fake)
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "0.1")
+    assert finishes(dk.nvml_error).startswith("NVML did not answer in 0.1 s")
+    fake.init_gate.set()
+    blocked = _nvml._session.blocked
+    assert blocked is not None
+    assert blocked.done.wait(_HANG_BOUND)
+    assert dk.nvml_error() == "NVML failed to start: NVML error 999"
+    fake.init_error = None
+    _nvml._session.failed_at -= _nvml.RETRY_AFTER  # type: ignore[operator]
+    assert dk.nvml_error() is None
+    assert fake.init_calls == 2
+
+
+def test_the_shutdown_at_exit_cannot_hang_the_exit(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = one_gpu()
+    nvml_session(fake)
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "0.2")
+    registered: list[Any] = []
+    monkeypatch.setattr("atexit.register", lambda fn, *args: registered.append((fn, args)))
+    assert dk.nvml_available()
+    ((fn, args),) = registered
+    fake.shutdown_gate = threading.Event()  # the driver wedged since NVML started
+    try:
+        finishes(lambda: fn(*args))
+        assert fake.shutdown_calls == 1
+    finally:
+        fake.shutdown_gate.set()
+
+
+def test_where_no_thread_can_start_nvml_starts_in_the_caller(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python 3.12+ refuses new threads while the interpreter exits (an atexit handler
+    # printing dk.status()): NVML then starts in the caller, and shutdown is skipped.
+    fake = one_gpu()
+    nvml_session(fake)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert dk.nvml_error() is None
+    assert len(dk.gpus()) == 1
+    _nvml._shutdown(fake, 0.2)
+    assert fake.shutdown_calls == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, 30.0), ("", 30.0), ("2.5", 2.5), (" 60 ", 60.0)]
+)
+def test_the_start_timeout_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, expected: float
+) -> None:
+    if value is None:
+        monkeypatch.delenv(_nvml.TIMEOUT_VAR, raising=False)
+    else:
+        monkeypatch.setenv(_nvml.TIMEOUT_VAR, value)
+    assert _nvml.start_timeout() == expected
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan", "30s"])
+def test_a_bad_start_timeout_is_refused_by_name(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    fake = one_gpu()
+    nvml_session(fake)
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, value)
+    message = (
+        f"DEVICEKIT_NVML_TIMEOUT={value!r}: expected a finite number of seconds above 0 for "
+        "NVML to start, such as 60; unset it for the default, 30"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _nvml.start_timeout()
+    # Where a query meets it: the reason NVML is unavailable, not a traceback from status().
+    assert dk.nvml_error() == message
+    assert f"GPU status unavailable: {message}" in str(dk.status())
+    assert fake.init_calls == 0
+    monkeypatch.delenv(_nvml.TIMEOUT_VAR)
+    assert dk.nvml_error() is None  # corrected: counts at the next query
+
+
+def test_an_error_that_is_not_nvmls_is_raised_not_taken_for_a_hang(
+    nvml_session: Install,
+) -> None:
+    fake = one_gpu()
+    nvml_session(fake)
+
+    def broken() -> None:
+        raise RuntimeError("binding bug")
+
+    fake.nvmlInit = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"^binding bug$"):
+        dk.nvml_error()
+    del fake.nvmlInit  # the class's again
+    assert dk.nvml_error() is None  # started afresh: no retry delay for a bug of ours
+
+
+@pytest.mark.parametrize("code", [DRIVER_NOT_LOADED, NO_PERMISSION, UNKNOWN])
+def test_a_failed_start_is_tried_again_after_a_while_never_at_every_query(
+    nvml_session: Install, code: int
+) -> None:
+    # Before: cached for the life of the process, so a notebook started before the
+    # driver loaded never saw a GPU.
+    fake = one_gpu()
+    fake.init_error = code
+    nvml_session(fake)
+    first = dk.nvml_error()
+    assert first is not None
+    fake.init_error = None  # the driver is loaded now
+    for _ in range(5):
+        assert dk.nvml_error() == first  # not tried again yet: no loop of failed starts
+    assert fake.init_calls == 1
+    _nvml._session.failed_at -= _nvml.RETRY_AFTER  # type: ignore[operator]
+    assert dk.nvml_error() is None
+    assert len(dk.gpus()) == 1
+    assert fake.init_calls == 2
+
+
+def test_a_machine_without_the_driver_library_is_not_asked_again(nvml_session: Install) -> None:
+    fake = one_gpu()
+    fake.init_error = LIBRARY_NOT_FOUND
+    nvml_session(fake)
+    assert dk.nvml_error() is not None
+    assert _nvml._session.failed_at is None  # nothing to wait for: no retry is due, ever
+    fake.init_error = None
+    assert dk.nvml_error() is not None
+    assert fake.init_calls == 1
+
+
+A100 = "GPU-a100a100-0000-0000-0000-000000000000"
+MIG_1, MIG_2, MIG_3 = "MIG-11111111-aaaa", "MIG-22222222-bbbb", "MIG-33333333-cccc"
+
+
+def mig_gpu(nvml_session: Install, monkeypatch: pytest.MonkeyPatch, *slices: str) -> FakeNVML:
+    fake = FakeNVML([FakeGPU(A100, name="NVIDIA A100", mig=[FakeGPU(u) for u in slices])])
+    nvml_session(fake)
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: None)  # no CUDA child to ask
+    return fake
+
+
+def listing() -> list[tuple[str | None, bool | None, str | None]]:
+    return [(i.uuid, i.mig_enabled, i.error) for i in dk.gpus(all=True)]
+
+
+def test_a_destroyed_mig_instance_is_said_gone_not_read_through_its_old_handle(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: listed for the life of the process, its old handle read as if it were there.
+    fake = mig_gpu(nvml_session, monkeypatch, MIG_1, MIG_2)
+    assert [uuid for uuid, _, _ in listing()] == [A100, MIG_1, MIG_2]
+    board = fake.gpus[0]
+    destroyed = board.mig.pop()
+    destroyed.errors = {"nvmlDeviceGetUUID": INVALID_ARGUMENT}  # its handle answers no more
+    board.mig.append(FakeGPU(MIG_3))  # and another instance is made
+    *_, gone = dk.gpus(all=True)
+    assert gone.uuid == MIG_2
+    assert gone.error == (
+        f"MIG instance {MIG_2} cannot be read: it no longer exists on this GPU (its GPU's MIG "
+        "mode or instances changed since devicekit listed them; the next query lists them as "
+        "they are now)"
+    )
+    assert (gone.memory_total, gone.memory_used, gone.processes) == (None, None, None)
+    assert [uuid for uuid, _, _ in listing()] == [A100, MIG_1, MIG_3]
+
+
+def test_a_mig_handle_that_answers_as_another_instance_is_not_read_as_this_one(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = mig_gpu(nvml_session, monkeypatch, MIG_1)
+    dk.gpus(all=True)
+    fake.gpus[0].mig[0].uuid = MIG_3  # the slot's old handle now names a new instance
+    fake.gpus[0].mig[0].used = 7 * 2**30
+    _, reused = dk.gpus(all=True)
+    assert (reused.uuid, reused.memory_used) == (MIG_1, None)  # not MIG_3's 7 GiB
+    assert reused.error is not None
+    assert reused.error.startswith(f"MIG instance {MIG_1} cannot be read: its handle now answers")
+    assert [uuid for uuid, _, _ in listing()] == [A100, MIG_3]
+
+
+def test_mig_turned_on_while_nvml_runs_is_seen(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: mig_enabled stayed False, and the instances were never listed.
+    fake = mig_gpu(nvml_session, monkeypatch)
+    assert listing() == [(A100, False, None)]
+    fake.gpus[0].mig = [FakeGPU(MIG_1)]  # nvidia-smi -mig 1, and an instance made
+    assert listing()[0] == (A100, True, None)  # this snapshot reads the mode as it is now
+    assert listing() == [(A100, True, None), (MIG_1, True, None)]  # and the next lists it
+
+
+def test_mig_turned_off_while_nvml_runs_is_seen(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = mig_gpu(nvml_session, monkeypatch, MIG_1)
+    assert listing() == [(A100, True, None), (MIG_1, True, None)]
+    fake.gpus[0].mig = []  # nvidia-smi -mig 0; the old handle still answers, as NVML's may
+    (board, instance) = listing()
+    assert board == (A100, False, None)
+    assert instance[0] == MIG_1
+    assert instance[2] is not None
+    assert "it no longer exists on this GPU" in instance[2]
+    assert listing() == [(A100, False, None)]
+
+
+def test_an_unchanged_mig_instance_costs_one_call_to_check(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = mig_gpu(nvml_session, monkeypatch, MIG_1)
+    visible = _gpus._Visible(_nvml.physical_gpus()[0], *reversed(_nvml.physical_gpus()[0].mig[0]))
+    before = fake.calls["nvmlDeviceGetUUID"]
+    assert _gpus._snapshot(visible, 0).error is None
+    assert fake.calls["nvmlDeviceGetUUID"] - before == 1
+    assert fake.calls["nvmlDeviceGetMigDeviceHandleByIndex"] == 7  # only at enumeration
