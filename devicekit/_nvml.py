@@ -10,10 +10,7 @@ than the GPU has); nothing here raises because of one missing field.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -22,6 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._gpuinfo import GPUInfo, GPUProcess
+from ._nvmlstart import (
+    DEFAULT_TIMEOUT,
+    NOT_INSTALLED,
+    RETRY_AFTER,
+    TIMEOUT_VAR,
+    Start,
+    error_code,
+    start_timeout,
+)
 
 __all__ = [
     "ABSENT_CALLS",
@@ -56,57 +62,27 @@ logger = logging.getLogger("devicekit")
 
 # NVML return codes (stable across drivers; pynvml exposes the same numbers).
 NOT_SUPPORTED = 3
-_NO_PERMISSION = 4
-_DRIVER_NOT_LOADED = 9
-_LIBRARY_NOT_FOUND = 12
 INSUFFICIENT_SIZE = 7
 FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
 _RESET_REQUIRED = 16
-_RM_VERSION_MISMATCH = 18
 _ARGUMENT_VERSION_MISMATCH = 25
 # What a driver answers for a call (or a version of one) it does not have. Only these
 # say "this driver lacks it"; any other error is about one GPU, or one moment.
 ABSENT_CALLS = frozenset({FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH})
-
-_INIT_ERRORS = {
-    _LIBRARY_NOT_FOUND: "libnvidia-ml.so.1 was not found: no NVIDIA driver is installed here",
-    _DRIVER_NOT_LOADED: (
-        "the NVIDIA driver is not loaded (no nvidia kernel module; in a container, "
-        "start it with --gpus all)"
-    ),
-    _NO_PERMISSION: "no permission to talk to the NVIDIA driver (check /dev/nvidia* permissions)",
-    _RM_VERSION_MISMATCH: (
-        "the NVIDIA driver library and kernel module versions differ (reboot after a driver update)"
-    ),
-}
-_NOT_INSTALLED = "the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
-# Start failures no retry can change while the process runs: no driver library on the
-# machine (a container started without GPUs). A driver not loaded yet, no permission
-# yet, or an error NVML does not explain, may change: those are tried again.
-_PERMANENT = frozenset({_LIBRARY_NOT_FOUND})
-
-TIMEOUT_VAR = "DEVICEKIT_NVML_TIMEOUT"
-# Well above a slow but healthy start: without persistence mode nvmlInit initializes
-# every GPU, which takes seconds on an 8-GPU machine; a hung one never returns.
-DEFAULT_TIMEOUT = 30.0
-# Seconds before a failed start is tried again: often enough for a notebook that began
-# before the driver loaded, and never a loop (`devicekit watch -n 0.1` asks ten times a
-# second; a failed nvmlInit is tried once per 10 s of it).
-RETRY_AFTER = 10.0
 
 
 class _Session:
     """Every piece of NVML state in this process, in one place, with one `reset()`.
 
     NVML starts under a lock, in a daemon thread the caller waits for at most
-    `start_timeout()` seconds: a wedged driver can block ``nvmlInit`` for good,
+    `start_timeout()` seconds (see `_nvmlstart`): a wedged driver can block ``nvmlInit`` for good,
     and then the caller gets "NVML did not answer" instead of a hang. While
     that start is still blocked no second one begins; if it ever returns, the
     next query takes its result. A start that failed is tried again
     `RETRY_AFTER` seconds later, at the earliest (a driver loaded after this
     process started is then seen), except where nothing can change while the
-    process runs (`_PERMANENT`).
+    process runs (`_nvmlstart.PERMANENT`).
 
     A child made by ``fork`` gets a fresh session (``os.register_at_fork``): a
     lock held by another thread at the moment of the fork would otherwise stay
@@ -127,7 +103,7 @@ class _Session:
         # while NVML runs, and for a failure no retry can change.
         self.failed_at: float | None = None
         # A start whose caller gave up waiting: its thread is still blocked in nvmlInit.
-        self.blocked: _Start | None = None
+        self.blocked: Start | None = None
         self.physical: list[PhysicalGPU] | None = None
         # Why NVML, started, could not count the GPUs at the last try (not cached: the
         # next query tries again), or None.
@@ -185,7 +161,7 @@ class _Session:
         except ImportError:
             # Importing is no driver call, so it cannot hang; a package installed
             # later needs a new process, as any import does.
-            self.module, self.error, self.failed_at = None, _NOT_INSTALLED, None
+            self.module, self.error, self.failed_at = None, NOT_INSTALLED, None
             self.tried = True
             return
         try:
@@ -196,7 +172,7 @@ class _Session:
             # call), so a corrected variable counts at once.
             self.module, self.error = None, str(error)
             return
-        attempt = _Start(pynvml, timeout)
+        attempt = Start(pynvml, timeout)
         thread = threading.Thread(target=attempt.run, name="devicekit-nvml-start", daemon=True)
         try:
             thread.start()
@@ -217,7 +193,7 @@ class _Session:
         self.blocked = attempt
         self.tried = True
 
-    def _take(self, attempt: _Start) -> None:
+    def _take(self, attempt: Start) -> None:
         """Adopt the result of ``attempt`` once it has one; until then change nothing."""
         if not attempt.done.is_set():
             return
@@ -241,79 +217,6 @@ class _Session:
         self.physical = None
         self.visible.clear()
         self.child_orders.clear()
-
-
-class _Start:
-    """One call of ``nvmlInit``, in its own thread, and what it answered."""
-
-    def __init__(self, pynvml: Any, timeout: float) -> None:
-        self.pynvml = pynvml
-        self.timeout = timeout  # kept for the shutdown at exit, which is bounded alike
-        self.done = threading.Event()
-        self.module: Any = None
-        self.error: str | None = None
-        self.final = False  # a failure no retry in this process can change
-        self.ended = 0.0
-        self.unexpected: Exception | None = None
-
-    def run(self) -> None:
-        pynvml = self.pynvml
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as error:
-            code = error_code(error)
-            self.error = _INIT_ERRORS.get(code, f"NVML failed to start: {error}")  # type: ignore[arg-type]
-            self.final = code in _PERMANENT
-        except Exception as error:  # noqa: BLE001 - not NVML's answer: raised to the caller
-            self.unexpected = error
-        else:
-            self.module = pynvml
-            # Registered by the start that succeeded, whoever takes its result (a start
-            # that returns after its caller gave up still holds one NVML reference).
-            atexit.register(_shutdown, pynvml, self.timeout)
-        finally:
-            self.ended = time.monotonic()
-            self.done.set()
-
-
-def start_timeout() -> float:
-    """Seconds a query waits for NVML to start: ``$DEVICEKIT_NVML_TIMEOUT``, else 30.
-
-    Raises:
-        ValueError: ``$DEVICEKIT_NVML_TIMEOUT`` is not a finite number of
-            seconds above 0.
-    """
-    text = os.environ.get(TIMEOUT_VAR, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(
-            f"{TIMEOUT_VAR}={text!r}: expected a finite number of seconds above 0 for "
-            f"NVML to start, such as 60; unset it for the default, {DEFAULT_TIMEOUT:g}"
-        )
-    return seconds
-
-
-def _shutdown(pynvml: Any, timeout: float) -> None:
-    """``nvmlShutdown`` at exit, bounded as the start is: a wedged driver must not hang the exit."""
-    done = threading.Event()
-
-    def run() -> None:
-        with contextlib.suppress(pynvml.NVMLError):  # at exit there is nobody left to tell
-            pynvml.nvmlShutdown()
-        done.set()
-
-    try:
-        threading.Thread(target=run, name="devicekit-nvml-shutdown", daemon=True).start()
-    except RuntimeError:
-        # Python 3.12+ starts no thread in an atexit handler, so the call cannot be
-        # bounded there; skip it: the driver frees what a process held when it ends.
-        return
-    done.wait(timeout)
 
 
 _session = _Session()
@@ -525,11 +428,6 @@ def _enumerate(nv: Any) -> list[PhysicalGPU] | None:
             )
         )
     return found
-
-
-def error_code(error: BaseException) -> int | None:
-    """The NVML return code an ``NVMLError`` carries (None for any other error)."""
-    return getattr(error, "value", None)
 
 
 def _why(error: BaseException) -> str:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _gpus, _nvml, _nvmlread
+from devicekit import _gpus, _nvml, _nvmlread, _nvmlstart
 
 from .conftest import GPU_COUNT, run_python
 from .fake_pynvml import (
@@ -767,7 +767,7 @@ def test_where_no_thread_can_start_nvml_starts_in_the_caller(
     monkeypatch.setattr(threading.Thread, "start", refuse)
     assert dk.nvml_error() is None
     assert len(dk.gpus()) == 1
-    _nvml._shutdown(fake, 0.2)
+    _nvmlstart.shutdown(fake, 0.2)
     assert fake.shutdown_calls == 0
 
 
