@@ -13,25 +13,31 @@ does a worker that dies (its sentinel is ready and its pipe has nothing more
 to read) or a pipe that breaks while an item is being sent.
 
 With a ``timeout``, a busy worker has a deadline: ``timeout`` seconds after
-it had both its item and this map's ``fn`` unpickled. The wait lasts until
-the nearest deadline at most, and an item past its deadline whose answer has
-not come ends the map with a ``WorkerTimeoutError``. The clock starts when
+it had both its item and this map's ``fn`` unpickled. The clock starts when
 the worker says ``fn`` is loaded, not when the item is sent, so a worker's
 start-up (spawn, importing the main module and ``fn``'s module, torch often)
 is not charged to its first item; what ``fn`` does the first time it runs
-(starting CUDA, loading a model it keeps) is.
+(starting CUDA, loading a model it keeps) is. The start-up has a deadline of
+its own, ``max(timeout, _STARTUP_SECONDS)`` after the map began (for a fresh
+worker, after it was started), so that a module that hangs on import ends the
+map too, while a slow import of torch does not. The wait lasts until the
+nearest deadline at most, and a worker past its deadline whose answer has not
+come ends the map with a ``WorkerTimeoutError``.
+
+Whatever ends a map, the [`WorkerError`][devicekit.WorkerError] carries the
+results of the items that had finished, by index: nothing computed is lost.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import reprlib
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -60,6 +66,10 @@ Slot = str | int  # "cpu", or a CUDA index as this process numbers it
 _WARNINGS = "PYTHONWARNINGS"
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 _STOP_SECONDS = 5.0  # a worker asked to stop gets this long before it is terminated
+# With a timeout, a worker's start-up (spawn, the main module, fn's module) may take
+# max(timeout, this): importing torch takes seconds, tens of them on a busy shared
+# file system, so an item's limit alone would stop healthy workers.
+_STARTUP_SECONDS = 300.0
 _STARTING = threading.Lock()  # held while CUDA_VISIBLE_DEVICES is set for a worker's start
 MAIN_GUARD_FIX = (
     "Workers are started with spawn: each one imports the main module again, so a "
@@ -86,9 +96,12 @@ class Worker:
     conn: Any  # the parent's end of the duplex pipe
     ready: bool = False
     running: int | None = None  # the index of the item it is working on
+    # The item it will run once it has loaded fn: each worker takes one at once, so
+    # that two items on two workers run one on each (on each GPU), whichever starts first.
+    next_item: int | None = None
     fn_id: int = -1  # the map whose fn it was sent: each map numbers its fn
     loaded: int = -1  # the map whose fn it has unpickled
-    deadline: float | None = None  # when its item's time is up (time.monotonic)
+    deadline: float | None = None  # when its item's, or its start-up's, time is up (monotonic)
 
     def where(self) -> str:
         """``"worker 2 on cuda:1"``, ``"worker 1 on the CPU"``."""
@@ -150,22 +163,25 @@ def stop_workers(workers: list[Worker], *, gently: bool) -> None:
     that stopping many workers that ignore SIGTERM (a hung ``fn``, a library's
     handler) takes about ``_STOP_SECONDS``, not that long for each in turn.
     """
-    if gently:
+    try:
+        if gently:
+            for worker in workers:
+                if worker.process.is_alive():
+                    with contextlib.suppress(OSError):  # it is already gone
+                        worker.conn.send(("stop",))
+            _join(workers, _STOP_SECONDS)
+        alive = [worker for worker in workers if worker.process.is_alive()]
+        for worker in alive:
+            worker.process.terminate()
+        _join(alive, _STOP_SECONDS)
+    finally:
+        # Also when a second Ctrl-C cuts the waits short: nothing may outlive this.
+        alive = [worker for worker in workers if worker.process.is_alive()]
+        for worker in alive:
+            worker.process.kill()
+        _join(alive, None)
         for worker in workers:
-            if worker.process.is_alive():
-                with contextlib.suppress(OSError):  # it is already gone
-                    worker.conn.send(("stop",))
-        _join(workers, _STOP_SECONDS)
-    alive = [worker for worker in workers if worker.process.is_alive()]
-    for worker in alive:
-        worker.process.terminate()
-    _join(alive, _STOP_SECONDS)
-    alive = [worker for worker in alive if worker.process.is_alive()]
-    for worker in alive:
-        worker.process.kill()
-    _join(alive, None)
-    for worker in workers:
-        worker.conn.close()
+            worker.conn.close()
 
 
 def _join(workers: list[Worker], seconds: float | None) -> None:
@@ -210,35 +226,72 @@ class _Map:
     ) -> None:
         self.workers, self.fn_id, self.fn_bytes = workers, fn_id, fn_bytes
         self.work, self.payloads, self.step, self.timeout = work, payloads, step, timeout
+        self.startup = None if timeout is None else max(timeout, _STARTUP_SECONDS)
         self.todo = deque(range(len(work)))
         self.results: dict[int, Any] = {}
+        for worker in workers:  # a pool's worker may keep a start-up clock from its last map
+            worker.deadline = worker.next_item = None
 
     def run(self) -> list[Any]:
-        while len(self.results) < len(self.work):
-            for worker in self.workers:
-                self._feed(worker)
-            self._collect()
-            self._expire()
+        try:
+            while len(self.results) < len(self.work):
+                for worker in self.workers:
+                    self._feed(worker)
+                self._collect()
+                self._expire()
+        except WorkerError as error:
+            timed_out = isinstance(error, WorkerTimeoutError)  # its message says it
+            if self.results and not timed_out and sys.version_info >= (3, 11):
+                # After the message, which often ends with the worker's traceback.
+                error.add_note(self._kept())
+            raise
         return [self.results[index] for index in range(len(self.work))]
 
-    def _feed(self, worker: Worker) -> None:
-        """Give an idle worker the next item (and this map's fn, the first time)."""
-        if worker.running is not None or not self.todo:
-            return
-        index = self.todo[0]
-        try:
-            if worker.fn_id != self.fn_id:
-                worker.conn.send(("fn", self.fn_id, self.fn_bytes))
-                worker.fn_id = self.fn_id
-            worker.conn.send(("item", index, self.payloads[index]))
-        except OSError:  # a broken pipe: the worker is gone (a long message waits for that)
-            raise WorkerError(_death_message(worker, self.work)) from None
-        self.todo.popleft()
-        worker.running = index
-        worker.deadline = self._deadline() if worker.loaded == self.fn_id else None
+    def _kept(self) -> str:
+        """What the error keeps: ``"2 of 4 items had finished: their results are in ..."``."""
+        return (
+            f"{len(self.results)} of {plural(len(self.work), 'item')} had finished: their "
+            "results are in this error's .results (a dict by item index); the others were lost."
+        )
 
-    def _deadline(self) -> float | None:
-        return None if self.timeout is None else time.monotonic() + self.timeout
+    def _error(self, message: str, index: int | None) -> WorkerError:
+        return WorkerError(message, index=index, results=dict(self.results))
+
+    def _feed(self, worker: Worker) -> None:
+        """Give an idle worker its next item, and send it what it is ready to read.
+
+        fn once it has started, its item once it has loaded fn: a worker stuck
+        starting is never written to, so a large fn or item cannot block this
+        process on a full pipe.
+        """
+        if worker.running is not None:
+            return
+        if worker.next_item is None:
+            if not self.todo:
+                worker.deadline = None  # one still starting is not needed by this map
+                return
+            worker.next_item = self.todo.popleft()
+        if worker.loaded != self.fn_id:
+            if worker.deadline is None:
+                worker.deadline = self._deadline(self.startup)
+            if worker.ready and worker.fn_id != self.fn_id:
+                self._send(worker, ("fn", self.fn_id, self.fn_bytes))
+                worker.fn_id = self.fn_id
+            return
+        index = worker.next_item
+        self._send(worker, ("item", index, self.payloads[index]))
+        worker.running, worker.next_item = index, None
+        worker.deadline = self._deadline(self.timeout)
+
+    def _send(self, worker: Worker, message: tuple[Any, ...]) -> None:
+        try:
+            worker.conn.send(message)
+        except OSError:  # a broken pipe: the worker is gone (a long message waits for that)
+            raise self._error(_death_message(worker, self.work), worker.running) from None
+
+    @staticmethod
+    def _deadline(seconds: float | None) -> float | None:
+        return None if seconds is None else time.monotonic() + seconds
 
     def _collect(self) -> None:
         """Wait for the next answers (until the nearest deadline at most) and read them."""
@@ -254,12 +307,12 @@ class _Map:
             worker = by_handle[handle]
             if handle is worker.process.sentinel:
                 if not worker.conn.poll():  # it died, and said nothing more
-                    raise WorkerError(_death_message(worker, self.work))
+                    raise self._error(_death_message(worker, self.work), worker.running)
                 continue
             try:
                 message = worker.conn.recv()
             except (EOFError, OSError):
-                raise WorkerError(_death_message(worker, self.work)) from None
+                raise self._error(_death_message(worker, self.work), worker.running) from None
             self._read(worker, message)
 
     def _read(self, worker: Worker, message: tuple[Any, ...]) -> None:
@@ -267,51 +320,75 @@ class _Map:
         if kind == "ready":
             worker.ready = True
             return
+        if kind in ("loaded", "fn_failed") and message[1] != self.fn_id:
+            return  # about the fn of a pool's earlier map, sent before it ended
         if kind == "loaded":
             worker.loaded = message[1]
-            if worker.running is not None and worker.loaded == self.fn_id:
-                worker.deadline = self._deadline()  # its item's clock starts now
+            worker.deadline = None  # its start-up is over: its item's clock starts when sent
             return
         if kind == "fn_failed":
-            raise WorkerError(_fn_failed(worker.where(), *message[2:]))
+            raise self._error(_fn_failed(worker.where(), *message[2:]), None)
         index = message[1]
         worker.running = worker.deadline = None
         if kind != "ok":
-            raise WorkerError(_item_fault(kind, index, self.work[index], worker.where(), message))
+            fault = _item_fault(kind, index, self.work[index], worker.where(), message)
+            raise self._error(fault, index)
         try:
             self.results[index] = pickle.loads(message[2])
         except Exception as error:
-            raise WorkerError(
+            raise self._error(
                 f"gpu_map: the result of item {index} ({show_item(self.work[index])}) from "
-                f"{worker.where()} cannot be rebuilt here: {type(error).__name__}: {error}"
+                f"{worker.where()} cannot be rebuilt here: {type(error).__name__}: {error}",
+                index,
             ) from error
         self.step()
 
     def _expire(self) -> None:
-        """Raise for the item longest past its deadline whose answer has not come."""
-        if self.timeout is None:
+        """Raise for the worker longest past its deadline whose answer has not come."""
+        if self.timeout is None or self.startup is None:
             return
         now = time.monotonic()
-        by_deadline = sorted(
-            self.workers, key=lambda w: math.inf if w.deadline is None else w.deadline
+        # One whose answer is in is not late: it is read at the next wait.
+        late = [
+            worker
+            for worker in self.workers
+            if worker.deadline is not None and worker.deadline <= now and not worker.conn.poll()
+        ]
+        if not late:
+            return
+        worker = min(late, key=lambda w: w.deadline or 0.0)
+        index = worker.running
+        if index is None:
+            raise self._startup_expired(worker, self.timeout, self.startup)
+        raise WorkerTimeoutError(
+            f"gpu_map: item {index} ({show_item(self.work[index])}) ran longer than "
+            f"timeout={self.timeout:g} s in {worker.where()}, so every worker was stopped. "
+            f"{self._kept()} If the item needs longer, pass a larger timeout (or "
+            "timeout=None for no limit).",
+            index=index,
+            timeout=self.timeout,
+            results=dict(self.results),
         )
-        for worker in by_deadline:
-            index, deadline = worker.running, worker.deadline
-            if index is None or deadline is None or deadline > now:
-                return  # in deadline order: no later worker is late either
-            if worker.conn.poll():
-                continue  # its answer is in: read at the next wait
-            raise WorkerTimeoutError(
-                f"gpu_map: item {index} ({show_item(self.work[index])}) ran longer than "
-                f"timeout={self.timeout:g} s in {worker.where()}, so every worker was stopped. "
-                f"{len(self.results)} of {plural(len(self.work), 'item')} had finished: their "
-                "results are in this error's .results (a dict by item index); the others were "
-                "lost. If the item needs longer, pass a larger timeout (or timeout=None for no "
-                "limit).",
-                index=index,
-                timeout=self.timeout,
-                results=dict(self.results),
-            )
+
+    def _startup_expired(
+        self, worker: Worker, timeout: float, startup: float
+    ) -> WorkerTimeoutError:
+        doing = (
+            "loading fn (unpickling it, which imports its module)"
+            if worker.ready
+            else "starting (importing the main module, in a fresh Python)"
+        )
+        return WorkerTimeoutError(
+            f"gpu_map: {worker.where()} was still {doing} {startup:g} s after it was "
+            f"given this map, so every worker was stopped. With timeout={timeout:g}, "
+            f"a worker's start-up may take max(timeout, {_STARTUP_SECONDS:g} s). "
+            f"{self._kept()} Something imported there hangs: look at what the main module "
+            "and fn's module do at import time. If the start-up needs longer, pass a larger "
+            "timeout (or timeout=None for no limit).",
+            index=None,
+            timeout=startup,
+            results=dict(self.results),
+        )
 
 
 def _fn_failed(where: str, summary: str, remote_traceback: str) -> str:
@@ -331,7 +408,7 @@ def _item_fault(kind: str, index: int, item: object, where: str, message: tuple[
     if kind == "unpicklable":
         return (
             f"gpu_map: the result of {shown} cannot be sent back from {where}: {message[2]}. "
-            "Return picklable data: numbers, strings, CPU tensors, or containers of them."
+            "Return picklable data: numbers, strings, tensors, or containers of them."
         )
     if kind == "item_failed":
         return (
@@ -362,11 +439,12 @@ def _death_message(worker: Worker, work: list[Any]) -> str:
             f"gpu_map: {worker.where()} {how} before it started: it could not import the main "
             "module (its own error is printed above, on stderr). " + MAIN_GUARD_FIX
         )
-    doing = (
-        "between items"
-        if worker.running is None
-        else f"while running item {worker.running} ({show_item(work[worker.running])})"
-    )
+    if worker.running is not None:
+        doing = f"while running item {worker.running} ({show_item(work[worker.running])})"
+    elif worker.fn_id != worker.loaded:
+        doing = "while loading fn (unpickling it, which imports its module)"
+    else:
+        doing = "between items"
     code = worker.process.exitcode
     if worker.running is not None and code is not None and code >= 0:
         # It exited by itself mid-item. The worker sends back whatever fn raises,

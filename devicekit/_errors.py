@@ -127,35 +127,59 @@ class DeviceOutOfMemoryError(DevicekitError, torch.OutOfMemoryError):
 
 
 class WorkerError(DevicekitError, RuntimeError):
-    """A ``gpu_map`` worker failed; the message has the item's index and the worker's traceback."""
+    """A ``gpu_map`` worker failed; every worker was stopped, and the finished results are kept.
+
+    The message names the item (where one was at fault), the worker and its
+    device, and has the worker's traceback where there is one.
+
+    Attributes:
+        index: The index of the item that failed, or None where no item was at
+            fault (a worker died between items, or while it was starting).
+        results: The results of the items that had finished, by index (empty
+            where none had): the items of the map not in it were lost (run
+            them again).
+    """
+
+    def __init__(
+        self, message: str, *, index: int | None = None, results: dict[int, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.index = index
+        self.results: dict[int, Any] = {} if results is None else results
+
+    def _fields(self) -> dict[str, Any]:
+        return {"index": self.index, "results": self.results}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its fields (it crosses processes): the default pickles args
+        # alone. The state carries the rest of __dict__ (notes, say).
+        return functools.partial(type(self), *self.args, **self._fields()), (), self.__dict__
 
 
 class WorkerTimeoutError(WorkerError, TimeoutError):
-    """A ``gpu_map`` item ran longer than its ``timeout``; every worker was stopped.
+    """A ``gpu_map`` item, or a worker's start-up, ran too long; every worker was stopped.
 
     A [`WorkerError`][devicekit.WorkerError] and a ``TimeoutError``, so either
-    ``except`` catches it. The message names the item, its worker and device,
-    and the limit.
+    ``except`` catches it. The message names the item (or the worker that did
+    not finish starting), its worker and device, and the limit.
 
     Attributes:
-        index: The index of the item that ran too long.
-        timeout: The limit, in seconds.
+        index: The index of the item that ran too long, or None where a
+            worker's start-up did (before it had an item).
+        timeout: The limit that ran out, in seconds: ``timeout``, or for a
+            start-up, the start-up limit.
         results: The results of the items that had finished, by index: the
             items of the map not in it were lost (run them again).
     """
 
     def __init__(
-        self, message: str, *, index: int, timeout: float, results: dict[int, Any]
+        self, message: str, *, index: int | None, timeout: float, results: dict[int, Any]
     ) -> None:
-        super().__init__(message)
-        self.index, self.timeout, self.results = index, timeout, results
+        super().__init__(message, index=index, results=results)
+        self.timeout = timeout
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled with its fields (it crosses processes): the default pickles args alone.
-        rebuild = functools.partial(
-            type(self), *self.args, index=self.index, timeout=self.timeout, results=self.results
-        )
-        return rebuild, ()
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "timeout": self.timeout}
 
 
 def add_note(error: BaseException, note: str) -> None:

@@ -16,8 +16,10 @@ Faults end the call promptly and say what happened; nothing is left running:
 - ``fn`` raising ends the call with a [`WorkerError`][devicekit.WorkerError] that has
   the item's index, the worker and its device, and the worker's traceback
   (``sys.exit()`` in ``fn`` too, said as such);
-- an item that runs longer than ``timeout`` ends it with a
-  ``WorkerTimeoutError`` that keeps the results already computed;
+- an item that runs longer than ``timeout``, or a worker whose start-up
+  (importing the main module and ``fn``'s) takes longer than ``max(timeout,
+  300 s)``, ends it with a ``WorkerTimeoutError``;
+- every ``WorkerError`` keeps the results already computed, in ``.results``;
 - a worker that dies (the out-of-memory killer, a segfault, ``kill -9``) is
   seen at once, through its process sentinel, and named with its device,
   its exit code or signal and the item it was running;
@@ -26,14 +28,19 @@ Faults end the call promptly and say what happened; nothing is left running:
   on Linux (a parent-death signal), else within about a second;
 - a script that calls ``gpu_map`` at import time, outside ``if __name__ ==
   "__main__":``, gets an error that says so, instead of a wall of
-  ``multiprocessing`` traceback.
+  ``multiprocessing`` traceback; so does ``fn`` calling ``gpu_map`` in a
+  worker, which cannot start processes of its own.
+
+Tensors in ``fn``, items and results cross on the CPU (``_worker.dumps``): a
+worker's ``cuda:0`` is its own GPU, and rebuilding a tensor on the device it
+was pickled from would put it on another GPU, or start CUDA in the caller.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
-import pickle
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -54,7 +61,7 @@ from ._dispatch import (
 )
 from ._format import html_table, plural
 from ._options import check_count, check_flag, check_number
-from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
+from ._worker import NO_MAIN_GUARD, dumps, in_worker_bootstrap
 
 __all__ = [
     "GPUPool",
@@ -196,8 +203,15 @@ class GPUPool:
     def close(self) -> None:
         """Stop the workers (each finishes nothing new) and wait for them."""
         self._closed = True
-        workers, self._workers[:] = list(self._workers), []
-        stop_workers(workers, gently=True)
+        self._stop(gently=True)
+
+    def _stop(self, *, gently: bool) -> None:
+        # The workers leave the pool only once stopped: a Ctrl-C before that leaves
+        # them to the next close() (gpu_map's own, or the finalizer's).
+        try:
+            stop_workers(list(self._workers), gently=gently)
+        finally:
+            self._workers[:] = []
 
     def map(
         self,
@@ -243,8 +257,7 @@ class GPUPool:
             )
         except BaseException:
             # A failure, a timeout, or Ctrl-C: stop everyone now, whatever is still to do.
-            workers, self._workers[:] = list(self._workers), []
-            stop_workers(workers, gently=False)
+            self._stop(gently=False)
             raise
         finally:
             bar.close()
@@ -252,7 +265,7 @@ class GPUPool:
 
 def _pickle_fn(fn: object) -> bytes:
     try:
-        return pickle.dumps(fn)
+        return dumps(fn)
     except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
         raise TypeError(
             f"gpu_map() sends fn to worker processes, so it must be picklable, and {fn!r} is not "
@@ -266,7 +279,7 @@ def _pickle_items(items: list[Any]) -> list[bytes]:
     payloads = []
     for index, item in enumerate(items):
         try:
-            payloads.append(pickle.dumps(item))
+            payloads.append(dumps(item))
         except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
             raise TypeError(
                 f"gpu_map() sends each item to a worker process, so it must be picklable, and "
@@ -288,6 +301,27 @@ def _refuse_during_worker_bootstrap() -> None:
         sys.stderr.write(f"devicekit: gpu_map() called at import time. {MAIN_GUARD_FIX}\n")
         sys.stderr.flush()
         raise SystemExit(NO_MAIN_GUARD)
+
+
+def _refuse_in_daemon(caller: str) -> None:
+    process = multiprocessing.current_process()
+    if not process.daemon:
+        return
+    # multiprocessing refuses too, with "AssertionError: daemonic processes are not
+    # allowed to have children", from deep inside start(), naming neither us nor a fix.
+    if process.name.startswith("devicekit-worker-"):
+        raise RuntimeError(
+            f"{caller} was called inside fn, in a gpu_map worker, and a worker cannot start "
+            "workers of its own: it is a daemonic process, which may have no children (so "
+            "that none outlives the map). Run the inner work directly in fn (the worker's "
+            "GPU is dk.try_gpu()), or make it one map: call gpu_map once, from the main "
+            "process, over every inner item."
+        )
+    raise RuntimeError(
+        f"{caller} was called in {process.name!r}, a daemonic process (a multiprocessing "
+        "or DataLoader worker, say), which may start no processes of its own. Call it "
+        "from the main process, or run fn directly here."
+    )
 
 
 def gpu_pool(
@@ -314,6 +348,8 @@ def gpu_pool(
         ValueError: ``devices`` is empty or names a device that is neither CUDA
             nor the CPU, or ``workers_per_device`` is less than 1.
         DeviceNotFoundError: One of ``devices`` does not exist here.
+        RuntimeError: Called in a daemonic process, such as inside ``fn`` in
+            a ``gpu_map`` worker, which cannot start processes.
 
     Examples:
         >>> import math, devicekit as dk
@@ -324,6 +360,7 @@ def gpu_pool(
         ([1.0, 2.0], [6, 24])
     """
     _refuse_during_worker_bootstrap()
+    _refuse_in_daemon("gpu_pool()")
     per_device = workers_per_device_count(workers_per_device)
     return GPUPool(_slots(devices, per_device, caller="gpu_pool()"))
 
@@ -394,7 +431,10 @@ def gpu_map(
         items: The inputs: an iterable (read once, up front: a generator is
             consumed), or a map-style dataset with ``len()`` and ``[i]`` such
             as a ``torch.utils.data.Dataset``. Each item must be picklable,
-            and so must each result.
+            and so must each result. Tensors cross on the CPU, both ways: a
+            CUDA tensor in an item reaches ``fn`` on the CPU, and one in a
+            result comes back on the CPU (a worker's ``cuda:0`` is its own
+            GPU, not this process's).
         devices: Where workers run: a list of [`DeviceLike`][devicekit.DeviceLike], or one.
             GPUs are named as this process numbers them (``0``, ``"cuda:1"``,
             ``torch.device("cuda", 1)``); ``"cpu"`` is a CPU worker. Default:
@@ -406,8 +446,10 @@ def gpu_map(
             ``fn``: a worker's start-up and the import of ``fn``'s module do
             not count, but what ``fn`` does the first time it runs in a
             worker (starting CUDA, loading a model) does, so leave room for
-            it. An item that runs longer stops every worker and raises.
-            ``executor="local"`` only.
+            it. The start-up has a limit of its own, ``max(timeout, 300)``
+            seconds, so that a module that hangs on import ends the call too.
+            An item or start-up that runs longer stops every worker and
+            raises. ``executor="local"`` only.
         executor: ``"local"``: spawned worker processes on this machine.
             ``"ray"``: one Ray task per item, asking for
             ``1/workers_per_device`` of a GPU (of a CPU for CPU tasks), on
@@ -435,12 +477,17 @@ def gpu_map(
             worker's traceback), ``fn`` or an item could not be unpickled in a
             worker, a result could not be sent back, or a worker died (the
             message says how: its exit code or signal, and what it was
-            running). Every worker is stopped before it is raised.
-        WorkerTimeoutError: An item ran longer than ``timeout`` (the message
-            names it, its worker and device, and the limit). A
-            ``WorkerError`` and a ``TimeoutError``; its ``results`` holds the
-            results of the items that had finished, by index (the others
-            are lost). Every worker is stopped before it is raised.
+            running). Every worker is stopped before it is raised. With
+            ``executor="local"``, its ``results`` holds the results of the
+            items that had finished, by index (the others are lost), and
+            ``index`` the failed item's.
+        WorkerTimeoutError: An item ran longer than ``timeout``, or a
+            worker's start-up longer than ``max(timeout, 300)`` seconds (the
+            message names the item or the worker, its device, and the
+            limit). A ``WorkerError``, with its ``results``, and a
+            ``TimeoutError``. Every worker is stopped before it is raised.
+        RuntimeError: Called in a daemonic process, such as inside ``fn`` in
+            a ``gpu_map`` worker, which cannot start processes.
         KeyboardInterrupt: On Ctrl-C, after stopping the workers (cancelling
             the outstanding Ray tasks).
         ImportError: ``executor="ray"`` without Ray installed.
@@ -472,6 +519,7 @@ def gpu_map(
             fn, work, devices=devices, workers_per_device=workers_per_device, progress=progress
         )
     _refuse_during_worker_bootstrap()
+    _refuse_in_daemon("gpu_map()")
     fn_bytes = _pickle_fn(fn)
     per_device = workers_per_device_count(workers_per_device)
     # More workers per device than items would never run: not building them keeps

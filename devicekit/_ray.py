@@ -213,9 +213,13 @@ def _submit(task: Any, fn_ref: Any, index: int, item: Any, hide_gpus: bool) -> A
 
 
 def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> list[Any]:
-    """Results in input order as tasks finish; on failure or Ctrl-C, cancel what is left."""
+    """Results in input order as tasks finish; on failure or Ctrl-C, cancel what is left.
+
+    A failure raises a `WorkerError` that keeps the results already in (by
+    index), as the local executor's do: nothing finished is lost.
+    """
     position = {ref: index for index, ref in enumerate(refs)}
-    output: list[Any] = [None] * len(refs)
+    finished: dict[int, Any] = {}
     pending = list(refs)
     try:
         while pending:
@@ -227,14 +231,20 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
                 except ray.exceptions.RayError as error:  # the worker died, was killed, ...
                     raise WorkerError(
                         f"gpu_map: the Ray task for item {index} ({show_item(work[index])}) "
-                        f"failed: {error}"
+                        f"failed: {error}",
+                        index=index,
+                        results=dict(finished),
                     ) from None
                 if not ok:
-                    raise WorkerError(fn_raised(index, work[index], *payload))
-                output[index] = payload
+                    raise WorkerError(
+                        fn_raised(index, work[index], *payload),
+                        index=index,
+                        results=dict(finished),
+                    )
+                finished[index] = payload
                 progress.step()
     finally:
         for ref in pending:  # empty unless an item failed or Ctrl-C came
             ray.cancel(ref, force=True)
         progress.close()
-    return output
+    return [finished[index] for index in range(len(refs))]

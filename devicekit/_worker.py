@@ -22,14 +22,23 @@ own exception instead of "the worker exited"; only ``os._exit()`` or a signal
 ends a worker mid-item. ``"loaded"`` is what starts the clock of a
 ``timeout``: importing ``fn``'s module (torch, often) is start-up, not item.
 
-The parent sends a worker its next item only after that item's answer came
-back, so neither side can block writing while the other writes too, and
-nothing piles up in a queue when the parent stops early.
+The parent writes to a worker only while it is reading: ``fn`` once it said
+``"ready"``, the first item once it said ``"loaded"``, each next item once the
+last one's answer came back. So the parent never blocks writing to a worker
+that is stuck starting (a large ``fn`` or item would fill the pipe), neither
+side blocks writing while the other writes too, and nothing piles up in a
+queue when the parent stops early.
+
+Every pickle that crosses (``fn``, items, results) is made by ``dumps``:
+tensors cross on the CPU. A CUDA tensor pickled as torch pickles it records
+its device and is rebuilt there; a worker's ``cuda:0`` is its own GPU, not
+the caller's, and rebuilding it in the caller would start CUDA there.
 """
 
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import pickle
 import signal
@@ -38,13 +47,59 @@ import traceback
 import warnings
 from typing import Any
 
-__all__ = ["NO_MAIN_GUARD", "in_worker_bootstrap", "work"]
+__all__ = ["NO_MAIN_GUARD", "dumps", "in_worker_bootstrap", "work"]
 
 NO_MAIN_GUARD = 87
 """Exit code of a worker that stopped because the main module called gpu_map at import."""
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_CHECK_SECONDS = 1.0
+
+
+class _HostPickler(pickle.Pickler):
+    """A pickler that writes tensor storages as CPU copies that torch can rebuild."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called for every object but plain data (ints, strs, lists...), so it
+        # stays cheap: torch is looked up, never imported (no tensor without it).
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return NotImplemented
+        # The storage, not the tensor: a tensor pickles as its storage plus its
+        # shape, so this one place covers views, Parameters, sparse and nested
+        # tensors and subclasses alike.
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped = obj._untyped_storage
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped = obj
+        else:
+            return NotImplemented
+        if untyped.device.type == "meta":  # no data to move: torch's own way
+            return NotImplemented
+        host = untyped.cpu()  # itself, where it is on the CPU already
+        if untyped is obj:
+            # torch cannot unpickle an UntypedStorage it pickled (it looks for a
+            # dtype), and tensors of the newer dtypes (uint16, float8...) pickle
+            # one: send it as the uint8 TypedStorage that torch.load would give.
+            return torch.storage.TypedStorage(
+                wrap_storage=host, dtype=torch.uint8, _internal=True
+            ).__reduce__()
+        if host is untyped:
+            return NotImplemented  # a CPU TypedStorage: torch's own way
+        return torch.storage.TypedStorage(
+            wrap_storage=host, dtype=obj.dtype, _internal=True
+        ).__reduce__()
+
+
+def dumps(obj: object) -> bytes:
+    """``pickle.dumps(obj)``, with every tensor in it copied to the CPU on the way.
+
+    Raises:
+        Exception: Whatever pickling ``obj`` raises.
+    """
+    buffer = io.BytesIO()
+    _HostPickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def in_worker_bootstrap() -> bool:
@@ -59,7 +114,9 @@ def _die_with_parent(parent: int, *, signal_on_death: bool) -> None:
     if signal_on_death and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            # SIGKILL, not SIGTERM: fn (or a library) may ignore or handle SIGTERM,
+            # and a worker of a dead parent has nothing left to do but end.
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):  # no prctl here: the pipe and PPID checks remain
             pass
     if os.getppid() != parent:  # the parent died before prctl took effect
@@ -119,8 +176,8 @@ def _run(fn: Any, index: int, payload: bytes) -> tuple[Any, ...]:
         what = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
         return ("exited", index, what, traceback.format_exc())
     try:
-        return ("ok", index, pickle.dumps(result))
-    except Exception as error:  # noqa: BLE001 - pickling can raise anything a __reduce__ raises
+        return ("ok", index, dumps(result))
+    except BaseException as error:  # noqa: BLE001 - a __reduce__ can raise anything, sys.exit() too
         kind = type(result).__name__
         return ("unpicklable", index, f"{kind} result: {type(error).__name__}: {error}")
 

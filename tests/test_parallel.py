@@ -5,6 +5,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -95,6 +96,72 @@ class LoadsSlowly:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _load_slowly, ()
+
+
+def _load_never() -> Callable[[int], int]:
+    time.sleep(3600)  # as a module that hangs on import (a lock, a server, a stalled disk)
+    return abs
+
+
+class NeverLoads:
+    """A function whose unpickling (in the worker) never ends."""
+
+    def __call__(self, item: int) -> int:
+        return abs(item)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _load_never, ()
+
+
+class _OnCuda(torch.UntypedStorage):
+    """A CPU storage that says it is on cuda:0, so torch pickles it as it pickles a CUDA one.
+
+    ``torch.save`` writes the device it reads here, and unpickling puts the
+    storage back there: on a GPU machine that starts CUDA in the caller, on
+    this CPU-only torch it raises.
+    """
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def storage_on_cuda(item: int) -> torch.storage.TypedStorage:
+    """Four bytes of ``item`` in a storage that pickles as a CUDA one."""
+    wrapped = _OnCuda(4).fill_(item)
+    return torch.storage.TypedStorage(wrap_storage=wrapped, dtype=torch.uint8, _internal=True)
+
+
+def where_stored(storage: torch.storage.TypedStorage) -> tuple[str, list[int]]:
+    untyped = storage._untyped_storage
+    return untyped.device.type, untyped.tolist()
+
+
+def newer_dtypes(item: int) -> list[torch.Tensor]:
+    return [torch.full((2,), item, dtype=torch.uint16), torch.ones(2).to(torch.float8_e4m3fn)]
+
+
+def nested_map(item: int) -> list[int]:
+    return dk.gpu_map(abs, [item, -item], devices=["cpu"])
+
+
+def die_on_two(item: int) -> int:
+    if item == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return item
+
+
+def pid_ignore_sigterm_and_wait(item: int) -> int:
+    """Ignore SIGTERM (as some libraries' handlers do), write this worker's PID, stay busy."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return pid_and_wait(item)
+
+
+def cuda_results(item: int) -> dict[str, Any]:
+    import torch
+
+    x = torch.arange(6.0, device="cuda").reshape(2, 3) * item
+    return {"x": x, "row": x[1], "weight": torch.nn.Parameter(x.clone()), "device": str(x.device)}
 
 
 def write_pid(item: int) -> int:
@@ -336,7 +403,7 @@ def test_an_fn_that_cannot_be_unpickled_in_a_worker_is_named() -> None:
 
 
 def _run_in_repo(
-    script: str, *, env: dict[str, str] | None = None
+    script: str, *, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` with ``python -c`` from the repository (its functions importable there)."""
     result = subprocess.run(
@@ -345,7 +412,7 @@ def _run_in_repo(
         text=True,
         cwd=REPO,
         env={**os.environ, **(env or {})},
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
     assert result.returncode == 0, result.stderr
@@ -884,3 +951,311 @@ def test_the_missing_main_guard_line_is_one_write(monkeypatch: pytest.MonkeyPatc
     assert len(recorder.writes) == 1
     assert recorder.writes[0].startswith("devicekit: gpu_map() called at import time. ")
     assert recorder.writes[0].endswith(" above that line).\n")
+
+
+def test_a_worker_whose_fn_never_loads_is_stopped_at_the_startup_limit(tmp_path: Any) -> None:
+    # Before, the item's clock started only once fn was loaded, so a module that
+    # hung on import in the worker made gpu_map wait forever, timeout or not.
+    # The subprocess bounds the test; the start-up limit is lowered to 3 s.
+    script = textwrap.dedent(
+        """
+        import json, multiprocessing, devicekit as dk
+        from devicekit import _dispatch
+        from tests.test_parallel import NeverLoads
+        _dispatch._STARTUP_SECONDS = 3.0
+        try:
+            dk.gpu_map(NeverLoads(), [1, 2], devices=["cpu"], timeout=0.5)
+        except dk.WorkerTimeoutError as error:
+            print(json.dumps([str(error), error.index, error.timeout, error.results,
+                              len(multiprocessing.active_children())]))
+        """
+    )
+    result = _run_in_repo(script, timeout=60)
+    message, index, limit, results, children = json.loads(result.stdout.strip().splitlines()[-1])
+    assert message.startswith(
+        "gpu_map: worker 1 on the CPU was still loading fn (unpickling it, which imports its "
+        "module) 3 s after it was given this map, so every worker was stopped. With "
+        "timeout=0.5, a worker's start-up may take max(timeout, 3 s). 0 of 2 items had "
+        "finished: "
+    ), message
+    assert "look at what the main module and fn's module do at import time" in message
+    assert (index, limit, results, children) == (None, 3.0, {}, 0)
+
+
+def test_a_main_module_that_hangs_in_a_worker_is_stopped_at_the_startup_limit(
+    tmp_path: Any,
+) -> None:
+    # A hang in the worker's import of the main module, with an item larger than
+    # the pipe's buffer: before, the item was written to the worker at once and
+    # the write blocked forever on a worker that never read it.
+    script = tmp_path / "hangs_in_workers.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, pathlib, time
+            if __name__ == "__mp_main__":  # what a worker runs, importing this module
+                pathlib.Path("pids", str(os.getpid())).touch()
+                time.sleep(3600)
+            import json, multiprocessing, devicekit as dk
+            from devicekit import _dispatch
+            _dispatch._STARTUP_SECONDS = 3.0
+            if __name__ == "__main__":
+                try:
+                    dk.gpu_map(len, [bytes(3_000_000)], devices=["cpu"], timeout=0.5)
+                except dk.WorkerTimeoutError as error:
+                    print(json.dumps([str(error), len(multiprocessing.active_children())]))
+            """
+        )
+    )
+    (tmp_path / "pids").mkdir()
+    try:
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        # A worker still importing has no parent-death signal yet: were the call to
+        # hang and the script be killed, it would outlive the test.
+        for name in os.listdir(tmp_path / "pids"):
+            if _alive(int(name)):
+                os.kill(int(name), signal.SIGKILL)
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path / "pids")  # the hang happened, in a worker
+    message, children = json.loads(result.stdout.strip().splitlines()[-1])
+    assert message.startswith(
+        "gpu_map: worker 1 on the CPU was still starting (importing the main module, in a "
+        "fresh Python) 3 s after it was given this map"
+    ), message
+    assert children == 0
+
+
+@pytest.mark.parametrize(
+    ("fn", "items", "message"),
+    [
+        (fail_on_three, range(6), r"^gpu_map: fn raised on item 3 \(3\)"),
+        (die_on_two, [0, 1, 2, 3], r"^gpu_map: worker 1 on the CPU was killed by SIGKILL"),
+        (unpicklable_result, range(4), r"^gpu_map: the result of item 2 \(2\) cannot be sent"),
+    ],
+)
+def test_every_worker_error_keeps_the_finished_results(
+    fn: Callable[[int], object], items: Any, message: str
+) -> None:
+    # Before, only WorkerTimeoutError kept them: a failing item lost the rest.
+    with pytest.raises(dk.WorkerError, match=message) as info:
+        dk.gpu_map(fn, items, devices=["cpu"])  # one worker: items finish in order
+    error = info.value
+    done = {index: index for index in range(error.index or 0)}
+    assert error.index in (2, 3)
+    assert error.results == done
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.index, copy.results) == (
+        type(error),
+        str(error),
+        error.index,
+        done,
+    )
+    if sys.version_info >= (3, 11):
+        kept = f"{len(done)} of {len(list(items))} items had finished: their results are in "
+        assert error.__notes__[0].startswith(kept)
+
+
+def test_an_fn_that_cannot_be_loaded_keeps_no_results_and_names_no_item() -> None:
+    with pytest.raises(dk.WorkerError) as info:
+        dk.gpu_map(CallableThatLoadsBadly(), [1, 2], devices=["cpu"])
+    assert (info.value.index, info.value.results) == (None, {})
+
+
+def test_a_cuda_storage_in_a_result_comes_back_on_the_cpu() -> None:
+    # Before, the result was rebuilt on the caller's cuda:0 (another GPU than the
+    # worker's, CUDA started in the caller); here, CPU-only torch could not.
+    [storage] = dk.gpu_map(storage_on_cuda, [7], devices=["cpu"])
+    assert isinstance(storage, torch.storage.TypedStorage)
+    assert where_stored(storage) == ("cpu", [7, 7, 7, 7])
+
+
+def test_a_cuda_storage_in_an_item_reaches_fn_on_the_cpu() -> None:
+    # Before: "item 0 could not be unpickled in worker 1", asked for CUDA there.
+    assert dk.gpu_map(where_stored, [storage_on_cuda(3)], devices=["cpu"]) == [
+        ("cpu", [3, 3, 3, 3])
+    ]
+
+
+def test_tensors_of_the_newer_dtypes_come_back() -> None:
+    # Before: "cannot be rebuilt here: AttributeError: type object
+    # 'torch.storage.UntypedStorage' has no attribute 'dtype'": torch pickles a
+    # uint16 or float8 tensor with an UntypedStorage it cannot unpickle.
+    [[uint16, float8]] = dk.gpu_map(newer_dtypes, [5], devices=["cpu"])
+    assert uint16.dtype == torch.uint16
+    assert uint16.to(torch.int32).tolist() == [5, 5]
+    assert float8.dtype == torch.float8_e4m3fn
+    assert float8.float().tolist() == [1.0, 1.0]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_in_results_come_back_on_the_cpu_without_cuda_here() -> None:
+    script = textwrap.dedent(
+        """
+        import json, torch, devicekit as dk
+        from tests.test_parallel import cuda_results
+        if __name__ == "__main__":
+            [out] = dk.gpu_map(cuda_results, [2], devices=[0])
+            print(json.dumps({
+                "devices": sorted({str(v.device) for k, v in out.items() if k != "device"}),
+                "in_worker": out["device"],
+                "x": out["x"].tolist(), "row": out["row"].tolist(),
+                "parameter": type(out["weight"]).__name__,
+                "cuda_started_here": torch.cuda.is_initialized(),
+            }))
+        """
+    )
+    result = json.loads(_run_in_repo(script).stdout.strip().splitlines()[-1])
+    assert result == {
+        "devices": ["cpu"],
+        "in_worker": "cuda:0",
+        "x": [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]],
+        "row": [6.0, 8.0, 10.0],
+        "parameter": "Parameter",
+        "cuda_started_here": False,
+    }
+
+
+def test_gpu_map_inside_a_worker_says_why_it_cannot() -> None:
+    # Before: "AssertionError: daemonic processes are not allowed to have children",
+    # from deep inside multiprocessing.
+    with pytest.raises(dk.WorkerError) as info:
+        dk.gpu_map(nested_map, [1], devices=["cpu"])
+    message = str(info.value)
+    assert (
+        "RuntimeError: gpu_map() was called inside fn, in a gpu_map worker, and a worker "
+        "cannot start workers of its own: it is a daemonic process, which may have no "
+        "children" in message
+    ), message
+    assert "call gpu_map once, from the main process, over every inner item" in message
+    assert "AssertionError" not in message
+
+
+def test_gpu_pool_in_another_daemonic_process_says_why_it_cannot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class DataLoaderWorker:
+        daemon, name = True, "DataLoaderWorker-1"
+
+    monkeypatch.setattr(multiprocessing, "current_process", DataLoaderWorker)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^gpu_pool\(\) was called in 'DataLoaderWorker-1', a daemonic process \(a "
+        r"multiprocessing or DataLoader worker, say\), which may start no processes",
+    ):
+        dk.gpu_pool(devices=["cpu"])
+
+
+class _Interrupted(_Stubborn):
+    """A stubborn stand-in whose first wait is cut short by a second Ctrl-C."""
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.events.count(f"join {self.number}") == 1 and self.number == 1:
+            raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_while_stopping_workers_still_kills_them() -> None:
+    # Before, a second Ctrl-C during the wait after SIGTERM skipped the SIGKILL:
+    # workers that ignore SIGTERM outlived the call (and held the program's exit).
+    from devicekit import _dispatch
+
+    events: list[str] = []
+    workers = [_dispatch.Worker(n, "cpu", _Interrupted(n, events), _Conn()) for n in (1, 2)]
+    with pytest.raises(KeyboardInterrupt):
+        _dispatch.stop_workers(workers, gently=False)
+    assert events == [
+        "terminate 1",
+        "terminate 2",
+        "join 1",
+        "kill 1",
+        "kill 2",
+        "join 1",
+        "join 2",
+    ]
+    assert not any(worker.process.is_alive() for worker in workers)
+
+
+def test_two_ctrl_c_with_workers_ignoring_sigterm_leave_no_worker(tmp_path: Any) -> None:
+    # The impatient Ctrl-C, for real: workers whose fn ignores SIGTERM, a first
+    # Ctrl-C, and a second during the wait for them to stop.
+    script = textwrap.dedent(
+        """
+        import json, multiprocessing, os, devicekit as dk
+        from tests.test_parallel import pid_ignore_sigterm_and_wait
+        if __name__ == "__main__":
+            try:
+                dk.gpu_map(pid_ignore_sigterm_and_wait, range(2), devices=["cpu", "cpu"])
+            except KeyboardInterrupt:
+                pids = [int(name) for name in os.listdir(os.environ["DK_TEST_PIDS"])]
+                alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+                print(json.dumps([alive, len(multiprocessing.active_children())]), flush=True)
+        """
+    )
+    env = {**os.environ, "DK_TEST_PIDS": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C_WORKS + script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    pids: list[int] = []
+    try:
+        assert _wait_for(lambda: len(os.listdir(tmp_path)) >= 2, 60), "workers never ran"
+        pids = [int(name) for name in os.listdir(tmp_path)]
+        process.send_signal(signal.SIGINT)
+        time.sleep(1)  # into the 5 s wait for workers that ignore SIGTERM
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        for pid in pids:  # a failure leaves no orphan behind (they ignore SIGTERM)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr
+    assert json.loads(stdout.strip().splitlines()[-1]) == [[], 0]
+
+
+def test_workers_that_ignore_sigterm_end_when_their_parent_is_killed(tmp_path: Any) -> None:
+    # Before, the parent-death signal was SIGTERM: a worker whose fn (or a library)
+    # ignored it outlived its killed parent, an orphan for as long as fn ran.
+    script = """
+    import devicekit as dk
+    from tests.test_parallel import pid_ignore_sigterm_and_wait
+    if __name__ == "__main__":
+        dk.gpu_map(pid_ignore_sigterm_and_wait, range(2), devices=["cpu", "cpu"])
+    """
+    _kill_parent_and_watch(script, 2, tmp_path)
+
+
+class _ExitsWhenPickled:
+    def __reduce__(self) -> tuple[Any, ...]:
+        sys.exit(3)
+
+
+def exits_when_pickled(item: int) -> object:
+    return _ExitsWhenPickled() if item == 1 else item
+
+
+def test_a_result_whose_pickling_exits_is_named_and_keeps_the_worker() -> None:
+    # Before, the SystemExit escaped the worker's loop and ended it: "exited with
+    # code 3 while running item 1. fn must return or raise an Exception: os._exit()".
+    with pytest.raises(dk.WorkerError) as info:
+        dk.gpu_map(exits_when_pickled, [0, 1], devices=["cpu"])
+    assert str(info.value) == (
+        "gpu_map: the result of item 1 (1) cannot be sent back from worker 1 on the CPU: "
+        "_ExitsWhenPickled result: SystemExit: 3. Return picklable data: numbers, strings, "
+        "tensors, or containers of them."
+    )
+    assert info.value.results == {0: 0}

@@ -142,6 +142,10 @@ def test_a_failing_item_raises_worker_error_with_its_index(cluster: Any) -> None
         dk.gpu_map(fail_on_three, range(6), devices="cpu", executor="ray")
     assert "ValueError: bad item 3" in str(caught.value)
     assert "in fail_on_three" in str(caught.value)  # the remote traceback
+    # As with the local executor, the results already in are kept, by index.
+    assert caught.value.index == 3
+    assert 3 not in caught.value.results
+    assert all(caught.value.results[index] == index for index in caught.value.results)
 
 
 def test_an_item_ray_cannot_serialize_raises_type_error_with_its_index(cluster: Any) -> None:
@@ -160,8 +164,10 @@ def test_a_task_whose_worker_dies_raises_worker_error_with_its_index(cluster: An
     # Ray retries a task whose worker died (max_retries, 3 by default), then gives up.
     with pytest.raises(
         dk.WorkerError, match=r"gpu_map: the Ray task for item 1 \(1\) failed: .*worker died"
-    ):
+    ) as caught:
         dk.gpu_map(die_on_one, range(3), devices="cpu", executor="ray")
+    assert caught.value.index == 1
+    assert all(caught.value.results[index] == index for index in caught.value.results)
 
 
 def test_two_tasks_share_a_gpu_with_two_workers_per_device(cluster: Any, tmp_path: Path) -> None:
