@@ -83,34 +83,22 @@ class CallableThatLoadsBadly(LoadsBadly):
         return item
 
 
-def _load_slowly() -> Callable[[int], int]:
-    time.sleep(4)  # as a worker importing a heavy module for fn would
+def _load_after(seconds: float) -> Callable[[int], int]:
+    time.sleep(seconds)  # as a worker importing a heavy module for fn would (or one that hangs)
     return abs
 
 
-class LoadsSlowly:
-    """A function whose unpickling (in the worker) takes 4 s."""
+class LoadsAfter:
+    """A function whose unpickling (in the worker) takes ``seconds``: 3600 is never."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
 
     def __call__(self, item: int) -> int:
         return abs(item)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _load_slowly, ()
-
-
-def _load_never() -> Callable[[int], int]:
-    time.sleep(3600)  # as a module that hangs on import (a lock, a server, a stalled disk)
-    return abs
-
-
-class NeverLoads:
-    """A function whose unpickling (in the worker) never ends."""
-
-    def __call__(self, item: int) -> int:
-        return abs(item)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _load_never, ()
+        return _load_after, (self.seconds,)
 
 
 class _OnCuda(torch.UntypedStorage):
@@ -794,7 +782,7 @@ def test_an_item_over_its_timeout_stops_every_worker_and_keeps_the_results(tmp_p
 def test_timeout_starts_once_the_worker_has_loaded_fn() -> None:
     # Loading fn (importing its module: torch, often) takes 4 s here; the item
     # itself, microseconds. Counted from the hand-over, the item would time out.
-    assert dk.gpu_map(LoadsSlowly(), [-1, -2], devices=["cpu"], timeout=2) == [1, 2]
+    assert dk.gpu_map(LoadsAfter(4), [-1, -2], devices=["cpu"], timeout=2) == [1, 2]
 
 
 def test_a_missing_main_guard_with_large_items_is_named_too(tmp_path: Any) -> None:
@@ -961,10 +949,10 @@ def test_a_worker_whose_fn_never_loads_is_stopped_at_the_startup_limit(tmp_path:
         """
         import json, multiprocessing, devicekit as dk
         from devicekit import _dispatch
-        from tests.test_parallel import NeverLoads
+        from tests.test_parallel import LoadsAfter
         _dispatch._STARTUP_SECONDS = 3.0
         try:
-            dk.gpu_map(NeverLoads(), [1, 2], devices=["cpu"], timeout=0.5)
+            dk.gpu_map(LoadsAfter(3600), [1, 2], devices=["cpu"], timeout=0.5)
         except dk.WorkerTimeoutError as error:
             print(json.dumps([str(error), error.index, error.timeout, error.results,
                               len(multiprocessing.active_children())]))
