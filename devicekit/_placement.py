@@ -491,10 +491,13 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
       ``bytearray`` and ``array.array`` are returned as they are.
     - ``set`` and ``frozenset`` subclasses keep their type and attributes.
     - Dataclasses, frozen or not: a shallow copy with every field moved,
-      ``init=False`` fields too; ``__post_init__`` does not run again (an
-      attribute it computed that is not a field keeps its old value), and
+      ``init=False`` fields too, and every other attribute the instance holds
+      (what ``__post_init__`` set, ``self.mask = self.x > 0``, private ones
+      too), as a field is; ``__post_init__`` does not run again, and
       ``functools.cached_property`` values are dropped from the copy (they
       were computed from the old tensors) so they are computed again.
+      ``SimpleNamespace``, ``attrs`` instances and pydantic models (their
+      private attributes too) are copied the same way.
     - Objects with their own ``.to(device)`` method are moved by it, modules
       whose class overrides ``.to`` too; one whose ``.to()`` returns None is
       kept (it moved itself), with a warning once per class.

@@ -20,16 +20,22 @@ from __future__ import annotations
 
 import array
 import copy
-import dataclasses
 import functools
 import types
 import weakref
 from collections import ChainMap, Counter, OrderedDict, defaultdict, deque
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
+from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any, Protocol
 
 from ._format import first_line, qualified_name, shorten
-from ._tree import is_dataclass_instance, record_fields
+from ._tree import (
+    RecordLayout,
+    is_dataclass_instance,
+    record_attributes,
+    record_fields,
+    record_layout,
+    slot_names,
+)
 
 __all__ = [
     "Walk",
@@ -88,7 +94,7 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     changed = [(key, value) for key, value in moved.items() if value is not originals[key]]
     _write_moved(obj, result, changed, originals)
     if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
-        _replace_fields(walk, result, obj)
+        _replace_fields(walk, result, obj, record_layout(cls))
     forget_cached_properties(result)
     return result
 
@@ -302,17 +308,39 @@ def _kept(walk: Walk, obj: Any) -> list[Any]:
 
 
 def rebuild_dataclass(walk: Walk, obj: Any) -> Any:
-    # Every field, init=False ones too, on a copy: frozen instances are rebuilt,
-    # never mutated, and __post_init__ does not run again.
+    """A copy of a dataclass with every field and every other attribute moved.
+
+    Every field, ``init=False`` ones too, on a copy: frozen instances are
+    rebuilt, never mutated, and ``__post_init__`` does not run again, so what
+    it set (``self.mask = self.x > 0``) is moved too (`_move_attributes`).
+    """
+    layout = record_layout(type(obj))
     result = _own_copy(obj, unshare=False)  # fields are set on the copy's own __dict__
-    _replace_fields(walk, result, obj)
+    _replace_fields(walk, result, obj, layout)
+    if layout.slots:
+        _restore_slots(result, obj, layout.slots)
     forget_cached_properties(result)
+    _move_attributes(walk, result, layout)
     return result
 
 
-def _replace_fields(walk: Walk, result: Any, obj: Any) -> None:
+def _restore_slots(result: Any, obj: Any, slots: tuple[str, ...]) -> None:
+    """Put back the slots a copy lost: Python copies a ``slots=True`` dataclass's fields only.
+
+    Its generated ``__getstate__`` lists the fields, so a slot of a base class
+    (``__slots__ = ("_cache",)``) set in ``__post_init__`` would be missing from
+    the copy, and reading it would raise ``AttributeError``.
+    """
     missing = object()
-    values = [(field.name, getattr(obj, field.name, missing)) for field in dataclasses.fields(obj)]
+    for name in slots:  # not its fields: _replace_fields sets them
+        value = getattr(obj, name, missing)
+        if value is not missing and getattr(result, name, missing) is missing:
+            object.__setattr__(result, name, value)
+
+
+def _replace_fields(walk: Walk, result: Any, obj: Any, layout: RecordLayout) -> None:
+    missing = object()
+    values = [(name, getattr(obj, name, missing)) for name in layout.fields]
     walk.keep(values)  # a field may be a property that builds its value at each read
     for name, value in values:
         if value is not missing:
@@ -327,7 +355,9 @@ def rebuild_record(walk: Walk, obj: Any) -> Any:
     ``object.__setattr__`` (frozen classes too; no validator or converter runs
     again), cached properties dropped. A pydantic model's extra values go back
     into its copy's ``__pydantic_extra__``, and its fields-set record is the
-    input's (``model_dump(exclude_unset=True)`` gives the same keys).
+    input's (``model_dump(exclude_unset=True)`` gives the same keys). What it
+    holds besides its fields (a non-field attribute, a private value) is moved
+    too, as a dataclass's is.
     """
     result = _own_copy(obj, unshare=False)
     values = record_fields(obj)
@@ -342,7 +372,42 @@ def rebuild_record(walk: Walk, obj: Any) -> Any:
         else:
             object.__setattr__(result, name, moved)
     forget_cached_properties(result)
+    _move_attributes(walk, result, record_layout(type(obj)))
     return result
+
+
+def _move_attributes(walk: Walk, result: Any, layout: RecordLayout) -> None:
+    """Move what the copy holds besides its fields: ``__post_init__``'s ``self.mask``, a cache.
+
+    Left where it was, such a tensor makes a mixed-device object with no error
+    until it is used. Each value goes through the walk as a field's does, so a
+    tensor shared with a field stays shared, a container is rebuilt, a module
+    moved. Called once cached properties are dropped: they are computed again,
+    not moved. Read from the copy (its own ``__dict__``; a pydantic model's
+    private values, in a dict its ``__copy__`` made) and written back there.
+    """
+    values = record_attributes(result, layout)
+    if not values:
+        return
+    walk.keep(values)  # a class's own __copy__ may have made them: alive until the call ends
+    state = getattr(result, "__dict__", None)
+    private = getattr(result, "__pydantic_private__", None) if layout.pydantic else None
+    if not isinstance(private, dict):
+        private = {}
+    moved_private: dict[str, Any] = {}
+    for name, value in values:
+        moved = walk.move(value)
+        if moved is value:
+            continue
+        if state is not None and name in state:
+            state[name] = moved  # not setattr: a class's __setattr__ may refuse or validate
+        elif name in private:
+            moved_private[name] = moved
+        else:
+            object.__setattr__(result, name, moved)  # a slot
+    if moved_private:
+        # A new dict, not the copy's: one made without pydantic's __copy__ shares the input's.
+        object.__setattr__(result, "__pydantic_private__", {**private, **moved_private})
 
 
 def _own_copy(obj: Any, *, unshare: bool) -> Any:
@@ -388,7 +453,7 @@ def _unshare(result: Any, obj: Any) -> None:
         for name, value in mine.items():
             if value is theirs.get(name) and _mutable(value):
                 mine[name] = copy.copy(value)
-    for name in _slot_names(type(obj)):
+    for name in slot_names(type(obj)):
         value = getattr(result, name, None)
         if value is not None and value is getattr(obj, name, None) and _mutable(value):
             object.__setattr__(result, name, copy.copy(value))
@@ -438,20 +503,9 @@ def _copy_state(source: Any, target: Any) -> None:
     state = getattr(source, "__dict__", None)
     if state is not None:
         object.__getattribute__(target, "__dict__").update(state)
-    for name in _slot_names(type(source)):
+    for name in slot_names(type(source)):
         if hasattr(source, name):
             object.__setattr__(target, name, getattr(source, name))
-
-
-def _slot_names(cls: type) -> Iterator[str]:
-    """The attribute name of every slot, private (``__name``) ones as Python mangles them."""
-    for klass in cls.__mro__:
-        slots = vars(klass).get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            private = name.startswith("__") and not name.endswith("__")
-            yield f"_{klass.__name__.lstrip('_')}{name}" if private else name
 
 
 _cached_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()

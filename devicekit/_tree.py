@@ -4,6 +4,12 @@ One definition serves [`to_device()`][devicekit.to_device] (which rebuilds), and
 [`assert_same_device()`][devicekit.assert_same_device] and
 [`check_module()`][devicekit.check_module]
 (which only look), so the three always agree on what "inside" means.
+
+A record (a dataclass, an ``attrs`` instance, a pydantic model, a
+``SimpleNamespace``) holds its fields and whatever else its instance was given
+(``self.mask = self.x > 0`` in ``__post_init__``): both are inside it. A
+tensor in either is used with the others, so one left behind by a move, or
+missed by a check, is a mixed-device object.
 """
 
 from __future__ import annotations
@@ -12,19 +18,24 @@ import array
 import dataclasses
 import sys
 import types
-from collections.abc import Iterator, Mapping, MutableSequence
-from typing import Any, cast
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, MutableSequence
+from typing import Any, NamedTuple, cast
 
 import torch
 
 __all__ = [
+    "RecordLayout",
     "children",
     "describe_cycle",
     "is_namedtuple",
     "is_record",
     "iter_leaves",
     "iter_tensors",
+    "record_attributes",
     "record_fields",
+    "record_layout",
+    "slot_names",
 ]
 
 
@@ -48,7 +59,7 @@ def is_record(obj: object) -> bool:
     if isinstance(obj, types.SimpleNamespace):
         return True
     cls = type(obj)
-    if isinstance(getattr(cls, "__attrs_attrs__", None), tuple):
+    if _is_attrs(cls):
         return True
     return isinstance(getattr(cls, "__pydantic_fields__", None), dict) and _is_pydantic(obj)
 
@@ -63,27 +74,133 @@ def record_fields(obj: object) -> list[tuple[str, Any]]:
 
     For a dataclass or an ``attrs`` class, every field, ``init=False`` ones
     too; for a pydantic model, its fields then its extra values (with
-    ``extra="allow"``). A field with no value yet is left out.
+    ``extra="allow"``). A field with no value yet is left out. What else the
+    instance holds is in `record_attributes()`.
     """
     if isinstance(obj, types.SimpleNamespace):
         return list(vars(obj).items())
+    layout = record_layout(type(obj))
+    names: Iterable[str] = layout.fields
+    if layout.pydantic:
+        names = [*names, *(getattr(obj, "__pydantic_extra__", None) or ())]
     missing = object()
-    names: list[str]
-    if dataclasses.is_dataclass(obj):
-        names = [field.name for field in dataclasses.fields(obj)]
-    elif isinstance(getattr(type(obj), "__attrs_attrs__", None), tuple):
-        names = [attribute.name for attribute in type(obj).__attrs_attrs__]  # type: ignore[attr-defined]
-    else:  # pydantic
-        names = list(type(obj).__pydantic_fields__)  # type: ignore[attr-defined]
-        names += list(getattr(obj, "__pydantic_extra__", None) or ())
     values = ((name, getattr(obj, name, missing)) for name in names)
     return [(name, value) for name, value in values if value is not missing]
+
+
+def record_attributes(obj: object, layout: RecordLayout | None = None) -> list[tuple[str, Any]]:
+    """A record's other values: what its instance holds that is not a field.
+
+    What ``__post_init__`` or a method set (``self.mask = self.x > 0``,
+    ``self._cache = {}``): the entries of its ``__dict__`` and the values of
+    its slots that are not fields, then a pydantic model's private attributes.
+    Names ``__like_this__`` are Python's or a library's, and left out. Empty
+    for a ``SimpleNamespace``, whose attributes are its fields, and for most
+    records with slots (their slots are their fields). ``layout`` is
+    ``record_layout(type(obj))``, for a caller that has it already.
+
+    Examples:
+        >>> import dataclasses, torch
+        >>> @dataclasses.dataclass
+        ... class Batch:
+        ...     x: torch.Tensor
+        ...
+        ...     def __post_init__(self) -> None:
+        ...         self.mask = self.x > 0
+        >>> record_attributes(Batch(torch.ones(1)))
+        [('mask', tensor([True]))]
+    """
+    if layout is None:
+        layout = record_layout(type(obj))
+    fields: Mapping[str, Any] = (
+        vars(obj) if isinstance(obj, types.SimpleNamespace) else layout.fields
+    )
+    try:
+        state: dict[str, Any] = object.__getattribute__(obj, "__dict__")
+    except AttributeError:  # slots only
+        state = {}
+    # Inline, not _is_users(): a dataclass's __dict__ is mostly its fields, and this
+    # runs for each one (a call per entry cost a fifth of moving a small dataclass).
+    found = [
+        (name, value)
+        for name, value in state.items()
+        if name not in fields and not (name.startswith("__") and name.endswith("__"))
+    ]
+    missing = object()
+    for name in layout.slots:
+        value = getattr(obj, name, missing)  # a slot never set has no value
+        if value is not missing:
+            found.append((name, value))
+    if layout.pydantic:
+        found += list((getattr(obj, "__pydantic_private__", None) or {}).items())
+    return found
+
+
+def _is_users(name: str, fields: Mapping[str, Any]) -> bool:
+    """Whether an attribute is one the user set, not a field: not Python's nor a library's.
+
+    Python and libraries name theirs ``__like_this__`` (``__orig_class__``, which
+    ``Box[int](...)`` sets; pydantic's ``__pydantic_extra__``).
+    """
+    return name not in fields and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_attrs(cls: type) -> bool:
+    return isinstance(getattr(cls, "__attrs_attrs__", None), tuple)
+
+
+class RecordLayout(NamedTuple):
+    """What a record class's instances hold by name, read once per class."""
+
+    fields: dict[str, None]
+    """The names of its fields, in order (a dict: quick to test too)."""
+    slots: tuple[str, ...]
+    """Its slots that are not fields, nor Python's or a library's."""
+    pydantic: bool
+    """Whether it is a pydantic model: extra and private values live apart."""
+
+
+# A class's fields and slots never change once it is made; reading them costs more
+# than moving a small dataclass (dataclasses.fields() alone is about 1 µs).
+_layouts: weakref.WeakKeyDictionary[type, RecordLayout] = weakref.WeakKeyDictionary()
+
+
+def record_layout(cls: type) -> RecordLayout:
+    """The fields and other slots of a dataclass, ``attrs`` class, pydantic model or namespace."""
+    layout = _layouts.get(cls)
+    if layout is None:
+        pydantic = False
+        if dataclasses.is_dataclass(cls):
+            names = [field.name for field in dataclasses.fields(cls)]
+        elif _is_attrs(cls):
+            names = [attribute.name for attribute in cls.__attrs_attrs__]  # type: ignore[attr-defined]
+        else:  # pydantic, or a SimpleNamespace (whose fields are each instance's own)
+            names = list(getattr(cls, "__pydantic_fields__", None) or ())
+            module = sys.modules.get("pydantic")  # a model class exists: pydantic is imported
+            pydantic = module is not None and issubclass(cls, module.BaseModel)
+        fields = dict.fromkeys(names)
+        slots = tuple(name for name in slot_names(cls) if _is_users(name, fields))
+        layout = _layouts[cls] = RecordLayout(fields, slots, pydantic)
+    return layout
+
+
+def slot_names(cls: type) -> Iterator[str]:
+    """The attribute name of every slot, private (``__name``) ones as Python mangles them."""
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            private = name.startswith("__") and not name.endswith("__")
+            yield f"_{klass.__name__.lstrip('_')}{name}" if private else name
 
 
 def children(obj: object) -> list[tuple[str, Any]] | None:
     """The elements of a container with the path suffix of each, or None for a leaf.
 
-    Tensors and modules are leaves here: callers decide what to do with them.
+    Tensors and modules are leaves here: callers decide what to do with them. A
+    record's elements are its fields, then its other attributes (`record_attributes()`),
+    as `to_device()` moves both.
     """
     if isinstance(obj, (torch.Tensor, torch.nn.Module, str, bytes, bytearray, array.array)):
         return None
@@ -97,7 +214,8 @@ def children(obj: object) -> list[tuple[str, Any]] | None:
     if isinstance(obj, (set, frozenset)):
         return [(f"{{{index}}}", value) for index, value in enumerate(obj)]
     if is_dataclass_instance(obj) or is_record(obj):
-        return [(f".{name}", value) for name, value in record_fields(obj)]
+        held = record_fields(obj) + record_attributes(obj)
+        return [(f".{name}", value) for name, value in held]
     return None
 
 

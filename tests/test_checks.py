@@ -289,3 +289,30 @@ def test_check_module_on_lazy_tied_and_none_state() -> None:
     model = Model()
     assert dk.check_module(model) == []
     assert dk.assert_same_device(model=model) == CPU
+
+
+def test_attributes_that_are_not_fields_are_looked_inside_as_to_device_moves_them() -> None:
+    @dataclasses.dataclass
+    class Inputs:
+        ids: torch.Tensor
+
+        def __post_init__(self) -> None:
+            self.mask = torch.ones(1)  # on the CPU, whatever ids is on
+            self._extra = [torch.ones(1)]
+
+    inputs = Inputs(torch.ones(1, device="meta"))
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(inputs=inputs)
+    assert "  inputs.mask: cpu\n  inputs._extra[0]: cpu\n" in str(info.value)
+    assert dk.assert_same_device(dk.to_device(inputs, META)) == META
+
+    class Model(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(1, 1)
+            self.example = inputs  # a plain attribute: module.to() moves none of it
+
+    assert dk.check_module(Model()) == [
+        "example: a Inputs of 3 tensors on cpu, meta held as a plain attribute; module.to() "
+        "will not move them. Use nn.ParameterList for trainable tensors, or register each one "
+        "with self.register_buffer()."
+    ]

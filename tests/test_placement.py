@@ -9,13 +9,14 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import pytest
 import torch
 
 import devicekit as dk
 from devicekit import _placement
+from devicekit._tree import children
 
 from .conftest import FakeAccelerator
 
@@ -180,6 +181,125 @@ def test_slotted_frozen_dataclass() -> None:
     assert on(META, moved.x)
 
 
+@dataclasses.dataclass
+class Masked:
+    """What ``__post_init__`` often computes: attributes that are not fields."""
+
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.mask = self.x > 0
+        self.alias = self.x  # one tensor under two names
+        self._cache = {"squares": [self.x * self.x]}
+        self.label = "a"
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.x * 2
+
+
+def test_attributes_that_are_not_fields_are_moved_with_the_fields() -> None:
+    batch = Masked(torch.ones(2))
+    cache = batch._cache
+    assert on("cpu", batch.doubled)  # cached on the input
+    moved = dk.to_device(batch, META)
+    assert on(META, moved.x)
+    assert on(META, moved.mask)  # not left on the CPU beside a moved x
+    assert moved.alias is moved.x  # shared as in the input
+    assert on(META, moved._cache["squares"][0])
+    assert moved.label == "a"
+    assert "doubled" not in vars(moved)  # dropped, not moved: computed again
+    assert on(META, moved.doubled)
+    assert dk.assert_same_device(moved) == META  # nothing inside it stayed behind
+    assert on("cpu", batch.mask)  # the input is untouched
+    assert batch._cache is cache
+    assert on("cpu", cache["squares"][0])
+
+
+def test_an_attribute_shares_its_tensor_with_the_rest_of_the_batch() -> None:
+    batch = Masked(torch.ones(2))
+    moved: dict[str, Any] = dk.to_device({"batch": batch, "mask": batch.mask}, META)
+    assert moved["mask"] is moved["batch"].mask
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenMasked:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mask", self.x > 0)
+
+
+class CacheSlot:
+    __slots__ = ("_cache",)
+    _cache: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlottedMasked(CacheSlot):
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_cache", self.x > 0)
+
+
+def test_frozen_and_slotted_dataclasses_move_their_other_attributes() -> None:
+    frozen = FrozenMasked(torch.ones(1))
+    moved = dk.to_device(frozen, META)
+    assert on(META, moved.mask)  # type: ignore[attr-defined]
+    assert on("cpu", frozen.mask)  # type: ignore[attr-defined]
+    slotted = SlottedMasked(torch.ones(1))
+    moved_slotted = dk.to_device(slotted, META)
+    assert on(META, moved_slotted._cache)  # a slot of a base class, not a field
+    assert on("cpu", slotted._cache)
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Typed(Generic[T]):
+    x: torch.Tensor
+
+
+def test_python_s_own_attributes_are_not_the_user_s_state() -> None:
+    box = Typed[int](torch.ones(1))  # sets box.__orig_class__, Python's own
+    assert [suffix for suffix, _ in children(box) or []] == [".x"]
+    moved = dk.to_device(box, META)
+    assert moved.__orig_class__ is box.__orig_class__  # type: ignore[attr-defined]
+    assert on(META, moved.x)
+
+
+@dataclasses.dataclass
+class Holder:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.model = torch.nn.Linear(1, 1)
+
+
+def test_a_module_held_as_an_attribute_is_moved_as_a_field_holding_it_would_be() -> None:
+    holder = Holder(torch.ones(1))
+    moved = dk.to_device(holder, META)
+    assert moved.model is holder.model  # moved in place, as Module.to does
+    assert on(META, holder.model.weight)
+
+
+@dataclasses.dataclass
+class Node:
+    children: list[Node]
+
+    def __post_init__(self) -> None:
+        for child in self.children:
+            child._parent = self  # type: ignore[attr-defined]
+
+
+def test_a_back_reference_in_an_attribute_is_a_cycle_named_by_its_path() -> None:
+    # The copy's children would point back at the input, with its old tensors.
+    with pytest.raises(ValueError, match=r"obj\.children\[0\]\._parent is obj\."):
+        dk.to_device(Node([Node([])]), META)
+
+
 def test_objects_with_their_own_to_method() -> None:
     obj = HasTo(torch.ones(1))
     moved = dk.to_device({"enc": obj}, META)
@@ -273,6 +393,33 @@ def test_pydantic_models_move_fields_and_extras_and_keep_what_was_set() -> None:
     assert moved.model_fields_set == model.model_fields_set == {"x", "mask", "extra_tensor"}
     assert on("cpu", model.x)
     assert on("cpu", model.extra_tensor)
+
+
+def test_attrs_and_pydantic_records_move_what_they_hold_besides_their_fields() -> None:
+    attrs = pytest.importorskip("attrs")
+    pydantic = pytest.importorskip("pydantic")
+
+    @attrs.define(slots=False)
+    class Record:
+        x: torch.Tensor
+
+        def __attrs_post_init__(self) -> None:
+            self.mask = self.x > 0
+
+    class Model(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+        x: torch.Tensor
+        _cache: torch.Tensor | None = pydantic.PrivateAttr(default=None)
+
+        def model_post_init(self, context: Any) -> None:
+            self._cache = self.x * 2
+
+    record, model = Record(torch.ones(1)), Model(x=torch.ones(1))
+    moved_record, moved_model = dk.to_device([record, model], META)
+    assert on(META, moved_record.mask)
+    assert on(META, moved_model._cache)  # a private attribute, in __pydantic_private__
+    assert on("cpu", record.mask)
+    assert on("cpu", model._cache)
 
 
 @pytest.mark.parametrize("leaf", [1, 2.5, "text", b"bytes", None, int, 1j, object()])

@@ -642,3 +642,30 @@ def test_byte_arrays_and_read_only_sequences_are_returned_unchanged() -> None:
     assert moved[1] is numbers
     assert moved[2] is clip
     assert moved[3] == range(3)
+
+
+def test_a_pydantic_model_copied_without_its_own_copy_keeps_its_private_values_apart() -> None:
+    # Its __copy__ returns itself, so the copy is made without it and shares the
+    # input's __pydantic_private__ dict: the moved values go into a new one.
+    pydantic = pytest.importorskip("pydantic")
+
+    class Model(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(arbitrary_types_allowed=True, frozen=True)
+        x: torch.Tensor
+        _cache: torch.Tensor | None = pydantic.PrivateAttr(default=None)
+
+        def model_post_init(self, context: Any) -> None:
+            self._cache = self.x * 2
+
+        def __copy__(self) -> Model:
+            return self
+
+    model = Model(x=torch.ones(1))
+    private = model.__pydantic_private__
+    moved = dk.to_device(model, META)
+    assert moved is not model
+    assert isinstance(moved._cache, torch.Tensor)
+    assert moved._cache.is_meta
+    assert model.__pydantic_private__ is private
+    assert isinstance(model._cache, torch.Tensor)
+    assert model._cache.device.type == "cpu"

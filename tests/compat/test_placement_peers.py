@@ -184,6 +184,29 @@ def test_dataclasses_drop_cached_properties_as_with_lightning() -> None:
     assert ours.doubled.device == theirs.doubled.device == META
 
 
+@dataclasses.dataclass
+class Masked:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.mask = self.x > 0  # not a field
+
+
+def test_attributes_that_are_not_fields_are_moved_where_the_peers_leave_them() -> None:
+    # accelerate returns the dataclass itself; Lightning moves its fields and deep-copies
+    # the rest, so its copy's mask is a new CPU tensor beside a moved x: a mixed-device
+    # object (a deliberate difference, in docs/placement.md).
+    batch = Masked(torch.ones(2))
+    accelerated = accelerate_move()(batch)
+    assert accelerated is batch
+    lightning = lightning_move()(batch)
+    assert lightning.x.device == META
+    assert lightning.mask.device.type == "cpu"
+    assert lightning.mask is not batch.mask
+    ours = dk.to_device(batch, META)
+    assert ours.x.device == ours.mask.device == META
+
+
 class MovesItself:
     def __init__(self) -> None:
         self.tensor = torch.ones(1)
