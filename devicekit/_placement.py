@@ -28,14 +28,13 @@ from ._errors import add_note
 from ._format import qualified_name
 from ._options import check_flag
 from ._rebuild import (
-    rebuild_dataclass,
     rebuild_list_subclass,
     rebuild_mapping,
-    rebuild_record,
     rebuild_sequence,
     rebuild_set,
     rebuild_tuple,
 )
+from ._records import rebuild_dataclass, rebuild_record
 from ._tree import describe_cycle, is_dataclass_instance, is_record, iter_tensors
 
 __all__ = ["data_parallel", "to_device"]

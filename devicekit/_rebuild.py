@@ -3,8 +3,8 @@
 Plain dicts, lists and tuples are rebuilt inline by the walk in ``_placement``
 (the hot path); everything else that holds tensors comes here: mappings of
 every kind, list and tuple subclasses, deques and other mutable sequences,
-sets, dataclasses. Each rebuild makes a new object and never writes into the
-input:
+sets (records, dataclasses among them, are `_records`'). Each rebuild makes a
+new object (`_copying`) and never writes into the input:
 
 - a copy that the class's own ``__copy__`` returns as the input itself (an
   immutable class's idiom) is made again without it;
@@ -19,44 +19,24 @@ input:
 from __future__ import annotations
 
 import array
-import copy
-import functools
 import types
 import weakref
 from collections import ChainMap, Counter, OrderedDict, defaultdict, deque
 from collections.abc import Mapping, MutableMapping, MutableSequence
-from typing import Any, Protocol
+from typing import Any
 
+from ._copying import copy_state, forget_cached_properties, own_copy
 from ._format import first_line, qualified_name, shorten
-from ._tree import (
-    RecordLayout,
-    is_dataclass_instance,
-    record_attributes,
-    record_fields,
-    record_layout,
-    slot_names,
-)
+from ._records import Walk, replace_fields
+from ._tree import is_dataclass_instance, record_layout
 
 __all__ = [
-    "Walk",
-    "forget_cached_properties",
-    "rebuild_dataclass",
     "rebuild_list_subclass",
     "rebuild_mapping",
-    "rebuild_record",
     "rebuild_sequence",
     "rebuild_set",
     "rebuild_tuple",
 ]
-
-
-class Walk(Protocol):
-    """What a rebuild needs of the walk: move one value, and keep an object alive."""
-
-    def move(self, obj: Any) -> Any: ...
-
-    def keep(self, obj: Any) -> None:
-        """Hold ``obj`` until the call ends: the walk's memo is keyed by ``id()``."""
 
 
 def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
@@ -89,12 +69,12 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     # a shallow copy made the class's own way (its __reduce__ or __copy__) keeps
     # its state, then each value that moved is replaced with its own __setitem__,
     # which keeps attribute mirrors (ModelOutput, EasyDict) in step.
-    result = _own_copy(obj, unshare=True)
+    result = own_copy(obj, unshare=True)
     originals = dict(items)
     changed = [(key, value) for key, value in moved.items() if value is not originals[key]]
     _write_moved(obj, result, changed, originals)
     if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
-        _replace_fields(walk, result, obj, record_layout(cls))
+        replace_fields(walk, result, obj, record_layout(cls))
     forget_cached_properties(result)
     return result
 
@@ -116,7 +96,7 @@ def _rebuild_chain_map(walk: Walk, obj: ChainMap[Any, Any]) -> ChainMap[Any, Any
     """
     cls = type(obj)
     result = cls.__new__(cls)  # not its __init__, whose signature may be a subclass's own
-    _copy_state(obj, result)
+    copy_state(obj, result)
     # Not through the class's __setattr__: an attribute-style subclass makes it an item.
     object.__setattr__(result, "maps", [walk.move(child) for child in obj.maps])
     forget_cached_properties(result)
@@ -224,7 +204,7 @@ def _reads_back(obj: Any, key: Any, value: Any) -> bool:
 
 
 def rebuild_list_subclass(walk: Walk, obj: list[Any]) -> list[Any]:
-    result: list[Any] = _own_copy(obj, unshare=True)
+    result: list[Any] = own_copy(obj, unshare=True)
     result[:] = [walk.move(item) for item in _kept(walk, obj)]
     forget_cached_properties(result)
     return result
@@ -244,7 +224,7 @@ def rebuild_sequence(walk: Walk, obj: MutableSequence[Any]) -> MutableSequence[A
     moved = [walk.move(item) for item in items]
     if type(obj) is deque:
         return deque(moved, maxlen=obj.maxlen)
-    result: MutableSequence[Any] = _own_copy(obj, unshare=True)
+    result: MutableSequence[Any] = own_copy(obj, unshare=True)
     originals = dict(enumerate(items))
     changed = [(index, new) for index, new in enumerate(moved) if new is not originals[index]]
     _write_moved(obj, result, changed, originals)
@@ -262,7 +242,7 @@ def rebuild_tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
     # A namedtuple or another subclass: made without its __new__ (whose signature is
     # its own, and may take more than the items), then its attributes.
     result: tuple[Any, ...] = tuple.__new__(cls, items)
-    _copy_state(obj, result)
+    copy_state(obj, result)
     forget_cached_properties(result)
     return result
 
@@ -292,7 +272,7 @@ def rebuild_set(walk: Walk, obj: set[Any] | frozenset[Any]) -> set[Any] | frozen
     result: set[Any] | frozenset[Any] = (
         frozenset.__new__(cls, moved) if isinstance(obj, frozenset) else set.__new__(cls)
     )
-    _copy_state(obj, result)
+    copy_state(obj, result)
     if isinstance(result, set):
         set.update(result, moved)
     forget_cached_properties(result)
@@ -305,227 +285,3 @@ def _kept(walk: Walk, obj: Any) -> list[Any]:
     if type(obj) not in (list, tuple, set, frozenset):
         walk.keep(items)
     return items
-
-
-def rebuild_dataclass(walk: Walk, obj: Any) -> Any:
-    """A copy of a dataclass with every field and every other attribute moved.
-
-    Every field, ``init=False`` ones too, on a copy: frozen instances are
-    rebuilt, never mutated, and ``__post_init__`` does not run again, so what
-    it set (``self.mask = self.x > 0``) is moved too (`_move_attributes`).
-    """
-    layout = record_layout(type(obj))
-    result = _own_copy(obj, unshare=False)  # fields are set on the copy's own __dict__
-    _replace_fields(walk, result, obj, layout)
-    if layout.slots:
-        _restore_slots(result, obj, layout.slots)
-    forget_cached_properties(result)
-    _move_attributes(walk, result, layout)
-    return result
-
-
-def _restore_slots(result: Any, obj: Any, slots: tuple[str, ...]) -> None:
-    """Put back the slots a copy lost: Python copies a ``slots=True`` dataclass's fields only.
-
-    Its generated ``__getstate__`` lists the fields, so a slot of a base class
-    (``__slots__ = ("_cache",)``) set in ``__post_init__`` would be missing from
-    the copy, and reading it would raise ``AttributeError``.
-    """
-    missing = object()
-    for name in slots:  # not its fields: _replace_fields sets them
-        value = getattr(obj, name, missing)
-        if value is not missing and getattr(result, name, missing) is missing:
-            object.__setattr__(result, name, value)
-
-
-def _replace_fields(walk: Walk, result: Any, obj: Any, layout: RecordLayout) -> None:
-    missing = object()
-    values = [(name, getattr(obj, name, missing)) for name in layout.fields]
-    walk.keep(values)  # a field may be a property that builds its value at each read
-    for name, value in values:
-        if value is not missing:
-            object.__setattr__(result, name, walk.move(value))
-
-
-def rebuild_record(walk: Walk, obj: Any) -> Any:
-    """A ``SimpleNamespace``, ``attrs`` instance or pydantic model: a copy, every field moved.
-
-    As a dataclass is: a shallow copy (its class's own way: ``attrs`` slotted
-    classes and pydantic models say how), each value set with
-    ``object.__setattr__`` (frozen classes too; no validator or converter runs
-    again), cached properties dropped. A pydantic model's extra values go back
-    into its copy's ``__pydantic_extra__``, and its fields-set record is the
-    input's (``model_dump(exclude_unset=True)`` gives the same keys). What it
-    holds besides its fields (a non-field attribute, a private value) is moved
-    too, as a dataclass's is.
-    """
-    result = _own_copy(obj, unshare=False)
-    values = record_fields(obj)
-    walk.keep(values)  # a property may build its value at each read
-    extra = getattr(result, "__pydantic_extra__", None)
-    for name, value in values:
-        moved = walk.move(value)
-        if moved is value:
-            continue
-        if extra is not None and name in extra:
-            extra[name] = moved  # the copy's own dict: pydantic's __copy__ copies it
-        else:
-            object.__setattr__(result, name, moved)
-    forget_cached_properties(result)
-    _move_attributes(walk, result, record_layout(type(obj)))
-    return result
-
-
-def _move_attributes(walk: Walk, result: Any, layout: RecordLayout) -> None:
-    """Move what the copy holds besides its fields: ``__post_init__``'s ``self.mask``, a cache.
-
-    Left where it was, such a tensor makes a mixed-device object with no error
-    until it is used. Each value goes through the walk as a field's does, so a
-    tensor shared with a field stays shared, a container is rebuilt, a module
-    moved. Called once cached properties are dropped: they are computed again,
-    not moved. Read from the copy (its own ``__dict__``; a pydantic model's
-    private values, in a dict its ``__copy__`` made) and written back there.
-    """
-    values = record_attributes(result, layout)
-    if not values:
-        return
-    walk.keep(values)  # a class's own __copy__ may have made them: alive until the call ends
-    state = getattr(result, "__dict__", None)
-    private = getattr(result, "__pydantic_private__", None) if layout.pydantic else None
-    if not isinstance(private, dict):
-        private = {}
-    moved_private: dict[str, Any] = {}
-    for name, value in values:
-        moved = walk.move(value)
-        if moved is value:
-            continue
-        if state is not None and name in state:
-            state[name] = moved  # not setattr: a class's __setattr__ may refuse or validate
-        elif name in private:
-            moved_private[name] = moved
-        else:
-            object.__setattr__(result, name, moved)  # a slot
-    if moved_private:
-        # A new dict, not the copy's: one made without pydantic's __copy__ shares the input's.
-        object.__setattr__(result, "__pydantic_private__", {**private, **moved_private})
-
-
-def _own_copy(obj: Any, *, unshare: bool) -> Any:
-    """A shallow copy of ``obj``, never ``obj`` itself, that ``to_device`` may write into.
-
-    A class that says how it is copied (``__copy__``, ``__reduce__``,
-    ``__getstate__``...) is copied its own way. Any other is made without its
-    ``__init__`` (whose signature is its own) and without its ``__setitem__``
-    (``copy.copy`` calls it on a copy that shares the input's attributes):
-    a new instance gets the items and the attributes directly. With
-    ``unshare``, the copy's mutable attributes are its own, copied one level,
-    so that writing items into the copy writes nothing into ``obj``.
-    """
-    cls: Any = type(obj)
-    if _copies_its_own_way(cls):
-        result = copy.copy(obj)
-        if result is not obj:  # an immutable class's __copy__ returns self
-            if unshare:
-                _unshare(result, obj)
-            return result
-    result = cls.__new__(cls)
-    if isinstance(obj, OrderedDict):  # its base __setitem__: the subclass's may need state
-        for key, value in OrderedDict.items(obj):
-            OrderedDict.__setitem__(result, key, value)
-    elif isinstance(obj, dict):
-        dict.update(result, obj)
-    elif isinstance(obj, list):
-        list.extend(result, obj)
-    elif isinstance(obj, deque):  # cls.__new__ made it empty and unbounded
-        deque.__init__(result, obj, obj.maxlen)
-    if isinstance(obj, defaultdict):
-        result.default_factory = obj.default_factory
-    _copy_state(obj, result)
-    if unshare:
-        _unshare(result, obj)
-    return result
-
-
-def _unshare(result: Any, obj: Any) -> None:
-    """Give ``result`` its own copy of each mutable attribute it shares with ``obj``."""
-    mine, theirs = getattr(result, "__dict__", None), getattr(obj, "__dict__", None)
-    if mine and theirs:
-        for name, value in mine.items():
-            if value is theirs.get(name) and _mutable(value):
-                mine[name] = copy.copy(value)
-    for name in slot_names(type(obj)):
-        value = getattr(result, name, None)
-        if value is not None and value is getattr(obj, name, None) and _mutable(value):
-            object.__setattr__(result, name, copy.copy(value))
-
-
-def _mutable(value: object) -> bool:
-    return isinstance(value, (dict, list, set, MutableMapping))
-
-
-_COPY_HOOKS = frozenset(
-    {"__copy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__"}
-)
-# Their copy hooks are the generic ones that `_own_copy` does itself, without
-# __init__ or __setitem__; any other class's hooks (UserDict's, UserList's, a
-# ModelOutput's) say how that class is copied. (A deque's __copy__ calls a
-# subclass's __init__ with the items, whatever its signature.)
-_PLAIN = frozenset(
-    {
-        object,
-        dict,
-        list,
-        set,
-        frozenset,
-        tuple,
-        OrderedDict,
-        defaultdict,
-        Counter,
-        deque,
-        types.SimpleNamespace,  # its __reduce__ calls a subclass's __init__ with no arguments
-    }
-)
-_own_way: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
-
-
-def _copies_its_own_way(cls: type) -> bool:
-    """Whether a class other than the plain bases defines how it is copied."""
-    known = _own_way.get(cls)
-    if known is None:
-        known = _own_way[cls] = any(
-            not _COPY_HOOKS.isdisjoint(vars(klass)) for klass in cls.__mro__ if klass not in _PLAIN
-        )
-    return known
-
-
-def _copy_state(source: Any, target: Any) -> None:
-    """``source``'s attributes onto ``target``: its ``__dict__`` and its slots."""
-    state = getattr(source, "__dict__", None)
-    if state is not None:
-        object.__getattribute__(target, "__dict__").update(state)
-    for name in slot_names(type(source)):
-        if hasattr(source, name):
-            object.__setattr__(target, name, getattr(source, name))
-
-
-_cached_names: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
-
-
-def forget_cached_properties(obj: Any) -> None:
-    """Drop the ``functools.cached_property`` values of a copy: computed from the old tensors."""
-    cls = type(obj)
-    names = _cached_names.get(cls)
-    if names is None:
-        seen: dict[str, Any] = {}
-        for klass in cls.__mro__:
-            for name, attribute in vars(klass).items():
-                seen.setdefault(name, attribute)  # the first in the MRO is the one in use
-        names = _cached_names[cls] = tuple(
-            attribute.attrname or name
-            for name, attribute in seen.items()
-            if isinstance(attribute, functools.cached_property)
-        )
-    state = getattr(obj, "__dict__", None)
-    if names and state is not None:
-        for name in names:
-            state.pop(name, None)
