@@ -11,17 +11,13 @@ sinks; ``_logflush`` brings them to the host, by key, and across ranks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import numbers
-import operator
-import sys
 import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal, SupportsIndex, cast
+from typing import Any, Literal
 
 import torch
 
@@ -39,6 +35,8 @@ from ._logflush import (
     start,
     start_reduced,
 )
+from ._logvalues import FLOATING as _FLOATING
+from ._logvalues import checked, checked_step, on_device, refuse
 from ._options import check_count
 
 __all__ = ["LogBuffer", "Record", "Sink"]
@@ -54,33 +52,6 @@ _REDUCE_OPS = ("mean", "sum", "max", "min")
 _FINAL_ROUNDS = 8  # flushes at the end of a with block for what sinks log (each may log again)
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
-# Real numbers that stack and convert to a Python float exactly (as float64).
-# Complex, quantized and bit-packed dtypes are refused when logged.
-_LOGGABLE = frozenset(
-    getattr(torch, name)
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "bool",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)  # the uints and float8s: torch >= 2.3
-)
-# Those whose Tensor.item() is already a Python float: log()'s fast path takes these.
-_FLOATING = frozenset(dtype for dtype in _LOGGABLE if dtype.is_floating_point)
 
 
 class LogBuffer:
@@ -213,9 +184,9 @@ class LogBuffer:
                 recorded or pending all the same: do not log it again.
         """
         # Runs every training step: one pass, attribute reads only, no new dict
-        # (kwargs is already fresh). Anything unusual goes to _checked().
+        # (kwargs is already fresh). Anything unusual goes to _logvalues.checked().
         if step is not None and step.__class__ is not int:
-            step = _checked_step(step)
+            step = checked_step(step)
         if not scalars:
             raise ValueError(
                 "log() needs at least one value to record, such as log(step, loss=loss)"
@@ -235,13 +206,13 @@ class LogBuffer:
                     value = scalars[key] = value.data
                 if not value.is_cpu:
                     if value.is_meta:
-                        raise _refuse(key, value)
+                        raise refuse(key, value)
                     read = ON_DEVICE
             elif value.__class__ is float:
                 read = read or HOST_VALUES
             else:  # integers, one-element tensors, anything unusual
-                scalars[key] = value = _checked(key, value)
-                read = max(read, ON_DEVICE if _on_device(value) else HOST_VALUES)
+                scalars[key] = value = checked(key, value)
+                read = max(read, ON_DEVICE if on_device(value) else HOST_VALUES)
         pending = self._pending
         pending.append((step, scalars, read))  # atomic: no lock (see __init__)
         if len(pending) >= self._flush_at:
@@ -618,81 +589,6 @@ mean 'loss'?"
         return raised
 
 
-# --- checking values when they are logged ---------------------------------------------------
-
-
-def _checked(key: str, value: Any) -> Any:
-    """What to keep for a value the fast path of log() did not accept, or an error."""
-    if isinstance(value, _Tensor):
-        if value.dtype not in _LOGGABLE:
-            expected, fix = (
-                ("a real number", "value.real or value.abs()")
-                if value.dtype.is_complex
-                else (
-                    "a dtype that converts to a float",
-                    "value.dequantize()" if value.is_quantized else "value.float()",
-                )
-            )
-            raise TypeError(
-                f"LogBuffer.log({key}=...) expects {expected}, got a tensor of dtype "
-                f"{value.dtype}; log {fix}"
-            )
-        if value.layout is not _STRIDED or value.is_nested:
-            raise TypeError(
-                f"LogBuffer.log({key}=...) expects a dense tensor, got layout {value.layout}"
-                f"{' (nested)' if value.is_nested else ''}; log value.to_dense()"
-            )
-        if value.numel() != 1:
-            raise ValueError(
-                f"LogBuffer.log({key}=...) expects a scalar: a 0-d tensor or a number, got "
-                f"a tensor of shape {tuple(value.shape)}; log value.mean() or one element"
-            )
-        if value.is_meta:
-            raise _refuse(key, value)
-        if value.requires_grad:
-            value = value.detach()
-        return value.reshape(()) if value.ndim else value  # a view: no kernel
-    if isinstance(value, (int, float)) or _is_real(value):  # bool and int subclasses included
-        try:
-            return float(value)  # now: a numpy scalar is exact as a float64
-        except OverflowError:
-            what = (
-                f"an int of {int(value).bit_length()} bits, too large for a float64 (1024 bits "
-                "at most)"
-                if isinstance(value, int)
-                else f"a {type(value).__name__} too large for a float64"
-            )
-            raise ValueError(f"LogBuffer.log({key}=...) got {what}; log it scaled") from None
-    raise TypeError(
-        f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got {type(value).__name__}"
-        + ("; log float(value)" if hasattr(value, "__float__") else "")
-    )
-
-
-def _is_real(value: object) -> bool:
-    """A real number that is not a Python one: numpy's scalars (bool_ too), a Fraction.
-
-    ``numbers.Real`` is what they register as; numpy's ``bool_`` registers as
-    nothing. A Decimal is not a ``numbers.Real`` (nor is ``float()`` of one
-    checked: a huge one becomes inf), and stays refused.
-    """
-    if isinstance(value, numbers.Real):
-        return True
-    numpy = sys.modules.get("numpy")  # a numpy value exists: numpy is imported
-    return numpy is not None and isinstance(value, numpy.bool_)
-
-
-def _on_device(value: Any) -> bool:
-    return isinstance(value, _Tensor) and not value.is_cpu
-
-
-def _refuse(key: str, value: torch.Tensor) -> ValueError:
-    return ValueError(
-        f"LogBuffer.log({key}=...) got a tensor on the {value.device.type} device, which "
-        "holds no values; log a tensor on a real device"
-    )
-
-
 # --- reporting -------------------------------------------------------------------------------
 
 
@@ -724,21 +620,6 @@ def _unreadable_error(unreadable: list[tuple[str, Any, Exception]]) -> ValueErro
         "and cannot be read at the flush was most likely changed after log() (resized, or "
         "its storage freed): log one that stays as it is until the flush, such as "
         "value.clone()."
-    )
-
-
-def _checked_step(step: object) -> int:
-    """A step that is not a plain int: an integer-like one (numpy's) is taken as an int."""
-    usable = not isinstance(step, bool) and hasattr(step, "__index__")
-    if isinstance(step, _Tensor) and (not step.is_cpu or step.dtype is torch.bool):
-        usable = False  # reading one on a device would wait for it at every log()
-    if usable:
-        with contextlib.suppress(TypeError):  # a float tensor: its __index__ refuses
-            return operator.index(cast("SupportsIndex", step))
-    raise TypeError(
-        f"step must be an int (or None for the number of earlier log() calls), got "
-        f"{shorten(repr(step), 60)} of type {type(step).__name__}; pass int(step) once it is "
-        "on the host, or leave step out"
     )
 
 

@@ -1,0 +1,139 @@
+"""What `LogBuffer.log()` accepts, checked when it is logged, never at the flush.
+
+A value that could not be stacked or read later (a complex, sparse or meta
+tensor, an int too large for a float64) is refused at its own ``log()`` call,
+naming its key, so that nothing else logged before or after is affected.
+``log()`` itself takes the common case (a 0-d floating tensor) inline and
+hands everything else to `checked()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import operator
+import sys
+from typing import Any, SupportsIndex, cast
+
+import torch
+
+from ._format import shorten
+
+__all__ = ["FLOATING", "LOGGABLE", "checked", "checked_step", "on_device", "refuse"]
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+# Real numbers that stack and convert to a Python float exactly (as float64).
+# Complex, quantized and bit-packed dtypes are refused when logged.
+LOGGABLE = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)  # the uints and float8s: torch >= 2.3
+)
+# Those whose Tensor.item() is already a Python float: log()'s fast path takes these.
+FLOATING = frozenset(dtype for dtype in LOGGABLE if dtype.is_floating_point)
+
+
+def checked(key: str, value: Any) -> Any:
+    """What to keep for a value the fast path of log() did not accept, or an error."""
+    if isinstance(value, _Tensor):
+        if value.dtype not in LOGGABLE:
+            expected, fix = (
+                ("a real number", "value.real or value.abs()")
+                if value.dtype.is_complex
+                else (
+                    "a dtype that converts to a float",
+                    "value.dequantize()" if value.is_quantized else "value.float()",
+                )
+            )
+            raise TypeError(
+                f"LogBuffer.log({key}=...) expects {expected}, got a tensor of dtype "
+                f"{value.dtype}; log {fix}"
+            )
+        if value.layout is not _STRIDED or value.is_nested:
+            raise TypeError(
+                f"LogBuffer.log({key}=...) expects a dense tensor, got layout {value.layout}"
+                f"{' (nested)' if value.is_nested else ''}; log value.to_dense()"
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"LogBuffer.log({key}=...) expects a scalar: a 0-d tensor or a number, got "
+                f"a tensor of shape {tuple(value.shape)}; log value.mean() or one element"
+            )
+        if value.is_meta:
+            raise refuse(key, value)
+        if value.requires_grad:
+            value = value.detach()
+        return value.reshape(()) if value.ndim else value  # a view: no kernel
+    if isinstance(value, (int, float)) or _is_real(value):  # bool and int subclasses included
+        try:
+            return float(value)  # now: a numpy scalar is exact as a float64
+        except OverflowError:
+            what = (
+                f"an int of {int(value).bit_length()} bits, too large for a float64 (1024 bits "
+                "at most)"
+                if isinstance(value, int)
+                else f"a {type(value).__name__} too large for a float64"
+            )
+            raise ValueError(f"LogBuffer.log({key}=...) got {what}; log it scaled") from None
+    raise TypeError(
+        f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got {type(value).__name__}"
+        + ("; log float(value)" if hasattr(value, "__float__") else "")
+    )
+
+
+def _is_real(value: object) -> bool:
+    """A real number that is not a Python one: numpy's scalars (bool_ too), a Fraction.
+
+    ``numbers.Real`` is what they register as; numpy's ``bool_`` registers as
+    nothing. A Decimal is not a ``numbers.Real`` (nor is ``float()`` of one
+    checked: a huge one becomes inf), and stays refused.
+    """
+    if isinstance(value, numbers.Real):
+        return True
+    numpy = sys.modules.get("numpy")  # a numpy value exists: numpy is imported
+    return numpy is not None and isinstance(value, numpy.bool_)
+
+
+def on_device(value: Any) -> bool:
+    return isinstance(value, _Tensor) and not value.is_cpu
+
+
+def refuse(key: str, value: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"LogBuffer.log({key}=...) got a tensor on the {value.device.type} device, which "
+        "holds no values; log a tensor on a real device"
+    )
+
+
+def checked_step(step: object) -> int:
+    """A step that is not a plain int: an integer-like one (numpy's) is taken as an int."""
+    usable = not isinstance(step, bool) and hasattr(step, "__index__")
+    if isinstance(step, _Tensor) and (not step.is_cpu or step.dtype is torch.bool):
+        usable = False  # reading one on a device would wait for it at every log()
+    if usable:
+        with contextlib.suppress(TypeError):  # a float tensor: its __index__ refuses
+            return operator.index(cast("SupportsIndex", step))
+    raise TypeError(
+        f"step must be an int (or None for the number of earlier log() calls), got "
+        f"{shorten(repr(step), 60)} of type {type(step).__name__}; pass int(step) once it is "
+        "on the host, or leave step out"
+    )
