@@ -51,8 +51,6 @@ if TYPE_CHECKING:
     from ._gpuinfo import GPUProcess as GPUProcess
     from ._gpus import gpu as gpu
     from ._gpus import gpus as gpus
-    from ._gpus import pick_gpu as pick_gpu
-    from ._gpus import pick_gpus as pick_gpus
     from ._job import JobFlag as JobFlag
     from ._job import JobStatus as JobStatus
     from ._job import RankStatus as RankStatus
@@ -83,6 +81,8 @@ if TYPE_CHECKING:
     from ._parallel import GPUPool as GPUPool
     from ._parallel import gpu_map as gpu_map
     from ._parallel import gpu_pool as gpu_pool
+    from ._pick import pick_gpu as pick_gpu
+    from ._pick import pick_gpus as pick_gpus
     from ._placement import data_parallel as data_parallel
     from ._placement import to_device as to_device
     from ._sinks import CSVSink as CSVSink
@@ -142,8 +142,8 @@ _EXPORTS: dict[str, str] = {
     "GPUProcess": "._gpuinfo",
     "gpu": "._gpus",
     "gpus": "._gpus",
-    "pick_gpu": "._gpus",
-    "pick_gpus": "._gpus",
+    "pick_gpu": "._pick",
+    "pick_gpus": "._pick",
     "job_status": "._job",
     "JobFlag": "._job",
     "JobStatus": "._job",

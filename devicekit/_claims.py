@@ -413,7 +413,7 @@ def claim_gpu(
         ...     device
         device(type='cpu')
     """
-    from ._gpus import pick_gpu  # noqa: PLC0415 - _gpus builds on the claims made here
+    from ._pick import pick_gpu  # noqa: PLC0415 - _pick builds on the claims made here
 
     with _held.lock:
         before = set(_held.claims)
