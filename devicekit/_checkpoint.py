@@ -138,6 +138,10 @@ legacy format). Check the path
     start = _position(path)
     try:
         return torch.load(path, map_location=map_location, **kwargs)
+    except (FileNotFoundError, IsADirectoryError) as error:
+        if not isinstance(path, (str, os.PathLike)):
+            raise
+        raise type(error)(_not_a_file(os.fspath(path), error)) from None
     except (
         KeyError,
         EOFError,
@@ -152,6 +156,38 @@ legacy format). Check the path
             raise  # torch's own message says it best (weights_only refusals, device errors)
         message = f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
         raise CheckpointError(message) from error
+
+
+# What checkpoints are usually named, to point at them in a folder given as the path.
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors")
+
+
+def _not_a_file(path: str | bytes, error: OSError) -> str:
+    """Why ``path`` could not be opened (a wrong path, a folder), and what is there instead."""
+    text = os.fsdecode(path)
+    where = os.path.abspath(text)
+    if isinstance(error, IsADirectoryError):
+        try:
+            inside = sorted(n for n in os.listdir(where) if n.endswith(_CHECKPOINT_SUFFIXES))
+        except OSError:
+            inside = []
+        hint = (
+            f"; it holds {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}: pass one"
+            if inside
+            else "; pass the checkpoint file inside it"
+        )
+        return f"load(path={text!r}): {where} is a folder, not a checkpoint file{hint}"
+    folder = os.path.dirname(where)
+    if not os.path.isdir(folder):
+        hint = f"; the folder {folder} does not exist either"
+    else:
+        try:
+            near = close_match(os.path.basename(where), os.listdir(folder))
+        except OSError:
+            near = None
+        hint = f"; did you mean {os.path.join(os.path.dirname(text), near)!r}?" if near else ""
+    relative = "" if os.path.isabs(text) else f" (relative to the working directory, {os.getcwd()})"
+    return f"load(path={text!r}): there is no file {where}{relative}{hint}"
 
 
 # The pickle module's load() and Unpickler take these; torch.load passes them on.

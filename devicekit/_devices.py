@@ -253,13 +253,14 @@ def resolve_cuda_devices(value: object, *, name: str, why: str) -> list[torch.de
         >>> resolve_cuda_devices([], name="devices", why="only GPUs are measured")
         []
     """
-    devices = resolve_devices(value, name=name)
-    for position, device in enumerate(devices):
+    devices = []
+    for label, item in _entries(value, name):  # "devices[1]", or "devices" for one device
+        device = resolve_device(item, name=label)
         if device.type != "cuda":
             raise ValueError(
-                f"{name}[{position}]={str(device)!r} is not a CUDA device: {why}. "
-                "Pass CUDA devices only."
+                f"{label}={str(device)!r} is not a CUDA device: {why}. Pass CUDA devices only."
             )
+        devices.append(device)
     return devices
 
 

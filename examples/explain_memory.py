@@ -47,8 +47,10 @@ def validation_loss() -> torch.Tensor:
 
 
 val_losses = []
+print("keeping the loss tensor:")
 print(dk.find_leaks(lambda: val_losses.append(validation_loss())))
 val_losses.clear()
+print("the fix, keeping loss.item():")
 print(dk.find_leaks(lambda: val_losses.append(validation_loss().item())))
 
 # 3. The largest batch that fits. A CPU has no out-of-memory error one can safely

@@ -24,10 +24,13 @@ except ImportError:  # tqdm is optional: a one-line stand-in
             return iter(self.iterable)
 
         def set_postfix(self, values, refresh=True):
-            print(f"\r  training, loss {values['loss']}", end="", file=sys.stderr)
+            # A terminal redraws one line; a log or a pipe gets a line per flush.
+            end = "" if sys.stderr.isatty() else "\n"
+            print(f"\r  training, loss {values['loss']}", end=end, file=sys.stderr)
 
         def close(self):
-            print(file=sys.stderr)
+            if sys.stderr.isatty():
+                print(file=sys.stderr)
 
 
 def make_trainer(device: torch.device):

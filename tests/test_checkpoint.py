@@ -105,9 +105,38 @@ def test_a_checkpoint_cut_short_says_so(
         dk.load(io.BytesIO(path.read_bytes()), "cpu", weights_only=weights_only)
 
 
-def test_a_missing_file_is_the_os_error(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        dk.load(tmp_path / "missing.pt", "cpu")
+def test_a_missing_file_is_the_os_error_naming_the_path_and_a_close_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "model.pt")
+    # Before: torch's bare "[Errno 2] No such file or directory: 'modle.pt'".
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"^load\(path='{tmp_path}/modle.pt'\): there is no file {tmp_path}/modle.pt; "
+        rf"did you mean '{tmp_path}/model.pt'\?$",
+    ):
+        dk.load(tmp_path / "modle.pt", "cpu")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"^load\(path='gone/x.pt'\): there is no file {tmp_path}/gone/x.pt \(relative to "
+        rf"the working directory, {tmp_path}\); the folder {tmp_path}/gone does not exist either$",
+    ):
+        dk.load("gone/x.pt", "cpu")
+
+
+def test_a_folder_is_the_os_error_naming_the_checkpoints_inside(tmp_path: Path) -> None:
+    with pytest.raises(
+        IsADirectoryError,
+        match=rf"^load\(path='{tmp_path}'\): .* is a folder, not a checkpoint "
+        r"file; pass the checkpoint file inside it$",
+    ):
+        dk.load(tmp_path, "cpu")
+    torch.save({"w": torch.ones(1)}, tmp_path / "b.pth")
+    (tmp_path / "a.safetensors").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(IsADirectoryError, match=r"; it holds a.safetensors, b.pth: pass one$"):
+        dk.load(str(tmp_path), "cpu")
 
 
 @pytest.mark.gpu

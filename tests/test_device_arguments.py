@@ -183,8 +183,8 @@ def test_every_list_parameter_reads_devices_the_same_way(
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("cpu", (ValueError, "is not a CUDA device")),
-        (["cpu"], (ValueError, "is not a CUDA device")),
+        ("cpu", (ValueError, "{name}='cpu' is not a CUDA device")),  # one device: no [0]
+        (["cpu"], (ValueError, "{name}[0]='cpu' is not a CUDA device")),
         ([99], (dk.DeviceNotFoundError, "means accelerator 99")),
         (True, (TypeError, "must be a device or a list of devices")),
         ([], []),
@@ -194,6 +194,8 @@ def test_every_list_parameter_reads_devices_the_same_way(
 @pytest.mark.parametrize("function", list(CUDA_ONLY_LISTS))
 def test_cuda_only_lists_refuse_the_cpu(function: str, value: object, expected: object) -> None:
     call, name = CUDA_ONLY_LISTS[function]
+    if isinstance(expected, tuple):  # the message names the argument as it was given
+        expected = (expected[0], expected[1].format(name=name))
     _check(call, name, value, expected)
 
 
