@@ -16,7 +16,10 @@ Bounded means the call's own timeout, rounded up to whole milliseconds
 the timeout it was made with, that of devicekit's first call, and runs each
 collective under it; so each call sets the group's timeout to its own first
 (a local setting, no collective), or a rank late by more than the first
-call's timeout would fail a later call that allowed for it.
+call's timeout would fail a later call that allowed for it. torch before
+``ProcessGroup.set_timeout`` (2.6 among them) cannot: its gloo reads the
+timeout once, when the group is made, so there the first call's timeout
+bounds every later call, and a call that fails by it says so.
 
 Naming the rank that did not arrive. Gloo's ``monitored_barrier`` names the
 missing ranks on rank 0 only; the others learn merely that rank 0 did not
@@ -147,6 +150,7 @@ class _Job:
     """devicekit's state for one job: its gloo group, and how many job-wide calls this rank made."""
 
     lock = threading.Lock()
+    made_with: float | None = None  # the timeout devicekit's group was made with, in seconds
     world: Any = None  # the default group this state belongs to
     group: Any = None  # devicekit's gloo group over every rank, once made
     calls = 0  # job-wide calls this rank has made in this job (its notes in the store)
@@ -320,6 +324,7 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
     with _Job.lock:
         _this_job()
         if _Job.group is None:
+            _Job.made_with = timeout
             try:
                 _Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
             except RuntimeError as error:
@@ -333,13 +338,21 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
 
 def _set_timeout(group: Any, wait: datetime.timedelta) -> None:
     """Run ``group``'s next collectives under ``wait``, not under the timeout it was made with."""
-    try:
-        from torch.distributed.distributed_c10d import (  # noqa: PLC0415 - with a process group
-            _set_pg_timeout,
-        )
-    except ImportError:  # older torch: the group's own timeout (the first call's) stays
-        return
-    _set_pg_timeout(wait, group)
+    if not gloo_keeps_first_timeout():
+        group.set_timeout(wait)
+
+
+def gloo_keeps_first_timeout() -> bool:
+    """Whether gloo runs a group's collectives under the timeout the group was made with, always.
+
+    torch without ``ProcessGroup.set_timeout`` (2.6 among them) gives gloo's
+    connections their timeout once, when the group is made; its
+    ``_set_pg_timeout`` records a new one that gloo's collectives never read
+    (on torch 2.6, a 60 s call failed after 1 s in a group made with 1 s).
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    return not hasattr(dist.ProcessGroup, "set_timeout")
 
 
 def _out_of_step(
@@ -359,6 +372,15 @@ def _out_of_step(
         f"Every rank must call {what} together, the same number of times; a rank that crashed, "
         "hangs, skipped a call or ran fewer steps never arrives."
     )
+    made_with = _Job.made_with
+    if gloo_keeps_first_timeout() and made_with is not None and made_with < timeout:
+        rule += (
+            f" On this torch ({torch.__version__}) gloo runs devicekit's collectives under the "
+            f"timeout of the job's first job-wide call ({format_seconds(made_with)}), not this "
+            f"call's ({format_seconds(timeout)}): give the first call the longest timeout, or "
+            "use a newer torch."
+        )
+        timeout = made_with  # the wait that gloo ran, for what follows
     if waited >= 0.9 * timeout:
         when = f"within {format_seconds(timeout)}"
     else:  # gloo gave up early: a connection closed
@@ -510,7 +532,8 @@ def all_reduce(tensor: torch.Tensor, op: Any, *, timeout: float, what: str) -> N
 
     Gloo runs it under this call's timeout (before, under the first call's:
     a rank 3 s late failed a 60 s call after 1 s, because devicekit's group
-    had been made by a call with ``timeout=1``).
+    had been made by a call with ``timeout=1``), except on torch whose gloo
+    keeps the first (see ``gloo_keeps_first_timeout``).
 
     Raises:
         RanksOutOfStepError: Not every rank arrived within ``timeout``.

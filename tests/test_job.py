@@ -557,5 +557,13 @@ def test_a_rank_that_fails_or_never_comes_is_named_on_every_rank(tmp_path: Path)
                 "Ranks 1, 2 failed to pass monitoredBarrier in 1 ms)"
             ), outcome
             assert "so no later job-wide call can complete in this job" in outcome[attempt]
-    # 5. Before, rank 0 failed after 1 s, saying "within 60 s".
-    assert outcomes("longer") == [{"total": 3.0}] * 3
+    # 5. Before, rank 0 failed after 1 s, saying "within 60 s". Where gloo keeps the timeout
+    #    the group was made with (torch 2.6), the call fails by it: the rank that failed first
+    #    says why, and the others name its failure.
+    longer = outcomes("longer")
+    if not _dist.gloo_keeps_first_timeout():
+        assert longer == [{"total": 3.0}] * 3
+    else:
+        capped = "timeout of the job's first job-wide call (1 s), not this call's (60 s)"
+        assert all("error" in outcome for outcome in longer), longer
+        assert any(capped in outcome["error"] for outcome in longer), longer
