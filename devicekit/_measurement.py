@@ -7,8 +7,10 @@ say what spoils them, and their forms: text, a notebook table, plain data.
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Set, Sized
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ._conditions import Conditions
@@ -21,9 +23,16 @@ from ._format import (
     plain_data,
     plural,
 )
+from ._options import _got, check_count, check_number, check_seconds
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 
-__all__ = ["Measurement"]
+__all__ = ["MODES", "STOP_REASONS", "Measurement"]
+
+MODES = ("warm", "cold", "graph")  # benchmark()'s modes
+STOP_REASONS = ("converged", "max_time", "given")
+# What the times determine: from_dict() recomputes them, and checks a document's against them.
+_STATISTICS = ("median", "mean", "min", "iqr", "rel_noise", "ci", "n", "host_median")
+_VERDICTS = ("trustworthy", "notes")  # judged anew: a later devicekit may judge differently
 
 _LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
 _NOISY = 0.05  # a median known to worse than ±5% is not trustworthy
@@ -106,8 +115,8 @@ class Measurement:
     @classmethod
     def from_times(
         cls,
-        times: list[float],
-        host_times: list[float] | None = None,
+        times: Iterable[float],
+        host_times: Iterable[float] | None = None,
         *,
         name: str = "times",
         mode: str = "warm",
@@ -123,32 +132,39 @@ class Measurement:
 
         [`benchmark()`][devicekit.benchmark] builds its result with it; given
         only your own times, it judges them the same way (the median's noise,
-        too few calls) with everything else unknown.
+        too few calls) with everything else unknown. Every argument is
+        checked, since each one is printed and judged as given.
 
         Args:
-            times: Seconds per call, one per timed call.
-            host_times: Host seconds to issue each call. Default: none kept
-                (``host_median`` is None).
+            times: Seconds per call, one per timed call: a list or tuple of
+                numbers (ints, floats, numpy floats; a tensor's ``.tolist()``).
+            host_times: Host seconds to issue each call, one per time in
+                ``times``. Default: none kept (``host_median`` is None).
             name: What was timed. Default: ``"times"``.
             mode: ``"warm"`` (the default), ``"cold"`` or ``"graph"``.
-            stop_reason: Why timing stopped. Default: ``"given"``, for times
-                that were given rather than measured.
+            stop_reason: Why timing stopped: ``"converged"``, ``"max_time"``,
+                or ``"given"`` (the default), for times that were given rather
+                than measured.
             conditions: Evidence about the machine. Default: none, all of it
                 unknown (``None``) on ``device="unknown"``; nothing is read
                 now, since the times were taken before, and CUDA is not started.
-            energy_per_call: Joules per call, or None (unknown).
-            power: Watts, or None (unknown).
-            warmup: The warm-up asked for, seconds, or None (unknown).
-            warmup_time: Seconds the warm-up took, or None (unknown).
-            clock_floor: Seconds an empty call reads, or None (unknown).
+            energy_per_call: Joules per call (> 0), or None (unknown).
+            power: Watts (> 0), or None (unknown).
+            warmup: The warm-up asked for, seconds (>= 0), or None (unknown).
+            warmup_time: Seconds the warm-up took (>= 0), or None (unknown).
+            clock_floor: Seconds an empty call reads (> 0), or None (unknown).
 
         Returns:
             The [`Measurement`][devicekit.Measurement].
 
         Raises:
+            TypeError: ``times`` or ``host_times`` is not a list of numbers
+                (a bool is not one), or an option has the wrong type.
             ValueError: ``times`` is empty, or holds a NaN, an infinity or a
                 negative number (which no clock reads: a statistic of it
-                would print as a time).
+                would print as a time); ``host_times`` is as bad, or not one
+                per time; an option is out of its range (an unknown ``mode``,
+                negative energy).
 
         Examples:
             >>> import devicekit as dk
@@ -159,19 +175,33 @@ class Measurement:
             Traceback (most recent call last):
             ...
             ValueError: times[1] is nan: every time must be a finite number of seconds >= 0; ...
+            >>> dk.Measurement.from_times(["0.01"])  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            TypeError: times[0] is '0.01' of type str: every time must be a number of seconds; ...
         """
-        if not times:
+        seconds = _seconds(times, name="times")
+        if not seconds:
             raise ValueError("Measurement.from_times() needs at least one time, got none")
-        # A NaN or an infinity makes the sum one (C speed: 700,000 times take 3 ms).
-        if not math.isfinite(sum(times)) or min(times) < 0:
-            index, bad = next(
-                (i, t) for i, t in enumerate(times) if not (math.isfinite(t) and t >= 0)
-            )
+        host = () if host_times is None else _seconds(host_times, name="host_times")
+        if host and len(host) != len(seconds):
             raise ValueError(
-                f"times[{index}] is {bad!r}: every time must be a finite number of seconds "
-                ">= 0; drop the calls that were not timed"
+                f"host_times has {plural(len(host), 'time')} but times has {len(seconds)}: "
+                "host_times holds one per timed call, in the same order; leave it out where "
+                "none was kept"
             )
-        ordered = sorted(times)
+        _check_options(
+            name=name,
+            mode=mode,
+            stop_reason=stop_reason,
+            conditions=conditions,
+            energy_per_call=energy_per_call,
+            power=power,
+            warmup=warmup,
+            warmup_time=warmup_time,
+            clock_floor=clock_floor,
+        )
+        ordered = sorted(seconds)
         quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
         return cls(
             name=name,
@@ -183,8 +213,8 @@ class Measurement:
             rel_noise=relative_noise(ordered),
             ci=median_ci(ordered),
             n=len(ordered),
-            times=tuple(times),
-            host_times=() if host_times is None else tuple(host_times),
+            times=seconds,
+            host_times=host,
             stop_reason=stop_reason,
             conditions=Conditions(device="unknown") if conditions is None else conditions,
             energy_per_call=energy_per_call,
@@ -257,6 +287,15 @@ class Measurement:
         return _round_up(max(again, grown))
 
     def _too_few_note(self) -> str:
+        if self.stop_reason == "given":
+            # No max_time ran out: the fix is more times, however they are taken.
+            more = MIN_CI_SAMPLES - self.n
+            return (
+                f"noise unknown: only {plural(self.n, 'time')} given (median "
+                f"{format_seconds(self.median)}), and a 95% confidence interval for the "
+                f"median needs at least {MIN_CI_SAMPLES}; time at least {more} more "
+                f"{'call' if more == 1 else 'calls'} and give every time"
+            )
         stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
         needed = self._needed_max_time()
         warm = self.warmup_time
@@ -352,25 +391,136 @@ class Measurement:
         return plain
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Measurement:
-        """Rebuild a measurement from ``to_dict(times=True)``'s output (derived keys are ignored).
+    def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
+        """Rebuild a measurement from ``to_dict(times=True)``'s output, checked.
+
+        The times are the measurement: the statistics (``median``, ``mean``,
+        ``min``, ``iqr``, ``rel_noise``, ``ci``, ``n`` and ``host_median``)
+        are recomputed from them, and where the document has them, they
+        must agree with what its times give (to a relative 1e-9), so a
+        hand-edited document never loads as a measurement whose numbers
+        contradict each other. Leave a statistic out and it is simply
+        recomputed. ``trustworthy`` and ``notes`` are ignored: they are
+        judged anew (a later devicekit may judge more). Every other field is
+        checked as [`from_times()`][devicekit.Measurement.from_times] checks
+        it; ``energy_per_call``, ``power``, ``warmup``, ``warmup_time`` and
+        ``clock_floor`` may be missing (documents from before them), and are
+        None then.
+
+        Args:
+            data: A measurement's ``to_dict(times=True)``, or that read back
+                from JSON.
+
+        Returns:
+            The [`Measurement`][devicekit.Measurement], equal to the one written.
 
         Raises:
+            TypeError: ``data`` is not a mapping, or a field has the wrong type.
             ValueError: The document has no raw times (``to_dict()`` without
-                ``times=True`` leaves them out), so the measurement cannot be rebuilt.
-        """
-        if "times" not in data or "host_times" not in data:
+                ``times=True`` leaves them out), so the measurement cannot be
+                rebuilt; a field is missing, unknown or out of range; or a
+                statistic disagrees with the times.
+
+        Examples:
+            >>> import devicekit as dk
+            >>> m = dk.Measurement.from_times([0.010, 0.011, 0.012, 0.011, 0.013, 0.011, 0.010])
+            >>> dk.Measurement.from_dict(m.to_dict(times=True)) == m
+            True
+            >>> edited = m.to_dict(times=True) | {"median": 0.005}
+            >>> dk.Measurement.from_dict(edited)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: Measurement.from_dict(): median is 0.005, but the document's times give 0.011: ...
+        """  # noqa: E501 - the expected output is one line
+        where = "Measurement.from_dict()"
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"{where} needs a mapping, a measurement's to_dict(times=True) (or that read "
+                f"back from JSON), got {_got(data)}"
+            )
+        if "times" not in data:
             raise ValueError(
                 "this document has only the statistics, not the raw times a Measurement "
                 "holds; write it with to_dict(times=True) to rebuild it"
             )
-        derived = ("trustworthy", "notes", "host_median")
-        fields = {k: v for k, v in data.items() if k not in derived}
-        fields["ci"] = None if fields["ci"] is None else tuple(fields["ci"])
-        fields["times"] = tuple(fields["times"])
-        fields["host_times"] = tuple(fields["host_times"])
-        fields["conditions"] = Conditions.from_dict(fields["conditions"])
-        return cls(**fields)
+        known = {field.name for field in fields(cls)} | set(_STATISTICS) | set(_VERDICTS)
+        unknown = [key for key in data if key not in known]
+        if unknown:
+            raise ValueError(
+                f"{where}: the document has {plural(len(unknown), 'unknown field')}, "
+                f"{', '.join(map(repr, unknown))}: a measurement's to_dict(times=True) has none; "
+                "was it written by a later devicekit, or edited?"
+            )
+        required = ("name", "mode", "stop_reason", "conditions", "host_times")
+        missing = [key for key in required if key not in data]
+        if missing:
+            raise ValueError(
+                f"{where}: the document has no {', '.join(map(repr, missing))}; "
+                "a measurement's to_dict(times=True) writes every one"
+            )
+        try:
+            return cls._rebuild(data)
+        except (TypeError, ValueError) as error:
+            # The field's own message, with where it came from: not a from_times() call.
+            raise type(error)(f"{where}: {error}") from None
+
+    @classmethod
+    def _rebuild(cls, data: Mapping[str, Any]) -> Measurement:
+        """`from_dict()`'s work once the document's keys are known to be right."""
+        times = data["times"]
+        if isinstance(times, Sized) and len(times) == 0:
+            # from_times() would name itself; here the rest of the document is what matters.
+            raise ValueError(
+                "times is empty, yet a measurement holds at least one timed call; "
+                "the document's statistics describe times that are gone"
+            )
+        conditions = data["conditions"]
+        if not isinstance(conditions, Mapping):
+            raise TypeError(
+                f"conditions must be a mapping, a Conditions' to_dict(), got {_got(conditions)}"
+            )
+        try:
+            rebuilt = Conditions.from_dict(dict(conditions))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"conditions: {error}") from None
+        optional = ("energy_per_call", "power", "warmup", "warmup_time", "clock_floor")
+        measurement = cls.from_times(
+            times,
+            data["host_times"],
+            name=data["name"],
+            mode=data["mode"],
+            stop_reason=data["stop_reason"],
+            conditions=rebuilt,
+            **{key: data.get(key) for key in optional},
+        )
+        measurement._check_statistics(data)
+        return measurement
+
+    def _check_statistics(self, data: Mapping[str, Any]) -> None:
+        """Refuse a statistic in ``data`` that its times do not give."""
+        for key in _STATISTICS:
+            if key not in data:
+                continue
+            given = data[key]
+            computed = getattr(self, key)
+            if key == "n":
+                check_count(given, name="n", minimum=1)
+                agree = given == computed
+            elif key == "ci":
+                agree = _same_interval(given, computed)
+            elif given is None:  # unknown: right only where the times give none either
+                agree = computed is None
+            else:
+                number = check_number(given, name=key, at_least=0)
+                agree = computed is not None and math.isclose(number, computed, rel_tol=1e-9)
+            if not agree:
+                shown = list(computed) if isinstance(computed, tuple) else computed
+                source = "host_times" if key == "host_median" else "times"
+                raise ValueError(
+                    f"{key} is {given!r}, but the document's {source} give {shown!r}: its "
+                    "statistics disagree with its times (was it edited?); the times are the "
+                    f"measurement: restore {key}, or leave it out to have it recomputed"
+                )
 
     def _noise(self) -> str:
         known = self.rel_noise is not None and math.isfinite(self.rel_noise)
@@ -411,6 +561,119 @@ class Measurement:
         ]
         caption = f"{self.name} on {self.conditions.device} ({self.mode})"
         return html_table(rows, caption=caption)
+
+
+def _seconds(values: object, *, name: str) -> tuple[float, ...]:
+    """``values`` as a tuple of floats, each finite and >= 0, or an error naming the bad one.
+
+    About 20 ms for 700,000 times, against 170 ms to sort them: the types are
+    read once per distinct type, and a NaN or an infinity makes the sum one.
+
+    Examples:
+        >>> _seconds([1, 0.5], name="times")
+        (1.0, 0.5)
+        >>> _seconds([0.5, True], name="times")
+        Traceback (most recent call last):
+        ...
+        TypeError: times[1] is the bool True: every time must be a number of seconds, not a bool
+        >>> _seconds(0.5, name="times")
+        Traceback (most recent call last):
+        ...
+        TypeError: times must be a list of numbers of seconds, one per timed call, got 0.5 of type float; for a single time, pass [0.5]
+    """  # noqa: E501 - the expected output is one line
+    wanted = f"{name} must be a list of numbers of seconds, one per timed call"
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        fix = f"; for a single time, pass [{values!r}]" if isinstance(values, numbers.Real) else ""
+        raise TypeError(f"{wanted}, got {_got(values)}{fix}")
+    if isinstance(values, Set):
+        # A set keeps one of equal times, in no order: its statistics would be wrong.
+        raise TypeError(f"{wanted}, got a {type(values).__name__}, which keeps one of equal times")
+    times = tuple(values)
+    kinds = set(map(type, times))
+    if not kinds <= {float}:
+        for kind in kinds:
+            if issubclass(kind, bool) or not issubclass(kind, numbers.Real):
+                index, bad = next((i, t) for i, t in enumerate(times) if type(t) is kind)
+                not_bool = ", not a bool" if isinstance(bad, bool) else ""
+                fix = "" if not_bool else "; pass plain numbers (a tensor's .tolist())"
+                raise TypeError(
+                    f"{name}[{index}] is {_got(bad)}: every time must be a number of "
+                    f"seconds{not_bool}{fix}"
+                )
+        times = tuple(map(float, times))  # ints, numpy floats, fractions: stored as floats
+    total = sum(times)
+    if not math.isfinite(total) or (times and min(times) < 0):
+        found = next(
+            ((i, t) for i, t in enumerate(times) if not (math.isfinite(t) and t >= 0)), None
+        )
+        if found is None:
+            raise ValueError(
+                f"{name} add up to {total}, more than a float holds: every time must be "
+                "seconds per call, and no run takes that long"
+            )
+        index, bad = found
+        raise ValueError(
+            f"{name}[{index}] is {bad!r}: every time must be a finite number of seconds "
+            ">= 0; drop the calls that were not timed"
+        )
+    return times
+
+
+def _same_interval(given: object, computed: tuple[float, float] | None) -> bool:
+    """Whether a document's ``ci`` is ``computed``; an error if it is no interval at all."""
+    if given is None:
+        return computed is None
+    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable):
+        raise TypeError(f"ci must be [low, high] seconds or None (unknown), got {_got(given)}")
+    bounds = list(given)
+    if len(bounds) != 2:
+        raise ValueError(f"ci must be [low, high] seconds or None (unknown), got {given!r}")
+    low, high = (check_number(b, name="ci", at_least=0) for b in bounds)
+    return computed is not None and all(
+        math.isclose(a, b, rel_tol=1e-9) for a, b in zip((low, high), computed, strict=True)
+    )
+
+
+def _check_options(
+    *,
+    name: object,
+    mode: object,
+    stop_reason: object,
+    conditions: object,
+    energy_per_call: object,
+    power: object,
+    warmup: object,
+    warmup_time: object,
+    clock_floor: object,
+) -> None:
+    """Refuse `from_times()`'s keyword options that `Measurement` would print or judge wrongly."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string, what was timed, got {_got(name)}")
+    for option, value, choices in (
+        ("mode", mode, MODES),
+        ("stop_reason", stop_reason, STOP_REASONS),
+    ):
+        if value not in choices or not isinstance(value, str):
+            wanted = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+            if isinstance(value, str):
+                raise ValueError(f"{option} must be {wanted}, got {value!r}")
+            raise TypeError(f"{option} must be {wanted}, got {_got(value)}")
+    if conditions is not None and not isinstance(conditions, Conditions):
+        raise TypeError(
+            f"conditions must be a devicekit.Conditions or None (unknown), got {_got(conditions)}"
+        )
+    unknown = "None where unknown"
+    # A zero is refused where no measurement reads one: unknown is None, never 0.
+    if energy_per_call is not None:
+        check_number(energy_per_call, name="energy_per_call", above=0, meaning=unknown)
+    if power is not None:
+        check_number(power, name="power", above=0, meaning=unknown)
+    if warmup is not None:
+        check_seconds(warmup, name="warmup", zero_ok=True, fix=unknown)
+    if warmup_time is not None:
+        check_seconds(warmup_time, name="warmup_time", zero_ok=True, fix=unknown)
+    if clock_floor is not None:
+        check_seconds(clock_floor, name="clock_floor", fix=unknown)
 
 
 def _round_up(seconds: float) -> float:

@@ -262,8 +262,14 @@ class Timer:
                 creates the generator or coroutine, so its lap would time
                 nothing of the work.
         """
+        # The function's own name, qualified as written (a method reads Model.steps); a
+        # function defined inside another drops the "outer.<locals>." Python adds.
+        qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+        name = str(qualname).rpartition("<locals>.")[2] if qualname else "fn"
         refuse_lazy(
-            fn, call="@Timer() on fn: fn()", fix="time the loop that does the work `with timer:`"
+            fn,
+            call=f"@Timer() on {name}: {name}()",
+            fix="time the loop that does the work `with timer:`",
         )
 
         @functools.wraps(fn)

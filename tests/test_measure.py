@@ -795,6 +795,177 @@ def test_from_times_needs_only_the_times() -> None:
         dk.Measurement.from_times([1.0, float("nan")])
 
 
+@pytest.mark.parametrize(
+    ("times", "message"),
+    [
+        (["a"], r"^times\[0\] is 'a' of type str: every time must be a number of seconds; pass "),
+        (
+            [1e-3, True],
+            r"^times\[1\] is the bool True: every time must be a number of seconds, not",
+        ),
+        ([1e-3, torch.tensor(1e-3)], r"^times\[1\] is tensor\(0\.0010\) of type Tensor: every "),
+        (
+            1.0,
+            r"^times must be a list of numbers of seconds, .*; for a single time, pass \[1\.0\]$",
+        ),
+        ("0.01", r"^times must be a list of numbers of seconds, one per timed call, got '0\.01' "),
+        ({1e-3, 2e-3}, r"^times must be a list of .*, got a set, which keeps one of equal times$"),
+        (None, r"^times must be a list of numbers of seconds, one per timed call, got None "),
+    ],
+)
+def test_from_times_refuses_times_that_are_not_numbers_and_names_the_first(
+    times: Any, message: str
+) -> None:
+    # Before: "unsupported operand type(s) for +" from inside sum(), or bools taken as seconds.
+    with pytest.raises(TypeError, match=message):
+        dk.Measurement.from_times(times)
+
+
+def test_from_times_checks_host_times_as_it_checks_times() -> None:
+    with pytest.raises(TypeError, match=r"^host_times\[1\] is 'x' of type str: every time"):
+        dk.Measurement.from_times([1e-3] * 2, [1e-3, "x"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"^host_times\[0\] is -1\.0: every time must be"):
+        dk.Measurement.from_times([1e-3], [-1.0])
+    with pytest.raises(
+        ValueError, match=r"^host_times has 1 time but times has 7: host_times holds one per "
+    ):
+        dk.Measurement.from_times([1e-3] * 7, [1.0])
+    assert dk.Measurement.from_times([1e-3], []).host_times == ()  # to_dict()'s "none kept"
+
+
+def test_from_times_keeps_plain_floats_of_any_real_number() -> None:
+    m = dk.Measurement.from_times((1, 2, 3), iter([1, 1, 1]))
+    assert m.times == (1.0, 2.0, 3.0)
+    assert {type(t) for t in m.times + m.host_times} == {float}  # ints are stored as floats
+    assert dk.Measurement.from_dict(json.loads(json.dumps(m.to_dict(times=True)))) == m
+
+
+def test_from_times_refuses_times_whose_sum_no_float_holds() -> None:
+    # Each is finite, their sum is not: the mean would be an OverflowError (before: StopIteration).
+    with pytest.raises(ValueError, match=r"^times add up to inf, more than a float holds"):
+        dk.Measurement.from_times([1e308, 1e308])
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "message"),
+    [
+        ({"mode": "hot"}, ValueError, r"^mode must be 'warm', 'cold' or 'graph', got 'hot'$"),
+        ({"mode": None}, TypeError, r"^mode must be 'warm', .*, got None of type NoneType$"),
+        (
+            {"stop_reason": 3},
+            TypeError,
+            r"^stop_reason must be 'converged', 'max_time' or 'given', got 3 of type int$",
+        ),
+        ({"stop_reason": "done"}, ValueError, r"^stop_reason must be .*, got 'done'$"),
+        ({"name": 5}, TypeError, r"^name must be a string, what was timed, got 5 of type int$"),
+        (
+            {"energy_per_call": -1},
+            ValueError,
+            r"^energy_per_call must be a finite number > 0, got -1 \(None where unknown\)$",
+        ),
+        ({"energy_per_call": 0.0}, ValueError, r"^energy_per_call must be a finite number > 0"),
+        ({"power": "300"}, TypeError, r"^power must be a finite number > 0, got '300' of type"),
+        ({"warmup": -1.0}, ValueError, r"^warmup must be a finite number of seconds >= 0, got"),
+        ({"warmup_time": math.nan}, ValueError, r"^warmup_time must be a finite number of sec"),
+        ({"clock_floor": 0}, ValueError, r"^clock_floor must be a finite number of seconds > 0"),
+        ({"conditions": {"device": "cpu"}}, TypeError, r"^conditions must be a devicekit\.Cond"),
+    ],
+)
+def test_from_times_refuses_options_it_would_print_or_judge_wrongly(
+    option: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    # Before, each was kept and printed: "hot", "stopped: 3", "-1 J per call".
+    with pytest.raises(error, match=message):
+        dk.Measurement.from_times([1e-3] * 7, **option)
+
+
+def test_too_few_given_times_are_told_to_take_more_not_to_allow_max_time() -> None:
+    three = dk.Measurement.from_times([0.01, 0.012, 0.011])
+    assert three.notes == [
+        "noise unknown: only 3 times given (median 11 ms), and a 95% confidence interval for "
+        "the median needs at least 6; time at least 3 more calls and give every time"
+    ]
+    (note,) = dk.Measurement.from_times([0.01] * 5).notes
+    assert note.endswith("time at least 1 more call and give every time")
+    assert "max_time" not in note  # from_times() has none
+
+
+def _document(**edits: Any) -> dict[str, Any]:
+    """A measurement's to_dict(times=True) through JSON, with ``edits`` (None deletes a key)."""
+    m = measurement([0.010, 0.011, 0.012, 0.011, 0.013, 0.011, 0.010], energy_per_call=0.2)
+    document: dict[str, Any] = json.loads(json.dumps(m.to_dict(times=True)))
+    for key, value in edits.items():
+        if value is None:
+            del document[key]
+        else:
+            document[key] = value
+    return document
+
+
+@pytest.mark.parametrize("data", [None, [], "{}", 3])
+def test_from_dict_needs_a_mapping(data: Any) -> None:
+    # Before: "argument of type 'NoneType' is not iterable", and for [] "only the statistics".
+    with pytest.raises(TypeError, match=r"^Measurement\.from_dict\(\) needs a mapping, .* got "):
+        dk.Measurement.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("edits", "error", "message"),
+    [
+        ({"times": "abc"}, TypeError, r"times must be a list of numbers of seconds, one per "),
+        ({"times": []}, ValueError, r"times is empty, yet a measurement holds at least one"),
+        ({"times": ["a"] * 7}, TypeError, r"times\[0\] is 'a' of type str: every time must"),
+        ({"host_times": [1e-3]}, ValueError, r"host_times has 1 time but times has 7"),
+        ({"n": "x"}, TypeError, r"n must be an int >= 1, got 'x' of type str$"),
+        ({"n": 8}, ValueError, r"n is 8, but the document's times give 7: its statistics "),
+        ({"median": 5.0}, ValueError, r"median is 5\.0, but the document's times give 0\.011:"),
+        ({"median": "5"}, TypeError, r"median must be a finite number >= 0, got '5' of type"),
+        ({"mean": 0.5}, ValueError, r"mean is 0\.5, but the document's times give 0\.011"),
+        ({"min": 0.0}, ValueError, r"min is 0\.0, but the document's times give 0\.01:"),
+        ({"iqr": 0.0}, ValueError, r"iqr is 0\.0, but the document's times give 0\.0"),
+        ({"rel_noise": 0.001}, ValueError, r"rel_noise is 0\.001, but the document's times"),
+        ({"ci": [0.0, 1.0]}, ValueError, r"ci is \[0\.0, 1\.0\], but the document's times give "),
+        ({"ci": "x"}, TypeError, r"ci must be \[low, high\] seconds or None \(unknown\), got 'x'"),
+        ({"ci": [0.01]}, ValueError, r"ci must be \[low, high\] seconds or None \(unknown\)"),
+        (
+            {"host_median": 1.0},
+            ValueError,
+            r"host_median is 1\.0, but the document's host_times give 0\.0001",
+        ),
+        ({"name": None}, ValueError, r"the document has no 'name'; a measurement's to_dict"),
+        ({"host_times": None}, ValueError, r"the document has no 'host_times'; "),
+        ({"name": 5}, TypeError, r"name must be a string, what was timed, got 5 of type int$"),
+        ({"mode": "hot"}, ValueError, r"mode must be 'warm', 'cold' or 'graph', got 'hot'$"),
+        ({"stop_reason": 3}, TypeError, r"stop_reason must be 'converged', 'max_time' or 'giv"),
+        ({"energy_per_call": -1}, ValueError, r"energy_per_call must be a finite number > 0"),
+        ({"conditions": 5}, TypeError, r"conditions must be a mapping, a Conditions' to_dict"),
+        ({"conditions": {"nope": 1}}, TypeError, r"conditions: .*'nope'"),
+        ({"medain": 0.011}, ValueError, r"the document has 1 unknown field, 'medain': "),
+    ],
+)
+def test_from_dict_names_the_field_that_is_missing_malformed_or_contradicts_the_times(
+    edits: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    # Before, most loaded: "n=x" printed, a median the times do not give, times of "abc".
+    with pytest.raises(error, match=r"^Measurement\.from_dict\(\): " + message):
+        dk.Measurement.from_dict(_document(**edits))
+
+
+def test_from_dict_recomputes_what_the_times_give_and_judges_anew() -> None:
+    original = dk.Measurement.from_dict(_document())
+    statistics_left_out = dict.fromkeys(("median", "mean", "min", "iqr", "rel_noise"))
+    rebuilt = dk.Measurement.from_dict(
+        _document(**statistics_left_out, ci=None, n=None, host_median=None)
+    )
+    assert rebuilt == original
+    # The verdict is judged from the numbers, not read: a "trustworthy": true edited in
+    # does not make a measurement with a note trustworthy.
+    noisy = measurement([1e-3, 5e-3] * 5)
+    document = noisy.to_dict(times=True) | {"trustworthy": True, "notes": []}
+    assert not dk.Measurement.from_dict(document).trustworthy
+    assert dk.Measurement.from_dict(document).notes == noisy.notes
+
+
 def _timing_page() -> str:
     return (Path(__file__).parent.parent / "docs" / "timing.md").read_text(encoding="utf-8")
 

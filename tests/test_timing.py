@@ -264,11 +264,24 @@ def test_timer_refuses_to_decorate_what_a_call_would_not_run(kind: str) -> None:
 
     async def coro() -> None: ...
 
-    fn = gen if kind == "generator" else coro
+    fn, name = (gen, "gen") if kind == "generator" else (coro, "coro")
+    # The message names the user's function, not a placeholder "fn".
     with pytest.raises(
-        TypeError, match=r"^@Timer\(\) on fn: fn\(\) returns a (generator|coroutine) without"
+        TypeError, match=rf"^@Timer\(\) on {name}: {name}\(\) returns a (generator|coroutine) "
     ):
         dk.Timer()(fn)
+
+
+def test_timer_names_a_lazy_method_by_its_qualified_name() -> None:
+    class Model:
+        def steps(self) -> Iterator[int]:
+            yield 1
+
+    # Qualified as written in the code: Model.steps, without "test_....<locals>.".
+    with pytest.raises(
+        TypeError, match=r"^@Timer\(\) on Model\.steps: Model\.steps\(\) returns a generator "
+    ):
+        dk.Timer()(Model.steps)
 
 
 def test_stop_inside_a_with_block_ends_its_lap_and_hides_no_exception() -> None:
