@@ -27,7 +27,7 @@ import torch
 
 from ._errors import DeviceNotFoundError
 from ._format import first_line, plural
-from ._options import check_index
+from ._options import check_index, got
 from ._visible import ENV_VAR, torch_cuda_initialized
 
 __all__ = [
@@ -304,7 +304,7 @@ def _entries(value: object, name: str) -> list[tuple[str, object]]:
         return [(name, value)]  # a tensor is one (refused) entry, never a list of indices
     if isinstance(value, (bool, bytes, Mapping)) or not isinstance(value, Iterable):
         raise TypeError(
-            f"{name} must be a device or a list of devices ({_EXPECTED} each), got {_got(value)}"
+            f"{name} must be a device or a list of devices ({_EXPECTED} each), got {got(value)}"
         )
     return [(f"{name}[{index}]", item) for index, item in enumerate(value)]
 
@@ -323,7 +323,7 @@ def _is_index(value: object) -> bool:
 def _parse(value: object, name: str) -> torch.device:
     """The device ``value`` writes, by form only: nothing is checked against the machine."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be {_EXPECTED}, got {_got(value)}")
+        raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}")
     if isinstance(value, str):
         try:
             return torch.device(value)
@@ -348,7 +348,7 @@ def _parse(value: object, name: str) -> torch.device:
                 f"'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU."
             )
         return torch.device(kind, index)
-    raise TypeError(f"{name} must be {_EXPECTED}, got {_got(value)}")
+    raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}")
 
 
 def _unreadable(value: str, name: str, reason: str) -> ValueError:
@@ -390,12 +390,6 @@ def _article(word: str) -> str:
     if word.isupper():  # an acronym, read letter by letter ("ROCm" and "Vulkan" are words)
         return "an" if word[:1] in "AEFHILMNORSX" else "a"
     return "an" if word[:1].lower() in "aeiou" else "a"
-
-
-def _got(value: object) -> str:
-    if isinstance(value, bool):  # a bool is an int to Python, and almost always a mistake here
-        return f"the bool {value!r}"
-    return f"{value!r} of type {type(value).__name__}"
 
 
 def _check(device: torch.device, value: object, name: str) -> torch.device:

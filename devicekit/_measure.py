@@ -15,6 +15,7 @@ from ._conditions import Sampler
 from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
 from ._format import close_match
+from ._measurecheck import MODES
 from ._measurement import Measurement
 from ._options import check_number, check_seconds, refuse_lazy
 from ._stats import relative_noise
@@ -212,7 +213,7 @@ def _check_options(
             "raise max_time or lower min_time"
         )
     check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
-    if mode not in ("warm", "cold", "graph"):
+    if mode not in MODES:
         raise ValueError(f"mode must be 'warm', 'cold' or 'graph', got {mode!r}")
 
 

@@ -7,9 +7,8 @@ say what spoils them, and their forms: text, a notebook table, plain data.
 from __future__ import annotations
 
 import math
-import numbers
 import statistics
-from collections.abc import Iterable, Mapping, Set, Sized
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -23,13 +22,12 @@ from ._format import (
     plain_data,
     plural,
 )
-from ._options import _got, check_count, check_number, check_seconds
+from ._measurecheck import MODES, STOP_REASONS, check_options, same_interval, seconds_list
+from ._options import check_count, check_number, got
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 
 __all__ = ["MODES", "STOP_REASONS", "Measurement"]
 
-MODES = ("warm", "cold", "graph")  # benchmark()'s modes
-STOP_REASONS = ("converged", "max_time", "given")
 # What the times determine: from_dict() recomputes them, and checks a document's against them.
 _STATISTICS = ("median", "mean", "min", "iqr", "rel_noise", "ci", "n", "host_median")
 _VERDICTS = ("trustworthy", "notes")  # judged anew: a later devicekit may judge differently
@@ -180,17 +178,17 @@ class Measurement:
             ...
             TypeError: times[0] is '0.01' of type str: every time must be a number of seconds; ...
         """
-        seconds = _seconds(times, name="times")
+        seconds = seconds_list(times, name="times")
         if not seconds:
             raise ValueError("Measurement.from_times() needs at least one time, got none")
-        host = () if host_times is None else _seconds(host_times, name="host_times")
+        host = () if host_times is None else seconds_list(host_times, name="host_times")
         if host and len(host) != len(seconds):
             raise ValueError(
                 f"host_times has {plural(len(host), 'time')} but times has {len(seconds)}: "
                 "host_times holds one per timed call, in the same order; leave it out where "
                 "none was kept"
             )
-        _check_options(
+        check_options(
             name=name,
             mode=mode,
             stop_reason=stop_reason,
@@ -436,7 +434,7 @@ class Measurement:
         if not isinstance(data, Mapping):
             raise TypeError(
                 f"{where} needs a mapping, a measurement's to_dict(times=True) (or that read "
-                f"back from JSON), got {_got(data)}"
+                f"back from JSON), got {got(data)}"
             )
         if "times" not in data:
             raise ValueError(
@@ -477,7 +475,7 @@ class Measurement:
         conditions = data["conditions"]
         if not isinstance(conditions, Mapping):
             raise TypeError(
-                f"conditions must be a mapping, a Conditions' to_dict(), got {_got(conditions)}"
+                f"conditions must be a mapping, a Conditions' to_dict(), got {got(conditions)}"
             )
         try:
             rebuilt = Conditions.from_dict(dict(conditions))
@@ -507,7 +505,7 @@ class Measurement:
                 check_count(given, name="n", minimum=1)
                 agree = given == computed
             elif key == "ci":
-                agree = _same_interval(given, computed)
+                agree = same_interval(given, computed)
             elif given is None:  # unknown: right only where the times give none either
                 agree = computed is None
             else:
@@ -561,119 +559,6 @@ class Measurement:
         ]
         caption = f"{self.name} on {self.conditions.device} ({self.mode})"
         return html_table(rows, caption=caption)
-
-
-def _seconds(values: object, *, name: str) -> tuple[float, ...]:
-    """``values`` as a tuple of floats, each finite and >= 0, or an error naming the bad one.
-
-    About 20 ms for 700,000 times, against 170 ms to sort them: the types are
-    read once per distinct type, and a NaN or an infinity makes the sum one.
-
-    Examples:
-        >>> _seconds([1, 0.5], name="times")
-        (1.0, 0.5)
-        >>> _seconds([0.5, True], name="times")
-        Traceback (most recent call last):
-        ...
-        TypeError: times[1] is the bool True: every time must be a number of seconds, not a bool
-        >>> _seconds(0.5, name="times")
-        Traceback (most recent call last):
-        ...
-        TypeError: times must be a list of numbers of seconds, one per timed call, got 0.5 of type float; for a single time, pass [0.5]
-    """  # noqa: E501 - the expected output is one line
-    wanted = f"{name} must be a list of numbers of seconds, one per timed call"
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
-        fix = f"; for a single time, pass [{values!r}]" if isinstance(values, numbers.Real) else ""
-        raise TypeError(f"{wanted}, got {_got(values)}{fix}")
-    if isinstance(values, Set):
-        # A set keeps one of equal times, in no order: its statistics would be wrong.
-        raise TypeError(f"{wanted}, got a {type(values).__name__}, which keeps one of equal times")
-    times = tuple(values)
-    kinds = set(map(type, times))
-    if not kinds <= {float}:
-        for kind in kinds:
-            if issubclass(kind, bool) or not issubclass(kind, numbers.Real):
-                index, bad = next((i, t) for i, t in enumerate(times) if type(t) is kind)
-                not_bool = ", not a bool" if isinstance(bad, bool) else ""
-                fix = "" if not_bool else "; pass plain numbers (a tensor's .tolist())"
-                raise TypeError(
-                    f"{name}[{index}] is {_got(bad)}: every time must be a number of "
-                    f"seconds{not_bool}{fix}"
-                )
-        times = tuple(map(float, times))  # ints, numpy floats, fractions: stored as floats
-    total = sum(times)
-    if not math.isfinite(total) or (times and min(times) < 0):
-        found = next(
-            ((i, t) for i, t in enumerate(times) if not (math.isfinite(t) and t >= 0)), None
-        )
-        if found is None:
-            raise ValueError(
-                f"{name} add up to {total}, more than a float holds: every time must be "
-                "seconds per call, and no run takes that long"
-            )
-        index, bad = found
-        raise ValueError(
-            f"{name}[{index}] is {bad!r}: every time must be a finite number of seconds "
-            ">= 0; drop the calls that were not timed"
-        )
-    return times
-
-
-def _same_interval(given: object, computed: tuple[float, float] | None) -> bool:
-    """Whether a document's ``ci`` is ``computed``; an error if it is no interval at all."""
-    if given is None:
-        return computed is None
-    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable):
-        raise TypeError(f"ci must be [low, high] seconds or None (unknown), got {_got(given)}")
-    bounds = list(given)
-    if len(bounds) != 2:
-        raise ValueError(f"ci must be [low, high] seconds or None (unknown), got {given!r}")
-    low, high = (check_number(b, name="ci", at_least=0) for b in bounds)
-    return computed is not None and all(
-        math.isclose(a, b, rel_tol=1e-9) for a, b in zip((low, high), computed, strict=True)
-    )
-
-
-def _check_options(
-    *,
-    name: object,
-    mode: object,
-    stop_reason: object,
-    conditions: object,
-    energy_per_call: object,
-    power: object,
-    warmup: object,
-    warmup_time: object,
-    clock_floor: object,
-) -> None:
-    """Refuse `from_times()`'s keyword options that `Measurement` would print or judge wrongly."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a string, what was timed, got {_got(name)}")
-    for option, value, choices in (
-        ("mode", mode, MODES),
-        ("stop_reason", stop_reason, STOP_REASONS),
-    ):
-        if value not in choices or not isinstance(value, str):
-            wanted = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
-            if isinstance(value, str):
-                raise ValueError(f"{option} must be {wanted}, got {value!r}")
-            raise TypeError(f"{option} must be {wanted}, got {_got(value)}")
-    if conditions is not None and not isinstance(conditions, Conditions):
-        raise TypeError(
-            f"conditions must be a devicekit.Conditions or None (unknown), got {_got(conditions)}"
-        )
-    unknown = "None where unknown"
-    # A zero is refused where no measurement reads one: unknown is None, never 0.
-    if energy_per_call is not None:
-        check_number(energy_per_call, name="energy_per_call", above=0, meaning=unknown)
-    if power is not None:
-        check_number(power, name="power", above=0, meaning=unknown)
-    if warmup is not None:
-        check_seconds(warmup, name="warmup", zero_ok=True, fix=unknown)
-    if warmup_time is not None:
-        check_seconds(warmup_time, name="warmup_time", zero_ok=True, fix=unknown)
-    if clock_floor is not None:
-        check_seconds(clock_floor, name="clock_floor", fix=unknown)
 
 
 def _round_up(seconds: float) -> float:

@@ -64,7 +64,7 @@ def check_count(value: object, *, name: str, minimum: int = 0, fix: str = "") ->
         ValueError: repeat must be an int >= 1, got 0
     """
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {_got(value)}")
+        raise TypeError(f"{name} must be an int >= {minimum}, got {got(value)}")
     count = operator.index(value)
     if count < minimum:
         raise ValueError(
@@ -101,7 +101,7 @@ def check_number(
     wanted = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
     hint = f" ({meaning})" if meaning else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {wanted}, got {_got(value)}{hint}")
+        raise TypeError(f"{name} must be {wanted}, got {got(value)}{hint}")
     number = float(value)
     if (
         not math.isfinite(number)
@@ -126,7 +126,7 @@ def check_flag(value: object, *, name: str) -> bool:
         TypeError: sync must be True or False, got 'yes' of type str
     """
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {_got(value)}")
+        raise TypeError(f"{name} must be True or False, got {got(value)}")
     return value
 
 
@@ -149,12 +149,18 @@ def check_path(value: object, *, name: str, fix: str, file_objects: bool = False
         return
     also = " or a binary file object with read() and seek()" if file_objects else ""
     raise TypeError(
-        f"{name} must be a file path (str or os.PathLike){also}, got {_got(value)}; {fix}"
+        f"{name} must be a file path (str or os.PathLike){also}, got {got(value)}; {fix}"
     )
 
 
-def _got(value: object) -> str:
-    if isinstance(value, bool):
+def got(value: object) -> str:
+    """How an error names a value it refuses: its repr and its type (a bool said as one).
+
+    Examples:
+        >>> got(True), got("0")
+        ('the bool True', "'0' of type str")
+    """
+    if isinstance(value, bool):  # a bool is an int to Python, and almost always a mistake here
         return f"the bool {value!r}"
     return f"{value!r} of type {type(value).__name__}"
 
