@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,7 @@ from ._errors import DeviceNotFoundError
 from ._findings import ENVIRONMENTAL, environmental
 from ._format import format_count, html_table, plain_fields, plural, safe_text
 from ._gpuinfo import GPUInfo, GPUProcess
+from ._options import check_count, check_number, got
 
 __all__ = ["Conditions", "Sampler"]
 
@@ -187,15 +190,68 @@ class Conditions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Conditions:
-        """Rebuild from [`to_dict()`][devicekit.Conditions.to_dict]'s output."""
+        """Rebuild from [`to_dict()`][devicekit.Conditions.to_dict]'s output.
+
+        Each field is checked, as a document may have been edited by hand: a
+        value that the notes would misread (``device=5``, a negative clock)
+        is refused, naming the field. Unknown is ``None``.
+
+        Raises:
+            TypeError: ``data`` is not a mapping, or a field has the wrong type.
+            ValueError: A field is unknown or missing, or a number is negative.
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"Conditions.from_dict() needs a mapping, got {got(data)}")
+        unknown = sorted(set(data) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"Conditions.from_dict(): no field {unknown[0]!r} in Conditions")
+        if "device" not in data:
+            raise ValueError("Conditions.from_dict(): the document has no 'device'")
         fields = dict(data)
-        if fields.get("other_processes") is not None:
-            fields["other_processes"] = tuple(GPUProcess(**p) for p in fields["other_processes"])
-        if fields.get("throttle_reasons") is not None:
-            fields["throttle_reasons"] = tuple(fields["throttle_reasons"])
-        if fields.get("competitors") is not None:
-            fields["competitors"] = tuple((pid, name) for pid, name in fields["competitors"])
+        for name, value in fields.items():
+            fields[name] = _read_field(name, value)
         return cls(**fields)
+
+
+_COUNTS = frozenset(
+    {"utilization_before", "sm_clock_min", "sm_clock_max", "cpu_count", "preemptions"}
+)
+_AMOUNTS = frozenset({"load_average", "cpu_window", "other_cpu_time", "steal_time"})
+
+
+def _read_field(name: str, value: Any) -> Any:
+    """One field of a `Conditions` document, checked (``None``: unknown), as the class keeps it."""
+    where = f"Conditions.from_dict(): {name}"
+    if name == "device" or (name == "gpu_name" and value is not None):
+        if not isinstance(value, str):
+            raise TypeError(f"{where} must be a string, got {got(value)}")
+        return value
+    if value is None:
+        return None
+    if name in _COUNTS:
+        return check_count(value, name=where)
+    if name in _AMOUNTS:
+        return check_number(value, name=where, at_least=0)
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{where} must be a list or None, got {got(value)}")
+    return _read_list(name, list(value), where)
+
+
+def _read_list(name: str, items: list[Any], where: str) -> tuple[Any, ...]:
+    if name == "throttle_reasons":
+        if not all(isinstance(reason, str) for reason in items):
+            raise TypeError(f"{where} must be a list of strings, got {items!r}")
+        return tuple(items)
+    if name == "other_processes":
+        try:
+            return tuple(GPUProcess(**process) for process in items)
+        except TypeError as error:
+            raise TypeError(f"{where}: each must be a GPUProcess's fields: {error}") from None
+    pairs = [tuple(pair) if isinstance(pair, (list, tuple)) else None for pair in items]
+    for pair in pairs:  # competitors: [pid, name] each
+        if pair is None or len(pair) != 2 or not isinstance(pair[0], int):
+            raise TypeError(f"{where} must be a list of [pid, name] pairs, got {items!r}")
+    return tuple(pairs)
 
 
 def _load_average() -> float | None:
