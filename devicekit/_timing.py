@@ -210,7 +210,7 @@ class Timer:
         """Mean seconds per lap."""
         times = self.times
         if not times:
-            raise RuntimeError("no lap has finished yet")
+            raise RuntimeError("no lap has finished yet: time a `with` block or call stop()")
         return sum(times) / len(times)
 
     def sum(self) -> float:
