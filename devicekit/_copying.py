@@ -20,26 +20,24 @@ from typing import Any
 
 from ._tree import slot_names
 
-__all__ = ["copy_state", "forget_cached_properties", "own_copy"]
+__all__ = ["copy_state", "forget_cached_properties", "own_copy", "unshare"]
 
 
-def own_copy(obj: Any, *, unshare: bool) -> Any:
+def own_copy(obj: Any) -> Any:
     """A shallow copy of ``obj``, never ``obj`` itself, that ``to_device`` may write into.
 
     A class that says how it is copied (``__copy__``, ``__reduce__``,
     ``__getstate__``...) is copied its own way. Any other is made without its
     ``__init__`` (whose signature is its own) and without its ``__setitem__``
     (``copy.copy`` calls it on a copy that shares the input's attributes):
-    a new instance gets the items and the attributes directly. With
-    ``unshare``, the copy's mutable attributes are its own, copied one level,
-    so that writing items into the copy writes nothing into ``obj``.
+    a new instance gets the items and the attributes directly. The copy's
+    attributes are the input's own objects, so the walk's memo finds them;
+    `unshare()` them before writing items into the copy.
     """
     cls: Any = type(obj)
     if _copies_its_own_way(cls):
         result = copy.copy(obj)
         if result is not obj:  # an immutable class's __copy__ returns self
-            if unshare:
-                _unshare(result, obj)
             return result
     result = cls.__new__(cls)
     if isinstance(obj, OrderedDict):  # its base __setitem__: the subclass's may need state
@@ -54,13 +52,16 @@ def own_copy(obj: Any, *, unshare: bool) -> Any:
     if isinstance(obj, defaultdict):
         result.default_factory = obj.default_factory
     copy_state(obj, result)
-    if unshare:
-        _unshare(result, obj)
     return result
 
 
-def _unshare(result: Any, obj: Any) -> None:
-    """Give ``result`` its own copy of each mutable attribute it shares with ``obj``."""
+def unshare(result: Any, obj: Any) -> None:
+    """Give ``result`` its own copy of each mutable attribute it still shares with ``obj``.
+
+    So that writing items into the copy (its ``__setitem__`` appends to a
+    list, its items live in a dict attribute) writes nothing into ``obj``.
+    Called once the attributes are moved: a moved one is the copy's own already.
+    """
     mine, theirs = getattr(result, "__dict__", None), getattr(obj, "__dict__", None)
     if mine and theirs:
         for name, value in mine.items():

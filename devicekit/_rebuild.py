@@ -14,6 +14,17 @@ new object (`_copying`) and never writes into the input:
 - if writing into the copy changed the input anyway, the input is put back
   and ``to_device`` says which class it could not copy, rather than return
   with the input modified.
+
+A subclass's instance may hold more than its items: ``self.lengths`` set on a
+``class Batch(dict)``. Those attributes are moved as a record's are
+(`_records.move_attributes`), so that no tensor stays on the old device beside
+moved items. They are moved on the copy *before* its items are written: read
+there, they are still the input's own objects, so the walk's memo keeps an
+attribute that is an item (an attribute-style dict's mirror) one object with
+it; and a class whose ``__setitem__`` keeps its own record of the items writes
+it last, its own way. The attributes a standard-library base keeps its items
+in (``UserDict.data``) are not moved as attributes: the items are
+(`_tree.container_layout`).
 """
 
 from __future__ import annotations
@@ -25,10 +36,10 @@ from collections import ChainMap, Counter, OrderedDict, defaultdict, deque
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
-from ._copying import copy_state, forget_cached_properties, own_copy
+from ._copying import copy_state, forget_cached_properties, own_copy, unshare
 from ._format import first_line, qualified_name, shorten
-from ._records import Walk, replace_fields
-from ._tree import is_dataclass_instance, record_layout
+from ._records import Walk, move_attributes, replace_fields
+from ._tree import container_layout, is_dataclass_instance, record_layout
 
 __all__ = [
     "rebuild_list_subclass",
@@ -57,19 +68,24 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
         moved[key] is not value for key, value in items
     ):
         _refuse_weak_values(cls)  # one that moves nothing (a registry) is copied as any other
-    if cls is OrderedDict:
-        return OrderedDict(moved)
+    if cls is OrderedDict or cls is Counter:
+        made: Any = OrderedDict(moved) if cls is OrderedDict else Counter(moved)  # counts as is
+        if obj.__dict__:  # both take attributes (od.note = ...); an empty dict is cheap to test
+            copy_state(obj, made)
+            _move_held(walk, made, obj)
+        return made
     if cls is defaultdict:
         return defaultdict(obj.default_factory, moved)  # type: ignore[attr-defined]
-    if cls is Counter:
-        return Counter(moved)  # an empty Counter takes a mapping as is
     if not isinstance(obj, MutableMapping):
         return _rebuild_read_only(cls, moved)  # MappingProxyType, a user's Mapping
     # A subclass (a ModelOutput, a user's dict) or a MutableMapping (UserDict):
     # a shallow copy made the class's own way (its __reduce__ or __copy__) keeps
-    # its state, then each value that moved is replaced with its own __setitem__,
-    # which keeps attribute mirrors (ModelOutput, EasyDict) in step.
-    result = own_copy(obj, unshare=True)
+    # its state, its attributes are moved, then each value that moved is replaced
+    # with its own __setitem__, which keeps attribute mirrors (ModelOutput, EasyDict)
+    # in step.
+    result = own_copy(obj)
+    _move_held(walk, result, obj)
+    unshare(result, obj)
     originals = dict(items)
     changed = [(key, value) for key, value in moved.items() if value is not originals[key]]
     _write_moved(obj, result, changed, originals)
@@ -77,6 +93,23 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
         replace_fields(walk, result, obj, record_layout(cls))
     forget_cached_properties(result)
     return result
+
+
+def _move_held(walk: Walk, result: Any, obj: Any) -> None:
+    """Move what the copy of a container holds besides its items: ``self.lengths``.
+
+    Before its items are written (see the module's docstring), and once its
+    cached properties are dropped: they are computed again, not moved.
+    """
+    layout = container_layout(type(obj))
+    if layout is None:
+        return
+    state = getattr(result, "__dict__", None)
+    # Most subclasses' instances hold nothing but their items (a UserDict only its data):
+    # saying so here costs a tenth of a microsecond, the full look ten times that.
+    if layout.slots or (state and not state.keys() <= layout.fields.keys()):
+        forget_cached_properties(result)
+        move_attributes(walk, result, layout)
 
 
 def _refuse_weak_values(cls: type) -> None:
@@ -97,6 +130,7 @@ def _rebuild_chain_map(walk: Walk, obj: ChainMap[Any, Any]) -> ChainMap[Any, Any
     cls = type(obj)
     result = cls.__new__(cls)  # not its __init__, whose signature may be a subclass's own
     copy_state(obj, result)
+    _move_held(walk, result, obj)  # not its maps: they are its items, moved below
     # Not through the class's __setattr__: an attribute-style subclass makes it an item.
     object.__setattr__(result, "maps", [walk.move(child) for child in obj.maps])
     forget_cached_properties(result)
@@ -204,8 +238,11 @@ def _reads_back(obj: Any, key: Any, value: Any) -> bool:
 
 
 def rebuild_list_subclass(walk: Walk, obj: list[Any]) -> list[Any]:
-    result: list[Any] = own_copy(obj, unshare=True)
-    result[:] = [walk.move(item) for item in _kept(walk, obj)]
+    moved = [walk.move(item) for item in _kept(walk, obj)]
+    result: list[Any] = own_copy(obj)
+    _move_held(walk, result, obj)
+    unshare(result, obj)
+    result[:] = moved
     forget_cached_properties(result)
     return result
 
@@ -224,7 +261,9 @@ def rebuild_sequence(walk: Walk, obj: MutableSequence[Any]) -> MutableSequence[A
     moved = [walk.move(item) for item in items]
     if type(obj) is deque:
         return deque(moved, maxlen=obj.maxlen)
-    result: MutableSequence[Any] = own_copy(obj, unshare=True)
+    result: MutableSequence[Any] = own_copy(obj)
+    _move_held(walk, result, obj)
+    unshare(result, obj)
     originals = dict(enumerate(items))
     changed = [(index, new) for index, new in enumerate(moved) if new is not originals[index]]
     _write_moved(obj, result, changed, originals)
@@ -243,7 +282,7 @@ def rebuild_tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
     # its own, and may take more than the items), then its attributes.
     result: tuple[Any, ...] = tuple.__new__(cls, items)
     copy_state(obj, result)
-    forget_cached_properties(result)
+    _move_held(walk, result, obj)
     return result
 
 
@@ -273,9 +312,9 @@ def rebuild_set(walk: Walk, obj: set[Any] | frozenset[Any]) -> set[Any] | frozen
         frozenset.__new__(cls, moved) if isinstance(obj, frozenset) else set.__new__(cls)
     )
     copy_state(obj, result)
+    _move_held(walk, result, obj)
     if isinstance(result, set):
         set.update(result, moved)
-    forget_cached_properties(result)
     return result
 
 

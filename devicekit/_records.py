@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from ._copying import forget_cached_properties, own_copy
 from ._tree import RecordLayout, record_attributes, record_fields, record_layout
 
-__all__ = ["Walk", "rebuild_dataclass", "rebuild_record", "replace_fields"]
+__all__ = ["Walk", "move_attributes", "rebuild_dataclass", "rebuild_record", "replace_fields"]
 
 
 class Walk(Protocol):
@@ -31,15 +31,15 @@ def rebuild_dataclass(walk: Walk, obj: Any) -> Any:
 
     Every field, ``init=False`` ones too, on a copy: frozen instances are
     rebuilt, never mutated, and ``__post_init__`` does not run again, so what
-    it set (``self.mask = self.x > 0``) is moved too (`_move_attributes`).
+    it set (``self.mask = self.x > 0``) is moved too (`move_attributes`).
     """
     layout = record_layout(type(obj))
-    result = own_copy(obj, unshare=False)  # fields are set on the copy's own __dict__
+    result = own_copy(obj)  # fields are set on the copy's own __dict__
     replace_fields(walk, result, obj, layout)
     if layout.slots:
         _restore_slots(result, obj, layout.slots)
     forget_cached_properties(result)
-    _move_attributes(walk, result, layout)
+    move_attributes(walk, result, layout)
     return result
 
 
@@ -78,7 +78,7 @@ def rebuild_record(walk: Walk, obj: Any) -> Any:
     holds besides its fields (a non-field attribute, a private value) is moved
     too, as a dataclass's is.
     """
-    result = own_copy(obj, unshare=False)
+    result = own_copy(obj)
     values = record_fields(obj)
     walk.keep(values)  # a property may build its value at each read
     extra = getattr(result, "__pydantic_extra__", None)
@@ -91,12 +91,12 @@ def rebuild_record(walk: Walk, obj: Any) -> Any:
         else:
             object.__setattr__(result, name, moved)
     forget_cached_properties(result)
-    _move_attributes(walk, result, record_layout(type(obj)))
+    move_attributes(walk, result, record_layout(type(obj)))
     return result
 
 
-def _move_attributes(walk: Walk, result: Any, layout: RecordLayout) -> None:
-    """Move what the copy holds besides its fields: ``__post_init__``'s ``self.mask``, a cache.
+def move_attributes(walk: Walk, result: Any, layout: RecordLayout) -> None:
+    """Move what the copy holds besides its fields or items: ``self.mask``, a cache.
 
     Left where it was, such a tensor makes a mixed-device object with no error
     until it is used. Each value goes through the walk as a field's does, so a
@@ -104,6 +104,10 @@ def _move_attributes(walk: Walk, result: Any, layout: RecordLayout) -> None:
     moved. Called once cached properties are dropped: they are computed again,
     not moved. Read from the copy (its own ``__dict__``; a pydantic model's
     private values, in a dict its ``__copy__`` made) and written back there.
+
+    Records and container subclasses (`_rebuild`) both come here, each with its
+    layout: a record's names its fields, a container's the attributes that hold
+    its items (`container_layout()`), and neither is moved as an attribute.
     """
     values = record_attributes(result, layout)
     if not values:

@@ -7,19 +7,24 @@ One definition serves [`to_device()`][devicekit.to_device] (which rebuilds), and
 
 A record (a dataclass, an ``attrs`` instance, a pydantic model, a
 ``SimpleNamespace``) holds its fields and whatever else its instance was given
-(``self.mask = self.x > 0`` in ``__post_init__``): both are inside it. A
-tensor in either is used with the others, so one left behind by a move, or
-missed by a check, is a mixed-device object.
+(``self.mask = self.x > 0`` in ``__post_init__``): both are inside it. So does
+a container subclass: a ``class Batch(dict)`` whose instance was given
+``self.lengths`` holds its items and that attribute. A tensor in either is used
+with the others, so one left behind by a move, or missed by a check, is a
+mixed-device object. What a standard-library base keeps its items in
+(``UserDict.data``, ``ChainMap.maps``) is the items, not an attribute besides
+them (`container_layout()`).
 """
 
 from __future__ import annotations
 
 import array
+import collections
 import dataclasses
 import sys
 import types
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, MutableSequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, MutableSequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -27,6 +32,8 @@ import torch
 __all__ = [
     "RecordLayout",
     "children",
+    "container_attributes",
+    "container_layout",
     "describe_cycle",
     "is_namedtuple",
     "is_record",
@@ -153,7 +160,11 @@ class RecordLayout(NamedTuple):
     """What a record class's instances hold by name, read once per class."""
 
     fields: dict[str, None]
-    """The names of its fields, in order (a dict: quick to test too)."""
+    """The names of its fields, in order (a dict: quick to test too).
+
+    For a container (`container_layout()`), the attributes that hold its items
+    (``UserDict.data``): rebuilt with the items, never as attributes of their own.
+    """
     slots: tuple[str, ...]
     """Its slots that are not fields, nor Python's or a library's."""
     pydantic: bool
@@ -195,28 +206,120 @@ def slot_names(cls: type) -> Iterator[str]:
             yield f"_{klass.__name__.lstrip('_')}{name}" if private else name
 
 
+# What a standard-library base keeps its items in, and its bookkeeping of them: what an
+# empty instance holds (UserDict's "data"; a WeakValueDictionary's "data", "_remove"...),
+# read from Python itself, whose versions differ. Rebuilt with the items, or made anew.
+_ITEM_STORAGE: dict[type, frozenset[str]] = {
+    base: frozenset(vars(base()))
+    for base in (
+        collections.UserDict,
+        collections.UserList,
+        collections.ChainMap,
+        weakref.WeakValueDictionary,
+        weakref.WeakKeyDictionary,
+    )
+}
+# Instances of these hold nothing but their items: no __dict__, no slots.
+_ITEMS_ONLY = frozenset(
+    {dict, list, tuple, set, frozenset, collections.deque, collections.defaultdict}
+)
+_container_layouts: weakref.WeakKeyDictionary[type, RecordLayout | None] = (
+    weakref.WeakKeyDictionary()
+)
+_UNKNOWN = RecordLayout({}, (), False)  # not yet read: None is an answer
+
+
+def container_layout(cls: type) -> RecordLayout | None:
+    """What a container class's instances may hold besides their items, or None for nothing.
+
+    Its ``fields`` are the attributes that hold its items (a standard-library
+    base's storage: ``UserDict.data``, ``UserList.data``, ``ChainMap.maps``, a
+    weak dictionary's ``data`` and bookkeeping), left to the rebuild of the
+    items; its ``slots`` those of a subclass's slots that are the user's. None
+    when its instances have neither a ``__dict__`` nor such slots (a dict, a
+    namedtuple): nothing to look at, or move, but the items.
+
+    Examples:
+        >>> import collections
+        >>> class Batch(collections.UserDict): ...
+        >>> list(container_layout(Batch).fields), container_layout(dict)
+        (['data'], None)
+    """
+    layout = _container_layouts.get(cls, _UNKNOWN)
+    if layout is _UNKNOWN:
+        held: set[str] = set()
+        for base, names in _ITEM_STORAGE.items():
+            if issubclass(cls, base):
+                held |= names
+        storage = dict.fromkeys(sorted(held))
+        slots = tuple(name for name in slot_names(cls) if _is_users(name, storage))
+        # __dictoffset__ is 0 exactly when instances have no __dict__ (it is negative
+        # for a variable-size base such as tuple): no instance needed to ask.
+        has_dict = cls.__dictoffset__ != 0
+        layout = RecordLayout(storage, slots, False) if has_dict or slots else None
+        _container_layouts[cls] = layout
+    return layout
+
+
+def container_attributes(obj: object) -> list[tuple[str, Any]]:
+    """What a container holds besides its items: the attributes its instance was given.
+
+    ``self.lengths`` set on a ``class Batch(dict)``, a slot of a list subclass:
+    `record_attributes()` with `container_layout()`, so the attributes that
+    hold its items (``UserDict.data``) and Python's own (``__orig_class__``)
+    are left out. Empty for plain containers.
+
+    Examples:
+        >>> import torch
+        >>> class Batch(dict): ...
+        >>> batch = Batch(x=torch.ones(1))
+        >>> batch.lengths = torch.tensor([1])
+        >>> container_attributes(batch)
+        [('lengths', tensor([1]))]
+    """
+    cls = type(obj)
+    if cls in _ITEMS_ONLY:
+        return []
+    layout = container_layout(cls)
+    return [] if layout is None else record_attributes(obj, layout)
+
+
 def children(obj: object) -> list[tuple[str, Any]] | None:
     """The elements of a container with the path suffix of each, or None for a leaf.
 
     Tensors and modules are leaves here: callers decide what to do with them. A
     record's elements are its fields, then its other attributes (`record_attributes()`),
-    as `to_device()` moves both.
+    as `to_device()` moves both; a container's are its items, then its other
+    attributes (`container_attributes()`), but for an attribute that is one of
+    its items (an attribute-style dict's mirror, a ``ModelOutput``'s field),
+    which would only name the same object twice.
     """
     if isinstance(obj, (torch.Tensor, torch.nn.Module, str, bytes, bytearray, array.array)):
         return None
+    items: list[tuple[str, Any]]
     if isinstance(obj, Mapping):
-        return [(f"[{key!r}]", value) for key, value in obj.items()]
-    if is_namedtuple(obj):
+        items = [(f"[{key!r}]", value) for key, value in obj.items()]
+        if not isinstance(obj, MutableMapping):
+            # A read-only mapping is rebuilt by its constructor from its items alone:
+            # its attributes are its storage (Config's self._items), not more of it.
+            return items
+    elif is_namedtuple(obj):
         named: dict[str, Any] = obj._asdict()  # type: ignore[attr-defined]
-        return [(f".{name}", value) for name, value in named.items()]
-    if isinstance(obj, (list, tuple, MutableSequence)):  # a deque, a UserList: as to_device
-        return [(f"[{index}]", value) for index, value in enumerate(obj)]
-    if isinstance(obj, (set, frozenset)):
-        return [(f"{{{index}}}", value) for index, value in enumerate(obj)]
-    if is_dataclass_instance(obj) or is_record(obj):
+        items = [(f".{name}", value) for name, value in named.items()]
+    elif isinstance(obj, (list, tuple, MutableSequence)):  # a deque, a UserList: as to_device
+        items = [(f"[{index}]", value) for index, value in enumerate(obj)]
+    elif isinstance(obj, (set, frozenset)):
+        items = [(f"{{{index}}}", value) for index, value in enumerate(obj)]
+    elif is_dataclass_instance(obj) or is_record(obj):
         held = record_fields(obj) + record_attributes(obj)
         return [(f".{name}", value) for name, value in held]
-    return None
+    else:
+        return None
+    others = container_attributes(obj)
+    if others:
+        mirrors = {id(value) for _, value in items}
+        items += [(f".{name}", value) for name, value in others if id(value) not in mirrors]
+    return items
 
 
 def iter_tensors(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:

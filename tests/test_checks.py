@@ -316,3 +316,48 @@ def test_attributes_that_are_not_fields_are_looked_inside_as_to_device_moves_the
         "will not move them. Use nn.ParameterList for trainable tensors, or register each one "
         "with self.register_buffer()."
     ]
+
+
+class Lengths(dict[str, Any]):
+    """A batch that was given an attribute besides its items."""
+
+
+class Mirrored(dict[str, Any]):
+    """Like easydict: every item is an attribute too."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+def test_attributes_of_container_subclasses_are_looked_inside_as_to_device_moves_them() -> None:
+    batch = Lengths(ids=torch.ones(1, device="meta"))
+    batch.lengths = torch.ones(1)  # type: ignore[attr-defined]  # on the CPU, whatever ids is on
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(batch=batch)
+    assert "  batch.lengths: cpu\n" in str(info.value)
+    assert dk.assert_same_device(dk.to_device(batch, META)) == META
+
+    class Model(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(1, 1)
+            self.example = Lengths()  # no items: the tensor is only in its attribute
+            self.example.lengths = torch.ones(1)  # type: ignore[attr-defined]
+
+    assert dk.check_module(Model()) == [
+        "example: a Lengths of 1 tensor on cpu held as a plain attribute; module.to() will not "
+        "move them. Use nn.ParameterDict for trainable tensors, or register each one with "
+        "self.register_buffer()."
+    ]
+
+
+def test_an_attribute_that_mirrors_an_item_is_named_once() -> None:
+    mirrored = Mirrored()
+    mirrored["x"] = torch.ones(1)
+    mirrored["y"] = torch.ones(1, device="meta")
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(batch=mirrored)
+    assert str(info.value).startswith(
+        "expected every tensor on one device, found 2: cpu (1 tensor), meta (1 tensor)\n"
+        "  batch['x']: cpu\n  batch['y']: meta\n"
+    )

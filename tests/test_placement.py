@@ -300,6 +300,229 @@ def test_a_back_reference_in_an_attribute_is_a_cycle_named_by_its_path() -> None
         dk.to_device(Node([Node([])]), META)
 
 
+# --- container subclasses: what they hold besides their items ----------------------------
+
+
+class BatchDict(dict[str, Any]):
+    pass
+
+
+class BatchList(list[Any]):
+    pass
+
+
+class BatchTuple(tuple[Any, ...]):
+    pass
+
+
+class BatchSet(set[Any]):
+    pass
+
+
+class BatchFrozenSet(frozenset[Any]):
+    pass
+
+
+class BatchUserDict(collections.UserDict[str, Any]):
+    pass
+
+
+class BatchUserList(collections.UserList[Any]):
+    pass
+
+
+class BatchOrdered(collections.OrderedDict[str, Any]):
+    pass
+
+
+class BatchDefault(collections.defaultdict[str, Any]):
+    pass
+
+
+class BatchCounter(collections.Counter[str]):
+    pass
+
+
+class BatchDeque(collections.deque[Any]):
+    pass
+
+
+class BatchChain(collections.ChainMap[str, Any]):
+    pass
+
+
+class BatchPoint(collections.namedtuple("BatchPoint", "x y")):
+    """Without ``__slots__ = ()``: its instances have a __dict__."""
+
+
+CONTAINERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "dict": lambda x: BatchDict(x=x),
+    "list": lambda x: BatchList([x]),
+    "tuple": lambda x: BatchTuple([x]),
+    "set": lambda x: BatchSet([x]),
+    "frozenset": lambda x: BatchFrozenSet([x]),
+    "UserDict": lambda x: BatchUserDict(x=x),
+    "UserList": lambda x: BatchUserList([x]),
+    "OrderedDict": lambda x: BatchOrdered(x=x),
+    "defaultdict": lambda x: BatchDefault(list, x=x),
+    "Counter": lambda x: BatchCounter({"x": x}),
+    "deque": lambda x: BatchDeque([x]),
+    "ChainMap": lambda x: BatchChain({"x": x}),
+    "namedtuple": lambda x: BatchPoint(x, "label"),
+    "exact OrderedDict": lambda x: collections.OrderedDict(x=x),  # takes attributes too
+    "exact Counter": lambda x: collections.Counter({"x": x}),
+}
+
+
+@pytest.mark.parametrize("make", CONTAINERS.values(), ids=CONTAINERS.keys())
+def test_container_subclasses_move_what_they_hold_besides_their_items(
+    make: Callable[[torch.Tensor], Any],
+) -> None:
+    x = torch.ones(2)
+    batch = make(x)
+    batch.lengths = torch.tensor([2])
+    batch._cache = {"sums": [torch.ones(1)]}
+    batch.label = "a"
+    moved = dk.to_device(batch, META)
+    assert type(moved) is type(batch)
+    assert on(META, moved.lengths)  # not left on the CPU beside moved items
+    assert on(META, moved._cache["sums"][0])
+    assert moved.label == "a"
+    assert dk.assert_same_device(moved=moved) == META  # nothing inside it stayed behind
+    assert on("cpu", batch.lengths)  # the input is untouched
+    assert on("cpu", batch._cache["sums"][0])
+    assert all(on("cpu", t) for _, t in dk._tree.iter_tensors(batch, "batch"))
+
+
+class SlottedBatch(list[Any]):
+    __slots__ = ("lengths",)
+
+
+def test_a_container_subclass_s_slots_are_moved() -> None:
+    batch = SlottedBatch([torch.ones(1)])
+    batch.lengths = torch.tensor([1])
+    moved = dk.to_device(batch, META)
+    assert on(META, moved.lengths)
+    assert on(META, moved[0])
+    assert on("cpu", batch.lengths)
+
+
+def test_an_attribute_of_a_container_stays_one_object_with_the_item_it_names() -> None:
+    batch = BatchDict(x=torch.ones(2), tokens=[torch.zeros(1)])
+    batch.first = batch["x"]  # type: ignore[attr-defined]
+    batch.tokens = batch["tokens"]  # type: ignore[attr-defined]  # a list: copied if unshared
+    moved = dk.to_device({"batch": batch, "x": batch["x"]}, META)
+    assert moved["batch"].first is moved["batch"]["x"] is moved["x"]
+    assert moved["batch"].tokens is moved["batch"]["tokens"]
+    assert on(META, moved["batch"].tokens[0])
+
+
+class SelfDict(dict[str, Any]):
+    """The attribute-dict idiom whose __dict__ is the dict itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__ = self
+
+
+def test_a_dict_that_is_its_own_dict_has_its_attributes_moved_with_its_items() -> None:
+    batch = SelfDict(x=torch.ones(1), nested={"y": torch.ones(1)})
+    moved = dk.to_device(batch, META)
+    assert on(META, moved["x"])
+    assert moved.x is moved["x"]  # not the input's CPU tensor, read as an attribute
+    assert moved.nested is moved["nested"]
+    assert [suffix for suffix, _ in children(batch) or []] == ["['x']", "['nested']"]
+
+
+class CountsTo:
+    """An item with its own .to(): counts how often it is moved."""
+
+    calls = 0
+
+    def to(self, device: torch.device) -> CountsTo:
+        CountsTo.calls += 1
+        return CountsTo()
+
+
+@pytest.mark.parametrize("make", [BatchUserDict, BatchUserList])
+def test_what_a_user_dict_or_list_keeps_its_items_in_is_not_an_attribute(
+    make: Callable[[Any], Any],
+) -> None:
+    # UserDict and UserList keep their items in self.data: the items, moved once,
+    # never an attribute besides them (nor a second path to them for the checks).
+    CountsTo.calls = 0
+    tensor, item = torch.ones(1), CountsTo()
+    batch = make({"t": tensor, "item": item} if make is BatchUserDict else [tensor, item])
+    batch.note = torch.ones(1)
+    moved = dk.to_device(batch, META)
+    assert CountsTo.calls == 1
+    assert on(META, moved.note)
+    keys = list(batch) if make is BatchUserDict else [0, 1]
+    assert [moved.data[key] for key in keys] == [moved[key] for key in keys]
+    assert moved.data is not batch.data
+    assert batch.data[keys[0]] is tensor
+    suffixes = [suffix for suffix, _ in children(batch) or []]
+    assert suffixes == (["['t']", "['item']", ".note"] if make is BatchUserDict else
+                        ["[0]", "[1]", ".note"])  # fmt: skip
+
+
+class ReadOnly(Mapping[str, Any]):
+    """Read-only, its items in an attribute: rebuilt by its constructor from its items."""
+
+    def __init__(self, items: Mapping[str, Any]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_a_read_only_mapping_is_looked_inside_through_its_items_alone() -> None:
+    # Its constructor makes its attributes from the items: they are not more of it.
+    frozen = ReadOnly({"x": torch.ones(1)})
+    assert [suffix for suffix, _ in children(frozen) or []] == ["['x']"]
+    assert dk.assert_same_device(dk.to_device(frozen, META)) == META
+
+
+class Tree(list[Any]):
+    pass
+
+
+def test_a_container_attribute_that_points_back_is_a_cycle_named_by_its_path() -> None:
+    # The copy's child would point back at the input, with its old tensors.
+    root, child = Tree([torch.ones(1)]), Tree()
+    root.append(child)
+    child.parent = root  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"obj\[1\]\.parent is obj\."):
+        dk.to_device(root, META)
+
+
+class Scored(dict[str, Any]):
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return torch.stack(list(self.values())).sum(0)
+
+
+class TypedBatch(dict[str, Any], Generic[T]):
+    pass
+
+
+def test_a_container_s_cached_properties_are_dropped_and_dunders_left_alone() -> None:
+    scored = Scored(a=torch.ones(2))
+    assert on("cpu", scored.total)  # cached on the input
+    moved = dk.to_device(scored, META)
+    assert "total" not in vars(moved)  # dropped, not moved: computed again
+    assert on(META, moved.total)
+    typed = TypedBatch[int](x=torch.ones(1))  # sets typed.__orig_class__, Python's own
+    assert [suffix for suffix, _ in children(typed) or []] == ["['x']"]
+    assert dk.to_device(typed, META).__orig_class__ is typed.__orig_class__  # type: ignore[attr-defined]
+
+
 def test_objects_with_their_own_to_method() -> None:
     obj = HasTo(torch.ones(1))
     moved = dk.to_device({"enc": obj}, META)

@@ -589,11 +589,18 @@ def test_deques_and_mutable_sequences_keep_their_type_and_state() -> None:
         dk.to_device(looped, META)
 
 
+class ListBox:
+    """Not a record: to_device neither walks into it nor copies it."""
+
+    def __init__(self, items: Any) -> None:
+        self.items = list(items)
+
+
 class BoxedFrames(MutableSequence[Any]):
     """Its storage is one object further than a shallow copy reaches."""
 
     def __init__(self, items: Any = ()) -> None:
-        self.box = types.SimpleNamespace(items=list(items))
+        self.box: Any = ListBox(items)
 
     def __getitem__(self, index: Any) -> Any:
         return self.box.items[index]
@@ -619,6 +626,19 @@ def test_a_sequence_copy_that_writes_into_the_input_is_put_back_and_refused() ->
         match=r"cannot copy a .*BoxedFrames without changing it: setting item 0 of its copy",
     ):
         dk.to_device(boxed, META)
+    assert boxed[0] is tensor
+
+
+def test_storage_held_in_a_record_is_rebuilt_as_an_attribute_before_items_are_written() -> None:
+    # The namespace is an attribute the copy moves (a copy of its own, its list rebuilt)
+    # before its items are written: nothing is written into the input's.
+    tensor = torch.ones(1)
+    boxed = BoxedFrames([tensor, "label"])
+    boxed.box = types.SimpleNamespace(items=[tensor, "label"])
+    moved = dk.to_device(boxed, META)
+    assert moved[0].is_meta
+    assert moved[1] == "label"
+    assert moved.box is not boxed.box
     assert boxed[0] is tensor
 
 

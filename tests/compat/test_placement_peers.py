@@ -123,7 +123,39 @@ def test_a_batch_encoding_is_moved_by_its_own_to() -> None:
     assert_same(ours, lightning_move()(encoding))
 
 
+def test_the_checks_see_a_batch_encoding_and_a_model_output_once_each() -> None:
+    # Their storage (BatchEncoding's UserDict .data) and their mirrors (a ModelOutput's
+    # fields) are their items: never a second path to the same tensor.
+    transformers = pytest.importorskip("transformers")
+    encoding = transformers.BatchEncoding({"input_ids": torch.tensor([[1, 2]])})
+    paths = [path for path, _ in dk._tree.iter_tensors(encoding, "enc")]
+    assert paths == ["enc['input_ids']"]
+    output = tiny_gpt2_output()
+    paths = [path for path, _ in dk._tree.iter_tensors(output, "out")]
+    assert paths
+    assert all(path.startswith("out[") for path in paths)
+    assert dk.assert_same_device(dk.to_device(output, META)) == META
+
+
 # --- containers ---------------------------------------------------------------------------
+
+
+class Lengths(dict[str, Any]):
+    """A batch that was given an attribute besides its items."""
+
+
+@pytest.mark.parametrize("peer", [accelerate_move, lightning_move])
+def test_a_dict_subclass_s_attributes_are_moved_where_the_peers_drop_them(
+    peer: Callable[[], Move],
+) -> None:
+    # Both peers rebuild it as type(batch)(items): its attributes are gone. devicekit
+    # keeps them, moved (a deliberate difference, in docs/placement.md).
+    batch = Lengths(x=torch.ones(1))
+    batch.lengths = torch.ones(1)  # type: ignore[attr-defined]
+    ours, theirs = dk.to_device(batch, META), peer()(batch)
+    assert_same(dict(ours), dict(theirs))  # the same items
+    assert ours.lengths.device == META  # type: ignore[attr-defined]
+    assert not hasattr(theirs, "lengths")
 
 
 def nested_batch() -> dict[str, Any]:
