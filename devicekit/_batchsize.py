@@ -24,6 +24,7 @@ that fails and then runs is reported with a ``RuntimeWarning``.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import multiprocessing
 import pickle
@@ -38,10 +39,12 @@ from typing import Any
 
 import torch
 
-from ._census import only_new_objects
+from ._census import census, only_new_objects
 from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._errors import DeviceOutOfMemoryError, add_note
+from ._format import format_bytes
+from ._memory import used_cuda_indices
 from ._oom import build_report
 from ._oomtext import is_oom
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
@@ -55,7 +58,7 @@ _POLL = 0.1  # seconds between checks that a trial's child process is still aliv
 # says with this message. Starting is bounded too, generously, so nothing hangs.
 _STARTED = b""
 _START_LIMIT = 300.0
-_CEILING = 2**31  # no batch is this large: a function that still fits ignores its argument
+_CEILING = 2**31  # no batch is this many starts large: a function that still fits ignores it
 _LAZY_FIX = (
     "pass a function that does the work: lambda n: list(gen(n)) for a generator, "
     "lambda n: asyncio.run(step(n)) for async def"
@@ -101,6 +104,19 @@ def _drop_frames(error: BaseException | None) -> None:
         error = error.__cause__ or error.__context__
 
 
+def _held() -> int:
+    """Bytes held now: live tensors off CUDA (the census), and CUDA's allocated bytes.
+
+    On CUDA the allocator's count also sees what no Python tensor holds (a kept
+    loss's autograd graph); elsewhere the census is all there is to read.
+    """
+    groups = census(lambda tensor: None)
+    held = sum(size for (device, *_), (_, size) in groups.items() if not device.startswith("cuda"))
+    if torch_cuda_initialized():
+        held += sum(torch.cuda.memory_allocated(index) for index in used_cuda_indices())
+    return held
+
+
 def _start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemoryError:
     report = error.report
     return DeviceOutOfMemoryError(
@@ -122,6 +138,7 @@ class _InProcess:
 
     def __init__(self, fn: Callable[[int], Any], device: torch.device | None) -> None:
         self.fn, self.device = fn, device
+        self.held: list[int] = []  # bytes held after each trial that ran, cleaned up
 
     def __call__(self, size: int, *, first: bool) -> bool:
         try:
@@ -137,6 +154,7 @@ class _InProcess:
             return False
         finally:
             _give_back()
+        self.held.append(_held())
         return True
 
 
@@ -272,7 +290,9 @@ def _search(trial: Callable[..., bool], start: int, max_size: int | None, flaky:
     """The largest size that ran: doubling from ``start``, then bisecting."""
     _fits(trial, start, flaky, first=True)  # raises when even start does not fit, twice
     fits = start
-    limit = _CEILING if max_size is None else max_size
+    # The ceiling counts from start: with a fixed one, a start past it was refused as
+    # "still fit" without a larger size ever tried.
+    limit = start * _CEILING if max_size is None else max_size
     failed = None
     while fits < limit:
         size = min(fits * 2, limit)
@@ -312,6 +332,28 @@ def _search_and_clean(
             return _search(trial, start, max_size, flaky)
     finally:
         _give_back()
+
+
+def _warn_leak(held: list[int]) -> None:
+    """Warn when what fn holds grew trial after trial: each trial had less room than the last.
+
+    The first trial may make state that lasts (optimizer state, workspaces),
+    so growth counts from it on, and only when it happened after two trials
+    or more.
+    """
+    rises = sum(later > earlier for earlier, later in itertools.pairwise(held))
+    if rises < 2 or held[-1] <= held[0]:
+        return
+    warnings.warn(
+        f"find_batch_size: fn keeps memory from one call to the next: what stayed alive "
+        f"grew after {rises} of its {len(held)} trials that ran, by "
+        f"{format_bytes(held[-1] - held[0], digits=2)} in all, so each trial had less room "
+        "than the last and the answer is lower than what fits. Keep nothing across calls "
+        "(a list of losses keeps every step's graph; a cache keyed by batch size), or pass "
+        "isolate=True to run each trial in a fresh process",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_flaky(flaky: list[int], found: int) -> None:
@@ -387,7 +429,9 @@ def find_batch_size(
     Warns:
         RuntimeWarning: A size ran out of memory and then ran on its second
             try: memory near the limit is not steady, and the warning names
-            the sizes and suggests a ``margin``.
+            the sizes and suggests a ``margin``. Or what stays alive after a
+            trial grew after two trials or more: ``fn`` keeps memory from one
+            call to the next, so the answer is lower than what fits.
 
     Raises:
         DeviceOutOfMemoryError: Even ``start`` does not fit, on two tries; the
@@ -451,6 +495,8 @@ def find_batch_size(
         found = min(size for size, _ in answers)
     if flaky:
         _warn_flaky(flaky, found)
+    if isinstance(trial, _InProcess):
+        _warn_leak(trial.held)
     # In fractions, not floats: 50 * (1 - 0.02) is 48.99999999999999 in floats.
     keep = 1 - Fraction(margin).limit_denominator(10**9)
     return max(start, math.floor(found * keep))

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._census import GroupKey, census, only_new_objects
+from ._errors import add_note
 from ._format import (
     NOT_APPLICABLE,
     UNKNOWN,
@@ -284,6 +285,8 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
             function (its body would never run), or ``repeat``/``warmup`` not ints.
         ValueError: ``repeat`` is below 1 or ``warmup`` negative.
 
+    An error from ``fn`` propagates as it was, with a note of the call that raised it.
+
     Examples:
         >>> import torch, devicekit as dk
         >>> kept = []
@@ -322,20 +325,38 @@ def _call(fn: Callable[[], Any]) -> None:
     refuse_lazy(fn, call="fn()", fix=_LAZY_FIX, result=fn())
 
 
+def _call_numbered(fn: Callable[[], Any], number: int, repeat: int, warmup: int) -> None:
+    """`_call()`; an error from ``fn`` leaves with a note of which call raised it.
+
+    fn's error is fn's own and propagates as it was, but a call that fails only
+    the fifth time looks, without the note, like one that always fails.
+    """
+    try:
+        _call(fn)
+    except Exception as error:
+        kind = "a warm-up call" if number <= warmup else "a measured call"
+        add_note(
+            error,
+            f"devicekit.find_leaks: fn() raised this on call {number} of "
+            f"{warmup + repeat} ({kind}; warmup={warmup}, repeat={repeat})",
+        )
+        raise
+
+
 def _measure(
     fn: Callable[[], Any], repeat: int, warmup: int
 ) -> tuple[list[_Census], list[dict[str, int]]]:
     """Call ``fn``; after the warm-up and after each measured call, count what is alive."""
     recorder = _CreationSites()
-    for _ in range(warmup):
+    for call in range(warmup):
         with recorder:
-            _call(fn)
+            _call_numbered(fn, call + 1, repeat, warmup)
     counts: list[_Census] = []
     allocated: list[dict[str, int]] = []
     for call in range(repeat + 1):
         if call:  # the first census is the baseline, after the warm-up
             with recorder:
-                _call(fn)
+                _call_numbered(fn, warmup + call, repeat, warmup)
         gc.collect()
         counts.append(_merge(census(recorder.site)))
         allocated.append(_allocated())

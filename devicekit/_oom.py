@@ -333,6 +333,23 @@ def _target(error: BaseException, parsed: OOMText, device: torch.device | None) 
     return current_cuda_device() or torch.device("cpu")
 
 
+def _about(parsed: OOMText, target: torch.device) -> bool:
+    """Whether the message's numbers describe ``target``: its kind and index, where it names them.
+
+    ``device=`` may name another device than the message does; the message's
+    free, total and process list would then be reported as that device's.
+    """
+    if parsed.kind is None:  # NumPy's MemoryError, a bare "out of memory": no device named
+        return True
+    if parsed.kind != target.type:
+        return False
+    index = parsed.device_index
+    return index is None or target.type in ("cpu", "mps") or index == (target.index or 0)
+
+
+_SAYS_NOTHING = OOMText(None, None, None, None, None, None, None, None, ())
+
+
 def build_report(
     error: BaseException,
     *,
@@ -344,6 +361,8 @@ def build_report(
     """Read the numbers of an out-of-memory ``error`` into an [`OOMReport`][devicekit.OOMReport]."""
     parsed = parse_oom(str(error))
     target = _target(error, parsed, device)
+    if not _about(parsed, target):
+        parsed = _SAYS_NOTHING  # torch's first line is still the report's message
     total, free = parsed.total, parsed.free
     allocated, reserved = parsed.allocated, parsed.reserved
     largest_free = this_process = None
@@ -546,7 +565,8 @@ def explain_oom(
         device: The device to report on. Default: the one torch's message
             names, else the current CUDA device, else the CPU. The host's
             memory running out (``MemoryError``, the CPU allocator's message)
-            is reported on the CPU, whatever ``device`` says.
+            is reported on the CPU, whatever ``device`` says. The numbers of a
+            message about another device are not reported as ``device``'s.
         model: A module whose parameter, gradient and buffer names label the
             tensors in the report.
         record_history: Record where each block is allocated while the block

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -521,3 +522,54 @@ def test_isolate_must_be_a_bool() -> None:
     # isolate="no" is truthy: it would run every trial in a child process.
     with pytest.raises(TypeError, match="isolate must be True or False, got 'no' of type str"):
         dk.find_batch_size(Step(4), isolate="no")  # type: ignore[arg-type]
+
+
+def test_a_start_past_the_ceiling_is_still_doubled_before_it_is_called_unbounded() -> None:
+    step = Step(limit=3 * 2**40)  # fits up to 3 Ti "items": a start of 2**40 finds 2 * 2**40
+    assert dk.find_batch_size(step, start=2**40) == 3 * 2**40
+    with pytest.raises(RuntimeError, match=rf"fn\({2**71}\) still fit"):
+        dk.find_batch_size(lambda batch_size: None, start=2**40)
+
+
+def test_a_step_that_keeps_memory_across_calls_is_warned_about() -> None:
+    kept: list[torch.Tensor] = []  # what the step leaks: each call's "activations"
+
+    def leaky(batch_size: int) -> None:
+        if sum(t.numel() for t in kept) + batch_size > 1000:  # a device of 1000 elements
+            raise torch.OutOfMemoryError(TORCH_OOM)
+        kept.append(torch.ones(batch_size))
+
+    with pytest.warns(RuntimeWarning, match="fn keeps memory from one call to the next"):
+        found = dk.find_batch_size(leaky)
+    assert found < 1000  # the answer the leak shrank, now with the warning that says so
+
+
+def test_a_step_that_keeps_state_made_once_is_not_warned_about() -> None:
+    state: list[torch.Tensor] = []  # like optimizer state: made by the first call, then reused
+
+    def step(batch_size: int) -> None:
+        if not state:
+            state.append(torch.ones(1000))
+        torch.ones(batch_size).sum()
+        if batch_size > 40:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dk.find_batch_size(step) == 40
+
+
+@pytest.mark.gpu
+def test_a_kept_graph_on_the_gpu_is_warned_about() -> None:
+    # Only CUDA's allocated bytes see it: the kept losses are 4-byte tensors, their
+    # graphs (the saved activations) are held by no Python tensor.
+    weight = torch.ones(1024, 1024, device="cuda", requires_grad=True)
+    losses: list[torch.Tensor] = []
+
+    def step(batch_size: int) -> None:
+        inputs = torch.ones(batch_size * 64, 1024, device="cuda")
+        losses.append(torch.tanh(inputs @ weight).sum())  # keeps each step's activations
+
+    with pytest.warns(RuntimeWarning, match="fn keeps memory from one call to the next"):
+        dk.find_batch_size(step, max_size=64)
+    losses.clear()

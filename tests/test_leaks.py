@@ -279,3 +279,23 @@ def test_html_of_nothing_grown_is_the_verdict_and_shows_allocated_bytes() -> Non
         "<tr><td>cuda:0</td><td>1.00 MiB</td><td>3.00 MiB</td><td>512.00 KiB</td></tr>"
         in report._repr_html_()
     )
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_an_error_from_fn_says_which_call_raised_it() -> None:
+    calls = []
+
+    def fails_on_the_fifth_call() -> None:
+        calls.append(1)
+        if len(calls) == 5:
+            raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch") as caught:
+        dk.find_leaks(fails_on_the_fifth_call, repeat=4, warmup=2)
+    assert caught.value.__notes__ == [
+        "devicekit.find_leaks: fn() raised this on call 5 of 6 (a measured call; warmup=2, "
+        "repeat=4)"
+    ]
+    with pytest.raises(ValueError, match="invalid literal") as warm:
+        dk.find_leaks(lambda: int("x"), warmup=1)
+    assert "on call 1 of 11 (a warm-up call" in warm.value.__notes__[0]

@@ -562,3 +562,29 @@ def test_a_keyboard_interrupt_passes_through_and_the_recorder_is_stopped(
     assert caught.value is interrupt
     assert caught.value.__cause__ is None
     assert [call["enabled"] for call in calls] == ["all", None]
+
+
+def test_numbers_of_another_device_s_message_are_not_reported_as_device_s() -> None:
+    # device= names a different device than torch's message: the message's free, total,
+    # request and process list belong to the GPU it names, not to the device reported on.
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom(device="cpu"):
+        raise torch.OutOfMemoryError(CUDA)
+    report = caught.value.report
+    assert report is not None
+    assert report.device == "cpu"
+    assert report.message.startswith("CUDA out of memory.")  # torch's words are kept
+    assert report.requested is None
+    assert report.total != gib(79.19)
+    assert report.free != mib(3.06)
+    if torch.cuda.device_count():  # a real cuda:1 would report its own numbers, rightly
+        return
+    # Another GPU than the message's: its process list is not this one's.
+    other = _oom.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 1))
+    assert (other.device, other.processes, other.total, other.requested) == (
+        "cuda:1",
+        None,
+        None,
+        None,
+    )
+    same = _oom.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 0))
+    assert (same.total, same.requested) == (gib(79.19), 20 * MiB)
