@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import errno
 import io
 import json
 import math
@@ -105,7 +106,9 @@ def _indices(text: str) -> list[int]:
     indices = []
     for part in text.split(","):
         entry = part.strip().removeprefix("cuda:")
-        if not entry.isdigit():
+        # isdigit() alone takes "²", which int() then refuses: argparse's "invalid
+        # _indices value". Indices are ASCII digits, as nvidia-smi -i reads them.
+        if not (entry.isascii() and entry.isdigit()):
             raise argparse.ArgumentTypeError(
                 f"expected GPU indices separated by commas, such as 0,2; got {text!r}"
             )
@@ -145,9 +148,11 @@ class _Parser(argparse.ArgumentParser):
         # Where argparse writes --help, --version and errors. Its own drops a failed
         # write (`devicekit --help > /dev/full` printed nothing and exited 0); private,
         # but its signature is unchanged from Python 3.2 to 3.14.
-        stream = file or sys.stderr
         if not message:
             return
+        # argparse passes sys.stdout for --help and --version: None when it is closed
+        # (`devicekit --help >&-`); the help went to stderr instead, then a traceback.
+        stream = file if file is not None else _stdout()
         try:
             stream.write(message)
         except (AttributeError, OSError) as error:  # AttributeError: no stream (pythonw)
@@ -282,10 +287,23 @@ class _StdoutError(Exception):
         self.error = error
 
 
+def _stdout() -> TextIO:
+    """``sys.stdout``; ``_StdoutError`` when it is closed.
+
+    Started with stdout closed (``devicekit >&-``), Python sets ``sys.stdout`` to
+    None: ``print()`` then drops every line without a word (the command printed
+    nothing and exited 0) and a flush raised AttributeError, a traceback.
+    """
+    if sys.stdout is None:
+        raise _StdoutError(OSError(errno.EBADF, "stdout is closed"))
+    return sys.stdout
+
+
 def _print(text: str = "") -> None:
     """Print ``text`` and a line end to stdout now; a failed write raises ``_StdoutError``."""
     try:
-        print(text, flush=True)  # flushed here, so a failure surfaces here, not at exit
+        # Flushed here, so a failure surfaces here, not at exit.
+        print(text, file=_stdout(), flush=True)
     except OSError as error:
         raise _StdoutError(error) from error
 
@@ -308,7 +326,7 @@ def _snapshot(parser: argparse.ArgumentParser, ids: list[int] | None) -> Status:
 
 
 def _watch(parser: _Parser, args: argparse.Namespace) -> int:
-    on_terminal = sys.stdout.isatty() and not args.json
+    on_terminal = _stdout().isatty() and not args.json
     shown = 0
     try:
         _load_torch()
@@ -405,6 +423,10 @@ def _is_unicode(encoding: str) -> bool:
 
 
 def _flush_stdout() -> None:
+    if sys.stdout is None:
+        # Closed: what was to be written there already failed in _stdout(); a usage
+        # error, written to stderr, keeps its 2.
+        return
     try:
         sys.stdout.flush()
     except OSError as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from . import _findings, _nvml
 from ._findings import Finding
 from ._format import html_table, plural
 from ._gpuinfo import GPUInfo
+from ._nvmlstart import TIMEOUT_VAR, start_timeout
 from ._status import status
 from ._visible import cuda_started
 
@@ -79,6 +81,17 @@ def _persistence(infos: list[GPUInfo]) -> list[Finding]:
     ]
 
 
+def _unchecked(nvml_error: str | None, cuda_devices: int) -> list[Finding]:
+    """What doctor could not look at, so that "nothing wrong found" is never said unchecked."""
+    try:
+        start_timeout()
+    except ValueError:
+        # The user's own variable turned NVML off: name it, with its fix, whatever the build.
+        return [_findings.bad_nvml_timeout(os.environ.get(TIMEOUT_VAR, ""))]
+    finding = _findings.unchecked(nvml_error, cuda_devices)
+    return [] if finding is None else [finding]
+
+
 def _this_process() -> list[Finding]:
     reason = cuda_started()
     if reason is None:
@@ -122,7 +135,9 @@ def doctor() -> Diagnosis:
     held down by heat or power trouble now; a GPU at 85 °C or more;
     persistence mode off; CUDA already
     initialized in this process (fork unsafe); Jupyter on a platform that
-    spawns workers; too little free GPU memory. Never initializes CUDA.
+    spawns workers; too little free GPU memory; and, when NVML cannot be read
+    (or ``$DEVICEKIT_NVML_TIMEOUT`` is malformed), that the GPUs went
+    unchecked, rather than "nothing wrong found". Never initializes CUDA.
 
     Returns:
         A [`Diagnosis`][devicekit.Diagnosis]; ``diagnosis.ok`` is False when a finding is an error.
@@ -147,6 +162,11 @@ def doctor() -> Diagnosis:
         *_this_process(),
         *_jupyter(),
         *each_gpu(_findings.low_memory),
+        # NVML reads NVIDIA GPUs only: a ROCm or MPS build has nothing it could check.
+        *_unchecked(
+            snapshot.nvml_error,
+            len(snapshot.devices) if snapshot.torch_build.startswith("CUDA ") else 0,
+        ),
     ]
     order = {"error": 0, "warning": 1, "info": 2}
     return Diagnosis(tuple(sorted(findings, key=lambda f: order[f.severity])))

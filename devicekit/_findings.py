@@ -16,12 +16,15 @@ from typing import Any, Literal
 
 from ._format import UNKNOWN, format_bytes, format_percent, format_value, plural, safe_text
 from ._gpuinfo import GPUInfo
+from ._nvmlstart import DEFAULT_TIMEOUT, TIMEOUT_VAR
 from ._visible import ENV_VAR, misreading, parse_visible_devices, read_as
 
 __all__ = [
     "Finding",
     "Severity",
+    "bad_nvml_timeout",
     "busy",
+    "device_order",
     "driver_too_old",
     "environmental",
     "held_clocks",
@@ -31,9 +34,11 @@ __all__ = [
     "lost",
     "low_memory",
     "models",
+    "names_no_gpu",
     "no_gpu",
     "no_gpu_reason",
     "torch_cannot_use_gpus",
+    "unchecked",
     "unreadable",
     "visibility",
 ]
@@ -112,6 +117,75 @@ GPU once, such as CUDA_VISIBLE_DEVICES=0.
         f"CUDA reads {ENV_VAR} differently than it is written",
         f"{ENV_VAR}={raw!r} is read as {read_as(raw)!r}: {wrong.why}",
         wrong.fix,
+    )
+
+
+ORDER_VAR = "CUDA_DEVICE_ORDER"
+ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")  # the two values CUDA documents, spelled exactly
+
+
+def device_order(raw: str | None) -> Finding | None:
+    """``CUDA_DEVICE_ORDER`` is set to neither of the two values CUDA documents.
+
+    A misspelled order (``pci_bus_id``, ``PCI_BUS_ID `` with a space) was
+    silently not the order asked for: devicekit, like the documentation,
+    honours the exact ``PCI_BUS_ID`` only, so ``cuda:N`` named another GPU
+    than the user meant, without a word.
+
+    Examples:
+        >>> print(device_order("pci_bus_id").fix)
+        set CUDA_DEVICE_ORDER=PCI_BUS_ID (nvidia-smi's order) or unset it (FASTEST_FIRST)
+        >>> device_order("PCI_BUS_ID") is None, device_order("") is None
+        (True, True)
+    """
+    if not raw or raw in ORDERS:  # empty reads as unset, as `export CUDA_DEVICE_ORDER=` means
+        return None
+    return Finding(
+        "warning",
+        f"{ORDER_VAR} is neither FASTEST_FIRST nor PCI_BUS_ID",
+        f"{ORDER_VAR}={safe_text(repr(raw))} is not one of the two values CUDA documents, "
+        "FASTEST_FIRST (the default) and PCI_BUS_ID, so cuda:N may not be the GPU meant",
+        f"set {ORDER_VAR}=PCI_BUS_ID (nvidia-smi's order) or unset it (FASTEST_FIRST)",
+    )
+
+
+def names_no_gpu(
+    raw: str | None, devices: int, uuids: Iterable[str | None], gpus_on_machine: int
+) -> Finding | None:
+    """``CUDA_VISIBLE_DEVICES`` starts with a GPU the machine does not have, so CUDA sees none.
+
+    Args:
+        raw: The variable as written, or None when unset.
+        devices: How many devices torch sees.
+        uuids: The UUIDs NVML reports: each GPU's, and each MIG instance's.
+        gpus_on_machine: How many GPUs NVML counts (lost ones too).
+
+    Without it, ``CUDA_VISIBLE_DEVICES=5`` on a two-GPU machine read "no driver,
+    or no device ... otherwise install the driver", with the driver right there.
+
+    Examples:
+        >>> print(names_no_gpu("5", 0, [], 2).title)
+        No GPU: CUDA_VISIBLE_DEVICES names a GPU this machine does not have
+    """
+    entries = None if raw is None else parse_visible_devices(raw)
+    if devices or not gpus_on_machine or not entries:
+        return None
+    first = entries[0]
+    if isinstance(first, int):
+        missing = first >= gpus_on_machine
+        have = f"indices 0 to {gpus_on_machine - 1}" if gpus_on_machine > 1 else "only index 0"
+    else:  # CUDA takes a unique prefix of a UUID
+        missing = not any((uuid or "").lower().startswith(first.lower()) for uuid in uuids)
+        have = "no UUID that starts so (nvidia-smi -L lists them)"
+    if not missing:
+        return None
+    return Finding(
+        "error",
+        f"No GPU: {ENV_VAR} names a GPU this machine does not have",
+        f"{ENV_VAR}={safe_text(repr(raw))} starts with {safe_text(repr(first))}, but the "
+        f"machine's {plural(gpus_on_machine, 'GPU')} have {have}; CUDA stops reading at the "
+        "first entry it cannot use, so this process sees no GPU",
+        f"list GPUs that exist (nvidia-smi -L), such as {ENV_VAR}=0, or unset {ENV_VAR}",
     )
 
 
@@ -311,4 +385,46 @@ def lost(where: str, reason: str) -> Finding:
         "look for Xid errors in the kernel log (sudo dmesg | grep -i xid); reset the GPU "
         "(sudo nvidia-smi -r -i <nvml index>) or reboot; if it happens again, check its "
         "power and cooling",
+    )
+
+
+# --- what doctor could not look at ---------------------------------------------------------
+
+
+def bad_nvml_timeout(raw: str) -> Finding:
+    """``$DEVICEKIT_NVML_TIMEOUT`` is no number of seconds, so devicekit starts no NVML.
+
+    Examples:
+        >>> print(bad_nvml_timeout("1min").fix)
+        set DEVICEKIT_NVML_TIMEOUT to seconds above 0, such as 60, or unset it for the default, 30
+    """
+    return Finding(
+        "warning",
+        f"{TIMEOUT_VAR} is not a number of seconds",
+        f"{TIMEOUT_VAR}={safe_text(repr(raw))}: until it is, devicekit starts no NVML, so no "
+        "GPU's processes, clocks, temperature or memory is read or checked",
+        f"set {TIMEOUT_VAR} to seconds above 0, such as 60, or unset it for the default, "
+        f"{DEFAULT_TIMEOUT:g}",
+    )
+
+
+def unchecked(nvml_error: str | None, devices: int) -> Finding | None:
+    """NVML cannot read the ``devices`` CUDA GPUs torch sees, so doctor cannot check them.
+
+    Without this, ``doctor`` said "nothing wrong found" about GPUs it never looked at.
+
+    Examples:
+        >>> print(unchecked("the NVIDIA driver is not loaded", 1).title)
+        GPUs not checked: NVML is unavailable
+        >>> unchecked(None, 1) is None
+        True
+    """
+    if nvml_error is None or not devices:
+        return None
+    return Finding(
+        "info",
+        "GPUs not checked: NVML is unavailable",
+        f"{safe_text(nvml_error)}; without NVML, doctor cannot check the {plural(devices, 'GPU')} "
+        "torch sees for other processes, held clocks, heat, persistence mode or free memory",
+        "make NVML available as the reason says, then run devicekit doctor again",
     )

@@ -361,12 +361,17 @@ def status() -> Status:
         torch.__version__, cpu_build, machine, driver, cuda
     )
     lost = _nvml.lost_gpus()
+    # Why this process has no GPU: a variable naming none that exists, before "no device".
+    why_none = _findings.names_no_gpu(
+        raw, len(devices), (info.uuid for info in infos), len(machine) + len(lost)
+    ) or _findings.no_gpu(accelerator, len(devices), error)
     findings = [
         wrong_build,
         _findings.driver_too_old(torch.__version__, torch.version.cuda, cuda, driver),
         _findings.visibility(raw, len(machine) + len(lost)),
+        _findings.device_order(os.environ.get(_findings.ORDER_VAR)),
         # "No GPU" says nothing new beside "torch is a CPU build, but ... has GPUs".
-        None if wrong_build else _findings.no_gpu(accelerator, len(devices), error),
+        None if wrong_build else why_none,
         *(_findings.unreadable(info) for info in ordered),
         *(_findings.lost(f"the GPU at NVML index {i}", why) for i, why in lost.items()),
     ]

@@ -338,6 +338,9 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
         (["watch", "--count", "-5"], "expected at least 1 refresh, got '-5'"),
         (["watch", "--count", "x"], "expected a whole number, got 'x'"),
         (["-i", "a"], "expected GPU indices separated by commas, such as 0,2; got 'a'"),
+        # Digits to isdigit(), not to int(): argparse said "invalid _indices value".
+        (["-i", "\u00b2"], "expected GPU indices separated by commas, such as 0,2; got '\u00b2'"),
+        (["-i", "\u0663"], "expected GPU indices separated by commas, such as 0,2; got '\u0663'"),
         (["-i", "99"], "argument -i/--id: there is no cuda:99; this process sees "),
         (["-i", "0", "doctor"], f"argument -i/--id: {NO_IDS.format('doctor')}"),
         (["doctor", "-i", "0"], f"argument -i/--id: {NO_IDS.format('doctor')}"),
@@ -584,6 +587,38 @@ def test_a_full_disk_is_one_line_on_stderr(args: list[str]) -> None:
     assert result.stderr.endswith(
         "devicekit: cannot write to stdout: [Errno 28] No space left on device\n"
     )
+
+
+def run_with_stdout_closed(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command started as ``devicekit ARGS >&-``: Python sets ``sys.stdout`` to None."""
+    return subprocess.run(
+        [sys.executable, "-m", "devicekit", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(1),  # after the redirection: descriptor 1 is closed
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["doctor", "--json"], ["watch", "--count", "1"], ["--help"], ["--version"]],
+    ids=lambda args: " ".join(args) or "status",
+)
+def test_a_closed_stdout_is_one_line_on_stderr_and_74(args: list[str]) -> None:
+    # It was a traceback (AttributeError: 'NoneType' object has no attribute 'flush').
+    result = run_with_stdout_closed(*args)
+    assert result.returncode == 74, result.stderr
+    no_traceback(result.stderr)
+    assert result.stderr.endswith("devicekit: cannot write to stdout: [Errno 9] stdout is closed\n")
+
+
+def test_a_usage_error_with_stdout_closed_still_exits_2() -> None:
+    result = run_with_stdout_closed("-i", "x")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.endswith("got 'x'\n")
 
 
 @pytest.mark.parametrize(

@@ -277,3 +277,40 @@ def test_a_lost_gpu_is_an_error_with_the_fix(
     assert titles(diagnosis) == [("error", "cuda:0 cannot be read")]
     assert "nvidia-smi -r" in diagnosis.findings[0].fix
     assert diagnosis.exit_code == 1
+
+
+def test_a_malformed_nvml_timeout_is_a_warning_not_nothing_wrong_found(
+    nvml_session: Install,
+    cuda_build: Callable[[str | None], None],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The variable turns NVML off: doctor said "nothing wrong found" about a GPU it never read.
+    nvml_session(FakeNVML([FakeGPU(A, compute=[(4242, 2**30)])]))
+    cuda_build("12.4")
+    monkeypatch.setenv("DEVICEKIT_NVML_TIMEOUT", "1min")
+    (finding,) = dk.doctor().findings
+    assert (finding.severity, finding.title) == (
+        "warning",
+        "DEVICEKIT_NVML_TIMEOUT is not a number of seconds",
+    )
+    assert finding.detail.startswith("DEVICEKIT_NVML_TIMEOUT='1min': until it is, devicekit ")
+    assert finding.fix == (
+        "set DEVICEKIT_NVML_TIMEOUT to seconds above 0, such as 60, or unset it for the default, 30"
+    )
+    assert _cli.main(["doctor"]) == 0
+    assert "nothing wrong found" not in capsys.readouterr().out
+
+
+def test_gpus_nvml_cannot_read_are_said_to_be_unchecked(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    fake = FakeNVML([])
+    fake.init_error = 9  # DRIVER_NOT_LOADED, while torch still sees a GPU
+    nvml_session(fake)
+    cuda_build("12.4")
+    (finding,) = dk.doctor().findings
+    assert (finding.severity, finding.title) == ("info", "GPUs not checked: NVML is unavailable")
+    assert finding.detail.startswith("the NVIDIA driver is not loaded")
+    assert "doctor cannot check the 1 GPU torch sees" in finding.detail
+    assert finding.fix == "make NVML available as the reason says, then run devicekit doctor again"

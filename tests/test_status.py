@@ -178,3 +178,74 @@ def test_a_lost_gpu_this_process_uses_is_an_error_finding_and_says_so_in_its_blo
     assert "\n        cannot be read: NVML says the GPU is lost" in text
     assert "memory [??????????] ? / ?  util ?" in text
     assert snapshot.to_dict()["gpus"][1]["error"].startswith("NVML says the GPU is lost")
+
+
+@pytest.mark.parametrize("order", ["pci_bus_id", "PCI_BUS_ID ", "PCI"])
+def test_a_misspelled_device_order_is_a_warning_with_the_fix(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    nvml_session(h100_and_a100())
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", order)  # after: the session clears it
+    (finding,) = [f for f in dk.status().findings if "CUDA_DEVICE_ORDER" in f.title]
+    assert (finding.severity, finding.title) == (
+        "warning",
+        "CUDA_DEVICE_ORDER is neither FASTEST_FIRST nor PCI_BUS_ID",
+    )
+    assert finding.detail.startswith(f"CUDA_DEVICE_ORDER={order!r} is not one of the two values")
+    assert finding.fix == (
+        "set CUDA_DEVICE_ORDER=PCI_BUS_ID (nvidia-smi's order) or unset it (FASTEST_FIRST)"
+    )
+
+
+@pytest.mark.parametrize("order", ["PCI_BUS_ID", "FASTEST_FIRST", ""])
+def test_a_documented_device_order_is_no_finding(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    nvml_session(h100_and_a100())
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", order)
+    assert not [f for f in dk.status().findings if "CUDA_DEVICE_ORDER" in f.title]
+
+
+@pytest.mark.parametrize(
+    ("variable", "starts"),
+    [
+        ("5", "5, but the machine's 2 GPUs have indices 0 to 1;"),
+        ("GPU-cccc", "'GPU-cccc', but the machine's 2 GPUs have no UUID that starts so"),
+    ],
+)
+def test_a_variable_naming_a_gpu_the_machine_lacks_is_the_reason_for_no_gpu(
+    nvml_session: Install,
+    fake_accelerator: FakeAccelerator,
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    starts: str,
+) -> None:
+    # It said "no driver, or no device ... otherwise install the driver", driver and all.
+    nvml_session(h100_and_a100())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", variable)
+    fake_accelerator("cuda", 0)  # what CUDA counts when the first entry does not exist
+    (finding,) = dk.status().findings
+    assert (finding.severity, finding.title) == (
+        "error",
+        "No GPU: CUDA_VISIBLE_DEVICES names a GPU this machine does not have",
+    )
+    assert finding.detail.startswith(f"CUDA_VISIBLE_DEVICES={variable!r} starts with {starts}")
+    assert finding.fix == (
+        "list GPUs that exist (nvidia-smi -L), such as CUDA_VISIBLE_DEVICES=0, "
+        "or unset CUDA_VISIBLE_DEVICES"
+    )
+    assert dk.doctor().exit_code == 1
+
+
+@pytest.mark.parametrize("variable", ["1", "GPU-bbbb"])
+def test_a_variable_naming_an_existing_gpu_is_not_blamed(
+    nvml_session: Install,
+    fake_accelerator: FakeAccelerator,
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+) -> None:
+    nvml_session(h100_and_a100())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", variable)
+    fake_accelerator("cuda", 0)  # no device for another reason: the old finding stands
+    titles = [f.title for f in dk.status().findings]
+    assert titles == ["No GPU: torch is built for cuda but sees no device"]
