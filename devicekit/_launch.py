@@ -148,7 +148,9 @@ def resolve_local_device() -> tuple[torch.device, bool, str | None]:
         # The launcher (Slurm's GPU binding, Ray, a wrapper script) gave this
         # process exactly one GPU: that is its GPU, whatever its local rank.
         warning = None
-        if found is not None and found[1] > 0 and os.environ.get(ENV_VAR) is None:
+        # Only CUDA: CUDA_VISIBLE_DEVICES and NCCL are its words. A Mac has one MPS device
+        # by design, so ranks sharing it under gloo is how multi-process runs there go.
+        if kind == "cuda" and found is not None and found[1] > 0 and ENV_VAR not in os.environ:
             variable, rank = found
             warning = (
                 f"{variable}={rank} but this node's only {kind} device is visible to every "

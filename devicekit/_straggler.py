@@ -16,6 +16,7 @@ import collections
 import html
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -217,32 +218,36 @@ class _Window:
 
 
 class _Section:
-    """The context manager `StragglerDetector.section()` returns; one per name, reused."""
+    """The context manager `StragglerDetector.section()` returns; one per name, reused.
 
-    __slots__ = ("_detector", "_event", "_name", "_open", "_samples", "_start")
+    Its open state is kept per thread: threads that time the same section at
+    once (data-loading workers, say) each get their own start, and their times
+    land in the one window, rather than one thread's exit ending another's block.
+    """
+
+    __slots__ = ("_detector", "_name", "_open", "_samples")
 
     def __init__(self, detector: StragglerDetector, name: str, samples: list[float]) -> None:
         self._detector = detector
         self._name = name
         self._samples = samples
-        self._open = False
-        self._start = 0.0
-        self._event: Any = None
+        # thread id -> its start: a CUDA event, or a host-clock reading. Each thread
+        # touches only its own key, and single dict operations are atomic in CPython.
+        self._open: dict[int, Any] = {}
 
     def __enter__(self) -> None:
-        if self._open:
+        thread = threading.get_ident()
+        if thread in self._open:
             raise RuntimeError(
                 f"section {self._name!r} is already open: a section does not nest in itself; "
                 "give the inner one another name"
             )
-        self._open = True
         if torch_cuda_initialized():
-            pool = self._detector._pool
-            self._event = pool.pop() if pool else CudaEvent(enable_timing=True)
-            self._event.record()  # on the current stream: no sync
+            event = self._detector._spare_event()
+            event.record()  # on the current stream: no sync
+            self._open[thread] = event
         else:
-            self._event = None
-            self._start = time.perf_counter()
+            self._open[thread] = time.perf_counter()
 
     def __exit__(
         self,
@@ -250,17 +255,18 @@ class _Section:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._open = False
-        start = self._event
-        if start is None:
+        start = self._open.pop(threading.get_ident(), None)
+        if start is None:  # __exit__ without __enter__ on this thread: nothing was timed
+            return
+        if isinstance(start, float):
             if exc_type is None:  # a section cut short by an error is not a sample
-                self._samples.append(time.perf_counter() - self._start)
+                self._samples.append(time.perf_counter() - start)
             return
         detector = self._detector
         if exc_type is not None:
             detector._pool.append(start)
             return
-        end = detector._pool.pop() if detector._pool else CudaEvent(enable_timing=True)
+        end = detector._spare_event()
         end.record()
         detector._pending.append((self._samples, start, end))
 
@@ -285,6 +291,8 @@ class StragglerDetector:
     called with the report; a sink that raises does not stop the others, and
     the first error is raised once they ran.
     Without a process group the report describes this process alone.
+    Threads may time the same section at once (each block is its own sample);
+    call ``step()`` from one thread only.
 
     Every rank must call ``step()`` the same number of times: the collective
     waits at most ``timeout`` seconds for the other ranks, then raises
@@ -337,6 +345,14 @@ class StragglerDetector:
         # Event pairs recorded but maybe not completed, oldest first; and spare events.
         self._pending: collections.deque[tuple[list[float], Any, Any]] = collections.deque()
         self._pool: list[Any] = []
+
+    def _spare_event(self) -> Any:
+        """A timing CUDA event from the pool, or a new one when the pool is empty."""
+        try:
+            # Not ``pool.pop() if pool``: another thread may take the last event in between.
+            return self._pool.pop()
+        except IndexError:
+            return CudaEvent(enable_timing=True)
 
     def section(self, name: str) -> _Section:
         """A context manager that times its block as the section ``name``.

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit._launch import LAUNCHERS
+from devicekit._launch import LAUNCHERS, resolve_local_device
 
 from .conftest import GPU_COUNT, FakeAccelerator, run_python
 
@@ -177,6 +177,21 @@ def test_one_gpu_that_nobody_bound_is_shared_with_a_warning(
         record.getMessage()
     )
     assert "Duplicate GPU detected" in record.getMessage()
+
+
+@pytest.mark.usefixtures("no_launcher")
+def test_ranks_sharing_a_mac_s_one_mps_device_get_no_cuda_warning(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_accelerator: FakeAccelerator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # torchrun --nproc_per_node=2 on a Mac: MPS is one device by design, and the CUDA
+    # advice (CUDA_VISIBLE_DEVICES, NCCL's 'Duplicate GPU detected') does not apply.
+    fake_accelerator("mps", 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="devicekit"):
+        assert resolve_local_device() == (torch.device("mps", 0), True, None)
+    assert caplog.records == []
 
 
 # --- a rank with no GPU --------------------------------------------------------------------

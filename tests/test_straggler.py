@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,32 @@ def test_a_block_that_raises_is_not_a_sample_and_sections_do_not_nest_in_themsel
     report = detector.step()
     assert report is not None
     assert report.ranks[0].samples == {"compute": 1}
+
+
+def test_threads_timing_one_section_at_once_each_get_their_own_block() -> None:
+    # Two threads inside "load" at the same time, forced by barriers: each block is its
+    # own sample, and neither thread is told that the section "does not nest in itself".
+    detector = dk.StragglerDetector(every=1)
+    section = detector.section("load")
+    both_inside, errors = threading.Barrier(2, timeout=30), []
+
+    def load() -> None:
+        try:
+            with section:
+                both_inside.wait()
+        except Exception as error:  # noqa: BLE001 - reported by the assert below
+            errors.append(error)
+            both_inside.abort()  # so the other thread fails at once instead of waiting
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    report = detector.step()
+    assert report is not None
+    assert report.ranks[0].samples == {"load": 2}
 
 
 def test_every_sink_gets_each_report_and_the_first_error_is_raised_once() -> None:
