@@ -49,6 +49,7 @@ from types import ModuleType
 
 import torch
 
+from ._blocks import EnterOnce
 from ._devices import DeviceLike, parse_cuda_index, resolve_device
 from ._visible import ENV_VAR
 
@@ -184,8 +185,18 @@ def claims_directory() -> Path:
 
 
 def _describe(info: os.stat_result) -> str:
-    kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a directory"
-    return f"{kind} owned by uid {info.st_uid}"
+    # Named by kind: "not a directory owned by uid 0" read as "not owned by uid 0" to the
+    # owner of a file, and a link to a directory is not "not a directory" to its maker.
+    note = ""
+    if stat.S_ISLNK(info.st_mode):
+        kind, note = "a symbolic link", ", which claims do not follow (its target could change)"
+    elif stat.S_ISDIR(info.st_mode):
+        kind = "a directory"
+    elif stat.S_ISREG(info.st_mode):
+        kind = "a regular file"
+    else:
+        kind = "not a directory"
+    return f"{kind} owned by uid {info.st_uid}{note}"
 
 
 def _cannot(action: str, path: Path, error: OSError) -> OSError:
@@ -380,14 +391,13 @@ def release_gpu(device: DeviceLike) -> bool:
     return any(released)
 
 
-@contextlib.contextmanager
 def claim_gpu(
     *,
     min_free_memory: int | None = None,
     max_utilization: float | None = None,
     exclude: Iterable[DeviceLike] | DeviceLike = (),
     wait: float | None = None,
-) -> Iterator[torch.device]:
+) -> contextlib.AbstractContextManager[torch.device]:
     """Claim the best GPU for the length of a ``with`` block; the CPU when none qualifies.
 
     ``pick_gpu(..., claim=True)`` that releases the claim when the block ends,
@@ -401,11 +411,13 @@ def claim_gpu(
         wait: As for [`pick_gpu()`][devicekit.pick_gpu]: seconds to keep looking for a GPU
             that qualifies and that nobody has claimed.
 
-    Yields:
-        The claimed ``torch.device("cuda", i)``, or ``torch.device("cpu")``.
+    Returns:
+        A context manager, entered once, whose ``with ... as`` gives the claimed
+        ``torch.device("cuda", i)``, or ``torch.device("cpu")``.
 
     Raises:
         NotImplementedError: This system has no file locks (Windows).
+        RuntimeError: The same ``claim_gpu(...)`` object is entered a second time.
 
     Examples:
         >>> import devicekit as dk
@@ -413,6 +425,28 @@ def claim_gpu(
         ...     device
         device(type='cpu')
     """
+    return EnterOnce(
+        lambda: _claim_block(
+            min_free_memory=min_free_memory,
+            max_utilization=max_utilization,
+            exclude=exclude,
+            wait=wait,
+        ),
+        again=(
+            "this claim_gpu() was already entered once; a claim is one with block, so call "
+            "dk.claim_gpu(...) again for each: with dk.claim_gpu() as device: ..."
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _claim_block(
+    *,
+    min_free_memory: int | None,
+    max_utilization: float | None,
+    exclude: Iterable[DeviceLike] | DeviceLike,
+    wait: float | None,
+) -> Iterator[torch.device]:
     from ._pick import pick_gpu  # noqa: PLC0415 - _pick builds on the claims made here
 
     with _held.lock:

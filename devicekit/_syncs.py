@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import html
+import logging
 import threading
 import types
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 
+from ._blocks import EnterOnce
 from ._devices import accelerator_count, accelerator_type
 from ._errors import SyncError
 from ._format import html_table, plural
@@ -21,6 +23,7 @@ from ._frames import UNKNOWN_LOCATION, is_user, user_location
 __all__ = ["SyncReport", "detect_syncs"]
 
 _SYNC_MESSAGE = "synchronizing CUDA operation"
+logger = logging.getLogger("devicekit")
 
 
 def _traceback_location(traceback: types.TracebackType | None) -> str:
@@ -218,8 +221,9 @@ class _Watch:
 _watch = _Watch()
 
 
-@contextmanager
-def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[SyncReport]:
+def detect_syncs(
+    *, mode: Literal["record", "error"] = "record"
+) -> contextlib.AbstractContextManager[SyncReport]:
     """Record (or refuse) every operation that makes the host wait for the GPU.
 
     Inside the block, PyTorch's sync debug mode reports each synchronizing
@@ -243,13 +247,16 @@ def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[Syn
         mode: ``"record"`` counts syncs and their lines; ``"error"`` raises
             [`SyncError`][devicekit.SyncError] at the first one, naming the line.
 
-    Yields:
-        A [`SyncReport`][devicekit.SyncReport], filled in as the block runs. Without a CUDA
+    Returns:
+        A context manager, entered once, whose ``with ... as`` gives a
+        [`SyncReport`][devicekit.SyncReport], filled in as the block runs. Without a CUDA
         device it records nothing: ``report.count`` is None (unknown, not 0), and
-        ``report.reason`` says why.
+        ``report.reason`` says why; in ``"error"`` mode, where no report is read, the
+        ``devicekit`` logger warns of it too.
 
     Raises:
         ValueError: ``mode`` is neither ``"record"`` nor ``"error"``.
+        RuntimeError: The same ``detect_syncs(...)`` object is entered a second time.
         SyncError: In ``"error"`` mode, at the first sync.
 
     Examples:
@@ -259,13 +266,31 @@ def detect_syncs(*, mode: Literal["record", "error"] = "record") -> Iterator[Syn
         >>> syncs.count == (0 if syncs.supported else None)  # None: no CUDA device to watch
         True
     """
+    return EnterOnce(
+        lambda: _sync_block(mode),
+        again=(
+            "this detect_syncs() was already entered once; each block gets its own report, "
+            "so call dk.detect_syncs(...) again for each: with dk.detect_syncs() as syncs: ..."
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _sync_block(mode: str) -> Iterator[SyncReport]:
     if mode not in ("record", "error"):
-        raise ValueError(f"mode must be 'record' or 'error', got {mode!r}")
+        raise ValueError(
+            f"mode must be 'record' or 'error' (lower case), got {mode!r}; 'record' counts "
+            "syncs and their lines, 'error' raises SyncError at the first"
+        )
     report = SyncReport(mode)
     reason = _unsupported(accelerator_type(), accelerator_count())
     if reason is not None:
         report.supported = False
         report.reason = reason
+        if mode == "error":
+            # Nobody reads the report of an "error" block: the silence that follows would
+            # read as "no sync here", so say once per block that nothing was watched.
+            logger.warning("detect_syncs(mode='error') cannot detect syncs here: %s", reason)
         yield report
         return
     _watch.open(report)

@@ -136,6 +136,41 @@ def test_claim_gpu_releases_at_the_end_of_the_block(nvml_session: Install) -> No
         assert device == torch.device("cpu")
 
 
+def test_a_claim_gpu_block_entered_twice_says_what_to_do(nvml_session: Install) -> None:
+    # Before, the second entry failed inside contextlib: AttributeError: ... 'args'.
+    nvml_session(machine(2))
+    block = dk.claim_gpu()
+    with block as device:
+        assert device == torch.device("cuda", 0)
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"this claim_gpu\(\) was already entered once; a claim is one with block, "
+            r"so call dk.claim_gpu\(...\) again for each",
+        ),
+        block,
+    ):
+        pass
+    assert not _claims._held.claims  # the refused entry claimed nothing
+    with dk.claim_gpu() as first, dk.claim_gpu() as second:  # nested: two GPUs, both released
+        assert {first, second} == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    assert not _claims._held.claims
+
+
+def test_claim_gpu_as_a_decorator_claims_for_each_call(nvml_session: Install) -> None:
+    nvml_session(machine(2))
+    held = []
+
+    @dk.claim_gpu()
+    def job() -> None:
+        held.append(len(_claims._held.claims))
+
+    job()
+    job()  # a fresh block per call: no "already entered"
+    assert held == [1, 1]
+    assert not _claims._held.claims
+
+
 def test_a_claim_can_follow_its_gpu_under_other_visible_devices(
     nvml_session: Install, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -276,6 +311,32 @@ def test_devicekit_claims_dir_names_the_directory(
         ValueError, match=r"DEVICEKIT_CLAIMS_DIR='claims' is a relative path, .*absolute path"
     ):
         _claims.claims_directory()
+
+
+def test_a_claims_dir_that_is_a_file_or_a_link_is_named_as_such(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before, both read "it is not a directory owned by uid <yours>": a file's owner read
+    # "not owned by you", and a link to a real directory was called not a directory.
+    (tmp_path / "file").touch()
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for name, kind in [
+        ("file", f"a regular file owned by uid {os.getuid()}"),
+        (
+            "link",
+            f"a symbolic link owned by uid {os.getuid()}, which claims do not follow "
+            r"\(its target could change\)",
+        ),
+    ]:
+        monkeypatch.setenv(_claims.DIR_VAR, str(tmp_path / name))
+        with pytest.raises(
+            PermissionError,
+            match=rf"{name} should be a directory of GPU claims owned by this user \(uid "
+            rf"{os.getuid()}\), but it is {kind}; remove it, or "
+            "set DEVICEKIT_CLAIMS_DIR to a directory of your own",
+        ):
+            _claims.claims_directory()
 
 
 def test_a_directory_someone_else_made_is_refused(tmp_path: Path, default_directory: Path) -> None:

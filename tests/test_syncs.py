@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import warnings
@@ -77,10 +78,64 @@ def test_the_reason_is_true_for_the_build(
 
 def test_mode_is_checked() -> None:
     with (
-        pytest.raises(ValueError, match="mode must be 'record' or 'error', got 'warn'"),
-        dk.detect_syncs(mode="warn"),
+        pytest.raises(
+            ValueError,
+            match=r"mode must be 'record' or 'error' \(lower case\), got 'Record'; 'record' "
+            "counts syncs and their lines, 'error' raises SyncError at the first",
+        ),
+        dk.detect_syncs(mode="Record"),  # type: ignore[arg-type]
     ):
         pass
+
+
+def test_an_error_block_that_cannot_watch_says_so(
+    fake_accelerator: FakeAccelerator, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, it was silent: nobody reads an "error" block's report, so the CPU run
+    # passed as though the block had been checked and found free of syncs.
+    fake_accelerator(None, 0)
+    with caplog.at_level(logging.WARNING, logger="devicekit"), dk.detect_syncs(mode="error"):
+        torch.ones(3).sum().item()
+    assert [record.getMessage() for record in caplog.records] == [
+        "detect_syncs(mode='error') cannot detect syncs here: no CUDA device: this torch "
+        "build has no accelerator, so work runs on the CPU, which is synchronous"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="devicekit"), dk.detect_syncs() as syncs:
+        pass
+    assert caplog.records == []  # a "record" block's report says it: syncs.count is None
+    assert syncs.count is None
+
+
+def test_a_block_entered_twice_says_what_to_do() -> None:
+    # Before, the second entry failed inside contextlib: AttributeError: ... 'args'.
+    block = dk.detect_syncs()
+    with block as first:
+        pass
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"this detect_syncs\(\) was already entered once; each block gets its own "
+            r"report, so call dk.detect_syncs\(...\) again for each",
+        ),
+        block,
+    ):
+        pass
+    with dk.detect_syncs() as second:  # a new call is a new block, with a new report
+        pass
+    assert second is not first
+
+
+def test_a_block_still_decorates_a_function_with_a_fresh_block_per_call() -> None:
+    calls = []
+
+    @dk.detect_syncs()
+    def step(value: int) -> int:
+        calls.append(value)
+        return value * 2
+
+    assert [step(1), step(2)] == [2, 4]  # a second call is no second entry of one block
+    assert calls == [1, 2]
 
 
 def test_report_summary_and_dict() -> None:
