@@ -820,21 +820,8 @@ def test_user_mutable_mapping_whose_constructor_takes_other_arguments() -> None:
 
 
 def test_read_only_user_mapping_is_rebuilt_from_its_items() -> None:
-    class View(Mapping):  # type: ignore[type-arg]
-        def __init__(self, items: dict[str, Any]) -> None:
-            self._items = dict(items)
-
-        def __getitem__(self, key: str) -> Any:
-            return self._items[key]
-
-        def __iter__(self) -> Any:
-            return iter(self._items)
-
-        def __len__(self) -> int:
-            return len(self._items)
-
-    moved = dk.to_device(View({"x": torch.ones(1)}), META)
-    assert type(moved) is View
+    moved = dk.to_device(ReadOnly({"x": torch.ones(1)}), META)
+    assert type(moved) is ReadOnly
     assert on(META, moved["x"])
 
 
