@@ -53,6 +53,14 @@ LAUNCHERS: tuple[tuple[str, str, str], ...] = (
 )
 """The local-rank variables devicekit reads, in precedence order (after Ray)."""
 
+# How many processes the launcher started on this node, where it says (Slurm's
+# SLURM_TASKS_PER_NODE is per node of the job, as "2(x3),1": not read).
+_LOCAL_SIZES = {
+    "LOCAL_RANK": "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MV2_COMM_WORLD_LOCAL_RANK": "MV2_COMM_WORLD_LOCAL_SIZE",
+}
+
 
 def local_rank() -> tuple[str, int] | None:
     """The variable that gives this process's rank on its node, and its value; None without one.
@@ -80,6 +88,19 @@ def local_rank() -> tuple[str, int] | None:
             )
         return variable, int(digits)
     return None
+
+
+def _local_size(variable: str) -> tuple[str, int] | None:
+    """How many processes the launcher that set ``variable`` started on this node, if it says.
+
+    A malformed value is ignored: the device comes from the rank, and this only
+    lets every rank fail together when there are too few GPUs.
+    """
+    size_variable = _LOCAL_SIZES.get(variable)
+    raw = os.environ.get(size_variable or "", "").strip()
+    if size_variable is None or not (raw.isascii() and raw.isdigit()):
+        return None
+    return size_variable, int(raw)
 
 
 def _ray_gpu_ids() -> list[str] | None:
@@ -163,8 +184,18 @@ def resolve_local_device() -> tuple[torch.device, bool, str | None]:
         return torch.device(kind, _ray_index(ray_ids, count)), True, None
     assert found is not None
     variable, rank = found
-    if rank >= count:
+    started = _local_size(variable)
+    if rank >= count or (started is not None and started[1] > count):
         launcher, start = next((name, how) for var, name, how in LAUNCHERS if var == variable)
+        if rank < count and started is not None:
+            # Every rank of the node says so at once, not only those past the GPUs: the
+            # others would otherwise start and wait for their peers until a timeout.
+            size_variable, size = started
+            raise DeviceNotFoundError(
+                f"{size_variable}={size} (set by {launcher}): {size} processes on this node, "
+                f"one GPU each, but {describe_devices()}. Start at most {count} processes per "
+                f"node ({start.format(count=count)}); devicekit never puts two ranks on one GPU."
+            )
         step_gpus = os.environ.get(_SLURM_STEP_GPUS)
         if variable == "SLURM_LOCALID" and step_gpus is not None:
             launcher += f", which gave this step GPUs {_SLURM_STEP_GPUS}={step_gpus!r}"
@@ -206,8 +237,11 @@ def local_device() -> torch.device:
     Raises:
         ValueError: A launcher variable is set but is not a non-negative integer.
         DeviceNotFoundError: The local rank has no GPU to match (the message
-            names the variable and the GPUs visible), or Ray's GPU is not among
-            the visible ones. devicekit never wraps a rank around: two ranks
+            names the variable and the GPUs visible), the launcher started more
+            processes on the node than there are GPUs (``LOCAL_WORLD_SIZE``, or
+            Open MPI's and MVAPICH's local size: every rank is refused, not only
+            those past the GPUs), or Ray's GPU is not among the visible ones.
+            devicekit never wraps a rank around: two ranks
             on one GPU halve its speed, and NCCL refuses them.
 
     Examples:

@@ -198,8 +198,8 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
         A [`MemoryReport`][devicekit.MemoryReport].
 
     Raises:
-        ValueError: One of ``devices`` is not a CUDA device (the CPU has no
-            cache to empty).
+        ValueError: ``devices`` is empty, or one of them is not a CUDA device
+            (the CPU has no cache to empty).
         DeviceNotFoundError: One of ``devices`` does not exist here.
 
     Examples:
@@ -215,6 +215,12 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
             "when its tensors are freed"
         )
         targets = resolve_cuda_devices(devices, name="devices", why=why)
+        if not targets:
+            # Emptying the cache frees every GPU's blocks: a report on none would hide that.
+            raise ValueError(
+                "free_memory() got devices=[], an empty list; pass devices=None to report on "
+                "every GPU this process used, or name the GPUs"
+            )
         indices = list(dict.fromkeys(int(device.index) for device in targets))
     collected = gc.collect()
     if not torch_cuda_initialized():

@@ -68,7 +68,10 @@ def _targets(devices: object) -> list[torch.device] | None:
         return None
     targets = resolve_devices(devices, name="devices")
     if not targets:
-        raise ValueError("gpu_map() needs at least one device, got an empty list")
+        raise ValueError(
+            "gpu_map(executor='ray') needs at least one device, got devices=[]; pass "
+            "devices=None to use every GPU of the cluster, or name the devices"
+        )
     kinds = {device.type for device in targets}
     if not kinds <= {"cpu", "cuda"} or kinds == {"cpu", "cuda"}:
         raise ValueError(

@@ -194,6 +194,8 @@ def test_every_list_parameter_reads_devices_the_same_way(
 @pytest.mark.parametrize("function", list(CUDA_ONLY_LISTS))
 def test_cuda_only_lists_refuse_the_cpu(function: str, value: object, expected: object) -> None:
     call, name = CUDA_ONLY_LISTS[function]
+    if function == "free_memory" and value == []:  # it would empty every GPU's cache
+        expected = (ValueError, "devices=[], an empty list")
     if isinstance(expected, tuple):  # the message names the argument as it was given
         expected = (expected[0], expected[1].format(name=name))
     _check(call, name, value, expected)

@@ -24,7 +24,8 @@ VARIABLES = [variable for variable, _, _ in LAUNCHERS]
 @pytest.fixture
 def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     """No launcher variable, no CUDA_VISIBLE_DEVICES, no ray module: a plain process."""
-    for variable in [*VARIABLES, "CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS"]:
+    sizes = ["LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"]
+    for variable in [*VARIABLES, *sizes, "CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS"]:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.delitem(sys.modules, "ray", raising=False)
 
@@ -211,6 +212,38 @@ def test_a_rank_beyond_the_gpus_names_the_variable_and_the_gpus(
         r"\(torchrun --nproc_per_node=2\)",
     ):
         dk.local_device()
+
+
+@pytest.mark.usefixtures("no_launcher")
+@pytest.mark.parametrize(
+    ("variable", "size_variable", "fix"),
+    [
+        ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "torchrun --nproc_per_node=2"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "mpirun --map-by ppr:2"),
+        ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE", "mpirun -ppn 2"),
+    ],
+)
+def test_every_rank_is_refused_when_the_node_has_more_ranks_than_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_accelerator: FakeAccelerator,
+    variable: str,
+    size_variable: str,
+    fix: str,
+) -> None:
+    # Rank 0 has a GPU, but ranks 2 and 3 do not: rank 0 must not start and wait for them.
+    fake_accelerator("cuda", 2)
+    monkeypatch.setenv(variable, "0")
+    monkeypatch.setenv(size_variable, "4")
+    with pytest.raises(
+        dk.DeviceNotFoundError,
+        match=rf"{size_variable}=4 \(set by .*\): 4 processes on this node, one GPU each, but "
+        rf"2 GPUs are visible: cuda:0, cuda:1\. Start at most 2 processes per node \({fix}",
+    ):
+        dk.local_device()
+    monkeypatch.setenv(size_variable, "2")  # as many as the GPUs: rank 0 gets cuda:0
+    assert resolve_local_device()[0] == torch.device("cuda", 0)
+    monkeypatch.setenv(size_variable, "two")  # not what a launcher writes: the rank decides
+    assert resolve_local_device()[0] == torch.device("cuda", 0)
 
 
 @pytest.mark.usefixtures("no_launcher")

@@ -31,6 +31,12 @@ def test_free_memory_without_cuda_collects_garbage_and_says_so() -> None:
     assert result["note"] == "CUDA is not initialized in this process: no GPU memory"
 
 
+def test_free_memory_refuses_an_empty_device_list() -> None:
+    # Emptying the cache frees blocks on every GPU; an empty report would hide that.
+    with pytest.raises(ValueError, match=r"devices=\[\], an empty list; pass devices=None"):
+        dk.free_memory(devices=[])
+
+
 def test_memory_scope_on_the_cpu_reports_unknowns() -> None:
     with dk.memory_scope("cpu") as scope:
         torch.ones(1000)
@@ -308,7 +314,7 @@ def test_scopes_and_free_memory_never_start_cuda() -> None:
         thread = threading.Thread(target=lambda: dk.memory_scope().__enter__())
         thread.start(); thread.join(60)
         cuda = [d for d in dk.try_all_gpus() if d.type == "cuda"]
-        report = dk.free_memory(devices=cuda)
+        report = dk.free_memory(devices=cuda or None)
         print(json.dumps({
             "torch": torch.cuda.is_initialized(), "started": cuda_started(),
             "peak": outer.report.peak_allocated, "devices": report.to_dict()["devices"],
