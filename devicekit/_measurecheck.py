@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Set
 from ._conditions import Conditions
 from ._options import check_number, check_seconds, got
 
-__all__ = ["MODES", "STOP_REASONS", "check_options", "same_interval", "seconds_list"]
+__all__ = ["MODES", "STOP_REASONS", "check_recorded_options", "same_interval", "seconds_list"]
 
 MODES = ("warm", "cold", "graph")  # benchmark()'s modes
 STOP_REASONS = ("converged", "max_time", "given")
@@ -92,7 +92,7 @@ def same_interval(given: object, computed: tuple[float, float] | None) -> bool:
     )
 
 
-def check_options(
+def check_recorded_options(
     *,
     name: object,
     mode: object,

@@ -22,7 +22,7 @@ from ._format import (
     plain_data,
     plural,
 )
-from ._measurecheck import MODES, STOP_REASONS, check_options, same_interval, seconds_list
+from ._measurecheck import MODES, STOP_REASONS, check_recorded_options, same_interval, seconds_list
 from ._options import check_count, check_number, got
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 
@@ -188,7 +188,7 @@ class Measurement:
                 "host_times holds one per timed call, in the same order; leave it out where "
                 "none was kept"
             )
-        check_options(
+        check_recorded_options(
             name=name,
             mode=mode,
             stop_reason=stop_reason,
