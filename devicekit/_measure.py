@@ -17,7 +17,7 @@ from ._energy import EnergyCounter, energy_counter, energy_use
 from ._format import close_match
 from ._measurecheck import MODES
 from ._measurement import Measurement
-from ._options import check_number, check_seconds, refuse_lazy
+from ._options import check_choice, check_number, check_seconds, refuse_lazy
 from ._stats import relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
@@ -213,8 +213,7 @@ def _check_options(
             "raise max_time or lower min_time"
         )
     check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
-    if mode not in MODES:
-        raise ValueError(f"mode must be 'warm', 'cold' or 'graph', got {mode!r}")
+    check_choice(mode, name="mode", choices=MODES)
 
 
 _CHECKED = ("warmup", "min_time", "max_time", "rel_noise", "mode")  # OPTIONS but device
@@ -298,9 +297,10 @@ def benchmark(
     Raises:
         TypeError: ``fn`` is not callable, or is a generator or ``async``
             function (a call would only create the generator or coroutine),
-            or an option is not a number, or a keyword looks like a
-            misspelled option.
-        ValueError: An option is out of range or not finite, or ``mode`` needs CUDA.
+            or an option is not a number, ``mode`` is not a string, or a
+            keyword looks like a misspelled option.
+        ValueError: An option is out of range or not finite, ``mode`` is not
+            one of the three (the likely one is named), or ``mode`` needs CUDA.
 
     Examples:
         >>> import devicekit as dk

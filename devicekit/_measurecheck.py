@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Iterable, Mapping, Set
 
 from ._conditions import Conditions
-from ._options import check_number, check_seconds, got
+from ._options import check_choice, check_number, check_seconds, got
 
 __all__ = ["MODES", "STOP_REASONS", "check_recorded_options", "same_interval", "seconds_list"]
 
@@ -107,15 +107,8 @@ def check_recorded_options(
     """Refuse `from_times()`'s keyword options that `Measurement` would print or judge wrongly."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a string, what was timed, got {got(name)}")
-    for option, value, choices in (
-        ("mode", mode, MODES),
-        ("stop_reason", stop_reason, STOP_REASONS),
-    ):
-        if value not in choices or not isinstance(value, str):
-            wanted = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
-            if isinstance(value, str):
-                raise ValueError(f"{option} must be {wanted}, got {value!r}")
-            raise TypeError(f"{option} must be {wanted}, got {got(value)}")
+    check_choice(mode, name="mode", choices=MODES)
+    check_choice(stop_reason, name="stop_reason", choices=STOP_REASONS)
     if conditions is not None and not isinstance(conditions, Conditions):
         raise TypeError(
             f"conditions must be a devicekit.Conditions or None (unknown), got {got(conditions)}"

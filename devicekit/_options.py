@@ -14,8 +14,12 @@ import math
 import numbers
 import operator
 import os
+from collections.abc import Sequence
+
+from ._format import close_match
 
 __all__ = [
+    "check_choice",
     "check_count",
     "check_flag",
     "check_index",
@@ -151,6 +155,28 @@ def check_path(value: object, *, name: str, fix: str, file_objects: bool = False
     raise TypeError(
         f"{name} must be a file path (str or os.PathLike){also}, got {got(value)}; {fix}"
     )
+
+
+def check_choice(value: object, *, name: str, choices: Sequence[str]) -> str:
+    """Return ``value`` when it is one of ``choices``; name them, and the likely one, if not.
+
+    Examples:
+        >>> check_choice("cold", name="mode", choices=("warm", "cold"))
+        'cold'
+        >>> check_choice("Warm", name="mode", choices=("warm", "cold"))
+        Traceback (most recent call last):
+        ...
+        ValueError: mode must be 'warm' or 'cold', got 'Warm'; did you mean 'warm'?
+    """
+    wanted = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be {wanted}, got {got(value)}")
+    if value not in choices:
+        lowered = value.lower()
+        guess = lowered if lowered in choices else close_match(lowered, choices)
+        hint = f"; did you mean {guess!r}?" if guess is not None else ""
+        raise ValueError(f"{name} must be {wanted}, got {value!r}{hint}")
+    return value
 
 
 def got(value: object) -> str:
