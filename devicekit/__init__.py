@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ._compare import ComparisonRow as ComparisonRow
     from ._compare import compare as compare
     from ._conditions import Conditions as Conditions
+    from ._dataparallel import data_parallel as data_parallel
     from ._devices import DeviceLike as DeviceLike
     from ._devices import try_all_gpus as try_all_gpus
     from ._devices import try_gpu as try_gpu
@@ -75,16 +76,16 @@ if TYPE_CHECKING:
     from ._nvml import driver_version as driver_version
     from ._nvml import nvml_available as nvml_available
     from ._nvml import nvml_error as nvml_error
-    from ._oom import AllocationSite as AllocationSite
-    from ._oom import OOMReport as OOMReport
     from ._oom import explain_oom as explain_oom
+    from ._oomreport import AllocationSite as AllocationSite
+    from ._oomreport import OOMReport as OOMReport
     from ._parallel import GPUPool as GPUPool
     from ._parallel import gpu_map as gpu_map
     from ._parallel import gpu_pool as gpu_pool
     from ._pick import pick_gpu as pick_gpu
     from ._pick import pick_gpus as pick_gpus
-    from ._placement import data_parallel as data_parallel
     from ._placement import to_device as to_device
+    from ._scopedenv import visible_devices as visible_devices
     from ._sinks import CSVSink as CSVSink
     from ._sinks import ProgressBarSink as ProgressBarSink
     from ._sinks import TensorBoardSink as TensorBoardSink
@@ -100,7 +101,6 @@ if TYPE_CHECKING:
     from ._timing import TimedFunction as TimedFunction
     from ._timing import Timer as Timer
     from ._visible import parse_visible_devices as parse_visible_devices
-    from ._visible import visible_devices as visible_devices
 
 # Where each public name lives; tests/test_init.py checks this against the imports
 # above and __all__.
@@ -119,6 +119,7 @@ _EXPORTS: dict[str, str] = {
     "Comparison": "._compare",
     "ComparisonRow": "._compare",
     "Conditions": "._conditions",
+    "data_parallel": "._dataparallel",
     "DeviceLike": "._devices",
     "try_all_gpus": "._devices",
     "try_gpu": "._devices",
@@ -168,14 +169,14 @@ _EXPORTS: dict[str, str] = {
     "driver_version": "._nvml",
     "nvml_available": "._nvml",
     "nvml_error": "._nvml",
-    "AllocationSite": "._oom",
     "explain_oom": "._oom",
-    "OOMReport": "._oom",
+    "AllocationSite": "._oomreport",
+    "OOMReport": "._oomreport",
     "gpu_map": "._parallel",
     "gpu_pool": "._parallel",
     "GPUPool": "._parallel",
-    "data_parallel": "._placement",
     "to_device": "._placement",
+    "visible_devices": "._scopedenv",
     "CSVSink": "._sinks",
     "ProgressBarSink": "._sinks",
     "TensorBoardSink": "._sinks",
@@ -191,7 +192,6 @@ _EXPORTS: dict[str, str] = {
     "TimedFunction": "._timing",
     "Timer": "._timing",
     "parse_visible_devices": "._visible",
-    "visible_devices": "._visible",
 }
 
 

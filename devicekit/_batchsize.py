@@ -45,7 +45,7 @@ from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._errors import DeviceOutOfMemoryError, add_note
 from ._format import format_bytes
 from ._memory import used_cuda_indices
-from ._oom import build_report
+from ._oomreport import build_report
 from ._oomtext import is_oom
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
 from ._visible import torch_cuda_initialized

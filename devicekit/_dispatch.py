@@ -47,7 +47,8 @@ from typing import Any
 
 from ._errors import WorkerError, WorkerTimeoutError
 from ._format import plural
-from ._visible import ENV_VAR, parse_visible_devices, scoped_env
+from ._scopedenv import scoped_env
+from ._visible import ENV_VAR, parse_visible_devices
 from ._worker import NO_MAIN_GUARD, work
 
 __all__ = [

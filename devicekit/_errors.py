@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ._oom import OOMReport
+    from ._oomreport import OOMReport
 
 __all__ = [
     "CUDAInitializedError",

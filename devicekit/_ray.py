@@ -27,7 +27,8 @@ from ._devices import DeviceLike, resolve_devices
 from ._errors import WorkerError
 from ._format import first_line
 from ._parallel import Progress, fn_raised, show_item, worker_env, workers_per_device_count
-from ._visible import ENV_VAR, scoped_env
+from ._scopedenv import scoped_env
+from ._visible import ENV_VAR
 
 __all__ = ["ray_map"]
 

@@ -1,6 +1,6 @@
 """How `to_device` rebuilds each kind of container so that it keeps its type and meaning.
 
-Plain dicts, lists and tuples are rebuilt inline by the walk in ``_placement``
+Plain dicts, lists and tuples are rebuilt inline by the walk in ``_mover``
 (the hot path); everything else that holds tensors comes here: mappings of
 every kind, list and tuple subclasses, deques and other mutable sequences,
 sets (records, dataclasses among them, are `_records`'). Each rebuild makes a

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _oom
+from devicekit import _oom, _oomreport
 from devicekit._fixes import rank_fixes
 from devicekit._oomtext import is_oom, parse_oom
 
@@ -579,12 +579,12 @@ def test_numbers_of_another_device_s_message_are_not_reported_as_device_s() -> N
     if torch.cuda.device_count():  # a real cuda:1 would report its own numbers, rightly
         return
     # Another GPU than the message's: its process list is not this one's.
-    other = _oom.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 1))
+    other = _oomreport.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 1))
     assert (other.device, other.processes, other.total, other.requested) == (
         "cuda:1",
         None,
         None,
         None,
     )
-    same = _oom.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 0))
+    same = _oomreport.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 0))
     assert (same.total, same.requested) == (gib(79.19), 20 * MiB)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _placement
+from devicekit import _dataparallel, _mover, _placement
 from devicekit._tree import children
 
 from .conftest import FakeAccelerator
@@ -1057,7 +1057,7 @@ def test_nesting_deeper_than_the_recursion_limit_says_so_and_leaves_the_walk_cle
     ) as info:
         dk.to_device(chain, META)
     assert info.value.__cause__ is None
-    mover = _placement._local.movers[META]
+    mover = _mover._local.movers[META]
     assert (mover.busy, mover.memo, mover.kept) == (False, {}, [])
     moved = dk.to_device({"a": Batch(torch.ones(1), {})}, META)  # the same walk, reused
     assert on(META, moved["a"].x)
@@ -1105,7 +1105,7 @@ class _Spy(torch.Tensor):
 
 
 def _walk_one(device: torch.device, forced: bool | None) -> None:
-    mover = _placement._Mover(device, forced)
+    mover = _mover._Mover(device, forced)
     try:
         mover.move([torch.ones(1).as_subclass(_Spy)])
     finally:
@@ -1138,7 +1138,7 @@ def test_copies_to_meta_pass_no_keyword_for_torch_to_parse() -> None:
 def test_data_parallel_without_gpus_returns_the_module_moved(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_placement, "try_all_gpus", lambda: [torch.device("cpu")])
+    monkeypatch.setattr(_dataparallel, "try_all_gpus", lambda: [torch.device("cpu")])
     model = torch.nn.Linear(2, 2)
     with caplog.at_level(logging.WARNING, logger="devicekit"):
         result = dk.data_parallel(model)
@@ -1233,7 +1233,7 @@ def test_the_memo_is_skipped_only_for_tensors_nothing_else_holds(shape: str) -> 
     assert first is second
     fresh = dk.to_device([torch.ones(1), torch.ones(1)], META)
     assert fresh[0] is not fresh[1]
-    assert _placement._ONCE_IN_LIST >= 0  # the calibration found an exact count here
+    assert _mover._ONCE_IN_LIST >= 0  # the calibration found an exact count here
 
 
 def _tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:

@@ -238,7 +238,7 @@ def test_a_debugger_tracing_the_import_does_not_break_sharing() -> None:
             return tracer
 
         sys.settrace(tracer)
-        from devicekit import _placement
+        from devicekit import _mover
         sys.settrace(None)
         import devicekit as dk
 

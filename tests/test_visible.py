@@ -15,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import devicekit as dk
-from devicekit import _visible
+from devicekit import _scopedenv, _visible
 
 from .conftest import run_python
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -26,7 +26,7 @@ VAR = "CUDA_VISIBLE_DEVICES"
 @pytest.fixture
 def cuda_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scope tests are about the variable, not this process's CUDA state (tested separately)."""
-    monkeypatch.setattr(_visible, "cuda_started", lambda: None)
+    monkeypatch.setattr(_scopedenv, "cuda_started", lambda: None)
     monkeypatch.delenv(VAR, raising=False)
 
 
@@ -302,7 +302,7 @@ def test_visible_devices_rejects_bad_input_and_changes_nothing(
 
 
 def test_visible_devices_refuses_once_cuda_has_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_visible, "cuda_started", lambda: "torch has initialized CUDA")
+    monkeypatch.setattr(_scopedenv, "cuda_started", lambda: "torch has initialized CUDA")
     monkeypatch.delenv(VAR, raising=False)
     with (
         pytest.raises(
@@ -321,7 +321,7 @@ def test_visible_devices_refuses_once_cuda_has_started(monkeypatch: pytest.Monke
 def test_subprocesses_only_sets_the_variable_after_cuda_started(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_visible, "cuda_started", lambda: "torch has initialized CUDA")
+    monkeypatch.setattr(_scopedenv, "cuda_started", lambda: "torch has initialized CUDA")
     monkeypatch.delenv(VAR, raising=False)
     with dk.visible_devices("1", subprocesses_only=True) as parsed:
         child = subprocess.run(
@@ -389,20 +389,23 @@ def test_blocks_that_end_in_any_order_restore_the_variable(
     # Two generators, an ExitStack unwound by hand, or two threads: blocks need not
     # end innermost first. Each time, the block that began last and is still open
     # decides; once all have ended, the variable is as before the first.
+    # Drawn before any block begins: a draw that stops the example midway would leave
+    # blocks open, and their generators would restore the variable when collected later.
+    order = data.draw(st.permutations(range(len(values))))
     with mock.patch.dict(os.environ, {} if previous is None else {VAR: previous}):
         if previous is None:
             os.environ.pop(VAR, None)
-        blocks = [_visible.scoped_env(VAR, value) for value in values]
+        blocks = [_scopedenv.scoped_env(VAR, value) for value in values]
         for block in blocks:
             block.__enter__()
         still_open = list(range(len(values)))
-        for ending in data.draw(st.permutations(range(len(values)))):
+        for ending in order:
             blocks[ending].__exit__(None, None, None)
             still_open.remove(ending)
             expected = values[still_open[-1]] if still_open else previous
             assert os.environ.get(VAR) == expected
         assert os.environ.get(VAR) == previous
-        assert VAR not in _visible._scopes.open
+        assert VAR not in _scopedenv._scopes.open
 
 
 @pytest.mark.usefixtures("cuda_not_started")
@@ -436,7 +439,7 @@ def test_visible_devices_blocks_in_two_threads_restore_the_variable() -> None:
 
 def test_subprocesses_only_must_be_a_bool(monkeypatch: pytest.MonkeyPatch) -> None:
     # A truthy "no" used to skip the CUDA check: refused before anything changes.
-    monkeypatch.setattr(_visible, "cuda_started", lambda: "torch has initialized CUDA")
+    monkeypatch.setattr(_scopedenv, "cuda_started", lambda: "torch has initialized CUDA")
     monkeypatch.delenv(VAR, raising=False)
     with (
         pytest.raises(TypeError, match=r"subprocesses_only must be True or False, got 'no'"),
@@ -451,7 +454,7 @@ def test_subprocesses_only_warns_when_cuda_starts_in_this_process_inside_the_blo
 ) -> None:
     monkeypatch.delenv(VAR, raising=False)
     state: list[str | None] = [None]
-    monkeypatch.setattr(_visible, "cuda_started", lambda: state[0])
+    monkeypatch.setattr(_scopedenv, "cuda_started", lambda: state[0])
     with (
         pytest.warns(
             RuntimeWarning,
@@ -471,7 +474,7 @@ def test_subprocesses_only_is_quiet_when_cuda_started_before_or_not_at_all(
 ) -> None:
     monkeypatch.delenv(VAR, raising=False)
     state: list[str | None] = [None]
-    monkeypatch.setattr(_visible, "cuda_started", lambda: state[0])
+    monkeypatch.setattr(_scopedenv, "cuda_started", lambda: state[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with dk.visible_devices([1], subprocesses_only=True):  # CUDA never starts

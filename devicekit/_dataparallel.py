@@ -1,0 +1,68 @@
+"""``data_parallel``: one script for one GPU, several, or none."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ._devices import DeviceLike, resolve_devices, try_all_gpus
+
+__all__ = ["data_parallel"]
+
+logger = logging.getLogger("devicekit")
+
+
+_warned_data_parallel = False
+
+
+def data_parallel(
+    module: torch.nn.Module, devices: Sequence[DeviceLike] | DeviceLike | None = None
+) -> torch.nn.Module:
+    """Wrap ``module`` in ``nn.DataParallel`` when there are several GPUs; else just move it.
+
+    With two or more devices, the module goes to the first and is wrapped in
+    ``nn.DataParallel`` over all of them. With one device or none, the module
+    is moved to that device (or [`try_gpu()`][devicekit.try_gpu]) and returned unwrapped, so
+    the same script runs everywhere. The first time it wraps, it logs (with
+    ``logging``, at WARNING) that ``DistributedDataParallel`` is faster.
+
+    Args:
+        module: The model.
+        devices: The devices to use: a list of [`DeviceLike`][devicekit.DeviceLike], or one
+            device. Default: [`try_all_gpus()`][devicekit.try_all_gpus].
+
+    Returns:
+        ``nn.DataParallel(module)`` or ``module`` itself, moved.
+
+    Raises:
+        ValueError: ``devices`` is empty, or mixes device types.
+        DeviceNotFoundError: One of ``devices`` does not exist here.
+
+    Examples:
+        >>> import torch, devicekit as dk
+        >>> model = dk.data_parallel(torch.nn.Linear(2, 2), ["cpu"])
+        >>> type(model).__name__, model.weight.device
+        ('Linear', device(type='cpu'))
+    """
+    global _warned_data_parallel  # noqa: PLW0603 - a once-per-process flag
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"data_parallel() needs a torch.nn.Module, got {type(module).__name__}")
+    targets = try_all_gpus() if devices is None else resolve_devices(devices)
+    if not targets:
+        raise ValueError("data_parallel() needs at least one device, got an empty list")
+    kinds = sorted({d.type for d in targets})
+    if len(kinds) > 1:
+        raise ValueError(f"data_parallel() needs devices of one type, got {', '.join(kinds)}")
+    module.to(targets[0])
+    if len(targets) < 2 or targets[0].type == "cpu":
+        return module
+    if not _warned_data_parallel:
+        _warned_data_parallel = True
+        logger.warning(
+            "nn.DataParallel runs one process with a thread per GPU and is slower than "
+            "DistributedDataParallel; for multi-GPU training launch with torchrun and put "
+            "each rank on dk.local_device()."
+        )
+    return torch.nn.DataParallel(module, device_ids=targets)

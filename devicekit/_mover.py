@@ -1,0 +1,439 @@
+"""The walk behind `to_device`: one pass over a nested structure, each tensor moved once.
+
+A `_Mover` holds one target and copy policy, the memo that keeps shared things
+shared (and finds cycles), and the walk itself: `_walk`, a closure that
+rebuilds plain dicts, lists and tuples inline, since they hold nearly every
+batch. Every other container goes to `_rebuild` or `_records`; an object with
+its own ``.to()`` (a module, a Hugging Face ``BatchEncoding``) is moved by it.
+
+Each thread keeps one mover per target and policy and reuses it (`borrow`);
+`to_device` borrows one, walks, turns `Cycle` into a ``ValueError`` that
+names the path, and calls `_Mover.finish` to wait for copies to the host and
+forget the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Mapping, MutableSequence
+from typing import Any
+
+import torch
+
+from ._devices import CPU, META, synchronize
+from ._errors import add_note
+from ._format import qualified_name
+from ._rebuild import (
+    rebuild_list_subclass,
+    rebuild_mapping,
+    rebuild_sequence,
+    rebuild_set,
+    rebuild_tuple,
+)
+from ._records import rebuild_dataclass, rebuild_record
+from ._tree import is_dataclass_instance, is_record
+
+# What to_device uses. Both stay private: nothing here is devicekit's API.
+__all__ = ["Cycle", "borrow"]
+
+_Tensor = torch.Tensor
+_CPU, _META_DEVICE = CPU, META
+_LEAVES = frozenset({str, bytes, int, float, complex, bool, type(None)})
+
+
+# How a tensor's device is compared with the target, cheapest first: reading
+# tensor.device builds a new torch.device object (55 ns); tensor.is_cpu does not (30 ns).
+_HOST, _CUDA, _META, _SAME_DEVICE = range(4)
+_BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
+
+
+def _describe_target(device: torch.device) -> tuple[int, int | None, bool]:
+    """How tensors are compared with ``device``, its index, and whether it is the host."""
+    if device == _CPU:  # resolve_device made it canonical
+        return _HOST, None, True
+    if device == _META_DEVICE:
+        return _META, None, False
+    if device.type == "cuda" and device.index is not None:
+        return _CUDA, device.index, False
+    return _SAME_DEVICE, device.index, False
+
+
+_targets: dict[torch.device, tuple[int, int | None, bool]] = {}  # a handful of devices at most
+
+
+# A tensor that only its container references cannot be reached twice in the walk,
+# so it needs no memo entry: sys.getrefcount says so in a fraction of a memo's cost.
+# What "only its container" reads as depends on the loop (a dict's item tuple holds a
+# reference too) and on the interpreter, so it is measured here, in loops of the same
+# shape as the walk's, and checked against an object held twice. Where the check
+# fails (or on a free-threaded build, where counts are not exact), every tensor goes
+# through the memo: slower, never wrong.
+def _once_in_list() -> int:
+    count = sys.getrefcount
+    for value in [object()]:
+        return count(value)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _once_in_dict() -> int:
+    count = sys.getrefcount
+    for _, value in {"key": object()}.items():
+        return count(value)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _twice_in_list() -> int:
+    count, shared = sys.getrefcount, object()
+    for value in [shared]:
+        return count(value)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _unshared_counts() -> tuple[int, int]:
+    exact = getattr(sys, "_is_gil_enabled", lambda: True)()
+    # A trace or profile function (a debugger stepping through this import) that reads
+    # frame.f_locals holds one more reference to each local: counts measured under it
+    # are too high, and would take a tensor held twice for one held once. Measure
+    # without them. (Under one later, counts only look higher: the memo decides.)
+    trace, profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(None)
+    sys.setprofile(None)
+    try:
+        once_list, once_dict, twice_list = _once_in_list(), _once_in_dict(), _twice_in_list()
+    finally:
+        sys.settrace(trace)
+        sys.setprofile(profile)
+    if not exact or twice_list <= once_list:
+        return -1, -1  # no count is "unshared": the memo always decides
+    return once_list, once_dict
+
+
+_ONCE_IN_LIST, _ONCE_IN_DICT = _unshared_counts()
+
+
+class _Mover:
+    """One target and copy policy: the walk (a closure over this state), and a call's memo.
+
+    Building the walk's closures costs about 2 µs, a sixth of moving a batch of
+    a dozen small tensors, so each thread keeps one mover per target and policy
+    and reuses it (see `borrow()`); `finish()` empties it for the next
+    call.
+    """
+
+    __slots__ = (
+        "busy",
+        "device",
+        "kept",
+        "memo",
+        "move",
+        "non_blocking",
+        "returned_none",
+        "unsynced",
+    )
+
+    def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
+        self.device = device
+        target = _targets.get(device)
+        if target is None:
+            target = _targets[device] = _describe_target(device)
+        kind, index, to_host = target
+        # A non-blocking copy to the host may be read before it lands: only when
+        # forced, and then synchronized before to_device returns.
+        self.non_blocking = (not to_host) if non_blocking is None else non_blocking
+        self.memo: dict[int, Any] = {}  # id(original) -> moved; keeps shared things shared
+        # Sources of non-blocking copies to the host, which must be waited for.
+        self.unsynced: set[torch.device] | None = set() if self.non_blocking and to_host else None
+        self.returned_none: list[type] | None = None  # classes whose .to() returned None
+        self.kept: list[Any] = []  # objects made during the call: alive while memo has their id
+        self.busy = False  # a call is walking with it (a .to() may call to_device again)
+        self.move: Callable[[Any], Any] = _walk(self, kind, index)
+
+    def container(self, obj: Any, rebuild: Callable[[_Mover, Any], Any]) -> Any:
+        """Rebuild ``obj`` once, however often it is reached; raise Cycle if it contains itself."""
+        key = id(obj)
+        memo = self.memo
+        done = memo.get(key)
+        if done is not None:
+            if done is _BUSY:
+                raise Cycle
+            return done  # reached twice: one rebuilt container, shared as in the input
+        memo[key] = _BUSY
+        result = memo[key] = rebuild(self, obj)
+        return result
+
+    def other(self, obj: Any) -> Any:
+        """Everything but tensors and plain dicts, lists and tuples."""
+        if isinstance(obj, type):
+            return obj  # a class, even one with a .to attribute (nn.Linear.to)
+        if isinstance(obj, torch.nn.Module):
+            if not _takes_non_blocking(type(obj)):
+                # Its own .to(), whose signature does not take non_blocking (and which
+                # may forget `return self`): called as any other object's .to() is.
+                return self.container(obj, _call_to)
+            return self.container(obj, _call_module_to)  # once, however often reached
+        if _has_to_method(type(obj)):
+            return self.container(obj, _call_to)
+        if isinstance(obj, Mapping):
+            return self.container(obj, rebuild_mapping)
+        if isinstance(obj, tuple):
+            return self.container(obj, rebuild_tuple)
+        if isinstance(obj, list):
+            return self.container(obj, rebuild_list_subclass)
+        if isinstance(obj, MutableSequence):  # a deque, a UserList (not a str, nor a range)
+            return self.container(obj, rebuild_sequence)
+        if isinstance(obj, (set, frozenset)):
+            return self.container(obj, rebuild_set)
+        if is_dataclass_instance(obj):
+            return self.container(obj, rebuild_dataclass)
+        if is_record(obj):  # a SimpleNamespace, an attrs instance, a pydantic model
+            return self.container(obj, rebuild_record)
+        return obj
+
+    def keep(self, obj: Any) -> None:
+        """Hold ``obj`` until the call ends (see `Walk.keep`)."""
+        self.kept.append(obj)
+
+    def finish(self) -> None:
+        """Wait for the copies to the host the call left in flight, and forget the call."""
+        if self.unsynced:
+            for source in self.unsynced:
+                synchronize(source)
+            self.unsynced.clear()
+        self.memo.clear()  # lets go of every moved tensor
+        self.kept.clear()
+        self.returned_none = None
+        self.busy = False
+
+
+_local = threading.local()  # per thread: target (and forced policy) -> its _Mover
+
+
+def borrow(device: torch.device, non_blocking: bool | None) -> _Mover:
+    """This thread's mover for the target, or a new one while that one is in use."""
+    movers: dict[Any, _Mover] | None = getattr(_local, "movers", None)
+    if movers is None:
+        movers = _local.movers = {}
+    key = device if non_blocking is None else (device, non_blocking)  # usually the device
+    mover = movers.get(key)
+    if mover is None:
+        mover = movers[key] = _Mover(device, non_blocking)
+    elif mover.busy:  # to_device inside a .to() that to_device called
+        mover = _Mover(device, non_blocking)
+    mover.busy = True
+    return mover
+
+
+class Cycle(Exception):
+    """Raised inside the walk; to_device turns it into a ValueError with the path."""
+
+
+def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]:  # noqa: PLR0915
+    """The walk of one call, as a closure: its state is in local cells, not attributes.
+
+    This is the hot path of every training step. Plain dicts, lists and tuples
+    hold nearly every batch, so their loops are written out here, and so is the
+    move of each tensor inside them: on a batch of small tensors a Python call
+    per element costs more than the copy (docs/benchmarks.md has the numbers).
+    What is left costs about 100 ns per tensor: the class check, the reference
+    count that spares a tensor nothing else holds the memo, and, until a
+    container's first copy, the check that returns a tensor already there.
+    """
+    device, non_blocking, memo = mover.device, mover.non_blocking, mover.memo
+    get = memo.get
+    count = sys.getrefcount
+    inline = mover.unsynced is None  # copies to the host that must be waited for: not inline
+    # torch parses a keyword argument for every call (0.13 µs): pass non_blocking only
+    # where it changes something, a copy that is not to the meta device.
+    keyword = non_blocking and kind != _META
+    # Closure cells, not globals, in the loops below: each read is a few ns cheaper.
+    tensor_class, once_in_list, once_in_dict = _Tensor, _ONCE_IN_LIST, _ONCE_IN_DICT
+    to_cuda, to_host, to_meta = kind == _CUDA, kind == _HOST, kind == _META
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device, non_blocking=True) if keyword else tensor.to(device)
+
+    def here(tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is on the target already (the loops below inline this)."""
+        if kind == _HOST:
+            return tensor.is_cpu
+        if kind == _CUDA:
+            return tensor.is_cuda and tensor.get_device() == index
+        if kind == _META:
+            return tensor.is_meta
+        return bool(tensor.device == device)
+
+    def move_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if here(tensor):
+            return tensor  # itself, so sharing holds without the memo
+        moved: torch.Tensor | None = get(id(tensor))
+        if moved is None:
+            moved = memo[id(tensor)] = copy(tensor)
+            if mover.unsynced is not None:
+                mover.unsynced.add(tensor.device)
+        return moved
+
+    def move(obj: Any) -> Any:
+        cls = obj.__class__
+        if cls is not dict and cls is not list and cls is not tuple:
+            if cls is tensor_class or isinstance(obj, tensor_class):
+                return move_tensor(obj)
+            return obj if cls in _LEAVES else mover.other(obj)
+        key = id(obj)
+        done = get(key)
+        if done is not None:
+            if done is _BUSY:
+                raise Cycle
+            return done  # reached twice: one rebuilt container, shared as in the input
+        memo[key] = _BUSY
+        result = memo[key] = rebuild(obj, cls)
+        return result
+
+    def rebuild(obj: Any, cls: type) -> Any:  # noqa: PLR0912 - the hot path, written out
+        """A plain dict, list or tuple, rebuilt; children nothing else holds skip the memo.
+
+        A container only its parent holds cannot be reached twice, nor start a
+        cycle (the first member of a cycle the walk reaches is held by its parent
+        and by the back edge, so it goes through ``move``, memo and all).
+        """
+        result: Any
+        # Once one tensor of a container needs a copy, its siblings almost surely do:
+        # .to() itself returns a tensor that is already there, so the check is skipped.
+        copying = False
+        if cls is dict:
+            result = {}
+            for name, value in obj.items():
+                vcls = value.__class__
+                if vcls is not tensor_class or not inline:
+                    if (vcls is dict or vcls is list or vcls is tuple) and count(
+                        value
+                    ) <= once_in_dict:
+                        result[name] = rebuild(value, vcls)
+                    else:
+                        result[name] = move(value)
+                elif not copying and (
+                    (value.is_cuda and value.get_device() == index) if to_cuda
+                    else value.is_cpu if to_host
+                    else value.is_meta if to_meta
+                    else value.device == device
+                ):  # fmt: skip
+                    result[name] = value
+                elif count(value) <= once_in_dict:  # this dict alone holds it
+                    copying = True
+                    moved = value.to(device, non_blocking=True) if keyword else value.to(device)
+                    result[name] = moved
+                else:
+                    moved = get(id(value))
+                    if moved is None:
+                        moved = memo[id(value)] = copy(value)
+                    result[name] = moved
+            return result
+        result = []
+        append = result.append
+        for value in obj:
+            vcls = value.__class__
+            if vcls is not tensor_class or not inline:
+                if (vcls is dict or vcls is list or vcls is tuple) and count(value) <= once_in_list:
+                    append(rebuild(value, vcls))
+                else:
+                    append(move(value))
+            elif not copying and (
+                (value.is_cuda and value.get_device() == index) if to_cuda
+                else value.is_cpu if to_host
+                else value.is_meta if to_meta
+                else value.device == device
+            ):  # fmt: skip
+                append(value)
+            elif count(value) <= once_in_list:  # this list alone holds it
+                copying = True
+                append(value.to(device, non_blocking=True) if keyword else value.to(device))
+            else:
+                moved = get(id(value))
+                if moved is None:
+                    moved = memo[id(value)] = copy(value)
+                append(moved)
+        return tuple(result) if cls is tuple else result
+
+    return move
+
+
+def _has_to_method(cls: type) -> bool:
+    """Whether the class defines ``.to`` itself, or a base class does.
+
+    Not an instance's "to" key (an attribute-style dict), nor a metaclass's
+    ``to`` (which the class has, and its instances do not), nor a dataclass
+    field named ``to`` (whose callable default is a class attribute too).
+    """
+    return (
+        callable(getattr(cls, "to", None))
+        and any("to" in vars(k) for k in cls.__mro__)
+        and not _is_field(cls, "to")
+    )
+
+
+def _is_field(cls: type, name: str) -> bool:
+    return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
+
+
+def _call_to(mover: _Mover, obj: Any) -> Any:
+    try:
+        moved = obj.to(mover.device)
+    except RecursionError:
+        raise  # the walk is too deep: to_device says so
+    except Exception as error:
+        # The traceback ends in the user's own .to(), far from the to_device() call.
+        cls = type(obj)
+        add_note(
+            error,
+            f"devicekit: to_device() moves a {qualified_name(cls)} by calling its own "
+            f".to({str(mover.device)!r}), which raised this. If {cls.__qualname__}.to() takes "
+            "other arguments or means something else (a unit conversion), move its tensors "
+            "yourself, or give it a .to(device) that moves them and returns the result.",
+        )
+        raise
+    return _returned(mover, obj, moved)
+
+
+def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
+    if mover.unsynced is not None:
+        mover.unsynced.update(t.device for t in module.parameters())
+        mover.unsynced.update(t.device for t in module.buffers())
+    return _returned(mover, module, module.to(mover.device, non_blocking=mover.non_blocking))
+
+
+def _returned(mover: _Mover, obj: Any, moved: Any) -> Any:
+    """What ``obj.to()`` returned, or ``obj`` itself where that was None."""
+    if moved is None:
+        # It moved itself in place and forgot to return self (Lightning keeps it too).
+        mover.returned_none = [*(mover.returned_none or ()), type(obj)]
+        return obj
+    return moved
+
+
+_non_blocking_taken: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _takes_non_blocking(cls: type[torch.nn.Module]) -> bool:
+    """Whether a module class's ``.to`` takes ``non_blocking=`` (``Module.to`` does).
+
+    Hugging Face and Lightning models override ``.to`` with ``*args, **kwargs``:
+    they take it, and their copies to a GPU stay non-blocking.
+    """
+    known = _non_blocking_taken.get(cls)
+    if known is None:
+        if cls.to is torch.nn.Module.to:
+            known = True
+        else:
+            try:
+                parameters = inspect.signature(cls.to).parameters.values()
+            except (TypeError, ValueError):  # a signature Python cannot read: not assumed
+                parameters = ()  # type: ignore[assignment]
+            known = any(
+                p.name == "non_blocking" or p.kind is inspect.Parameter.VAR_KEYWORD
+                for p in parameters
+            )
+        _non_blocking_taken[cls] = known
+    return known

@@ -1,0 +1,389 @@
+"""``OOMReport``: where a device's memory was when it ran out, and what to do about it.
+
+`build_report` reads the numbers of one out-of-memory error: torch's message
+(`_oomtext`), the allocator's statistics and segment list, NVML, and the
+garbage collector's tensors. It reads counters only: it allocates nothing on
+the device, never starts CUDA, and keeps no tensor alive afterwards. Called
+while the failed block's frames are still alive (`explain_oom` does, in
+``__exit__``), the numbers are those of the moment of failure.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import itertools
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ._census import LiveTensor, device_census, storage_key
+from ._devices import current_cuda_device, default_cuda_device
+from ._errors import DeviceNotFoundError
+from ._fixes import rank_fixes
+from ._format import (
+    UNKNOWN,
+    first_line,
+    format_bytes,
+    format_count,
+    html_table,
+    plain_fields,
+    safe_text,
+)
+from ._frames import first_user_location
+from ._gpuinfo import GPUProcess
+from ._gpus import gpu
+from ._memory import cuda_bytes
+from ._oomtext import OOMText, parse_oom
+from ._visible import torch_cuda_initialized
+
+__all__ = ["AllocationSite", "OOMReport", "build_report"]
+
+_memory_snapshot: Any = torch.cuda.memory_snapshot  # unannotated in torch
+# torch >= 2.9 can leave the trace ring out of a snapshot; reading only segments is faster.
+_SNAPSHOT_OPTIONS = (
+    {"include_traces": False}
+    if "include_traces" in inspect.signature(torch.cuda.memory_snapshot).parameters
+    else {}
+)
+
+
+def _bytes(value: int | None) -> str:
+    return format_bytes(value, digits=2)
+
+
+@dataclass(frozen=True)
+class AllocationSite:
+    """One of the largest blocks allocated on the device, and the line that allocated it.
+
+    Attributes:
+        bytes: The block's size.
+        location: ``file:line`` of the first frame outside torch and devicekit.
+    """
+
+    bytes: int
+    location: str
+
+
+@dataclass(frozen=True, repr=False)
+class OOMReport:
+    """Where a device's memory was when it ran out, and what to do about it (bytes; None: unknown).
+
+    Attributes:
+        device: Such as ``"cuda:0"`` or ``"cpu"``.
+        message: The first line of torch's message.
+        requested: Bytes the failed allocation asked for.
+        total: The device's memory (for the CPU: the machine's).
+        free: Bytes free on the device (for the CPU: available to new allocations).
+        allocated: Bytes held by tensors, as PyTorch's allocator counts them.
+        reserved: Bytes PyTorch's caching allocator holds from the driver.
+        largest_free_block: The largest free block inside ``reserved``: the
+            biggest allocation the cache could have served without the driver.
+        this_process: Bytes this process holds on the GPU by NVML's count
+            (PyTorch's, the CUDA context's and every library's).
+        processes: The other processes on this GPU, with the memory each holds.
+        tensor_count: Live tensors on the device Python can see (one per
+            storage); None where this process cannot hold any there (the
+            error came from a process that had started CUDA, this one has not).
+        tensor_bytes: Their bytes.
+        tensors: The largest of them.
+        allocation_sites: With ``record_history=True``: the largest live
+            blocks and the lines that allocated them.
+        fixes: What to do, most promising first, with the numbers that say so.
+    """
+
+    device: str
+    message: str
+    requested: int | None
+    total: int | None
+    free: int | None
+    allocated: int | None
+    reserved: int | None
+    largest_free_block: int | None
+    this_process: int | None
+    processes: tuple[GPUProcess, ...] | None
+    tensor_count: int | None
+    tensor_bytes: int | None
+    tensors: tuple[LiveTensor, ...]
+    allocation_sites: tuple[AllocationSite, ...] | None
+    fixes: tuple[str, ...]
+
+    @property
+    def unallocated(self) -> int | None:
+        """Reserved but unallocated bytes: the cache's free space, in pieces."""
+        if self.reserved is None or self.allocated is None:
+            return None
+        return self.reserved - self.allocated
+
+    @property
+    def other_processes_bytes(self) -> int | None:
+        """Bytes the other processes hold; None when NVML cannot say for one of them."""
+        if self.processes is None or any(p.used_memory is None for p in self.processes):
+            return None
+        return sum(p.used_memory for p in self.processes if p.used_memory is not None)
+
+    @property
+    def unseen(self) -> int | None:
+        """Allocated bytes no Python tensor holds: saved activations, library workspaces."""
+        if self.allocated is None or self.tensor_bytes is None:
+            return None
+        return max(self.allocated - self.tensor_bytes, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, with ``unallocated``, ``other_processes_bytes`` and ``unseen``."""
+        return {
+            **plain_fields(self),
+            "unallocated": self.unallocated,
+            "other_processes_bytes": self.other_processes_bytes,
+            "unseen": self.unseen,
+        }
+
+    def headline(self) -> str:
+        """One line: the device, the request, and what was free."""
+        asked = "" if self.requested is None else f", asked for {_bytes(self.requested)}"
+        return (
+            f"{self.device} is out of memory{asked}: {_bytes(self.free)} free of "
+            f"{_bytes(self.total)}"
+        )
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The numbers as (label, text) pairs in human units, for tables."""
+        rows = [
+            ("asked for", _bytes(self.requested)),
+            ("free", f"{_bytes(self.free)} of {_bytes(self.total)}"),
+        ]
+        if self.allocated is not None or self.reserved is not None:
+            rows += [
+                ("allocated by PyTorch", _bytes(self.allocated)),
+                (
+                    "reserved by PyTorch",
+                    f"{_bytes(self.reserved)}, {_bytes(self.unallocated)} of it unallocated; "
+                    f"largest free block {_bytes(self.largest_free_block)}",
+                ),
+            ]
+        seen = f"{format_count(self.tensor_count, 'tensor')}, {_bytes(self.tensor_bytes)}"
+        if self.tensor_count is None:
+            seen = f"{UNKNOWN} (CUDA has not started in this process)"
+        rows.append(("live tensors", seen))
+        if self.unseen is not None:
+            rows.append(
+                ("held by no tensor", f"{_bytes(self.unseen)} (saved activations, workspaces)")
+            )
+        if self.device.startswith("cuda"):
+            rows.append(
+                ("this process", f"{_bytes(self.this_process)} (all it holds there, context too)")
+            )
+            rows.append(("other processes", self._processes_text()))
+        return rows
+
+    def _processes_text(self) -> str:
+        if self.processes is None:
+            return UNKNOWN
+        if not self.processes:
+            return "none"
+        listed = ", ".join(str(p) for p in self.processes)
+        count = format_count(len(self.processes), "process")
+        return f"{_bytes(self.other_processes_bytes)} in {count}: {listed}"
+
+    def __str__(self) -> str:
+        width = max(len(label) for label, _ in self.rows())
+        lines = [self.headline()]
+        lines += [f"  {label:<{width}}  {text}" for label, text in self.rows()]
+        if self.tensors:
+            lines.append(f"largest live tensors on {self.device}:")
+            lines += [f"  {tensor}" for tensor in self.tensors]
+        if self.allocation_sites:
+            lines.append("largest blocks and the lines that allocated them:")
+            lines += [f"  {_bytes(s.bytes):>11}  {s.location}" for s in self.allocation_sites]
+        lines.append("fixes, most promising first:")
+        lines += [f"  {number}. {fix}" for number, fix in enumerate(self.fixes, 1)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"OOMReport({self.headline()})"
+
+    def _repr_html_(self) -> str:
+        parts = [html_table(self.rows(), caption=self.headline())]
+        if self.tensors:
+            tensors = [(_bytes(t.bytes), t.dtype, list(t.shape), t.name) for t in self.tensors]
+            header = ("bytes", "dtype", "shape", "name")
+            parts.append(html_table(tensors, header=header, caption="largest live tensors"))
+        if self.allocation_sites:
+            rows = [(_bytes(s.bytes), s.location) for s in self.allocation_sites]
+            parts.append(
+                html_table(rows, header=("bytes", "allocated at"), caption="largest blocks")
+            )
+        fixes = [(str(number), fix) for number, fix in enumerate(self.fixes, 1)]
+        parts.append(html_table(fixes, header=("", "fix"), caption="fixes, most promising first"))
+        return "".join(parts)
+
+
+# --- reading the numbers ----------------------------------------------------------------
+
+
+def _host_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of this machine's memory, from /proc/meminfo; None elsewhere."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                name, _, value = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    fields[name] = int(value.split()[0]) * 1024  # the file says kB: KiB
+    except (OSError, ValueError, IndexError):
+        return None, None
+    return fields.get("MemTotal"), fields.get("MemAvailable")
+
+
+def _gpu_processes(index: int, parsed: OOMText) -> tuple[tuple[GPUProcess, ...] | None, int | None]:
+    """(other processes, this process's bytes) on ``cuda:index``, from NVML or torch's message."""
+    try:
+        listed = gpu(index).processes
+    except DeviceNotFoundError:  # NVML cannot describe this GPU (none, or not NVIDIA): unknown
+        listed = None
+    if listed is None:
+        if not parsed.processes and parsed.this_process is None:
+            return None, None
+        others = tuple(GPUProcess(pid, None, size, "compute") for pid, size in parsed.processes)
+        return others, parsed.this_process
+    me = os.getpid()
+    mine = [p.used_memory for p in listed if p.pid == me]
+    this = sum(size or 0 for size in mine) if mine and None not in mine else None
+    return tuple(p for p in listed if p.pid != me), this
+
+
+def _allocator_blocks(
+    index: int, *, top: int, sites: bool
+) -> tuple[int | None, tuple[AllocationSite, ...] | None]:
+    """(largest free block, largest blocks with their lines) of ``cuda:index``'s allocator."""
+    try:
+        segments = _memory_snapshot(**_SNAPSHOT_OPTIONS)
+    except RuntimeError:
+        return None, None
+    largest_free = 0
+    allocated: list[dict[str, Any]] = []
+    for segment in segments:
+        if segment.get("device") != index:
+            continue
+        for block in segment["blocks"]:
+            if block["state"] == "inactive":
+                largest_free = max(largest_free, int(block["size"]))
+            elif sites and block["state"] == "active_allocated":
+                allocated.append(block)
+    if not sites:
+        return largest_free, None
+    biggest = heapq.nlargest(top, allocated, key=lambda block: int(block["size"]))
+    return largest_free, tuple(
+        AllocationSite(
+            int(block["size"]),
+            first_user_location((f["filename"], f["line"]) for f in block.get("frames", ())),
+        )
+        for block in biggest
+    )
+
+
+def _names(model: torch.nn.Module | None) -> dict[int, str]:
+    """Storage pointers of a module's parameters, their gradients and its buffers, to names."""
+    names: dict[int, str] = {}
+    if model is None:
+        return names
+    tensors: Iterable[tuple[str, torch.Tensor | None]] = itertools.chain(
+        model.named_parameters(),
+        ((f"{name}.grad", p.grad) for name, p in model.named_parameters()),
+        model.named_buffers(),
+    )
+    for name, tensor in tensors:
+        key = None if tensor is None else storage_key(tensor)
+        if key is not None and key[0]:
+            names.setdefault(key[0], name)
+    return names
+
+
+def _target(error: BaseException, parsed: OOMText, device: torch.device | None) -> torch.device:
+    # The host's memory ran out (Python's MemoryError, torch's CPU allocator): a report on
+    # a GPU, even the one asked for, would describe memory that did not run out.
+    if isinstance(error, MemoryError) or parsed.kind == "cpu":
+        return torch.device("cpu")
+    if device is not None:
+        return device
+    if parsed.device is not None:
+        return parsed.device
+    if parsed.kind == "cuda":
+        return default_cuda_device()
+    return current_cuda_device() or torch.device("cpu")
+
+
+def _about(parsed: OOMText, target: torch.device) -> bool:
+    """Whether the message's numbers describe ``target``: its kind and index, where it names them.
+
+    ``device=`` may name another device than the message does; the message's
+    free, total and process list would then be reported as that device's.
+    """
+    if parsed.kind is None:  # NumPy's MemoryError, a bare "out of memory": no device named
+        return True
+    if parsed.kind != target.type:
+        return False
+    index = parsed.device_index
+    return index is None or target.type in ("cpu", "mps") or index == (target.index or 0)
+
+
+_SAYS_NOTHING = OOMText(None, None, None, None, None, None, None, None, ())
+
+
+def build_report(
+    error: BaseException,
+    *,
+    device: torch.device | None = None,
+    model: torch.nn.Module | None = None,
+    top: int = 10,
+    sites: bool = False,
+) -> OOMReport:
+    """Read the numbers of an out-of-memory ``error`` into an [`OOMReport`][devicekit.OOMReport]."""
+    parsed = parse_oom(str(error))
+    target = _target(error, parsed, device)
+    if not _about(parsed, target):
+        parsed = _SAYS_NOTHING  # torch's first line is still the report's message
+    total, free = parsed.total, parsed.free
+    allocated, reserved = parsed.allocated, parsed.reserved
+    largest_free = this_process = None
+    processes: tuple[GPUProcess, ...] | None = None
+    found: tuple[AllocationSite, ...] | None = None
+    if target.type == "cuda":
+        index = int(target.index or 0)
+        live = cuda_bytes(index)  # None before CUDA starts: keep what the message said
+        if live is not None:
+            allocated, reserved = live.allocated, live.reserved
+            total = live.total if live.total is not None else total
+            free = live.free if live.free is not None else free
+            largest_free, found = _allocator_blocks(index, top=top, sites=sites)
+        processes, this_process = _gpu_processes(index, parsed)
+    elif target.type == "cpu":
+        host_total, host_free = _host_memory()
+        total = host_total if total is None else total
+        free = host_free if free is None else free
+    seen = device_census(target, names=_names(model), top=top)
+    # No CUDA tensor can live in a process that has not started CUDA: counting
+    # none there would claim the message's allocated bytes are held by no tensor.
+    counted = not (target.type == "cuda" and not torch_cuda_initialized())
+    headline = first_line(error)
+    report = OOMReport(
+        device=str(target),
+        message=safe_text(headline),
+        requested=parsed.requested,
+        total=total,
+        free=free,
+        allocated=allocated,
+        reserved=reserved,
+        largest_free_block=largest_free,
+        this_process=this_process,
+        processes=processes,
+        tensor_count=seen.count if counted else None,
+        tensor_bytes=seen.bytes if counted else None,
+        tensors=seen.largest,
+        allocation_sites=found,
+        fixes=(),
+    )
+    return replace(report, fixes=rank_fixes(report))
