@@ -154,6 +154,25 @@ class _Registered:
         """``id()`` -> dotted name, for the message."""
         return {id(buffer): name for name, buffer in self._module.named_buffers()}
 
+    @functools.cached_property
+    def memory(self) -> dict[int, str]:
+        """Each parameter's and buffer's memory (its storage) -> dotted name."""
+        owners: dict[int, str] = {}
+        named = [*self._module.named_parameters(), *self._module.named_buffers()]
+        for name, tensor in reversed(named):  # the first name wins, as in named_parameters()
+            key = _storage(tensor)
+            if key is not None:
+                owners[key] = name
+        return owners
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """What identifies the memory ``tensor`` views (its StorageImpl); None where it has none."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, or a subclass
+        return None
+
 
 def check_module(module: torch.nn.Module) -> list[str]:
     """Find tensors and modules that ``module.to(...)`` will not move.
@@ -231,6 +250,15 @@ def _describe(attr: str, value: object, registered: _Registered) -> str | None:
                 f"the buffer {buffer!r} held again as a plain attribute; module.to() replaces "
                 f"buffers with moved copies, so this one stays the old {value.device} tensor. "
                 "Read the buffer through its module instead (a @property can keep this name)."
+            )
+        key = _storage(value)
+        owner = None if key is None else registered.memory.get(key)
+        if owner is not None:  # a view (self.row = self.fc.weight[0]): a buffer would be a copy
+            return (
+                f"a {value.device} tensor held as a plain attribute that shares its memory with "
+                f"{owner!r} (a view or an alias of it); module.to() gives {owner!r} new memory, "
+                f"so this one stays the old {value.device} tensor. Compute it from {owner!r} "
+                "where it is used, in forward() or a @property."
             )
         return (
             f"a {value.device} tensor held as a plain attribute; module.to() will not move it. "

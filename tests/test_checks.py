@@ -236,6 +236,43 @@ def test_check_module_does_not_report_what_module_to_moves_in_place() -> None:
     assert model.stats.dtype == torch.float32
 
 
+class Views(torch.nn.Module):
+    """Plain attributes that share memory with a parameter or a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.register_buffer("table", torch.zeros(4))
+        self.row = self.fc.weight[0]  # a view
+        self.bias_now = self.fc.bias.detach()  # an alias: the same memory, no autograd link
+        self.head = self.table[:2]  # a view of a buffer
+        self.own = torch.ones(2)  # its own memory
+
+
+def test_check_module_names_the_parameter_a_plain_tensor_views() -> None:
+    # register_buffer would be the wrong advice: a buffer is a copy, stale as the weight trains.
+    def about(name: str, owner: str) -> str:
+        return (
+            f"{name}: a cpu tensor held as a plain attribute that shares its memory with "
+            f"{owner!r} (a view or an alias of it); module.to() gives {owner!r} new memory, so "
+            f"this one stays the old cpu tensor. Compute it from {owner!r} where it is used, in "
+            "forward() or a @property."
+        )
+
+    findings = dk.check_module(Views())
+    assert findings == [
+        about("row", "fc.weight"),
+        about("bias_now", "fc.bias"),
+        about("head", "table"),
+        "own: a cpu tensor held as a plain attribute; module.to() will not move it. Use "
+        "self.register_buffer('own', ...) (or nn.Parameter if it should be trained).",
+    ]
+    model = Views()
+    model.double()  # what the findings claim: the views keep the old memory
+    assert model.row.dtype == torch.float32
+    assert model.row.untyped_storage().data_ptr() != model.fc.weight.untyped_storage().data_ptr()
+
+
 def test_check_module_reports_a_module_kept_out_of_the_registry() -> None:
     model = torch.nn.Linear(2, 2)
     object.__setattr__(model, "helper", torch.nn.Linear(1, 1))  # as some wrappers do
