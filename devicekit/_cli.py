@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -159,6 +160,31 @@ class _Parser(argparse.ArgumentParser):
             if isinstance(error, OSError) and stream is sys.stdout:
                 raise _StdoutError(error) from error
             # A failed stderr leaves no one to tell; the exit code (2) still says it.
+
+    def refuse_misplaced(self, argv: list[str]) -> None:
+        """Exit 2 for a command's option written before the command (``devicekit -n 2``).
+
+        argparse would take its value for the command: "invalid choice: '2'".
+        """
+        position = 0
+        while position < len(argv):
+            word = argv[position]
+            if word == "--" or not word.startswith("-") or word == "-":
+                return  # the command, or a value: what follows is the command's to read
+            name = word.partition("=")[0]
+            if name in self.options:
+                position += 2 if word in ("-i", "--id") else 1  # -i's value is the next word
+                continue
+            short = name[:2] if not name.startswith("--") else name  # -n2 is -n with 2
+            owner = next((c for c, sub in self.commands.items() if short in sub.options), None)
+            if owner is None:
+                return  # unknown everywhere: unrecognized() suggests a spelling
+            fixed = [w for w in argv if w not in self.commands]
+            fixed.insert(position, owner)
+            self.error(
+                f"argument {short}: it is an option of '{self.prog} {owner}', so it goes after "
+                f"the command: {self.prog} {shlex.join(fixed)}"
+            )
 
     def unrecognized(self, args: argparse.Namespace, unknown: list[str]) -> NoReturn:
         """Exit 2 for arguments no parser took, suggesting the options they resemble.
@@ -382,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
+    parser.refuse_misplaced(list(sys.argv[1:] if argv is None else argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.unrecognized(args, unknown)  # exits with 2

@@ -17,7 +17,10 @@ from ._nvmlstart import TIMEOUT_VAR, start_timeout
 from ._status import status
 from ._visible import cuda_started
 
-__all__ = ["Diagnosis", "doctor"]
+__all__ = ["DIAGNOSIS_SCHEMA", "Diagnosis", "doctor"]
+
+DIAGNOSIS_SCHEMA = 1
+"""The version of `Diagnosis.to_dict()`'s layout (``devicekit doctor --json``)."""
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,18 @@ class Diagnosis:
         return 0 if self.ok else 1
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``ok`` and the findings."""
-        return {"ok": self.ok, "findings": [f.to_dict() for f in self.findings]}
+        """JSON-ready: the layout's ``schema`` version, ``ok`` and the findings.
+
+        Examples:
+            >>> import devicekit as dk
+            >>> sorted(dk.doctor().to_dict())
+            ['findings', 'ok', 'schema']
+        """
+        return {
+            "schema": DIAGNOSIS_SCHEMA,
+            "ok": self.ok,
+            "findings": [f.to_dict() for f in self.findings],
+        }
 
     def __str__(self) -> str:
         if not self.findings:

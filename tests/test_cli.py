@@ -353,6 +353,19 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
         (["foo"], "; see devicekit --help\n"),
         (["watch", "-n", "1e10"], "expected at most 86400 seconds (a day) between refreshes"),
         (["--bogus"], "error: unrecognized arguments: --bogus; see devicekit --help\n"),
+        # A command's option before the command: argparse took its value for the command.
+        (
+            ["-n", "2"],
+            "argument -n: it is an option of 'devicekit watch', so it goes after the "
+            "command: devicekit watch -n 2\n",
+        ),
+        (["--max-time", "1"], "goes after the command: devicekit bench --max-time 1\n"),
+        (["-i", "0", "--count=3", "watch"], "command: devicekit -i 0 watch --count=3\n"),
+        (
+            ["--json", "-n2", "watch"],
+            "argument -n: it is an option of 'devicekit watch', so it "
+            "goes after the command: devicekit --json watch -n2\n",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_a_readable_message(args: list[str], message: str) -> None:

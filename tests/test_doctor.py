@@ -212,6 +212,8 @@ def test_the_command_exits_1_on_an_error_and_prints_json(
     )
     assert _cli.main(["doctor", "--json"]) == 1
     document = json.loads(capsys.readouterr().out)
+    assert list(document) == ["schema", "ok", "findings"]  # versioned, as --json and bench are
+    assert document["schema"] == 1
     assert document["ok"] is False
     assert document["findings"][0]["severity"] == "error"
 
