@@ -182,7 +182,10 @@ def _not_a_file(path: str | bytes, error: OSError) -> str:
         hint = f"; the folder {folder} does not exist either"
     else:
         try:
-            near = close_match(os.path.basename(where), os.listdir(folder))
+            # Files only: a checkpoint is one ("/nope.pt" suggested the folder "/opt").
+            with os.scandir(folder) as entries:
+                files = [e.name for e in entries if e.is_file()]
+            near = close_match(os.path.basename(where), files)
         except OSError:
             near = None
         hint = f"; did you mean {os.path.join(os.path.dirname(text), near)!r}?" if near else ""

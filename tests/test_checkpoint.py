@@ -116,6 +116,9 @@ def test_a_missing_file_is_the_os_error_naming_the_path_and_a_close_name(
         rf"did you mean '{tmp_path}/model.pt'\?$",
     ):
         dk.load(tmp_path / "modle.pt", "cpu")
+    (tmp_path / "root" / "opt").mkdir(parents=True)  # a folder is never a checkpoint
+    with pytest.raises(FileNotFoundError, match=r"there is no file .*/root/nope\.pt$"):
+        dk.load(tmp_path / "root" / "nope.pt", "cpu")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
         FileNotFoundError,
