@@ -363,6 +363,12 @@ def _unreadable(value: str, name: str, reason: str) -> ValueError:
             fix = f"write {fixed!r}, or dk.try_gpu() to use whichever accelerator this machine has"
         return ValueError(f"{name}={value!r} is not a device torch knows; {fix}")
     if colon and _parses(kind):
+        if index.isascii() and index.isdigit() and _parses(f"{kind}:{int(index)}"):
+            # torch reads no leading zero: "cuda:00" is refused, though written in digits.
+            return ValueError(
+                f"{name}={value!r} is not a device torch knows ({reason}): torch reads no "
+                f"leading zero in the index; write '{kind}:{int(index)}'"
+            )
         return ValueError(
             f"{name}={value!r} is not a device torch knows ({reason}): the index after ':' "
             f"must be a non-negative integer written with the digits 0-9, such as '{kind}:1', "

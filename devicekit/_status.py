@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import _findings, _gpus, _nvml
-from ._devices import accelerator_type, try_all_gpus
+from ._devices import DeviceLike, accelerator_type, parse_cuda_index, try_all_gpus
 from ._errors import GPUNotFoundError
 from ._findings import Finding
 from ._format import (
@@ -125,26 +125,34 @@ class Status:
         """Whether torch is a CUDA build, so that NVIDIA GPUs can be ``cuda:N`` at all."""
         return self.torch_build.startswith("CUDA ")
 
-    def gpu(self, index: int) -> GPUInfo:
-        """The snapshot of ``cuda:<index>``.
+    def gpu(self, index: DeviceLike) -> GPUInfo:
+        """The snapshot of one GPU, named as [`dk.gpu()`][devicekit.gpu] takes it.
+
+        Args:
+            index: A torch index (``1``), ``"cuda:1"`` or a ``torch.device``.
 
         Raises:
+            TypeError: ``index`` is not a device (a bool, a float, None).
+            ValueError: ``index`` is negative, or names a device that is not CUDA.
             GPUNotFoundError: This process sees no such GPU; the message lists
                 those it sees, or says why it sees none. Also a ``KeyError``.
         """
+        wanted = parse_cuda_index(index, name="index")
         for info in self.visible:
-            if info.torch_index == index:
+            if info.torch_index == wanted:
                 return info
-        raise GPUNotFoundError(f"there is no cuda:{index}; {self._visible_names()}")
+        raise GPUNotFoundError(f"there is no cuda:{wanted}; {self._visible_names()}")
 
-    def select(self, indices: Iterable[int]) -> Status:
-        """The same status with only the GPUs of these torch indices (``devicekit -i``).
+    def select(self, indices: Iterable[DeviceLike]) -> Status:
+        """The same status with only these GPUs, in this order (``devicekit -i``).
 
         Raises:
+            TypeError, ValueError: As for [`gpu()`][devicekit.Status.gpu].
             GPUNotFoundError: One of ``indices`` is not a GPU this process
                 sees. Also a ``KeyError``.
         """
-        chosen = tuple(self.gpu(index) for index in dict.fromkeys(indices))
+        found = (self.gpu(index) for index in indices)
+        chosen = tuple({info.torch_index: info for info in found}.values())
         return dataclasses.replace(self, gpus=chosen)
 
     def _visible_names(self) -> str:

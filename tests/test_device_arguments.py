@@ -353,6 +353,17 @@ def test_a_string_with_a_bad_index_says_how_to_write_one(value: str) -> None:
         resolve_device(value)
 
 
+@pytest.mark.parametrize(("value", "fixed"), [("cuda:00", "cuda:0"), ("cpu:01", "cpu:1")])
+def test_a_leading_zero_in_the_index_gets_the_string_without_it(value: str, fixed: str) -> None:
+    # Before: "must be ... written with the digits 0-9", which "00" is.
+    from devicekit._devices import resolve_device
+
+    start = re.escape(f"device={value!r} is not a device torch knows (")
+    fix = re.escape(f"torch reads no leading zero in the index; write {fixed!r}")
+    with pytest.raises(ValueError, match=rf"^{start}.*\): {fix}$"):
+        resolve_device(value)
+
+
 def test_a_tensor_is_never_read_as_a_device_index(fake_accelerator: FakeAccelerator) -> None:
     from devicekit._devices import parse_cuda_index, resolve_device, resolve_devices
 

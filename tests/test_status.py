@@ -75,6 +75,30 @@ def test_a_missing_gpu_is_the_error_dk_gpu_raises_and_still_a_key_error(
     assert [info.device for info in snapshot.select([1]).gpus] == ["cuda:1"]
 
 
+def test_a_gpu_is_named_as_dk_gpu_names_it(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: status().gpu("x") said "there is no cuda:x", and "cuda:1" was never found.
+    nvml_session(h100_and_a100())
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    snapshot = dk.status()
+    second = snapshot.gpu(1)
+    assert snapshot.gpu("cuda:1") is second
+    assert snapshot.gpu(torch.device("cuda", 1)) is second
+    assert snapshot.gpu("cuda") is snapshot.gpu(0)  # the current device: cuda:0 before CUDA starts
+    assert [info.device for info in snapshot.select(["cuda:1", 0, 1]).gpus] == ["cuda:1", "cuda:0"]
+    with pytest.raises(TypeError, match=r"^index must be a torch.device, .*got None of type"):
+        snapshot.gpu(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^index='x' is not a device torch knows"):
+        snapshot.gpu("x")
+    with pytest.raises(ValueError, match=r"^index='cpu' is not a CUDA device"):
+        snapshot.gpu("cpu")
+    with pytest.raises(ValueError, match=r"^index must be a non-negative int, got -1"):
+        snapshot.gpu(-1)
+    with pytest.raises(TypeError, match=r"^index must be .*, got the bool True"):
+        snapshot.gpu(True)
+
+
 def test_a_cpu_build_says_why_it_has_no_gpu_of_that_index(
     nvml_session: Install, monkeypatch: pytest.MonkeyPatch
 ) -> None:
