@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from ._errors import CUDAInitializedError
 from ._options import check_flag
-from ._visible import ENV_VAR, cuda_started, normalize_devices
+from ._visible import ENV_VAR, cuda_started, normalize_devices, parse_visible_devices
 
 __all__ = ["scoped_env", "visible_devices"]
 
@@ -116,7 +116,10 @@ def visible_devices(
     Indices are physical GPUs, as CUDA numbers all of them, not this
     process's ``cuda:N``: under ``CUDA_VISIBLE_DEVICES=2,3`` (a scheduler's
     share, say), ``visible_devices(0)`` shows a child physical GPU 0, which
-    is not one of this process's. Pass ``2``, or the GPU's UUID.
+    is not one of this process's. Pass ``2``, or the GPU's UUID. Indices
+    outside the share get a ``UserWarning`` that names the share and, where
+    the indices fit it, the value meant (``visible_devices(1)`` there warns
+    that this process's ``cuda:1`` is ``'3'``).
 
     The environment is process-wide: blocks in several threads (or blocks
     that end in another order than they began) each restore what they
@@ -171,12 +174,52 @@ def visible_devices(
             f"in the shell: {shell} python train.py), or pass subprocesses_only=True to do "
             "it only for processes started in the block."
         )
+    if parsed:
+        _warn_if_outside_share(parsed)
     with scoped_env(ENV_VAR, value):
         try:
             yield parsed
         finally:
             if subprocesses_only and reason is None:
                 _warn_if_started_inside(value)
+
+
+def _warn_if_outside_share(parsed: list[int | str]) -> None:
+    """Say so when indices name GPUs outside the share this process was given.
+
+    The usual cause: this process's ``cuda:N`` (what ``pick_gpu()`` and
+    ``torch.cuda`` count) taken for the machine's index N.
+    """
+    with _scopes.lock:
+        # The share from outside (a scheduler, the shell), not another open block's value:
+        # threads each showing their children one GPU are not leaving anything.
+        opened = _scopes.open.get(ENV_VAR)
+        given = opened[0].previous if opened else os.environ.get(ENV_VAR)
+    share = None if given is None else parse_visible_devices(given)
+    if not share or not all(isinstance(entry, int) for entry in share):
+        return  # every GPU, none, or UUIDs: nothing to compare indices with
+    outside = [entry for entry in parsed if isinstance(entry, int) and entry not in share]
+    if not outside:
+        return
+    within = all(isinstance(e, int) and e < len(share) for e in parsed)
+    meant = ",".join(str(share[e]) for e in parsed if isinstance(e, int)) if within else None
+    fix = (
+        f"if you meant this process's cuda:{', cuda:'.join(map(str, parsed))}, pass "
+        f"visible_devices({meant!r})"
+        if meant is not None
+        else f"pass GPUs among {','.join(map(str, share))}"
+    )
+    named = (
+        f"GPUs {','.join(map(str, outside))} are" if len(outside) > 1 else f"GPU {outside[0]} is"
+    )
+    warnings.warn(
+        f"visible_devices(): {ENV_VAR}={given!r} gave this process GPUs "
+        f"{','.join(map(str, share))}, and {named} not among them. Entries are the machine's "
+        f"GPU indices, not this process's cuda:N: {fix}. Where leaving the share is meant, "
+        "filter this warning.",
+        UserWarning,
+        stacklevel=4,  # this function, visible_devices, contextlib's __enter__, the with block
+    )
 
 
 def _warn_if_started_inside(value: str | None) -> None:

@@ -201,9 +201,44 @@ def test_visible_devices_sets_and_yields(devices: object, value: str, parsed: li
 @pytest.mark.usefixtures("cuda_not_started")
 def test_visible_devices_restores_a_previous_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(VAR, "3,2")
-    with dk.visible_devices(0):
-        assert os.environ[VAR] == "0"
+    with dk.visible_devices(2):
+        assert os.environ[VAR] == "2"
     assert os.environ[VAR] == "3,2"
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_indices_outside_this_process_s_share_are_warned_about(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The usual mistake: this process's cuda:N (pick_gpu().index) taken for the machine's N.
+    monkeypatch.setenv(VAR, "3,2")
+    with (
+        pytest.warns(UserWarning, match=r"^visible_devices") as caught,
+        dk.visible_devices(0) as parsed,
+    ):
+        assert os.environ[VAR] == "0"  # still done: leaving the share may be meant
+    assert parsed == [0]
+    assert str(caught[0].message) == (
+        "visible_devices(): CUDA_VISIBLE_DEVICES='3,2' gave this process GPUs 3,2, and GPU 0 "
+        "is not among them. Entries are the machine's GPU indices, not this process's cuda:N: "
+        "if you meant this process's cuda:0, pass visible_devices('3'). Where leaving the "
+        "share is meant, filter this warning."
+    )
+    assert caught[0].filename == __file__  # points at the with statement
+    with pytest.warns(UserWarning, match=r"GPUs 0,7 are not among them\. .*: pass GPUs among 3,2"):
+        _scopedenv._warn_if_outside_share([0, 7])  # the machine may have fewer GPUs to pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with dk.visible_devices("2,3"), dk.visible_devices(3):  # within the share, then nested
+            pass
+        with dk.visible_devices(3), dk.visible_devices(2):  # the share is the one from outside
+            pass
+        monkeypatch.setenv(VAR, "GPU-ab12")  # UUIDs: nothing to compare indices with
+        with dk.visible_devices(0):
+            pass
+        monkeypatch.delenv(VAR)  # every GPU
+        with dk.visible_devices(5):
+            pass
 
 
 @pytest.mark.usefixtures("cuda_not_started")
@@ -352,8 +387,11 @@ def test_any_nesting_restores_what_it_changed(
     environ = {} if previous is None else {VAR: previous}
     with (
         mock.patch.dict(os.environ, environ, clear=False),
-        mock.patch.object(_visible, "cuda_started", return_value=None),
+        mock.patch.object(_scopedenv, "cuda_started", return_value=None),
+        warnings.catch_warnings(),
     ):
+        # Nested blocks step outside each other's share on purpose: that warning is tested alone.
+        warnings.filterwarnings("ignore", r"visible_devices\(\): ", UserWarning)
         if previous is None:
             os.environ.pop(VAR, None)
 
