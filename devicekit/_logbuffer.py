@@ -85,9 +85,10 @@ class LogBuffer:
       its values pending, raises, and tries again ``flush_every`` calls later.
     - A sink that raises does not lose records (they are in ``history`` before
       any sink runs; the other sinks still run; the first error is raised
-      once). When the ``with`` block is already leaving on an exception, a
-      failing flush or sink never replaces it: the block's exception
-      propagates, with a note saying what else failed (logged on Python 3.10).
+      once, what else failed told in notes on it, nothing printed). When the
+      ``with`` block is already leaving on an exception, a failing flush or
+      sink never replaces it: the block's exception propagates, with a note
+      saying what else failed (logged on Python 3.10).
     - NaN and inf are kept (and counted in [`nonfinite`][devicekit.LogBuffer.nonfinite]).
     - Each sink gets its own copies of the records, in the order they reached
       ``history``, even when a sink logs too; a buffer dropped with values it
@@ -242,7 +243,9 @@ class LogBuffer:
                 (they stay pending).
             RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s.
             Exception: The first error a sink raised, once all sinks have run,
-                or what made the copy fail (the values are still pending).
+                or what made the copy fail (the values are still pending). One
+                error only: what else failed in the flush is a note on it (a
+                sink that failed again, a count), never printed.
         """
         return list(map(dict.copy, self._flush(wait=wait, reduce=True)))
 
@@ -504,17 +507,20 @@ mean 'loss'?"
                 failure = error
             else:
                 self._flush_at = self.flush_every
-            sink_error = self._deliver() if deliver else None
-            if failure is not None:
-                if sink_error is not None and not isinstance(sink_error, Exception):
-                    logger.error("a LogBuffer flush failed", exc_info=failure)
-                    raise sink_error  # Ctrl-C is never swallowed; the values are kept
-                if sink_error is not None:
-                    logger.error("a LogBuffer sink raised", exc_info=sink_error)
-                raise failure
-            if sink_error is not None:
-                raise sink_error
-            return finished
+            delivered = self._deliver() if deliver else None  # (sink, error), if one failed
+            if failure is None:
+                if delivered is not None:
+                    raise delivered[1]
+                return finished
+            if delivered is not None:  # one is raised, the other told in a note on it
+                sink, sink_error = delivered
+                if not isinstance(sink_error, Exception):  # Ctrl-C is never swallowed
+                    left = self._pending_count()
+                    kept = f" ({plural(left, 'value')} still pending)" if left else ""
+                    _tell(sink_error, "the LogBuffer flush", failure, kept)
+                    raise sink_error
+                _tell(failure, f"the LogBuffer sink {_describe_sink(sink)}", sink_error)
+            raise failure
 
     def _start(self, batch: list[tuple[Any, dict[str, Any], int]], *, reduce: bool) -> InFlight:
         steps: Sequence[Any]
@@ -539,8 +545,8 @@ mean 'loss'?"
             self._undelivered.append([records, 0])
         return records
 
-    def _deliver(self) -> BaseException | None:
-        """Hand each landed flush to every sink, in order; return the error to raise.
+    def _deliver(self) -> tuple[Sink, BaseException] | None:
+        """Hand each landed flush to every sink, in order; the error to raise, and its sink.
 
         Each sink gets its own copies of the records, so one that changes them
         (``record.pop("step")``) changes nothing for ``history`` or the other
@@ -550,12 +556,12 @@ mean 'loss'?"
         is not called again by this loop; the other sinks still get the
         records. The interrupt is returned ahead of any error, so that it is
         raised once they have (the end of a ``with`` block has no next flush to
-        hand them on); the errors not returned are logged.
+        hand them on); the errors not returned are notes on it (`_one_error`).
         """
         if self._delivering:
             return None
         self._delivering = True
-        errors: list[BaseException] = []
+        errors: list[tuple[Sink, BaseException]] = []
         interrupted: set[int] = set()  # id() of the sinks Ctrl-C got out of
         undelivered = self._undelivered
         try:
@@ -573,23 +579,57 @@ mean 'loss'?"
                     try:
                         sinks[index](list(map(dict.copy, records)))
                     except Exception as error:  # noqa: BLE001 - every sink runs; one is raised
-                        errors.append(error)
+                        errors.append((sinks[index], error))
                     except BaseException as error:  # noqa: BLE001 - Ctrl-C: raised once all ran
-                        errors.append(error)
+                        errors.append((sinks[index], error))
                         interrupted.add(id(sinks[index]))
                 undelivered.popleft()
         finally:
             self._delivering = False
-        if not errors:
-            return None
-        raised = next((e for e in errors if not isinstance(e, Exception)), errors[0])
-        for other in errors:
-            if other is not raised:
-                logger.error("a LogBuffer sink raised", exc_info=other)
-        return raised
+        return _one_error(errors) if errors else None
 
 
 # --- reporting -------------------------------------------------------------------------------
+
+
+def _one_error(errors: list[tuple[Sink, BaseException]]) -> tuple[Sink, BaseException]:
+    """The one error a flush raises for its sinks, with what else they raised as notes on it.
+
+    The first interrupt, else the first error. A flush may hand a sink several
+    landed batches of records, and a sink that cannot write fails on each:
+    that is told once, with a count, never as a traceback per failure. Each
+    different error is told once too, naming its sink (`_tell`).
+    """
+    first = next((one for one in errors if not isinstance(one[1], Exception)), errors[0])
+    raised = first[1]
+    seen: dict[tuple[int, type, str], list[Any]] = {}  # one failure: [sink, error, how often]
+    for sink, error in errors:
+        same = seen.setdefault((id(sink), type(error), str(error)), [sink, error, 0])
+        same[2] += 1
+    for sink, error, count in seen.values():
+        name = _describe_sink(sink)
+        if error is raised:
+            if count > 1:
+                add_note(
+                    raised,
+                    f"devicekit: the LogBuffer sink {name} failed {count} times in this flush, "
+                    "once for each batch of records handed to it; the first error is raised",
+                )
+            continue
+        _tell(raised, f"the LogBuffer sink {name}", error, f" ({count} times)" if count > 1 else "")
+    return first
+
+
+def _tell(raised: BaseException, who: str, error: BaseException, more: str = "") -> None:
+    """Tell ``error`` (and its own notes) in a note on ``raised``; its traceback goes to DEBUG."""
+    told = f"{type(error).__name__}: {error}{more}{_their_notes(error)}"
+    add_note(raised, f"devicekit: {who} also raised {told}")
+    logger.debug("%s raised", who, exc_info=error)
+
+
+def _their_notes(error: BaseException) -> str:
+    """The notes of an error told on another, one indented line each (they name its sink)."""
+    return "".join(f"\n    {note}" for note in getattr(error, "__notes__", ()))
 
 
 def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int) -> None:
@@ -601,7 +641,7 @@ def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int)
     )
     note = (
         f"devicekit: while the LogBuffer block was exiting on this exception, its final flush "
-        f"raised {type(error).__name__}: {error} ({kept})"
+        f"raised {type(error).__name__}: {error} ({kept}){_their_notes(error)}"
     )
     if note not in getattr(exc, "__notes__", ()):  # a flush tried again and failed the same way
         add_note(exc, note)

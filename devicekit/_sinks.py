@@ -8,8 +8,10 @@ or bar.
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import os
+import stat
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,11 +24,15 @@ __all__ = ["CSVSink", "ProgressBarSink", "TensorBoardSink"]
 
 
 class CSVSink:
-    """Append records to a CSV file, one row per step, one column per key.
+    """Append records to a CSV file, one row per record, one column per key.
 
-    The header is the keys in order of first appearance. When a later flush
-    brings a new key, the file is written again with the wider header (earlier
-    rows get an empty cell), so no value is dropped.
+    A record is one ``log()`` call, so two calls at one step give two rows,
+    each with the other's cells empty: log a step's values in one call to get
+    one row. The header is the keys in order of first appearance. When a later
+    flush brings a new key, the file is written again with the wider header
+    (earlier rows get an empty cell), so no value is dropped. Keys are written
+    as given (quoted where they hold a comma, a quote or a line break), the
+    file is UTF-8, and NaN and inf are written as ``nan``, ``inf`` and ``-inf``.
 
     A failed write never destroys rows already on disk. A wider header is
     written to a new file beside the old one, which then replaces it in one
@@ -39,18 +45,27 @@ class CSVSink:
     where the sink was made.
 
     Args:
-        path: The file, created on the first flush. Its folder is created
-            when the sink is made, so a folder that cannot be (a typo, no
-            permission) is refused at once, not at the first flush.
+        path: The file (a ``str`` or ``os.PathLike``), created on the first
+            flush; a leading ``~`` is your home folder, as in a shell. Its
+            folder is created when the sink is made, so a path no file can be
+            written to (a folder, a typo, no permission) is refused at once,
+            not at the first flush.
         append: What to do with a file already at ``path``: False (the
             default, as ``open(path, "w")``) replaces it at the first flush;
             True keeps its rows and goes on after them (to resume a run), its
             header widened if the new records bring new keys.
 
     Raises:
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (a ``bytes``
+            path included: pass ``os.fsdecode(path)``).
+        ValueError: ``path`` is empty, holds a NUL character, ends with a
+            separator or ``.`` (a folder), or names something that is not a
+            regular file (``/dev/null``).
+        IsADirectoryError: ``path`` is a folder that exists.
         OSError: The folder of ``path`` cannot be created (the error
             ``mkdir`` raised, such as ``FileNotFoundError`` or
-            ``PermissionError``, with a message naming ``path``).
+            ``FileExistsError``, with a message naming ``path``), or is not
+            writable (``PermissionError``).
 
     Examples:
         >>> import pathlib, tempfile, devicekit as dk
@@ -59,25 +74,19 @@ class CSVSink:
         ...     logs.log(0, loss=0.5)
         >>> path.read_text().splitlines()
         ['step,loss', '0,0.5']
+        >>> dk.CSVSink("logs/")
+        Traceback (most recent call last):
+        ...
+        ValueError: CSVSink(path='logs/'): expected the path of a CSV file, got a folder (it \
+ends with '/'). Pass a file in it, such as 'logs/train.csv'
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
-        check_path(path, name="path", fix="pass where the CSV file goes, such as 'log.csv'")
-        check_flag(append, name="append")
-        folder = Path(path).parent
-        try:  # now, so a folder that cannot be made is refused here, not at a far-off log()
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            why = (
-                "is a file, not a folder"
-                if folder.exists()
-                else f"does not exist and cannot be created ({error.strerror or error})"
-            )
-            raise type(error)(
-                f"CSVSink(path={os.fspath(path)!r}): its folder {str(folder)!r} {why}. Pass a "
-                "path in a folder you can write to, or create the folder first"
-            ) from None
-        self.path = Path(path)
+        check_flag(append, name="append")  # first: a refused sink makes no folder
+        self.path = _file_path(path)
+        # Where it was when the sink was made (as logging.FileHandler does): a chdir()
+        # later must not move the file, away from the folder made here.
+        self._file = self.path.absolute()
         self.append = append
         self.columns: list[str] = []
         self._started = False  # the file at path is this sink's, with self.columns as header
@@ -94,7 +103,7 @@ class CSVSink:
         rows = [*self._unwritten, *records]
         if not self._started and self.append:
             try:
-                self.columns, self._newline_first, self._line_end = _existing(self.path)
+                self.columns, self._newline_first, self._line_end = _existing(self._file)
             except BaseException as error:
                 self._unwritten = rows
                 self._note(error, rows)
@@ -123,12 +132,12 @@ class CSVSink:
         if isinstance(error, OSError):
             add_note(
                 error,
-                f"raised by {self!r} writing {str(self.path)!r}; its {len(rows)} unwritten "
+                f"raised by {self!r} writing {str(self._file)!r}; its {len(rows)} unwritten "
                 "records are kept and written first at its next call",
             )
 
     def _append(self, columns: list[str], rows: list[Record]) -> None:
-        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        descriptor = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             size = os.fstat(descriptor).st_size
             # A file rotated away (empty now) gets a new header.
@@ -151,15 +160,18 @@ class CSVSink:
         if self._started:  # the rows on disk, each with an empty cell per new column
             padding = [""] * (len(columns) - len(self.columns))
             try:
-                with self.path.open(newline="", encoding="utf-8") as old:
+                with self._file.open(newline="", encoding="utf-8") as old:
                     writer.writerows([*row, *padding] for row in list(csv.reader(old))[1:])
             except FileNotFoundError:  # rotated away: nothing of it to keep here
                 pass
-        data = text.getvalue().encode() + _render(
+        data = _utf8(text.getvalue()) + _render(
             columns, rows, header=False, line_end=self._line_end
         )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex[:12]}.tmp")
+        # A link is kept, and the file it points to replaced: os.replace would swap the link.
+        target = Path(os.path.realpath(self._file))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Beside it, on the same file system; the name cut short so that a long one still fits.
+        temporary = target.with_name(f".{target.name[:40]}.{uuid.uuid4().hex[:12]}.tmp")
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             try:
@@ -167,10 +179,85 @@ class CSVSink:
                 os.fsync(descriptor)  # on disk before it takes the old file's name
             finally:
                 os.close(descriptor)
-            os.replace(temporary, self.path)
+            os.replace(temporary, target)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
+
+
+def _file_path(path: object) -> Path:
+    """The file a `CSVSink` writes, its folder made: refused now if no CSV file can go there.
+
+    Each refusal names the path as given, what was expected, and the fix:
+    otherwise it would surface at the first flush, as a raw error from
+    ``os.replace`` at a ``log()`` call far away (and ``"logs/"`` would have
+    become a file named ``logs``, ``"/tmp"`` a temporary file in ``/``).
+    """
+    given = os.fspath(path) if isinstance(path, os.PathLike) else path  # as written, for messages
+    if isinstance(given, bytes):  # open() takes bytes; Path, and so this sink, does not
+        raise TypeError(
+            f"CSVSink(path={path!r}): expected a str or os.PathLike path, got bytes. Pass "
+            "os.fsdecode(path)"
+        )
+    if not isinstance(given, str):
+        check_path(path, name="path", fix="pass where the CSV file goes, such as 'log.csv'")
+        raise TypeError(f"path must be a str, got {given!r}")  # never: check_path refused it
+    expected = f"CSVSink(path={given!r}): expected the path of a CSV file, got"
+    if not given:
+        raise ValueError(f"{expected} an empty string. Pass one such as 'logs/train.csv'")
+    if "\0" in given:
+        raise ValueError(f"{expected} one with a NUL character, which no file name can hold")
+    expanded = os.path.expanduser(given)  # "~/runs/a.csv", not a folder named "~" here
+    in_it = f"Pass a file in it, such as {os.path.join(os.path.normpath(given), 'train.csv')!r}"
+    file = Path(expanded)
+    try:
+        mode: int | None = file.stat().st_mode
+    except (OSError, ValueError):  # not there yet (nearly always), or its folder unreadable
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        error = IsADirectoryError(f"{expected} a folder that exists. {in_it}")
+        error.errno = errno.EISDIR  # its message stays as written
+        raise error
+    if os.path.basename(expanded) in ("", ".", ".."):  # Path("logs/") would be a file "logs"
+        ending = "/" if given.endswith(("/", os.sep)) else os.path.basename(given)
+        raise ValueError(f"{expected} a folder (it ends with {ending!r}). {in_it}")
+    if mode is not None and not stat.S_ISREG(mode):  # os.replace would replace /dev/null itself
+        raise ValueError(
+            f"{expected} a special file (a device or a pipe), which a flush would "
+            "replace. Pass the path of a regular file; to write no CSV, leave the sink out"
+        )
+    _make_folder(file.parent, given)
+    return file
+
+
+def _make_folder(folder: Path, given: str) -> None:
+    """Create ``folder`` now, so a folder that cannot be made is refused here, not at a log()."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        # The folder, or one above it, may be a file: name the one in the way.
+        blocker = next((p for p in (folder, *folder.parents) if p.is_file()), None)
+        if blocker == folder:
+            why = "is a file, not a folder"
+        elif blocker is not None:
+            why = f"cannot be created: {str(blocker)!r} is a file, not a folder"
+        else:
+            why = f"does not exist and cannot be created ({error.strerror or error})"
+        raised = type(error)(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} {why}. Pass a path in a folder "
+            "you can write to, or create the folder first"
+        )
+        raised.errno = error.errno
+        raise raised from None
+    # The file, and a wider one beside it at each new key, are created in the folder.
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raised = PermissionError(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} is not writable, and the file "
+            "is written there (a new one beside it, each time the header widens). Pass a path "
+            "in a folder you can write to"
+        )
+        raised.errno = errno.EACCES
+        raise raised
 
 
 def _existing(path: Path) -> tuple[list[str], bool, str]:
@@ -184,8 +271,15 @@ def _existing(path: Path) -> tuple[list[str], bool, str]:
         data = path.read_bytes()
     except FileNotFoundError:
         return [], False, "\r\n"
-    # utf-8-sig: a file saved by Excel starts with a byte-order mark, not part of the header.
-    header = next(csv.reader(io.StringIO(data.decode("utf-8-sig"), newline="")), [])
+    try:  # utf-8-sig: a file saved by Excel starts with a byte-order mark, not part of the header
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"CSVSink(append=True) cannot go on after {str(path)!r}: it is not UTF-8 text "
+            f"({error.reason} at byte {error.start}), and the sink writes UTF-8. Save it as "
+            "UTF-8 or move it, or pass append=False to replace it"
+        ) from None
+    header = next(csv.reader(io.StringIO(text, newline="")), [])
     if data and not any(header):
         raise ValueError(
             f"CSVSink(append=True) cannot go on after {str(path)!r}: its first line is not a "
@@ -202,7 +296,13 @@ def _render(columns: list[str], rows: list[Record], *, header: bool, line_end: s
     if header:
         writer.writeheader()
     writer.writerows(rows)
-    return text.getvalue().encode()
+    return _utf8(text.getvalue())
+
+
+def _utf8(text: str) -> bytes:
+    # A key with a lone surrogate ("\ud800") cannot be UTF-8: written escaped, so that
+    # it cannot make every later flush fail on the same records.
+    return text.encode("utf-8", "backslashreplace")
 
 
 def _write_all(descriptor: int, data: bytes) -> None:

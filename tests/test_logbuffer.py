@@ -5,6 +5,7 @@ import decimal
 import fractions
 import gc
 import json
+import logging
 import math
 import pickle
 import socket
@@ -312,6 +313,93 @@ def test_a_failing_sink_loses_nothing_and_raises_once() -> None:
     assert [r["loss"] for r in received[1]] == [3.0, 4.0]  # nothing re-sent, nothing skipped
 
 
+def _value_error(records: list[dk.Record]) -> None:
+    raise ValueError("no such metric")
+
+
+def _three_steps(logs: dk.LogBuffer) -> None:
+    """A short loop: its automatic flush and its last one reach the sinks together."""
+    with logs:
+        for step in range(3):
+            logs.log(step, loss=1.0)
+
+
+def _loud(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What reached the devicekit logger at WARNING or above (printed by default)."""
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="notes need Python 3.11")
+def test_a_sink_failing_for_two_landed_flushes_is_told_once(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A new user's trial: the automatic flush's copy and the last one are handed on
+    # together, the sink fails for each. Before, the first was printed with its
+    # traceback by the devicekit logger, and the second raised: the error seen twice.
+    logs = dk.LogBuffer(flush_every=2, sinks=[_full_disk])
+    with pytest.raises(OSError, match="disk full") as raised:
+        _three_steps(logs)
+    assert _notes(raised.value) == (
+        "devicekit: the LogBuffer sink _full_disk failed 2 times in this flush, once for each "
+        "batch of records handed to it; the first error is raised"
+    )
+    assert _loud(caplog) == []  # nothing printed besides the one error raised
+    assert capsys.readouterr().err == ""
+    assert len(logs.history) == 3
+
+
+def test_different_sink_errors_are_each_told_once_on_the_one_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="devicekit")
+    received: list[dk.Record] = []
+    sinks = [_full_disk, _value_error, received.extend]
+    with pytest.raises(OSError, match="disk full") as raised:
+        _three_steps(dk.LogBuffer(flush_every=2, sinks=sinks))
+    told = _told_on(raised.value, caplog)
+    assert "the LogBuffer sink _full_disk failed 2 times in this flush" in told
+    assert (
+        "devicekit: the LogBuffer sink _value_error also raised ValueError: no such metric "
+        "(2 times)" in told
+    )
+    assert len(received) == 3  # the sink after them got every record
+    # Its traceback is on the devicekit logger at DEBUG (shown only when asked for).
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert [r.getMessage() for r in debug] == ["the LogBuffer sink _value_error raised"]
+    if sys.version_info >= (3, 11):
+        assert _loud(caplog) == []
+
+
+def test_a_sink_error_beside_a_failed_flush_is_told_on_the_flush_s_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    buffer = dk.LogBuffer(flush_every=1, sinks=[_full_disk])
+    buffer.log(0, loss=1.0)  # its copy lands, and reaches the sink, at the next flush
+
+    def failing_start(self: dk.LogBuffer, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(dk.LogBuffer, "_start", failing_start)
+    with pytest.raises(RuntimeError, match="copy failed") as raised:
+        buffer.log(1, loss=2.0)
+    assert "devicekit: the LogBuffer sink _full_disk also raised OSError: disk full" in (
+        _told_on(raised.value, caplog)
+    )
+    if sys.version_info >= (3, 11):
+        assert _loud(caplog) == []  # before, the sink's error was logged with its traceback
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="notes need Python 3.11")
+def test_leaving_on_an_exception_every_sink_error_is_told_on_it() -> None:
+    buffer = dk.LogBuffer(sinks=[_full_disk, _value_error])
+    with pytest.raises(KeyError) as raised:
+        _leave_block(buffer, KeyError("training crashed"), loss=1.0)
+    note = _notes(raised.value)
+    assert "its final flush raised OSError: disk full (every record is in" in note
+    # The second sink's error was a note on the first; it travels with it.
+    assert "\n    devicekit: the LogBuffer sink _value_error also raised ValueError" in note
+
+
 def test_a_flush_that_fails_keeps_its_values_and_retries_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -463,6 +551,11 @@ def _notes(error: BaseException) -> str:
     return "\n".join(getattr(error, "__notes__", []))
 
 
+def _told_on(error: BaseException, caplog: pytest.LogCaptureFixture) -> str:
+    """What devicekit told about other errors on ``error``: its notes (logged on 3.10)."""
+    return _notes(error) if sys.version_info >= (3, 11) else caplog.text
+
+
 @pytest.mark.parametrize("leaving_on", [KeyError("training crashed"), KeyboardInterrupt()])
 def test_a_failing_sink_never_replaces_the_exception_the_block_leaves_on(
     leaving_on: BaseException, caplog: pytest.LogCaptureFixture
@@ -595,10 +688,12 @@ def test_ctrl_c_in_a_sink_is_raised_even_when_the_flush_failed(
         raise RuntimeError("copy failed")
 
     monkeypatch.setattr(dk.LogBuffer, "_start", failing_start)
-    with pytest.raises(KeyboardInterrupt):  # not the RuntimeError: Ctrl-C is never swallowed
+    with pytest.raises(KeyboardInterrupt) as raised:  # not the RuntimeError: Ctrl-C wins
         buffer.log(1, loss=2.0)
-    assert "a LogBuffer flush failed" in caplog.text
-    assert "RuntimeError: copy failed" in caplog.text
+    assert (
+        "devicekit: the LogBuffer flush also raised RuntimeError: copy failed (1 value still "
+        "pending)" in _told_on(raised.value, caplog)
+    )
     assert buffer._pending_count() == 1  # the failed flush kept its value
     monkeypatch.undo()
     assert buffer.flush() == [{"step": 1, "loss": 2.0}]
@@ -619,11 +714,14 @@ def test_one_ctrl_c_gets_out_of_a_sink_for_the_whole_flush(
     buffer.log(0, loss=1.0)  # its copy lands at the next flush, which hands on two batches
     buffer._flush_at = 10  # so that the next log() starts no flush of its own
     buffer.log(1, loss=2.0)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as raised:
         buffer.flush()
     assert len(entered) == 1  # not entered again for the second batch
     assert [r["loss"] for r in received] == [1.0, 2.0]  # the sink after it got both
-    assert "OSError: disk full" in caplog.text  # the error not raised is logged
+    assert (  # the error not raised is told on the one raised, once, with a count
+        "devicekit: the LogBuffer sink _full_disk also raised OSError: disk full (2 times)"
+        in _told_on(raised.value, caplog)
+    )
 
 
 @pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()])

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -328,3 +329,210 @@ def test_a_write_error_names_the_sink_and_keeps_its_type_and_rows(tmp_path: Path
     folder.mkdir()
     _logged(buffer, range(5, 6))
     assert [int(row[0]) for row in read_rows(folder / "train.csv")[1:]] == [3, 4, 5]
+
+
+# --- paths refused when the sink is made -----------------------------------------------------
+
+
+class _PathLikeBytes:
+    def __fspath__(self) -> bytes:
+        return b"log.csv"
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "message"),
+    [
+        (
+            "",
+            ValueError,
+            r"^CSVSink\(path=''\): expected the path of a CSV file, got an empty string\. Pass "
+            r"one such as 'logs/train\.csv'$",
+        ),
+        (
+            "logs/",  # before, a file named "logs"
+            ValueError,
+            r"^CSVSink\(path='logs/'\): expected the path of a CSV file, got a folder \(it ends "
+            r"with '/'\)\. Pass a file in it, such as 'logs/train\.csv'$",
+        ),
+        (
+            "logs/.",
+            ValueError,
+            r"^CSVSink\(path='logs/\.'\): .* got a folder \(it ends with '\.'\)\. Pass a file in "
+            r"it, such as 'logs/train\.csv'$",
+        ),
+        (
+            "log\0.csv",
+            ValueError,
+            r"^CSVSink\(path='log\\x00\.csv'\): expected the path of a CSV file, got one with a "
+            r"NUL character",
+        ),
+        (
+            b"log.csv",
+            TypeError,
+            r"^CSVSink\(path=b'log\.csv'\): expected a str or os\.PathLike path, got bytes\. "
+            r"Pass os\.fsdecode\(path\)$",
+        ),
+        (_PathLikeBytes(), TypeError, r"got bytes\. Pass os\.fsdecode\(path\)$"),
+        (
+            "/dev/null",  # replacing it (as root) would replace the device itself
+            ValueError,
+            r"^CSVSink\(path='/dev/null'\): expected the path of a CSV file, got a special file "
+            r"\(a device or a pipe\)",
+        ),
+    ],
+)
+def test_a_path_no_csv_file_can_have_is_refused_when_the_sink_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: Any, error: type, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error, match=message):
+        dk.CSVSink(path)
+    assert list(tmp_path.iterdir()) == []  # nothing made, not even a folder
+
+
+def test_an_existing_folder_is_refused_as_a_folder(tmp_path: Path) -> None:
+    # Before, accepted: the first flush wrote its temporary file beside the folder
+    # and failed there with IsADirectoryError from os.replace.
+    with pytest.raises(
+        IsADirectoryError,
+        match=rf"^CSVSink\(path='{tmp_path}'\): expected the path of a CSV file, got a folder "
+        rf"that exists\. Pass a file in it, such as '{tmp_path}/train\.csv'$",
+    ) as caught:
+        dk.CSVSink(str(tmp_path))
+    assert caught.value.errno == errno.EISDIR
+    with pytest.raises(IsADirectoryError):
+        dk.CSVSink(tmp_path)  # a pathlib.Path too: Path("logs/") has lost its slash
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_in_the_way_of_the_folder_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(
+        NotADirectoryError,
+        match=r"its folder '.*/file/sub' cannot be created: '.*/file' is a file, not a folder",
+    ):
+        dk.CSVSink(tmp_path / "file" / "sub" / "x.csv")
+
+
+def test_a_leading_tilde_is_the_home_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    sink = dk.CSVSink("~/runs/train.csv")
+    assert sink.path == tmp_path / "home" / "runs" / "train.csv"
+    assert (tmp_path / "home" / "runs").is_dir()
+    assert not (tmp_path / "~").exists()  # not a folder named "~" here
+
+
+class _ReadOnly:
+    """``os`` as _sinks sees it, where no folder is writable (root ignores chmod)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def access(self, path: Any, mode: int) -> bool:
+        return not mode & os.W_OK
+
+
+def test_a_folder_that_is_not_writable_is_refused_when_the_sink_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_sinks, "os", _ReadOnly())
+    with pytest.raises(
+        PermissionError,
+        match=rf"^CSVSink\(path='{tmp_path}/x\.csv'\): its folder '{tmp_path}' is not writable",
+    ):
+        dk.CSVSink(tmp_path / "x.csv")
+
+
+# --- what a demanding user writes ------------------------------------------------------------
+
+
+def test_the_docstring_says_one_row_per_record_as_it_writes(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    with dk.LogBuffer(sinks=[dk.CSVSink(path)]) as logs:
+        logs.log(5, loss=0.5)
+        logs.log(5, acc=0.9)  # the same step: a second record, a second row
+    assert read_rows(path) == [["step", "loss", "acc"], ["5", "0.5", ""], ["5", "", "0.9"]]
+    assert "one row per record" in (dk.CSVSink.__doc__ or "")
+    assert "one row per step" not in (dk.CSVSink.__doc__ or "")
+
+
+def test_unicode_keys_and_nonfinite_values_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    sink = dk.CSVSink(path)
+    sink([{"step": 0, "損失": float("nan"), "λ": float("inf"), "a,b": -float("inf")}])
+    rows = read_rows(path)
+    assert rows == [["step", "損失", "λ", "a,b"], ["0", "nan", "inf", "-inf"]]
+    nan, inf, minus_inf = map(float, rows[1][1:])  # as float() (and pandas) read them back
+    assert math.isnan(nan)
+    assert (inf, minus_inf) == (math.inf, -math.inf)
+
+
+def test_a_key_that_is_not_utf8_does_not_make_every_later_flush_fail(tmp_path: Path) -> None:
+    # Before, UnicodeEncodeError at this flush and at every later one (the records kept).
+    path = tmp_path / "train.csv"
+    sink = dk.CSVSink(path)
+    sink([{"step": 0, "\ud800": 1.0}])
+    sink([{"step": 1, "loss": 0.5}])
+    assert read_rows(path) == [["step", "\\ud800", "loss"], ["0", "1.0", ""], ["1", "", "0.5"]]
+
+
+def test_append_refuses_a_file_that_is_not_utf8_and_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    path.write_bytes("step,pérte\n0,1\n".encode("latin-1"))
+    sink = dk.CSVSink(path, append=True)
+    with pytest.raises(
+        ValueError,
+        match=r"CSVSink\(append=True\) cannot go on after '.*train\.csv': it is not UTF-8 text "
+        r"\(invalid continuation byte at byte 6\)",
+    ):
+        sink([{"step": 1, "loss": 0.5}])
+    assert path.read_bytes() == "step,pérte\n0,1\n".encode("latin-1")
+
+
+def test_append_to_a_file_with_other_columns_widens_it(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("epoch,acc\n1,0.5\n")
+    dk.CSVSink(path, append=True)([{"step": 1, "loss": 0.25}])
+    assert read_rows(path) == [
+        ["epoch", "acc", "step", "loss"],
+        ["1", "0.5", "", ""],
+        ["", "", "1", "0.25"],
+    ]
+
+
+def test_a_link_to_the_file_stays_a_link_when_the_header_widens(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    real = tmp_path / "runs" / "real.csv"
+    link = tmp_path / "train.csv"
+    link.symlink_to(real)
+    sink = dk.CSVSink(link)
+    sink([{"step": 0, "loss": 0.5}])
+    sink([{"step": 1, "loss": 0.25, "acc": 0.9}])  # a wider header: the whole file again
+    assert link.is_symlink()  # before, os.replace swapped the link for a plain file
+    assert read_rows(real) == [["step", "loss", "acc"], ["0", "0.5", ""], ["1", "0.25", "0.9"]]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["real.csv"]
+
+
+def test_a_long_file_name_still_widens(tmp_path: Path) -> None:
+    # Before, the temporary file beside it took its whole name, and went past 255 bytes.
+    path = tmp_path / ("a" * 245 + ".csv")
+    sink = dk.CSVSink(path)
+    sink([{"step": 0, "loss": 0.5}])
+    sink([{"step": 1, "acc": 0.9}])
+    assert read_rows(path)[0] == ["step", "loss", "acc"]
+
+
+def test_a_relative_path_stays_where_it_was_when_the_sink_was_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sink = dk.CSVSink("logs/train.csv")  # its folder is made here, now
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # before, the flush wrote (or failed) here
+    sink([{"step": 0, "loss": 0.5}])
+    assert read_rows(tmp_path / "logs" / "train.csv") == [["step", "loss"], ["0", "0.5"]]
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    assert repr(sink) == "CSVSink('logs/train.csv')"  # as given
