@@ -16,7 +16,7 @@ from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
 from ._format import close_match
 from ._measurecheck import MODES
-from ._measurement import Measurement
+from ._measurement import MIN_CALLS, Measurement
 from ._options import check_choice, check_number, check_seconds, refuse_lazy
 from ._stats import relative_noise
 from ._timing import CudaEvent, CudaStream
@@ -25,7 +25,6 @@ from ._tree import iter_tensors
 __all__ = ["benchmark", "callable_name", "check_options"]
 
 Mode = Literal["warm", "cold", "graph"]
-_MIN_SAMPLES = 10
 _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
 _GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
 _FLOOR_CALLS = 1000  # empty calls timed for the floor: about 0.1 ms on a CPU
@@ -255,8 +254,11 @@ def benchmark(
     stay out), then times calls in batches until the median's 95% confidence
     interval is within ±``rel_noise`` (after at least ``min_time`` and 10
     calls) or the whole call has taken ``max_time``; ``stop_reason`` says
-    which. On a GPU every call is timed with CUDA events, and the host time to
-    issue it is kept too, so launch-bound code shows itself. Around the run it
+    which. A run that stops at ``max_time`` is judged by the precision it
+    reached, and its note says what it fell short of: the ``rel_noise``
+    target, or only ``min_time`` (or 10 calls) with the target met. On a
+    GPU every call is timed with CUDA events, and the host time to issue it
+    is kept too, so launch-bound code shows itself. Around the run it
     gathers evidence (other processes on the GPU and on this process's CPU
     cores, the GPU's utilization, clocks and throttling) into ``conditions``,
     and ``Measurement.trustworthy`` and ``Measurement.notes`` say what it
@@ -277,7 +279,12 @@ def benchmark(
             (but a first call longer than that still runs to its end: when
             it leaves too little time, the note says how long it took and
             how much ``max_time`` would do).
-        min_time: Seconds of timed calls at least, unless ``max_time`` comes first.
+        min_time: Seconds of timed calls at least, unless ``max_time`` comes
+            first. The warm-up counts against ``max_time``, so reaching
+            ``min_time`` takes ``max_time`` of about ``min_time`` plus the
+            warm-up plus 10 ms (0.16 s with the defaults); a shorter
+            ``max_time`` is allowed (it bounds the call), and a run it cuts
+            short of ``min_time`` is still trustworthy when precise.
         max_time: Seconds the whole call may take, warm-up included (it
             overshoots by at most one batch of about 10 ms, or by one call
             when a call is longer: at least one call is timed).
@@ -351,7 +358,7 @@ def benchmark(
         host += host_times
         sampler.during()
         now = time.perf_counter()
-        if len(times) >= _MIN_SAMPLES and now - measure_began >= min_time:
+        if len(times) >= MIN_CALLS and now - measure_began >= min_time:
             # A sorted run plus the new tail: Timsort merges them in linear time.
             ordered = sorted(ordered + times[len(ordered) :])
             noise = relative_noise(ordered)
@@ -377,4 +384,6 @@ def benchmark(
         warmup=warmup,
         warmup_time=warmup_time,
         clock_floor=clock_floor,
+        min_time=min_time,
+        rel_noise_target=rel_noise,
     )

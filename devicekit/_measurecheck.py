@@ -15,7 +15,14 @@ from collections.abc import Iterable, Mapping, Set
 from ._conditions import Conditions
 from ._options import check_choice, check_number, check_seconds, got
 
-__all__ = ["MODES", "STOP_REASONS", "check_recorded_options", "same_interval", "seconds_list"]
+__all__ = [
+    "MODES",
+    "STOP_REASONS",
+    "check_converged",
+    "check_recorded_options",
+    "same_interval",
+    "seconds_list",
+]
 
 MODES = ("warm", "cold", "graph")  # benchmark()'s modes
 STOP_REASONS = ("converged", "max_time", "given")
@@ -103,6 +110,8 @@ def check_recorded_options(
     warmup: object,
     warmup_time: object,
     clock_floor: object,
+    min_time: object,
+    rel_noise_target: object,
 ) -> None:
     """Refuse `from_times()`'s keyword options that `Measurement` would print or judge wrongly."""
     if not isinstance(name, str):
@@ -125,3 +134,24 @@ def check_recorded_options(
         check_seconds(warmup_time, name="warmup_time", zero_ok=True, fix=unknown)
     if clock_floor is not None:
         check_seconds(clock_floor, name="clock_floor", fix=unknown)
+    if min_time is not None:
+        check_seconds(min_time, name="min_time", zero_ok=True, fix=unknown)
+    if rel_noise_target is not None:
+        check_number(
+            rel_noise_target, name="rel_noise_target", above=0, meaning="0.01 means ±1%; " + unknown
+        )
+
+
+def check_converged(noise: float | None, target: float) -> None:
+    """Refuse ``stop_reason="converged"`` for times whose median is not known to ``target``.
+
+    `benchmark()` stops as converged only once the times give that noise, so
+    such a pair was never measured: it was edited, or given by hand.
+    """
+    if noise is None or noise > target:
+        known = "unknown" if noise is None else f"±{noise:.1%}"
+        raise ValueError(
+            f"stop_reason is 'converged', which says the median reached rel_noise_target "
+            f"(±{target * 100:g}%), but the times give a median known to {known}: say "
+            "stop_reason='max_time' (time ran out first), or leave rel_noise_target out"
+        )

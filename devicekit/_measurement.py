@@ -22,11 +22,18 @@ from ._format import (
     plain_data,
     plural,
 )
-from ._measurecheck import MODES, STOP_REASONS, check_recorded_options, same_interval, seconds_list
+from ._measurecheck import (
+    MODES,
+    STOP_REASONS,
+    check_converged,
+    check_recorded_options,
+    same_interval,
+    seconds_list,
+)
 from ._options import check_count, check_number, got
 from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
 
-__all__ = ["MODES", "STOP_REASONS", "Measurement"]
+__all__ = ["MIN_CALLS", "MODES", "STOP_REASONS", "Measurement"]
 
 # What the times determine: from_dict() recomputes them, and checks a document's against them.
 _STATISTICS = ("median", "mean", "min", "iqr", "rel_noise", "ci", "n", "host_median")
@@ -34,6 +41,10 @@ _VERDICTS = ("trustworthy", "notes")  # judged anew: a later devicekit may judge
 
 _LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
 _NOISY = 0.05  # a median known to worse than ±5% is not trustworthy
+MIN_CALLS = 10  # benchmark() stops on precision only after this many timed calls
+# What benchmark() spends outside the timed calls but inside max_time once warmed up (the
+# clock's floor, the evidence read at the start) fits in one of its 10 ms batches.
+_SPARE = 0.01
 # Timing a call that does nothing reads the clock's own cost, which every call's time
 # includes: under ten times that, a tenth or more of the median may be the clock's, twice
 # the ±5% a trustworthy median may be off (sorted() of 100 numbers: 501 ns, 70 ns floor).
@@ -67,8 +78,10 @@ class Measurement:
             unless asked: ``to_dict(times=True)``).
         host_times: Host time to issue each call, seconds; empty where none
             was kept (times given to ``from_times()`` alone).
-        stop_reason: ``"converged"`` (``rel_noise`` reached its target) or
-            ``"max_time"`` (time ran out first); ``"given"`` for times given to
+        stop_reason: ``"converged"`` (``rel_noise`` reached its target after
+            ``min_time`` and 10 calls) or ``"max_time"`` (time ran out first:
+            short of the target, of ``min_time`` or of 10 calls, and ``notes``
+            says which); ``"given"`` for times given to
             [`from_times()`][devicekit.Measurement.from_times].
         conditions: Evidence about the machine before, during and after the run.
         energy_per_call: Joules per call, from the GPU's energy counter; None
@@ -89,6 +102,13 @@ class Measurement:
             per replay in graph mode). None where unknown. Under ten times
             it, a tenth or more of the median may be the clock's: the result
             is not trustworthy, and ``notes`` says so.
+        min_time: The ``min_time`` asked for, seconds of timed calls at
+            least; None where unknown.
+        rel_noise_target: The precision asked for (``benchmark()``'s
+            ``rel_noise`` option: 0.01 is ±1%); None where unknown. A run
+            that stopped at ``max_time`` is judged by the ``rel_noise`` it
+            reached, not by this target: its note says what it fell short
+            of.
     """
 
     name: str
@@ -109,6 +129,8 @@ class Measurement:
     warmup: float | None = None
     warmup_time: float | None = None
     clock_floor: float | None = None
+    min_time: float | None = None
+    rel_noise_target: float | None = None
 
     @classmethod
     def from_times(
@@ -125,6 +147,8 @@ class Measurement:
         warmup: float | None = None,
         warmup_time: float | None = None,
         clock_floor: float | None = None,
+        min_time: float | None = None,
+        rel_noise_target: float | None = None,
     ) -> Measurement:
         """Compute the statistics of ``times``: one or more finite, non-negative seconds.
 
@@ -151,6 +175,9 @@ class Measurement:
             warmup: The warm-up asked for, seconds (>= 0), or None (unknown).
             warmup_time: Seconds the warm-up took (>= 0), or None (unknown).
             clock_floor: Seconds an empty call reads (> 0), or None (unknown).
+            min_time: The ``min_time`` asked for, seconds (>= 0), or None (unknown).
+            rel_noise_target: The precision asked for (> 0: 0.01 is ±1%), or
+                None (unknown).
 
         Returns:
             The [`Measurement`][devicekit.Measurement].
@@ -162,7 +189,8 @@ class Measurement:
                 negative number (which no clock reads: a statistic of it
                 would print as a time); ``host_times`` is as bad, or not one
                 per time; an option is out of its range (an unknown ``mode``,
-                negative energy).
+                negative energy); or ``stop_reason="converged"`` with times
+                whose median is not known to ``rel_noise_target``.
 
         Examples:
             >>> import devicekit as dk
@@ -198,8 +226,13 @@ class Measurement:
             warmup=warmup,
             warmup_time=warmup_time,
             clock_floor=clock_floor,
+            min_time=min_time,
+            rel_noise_target=rel_noise_target,
         )
         ordered = sorted(seconds)
+        noise = relative_noise(ordered)
+        if stop_reason == "converged" and rel_noise_target is not None:
+            check_converged(noise, rel_noise_target)
         quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
         return cls(
             name=name,
@@ -208,7 +241,7 @@ class Measurement:
             mean=statistics.fmean(ordered),
             min=ordered[0],
             iqr=quartiles[2] - quartiles[0],
-            rel_noise=relative_noise(ordered),
+            rel_noise=noise,
             ci=median_ci(ordered),
             n=len(ordered),
             times=seconds,
@@ -220,6 +253,8 @@ class Measurement:
             warmup=warmup,
             warmup_time=warmup_time,
             clock_floor=clock_floor,
+            min_time=min_time,
+            rel_noise_target=rel_noise_target,
         )
 
     @property
@@ -245,10 +280,7 @@ class Measurement:
                 f"(interquartile range {format_seconds(self.iqr)})"
             )
         elif self.stop_reason == "max_time":
-            notes.append(
-                f"stopped at max_time with the median known to ±{self.rel_noise:.1%}, "
-                "short of the target; allow more time for a tighter result"
-            )
+            notes.append(self._stopped_short_note(self.rel_noise))
         floor = self._floor_note()
         if floor is not None:
             notes.append(floor)
@@ -266,16 +298,15 @@ class Measurement:
             )
         return notes
 
-    def _needed_max_time(self) -> float:
-        """The smallest ``max_time`` that times enough calls for a confidence interval.
+    def _needed_max_time(self, timed: float) -> float:
+        """The smallest ``max_time`` that leaves ``timed`` seconds for timed calls.
 
-        Six timed calls and one to spare (batches end a call late), after the
-        warm-up. With the warm-up known: it takes as long again, or longer
-        when the ``warmup`` option outgrows what it took, up to half of
-        ``max_time`` plus the call that crosses the line.
+        ``timed`` has one call or batch to spare (batches end a call late).
+        With the warm-up known: it takes as long again, or longer when the
+        ``warmup`` option outgrows what it took, up to half of ``max_time``
+        plus the call that crosses the line.
         """
         call = self.median
-        timed = (MIN_CI_SAMPLES + 1) * call
         if self.warmup is None or self.warmup_time is None:
             return _round_up(timed + call)  # one warm-up call, as for slow calls by default
         again = self.warmup_time + timed
@@ -295,7 +326,7 @@ class Measurement:
                 f"{'call' if more == 1 else 'calls'} and give every time"
             )
         stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
-        needed = self._needed_max_time()
+        needed = self._needed_max_time((MIN_CI_SAMPLES + 1) * self.median)  # six and one spare
         warm = self.warmup_time
         # A warm-up longer than the timed calls need (a first call that compiles) is the
         # reason: say it, or the advice would look like a max_time smaller than enough.
@@ -311,6 +342,50 @@ class Measurement:
             f"{format_seconds(self.median)}{warmed}), and a 95% confidence interval for the "
             f"median needs at least {MIN_CI_SAMPLES}; allow max_time of at least "
             f"{format_seconds(needed)}{fix}"
+        )
+
+    def _stopped_short_note(self, noise: float) -> str:
+        """What a run that stopped at ``max_time`` with its median known to ``noise`` fell short of.
+
+        Time runs out before the precision target, before ``min_time``, or
+        before 10 calls: the target recorded tells which, and a run that met
+        it is precise, from a shorter run than asked.
+        """
+        known = f"the median known to ±{noise:.1%}"
+        target = self.rel_noise_target
+        if target is None:  # from_times(), or a document from before the target was kept
+            return (
+                f"stopped at max_time with {known}; the precision target and min_time it "
+                "ran with are not recorded, so which one it fell short of is unknown"
+            )
+        aim = f"its ±{target * 100:g}% target"  # as asked: ±1%, ±0.5%
+        if noise > target:
+            return (
+                f"stopped at max_time with {known}, short of {aim}; allow more time for "
+                "a tighter result"
+            )
+        # Converging takes both: 10 calls (and one to spare) and min_time (and a batch).
+        calls = (MIN_CALLS + 1) * self.median
+        timed = None if self.min_time is None else self.min_time + max(_SPARE, self.median)
+        if self.n < MIN_CALLS:
+            short = (
+                f"after only {plural(self.n, 'timed call')}, fewer than the {MIN_CALLS} it "
+                "takes before stopping on precision"
+            )
+            timed = max(calls, timed or 0.0)
+        elif self.min_time is not None:
+            short = f"before min_time ({format_seconds(self.min_time)} of timed calls)"
+        else:
+            short = "before min_time"
+        advice = (
+            "allow more max_time"
+            if timed is None
+            else f"allow max_time of at least {format_seconds(self._needed_max_time(timed))}"
+        )
+        return (
+            f"stopped at max_time {short}, with {known}, within {aim}: precise, but from "
+            "a shorter run than asked, which can miss slower changes (clocks, other "
+            f"programs); {advice} for the full run (the warm-up counts against it)"
         )
 
     def _at_floor(self) -> bool:
@@ -379,6 +454,8 @@ class Measurement:
             "warmup": self.warmup,
             "warmup_time": self.warmup_time,
             "clock_floor": self.clock_floor,
+            "min_time": self.min_time,
+            "rel_noise_target": self.rel_noise_target,
             "trustworthy": self.trustworthy,
             "notes": self.notes,
         }
@@ -401,9 +478,9 @@ class Measurement:
         recomputed. ``trustworthy`` and ``notes`` are ignored: they are
         judged anew (a later devicekit may judge more). Every other field is
         checked as [`from_times()`][devicekit.Measurement.from_times] checks
-        it; ``energy_per_call``, ``power``, ``warmup``, ``warmup_time`` and
-        ``clock_floor`` may be missing (documents from before them), and are
-        None then.
+        it; ``energy_per_call``, ``power``, ``warmup``, ``warmup_time``,
+        ``clock_floor``, ``min_time`` and ``rel_noise_target`` may be missing
+        (documents from before them), and are None then.
 
         Args:
             data: A measurement's ``to_dict(times=True)``, or that read back
@@ -481,7 +558,15 @@ class Measurement:
             rebuilt = Conditions.from_dict(dict(conditions))
         except (TypeError, ValueError) as error:
             raise type(error)(f"conditions: {error}") from None
-        optional = ("energy_per_call", "power", "warmup", "warmup_time", "clock_floor")
+        optional = (
+            "energy_per_call",
+            "power",
+            "warmup",
+            "warmup_time",
+            "clock_floor",
+            "min_time",
+            "rel_noise_target",
+        )
         measurement = cls.from_times(
             times,
             data["host_times"],

@@ -41,7 +41,7 @@ from ._format import (
     safe_text,
     text_table,
 )
-from ._options import check_count, check_number
+from ._options import check_count, check_number, got
 from ._timing import CudaEvent
 from ._visible import torch_cuda_initialized
 
@@ -359,14 +359,31 @@ class StragglerDetector:
 
         The same object is returned for the same name, so the call costs a
         dictionary lookup. A block that raises is not counted.
+
+        Args:
+            name: What the block does, as the report names it (``"forward"``).
+
+        Raises:
+            TypeError: ``name`` is not a string.
+            ValueError: ``name`` is empty or only spaces: the report could not show it.
         """
         try:
             section = self._sections.get(name)
         except TypeError:  # unhashable: a list, a dict
             section = None
         if section is None:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"section name must be a non-empty str, got {name!r}")
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"section(): name must be a non-empty str, got {got(name)}; name what "
+                    "the block does, as in detector.section('forward')"
+                )
+            if not name.strip():
+                # A string, so the right type: an empty name is the wrong value.
+                raise ValueError(
+                    f"section(): name must be a non-empty str, got {name!r}, which a report "
+                    "could not show; name what the block does, as in "
+                    "detector.section('forward')"
+                )
             samples = self._samples[name] = []
             section = self._sections[name] = _Section(self, name, samples)
             if self._last_step is None:

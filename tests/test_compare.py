@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import json
+import runpy
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import devicekit as dk
 
@@ -180,3 +183,57 @@ def test_html_says_why_a_row_is_not_trustworthy() -> None:
     assert "<td>noisy: the median is only known to ±" in html  # as str() lists it under the table
     assert html.endswith("<td></td></tr></table>")  # the trustworthy row: nothing to say
     assert "why not" not in dk.compare({"ok": measured(1e-3, 0)})._repr_html_()
+
+
+# --- examples/log_norms.py: the words under the table come from the table ---------------------
+
+LOG_NORMS = Path(__file__).parent.parent / "examples" / "log_norms.py"
+
+
+def _run_log_norms(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], medians: dict[str, float]
+) -> str:
+    """Run the example on the CPU with each variant measured at ``medians``: what it prints."""
+    real = dk.compare
+
+    def measured_as_given(results: dict[str, Any], **options: Any) -> dk.Comparison:
+        given = {
+            name: measured(medians[name], medians[name] / 1000) if callable(value) else value
+            for name, value in results.items()
+        }
+        return real(given, baseline=options.get("baseline"))
+
+    monkeypatch.setattr(dk, "try_gpu", lambda: torch.device("cpu"))
+    monkeypatch.setattr(dk, "compare", measured_as_given)
+    runpy.run_path(str(LOG_NORMS), run_name="__main__")
+    return capsys.readouterr().out
+
+
+def test_log_norms_says_what_was_measured_when_log_buffer_is_fastest(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The trial's CPU: LogBuffer fastest, .item() several times slower. Before, the example
+    # printed "LogBuffer's bookkeeping is pure cost" above that table, whatever it showed.
+    out = _run_log_norms(
+        monkeypatch, capsys, {".item() each": 8e-3, "stack, one copy": 1.6e-3, "LogBuffer": 1e-3}
+    )
+    assert "pure cost" not in out
+    assert "vs fastest (LogBuffer)" in out
+    summary = out.split("\n\n")[-1]
+    assert summary.splitlines()[:3] == [
+        "On cpu, against stacking the norms and copying them once:",
+        "  .item() each: 5.00x slower",
+        "  LogBuffer: 1.60x faster",
+    ]
+
+
+def test_log_norms_says_what_was_measured_when_log_buffer_costs_time(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _run_log_norms(
+        monkeypatch,
+        capsys,
+        {".item() each": 4.5e-3, "stack, one copy": 4.500001e-3, "LogBuffer": 5.3e-3},
+    )
+    assert "  .item() each: same within noise\n  LogBuffer: 1.18x slower\n" in out
+    assert "not trustworthy" not in out

@@ -34,7 +34,8 @@ def conditions(**fields: Any) -> dk.Conditions:
 
 def measurement(times: list[float], **fields: Any) -> dk.Measurement:
     options = {"name": "f", "mode": "warm", "stop_reason": "converged"}
-    extra = ("energy_per_call", "power", "warmup", "warmup_time", "clock_floor")
+    extra = ("energy_per_call", "power", "warmup", "warmup_time", "clock_floor", "min_time")
+    extra += ("rel_noise_target",)
     options |= {k: fields.pop(k) for k in extra if k in fields}
     options |= {k: fields.pop(k) for k in list(fields) if k in options}
     host = fields.pop("host_times", [t / 100 for t in times])  # GPU-bound unless given
@@ -992,3 +993,153 @@ def test_timing_page_shows_the_clock_floor_notes_the_code_writes() -> None:
         (note,) = [n for n in m.notes if n.startswith("at the clock's floor")]
         reads = note.partition("reads ")[2].partition("; ")[0]
         assert reads in " ".join(page.split()), reads  # as the page wraps it
+
+
+# --- stopping at max_time: judged by the precision reached, said truthfully ----------------------
+
+
+class _Clock:
+    """A perf_counter that moves ``step`` seconds at every read: every timed call reads ``step``."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 1000.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+    get_clock_info = staticmethod(time.get_clock_info)
+
+
+class _QuietSampler:
+    """The machine's evidence, all of it unknown: only the clock and the noise are judged."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def before(self) -> None: ...
+
+    def start_timing(self) -> None: ...
+
+    def during(self) -> None: ...
+
+    def after(self) -> dk.Conditions:
+        return dk.Conditions(device=str(self.device))
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    """benchmark() on a clock where every call takes 0.1 ms, far above the clock's floor."""
+    clock = _Clock(1e-4)
+    monkeypatch.setattr(_measure, "time", clock)
+    monkeypatch.setattr(_measure, "Sampler", _QuietSampler)
+    monkeypatch.setattr(_measure._CpuRunner, "floor", lambda self: 1e-9)
+    return clock
+
+
+def test_a_precise_run_cut_short_of_min_time_is_trustworthy_and_says_so(fake_clock: _Clock) -> None:
+    # The trial's case: max_time=0.1 with the default warm-up (0.05 s) and min_time (0.1 s)
+    # leaves 0.05 s to time, so min_time is never reached; the median is exact all the same.
+    # Before, the note said "±0.0%, short of the target", a target it had reached.
+    m = dk.benchmark(lambda: sum(range(100)), max_time=0.1)
+    assert m.stop_reason == "max_time"
+    assert m.n >= 10
+    assert m.trustworthy
+    assert "NOT trustworthy" not in repr(m)
+    (note,) = m.notes
+    assert "short of" not in note
+    assert note.startswith(
+        "stopped at max_time before min_time (100 ms of timed calls), with the median known "
+        "to ±0.0%, within its ±1% target: precise, but from a shorter run than asked"
+    )
+    assert (m.rel_noise, m.min_time, m.rel_noise_target) == (0.0, 0.1, 0.01)
+    # The advice is enough: the same run, given the max_time the note names, converges.
+    again = dk.benchmark(lambda: sum(range(100)), max_time=_advised_max_time(note))
+    assert again.stop_reason == "converged"
+    assert again.notes == []
+
+
+def test_a_run_short_of_its_target_says_the_target() -> None:
+    noisy = dk.Measurement.from_times(
+        [1e-3, 1.01e-3, 0.99e-3] * 10,
+        stop_reason="max_time",
+        conditions=dk.Conditions(device="cpu"),
+        min_time=0.1,
+        rel_noise_target=0.001,
+    )
+    assert noisy.trustworthy  # ±1.0%: short of ±0.1%, well inside ±5%
+    assert noisy.notes == [
+        "stopped at max_time with the median known to ±1.0%, short of its ±0.1% target; "
+        "allow more time for a tighter result"
+    ]
+
+
+def test_too_few_calls_with_the_target_met_say_so() -> None:
+    m = dk.Measurement.from_times(
+        [0.2] * 8,
+        stop_reason="max_time",
+        conditions=dk.Conditions(device="cpu"),
+        warmup=0.05,
+        warmup_time=0.2,
+        min_time=0.1,
+        rel_noise_target=0.01,
+    )
+    assert m.trustworthy
+    (note,) = m.notes
+    assert note.startswith(
+        "stopped at max_time after only 8 timed calls, fewer than the 10 it takes before "
+        "stopping on precision, with the median known to ±0.0%, within its ±1% target"
+    )
+    # Ten calls and one to spare (2.2 s) after the warm-up, which may run its 0.05 s and then
+    # the call that crosses the line (0.25 s): more than the 0.2 s it took.
+    assert _advised_max_time(note) == 2.45
+
+
+def test_a_max_time_stop_whose_target_is_not_recorded_claims_no_shortfall() -> None:
+    # from_times() and documents from before the target was kept: which one is unknown.
+    m = measurement([1e-3] * 20, stop_reason="max_time", conditions=dk.Conditions(device="cpu"))
+    assert m.trustworthy
+    assert m.notes == [
+        "stopped at max_time with the median known to ±0.0%; the precision target and "
+        "min_time it ran with are not recorded, so which one it fell short of is unknown"
+    ]
+
+
+def test_the_options_asked_for_round_trip_and_old_documents_still_load(fake_clock: _Clock) -> None:
+    original = dk.benchmark(lambda: None, max_time=0.1, min_time=0.02, rel_noise=0.05)
+    document = json.loads(json.dumps(original.to_dict(times=True)))
+    assert (document["min_time"], document["rel_noise_target"]) == (0.02, 0.05)
+    assert dk.Measurement.from_dict(document) == original
+    for key in ("min_time", "rel_noise_target"):  # a document from before them
+        del document[key]
+    old = dk.Measurement.from_dict(document)
+    assert (old.min_time, old.rel_noise_target) == (None, None)
+    assert old.stop_reason == original.stop_reason == "converged"
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "message"),
+    [
+        ({"min_time": -1}, ValueError, r"^min_time must be a finite number of seconds >= 0"),
+        ({"rel_noise_target": 0}, ValueError, r"^rel_noise_target must be a finite number > 0"),
+        ({"rel_noise_target": "1%"}, TypeError, r"^rel_noise_target must be a finite number"),
+    ],
+)
+def test_from_times_checks_the_options_asked_for(
+    option: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        dk.Measurement.from_times([1e-3] * 7, **option)
+
+
+def test_converged_times_must_meet_the_target_they_claim() -> None:
+    # benchmark() stops as converged only at its target: a document saying otherwise was edited.
+    document = measurement([1e-3, 2e-3] * 10, rel_noise_target=0.5).to_dict(times=True)
+    document["rel_noise_target"] = 0.01
+    with pytest.raises(
+        ValueError,
+        match=r"^Measurement\.from_dict\(\): stop_reason is 'converged', which says the median "
+        r"reached rel_noise_target \(±1%\), but the times give a median known to ±",
+    ):
+        dk.Measurement.from_dict(document)
+    assert dk.Measurement.from_dict(document | {"stop_reason": "max_time"}).rel_noise_target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -199,11 +200,26 @@ def test_bad_options(options: dict[str, Any], error: type[Exception], message: s
         dk.StragglerDetector(**options)
 
 
-@pytest.mark.parametrize("name", ["", 3, None, ["compute"], {"name": "compute"}])
+@pytest.mark.parametrize("name", [3, None, ["compute"], {"name": "compute"}])
 def test_a_section_needs_a_name(name: Any) -> None:
     # An unhashable name (a list) raised "unhashable type: 'list'" before.
-    with pytest.raises(TypeError, match="section name must be a non-empty str"):
+    with pytest.raises(
+        TypeError, match=r"^section\(\): name must be a non-empty str, got .* of type"
+    ):
         dk.StragglerDetector().section(name)
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_section_name_is_the_wrong_value_not_the_wrong_type(name: str) -> None:
+    # A string is the right type: "" raised a TypeError before.
+    detector = dk.StragglerDetector()
+    message = (
+        f"section(): name must be a non-empty str, got {name!r}, which a report could not "
+        "show; name what the block does, as in detector.section('forward')"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        detector.section(name)
+    assert detector.section("forward") is detector.section("forward")  # the fix works
 
 
 # --- three ranks -----------------------------------------------------------------------------
