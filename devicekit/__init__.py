@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from ._leaks import LeakReport as LeakReport
     from ._leaks import find_leaks as find_leaks
     from ._logbuffer import LogBuffer as LogBuffer
-    from ._logbuffer import Record as Record
-    from ._logbuffer import Sink as Sink
+    from ._logdeliver import Record as Record
+    from ._logdeliver import Sink as Sink
     from ._measure import benchmark as benchmark
     from ._measurement import Measurement as Measurement
     from ._memory import DeviceMemory as DeviceMemory
@@ -155,8 +155,8 @@ _EXPORTS: dict[str, str] = {
     "Leak": "._leaks",
     "LeakReport": "._leaks",
     "LogBuffer": "._logbuffer",
-    "Record": "._logbuffer",
-    "Sink": "._logbuffer",
+    "Record": "._logdeliver",
+    "Sink": "._logdeliver",
     "benchmark": "._measure",
     "Measurement": "._measurement",
     "DeviceMemory": "._memory",

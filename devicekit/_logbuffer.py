@@ -5,17 +5,18 @@ so the two stop overlapping. A ``LogBuffer`` keeps references to the detached
 0-d tensors (no kernel, no sync) and, every ``flush_every`` steps, stacks them
 and copies them to the host in one copy per device and dtype.
 
-This module keeps the values, checks them, and hands the records to the
-sinks; ``_logflush`` brings them to the host, by key, and across ranks.
+This module keeps the values and the records. ``_logvalues`` checks each
+value as it is logged, ``_logflush`` brings them to the host (by key, and
+across ranks), ``_logdeliver`` hands the records to the sinks, ``_logreport``
+words what the buffer tells (its errors, its reprs), and ``_logexit`` ends a
+``with`` block.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -23,8 +24,9 @@ import torch
 
 from ._callbacks import checked_sinks
 from ._dist import initialized
-from ._errors import RanksDisagreeError, add_note
-from ._format import close_match, html_table, plural, shorten
+from ._errors import RanksDisagreeError
+from ._logdeliver import Deliveries, Record, Sink
+from ._logexit import leave
 from ._logflush import (
     HOST_TENSORS,
     HOST_VALUES,
@@ -35,21 +37,22 @@ from ._logflush import (
     start,
     start_reduced,
 )
+from ._logreport import (
+    describe_sink,
+    dropped_warning,
+    flush_error,
+    state_line,
+    state_table,
+    unknown_key,
+    unreadable_error,
+)
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import checked, checked_step, on_device, refuse
 from ._options import check_count
 
-__all__ = ["LogBuffer", "Record", "Sink"]
-
-Record = dict[str, Any]
-"""One logged step on the host: ``{"step": 12, "loss": 0.25, ...}``."""
-Sink = Callable[[list[Record]], Any]
-"""Anything that takes the new records of a flush."""
-
-logger = logging.getLogger("devicekit")
+__all__ = ["LogBuffer"]
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
-_FINAL_ROUNDS = 8  # flushes at the end of a with block for what sinks log (each may log again)
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
@@ -165,9 +168,7 @@ class LogBuffer:
         self._flush_at = flush_every  # pending steps that start a flush
         self._in_flight: InFlight | None = None
         self._history: list[Record] = []
-        # Landed flushes not yet handed to every sink: [records, index of the next sink].
-        self._undelivered: deque[list[Any]] = deque()
-        self._delivering = False  # the sinks are running (one may log, and so flush)
+        self._deliveries = Deliveries()  # landed records not yet handed to every sink
         self._leaving_on_error = False  # the with block is exiting on an exception
         self._keys: dict[str, None] = {}  # every key recorded, in order of first appearance
 
@@ -299,22 +300,10 @@ mean 'loss'?"
         if last is not None:  # a negative slice would drop the *first* values instead
             values = values[-check_count(last, name="last", minimum=1) :]
         if not values:
-            raise KeyError(self._unknown(key))
+            with self._lock:
+                known = [name for record in self._history for name in record]
+            raise KeyError(unknown_key(key, known, pending=self._pending_count()))
         return sum(values) / len(values)
-
-    def _unknown(self, key: str) -> str:
-        """Why ``key`` has no value: the keys recorded, the one meant, a pending flush."""
-        with self._lock:
-            known = list(dict.fromkeys(k for record in self._history for k in record))
-        known = [k for k in known if k != "step"]
-        match = close_match(key, known)
-        keys = ", ".join(map(repr, known)) if known else "none"
-        message = f"no value of {key!r} has been recorded yet (keys recorded: {keys})"
-        if match:
-            message += f"; did you mean {match!r}?"
-        if self._pending_count():
-            message += "; values logged since the last flush are not recorded yet: call flush()"
-        return message
 
     def __enter__(self) -> LogBuffer:
         return self
@@ -325,51 +314,7 @@ mean 'loss'?"
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if exc is None:
-            try:
-                self.flush()
-            except BaseException as error:
-                # What the sinks logged meanwhile is still recorded; after Ctrl-C in a
-                # sink, without calling the sinks again.
-                self._record_what_sinks_logged(error, deliver=isinstance(error, Exception))
-                raise
-            self._flush_what_sinks_logged()
-            return
-        # Leaving on an exception: flush without the collective (other ranks may
-        # never reach it), and never let a failing flush or sink replace `exc`.
-        self._leaving_on_error = True
-        try:
-            try:
-                self._flush(wait=True, reduce=False)
-            except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
-                _report_while_exiting(exc, error, pending=self._pending_count())
-            except BaseException as interrupt:
-                # Ctrl-C (or sys.exit) in a sink: the user's newest wish wins, with `exc`
-                # as its context; what the sinks logged is recorded, without calling them.
-                self._record_what_sinks_logged(interrupt, deliver=False)
-                raise
-            self._record_what_sinks_logged(exc, deliver=True)
-        finally:
-            self._leaving_on_error = False
-
-    def _record_what_sinks_logged(self, raised: BaseException, *, deliver: bool) -> None:
-        """`_flush_what_sinks_logged`, when ``raised`` is on its way out: its errors go on it."""
-        try:
-            self._flush_what_sinks_logged(deliver=deliver)
-        except Exception as error:  # noqa: BLE001 - reported on raised, which propagates
-            _report_while_exiting(raised, error, pending=self._pending_count())
-
-    def _flush_what_sinks_logged(self, *, deliver: bool = True) -> None:
-        """Record what sinks logged during the last flush, a few rounds at most.
-
-        Not reduced: it comes from records every rank already shares, and a rank
-        whose sinks logged nothing would not join the collective. With
-        ``deliver=False`` the records land in ``history`` without calling the sinks.
-        """
-        for _ in range(_FINAL_ROUNDS):
-            if not (self._pending or self._in_flight or (deliver and self._undelivered)):
-                return
-            self._flush(wait=True, reduce=False, deliver=deliver)
+        leave(self, exc)  # a last flush; a failing one never replaces `exc` (see _logexit)
 
     def __getstate__(self) -> dict[str, Any]:
         """Its state, without the lock: for ``copy.deepcopy``, ``pickle`` and ``torch.save``.
@@ -384,11 +329,11 @@ mean 'loss'?"
             # Even a shallow copy.copy() must not share the lists the buffer appends to.
             state["_pending"] = list(self._pending)
             state["_history"] = list(self._history)
-            state["_undelivered"] = deque([records, sink] for records, sink in self._undelivered)
+            state["_deliveries"] = self._deliveries.copy()  # not running: a sink may make the copy
             state["_keys"] = dict(self._keys)
             state["sinks"] = list(self.sinks)
         del state["_lock"]
-        state["_delivering"] = state["_leaving_on_error"] = False  # a sink may make the copy
+        state["_leaving_on_error"] = False  # a sink may make the copy
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -403,42 +348,17 @@ mean 'loss'?"
             return
         # Records that landed (a read of history completes a flush) but never reached the
         # sinks: a CSV file would miss their rows.
-        unsent = sum(len(records) for records, _ in self._undelivered) if self.sinks else 0
+        unsent = self._deliveries.unsent() if self.sinks else 0
         if pending or unsent:
-            lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
-            lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
-            warnings.warn(
-                f"a LogBuffer was dropped with {' and '.join(lost)}; use it in a with block, "
-                "or call flush() before letting it go",
-                ResourceWarning,
-                stacklevel=2,
-            )
+            warnings.warn(dropped_warning(pending, unsent), ResourceWarning, stacklevel=2)
 
     # --- notebooks ---------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        state = self._state()
-        parts = [f"{plural(state['records'], 'record')} of {_some(state['keys']) or '(none)'}"]
-        parts.append(f"{plural(state['pending'], 'value')} pending")
-        if state["last"] is not None:
-            parts.append(f"last {_some_items(state['last'])}")
-        if self.sinks:
-            parts.append(f"sinks {', '.join(state['sinks'])}")
-        return f"{state['name']}: {', '.join(parts)}"
+        return state_line(self._state())
 
     def _repr_html_(self) -> str:
-        state = self._state()
-        last = state["last"] or {}
-        rows = [
-            ("records", plural(state["records"], "record")),
-            ("keys", _some(state["keys"], shown=50) or "none yet"),
-            ("pending", f"{plural(state['pending'], 'value')} not yet on the host"),
-            ("last record", _some_items(last, shown=50, braces=False) or "none"),
-            ("sinks", ", ".join(state["sinks"]) or "none"),
-        ]
-        if self.nonfinite:
-            rows.append(("NaN or inf", plural(self.nonfinite, "value")))
-        return html_table(rows, caption=state["name"])
+        return state_table(self._state())
 
     def _state(self) -> dict[str, Any]:
         """What the reprs show, read without waiting for any copy."""
@@ -454,13 +374,18 @@ mean 'loss'?"
             "keys": list(dict.fromkeys([*self._keys, *flight_keys, *pending_keys])),
             "pending": self._pending_count(),
             "last": self._history[-1] if self._history else None,
-            "sinks": [_describe_sink(sink) for sink in self.sinks],
+            "sinks": [describe_sink(sink) for sink in self.sinks],
+            "nonfinite": self.nonfinite,
         }
 
     def _pending_count(self) -> int:
         in_flight = self._in_flight
         flying = sum(len(values) for _, _, values in in_flight.columns) if in_flight else 0
         return flying + sum(len(values) for _, values, _ in list(self._pending))
+
+    def _unfinished(self, *, deliver: bool) -> bool:
+        """Values not yet on the host, or (``deliver``) records not yet handed to every sink."""
+        return bool(self._pending or self._in_flight or (deliver and self._deliveries))
 
     # --- the flush -----------------------------------------------------------------------
 
@@ -498,7 +423,7 @@ mean 'loss'?"
                     self._taken += count
                     spoiled = self._in_flight is not None and self._in_flight.unreadable
                     if spoiled:  # raised below, once the records are in history and sinks
-                        failure = failure or _unreadable_error(spoiled)
+                        failure = failure or unreadable_error(spoiled)
                     if wait or spoiled:
                         finished += self._complete()
             except BaseException as error:  # noqa: BLE001 - raised below, once the sinks ran
@@ -507,20 +432,11 @@ mean 'loss'?"
                 failure = error
             else:
                 self._flush_at = self.flush_every
-            delivered = self._deliver() if deliver else None  # (sink, error), if one failed
-            if failure is None:
-                if delivered is not None:
-                    raise delivered[1]
+            errors = self._deliveries.deliver(self.sinks) if deliver else []
+            if failure is None and not errors:
                 return finished
-            if delivered is not None:  # one is raised, the other told in a note on it
-                sink, sink_error = delivered
-                if not isinstance(sink_error, Exception):  # Ctrl-C is never swallowed
-                    left = self._pending_count()
-                    kept = f" ({plural(left, 'value')} still pending)" if left else ""
-                    _tell(sink_error, "the LogBuffer flush", failure, kept)
-                    raise sink_error
-                _tell(failure, f"the LogBuffer sink {_describe_sink(sink)}", sink_error)
-            raise failure
+            # One is raised, what else failed told in notes on it.
+            raise flush_error(failure, errors, pending=self._pending_count())
 
     def _start(self, batch: list[tuple[Any, dict[str, Any], int]], *, reduce: bool) -> InFlight:
         steps: Sequence[Any]
@@ -542,144 +458,5 @@ mean 'loss'?"
         self._keys.update(dict.fromkeys(key for key, _, _ in in_flight.columns))
         if records:  # a reducing flush with nothing to send lands nothing
             self._history.extend(records)
-            self._undelivered.append([records, 0])
+            self._deliveries.add(records)
         return records
-
-    def _deliver(self) -> tuple[Sink, BaseException] | None:
-        """Hand each landed flush to every sink, in order; the error to raise, and its sink.
-
-        Each sink gets its own copies of the records, so one that changes them
-        (``record.pop("step")``) changes nothing for ``history`` or the other
-        sinks. A sink that logs may start a flush: that flush delivers nothing,
-        and this loop hands its records on after the ones before them. A sink
-        interrupted by Ctrl-C (or that calls ``sys.exit``) counts as done, and
-        is not called again by this loop; the other sinks still get the
-        records. The interrupt is returned ahead of any error, so that it is
-        raised once they have (the end of a ``with`` block has no next flush to
-        hand them on); the errors not returned are notes on it (`_one_error`).
-        """
-        if self._delivering:
-            return None
-        self._delivering = True
-        errors: list[tuple[Sink, BaseException]] = []
-        interrupted: set[int] = set()  # id() of the sinks Ctrl-C got out of
-        undelivered = self._undelivered
-        try:
-            # Only what had landed when this call began: what the sinks log meanwhile
-            # waits for the next flush, so a sink that logs at every record cannot
-            # keep this loop going forever.
-            for _ in range(len(undelivered)):
-                entry = undelivered[0]
-                records, first = entry
-                sinks = list(self.sinks)  # a sink may remove itself from the list
-                for index in range(first, len(sinks)):
-                    entry[1] = index + 1
-                    if id(sinks[index]) in interrupted:
-                        continue
-                    try:
-                        sinks[index](list(map(dict.copy, records)))
-                    except Exception as error:  # noqa: BLE001 - every sink runs; one is raised
-                        errors.append((sinks[index], error))
-                    except BaseException as error:  # noqa: BLE001 - Ctrl-C: raised once all ran
-                        errors.append((sinks[index], error))
-                        interrupted.add(id(sinks[index]))
-                undelivered.popleft()
-        finally:
-            self._delivering = False
-        return _one_error(errors) if errors else None
-
-
-# --- reporting -------------------------------------------------------------------------------
-
-
-def _one_error(errors: list[tuple[Sink, BaseException]]) -> tuple[Sink, BaseException]:
-    """The one error a flush raises for its sinks, with what else they raised as notes on it.
-
-    The first interrupt, else the first error. A flush may hand a sink several
-    landed batches of records, and a sink that cannot write fails on each:
-    that is told once, with a count, never as a traceback per failure. Each
-    different error is told once too, naming its sink (`_tell`).
-    """
-    first = next((one for one in errors if not isinstance(one[1], Exception)), errors[0])
-    raised = first[1]
-    seen: dict[tuple[int, type, str], list[Any]] = {}  # one failure: [sink, error, how often]
-    for sink, error in errors:
-        same = seen.setdefault((id(sink), type(error), str(error)), [sink, error, 0])
-        same[2] += 1
-    for sink, error, count in seen.values():
-        name = _describe_sink(sink)
-        if error is raised:
-            if count > 1:
-                add_note(
-                    raised,
-                    f"devicekit: the LogBuffer sink {name} failed {count} times in this flush, "
-                    "once for each batch of records handed to it; the first error is raised",
-                )
-            continue
-        _tell(raised, f"the LogBuffer sink {name}", error, f" ({count} times)" if count > 1 else "")
-    return first
-
-
-def _tell(raised: BaseException, who: str, error: BaseException, more: str = "") -> None:
-    """Tell ``error`` (and its own notes) in a note on ``raised``; its traceback goes to DEBUG."""
-    told = f"{type(error).__name__}: {error}{more}{_their_notes(error)}"
-    add_note(raised, f"devicekit: {who} also raised {told}")
-    logger.debug("%s raised", who, exc_info=error)
-
-
-def _their_notes(error: BaseException) -> str:
-    """The notes of an error told on another, one indented line each (they name its sink)."""
-    return "".join(f"\n    {note}" for note in getattr(error, "__notes__", ()))
-
-
-def _report_while_exiting(exc: BaseException, error: Exception, *, pending: int) -> None:
-    """Attach a flush's error to the exception the ``with`` block is leaving on."""
-    kept = (
-        f"{plural(pending, 'value')} still pending"
-        if pending
-        else "every record is in LogBuffer.history"
-    )
-    note = (
-        f"devicekit: while the LogBuffer block was exiting on this exception, its final flush "
-        f"raised {type(error).__name__}: {error} ({kept}){_their_notes(error)}"
-    )
-    if note not in getattr(exc, "__notes__", ()):  # a flush tried again and failed the same way
-        add_note(exc, note)
-
-
-def _unreadable_error(unreadable: list[tuple[str, Any, Exception]]) -> ValueError:
-    """What a flush raises for values that passed log() and could no longer be read."""
-    shown = "; ".join(
-        f"{key!r} at step {step} ({type(error).__name__}: {shorten(str(error), 80)})"
-        for key, step, error in unreadable[:3]
-    )
-    more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
-    return ValueError(
-        f"LogBuffer could not read {plural(len(unreadable), 'logged value')}: {shown}{more}. "
-        "Each was recorded as NaN, every other value as usual. A tensor that passed log() "
-        "and cannot be read at the flush was most likely changed after log() (resized, or "
-        "its storage freed): log one that stays as it is until the flush, such as "
-        "value.clone()."
-    )
-
-
-def _some(keys: list[str], *, shown: int = 10) -> str:
-    """The first keys, then how many more: a repr with 2,000 keys stays one readable line."""
-    if len(keys) <= shown:
-        return ", ".join(keys)
-    return f"{', '.join(keys[:shown])} and {len(keys) - shown} more"
-
-
-def _some_items(record: Record, *, shown: int = 10, braces: bool = True) -> str:
-    """The first items of a record (as its repr writes them), then how many more."""
-    items = [f"{key!r}: {value!r}" if braces else f"{key}={value}" for key, value in record.items()]
-    text = _some(items, shown=shown)
-    return f"{{{text}}}" if braces else text
-
-
-def _describe_sink(sink: Sink) -> str:
-    """A sink's own repr when it has a readable one, else its name (``show``, ``list.append``)."""
-    text = repr(sink)
-    if not text.startswith("<"):
-        return text
-    return str(getattr(sink, "__qualname__", None) or type(sink).__qualname__)

@@ -16,7 +16,8 @@ from ._devices import DeviceLike, current_cuda_device, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
 from ._format import close_match
 from ._measurecheck import MODES
-from ._measurement import MIN_CALLS, Measurement
+from ._measurejudge import MIN_CALLS
+from ._measurement import Measurement
 from ._options import check_choice, check_number, check_seconds, refuse_lazy
 from ._stats import relative_noise
 from ._timing import CudaEvent, CudaStream

@@ -1,14 +1,15 @@
 """`Measurement`: what `benchmark()` measured, and whether to trust it.
 
-The numbers, the evidence about the machine they were taken on, the notes that
-say what spoils them, and their forms: text, a notebook table, plain data.
+The numbers, the evidence about the machine they were taken on, and their
+forms: text, a notebook table, plain data. The notes that say what spoils
+them are ``_measurejudge``'s; reading a document back is ``_measureread``'s.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,33 +23,12 @@ from ._format import (
     plain_data,
     plural,
 )
-from ._measurecheck import (
-    MODES,
-    STOP_REASONS,
-    check_converged,
-    check_recorded_options,
-    same_interval,
-    seconds_list,
-)
-from ._options import check_count, check_number, got
-from ._stats import MIN_CI_SAMPLES, median_ci, relative_noise
+from ._measurecheck import check_converged, check_recorded_options, seconds_list
+from ._measurejudge import is_trustworthy, notes_on
+from ._measureread import read_document
+from ._stats import median_ci, relative_noise
 
-__all__ = ["MIN_CALLS", "MODES", "STOP_REASONS", "Measurement"]
-
-# What the times determine: from_dict() recomputes them, and checks a document's against them.
-_STATISTICS = ("median", "mean", "min", "iqr", "rel_noise", "ci", "n", "host_median")
-_VERDICTS = ("trustworthy", "notes")  # judged anew: a later devicekit may judge differently
-
-_LAUNCH_BOUND = 0.5  # host issue time over GPU time above which the GPU waits on the host
-_NOISY = 0.05  # a median known to worse than ±5% is not trustworthy
-MIN_CALLS = 10  # benchmark() stops on precision only after this many timed calls
-# What benchmark() spends outside the timed calls but inside max_time once warmed up (the
-# clock's floor, the evidence read at the start) fits in one of its 10 ms batches.
-_SPARE = 0.01
-# Timing a call that does nothing reads the clock's own cost, which every call's time
-# includes: under ten times that, a tenth or more of the median may be the clock's, twice
-# the ±5% a trustworthy median may be off (sorted() of 100 numbers: 501 ns, 70 ns floor).
-_FLOOR_SHARE = 0.1
+__all__ = ["Measurement"]
 
 
 @dataclass(frozen=True)
@@ -265,160 +245,12 @@ class Measurement:
     @property
     def notes(self) -> list[str]:
         """Plain sentences about anything that could make this measurement misleading."""
-        notes = self.conditions.notes()
-        if self.median <= 0:
-            # No relative noise is known (rel_noise is None): say what it means.
-            notes.append(
-                "a median of 0: the calls are shorter than the clock's resolution, so no "
-                "time is known; time a loop of many calls inside one function"
-            )
-        elif self.rel_noise is None:
-            notes.append(self._too_few_note())
-        elif self.rel_noise > _NOISY:
-            notes.append(
-                f"noisy: the median is only known to ±{self.rel_noise:.1%} "
-                f"(interquartile range {format_seconds(self.iqr)})"
-            )
-        elif self.stop_reason == "max_time":
-            notes.append(self._stopped_short_note(self.rel_noise))
-        floor = self._floor_note()
-        if floor is not None:
-            notes.append(floor)
-        host = self.host_median
-        # Between a call's events the GPU also waits for the host to issue the
-        # call, so a launch-bound call's GPU time is about its host time.
-        # Only warm mode: graph replays have no launch cost, and in cold mode the
-        # L2 flush keeps the GPU busy while the host issues the call.
-        on_gpu = self.conditions.device.startswith("cuda") and self.mode == "warm"
-        if on_gpu and host is not None and host >= _LAUNCH_BOUND * self.median:
-            notes.append(
-                f"launch-bound: issuing a call takes {format_seconds(host)} on the host and "
-                f"its GPU time is {format_seconds(self.median)}, so the GPU mostly waits for "
-                "the host; mode='graph' shows the GPU time without launch overhead"
-            )
-        return notes
-
-    def _needed_max_time(self, timed: float) -> float:
-        """The smallest ``max_time`` that leaves ``timed`` seconds for timed calls.
-
-        ``timed`` has one call or batch to spare (batches end a call late).
-        With the warm-up known: it takes as long again, or longer when the
-        ``warmup`` option outgrows what it took, up to half of ``max_time``
-        plus the call that crosses the line.
-        """
-        call = self.median
-        if self.warmup is None or self.warmup_time is None:
-            return _round_up(timed + call)  # one warm-up call, as for slow calls by default
-        again = self.warmup_time + timed
-        # The warm-up runs min(warmup, max_time / 2) and one call more: bounded so that the
-        # timed calls keep `timed` seconds either way (warmup, or half of max_time).
-        grown = min(self.warmup, timed + call) + call + timed
-        return _round_up(max(again, grown))
-
-    def _too_few_note(self) -> str:
-        if self.stop_reason == "given":
-            # No max_time ran out: the fix is more times, however they are taken.
-            more = MIN_CI_SAMPLES - self.n
-            return (
-                f"noise unknown: only {plural(self.n, 'time')} given (median "
-                f"{format_seconds(self.median)}), and a 95% confidence interval for the "
-                f"median needs at least {MIN_CI_SAMPLES}; time at least {more} more "
-                f"{'call' if more == 1 else 'calls'} and give every time"
-            )
-        stopped = "before max_time ran out" if self.stop_reason == "max_time" else "in all"
-        needed = self._needed_max_time((MIN_CI_SAMPLES + 1) * self.median)  # six and one spare
-        warm = self.warmup_time
-        # A warm-up longer than the timed calls need (a first call that compiles) is the
-        # reason: say it, or the advice would look like a max_time smaller than enough.
-        slow_start = warm is not None and warm > (MIN_CI_SAMPLES + 1) * self.median
-        warmed = f"; the warm-up took {format_seconds(warm)}" if slow_start else ""
-        fix = (
-            ", or call fn once before benchmark() if its first call is the slow one"
-            if slow_start
-            else ""
-        )
-        return (
-            f"noise unknown: only {plural(self.n, 'call')} timed {stopped} (one takes "
-            f"{format_seconds(self.median)}{warmed}), and a 95% confidence interval for the "
-            f"median needs at least {MIN_CI_SAMPLES}; allow max_time of at least "
-            f"{format_seconds(needed)}{fix}"
-        )
-
-    def _stopped_short_note(self, noise: float) -> str:
-        """What a run that stopped at ``max_time`` with its median known to ``noise`` fell short of.
-
-        Time runs out before the precision target, before ``min_time``, or
-        before 10 calls: the target recorded tells which, and a run that met
-        it is precise, from a shorter run than asked.
-        """
-        known = f"the median known to ±{noise:.1%}"
-        target = self.rel_noise_target
-        if target is None:  # from_times(), or a document from before the target was kept
-            return (
-                f"stopped at max_time with {known}; the precision target and min_time it "
-                "ran with are not recorded, so which one it fell short of is unknown"
-            )
-        aim = f"its ±{target * 100:g}% target"  # as asked: ±1%, ±0.5%
-        if noise > target:
-            return (
-                f"stopped at max_time with {known}, short of {aim}; allow more time for "
-                "a tighter result"
-            )
-        # Converging takes both: 10 calls (and one to spare) and min_time (and a batch).
-        calls = (MIN_CALLS + 1) * self.median
-        timed = None if self.min_time is None else self.min_time + max(_SPARE, self.median)
-        if self.n < MIN_CALLS:
-            short = (
-                f"after only {plural(self.n, 'timed call')}, fewer than the {MIN_CALLS} it "
-                "takes before stopping on precision"
-            )
-            timed = max(calls, timed or 0.0)
-        elif self.min_time is not None:
-            short = f"before min_time ({format_seconds(self.min_time)} of timed calls)"
-        else:
-            short = "before min_time"
-        advice = (
-            "allow more max_time"
-            if timed is None
-            else f"allow max_time of at least {format_seconds(self._needed_max_time(timed))}"
-        )
-        return (
-            f"stopped at max_time {short}, with {known}, within {aim}: precise, but from "
-            "a shorter run than asked, which can miss slower changes (clocks, other "
-            f"programs); {advice} for the full run (the warm-up counts against it)"
-        )
-
-    def _at_floor(self) -> bool:
-        """The median is within ten times what timing an empty call reads."""
-        floor = self.clock_floor
-        return floor is not None and self.median > 0 and floor >= _FLOOR_SHARE * self.median
-
-    def _floor_note(self) -> str | None:
-        if not self._at_floor():
-            return None
-        assert self.clock_floor is not None
-        share = self.clock_floor / self.median
-        part = (
-            f"{share:.0%} of this median: that much of it may be the clock's own cost, not fn's"
-            if round(share, 2) < 1  # not "100% of this median"
-            else "as much as this median: it may all be the clock's own cost, none of it fn's"
-        )
-        on_gpu = self.conditions.device.startswith("cuda") and self.mode != "graph"
-        fix = (
-            "mode='graph' times many calls per replay"
-            if on_gpu
-            else "time a loop of many calls inside one function, and divide"
-        )
-        return (
-            f"at the clock's floor: timing a call that does nothing reads "
-            f"{format_seconds(self.clock_floor)}, {part}; {fix}"
-        )
+        return notes_on(self)
 
     @property
     def trustworthy(self) -> bool:
         """False when other work, throttling, noise, too few calls or the clock could mislead."""
-        noise_known = self.rel_noise is not None and self.rel_noise <= _NOISY
-        return noise_known and not self._at_floor() and self.conditions.trustworthy()
+        return is_trustworthy(self)
 
     def to_dict(self, *, times: bool = False) -> dict[str, Any]:
         """JSON-ready: the statistics and the verdict; the raw times only when asked.
@@ -507,103 +339,7 @@ class Measurement:
             ...
             ValueError: Measurement.from_dict(): median is 0.005, but the document's times give 0.011: ...
         """  # noqa: E501 - the expected output is one line
-        where = "Measurement.from_dict()"
-        if not isinstance(data, Mapping):
-            raise TypeError(
-                f"{where} needs a mapping, a measurement's to_dict(times=True) (or that read "
-                f"back from JSON), got {got(data)}"
-            )
-        if "times" not in data:
-            raise ValueError(
-                "this document has only the statistics, not the raw times a Measurement "
-                "holds; write it with to_dict(times=True) to rebuild it"
-            )
-        known = {field.name for field in fields(cls)} | set(_STATISTICS) | set(_VERDICTS)
-        unknown = [key for key in data if key not in known]
-        if unknown:
-            raise ValueError(
-                f"{where}: the document has {plural(len(unknown), 'unknown field')}, "
-                f"{', '.join(map(repr, unknown))}: a measurement's to_dict(times=True) has none; "
-                "was it written by a later devicekit, or edited?"
-            )
-        required = ("name", "mode", "stop_reason", "conditions", "host_times")
-        missing = [key for key in required if key not in data]
-        if missing:
-            raise ValueError(
-                f"{where}: the document has no {', '.join(map(repr, missing))}; "
-                "a measurement's to_dict(times=True) writes every one"
-            )
-        try:
-            return cls._rebuild(data)
-        except (TypeError, ValueError) as error:
-            # The field's own message, with where it came from: not a from_times() call.
-            raise type(error)(f"{where}: {error}") from None
-
-    @classmethod
-    def _rebuild(cls, data: Mapping[str, Any]) -> Measurement:
-        """`from_dict()`'s work once the document's keys are known to be right."""
-        times = data["times"]
-        if isinstance(times, Sized) and len(times) == 0:
-            # from_times() would name itself; here the rest of the document is what matters.
-            raise ValueError(
-                "times is empty, yet a measurement holds at least one timed call; "
-                "the document's statistics describe times that are gone"
-            )
-        conditions = data["conditions"]
-        if not isinstance(conditions, Mapping):
-            raise TypeError(
-                f"conditions must be a mapping, a Conditions' to_dict(), got {got(conditions)}"
-            )
-        try:
-            rebuilt = Conditions.from_dict(dict(conditions))
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"conditions: {error}") from None
-        optional = (
-            "energy_per_call",
-            "power",
-            "warmup",
-            "warmup_time",
-            "clock_floor",
-            "min_time",
-            "rel_noise_target",
-        )
-        measurement = cls.from_times(
-            times,
-            data["host_times"],
-            name=data["name"],
-            mode=data["mode"],
-            stop_reason=data["stop_reason"],
-            conditions=rebuilt,
-            **{key: data.get(key) for key in optional},
-        )
-        measurement._check_statistics(data)
-        return measurement
-
-    def _check_statistics(self, data: Mapping[str, Any]) -> None:
-        """Refuse a statistic in ``data`` that its times do not give."""
-        for key in _STATISTICS:
-            if key not in data:
-                continue
-            given = data[key]
-            computed = getattr(self, key)
-            if key == "n":
-                check_count(given, name="n", minimum=1)
-                agree = given == computed
-            elif key == "ci":
-                agree = same_interval(given, computed)
-            elif given is None:  # unknown: right only where the times give none either
-                agree = computed is None
-            else:
-                number = check_number(given, name=key, at_least=0)
-                agree = computed is not None and math.isclose(number, computed, rel_tol=1e-9)
-            if not agree:
-                shown = list(computed) if isinstance(computed, tuple) else computed
-                source = "host_times" if key == "host_median" else "times"
-                raise ValueError(
-                    f"{key} is {given!r}, but the document's {source} give {shown!r}: its "
-                    "statistics disagree with its times (was it edited?); the times are the "
-                    f"measurement: restore {key}, or leave it out to have it recomputed"
-                )
+        return read_document(data, build=cls.from_times, fields=[f.name for f in fields(cls)])
 
     def _noise(self) -> str:
         known = self.rel_noise is not None and math.isfinite(self.rel_noise)
@@ -644,17 +380,3 @@ class Measurement:
         ]
         caption = f"{self.name} on {self.conditions.device} ({self.mode})"
         return html_table(rows, caption=caption)
-
-
-def _round_up(seconds: float) -> float:
-    """``seconds`` rounded up to the three digits `format_seconds` prints: advice stays enough.
-
-    Examples:
-        >>> _round_up(0.30011), _round_up(5.6), _round_up(0.0)
-        (0.301, 5.6, 0.0)
-    """
-    if seconds <= 0 or not math.isfinite(seconds):
-        return seconds
-    step = 10.0 ** (math.floor(math.log10(seconds)) - 2)
-    # The tolerance keeps 5.6 (5.6000000000000005 / 0.01 in floats) at 5.6, not 5.61.
-    return round(math.ceil(seconds / step * (1 - 1e-12)) * step, 12)

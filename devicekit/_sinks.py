@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._errors import add_note
-from ._logbuffer import Record
+from ._logdeliver import Record
 from ._options import check_flag, check_path
 
 __all__ = ["CSVSink", "ProgressBarSink", "TensorBoardSink"]

@@ -1,0 +1,205 @@
+"""What a [`LogBuffer`][devicekit.LogBuffer] tells people: its errors, its warnings, its reprs.
+
+A flush may fail in several places at once: the copy, a sink, another sink
+on each batch of records it is handed. It raises one error, chosen here, and
+tells everything else in notes on it (a count where one sink failed the same
+way again), never a traceback per failure, never printed; the tracebacks of
+the errors told go to the ``devicekit`` logger at DEBUG. Leaving a ``with``
+block on an exception, a failing flush is told on that exception instead,
+which propagates. On Python 3.10, which has no notes, `add_note` logs them.
+
+The reprs stay one readable line (a table in a notebook) however many keys
+the buffer holds: the first few, then how many more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from ._errors import add_note
+from ._format import close_match, html_table, plural, shorten
+from ._logdeliver import Record, Sink
+
+__all__ = [
+    "describe_sink",
+    "dropped_warning",
+    "flush_error",
+    "report_while_exiting",
+    "state_line",
+    "state_table",
+    "unknown_key",
+    "unreadable_error",
+]
+
+logger = logging.getLogger("devicekit")
+
+
+def flush_error(
+    failure: BaseException | None, errors: list[tuple[Sink, BaseException]], *, pending: int
+) -> BaseException:
+    """The one error a failed flush raises: its own ``failure``, or a sink's from ``errors``.
+
+    The flush's own failure wins over a sink's error, which is a note on it,
+    except for an interrupt in a sink (Ctrl-C, ``sys.exit``): that is never
+    swallowed, and the flush's failure is a note on it, with the ``pending``
+    values still kept.
+    """
+    if not errors:
+        assert failure is not None  # called only when the flush or a sink failed
+        return failure
+    sink, sink_error = _one_error(errors)
+    if failure is None:
+        return sink_error
+    if not isinstance(sink_error, Exception):  # Ctrl-C is never swallowed
+        kept = f" ({plural(pending, 'value')} still pending)" if pending else ""
+        _tell(sink_error, "the LogBuffer flush", failure, kept)
+        return sink_error
+    _tell(failure, f"the LogBuffer sink {describe_sink(sink)}", sink_error)
+    return failure
+
+
+def _one_error(errors: list[tuple[Sink, BaseException]]) -> tuple[Sink, BaseException]:
+    """The one error a flush raises for its sinks, with what else they raised as notes on it.
+
+    The first interrupt, else the first error. A flush may hand a sink several
+    landed batches of records, and a sink that cannot write fails on each:
+    that is told once, with a count, never as a traceback per failure. Each
+    different error is told once too, naming its sink (`_tell`).
+    """
+    first = next((one for one in errors if not isinstance(one[1], Exception)), errors[0])
+    raised = first[1]
+    seen: dict[tuple[int, type, str], list[Any]] = {}  # one failure: [sink, error, how often]
+    for sink, error in errors:
+        same = seen.setdefault((id(sink), type(error), str(error)), [sink, error, 0])
+        same[2] += 1
+    for sink, error, count in seen.values():
+        name = describe_sink(sink)
+        if error is raised:
+            if count > 1:
+                add_note(
+                    raised,
+                    f"devicekit: the LogBuffer sink {name} failed {count} times in this flush, "
+                    "once for each batch of records handed to it; the first error is raised",
+                )
+            continue
+        _tell(raised, f"the LogBuffer sink {name}", error, f" ({count} times)" if count > 1 else "")
+    return first
+
+
+def _tell(raised: BaseException, who: str, error: BaseException, more: str = "") -> None:
+    """Tell ``error`` (and its own notes) in a note on ``raised``; its traceback goes to DEBUG."""
+    told = f"{type(error).__name__}: {error}{more}{_their_notes(error)}"
+    add_note(raised, f"devicekit: {who} also raised {told}")
+    logger.debug("%s raised", who, exc_info=error)
+
+
+def _their_notes(error: BaseException) -> str:
+    """The notes of an error told on another, one indented line each (they name its sink)."""
+    return "".join(f"\n    {note}" for note in getattr(error, "__notes__", ()))
+
+
+def report_while_exiting(exc: BaseException, error: Exception, *, pending: int) -> None:
+    """Attach a flush's error to the exception the ``with`` block is leaving on."""
+    kept = (
+        f"{plural(pending, 'value')} still pending"
+        if pending
+        else "every record is in LogBuffer.history"
+    )
+    note = (
+        f"devicekit: while the LogBuffer block was exiting on this exception, its final flush "
+        f"raised {type(error).__name__}: {error} ({kept}){_their_notes(error)}"
+    )
+    if note not in getattr(exc, "__notes__", ()):  # a flush tried again and failed the same way
+        add_note(exc, note)
+
+
+def unreadable_error(unreadable: list[tuple[str, Any, Exception]]) -> ValueError:
+    """What a flush raises for values that passed log() and could no longer be read."""
+    shown = "; ".join(
+        f"{key!r} at step {step} ({type(error).__name__}: {shorten(str(error), 80)})"
+        for key, step, error in unreadable[:3]
+    )
+    more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+    return ValueError(
+        f"LogBuffer could not read {plural(len(unreadable), 'logged value')}: {shown}{more}. "
+        "Each was recorded as NaN, every other value as usual. A tensor that passed log() "
+        "and cannot be read at the flush was most likely changed after log() (resized, or "
+        "its storage freed): log one that stays as it is until the flush, such as "
+        "value.clone()."
+    )
+
+
+def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:
+    """Why ``key`` has no value: the keys ``recorded``, the one meant, a flush still to come."""
+    known = [name for name in dict.fromkeys(recorded) if name != "step"]
+    match = close_match(key, known)
+    keys = ", ".join(map(repr, known)) if known else "none"
+    message = f"no value of {key!r} has been recorded yet (keys recorded: {keys})"
+    if match:
+        message += f"; did you mean {match!r}?"
+    if pending:
+        message += "; values logged since the last flush are not recorded yet: call flush()"
+    return message
+
+
+def dropped_warning(pending: int, unsent: int) -> str:
+    """What a buffer dropped with ``pending`` values or ``unsent`` records warns."""
+    lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
+    lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
+    return (
+        f"a LogBuffer was dropped with {' and '.join(lost)}; use it in a with block, "
+        "or call flush() before letting it go"
+    )
+
+
+def describe_sink(sink: Sink) -> str:
+    """A sink's own repr when it has a readable one, else its name (``show``, ``list.append``)."""
+    text = repr(sink)
+    if not text.startswith("<"):
+        return text
+    return str(getattr(sink, "__qualname__", None) or type(sink).__qualname__)
+
+
+# --- what the buffer holds ------------------------------------------------------------------
+
+
+def state_line(state: dict[str, Any]) -> str:
+    """The buffer's repr, from its ``_state()``: one line, however many keys it holds."""
+    parts = [f"{plural(state['records'], 'record')} of {_some(state['keys']) or '(none)'}"]
+    parts.append(f"{plural(state['pending'], 'value')} pending")
+    if state["last"] is not None:
+        parts.append(f"last {_some_items(state['last'])}")
+    if state["sinks"]:
+        parts.append(f"sinks {', '.join(state['sinks'])}")
+    return f"{state['name']}: {', '.join(parts)}"
+
+
+def state_table(state: dict[str, Any]) -> str:
+    """The buffer's table in a notebook, from its ``_state()``."""
+    last = state["last"] or {}
+    rows = [
+        ("records", plural(state["records"], "record")),
+        ("keys", _some(state["keys"], shown=50) or "none yet"),
+        ("pending", f"{plural(state['pending'], 'value')} not yet on the host"),
+        ("last record", _some_items(last, shown=50, braces=False) or "none"),
+        ("sinks", ", ".join(state["sinks"]) or "none"),
+    ]
+    if state["nonfinite"]:
+        rows.append(("NaN or inf", plural(state["nonfinite"], "value")))
+    return html_table(rows, caption=state["name"])
+
+
+def _some(keys: list[str], *, shown: int = 10) -> str:
+    """The first keys, then how many more: a repr with 2,000 keys stays one readable line."""
+    if len(keys) <= shown:
+        return ", ".join(keys)
+    return f"{', '.join(keys[:shown])} and {len(keys) - shown} more"
+
+
+def _some_items(record: Record, *, shown: int = 10, braces: bool = True) -> str:
+    """The first items of a record (as its repr writes them), then how many more."""
+    items = [f"{key!r}: {value!r}" if braces else f"{key}={value}" for key, value in record.items()]
+    text = _some(items, shown=shown)
+    return f"{{{text}}}" if braces else text
