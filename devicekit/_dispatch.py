@@ -49,7 +49,7 @@ from ._errors import WorkerError, WorkerTimeoutError
 from ._format import plural
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR, parse_visible_devices
-from ._worker import NO_MAIN_GUARD, work
+from ._worker import NO_MAIN_GUARD, WorkerName, work
 
 __all__ = [
     "MAIN_GUARD_FIX",
@@ -138,11 +138,16 @@ def start_workers(slots: list[Slot]) -> list[Worker]:
     try:
         for number, slot in enumerate(slots, 1):
             parent_end, child_end = context.Pipe(duplex=True)
+            # The name is unpickled first in the child, before the main module is
+            # imported: it ties the worker to this process from its first line.
+            name = WorkerName(
+                f"devicekit-worker-{number}", parent=os.getpid(), signal_on_death=main_thread
+            )
             process = context.Process(
                 target=work,
                 args=(child_end, os.getpid(), main_thread),
                 daemon=True,
-                name=f"devicekit-worker-{number}",
+                name=name,
             )
             # The child copies this environment at start, before it imports anything.
             # The environment is the process's: under the lock, a map started in
@@ -280,7 +285,8 @@ class _Map:
                 worker.fn_id = self.fn_id
             return
         index = worker.next_item
-        self._send(worker, ("item", index, self.payloads[index]))
+        payload, self.payloads[index] = self.payloads[index], b""  # sent once: not kept
+        self._send(worker, ("item", index, payload))
         worker.running, worker.next_item = index, None
         worker.deadline = self._deadline(self.timeout)
 
@@ -315,6 +321,8 @@ class _Map:
             except (EOFError, OSError):
                 raise self._error(_death_message(worker, self.work), worker.running) from None
             self._read(worker, message)
+            # A result's pickle, unpickled now: not kept while the next answer is read.
+            del message
 
     def _read(self, worker: Worker, message: tuple[Any, ...]) -> None:
         kind = message[0]

@@ -24,8 +24,12 @@ Faults end the call promptly and say what happened; nothing is left running:
   seen at once, through its process sentinel, and named with its device,
   its exit code or signal and the item it was running;
 - Ctrl-C stops every worker and raises ``KeyboardInterrupt``;
-- a dead parent (``SIGKILL``, pre-emption) takes its workers with it: at once
-  on Linux (a parent-death signal), else within about a second;
+- a dead parent (``SIGKILL``, pre-emption) takes its workers with it, from
+  their first line of Python, before they import the main module: at once on
+  Linux (a parent-death signal), else within about a second (a thread
+  watches the worker's PPID), busy or not;
+- Ctrl-C while workers start (import the main module) is the caller's alone:
+  the workers ignore it, so none prints a traceback of its import;
 - a script that calls ``gpu_map`` at import time, outside ``if __name__ ==
   "__main__":``, gets an error that says so, instead of a wall of
   ``multiprocessing`` traceback; so does ``fn`` calling ``gpu_map`` in a
@@ -94,7 +98,7 @@ def _slots(
         targets = [device for device in try_all_gpus() if device.type == "cuda"]
         if not targets:
             cpu: list[str | int] = ["cpu"]
-            return cpu * (os.cpu_count() or 1) * workers_per_device
+            return cpu * _usable_cpus() * workers_per_device
     else:
         targets = resolve_devices(devices, name="devices")
     slots: list[str | int] = []
@@ -113,6 +117,18 @@ def _slots(
     # Round-robin, not device by device: gpu_map starts only as many workers as it
     # has items, a prefix of these, and that prefix must spread over every device.
     return [slot for _ in range(workers_per_device) for slot in slots]
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a container's or a job's share).
+
+    ``os.cpu_count()`` counts the machine's: under ``taskset`` or a batch job given
+    4 of 128 cores, it gave 128 CPU workers, each importing torch, for 4 cores.
+    """
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 class Progress:
@@ -238,12 +254,12 @@ class GPUPool:
 
         Takes ``progress`` and ``timeout`` and raises as [`gpu_map()`][devicekit.gpu_map] does.
         """
+        if self._closed:  # before items are read and pickled, for nothing
+            raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
         work = checked_work(fn, items, caller="GPUPool.map()")
         limit = item_timeout(timeout)
         fn_bytes = _pickle_fn(fn)
         payloads = _pickle_items(work)
-        if self._closed:
-            raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
         return self._run(fn_bytes, work, payloads, progress=progress, timeout=limit)
 
     def _run(
@@ -432,7 +448,8 @@ def gpu_map(
     ``dk.try_gpu()`` is that GPU. Items are handed out as workers become free;
     results come back in input order. Several workers per device share it
     (useful when one item does not fill a GPU). Without a GPU, the workers
-    run on the CPU, one per CPU core, with every GPU hidden.
+    run on the CPU, one per CPU core this process may use (its affinity:
+    a batch job's share, not the machine's), with every GPU hidden.
 
     Because workers are spawned, each imports the main module again: in a
     script, call ``gpu_map`` under ``if __name__ == "__main__":``. To run
@@ -451,7 +468,8 @@ def gpu_map(
         devices: Where workers run: a list of [`DeviceLike`][devicekit.DeviceLike], or one.
             GPUs are named as this process numbers them (``0``, ``"cuda:1"``,
             ``torch.device("cuda", 1)``); ``"cpu"`` is a CPU worker. Default:
-            every visible GPU, or one CPU worker per core when there is none.
+            every visible GPU, or one CPU worker per core this process may use
+            (``os.sched_getaffinity``) when there is none.
         workers_per_device: Workers started per device.
         progress: Show progress on stderr (tqdm if installed, else a line).
         timeout: The most seconds one item may run, or None for no limit. An
@@ -515,6 +533,12 @@ def gpu_map(
             f"executor={executor!r}: expected 'local' (spawned workers on this machine) or "
             "'ray' (tasks on a Ray cluster)"
         )
+    if executor == "local":
+        # Before items are read: a worker importing a script that lacks the main
+        # guard read them all (a generator, a dataset loading each item) only to be
+        # refused, and so did a daemonic process.
+        _refuse_during_worker_bootstrap()
+        _refuse_in_daemon("gpu_map()")
     work = checked_work(fn, items, caller="gpu_map()")
     limit = item_timeout(timeout)
     if progress is not None:  # checked here too: an empty map shows no progress
@@ -531,8 +555,6 @@ def gpu_map(
         return ray_map(
             fn, work, devices=devices, workers_per_device=workers_per_device, progress=progress
         )
-    _refuse_during_worker_bootstrap()
-    _refuse_in_daemon("gpu_map()")
     fn_bytes = _pickle_fn(fn)
     per_device = workers_per_device_count(workers_per_device)
     # More workers per device than items would never run: not building them keeps

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -216,8 +217,21 @@ def test_no_gpu_means_cpu_workers(fake_accelerator: FakeAccelerator) -> None:
     from devicekit import _parallel
 
     fake_accelerator(None, 0)
-    assert _parallel._slots(None, 1) == ["cpu"] * (os.cpu_count() or 1)
-    assert _parallel._slots(None, 2) == ["cpu"] * 2 * (os.cpu_count() or 1)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    assert _parallel._slots(None, 1) == ["cpu"] * cpus
+    assert _parallel._slots(None, 2) == ["cpu"] * 2 * cpus
+
+
+def test_cpu_workers_are_as_many_as_the_cpus_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before, os.cpu_count(): a batch job given 2 of a machine's 64 cores got 64 workers.
+    fake_accelerator(None, 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    with dk.gpu_pool() as pool:
+        assert pool.devices == ["cpu", "cpu"]
 
 
 def test_an_error_names_the_item_and_carries_the_traceback() -> None:
@@ -548,20 +562,38 @@ def test_workers_are_named_by_their_gpu(
         dk.gpu_map(fail_on_three, [3], devices=["cuda:1"])
 
 
-def _kill_parent_and_watch(script: str, workers: int, tmp_path: Any) -> None:
-    env = {**os.environ, "DK_TEST_PIDS": str(tmp_path)}
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env)
+def _kill_parent_and_watch(
+    script: str,
+    workers: int,
+    pids: Any,
+    *,
+    main: Any = None,
+    env: dict[str, str] | None = None,
+    seconds: float = 15,
+) -> None:
+    """Run ``script``, SIGKILL it once ``workers`` PIDs are in ``pids``, see them end in time.
+
+    ``script`` runs with ``python -c``, or from the file ``main`` (a main module
+    that spawned workers import again), with the repository importable.
+    """
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "DK_TEST_PIDS": str(pids), "PYTHONPATH": path, **(env or {})}
+    command = [sys.executable, "-c", textwrap.dedent(script)]
+    if main is not None:
+        main.write_text(textwrap.dedent(script))
+        command = [sys.executable, str(main)]
+    parent = subprocess.Popen(command, cwd=REPO, env=env)
     try:
-        assert _wait_for(lambda: len(os.listdir(tmp_path)) >= workers, 60), "workers never ran"
-        pids = [int(name) for name in os.listdir(tmp_path)]
-        assert all(_alive(pid) for pid in pids)
+        assert _wait_for(lambda: len(os.listdir(pids)) >= workers, 60), "workers never ran"
+        found = [int(name) for name in os.listdir(pids)]
+        assert all(_alive(pid) for pid in found)
     finally:
         parent.kill()  # SIGKILL: the parent runs no cleanup at all
         parent.wait(timeout=30)
     try:
-        assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 15), "orphans survived"
+        assert _wait_for(lambda: not any(_alive(pid) for pid in found), seconds), "orphans survived"
     finally:
-        for pid in pids:
+        for pid in found:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -1259,3 +1291,331 @@ def test_a_result_whose_pickling_exits_is_named_and_keeps_the_worker() -> None:
         "tensors, or containers of them."
     )
     assert info.value.results == {0: 0}
+
+
+_SLOW_MAIN = """
+import os, pathlib, sys, time
+if __name__ == "__mp_main__":  # a worker, importing this module again
+    pathlib.Path(os.environ["DK_TEST_PIDS"], str(os.getpid())).touch()
+    time.sleep(120)  # a slow import: torch on a busy file system, or one that hangs
+import threading, devicekit as dk
+def run():
+    dk.gpu_map(abs, [1, 2], devices=["cpu", "cpu"])
+if __name__ == "__main__":
+    if os.environ.get("DK_TEST_IN_THREAD"):  # no parent-death signal: the PPID is watched
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    else:
+        run()
+"""
+
+_SLOW_START = """
+import os, pathlib, sys, time
+if "--multiprocessing-fork" in sys.argv:  # a worker's Python, starting: none of its code yet
+    pathlib.Path(os.environ["DK_TEST_PIDS"], str(os.getpid())).touch()
+    time.sleep(2)
+"""
+
+
+@pytest.mark.parametrize("stage", ["importing main", "importing main, thread", "starting"])
+def test_workers_end_when_their_parent_is_killed_before_they_ran_anything(
+    tmp_path: Any, stage: str
+) -> None:
+    # Before, a worker armed the parent-death signal only once it had imported the
+    # main module (spawn imports it again): killed while a worker imported it, the
+    # parent left an orphan that finished the import (here 120 s; forever if it
+    # hangs), running the rest of the main module. "starting": killed while the
+    # worker's Python is still starting (its sitecustomize), before any of our code.
+    pids, site = tmp_path / "pids", tmp_path / "site"
+    pids.mkdir()
+    site.mkdir()
+    env = {"DK_TEST_IN_THREAD": "1" if "thread" in stage else ""}
+    if stage == "starting":
+        (site / "sitecustomize.py").write_text(textwrap.dedent(_SLOW_START))
+        path = [str(site), REPO, os.environ.get("PYTHONPATH")]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    _kill_parent_and_watch(_SLOW_MAIN, 2, pids, main=tmp_path / "main.py", env=env, seconds=10)
+
+
+def test_busy_workers_of_a_pool_started_in_a_thread_end_when_their_parent_is_killed(
+    tmp_path: Any,
+) -> None:
+    # A worker started from a thread gets no parent-death signal (it follows the
+    # thread). Before, it checked the PPID only between items: a busy fn outlived
+    # its killed parent, here by 120 s. Now a thread watches the PPID.
+    script = """
+    import threading, time, devicekit as dk
+    from tests.test_parallel import pid_and_wait
+    if __name__ == "__main__":
+        thread = threading.Thread(
+            target=dk.gpu_map, args=(pid_and_wait, range(2)), kwargs={"devices": ["cpu"] * 2}
+        )
+        thread.start()
+        thread.join()
+    """
+    _kill_parent_and_watch(script, 2, tmp_path, seconds=10)
+
+
+def test_ctrl_c_while_workers_import_the_main_module_is_the_callers_alone(tmp_path: Any) -> None:
+    # Ctrl-C in a terminal reaches every worker too. Before, a worker still
+    # importing the main module died of it, printing a traceback of the import
+    # (one per worker, interleaved), and the call raised "worker 1 exited with
+    # code 1 before it started: it could not import the main module".
+    script = tmp_path / "main.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, pathlib, signal, time
+            if __name__ == "__mp_main__":
+                pathlib.Path(os.environ["DK_TEST_PIDS"], str(os.getpid())).touch()
+                time.sleep(120)
+            import devicekit as dk
+            if __name__ == "__main__":
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # see CTRL_C_WORKS
+                try:
+                    dk.gpu_map(abs, [1, 2], devices=["cpu", "cpu"])
+                except KeyboardInterrupt:
+                    print("KeyboardInterrupt", flush=True)
+            """
+        )
+    )
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, "DK_TEST_PIDS": str(pids)}
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    found: list[int] = []
+    try:
+        assert _wait_for(lambda: len(os.listdir(pids)) >= 2, 60), "workers never started"
+        found = [int(name) for name in os.listdir(pids)]
+        for pid in found:  # what a terminal does: the same signal to every process
+            os.kill(pid, signal.SIGINT)
+        time.sleep(1)
+        assert all(_alive(pid) for pid in found)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        for pid in found:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert (process.returncode, stdout) == (0, "KeyboardInterrupt\n"), stderr
+    assert "Traceback" not in stderr
+    assert "KeyboardInterrupt" not in stderr  # no worker's
+    assert not any(_alive(pid) for pid in found)
+
+
+MB = 1 << 20
+
+
+def full_tensor(megabytes: int) -> torch.Tensor:
+    return torch.full((megabytes * MB,), 7, dtype=torch.uint8)
+
+
+def full_array(megabytes: int) -> Any:
+    import numpy as np
+
+    return np.full(megabytes * MB, 7, dtype=np.uint8)
+
+
+def tensor_plus_one(item: torch.Tensor) -> torch.Tensor:
+    return item + 1
+
+
+def _peak_and_rss(pid: int | str) -> tuple[int, int]:
+    """A process's peak resident memory since its last reset, and its resident memory now."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmHWM"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
+
+
+_NO_NUMPY = pytest.mark.skipif(importlib.util.find_spec("numpy") is None, reason="needs numpy")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    ("fn", "small", "item", "most"),
+    [
+        # The result and its pickle; before, 3: torch.save's copy too.
+        (full_tensor, 1, 100, 2.4),
+        # Before, 3: with protocol 4, numpy pickled a tobytes() copy.
+        pytest.param(full_array, 1, 100, 2.4, marks=_NO_NUMPY),
+        # Before, 5: the item's pickle and the item were kept while the result was pickled.
+        (tensor_plus_one, torch.zeros(1), torch.zeros(100 * MB, dtype=torch.uint8), 3.4),
+    ],
+    ids=["tensor result", "numpy result", "tensor item and result"],
+)
+def test_a_worker_holds_few_copies_of_a_large_item_or_result(
+    fn: Callable[[Any], Any], small: Any, item: Any, most: float
+) -> None:
+    size = 100 * MB
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        pool.map(fn, [small])  # started, with what fn imports imported
+        pid = pool._workers[0].process.pid
+        with open(f"/proc/{pid}/clear_refs", "w") as clear:
+            clear.write("5")  # its peak, from now
+        _, before = _peak_and_rss(pid)
+        (result,) = pool.map(fn, [item])
+        peak, _ = _peak_and_rss(pid)
+    assert len(result) == size
+    assert (peak - before) / size < most, f"{(peak - before) / size:.2f} copies at the peak"
+
+
+def echo(item: Any) -> Any:
+    return item
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_the_caller_holds_items_and_results_once() -> None:
+    # Before, every item's pickle was kept until the map ended: with 4 items of
+    # 50 MB echoed back, the caller peaked at 13 x 50 MB above its start (the
+    # items, their pickles, the results and one result in flight), now 9.
+    script = """
+        import json, devicekit as dk
+        from tests.test_parallel import MB, echo, _peak_and_rss
+        with dk.gpu_pool(devices=["cpu"]) as pool:
+            pool.map(echo, [0])  # started
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+            _, before = _peak_and_rss("self")
+            items = [bytes([i]) * (50 * MB) for i in range(4)]
+            assert pool.map(echo, items) == items
+            peak, _ = _peak_and_rss("self")
+        print(json.dumps((peak - before) / (50 * MB)))
+    """
+    copies = json.loads(_run_in_repo(textwrap.dedent(script)).stdout.strip().splitlines()[-1])
+    assert copies < 10.5, f"{copies:.2f} x 50 MB at the peak"
+
+
+class _Answers:
+    """A worker's end of the pipe with one answer waiting; ``before`` runs as it is read."""
+
+    def __init__(self, answer: tuple[Any, ...], before: Callable[[], None]) -> None:
+        self.answers, self.before = [answer], before
+
+    def recv(self) -> tuple[Any, ...]:
+        self.before()
+        return self.answers.pop()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self.answers)
+
+
+class _Sentinel:
+    """A process whose sentinel is never ready."""
+
+    def __init__(self) -> None:
+        self.sentinel = object()
+
+
+def test_an_answer_is_dropped_before_the_next_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, a result's pickle was kept while the next worker's answer was read:
+    # with answers from several workers at once, the caller held two large
+    # pickles (and the results) instead of one.
+    import array
+    import multiprocessing.connection
+    import weakref
+
+    from devicekit import _dispatch
+
+    first = array.array("B", pickle.dumps(b"first"))
+    gone = weakref.ref(first)
+    alive: list[bool] = []
+    conns = [
+        _Answers(("ok", 0, first), lambda: None),
+        _Answers(("ok", 1, pickle.dumps(b"second")), lambda: alive.append(gone() is not None)),
+    ]
+    del first
+    workers = [_dispatch.Worker(n, "cpu", _Sentinel(), conn) for n, conn in enumerate(conns, 1)]
+    monkeypatch.setattr(multiprocessing.connection, "wait", lambda handles, timeout: conns)
+    one_map = _dispatch._Map(
+        workers, [0, 1], fn_id=0, fn_bytes=b"", payloads=[b"", b""], step=lambda: None, timeout=None
+    )
+    one_map._collect()
+    assert one_map.results == {0: b"first", 1: b"second"}
+    assert alive == [False]
+
+
+def test_a_closed_pool_says_so_before_it_reads_the_items() -> None:
+    # Before, a closed pool read and pickled every item first: a generator was
+    # consumed, and an item that cannot be pickled raised a TypeError instead.
+    pool = dk.gpu_pool(devices=["cpu"])
+    pool.close()
+    read: list[int] = []
+
+    def items() -> Iterator[Any]:
+        read.append(1)
+        yield lambda: 1
+
+    with pytest.raises(ValueError, match="this GPUPool is closed"):
+        pool.map(abs, items())
+    assert read == []
+
+
+def test_a_missing_main_guard_is_named_before_the_workers_read_the_items(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, each worker importing the script read every item (a generator, a
+    # dataset loading each one) before it was refused.
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("DK_TEST_PIDS", str(pids))
+    imports = (
+        "import os, pathlib\n"
+        "def items():\n"
+        "    if __name__ == '__mp_main__':  # read in a worker\n"
+        "        pathlib.Path(os.environ['DK_TEST_PIDS'], str(os.getpid())).touch()\n"
+        "    yield from range(4)\n"
+    )
+    result = _run_without_main_guard(
+        tmp_path, imports, "dk.gpu_map(abs, items(), devices=['cpu', 'cpu'])"
+    )
+    assert "stopped while importing the main module" in result.stdout
+    assert os.listdir(pids) == []
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(10.0)[2:7:2],  # a view: its offset and stride
+        torch.randn(3, 4).t(),
+        torch.randn(5).bfloat16(),
+        torch.randn(3, dtype=torch.complex64),
+        torch.tensor([True, False]),
+        torch.empty(0),
+        torch.tensor(3.5),
+        torch.nn.Parameter(torch.randn(2)),
+        torch.randn(2, requires_grad=True),
+        torch.randn(3, 3).to_sparse(),
+        torch.randn(1, 3, 4, 4).to(memory_format=torch.channels_last),
+    ],
+    ids=lambda tensor: f"{tensor.dtype}-{tensor.layout}-{tuple(tensor.shape)}",
+)
+def test_tensors_cross_as_torch_pickles_them(tensor: torch.Tensor) -> None:
+    # Storages now cross as their raw bytes, not as torch.save writes them: what
+    # comes back must be what torch's own pickling gives.
+    from devicekit._worker import dumps
+
+    ours, torchs = pickle.loads(dumps(tensor)), pickle.loads(pickle.dumps(tensor))
+    assert type(ours) is type(torchs)
+    assert (ours.dtype, ours.shape, ours.layout, ours.requires_grad) == (
+        torchs.dtype,
+        torchs.shape,
+        torchs.layout,
+        torchs.requires_grad,
+    )
+    if tensor.layout != torch.strided:
+        assert torch.equal(ours.to_dense(), torchs.to_dense())
+        return
+    assert (ours.stride(), ours.storage_offset()) == (torchs.stride(), torchs.storage_offset())
+    assert bytes(ours.untyped_storage()) == bytes(torchs.untyped_storage())
+    assert ours.untyped_storage().resizable()  # memory of its own, not a view of the pickle
