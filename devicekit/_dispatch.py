@@ -40,9 +40,10 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import WorkerError, WorkerTimeoutError
@@ -56,6 +57,7 @@ __all__ = [
     "Slot",
     "Worker",
     "fn_raised",
+    "refuse_foreign",
     "run_map",
     "show_item",
     "start_workers",
@@ -103,6 +105,7 @@ class Worker:
     fn_id: int = -1  # the map whose fn it was sent: each map numbers its fn
     loaded: int = -1  # the map whose fn it has unpickled
     deadline: float | None = None  # when its item's, or its start-up's, time is up (monotonic)
+    owner: int = field(default_factory=os.getpid)  # the process that started it: its parent
 
     def where(self) -> str:
         """``"worker 2 on cuda:1"``, ``"worker 1 on the CPU"``."""
@@ -123,6 +126,37 @@ class Worker:
             hint = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
             return f"was killed by {name}{hint}"
         return f"exited with code {code}"
+
+
+# Every worker process started here, to be forgotten by a child forked from this process.
+_started: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """In a child of ``os.fork()``: the workers are its parent's, not its own.
+
+    multiprocessing lists a process's children for its exit handler, which
+    terminates the daemonic ones; a plain ``fork()`` copies that list, so a
+    forked child that exited normally sent SIGTERM to its parent's workers.
+    (Children that multiprocessing itself forks clear the list first.)
+    """
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.difference_update(_started)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def refuse_foreign(workers: list[Worker], *, caller: str) -> None:
+    """Refuse to use workers another process started (this one is a fork of it)."""
+    if workers and workers[0].owner != os.getpid():
+        raise RuntimeError(
+            f"{caller}: this pool's workers belong to process {workers[0].owner}, and this "
+            f"process ({os.getpid()}) is a fork of it, which cannot share their pipes. Make a "
+            "pool in this process (dk.gpu_pool()), or call gpu_map here."
+        )
 
 
 def start_workers(slots: list[Slot]) -> list[Worker]:
@@ -155,6 +189,7 @@ def start_workers(slots: list[Slot]) -> list[Worker]:
             with _STARTING, scoped_env(ENV_VAR, worker_env(slot)), scoped_env(_WARNINGS, quiet):
                 process.start()
             child_end.close()  # so that the worker's death reads as EOF here
+            _started.add(process)
             workers.append(Worker(number, slot, process, parent_end))
     except BaseException:  # Ctrl-C too: no worker may outlive a failed start
         stop_workers(workers, gently=False)
@@ -168,7 +203,11 @@ def stop_workers(workers: list[Worker], *, gently: bool) -> None:
     Each step goes to every worker before waiting, and the wait is shared, so
     that stopping many workers that ignore SIGTERM (a hung ``fn``, a library's
     handler) takes about ``_STOP_SECONDS``, not that long for each in turn.
+    Workers another process started are left alone: in a forked child, the
+    pool's finalizer must not stop its parent's workers.
     """
+    if workers and workers[0].owner != os.getpid():
+        return
     try:
         if gently:
             for worker in workers:

@@ -57,6 +57,7 @@ from ._dispatch import (
     Slot,
     Worker,
     fn_raised,
+    refuse_foreign,
     run_map,
     show_item,
     start_workers,
@@ -256,6 +257,7 @@ class GPUPool:
         """
         if self._closed:  # before items are read and pickled, for nothing
             raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
+        refuse_foreign(self._workers, caller="GPUPool.map()")
         work = checked_work(fn, items, caller="GPUPool.map()")
         limit = item_timeout(timeout)
         fn_bytes = _pickle_fn(fn)

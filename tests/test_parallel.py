@@ -1619,3 +1619,48 @@ def test_tensors_cross_as_torch_pickles_them(tensor: torch.Tensor) -> None:
     assert (ours.stride(), ours.storage_offset()) == (torchs.stride(), torchs.storage_offset())
     assert bytes(ours.untyped_storage()) == bytes(torchs.untyped_storage())
     assert ours.untyped_storage().resizable()  # memory of its own, not a view of the pickle
+
+
+_FORKS = """
+import json, math, os, sys
+import devicekit as dk
+if __name__ == "__main__":
+    pool = dk.gpu_pool(devices=["cpu"])
+    first = pool.map(math.sqrt, [4.0])
+    pid = os.fork()
+    if pid == 0:  # a plain fork() (not multiprocessing's) that ends normally
+        try:
+            pool.map(math.sqrt, [1.0])
+        except RuntimeError as error:
+            print(str(error), file=sys.stderr, flush=True)
+        sys.exit(0)  # the interpreter's exit handlers run here, in the child
+    os.waitpid(pid, 0)
+    after = pool.map(math.sqrt, [9.0])
+    pool.close()
+    print(json.dumps([first, after]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_neither_uses_nor_stops_its_parent_s_workers() -> None:
+    # Before: the child's exit handler (multiprocessing's, and the pool's finalizer) sent
+    # SIGTERM to the parent's workers, printing AssertionError tracebacks, and the
+    # parent's next map failed with "worker 1 on the CPU was killed by SIGTERM".
+    result = subprocess.run(
+        [sys.executable, "-c", _FORKS],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == [[2.0], [3.0]]
+    assert "Traceback" not in result.stderr, result.stderr
+    assert re.search(
+        r"^GPUPool.map\(\): this pool's workers belong to process \d+, and this process "
+        r"\(\d+\) is a fork of it, which cannot share their pipes\. Make a pool in this "
+        r"process \(dk.gpu_pool\(\)\), or call gpu_map here\.$",
+        result.stderr,
+        re.MULTILINE,
+    ), result.stderr
