@@ -99,7 +99,7 @@ def _slots(
         targets = [device for device in try_all_gpus() if device.type == "cuda"]
         if not targets:
             cpu: list[str | int] = ["cpu"]
-            return cpu * _usable_cpus() * workers_per_device
+            return _at_most_max(cpu * _usable_cpus(), workers_per_device, caller)
     else:
         targets = resolve_devices(devices, name="devices")
     slots: list[str | int] = []
@@ -115,9 +115,26 @@ def _slots(
             f"{caller} needs at least one device, got devices=[]; pass devices=None for every "
             "visible GPU (or the CPU), or name one"
         )
-    # Round-robin, not device by device: gpu_map starts only as many workers as it
-    # has items, a prefix of these, and that prefix must spread over every device.
-    return [slot for _ in range(workers_per_device) for slot in slots]
+    return _at_most_max(slots, workers_per_device, caller)
+
+
+_MAX_WORKERS = 1024  # each a process that imports torch: hundreds of MB of memory each
+
+
+def _at_most_max(slots: list[str | int], per_device: int, caller: str) -> list[str | int]:
+    """Each slot ``per_device`` times, round-robin; refused past `_MAX_WORKERS` in all.
+
+    Round-robin, not device by device: gpu_map starts only as many workers as it
+    has items, a prefix of these, and that prefix must spread over every device.
+    """
+    if len(slots) * per_device > _MAX_WORKERS:  # before a list of a billion is built
+        raise ValueError(
+            f"workers_per_device={per_device} on {plural(len(slots), 'device')} would start "
+            f"{len(slots) * per_device:,} worker processes, each importing torch; {caller} "
+            f"starts at most {_MAX_WORKERS}. Use fewer workers per device (1 to 4 keeps a "
+            "GPU busy)"
+        )
+    return [slot for _ in range(per_device) for slot in slots]
 
 
 def _usable_cpus() -> int:

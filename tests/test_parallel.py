@@ -304,6 +304,19 @@ def test_a_gpu_that_does_not_exist_is_refused_without_the_variable_too(
         dk.gpu_map(math.sqrt, [1], devices=[7])
 
 
+def test_a_worker_count_no_machine_can_start_is_refused_before_anything_is_built() -> None:
+    # Before: gpu_pool(workers_per_device=10**9) built a billion-entry list, then started.
+    message = (
+        r"^workers_per_device=1000000000 on 2 devices would start 2,000,000,000 worker "
+        r"processes, each importing torch; gpu_pool\(\) starts at most 1024\. Use fewer"
+    )
+    with pytest.raises(ValueError, match=message):
+        dk.gpu_pool(devices=["cpu", "cpu"], workers_per_device=10**9)
+    with pytest.raises(ValueError, match=r"would start 1,026 worker processes.*gpu_map\(\)"):
+        dk.gpu_map(math.sqrt, range(2000), devices=["cpu", "cpu"], workers_per_device=513)
+    dk.gpu_pool(devices=["cpu", "cpu"], workers_per_device=512).close()  # 1024: allowed
+
+
 def test_devices_accept_torch_devices_and_one_string(fake_accelerator: FakeAccelerator) -> None:
     from devicekit import _parallel
 
