@@ -34,6 +34,12 @@ so no later job-wide call of the job can complete. The rank whose call failed
 first writes that down under one more key; every later call, on every rank,
 reads it and raises at once, naming that call, instead of failing after a
 wait with a misleading "a rank crashed".
+
+Letting go. Gloo's worker thread holds each collective's tensors a little
+past ``wait()``: past its completion, and past a ``wait()`` that gave up,
+until gloo's own timeout ends the collective too. A worker that lets go
+while the interpreter exits aborts the process, so every collective here
+returns, or raises, only once the worker has let go (``gloo_lets_go``).
 """
 
 from __future__ import annotations
@@ -123,27 +129,86 @@ def _wait(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(milliseconds=max(1, milliseconds))
 
 
+def _use_count(tensor: torch.Tensor) -> int:
+    """How many C++ owners ``tensor`` has (its ``TensorImpl``'s count), its Python object's one."""
+    count: int = tensor._use_count()  # type: ignore[attr-defined]  # private; in torch 2.6 to 2.13
+    return count
+
+
+def _holders(tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+    return [(sys.getrefcount(tensor), _use_count(tensor)) for tensor in tensors]
+
+
+def _until_let_go(
+    tensors: tuple[torch.Tensor, ...], before: list[tuple[int, int]], seconds: float
+) -> bool:
+    """Wait up to ``seconds`` until the counts of ``tensors`` are back to ``before``."""
+    deadline = time.monotonic() + seconds
+    pause = 0.0
+    while _holders(tensors) != before:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)  # hands the GIL to the worker thread, should it need it
+        pause = min(0.01, 2 * pause + 1e-5)  # microseconds first: the usual wait
+    return True
+
+
 @contextlib.contextmanager
-def gloo_lets_go(*tensors: torch.Tensor) -> Iterator[None]:
+def gloo_lets_go(*tensors: torch.Tensor, failed_within: float = 1.0) -> Iterator[None]:
     """Around a gloo collective: on the way out, wait until gloo's worker lets go of ``tensors``.
 
-    torch >= 2.10 counts each C++ owner of a Python tensor as a Python
-    reference and gives it back with the GIL; gloo's worker thread gives its
-    back just after the collective completes. If the interpreter is exiting by
-    then (a collective on a script's last line), taking the GIL aborts the
-    process ("terminate called without an active exception"). So wait here,
-    briefly (at most a second; normally microseconds), until every count is
-    back where it was. On torch versions that count no C++ owners there is
-    nothing to wait for. NCCL's watchdog lets go much later; torch shuts it
-    down in ``destroy_process_group``.
+    Gloo runs a collective on a worker thread, which holds its work, and so
+    ``tensors``, a little longer than ``wait()`` does: until just after the
+    collective completes, and after a ``wait()`` that gave up first (a rank
+    never came), until gloo's own timeout gives up too. Letting go may take
+    the GIL: on torch >= 2.10 always (each C++ owner of a Python tensor counts
+    as a Python reference), on torch 2.6 when the work holds the last
+    reference to a tensor whose Python object is gone. A thread that takes
+    the GIL while the interpreter exits (a job-wide call on a script's last
+    line, or the exit that follows a failed one) is made to exit in the middle
+    of a C++ destructor, and the process aborts: "terminate called without an
+    active exception" (torch 2.6: 5 runs in 12 of the test whose ranks fail
+    job-wide calls, before this waited after a failure too).
+
+    So wait here, while this frame still holds ``tensors`` (on torch 2.6 the
+    worker then lets go without the GIL), until their counts, Python
+    references and C++ owners, are back where they were. The caller must not
+    hold the work itself, or they never are. After a collective that
+    completed, at most a second (normally microseconds); after one that
+    raised, at most ``failed_within`` seconds (see ``_gloo_gives_up``), with a
+    warning past 5 s. NCCL's watchdog lets go much later; torch shuts it down
+    in ``destroy_process_group``.
     """
-    before = [sys.getrefcount(tensor) for tensor in tensors]
-    yield
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        if [sys.getrefcount(tensor) for tensor in tensors] == before:
-            return
-        time.sleep(0)  # hands the GIL to the worker thread
+    before = _holders(tensors)
+    try:
+        yield
+    except BaseException:
+        if not _until_let_go(tensors, before, min(failed_within, 5.0)) and failed_within > 5:
+            logger.warning(
+                "A job-wide call ended while gloo still runs its collective; waiting up to %s "
+                "more for gloo's own timeout to end it too: a process that exits before then "
+                "can abort",
+                format_seconds(failed_within - 5.0),
+            )
+            _until_let_go(tensors, before, failed_within - 5.0)
+        raise
+    _until_let_go(tensors, before, 1.0)
+
+
+def _gloo_gives_up(timeout: float) -> float:
+    """Seconds within which gloo ends a collective whose ``wait(timeout)`` gave up on it.
+
+    Gloo runs the collective under the group's timeout: the call's own, or on
+    torch that keeps the first (see ``gloo_keeps_first_timeout``) the first
+    call's, longer or shorter. Twice that, and 5 s: a rank that arrives late,
+    within that timeout, passes gloo on to a later step of the collective,
+    which may wait as long again for a rank that never comes (torch 2.6, 3
+    ranks, rank 1 1.5 s late and rank 2 absent: rank 0's 2 s collective
+    ended after 3.5 s).
+    """
+    made_with = _Job.made_with
+    own = made_with if made_with is not None and gloo_keeps_first_timeout() else timeout
+    return 2 * own + 5.0
 
 
 class _Job:
@@ -456,12 +521,12 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     try:
         dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
-        _all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group, wait)
+        _all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group, timeout)
         longest = max(int(s) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-        _all_gather(received, mine, group, wait)
+        _all_gather(received, mine, group, timeout)
     except RuntimeError as error:
         raise _out_of_step(what, timeout, error, call, started) from error
     answers = [
@@ -548,18 +613,20 @@ def all_reduce(tensor: torch.Tensor, op: Any, *, timeout: float, what: str) -> N
     group = _group(timeout, what, call, started)
     wait = _wait(timeout)
     try:
-        with gloo_lets_go(tensor):
-            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-            work.wait(wait)
+        # The work is never named: a name would hold it and its tensor, and gloo_lets_go
+        # would wait a whole second for counts that cannot come back (every call took
+        # 1.00 s on torch 2.13, and with it every reducing LogBuffer flush; now 0.6 ms).
+        with gloo_lets_go(tensor, failed_within=_gloo_gives_up(timeout)):
+            dist.all_reduce(tensor, op=op, group=group, async_op=True).wait(wait)
     except RuntimeError as error:
         raise _out_of_step(what, timeout, error, call, started) from error
 
 
 def _all_gather(
-    outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any, wait: datetime.timedelta
+    outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any, timeout: float
 ) -> None:
-    """``all_gather``, waited on for at most ``wait``, and let go of by gloo's worker."""
+    """``all_gather``, waited on for at most ``timeout``, and let go of by gloo's worker."""
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
-    with gloo_lets_go(tensor, *outputs):
-        dist.all_gather(outputs, tensor, group=group, async_op=True).wait(wait)
+    with gloo_lets_go(tensor, *outputs, failed_within=_gloo_gives_up(timeout)):
+        dist.all_gather(outputs, tensor, group=group, async_op=True).wait(_wait(timeout))

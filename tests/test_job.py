@@ -232,6 +232,42 @@ def test_a_gather_returns_only_once_gloo_has_let_go_of_its_tensors(
         dist.destroy_process_group()
 
 
+def test_a_failed_gather_raises_only_once_gloo_has_let_go_of_its_tensors(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A wait() that gives up (a rank never came) leaves gloo's worker running the
+    # collective until gloo's own timeout gives up too, and only then does it let go.
+    # Before, the error was raised at once: a rank that then exited aborted if the
+    # worker let go meanwhile (torch 2.6, 5 runs in 12 of the test with failing ranks).
+    # Here the worker lets go 50 ms after the wait gave up.
+    import threading
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        holding: list[list[torch.Tensor]] = []
+
+        class GaveUp:
+            def wait(self, timeout: object = None) -> bool:
+                raise RuntimeError("Operation timed out!")
+
+        def late_all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, **kw: Any) -> Any:
+            held = [tensor, *outputs]
+            holding.append(held)
+            threading.Timer(0.05, held.clear).start()  # gloo gives up, the worker lets go
+            return GaveUp()
+
+        monkeypatch.setattr(dist, "all_gather", late_all_gather)
+        with pytest.raises(dk.RanksOutOfStepError, match=r"test: every rank arrived, then the"):
+            _dist.gather_objects({"rank": 0}, timeout=10, what="test")
+        assert holding == [[]]  # let go before the error was raised
+    finally:
+        dist.destroy_process_group()
+
+
 # --- three ranks -----------------------------------------------------------------------------
 
 # Where each rank of the spawned job "runs": its host, LOCAL_RANK, CUDA_VISIBLE_DEVICES,
@@ -511,6 +547,30 @@ def _late_for_a_call_that_asked_for_longer(rank: int, world: int, folder: str) -
     dist.destroy_process_group()
 
 
+def _alone_in_a_collective(rank: int, world: int, folder: str) -> None:
+    """Rank 0 alone reduces: its wait gives up after 1 s, before gloo's does on torch 2.6.
+
+    There gloo runs the collective under the group's timeout, the first call's 3 s, and
+    its worker holds the tensor until then. Before, the error came at 1 s, and a rank that
+    exited while the worker still held it aborted ("terminate called without an active
+    exception").
+    """
+    dist = _scenario(folder, "alone", rank, world)
+    dk.job_status(timeout=3)
+    outcome: dict[str, Any] = {}
+    if rank == 0:
+        total = torch.ones(1)
+        owners = _dist._use_count(total)
+        try:
+            _dist.all_reduce(total, dist.ReduceOp.SUM, timeout=1, what="test")
+        except dk.RanksOutOfStepError:
+            outcome["failed"] = True
+        outcome["let go"] = _dist._use_count(total) == owners
+    _record(folder, "alone", rank, outcome)
+    _wait_for(folder, [f"alone-{r}.json" for r in range(world)])
+    dist.destroy_process_group()
+
+
 def _failing_rank(rank: int, world: int, port: int, folder: str) -> None:
     """Ranks that fail in the ways job-wide calls must survive, a process group for each."""
     _never_comes_to_the_first_call(rank, world, folder)
@@ -518,6 +578,7 @@ def _failing_rank(rank: int, world: int, port: int, folder: str) -> None:
     _waits_less_than_a_millisecond(rank, world, folder)
     _behind_after_a_call_that_failed_on_one_rank(rank, world, folder)
     _late_for_a_call_that_asked_for_longer(rank, world, folder)
+    _alone_in_a_collective(rank, world, folder)
 
 
 _HOSTNAME = socket.gethostname
@@ -567,3 +628,6 @@ def test_a_rank_that_fails_or_never_comes_is_named_on_every_rank(tmp_path: Path)
         capped = "timeout of the job's first job-wide call (1 s), not this call's (60 s)"
         assert all("error" in outcome for outcome in longer), longer
         assert any(capped in outcome["error"] for outcome in longer), longer
+    # 6. Before, rank 0's error came while gloo's worker still held the tensor, and the
+    #    rank aborted if it exited before the worker let go (on torch 2.6, 5 runs in 12).
+    assert outcomes("alone") == [{"failed": True, "let go": True}, {}, {}]
