@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import devicekit as dk
-from devicekit import _dist
+from devicekit import _dist, _jobstate
 
 SECTION_GOAL = 5e-6  # seconds per section (enter and exit) or step call
 JOB_STATUS_GOAL = 0.2  # seconds for job_status() on 8 ranks
@@ -182,7 +182,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, folder: str) -> None:
             ),
             "job_status()": dk.job_status,
             # What each job-wide call adds to learn whether an earlier one failed elsewhere.
-            "store read (failed call?)": lambda: _dist._read_broken(_dist._store()),
+            "store read (failed call?)": lambda: _jobstate._read_broken(_jobstate._store()),
         }
         names = list(calls)
         times: dict[str, list[float]] = {name: [] for name in names}

@@ -21,46 +21,29 @@ call's timeout would fail a later call that allowed for it. torch before
 timeout once, when the group is made, so there the first call's timeout
 bounds every later call, and a call that fails by it says so.
 
-Naming the rank that did not arrive. Gloo's ``monitored_barrier`` names the
-missing ranks on rank 0 only; the others learn merely that rank 0 did not
-answer. So on its way in, each rank notes in the job's store (the key-value
-store every process group has) how many job-wide calls it has made and which
-one it is in. When a call fails, every rank reads those notes and names the
-ranks that are not in this call, and where each one is instead. The notes
-are one key per rank, overwritten at each call: nothing accumulates.
-
-After a failure. Gloo closes a group's connections when a collective fails,
-so no later job-wide call of the job can complete. The rank whose call failed
-first writes that down under one more key; every later call, on every rank,
-reads it and raises at once, naming that call, instead of failing after a
-wait with a misleading "a rank crashed".
-
-Letting go. Gloo's worker thread holds each collective's tensors a little
-past ``wait()``: past its completion, and past a ``wait()`` that gave up,
-until gloo's own timeout ends the collective too. A worker that lets go
-while the interpreter exits aborts the process, so every collective here
-returns, or raises, only once the worker has let go (``gloo_lets_go``).
+Which job-wide call each rank is in, and what a failed call leaves behind:
+``_jobstate``. How long gloo holds a collective's tensors, and why every
+collective here waits until it lets go: ``_gloo``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import math
 import os
 import pickle
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from ._errors import RanksOutOfStepError, add_note
-from ._format import first_line, format_seconds, plural
+from ._format import first_line
+from ._gloo import gloo_keeps_first_timeout, gloo_lets_go
+from ._jobstate import Job, arrive, out_of_step, refuse_if_broken, this_job
 from ._options import check_seconds
 
 __all__ = [
@@ -69,7 +52,6 @@ __all__ = [
     "all_reduce",
     "gather_objects",
     "gather_results",
-    "gloo_lets_go",
     "initialized",
     "validated_timeout",
     "warn_if_launched_alone",
@@ -129,72 +111,6 @@ def _wait(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(milliseconds=max(1, milliseconds))
 
 
-def _use_count(tensor: torch.Tensor) -> int:
-    """How many C++ owners ``tensor`` has (its ``TensorImpl``'s count), its Python object's one."""
-    count: int = tensor._use_count()  # type: ignore[attr-defined]  # private; in torch 2.6 to 2.13
-    return count
-
-
-def _holders(tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
-    return [(sys.getrefcount(tensor), _use_count(tensor)) for tensor in tensors]
-
-
-def _until_let_go(
-    tensors: tuple[torch.Tensor, ...], before: list[tuple[int, int]], seconds: float
-) -> bool:
-    """Wait up to ``seconds`` until the counts of ``tensors`` are back to ``before``."""
-    deadline = time.monotonic() + seconds
-    pause = 0.0
-    while _holders(tensors) != before:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)  # hands the GIL to the worker thread, should it need it
-        pause = min(0.01, 2 * pause + 1e-5)  # microseconds first: the usual wait
-    return True
-
-
-@contextlib.contextmanager
-def gloo_lets_go(*tensors: torch.Tensor, failed_within: float = 1.0) -> Iterator[None]:
-    """Around a gloo collective: on the way out, wait until gloo's worker lets go of ``tensors``.
-
-    Gloo runs a collective on a worker thread, which holds its work, and so
-    ``tensors``, a little longer than ``wait()`` does: until just after the
-    collective completes, and after a ``wait()`` that gave up first (a rank
-    never came), until gloo's own timeout gives up too. Letting go may take
-    the GIL: on torch >= 2.10 always (each C++ owner of a Python tensor counts
-    as a Python reference), on torch 2.6 when the work holds the last
-    reference to a tensor whose Python object is gone. A thread that takes
-    the GIL while the interpreter exits (a job-wide call on a script's last
-    line, or the exit that follows a failed one) is made to exit in the middle
-    of a C++ destructor, and the process aborts: "terminate called without an
-    active exception" (torch 2.6: 5 runs in 12 of the test whose ranks fail
-    job-wide calls, before this waited after a failure too).
-
-    So wait here, while this frame still holds ``tensors`` (on torch 2.6 the
-    worker then lets go without the GIL), until their counts, Python
-    references and C++ owners, are back where they were. The caller must not
-    hold the work itself, or they never are. After a collective that
-    completed, at most a second (normally microseconds); after one that
-    raised, at most ``failed_within`` seconds (see ``_gloo_gives_up``), with a
-    warning past 5 s. NCCL's watchdog lets go much later; torch shuts it down
-    in ``destroy_process_group``.
-    """
-    before = _holders(tensors)
-    try:
-        yield
-    except BaseException:
-        if not _until_let_go(tensors, before, min(failed_within, 5.0)) and failed_within > 5:
-            logger.warning(
-                "A job-wide call ended while gloo still runs its collective; waiting up to %s "
-                "more for gloo's own timeout to end it too: a process that exits before then "
-                "can abort",
-                format_seconds(failed_within - 5.0),
-            )
-            _until_let_go(tensors, before, failed_within - 5.0)
-        raise
-    _until_let_go(tensors, before, 1.0)
-
-
 def _gloo_gives_up(timeout: float) -> float:
     """Seconds within which gloo ends a collective whose ``wait(timeout)`` gave up on it.
 
@@ -206,23 +122,9 @@ def _gloo_gives_up(timeout: float) -> float:
     ranks, rank 1 1.5 s late and rank 2 absent: rank 0's 2 s collective
     ended after 3.5 s).
     """
-    made_with = _Job.made_with
+    made_with = Job.made_with
     own = made_with if made_with is not None and gloo_keeps_first_timeout() else timeout
     return 2 * own + 5.0
-
-
-class _Job:
-    """devicekit's state for one job: its gloo group, and how many job-wide calls this rank made."""
-
-    lock = threading.Lock()
-    made_with: float | None = None  # the timeout devicekit's group was made with, in seconds
-    world: Any = None  # the default group this state belongs to
-    group: Any = None  # devicekit's gloo group over every rank, once made
-    calls = 0  # job-wide calls this rank has made in this job (its notes in the store)
-    # The call whose collective failed here, in words. Gloo closes a group's
-    # connections when a collective times out, so every later call would fail
-    # too, blaming a crash: it is refused at once, saying why, instead.
-    broken: str | None = None
 
 
 def initialized() -> bool:
@@ -257,125 +159,6 @@ def warn_if_launched_alone(what: str) -> None:
     )
 
 
-def _this_job() -> None:
-    """Forget the group and the count of an earlier job in this process (call under the lock)."""
-    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
-
-    world = dist.group.WORLD
-    if _Job.world is not world:  # destroyed and made again: a new job, a new group, a new count
-        _Job.world, _Job.group, _Job.calls, _Job.broken = world, None, 0, None
-
-
-def _arrive(what: str) -> int:
-    """Count this job-wide call, note it in the job's store, and return its number.
-
-    Refused at once when an earlier call of this job failed, here or on
-    another rank (one store read says so): its collective could never complete.
-    """
-    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
-
-    with _Job.lock:
-        _this_job()
-        _refuse_if_broken(what)
-    store = _store()
-    elsewhere = _read_broken(store)
-    with _Job.lock:
-        if elsewhere is not None and _Job.broken is None:
-            _Job.broken = elsewhere
-        _refuse_if_broken(what)
-        _Job.calls += 1
-        call = _Job.calls
-    if store is not None:
-        # Without the note, a failing call names fewer ranks; the call itself goes on.
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            store.set(_key(dist.get_rank()), f"{call}\n{what}")
-    return call
-
-
-def _refuse_if_broken(what: str) -> None:
-    """Raise if a job-wide call of this job has failed (call under the lock)."""
-    if _Job.broken is not None:
-        raise RanksOutOfStepError(
-            f"{what}: {_Job.broken}, and gloo closes devicekit's connections between the "
-            "ranks when a call fails, so no later job-wide call can complete in this job. "
-            "Treat the first failure as the end of the job (log it, then exit), as after "
-            "NCCL's own timeout; the failed call's own error says why it failed"
-        )
-
-
-def _read_broken(store: Any) -> str | None:
-    """The job-wide call another rank wrote down as failed, or None (one store round trip)."""
-    if store is None:
-        return None
-    try:
-        if store.check([_BROKEN_KEY]):  # check never waits; get would, for a missing key
-            return bytes(store.get(_BROKEN_KEY)).decode("utf-8", "replace")
-    except (RuntimeError, ValueError, OSError):
-        pass  # the store lives in one rank's process, maybe one that exited: the call goes on
-    return None
-
-
-def _break(call: int, what: str, reason: str, earlier: str | None) -> None:
-    """Remember that this job-wide call failed, and tell the other ranks through the store.
-
-    ``earlier``: another rank's failed call, which this one failed because of:
-    later calls here name that one, the cause.
-    """
-    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
-
-    broken = f"rank {dist.get_rank()}'s job-wide call #{call}, {what}, failed ({reason})"
-    with _Job.lock:
-        if _Job.broken is None:
-            _Job.broken = earlier or broken
-    store = _store()
-    if store is not None:
-        # The first rank to fail is the one the others name: the rest failed because of it.
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            store.compare_set(_BROKEN_KEY, "", broken)
-
-
-def _store() -> Any:
-    """The job's key-value store (the one ``init_process_group`` made), or None."""
-    try:
-        from torch.distributed.distributed_c10d import (  # noqa: PLC0415 - with a process group
-            _get_default_store,
-        )
-
-        return _get_default_store()
-    except (ImportError, RuntimeError, ValueError, KeyError):
-        return None
-
-
-def _key(rank: int) -> str:
-    return f"devicekit/call/{rank}"
-
-
-_BROKEN_KEY = "devicekit/broken"
-
-
-def _where_ranks_are(world_size: int) -> dict[int, tuple[int, str] | None] | None:
-    """Each rank's latest job-wide call (its number and name), None for a rank that made none.
-
-    None as a whole where the store cannot be read (it lives in one rank's
-    process, which may be the one that died).
-    """
-    store = _store()
-    if store is None:
-        return None
-    found: dict[int, tuple[int, str] | None] = {}
-    try:
-        for rank in range(world_size):
-            key = _key(rank)
-            if not store.check([key]):  # check never waits; get would, for a missing key
-                found[rank] = None
-                continue
-            count, _, name = store.get(key).decode("utf-8", "replace").partition("\n")
-            found[rank] = (int(count), name)
-    except (RuntimeError, ValueError, OSError):
-        return None
-    return found
-
-
 def _group(timeout: float, what: str, call: int, started: float) -> Any:
     """Create devicekit's gloo group on the first call of a job, then reuse it.
 
@@ -386,17 +169,17 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
     failure: RuntimeError | None = None
-    with _Job.lock:
-        _this_job()
-        if _Job.group is None:
-            _Job.made_with = timeout
+    with Job.lock:
+        this_job()
+        if Job.group is None:
+            Job.made_with = timeout
             try:
-                _Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
+                Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
             except RuntimeError as error:
                 failure = error
-        group = _Job.group
+        group = Job.group
     if failure is not None:  # out of the lock: the error notes the failure under it
-        raise _out_of_step(what, timeout, failure, call, started) from failure
+        raise out_of_step(what, timeout, failure, call, started) from failure
     _set_timeout(group, _wait(timeout))
     return group
 
@@ -405,94 +188,6 @@ def _set_timeout(group: Any, wait: datetime.timedelta) -> None:
     """Run ``group``'s next collectives under ``wait``, not under the timeout it was made with."""
     if not gloo_keeps_first_timeout():
         group.set_timeout(wait)
-
-
-def gloo_keeps_first_timeout() -> bool:
-    """Whether gloo runs a group's collectives under the timeout the group was made with, always.
-
-    torch without ``ProcessGroup.set_timeout`` (2.6 among them) gives gloo's
-    connections their timeout once, when the group is made; its
-    ``_set_pg_timeout`` records a new one that gloo's collectives never read
-    (on torch 2.6, a 60 s call failed after 1 s in a group made with 1 s).
-    """
-    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
-
-    return not hasattr(dist.ProcessGroup, "set_timeout")
-
-
-def _out_of_step(
-    what: str, timeout: float, error: BaseException, call: int, started: float
-) -> RanksOutOfStepError:
-    """The error every rank raises when a job-wide call fails: who is missing, and where."""
-    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
-
-    me = dist.get_rank()
-    waited = time.monotonic() - started
-    reason = first_line(error)
-    # Failed early (a closed connection) after another rank's call failed: that failure
-    # closed it. A rank that waited out its own timeout failed on its own account.
-    earlier = _read_broken(_store()) if waited < 0.9 * timeout else None
-    _break(call, what, reason, earlier)
-    rule = (
-        f"Every rank must call {what} together, the same number of times; a rank that crashed, "
-        "hangs, skipped a call or ran fewer steps never arrives."
-    )
-    made_with = _Job.made_with
-    if gloo_keeps_first_timeout() and made_with is not None and made_with < timeout:
-        rule += (
-            f" On this torch ({torch.__version__}) gloo runs devicekit's collectives under the "
-            f"timeout of the job's first job-wide call ({format_seconds(made_with)}), not this "
-            f"call's ({format_seconds(timeout)}): give the first call the longest timeout, or "
-            "use a newer torch."
-        )
-        timeout = made_with  # the wait that gloo ran, for what follows
-    if waited >= 0.9 * timeout:
-        when = f"within {format_seconds(timeout)}"
-    else:  # gloo gave up early: a connection closed
-        when = (
-            f"(the wait failed after {format_seconds(waited)}, before the "
-            f"{format_seconds(timeout)} timeout: a rank exited or crashed)"
-        )
-    where = _where_ranks_are(dist.get_world_size())
-    if where is None:  # no store to read: only gloo's own words (rank 0's name the ranks)
-        return RanksOutOfStepError(
-            f"{what}: not every rank joined {when} ({reason}). {rule} The job's store, which "
-            "would name them, could not be read (it lives in one rank's process, maybe the one "
-            "that exited); rank 0's message may name them."
-        )
-    if earlier is not None:  # its failure closed the connections: this call had no chance
-        return RanksOutOfStepError(
-            f"{what}: {earlier}, and gloo closes devicekit's connections between the ranks "
-            "when a call fails, so this call could not complete, nor can any later one in "
-            "this job. Treat the first failure as the end of the job (log it, then exit); "
-            f"that rank's own error says why it failed. (gloo: {reason})"
-        )
-    missing = {rank: at for rank, at in where.items() if at is None or at[0] != call}
-    if not missing:
-        return RanksOutOfStepError(
-            f"{what}: every rank arrived, then the collective failed after "
-            f"{format_seconds(waited)} ({reason}); a rank that exits or crashes during a "
-            f"collective fails it on every rank. {rule}"
-        )
-    ranks = ", ".join(str(rank) for rank in missing)
-    how = f"did not arrive {when}"
-    places = [f"rank {rank} {_place(at, call)}" for rank, at in list(missing.items())[:8]] + (
-        [f"and {plural(len(missing) - 8, 'more rank')}"] if len(missing) > 8 else []
-    )
-    return RanksOutOfStepError(
-        f"{what}: {'rank' if len(missing) == 1 else 'ranks'} {ranks} {how}. Where they are: "
-        f"{'; '.join(places)}; rank {me} is in job-wide call #{call}, {what}. {rule} "
-        f"(gloo: {reason})"
-    )
-
-
-def _place(at: tuple[int, str] | None, call: int) -> str:
-    if at is None:
-        return "has made no devicekit job-wide call yet"
-    count, name = at
-    if count < call:
-        return f"last entered job-wide call #{count}, {name}"
-    return f"is ahead, in job-wide call #{count}, {name}"
 
 
 def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
@@ -513,7 +208,7 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
     started = time.monotonic()
-    call = _arrive(what)
+    call = arrive(what)
     group = _group(timeout, what, call, started)
     wait = _wait(timeout)
     world = dist.get_world_size(group)
@@ -528,7 +223,7 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
         received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
         _all_gather(received, mine, group, timeout)
     except RuntimeError as error:
-        raise _out_of_step(what, timeout, error, call, started) from error
+        raise out_of_step(what, timeout, error, call, started) from error
     answers = [
         pickle.loads(bytes(tensor.untyped_storage())[: int(length)])  # our own job's ranks
         for tensor, length in zip(received, sizes, strict=True)
@@ -606,10 +301,10 @@ def all_reduce(tensor: torch.Tensor, op: Any, *, timeout: float, what: str) -> N
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
     started = time.monotonic()
-    with _Job.lock:
-        _this_job()
-        _refuse_if_broken(what)
-        call = _Job.calls  # the last gather's: an all_reduce follows one
+    with Job.lock:
+        this_job()
+        refuse_if_broken(what)
+        call = Job.calls  # the last gather's: an all_reduce follows one
     group = _group(timeout, what, call, started)
     wait = _wait(timeout)
     try:
@@ -619,7 +314,7 @@ def all_reduce(tensor: torch.Tensor, op: Any, *, timeout: float, what: str) -> N
         with gloo_lets_go(tensor, failed_within=_gloo_gives_up(timeout)):
             dist.all_reduce(tensor, op=op, group=group, async_op=True).wait(wait)
     except RuntimeError as error:
-        raise _out_of_step(what, timeout, error, call, started) from error
+        raise out_of_step(what, timeout, error, call, started) from error
 
 
 def _all_gather(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _dist, _job
+from devicekit import _dist, _gloo, _job
 
 from .conftest import spawn_ranks
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -560,12 +560,12 @@ def _alone_in_a_collective(rank: int, world: int, folder: str) -> None:
     outcome: dict[str, Any] = {}
     if rank == 0:
         total = torch.ones(1)
-        owners = _dist._use_count(total)
+        owners = _gloo._use_count(total)
         try:
             _dist.all_reduce(total, dist.ReduceOp.SUM, timeout=1, what="test")
         except dk.RanksOutOfStepError:
             outcome["failed"] = True
-        outcome["let go"] = _dist._use_count(total) == owners
+        outcome["let go"] = _gloo._use_count(total) == owners
     _record(folder, "alone", rank, outcome)
     _wait_for(folder, [f"alone-{r}.json" for r in range(world)])
     dist.destroy_process_group()
@@ -622,7 +622,7 @@ def test_a_rank_that_fails_or_never_comes_is_named_on_every_rank(tmp_path: Path)
     #    the group was made with (torch 2.6), the call fails by it: the rank that failed first
     #    says why, and the others name its failure.
     longer = outcomes("longer")
-    if not _dist.gloo_keeps_first_timeout():
+    if not _gloo.gloo_keeps_first_timeout():
         assert longer == [{"total": 3.0}] * 3
     else:
         capped = "timeout of the job's first job-wide call (1 s), not this call's (60 s)"

@@ -1115,7 +1115,7 @@ def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from devicekit import _logflush
-    from devicekit._dist import gloo_lets_go
+    from devicekit._gloo import gloo_lets_go
 
     real_backend, real_on_cuda, real_all_reduce = (
         dist.get_backend,
