@@ -91,10 +91,10 @@ if TYPE_CHECKING:
     from ._sinks import TensorBoardSink as TensorBoardSink
     from ._status import Status as Status
     from ._status import status as status
-    from ._straggler import RankTimes as RankTimes
-    from ._straggler import Straggler as Straggler
     from ._straggler import StragglerDetector as StragglerDetector
-    from ._straggler import StragglerReport as StragglerReport
+    from ._stragglerreport import RankTimes as RankTimes
+    from ._stragglerreport import Straggler as Straggler
+    from ._stragglerreport import StragglerReport as StragglerReport
     from ._syncs import SyncReport as SyncReport
     from ._syncs import detect_syncs as detect_syncs
     from ._timing import Benchmark as Benchmark
@@ -182,10 +182,10 @@ _EXPORTS: dict[str, str] = {
     "TensorBoardSink": "._sinks",
     "Status": "._status",
     "status": "._status",
-    "RankTimes": "._straggler",
-    "Straggler": "._straggler",
+    "RankTimes": "._stragglerreport",
+    "Straggler": "._stragglerreport",
     "StragglerDetector": "._straggler",
-    "StragglerReport": "._straggler",
+    "StragglerReport": "._stragglerreport",
     "detect_syncs": "._syncs",
     "SyncReport": "._syncs",
     "Benchmark": "._timing",

@@ -15,13 +15,8 @@ traceback: ``main()`` handles them, once, for every command.
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
-import errno
-import io
-import json
 import math
-import os
 import shlex
 import signal
 import sys
@@ -29,8 +24,19 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from ._clioutput import (
+    StdoutError,
+    complain,
+    escaping_unencodable,
+    flush_stdout,
+    print_json,
+    print_line,
+    show,
+    silence_stdout,
+    stdout,
+)
 from ._format import close_match
 from ._version import __version__
 
@@ -153,12 +159,12 @@ class _Parser(argparse.ArgumentParser):
             return
         # argparse passes sys.stdout for --help and --version: None when it is closed
         # (`devicekit --help >&-`); the help went to stderr instead, then a traceback.
-        stream = file if file is not None else _stdout()
+        stream = file if file is not None else stdout()
         try:
             stream.write(message)
         except (AttributeError, OSError) as error:  # AttributeError: no stream (pythonw)
             if isinstance(error, OSError) and stream is sys.stdout:
-                raise _StdoutError(error) from error
+                raise StdoutError(error) from error
             # A failed stderr leaves no one to tell; the exit code (2) still says it.
 
     def refuse_misplaced(self, argv: list[str]) -> None:
@@ -300,44 +306,6 @@ def _parser() -> _Parser:
     return parser
 
 
-class _StdoutError(Exception):
-    """Writing to stdout failed (a closed pipe, a full disk); ``main`` tells the user.
-
-    Raised only where we write to stdout (``_print``, ``_flush_stdout`` and argparse's
-    ``_print_message``), so an ``OSError`` from anywhere else is never reported as a
-    failure of stdout.
-    """
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(error)
-        self.error = error
-
-
-def _stdout() -> TextIO:
-    """``sys.stdout``; ``_StdoutError`` when it is closed.
-
-    Started with stdout closed (``devicekit >&-``), Python sets ``sys.stdout`` to
-    None: ``print()`` then drops every line without a word (the command printed
-    nothing and exited 0) and a flush raised AttributeError, a traceback.
-    """
-    if sys.stdout is None:
-        raise _StdoutError(OSError(errno.EBADF, "stdout is closed"))
-    return sys.stdout
-
-
-def _print(text: str = "") -> None:
-    """Print ``text`` and a line end to stdout now; a failed write raises ``_StdoutError``."""
-    try:
-        # Flushed here, so a failure surfaces here, not at exit.
-        print(text, file=_stdout(), flush=True)
-    except OSError as error:
-        raise _StdoutError(error) from error
-
-
-def _print_json(document: Any, *, lines: bool = False) -> None:
-    _print(json.dumps(document, indent=None if lines else 2))
-
-
 def _snapshot(parser: argparse.ArgumentParser, ids: list[int] | None) -> Status:
     from ._status import status  # noqa: PLC0415 - torch loads only when a command runs
 
@@ -352,25 +320,25 @@ def _snapshot(parser: argparse.ArgumentParser, ids: list[int] | None) -> Status:
 
 
 def _watch(parser: _Parser, args: argparse.Namespace) -> int:
-    on_terminal = _stdout().isatty() and not args.json
+    on_terminal = stdout().isatty() and not args.json
     shown = 0
     try:
         _load_torch()
         while args.count is None or shown < args.count:
             current = _snapshot(parser.commands["watch"], args.id)
             if args.json:
-                _print_json(current.to_dict(), lines=True)
+                print_json(current.to_dict(), lines=True)
             else:
                 # Piped, a blank line between refreshes instead of clearing.
                 start = _CLEAR if on_terminal else "\n" if shown else ""
                 header = f"devicekit watch, {current.time_text}, every {args.interval:g} s"
-                _print(f"{start}{header}\n{'=' * len(header)}\n{current}")
+                print_line(f"{start}{header}\n{'=' * len(header)}\n{current}")
             shown += 1
             if args.count is None or shown < args.count:
                 time.sleep(args.interval)
     except KeyboardInterrupt:  # the way to stop watching: not an error
         if not args.json:
-            _print()
+            print_line()
     return 0
 
 
@@ -386,23 +354,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Characters stdout or stderr cannot encode (an ASCII locale) are written as
     backslash escapes, such as ``\xb5`` for µ.
     """
-    with _escaping_unencodable(sys.stdout), _escaping_unencodable(sys.stderr):
+    with escaping_unencodable(sys.stdout), escaping_unencodable(sys.stderr):
         try:
             try:
                 return _main(argv)
             finally:
                 # argparse's --help and --version are still buffered (and argparse
                 # ignores write errors): flushed here, a failure is ours to report.
-                _flush_stdout()
+                flush_stdout()
         except KeyboardInterrupt:
-            _complain("interrupted")
+            complain("interrupted")
             return _EXIT_INTERRUPTED
-        except _StdoutError as failure:
-            _silence_stdout()
+        except StdoutError as failure:
+            silence_stdout()
             if isinstance(failure.error, BrokenPipeError):
                 # The reader has what it wanted (| head): not worth a word.
                 return _EXIT_PIPE_CLOSED
-            _complain(f"cannot write to stdout: {failure.error}")
+            complain(f"cannot write to stdout: {failure.error}")
             return _EXIT_CANNOT_WRITE
 
 
@@ -419,68 +387,6 @@ def _main(argv: Sequence[str] | None) -> int:
         return _run(parser, args)
 
 
-@contextlib.contextmanager
-def _escaping_unencodable(stream: TextIO | None) -> Iterator[None]:
-    """Write what ``stream``'s encoding cannot hold as backslash escapes, during the block.
-
-    Our output holds µ and ± (and whatever a GPU or a process is named): on an ASCII
-    stream (``LC_ALL=C``, ``PYTHONIOENCODING=ascii``) it raised UnicodeEncodeError. A
-    UTF encoding holds every character, and a stream without ``reconfigure`` (a
-    caller's StringIO) cannot be changed: both are left as they are. The stream's own
-    error handler is put back on return, for callers of main() in their own process.
-    """
-    if not isinstance(stream, io.TextIOWrapper) or _is_unicode(stream.encoding):
-        yield
-        return
-    errors = stream.errors
-    stream.reconfigure(errors="backslashreplace")
-    try:
-        yield
-    finally:
-        # reconfigure() flushes first: a stream that failed is left as it is.
-        with contextlib.suppress(OSError, ValueError):
-            stream.reconfigure(errors=errors)
-
-
-def _is_unicode(encoding: str) -> bool:
-    try:
-        return codecs.lookup(encoding).name.startswith("utf")
-    except LookupError:  # pragma: no cover - a stream cannot be opened with one
-        return False
-
-
-def _flush_stdout() -> None:
-    if sys.stdout is None:
-        # Closed: what was to be written there already failed in _stdout(); a usage
-        # error, written to stderr, keeps its 2.
-        return
-    try:
-        sys.stdout.flush()
-    except OSError as error:
-        raise _StdoutError(error) from error
-
-
-def _silence_stdout() -> None:
-    """Point stdout's file descriptor at the null device, as Python's documentation does.
-
-    The bytes that failed are still in the buffer: when Python flushes it at exit it
-    would print "Exception ignored ... BrokenPipeError" and exit 120 instead of ours.
-    """
-    try:
-        descriptor = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, descriptor)
-    os.close(devnull)
-
-
-def _complain(message: str) -> None:
-    """``devicekit: message`` on stderr; a stderr that fails as well is let be."""
-    with contextlib.suppress(OSError):
-        print(f"devicekit: {message}", file=sys.stderr, flush=True)
-
-
 def _run(parser: _Parser, args: argparse.Namespace) -> int:
     if args.command == "watch":
         return _watch(parser, args)  # it loads torch in its own Ctrl-C handling
@@ -493,14 +399,14 @@ def _run(parser: _Parser, args: argparse.Namespace) -> int:
             from ._doctor import doctor  # noqa: PLC0415 - see _snapshot
 
             diagnosis = doctor()
-            _show(diagnosis, json_form=args.json)
+            show(diagnosis, json_form=args.json)
             return diagnosis.exit_code
         from ._bench import bench  # noqa: PLC0415 - see _snapshot
 
         max_time = {} if args.max_time is None else {"max_time": args.max_time}
-        _show(bench(**max_time), json_form=args.json)
+        show(bench(**max_time), json_form=args.json)
         return 0
-    _show(_snapshot(parser, args.id), json_form=args.json)
+    show(_snapshot(parser, args.id), json_form=args.json)
     return 0
 
 
@@ -535,10 +441,3 @@ def _ctrl_c_held() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
     if held:
         raise KeyboardInterrupt
-
-
-def _show(result: Any, *, json_form: bool) -> None:
-    if json_form:
-        _print_json(result.to_dict())
-    else:
-        _print(str(result))

@@ -4,9 +4,10 @@ Workers are started with ``spawn``, never ``fork``: a forked child of a process
 that has touched CUDA fails with "Cannot re-initialize CUDA in forked
 subprocess". Each worker inherits ``CUDA_VISIBLE_DEVICES`` naming its one GPU,
 set before the child starts (so before it imports torch), so inside it the
-GPU is always ``cuda:0``. This module checks the arguments and owns the
-workers; ``_dispatch`` starts them and runs a map over them, ``_worker`` is
-the workers' side.
+GPU is always ``cuda:0``. This module owns the workers; ``_mapinputs``
+checks ``fn`` and the items, ``_workerslots`` says which workers to start,
+``_dispatch`` starts them and runs a map over them, ``_worker`` is the
+workers' side.
 
 Faults end the call promptly and say what happened; nothing is left running:
 
@@ -44,40 +45,30 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
-from ._devices import DeviceLike, resolve_devices, try_all_gpus
+from ._devices import DeviceLike
 from ._dispatch import (
     MAIN_GUARD_FIX,
     Slot,
     Worker,
-    fn_raised,
     refuse_foreign,
     run_map,
-    show_item,
     start_workers,
     stop_workers,
-    worker_env,
 )
 from ._format import html_table, plural
-from ._options import check_count, check_flag, check_number
-from ._worker import NO_MAIN_GUARD, dumps, in_worker_bootstrap
+from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
+from ._options import check_flag
+from ._progress import Progress
+from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
+from ._workerslots import worker_slots, workers_per_device_count
 
-__all__ = [
-    "GPUPool",
-    "Progress",
-    "fn_raised",
-    "gpu_map",
-    "gpu_pool",
-    "show_item",
-    "worker_env",
-    "workers_per_device_count",
-]
+__all__ = ["GPUPool", "gpu_map", "gpu_pool"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -90,105 +81,6 @@ class _MapStyle(Protocol[T_co]):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int, /) -> T_co: ...
-
-
-def _slots(
-    devices: object, workers_per_device: int, *, caller: str = "gpu_map()"
-) -> list[str | int]:
-    if devices is None:
-        targets = [device for device in try_all_gpus() if device.type == "cuda"]
-        if not targets:
-            cpu: list[str | int] = ["cpu"]
-            return _at_most_max(cpu * _usable_cpus(), workers_per_device, caller)
-    else:
-        targets = resolve_devices(devices, name="devices")
-    slots: list[str | int] = []
-    for position, device in enumerate(targets):
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"devices[{position}]={str(device)!r}: {caller} runs its workers on CUDA GPUs "
-                "or on the CPU; pass CUDA devices or 'cpu'"
-            )
-        slots.append("cpu" if device.type == "cpu" else int(device.index))
-    if not slots:
-        raise ValueError(
-            f"{caller} needs at least one device, got devices=[]; pass devices=None for every "
-            "visible GPU (or the CPU), or name one"
-        )
-    return _at_most_max(slots, workers_per_device, caller)
-
-
-_MAX_WORKERS = 1024  # each a process that imports torch: hundreds of MB of memory each
-
-
-def _at_most_max(slots: list[str | int], per_device: int, caller: str) -> list[str | int]:
-    """Each slot ``per_device`` times, round-robin; refused past `_MAX_WORKERS` in all.
-
-    Round-robin, not device by device: gpu_map starts only as many workers as it
-    has items, a prefix of these, and that prefix must spread over every device.
-    """
-    if len(slots) * per_device > _MAX_WORKERS:  # before a list of a billion is built
-        raise ValueError(
-            f"workers_per_device={per_device} on {plural(len(slots), 'device')} would start "
-            f"{len(slots) * per_device:,} worker processes, each importing torch; {caller} "
-            f"starts at most {_MAX_WORKERS}. Use fewer workers per device (1 to 4 keeps a "
-            "GPU busy)"
-        )
-    return [slot for _ in range(per_device) for slot in slots]
-
-
-def _usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask (a container's or a job's share).
-
-    ``os.cpu_count()`` counts the machine's: under ``taskset`` or a batch job given
-    4 of 128 cores, it gave 128 CPU workers, each importing torch, for 4 cores.
-    """
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-class Progress:
-    """``progress=True``: a tqdm bar on stderr, or a line where tqdm is not installed.
-
-    Without tqdm, a terminal gets one line redrawn in place; a log file or a
-    pipe (where a carriage return redraws nothing: the counts ran together on one
-    line) gets a line at every tenth of the items, and at the last.
-    """
-
-    def __init__(self, total: int, enabled: bool | None) -> None:
-        if enabled is not None:
-            check_flag(enabled, name="progress")
-        self.total, self.done, self.bar = total, 0, None
-        self.enabled = bool(enabled)
-        self.redraw = False  # a terminal: redraw one line
-        if self.enabled:
-            try:
-                from tqdm import tqdm  # noqa: PLC0415 - optional
-
-                self.bar = tqdm(total=total, file=sys.stderr, desc="gpu_map")
-            except ImportError:
-                isatty = getattr(sys.stderr, "isatty", None)
-                self.redraw = bool(isatty and isatty())
-
-    def step(self) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(1)
-        elif self.redraw:
-            end = "\n" if self.done == self.total else ""
-            print(f"\rgpu_map: {self.done}/{self.total}", end=end, file=sys.stderr, flush=True)
-        elif self.enabled:
-            tenth = max(1, self.total // 10)
-            if self.done % tenth == 0 or self.done == self.total:
-                print(f"gpu_map: {self.done}/{self.total}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.redraw and 0 < self.done < self.total:
-            print(file=sys.stderr, flush=True)  # end the line a failure or Ctrl-C cut short
 
 
 class GPUPool:
@@ -277,8 +169,8 @@ class GPUPool:
         refuse_foreign(self._workers, caller="GPUPool.map()")
         work = checked_work(fn, items, caller="GPUPool.map()")
         limit = item_timeout(timeout)
-        fn_bytes = _pickle_fn(fn)
-        payloads = _pickle_items(work)
+        fn_bytes = pickle_fn(fn)
+        payloads = pickle_items(work)
         return self._run(fn_bytes, work, payloads, progress=progress, timeout=limit)
 
     def _run(
@@ -309,33 +201,6 @@ class GPUPool:
             raise
         finally:
             bar.close()
-
-
-def _pickle_fn(fn: object) -> bytes:
-    try:
-        return dumps(fn)
-    except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
-        raise TypeError(
-            f"gpu_map() sends fn to worker processes, so it must be picklable, and {fn!r} is not "
-            f"({error}). Define it with def at the top level of a module (not a lambda, not "
-            "inside a function); in a notebook, put it in a .py file and import it."
-        ) from None
-
-
-def _pickle_items(items: list[Any]) -> list[bytes]:
-    """Every item, pickled here, so that a bad one is named before any worker starts."""
-    payloads = []
-    for index, item in enumerate(items):
-        try:
-            payloads.append(dumps(item))
-        except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
-            raise TypeError(
-                f"gpu_map() sends each item to a worker process, so it must be picklable, and "
-                f"item {index} ({show_item(item)}, a {type(item).__name__}) is not: "
-                f"{type(error).__name__}: {error}. Pass data (numbers, strings, paths, tensors) "
-                "and let fn build the rest."
-            ) from None
-    return payloads
 
 
 def _refuse_during_worker_bootstrap() -> None:
@@ -410,44 +275,7 @@ def gpu_pool(
     _refuse_during_worker_bootstrap()
     _refuse_in_daemon("gpu_pool()")
     per_device = workers_per_device_count(workers_per_device)
-    return GPUPool(_slots(devices, per_device, caller="gpu_pool()"))
-
-
-def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
-    """The items as a list, once ``fn`` is known to be callable and ``items`` iterable.
-
-    A map-style dataset (``len()`` and ``[i]``, no ``__iter__``, as
-    ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``.
-    """
-    if not callable(fn):
-        raise TypeError(
-            f"{caller} needs fn, the function to run on each item, got {fn!r} of type "
-            f"{type(fn).__name__}; pass a function defined with def"
-        )
-    if not isinstance(items, Iterable) and hasattr(items, "__len__"):
-        getitem = getattr(items, "__getitem__", None)
-        if getitem is not None:
-            return [getitem(index) for index in range(len(items))]
-    if not isinstance(items, Iterable):
-        raise TypeError(
-            f"{caller} needs items, an iterable of the items to run fn on, got {items!r} of "
-            f"type {type(items).__name__}; pass a list, such as [{items!r}]"
-        )
-    return list(items)
-
-
-def workers_per_device_count(value: object) -> int:
-    """``workers_per_device``, checked."""
-    return check_count(value, name="workers_per_device", minimum=1)
-
-
-def item_timeout(value: object) -> float | None:
-    """``timeout``, checked: None, or a finite number of seconds > 0 (a bool is refused)."""
-    if value is None:
-        return None
-    return check_number(
-        value, name="timeout", above=0, meaning="the seconds one item may run; None: no limit"
-    )
+    return GPUPool(worker_slots(devices, per_device, caller="gpu_pool()"))
 
 
 def gpu_map(
@@ -569,17 +397,17 @@ def gpu_map(
                 "a task starts to run, so the time of one item cannot be measured from here; "
                 "pass timeout=None with executor='ray'"
             )
-        from ._ray import ray_map  # noqa: PLC0415 - _ray builds on this module
+        from ._ray import ray_map  # noqa: PLC0415 - loaded only for executor="ray"
 
         return ray_map(
             fn, work, devices=devices, workers_per_device=workers_per_device, progress=progress
         )
-    fn_bytes = _pickle_fn(fn)
+    fn_bytes = pickle_fn(fn)
     per_device = workers_per_device_count(workers_per_device)
     # More workers per device than items would never run: not building them keeps
     # workers_per_device=10**9 from exhausting memory before one item runs.
-    slots = _slots(devices, min(per_device, max(len(work), 1)), caller="gpu_map()")
-    payloads = _pickle_items(work)
+    slots = worker_slots(devices, min(per_device, max(len(work), 1)), caller="gpu_map()")
+    payloads = pickle_items(work)
     if not work:
         return []
     pool = GPUPool(slots[: len(work)])

@@ -24,11 +24,13 @@ from typing import Any, TypeVar
 import torch
 
 from ._devices import DeviceLike, resolve_devices
+from ._dispatch import fn_raised, show_item, worker_env
 from ._errors import WorkerError
 from ._format import first_line
-from ._parallel import Progress, fn_raised, show_item, worker_env, workers_per_device_count
+from ._progress import Progress
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR
+from ._workerslots import workers_per_device_count
 
 __all__ = ["ray_map"]
 

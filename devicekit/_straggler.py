@@ -13,13 +13,11 @@ ranks are slower than the rest, and what waiting for them costs the job.
 from __future__ import annotations
 
 import collections
-import html
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -32,189 +30,15 @@ from ._dist import (
     warn_if_launched_alone,
 )
 from ._errors import RanksOutOfStepError
-from ._format import (
-    UNKNOWN,
-    format_seconds,
-    html_table,
-    plain_fields,
-    plural,
-    safe_text,
-    text_table,
-)
+from ._format import html_table, plural
 from ._options import check_count, check_number, got
+from ._stragglerreport import StragglerReport, Window, build_report
 from ._timing import CudaEvent
 from ._visible import torch_cuda_initialized
 
-__all__ = ["RankTimes", "Straggler", "StragglerDetector", "StragglerReport"]
+__all__ = ["StragglerDetector"]
 
 ReportSink = Callable[["StragglerReport"], Any]
-
-
-@dataclass(frozen=True)
-class RankTimes:
-    """One rank's times over one report's window. Seconds; None where nothing was timed.
-
-    Attributes:
-        rank: The global rank.
-        host: Its host name.
-        step_time: The median time between ``step()`` calls, on the host clock.
-        median: The median time of each section.
-        spread: The interquartile range of each section's times (None with
-            fewer than two times).
-        samples: How many times of each section the window holds.
-    """
-
-    rank: int
-    host: str
-    step_time: float | None
-    median: dict[str, float | None]
-    spread: dict[str, float | None]
-    samples: dict[str, int]
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """A rank slower than the job in one section.
-
-    Attributes:
-        rank: The global rank.
-        host: Its host name.
-        section: The section it is slow in.
-        median: Its median time there, in seconds.
-        job_median: The median over all ranks of their median times there.
-        lost: Seconds per step the rest of the job waits for it there
-            (``median - job_median``).
-    """
-
-    rank: int
-    host: str
-    section: str
-    median: float
-    job_median: float
-    lost: float
-
-    @property
-    def ratio(self) -> float:
-        """How many times the job median its median is."""
-        return self.median / self.job_median
-
-    def __str__(self) -> str:
-        return (
-            f"rank {self.rank} ({safe_text(self.host)}): {safe_text(self.section)} "
-            f"{format_seconds(self.median)}, {self.ratio:.2f}x the job median "
-            f"{format_seconds(self.job_median)}; the job waits {format_seconds(self.lost)} "
-            "per step for it"
-        )
-
-
-@dataclass(frozen=True)
-class StragglerReport:
-    """Every rank's section times over the last ``steps`` steps, and the ranks that lag.
-
-    The same on every rank. ``print()`` it for a table with one row per rank.
-
-    Attributes:
-        step: The number of ``step()`` calls when it was made.
-        steps: How many steps it covers (the detector's ``every``).
-        threshold: A rank whose median exceeds ``threshold`` times the job
-            median in a section is a straggler there.
-        sections: The section names, in the order first seen.
-        ranks: One entry per rank, sorted by host, then rank.
-        job_median: Per section, the median over ranks of their medians.
-        job_step_time: The median over ranks of their step times.
-        stragglers: The ranks slower than ``threshold`` times the job median,
-            per section, by at least 1% of the job's median step time (a
-            lead of microseconds is scheduling noise, and costs nothing);
-            slowest first.
-    """
-
-    step: int
-    steps: int
-    threshold: float
-    sections: tuple[str, ...]
-    ranks: tuple[RankTimes, ...]
-    job_median: dict[str, float | None]
-    job_step_time: float | None
-    stragglers: tuple[Straggler, ...]
-
-    @property
-    def lost_per_step(self) -> float:
-        """Seconds per step the job waits for stragglers: per section, the slowest one's lost time.
-
-        Summed over sections, which assumes that sections do not overlap.
-        """
-        worst: dict[str, float] = {}
-        for straggler in self.stragglers:
-            worst[straggler.section] = max(worst.get(straggler.section, 0.0), straggler.lost)
-        return sum(worst.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, with ``lost_per_step``."""
-        return {**plain_fields(self), "lost_per_step": self.lost_per_step}
-
-    def _title(self) -> str:
-        return (
-            f"straggler report at step {self.step}: {plural(len(self.ranks), 'rank')}, the last "
-            f"{plural(self.steps, 'step')}, threshold {self.threshold:g}x"
-        )
-
-    def _rows(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-        header = ("host", "rank", "step", *(f"{name} (median, IQR)" for name in self.sections))
-        slow: dict[int, list[str]] = {}
-        for straggler in self.stragglers:
-            slow.setdefault(straggler.rank, []).append(straggler.section)
-        rows: list[tuple[str, ...]] = []
-        for times in self.ranks:
-            cells = [
-                safe_text(times.host),
-                str(times.rank),
-                format_seconds(times.step_time),
-                *(_cell(times, name) for name in self.sections),
-            ]
-            rows.append((*cells, ", ".join(safe_text(s) for s in slow.get(times.rank, ()))))
-        job = ("job median", "", format_seconds(self.job_step_time))
-        rows.append((*job, *(format_seconds(self.job_median[n]) for n in self.sections), ""))
-        return (*(safe_text(h) for h in header), "straggler in"), rows
-
-    def _summary(self) -> list[str]:
-        if not self.stragglers:
-            return ["no stragglers"]
-        lines = [f"straggler: {straggler}" for straggler in self.stragglers]
-        lost, step = self.lost_per_step, self.job_step_time
-        share = f", {100 * lost / step:.0f}% of its {format_seconds(step)} step" if step else ""
-        lines.append(f"the job loses {format_seconds(lost)} per step to stragglers{share}")
-        return lines
-
-    def __str__(self) -> str:
-        header, rows = self._rows()
-        return "\n".join([self._title(), *text_table(header, rows), *self._summary()])
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        header, rows = self._rows()
-        summary = "".join(f"<p>{html.escape(line)}</p>" for line in self._summary())
-        return html_table(rows, header=header, caption=self._title()) + summary
-
-
-def _cell(times: RankTimes, name: str) -> str:
-    median = times.median.get(name)
-    if median is None:
-        return UNKNOWN
-    return f"{format_seconds(median)}, {format_seconds(times.spread.get(name))}"
-
-
-@dataclass(frozen=True)
-class _Window:
-    """What one rank sends for a report: plain data, pickled across ranks."""
-
-    rank: int
-    host: str
-    step: int
-    every: int
-    threshold: float
-    step_time: float | None
-    sections: dict[str, tuple[float | None, float | None, int]]  # median, IQR, count
 
 
 class _Section:
@@ -428,10 +252,10 @@ class StragglerDetector:
             pool.append(start)
             pool.append(end)
 
-    def _window(self, rank: int, host: str) -> _Window:
+    def _window(self, rank: int, host: str) -> Window:
         sections = {name: _summarize(samples) for name, samples in self._samples.items()}
         step_time = statistics.median(self._step_times) if self._step_times else None
-        return _Window(rank, host, self.steps, self.every, self.threshold, step_time, sections)
+        return Window(rank, host, self.steps, self.every, self.threshold, step_time, sections)
 
     def _make_report(self) -> StragglerReport:
         host = socket.gethostname()
@@ -464,7 +288,7 @@ class StragglerDetector:
                 f"({thresholds}), so their reports would differ. Create the detector with the "
                 "same `threshold` on every rank"
             )
-        self.report = _build(windows, self.steps, self.every, self.threshold)
+        self.report = build_report(windows, self.steps, self.every, self.threshold)
         self._deliver(self.report)
         return self.report
 
@@ -501,53 +325,3 @@ def _summarize(samples: list[float]) -> tuple[float | None, float | None, int]:
         return samples[0], None, 1
     low, _, high = statistics.quantiles(samples, n=4, method="inclusive")
     return statistics.median(samples), high - low, len(samples)
-
-
-_MIN_SHARE = 0.01  # of the job's median step: the least a straggler's lead must cost
-
-
-def _build(windows: list[_Window], step: int, every: int, threshold: float) -> StragglerReport:
-    names = tuple(dict.fromkeys(name for w in windows for name in w.sections))
-    ranks = tuple(
-        RankTimes(
-            rank=w.rank,
-            host=w.host,
-            step_time=w.step_time,
-            median={n: w.sections.get(n, (None, None, 0))[0] for n in names},
-            spread={n: w.sections.get(n, (None, None, 0))[1] for n in names},
-            samples={n: w.sections.get(n, (None, None, 0))[2] for n in names},
-        )
-        for w in sorted(windows, key=lambda w: (w.host, w.rank))
-    )
-    job_median: dict[str, float | None] = {}
-    for name in names:
-        medians = [r.median[name] for r in ranks if r.median[name] is not None]
-        job_median[name] = (
-            statistics.median(m for m in medians if m is not None) if medians else None
-        )
-    step_times = [r.step_time for r in ranks if r.step_time is not None]
-    job_step = statistics.median(step_times) if step_times else None
-    # A lead must also cost the job something: in a section of microseconds, scheduling
-    # noise alone makes a rank "1.2x slower", and reporting that would bury real stragglers.
-    floor = _MIN_SHARE * (job_step or sum(j for j in job_median.values() if j))
-    stragglers: list[Straggler] = []
-    for name in names:
-        job = job_median[name]
-        if not job:  # unknown, or sections that take no time: nobody is slower than zero
-            continue
-        for times in ranks:
-            median = times.median[name]
-            if median is not None and median > threshold * job and median - job >= floor:
-                stragglers.append(
-                    Straggler(times.rank, times.host, name, median, job, median - job)
-                )
-    return StragglerReport(
-        step=step,
-        steps=every,
-        threshold=threshold,
-        sections=names,
-        ranks=ranks,
-        job_median=job_median,
-        job_step_time=job_step,
-        stragglers=tuple(sorted(stragglers, key=lambda s: -s.lost)),
-    )

@@ -70,11 +70,11 @@ def _data_parallel(value: object) -> list[torch.device]:
 
 def _gpu_map(value: object) -> list[torch.device]:
     dk.gpu_map(math.sqrt, [1.0], devices=value)  # type: ignore[arg-type]
-    from devicekit import _parallel
+    from devicekit import _workerslots
 
     return [
         torch.device("cpu") if s == "cpu" else torch.device("cuda", s)
-        for s in _parallel._slots(value, 1)
+        for s in _workerslots.worker_slots(value, 1)
     ]
 
 

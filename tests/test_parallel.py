@@ -214,13 +214,13 @@ def test_cpu_workers_hide_every_gpu() -> None:
 
 
 def test_no_gpu_means_cpu_workers(fake_accelerator: FakeAccelerator) -> None:
-    from devicekit import _parallel
+    from devicekit import _workerslots
 
     fake_accelerator(None, 0)
     affinity = getattr(os, "sched_getaffinity", None)
     cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    assert _parallel._slots(None, 1) == ["cpu"] * cpus
-    assert _parallel._slots(None, 2) == ["cpu"] * 2 * cpus
+    assert _workerslots.worker_slots(None, 1) == ["cpu"] * cpus
+    assert _workerslots.worker_slots(None, 2) == ["cpu"] * 2 * cpus
 
 
 def test_cpu_workers_are_as_many_as_the_cpus_this_process_may_use(
@@ -318,12 +318,12 @@ def test_a_worker_count_no_machine_can_start_is_refused_before_anything_is_built
 
 
 def test_devices_accept_torch_devices_and_one_string(fake_accelerator: FakeAccelerator) -> None:
-    from devicekit import _parallel
+    from devicekit import _workerslots
 
     fake_accelerator("cuda", 2)
-    assert _parallel._slots([torch.device("cuda", 1), "cpu"], 1) == [1, "cpu"]
-    assert _parallel._slots("cpu", 2) == ["cpu", "cpu"]  # one string is one device
-    assert _parallel._slots(torch.device("cuda", 0), 1) == [0]
+    assert _workerslots.worker_slots([torch.device("cuda", 1), "cpu"], 1) == [1, "cpu"]
+    assert _workerslots.worker_slots("cpu", 2) == ["cpu", "cpu"]  # one string is one device
+    assert _workerslots.worker_slots(torch.device("cuda", 0), 1) == [0]
 
 
 def test_few_items_spread_over_every_device(
@@ -335,17 +335,17 @@ def test_few_items_spread_over_every_device(
     fake_accelerator("cuda", 2)
     results = dk.gpu_map(where, range(2), devices=[0, 1], workers_per_device=2)
     assert sorted(visible or "" for _, visible, _ in results) == ["5", "7"]
-    from devicekit import _parallel
+    from devicekit import _workerslots
 
-    assert _parallel._slots([0, 1], 2) == [0, 1, 0, 1]
+    assert _workerslots.worker_slots([0, 1], 2) == [0, 1, 0, 1]
 
 
 def test_workers_per_device_beyond_the_items_builds_no_slots(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from devicekit import _parallel
+    from devicekit import _parallel, _workerslots
 
-    real_slots = _parallel._slots
+    real_slots = _workerslots.worker_slots
     asked: list[int] = []
 
     def slots(devices: object, workers_per_device: int, *, caller: str = "") -> list[str | int]:
@@ -354,7 +354,7 @@ def test_workers_per_device_beyond_the_items_builds_no_slots(
         assert workers_per_device <= 2, "gpu_map built slots for workers it never starts"
         return real_slots(devices, workers_per_device, caller=caller)
 
-    monkeypatch.setattr(_parallel, "_slots", slots)
+    monkeypatch.setattr(_parallel, "worker_slots", slots)  # where gpu_map looks it up
     assert dk.gpu_map(abs, [-1, -2], devices=["cpu"], workers_per_device=10**12) == [1, 2]
     assert asked == [2]
 
@@ -1455,22 +1455,29 @@ _NO_NUMPY = pytest.mark.skipif(importlib.util.find_spec("numpy") is None, reason
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def _large_tensor() -> torch.Tensor:
+    return torch.zeros(100 * MB, dtype=torch.uint8)
+
+
 @pytest.mark.parametrize(
-    ("fn", "small", "item", "most"),
+    ("fn", "small", "make_item", "most"),
     [
         # The result and its pickle; before, 3: torch.save's copy too.
-        (full_tensor, 1, 100, 2.4),
+        (full_tensor, 1, lambda: 100, 2.4),
         # Before, 3: with protocol 4, numpy pickled a tobytes() copy.
-        pytest.param(full_array, 1, 100, 2.4, marks=_NO_NUMPY),
+        pytest.param(full_array, 1, lambda: 100, 2.4, marks=_NO_NUMPY),
         # Before, 5: the item's pickle and the item were kept while the result was pickled.
-        (tensor_plus_one, torch.zeros(1), torch.zeros(100 * MB, dtype=torch.uint8), 3.4),
+        # Made in the test: a parameter lives as long as the session, where other tests'
+        # censuses of live tensors would count it.
+        (tensor_plus_one, torch.zeros(1), _large_tensor, 3.4),
     ],
     ids=["tensor result", "numpy result", "tensor item and result"],
 )
 def test_a_worker_holds_few_copies_of_a_large_item_or_result(
-    fn: Callable[[Any], Any], small: Any, item: Any, most: float
+    fn: Callable[[Any], Any], small: Any, make_item: Callable[[], Any], most: float
 ) -> None:
     size = 100 * MB
+    item = make_item()
     with dk.gpu_pool(devices=["cpu"]) as pool:
         pool.map(fn, [small])  # started, with what fn imports imported
         pid = pool._workers[0].process.pid

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _straggler
+from devicekit import _straggler, _stragglerreport
 
 from .conftest import spawn_ranks
 
@@ -22,7 +22,7 @@ MS = 1e-3
 
 def window(rank: int, compute: float | None, *, host: str = "node-a", step: int = 10) -> Any:
     sections = {"compute": (compute, 0.1 * MS, 10)} if compute is not None else {}
-    return _straggler._Window(rank, host, step, 10, 1.2, 50 * MS, sections)
+    return _stragglerreport.Window(rank, host, step, 10, 1.2, 50 * MS, sections)
 
 
 # --- the arithmetic of a report --------------------------------------------------------------
@@ -30,7 +30,7 @@ def window(rank: int, compute: float | None, *, host: str = "node-a", step: int 
 
 def test_a_rank_slower_than_threshold_times_the_job_median_is_a_straggler() -> None:
     windows = [window(0, 10 * MS), window(1, 11 * MS), window(2, 40 * MS, host="node-b")]
-    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    report = _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2)
     assert report.job_median == {"compute": 11 * MS}
     (straggler,) = report.stragglers
     assert (straggler.rank, straggler.host, straggler.section) == (2, "node-b", "compute")
@@ -41,13 +41,15 @@ def test_a_rank_slower_than_threshold_times_the_job_median_is_a_straggler() -> N
 
 def test_exactly_threshold_times_the_median_is_not_a_straggler() -> None:
     windows = [window(0, 10 * MS), window(1, 10 * MS), window(2, 12 * MS)]
-    assert _straggler._build(windows, step=10, every=10, threshold=1.2).stragglers == ()
-    assert _straggler._build(windows, step=10, every=10, threshold=1.19).stragglers != ()
+    assert _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2).stragglers == ()
+    assert (
+        _stragglerreport.build_report(windows, step=10, every=10, threshold=1.19).stragglers != ()
+    )
 
 
 def test_a_rank_without_times_in_a_section_is_unknown_there_not_zero() -> None:
     windows = [window(0, 10 * MS), window(1, None), window(2, 10 * MS)]
-    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    report = _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2)
     assert report.ranks[1].median == {"compute": None}
     assert report.ranks[1].samples == {"compute": 0}
     assert report.job_median == {"compute": 10 * MS}
@@ -57,19 +59,19 @@ def test_a_rank_without_times_in_a_section_is_unknown_there_not_zero() -> None:
 
 def test_lost_time_takes_the_slowest_rank_of_each_section() -> None:
     windows = [
-        _straggler._Window(
+        _stragglerreport.Window(
             r, "h", 10, 10, 1.2, 100 * MS, {"data": (d, None, 10), "fwd": (f, None, 10)}
         )
         for r, (d, f) in enumerate([(1 * MS, 10 * MS), (5 * MS, 10 * MS), (9 * MS, 30 * MS)] * 1)
     ]
-    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    report = _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2)
     assert [(s.rank, s.section) for s in report.stragglers] == [(2, "fwd"), (2, "data")]
     assert report.lost_per_step == pytest.approx(20 * MS + 4 * MS)
 
 
 def test_the_report_renders_as_a_table_json_and_html() -> None:
     windows = [window(0, 10 * MS), window(1, 10 * MS), window(2, 40 * MS, host="node-b")]
-    report = _straggler._build(windows, step=200, every=100, threshold=1.2)
+    report = _stragglerreport.build_report(windows, step=200, every=100, threshold=1.2)
     lines = str(report).splitlines()
     assert lines[0] == "straggler report at step 200: 3 ranks, the last 100 steps, threshold 1.2x"
     assert lines[1].split()[:4] == ["host", "rank", "step", "compute"]
@@ -426,12 +428,12 @@ def test_a_lead_of_microseconds_is_noise_not_a_straggler() -> None:
     # is 2x and the job loses nothing; before, the third rank was named for it.
     def idle(rank: int, idle_time: float, compute: float) -> Any:
         sections = {"compute": (compute, 0.1 * MS, 10), "idle": (idle_time, 1e-7, 10)}
-        return _straggler._Window(rank, "node-a", 10, 10, 1.2, compute, sections)
+        return _stragglerreport.Window(rank, "node-a", 10, 10, 1.2, compute, sections)
 
     windows = [idle(0, 2e-6, 20 * MS), idle(1, 2e-6, 20 * MS), idle(2, 4e-6, 20 * MS)]
-    assert _straggler._build(windows, step=10, every=10, threshold=1.2).stragglers == ()
+    assert _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2).stragglers == ()
     windows[2] = idle(2, 4e-6, 30 * MS)
-    report = _straggler._build(windows, step=10, every=10, threshold=1.2)
+    report = _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2)
     assert [(s.rank, s.section) for s in report.stragglers] == [(2, "compute")]
 
 
