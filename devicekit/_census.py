@@ -121,6 +121,10 @@ def live_tensors() -> list[torch.Tensor]:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# What reading a tensor that has no real storage raises: sparse and wrapper subclasses
+# (RuntimeError, NotImplementedError, TypeError), and a lazy module's parameters before
+# its first call (ValueError): one in the process made every report fail.
+_UNREADABLE = (RuntimeError, NotImplementedError, TypeError, ValueError)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -145,7 +149,7 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
             return None  # a fake tensor says it is on a device, but its storage is meta
         # A wrapper subclass (a jagged nested tensor) has a storage that refuses its pointer.
         return storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
+    except _UNREADABLE:
         return None
 
 
@@ -188,7 +192,7 @@ def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         names = _COMPRESSED.get(layout)
         if names is not None:
             return (*(getattr(tensor, name)() for name in names), tensor.values())
-    except (RuntimeError, NotImplementedError, TypeError):
+    except _UNREADABLE:
         return ()
     return (tensor,)
 
@@ -231,7 +235,7 @@ def _widest(tensor: torch.Tensor) -> int:
     """The bytes ``tensor`` views of its storage, to choose which view describes a storage."""
     try:
         return int(tensor.nbytes)
-    except (RuntimeError, NotImplementedError, TypeError):
+    except _UNREADABLE:
         return 0
 
 

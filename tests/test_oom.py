@@ -243,6 +243,19 @@ def test_as_a_decorator_bare_and_with_options() -> None:
     assert report.tensors[0].bytes == 512 * 256 * 4
 
 
+def test_a_lazy_module_s_uninitialized_parameters_do_not_stop_the_report() -> None:
+    # Before: its UninitializedParameter raised ValueError when asked for its storage, so
+    # any lazy module alive anywhere in the process made every report fail to build.
+    lazy = torch.nn.LazyLinear(4)
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom(model=lazy):
+        torch.empty(2**62, dtype=torch.uint8)
+    report = caught.value.report
+    assert report is not None
+    assert report.device == "cpu"
+    assert all(t.name not in ("weight", "bias") for t in report.tensors)  # no memory: not listed
+    assert "could not build a report" not in str(caught.value)
+
+
 def test_the_census_counts_storages_and_keeps_no_tensor_alive() -> None:
     def fail() -> None:
         big = torch.ones(1000, 1000)
