@@ -132,14 +132,17 @@ def check_claims_supported() -> None:
 def claims_directory() -> Path:
     """The directory of this user's lock files, created with mode 0700 if needed.
 
-    ``$DEVICEKIT_CLAIMS_DIR`` when set (an absolute path), else
-    ``/tmp/devicekit-<uid>``, whatever ``TMPDIR`` or ``XDG_RUNTIME_DIR`` say:
-    jobs see each other's claims only where they look in the same directory.
+    ``$DEVICEKIT_CLAIMS_DIR`` when set (an absolute path; ``~`` is expanded,
+    missing parents are made), else ``/tmp/devicekit-<uid>``, whatever
+    ``TMPDIR`` or ``XDG_RUNTIME_DIR`` say: jobs see each other's claims only
+    where they look in the same directory. The default directory is made
+    private again if its mode let others in; a chosen one is never changed,
+    and refused if others can write to it.
 
     Raises:
         PermissionError: The directory exists but is not a directory owned
-            by this user (someone else created it, or it is a link), or it
-            cannot be created here.
+            by this user (someone else created it, or it is a link), a chosen
+            one is writable by others, or it cannot be created here.
         OSError: It cannot be created for another reason (a full or
             read-only disk); the message names the directory and the fix.
         ValueError: ``$DEVICEKIT_CLAIMS_DIR`` is a relative path.
@@ -151,16 +154,19 @@ def claims_directory() -> Path:
     """
     chosen = os.environ.get(DIR_VAR)
     if chosen:
-        if not os.path.isabs(chosen):
+        expanded = os.path.expanduser(chosen)  # as a shell would have: "~/claims"
+        if not os.path.isabs(expanded):
             raise ValueError(
                 f"{DIR_VAR}={chosen!r} is a relative path, which names a different directory "
                 "for each job's working directory; give an absolute path"
             )
-        path = Path(chosen)
+        path = Path(expanded)
     else:
         base = _SHARED_TMP if os.path.isdir(_SHARED_TMP) else tempfile.gettempdir()
         path = Path(base) / f"devicekit-{os.getuid()}"
     try:
+        if chosen and not os.path.lexists(path.parent):
+            path.parent.mkdir(parents=True, exist_ok=True)  # "devicekit creates it"
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
@@ -176,8 +182,19 @@ def claims_directory() -> Path:
             f"{os.getuid()}), but it is {_describe(info)}; remove it, or set {DIR_VAR} "
             "to a directory of your own",
         )
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        try:  # made by an older umask or by hand: make it private again
+    mode = stat.S_IMODE(info.st_mode)
+    if chosen and mode & 0o022:
+        # Not changed: it is the user's (their home, a project folder). Others could plant
+        # links there where the lock files go, so it is refused instead.
+        raise PermissionError(
+            errno.EACCES,
+            f"{DIR_VAR}={chosen!r} is writable by other users (mode {mode:o}), who could "
+            "plant files or links where the lock files go; devicekit does not change a "
+            f"directory you chose. Set {DIR_VAR} to a directory only you can write, such as "
+            f"{os.path.join(expanded, 'devicekit-claims')!r} (devicekit creates it, private)",
+        )
+    if not chosen and mode & 0o077:
+        try:  # its own directory, made by an older umask or by hand: make it private again
             os.chmod(path, 0o700)
         except OSError as error:
             raise _cannot("make private (mode 0700)", path, error) from None

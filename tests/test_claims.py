@@ -257,17 +257,6 @@ def test_a_full_disk_does_not_fail_a_claim(monkeypatch: pytest.MonkeyPatch) -> N
 # --- the lock directory ----------------------------------------------------------------------
 
 
-def test_the_lock_directory_is_private(nvml_session: Install, private_claims: Path) -> None:
-    nvml_session(machine(1))
-    directory = private_claims
-    directory.mkdir(mode=0o755)
-    directory.chmod(0o755)  # made by an older umask, say: readable by everyone
-    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)
-    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
-    assert [path.name for path in directory.iterdir()] == [f"{uuid(0)}.lock"]
-    assert stat.S_IMODE((directory / f"{uuid(0)}.lock").stat().st_mode) & 0o077 == 0
-
-
 @pytest.fixture
 def default_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No DEVICEKIT_CLAIMS_DIR, and a stand-in for /tmp: yields where the claims must go."""
@@ -276,6 +265,56 @@ def default_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     shared.mkdir()
     monkeypatch.setattr(_claims, "_SHARED_TMP", str(shared))
     return shared / f"devicekit-{os.getuid()}"
+
+
+def test_the_lock_directory_is_private(nvml_session: Install, default_directory: Path) -> None:
+    nvml_session(machine(1))
+    directory = default_directory
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)  # made by an older umask, say: readable by everyone
+    assert dk.pick_gpu(claim=True) == torch.device("cuda", 0)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert [path.name for path in directory.iterdir()] == [f"{uuid(0)}.lock"]
+    assert stat.S_IMODE((directory / f"{uuid(0)}.lock").stat().st_mode) & 0o077 == 0
+
+
+def test_a_chosen_directory_is_never_changed_and_refused_when_others_can_write(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before: DEVICEKIT_CLAIMS_DIR=$HOME or a group's project folder was made mode 0700
+    # without a word (a setgid 2775 folder lost its group access).
+    readable = tmp_path / "home"
+    readable.mkdir()
+    readable.chmod(0o755)
+    monkeypatch.setenv(_claims.DIR_VAR, str(readable))
+    assert _claims.claims_directory() == readable
+    assert stat.S_IMODE(readable.stat().st_mode) == 0o755  # left as the user made it
+    shared = tmp_path / "project"
+    shared.mkdir()
+    shared.chmod(0o2775)
+    monkeypatch.setenv(_claims.DIR_VAR, str(shared))
+    with pytest.raises(PermissionError) as caught:
+        _claims.claims_directory()
+    assert str(caught.value) == (
+        f"[Errno 13] DEVICEKIT_CLAIMS_DIR={str(shared)!r} is writable by other users (mode "
+        "2775), who could plant files or links where the lock files go; devicekit does not "
+        "change a directory you chose. Set DEVICEKIT_CLAIMS_DIR to a directory only you can "
+        f"write, such as {str(shared / 'devicekit-claims')!r} (devicekit creates it, private)"
+    )
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o2775
+    monkeypatch.setenv(_claims.DIR_VAR, str(shared / "devicekit-claims"))  # the advice works
+    made = _claims.claims_directory().stat().st_mode
+    assert stat.S_IMODE(made) & 0o777 == 0o700  # (setgid, from its parent, stays)
+
+
+def test_a_chosen_directory_may_start_with_a_tilde_and_lack_its_parents(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before: "~/claims" was refused as a relative path, and a missing parent was an error.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(_claims.DIR_VAR, "~/jobs/claims")
+    assert _claims.claims_directory() == tmp_path / "jobs" / "claims"
+    assert stat.S_IMODE((tmp_path / "jobs" / "claims").stat().st_mode) == 0o700
 
 
 def test_every_job_of_a_user_finds_the_same_directory_whatever_its_environment(
