@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections import defaultdict
+from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from typing import Any
 
 import torch
 
+from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
 from ._tree import children, iter_tensors
@@ -17,36 +20,59 @@ __all__ = ["assert_same_device", "check_module"]
 _SHOWN_PER_DEVICE = 5  # paths listed per device before "... and N more"
 
 
-def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
+def assert_same_device(
+    *objs: Any, device: DeviceLike | None = None, **named_objs: Any
+) -> torch.device:
     """Check that every tensor in the arguments is on one device, and return that device.
 
     Walks the same structures as [`to_device()`][devicekit.to_device], and a module's parameters
     and buffers. Positional arguments are named ``arg0``, ``arg1``...; keyword
     arguments by their names, so ``assert_same_device(model=model,
     batch=batch)`` reports paths such as ``model.fc.weight`` and
-    ``batch['labels']``.
+    ``batch['labels']``. ``device=`` is the device expected, never an object
+    to check.
+
+    A generator or other iterator, and a dict view (``d.values()``), given as
+    an argument is refused: checking an iterator's tensors would use it up,
+    and a view is not walked (`to_device()` returns both unchanged). Inside an
+    argument, they are left unchecked, as `to_device()` leaves them unmoved.
 
     Args:
         *objs: Tensors, modules, or nested structures holding them.
-        **named_objs: The same, named for the error message.
+        device: The device every tensor must be on: a [`DeviceLike`][devicekit.DeviceLike]
+            (``"cuda"`` is the current CUDA device; CUDA is not initialized to
+            find it). Default: whichever device they share.
+        **named_objs: The same as ``objs``, named for the error message.
 
     Returns:
         The one device every tensor is on.
 
     Raises:
-        DeviceMismatchError: Tensors are on more than one device. The message
-            lists each device with the paths on it, the fewest first (they are
-            usually the strays), and ends with a fix.
-        ValueError: The arguments hold no tensor, or contain themselves.
-        TypeError: A keyword argument is named ``arg0``, ``arg1``... like a
+        DeviceMismatchError: Tensors are on more than one device, or on one
+            other than ``device``. The message lists each device with the
+            paths on it, the strays first, and ends with a fix.
+        ValueError: The arguments hold no tensor, or contain themselves, or
+            ``device`` is malformed.
+        TypeError: An argument is a generator, an iterator or a dict view, or
+            a keyword argument is named ``arg0``, ``arg1``... like a
             positional one (one of the two would go unchecked).
+        RecursionError: An argument nests deeper than Python's recursion limit.
+        DeviceNotFoundError: This torch build or machine has no ``device``.
 
     Examples:
         >>> import torch, devicekit as dk
         >>> model = torch.nn.Linear(2, 1)
         >>> dk.assert_same_device(model=model, batch={"x": torch.ones(2)})
         device(type='cpu')
-    """
+        >>> dk.assert_same_device(model=model, device="meta")
+        Traceback (most recent call last):
+        ...
+        devicekit.DeviceMismatchError: expected every tensor on meta (device='meta'), found them on 1 device: cpu (2 tensors)
+          model.weight: cpu
+          model.bias: cpu
+        Fix: move everything to meta: model.to('meta').
+    """  # noqa: E501 - the expected output is one line
+    expected = None if device is None else resolve_device(device, name="device")
     named = {f"arg{index}": obj for index, obj in enumerate(objs)}
     for name in named.keys() & named_objs.keys():  # the keyword would hide the positional
         raise TypeError(
@@ -54,37 +80,83 @@ def assert_same_device(*objs: Any, **named_objs: Any) -> torch.device:
             f"it names {name}) and as a keyword; give the keyword argument another name"
         )
     named |= named_objs
+    for name, obj in named.items():
+        _refuse_unwalkable(name, obj)
     where: dict[torch.device, list[str]] = defaultdict(list)
     owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices
     for name, obj in named.items():
-        for path, tensor in iter_tensors(obj, name):
-            where[tensor.device].append(path)
-            owners[name].add(tensor.device)
+        try:
+            for path, tensor in iter_tensors(obj, name):
+                where[tensor.device].append(path)
+                owners[name].add(tensor.device)
+        except RecursionError:
+            # Counting the depth in the walk would cost every call; Python counts it anyway.
+            raise RecursionError(_too_deep(name)) from None
     if not where:
         raise ValueError(
             f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}; "
             "pass the tensors, modules or batches to check"
         )
-    if len(where) == 1:
+    if len(where) == 1 and (expected is None or expected in where):
         return next(iter(where))
-    raise DeviceMismatchError(_mismatch_message(where, owners, named))
+    said = f"device={device!r}" if isinstance(device, (str, int)) else "device="
+    raise DeviceMismatchError(_mismatch_message(where, owners, named, expected, said))
+
+
+def _refuse_unwalkable(name: str, obj: object) -> None:
+    """Refuse an argument whose tensors the walk would miss without a word: an iterator, a view."""
+    if not isinstance(obj, (Iterator, KeysView, ValuesView, ItemsView)):
+        return
+    if children(obj) is not None:
+        return  # a container that is also an iterator is walked as a container
+    kind = type(obj).__name__
+    if isinstance(obj, Iterator):  # a generator, map(), zip(), iter(list)...
+        raise TypeError(
+            f"assert_same_device() cannot check {name}, a {kind}, without consuming it: "
+            "checking its tensors would use it up (to_device() returns it unchanged and not "
+            "consumed for the same reason). Pass a list of its items, list(...), and use that "
+            "list afterwards, or check each item as it comes."
+        )
+    if isinstance(obj, (KeysView, ValuesView, ItemsView)):
+        raise TypeError(
+            f"assert_same_device() cannot check {name}, a {kind} view: a dict view is not "
+            "walked (to_device() returns it unchanged, with its tensors where they were). Pass "
+            "the dict itself, or list(...) of the view."
+        )
+
+
+def _too_deep(name: str) -> str:
+    return (
+        f"assert_same_device() cannot check {name}: it nests containers deeper than Python's "
+        f"recursion limit (sys.getrecursionlimit() is {sys.getrecursionlimit()}) allows. Raise "
+        "the limit with sys.setrecursionlimit(), or flatten the structure. (If it is not that "
+        "deep, an attribute read in the walk recursed without end: the original error is this "
+        "one's __context__.)"
+    )
 
 
 def _mismatch_message(
     where: dict[torch.device, list[str]],
     owners: dict[str, set[torch.device]],
     named: dict[str, Any],
+    expected: torch.device | None = None,
+    said: str = "device=",
 ) -> str:
-    groups = sorted(where.items(), key=lambda item: len(item[1]))  # strays first
-    lines = [
-        f"expected every tensor on one device, found {len(groups)}: "
-        + ", ".join(f"{device} ({_count(paths)})" for device, paths in groups)
-    ]
+    # Strays first: the tensors off the expected device, else the smallest groups.
+    groups = sorted(where.items(), key=lambda item: (item[0] == expected, len(item[1])))
+    found = ", ".join(f"{device} ({_count(paths)})" for device, paths in groups)
+    if expected is None:
+        lines = [f"expected every tensor on one device, found {len(groups)}: {found}"]
+    else:
+        lines = [
+            f"expected every tensor on {expected} ({said}), found them on "
+            f"{plural(len(groups), 'device')}: {found}"
+        ]
     for device, paths in groups:
         lines.extend(f"  {path}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
         if len(paths) > _SHOWN_PER_DEVICE:
             lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
-    lines.extend(_fix(where, owners, named))
+    lines.extend(_fix(where, owners, named, expected))
     return "\n".join(lines)
 
 
@@ -92,27 +164,35 @@ def _fix(
     where: dict[torch.device, list[str]],
     owners: dict[str, set[torch.device]],
     named: dict[str, Any],
+    expected: torch.device | None = None,
 ) -> list[str]:
     """What to run: every argument that is not all on the target, moved there."""
-    # The target is where the work should run: the accelerator that holds the most,
-    # else the CPU. Never meta: its tensors hold no values, so nothing can run there.
-    accelerators = [device for device in where if device.type not in ("cpu", "meta")]
-    target = max(accelerators, key=lambda device: len(where[device]), default=torch.device("cpu"))
+    if expected is not None:
+        target = expected  # the caller said where: even meta (a model built without weights)
+    else:
+        # The target is where the work should run: the accelerator that holds the most,
+        # else the CPU. Never meta: its tensors hold no values, so nothing can run there.
+        accelerators = [device for device in where if device.type not in ("cpu", "meta")]
+        target = max(
+            accelerators, key=lambda device: len(where[device]), default=torch.device("cpu")
+        )
+    stuck = target.type != "meta"  # meta tensors cannot be copied anywhere else: no data
     steps = []
     for name, devices in owners.items():
         if devices == {target}:
             continue
+        on_meta = stuck and torch.device("meta") in devices
         if isinstance(named[name], torch.nn.Module):
-            if torch.device("meta") in devices:
+            if on_meta:
                 steps.append(f"{name}.to_empty(device='{target}'), then load its weights")
             else:
                 steps.append(f"{name}.to('{target}')")
-        elif torch.device("meta") in devices:  # copying a meta tensor fails: it has no data
+        elif on_meta:
             steps.append(f"make {name} again on {target} (its meta tensors hold no values to copy)")
         else:
             steps.append(f"{name} = dk.to_device({name}, '{target}')")
     fix = [f"Fix: move everything to {target}: {'; '.join(steps)}."]
-    if torch.device("meta") in where:
+    if stuck and torch.device("meta") in where:
         fix.append(
             "Tensors on meta hold no values (shapes only): make them on a real device, or "
             "materialize a model with to_empty() and load its weights."

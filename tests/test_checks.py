@@ -11,6 +11,8 @@ import torch
 import devicekit as dk
 from devicekit import _checks
 
+from .conftest import run_python
+
 META = torch.device("meta")
 CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
 
@@ -145,6 +147,105 @@ def test_cyclic_arguments() -> None:
     looped.append(looped)
     with pytest.raises(ValueError, match=r"batch\[1\] contains itself"):
         dk.assert_same_device(batch=looped)
+
+
+def test_device_is_the_expected_device_not_an_object_to_check() -> None:
+    # It was read as one more named object, holding no tensor: this never failed.
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(torch.ones(1), device="meta")
+    assert str(info.value) == (
+        "expected every tensor on meta (device='meta'), found them on 1 device: cpu (1 tensor)\n"
+        "  arg0: cpu\n"
+        "Fix: move everything to meta: arg0 = dk.to_device(arg0, 'meta')."
+    )
+    assert dk.assert_same_device(torch.ones(1), batch=[torch.ones(1)], device="cpu:0") == CPU
+    assert dk.assert_same_device(torch.ones(1, device="meta"), device=torch.device("meta")) == META
+
+
+def test_tensors_off_the_expected_device_are_listed_first() -> None:
+    model = torch.nn.Linear(1, 1)
+    batch = {"x": torch.ones(1, device="meta"), "y": torch.ones(1, device="meta")}
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(model=model, batch=batch, device=torch.device("meta"))
+    assert str(info.value) == (
+        "expected every tensor on meta (device=), found them on 2 devices: cpu (2 tensors), "
+        "meta (2 tensors)\n"
+        "  model.weight: cpu\n  model.bias: cpu\n  batch['x']: meta\n  batch['y']: meta\n"
+        "Fix: move everything to meta: model.to('meta')."  # meta is where the caller wants it
+    )
+    with pytest.raises(dk.DeviceMismatchError, match=r"make batch again on cpu \(its meta"):
+        dk.assert_same_device(model=model, batch=batch, device="cpu")
+
+
+def test_device_is_read_as_every_device_argument_is() -> None:
+    with pytest.raises(ValueError, match=r"device='CPU' is not a device torch knows; write 'cpu'"):
+        dk.assert_same_device(torch.ones(1), device="CPU")
+    with pytest.raises(TypeError, match=r"device must be a torch.device, .* got a tensor"):
+        dk.assert_same_device(torch.ones(1), device=torch.tensor(0))  # type: ignore[arg-type]
+
+
+def test_an_expected_cuda_device_does_not_start_cuda() -> None:
+    # "cuda" is the current device, cuda:0 until CUDA starts: no need to start it to know.
+    result = run_python(
+        """
+        import json, torch
+        import devicekit as dk
+        from devicekit._visible import cuda_started
+        try:
+            dk.assert_same_device(torch.ones(1), device="cuda")
+            error = None
+        except (dk.DeviceMismatchError, dk.DeviceNotFoundError) as raised:
+            error = str(raised).splitlines()[0]
+        print(json.dumps({"error": error, "torch": torch.cuda.is_initialized(),
+                          "started": cuda_started()}))
+        """
+    )
+    assert result["error"] is not None
+    if torch.cuda.is_available():
+        assert result["error"].startswith("expected every tensor on cuda:0 (device='cuda')")
+    assert (result["torch"], result["started"]) == (False, None)
+
+
+def test_an_iterator_argument_is_refused_not_consumed() -> None:
+    items = (t for t in [torch.ones(1, device="meta")])
+    with pytest.raises(
+        TypeError,
+        match=r"cannot check arg1, a generator, without consuming it: checking its tensors "
+        r"would use it up \(to_device\(\) returns it unchanged and not consumed for the same "
+        r"reason\)\. Pass a list of its items, list\(\.\.\.\)",
+    ):
+        dk.assert_same_device(torch.ones(1), items)
+    assert len(list(items)) == 1  # still whole
+    with pytest.raises(TypeError, match=r"cannot check batch, a list_iterator, without"):
+        dk.assert_same_device(batch=iter([torch.ones(1)]))
+
+
+def test_a_dict_view_argument_is_refused() -> None:
+    batch = {"a": torch.ones(1), "b": torch.ones(1, device="meta")}
+    with pytest.raises(
+        TypeError,
+        match=r"cannot check arg0, a dict_values view: a dict view is not walked \(to_device\(\) "
+        r"returns it unchanged, with its tensors where they were\)\. Pass the dict itself, or "
+        r"list\(\.\.\.\) of the view\.",
+    ):
+        dk.assert_same_device(batch.values())
+    for view in (batch.keys(), batch.items(), collections.OrderedDict(batch).values()):
+        with pytest.raises(TypeError, match=r"cannot check inputs, a \w+ view"):
+            dk.assert_same_device(inputs=view)
+    assert dk.assert_same_device(list(batch.values())[:1]) == CPU  # what the message suggests
+
+
+def test_a_structure_too_deep_to_walk_says_so() -> None:
+    deep: Any = torch.ones(1)
+    for _ in range(3000):
+        deep = [deep]
+    with pytest.raises(
+        RecursionError,
+        match=r"assert_same_device\(\) cannot check arg0: it nests containers deeper than "
+        r"Python's recursion limit \(sys.getrecursionlimit\(\) is \d+\) allows\. Raise the "
+        r"limit with sys.setrecursionlimit\(\), or flatten the structure",
+    ):
+        dk.assert_same_device(deep, torch.ones(1))
 
 
 class Leaky(torch.nn.Module):

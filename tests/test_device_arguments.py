@@ -35,6 +35,10 @@ def _load(value: object) -> list[torch.device]:
     return [dk.load(buffer, value)["w"].device]  # type: ignore[arg-type]
 
 
+def _assert_same_device(value: object) -> list[torch.device]:
+    return [dk.assert_same_device(torch.ones(1), device=value)]  # type: ignore[arg-type]
+
+
 def _timer(value: object) -> list[torch.device]:
     with dk.Timer(device=value) as timer:  # type: ignore[arg-type]
         pass
@@ -93,6 +97,7 @@ def _bench(value: object) -> list[torch.device]:
 SINGLE: dict[str, tuple[Call, str]] = {
     "to_device": (_to_device, "device"),
     "load": (_load, "device"),
+    "assert_same_device": (_assert_same_device, "device"),
     "Timer": (_timer, "device"),
     "Benchmark": (_benchmark_context, "device"),
     "benchmark": (_benchmark, "device"),
