@@ -33,14 +33,25 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         RuntimeError: call it again
     """
 
-    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[T]], *, again: str):
+    def __init__(
+        self,
+        make: Callable[[], contextlib.AbstractContextManager[T]],
+        *,
+        again: str,
+        name: str = "a devicekit",
+    ):
         self._make = make
         self._again = again  # the message for a second entry: what to call instead
+        self._name = name  # what made it, for the repr: "dk.claim_gpu()"
         self._block: contextlib.AbstractContextManager[T] | None = None
 
     def _recreate_cm(self) -> EnterOnce[T]:
         # As a decorator, each call of the function gets a block of its own.
-        return EnterOnce(self._make, again=self._again)
+        return EnterOnce(self._make, again=self._again, name=self._name)
+
+    def __repr__(self) -> str:
+        state = "not entered yet" if self._block is None else "entered"
+        return f"<{self._name} block, {state}>"
 
     def __enter__(self) -> T:
         if self._block is not None:

@@ -453,6 +453,7 @@ def claim_gpu(
             "this claim_gpu() was already entered once; a claim is one with block, so call "
             "dk.claim_gpu(...) again for each: with dk.claim_gpu() as device: ..."
         ),
+        name="dk.claim_gpu()",
     )
 
 

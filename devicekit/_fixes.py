@@ -15,7 +15,9 @@ numbers that made it appear, so a reader can check the reasoning.
   request but no single free block does (fragmentation).
 - ``free_memory()``: when the failure came from outside the caching allocator
   (a cuBLAS workspace, a kernel) while the cache held unallocated memory.
-- The other processes: when what they hold, plus what is free, would fit.
+- The other processes: when what they hold, plus what is free, would fit,
+  and they are not this process listed under another PID (a container's host
+  PID): PyTorch's reserve plus what they hold is more than the device has.
 """
 
 from __future__ import annotations
@@ -26,11 +28,28 @@ from typing import Protocol
 from ._format import format_bytes, format_count
 from ._gpuinfo import GPUProcess
 
-__all__ = ["Numbers", "rank_fixes"]
+__all__ = ["Numbers", "counted_twice", "rank_fixes"]
 
 
 def _b(value: int | None) -> str:
     return format_bytes(value, digits=2)
+
+
+def counted_twice(reserved: int, held: int, total: int) -> bool:
+    """Whether ``held`` (the listed processes) must include this process's ``reserved`` bytes.
+
+    PyTorch's reserve and what the other processes hold share one device, so
+    together they are at most its ``total``. The slack, 2% of the device,
+    covers the two-decimal rounding of torch's message and counters read a
+    moment apart.
+
+    Examples:
+        >>> from devicekit._fixes import counted_twice
+        >>> GiB = 2**30
+        >>> counted_twice(78 * GiB, 79 * GiB, 80 * GiB), counted_twice(60 * GiB, 12 * GiB, 80 * GiB)
+        (True, False)
+    """
+    return reserved + held > total + total // 50
 
 
 class Numbers(Protocol):
@@ -141,16 +160,21 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
     others = n.processes or ()
     # What the others hold, at least: a process NVML cannot size adds nothing here.
     held = sum(p.used_memory for p in others if p.used_memory is not None)
-    if cuda and held:
+    # A list that must include this process (host PIDs, in a container, where the report
+    # could not tell which one is this): "stop them" could mean stopping this very process.
+    mine_listed = (
+        n.reserved is not None and n.total is not None and counted_twice(n.reserved, held, n.total)
+    )
+    if cuda and held and not mine_listed:
         would_fit = held + (n.free or 0) >= request if request is not None else True
         if would_fit and (request is not None or held >= 0.05 * (n.total or math.inf)):
             listed = ", ".join(str(p) for p in others if p.used_memory)
-            verb = "holds" if len(others) == 1 else "hold"
+            verb, them = ("holds", "it") if len(others) == 1 else ("hold", "them")
             found.append(
                 (
                     held,
                     f"Free {n.device}: {format_count(len(others), 'other process')} {verb} "
-                    f"{_b(held)} on it ({listed}); stop them, or run on a GPU with room "
+                    f"{_b(held)} on it ({listed}); stop {them}, or run on a GPU with room "
                     "(dk.pick_gpu()).",
                 )
             )

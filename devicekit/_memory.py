@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import html
 import os
@@ -13,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._blocks import EnterOnce
 from ._devices import (
     DeviceLike,
     accelerator_count,
@@ -384,8 +386,9 @@ def _default_scope_device() -> torch.device:
     return default_cuda_device()
 
 
-@contextmanager
-def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
+def memory_scope(
+    device: DeviceLike | None = None,
+) -> contextlib.AbstractContextManager[MemoryScope]:
     """Measure the peak and net GPU memory of a block.
 
     Resets the device's peak-memory counters when the block begins, and
@@ -403,11 +406,16 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
             device (the block may be the first to use CUDA), or the CPU
             where there is no CUDA device.
 
-    Yields:
-        A [`MemoryScope`][devicekit.MemoryScope] whose ``report`` is filled in on exit.
+    Returns:
+        A context manager, entered once, whose ``with ... as`` gives a
+        [`MemoryScope`][devicekit.MemoryScope] whose ``report`` is filled in
+        on exit. As a decorator, each call gets a scope of its own.
 
     Raises:
-        DeviceNotFoundError: ``device`` does not exist here.
+        DeviceNotFoundError: ``device`` does not exist here (when the block
+            is entered).
+        RuntimeError: The same ``memory_scope(...)`` object is entered a
+            second time.
 
     Examples:
         >>> import devicekit as dk
@@ -416,6 +424,18 @@ def memory_scope(device: DeviceLike | None = None) -> Iterator[MemoryScope]:
         >>> scope.report.device, scope.report.peak_allocated
         ('cpu', None)
     """
+    return EnterOnce(
+        lambda: _scope_block(device),
+        again=(
+            "this memory_scope() was already entered once; each block gets its own report, "
+            "so call dk.memory_scope(...) again for each: with dk.memory_scope() as scope: ..."
+        ),
+        name="dk.memory_scope()",
+    )
+
+
+@contextmanager
+def _scope_block(device: DeviceLike | None) -> Iterator[MemoryScope]:
     target = _default_scope_device() if device is None else resolve_device(device)
     scope = MemoryScope()
     if target.type != "cuda":

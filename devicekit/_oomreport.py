@@ -23,7 +23,7 @@ import torch
 from ._census import LiveTensor, device_census, storage_key
 from ._devices import current_cuda_device, default_cuda_device
 from ._errors import DeviceNotFoundError
-from ._fixes import rank_fixes
+from ._fixes import counted_twice, rank_fixes
 from ._format import (
     UNKNOWN,
     first_line,
@@ -93,6 +93,12 @@ class OOMReport:
         allocation_sites: With ``record_history=True``: the largest live
             blocks and the lines that allocated them.
         fixes: What to do, most promising first, with the numbers that say so.
+        this_process_pid: The PID the process list gives this process when it
+            is not this process's own: in a container, NVML and torch's
+            message list it under its host PID. Recognised by the numbers:
+            what PyTorch reserves here plus the listed processes is more than
+            the device has, and one listed process accounts for the excess.
+            None when the list names this process by its own PID, or not at all.
     """
 
     device: str
@@ -110,6 +116,7 @@ class OOMReport:
     tensors: tuple[LiveTensor, ...]
     allocation_sites: tuple[AllocationSite, ...] | None
     fixes: tuple[str, ...]
+    this_process_pid: int | None = None
 
     @property
     def unallocated(self) -> int | None:
@@ -173,11 +180,20 @@ class OOMReport:
                 ("held by no tensor", f"{_bytes(self.unseen)} (saved activations, workspaces)")
             )
         if self.device.startswith("cuda"):
-            rows.append(
-                ("this process", f"{_bytes(self.this_process)} (all it holds there, context too)")
-            )
+            rows.append(("this process", self._this_process_text()))
             rows.append(("other processes", self._processes_text()))
         return rows
+
+    def _this_process_text(self) -> str:
+        text = f"{_bytes(self.this_process)} (all it holds there, context too)"
+        if self.this_process_pid is None:
+            return text
+        return (
+            f"{text}, listed as process {self.this_process_pid} (a host PID, seen from a "
+            f"container): PyTorch alone reserves {_bytes(self.reserved)} here, so another "
+            f"process holding {_bytes(self.this_process)} would not fit in the "
+            f"{_bytes(self.total)} the device has"
+        )
 
     def _processes_text(self) -> str:
         if self.processes is None:
@@ -253,6 +269,31 @@ def _gpu_processes(index: int, parsed: OOMText) -> tuple[tuple[GPUProcess, ...] 
     mine = [p.used_memory for p in listed if p.pid == me]
     this = sum(size or 0 for size in mine) if mine and None not in mine else None
     return tuple(p for p in listed if p.pid != me), this
+
+
+def _find_this_process(
+    processes: tuple[GPUProcess, ...], reserved: int, total: int
+) -> GPUProcess | None:
+    """The listed process that must be this one, or None when the numbers do not single one out.
+
+    Inside a container NVML and torch's message list this process under its
+    host PID, so it cannot be found by ``os.getpid()``. Its numbers give it
+    away: it holds at least what PyTorch reserves here, and counting it as
+    another process counts that memory twice, more than the device has (with
+    the slack of `counted_twice`).
+    """
+    slack = total // 50
+    held = sum(p.used_memory or 0 for p in processes)  # at least: unknown sizes add nothing
+    if not counted_twice(reserved, held, total):
+        return None  # the others and PyTorch's reserve fit side by side
+    candidates = [
+        p
+        for p in processes
+        if p.used_memory is not None
+        and p.used_memory + slack >= reserved
+        and reserved + held - p.used_memory <= total + slack
+    ]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def _allocator_blocks(
@@ -348,7 +389,7 @@ def build_report(
         parsed = _SAYS_NOTHING  # torch's first line is still the report's message
     total, free = parsed.total, parsed.free
     allocated, reserved = parsed.allocated, parsed.reserved
-    largest_free = this_process = None
+    largest_free = this_process = this_pid = None
     processes: tuple[GPUProcess, ...] | None = None
     found: tuple[AllocationSite, ...] | None = None
     if target.type == "cuda":
@@ -360,6 +401,11 @@ def build_report(
             free = live.free if live.free is not None else free
             largest_free, found = _allocator_blocks(index, top=top, sites=sites)
         processes, this_process = _gpu_processes(index, parsed)
+        if processes and this_process is None and reserved is not None and total is not None:
+            me = _find_this_process(processes, reserved, total)
+            if me is not None:
+                processes = tuple(p for p in processes if p is not me)
+                this_process, this_pid = me.used_memory, me.pid
     elif target.type == "cpu":
         host_total, host_free = _host_memory()
         total = host_total if total is None else total
@@ -385,5 +431,6 @@ def build_report(
         tensors=seen.largest,
         allocation_sites=found,
         fixes=(),
+        this_process_pid=this_pid,
     )
     return replace(report, fixes=rank_fixes(report))

@@ -13,6 +13,8 @@ but divides by 1024 all the same):
 - CUDA before 2.1: ``CUDA out of memory. Tried to allocate 36.00 MiB (GPU 0;
   7.93 GiB total capacity; 130.35 MiB already allocated; 47.06 MiB free;
   188.00 MiB reserved in total by PyTorch) ...``
+- ROCm: the CUDA texts with ``HIP`` for ``CUDA`` (``HIP out of memory. Tried to
+  allocate ...``); torch calls the device ``cuda`` there too.
 - XPU: like CUDA 2.1 without the process lines, ``XPU out of memory. ...``
 - MPS: ``MPS backend out of memory (MPS allocated: 3.11 GB, other allocations:
   5.42 GB, max allowed: 9.07 GB). Tried to allocate 720.00 MB on private pool.``
@@ -77,7 +79,7 @@ _RESERVED = _pattern(r"{size} reserved in total by PyTorch")
 _THIS_PROCESS = _pattern(r"this process has {size} memory in use")
 _PROCESS = _pattern(r"Process (\d+) has {size} memory in use")
 _KINDS = (
-    ("cuda", re.compile(r"\bCUDA\b|CUBLAS")),
+    ("cuda", re.compile(r"\bCUDA\b|CUBLAS|\bHIP\b")),  # ROCm's torch says HIP; its device is cuda
     ("xpu", re.compile(r"\bXPU\b")),
     ("mps", re.compile(r"\bMPS\b")),
     ("cpu", re.compile(r"CPUAllocator")),
@@ -88,7 +90,7 @@ _INDEX = re.compile(r"\bGPU (\d+)\b")
 class OOMText(NamedTuple):
     """What one out-of-memory message says; None where it says nothing."""
 
-    kind: str | None  # "cuda", "xpu", "mps", "cpu"
+    kind: str | None  # "cuda" (ROCm's "HIP" too), "xpu", "mps", "cpu"
     device_index: int | None
     requested: int | None
     total: int | None

@@ -272,6 +272,7 @@ def detect_syncs(
             "this detect_syncs() was already entered once; each block gets its own report, "
             "so call dk.detect_syncs(...) again for each: with dk.detect_syncs() as syncs: ..."
         ),
+        name="dk.detect_syncs()",
     )
 
 

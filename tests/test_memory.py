@@ -328,3 +328,33 @@ def test_scopes_and_free_memory_never_start_cuda() -> None:
         0,
     )  # None off CUDA; 0 when CUDA never started: nothing allocated
     assert result["devices"] == []
+
+
+def test_a_scope_entered_twice_says_what_to_do_and_its_repr_says_what_it_is() -> None:
+    # Before: AttributeError from inside contextlib, and a repr naming contextlib's class.
+    scope = dk.memory_scope("cpu")
+    assert repr(scope) == "<dk.memory_scope() block, not entered yet>"
+    with scope as first:
+        pass
+    assert repr(scope) == "<dk.memory_scope() block, entered>"
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"^this memory_scope\(\) was already entered once; each block gets its own "
+            r"report, so call dk.memory_scope\(...\) again for each",
+        ),
+        scope,
+    ):
+        pass
+    assert first.report is not None
+    seen = []
+
+    @dk.memory_scope("cpu")  # as a decorator: a fresh scope for each call
+    def step(value: int) -> int:
+        seen.append(value)
+        return value
+
+    assert (step(1), step(2)) == (1, 2)
+    assert seen == [1, 2]
+    assert repr(dk.claim_gpu()) == "<dk.claim_gpu() block, not entered yet>"
+    assert repr(dk.detect_syncs()) == "<dk.detect_syncs() block, not entered yet>"

@@ -4,9 +4,11 @@ import asyncio
 import gc
 import json
 import os
+import subprocess
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,6 +65,13 @@ CPU_WINDOWS = (
     "tried to allocate 3221225472 bytes."
 )
 RUNTIME = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
+# A container: torch lists this process under its host PID, so no "this process" line.
+CONTAINER = (
+    "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.10 GiB "
+    "of which 6.94 MiB is free. Process 12345 has 79.09 GiB memory in use. Of the allocated "
+    "memory 78.50 GiB is allocated by PyTorch, and 100.37 MiB is reserved by PyTorch but "
+    "unallocated."
+)
 
 
 def gib(value: float) -> int:
@@ -365,9 +374,14 @@ def test_fixes_are_ranked_by_what_the_numbers_show() -> None:
     unknown_block = rank_fixes(numbers(reserved=72 * GiB, largest_free_block=None))
     assert "unallocated, yet it could not serve the request: the free memory" in unknown_block[0]
     # Another process holds more than this one could save.
-    other = dk.GPUProcess(4242, "python", 30 * GiB, "compute")
+    # (15 GiB beside the 61 GiB PyTorch reserves here: together they fit in the 80 GiB.)
+    other = dk.GPUProcess(4242, "python", 15 * GiB, "compute")
     crowded = rank_fixes(numbers(processes=(other,)))
-    assert crowded[0].startswith("Free cuda:0: 1 other process holds 30.00 GiB on it (4242 python")
+    assert crowded[0].startswith("Free cuda:0: 1 other process holds 15.00 GiB on it (4242 python")
+    assert "; stop it, or run on a GPU with room" in crowded[0]  # before: "stop them"
+    two = rank_fixes(numbers(processes=(other, dk.GPUProcess(4343, None, 2 * GiB, "compute"))))
+    assert "Free cuda:0: 2 other processes hold 17.00 GiB on it" in two[0]
+    assert "; stop them, or run" in two[0]
     # Activations: most allocated bytes are held by no tensor.
     saved = rank_fixes(numbers(tensor_bytes=10 * GiB))
     assert first_words(saved) == ["Keep fewer activations", "Use a smaller batch"]
@@ -601,3 +615,102 @@ def test_numbers_of_another_device_s_message_are_not_reported_as_device_s() -> N
     )
     same = _oomreport.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 0))
     assert (same.total, same.requested) == (gib(79.19), 20 * MiB)
+
+
+def test_rocm_s_hip_message_is_read_as_a_gpu_s() -> None:
+    # ROCm's torch words it "HIP out of memory", and calls its device cuda. Before: read as
+    # the CPU's, the GPU's 79.10 GiB labelled as the machine's memory.
+    hip = CONTAINER.replace("CUDA out of memory", "HIP out of memory")
+    parsed = parse_oom(hip)
+    assert (parsed.kind, parsed.device) == ("cuda", torch.device("cuda", 0))
+    assert is_oom(RuntimeError(hip))
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA started in this process: the report reads its live numbers")
+    report = _oomreport.build_report(torch.OutOfMemoryError(hip))
+    assert report.device == "cuda:0"
+    assert (
+        report.headline()
+        == "cuda:0 is out of memory, asked for 20.00 MiB: 6.94 MiB free of 79.10 GiB"
+    )
+
+
+def _container_report(nvml_session: Install, fake: FakeNVML | None, message: str) -> Any:
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA started in this process: the report reads its live numbers")
+    nvml_session(fake)
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(message)
+    report = caught.value.report
+    assert report is not None
+    return report
+
+
+def test_a_container_s_host_pid_in_the_message_is_this_process(nvml_session: Install) -> None:
+    # PyTorch reserves 78.60 GiB here; "process 12345" holds 79.09 GiB of the 79.10 GiB:
+    # it can only be this process. Before: fix 1 said to stop it.
+    report = _container_report(nvml_session, None, CONTAINER)
+    assert not any(fix.startswith("Free cuda:0") for fix in report.fixes)
+    assert report.processes == ()
+    assert (report.this_process, report.this_process_pid) == (gib(79.09), 12345)
+    assert report.fixes[0].startswith("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments")
+    assert (
+        "  this process          79.09 GiB (all it holds there, context too), listed as process "
+        "12345 (a host PID, seen from a container): PyTorch alone reserves 78.60 GiB here, so "
+        "another process holding 79.09 GiB would not fit in the 79.10 GiB the device has"
+    ) in str(report)
+    assert "  other processes       none" in str(report)
+    assert report.to_dict()["this_process_pid"] == 12345
+
+
+def test_a_container_s_host_pid_from_nvml_is_this_process_and_the_others_stay(
+    nvml_session: Install,
+) -> None:
+    # NVML lists host PIDs too: 70 GiB under 4_000_001 is this process (PyTorch reserves
+    # 66.57 GiB here), 6 GiB under 5_000_001 is another one, which can be stopped.
+    host = FakeGPU("GPU-a", compute=[(4_000_001, 70 * GiB), (5_000_001, 6 * GiB)])
+    report = _container_report(nvml_session, FakeNVML([host]), CUDA)
+    assert report.fixes[0].startswith("Free cuda:0: 1 other process holds 6.00 GiB on it")
+    assert [(p.pid, p.used_memory) for p in report.processes] == [(5_000_001, 6 * GiB)]
+    assert (report.this_process, report.this_process_pid) == (70 * GiB, 4_000_001)
+
+
+def test_processes_that_fit_beside_pytorch_s_reserve_are_others(nvml_session: Install) -> None:
+    # 66.57 GiB reserved here and 12.02 GiB in process 2493055: 78.59 GiB of 79.19 GiB fits,
+    # so that process is another one, whatever its size.
+    alone = CUDA.replace(
+        "Including non-PyTorch memory, this process has 67.15 GiB memory in use. ", ""
+    )
+    assert parse_oom(alone).this_process is None
+    report = _container_report(nvml_session, None, alone)
+    assert report.this_process is None
+    assert "listed as process" not in str(report)
+    assert [(p.pid, p.used_memory) for p in report.processes] == [(2493055, gib(12.02))]
+
+
+def test_a_list_that_must_hold_this_process_is_not_asked_to_stop() -> None:
+    # 40 GiB reserved here, 40.5 and 39.4 GiB listed on an 80 GiB device: one of them is
+    # this process under a host PID, and the numbers cannot tell which.
+    pair = (
+        dk.GPUProcess(4242, None, gib(40.5), "compute", pid_visible=False),
+        dk.GPUProcess(4343, None, gib(39.4), "compute", pid_visible=False),
+    )
+    fixes = rank_fixes(numbers(allocated=39 * GiB, reserved=40 * GiB, processes=pair))
+    assert fixes
+    assert not any(fix.startswith("Free cuda:0") for fix in fixes)
+
+
+def test_the_find_leaks_snippet_prints_what_the_page_says(tmp_path: Any) -> None:
+    # Before: the snippet used a batch made before the call and could not run as written;
+    # run with one, it printed +3 tensor/call, +1.25 MiB/call, not the page's +4 and 1.50 MiB.
+    page = (Path(__file__).parent.parent / "docs" / "memory.md").read_text(encoding="utf-8")
+    section = page.split("## `find_leaks`", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    script = tmp_path / "validate.py"
+    script.write_text(code, encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout.replace(f"{script}", "validate.py").splitlines()
+    assert printed == shown[:2]
