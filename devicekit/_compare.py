@@ -44,7 +44,8 @@ class ComparisonRow:
         if self.within_noise:
             return "same within noise"
         if self.ratio is None:
-            return f"{UNKNOWN} (a median of 0: faster than the clock can tell)"
+            whose = "its" if self.measurement.median == 0 else "the reference's"
+            return f"{UNKNOWN} ({whose} median is 0: faster than the clock can tell)"
         slower = self.ratio >= 1
         text = f"{self.ratio:.2f}x slower" if slower else f"{1 / self.ratio:.2f}x faster"
         return text + (" (noise unknown)" if self.within_noise is None else "")
@@ -181,7 +182,8 @@ def compare(
 
     Args:
         results: Names mapped to measurements, or to functions to measure.
-        baseline: The name to compare against. Default: the fastest.
+        baseline: The name to compare against. Default: the fastest (of
+            those with a median above 0, which the clock could time).
         **options: Passed to [`benchmark()`][devicekit.benchmark] for the functions.
 
     Returns:
@@ -236,7 +238,9 @@ def compare(
         )
         for name, value in results.items()
     }
-    reference = baseline or min(measured, key=lambda name: measured[name].median)
+    # The fastest that the clock could time: a median of 0 compares with nothing.
+    timed = [name for name in measured if measured[name].median > 0] or list(measured)
+    reference = baseline or min(timed, key=lambda name: measured[name].median)
     ref = measured[reference]
     rows = tuple(
         ComparisonRow(

@@ -151,12 +151,16 @@ def test_unknown_options_are_refused_with_a_suggestion() -> None:
 def test_a_median_of_zero_gives_an_unknown_ratio_not_a_crash() -> None:
     zero = measured(0.0, 0.0, name="zero")
     some = measured(1e-6, 1e-8, name="some")
-    for baseline in (None, "some", "zero"):
+    # Before: the zero was picked as "the fastest", and the row that was timed was told
+    # it had a median of 0.
+    assert dk.compare({"zero": zero, "some": some}).reference == "some"
+    assert dk.compare({"zero": zero, "other": zero}).reference == "zero"  # none timed: the first
+    for baseline, whose in ((None, "its"), ("some", "its"), ("zero", "the reference's")):
         table = dk.compare({"zero": zero, "some": some}, baseline=baseline)
         other = next(row for row in table.rows if row.name != table.reference)
         assert other.ratio is None
         assert other.verdict(table.reference) == (
-            "? (a median of 0: faster than the clock can tell)"
+            f"? ({whose} median is 0: faster than the clock can tell)"
         )
         assert "?" in str(table)
         assert json.loads(json.dumps(table.to_dict()))["rows"][0]["ratio"] in (None, 1.0)
