@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
-from ._format import format_seconds, html_table, plain_data
+from ._format import PlainResult, format_seconds, html_table, plain_data
 from ._measure import benchmark
 from ._measurement import Measurement
 from ._options import check_seconds
@@ -32,7 +32,7 @@ _SCHEMA = 2  # 2: latencies in seconds (unit "s", were "us"), and each result's 
 
 
 @dataclass(frozen=True)
-class BenchResult:
+class BenchResult(PlainResult):
     """One number from [`bench()`][devicekit.bench].
 
     Attributes:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._format import format_bytes
+from ._format import PlainResult, format_bytes
 
 __all__ = [
     "LiveTensor",
@@ -42,7 +42,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class LiveTensor:
+class LiveTensor(PlainResult):
     """One storage on a device and the tensor that views most of it.
 
     Attributes:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import add_note
-from ._format import UNKNOWN, format_joules, format_seconds, html_table
+from ._format import UNKNOWN, PlainResult, format_joules, format_seconds, html_table
 from ._measure import OPTIONS, benchmark, check_options, misspelled_options
 from ._measurement import Measurement
 
@@ -15,7 +15,7 @@ __all__ = ["Comparison", "ComparisonRow", "compare"]
 
 
 @dataclass(frozen=True)
-class ComparisonRow:
+class ComparisonRow(PlainResult):
     """One variant in a [`Comparison`][devicekit.Comparison].
 
     Attributes:

@@ -288,6 +288,25 @@ def plain_fields(result: object) -> dict[str, Any]:
     return {f.name: plain_data(getattr(result, f.name)) for f in dataclasses.fields(result)}
 
 
+class PlainResult:
+    """A result whose ``to_dict()`` is its fields as plain data: a row inside a report.
+
+    Examples:
+        >>> from dataclasses import dataclass
+        >>> @dataclass(frozen=True)
+        ... class Row(PlainResult):
+        ...     shape: tuple[int, ...]
+        >>> Row((2, 3)).to_dict()
+        {'shape': [2, 3]}
+    """
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: each field as plain data, a nested result as its own ``to_dict()``."""
+        return plain_fields(self)
+
+
 def plain_data(value: object) -> Any:
     """``value`` as JSON-ready data: dicts, lists, str, int, float, bool and None only.
 

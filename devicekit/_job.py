@@ -35,6 +35,7 @@ from ._findings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
 from ._format import (
     NOT_APPLICABLE,
     UNKNOWN,
+    PlainResult,
     format_bytes,
     format_percent,
     format_value,
@@ -69,7 +70,7 @@ FlagKind = Literal["duplicate_gpu", "throttling", "hot", "nearly_full"]
 
 
 @dataclass(frozen=True)
-class RankStatus:
+class RankStatus(PlainResult):
     """One rank of a job, as [`job_status()`][devicekit.job_status] sees it.
 
     Attributes:
@@ -93,7 +94,7 @@ class RankStatus:
 
 
 @dataclass(frozen=True)
-class JobFlag:
+class JobFlag(PlainResult):
     """Something wrong with one or more ranks, and what to do about it.
 
     Attributes:

@@ -34,6 +34,7 @@ from ._errors import add_note
 from ._format import (
     NOT_APPLICABLE,
     UNKNOWN,
+    PlainResult,
     format_bytes,
     format_count,
     html_table,
@@ -56,7 +57,7 @@ def _b(value: float | None) -> str:
 
 
 @dataclass(frozen=True)
-class Leak:
+class Leak(PlainResult):
     """Something that grew with every call of the function.
 
     Attributes:
@@ -98,7 +99,7 @@ class Leak:
 
 
 @dataclass(frozen=True)
-class DeviceGrowth:
+class DeviceGrowth(PlainResult):
     """CUDA allocated bytes after the warm-up and after the last call."""
 
     device: str

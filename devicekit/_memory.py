@@ -23,7 +23,7 @@ from ._devices import (
     resolve_cuda_devices,
     resolve_device,
 )
-from ._format import UNKNOWN, format_bytes, html_table, plain_fields, plural
+from ._format import UNKNOWN, PlainResult, format_bytes, html_table, plain_fields, plural
 from ._visible import torch_cuda_initialized
 
 _ipc_collect: Any = torch.cuda.ipc_collect  # unannotated in torch
@@ -86,7 +86,7 @@ def cuda_bytes(index: int) -> CUDABytes | None:
 
 
 @dataclass(frozen=True)
-class DeviceMemory:
+class DeviceMemory(PlainResult):
     """One device's memory before and after [`free_memory()`][devicekit.free_memory] (bytes).
 
     Attributes:

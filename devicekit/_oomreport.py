@@ -26,6 +26,7 @@ from ._errors import DeviceNotFoundError
 from ._fixes import counted_twice, rank_fixes
 from ._format import (
     UNKNOWN,
+    PlainResult,
     first_line,
     format_bytes,
     format_count,
@@ -56,7 +57,7 @@ def _bytes(value: int | None) -> str:
 
 
 @dataclass(frozen=True)
-class AllocationSite:
+class AllocationSite(PlainResult):
     """One of the largest blocks allocated on the device, and the line that allocated it.
 
     Attributes:

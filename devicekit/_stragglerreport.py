@@ -17,6 +17,7 @@ from typing import Any
 
 from ._format import (
     UNKNOWN,
+    PlainResult,
     format_seconds,
     html_table,
     plain_fields,
@@ -29,7 +30,7 @@ __all__ = ["RankTimes", "Straggler", "StragglerReport", "Window", "build_report"
 
 
 @dataclass(frozen=True)
-class RankTimes:
+class RankTimes(PlainResult):
     """One rank's times over one report's window. Seconds; None where nothing was timed.
 
     Attributes:
@@ -51,7 +52,7 @@ class RankTimes:
 
 
 @dataclass(frozen=True)
-class Straggler:
+class Straggler(PlainResult):
     """A rank slower than the job in one section.
 
     Attributes:

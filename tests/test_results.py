@@ -121,7 +121,20 @@ def examples(gpus: list[dk.GPUInfo]) -> dict[type, Any]:
     memory = dk.MemoryReport(
         (dk.DeviceMemory("cuda:0", 2**20, 2**20, 2**30, 2**21, None, 2**33),), collected=3
     )
+    comparison = dk.compare({"a": measurement(), "b": measurement(median=2e-3)})
     return {
+        # Rows inside reports have their own to_dict() too (they had none before).
+        dk.Leak: leaks.leaks[0],
+        dk.DeviceGrowth: leaks.allocated[0],
+        dk.LiveTensor: oom.tensors[0],
+        dk.AllocationSite: oom.allocation_sites[0],
+        dk.RankTimes: times,
+        dk.Straggler: stragglers.stragglers[0],
+        dk.RankStatus: job.ranks[0],
+        dk.JobFlag: job.flags[0],
+        dk.ComparisonRow: comparison.rows[1],
+        dk.BenchResult: bench.results[1],
+        dk.DeviceMemory: memory.devices[0],
         dk.Status: dk.status(),
         dk.GPUInfo: gpus[0],
         dk.GPUProcess: dk.GPUProcess(1, "python", None, "graphics"),
@@ -129,7 +142,7 @@ def examples(gpus: list[dk.GPUInfo]) -> dict[type, Any]:
         dk.Finding: finding,
         dk.Conditions: conditions(),
         dk.Measurement: measurement(),
-        dk.Comparison: dk.compare({"a": measurement(), "b": measurement(median=2e-3)}),
+        dk.Comparison: comparison,
         dk.SyncReport: syncs,
         dk.OOMReport: oom,
         dk.LeakReport: leaks,
@@ -188,6 +201,10 @@ def test_the_examples_hold_the_nested_results_that_used_to_come_out_as_tuples(
     assert results[dk.Conditions].to_dict()["competitors"] == [[99, "stress"], [100, None]]
     assert results[dk.MemoryReport].to_dict()["devices"][0]["returned"] == 2**30 - 2**21
     assert results[dk.Status].to_dict()["gpus"][1]["fan_speed"] is None
+    # A row's own to_dict() is what its report holds for it.
+    assert results[dk.Leak].to_dict() == results[dk.LeakReport].to_dict()["leaks"][0]
+    assert results[dk.RankStatus].to_dict() == results[dk.JobStatus].to_dict()["ranks"][0]
+    assert results[dk.BenchResult].to_dict()["notes"] == ["noisy: ±9%"]
 
 
 def test_the_walk_finds_what_is_not_plain() -> None:
