@@ -213,6 +213,11 @@ def _check_options(
             "raise max_time or lower min_time"
         )
     check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
+    if rel_noise >= 1:  # a fraction: 2 is ±200%, which any two calls meet
+        raise ValueError(
+            f"rel_noise must be below 1, a fraction of the median (0.01 means ±1%), got "
+            f"{rel_noise!r}; for ±{rel_noise:g}% pass rel_noise={rel_noise / 100:g}"
+        )
     check_choice(mode, name="mode", choices=MODES)
 
 

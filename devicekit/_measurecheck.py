@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Iterable, Mapping, Set
 
 from ._conditions import Conditions
+from ._format import shorten
 from ._options import check_choice, check_number, check_seconds, got
 
 __all__ = [
@@ -26,6 +27,14 @@ __all__ = [
 
 MODES = ("warm", "cold", "graph")  # benchmark()'s modes
 STOP_REASONS = ("converged", "max_time", "given")
+
+
+def _past_float(value: object) -> bool:
+    try:
+        float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return True
+    return False
 
 
 def seconds_list(values: object, *, name: str) -> tuple[float, ...]:
@@ -65,7 +74,14 @@ def seconds_list(values: object, *, name: str) -> tuple[float, ...]:
                     f"{name}[{index}] is {got(bad)}: every time must be a number of "
                     f"seconds{not_bool}{fix}"
                 )
-        times = tuple(map(float, times))  # ints, numpy floats, fractions: stored as floats
+        try:
+            times = tuple(map(float, times))  # ints, numpy floats, fractions: stored as floats
+        except OverflowError:  # an int past a float's range (10**400): no clock reads that
+            index, bad = next((i, t) for i, t in enumerate(times) if _past_float(t))
+            raise ValueError(
+                f"{name}[{index}] is {shorten(repr(bad), 30)}, more than a float holds: every "
+                "time must be seconds per call, and no run takes that long"
+            ) from None
     total = sum(times)
     if not math.isfinite(total) or (times and min(times) < 0):
         found = next(

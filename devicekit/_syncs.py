@@ -19,6 +19,7 @@ from ._devices import accelerator_count, accelerator_type
 from ._errors import SyncError
 from ._format import html_table, plural
 from ._frames import UNKNOWN_LOCATION, is_user, user_location
+from ._options import got
 
 __all__ = ["SyncReport", "detect_syncs"]
 
@@ -278,6 +279,11 @@ def detect_syncs(
 
 @contextlib.contextmanager
 def _sync_block(mode: str) -> Iterator[SyncReport]:
+    if not isinstance(mode, str):
+        raise TypeError(
+            f"mode must be 'record' or 'error', got {got(mode)}; 'record' counts syncs and "
+            "their lines, 'error' raises SyncError at the first"
+        )
     if mode not in ("record", "error"):
         raise ValueError(
             f"mode must be 'record' or 'error' (lower case), got {mode!r}; 'record' counts "

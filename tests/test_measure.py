@@ -221,6 +221,8 @@ def test_labels_are_short_names_never_a_repr() -> None:
             r"rel_noise must be a finite number > 0, got 0 \(0\.01 means",
         ),
         ({"rel_noise": math.inf}, ValueError, r"rel_noise must be a finite number > 0, got inf"),
+        # A fraction: 2 (±200%) was accepted, and any two calls met it.
+        ({"rel_noise": 2}, ValueError, r"below 1, .*got 2; for ±2% pass rel_noise=0.02$"),
         ({"rel_noise": None}, TypeError, r"rel_noise must be a finite number > 0, got None"),
         ({"mode": "hot"}, ValueError, r"mode must be 'warm', 'cold' or 'graph', got 'hot'$"),
         ({"mode": "Warm"}, ValueError, r"got 'Warm'; did you mean 'warm'\?$"),
@@ -823,6 +825,12 @@ def test_from_times_refuses_times_that_are_not_numbers_and_names_the_first(
     # Before: "unsupported operand type(s) for +" from inside sum(), or bools taken as seconds.
     with pytest.raises(TypeError, match=message):
         dk.Measurement.from_times(times)
+
+
+def test_from_times_refuses_an_int_past_a_float_s_range_by_its_index() -> None:
+    # Before: a bare "OverflowError: int too large to convert to float".
+    with pytest.raises(ValueError, match=r"^times\[1\] is 1000000000.*, more than a float holds"):
+        dk.Measurement.from_times([1, 10**400])
 
 
 def test_from_times_checks_host_times_as_it_checks_times() -> None:

@@ -107,6 +107,11 @@ def test_an_error_block_that_cannot_watch_says_so(
     assert syncs.count is None
 
 
+def test_a_mode_that_is_not_a_string_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"^mode must be 'record' or 'error', got None of type"):
+        dk.detect_syncs(mode=None).__enter__()  # type: ignore[arg-type]
+
+
 def test_a_block_entered_twice_says_what_to_do() -> None:
     # Before, the second entry failed inside contextlib: AttributeError: ... 'args'.
     block = dk.detect_syncs()
