@@ -28,6 +28,7 @@ import itertools
 import math
 import multiprocessing
 import pickle
+import signal
 import time
 import traceback
 import warnings
@@ -58,6 +59,9 @@ _POLL = 0.1  # seconds between checks that a trial's child process is still aliv
 # says with this message. Starting is bounded too, generously, so nothing hangs.
 _STARTED = b""
 _START_LIMIT = 300.0
+# A child whose end of the pipe closed is exiting; this bounds the wait for its exit code
+# (one that closed the pipe and lives on is killed after it).
+_EXIT_WAIT = 10.0
 _CEILING = 2**31  # no batch is this many starts large: a function that still fits ignores it
 _LAZY_FIX = (
     "pass a function that does the work: lambda n: list(gen(n)) for a generator, "
@@ -83,8 +87,19 @@ def _explained(error: BaseException, device: torch.device | None) -> DeviceOutOf
 
 
 def _run(fn: Callable[[int], Any], size: int) -> None:
-    """``fn(size)``, refusing a result that means its body never ran (so every size fits)."""
-    refuse_lazy(fn, call=f"fn({size})", fix=_LAZY_FIX, result=fn(size))
+    """``fn(size)``, refusing a result that means its body never ran (so every size fits).
+
+    An error of fn's own (not out of memory) leaves with a note of the size that
+    raised it: a step that fails only at 64 looks, without it, like one that
+    always fails.
+    """
+    try:
+        result = fn(size)
+    except Exception as error:
+        if not _too_big(error):
+            add_note(error, f"devicekit.find_batch_size: fn({size}) raised this")
+        raise
+    refuse_lazy(fn, call=f"fn({size})", fix=_LAZY_FIX, result=result)
 
 
 def _give_back(*, collect: bool = True) -> None:
@@ -179,6 +194,45 @@ def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: 
         result.send_bytes(pickle.dumps(None))
 
 
+def _died(process: BaseProcess, size: int) -> RuntimeError:
+    """The error for a child that ended without an answer: its exit code, or the signal."""
+    # Its end of the pipe is closed: it is on its way out. Polled, not join(timeout): a
+    # child that closed its file descriptors closed join's sentinel too, and join would
+    # then wait for its exit with no bound.
+    deadline = time.monotonic() + _EXIT_WAIT
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(_POLL / 10)
+    start = f"find_batch_size: the child process running fn({size})"
+    if code is None:
+        process.kill()
+        process.join()
+        return RuntimeError(
+            f"{start} closed its end of the pipe without sending a result, and was still "
+            f"running {_EXIT_WAIT:g} s later, so it was killed: fn, or something it called, "
+            "closes file descriptors it did not open"
+        )
+    if code >= 0:
+        return RuntimeError(
+            f"{start} exited with code {code} before it sent a result: fn, or something "
+            "it called, ended the process (sys.exit(), os._exit()), or the child failed "
+            "to start; its stderr may say why"
+        )
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = (
+        "a host out of memory ends a process with SIGKILL (the kernel's log, dmesg, says "
+        "whether its out-of-memory killer did), or another process killed it"
+        if name == "SIGKILL"
+        else "a crash in native code (in fn or a library it calls), or another process "
+        "sent the signal"
+    )
+    return RuntimeError(
+        f"{start} was killed by {name} (exit code {code}) before it sent a result: {why}"
+    )
+
+
 class _Isolated:
     """Runs each trial in a spawned child process and reads back how it ended."""
 
@@ -201,8 +255,11 @@ class _Isolated:
         started = False
         deadline = None if self.timeout is None else time.monotonic() + _START_LIMIT
         while True:
-            if receive.poll(_POLL):
-                message = receive.recv_bytes()
+            if receive.poll(_POLL):  # data, or the end of the pipe: the child has died
+                try:
+                    message = receive.recv_bytes()
+                except (EOFError, OSError):  # OSError: it died halfway through a message
+                    raise _died(process, size) from None
                 if message != _STARTED:
                     return message
                 started = True
@@ -221,11 +278,8 @@ class _Isolated:
                     "trial_timeout if one step really takes that long"
                 )
             elif not process.is_alive() and not receive.poll():
-                raise RuntimeError(
-                    f"find_batch_size: the child process running fn({size}) exited with "
-                    f"code {process.exitcode} and no result (killed by a signal? a host "
-                    "out of memory ends a process with SIGKILL, code -9)"
-                )
+                # Dead with the pipe still open: a process it forked holds the other end.
+                raise _died(process, size)
 
     def __call__(self, size: int, *, first: bool) -> bool:
         context = multiprocessing.get_context("spawn")  # a forked CUDA process cannot use CUDA

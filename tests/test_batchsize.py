@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -102,6 +103,17 @@ def test_other_errors_are_the_caller_s() -> None:
 
     with pytest.raises(ValueError, match="shapes do not match"):
         dk.find_batch_size(step)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_an_error_of_fn_s_own_says_which_size_raised_it() -> None:
+    def step(batch_size: int) -> None:
+        if batch_size > 4:
+            raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match") as caught:
+        dk.find_batch_size(step)
+    assert caught.value.__notes__ == ["devicekit.find_batch_size: fn(8) raised this"]
 
 
 def test_a_function_that_always_fits_is_refused() -> None:
@@ -243,6 +255,64 @@ def hanging_step(batch_size: int) -> None:
         time.sleep(3600)
 
 
+def dying_step(batch_size: int) -> None:
+    """Runs only in a child: from 4 up it ends its process as ``DK_TEST_DEATH`` says."""
+    if batch_size < 4:
+        return
+    death = os.environ["DK_TEST_DEATH"]
+    if death == "exit":
+        os._exit(3)
+    if death == "closed":  # closes the pipe to the parent, and lives on
+        with open(os.environ["DK_TEST_PID_FILE"], "w") as file:
+            file.write(str(os.getpid()))
+        os.closerange(3, 4096)
+        time.sleep(3600)
+    os.kill(os.getpid(), getattr(signal, death))
+
+
+def test_an_isolated_child_that_dies_without_an_answer_says_how(tmp_path: Path) -> None:
+    # Its end of the pipe closes as it dies: reading that end raised a bare EOFError.
+    pid_file = tmp_path / "pid"
+    result = run_python(
+        f"""
+        import json, os, devicekit as dk, devicekit._batchsize as batchsize
+        from tests.test_batchsize import dying_step
+        os.environ["DK_TEST_PID_FILE"] = {str(pid_file)!r}
+        batchsize._EXIT_WAIT = 1.0
+        errors = {{}}
+        for death, start in [("exit", 1), ("SIGKILL", 4), ("SIGSEGV", 4), ("closed", 4)]:
+            os.environ["DK_TEST_DEATH"] = death
+            try:
+                dk.find_batch_size(dying_step, start=start, isolate=True)
+            except Exception as error:
+                errors[death] = f"{{type(error).__name__}}: {{error}}"
+        print(json.dumps(errors))
+        """,
+        timeout=280,
+    )
+    died = "RuntimeError: find_batch_size: the child process running fn(4)"
+    assert result["exit"] == (
+        f"{died} exited with code 3 before it sent a result: fn, or something it called, "
+        "ended the process (sys.exit(), os._exit()), or the child failed to start; its "
+        "stderr may say why"
+    )
+    assert result["SIGKILL"].startswith(
+        f"{died} was killed by SIGKILL (exit code -9) before it sent a result: a host out "
+        "of memory ends a process with SIGKILL"
+    )
+    assert result["SIGSEGV"].startswith(
+        f"{died} was killed by SIGSEGV (exit code -11) before it sent a result: a crash in "
+        "native code"
+    )
+    assert result["closed"].startswith(
+        f"{died} closed its end of the pipe without sending a result, and was still running "
+        "1 s later, so it was killed"
+    )
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan left behind
+        os.kill(child, 0)
+
+
 def test_a_hung_isolated_trial_is_killed_at_its_timeout(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     result = run_python(
@@ -378,7 +448,8 @@ def test_isolated_trials_run_in_children() -> None:
             dk.find_batch_size(isolated_step, start=3, max_size=3, isolate=True)
         except RuntimeError as error:
             other = str(error)
-        print(json.dumps({"found": found, "start": started, "other": other,
+            notes = getattr(error.__cause__, "__notes__", None)
+        print(json.dumps({"found": found, "start": started, "other": other, "notes": notes,
                           "cuda": torch.cuda.is_initialized()}))
         """,
         timeout=280,
@@ -388,6 +459,12 @@ def test_isolated_trials_run_in_children() -> None:
     assert result["start"][1] == 2 * 2**30  # the child's report crossed back
     assert "raised in its child process" in result["other"]
     assert "KeyError: 'three is not allowed'" in result["other"]
+    if sys.version_info >= (3, 11):  # fn's own error crossed back with its note, in both
+        assert (
+            "'three is not allowed'\ndevicekit.find_batch_size: fn(3) raised this\n"
+            in (result["other"])
+        )
+        assert result["notes"] == ["devicekit.find_batch_size: fn(3) raised this"]
     assert result["cuda"] is False
 
 
