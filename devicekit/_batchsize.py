@@ -23,306 +23,24 @@ that fails and then runs is reported with a ``RuntimeWarning``.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
-import multiprocessing
-import pickle
-import signal
-import time
-import traceback
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
-import torch
-
-from ._census import census, only_new_objects
+from ._census import only_new_objects
 from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
-from ._errors import DeviceOutOfMemoryError, add_note
 from ._format import format_bytes
-from ._memory import used_cuda_indices
-from ._oomreport import build_report
-from ._oomtext import is_oom
+from ._isolated import Isolated
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
-from ._visible import torch_cuda_initialized
+from ._trial import LAZY_FIX, InProcess, give_back
 
 __all__ = ["find_batch_size"]
 
-_POLL = 0.1  # seconds between checks that a trial's child process is still alive
-# A child's start (a new interpreter importing torch and fn's module) is not the trial's
-# time: trial_timeout counts from when fn is loaded and about to run, which the child
-# says with this message. Starting is bounded too, generously, so nothing hangs.
-_STARTED = b""
-_START_LIMIT = 300.0
-# A child whose end of the pipe closed is exiting; this bounds the wait for its exit code
-# (one that closed the pipe and lives on is killed after it).
-_EXIT_WAIT = 10.0
 _CEILING = 2**31  # no batch is this many starts large: a function that still fits ignores it
-_LAZY_FIX = (
-    "pass a function that does the work: lambda n: list(gen(n)) for a generator, "
-    "lambda n: asyncio.run(step(n)) for async def"
-)
-
-
-def _too_big(error: BaseException) -> bool:
-    """Whether ``error`` says a size did not fit: torch's out-of-memory errors, or the host's."""
-    return is_oom(error) or isinstance(error, MemoryError)
-
-
-def _explained(error: BaseException, device: torch.device | None) -> DeviceOutOfMemoryError:
-    """``error`` as a `DeviceOutOfMemoryError` with its report, built while its frames live."""
-    if isinstance(error, DeviceOutOfMemoryError):  # fn explains its own (@dk.explain_oom)
-        return error
-    try:
-        report = build_report(error, device=device)
-    except Exception as failure:  # noqa: BLE001 - a failed report must not hide the failure
-        add_note(error, f"devicekit.find_batch_size could not build a report: {failure!r}")
-        return DeviceOutOfMemoryError(f"{type(error).__name__}: {error}")
-    return DeviceOutOfMemoryError(str(report), report)
-
-
-def _run(fn: Callable[[int], Any], size: int) -> None:
-    """``fn(size)``, refusing a result that means its body never ran (so every size fits).
-
-    An error of fn's own (not out of memory) leaves with a note of the size that
-    raised it: a step that fails only at 64 looks, without it, like one that
-    always fails.
-    """
-    try:
-        result = fn(size)
-    except Exception as error:
-        if not _too_big(error):
-            add_note(error, f"devicekit.find_batch_size: fn({size}) raised this")
-        raise
-    refuse_lazy(fn, call=f"fn({size})", fix=_LAZY_FIX, result=result)
-
-
-def _give_back(*, collect: bool = True) -> None:
-    """Free what nothing refers to any more, and return the allocator's cache to the driver."""
-    if collect:
-        gc.collect()
-    if torch_cuda_initialized():
-        torch.cuda.empty_cache()
-
-
-def _drop_frames(error: BaseException | None) -> None:
-    """Clear the locals of every finished frame an exception chain holds: the trial's tensors."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)  # a frame still running is left alone
-        error = error.__cause__ or error.__context__
-
-
-def _held() -> int:
-    """Bytes held now: live tensors off CUDA (the census), and CUDA's allocated bytes.
-
-    On CUDA the allocator's count also sees what no Python tensor holds (a kept
-    loss's autograd graph); elsewhere the census is all there is to read.
-    """
-    groups = census(lambda tensor: None)
-    held = sum(size for (device, *_), (_, size) in groups.items() if not device.startswith("cuda"))
-    if torch_cuda_initialized():
-        held += sum(torch.cuda.memory_allocated(index) for index in used_cuda_indices())
-    return held
-
-
-def _start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemoryError:
-    report = error.report
-    return DeviceOutOfMemoryError(
-        f"find_batch_size: fn({start}) ran out of memory, so even start={start} does not fit. "
-        + ("Pass a smaller start, or free memory" if start > 1 else "Free memory")
-        + " first (the fixes below), or make one step smaller (a smaller model, shorter "
-        f"inputs, mixed precision); what the memory held when it failed:\n"
-        f"{report if report is not None else error}",
-        report,
-    )
-
-
-class _InProcess:
-    """Runs trials in this process; cleans up after each.
-
-    A trial returns whether ``fn(size)`` ran; with ``first``, one that ran out
-    of memory raises `DeviceOutOfMemoryError` with the report instead.
-    """
-
-    def __init__(self, fn: Callable[[int], Any], device: torch.device | None) -> None:
-        self.fn, self.device = fn, device
-        self.held: list[int] = []  # bytes held after each trial that ran, cleaned up
-
-    def __call__(self, size: int, *, first: bool) -> bool:
-        try:
-            _run(self.fn, size)  # the result is dropped at once
-        except Exception as error:
-            if not _too_big(error):
-                raise
-            # Read while the failed frames are alive: the report counts their tensors.
-            explained = _explained(error, self.device) if first else None
-            _drop_frames(error)
-            if explained is not None:
-                raise _start_failed(size, explained) from error
-            return False
-        finally:
-            _give_back()
-        self.held.append(_held())
-        return True
-
-
-def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: Any) -> None:
-    """A trial in a child process: send back None (it ran) or the exception it raised."""
-    try:
-        fn = pickle.loads(fn_bytes)
-        result.send_bytes(_STARTED)
-        _run(fn, size)
-    except Exception as error:  # noqa: BLE001 - every failure goes back to the parent
-        text = traceback.format_exc()
-        if first and _too_big(error):  # the report is of this process's memory: built here
-            error = _explained(error, None if device is None else torch.device(device))
-        try:
-            payload = pickle.dumps((error, text))
-        except (pickle.PicklingError, AttributeError, TypeError):
-            # Keep what matters: whether it was an out-of-memory error, and the text.
-            kind = torch.OutOfMemoryError if _too_big(error) else RuntimeError
-            payload = pickle.dumps((kind(f"{type(error).__name__}: {error}"), text))
-        result.send_bytes(payload)
-    else:
-        result.send_bytes(pickle.dumps(None))
-
-
-def _died(process: BaseProcess, size: int) -> RuntimeError:
-    """The error for a child that ended without an answer: its exit code, or the signal."""
-    # Its end of the pipe is closed: it is on its way out. Polled, not join(timeout): a
-    # child that closed its file descriptors closed join's sentinel too, and join would
-    # then wait for its exit with no bound.
-    deadline = time.monotonic() + _EXIT_WAIT
-    while (code := process.exitcode) is None and time.monotonic() < deadline:
-        time.sleep(_POLL / 10)
-    start = f"find_batch_size: the child process running fn({size})"
-    if code is None:
-        process.kill()
-        process.join()
-        return RuntimeError(
-            f"{start} closed its end of the pipe without sending a result, and was still "
-            f"running {_EXIT_WAIT:g} s later, so it was killed: fn, or something it called, "
-            "closes file descriptors it did not open"
-        )
-    if code >= 0:
-        return RuntimeError(
-            f"{start} exited with code {code} before it sent a result: fn, or something "
-            "it called, ended the process (sys.exit(), os._exit()), or the child failed "
-            "to start; its stderr may say why"
-        )
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    why = (
-        "a host out of memory ends a process with SIGKILL (the kernel's log, dmesg, says "
-        "whether its out-of-memory killer did), or another process killed it"
-        if name == "SIGKILL"
-        else "a crash in native code (in fn or a library it calls), or another process "
-        "sent the signal"
-    )
-    return RuntimeError(
-        f"{start} was killed by {name} (exit code {code}) before it sent a result: {why}"
-    )
-
-
-class _Isolated:
-    """Runs each trial in a spawned child process and reads back how it ended."""
-
-    def __init__(
-        self, fn: Callable[[int], Any], device: torch.device | None, timeout: float | None
-    ) -> None:
-        self.timeout = timeout
-        try:
-            self.fn_bytes = pickle.dumps(fn)
-        except (pickle.PicklingError, AttributeError, TypeError) as error:
-            raise TypeError(
-                f"find_batch_size(isolate=True) runs fn in a child process, so fn must be "
-                f"picklable, and {fn!r} is not ({error}). Define it with def at the top level "
-                "of a module (not a lambda, not inside a function), or use isolate=False."
-            ) from None
-        self.device = None if device is None else str(device)
-
-    def _wait(self, process: BaseProcess, receive: Connection, size: int) -> bytes:
-        """The child's outcome; a child that hangs (starting, or in fn) is killed."""
-        started = False
-        deadline = None if self.timeout is None else time.monotonic() + _START_LIMIT
-        while True:
-            if receive.poll(_POLL):  # data, or the end of the pipe: the child has died
-                try:
-                    message = receive.recv_bytes()
-                except (EOFError, OSError):  # OSError: it died halfway through a message
-                    raise _died(process, size) from None
-                if message != _STARTED:
-                    return message
-                started = True
-                deadline = None if self.timeout is None else time.monotonic() + self.timeout
-            elif deadline is not None and time.monotonic() > deadline:
-                process.kill()  # a hung trial: its child goes, and so does its memory
-                if not started:
-                    raise TimeoutError(
-                        f"find_batch_size: the child process for fn({size}) did not start "
-                        f"within {_START_LIMIT:g} s (importing torch and fn's module), and was "
-                        "killed; check that importing fn's module does not hang"
-                    )
-                raise TimeoutError(
-                    f"find_batch_size: fn({size}) ran longer than trial_timeout="
-                    f"{self.timeout:g} s in its child process, which was killed; raise "
-                    "trial_timeout if one step really takes that long"
-                )
-            elif not process.is_alive() and not receive.poll():
-                # Dead with the pipe still open: a process it forked holds the other end.
-                raise _died(process, size)
-
-    def __call__(self, size: int, *, first: bool) -> bool:
-        context = multiprocessing.get_context("spawn")  # a forked CUDA process cannot use CUDA
-        receive, send = context.Pipe(duplex=False)
-        process = context.Process(
-            target=_child, args=(self.fn_bytes, size, first, self.device, send), daemon=True
-        )
-        process.start()
-        send.close()
-        try:
-            received = self._wait(process, receive, size)
-        except BaseException:
-            # Ctrl-C, or a trial that failed: its child is of no more use. Killed now, not
-            # after the 10 s wait below (Ctrl-C from a terminal reaches the child too, but
-            # a signal to this process alone, or an IDE's stop button, does not).
-            process.kill()
-            raise
-        finally:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-            receive.close()
-        try:
-            outcome = pickle.loads(received)
-        except (pickle.UnpicklingError, AttributeError, ImportError) as error:
-            raise RuntimeError(
-                f"find_batch_size: fn({size}) failed in its child process, and its error cannot "
-                f"be read here ({error!r})"
-            ) from None
-        if outcome is None:
-            return True
-        raised, text = outcome
-        if first and _too_big(raised):
-            # The child sends its report; a stand-in for an error that would not pickle has none.
-            if not isinstance(raised, DeviceOutOfMemoryError):
-                raised = DeviceOutOfMemoryError(str(raised))
-            raise _start_failed(size, raised) from None
-        if _too_big(raised):
-            return False
-        raise RuntimeError(
-            f"find_batch_size: fn({size}) raised in its child process:\n{text}"
-        ) from raised
 
 
 def _fits(trial: Callable[..., bool], size: int, flaky: list[int], *, first: bool = False) -> bool:
@@ -382,10 +100,10 @@ def _search_and_clean(
     """
     try:
         with only_new_objects():  # which collects everything first
-            _give_back(collect=False)  # the baseline: nothing cached
+            give_back(collect=False)  # the baseline: nothing cached
             return _search(trial, start, max_size, flaky)
     finally:
-        _give_back()
+        give_back()
 
 
 def _warn_leak(held: list[int]) -> None:
@@ -510,7 +228,7 @@ def find_batch_size(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable with a batch size, got {type(fn).__name__}")
-    refuse_lazy(fn, call="fn(batch_size)", fix=_LAZY_FIX)
+    refuse_lazy(fn, call="fn(batch_size)", fix=LAZY_FIX)
     isolate = check_flag(isolate, name="isolate")
     check_count(start, name="start", minimum=1)
     if max_size is not None:
@@ -524,7 +242,7 @@ def find_batch_size(
                 "cannot be stopped; pass isolate=True, or drop trial_timeout"
             )
     target = None if device is None else resolve_device(device, name="device")
-    trial = _Isolated(fn, target, trial_timeout) if isolate else _InProcess(fn, target)
+    trial = Isolated(fn, target, trial_timeout) if isolate else InProcess(fn, target)
     flaky: list[int] = []
     if not initialized():
         found = _search_and_clean(trial, start, max_size, flaky)
@@ -549,7 +267,7 @@ def find_batch_size(
         found = min(size for size, _ in answers)
     if flaky:
         _warn_flaky(flaky, found)
-    if isinstance(trial, _InProcess):
+    if isinstance(trial, InProcess):
         _warn_leak(trial.held)
     # In fractions, not floats: 50 * (1 - 0.02) is 48.99999999999999 in floats.
     keep = 1 - Fraction(margin).limit_denominator(10**9)

@@ -275,10 +275,10 @@ def test_an_isolated_child_that_dies_without_an_answer_says_how(tmp_path: Path) 
     pid_file = tmp_path / "pid"
     result = run_python(
         f"""
-        import json, os, devicekit as dk, devicekit._batchsize as batchsize
+        import json, os, devicekit as dk, devicekit._isolated as isolated
         from tests.test_batchsize import dying_step
         os.environ["DK_TEST_PID_FILE"] = {str(pid_file)!r}
-        batchsize._EXIT_WAIT = 1.0
+        isolated._EXIT_WAIT = 1.0
         errors = {{}}
         for death, start in [("exit", 1), ("SIGKILL", 4), ("SIGSEGV", 4), ("closed", 4)]:
             os.environ["DK_TEST_DEATH"] = death
@@ -415,11 +415,11 @@ class SlowToLoad:
 def test_the_trial_timeout_counts_from_fn_not_from_the_child_s_start() -> None:
     result = run_python(
         """
-        import json, os, devicekit as dk, devicekit._batchsize as batchsize
+        import json, os, devicekit as dk, devicekit._isolated as isolated
         from tests.test_batchsize import SlowToLoad
         os.environ["DK_TEST_LOAD_SECONDS"] = "2.5"
         found = dk.find_batch_size(SlowToLoad(), max_size=2, isolate=True, trial_timeout=1)
-        batchsize._START_LIMIT = 1.0  # a child that never finishes starting is killed too
+        isolated._START_LIMIT = 1.0  # a child that never finishes starting is killed too
         try:
             dk.find_batch_size(SlowToLoad(), max_size=2, isolate=True, trial_timeout=1)
         except TimeoutError as error:

@@ -1,0 +1,190 @@
+"""Trials of ``find_batch_size(isolate=True)``: each in a spawned child process of its own.
+
+The child loads ``fn``, says it has started, runs ``fn(size)`` and sends back
+None or the exception it raised (or, for the first size, the out-of-memory
+report of its own memory); this process's allocator never sees an
+out-of-memory error. A child that hangs is killed (``trial_timeout``, and a
+bound on its start), and one that dies without an answer is explained by its
+exit code or signal.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from ._errors import DeviceOutOfMemoryError
+from ._trial import explain, run, start_failed, too_big
+
+__all__ = ["Isolated"]
+
+_POLL = 0.1  # seconds between checks that a trial's child process is still alive
+# A child's start (a new interpreter importing torch and fn's module) is not the trial's
+# time: trial_timeout counts from when fn is loaded and about to run, which the child
+# says with this message. Starting is bounded too, generously, so nothing hangs.
+_STARTED = b""
+_START_LIMIT = 300.0
+# A child whose end of the pipe closed is exiting; this bounds the wait for its exit code
+# (one that closed the pipe and lives on is killed after it).
+_EXIT_WAIT = 10.0
+
+
+def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: Any) -> None:
+    """A trial in a child process: send back None (it ran) or the exception it raised."""
+    try:
+        fn = pickle.loads(fn_bytes)
+        result.send_bytes(_STARTED)
+        run(fn, size)
+    except Exception as error:  # noqa: BLE001 - every failure goes back to the parent
+        text = traceback.format_exc()
+        if first and too_big(error):  # the report is of this process's memory: built here
+            error = explain(error, None if device is None else torch.device(device))
+        try:
+            payload = pickle.dumps((error, text))
+        except (pickle.PicklingError, AttributeError, TypeError):
+            # Keep what matters: whether it was an out-of-memory error, and the text.
+            kind = torch.OutOfMemoryError if too_big(error) else RuntimeError
+            payload = pickle.dumps((kind(f"{type(error).__name__}: {error}"), text))
+        result.send_bytes(payload)
+    else:
+        result.send_bytes(pickle.dumps(None))
+
+
+def _died(process: BaseProcess, size: int) -> RuntimeError:
+    """The error for a child that ended without an answer: its exit code, or the signal."""
+    # Its end of the pipe is closed: it is on its way out. Polled, not join(timeout): a
+    # child that closed its file descriptors closed join's sentinel too, and join would
+    # then wait for its exit with no bound.
+    deadline = time.monotonic() + _EXIT_WAIT
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(_POLL / 10)
+    start = f"find_batch_size: the child process running fn({size})"
+    if code is None:
+        process.kill()
+        process.join()
+        return RuntimeError(
+            f"{start} closed its end of the pipe without sending a result, and was still "
+            f"running {_EXIT_WAIT:g} s later, so it was killed: fn, or something it called, "
+            "closes file descriptors it did not open"
+        )
+    if code >= 0:
+        return RuntimeError(
+            f"{start} exited with code {code} before it sent a result: fn, or something "
+            "it called, ended the process (sys.exit(), os._exit()), or the child failed "
+            "to start; its stderr may say why"
+        )
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = (
+        "a host out of memory ends a process with SIGKILL (the kernel's log, dmesg, says "
+        "whether its out-of-memory killer did), or another process killed it"
+        if name == "SIGKILL"
+        else "a crash in native code (in fn or a library it calls), or another process "
+        "sent the signal"
+    )
+    return RuntimeError(
+        f"{start} was killed by {name} (exit code {code}) before it sent a result: {why}"
+    )
+
+
+class Isolated:
+    """Runs each trial in a spawned child process and reads back how it ended."""
+
+    def __init__(
+        self, fn: Callable[[int], Any], device: torch.device | None, timeout: float | None
+    ) -> None:
+        self.timeout = timeout
+        try:
+            self.fn_bytes = pickle.dumps(fn)
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise TypeError(
+                f"find_batch_size(isolate=True) runs fn in a child process, so fn must be "
+                f"picklable, and {fn!r} is not ({error}). Define it with def at the top level "
+                "of a module (not a lambda, not inside a function), or use isolate=False."
+            ) from None
+        self.device = None if device is None else str(device)
+
+    def _wait(self, process: BaseProcess, receive: Connection, size: int) -> bytes:
+        """The child's outcome; a child that hangs (starting, or in fn) is killed."""
+        started = False
+        deadline = None if self.timeout is None else time.monotonic() + _START_LIMIT
+        while True:
+            if receive.poll(_POLL):  # data, or the end of the pipe: the child has died
+                try:
+                    message = receive.recv_bytes()
+                except (EOFError, OSError):  # OSError: it died halfway through a message
+                    raise _died(process, size) from None
+                if message != _STARTED:
+                    return message
+                started = True
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            elif deadline is not None and time.monotonic() > deadline:
+                process.kill()  # a hung trial: its child goes, and so does its memory
+                if not started:
+                    raise TimeoutError(
+                        f"find_batch_size: the child process for fn({size}) did not start "
+                        f"within {_START_LIMIT:g} s (importing torch and fn's module), and was "
+                        "killed; check that importing fn's module does not hang"
+                    )
+                raise TimeoutError(
+                    f"find_batch_size: fn({size}) ran longer than trial_timeout="
+                    f"{self.timeout:g} s in its child process, which was killed; raise "
+                    "trial_timeout if one step really takes that long"
+                )
+            elif not process.is_alive() and not receive.poll():
+                # Dead with the pipe still open: a process it forked holds the other end.
+                raise _died(process, size)
+
+    def __call__(self, size: int, *, first: bool) -> bool:
+        context = multiprocessing.get_context("spawn")  # a forked CUDA process cannot use CUDA
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_child, args=(self.fn_bytes, size, first, self.device, send), daemon=True
+        )
+        process.start()
+        send.close()
+        try:
+            received = self._wait(process, receive, size)
+        except BaseException:
+            # Ctrl-C, or a trial that failed: its child is of no more use. Killed now, not
+            # after the 10 s wait below (Ctrl-C from a terminal reaches the child too, but
+            # a signal to this process alone, or an IDE's stop button, does not).
+            process.kill()
+            raise
+        finally:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            receive.close()
+        try:
+            outcome = pickle.loads(received)
+        except (pickle.UnpicklingError, AttributeError, ImportError) as error:
+            raise RuntimeError(
+                f"find_batch_size: fn({size}) failed in its child process, and its error cannot "
+                f"be read here ({error!r})"
+            ) from None
+        if outcome is None:
+            return True
+        raised, text = outcome
+        if first and too_big(raised):
+            # The child sends its report; a stand-in for an error that would not pickle has none.
+            if not isinstance(raised, DeviceOutOfMemoryError):
+                raised = DeviceOutOfMemoryError(str(raised))
+            raise start_failed(size, raised) from None
+        if too_big(raised):
+            return False
+        raise RuntimeError(
+            f"find_batch_size: fn({size}) raised in its child process:\n{text}"
+        ) from raised
