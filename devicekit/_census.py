@@ -153,6 +153,27 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def storage_identity(tensor: torch.Tensor) -> int | None:
+    """What tells the storage ``tensor`` views from every other live one; None without one.
+
+    Its ``StorageImpl``'s address: unlike `storage_key`, a meta tensor has one,
+    and two empty storages differ. For telling views of one tensor apart from
+    copies, while both are alive.
+
+    Examples:
+        >>> import torch
+        >>> weight = torch.ones(2, 2)
+        >>> storage_identity(weight[0]) == storage_identity(weight.T)
+        True
+        >>> storage_identity(weight.clone()) == storage_identity(weight)
+        False
+    """
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except _UNREADABLE:
+        return None
+
+
 _COMPRESSED = {
     torch.sparse_csr: ("crow_indices", "col_indices"),
     torch.sparse_bsr: ("crow_indices", "col_indices"),

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ._census import storage_identity
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
@@ -240,18 +241,10 @@ class _Registered:
         owners: dict[int, str] = {}
         named = [*self._module.named_parameters(), *self._module.named_buffers()]
         for name, tensor in reversed(named):  # the first name wins, as in named_parameters()
-            key = _storage(tensor)
+            key = storage_identity(tensor)
             if key is not None:
                 owners[key] = name
         return owners
-
-
-def _storage(tensor: torch.Tensor) -> int | None:
-    """What identifies the memory ``tensor`` views (its StorageImpl); None where it has none."""
-    try:
-        return int(tensor.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, or a subclass
-        return None
 
 
 def check_module(module: torch.nn.Module) -> list[str]:
@@ -331,7 +324,7 @@ def _describe(attr: str, value: object, registered: _Registered) -> str | None:
                 f"buffers with moved copies, so this one stays the old {value.device} tensor. "
                 "Read the buffer through its module instead (a @property can keep this name)."
             )
-        key = _storage(value)
+        key = storage_identity(value)
         owner = None if key is None else registered.memory.get(key)
         if owner is not None:  # a view (self.row = self.fc.weight[0]): a buffer would be a copy
             return (

@@ -374,6 +374,21 @@ def test_check_module_names_the_parameter_a_plain_tensor_views() -> None:
     assert model.row.untyped_storage().data_ptr() != model.fc.weight.untyped_storage().data_ptr()
 
 
+def test_check_module_reads_past_a_lazy_module_s_uninitialized_parameters() -> None:
+    # Their storage raises ValueError: asking for it made check_module fail on any model
+    # with a lazy layer and a plain tensor attribute.
+    class Lazy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.LazyLinear(3)
+            self.scale = torch.ones(2)
+
+    assert dk.check_module(Lazy()) == [
+        "scale: a cpu tensor held as a plain attribute; module.to() will not move it. Use "
+        "self.register_buffer('scale', ...) (or nn.Parameter if it should be trained)."
+    ]
+
+
 def test_check_module_reports_a_module_kept_out_of_the_registry() -> None:
     model = torch.nn.Linear(2, 2)
     object.__setattr__(model, "helper", torch.nn.Linear(1, 1))  # as some wrappers do
