@@ -35,6 +35,7 @@ from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._format import format_bytes
 from ._isolated import Isolated
+from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
 from ._trial import LAZY_FIX, InProcess, give_back
 
@@ -141,6 +142,7 @@ def _warn_flaky(flaky: list[int], found: int) -> None:
     )
 
 
+@suggest_keywords
 def find_batch_size(
     fn: Callable[[int], Any],
     *,

@@ -17,6 +17,7 @@ import torch
 
 from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
 from ._format import PlainResult, format_seconds, html_table, plain_data
+from ._keywords import suggest_keywords
 from ._measure import benchmark
 from ._measurement import Measurement
 from ._options import check_seconds
@@ -159,6 +160,7 @@ def _latencies(device: torch.device, max_time: float) -> list[BenchResult]:
     ]
 
 
+@suggest_keywords
 def bench(
     *, devices: list[DeviceLike] | DeviceLike | None = None, max_time: float = _BUDGET
 ) -> BenchReport:

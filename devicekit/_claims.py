@@ -51,6 +51,7 @@ import torch
 
 from ._blocks import EnterOnce
 from ._devices import DeviceLike, parse_cuda_index, resolve_device
+from ._keywords import suggest_keywords
 from ._visible import ENV_VAR
 
 fcntl: ModuleType | None
@@ -408,6 +409,7 @@ def release_gpu(device: DeviceLike) -> bool:
     return any(released)
 
 
+@suggest_keywords
 def claim_gpu(
     *,
     min_free_memory: int | None = None,

@@ -47,6 +47,7 @@ from ._format import (
 )
 from ._gpuinfo import GPUInfo
 from ._gpus import gpu
+from ._keywords import suggest_keywords
 from ._launch import local_rank, resolve_local_device
 
 __all__ = ["JobFlag", "JobStatus", "RankStatus", "job_status"]
@@ -351,6 +352,7 @@ def _sort_key(entry: RankStatus) -> tuple[str, bool, int, int]:
     return (entry.host, local is None, 0 if local is None else local, entry.rank)
 
 
+@suggest_keywords
 def job_status(*, timeout: float = DEFAULT_TIMEOUT) -> JobStatus:
     """Every rank's host, device and GPU, the same on every rank, with what is wrong flagged.
 

@@ -42,6 +42,7 @@ from ._format import (
     plural,
 )
 from ._frames import user_location
+from ._keywords import suggest_keywords
 from ._memory import used_cuda_indices
 from ._options import check_count, refuse_lazy
 from ._visible import torch_cuda_initialized
@@ -262,6 +263,7 @@ def _allocator_bytes(leak: Leak) -> float:
     return leak.count_per_call * (math.ceil(each / _BLOCK) * _BLOCK + slack)
 
 
+@suggest_keywords
 def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> LeakReport:
     """Call ``fn()`` ``warmup + repeat`` times and report what keeps growing per call.
 

@@ -19,6 +19,7 @@ import torch
 
 from ._devices import DeviceLike, accelerator_count, accelerator_type, resolve_device
 from ._errors import DeviceOutOfMemoryError, add_note
+from ._keywords import suggest_keywords
 from ._oomreport import build_report
 from ._oomtext import is_oom
 from ._options import check_count, check_flag
@@ -154,6 +155,7 @@ def explain_oom(
 ) -> _ExplainOOM: ...
 
 
+@suggest_keywords
 def explain_oom(
     func: Callable[..., Any] | None = None,
     /,

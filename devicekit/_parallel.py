@@ -62,6 +62,7 @@ from ._dispatch import (
     stop_workers,
 )
 from ._format import html_table, plural
+from ._keywords import suggest_keywords
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
 from ._options import check_flag
 from ._progress import Progress
@@ -237,6 +238,7 @@ def _refuse_in_daemon(caller: str) -> None:
     )
 
 
+@suggest_keywords
 def gpu_pool(
     *,
     devices: Sequence[DeviceLike] | DeviceLike | None = None,
@@ -278,6 +280,7 @@ def gpu_pool(
     return GPUPool(worker_slots(devices, per_device, caller="gpu_pool()"))
 
 
+@suggest_keywords
 def gpu_map(
     fn: Callable[[T], R],
     items: Iterable[T] | _MapStyle[T],

@@ -20,6 +20,7 @@ from ._errors import GPUUnavailableError
 from ._format import format_bytes, format_seconds, plural
 from ._gpuinfo import GPUInfo
 from ._gpus import gpus, why_none_visible
+from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds
 
 __all__ = ["pick_gpu", "pick_gpus"]
@@ -174,6 +175,7 @@ def _pick(
     return [], "; ".join(parts)
 
 
+@suggest_keywords
 def pick_gpu(
     *,
     min_free_memory: int | None = None,
@@ -250,6 +252,7 @@ def pick_gpu(
     return torch.device("cpu")
 
 
+@suggest_keywords
 def pick_gpus(
     n: int,
     *,

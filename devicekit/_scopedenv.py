@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from ._errors import CUDAInitializedError
+from ._keywords import suggest_keywords
 from ._options import check_flag
 from ._visible import ENV_VAR, cuda_started, normalize_devices, parse_visible_devices
 
@@ -92,6 +93,7 @@ def scoped_env(name: str, value: str | None) -> Iterator[None]:
                 del _scopes.open[name]
 
 
+@suggest_keywords
 @contextmanager
 def visible_devices(
     devices: int | str | Iterable[int | str] | None,

@@ -31,6 +31,7 @@ from ._dist import (
 )
 from ._errors import RanksOutOfStepError
 from ._format import html_table, plural
+from ._keywords import suggest_keywords
 from ._options import check_count, check_number, got
 from ._stragglerreport import StragglerReport, Window, build_report
 from ._timing import CudaEvent
@@ -140,6 +141,7 @@ class StragglerDetector:
         (10, ())
     """
 
+    @suggest_keywords
     def __init__(
         self,
         *,

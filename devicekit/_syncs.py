@@ -19,6 +19,7 @@ from ._devices import accelerator_count, accelerator_type
 from ._errors import SyncError
 from ._format import html_table, plural
 from ._frames import UNKNOWN_LOCATION, is_user, user_location
+from ._keywords import suggest_keywords
 from ._options import got
 
 __all__ = ["SyncReport", "detect_syncs"]
@@ -222,6 +223,7 @@ class _Watch:
 _watch = _Watch()
 
 
+@suggest_keywords
 def detect_syncs(
     *, mode: Literal["record", "error"] = "record"
 ) -> contextlib.AbstractContextManager[SyncReport]:

@@ -25,6 +25,7 @@ from ._devices import (
     synchronize,
 )
 from ._format import format_seconds, html_table, plural
+from ._keywords import suggest_keywords
 from ._options import check_flag, refuse_lazy
 from ._visible import torch_cuda_initialized
 
@@ -129,6 +130,7 @@ class Timer:
         2
     """
 
+    @suggest_keywords
     def __init__(
         self, fn: object = None, /, *, device: DeviceLike | None = None, sync: bool = False
     ) -> None:
@@ -329,6 +331,7 @@ class Benchmark:
         True
     """
 
+    @suggest_keywords
     def __init__(self, description: str = "Done", *, device: DeviceLike | None = None) -> None:
         if not isinstance(description, str):
             raise TypeError(

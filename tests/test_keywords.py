@@ -1,0 +1,122 @@
+"""suggest_keywords: a call that cannot bind names the keyword meant, on every Python."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import devicekit as dk
+from devicekit._keywords import suggest_keywords
+
+
+@suggest_keywords
+def scale(x: float, *, factor: float = 2.0, offset: float = 0.0) -> float:
+    if x < 0:
+        raise TypeError("raised inside scale")
+    return x * factor + offset
+
+
+class Buffer:
+    @suggest_keywords
+    def __init__(self, *, flush_every: int = 1) -> None:
+        self.flush_every = flush_every
+
+
+def test_a_mistyped_keyword_names_the_one_meant() -> None:
+    with pytest.raises(TypeError, match=r"'factr'; did you mean 'factor'\?$"):
+        scale(1.0, factr=3.0)  # type: ignore[call-arg]
+
+
+def test_a_class_is_named_as_it_is_called() -> None:
+    with pytest.raises(TypeError, match=r"'flushevery'; did you mean 'flush_every'\?$"):
+        Buffer(flushevery=3)  # type: ignore[call-arg]
+    with pytest.raises(
+        TypeError, match=r"flush_every is keyword-only: Buffer\(\.\.\., flush_every"
+    ):
+        Buffer(3)  # type: ignore[misc]
+
+
+def test_options_given_by_position_are_told_they_are_keyword_only() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"but 2 were given; factor, offset are keyword-only: "
+        r"scale\(\.\.\., factor=\.\.\., offset=\.\.\.\)$",
+    ):
+        scale(1.0, 3.0)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # Nothing close: Python's own message, untouched.
+        (lambda: scale(1.0, zzzzzz=1), r"^scale\(\) got an unexpected keyword argument 'zzzzzz'$"),
+        (scale, r"^scale\(\) missing 1 required positional argument: 'x'$"),
+        # A TypeError from inside the function is the function's own.
+        (lambda: scale(-1.0), r"^raised inside scale$"),
+    ],
+)
+def test_other_type_errors_pass_through_as_they_are(call: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=message) as caught:
+        call()
+    assert "did you mean" not in str(caught.value)
+
+
+def test_the_wrapped_function_keeps_its_name_signature_and_result() -> None:
+    assert scale(2.0, factor=3.0, offset=1.0) == 7.0
+    assert scale.__name__ == "scale"
+    assert list(inspect.signature(scale).parameters) == ["x", "factor", "offset"]
+
+
+def test_a_function_that_takes_any_keyword_is_left_as_it_is() -> None:
+    def anything(**kwargs: object) -> None:
+        pass
+
+    assert suggest_keywords(anything) is anything
+
+
+def test_a_context_manager_function_is_told_too() -> None:
+    @suggest_keywords
+    @contextlib.contextmanager
+    def scope(*, devices: int = 0) -> Iterator[int]:
+        yield devices
+
+    with pytest.raises(TypeError, match=r"'device'; did you mean 'devices'\?$"), scope(device=1):  # type: ignore[call-arg]
+        pass
+
+
+# Per-step paths skip the wrapper's frame; functions that take any keyword check their own.
+_NOT_WRAPPED = {"to_device"}
+_PENDING = {"CSVSink", "LogBuffer", "ProgressBarSink", "TensorBoardSink", "free_memory", "gpus"}
+
+
+def _public_with_options() -> list[tuple[str, str]]:
+    """(public name, one of its keyword-only options) for every public callable that has one."""
+    found = []
+    for name in dk.__all__:
+        obj = getattr(dk, name)
+        if name in _NOT_WRAPPED or name in _PENDING or not callable(obj):
+            continue
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            continue  # devicekit raises them; users do not build them
+        target = obj.__init__ if isinstance(obj, type) else obj
+        try:
+            parameters = inspect.signature(target).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            continue
+        options = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        if options:
+            found.append((name, max(options, key=len)))
+    return found
+
+
+@pytest.mark.parametrize(("name", "option"), _public_with_options())
+def test_every_public_call_with_options_names_a_mistyped_one(name: str, option: str) -> None:
+    typo = option[:-1]  # the last letter forgotten: "max_siz"
+    with pytest.raises(TypeError, match=rf"'{typo}'; did you mean '{option}'\?$"):
+        getattr(dk, name)(**{typo: 1})
