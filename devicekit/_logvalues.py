@@ -19,7 +19,15 @@ import torch
 
 from ._format import shorten
 
-__all__ = ["FLOATING", "LOGGABLE", "checked", "checked_step", "on_device", "refuse"]
+__all__ = [
+    "FLOATING",
+    "LOGGABLE",
+    "checked",
+    "checked_step",
+    "on_device",
+    "refuse",
+    "refuse_keys",
+]
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -121,6 +129,24 @@ def refuse(key: str, value: torch.Tensor) -> ValueError:
     return ValueError(
         f"LogBuffer.log({key}=...) got a tensor on the {value.device.type} device, which "
         "holds no values; log a tensor on a real device"
+    )
+
+
+def refuse_keys(scalars: dict[str, Any]) -> ValueError:
+    """The error for a ``log()`` call with no value, or with a value under the key ``""``.
+
+    A key names a column of the history and of each sink (a CSV header, a
+    TensorBoard tag): ``""`` would be a column with no name. Refused before
+    anything is kept, so nothing else logged is affected.
+    """
+    if not scalars:
+        return ValueError("log() needs at least one value to record, such as log(step, loss=loss)")
+    others = ", ".join(f"{key}=..." for key in scalars if key)
+    return ValueError(
+        f"LogBuffer.log() got a value under the empty key '' (log(**{{'': ...}}"
+        f"{', ' + shorten(others, 60) if others else ''})), which names no column in the "
+        "history or in a sink (a CSV header, a TensorBoard tag); give it a name, such as "
+        "log(step, loss=value)"
     )
 
 

@@ -37,6 +37,7 @@ from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 from ._copying import copy_state, forget_cached_properties, own_copy, unshare
+from ._errors import add_note
 from ._format import first_line, qualified_name, shorten
 from ._records import Walk, move_attributes, replace_fields
 from ._tree import container_layout, is_dataclass_instance, record_layout
@@ -178,29 +179,66 @@ def _write_moved(
     """
     if changed:
         try:
-            _set_items(result, changed)
+            _set_items(result, changed, originals)
         finally:
             _check_untouched(obj, changed, originals)
 
 
 def _set_items(
-    result: MutableMapping[Any, Any] | MutableSequence[Any], changed: list[tuple[Any, Any]]
+    result: MutableMapping[Any, Any] | MutableSequence[Any],
+    changed: list[tuple[Any, Any]],
+    originals: dict[Any, Any],
 ) -> None:
-    key, value = changed[0]
-    try:
-        result[key] = value
-    except RecursionError:
-        raise  # not a refusal: the walk is too deep, and to_device says so
-    except Exception:
-        if not isinstance(result, dict):
+    """Set each moved value with the copy's own ``__setitem__``, or say why it refused.
+
+    A refusal is the class's own rule (a class that keeps its tensors on the
+    CPU), raised with a note, unless the class is read-only: a ``dict``
+    subclass that refuses the first value *and* the value its copy already
+    holds there (torch.fx's ``immutable_dict``, Werkzeug's ``ImmutableDict``,
+    confection's ``SimpleFrozenDict``). Its copy's storage is written
+    directly, as its own code fills it. The exception's type cannot tell the
+    two apart: read-only classes raise ``TypeError``, ``NotImplementedError``,
+    a bare ``Exception`` or their own, and a validating class may raise a
+    ``TypeError`` too.
+    """
+    for index, (key, value) in enumerate(changed):
+        try:
+            result[key] = value
+        except RecursionError:
+            raise  # not a refusal: the walk is too deep, and to_device says so
+        except Exception as error:
+            if index == 0 and isinstance(result, dict) and _refuses(result, key, originals[key]):
+                base = (
+                    OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
+                )
+                for moved_key, moved in changed:
+                    base(result, moved_key, moved)
+                return
+            add_note(error, _refused(type(result), key))
             raise
-        # A read-only dict subclass, from the first item: set the copy's storage.
-        base = OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
-        for key, value in changed:
-            base(result, key, value)
-        return
-    for key, value in changed[1:]:  # it takes items: a later refusal is the class's own error
-        result[key] = value
+
+
+def _refuses(result: dict[Any, Any], key: Any, held: Any) -> bool:
+    """Whether ``result[key] = held``, the value it holds there already, is refused too."""
+    try:
+        result[key] = held
+    except RecursionError:
+        raise
+    except Exception:  # noqa: BLE001 - any refusal of what it holds says read-only
+        return True
+    return False
+
+
+def _refused(cls: type, key: Any) -> str:
+    name = cls.__qualname__
+    return (
+        f"devicekit: to_device() moves a {qualified_name(cls)} by setting each moved value "
+        f"into a copy of it with {name}.__setitem__, which refused item "
+        f"{shorten(repr(key), 60)}. It takes other values, so this is its own rule, not a "
+        "read-only class (whose copy to_device fills directly). Move its tensors yourself, "
+        f"as {name} allows, or give {name} a .to(device) method that moves them and returns "
+        "the result: to_device calls it instead."
+    )
 
 
 def _check_untouched(

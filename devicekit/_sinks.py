@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._errors import add_note
+from ._format import shorten
 from ._logdeliver import Record
 from ._options import check_flag, check_path
 
@@ -53,7 +54,10 @@ class CSVSink:
         append: What to do with a file already at ``path``: False (the
             default, as ``open(path, "w")``) replaces it at the first flush;
             True keeps its rows and goes on after them (to resume a run), its
-            header widened if the new records bring new keys.
+            header widened if the new records bring new keys. A file whose
+            first line is no header (blank, a column with no name or one
+            named twice, numbers only: a row of data) is refused with a
+            ``ValueError`` at the first flush, never replaced.
 
     Raises:
         TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (a ``bytes``
@@ -280,14 +284,48 @@ def _existing(path: Path) -> tuple[list[str], bool, str]:
             "UTF-8 or move it, or pass append=False to replace it"
         ) from None
     header = next(csv.reader(io.StringIO(text, newline="")), [])
-    if data and not any(header):
+    problem = _not_a_header(header) if data else None
+    if problem is not None:
+        first = text.splitlines()[0] if text else ""
         raise ValueError(
             f"CSVSink(append=True) cannot go on after {str(path)!r}: its first line is not a "
-            "CSV header. Fix or move the file, or pass append=False to replace it"
+            f"CSV header ({problem}): {shorten(first, 60)!r}. Expected the names of its "
+            "columns, such as 'step,loss'. Pass another path, fix the file, or pass "
+            "append=False to start it over"
         )
     end = data.find(b"\n")
     line_end = "\n" if end >= 0 and data[end - 1 : end] != b"\r" else "\r\n"
     return header, bool(data) and not data.endswith((b"\n", b"\r")), line_end
+
+
+def _not_a_header(header: list[str]) -> str | None:
+    """Why a first line cannot be a header (a row of data, a blank line), or None.
+
+    Only what no header is: an empty name, a name given twice, or numbers
+    alone, as a row of data is. A row of text (``train,0.5``) cannot be told
+    from a header, and is taken as one.
+    """
+    if not any(header):
+        return "it is empty"
+    empty = next((index for index, name in enumerate(header, 1) if not name), None)
+    if empty is not None:  # log() refuses the key "": no file of this sink's has one
+        return f"column {empty} has no name"
+    seen: set[str] = set()
+    for name in header:
+        if name in seen:
+            return f"it names {shorten(repr(name), 40)} twice"
+        seen.add(name)
+    if all(_is_number(name) for name in header):
+        return "it holds numbers only, as a row of data does"
+    return None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _render(columns: list[str], rows: list[Record], *, header: bool, line_end: str) -> bytes:

@@ -1527,3 +1527,23 @@ def test_a_buffer_is_copied_and_pickled_with_its_records_and_pending_values() ->
         assert other.values("loss") == [0.0, 1.0, 2.0, 3.0, 4.0]
     buffer.flush()  # the original is independent of its copies, and still works
     assert buffer.values("loss") == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_the_empty_key_is_refused_by_the_call_that_passes_it(tmp_path: Path) -> None:
+    path = tmp_path / "log.csv"
+    seen: list[list[dict[str, Any]]] = []
+    with dk.LogBuffer(flush_every=2, sinks=[dk.CSVSink(path), seen.append]) as logs:
+        logs.log(0, loss=1.0)
+        for scalars in ({"": 1.0, "loss": 2.0}, {"": torch.tensor(1.0)}):
+            with pytest.raises(ValueError, match="empty key") as info:
+                logs.log(1, **scalars)
+            assert str(info.value) == (
+                "LogBuffer.log() got a value under the empty key '' (log(**{'': ...}"
+                f"{', loss=...' if 'loss' in scalars else ''})), which names no column in the "
+                "history or in a sink (a CSV header, a TensorBoard tag); give it a name, such "
+                "as log(step, loss=value)"
+            )
+        logs.log(2, loss=3.0)  # the refused calls took no turn: this one starts the flush
+    assert logs.history == [{"step": 0, "loss": 1.0}, {"step": 2, "loss": 3.0}]
+    assert path.read_text().splitlines() == ["step,loss", "0,1.0", "2,3.0"]
+    assert seen == [logs.history]

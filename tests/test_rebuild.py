@@ -508,6 +508,62 @@ def test_a_read_only_mapping_its_constructor_cannot_rebuild_is_refused() -> None
     assert wrapped["x"][0][0].is_meta
 
 
+class CpuOnly(dict[str, Any]):
+    """Validates what it is given: its refusal is its own rule, not a read-only class's."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise TypeError(f"{key!r} must stay on the cpu")  # the type read-only ones raise
+        super().__setitem__(key, value)
+
+
+class ShapeChecked(collections.UserList[Any]):
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            raise ValueError("no meta tensors")
+        super().__setitem__(index, value)
+
+
+class FrozenError(Exception):
+    pass
+
+
+class Sealed(dict[str, Any]):
+    """Read-only with an error of its own: rebuilt, whatever it raises."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise FrozenError(f"{type(self).__name__} is sealed")
+
+
+def test_a_class_that_refuses_a_moved_value_raises_its_own_error_with_a_note() -> None:
+    tensor = torch.ones(2)
+    checked = CpuOnly(a=tensor, n=1)
+    with pytest.raises(TypeError, match="'a' must stay on the cpu") as info:
+        dk.to_device(checked, META)
+    note = "\n".join(info.value.__notes__)
+    assert "moves a tests.test_rebuild.CpuOnly by setting each moved value into a copy" in note
+    assert "CpuOnly.__setitem__, which refused item 'a'" in note
+    assert "not a read-only class" in note
+    assert "Move its tensors yourself, as CpuOnly allows, or give CpuOnly a .to(device)" in note
+    assert checked == {"a": tensor, "n": 1}
+    assert checked["a"] is tensor  # the input is untouched
+    with pytest.raises(ValueError, match="no meta tensors") as info:
+        dk.to_device(ShapeChecked([1, torch.ones(1)]), META)
+    assert "ShapeChecked.__setitem__, which refused item 1" in "\n".join(info.value.__notes__)
+
+
+def test_read_only_dict_subclasses_are_rebuilt_whatever_they_raise() -> None:
+    from torch.fx.immutable_collections import immutable_dict
+
+    tensor = torch.ones(1)
+    for frozen in (Sealed(x=tensor, n=3), immutable_dict(x=tensor, n=3)):
+        moved = dk.to_device(frozen, META)
+        assert type(moved) is type(frozen)
+        assert moved["x"].is_meta
+        assert moved["n"] == 3
+        assert frozen["x"] is tensor
+
+
 class Handle:
     """Something a WeakKeyDictionary can hold a weak reference to."""
 

@@ -284,6 +284,65 @@ def test_append_never_replaces_a_file_it_cannot_read_and_keeps_the_records(
     assert read_rows(path) == [["step", "loss"], ["0", "0.5"], ["1", "0.25"], ["2", "0.125"]]
 
 
+@pytest.mark.parametrize(
+    ("first_line", "why"),
+    [
+        ("1,2,3", "it holds numbers only, as a row of data does"),
+        ("0,nan,-1e-3,inf", "it holds numbers only, as a row of data does"),
+        ("step,,loss", "column 2 has no name"),
+        ("step,loss,loss", "it names 'loss' twice"),
+        ("", "it is empty"),
+    ],
+)
+def test_append_refuses_a_first_line_that_is_no_header(
+    tmp_path: Path, first_line: str, why: str
+) -> None:
+    path = tmp_path / "train.csv"
+    existing = f"{first_line}\n4,5,6\n"
+    path.write_text(existing)
+    sink = dk.CSVSink(path, append=True)
+    with pytest.raises(ValueError, match="first line is not a CSV header") as info:
+        sink([{"step": 1, "loss": 0.25}])
+    assert str(info.value) == (
+        f"CSVSink(append=True) cannot go on after {str(path)!r}: its first line is not a CSV "
+        f"header ({why}): {first_line!r}. Expected the names of its columns, such as "
+        "'step,loss'. Pass another path, fix the file, or pass append=False to start it over"
+    )
+    assert path.read_text() == existing  # untouched
+
+
+def test_the_refused_first_line_is_shown_shortened(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text(",".join(map(str, range(1000))) + "\n")
+    with pytest.raises(ValueError, match=r"as a row of data does\): '0,1,2,3,.{40,50}\.\.\.'\. Ex"):
+        dk.CSVSink(path, append=True)([{"step": 1}])
+
+
+@pytest.mark.parametrize(
+    "header", ["step,loss", "step,0,1", "epoch,1e-3 lr", "\ufeffstep,loss", '"a,b",c']
+)
+def test_append_takes_any_header_with_a_name(tmp_path: Path, header: str) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text(f"{header}\n")
+    sink = dk.CSVSink(path, append=True)
+    sink([{"step": 1}])
+    assert path.read_text().startswith(header)  # its names first, then the new ones
+    assert len(read_rows(path)) == 2  # its header and the row appended
+
+
+def test_a_file_the_sink_wrote_is_appended_to(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    with dk.LogBuffer(sinks=[dk.CSVSink(path)]) as logs:
+        logs.log(0, loss=0.5, **{"0": 1.0, "a b": 2.0})
+    with dk.LogBuffer(sinks=[dk.CSVSink(path, append=True)]) as logs:
+        logs.log(1, loss=0.25, **{"0": 3.0, "a b": 4.0})
+    assert read_rows(path) == [
+        ["step", "loss", "0", "a b"],
+        ["0", "0.5", "1.0", "2.0"],
+        ["1", "0.25", "3.0", "4.0"],
+    ]
+
+
 def test_the_progress_bar_shows_the_step_when_asked() -> None:
     bar = _Bar()
     with dk.LogBuffer(sinks=[dk.ProgressBarSink(bar, keys=["step", "loss"])]) as logs:
