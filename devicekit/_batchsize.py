@@ -34,6 +34,7 @@ from ._census import only_new_objects
 from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._format import format_bytes
+from ._frames import caller_stacklevel
 from ._isolated import Isolated
 from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
@@ -125,7 +126,7 @@ def _warn_leak(held: list[int]) -> None:
         "(a list of losses keeps every step's graph; a cache keyed by batch size), or pass "
         "isolate=True to run each trial in a fresh process",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=caller_stacklevel(),
     )
 
 
@@ -138,7 +139,7 @@ def _warn_flaky(flaky: list[int], found: int) -> None:
         "and a step near it may still fail now and then: pass margin= (0.1 keeps 10% free) "
         "for headroom",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=caller_stacklevel(),
     )
 
 

@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["UNKNOWN_LOCATION", "first_user_location", "is_user", "user_location"]
+__all__ = [
+    "UNKNOWN_LOCATION",
+    "caller_stacklevel",
+    "first_user_location",
+    "is_user",
+    "user_location",
+]
 
 UNKNOWN_LOCATION = "<unknown>"
 """The location of a frame that could not be found."""
@@ -45,6 +51,7 @@ _STDLIB = tuple(
     )
 )
 _INSTALLED = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_DEVICEKIT = str(Path(__file__).parent) + os.sep
 
 
 def is_user(filename: str) -> bool:
@@ -70,6 +77,21 @@ def user_location(depth: int = 1) -> str:
     while frame is not None and not is_user(frame.f_code.co_filename):
         frame = frame.f_back
     return UNKNOWN_LOCATION if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the line that called devicekit.
+
+    Call it in the frame that calls ``warnings.warn``: it counts that frame
+    and each devicekit frame above it, however many wrappers (a
+    `suggest_keywords` frame) stand between the public call and the warning.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_DEVICEKIT):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def first_user_location(frames: Iterable[tuple[str, int]]) -> str:

@@ -18,6 +18,7 @@ import torch
 from ._devices import CPU, META, DeviceLike, resolve_device, try_gpu
 from ._errors import add_note
 from ._format import qualified_name
+from ._frames import caller_stacklevel
 from ._mover import Cycle, borrow
 from ._options import check_flag
 from ._tree import describe_cycle, iter_tensors
@@ -46,7 +47,7 @@ def _warn_returned_none(classes: list[type]) -> None:
             f"in place. Make {cls.__qualname__}.to() return self (or its moved copy). "
             "This warning is shown once per class.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
 
 
