@@ -31,6 +31,11 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         Traceback (most recent call last):
         ...
         RuntimeError: call it again
+        >>> block = EnterOnce(lambda: contextlib.nullcontext(1), again="", name="f()", gives="x")
+        >>> block.real  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        AttributeError: f() has no .real: it has not run yet; enter it and read .real ...
     """
 
     def __init__(
@@ -39,19 +44,38 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         *,
         again: str,
         name: str = "a devicekit",
+        gives: str = "value",
     ):
         self._make = make
         self._again = again  # the message for a second entry: what to call instead
         self._name = name  # what made it, for the repr: "dk.claim_gpu()"
+        self._gives = gives  # a name for what it gives, for messages: "syncs"
         self._block: contextlib.AbstractContextManager[T] | None = None
 
     def _recreate_cm(self) -> EnterOnce[T]:
         # As a decorator, each call of the function gets a block of its own.
-        return EnterOnce(self._make, again=self._again, name=self._name)
+        return EnterOnce(self._make, again=self._again, name=self._name, gives=self._gives)
 
     def __repr__(self) -> str:
         state = "not entered yet" if self._block is None else "entered"
         return f"<{self._name} block, {state}>"
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names the block lacks get here, most often one of what its with gives
+        # (dk.detect_syncs().count): say where it is, not "'EnterOnce' object has no ...".
+        if name.startswith("_"):  # copy's and pickle's probes, and ours before __init__
+            raise AttributeError(name, name=name, obj=self)
+        state = (
+            "it has not run yet; enter it and read"
+            if self._block is None
+            else "it is the block; read"
+        )
+        raise AttributeError(
+            f"{self._name} has no .{name}: {state} .{name} off what its `with` gives: "
+            f"with {self._name} as {self._gives}: ..., then {self._gives}.{name}",
+            name=name,
+            obj=self,
+        )
 
     def __enter__(self) -> T:
         if self._block is not None:

@@ -18,6 +18,10 @@ numbers that made it appear, so a reader can check the reasoning.
 - The other processes: when what they hold, plus what is free, would fit,
   and they are not this process listed under another PID (a container's host
   PID): PyTorch's reserve plus what they hold is more than the device has.
+- Memory no listed process holds (``unattributed_bytes``): when it is more
+  than `unattributed_margin` (the driver's own memory and rounding) and, with
+  what is free, would fit: other containers' processes, which NVML does not
+  list from inside this one (score: those bytes).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Protocol
 from ._format import format_bytes, format_count
 from ._gpuinfo import GPUProcess
 
-__all__ = ["Numbers", "counted_twice", "rank_fixes"]
+__all__ = ["Numbers", "counted_twice", "rank_fixes", "unattributed_margin"]
 
 
 def _b(value: int | None) -> str:
@@ -52,6 +56,24 @@ def counted_twice(reserved: int, held: int, total: int) -> bool:
     return reserved + held > total + total // 50
 
 
+def unattributed_margin(total: int) -> int:
+    """How far memory in use may exceed what the processes hold before it names another holder.
+
+    NVML charges no process for the driver's own memory (a few hundred MiB),
+    torch's message rounds each number to two decimals, and the free bytes and
+    the process list are read a moment apart. The larger of 1 GiB and 2% of
+    ``total`` (the slack of `counted_twice`) covers those on a GPU of any
+    size; more than that is held by a process the list does not show.
+
+    Examples:
+        >>> from devicekit._fixes import unattributed_margin
+        >>> GiB = 2**30
+        >>> unattributed_margin(16 * GiB) / GiB, round(unattributed_margin(80 * GiB) / GiB, 2)
+        (1.0, 1.6)
+    """
+    return max(2**30, total // 50)
+
+
 class Numbers(Protocol):
     """What the fixes are chosen from (bytes; None: unknown): an ``OOMReport`` has them all."""
 
@@ -73,6 +95,8 @@ class Numbers(Protocol):
     def processes(self) -> tuple[GPUProcess, ...] | None: ...  # the other processes
     @property
     def tensor_bytes(self) -> int | None: ...  # None: this process cannot count them
+    @property
+    def unattributed_bytes(self) -> int | None: ...  # in use, held by no process listed
 
 
 def rank_fixes(n: Numbers) -> tuple[str, ...]:
@@ -83,7 +107,8 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
         >>> from devicekit._fixes import rank_fixes
         >>> numbers = SimpleNamespace(
         ...     device="cpu", requested=2**40, total=2**34, free=2**33, allocated=None,
-        ...     reserved=None, largest_free_block=None, processes=None, tensor_bytes=0)
+        ...     reserved=None, largest_free_block=None, processes=None, tensor_bytes=0,
+        ...     unattributed_bytes=None)
         >>> fixes = rank_fixes(numbers)
         >>> fixes[0].startswith("Check the shape"), fixes[1].startswith("Use a smaller batch")
         (True, True)
@@ -175,6 +200,21 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
                     held,
                     f"Free {n.device}: {format_count(len(others), 'other process')} {verb} "
                     f"{_b(held)} on it ({listed}); stop {them}, or run on a GPU with room "
+                    "(dk.pick_gpu()).",
+                )
+            )
+    unlisted = n.unattributed_bytes
+    if cuda and n.total and unlisted is not None and unlisted > unattributed_margin(n.total):
+        # Stopping what holds it gives back those bytes, beside the listed ones and the free.
+        would_fit = request is None or unlisted + held + (n.free or 0) >= request
+        if would_fit:
+            found.append(
+                (
+                    unlisted,
+                    f"Free {n.device}, or run on another GPU: about {_b(unlisted)} of it is "
+                    "held by something this report cannot see, most often processes of other "
+                    "containers, which NVML does not list from inside this one (nvidia-smi on "
+                    "the host lists them); stop them, or run on a GPU with room "
                     "(dk.pick_gpu()).",
                 )
             )

@@ -9,7 +9,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -314,6 +314,12 @@ class ScopeReport:
         return html_table(self.rows(), caption=f"ScopeReport: {self.device}")
 
 
+# What a ScopeReport answers: read off the scope, or off the block, they get a pointer to it.
+_REPORT_NAMES = frozenset(field.name for field in fields(ScopeReport)) | frozenset(
+    name for name in dir(ScopeReport) if not name.startswith("_")
+)
+
+
 class MemoryScope:
     """What `memory_scope()` yields; its ``report`` is set when the block ends."""
 
@@ -322,6 +328,17 @@ class MemoryScope:
 
     def __repr__(self) -> str:
         return f"MemoryScope(report={self.report!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names the scope lacks get here: scope.peak_allocated meant scope.report's.
+        if name in _REPORT_NAMES:
+            raise AttributeError(
+                f"a MemoryScope has no .{name}: its report does, once the block has ended; "
+                f"read scope.report.{name}",
+                name=name,
+                obj=self,
+            )
+        raise AttributeError(f"a MemoryScope has no attribute {name!r}", name=name, obj=self)
 
 
 class _Peaks:
@@ -409,7 +426,9 @@ def memory_scope(
     Returns:
         A context manager, entered once, whose ``with ... as`` gives a
         [`MemoryScope`][devicekit.MemoryScope] whose ``report`` is filled in
-        on exit. As a decorator, each call gets a scope of its own.
+        on exit. As a decorator, each call gets a scope of its own. The
+        context manager itself has no ``report``: reading one off it raises
+        an ``AttributeError`` that says to enter it first.
 
     Raises:
         DeviceNotFoundError: ``device`` does not exist here (when the block
@@ -431,6 +450,7 @@ def memory_scope(
             "so call dk.memory_scope(...) again for each: with dk.memory_scope() as scope: ..."
         ),
         name="dk.memory_scope()",
+        gives="scope",
     )
 
 

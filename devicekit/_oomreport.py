@@ -23,7 +23,7 @@ import torch
 from ._census import LiveTensor, device_census, storage_key
 from ._devices import current_cuda_device, default_cuda_device
 from ._errors import DeviceNotFoundError
-from ._fixes import counted_twice, rank_fixes
+from ._fixes import counted_twice, rank_fixes, unattributed_margin
 from ._format import (
     UNKNOWN,
     PlainResult,
@@ -85,7 +85,13 @@ class OOMReport:
             biggest allocation the cache could have served without the driver.
         this_process: Bytes this process holds on the GPU by NVML's count
             (PyTorch's, the CUDA context's and every library's).
-        processes: The other processes on this GPU, with the memory each holds.
+        processes: The other processes on this GPU, with the memory each
+            holds; ``()`` when none is listed and the numbers leave no room
+            for one (total minus free minus this process is within the
+            larger of 1 GiB and 2% of the device). None when none is listed
+            but the numbers leave room, or cannot say: NVML inside a
+            container does not list other containers' processes, so an empty
+            list there is no proof that the GPU is this process's alone.
         tensor_count: Live tensors on the device Python can see (one per
             storage); None where this process cannot hold any there (the
             error came from a process that had started CUDA, this one has not).
@@ -134,6 +140,30 @@ class OOMReport:
         return sum(p.used_memory for p in self.processes if p.used_memory is not None)
 
     @property
+    def unattributed_bytes(self) -> int | None:
+        """Bytes in use that neither this process nor a listed one accounts for.
+
+        ``total - free - this_process - other_processes_bytes`` (at least 0);
+        None when one of them is unknown. Up to the larger of 1 GiB and 2% of
+        ``total`` it is the driver's own memory and rounding; above that,
+        memory held by something the report cannot see: most often processes
+        of other containers, which NVML does not list from inside this one.
+        """
+        if self.total is None or self.free is None or self.this_process is None:
+            return None
+        listed = 0 if self.processes is None else self.other_processes_bytes
+        if listed is None:
+            return None
+        return max(self.total - self.free - self.this_process - listed, 0)
+
+    def _held_elsewhere(self) -> int | None:
+        """`unattributed_bytes` when it is more than the driver and rounding explain, else None."""
+        gap = self.unattributed_bytes
+        if gap is None or self.total is None or gap <= unattributed_margin(self.total):
+            return None
+        return gap
+
+    @property
     def unseen(self) -> int | None:
         """Allocated bytes no Python tensor holds: saved activations, library workspaces."""
         if self.allocated is None or self.tensor_bytes is None:
@@ -141,11 +171,12 @@ class OOMReport:
         return max(self.allocated - self.tensor_bytes, 0)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, with ``unallocated``, ``other_processes_bytes`` and ``unseen``."""
+        """JSON-ready fields, with ``unallocated``, the two ``..._bytes`` and ``unseen``."""
         return {
             **plain_fields(self),
             "unallocated": self.unallocated,
             "other_processes_bytes": self.other_processes_bytes,
+            "unattributed_bytes": self.unattributed_bytes,
             "unseen": self.unseen,
         }
 
@@ -197,13 +228,21 @@ class OOMReport:
         )
 
     def _processes_text(self) -> str:
+        elsewhere = self._held_elsewhere()
+        cannot_see = (
+            f"about {_bytes(elsewhere)} is in use by something this report cannot see: most "
+            "often processes of other containers, which NVML does not list from inside this one"
+        )
         if self.processes is None:
-            return UNKNOWN
+            if elsewhere is None:
+                return UNKNOWN
+            return f"{UNKNOWN}: none is listed, yet {cannot_see}"
         if not self.processes:
             return "none"
         listed = ", ".join(str(p) for p in self.processes)
         count = format_count(len(self.processes), "process")
-        return f"{_bytes(self.other_processes_bytes)} in {count}: {listed}"
+        text = f"{_bytes(self.other_processes_bytes)} in {count}: {listed}"
+        return text if elsewhere is None else f"{text}; beyond that, {cannot_see}"
 
     def __str__(self) -> str:
         width = max(len(label) for label, _ in self.rows())
@@ -295,6 +334,13 @@ def _find_this_process(
         and reserved + held - p.used_memory <= total + slack
     ]
     return candidates[0] if len(candidates) == 1 else None
+
+
+def _only_this_process(total: int | None, free: int | None, this_process: int | None) -> bool:
+    """Whether the numbers say this process holds all the memory in use, within the margin."""
+    if total is None or free is None or this_process is None:
+        return False
+    return total - free - this_process <= unattributed_margin(total)
 
 
 def _allocator_blocks(
@@ -407,6 +453,10 @@ def build_report(
             if me is not None:
                 processes = tuple(p for p in processes if p is not me)
                 this_process, this_pid = me.used_memory, me.pid
+        if processes == () and not _only_this_process(total, free, this_process):
+            # None listed: in a container NVML lists no other container's process, so
+            # "none" holds only where the numbers leave no room for one (unknown is None).
+            processes = None
     elif target.type == "cpu":
         host_total, host_free = _host_memory()
         total = host_total if total is None else total

@@ -276,6 +276,7 @@ def detect_syncs(
             "so call dk.detect_syncs(...) again for each: with dk.detect_syncs() as syncs: ..."
         ),
         name="dk.detect_syncs()",
+        gives="syncs",
     )
 
 

@@ -358,3 +358,26 @@ def test_a_scope_entered_twice_says_what_to_do_and_its_repr_says_what_it_is() ->
     assert seen == [1, 2]
     assert repr(dk.claim_gpu()) == "<dk.claim_gpu() block, not entered yet>"
     assert repr(dk.detect_syncs()) == "<dk.detect_syncs() block, not entered yet>"
+
+
+def test_the_report_read_off_the_block_says_to_enter_it() -> None:
+    # Before: AttributeError: 'EnterOnce' object has no attribute 'report'.
+    block = dk.memory_scope("cpu")
+    with pytest.raises(
+        AttributeError,
+        match=r"^dk\.memory_scope\(\) has no \.report: it has not run yet; enter it and read "
+        r"\.report off what its `with` gives: with dk\.memory_scope\(\) as scope: \.\.\., "
+        r"then scope\.report$",
+    ):
+        block.report  # noqa: B018
+    assert not hasattr(block, "report")
+    with block as scope:
+        pass
+    with pytest.raises(AttributeError, match=r"it is the block; read \.report off what"):
+        block.report  # noqa: B018
+    assert scope.report is not None
+    # The scope is not its report: the numbers are one step further.
+    with pytest.raises(AttributeError, match=r"read scope\.report\.peak_allocated$"):
+        scope.peak_allocated  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^a MemoryScope has no attribute 'nope'$"):
+        scope.nope  # noqa: B018
