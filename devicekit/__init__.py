@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from ._census import LiveTensor as LiveTensor
     from ._checkpoint import load as load
     from ._checks import assert_same_device as assert_same_device
-    from ._checks import check_module as check_module
     from ._claims import claim_gpu as claim_gpu
     from ._claims import release_gpu as release_gpu
     from ._compare import Comparison as Comparison
@@ -72,6 +71,7 @@ if TYPE_CHECKING:
     from ._memory import ScopeReport as ScopeReport
     from ._memory import free_memory as free_memory
     from ._memory import memory_scope as memory_scope
+    from ._modulecheck import check_module as check_module
     from ._nvml import cuda_driver_version as cuda_driver_version
     from ._nvml import driver_version as driver_version
     from ._nvml import nvml_available as nvml_available
@@ -112,7 +112,7 @@ _EXPORTS: dict[str, str] = {
     "LiveTensor": "._census",
     "load": "._checkpoint",
     "assert_same_device": "._checks",
-    "check_module": "._checks",
+    "check_module": "._modulecheck",
     "claim_gpu": "._claims",
     "release_gpu": "._claims",
     "compare": "._compare",

@@ -1,24 +1,27 @@
-"""Finding what is on the wrong device, and what ``module.to()`` will leave behind."""
+"""`assert_same_device`: every tensor on one device, or an error saying where each is."""
 
 from __future__ import annotations
 
-import functools
 import sys
+import types
+import weakref
 from collections import defaultdict
 from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
-from ._census import storage_identity
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
-from ._tree import children, iter_tensors
+from ._mover import _has_to_method
+from ._tree import children, object_attributes
 
-__all__ = ["assert_same_device", "check_module"]
+__all__ = ["assert_same_device"]
 
 _SHOWN_PER_DEVICE = 5  # paths listed per device before "... and N more"
+_SHOWN_HOLDERS = 3  # objects to_device() leaves alone named in a fix, per argument
 
 
 def assert_same_device(
@@ -26,8 +29,16 @@ def assert_same_device(
 ) -> torch.device:
     """Check that every tensor in the arguments is on one device, and return that device.
 
-    Walks the same structures as [`to_device()`][devicekit.to_device], and a module's parameters
-    and buffers. Positional arguments are named ``arg0``, ``arg1``...; keyword
+    Walks the same structures as [`to_device()`][devicekit.to_device], a
+    module's parameters and buffers, and, since a check must not vouch for
+    tensors it never saw, inside every other object too: its instance
+    attributes and slots (a class of your own, a transformers ``DynamicCache``,
+    whose tensors are at ``cache.layers[0].keys``), which ``to_device()``
+    returns unchanged. Each object is looked at once, so one that refers back
+    to itself is no error. A ``PackedSequence``'s ``batch_sizes`` is not
+    checked: torch keeps it on the CPU on purpose.
+
+    Positional arguments are named ``arg0``, ``arg1``...; keyword
     arguments by their names, so ``assert_same_device(model=model,
     batch=batch)`` reports paths such as ``model.fc.weight`` and
     ``batch['labels']``. ``device=`` is the device expected, never an object
@@ -35,8 +46,9 @@ def assert_same_device(
 
     A generator or other iterator, and a dict view (``d.values()``), given as
     an argument is refused: checking an iterator's tensors would use it up,
-    and a view is not walked (`to_device()` returns both unchanged). Inside an
-    argument, they are left unchecked, as `to_device()` leaves them unmoved.
+    and a view is not walked (`to_device()` returns both unchanged). So is a
+    class, a Python module or a function, whose insides are not looked at.
+    Inside an argument, all of these are left unchecked.
 
     Args:
         *objs: Tensors, modules, or nested structures holding them.
@@ -52,11 +64,11 @@ def assert_same_device(
         DeviceMismatchError: Tensors are on more than one device, or on one
             other than ``device``. The message lists each device with the
             paths on it, the strays first, and ends with a fix.
-        ValueError: The arguments hold no tensor, or contain themselves, or
-            ``device`` is malformed.
-        TypeError: An argument is a generator, an iterator or a dict view, or
-            a keyword argument is named ``arg0``, ``arg1``... like a
-            positional one (one of the two would go unchecked).
+        ValueError: The arguments hold no tensor, or ``device`` is malformed.
+        TypeError: An argument is a generator, an iterator, a dict view, a
+            class, a module or a function, or a keyword argument is named
+            ``arg0``, ``arg1``... like a positional one (one of the two would
+            go unchecked).
         RecursionError: An argument nests deeper than Python's recursion limit.
         DeviceNotFoundError: This torch build or machine has no ``device``.
 
@@ -85,14 +97,20 @@ def assert_same_device(
         _refuse_unwalkable(name, obj)
     where: dict[torch.device, list[str]] = defaultdict(list)
     owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices
+    held: dict[str, list[_Held]] = {}  # tensors in objects to_device() returns unchanged
     for name, obj in named.items():
+        found: list[tuple[str, torch.Tensor, tuple[str, str] | None]] = []
         try:
-            for path, tensor in iter_tensors(obj, name):
-                where[tensor.device].append(path)
-                owners[name].add(tensor.device)
+            _collect(obj, name, {}, found, None)
         except RecursionError:
             # Counting the depth in the walk would cost every call; Python counts it anyway.
             raise RecursionError(_too_deep(name)) from None
+        for path, tensor, holder in found:
+            where[tensor.device].append(path)
+            if holder is None or holder is _BY_TO:
+                owners[name].add(tensor.device)
+            else:
+                held.setdefault(name, []).append((tensor.device, *holder, path))
     if not where:
         raise ValueError(
             f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}; "
@@ -101,11 +119,99 @@ def assert_same_device(
     if len(where) == 1 and (expected is None or expected in where):
         return next(iter(where))
     said = f"device={device!r}" if isinstance(device, (str, int)) else "device="
-    raise DeviceMismatchError(_mismatch_message(where, owners, named, expected, said))
+    raise DeviceMismatchError(
+        _mismatch_message(where, owners, named, expected, said=said, held=held)
+    )
+
+
+# A tensor inside an object that to_device() returns unchanged: its device, the object's
+# path and class name, and the tensor's path.
+_Held = tuple[torch.device, str, str, str]
+# The holder of what is inside an object with a .to(): that .to() is to_device()'s whole say.
+_BY_TO = ("", "")
+# Arguments refused: what they hold is code and its globals, which the walk does not read.
+_CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+# Answered before any other question: leaves with nothing inside, and weak proxies, which
+# hold nothing of their own (a dead one raises ReferenceError at any question, isinstance too).
+_PLAIN = frozenset(
+    {
+        int,
+        float,
+        bool,
+        complex,
+        str,
+        bytes,
+        type(None),
+        weakref.ProxyType,
+        weakref.CallableProxyType,
+    }
+)
+
+
+def _collect(
+    obj: object,
+    path: str,
+    seen: dict[int, object],
+    found: list[tuple[str, torch.Tensor, tuple[str, str] | None]],
+    holder: tuple[str, str] | None,
+) -> None:
+    """Append ``(path, tensor, holder)`` for every tensor in ``obj``, each object looked at once.
+
+    ``holder`` is the path and class of the outermost object around the tensor
+    that ``to_device()`` returns unchanged (neither a container it rebuilds nor
+    an object with a ``.to()``), for the fix; ``_BY_TO`` inside an object with
+    a ``.to()``, which is then to_device()'s whole say; else None.
+    ``seen`` keeps each object it names alive, so no ``id()`` is reused while
+    the walk runs. One frame per level: deep nesting is Python's RecursionError.
+    """
+    if type(obj) in _PLAIN:
+        return
+    if isinstance(obj, torch.Tensor):
+        found.append((path, obj, holder))
+        return
+    if id(obj) in seen:
+        return
+    if isinstance(obj, torch.nn.Module):
+        seen[id(obj)] = obj
+        found.extend((f"{path}.{name}", p, holder) for name, p in obj.named_parameters())
+        found.extend((f"{path}.{name}", b, holder) for name, b in obj.named_buffers())
+        return
+    elements = children(obj)
+    if elements is None:
+        elements = object_attributes(obj)
+        if not elements:
+            return
+        if holder is None:
+            holder = _BY_TO if _has_to_method(type(obj)) else (path, type(obj).__name__)
+    elif isinstance(obj, PackedSequence):
+        # torch keeps batch_sizes on the CPU by design (PackedSequence.to() leaves it
+        # there: the packed RNN kernels read it on the host); the indices follow data.
+        elements = [element for element in elements if element[0] != ".batch_sizes"]
+    seen[id(obj)] = obj
+    for suffix, child in elements:
+        _collect(child, path + suffix, seen, found, holder)
 
 
 def _refuse_unwalkable(name: str, obj: object) -> None:
-    """Refuse an argument whose tensors the walk would miss without a word: an iterator, a view."""
+    """Refuse an argument whose tensors the walk would miss without a word.
+
+    An iterator, a dict view, a class, a Python module, a function.
+    """
+    if isinstance(obj, _CODE):
+        kind = (
+            "class"
+            if isinstance(obj, type)
+            else "module"
+            if isinstance(obj, types.ModuleType)
+            else "function"
+        )
+        label = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
+        raise TypeError(
+            f"assert_same_device() cannot check {name}, a {kind} ({label}): it does "
+            "not look inside classes, Python modules or functions, so their tensors (a "
+            "global, a closure, a class attribute) would go unchecked. Pass the tensors "
+            "themselves, or the object or module instance that holds them."
+        )
     if not isinstance(obj, (Iterator, KeysView, ValuesView, ItemsView)):
         return
     if children(obj) is not None:
@@ -141,7 +247,9 @@ def _mismatch_message(
     owners: dict[str, set[torch.device]],
     named: dict[str, Any],
     expected: torch.device | None = None,
+    *,
     said: str = "device=",
+    held: dict[str, list[_Held]] | None = None,
 ) -> str:
     # Strays first: the tensors off the expected device, else the smallest groups.
     groups = sorted(where.items(), key=lambda item: (item[0] == expected, len(item[1])))
@@ -157,7 +265,7 @@ def _mismatch_message(
         lines.extend(f"  {path}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
         if len(paths) > _SHOWN_PER_DEVICE:
             lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
-    lines.extend(_fix(where, owners, named, expected))
+    lines.extend(_fix(where, owners, named, expected, held))
     return "\n".join(lines)
 
 
@@ -166,8 +274,14 @@ def _fix(
     owners: dict[str, set[torch.device]],
     named: dict[str, Any],
     expected: torch.device | None = None,
+    held: dict[str, list[_Held]] | None = None,
 ) -> list[str]:
-    """What to run: every argument that is not all on the target, moved there."""
+    """What to run: every argument that is not all on the target, moved there.
+
+    ``owners`` has each argument's devices but for its tensors in ``held``:
+    those inside an object ``to_device()`` returns unchanged, which only the
+    user can move (or make again) where they belong.
+    """
     if expected is not None:
         target = expected  # the caller said where: even meta (a model built without weights)
     else:
@@ -179,11 +293,13 @@ def _fix(
         )
     stuck = target.type != "meta"  # meta tensors cannot be copied anywhere else: no data
     steps = []
-    for name, devices in owners.items():
-        if devices == {target}:
+    for name, obj in named.items():
+        devices = owners.get(name, set())
+        steps.extend(_held_steps(name, (held or {}).get(name, []), target))
+        if devices <= {target}:
             continue
         on_meta = stuck and torch.device("meta") in devices
-        if isinstance(named[name], torch.nn.Module):
+        if isinstance(obj, torch.nn.Module):
             if on_meta:
                 steps.append(f"{name}.to_empty(device='{target}'), then load its weights")
             else:
@@ -201,194 +317,31 @@ def _fix(
     return fix
 
 
+def _held_steps(name: str, held: list[_Held], target: torch.device) -> list[str]:
+    """The steps for the strays of ``name`` inside objects that ``to_device()`` leaves alone."""
+    objects: dict[str, tuple[str, list[torch.device], list[str]]] = {}
+    for device, holder, kind, path in held:
+        if device != target:
+            _, devices, paths = objects.setdefault(holder, (kind, [], []))
+            devices.append(device)
+            paths.append(path)
+    steps = []
+    for holder, (kind, devices, paths) in list(objects.items())[:_SHOWN_HOLDERS]:
+        if target.type != "meta" and torch.device("meta") in devices:
+            steps.append(
+                f"make {holder} again on {target} (it is a {kind}, which dk.to_device() "
+                "returns unchanged, and its meta tensors hold no values to copy)"
+            )
+        else:
+            more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+            steps.append(
+                f"move the tensors in {holder} ({paths[0]}{more}) to {target} yourself, or "
+                f"make it there (it is a {kind}, which dk.to_device() returns unchanged)"
+            )
+    if len(objects) > _SHOWN_HOLDERS:
+        steps.append(f"the same for {len(objects) - _SHOWN_HOLDERS} more objects in {name}")
+    return steps
+
+
 def _count(paths: list[str]) -> str:
     return "1 tensor" if len(paths) == 1 else f"{len(paths)} tensors"
-
-
-# Attributes every module has (hooks, flags, the registries themselves): not user state.
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-# The attribute a forward pre-hook recomputes before every call names itself in one of
-# these: WeightNorm and SpectralNorm (torch.nn.utils) say ``name``, pruning ``_tensor_name``.
-_HOOK_TARGETS = ("name", "_tensor_name")
-
-
-class _Registered:
-    """What ``module.to()`` moves in the tree under inspection, by ``id()``.
-
-    Each set is built the first time a plain attribute needs it, so a clean
-    module pays for none of them.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self._module = module
-
-    @functools.cached_property
-    def modules(self) -> frozenset[int]:
-        return frozenset(map(id, self._module.modules()))
-
-    @functools.cached_property
-    def parameters(self) -> frozenset[int]:
-        return frozenset(map(id, self._module.parameters()))
-
-    @functools.cached_property
-    def buffers(self) -> dict[int, str]:
-        """``id()`` -> dotted name, for the message."""
-        return {id(buffer): name for name, buffer in self._module.named_buffers()}
-
-    @functools.cached_property
-    def memory(self) -> dict[int, str]:
-        """Each parameter's and buffer's memory (its storage) -> dotted name."""
-        owners: dict[int, str] = {}
-        named = [*self._module.named_parameters(), *self._module.named_buffers()]
-        for name, tensor in reversed(named):  # the first name wins, as in named_parameters()
-            key = storage_identity(tensor)
-            if key is not None:
-                owners[key] = name
-        return owners
-
-
-def check_module(module: torch.nn.Module) -> list[str]:
-    """Find tensors and modules that ``module.to(...)`` will not move.
-
-    ``Module.to`` moves parameters, buffers and registered submodules only. A
-    tensor kept as a plain attribute (``self.mask = torch.ones(3)``), or
-    tensors and modules kept in a plain ``list`` or ``dict`` attribute, stay
-    where they are, and the model fails later with a device mismatch. This
-    reports each such attribute with the device it is on and the fix.
-
-    Not reported, because ``module.to()`` does move them: a plain reference to
-    a module or a parameter registered elsewhere in ``module`` (both are
-    moved in place, so ``self.groups = [self.fc.weight]`` follows; only a
-    move to ``meta`` makes new parameters), and an attribute a forward
-    pre-hook recomputes on every call (``weight`` after
-    ``torch.nn.utils.weight_norm``, ``spectral_norm`` or pruning). A plain
-    reference to a registered *buffer* is reported: ``module.to()`` replaces
-    buffers, so the reference keeps the old tensor. The walk takes time in
-    proportion to the module's size, and a plain attribute that contains
-    itself is looked inside once.
-
-    Args:
-        module: The model to inspect (all its submodules are inspected too).
-
-    Returns:
-        One readable finding per attribute; empty when ``module.to()`` moves
-        everything.
-
-    Raises:
-        TypeError: ``module`` is not a ``torch.nn.Module``.
-
-    Examples:
-        >>> import torch, devicekit as dk
-        >>> class Scaled(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.scale = torch.ones(1)
-        >>> for finding in dk.check_module(Scaled()):
-        ...     print(finding)
-        scale: a cpu tensor held as a plain attribute; module.to() will not move it. Use self.register_buffer('scale', ...) (or nn.Parameter if it should be trained).
-    """  # noqa: E501 - the expected output is one line
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"check_module() needs a torch.nn.Module, got {type(module).__name__}")
-    registered = _Registered(module)
-    findings: list[str] = []
-    for prefix, submodule in module.named_modules():
-        recomputed = _recomputed(submodule)
-        for attr, value in vars(submodule).items():
-            if attr in _MODULE_INTERNALS or attr in recomputed:
-                continue
-            finding = _describe(attr, value, registered)
-            if finding is not None:
-                findings.append(f"{prefix}.{attr}: {finding}" if prefix else f"{attr}: {finding}")
-    return findings
-
-
-def _recomputed(module: torch.nn.Module) -> set[str]:
-    """The attributes the module's forward pre-hooks set again before every call."""
-    names = set()
-    for hook in module._forward_pre_hooks.values():
-        for field in _HOOK_TARGETS:
-            name = getattr(hook, field, None)
-            if isinstance(name, str):
-                names.add(name)
-    return names
-
-
-def _describe(attr: str, value: object, registered: _Registered) -> str | None:
-    if isinstance(value, torch.Tensor):
-        if id(value) in registered.parameters:
-            return None  # Module.to() moves a parameter in place: this reference follows
-        buffer = registered.buffers.get(id(value))
-        if buffer is not None:
-            return (
-                f"the buffer {buffer!r} held again as a plain attribute; module.to() replaces "
-                f"buffers with moved copies, so this one stays the old {value.device} tensor. "
-                "Read the buffer through its module instead (a @property can keep this name)."
-            )
-        key = storage_identity(value)
-        owner = None if key is None else registered.memory.get(key)
-        if owner is not None:  # a view (self.row = self.fc.weight[0]): a buffer would be a copy
-            return (
-                f"a {value.device} tensor held as a plain attribute that shares its memory with "
-                f"{owner!r} (a view or an alias of it); module.to() gives {owner!r} new memory, "
-                f"so this one stays the old {value.device} tensor. Compute it from {owner!r} "
-                "where it is used, in forward() or a @property."
-            )
-        return (
-            f"a {value.device} tensor held as a plain attribute; module.to() will not move it. "
-            f"Use self.register_buffer({attr!r}, ...) (or nn.Parameter if it should be trained)."
-        )
-    if isinstance(value, torch.nn.Module):  # set with object.__setattr__ or through __dict__
-        if id(value) in registered.modules:
-            return None  # a back-reference to a module the tree registers: moved with it
-        return (
-            f"a {type(value).__name__} module held as a plain attribute, not registered; "
-            "module.to() will not move it. Assign it with self.<name> = module to register it."
-        )
-    if children(value) is None:
-        return None
-    modules, tensors = _leaves(value, registered)
-    kind = type(value).__name__
-    if modules:
-        fix = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
-        return (
-            f"a {kind} holding {plural(len(modules), 'module')} as a plain attribute; "
-            f"module.to() will not move them and their parameters are not registered. Use {fix}."
-        )
-    if tensors:
-        devices = ", ".join(sorted({str(t.device) for t in tensors}))
-        fix = "nn.ParameterDict" if isinstance(value, dict) else "nn.ParameterList"
-        return (
-            f"a {kind} of {plural(len(tensors), 'tensor')} on {devices} held as a plain attribute; "
-            f"module.to() will not move them. Use {fix} for trainable tensors, or register "
-            "each one with self.register_buffer()."
-        )
-    return None
-
-
-def _leaves(
-    value: object, registered: _Registered
-) -> tuple[list[torch.nn.Module], list[torch.Tensor]]:
-    """The modules and tensors inside a plain container that ``module.to()`` will not move.
-
-    Each object is visited once, so a container that holds itself (or one
-    object twice) ends the walk instead of raising or counting twice; the walk
-    uses its own stack, so depth is no limit.
-    """
-    modules: list[torch.nn.Module] = []
-    tensors: list[torch.Tensor] = []
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            if id(item) not in registered.parameters:
-                tensors.append(item)
-        elif isinstance(item, torch.nn.Module):
-            if id(item) not in registered.modules:
-                modules.append(item)
-        else:
-            stack.extend(child for _, child in reversed(children(item) or []))
-    return modules, tensors

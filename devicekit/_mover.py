@@ -35,7 +35,7 @@ from ._rebuild import (
     rebuild_tuple,
 )
 from ._records import rebuild_dataclass, rebuild_record
-from ._tree import is_dataclass_instance, is_record
+from ._tree import is_dataclass_instance, is_record, tensor_elsewhere
 
 # What to_device uses. Both stay private: nothing here is devicekit's API.
 __all__ = ["Cycle", "borrow"]
@@ -48,6 +48,9 @@ _LEAVES = frozenset({str, bytes, int, float, complex, bool, type(None)})
 # How a tensor's device is compared with the target, cheapest first: reading
 # tensor.device builds a new torch.device object (55 ns); tensor.is_cpu does not (30 ns).
 _HOST, _CUDA, _META, _SAME_DEVICE = range(4)
+# Objects to_device cannot move: how often each class is still looked inside for tensors.
+_LOOKS_PER_CLASS = 8
+_looks_left: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
 _BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
 
 
@@ -132,6 +135,7 @@ class _Mover:
         "move",
         "non_blocking",
         "returned_none",
+        "unmoved",
         "unsynced",
     )
 
@@ -148,6 +152,7 @@ class _Mover:
         # Sources of non-blocking copies to the host, which must be waited for.
         self.unsynced: set[torch.device] | None = set() if self.non_blocking and to_host else None
         self.returned_none: list[type] | None = None  # classes whose .to() returned None
+        self.unmoved: list[tuple[type, str]] | None = None  # left as they are, tensors inside
         self.kept: list[Any] = []  # objects made during the call: alive while memo has their id
         self.busy = False  # a call is walking with it (a .to() may call to_device again)
         self.move: Callable[[Any], Any] = _walk(self, kind, index)
@@ -191,6 +196,22 @@ class _Mover:
             return self.container(obj, rebuild_dataclass)
         if is_record(obj):  # a SimpleNamespace, an attrs instance, a pydantic model
             return self.container(obj, rebuild_record)
+        return self.unchanged(obj)
+
+    def unchanged(self, obj: Any) -> Any:
+        """``obj``, which to_device cannot move; noted where it leaves a tensor behind.
+
+        Each class is looked inside a few times at most (a fresh transformers
+        ``DynamicCache`` holds no tensor yet), so an object met every step
+        costs one dict lookup once its class is known.
+        """
+        cls = type(obj)
+        looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
+        if looks > 0:
+            path = tensor_elsewhere(obj, self.device)
+            _looks_left[cls] = 0 if path is not None else looks - 1
+            if path is not None:
+                self.unmoved = [*(self.unmoved or ()), (cls, path)]
         return obj
 
     def keep(self, obj: Any) -> None:
@@ -206,6 +227,7 @@ class _Mover:
         self.memo.clear()  # lets go of every moved tensor
         self.kept.clear()
         self.returned_none = None
+        self.unmoved = None
         self.busy = False
 
 

@@ -51,6 +51,24 @@ def _warn_returned_none(classes: list[type]) -> None:
         )
 
 
+_TRANSFORMERS_CACHE = " (a model's cache: run the model there, or pass use_cache=False)"
+
+
+def _warn_unmoved(unmoved: list[tuple[type, str]], target: torch.device) -> None:
+    # Once per class: _mover looks inside a class no more once it found a tensor.
+    for cls, path in dict(unmoved).items():
+        warnings.warn(
+            f"to_device() returned a {qualified_name(cls)} as it is: devicekit does not know "
+            f"how to move it, and it holds a tensor not on {target} ({cls.__name__}{path}), "
+            f"which stays where it is. Move its tensors yourself, give {cls.__name__} a "
+            f".to(device) that returns the moved object, or make it on {target} in the first "
+            f"place{_TRANSFORMERS_CACHE if cls.__module__.startswith('transformers.') else ''}. "
+            "dk.assert_same_device() finds such tensors. This warning is shown once per class.",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
+
+
 def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | None = None) -> T:
     """Return ``obj`` with every tensor inside it moved to ``device``.
 
@@ -153,7 +171,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     mover = borrow(target, non_blocking)
     try:
         result = mover.move(obj)
-        returned_none = mover.returned_none
+        returned_none, unmoved = mover.returned_none, mover.unmoved
     except Cycle:
         raise ValueError(
             f"to_device() cannot move a structure that contains itself: "
@@ -169,6 +187,8 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         mover.finish()
     if returned_none is not None:
         _warn_returned_none(returned_none)
+    if unmoved is not None:
+        _warn_unmoved(unmoved, target)
     return result  # type: ignore[no-any-return]
 
 

@@ -3,7 +3,10 @@
 One definition serves [`to_device()`][devicekit.to_device] (which rebuilds), and
 [`assert_same_device()`][devicekit.assert_same_device] and
 [`check_module()`][devicekit.check_module]
-(which only look), so the three always agree on what "inside" means.
+(which only look), so the three always agree on what "inside" means. A look
+may go further than a move: `assert_same_device()` also reads what any other
+object holds (`object_attributes()`), since a check that skipped it would vouch
+for tensors it never saw.
 
 A record (a dataclass, an ``attrs`` instance, a pydantic model, a
 ``SimpleNamespace``) holds its fields and whatever else its instance was given
@@ -39,10 +42,12 @@ __all__ = [
     "is_record",
     "iter_leaves",
     "iter_tensors",
+    "object_attributes",
     "record_attributes",
     "record_fields",
     "record_layout",
     "slot_names",
+    "tensor_elsewhere",
 ]
 
 
@@ -320,6 +325,108 @@ def children(obj: object) -> list[tuple[str, Any]] | None:
         mirrors = {id(value) for _, value in items}
         items += [(f".{name}", value) for name, value in others if id(value) not in mirrors]
     return items
+
+
+# Not looked inside by object_attributes(): what they hold is code and its globals, not data.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+_slot_readers: weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def object_attributes(obj: object) -> list[tuple[str, Any]]:
+    """Everything an object holds by name: the entries of its ``__dict__``, then its slots.
+
+    For a look, never a move, inside an object `children()` does not know (a
+    class of your own, a transformers ``DynamicCache``): it reads the instance's
+    own storage, so no property, ``__getattr__`` or ``__getattribute__`` of the
+    class runs. Names ``__like_this__`` are Python's or a library's, and left
+    out; so is everything in a class, a Python module or a function (code and
+    its globals, not data). Empty for an object with neither (a number, a
+    ``torch.dtype``). Each path suffix is ``.name``.
+
+    Examples:
+        >>> import torch
+        >>> class Holder:
+        ...     def __init__(self) -> None:
+        ...         self.x = torch.ones(1)
+        >>> object_attributes(Holder())
+        [('.x', tensor([1.]))]
+    """
+    if isinstance(obj, _OPAQUE):
+        return []
+    try:
+        state = object.__getattribute__(obj, "__dict__")
+    except AttributeError:  # slots only, or a builtin
+        state = None
+    found: list[tuple[str, Any]] = []
+    if isinstance(state, dict):
+        found = [
+            (f".{name}", value)
+            for name, value in list(state.items())  # a copy: the walk must not see it change
+            if isinstance(name, str) and not (name.startswith("__") and name.endswith("__"))
+        ]
+    cls = type(obj)
+    readers = _slot_readers.get(cls)
+    if readers is None:
+        readers = _slot_readers[cls] = tuple(_slot_descriptors(cls))
+    for name, reader in readers:
+        try:
+            found.append((f".{name}", reader.__get__(obj, cls)))
+        except AttributeError:  # a slot never set has no value
+            continue
+    return found
+
+
+def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> str | None:
+    """The path of a tensor inside ``obj`` that is not on ``device``, or None.
+
+    A bounded look (``looks`` objects at most, each once) into what an object
+    holds: its items, fields and attributes, as `object_attributes()` reads
+    them (no code of its class runs). For ``to_device``, which returns an
+    object it cannot move unchanged, to say so when that leaves tensors behind.
+
+    Examples:
+        >>> import torch
+        >>> class Cache:
+        ...     def __init__(self) -> None:
+        ...         self.layers = [{"keys": torch.ones(1)}]
+        >>> tensor_elsewhere(Cache(), torch.device("meta"))
+        ".layers[0]['keys']"
+        >>> tensor_elsewhere(Cache(), torch.device("cpu")) is None
+        True
+    """
+    seen: set[int] = set()
+    queue: collections.deque[tuple[str, Any]] = collections.deque([("", obj)])
+    while queue and len(seen) < looks:
+        path, item = queue.popleft()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.device != device:
+                return path
+            continue
+        if isinstance(item, torch.nn.Module):
+            continue  # moved by its own .to(), never left behind
+        held = children(item)
+        if held is None:
+            held = object_attributes(item)
+        queue.extend((path + suffix, child) for suffix, child in held)
+    return None
+
+
+def _slot_descriptors(cls: type) -> Iterator[tuple[str, Any]]:
+    """Each slot's name and the member descriptor that reads it (never a property)."""
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            private = name.startswith("__") and not name.endswith("__")
+            stored = f"_{klass.__name__.lstrip('_')}{name}" if private else name
+            reader = vars(klass).get(stored)
+            dunder = stored.startswith("__") and stored.endswith("__")
+            if isinstance(reader, types.MemberDescriptorType) and not dunder:
+                yield stored, reader
 
 
 def iter_tensors(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:

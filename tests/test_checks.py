@@ -3,6 +3,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -142,11 +143,29 @@ def test_no_tensor_at_all() -> None:
         dk.assert_same_device([1, 2], labels="x")
 
 
-def test_cyclic_arguments() -> None:
+def test_a_structure_that_contains_itself_is_looked_at_once() -> None:
+    # It raised "batch[1] contains itself", with no fix; a look needs no copy, so no refusal.
     looped: list[Any] = [torch.ones(1)]
     looped.append(looped)
-    with pytest.raises(ValueError, match=r"batch\[1\] contains itself"):
+    assert dk.assert_same_device(batch=looped) == CPU
+    looped.append(torch.ones(1, device="meta"))
+    with pytest.raises(dk.DeviceMismatchError, match=r"  batch\[2\]: meta\n"):
         dk.assert_same_device(batch=looped)
+
+    @dataclasses.dataclass
+    class Node:
+        x: torch.Tensor
+        parent: object = None
+
+    node = Node(torch.ones(1))
+    node.parent = node  # a back-reference
+    assert dk.assert_same_device(node) == CPU
+    child = Node(torch.ones(1, device="meta"), parent=node)
+    node.children = [child]  # type: ignore[attr-defined]
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(node)
+    assert "  arg0.children[0].x: meta\n" in str(info.value)
+    assert "  arg0.x: cpu\n" in str(info.value)
 
 
 def test_device_is_the_expected_device_not_an_object_to_check() -> None:
@@ -423,8 +442,9 @@ def test_check_module_looks_inside_a_plain_attribute_that_contains_itself() -> N
     model.registry = registry  # type: ignore[assignment]
     assert dk.check_module(model) == [
         "registry: a dict of 2 tensors on cpu, meta held as a plain attribute; module.to() will "
-        "not move them. Use nn.ParameterDict for trainable tensors, or register each one with "
-        "self.register_buffer()."
+        "not move them. nn.ParameterDict and nn.ParameterList register only the tensors "
+        "directly in them, not those inside nested containers: register each tensor under a "
+        "name made from its place, e.g. self.register_buffer('registry_masks_0', ...)."
     ]
 
 
@@ -465,9 +485,10 @@ def test_attributes_that_are_not_fields_are_looked_inside_as_to_device_moves_the
             self.example = inputs  # a plain attribute: module.to() moves none of it
 
     assert dk.check_module(Model()) == [
-        "example: a Inputs of 3 tensors on cpu, meta held as a plain attribute; module.to() "
-        "will not move them. Use nn.ParameterList for trainable tensors, or register each one "
-        "with self.register_buffer()."
+        "example: an Inputs of 3 tensors on cpu, meta held as a plain attribute; module.to() "
+        "will not move them. nn.ParameterDict and nn.ParameterList register only the tensors "
+        "directly in them, not those inside an Inputs: register each tensor under a name made "
+        "from its place, e.g. self.register_buffer('example_ids', ...)."
     ]
 
 
@@ -499,8 +520,9 @@ def test_attributes_of_container_subclasses_are_looked_inside_as_to_device_moves
 
     assert dk.check_module(Model()) == [
         "example: a Lengths of 1 tensor on cpu held as a plain attribute; module.to() will not "
-        "move them. Use nn.ParameterDict for trainable tensors, or register each one with "
-        "self.register_buffer()."
+        "move them. nn.ParameterDict and nn.ParameterList register only the tensors directly "
+        "in them, not those inside a Lengths: register each tensor under a name made from its "
+        "place, e.g. self.register_buffer('example_lengths', ...)."
     ]
 
 
@@ -514,3 +536,189 @@ def test_an_attribute_that_mirrors_an_item_is_named_once() -> None:
         "expected every tensor on one device, found 2: cpu (1 tensor), meta (1 tensor)\n"
         "  batch['x']: cpu\n  batch['y']: meta\n"
     )
+
+
+class Holder:
+    """A class of its own: to_device() returns it unchanged, the check looks inside."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class Slotted:
+    __slots__ = ("__secret", "unset", "x")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.__secret = [x]
+
+
+def test_tensors_inside_any_object_are_checked() -> None:
+    # It returned cpu: the Holder was not looked inside, so the stray on meta went unseen.
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(Holder(torch.ones(1, device="meta")), torch.ones(1))
+    assert str(info.value).startswith(
+        "expected every tensor on one device, found 2: meta (1 tensor), cpu (1 tensor)\n"
+        "  arg0.x: meta\n  arg1: cpu\n"
+        "Fix: move everything to cpu: make arg0 again on cpu (it is a Holder, which "
+        "dk.to_device() returns unchanged, and its meta tensors hold no values to copy).\n"
+    )
+    # Slots (a private one under its mangled name), inside containers and records.
+    stray = torch.ones(1, device="meta")
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(batch={"h": [Slotted(stray)]}, x=torch.ones(1))
+    assert "  batch['h'][0]._Slotted__secret[0]: meta\n  batch['h'][0].x: meta\n" in str(info.value)
+    # The fix says who moves them: to_device() leaves a Holder as it is.
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device({"h": Holder(torch.ones(1)), "y": torch.ones(1)}, device="meta")
+    assert str(info.value).endswith(
+        "Fix: move everything to meta: move the tensors in arg0['h'] (arg0['h'].x) to meta "
+        "yourself, or make it there (it is a Holder, which dk.to_device() returns unchanged); "
+        "arg0 = dk.to_device(arg0, 'meta')."
+    )
+    assert dk.to_device(Holder(torch.ones(1)), META).x.device == CPU  # what the fix says
+
+
+def test_an_object_with_a_to_method_is_left_to_to_device_in_the_fix() -> None:
+    class Movable(Holder):
+        def to(self, device: torch.device) -> Movable:
+            return Movable(self.x.to(device))
+
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(Movable(torch.ones(1)), device="meta")
+    assert str(info.value).endswith(
+        "Fix: move everything to meta: arg0 = dk.to_device(arg0, 'meta')."
+    )
+    assert dk.assert_same_device(dk.to_device(Movable(torch.ones(1)), META)) == META
+
+
+def test_looking_inside_an_object_runs_none_of_its_code() -> None:
+    class Guarded:
+        def __init__(self) -> None:
+            self.x = torch.ones(1)
+
+        @property
+        def y(self) -> torch.Tensor:
+            raise AssertionError("a property was read")
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"__getattr__({name!r}) was called")
+
+    assert dk.assert_same_device(Guarded(), torch.ones(1)) == CPU
+    # A weak proxy holds nothing of its own; a dead one raises ReferenceError at any question.
+    gone = Holder(torch.ones(1, device="meta"))
+    holder = Holder(torch.ones(1))
+    holder.proxy = weakref.proxy(gone)  # type: ignore[attr-defined]
+    del gone
+    assert dk.assert_same_device(holder) == CPU
+
+
+def test_classes_modules_and_functions_are_not_looked_inside() -> None:
+    class WithClassTensor:
+        table = torch.ones(1, device="meta")  # a class attribute: the class's, not the object's
+
+    holder = Holder(torch.ones(1))
+    holder.kind = WithClassTensor  # type: ignore[attr-defined]
+    holder.lib = torch  # type: ignore[attr-defined]
+    holder.fn = lambda: torch.ones(1, device="meta")  # type: ignore[attr-defined]
+    assert dk.assert_same_device(holder) == CPU
+    # Given as an argument, one is refused: its tensors would go unchecked without a word.
+    for thing, kind in ((WithClassTensor, "class"), (torch, "module"), (print, "function")):
+        with pytest.raises(TypeError, match=rf"cannot check arg1, a {kind} \(\w+"):
+            dk.assert_same_device(torch.ones(1), thing)
+
+
+def test_plain_values_and_objects_without_tensors_still_pass() -> None:
+    assert dk.assert_same_device(torch.ones(1), step=3, name="x", none=None) == CPU
+    assert dk.assert_same_device(torch.ones(1), Holder(None)) == CPU  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"found no tensor in arg0, step; pass the tensors"):
+        dk.assert_same_device(Holder(None), step=3)  # type: ignore[arg-type]
+
+
+def test_a_transformers_cache_is_looked_inside() -> None:
+    transformers = pytest.importorskip("transformers")
+    cache = transformers.DynamicCache()
+    cache.update(torch.ones(1, 1, 2, 4, device="meta"), torch.ones(1, 1, 2, 4, device="meta"), 0)
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(past_key_values=cache, x=torch.ones(1))
+    assert str(info.value).startswith(
+        "expected every tensor on one device, found 2: cpu (1 tensor), meta (2 tensors)\n"
+        "  x: cpu\n"
+        "  past_key_values.layers[0].keys: meta\n"
+        "  past_key_values.layers[0].values: meta\n"
+        "Fix: move everything to cpu: make past_key_values again on cpu (it is a DynamicCache"
+    )
+    assert dk.assert_same_device(cache, torch.ones(1, device="meta")) == META
+
+
+def test_a_moved_packed_sequence_passes() -> None:
+    # batch_sizes stays on the CPU on purpose: this failed, with a fix to move all to the CPU.
+    packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3), torch.ones(2)], enforce_sorted=False)
+    moved = packed.to("meta")
+    assert moved.batch_sizes.device == CPU  # torch's own doing
+    assert dk.assert_same_device(moved, x=torch.ones(1, device="meta")) == META
+    # The indices follow data, and are checked.
+    stray = moved._replace(sorted_indices=packed.sorted_indices)
+    with pytest.raises(dk.DeviceMismatchError, match=r"  arg0.sorted_indices: cpu\n"):
+        dk.assert_same_device(stray)
+
+
+def test_check_module_advises_registering_a_hidden_parameter() -> None:
+    class Hidden(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            object.__setattr__(self, "p", torch.nn.Parameter(torch.ones(2)))
+            self.extra = {"w": torch.nn.Parameter(torch.ones(1))}
+
+    assert dk.check_module(Hidden()) == [
+        "p: an nn.Parameter on cpu held as a plain attribute, not registered; module.to() will "
+        "not move it, and module.parameters() (so the optimizer) and state_dict() leave it out. "
+        "Register it: self.p = nn.Parameter(...) (a plain assignment registers it; "
+        "object.__setattr__ does not), or self.register_parameter('p', ...) in its place.",
+        "extra: a dict of 1 nn.Parameter on cpu held as a plain attribute; module.to() will not "
+        "move them, and module.parameters() (so the optimizer) and state_dict() leave them out. "
+        "Use nn.ParameterDict to register them.",
+    ]
+    # The advice works: each way leaves nothing to report.
+    for register in (
+        lambda m: setattr(m, "p", m.p),
+        lambda m: (delattr(m, "p"), m.register_parameter("p", torch.nn.Parameter(torch.ones(2)))),
+    ):
+        model = Hidden()
+        register(model)
+        model.extra = torch.nn.ParameterDict(model.extra)
+        assert dk.check_module(model) == []
+        assert {name for name, _ in model.named_parameters()} == {"p", "extra.w"}
+
+
+def test_check_module_does_not_advise_parameter_containers_for_nested_ones() -> None:
+    class Nested(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nested = {"a": [{"b": torch.ones(1)}]}
+            self.mixed = [torch.nn.Parameter(torch.ones(1)), torch.ones(1)]
+            self.heads = {"enc": [torch.nn.Linear(1, 1)]}
+
+    assert dk.check_module(Nested()) == [
+        "nested: a dict of 1 tensor on cpu held as a plain attribute; module.to() will not move "
+        "them. nn.ParameterDict and nn.ParameterList register only the tensors directly in "
+        "them, not those inside nested containers: register each tensor under a name made from "
+        "its place, e.g. self.register_buffer('nested_a_0_b', ...).",
+        "mixed: a list of 2 tensors on cpu held as a plain attribute; module.to() will not move "
+        "them, and module.parameters() (so the optimizer) and state_dict() leave its 1 "
+        "nn.Parameter out. Use nn.ParameterList for trainable tensors, or register each one: "
+        "self.register_parameter() for an nn.Parameter, self.register_buffer() for the others.",
+        "heads: a dict holding 1 module as a plain attribute; module.to() will not move them "
+        "and their parameters are not registered. Use nn.ModuleDict for each dict in it and "
+        "nn.ModuleList for each list, nested in the same shape (they are modules, so they nest).",
+    ]
+    # What the advice says holds: a ParameterDict registers none of the nested tensor...
+    model = torch.nn.Module()
+    model.nested = torch.nn.ParameterDict({"a": [{"b": torch.ones(1)}]})
+    assert list(model.state_dict()) == []
+    assert dk.check_module(model)[0].startswith("nested.a: a list of 1 tensor on cpu held as")
+    # ...and module containers nest.
+    model = torch.nn.Module()
+    model.heads = torch.nn.ModuleDict({"enc": torch.nn.ModuleList([torch.nn.Linear(1, 1)])})
+    assert dk.check_module(model) == []
+    assert "heads.enc.0.weight" in dict(model.named_parameters())

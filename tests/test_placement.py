@@ -1345,3 +1345,51 @@ def test_an_error_raised_by_an_object_s_own_to_names_it() -> None:
     (note,) = raised.value.__notes__
     assert "to_device() moves a " in note
     assert "Quantity by calling its own .to('meta')" in note
+
+
+# --- objects to_device cannot move ----------------------------------------------------------
+
+
+def _holder_class() -> type:
+    class Holder:  # a class of the user's own, with no .to(): a new class per test
+        def __init__(self, tensor: torch.Tensor | None) -> None:
+            self.tensor = tensor
+
+    return Holder
+
+
+def test_an_object_it_cannot_move_is_returned_as_it_is_but_not_in_silence() -> None:
+    holder = _holder_class()
+    held = holder(torch.ones(1))
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"returned a .*Holder as it is: devicekit does not know how to move it, and it "
+        r"holds a tensor not on meta \(Holder\.tensor\), which stays where it is\. Move its",
+    ) as caught:
+        moved = dk.to_device({"h": held, "x": torch.ones(1)}, "meta")
+    assert caught[0].filename == __file__  # the caller's line
+    assert moved["h"] is held
+    assert held.tensor.device.type == "cpu"
+    assert moved["x"].is_meta
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        dk.to_device([holder(torch.ones(1))], "meta")
+
+
+def test_an_object_whose_tensors_are_there_already_is_not_warned_of() -> None:
+    holder = _holder_class()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dk.to_device([holder(torch.ones(1)), holder(None)], "cpu")
+    with pytest.warns(RuntimeWarning, match=r"Holder\.tensor"):
+        dk.to_device([holder(torch.ones(1))], "meta")  # its class was still looked inside
+
+
+def test_a_class_is_looked_inside_a_few_times_at_most() -> None:
+    # An object met every step (a tokenizer in the batch) costs a lookup, not a walk.
+    holder = _holder_class()
+    for _ in range(8):
+        dk.to_device([holder(None)], "meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dk.to_device([holder(torch.ones(1))], "meta")

@@ -20,9 +20,12 @@ import pytest
 import torch
 
 import devicekit as dk
+from devicekit import _mover, _tree
 
 META = torch.device("meta")
 Move = Callable[[Any], Any]
+# A model's cache stays behind, as with both peers: one test checks the warning that says so.
+pytestmark = pytest.mark.filterwarnings("ignore:to_device\\(\\) returned a transformers")
 
 
 def accelerate_move() -> Move:
@@ -35,7 +38,7 @@ def lightning_move() -> Move:
     return lambda obj: apply_func.move_data_to_device(obj, META)
 
 
-def tiny_gpt2_output() -> Any:
+def tiny_gpt2_output(*, use_cache: bool = True) -> Any:
     """A real ``CausalLMOutputWithCrossAttentions`` from a one-layer GPT-2 (no download)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
@@ -45,7 +48,13 @@ def tiny_gpt2_output() -> Any:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.tensor([[1, 2, 3]])
-    return model(input_ids=ids, labels=ids, output_hidden_states=True, output_attentions=True)
+    return model(
+        input_ids=ids,
+        labels=ids,
+        output_hidden_states=True,
+        output_attentions=True,
+        use_cache=use_cache,
+    )
 
 
 def assert_same(ours: Any, theirs: Any, path: str = "obj") -> None:
@@ -128,13 +137,35 @@ def test_the_checks_see_a_batch_encoding_and_a_model_output_once_each() -> None:
     # fields) are their items: never a second path to the same tensor.
     transformers = pytest.importorskip("transformers")
     encoding = transformers.BatchEncoding({"input_ids": torch.tensor([[1, 2]])})
-    paths = [path for path, _ in dk._tree.iter_tensors(encoding, "enc")]
+    paths = [path for path, _ in _tree.iter_tensors(encoding, "enc")]
     assert paths == ["enc['input_ids']"]
-    output = tiny_gpt2_output()
-    paths = [path for path, _ in dk._tree.iter_tensors(output, "out")]
+    output = tiny_gpt2_output(use_cache=False)
+    paths = [path for path, _ in _tree.iter_tensors(output, "out")]
     assert paths
     assert all(path.startswith("out[") for path in paths)
     assert dk.assert_same_device(dk.to_device(output, META)) == META
+
+
+def test_a_model_output_s_cache_is_left_as_the_peers_leave_it_but_not_in_silence() -> None:
+    # A transformers cache has no .to(), and its layers record their device: devicekit
+    # returns it unchanged, as accelerate and Lightning do, but says so, and the check
+    # names the tensors left behind (accelerate and Lightning say nothing).
+    output = tiny_gpt2_output()
+    cache = output["past_key_values"]
+    _mover._looks_left.pop(type(cache), None)  # warned once per class: as if never met
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"returned a transformers\.cache_utils\.DynamicCache as it is: .* \(DynamicCache"
+        r"\.layers\[0\]\.keys\).* pass use_cache=False",
+    ):
+        moved = dk.to_device(output, META)
+    assert moved["past_key_values"] is cache
+    assert accelerate_move()(output)["past_key_values"] is cache
+    assert lightning_move()(output)["past_key_values"] is cache
+    with pytest.raises(
+        dk.DeviceMismatchError, match=r"arg0\['past_key_values'\]\.layers\[0\]\.keys: cpu"
+    ):
+        dk.assert_same_device(moved)
 
 
 # --- containers ---------------------------------------------------------------------------
