@@ -24,7 +24,7 @@ import torch
 
 from ._callbacks import checked_sinks
 from ._dist import initialized
-from ._errors import RanksDisagreeError
+from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._logdeliver import Deliveries, Record, Sink
 from ._logexit import leave
 from ._logflush import (
@@ -32,6 +32,7 @@ from ._logflush import (
     HOST_VALUES,
     ON_DEVICE,
     InFlight,
+    broken_job,
     by_key,
     land,
     start,
@@ -45,6 +46,7 @@ from ._logreport import (
     state_table,
     unknown_key,
     unreadable_error,
+    unreduced_error,
 )
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import checked, checked_step, on_device, refuse, refuse_keys
@@ -84,8 +86,10 @@ class LogBuffer:
     - A value that could not be recorded (a complex, sparse or meta tensor,
       a string, an int beyond float64) is refused by the ``log()`` call that
       passes it, naming the key; nothing logged before or after is affected.
-    - A flush that fails (an out-of-memory error, a failed collective) keeps
+    - A flush that fails (an out-of-memory error, a copy that fails) keeps
       its values pending, raises, and tries again ``flush_every`` calls later.
+      A reducing flush that can never combine its values (the ranks disagree,
+      or the job's collectives are broken) records this rank's own instead.
     - A sink that raises does not lose records (they are in ``history`` before
       any sink runs; the other sinks still run; the first error is raised
       once, what else failed told in notes on it, nothing printed). When the
@@ -119,15 +123,23 @@ class LogBuffer:
     different numbers of times). (To compare, the ranks first exchange what they
     logged over devicekit's own gloo group, as ``job_status()`` does: no GPU
     sync, and ``RanksOutOfStepError`` if a rank never arrives within 300 s.)
-    When the ``with`` block leaves on an exception, its final flush
+    Once a job-wide call of the job has failed (``RanksOutOfStepError``: a
+    rank was late or crashed), no collective of the job can complete: the
+    buffer's first flush after that raises it, and it and every later flush
+    record this rank's own values unreduced (in ``history`` and the sinks, so a
+    ``CSVSink`` still gets the last losses before the crash), without raising
+    it again. When the ``with`` block leaves on an exception, its final flush
     records this rank's own values unreduced, because the other ranks may
     never reach the collective. Without an initialized process group, nothing
-    is reduced.
+    is reduced. Values are combined as float64, the type they are recorded
+    as: ints are exact while the values and the sum stay within 2**53
+    (``"sum"`` of ``2**53 + 1`` on two ranks records ``2.0**54``).
 
     Args:
         flush_every: Flush after this many ``log`` calls.
         sinks: Callables that receive the list of new records at each flush.
         reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` across ranks, or None.
+            Combined in float64; the records hold floats, as without it.
 
     Examples:
         >>> import torch, devicekit as dk
@@ -170,6 +182,7 @@ class LogBuffer:
         self._history: list[Record] = []
         self._deliveries = Deliveries()  # landed records not yet handed to every sink
         self._leaving_on_error = False  # the with block is exiting on an exception
+        self._told_broken = False  # a flush raised that the job's collectives are broken
         self._keys: dict[str, None] = {}  # every key recorded, in order of first appearance
 
     def log(self, step: int | None = None, **scalars: torch.Tensor | float | int) -> None:
@@ -243,7 +256,11 @@ class LogBuffer:
                 others as usual, and they are in ``history`` and the sinks have
                 them. Or, with ``reduce``, a rank could not prepare its values
                 (they stay pending).
-            RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s.
+            RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s,
+                or a job-wide call of this job failed earlier (a rank was late, or
+                crashed). No collective of the job can complete any more, so this
+                rank's values were recorded unreduced. Only the buffer's first such
+                flush raises it: the later ones record unreduced without raising.
             Exception: The first error a sink raised, once all sinks have run,
                 or what made the copy fail (the values are still pending). One
                 error only: what else failed in the flush is a note on it (a
@@ -408,16 +425,10 @@ mean 'loss'?"
                 # A reducing flush is a collective: a rank with nothing to send still
                 # joins, so that a rank with values hears at once that the ranks
                 # disagree, instead of waiting for it until the timeout.
-                if batch or (reduce and self.reduce is not None and initialized()):
+                reducing = reduce and self.reduce is not None and initialized()
+                if batch or reducing:
                     try:
-                        try:
-                            self._in_flight = self._start(batch, reduce=reduce)
-                        except RanksDisagreeError as error:
-                            # Every rank has the same verdict, and trying again would fail
-                            # again: each records its own values, and raises it below.
-                            failure = error
-                            if batch:
-                                self._in_flight = self._start(batch, reduce=False)
+                        failure = self._begin(batch, reducing=reducing)
                     except BaseException:
                         pending[:0] = batch  # keep the values, in order
                         raise
@@ -438,6 +449,41 @@ mean 'loss'?"
                 return finished
             # One is raised, what else failed told in notes on it.
             raise flush_error(failure, errors, pending=self._pending_count())
+
+    def _begin(
+        self, batch: list[tuple[Any, dict[str, Any], int]], *, reducing: bool
+    ) -> BaseException | None:
+        """Start the flight of ``batch``; what to raise once its records are in history.
+
+        Combined across ranks when ``reducing``, except where that can never
+        pass, and keeping the values pending would make every later flush fail
+        the same way. Then this rank records its own values, unreduced: when
+        the ranks disagree (every rank raises `RanksDisagreeError`), and when
+        the job's collectives are broken for good (`broken_job`), which the
+        first such flush raises and the later ones do not.
+        """
+        if not reducing or self.reduce is None:
+            self._in_flight = self._start(batch, reduce=False)
+            return None
+        failure: BaseException | None = broken_job(self.reduce)
+        if failure is None:
+            self._told_broken = False  # the job works (again: it may have been made again)
+            try:
+                self._in_flight = self._start(batch, reduce=True)
+            except RanksDisagreeError as error:  # the same verdict on every rank
+                failure = error
+            except RanksOutOfStepError as error:
+                if broken_job(self.reduce) is None:  # the ranks met from different calls
+                    raise  # the values stay pending
+                failure = error  # the first failure of the job, or another rank's, found now
+            else:
+                return None
+        if batch:
+            self._in_flight = self._start(batch, reduce=False)
+        if not isinstance(failure, RanksOutOfStepError):
+            return failure
+        told, self._told_broken = self._told_broken, True
+        return None if told else unreduced_error(failure)
 
     def _start(self, batch: list[tuple[Any, dict[str, Any], int]], *, reduce: bool) -> InFlight:
         steps: Sequence[Any]

@@ -8,6 +8,8 @@ non-blocking copy per stack (into pinned memory on CUDA), and `land()`
 waits for those copies only. Across ranks, every rank arranges its values by
 key name, checks with the other ranks (over devicekit's gloo group, ``_dist``)
 that all logged the same, and only then combines them in one ``all_reduce``.
+Once the job's collectives are broken for good (`broken_job`), nothing can be
+combined any more, and the buffer records each rank's own values instead.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 import torch
 
 from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
-from ._errors import RanksDisagreeError
+from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import plural, shorten
+from ._jobstate import Job, refuse_if_broken, this_job
 from ._timing import CudaEvent
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "HOST_VALUES",
     "ON_DEVICE",
     "InFlight",
+    "broken_job",
     "by_key",
     "land",
     "start",
@@ -199,6 +203,28 @@ def _copy_to_host(in_flight: InFlight, tensor: torch.Tensor) -> None:
 # --- across ranks ----------------------------------------------------------------------------
 
 
+def broken_job(op: str) -> RanksOutOfStepError | None:
+    """What a reducing flush meets at once, this job's collectives being broken for good; or None.
+
+    When a job-wide call fails, gloo closes devicekit's connections between the
+    ranks, and ``_jobstate`` refuses every later call of the job at once: no
+    flush can combine again until the job is made again. This rank's own
+    knowledge, no store read (a rank that learns it from the store does so in
+    `start_reduced`, which raises the same error).
+    """
+    with Job.lock:  # _jobstate has no query for this: its refusal, caught, is the answer
+        this_job()  # a job made again is not broken
+        try:
+            refuse_if_broken(_what(op))
+        except RanksOutOfStepError as error:
+            return error
+    return None
+
+
+def _what(op: str) -> str:
+    return f"LogBuffer(reduce={op!r}).flush()"
+
+
 def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFlight:
     """Combine every rank's values, matched by key name, in one collective.
 
@@ -211,6 +237,8 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
         RanksDisagreeError: The ranks logged different keys or steps; every rank
             raises it, and no values are mixed.
         ValueError: A rank could not prepare its values; every rank raises it.
+        RanksOutOfStepError: A rank did not arrive within 300 s, or an earlier
+            job-wide call of this job failed (`broken_job` then says so).
     """
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
 
@@ -237,7 +265,7 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
         flat, unreadable = _flatten(steps, ordered, device)
     except Exception as error:  # noqa: BLE001 - every rank must still hear of it
         layout, said = None, f"could not prepare its values: {error!r}"
-    what = f"LogBuffer(reduce={op!r}).flush()"
+    what = _what(op)
     answers = gather_objects((layout, said, wants_gpu), timeout=DEFAULT_TIMEOUT, what=what)
     _check_agreement(answers, op)  # the same verdict on every rank, from the same answers
     assert flat is not None

@@ -31,6 +31,7 @@ __all__ = [
     "state_table",
     "unknown_key",
     "unreadable_error",
+    "unreduced_error",
 ]
 
 logger = logging.getLogger("devicekit")
@@ -129,6 +130,18 @@ def unreadable_error(unreadable: list[tuple[str, Any, Exception]]) -> ValueError
         "its storage freed): log one that stays as it is until the flush, such as "
         "value.clone()."
     )
+
+
+def unreduced_error(error: BaseException) -> BaseException:
+    """``error``, a job broken for good, with a note saying that the flush's values are kept."""
+    add_note(
+        error,
+        "devicekit: no collective of this job can complete any more, so this LogBuffer "
+        "records this rank's own values of this flush unreduced, and none is lost: they "
+        "reach history and the sinks as any record does. Its later flushes record this "
+        "rank's own values too, without raising this again.",
+    )
+    return error
 
 
 def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:

@@ -1023,6 +1023,11 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
                 buffer.log(step, loss=torch.tensor(float(step), device=device), acc=float(rank))
         buffer.flush()
         results["kinds"] = buffer.history
+        # Combined in float64, the type records hold: an int beyond 2**53 is rounded.
+        buffer = dk.LogBuffer(reduce="sum")
+        buffer.log(0, n=2**53 + 1, t=torch.tensor(2**53 + 1, device=device))
+        buffer.flush()
+        results["big ints"] = buffer.history
 
         results.update(_disagreements(rank, device))
         if backend == "gloo":
@@ -1217,6 +1222,8 @@ def _reduce_across_ranks(folder: Path, *, world: int, backend: str) -> None:
             assert math.isnan(record["b"]), (op, record)
         assert records[world]["a"] == pick(float(world + r) for r in range(world)), op
         assert records[world]["b"] == pick(-float(world + r) for r in range(world)), op
+    rounded = float(2**53) * world  # each rank's 2**53 + 1 is 2.0**53 as a float64
+    assert ranks[0]["big ints"] == [{"step": 0, "n": rounded, "t": rounded}]
     rank_sum = world * top / 2
     assert ranks[0]["kinds"] == [
         {"step": s, "loss": world * float(s), "acc": rank_sum} for s in range(6)
@@ -1304,6 +1311,111 @@ def _check_disagreements(ranks: list[dict[str, Any]]) -> None:
 
 def test_reduction_across_two_gloo_ranks(tmp_path: Path) -> None:
     _reduce_across_ranks(tmp_path, world=2, backend="gloo")
+
+
+def _raised(call: Callable[[], object]) -> list[Any] | None:
+    """What ``call`` raised (its type, message and notes), or None."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - recorded for the test to check
+        return [type(error).__name__, str(error), getattr(error, "__notes__", [])]
+    return None
+
+
+def _after_the_job_broke(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 0's job_status() fails, since rank 1 never comes: the job's collectives are broken."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        results: dict[str, Any] = {}
+        dk.job_status(timeout=10)  # together: devicekit's group is made
+        store = _get_default_store()
+        if rank == 0:  # alone: rank 1 never comes to this call
+            results["break"] = _raised(lambda: dk.job_status(timeout=1))
+            store.set("test/broken", "1")
+        else:
+            store.wait(["test/broken"])
+        seen: list[dk.Record] = []
+        logs = dk.LogBuffer(reduce="mean", flush_every=3, sinks=[seen.extend])
+        logs.log(0, loss=float(rank))
+        results["first"] = _raised(logs.flush)
+        results["pending"] = logs._pending_count()
+        logs.log(1, loss=10.0 + rank)
+        results["second"] = _raised(logs.flush)
+        for step in range(2, 5):  # the third starts log()'s automatic flush
+            logs.log(step, loss=10.0 * step + rank)
+
+        def block() -> None:
+            with logs:
+                logs.log(5, loss=50.0 + rank)
+
+        results["block"] = _raised(block)
+        results["history"], results["seen"], results["repr"] = logs.history, seen, repr(logs)
+        # A buffer made after the break: its first flush, log()'s automatic one, raises.
+        late = dk.LogBuffer(reduce="sum", flush_every=2)
+        results["late"] = [_raised(lambda s=step: late.log(s, n=1.0 + rank)) for step in range(5)]
+        results["late end"] = _raised(late.flush)
+        results["late history"] = late.history
+        # One whose first flush is the end of its block: the block raises, nothing is lost.
+        ended = dk.LogBuffer(reduce="max")
+
+        def ended_block() -> None:
+            with ended:
+                ended.log(0, x=float(rank))
+
+        results["ended"] = [_raised(ended_block), ended.history, ended._pending_count()]
+        Path(folder, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_after_the_job_broke_every_flush_records_this_rank_s_values(tmp_path: Path) -> None:
+    # Before, every reducing flush raised RanksOutOfStepError at once, forever, and its
+    # values stayed pending: never in history or the sinks, lost at exit.
+    _spawn(_after_the_job_broke, (2, _free_port(), str(tmp_path)), 2)
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["break"][0] == "RanksOutOfStepError"
+    for rank, results in enumerate(ranks):
+        name, message, notes = results["first"]
+        assert name == "RanksOutOfStepError"
+        assert message.startswith("LogBuffer(reduce='mean').flush(): rank 0's job-wide call #2, ")
+        assert notes == [
+            "devicekit: no collective of this job can complete any more, so this LogBuffer "
+            "records this rank's own values of this flush unreduced, and none is lost: they "
+            "reach history and the sinks as any record does. Its later flushes record this "
+            "rank's own values too, without raising this again."
+        ]
+        assert results["pending"] == 0
+        assert results["second"] is None  # raised once, not at every flush
+        assert results["block"] is None
+        own = [0.0 + rank, 10.0 + rank, 20.0 + rank, 30.0 + rank, 40.0 + rank, 50.0 + rank]
+        assert results["history"] == [{"step": s, "loss": v} for s, v in enumerate(own)]
+        assert results["seen"] == results["history"]
+        assert "0 values pending" in results["repr"]
+        late = results["late"]  # step 1 starts the first flush: it raises, once
+        assert [outcome and outcome[0] for outcome in late] == [
+            None,
+            "RanksOutOfStepError",
+            None,
+            None,
+            None,
+        ]
+        assert late[1][1].startswith("LogBuffer(reduce='sum').flush(): rank 0's job-wide call")
+        assert results["late end"] is None
+        assert results["late history"] == [{"step": s, "n": 1.0 + rank} for s in range(5)]
+        raised, history, pending = results["ended"]
+        assert raised[0] == "RanksOutOfStepError"
+        assert (history, pending) == ([{"step": 0, "x": float(rank)}], 0)
 
 
 @pytest.mark.gpu
