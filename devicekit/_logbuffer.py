@@ -25,6 +25,7 @@ import torch
 from ._callbacks import checked_sinks
 from ._dist import initialized
 from ._errors import RanksDisagreeError, RanksOutOfStepError
+from ._keywords import suggest_keywords
 from ._logdeliver import Deliveries, Record, Sink
 from ._logexit import leave
 from ._logflush import (
@@ -152,6 +153,7 @@ class LogBuffer:
         LogBuffer(flush_every=2): 3 records of loss, 0 values pending, last {'step': 2, 'loss': 0.3333333432674408}
     """  # noqa: E501 - the expected output is one line
 
+    @suggest_keywords
     def __init__(
         self,
         *,

@@ -24,6 +24,7 @@ from ._devices import (
     resolve_device,
 )
 from ._format import UNKNOWN, PlainResult, format_bytes, html_table, plain_fields, plural
+from ._keywords import suggest_keywords
 from ._visible import torch_cuda_initialized
 
 _ipc_collect: Any = torch.cuda.ipc_collect  # unannotated in torch
@@ -178,6 +179,7 @@ def used_cuda_indices() -> list[int]:
     return [i for i in range(count) if i == current or torch.cuda.memory_reserved(i) > 0]
 
 
+@suggest_keywords
 def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> MemoryReport:
     """Give unused GPU memory back to the driver, and report what went back.
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from ._errors import add_note
 from ._format import shorten
+from ._keywords import suggest_keywords
 from ._logdeliver import Record
 from ._options import check_flag, check_path
 
@@ -85,6 +86,7 @@ class CSVSink:
 ends with '/'). Pass a file in it, such as 'logs/train.csv'
     """
 
+    @suggest_keywords
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
         check_flag(append, name="append")  # first: a refused sink makes no folder
         self.path = _file_path(path)
@@ -370,6 +372,7 @@ class TensorBoardSink:
         train/loss 0.25 3
     """
 
+    @suggest_keywords
     def __init__(self, writer: _ScalarWriter, *, prefix: str = "") -> None:
         if not callable(getattr(writer, "add_scalar", None)):
             raise TypeError(
@@ -423,6 +426,7 @@ class ProgressBarSink:
         {'loss': '0.1235'}
     """
 
+    @suggest_keywords
     def __init__(self, bar: _Bar, *, keys: list[str] | None = None, fmt: str = ".4g") -> None:
         if not callable(getattr(bar, "set_postfix", None)):
             raise TypeError(
