@@ -159,12 +159,23 @@ def warn_if_launched_alone(what: str) -> None:
     )
 
 
+_NO_STORE = "devicekit's group is made through the job's store, which stopped answering"
+
+
 def _group(timeout: float, what: str, call: int, started: float) -> Any:
     """Create devicekit's gloo group on the first call of a job, then reuse it.
 
     Creating a group is itself a collective: every rank must create it, in the
     same order relative to the job's other groups. devicekit creates it inside
     its first job-wide call, which every rank makes together.
+
+    The ranks meet through the job's store: each writes its address there and
+    waits for the others'. So a rank that exited before its first call costs
+    the others the whole timeout (the store does not say that it left), and
+    once the store has stopped answering (``Job.store_lost``: the process
+    that serves it, normally rank 0, has gone) no group can be made: that
+    fails at once, without torch's C++ warning for each store operation
+    ``new_group`` would try.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
@@ -173,10 +184,13 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
         this_job()
         if Job.group is None:
             Job.made_with = timeout
-            try:
-                Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
-            except RuntimeError as error:
-                failure = error
+            if Job.store_lost is not None:
+                failure = RuntimeError(_NO_STORE)
+            else:
+                try:
+                    Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
+                except RuntimeError as error:
+                    failure = error
         group = Job.group
     if failure is not None:  # out of the lock: the error notes the failure under it
         raise out_of_step(what, timeout, failure, call, started) from failure

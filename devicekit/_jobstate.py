@@ -13,14 +13,33 @@ so no later job-wide call of the job can complete. The rank whose call failed
 first writes that down under one more key; every later call, on every rank,
 reads it and raises at once, naming that call, instead of failing after a
 wait with a misleading "a rank crashed".
+
+When the store stops answering. The store is served by one process of the
+job: rank 0's, or under torchrun its agent on the first node. Once that
+process has gone, every store operation fails, and torch prints a C++
+warning with a stack dump for each (more than 100 lines for one call, before
+devicekit's own error). So the first failure is remembered for the job, and
+no later step of any call uses the store again: a call prints at most one
+such warning, and its error says the store stopped answering. (torch reads
+``TORCH_CPP_LOG_LEVEL`` once, at start: set later, for a few calls, it
+silences nothing, and torch offers no other way.)
+
+Before the group exists. A rank that exits before its first job-wide call
+cannot be told from one still on its way: devicekit's group does not exist
+yet, so there are no connections of devicekit's to close, and the store does
+not say when a process leaves. The others wait out the timeout (creating
+the group waits for that rank's address in the store), and their error says
+it may be either. Only the process that serves the store is noticed at once:
+its going ends the store.
 """
 
 from __future__ import annotations
 
-import contextlib
+import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +48,8 @@ from ._format import first_line, format_seconds, plural
 from ._gloo import gloo_keeps_first_timeout
 
 __all__ = ["Job", "arrive", "out_of_step", "refuse_if_broken", "this_job"]
+
+T = TypeVar("T")
 
 
 class Job:
@@ -43,6 +64,9 @@ class Job:
     # connections when a collective times out, so every later call would fail
     # too, blaming a crash: it is refused at once, saying why, instead.
     broken: str | None = None
+    # The job's store stopped answering (its first failure, in words): its process has
+    # gone, and each further try would print torch's C++ warning and a stack dump.
+    store_lost: str | None = None
 
 
 def this_job() -> None:
@@ -52,6 +76,7 @@ def this_job() -> None:
     world = dist.group.WORLD
     if Job.world is not world:  # destroyed and made again: a new job, a new group, a new count
         Job.world, Job.group, Job.calls, Job.broken = world, None, 0, None
+        Job.store_lost = None
 
 
 def arrive(what: str) -> int:
@@ -65,18 +90,16 @@ def arrive(what: str) -> int:
     with Job.lock:
         this_job()
         refuse_if_broken(what)
-    store = _store()
-    elsewhere = _read_broken(store)
+    elsewhere = _read_broken()
     with Job.lock:
         if elsewhere is not None and Job.broken is None:
             Job.broken = elsewhere
         refuse_if_broken(what)
         Job.calls += 1
         call = Job.calls
-    if store is not None:
-        # Without the note, a failing call names fewer ranks; the call itself goes on.
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            store.set(_key(dist.get_rank()), f"{call}\n{what}")
+    # Without the note, a failing call names fewer ranks; the call itself goes on.
+    note = f"{call}\n{what}"
+    _use_store(lambda store: store.set(_key(dist.get_rank()), note))
     return call
 
 
@@ -91,16 +114,16 @@ def refuse_if_broken(what: str) -> None:
         )
 
 
-def _read_broken(store: Any) -> str | None:
+def _read_broken() -> str | None:
     """The job-wide call another rank wrote down as failed, or None (one store round trip)."""
-    if store is None:
-        return None
-    try:
-        if store.check([_BROKEN_KEY]):  # check never waits; get would, for a missing key
-            return bytes(store.get(_BROKEN_KEY)).decode("utf-8", "replace")
-    except (RuntimeError, ValueError, OSError):
-        pass  # the store lives in one rank's process, maybe one that exited: the call goes on
-    return None
+
+    def read(store: Any) -> str | None:
+        if not store.check([_BROKEN_KEY]):  # check never waits; get would, for a missing key
+            return None
+        return bytes(store.get(_BROKEN_KEY)).decode("utf-8", "replace")
+
+    # No store, or it stopped answering (its process may have exited): the call goes on.
+    return _use_store(read)
 
 
 def _break(call: int, what: str, reason: str, earlier: str | None) -> None:
@@ -115,11 +138,30 @@ def _break(call: int, what: str, reason: str, earlier: str | None) -> None:
     with Job.lock:
         if Job.broken is None:
             Job.broken = earlier or broken
+    # The first rank to fail is the one the others name: the rest failed because of it.
+    _use_store(lambda store: store.compare_set(_BROKEN_KEY, "", broken))
+
+
+def _use_store(use: Callable[[Any], T]) -> T | None:
+    """``use(the job's store)``, or None: no store, it failed before in this job, or it fails now.
+
+    The store is served by one process of the job; once a store operation
+    has failed, that process has most likely gone, so none is tried again
+    in this job: each would fail too, printing torch's C++ warning and stack
+    dump (5 or 6 per call before, over 100 lines, when rank 0 had exited).
+    """
+    if Job.store_lost is not None:
+        return None
     store = _store()
-    if store is not None:
-        # The first rank to fail is the one the others name: the rest failed because of it.
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            store.compare_set(_BROKEN_KEY, "", broken)
+    if store is None:
+        return None
+    try:
+        return use(store)
+    except (RuntimeError, ValueError, OSError) as error:
+        with Job.lock:
+            if Job.store_lost is None:
+                Job.store_lost = first_line(error)
+        return None
 
 
 def _store() -> Any:
@@ -132,6 +174,13 @@ def _store() -> Any:
         return _get_default_store()
     except (ImportError, RuntimeError, ValueError, KeyError):
         return None
+
+
+def _store_host() -> str:
+    """Which process serves the job's store: torchrun's agent, where it says so, else rank 0."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torch's own test, as is
+        return "torchrun's agent on the first node"
+    return "rank 0's process"
 
 
 def _key(rank: int) -> str:
@@ -147,20 +196,23 @@ def _where_ranks_are(world_size: int) -> dict[int, tuple[int, str] | None] | Non
     None as a whole where the store cannot be read (it lives in one rank's
     process, which may be the one that died).
     """
-    store = _store()
-    if store is None:
+
+    def read(store: Any) -> list[bytes | None]:
+        # check never waits; get would, for a missing key
+        return [store.get(_key(r)) if store.check([_key(r)]) else None for r in range(world_size)]
+
+    notes = _use_store(read)
+    if notes is None:
         return None
     found: dict[int, tuple[int, str] | None] = {}
-    try:
-        for rank in range(world_size):
-            key = _key(rank)
-            if not store.check([key]):  # check never waits; get would, for a missing key
-                found[rank] = None
-                continue
-            count, _, name = store.get(key).decode("utf-8", "replace").partition("\n")
-            found[rank] = (int(count), name)
-    except (RuntimeError, ValueError, OSError):
-        return None
+    for rank, note in enumerate(notes):
+        if note is None:
+            found[rank] = None
+            continue
+        count, _, name = bytes(note).decode("utf-8", "replace").partition("\n")
+        if not count.isdigit():  # not devicekit's note: unknown, not a store failure
+            return None
+        found[rank] = (int(count), name)
     return found
 
 
@@ -175,7 +227,7 @@ def out_of_step(
     reason = first_line(error)
     # Failed early (a closed connection) after another rank's call failed: that failure
     # closed it. A rank that waited out its own timeout failed on its own account.
-    earlier = _read_broken(_store()) if waited < 0.9 * timeout else None
+    earlier = _read_broken() if waited < 0.9 * timeout else None
     _break(call, what, reason, earlier)
     rule = (
         f"Every rank must call {what} together, the same number of times; a rank that crashed, "
@@ -199,10 +251,16 @@ def out_of_step(
         )
     where = _where_ranks_are(dist.get_world_size())
     if where is None:  # no store to read: only gloo's own words (rank 0's name the ranks)
+        lost = Job.store_lost
+        store = (
+            "could not be read; rank 0's message may name them."
+            if lost is None
+            else f"stopped answering ({lost}): {_store_host()} serves it, and has most likely "
+            "exited or crashed."
+        )
         return RanksOutOfStepError(
             f"{what}: not every rank joined {when} ({reason}). {rule} The job's store, which "
-            "would name them, could not be read (it lives in one rank's process, maybe the one "
-            "that exited); rank 0's message may name them."
+            f"would name them, {store}"
         )
     if earlier is not None:  # its failure closed the connections: this call had no chance
         return RanksOutOfStepError(
@@ -225,8 +283,23 @@ def out_of_step(
     )
     return RanksOutOfStepError(
         f"{what}: {'rank' if len(missing) == 1 else 'ranks'} {ranks} {how}. Where they are: "
-        f"{'; '.join(places)}; rank {me} is in job-wide call #{call}, {what}. {rule} "
-        f"(gloo: {reason})"
+        f"{'; '.join(places)}; rank {me} is in job-wide call #{call}, {what}.{_unseen(missing)} "
+        f"{rule} (gloo: {reason})"
+    )
+
+
+def _unseen(missing: dict[int, tuple[int, str] | None]) -> str:
+    """What a rank that has made no job-wide call may be doing: nothing tells, yet."""
+    never = [str(rank) for rank, at in missing.items() if at is None]
+    if not never:
+        return ""
+    who = f"Rank {never[0]}" if len(never) == 1 else f"Ranks {', '.join(never[:8])}"
+    if len(never) > 8:
+        who += f" and {len(never) - 8} more"
+    return (
+        f" {who} may still be on {'its' if len(never) == 1 else 'their'} way to a first call, or "
+        "may have exited or crashed before it: devicekit cannot tell these apart until its "
+        "group exists, so a rank that exits that early costs the others the timeout."
     )
 
 

@@ -631,3 +631,107 @@ def test_a_rank_that_fails_or_never_comes_is_named_on_every_rank(tmp_path: Path)
     # 6. Before, rank 0's error came while gloo's worker still held the tensor, and the
     #    rank aborted if it exited before the worker let go (on torch 2.6, 5 runs in 12).
     assert outcomes("alone") == [{"failed": True, "let go": True}, {}, {}]
+
+
+# --- a rank that exits early, and the rank that serves the store ------------------------------
+
+
+def _tcp_job(rank: int, world: int, port: int) -> Any:
+    """A process group whose store is a TCPStore served by rank 0's process, as under torchrun."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    return dist
+
+
+def _exits_before_its_first_call(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 1 exits once the job has started, before any job-wide call; rank 0 makes one."""
+    dist = _tcp_job(rank, world, port)
+    if rank == 1:
+        _wait_for(folder, ["started-0"])
+        os._exit(0)  # before its first job-wide call: nothing of devicekit's knows it
+    Path(folder, "started-0").touch()
+    outcome: dict[str, Any] = {}
+    try:
+        dk.job_status(timeout=2)
+    except dk.RanksOutOfStepError as error:
+        outcome["error"] = str(error)
+    _record(folder, "early", rank, outcome)
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_exits_before_its_first_call_may_have_exited_says_the_error(
+    tmp_path: Path,
+) -> None:
+    # Before, rank 0 was told only that rank 1 "has made no devicekit job-wide call yet",
+    # while the docs promised that a rank that exited is named at once. Until devicekit's
+    # group exists nothing tells an exited rank from one still starting: the error says so.
+    spawn_ranks(_exits_before_its_first_call, 2, str(tmp_path), timeout=120)
+    message = json.loads((tmp_path / "early-0.json").read_text())["error"]
+    assert message.startswith("job_status(): rank 1 did not arrive within 2 s."), message
+    assert (
+        "rank 1 has made no devicekit job-wide call yet; rank 0 is in job-wide call #1, "
+        "job_status(). Rank 1 may still be on its way to a first call, or may have exited or "
+        "crashed before it: devicekit cannot tell these apart until its group exists"
+    ) in message
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie has: its sockets are closed)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def _store_server_exits(rank: int, world: int, port: int, folder: str, when: str) -> None:
+    """Rank 0, whose process serves the job's store, exits; rank 1 makes two more calls.
+
+    Rank 1's stderr goes to a file, for the warnings torch's store client prints in C++.
+    """
+    import time
+
+    if rank == 1:
+        stderr = os.open(Path(folder, "stderr-1.txt"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.dup2(stderr, 2)
+    _tcp_job(rank, world, port)
+    if when == "after the first call":
+        dk.job_status(timeout=60)  # devicekit's group exists
+    if rank == 0:
+        Path(folder, "pid-0").write_text(str(os.getpid()))
+        os._exit(0)
+    _wait_for(folder, ["pid-0"])
+    pid = int(Path(folder, "pid-0").read_text())
+    deadline = time.monotonic() + 60
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    errors = []
+    for _ in range(2):
+        try:
+            dk.job_status(timeout=60)
+        except dk.RanksOutOfStepError as error:
+            errors.append(str(error))
+    sys.stderr.flush()
+    warnings = Path(folder, "stderr-1.txt").read_text().count("TCPStore.cpp")
+    _record(folder, "store", rank, {"errors": errors, "warnings": warnings})
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="tells exits apart by /proc")
+@pytest.mark.parametrize("when", ["before any call", "after the first call"])
+def test_once_the_store_has_failed_a_rank_never_uses_it_again(tmp_path: Path, when: str) -> None:
+    # Before, rank 1's next call went on using the store after its first operation failed
+    # (the notes, the reads of where the ranks are, the failure's key; and creating the
+    # group), and torch printed a C++ warning with a 20-frame stack dump for each: 5 or 6,
+    # over 100 lines, before devicekit's error. Now one, and the error says the store went.
+    spawn_ranks(_store_server_exits, 2, str(tmp_path), when, timeout=120)
+    outcome = json.loads((tmp_path / "store-1.json").read_text())
+    assert outcome["warnings"] == 1, outcome
+    first, later = outcome["errors"]
+    assert first.startswith("job_status(): not every rank joined (the wait failed after"), first
+    assert "The job's store, which would name them, stopped answering (" in first, first
+    assert "rank 0's process serves it, and has most likely exited or crashed." in first
+    assert later.startswith("job_status(): rank 1's job-wide call #"), later
+    assert "so no later job-wide call can complete in this job" in later
