@@ -177,10 +177,14 @@ def claims_directory() -> Path:
     # In a shared temp directory another user could have made this name first:
     # then their files would decide our claims, so refuse instead.
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        # A device, pipe or socket the user named (DEVICEKIT_CLAIMS_DIR=/dev/null) is not
+        # theirs to remove: only a file, a link or a directory is.
+        plain = any(test(info.st_mode) for test in (stat.S_ISREG, stat.S_ISLNK, stat.S_ISDIR))
+        fix = "remove it, or set" if plain or not chosen else "set"
         raise PermissionError(
             errno.EACCES,
             f"{path} should be a directory of GPU claims owned by this user (uid "
-            f"{os.getuid()}), but it is {_describe(info)}; remove it, or set {DIR_VAR} "
+            f"{os.getuid()}), but it is {_describe(info)}; {fix} {DIR_VAR} "
             "to a directory of your own",
         )
     mode = stat.S_IMODE(info.st_mode)
@@ -203,17 +207,26 @@ def claims_directory() -> Path:
 
 
 def _describe(info: os.stat_result) -> str:
-    # Named by kind: "not a directory owned by uid 0" read as "not owned by uid 0" to the
-    # owner of a file, and a link to a directory is not "not a directory" to its maker.
+    """What a path is and who owns it: ``"a character device owned by uid 0"``.
+
+    Named by kind: "not a directory owned by uid 0" read as "not owned by uid 0" to the
+    owner of a file (or of ``/dev/null``), and a link to a directory is not "not a
+    directory" to its maker.
+    """
     note = ""
-    if stat.S_ISLNK(info.st_mode):
+    mode = info.st_mode
+    if stat.S_ISLNK(mode):
         kind, note = "a symbolic link", ", which claims do not follow (its target could change)"
-    elif stat.S_ISDIR(info.st_mode):
-        kind = "a directory"
-    elif stat.S_ISREG(info.st_mode):
-        kind = "a regular file"
     else:
-        kind = "not a directory"
+        kinds = [
+            (stat.S_ISDIR, "a directory"),
+            (stat.S_ISREG, "a regular file"),
+            (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"),
+            (stat.S_ISFIFO, "a named pipe (FIFO)"),
+            (stat.S_ISSOCK, "a socket"),
+        ]
+        kind = next((name for test, name in kinds if test(mode)), "a special file")
     return f"{kind} owned by uid {info.st_uid}{note}"
 
 
@@ -456,6 +469,7 @@ def claim_gpu(
             "dk.claim_gpu(...) again for each: with dk.claim_gpu() as device: ..."
         ),
         name="dk.claim_gpu()",
+        gives="device",
     )
 
 

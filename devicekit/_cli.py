@@ -1,10 +1,11 @@
 """The ``devicekit`` command: what torch can use here, and what each GPU is doing.
 
-``devicekit`` prints [`status()`][devicekit.status] (``--json``: its JSON),
-``devicekit watch`` refreshes it until Ctrl-C, ``devicekit doctor`` diagnoses
-the environment and ``devicekit bench`` measures it. All but ``bench`` leave
-CUDA uninitialized. ``--help`` and ``--version`` import nothing heavy (torch
-takes over a second to import), so they answer at once.
+``devicekit`` prints [`status()`][devicekit.status] (``--json``: its JSON;
+``devicekit status`` is the same), ``devicekit watch`` refreshes it until
+Ctrl-C, ``devicekit doctor`` diagnoses the environment and ``devicekit bench``
+measures it. All but ``bench`` leave CUDA uninitialized. ``--help`` and
+``--version`` import nothing heavy (torch takes over a second to import), so
+they answer at once.
 
 Exit codes: 0; 1 when ``doctor`` finds an error; 2 for a usage error; 74 when stdout
 cannot be written (a full disk); 130 on Ctrl-C (``watch`` stops with 0); 141 when the
@@ -259,6 +260,15 @@ def _parser() -> _Parser:
     parser.add_argument("-V", "--version", action="version", version=f"devicekit {__version__}")
     _shared_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # What plain `devicekit` prints, by the name the docs give it (dk.status()): the
+    # name users try first, which argparse refused as "invalid choice".
+    status = commands.add_parser(
+        "status",
+        help="print the status (what plain `devicekit` prints)",
+        description="Print what torch can use here and what each GPU is doing, without "
+        "initializing CUDA: the same as plain `devicekit`.",
+    )
+    _shared_options(status, top=False)
     watch = commands.add_parser(
         "watch",
         help="refresh the status until Ctrl-C",
@@ -302,7 +312,7 @@ def _parser() -> _Parser:
         "'allow max_time of at least ...' means this",
     )
     _shared_options(bench, top=False, ids=False)
-    parser.commands = {"watch": watch, "doctor": doctor, "bench": bench}
+    parser.commands = {"status": status, "watch": watch, "doctor": doctor, "bench": bench}
     return parser
 
 
@@ -406,7 +416,9 @@ def _run(parser: _Parser, args: argparse.Namespace) -> int:
         max_time = {} if args.max_time is None else {"max_time": args.max_time}
         show(bench(**max_time), json_form=args.json)
         return 0
-    show(_snapshot(parser, args.id), json_form=args.json)
+    # `devicekit` or `devicekit status`: an -i error shows the usage of the one typed.
+    shown = parser.commands.get(args.command or "", parser)
+    show(_snapshot(shown, args.id), json_form=args.json)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
+import re
 import select
 import shutil
 import signal
@@ -374,6 +375,28 @@ def test_a_claims_dir_that_is_a_file_or_a_link_is_named_as_such(
             match=rf"{name} should be a directory of GPU claims owned by this user \(uid "
             rf"{os.getuid()}\), but it is {kind}; remove it, or "
             "set DEVICEKIT_CLAIMS_DIR to a directory of your own",
+        ):
+            _claims.claims_directory()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_claims_dir_that_is_a_device_or_a_pipe_is_named_as_such(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before, DEVICEKIT_CLAIMS_DIR=/dev/null read "it is not a directory owned by uid 0" to
+    # uid 0, which owns it, and the fix began "remove it".
+    os.mkfifo(tmp_path / "pipe")
+    null_owner = os.stat(os.devnull).st_uid
+    for path, kind in [
+        (os.devnull, f"a character device owned by uid {null_owner}"),
+        (str(tmp_path / "pipe"), rf"a named pipe \(FIFO\) owned by uid {os.getuid()}"),
+    ]:
+        monkeypatch.setenv(_claims.DIR_VAR, path)
+        with pytest.raises(
+            PermissionError,
+            match=rf"{re.escape(path)} should be a directory of GPU claims owned by this user "
+            rf"\(uid {os.getuid()}\), but it is {kind}; set DEVICEKIT_CLAIMS_DIR to a directory "
+            "of your own$",
         ):
             _claims.claims_directory()
 

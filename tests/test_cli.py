@@ -268,7 +268,7 @@ def test_version_and_help_answer_without_torch_or_its_warning() -> None:
 
 
 def test_every_subcommand_has_a_description() -> None:
-    for command in ("watch", "doctor", "bench"):
+    for command in ("status", "watch", "doctor", "bench"):
         result = run_cli(command, "--help")
         assert result.returncode == 0
         usage, _, rest = result.stdout.partition("\n\n")
@@ -448,6 +448,46 @@ def test_select_gpus_by_torch_index(
     out = capsys.readouterr().out
     assert "cuda:0  nvml" in out
     assert "cuda:1  nvml" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "--json", "-i", "1"],
+        ["--json", "status", "-i", "1"],
+        ["-i", "1", "status", "--json"],
+    ],
+    ids=" ".join,
+)
+def test_status_is_what_plain_devicekit_prints(
+    nvml_session: Install, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    # Before, `devicekit status` was "invalid choice: 'status'", though the docs call the
+    # report dk.status().
+    nvml_session(two_gpus())
+    assert _cli.main(["--json", "-i", "1"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert _cli.main(args) == 0
+    aliased = json.loads(capsys.readouterr().out)
+    assert {**aliased, "time": None} == {**plain, "time": None}
+    assert [g["torch_index"] for g in aliased["gpus"]] == [1]
+
+
+def test_status_is_listed_in_the_help_and_has_its_own_usage(
+    nvml_session: Install, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nvml_session(two_gpus())
+    with pytest.raises(SystemExit):
+        _cli.main(["--help"])
+    assert re.search(
+        r"\n +status +print the status \(what plain `devicekit` prints\)\n", capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit) as exited:
+        _cli.main(["status", "-i", "7"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: devicekit status [-h]")
+    assert "there is no cuda:7" in err
 
 
 def test_python_dash_m_runs_the_same_report() -> None:
