@@ -20,6 +20,7 @@ Nothing of this runs when the load succeeds.
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import io
@@ -34,7 +35,7 @@ from ._devices import DeviceLike, resolve_device, try_gpu
 from ._errors import CheckpointError
 from ._format import close_match, first_line, shorten
 from ._frames import is_user
-from ._options import check_path
+from ._options import check_flag, check_path, got, short_repr
 
 __all__ = ["load"]
 
@@ -44,6 +45,7 @@ _ZIP = b"PK\x03\x04"
 _MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 _MAGIC_TEXT = b"119547037146038801333356"
 _HEAD = 64  # bytes read to tell the formats apart
+_PATH_SHOWN = 300  # characters of a path a message shows: a real one, whole; a mistake, cut
 
 # What torch's readers say about bad bytes in a file of its own format. A RuntimeError
 # saying anything else (a device that does not exist, out of memory) is not the file's fault.
@@ -85,7 +87,8 @@ def load(
             ``torch.device`` is checked as ``device`` is, a dict or a function
             goes to torch as it is, and ``None`` means "not given" (the
             tensors go to ``try_gpu()``, never back to the device they were
-            saved from).
+            saved from). ``weights_only`` and ``mmap`` must be True, False
+            or None.
 
     Returns:
         What ``torch.load`` returns, with its tensors on ``device``.
@@ -95,16 +98,18 @@ def load(
             file opened in text mode), a keyword is one neither ``torch.load``
             nor its unpickler takes (a typo such as ``maplocation``), both
             ``device`` and ``map_location`` were given, ``map_location`` is
-            of no type torch takes, or ``weights_only`` is not True, False or
-            None.
+            of no type torch takes, or ``weights_only`` or ``mmap`` is not
+            True, False or None.
         DeviceNotFoundError: This torch build or machine has no such device.
         CheckpointError: The file is not one ``torch.save`` wrote (empty,
-            another format), or is one cut short or damaged; the message says
-            which, and torch's own error is its cause.
+            another format), or is one cut short or damaged, or a file object
+            stands past the start of its checkpoint; the message says which,
+            and torch's own error is its cause.
         pickle.UnpicklingError: With ``weights_only=True``, a checkpoint
             that holds objects other than tensors and plain data (torch's
             message lists them, and how to allow them).
-        FileNotFoundError: No file at ``path`` (``IsADirectoryError``: a folder).
+        FileNotFoundError: No file at ``path``, or ``path`` is empty
+            (``IsADirectoryError``: a folder).
 
     Examples:
         >>> import io, torch, devicekit as dk
@@ -120,7 +125,10 @@ def load(
 it was not written by torch.save (its first bytes are neither a zip archive nor torch's \
 legacy format). Check the path
     """
-    check_path(path, name="path", fix="pass the checkpoint's path", file_objects=True)
+    fix = "pass the checkpoint's path"
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        fix = "pass io.BytesIO(data) for a checkpoint's bytes, or os.fsdecode(path) for a path"
+    check_path(path, name="path", fix=fix, file_objects=True)
     if isinstance(path, io.TextIOBase):
         raise TypeError(
             "path is a file opened in text mode, but a checkpoint is binary; "
@@ -131,10 +139,11 @@ legacy format). Check the path
     weights_only = kwargs.setdefault("weights_only", True)
     if weights_only is not None and not isinstance(weights_only, bool):
         raise TypeError(
-            f"weights_only must be True, False or None (torch's default), got {weights_only!r} "
-            f"of type {type(weights_only).__name__}; pass weights_only=False only for files "
-            "you trust"
+            f"weights_only must be True, False or None (torch's default), got "
+            f"{got(weights_only)}; pass weights_only=False only for files you trust"
         )
+    if kwargs.get("mmap") is not None:  # None is torch's default; "yes" would read as True
+        check_flag(kwargs["mmap"], name="mmap")
     start = _position(path)
     try:
         return torch.load(path, map_location=map_location, **kwargs)
@@ -142,6 +151,10 @@ legacy format). Check the path
         if not isinstance(path, (str, os.PathLike)):
             raise
         raise type(error)(_not_a_file(os.fspath(path), error)) from None
+    except OSError as error:
+        if error.errno != errno.ENAMETOOLONG or not isinstance(path, (str, os.PathLike)):
+            raise
+        raise OSError(error.errno, _too_long(os.fspath(path))) from None
     except (
         KeyError,
         EOFError,
@@ -151,9 +164,12 @@ legacy format). Check the path
         ValueError,
         struct.error,
     ) as error:
-        why = _why_unreadable(error, _head(path, start))
+        head = _head(path, start)
+        why = _why_unreadable(error, head)
         if why is None:
             raise  # torch's own message says it best (weights_only refusals, device errors)
+        if start and head is not None and _kind(head) is not None:
+            why = _misplaced(path, start) or f"{why} (read from byte {start}, where the file stood)"
         message = f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
         raise CheckpointError(message) from error
 
@@ -165,6 +181,9 @@ _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors")
 def _not_a_file(path: str | bytes, error: OSError) -> str:
     """Why ``path`` could not be opened (a wrong path, a folder), and what is there instead."""
     text = os.fsdecode(path)
+    if not text:  # abspath("") is the working directory, which is no file to look for
+        return "load(path=''): the path is empty; pass the checkpoint file's path"
+    shown = short_repr(text, _PATH_SHOWN)
     where = os.path.abspath(text)
     if isinstance(error, IsADirectoryError):
         try:
@@ -176,7 +195,7 @@ def _not_a_file(path: str | bytes, error: OSError) -> str:
             if inside
             else "; pass the checkpoint file inside it"
         )
-        return f"load(path={text!r}): {where} is a folder, not a checkpoint file{hint}"
+        return f"load(path={shown}): {where} is a folder, not a checkpoint file{hint}"
     folder = os.path.dirname(where)
     if not os.path.isdir(folder):
         hint = f"; the folder {folder} does not exist either"
@@ -190,7 +209,33 @@ def _not_a_file(path: str | bytes, error: OSError) -> str:
             near = None
         hint = f"; did you mean {os.path.join(os.path.dirname(text), near)!r}?" if near else ""
     relative = "" if os.path.isabs(text) else f" (relative to the working directory, {os.getcwd()})"
-    return f"load(path={text!r}): there is no file {where}{relative}{hint}"
+    return f"load(path={shown}): there is no file {where}{relative}{hint}"
+
+
+def _too_long(path: str | bytes) -> str:
+    """Why a path the system refuses as too long was refused: often not a path at all."""
+    text = os.fsdecode(path)
+    return (
+        f"load(path={short_repr(text, _PATH_SHOWN)}): a path of {len(text)} characters, longer "
+        "than this system takes (a file name of 255 bytes at most); pass the checkpoint "
+        "file's path, or io.BytesIO(data) for a checkpoint's bytes"
+    )
+
+
+def _misplaced(path: object, start: int) -> str | None:
+    """Why a file object read from ``start`` failed when it holds a checkpoint at byte 0."""
+    head = _head(path, 0)
+    try:
+        path.seek(start)  # type: ignore[attr-defined]  # where it stood, as _head leaves it
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+    if head is None or _kind(head) is not None:
+        return None
+    return (
+        f": the file object stands at byte {start}, and torch reads from where it stands, but "
+        "the checkpoint starts at byte 0. Call file.seek(0) before load(file), or open the "
+        "file again"
+    )
 
 
 # The pickle module's load() and Unpickler take these; torch.load passes them on.
@@ -232,7 +277,7 @@ map_location? ...
         match = close_match(key, known)
         fix = f"did you mean {match}?" if match else "check the spelling."
         raise TypeError(
-            f"load() got an unexpected keyword argument {key!r}; {fix} load() takes "
+            f"load() got an unexpected keyword argument {short_repr(key)}; {fix} load() takes "
             f"{', '.join(known)}"
         )
 
@@ -249,16 +294,16 @@ def _map_location(device: DeviceLike | None, given: object) -> Any:
         return given  # torch's own forms: {"cuda:1": "cpu"}, or a function of (storage, location)
     raise TypeError(
         "map_location must be a device (such as 'cpu' or 'cuda:0'), a dict of locations or a "
-        f"function, got {given!r} of type {type(given).__name__}; pass device instead"
+        f"function, got {got(given)}; pass device instead"
     )
 
 
 def _name(path: object) -> str:
     """How messages name the file: its path, a file object's name, or "the file"."""
     if isinstance(path, (str, os.PathLike)):
-        return repr(os.fspath(path))
+        return short_repr(os.fsdecode(path), _PATH_SHOWN)
     name = getattr(path, "name", None)
-    return repr(name) if isinstance(name, str) else "the file"
+    return short_repr(name, _PATH_SHOWN) if isinstance(name, str) else "the file"
 
 
 def _position(path: object) -> int | None:
@@ -332,10 +377,23 @@ def _why_unreadable(error: BaseException, head: bytes | None) -> str | None:
     if not _damaged(error):
         return None
     return (
-        f" ({type(error).__name__}: {shorten(first_line(error), 120)}): it is cut short or "
+        f" ({_torch_said(error)}): it is cut short or "
         "damaged (a writer killed or a disk full mid-save), or not written by torch.save. "
         "Check the path, and save it again if it was cut short"
     )
+
+
+def _torch_said(error: BaseException) -> str:
+    """Torch's error in a few words, for the message: its type, then its first line.
+
+    Examples:
+        >>> _torch_said(EOFError()), _torch_said(struct.error("unpack requires 8 bytes"))
+        ('EOFError: the data ends early', 'struct.error: unpack requires 8 bytes')
+    """
+    kind = "struct.error" if isinstance(error, struct.error) else type(error).__name__
+    if str(error).strip():
+        return f"{kind}: {shorten(first_line(error), 120)}"
+    return f"{kind}: the data ends early" if isinstance(error, EOFError) else kind
 
 
 def _damaged(error: BaseException) -> bool:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Any
 
 from ._errors import add_note
 from ._format import UNKNOWN, PlainResult, format_joules, format_seconds, html_table
 from ._measure import OPTIONS, benchmark, check_options, misspelled_options
 from ._measurement import Measurement
+from ._options import got, short_repr
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 
@@ -161,7 +163,7 @@ def _benchmark_variant(name: str, fn: Callable[[], Any], options: dict[str, Any]
         return benchmark(fn, **options)
     except Exception as error:
         # Every variant is often a lambda on one line: the traceback cannot tell which.
-        add_note(error, f"devicekit: compare() was measuring the variant {name!r}")
+        add_note(error, f"devicekit: compare() was measuring the variant {short_repr(name)}")
         raise
 
 
@@ -211,11 +213,11 @@ def compare(
         raise ValueError("compare() needs at least one variant")
     for name, value in results.items():
         if not isinstance(name, str):
-            raise TypeError(f"each name in results must be a string, got {name!r}")
+            raise TypeError(f"each name in results must be a string, got {got(name)}")
         if not (isinstance(value, Measurement) or callable(value)):
             raise TypeError(
-                f"results[{name!r}] must be a Measurement or a function to measure, got "
-                f"{value!r} of type {type(value).__name__}"
+                f"results[{short_repr(name)}] must be a Measurement or a function to measure, "
+                f"got {got(value)}"
             )
     unknown = [name for name in options if name not in OPTIONS]
     if unknown:
@@ -227,7 +229,8 @@ def compare(
         )
 
     if baseline is not None and baseline not in results:
-        raise ValueError(f"baseline {baseline!r} is not one of {', '.join(map(repr, results))}")
+        names = ", ".join(map(short_repr, islice(results, 10))) + ", ..." * (len(results) > 10)
+        raise ValueError(f"baseline {short_repr(baseline)} is not one of {names}")
     check_options(options)  # before the first variant's minutes of measuring, not after
     # Named after the variant: a lambda's measurement would be "<lambda>", and one given
     # under a new name answers to that name in this table.

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from ._errors import DeviceNotFoundError
-from ._format import first_line, plural
-from ._options import check_index, got
+from ._format import first_line, plural, shorten
+from ._options import check_index, got, short_repr
 from ._visible import ENV_VAR, torch_cuda_initialized
 
 __all__ = [
@@ -165,7 +165,7 @@ def describe_devices() -> str:
         return f"this torch build ({torch.__version__}) has no accelerator; devices here: cpu"
     count = accelerator_count()
     visible = os.environ.get(ENV_VAR)
-    scope = f" ({ENV_VAR}={visible!r})" if kind == "cuda" and visible is not None else ""
+    scope = f" ({ENV_VAR}={short_repr(visible)})" if kind == "cuda" and visible is not None else ""
     label = "GPU" if kind in ("cuda", "xpu") else f"{_LABELS.get(kind, kind)} device"
     if count == 0:
         return (
@@ -287,7 +287,8 @@ def parse_cuda_index(value: object, *, name: str) -> int:
     assert isinstance(device, torch.device)
     if device.type != "cuda":
         raise ValueError(
-            f"{name}={value!r} is not a CUDA device; pass a CUDA index such as 0 or 'cuda:0'"
+            f"{name}={short_repr(value)} is not a CUDA device; pass a CUDA index "
+            "such as 0 or 'cuda:0'"
         )
     index: int | None = device.index  # torch's stubs say int; it is None for "cuda"
     return int(default_cuda_device().index) if index is None else index
@@ -328,7 +329,7 @@ def _parse(value: object, name: str) -> torch.device:
         try:
             return torch.device(value)
         except RuntimeError as error:
-            raise _unreadable(value, name, first_line(error)) from None
+            raise _unreadable(value, name, shorten(first_line(error), 120)) from None
     if isinstance(value, torch.device):
         return value
     if hasattr(value, "__index__"):
@@ -344,8 +345,8 @@ def _parse(value: object, name: str) -> torch.device:
         kind = accelerator_type()
         if kind is None:
             raise DeviceNotFoundError(
-                f"{name}={value!r} means accelerator {index}, but {describe_devices()}. Pass "
-                f"'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU."
+                f"{name}={short_repr(value)} means accelerator {index}, but {describe_devices()}. "
+                f"Pass 'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU."
             )
         return torch.device(kind, index)
     raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}")
@@ -358,28 +359,33 @@ def _unreadable(value: str, name: str, reason: str) -> ValueError:
         kind = "cuda"
     fixed = kind + colon + index
     if fixed != value and _parses(fixed):
-        fix = f"write {fixed!r} (device types are lower case, without spaces)"
+        fix = f"write {short_repr(fixed)} (device types are lower case, without spaces)"
         if value.strip().lower().startswith("gpu"):
-            fix = f"write {fixed!r}, or dk.try_gpu() to use whichever accelerator this machine has"
-        return ValueError(f"{name}={value!r} is not a device torch knows; {fix}")
+            fix = (
+                f"write {short_repr(fixed)}, or dk.try_gpu() to use whichever accelerator this "
+                "machine has"
+            )
+        return ValueError(f"{name}={short_repr(value)} is not a device torch knows; {fix}")
     if colon and _parses(kind):
-        if index.isascii() and index.isdigit() and _parses(f"{kind}:{int(index)}"):
+        # Stripped as text: int() refuses past 4300 digits, and such an index parses nowhere.
+        digits = index.lstrip("0") or "0"
+        if index.isascii() and index.isdigit() and _parses(f"{kind}:{digits}"):
             # torch reads no leading zero: "cuda:00" is refused, though written in digits.
             return ValueError(
-                f"{name}={value!r} is not a device torch knows ({reason}): torch reads no "
-                f"leading zero in the index; write '{kind}:{int(index)}'"
+                f"{name}={short_repr(value)} is not a device torch knows ({reason}): torch reads "
+                f"no leading zero in the index; write '{kind}:{digits}'"
             )
         return ValueError(
-            f"{name}={value!r} is not a device torch knows ({reason}): the index after ':' "
-            f"must be a non-negative integer written with the digits 0-9, such as '{kind}:1', "
+            f"{name}={short_repr(value)} is not a device torch knows ({reason}): the index after "
+            f"':' must be a non-negative integer written with the digits 0-9, such as '{kind}:1', "
             f"or leave it out ('{kind}')"
         )
     # torch's own message lists every type it knows (twenty of them): say the common ones.
     common = "it knows cpu, cuda, mps, xpu, meta and a few more"
     known = common if "Expected one" in reason else reason
     return ValueError(
-        f"{name}={value!r} is not a device torch knows ({known}); write 'cpu', "
-        "'cuda', 'cuda:1', or an index such as 1"
+        f"{name}={short_repr(value)} is not a device torch knows ({known}); write 'cpu', 'cuda', "
+        "'cuda:1', or an index such as 1"
     )
 
 
@@ -417,8 +423,8 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
             return device
         fallback = "dk.try_gpu()" if index is None else f"dk.try_gpu({index})"
         raise DeviceNotFoundError(
-            f"{name}={value!r} does not exist: {describe_devices()}. Use one of those, or "
-            f"{fallback} to fall back to the CPU when there is no such device."
+            f"{name}={short_repr(value)} does not exist: {describe_devices()}. Use one of those, "
+            f"or {fallback} to fall back to the CPU when there is no such device."
         )
     if kind not in _IN_TREE and _registered(kind):  # an out-of-tree backend: hpu, npu, xla
         return device  # its package owns the device count; torch checks the index on use
@@ -426,32 +432,32 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
         # Its package registers torch.<kind> when imported; without it, the first copy
         # fails inside torch with "No module named 'torch.privateuseone'".
         raise DeviceNotFoundError(
-            f"{name}={value!r} names the out-of-tree (PrivateUse1) backend {kind!r}, but no "
-            f"such backend is registered with this torch build ({torch.__version__}): there "
-            f"is no torch.{kind} module; devices here: {_here()}. Import the backend's package "
-            "(such as torch_npu) first, or use dk.try_gpu() to fall back to the CPU when "
-            "there is no GPU."
+            f"{name}={short_repr(value)} names the out-of-tree (PrivateUse1) backend {kind!r}, but "
+            f"no such backend is registered with this torch build ({torch.__version__}): there is "
+            f"no torch.{kind} module; devices here: {_here()}. Import the backend's package (such "
+            "as torch_npu) first, or use dk.try_gpu() to fall back to the CPU when there is "
+            "no GPU."
         )
     label = _LABELS.get(kind, kind)
     if kind == "hip":  # torch's tensors never use it: ROCm builds present AMD GPUs as cuda
         written = "cuda" if index is None else f"cuda:{index}"
         raise DeviceNotFoundError(
-            f"{name}={value!r} names a HIP device, but torch calls AMD GPUs 'cuda', on ROCm "
-            f"builds too; devices here: {_here()}. Write {written!r} (this build is "
+            f"{name}={short_repr(value)} names a HIP device, but torch calls AMD GPUs 'cuda', on "
+            f"ROCm builds too; devices here: {_here()}. Write {written!r} (this build is "
             f"{torch.__version__}), or dk.try_gpu() to fall back to the CPU when there is no GPU."
         )
     if kind in _PACKAGES:  # no torch build has it: a package adds it
         raise DeviceNotFoundError(
-            f"{name}={value!r} names {_article(label)} {label} device, which torch "
-            f"({torch.__version__}) supports only once {_PACKAGES[kind]} is imported, and it "
-            f"is not; devices here: {_here()}. Import {_PACKAGES[kind]} first, or use "
-            "dk.try_gpu() to fall back to the CPU when there is no GPU."
+            f"{name}={short_repr(value)} names {_article(label)} {label} device, which torch "
+            f"({torch.__version__}) supports only once {_PACKAGES[kind]} is imported, and it is "
+            f"not; devices here: {_here()}. Import {_PACKAGES[kind]} first, or use dk.try_gpu() to "
+            "fall back to the CPU when there is no GPU."
         )
     raise DeviceNotFoundError(
-        f"{name}={value!r} names {_article(label)} {label} device, but this torch build "
-        f"({torch.__version__}) "
-        f"has no {label} support; devices here: {_here()}. Install a torch build with {label} "
-        "to use it, or dk.try_gpu() to fall back to the CPU when there is no GPU."
+        f"{name}={short_repr(value)} names {_article(label)} {label} device, but this torch build "
+        f"({torch.__version__}) has no {label} support; devices here: {_here()}. Install a torch "
+        f"build with {label} to use it, or dk.try_gpu() to fall back to the CPU when there "
+        "is no GPU."
     )
 
 

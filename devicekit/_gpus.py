@@ -42,7 +42,7 @@ from ._devices import DeviceLike, accelerator_type, parse_cuda_index
 from ._errors import GPUNotFoundError
 from ._findings import no_gpu_reason
 from ._nvml import GPUInfo, PhysicalGPU
-from ._options import check_flag
+from ._options import check_flag, short_repr
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized, uuid_matches
 
 __all__ = [
@@ -337,10 +337,10 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
     if not visible:
         also = "; dk.gpus(all=True) describes them all the same" if _nvml.physical_gpus() else ""
         raise GPUNotFoundError(
-            f"index={index!r}: cuda:{wanted} cannot be described: this process sees no GPU: "
-            f"{why_none_visible()}{also}"
+            f"index={short_repr(index)}: cuda:{wanted} cannot be described: this process sees no "
+            f"GPU: {why_none_visible()}{also}"
         )
     listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
     raise GPUNotFoundError(
-        f"index={index!r}: cuda:{wanted} does not exist; this process sees {listing}"
+        f"index={short_repr(index)}: cuda:{wanted} does not exist; this process sees {listing}"
     )

@@ -18,7 +18,7 @@ from ._format import close_match
 from ._measurecheck import MODES
 from ._measurejudge import MIN_CALLS
 from ._measurement import Measurement
-from ._options import check_choice, check_number, check_seconds, refuse_lazy
+from ._options import check_choice, check_number, check_seconds, got, refuse_lazy, short_repr
 from ._stats import relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
@@ -200,7 +200,7 @@ def _check_options(
     fn: object, *, warmup: float, min_time: float, max_time: float, rel_noise: float, mode: str
 ) -> None:
     if not callable(fn):
-        raise TypeError(f"benchmark() needs a function to time, got {fn!r}")
+        raise TypeError(f"benchmark() needs a function to time, got {got(fn)}")
     refuse_lazy(fn, call="benchmark(fn): fn()")
     check_seconds(warmup, name="warmup", zero_ok=True, fix="0 warms up with a single call")
     check_seconds(min_time, name="min_time", zero_ok=True, fix="0 stops as soon as it is precise")
@@ -209,14 +209,14 @@ def _check_options(
     )
     if max_time < min_time:
         raise ValueError(
-            f"max_time must be at least min_time ({min_time!r}), got {max_time!r}; "
-            "raise max_time or lower min_time"
+            f"max_time must be at least min_time ({short_repr(min_time)}), got "
+            f"{short_repr(max_time)}; raise max_time or lower min_time"
         )
     check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
     if rel_noise >= 1:  # a fraction: 2 is ±200%, which any two calls meet
         raise ValueError(
             f"rel_noise must be below 1, a fraction of the median (0.01 means ±1%), got "
-            f"{rel_noise!r}; for ±{rel_noise:g}% pass rel_noise={rel_noise / 100:g}"
+            f"{short_repr(rel_noise)}; for ±{rel_noise:g}% pass rel_noise={rel_noise / 100:g}"
         )
     check_choice(mode, name="mode", choices=MODES)
 

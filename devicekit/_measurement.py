@@ -165,12 +165,13 @@ class Measurement:
         Raises:
             TypeError: ``times`` or ``host_times`` is not a list of numbers
                 (a bool is not one), or an option has the wrong type.
-            ValueError: ``times`` is empty, or holds a NaN, an infinity or a
-                negative number (which no clock reads: a statistic of it
-                would print as a time); ``host_times`` is as bad, or not one
-                per time; an option is out of its range (an unknown ``mode``,
-                negative energy); or ``stop_reason="converged"`` with times
-                whose median is not known to ``rel_noise_target``.
+            ValueError: ``times`` is empty, or holds a NaN, an infinity, a
+                negative number or one past 2**63 ns (292 years), which no
+                clock reads: a statistic of it would print as a time;
+                ``host_times`` is as bad, or not one per time; an option is
+                out of its range (an unknown ``mode``, negative energy); or
+                ``stop_reason="converged"`` with times whose median is not
+                known to ``rel_noise_target``.
 
         Examples:
             >>> import devicekit as dk

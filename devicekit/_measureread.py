@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from ._conditions import Conditions
 from ._format import plural
 from ._measurecheck import same_interval
-from ._options import check_count, check_number, got
+from ._options import check_count, check_number, got, short_repr
 
 __all__ = ["read_document"]
 
@@ -131,7 +131,8 @@ def _check_statistics(measurement: object, data: Mapping[str, Any]) -> None:
             shown = list(computed) if isinstance(computed, tuple) else computed
             source = "host_times" if key == "host_median" else "times"
             raise ValueError(
-                f"{key} is {given!r}, but the document's {source} give {shown!r}: its "
-                "statistics disagree with its times (was it edited?); the times are the "
-                f"measurement: restore {key}, or leave it out to have it recomputed"
+                f"{key} is {short_repr(given)}, but the document's {source} give "
+                f"{short_repr(shown)}: its statistics disagree with its times (was it edited?); "
+                f"the times are the measurement: restore {key}, or leave it out to have it "
+                "recomputed"
             )

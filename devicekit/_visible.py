@@ -24,6 +24,7 @@ import torch
 
 from . import _nvml
 from ._format import plural
+from ._options import got, short_repr
 
 __all__ = [
     "ENV_VAR",
@@ -91,10 +92,7 @@ def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
         if value is None:
             return None
     if not isinstance(value, str):
-        raise TypeError(
-            f"parse_visible_devices() expects a string or None, got {value!r} "
-            f"of type {type(value).__name__}"
-        )
+        raise TypeError(f"parse_visible_devices() expects a string or None, got {got(value)}")
     return _read(value)[0]
 
 
@@ -171,14 +169,14 @@ def read_as(value: str) -> str:
 
 
 def _named(entry: str) -> str:
-    return repr(entry) if entry else "an empty entry"
+    return short_repr(entry) if entry else "an empty entry"
 
 
 def _parse_uuids(entries: list[str], prefix: str) -> tuple[list[int | str], list[str]]:
     parsed: list[int | str] = []
     for entry in entries:
         if entry in parsed:
-            return [], [f"{entry!r} is listed twice, and {_DUPLICATE}"]
+            return [], [f"{short_repr(entry)} is listed twice, and {_DUPLICATE}"]
         if not entry.startswith(prefix):
             return parsed, [
                 f"{_named(entry)} is not a {prefix} UUID like the first entry, and {_STOPS}"
@@ -198,9 +196,9 @@ def _parse_indices(entries: list[str]) -> tuple[list[int | str], list[str]]:
         if index in parsed:
             return [], [f"{index} is listed twice, and {_DUPLICATE}"]
         if index < 0:
-            return parsed, [*notes, f"the negative entry {entry!r} ends the list"]
+            return parsed, [*notes, f"the negative entry {short_repr(entry)} ends the list"]
         if str(index) != entry:
-            notes.append(f"{entry!r} is read as {index}")
+            notes.append(f"{short_repr(entry)} is read as {short_repr(index)}")
         parsed.append(index)
     return parsed, notes
 
@@ -249,16 +247,13 @@ def normalize_devices(devices: object) -> list[int | str]:
     if isinstance(devices, str):
         raw = [] if not devices.strip() else list(devices.split(","))
     elif isinstance(devices, (bool, bytes, dict)):
-        raise TypeError(f"visible_devices() expects {_EXPECTED}; got {devices!r}")
+        raise TypeError(f"visible_devices() expects {_EXPECTED}; got {got(devices)}")
     elif hasattr(devices, "__index__"):
         raw = [devices]
     elif isinstance(devices, Iterable):
         raw = list(devices)
     else:
-        raise TypeError(
-            f"visible_devices() expects {_EXPECTED}; got {devices!r} of type "
-            f"{type(devices).__name__}"
-        )
+        raise TypeError(f"visible_devices() expects {_EXPECTED}; got {got(devices)}")
     parsed = [_parse_entry(entry, devices) for entry in raw]
     _check_consistent(parsed, devices)
     _check_on_machine(parsed, devices)
@@ -282,7 +277,7 @@ def _check_indices(parsed: list[int | str], devices: object) -> None:
     if beyond is not None:
         have = f"{plural(count, 'GPU')} (0 to {count - 1})" if count else "no GPU"
         raise ValueError(
-            f"entry {beyond} in visible_devices({devices!r}): this machine has {have}, and CUDA "
+            f"entry {short_repr(beyond)} {_where(devices)}: this machine has {have}, and CUDA "
             f"hides every GPU from an entry that does not exist; list indices below {count} "
             "(nvidia-smi -L lists them)"
         )
@@ -314,7 +309,7 @@ def _check_gpu_uuids(parsed: list[int | str], devices: object) -> None:
     uuids = [gpu.uuid for gpu in _nvml.physical_gpus()]
     if not entries or any(uuid is None for uuid in uuids):
         return  # a GPU of unknown UUID could be the one an entry names
-    where = f"in visible_devices({devices!r})"
+    where = _where(devices)
     named: dict[str, str] = {}  # GPU UUID -> the entry that names it
     for entry in entries:
         matches = [uuids[index] or "" for index in uuid_matches(entry, uuids)]
@@ -322,14 +317,14 @@ def _check_gpu_uuids(parsed: list[int | str], devices: object) -> None:
             _refuse_unmatched(entry, where, [uuid for uuid in uuids if uuid])
         if len(matches) > 1:
             raise ValueError(
-                f"entry {entry!r} {where} starts the UUIDs of {len(matches)} GPUs "
-                f"({', '.join(matches)}), so CUDA cannot tell which it means, and {_STOPS}; "
-                "give enough of the UUID to name one"
+                f"entry {short_repr(entry)} {where} starts the UUIDs of {len(matches)} GPUs "
+                f"({', '.join(matches)}), so CUDA cannot tell which it means, and {_STOPS}; give "
+                "enough of the UUID to name one"
             )
         if matches[0] in named:
             raise ValueError(
-                f"entries {named[matches[0]]!r} and {entry!r} {where} both name {matches[0]}, "
-                f"and {_DUPLICATE}; list each GPU once"
+                f"entries {short_repr(named[matches[0]])} and {short_repr(entry)} {where} both "
+                f"name {matches[0]}, and {_DUPLICATE}; list each GPU once"
             )
         named[matches[0]] = entry
 
@@ -341,62 +336,74 @@ def _refuse_unmatched(entry: str, where: str, uuids: list[str]) -> NoReturn:
         # driver's own count may differ, and a script would quietly use the CPU.
         written = folded[0][: len(entry)]
         raise ValueError(
-            f"entry {entry!r} {where} names {folded[0]} only if case is ignored, and torch "
-            f"compares UUIDs case and all, so it would find no GPU there; write {written!r}, "
+            f"entry {short_repr(entry)} {where} names {folded[0]} only if case is ignored, and "
+            f"torch compares UUIDs case and all, so it would find no GPU there; write {written!r}, "
             "as nvidia-smi -L prints it"
         )
     have = ", ".join(uuids) or "none"
     raise ValueError(
-        f"entry {entry!r} {where} is the UUID of no GPU on this machine (it has "
-        f"{have}), and {_STOPS}; copy the UUID from nvidia-smi -L"
+        f"entry {short_repr(entry)} {where} is the UUID of no GPU on this machine (it has {have}), "
+        f"and {_STOPS}; copy the UUID from nvidia-smi -L"
     )
+
+
+def _where(devices: object) -> str:
+    """How a message names the argument an entry is in: ``in visible_devices([0, 0])``."""
+    return f"in visible_devices({short_repr(devices)})"
 
 
 def _parse_entry(entry: object, devices: object) -> int | str:
-    where = f"in visible_devices({devices!r})"
     if isinstance(entry, bool):
-        raise TypeError(f"entry {entry!r} {where} is a bool; expected a device index or a UUID")
+        raise TypeError(
+            f"entry {entry!r} {_where(devices)} is a bool; expected a device index or a UUID"
+        )
     if isinstance(entry, str):
         text = entry.strip()
         if not text:
-            raise ValueError(f"empty entry {where}; write indices as '0,1' with no empty slots")
+            raise ValueError(
+                f"empty entry {_where(devices)}; write indices as '0,1' with no empty slots"
+            )
         if _LEADING_INT.fullmatch(text):
-            return _check_non_negative(int(text), where)
+            return _check_non_negative(int(text), devices)
         if _GPU_UUID.fullmatch(text) or _MIG_UUID.fullmatch(text):
             return text
         raise ValueError(
-            f"malformed entry {text!r} {where}: expected a device index such as 0, a GPU UUID "
-            "such as 'GPU-5bd6a7e1-...' or a MIG UUID such as 'MIG-8c3b...' "
+            f"malformed entry {short_repr(text)} {_where(devices)}: expected a device index such "
+            "as 0, a GPU UUID such as 'GPU-5bd6a7e1-...' or a MIG UUID such as 'MIG-8c3b...' "
             "(nvidia-smi -L lists them)"
         )
     if hasattr(entry, "__index__"):
-        return _check_non_negative(operator.index(entry), where)
+        return _check_non_negative(operator.index(entry), devices)
     raise TypeError(
-        f"entry {entry!r} {where} has type {type(entry).__name__}; expected an int or a UUID string"
+        f"entry {short_repr(entry)} {_where(devices)} has type {type(entry).__name__}; expected an "
+        "int or a UUID string"
     )
 
 
-def _check_non_negative(index: int, where: str) -> int:
+def _check_non_negative(index: int, devices: object) -> int:
     if index < 0:
         raise ValueError(
-            f"negative entry {index} {where}: device indices start at 0; to hide every GPU pass []"
+            f"negative entry {short_repr(index)} {_where(devices)}: device indices start at 0; to "
+            "hide every GPU pass []"
         )
     return index
 
 
 def _check_consistent(parsed: list[int | str], devices: object) -> None:
-    where = f"in visible_devices({devices!r})"
     seen: set[int | str] = set()
     for entry in parsed:
         key = entry.upper() if isinstance(entry, str) else entry
         if key in seen:
-            raise ValueError(f"duplicate entry {entry!r} {where}: {_DUPLICATE}; list each once")
+            raise ValueError(
+                f"duplicate entry {short_repr(entry)} {_where(devices)}: {_DUPLICATE}; "
+                "list each once"
+            )
         seen.add(key)
     kinds = {_kind(entry) for entry in parsed}
     if len(kinds) > 1:
         raise ValueError(
-            f"mixed entry kinds {where} ({', '.join(sorted(kinds))}): CUDA stops reading at the "
-            "first entry of another kind, so the rest would be ignored. Use one kind only."
+            f"mixed entry kinds {_where(devices)} ({', '.join(sorted(kinds))}): CUDA stops reading "
+            "at the first entry of another kind, so the rest would be ignored. Use one kind only."
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -270,7 +271,7 @@ def test_a_file_object_is_read_from_where_it_stands(tmp_path: Path) -> None:
         ("cuda:99", dk.DeviceNotFoundError, r"^map_location='cuda:99'"),
         (torch.device("cuda", 99), dk.DeviceNotFoundError, r"^map_location=device\("),
         (0, TypeError, r"^map_location must be a device .* got 0 of type int"),
-        (True, TypeError, r"^map_location must be a device .* got True of type bool"),
+        (True, TypeError, r"^map_location must be a device .* got the bool True"),
     ],
 )
 def test_map_location_is_checked_as_device_is(
@@ -334,3 +335,99 @@ def test_the_keywords_torch_and_the_unpickler_take_still_pass(tmp_path: Path) ->
         tmp_path / "w.pt", "cpu", weights_only=False, pickle_module=pickle, fix_imports=True
     )
     assert loaded["w"].sum() == 2
+
+
+def test_a_checkpoints_bytes_get_a_short_message_that_says_to_wrap_them(tmp_path: Path) -> None:
+    # Before: the whole repr of the bytes, 13 MB for a 4 MB checkpoint, and no fix.
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(10**6)}, buffer)
+    with pytest.raises(TypeError) as caught:
+        dk.load(buffer.getvalue(), "cpu")  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert message.startswith(
+        "path must be a file path (str or os.PathLike) or a binary file object with read() and "
+        "seek(), got b'PK\\x03\\x04"
+    )
+    assert message.endswith(
+        "... of type bytes; pass io.BytesIO(data) for a checkpoint's bytes, or "
+        "os.fsdecode(path) for a path"
+    )
+
+
+def test_a_path_too_long_for_the_system_gets_a_short_message(tmp_path: Path) -> None:
+    # Before: Python's "[Errno 36] File name too long: 'xxxx...'", the whole string.
+    with pytest.raises(OSError, match=r"^\[Errno 36\] load\(path='xxx") as caught:
+        dk.load("x" * 10**6, "cpu")
+    assert len(str(caught.value)) < 1000
+    assert "a path of 1000000 characters" in str(caught.value)
+
+
+@pytest.mark.parametrize("mmap", ["yes", "False", 1, 0])
+def test_mmap_must_be_a_bool(tmp_path: Path, mmap: object) -> None:
+    # Before, mmap="yes" (and "False") was truthy: the file was memory-mapped, silently.
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    with pytest.raises(TypeError, match=r"^mmap must be True or False, got .* of type "):
+        dk.load(tmp_path / "w.pt", "cpu", mmap=mmap)
+    for flag in (True, False, None):  # None: torch's default
+        assert torch.equal(dk.load(tmp_path / "w.pt", "cpu", mmap=flag)["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_file_object_past_the_checkpoints_start_says_to_seek_back(
+    tmp_path: Path, legacy: bool
+) -> None:
+    # Before: "it was not written by torch.save ... Check the path", of a good checkpoint.
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt", _use_new_zipfile_serialization=not legacy)
+    with open(tmp_path / "w.pt", "rb") as file:
+        file.read(10)
+        with pytest.raises(dk.CheckpointError) as caught:
+            dk.load(file, "cpu")
+        assert str(caught.value) == (
+            f"load(path={str(tmp_path / 'w.pt')!r}): not a checkpoint torch.load can read: the "
+            "file object stands at byte 10, and torch reads from where it stands, but the "
+            "checkpoint starts at byte 0. Call file.seek(0) before load(file), or open the file "
+            "again"
+        )
+        assert file.tell() == 10  # left where it stood
+        file.seek(0)
+        assert torch.equal(dk.load(file, "cpu")["w"], torch.ones(2))
+
+
+def test_a_file_object_past_a_start_that_is_no_checkpoint_says_where_it_read(
+    tmp_path: Path,
+) -> None:
+    buffer = io.BytesIO(b'{"w": [1.0, 1.0]} and more text')
+    buffer.seek(4)
+    with pytest.raises(
+        dk.CheckpointError,
+        match=r"not written by torch\.save .*Check the path \(read from byte 4, where the file "
+        r"stood\)$",
+    ):
+        dk.load(buffer, "cpu")
+
+
+def test_an_empty_path_says_it_is_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: "there is no file /the/working/directory (relative to the working directory ...)".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"^load\(path=''\): the path is empty; pass the checkpoint file's path$",
+    ):
+        dk.load("", "cpu")
+
+
+def test_a_legacy_checkpoint_cut_short_names_torchs_error_in_words(tmp_path: Path) -> None:
+    # Before: "(EOFError: EOFError)" where torch's EOFError had no message.
+    path = tmp_path / "cut.pt"
+    said = set()
+    for size in range(1, 64):
+        path.write_bytes(_legacy(tmp_path)[:size])
+        try:
+            dk.load(path, "cpu")
+        except dk.CheckpointError as error:
+            found = re.search(r"can read \((.*?)\): it is cut short", str(error))
+            said |= {found.group(1)} if found else set()
+    assert "EOFError: the data ends early" in said
+    assert not any(text.endswith("EOFError") for text in said)
+    assert not any(text.startswith("error:") for text in said)  # struct.error, said as such

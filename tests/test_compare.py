@@ -139,6 +139,22 @@ def test_results_that_are_not_named_variants_are_refused(results: Any, text: str
     assert text in str(info.value)
 
 
+def test_a_huge_bad_variant_is_named_in_a_short_message() -> None:
+    # Before: the repr of all 10**6 items, 7.9 MB.
+    with pytest.raises(TypeError) as caught:
+        dk.compare({"a": list(range(10**6))})  # type: ignore[dict-item]
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert message.startswith(
+        "results['a'] must be a Measurement or a function to measure, got [0, 1, 2, "
+    )
+    assert message.endswith("... of type list")
+    one = measured(1e-3, 0)
+    many = {f"v{i}": one for i in range(10**4)}
+    with pytest.raises(ValueError, match=r"^baseline 'b' is not one of 'v0', .*'v9', \.\.\.$"):
+        dk.compare(many, baseline="b")
+
+
 def test_unknown_options_are_refused_with_a_suggestion() -> None:
     with pytest.raises(
         TypeError, match=r"^compare\(\) got unknown options min_tme \(did you mean min_time\?\)"

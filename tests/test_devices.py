@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -80,6 +81,33 @@ def test_try_gpu_accepts_integer_like_objects(fake_accelerator: FakeAccelerator)
 def test_try_gpu_rejects_bad_indices(bad: object, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         dk.try_gpu(bad)  # type: ignore[arg-type]
+
+
+def test_try_gpu_names_a_huge_bad_index_in_a_short_message() -> None:
+    # Before: the repr of all 10**6 items, 7.9 MB.
+    with pytest.raises(TypeError) as caught:
+        dk.try_gpu(list(range(10**6)))  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert message.startswith("try_gpu(i) must be a non-negative int, got [0, 1, 2, ")
+    assert message.endswith("... of type list")
+
+
+@pytest.mark.parametrize(
+    ("device", "shown"),
+    [
+        (list(range(10**6)), r"got \[0, 1, 2, .*\.\.\. of type list$"),
+        ("q" * 10**6, r"^device='qqq.*\.\.\.q+' is not a device torch knows \(it knows cpu"),
+        ("cuda:" + "1" * 10**6, r"^device='cuda:111.*' is not a device torch knows \(Could not"),
+    ],
+)
+def test_to_device_names_a_huge_bad_device_in_a_short_message(device: object, shown: str) -> None:
+    # Before: the whole repr (7.9 MB for the list, 1 MB for the string), or for an index of a
+    # million digits Python's bare "Exceeds the limit (4300 digits) for integer string conversion".
+    with pytest.raises((TypeError, ValueError)) as caught:
+        dk.to_device(torch.ones(1), device)  # type: ignore[arg-type]
+    assert len(str(caught.value)) < 1000
+    assert re.search(shown, str(caught.value))
 
 
 def test_try_all_gpus_on_this_machine_is_never_empty() -> None:

@@ -1,6 +1,16 @@
 from __future__ import annotations
 
+import collections
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
 from devicekit._format import format_bytes, safe_text
+from devicekit._options import check_index, check_number, check_seconds, got, short_repr
 
 
 def test_format_bytes_goes_on_past_pib_to_yib() -> None:
@@ -41,3 +51,113 @@ def test_safe_text_escapes_bidirectional_overrides_as_well_as_control_characters
     name = "evil\u202e\u2066\u200fname\x1b[2J"
     assert safe_text(name) == "evil\\u202e\\u2066\\u200fname\\x1b[2J"
     assert safe_text("résumé 日本") == "résumé 日本"  # printable text is left alone
+
+
+# --- how an error shows a value: _options.short_repr and got ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "cuda:0",
+        {"b": 1, "a": 2},  # in its own order: reprlib alone sorts the keys
+        (1,),
+        [[[1]], ()],
+        {3, 1},
+        3.5,
+        None,
+        b"w.pt",
+        bytearray(b"\x00" * 16),  # its repr: 78 characters
+        torch.device("cuda", 1),
+        collections.OrderedDict(a=1),
+        "x" * 78,  # its repr: 80 characters
+    ],
+    ids=repr,
+)
+def test_short_repr_of_a_short_value_is_its_repr(value: object) -> None:
+    assert short_repr(value) == repr(value)
+
+
+class _Counted:
+    """An item whose repr counts how often it was read."""
+
+    reads = 0
+
+    def __repr__(self) -> str:
+        _Counted.reads += 1
+        return "item"
+
+
+@pytest.mark.parametrize(
+    "container",
+    [list, tuple, set, lambda items: dict(enumerate(items)), collections.OrderedDict.fromkeys],
+    ids=["list", "tuple", "set", "dict", "OrderedDict"],
+)
+def test_short_repr_reads_only_the_start_of_a_huge_value(container: Any) -> None:
+    # A full repr reads every item (a state_dict's OrderedDict: every tensor's repr).
+    value = container([_Counted() for _ in range(10**5)])
+    _Counted.reads = 0
+    shown = short_repr(value)
+    assert len(shown) <= 80
+    assert shown.endswith("...")
+    assert _Counted.reads <= 80 // 3 + 1
+
+
+def test_short_repr_of_values_that_have_no_plain_repr() -> None:
+    class Broken:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    assert re.fullmatch(r"<Broken instance at 0x[0-9a-f]+>", short_repr(Broken()))
+    # repr() itself refuses an int past 4300 digits (ValueError): say its size instead.
+    assert short_repr(10**5000) == "<an int of 16610 bits>"
+    assert short_repr(-(10**5000)) == "<a negative int of 16610 bits>"
+    assert short_repr("x" * 10**6, limit=20) == "'xxxxxxx...xxxxxxxx'"
+    assert short_repr(b"\x00" * 10**6, limit=20) == "b'\\x00\\x00\\x00'..."
+
+
+def test_got_names_the_type_and_says_a_bool_is_one() -> None:
+    assert got(True) == "the bool True"
+    assert got("0") == "'0' of type str"
+    assert got(list(range(10**6))) == (
+        "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21... "
+        "of type list"
+    )
+
+
+def test_log_buffer_names_a_huge_bad_option_in_a_short_message() -> None:
+    # LogBuffer's options go through _options.check_count. Before: the 7.9 MB repr.
+    with pytest.raises(TypeError) as caught:
+        dk.LogBuffer(flush_every=list(range(10**6)))  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert message.startswith("flush_every must be an int >= 1, got [0, 1, 2, ")
+    assert message.endswith("... of type list")
+
+
+@pytest.mark.parametrize(
+    ("check", "message"),
+    [
+        (lambda: check_number(10**400, name="x"), r"^x must be a finite number, got 10000"),
+        (
+            lambda: check_seconds(10**400, name="t"),
+            r"^t must be a finite number of seconds > 0, got 10000",
+        ),
+        (
+            lambda: dk.benchmark(lambda: None, max_time=-(10**400)),
+            r"^max_time must be a finite number of seconds > 0, got -10000.*; it bounds",
+        ),
+        (
+            lambda: check_index(-(10**5000), name="i"),
+            r"^i must be a non-negative int, got <a negative int of 16610 bits>; the first",
+        ),
+    ],
+)
+def test_a_number_past_a_float_s_range_is_refused_by_name(
+    check: Callable[[], object], message: str
+) -> None:
+    # Before: a bare "OverflowError: int too large to convert to float", or for the index,
+    # "Exceeds the limit (4300 digits) for integer string conversion".
+    with pytest.raises(ValueError, match=message) as caught:
+        check()
+    assert len(str(caught.value)) < 1000

@@ -325,6 +325,17 @@ def test_gpu_rejects_bad_indices(
         dk.gpu(index)
 
 
+def test_gpu_names_a_huge_bad_index_in_a_short_message(nvml_session: Install) -> None:
+    # Before: the repr of all 10**6 items, 7.9 MB.
+    nvml_session(two_same())
+    with pytest.raises(TypeError) as caught:
+        dk.gpu(list(range(10**6)))  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert message.startswith("index must be a torch.device, a device string such as 'cuda:0'")
+    assert message.endswith("16, 17, 18, 19, 20, 21... of type list")
+
+
 # --- pick_gpu(s) ---------------------------------------------------------------------------
 
 

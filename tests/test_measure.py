@@ -829,8 +829,31 @@ def test_from_times_refuses_times_that_are_not_numbers_and_names_the_first(
 
 def test_from_times_refuses_an_int_past_a_float_s_range_by_its_index() -> None:
     # Before: a bare "OverflowError: int too large to convert to float".
-    with pytest.raises(ValueError, match=r"^times\[1\] is 1000000000.*, more than a float holds"):
+    with pytest.raises(ValueError, match=r"^times\[1\] is 1000000000.*, more than 9\.22e\+09 s"):
         dk.Measurement.from_times([1, 10**400])
+
+
+@pytest.mark.parametrize(
+    ("call", "start"),
+    [
+        (
+            lambda big: dk.benchmark(math.sqrt, 2.0, max_time=big),
+            "max_time must be a number of seconds, got [0, 1, 2, ",
+        ),
+        (lambda big: dk.Measurement.from_times([big]), "times[0] is [0, 1, 2, "),
+        (dk.benchmark, "benchmark() needs a function to time, got [0, 1, 2, "),
+    ],
+)
+def test_a_huge_bad_value_is_named_in_a_short_message(
+    call: Callable[[list[int]], object], start: str
+) -> None:
+    # Before: the repr of all 10**6 items, 7.9 MB.
+    with pytest.raises(TypeError) as caught:
+        call(list(range(10**6)))
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert message.startswith(start)
+    assert "21... of type list" in message
 
 
 def test_from_times_checks_host_times_as_it_checks_times() -> None:
@@ -852,10 +875,34 @@ def test_from_times_keeps_plain_floats_of_any_real_number() -> None:
     assert dk.Measurement.from_dict(json.loads(json.dumps(m.to_dict(times=True)))) == m
 
 
-def test_from_times_refuses_times_whose_sum_no_float_holds() -> None:
-    # Each is finite, their sum is not: the mean would be an OverflowError (before: StopIteration).
-    with pytest.raises(ValueError, match=r"^times add up to inf, more than a float holds"):
-        dk.Measurement.from_times([1e308, 1e308])
+@pytest.mark.parametrize(
+    ("times", "shown"),
+    [
+        ([1e300] * 7, r"times\[0\] is 1e\+300"),  # before: accepted, and called trustworthy
+        ([1.0, 1e308, 1e308], r"times\[1\] is 1e\+308"),  # before: "times add up to inf"
+        ([1.0, 10**20], r"times\[1\] is 100000000000000000000"),  # an int within a float's range
+        ([1.0, -(10**400)], None),  # past a float's range, but negative: not too long
+    ],
+)
+def test_from_times_refuses_a_time_longer_than_a_nanosecond_clock_reads(
+    times: list[float], shown: str | None
+) -> None:
+    # Ints past a float's range were refused as "no run takes that long", floats of any size
+    # were not: one bound for both, where a nanosecond clock overflows (2**63 ns, 292 years).
+    message = (
+        r"^times\[1\] is -1000000.*: every time must be a finite number of seconds >= 0"
+        if shown is None
+        else f"^{shown}, more than 9\\.22e\\+09 seconds \\(292 years, where a nanosecond clock "
+        "overflows\\): every time must be seconds per call, and no run takes that long$"
+    )
+    with pytest.raises(ValueError, match=message):
+        dk.Measurement.from_times(times)
+
+
+def test_from_times_keeps_a_time_up_to_what_a_nanosecond_clock_reads() -> None:
+    longest = 2**63 / 1e9
+    assert dk.Measurement.from_times([longest] * 7).median == longest
+    assert dk.Measurement.from_times([2**63 // 10**9] * 7).median == 9223372036.0
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -131,6 +132,34 @@ def test_parse_reads_the_environment_by_default(monkeypatch: pytest.MonkeyPatch)
 def test_parse_rejects_non_strings() -> None:
     with pytest.raises(TypeError, match=r"expects a string or None, got 3 of type int"):
         dk.parse_visible_devices(3)  # type: ignore[arg-type]
+
+
+def test_parse_names_a_huge_non_string_in_a_short_message() -> None:
+    # Before: the repr of all 10**6 items, 7.9 MB.
+    with pytest.raises(TypeError) as caught:
+        dk.parse_visible_devices(list(range(10**6)))  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert message.startswith("parse_visible_devices() expects a string or None, got [0, 1, 2, ")
+    assert message.endswith("... of type list")
+
+
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        ([*range(10**5), 0], r"^duplicate entry 0 in visible_devices\(\[0, 1, 2, .*\.\.\.\)"),
+        ({"a": 1}, r"^visible_devices\(\) expects .*; got \{'a': 1\} of type dict$"),
+        (["0", "x" * 10**6], r"^malformed entry 'xxx.*xxx' in visible_devices\(\['0', 'xxx"),
+    ],
+)
+def test_visible_devices_names_a_huge_bad_argument_in_a_short_message(
+    devices: object, message: str
+) -> None:
+    # Before: the repr of the whole argument (and of each entry), megabytes.
+    with pytest.raises((TypeError, ValueError)) as caught, dk.visible_devices(devices):  # type: ignore[arg-type]
+        pass
+    assert len(str(caught.value)) < 1000
+    assert re.search(message, str(caught.value))
 
 
 def _torch_reading(value: str) -> list[int] | list[str]:
