@@ -41,6 +41,7 @@ from . import _nvml, _nvmlread
 from ._devices import DeviceLike, accelerator_type, parse_cuda_index
 from ._errors import GPUNotFoundError
 from ._findings import no_gpu_reason
+from ._keywords import suggest_keywords
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_flag, short_repr
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized, uuid_matches
@@ -267,6 +268,7 @@ def _snapshot(visible: _Visible, torch_index: int | None) -> GPUInfo:
     )
 
 
+@suggest_keywords
 def gpus(*, all: bool = False) -> list[GPUInfo]:
     """Snapshot every GPU this process can see, in torch index order.
 

@@ -90,7 +90,6 @@ def test_a_context_manager_function_is_told_too() -> None:
 
 # Per-step paths skip the wrapper's frame; functions that take any keyword check their own.
 _NOT_WRAPPED = {"to_device"}
-_PENDING = {"gpus"}
 
 
 def _public_with_options() -> list[tuple[str, str]]:
@@ -98,7 +97,7 @@ def _public_with_options() -> list[tuple[str, str]]:
     found = []
     for name in dk.__all__:
         obj = getattr(dk, name)
-        if name in _NOT_WRAPPED or name in _PENDING or not callable(obj):
+        if name in _NOT_WRAPPED or not callable(obj):
             continue
         if isinstance(obj, type) and issubclass(obj, BaseException):
             continue  # devicekit raises them; users do not build them
