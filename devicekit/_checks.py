@@ -16,6 +16,7 @@ from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
 from ._mover import _has_to_method
+from ._options import short_repr
 from ._tree import children, object_attributes
 
 __all__ = ["assert_same_device"]
@@ -118,7 +119,7 @@ def assert_same_device(
         )
     if len(where) == 1 and (expected is None or expected in where):
         return next(iter(where))
-    said = f"device={device!r}" if isinstance(device, (str, int)) else "device="
+    said = f"device={short_repr(device)}" if isinstance(device, (str, int)) else "device="
     raise DeviceMismatchError(
         _mismatch_message(where, owners, named, expected, said=said, held=held)
     )

@@ -17,7 +17,7 @@ from ._errors import DeviceNotFoundError
 from ._findings import ENVIRONMENTAL, environmental
 from ._format import format_count, html_table, plain_fields, plural, safe_text
 from ._gpuinfo import GPUInfo, GPUProcess
-from ._options import check_count, check_number, got
+from ._options import check_count, check_number, got, short_repr
 
 __all__ = ["Conditions", "Sampler"]
 
@@ -240,7 +240,7 @@ def _read_field(name: str, value: Any) -> Any:
 def _read_list(name: str, items: list[Any], where: str) -> tuple[Any, ...]:
     if name == "throttle_reasons":
         if not all(isinstance(reason, str) for reason in items):
-            raise TypeError(f"{where} must be a list of strings, got {items!r}")
+            raise TypeError(f"{where} must be a list of strings, got {short_repr(items)}")
         return tuple(items)
     if name == "other_processes":
         try:
@@ -250,7 +250,7 @@ def _read_list(name: str, items: list[Any], where: str) -> tuple[Any, ...]:
     pairs = [tuple(pair) if isinstance(pair, (list, tuple)) else None for pair in items]
     for pair in pairs:  # competitors: [pid, name] each
         if pair is None or len(pair) != 2 or not isinstance(pair[0], int):
-            raise TypeError(f"{where} must be a list of [pid, name] pairs, got {items!r}")
+            raise TypeError(f"{where} must be a list of [pid, name] pairs, got {short_repr(items)}")
     return tuple(pairs)
 
 

@@ -44,7 +44,7 @@ from ._errors import RanksOutOfStepError, add_note
 from ._format import first_line
 from ._gloo import gloo_keeps_first_timeout, gloo_lets_go
 from ._jobstate import Job, arrive, out_of_step, refuse_if_broken, this_job
-from ._options import check_seconds
+from ._options import check_seconds, short_repr
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -93,7 +93,7 @@ def validated_timeout(timeout: object, *, name: str = "timeout") -> float:
     seconds = check_seconds(timeout, name=name, fix=f"the default is {DEFAULT_TIMEOUT:g}")
     if seconds > MAX_TIMEOUT:
         raise ValueError(
-            f"{name} must be at most {MAX_TIMEOUT:g} seconds (a week), got {timeout!r}; "
+            f"{name} must be at most {MAX_TIMEOUT:g} seconds (a week), got {short_repr(timeout)}; "
             f"every rank of a healthy job arrives well within that (the default is "
             f"{DEFAULT_TIMEOUT:g})"
         )

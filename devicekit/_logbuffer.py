@@ -51,7 +51,7 @@ from ._logreport import (
 )
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import checked, checked_step, on_device, refuse, refuse_keys
-from ._options import check_count
+from ._options import check_count, short_repr
 
 __all__ = ["LogBuffer"]
 
@@ -164,7 +164,7 @@ class LogBuffer:
         check_count(flush_every, name="flush_every", minimum=1)
         if reduce is not None and reduce not in _REDUCE_OPS:
             raise ValueError(
-                f"reduce must be one of {', '.join(_REDUCE_OPS)} or None, got {reduce!r}"
+                f"reduce must be one of {', '.join(_REDUCE_OPS)} or None, got {short_repr(reduce)}"
             )
         self.flush_every = flush_every
         self.sinks: list[Sink] = checked_sinks(sinks, receives="a list of records")

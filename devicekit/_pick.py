@@ -21,7 +21,7 @@ from ._format import format_bytes, format_seconds, plural
 from ._gpuinfo import GPUInfo
 from ._gpus import gpus, why_none_visible
 from ._keywords import suggest_keywords
-from ._options import check_count, check_flag, check_number, check_seconds
+from ._options import check_count, check_flag, check_number, check_seconds, short_repr
 
 __all__ = ["pick_gpu", "pick_gpus"]
 
@@ -139,7 +139,8 @@ def _pick(
         )
         if 0 < max_utilization < 1:  # a fraction (0.5 for half) read as a percentage
             raise ValueError(
-                f"max_utilization is a percentage from 0 to 100, got {max_utilization!r}: "
+                f"max_utilization is a percentage from 0 to 100, got "
+                f"{short_repr(max_utilization)}: "
                 f"{max_utilization:g} % is below NVML's whole-percent resolution, so it means "
                 f"idle GPUs only. For {max_utilization * 100:g} %, write {max_utilization * 100:g} "
                 "(0 stays allowed: idle GPUs only)"

@@ -20,7 +20,7 @@ from ._errors import add_note
 from ._format import shorten
 from ._keywords import suggest_keywords
 from ._logdeliver import Record
-from ._options import check_flag, check_path
+from ._options import check_flag, check_path, short_repr
 
 __all__ = ["CSVSink", "ProgressBarSink", "TensorBoardSink"]
 
@@ -202,7 +202,8 @@ def _file_path(path: object) -> Path:
     given = os.fspath(path) if isinstance(path, os.PathLike) else path  # as written, for messages
     if isinstance(given, bytes):  # open() takes bytes; Path, and so this sink, does not
         raise TypeError(
-            f"CSVSink(path={path!r}): expected a str or os.PathLike path, got bytes. Pass "
+            f"CSVSink(path={short_repr(path)}): expected a str or os.PathLike path, got bytes. "
+            "Pass "
             "os.fsdecode(path)"
         )
     if not isinstance(given, str):
@@ -439,7 +440,7 @@ class ProgressBarSink:
                 keys = list(keys)  # once: a generator would be empty after the check
             if isinstance(given, str) or not all(isinstance(key, str) for key in keys):
                 raise TypeError(
-                    f"keys must be a list of key names, such as ['loss'], got {given!r}; "
+                    f"keys must be a list of key names, such as ['loss'], got {short_repr(given)}; "
                     "pass None to show every key"
                 )
         if not isinstance(fmt, str):
@@ -448,8 +449,8 @@ class ProgressBarSink:
             format(0.5, fmt)  # every value a flush records is a float
         except ValueError as error:
             raise ValueError(
-                f"fmt={fmt!r} cannot format a float ({error}); pass a float format such as "
-                "'.4g' or '.3f'"
+                f"fmt={short_repr(fmt)} cannot format a float ({shorten(str(error), 100)}); "
+                "pass a float format such as '.4g' or '.3f'"
             ) from None
         self.bar = bar
         self.keys = keys

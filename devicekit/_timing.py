@@ -26,7 +26,7 @@ from ._devices import (
 )
 from ._format import format_seconds, html_table, plural
 from ._keywords import suggest_keywords
-from ._options import check_flag, refuse_lazy
+from ._options import check_flag, refuse_lazy, short_repr
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Benchmark", "TimedFunction", "Timer"]
@@ -141,8 +141,9 @@ class Timer:
             )
         if fn is not None:
             raise TypeError(
-                f"Timer takes its options by keyword, got the positional argument {fn!r}; "
-                f"write dk.Timer(device={fn!r})"
+                f"Timer takes its options by keyword, got the positional argument "
+                f"{short_repr(fn)}; "
+                f"write dk.Timer(device={short_repr(fn)})"
             )
         check_flag(sync, name="sync")
         self._device = None if device is None else resolve_device(device)
@@ -336,7 +337,8 @@ class Benchmark:
         if not isinstance(description, str):
             raise TypeError(
                 f"description must be a string, the label printed with the time, got "
-                f"{description!r} of type {type(description).__name__}; Benchmark takes it "
+                f"{short_repr(description)} of type {type(description).__name__}; Benchmark takes "
+                "it "
                 "first, and the device as device="
             )
         self.description = description

@@ -161,3 +161,36 @@ def test_a_number_past_a_float_s_range_is_refused_by_name(
     with pytest.raises(ValueError, match=message) as caught:
         check()
     assert len(str(caught.value)) < 1000
+
+
+_HUGE = list(range(10**6))  # its full repr is 6.9 MB
+
+
+class _Bar:
+    def set_postfix(self, values: dict[str, str]) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("call", "names"),
+    [
+        (lambda: dk.LogBuffer(reduce=_HUGE), "reduce"),
+        (lambda: dk.CSVSink(bytes(10**6)), "CSVSink(path="),
+        (lambda: dk.ProgressBarSink(_Bar(), keys=_HUGE), "keys"),  # type: ignore[arg-type]
+        (lambda: dk.ProgressBarSink(_Bar(), fmt="x" * 10**6), "fmt="),
+        (lambda: dk.Timer(_HUGE), "Timer"),
+        (lambda: dk.Benchmark(_HUGE), "description"),
+        (
+            lambda: dk.Conditions.from_dict({"device": "cpu", "throttle_reasons": [_HUGE]}),
+            "throttle_reasons",
+        ),
+    ],
+)
+def test_every_option_names_a_huge_bad_value_in_a_short_message(
+    call: Callable[[], object], names: str
+) -> None:
+    with pytest.raises((TypeError, ValueError)) as caught:
+        call()
+    message = str(caught.value)
+    assert len(message) < 1000
+    assert names in message
