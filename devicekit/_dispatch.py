@@ -3,7 +3,8 @@
 [`gpu_map()`][devicekit.gpu_map] and [`GPUPool`][devicekit.GPUPool] check their
 arguments and own the workers; this module starts and stops workers and runs
 one map over them. The worker's side, and the messages between the two, are
-in ``_worker``.
+in ``_worker``; what the parent knows of one worker is in ``_workerstate``,
+and the words of a failed map in ``_mapfaults``.
 
 A map is a loop: give every idle worker its next item (the map's ``fn``
 first, once per worker), wait until a pipe or a process sentinel is ready,
@@ -35,7 +36,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import reprlib
 import signal
 import sys
 import threading
@@ -43,17 +43,16 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import WorkerError, WorkerTimeoutError
-from ._format import plural
+from ._mapfaults import death_message, fn_failed, fn_raised, item_fault, kept, show_item
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR, parse_visible_devices
-from ._worker import NO_MAIN_GUARD, WorkerName, work
+from ._worker import WorkerName, work
+from ._workerstate import Slot, Worker
 
 __all__ = [
-    "MAIN_GUARD_FIX",
     "Slot",
     "Worker",
     "fn_raised",
@@ -65,7 +64,8 @@ __all__ = [
     "worker_env",
 ]
 
-Slot = str | int  # "cpu", or a CUDA index as this process numbers it
+_item_fault = item_fault  # the name _ray imports
+
 _WARNINGS = "PYTHONWARNINGS"
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 _STOP_SECONDS = 5.0  # a worker asked to stop gets this long before it is terminated
@@ -74,11 +74,6 @@ _STOP_SECONDS = 5.0  # a worker asked to stop gets this long before it is termin
 # file system, so an item's limit alone would stop healthy workers.
 _STARTUP_SECONDS = 300.0
 _STARTING = threading.Lock()  # held while CUDA_VISIBLE_DEVICES is set for a worker's start
-MAIN_GUARD_FIX = (
-    "Workers are started with spawn: each one imports the main module again, so a "
-    'script must call gpu_map() under `if __name__ == "__main__":` (and define fn at '
-    "the top level of a module, above that line)."
-)
 
 
 def worker_env(device: str | int) -> str:
@@ -87,45 +82,6 @@ def worker_env(device: str | int) -> str:
         return ""
     entries = parse_visible_devices()  # resolve_devices checked the index against these
     return str(device) if entries is None else str(entries[int(device)])
-
-
-@dataclass
-class Worker:
-    """One worker process and the parent's end of its pipe, with what it is doing."""
-
-    number: int
-    slot: Slot
-    process: Any  # a spawn-context Process
-    conn: Any  # the parent's end of the duplex pipe
-    ready: bool = False
-    running: int | None = None  # the index of the item it is working on
-    # The item it will run once it has loaded fn: each worker takes one at once, so
-    # that two items on two workers run one on each (on each GPU), whichever starts first.
-    next_item: int | None = None
-    fn_id: int = -1  # the map whose fn it was sent: each map numbers its fn
-    loaded: int = -1  # the map whose fn it has unpickled
-    deadline: float | None = None  # when its item's, or its start-up's, time is up (monotonic)
-    owner: int = field(default_factory=os.getpid)  # the process that started it: its parent
-
-    def where(self) -> str:
-        """``"worker 2 on cuda:1"``, ``"worker 1 on the CPU"``."""
-        device = "the CPU" if self.slot == "cpu" else f"cuda:{self.slot}"
-        return f"worker {self.number} on {device}"
-
-    def death(self) -> str:
-        """How it ended: ``"was killed by SIGKILL"``, ``"exited with code 1"``."""
-        self.process.join(1.0)
-        code = self.process.exitcode
-        if code is None:
-            return "closed its connection"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            hint = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
-            return f"was killed by {name}{hint}"
-        return f"exited with code {code}"
 
 
 # Every worker process started here, to be forgotten by a child forked from this process.
@@ -159,8 +115,12 @@ def refuse_foreign(workers: list[Worker], *, caller: str) -> None:
         )
 
 
-def start_workers(slots: list[Slot]) -> list[Worker]:
-    """A spawned worker per slot; if one cannot start, those already started are stopped."""
+def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[Worker]:
+    """A spawned worker per slot; if one cannot start, those already started are stopped.
+
+    Workers are numbered from 1 in slot order, or by ``numbers`` (a pool's
+    replacement for a dead worker keeps its number).
+    """
     context = multiprocessing.get_context("spawn")
     # The parent-death signal fires when the *thread* that started the worker
     # ends; only the main thread lives as long as the process.
@@ -170,7 +130,7 @@ def start_workers(slots: list[Slot]) -> list[Worker]:
     quiet = ",".join(filter(None, [os.environ.get(_WARNINGS), _NUMPY_WARNING]))
     workers: list[Worker] = []
     try:
-        for number, slot in enumerate(slots, 1):
+        for number, slot in zip(numbers or range(1, len(slots) + 1), slots, strict=True):
             parent_end, child_end = context.Pipe(duplex=True)
             # The name is unpickled first in the child, before the main module is
             # imported: it ties the worker to this process from its first line.
@@ -203,28 +163,42 @@ def stop_workers(workers: list[Worker], *, gently: bool) -> None:
     Each step goes to every worker before waiting, and the wait is shared, so
     that stopping many workers that ignore SIGTERM (a hung ``fn``, a library's
     handler) takes about ``_STOP_SECONDS``, not that long for each in turn.
-    Workers another process started are left alone: in a forked child, the
-    pool's finalizer must not stop its parent's workers.
+    Each step also goes to the worker's process group: what ``fn`` started
+    gets SIGTERM, then SIGKILL once the workers have ended, whether its worker
+    was busy, idle or already dead. Workers another process started are left
+    alone: in a forked child, the pool's finalizer must not stop its parent's
+    workers.
     """
     if workers and workers[0].owner != os.getpid():
         return
+    # A group's ID is its worker's PID, which stays the worker's until the worker is
+    # reaped (the joins at the end): those whose PID is still theirs, chosen now.
+    groups = [worker for worker in workers if worker.unreaped()]
     try:
         if gently:
             for worker in workers:
-                if worker.process.is_alive():
+                if worker.alive():
                     with contextlib.suppress(OSError):  # it is already gone
                         worker.conn.send(("stop",))
             _join(workers, _STOP_SECONDS)
-        alive = [worker for worker in workers if worker.process.is_alive()]
+        alive = [worker for worker in workers if worker.alive()]
         for worker in alive:
             worker.process.terminate()
+        for worker in groups:
+            worker.signal_group(signal.SIGTERM)
         _join(alive, _STOP_SECONDS)
     finally:
         # Also when a second Ctrl-C cuts the waits short: nothing may outlive this.
-        alive = [worker for worker in workers if worker.process.is_alive()]
+        alive = [worker for worker in workers if worker.alive()]
         for worker in alive:
             worker.process.kill()
-        _join(alive, None)
+        for worker in groups:
+            worker.signal_group(signal.SIGKILL)
+        # Reaped only now that their groups have had their last signal.
+        killed = {id(worker) for worker in alive}
+        for worker in workers:
+            if id(worker) in killed or worker.unreaped():
+                worker.process.join()
         for worker in workers:
             worker.conn.close()
 
@@ -233,7 +207,7 @@ def _join(workers: list[Worker], seconds: float | None) -> None:
     """Wait for these workers to end, ``seconds`` for all of them together (None: as long)."""
     end = None if seconds is None else time.monotonic() + seconds
     for worker in workers:
-        worker.process.join(None if end is None else max(0.0, end - time.monotonic()))
+        worker.wait(None if end is None else max(0.0, end - time.monotonic()))
 
 
 def run_map(
@@ -245,13 +219,22 @@ def run_map(
     *,
     step: Callable[[], None],
     timeout: float | None,
+    caller: str = "gpu_map",
 ) -> list[Any]:
     """``fn`` over ``work`` on these workers, in input order; raise at the first fault.
 
-    When this raises, workers may still be busy: the caller stops them.
+    When this raises, workers may still be busy: the caller stops them. Its
+    errors start with ``caller``: ``"gpu_map"`` or ``"GPUPool.map()"``.
     """
     return _Map(
-        workers, work, fn_id=fn_id, fn_bytes=fn_bytes, payloads=payloads, step=step, timeout=timeout
+        workers,
+        work,
+        fn_id=fn_id,
+        fn_bytes=fn_bytes,
+        payloads=payloads,
+        step=step,
+        timeout=timeout,
+        caller=caller,
     ).run()
 
 
@@ -268,12 +251,14 @@ class _Map:
         payloads: list[bytes],
         step: Callable[[], None],
         timeout: float | None,
+        caller: str = "gpu_map",
     ) -> None:
         self.workers, self.fn_id, self.fn_bytes = workers, fn_id, fn_bytes
         self.work, self.payloads, self.step, self.timeout = work, payloads, step, timeout
         self.startup = None if timeout is None else max(timeout, _STARTUP_SECONDS)
         self.todo = deque(range(len(work)))
         self.results: dict[int, Any] = {}
+        self.caller = caller  # what its messages start with
         for worker in workers:  # a pool's worker may keep a start-up clock from its last map
             worker.deadline = worker.next_item = None
 
@@ -294,9 +279,23 @@ class _Map:
 
     def _kept(self) -> str:
         """What the error keeps: ``"2 of 4 items had finished: their results are in ..."``."""
-        return (
-            f"{len(self.results)} of {plural(len(self.work), 'item')} had finished: their "
-            "results are in this error's .results (a dict by item index); the others were lost."
+        return kept(len(self.results), len(self.work))
+
+    def _death(self, worker: Worker) -> str:
+        """The message for a worker that ended without being asked."""
+        if worker.running is not None:
+            doing = f"while running item {worker.running} ({show_item(self.work[worker.running])})"
+        elif worker.fn_id != worker.loaded:
+            doing = "while loading fn (unpickling it, which imports its module)"
+        else:
+            doing = "between items"
+        return death_message(
+            worker.where(),
+            worker.exit_code(wait=1.0),
+            ready=worker.ready,
+            doing=doing,
+            mid_item=worker.running is not None,
+            caller=self.caller,
         )
 
     def _error(self, message: str, index: int | None) -> WorkerError:
@@ -333,7 +332,7 @@ class _Map:
         try:
             worker.conn.send(message)
         except OSError:  # a broken pipe: the worker is gone (a long message waits for that)
-            raise self._error(_death_message(worker, self.work), worker.running) from None
+            raise self._error(self._death(worker), worker.running) from None
 
     @staticmethod
     def _deadline(seconds: float | None) -> float | None:
@@ -353,12 +352,12 @@ class _Map:
             worker = by_handle[handle]
             if handle is worker.process.sentinel:
                 if not worker.conn.poll():  # it died, and said nothing more
-                    raise self._error(_death_message(worker, self.work), worker.running)
+                    raise self._error(self._death(worker), worker.running)
                 continue
             try:
                 message = worker.conn.recv()
             except (EOFError, OSError):
-                raise self._error(_death_message(worker, self.work), worker.running) from None
+                raise self._error(self._death(worker), worker.running) from None
             self._read(worker, message)
             # A result's pickle, unpickled now: not kept while the next answer is read.
             del message
@@ -375,17 +374,19 @@ class _Map:
             worker.deadline = None  # its start-up is over: its item's clock starts when sent
             return
         if kind == "fn_failed":
-            raise self._error(_fn_failed(worker.where(), *message[2:]), None)
+            failed = fn_failed(worker.where(), *message[2:], caller=self.caller)
+            raise self._error(failed, None)
         index = message[1]
         worker.running = worker.deadline = None
         if kind != "ok":
-            fault = _item_fault(kind, index, self.work[index], worker.where(), message)
+            item = self.work[index]
+            fault = item_fault(kind, index, item, worker.where(), message, caller=self.caller)
             raise self._error(fault, index)
         try:
             self.results[index] = pickle.loads(message[2])
         except Exception as error:
             raise self._error(
-                f"gpu_map: the result of item {index} ({show_item(self.work[index])}) from "
+                f"{self.caller}: the result of item {index} ({show_item(self.work[index])}) from "
                 f"{worker.where()} cannot be rebuilt here: {type(error).__name__}: {error}",
                 index,
             ) from error
@@ -409,7 +410,7 @@ class _Map:
         if index is None:
             raise self._startup_expired(worker, self.timeout, self.startup)
         raise WorkerTimeoutError(
-            f"gpu_map: item {index} ({show_item(self.work[index])}) ran longer than "
+            f"{self.caller}: item {index} ({show_item(self.work[index])}) ran longer than "
             f"timeout={self.timeout:g} s in {worker.where()}, so every worker was stopped. "
             f"{self._kept()} If the item needs longer, pass a larger timeout (or "
             "timeout=None for no limit).",
@@ -427,7 +428,7 @@ class _Map:
             else "starting (importing the main module, in a fresh Python)"
         )
         return WorkerTimeoutError(
-            f"gpu_map: {worker.where()} was still {doing} {startup:g} s after it was "
+            f"{self.caller}: {worker.where()} was still {doing} {startup:g} s after it was "
             f"given this map, so every worker was stopped. With timeout={timeout:g}, "
             f"a worker's start-up may take max(timeout, {_STARTUP_SECONDS:g} s). "
             f"{self._kept()} Something imported there hangs: look at what the main module "
@@ -437,82 +438,3 @@ class _Map:
             timeout=startup,
             results=dict(self.results),
         )
-
-
-def _fn_failed(where: str, summary: str, remote_traceback: str) -> str:
-    return (
-        f"gpu_map: fn could not be unpickled in {where}: {summary}. A worker finds fn by "
-        "its module and name, and imports that module: define fn with def at the top level "
-        "of a module that imports without error (not in a notebook or `python -c`: put it "
-        f"in a .py file and import it). The worker's traceback:\n{remote_traceback}"
-    )
-
-
-def _item_fault(kind: str, index: int, item: object, where: str, message: tuple[Any, ...]) -> str:
-    """The message for an answer other than a result: what went wrong with this item."""
-    shown = f"item {index} ({show_item(item)})"
-    if kind == "raised":
-        return fn_raised(index, item, where, message[2])
-    if kind == "unpicklable":
-        return (
-            f"gpu_map: the result of {shown} cannot be sent back from {where}: {message[2]}. "
-            "Return picklable data: numbers, strings, tensors, or containers of them."
-        )
-    if kind == "item_failed":
-        return (
-            f"gpu_map: {shown} could not be unpickled in {where}: {message[2]}. Each item "
-            "is rebuilt in its worker from its pickle: pass data (numbers, strings, paths, "
-            "CPU tensors) whose classes the worker can import, and let fn build the rest. "
-            f"The worker's traceback:\n{message[3]}"
-        )
-    # "exited": fn raised a BaseException that is not an Exception.
-    what = message[2]
-    did = f"called {what}" if what.startswith("sys.exit(") else f"raised {what}"
-    return (
-        f"gpu_map: fn {did} on {shown} in {where}; fn must return a result, or raise an "
-        "Exception to fail its item (SystemExit and KeyboardInterrupt are not Exceptions). "
-        f"The worker's traceback:\n{message[3]}"
-    )
-
-
-def _death_message(worker: Worker, work: list[Any]) -> str:
-    how = worker.death()
-    if worker.process.exitcode == NO_MAIN_GUARD:
-        return (
-            f"gpu_map: {worker.where()} stopped while importing the main module, because the "
-            f"script calls gpu_map() at import time. {MAIN_GUARD_FIX}"
-        )
-    if not worker.ready:
-        return (
-            f"gpu_map: {worker.where()} {how} before it started: it could not import the main "
-            "module (its own error is printed above, on stderr). " + MAIN_GUARD_FIX
-        )
-    if worker.running is not None:
-        doing = f"while running item {worker.running} ({show_item(work[worker.running])})"
-    elif worker.fn_id != worker.loaded:
-        doing = "while loading fn (unpickling it, which imports its module)"
-    else:
-        doing = "between items"
-    code = worker.process.exitcode
-    if worker.running is not None and code is not None and code >= 0:
-        # It exited by itself mid-item. The worker sends back whatever fn raises,
-        # sys.exit() included, so fn (or a library it calls) ended the process with
-        # os._exit() or C's exit(); without this it reads like a crash of ours.
-        doing += (
-            ". fn must return or raise an Exception: os._exit() in fn (or exit() in a "
-            "library it calls) ends its worker (any message is on stderr above)"
-        )
-    return f"gpu_map: {worker.where()} {how} {doing}"
-
-
-def fn_raised(index: int, item: object, where: str, remote_traceback: str) -> str:
-    """The ``WorkerError`` message for an item whose ``fn`` raised, whichever executor ran it."""
-    return (
-        f"gpu_map: fn raised on item {index} ({show_item(item)}) in {where}; the worker's "
-        f"traceback:\n{remote_traceback}"
-    )
-
-
-def show_item(item: object) -> str:
-    """An item as error messages show it: its repr, cut short."""
-    return reprlib.repr(item)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ._dispatch import show_item
+from ._mapfaults import show_item
 from ._options import check_number
 from ._worker import dumps
 
@@ -21,7 +21,9 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
     """The items as a list, once ``fn`` is known to be callable and ``items`` iterable.
 
     A map-style dataset (``len()`` and ``[i]``, no ``__iter__``, as
-    ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``.
+    ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``;
+    an object with ``[i]`` alone is read as ``iter()`` reads it, from ``[0]`` to
+    the first ``IndexError``.
     """
     if not callable(fn):
         raise TypeError(
@@ -32,12 +34,25 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
         getitem = getattr(items, "__getitem__", None)
         if getitem is not None:
             return [getitem(index) for index in range(len(items))]
-    if not isinstance(items, Iterable):
-        raise TypeError(
-            f"{caller} needs items, an iterable of the items to run fn on, got {items!r} of "
-            f"type {type(items).__name__}; pass a list, such as [{items!r}]"
-        )
-    return list(items)
+    if isinstance(items, Iterable):
+        return list(items)
+    try:
+        # No __iter__ here, so iter() runs none of its code: it fails only where
+        # there is no [i] either (with [i], it reads [0], [1]... as a for loop does).
+        iterator = iter(items)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(_not_items(items, caller)) from None
+    return list(iterator)
+
+
+def _not_items(items: object, caller: str) -> str:
+    what = "items, an iterable (a list, a generator) or a map-style dataset (len() and [i])"
+    if items is None:
+        return f"{caller} needs {what} of the items to run fn on, got None"
+    return (
+        f"{caller} needs {what} of the items to run fn on, got {items!r} of type "
+        f"{type(items).__name__}; pass a list of the items, such as [{items!r}] for one item"
+    )
 
 
 def item_timeout(value: object) -> float | None:
@@ -49,18 +64,19 @@ def item_timeout(value: object) -> float | None:
     )
 
 
-def pickle_fn(fn: object) -> bytes:
+def pickle_fn(fn: object, *, caller: str = "gpu_map()") -> bytes:
+    """``fn``, pickled here, so that one a worker cannot be sent is refused before any starts."""
     try:
         return dumps(fn)
     except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
         raise TypeError(
-            f"gpu_map() sends fn to worker processes, so it must be picklable, and {fn!r} is not "
+            f"{caller} sends fn to worker processes, so it must be picklable, and {fn!r} is not "
             f"({error}). Define it with def at the top level of a module (not a lambda, not "
             "inside a function); in a notebook, put it in a .py file and import it."
         ) from None
 
 
-def pickle_items(items: list[Any]) -> list[bytes]:
+def pickle_items(items: list[Any], *, caller: str = "gpu_map()") -> list[bytes]:
     """Every item, pickled here, so that a bad one is named before any worker starts."""
     payloads = []
     for index, item in enumerate(items):
@@ -68,8 +84,8 @@ def pickle_items(items: list[Any]) -> list[bytes]:
             payloads.append(dumps(item))
         except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
             raise TypeError(
-                f"gpu_map() sends each item to a worker process, so it must be picklable, and "
-                f"item {index} ({show_item(item)}, a {type(item).__name__}) is not: "
+                f"{caller} sends each item to a worker process, so it must be picklable, and "
+                f"item {index} ({show_item(item)}, of type {type(item).__name__}) is not: "
                 f"{type(error).__name__}: {error}. Pass data (numbers, strings, paths, tensors) "
                 "and let fn build the rest."
             ) from None

@@ -4,12 +4,14 @@ Workers are started with ``spawn``, never ``fork``: a forked child of a process
 that has touched CUDA fails with "Cannot re-initialize CUDA in forked
 subprocess". Each worker inherits ``CUDA_VISIBLE_DEVICES`` naming its one GPU,
 set before the child starts (so before it imports torch), so inside it the
-GPU is always ``cuda:0``. This module owns the workers; ``_mapinputs``
-checks ``fn`` and the items, ``_workerslots`` says which workers to start,
-``_dispatch`` starts them and runs a map over them, ``_worker`` is the
-workers' side.
+GPU is always ``cuda:0``. This module owns the workers; ``_mapguards``
+refuses where workers cannot start, ``_mapinputs`` checks ``fn`` and the
+items, ``_workerslots`` says which workers to start, ``_dispatch`` starts
+them and runs a map over them, ``_worker`` is the workers' side.
 
-Faults end the call promptly and say what happened; nothing is left running:
+Faults end the call promptly and say what happened; nothing is left running,
+the processes ``fn`` started included (each worker is a process group of its
+own, stopped as one):
 
 - ``fn`` or an item that cannot be pickled is refused before any worker
   starts, by its index; one that cannot be unpickled in a worker, or a
@@ -34,7 +36,11 @@ Faults end the call promptly and say what happened; nothing is left running:
 - a script that calls ``gpu_map`` at import time, outside ``if __name__ ==
   "__main__":``, gets an error that says so, instead of a wall of
   ``multiprocessing`` traceback; so does ``fn`` calling ``gpu_map`` in a
-  worker, which cannot start processes of its own.
+  worker, which cannot start processes of its own, and a script read from
+  standard input, which workers cannot import again;
+- a pool's worker that died while idle is replaced before the next map, with
+  a warning; a second map on a pool while one runs is refused at once (two
+  maps reading the same pipes took each other's answers, or hung).
 
 Tensors in ``fn``, items and results cross on the CPU (``_worker.dumps``): a
 worker's ``cuda:0`` is its own GPU, and rebuilding a tensor on the device it
@@ -44,8 +50,8 @@ was pickled from would put it on another GPU, or start CUDA in the caller.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
-import sys
+import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -53,7 +59,6 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from ._devices import DeviceLike
 from ._dispatch import (
-    MAIN_GUARD_FIX,
     Slot,
     Worker,
     refuse_foreign,
@@ -63,13 +68,16 @@ from ._dispatch import (
 )
 from ._format import html_table, plural
 from ._keywords import suggest_keywords
+from ._mapfaults import how_it_ended
+from ._mapguards import refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
 from ._options import check_flag
 from ._progress import Progress
-from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
 from ._workerslots import worker_slots, workers_per_device_count
 
 __all__ = ["GPUPool", "gpu_map", "gpu_pool"]
+
+logger = logging.getLogger("devicekit")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -90,7 +98,9 @@ class GPUPool:
     Make one with [`gpu_pool()`][devicekit.gpu_pool]. Starting a worker costs about a second
     (mostly importing torch), so many small ``map`` calls share one pool
     instead of each paying it. After a failed ``map`` the workers are stopped;
-    the next ``map`` starts fresh ones. Use a pool from one thread at a time.
+    the next ``map`` starts fresh ones, and a worker that died while idle is
+    replaced before the next ``map``. Use a pool from one thread at a time: a
+    ``map`` while another runs raises ``RuntimeError``.
     """
 
     def __init__(self, slots: list[Slot]) -> None:
@@ -98,6 +108,10 @@ class GPUPool:
         self._workers: list[Worker] = []
         self._closed = False
         self._maps = itertools.count()
+        # Held by a map: every worker answers one map at a time, and two maps reading
+        # the same pipes took each other's answers (or one waited for ever).
+        self._mapping = threading.Lock()
+        self._mapper: threading.Thread | None = None  # the thread whose map holds it
         self._finalizer = weakref.finalize(self, stop_workers, self._workers, gently=False)
 
     @property
@@ -163,16 +177,44 @@ class GPUPool:
     ) -> list[R]:
         """``[fn(item) for item in items]``, computed by the pool's workers, in input order.
 
-        Takes ``progress`` and ``timeout`` and raises as [`gpu_map()`][devicekit.gpu_map] does.
+        Takes ``progress`` and ``timeout`` and raises as [`gpu_map()`][devicekit.gpu_map] does,
+        and ``RuntimeError`` at once if another map runs on this pool (a pool
+        is for one thread at a time).
         """
         if self._closed:  # before items are read and pickled, for nothing
             raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
         refuse_foreign(self._workers, caller="GPUPool.map()")
-        work = checked_work(fn, items, caller="GPUPool.map()")
-        limit = item_timeout(timeout)
-        fn_bytes = pickle_fn(fn)
-        payloads = pickle_items(work)
-        return self._run(fn_bytes, work, payloads, progress=progress, timeout=limit)
+        if not self._mapping.acquire(blocking=False):  # refused at once, not waited for
+            raise RuntimeError(self._busy())
+        try:
+            self._mapper = threading.current_thread()
+            work = checked_work(fn, items, caller="GPUPool.map()")
+            limit = item_timeout(timeout)
+            fn_bytes = pickle_fn(fn, caller="GPUPool.map()")
+            payloads = pickle_items(work, caller="GPUPool.map()")
+            return self._run(
+                fn_bytes, work, payloads, progress=progress, timeout=limit, caller="GPUPool.map()"
+            )
+        finally:
+            self._mapper = None
+            self._mapping.release()
+
+    def _busy(self) -> str:
+        """Why a second map cannot run now, and what to do instead."""
+        mapper = self._mapper  # None if that map has just ended
+        if mapper is threading.current_thread():
+            where = (
+                "in this same thread: this call came from inside it (a signal handler or a "
+                "callback, say)"
+            )
+        else:
+            where = "in another thread" if mapper is None else f"in thread {mapper.name!r}"
+        return (
+            f"GPUPool.map() is already running on this pool, {where}. A pool runs one map "
+            "at a time, from one thread: its workers answer one map at a time. Use one pool "
+            "per thread (dk.gpu_pool() in each), or dk.gpu_map(), which starts workers of "
+            "its own for each call."
+        )
 
     def _run(
         self,
@@ -182,8 +224,10 @@ class GPUPool:
         *,
         progress: bool | None,
         timeout: float | None,
+        caller: str = "gpu_map",
     ) -> list[Any]:
-        bar = Progress(len(work), progress)  # checks `progress` before any worker starts
+        # Checks `progress` before any worker starts.
+        bar = Progress(len(work), progress, label=caller)
         if not work:
             bar.close()
             return []
@@ -192,9 +236,18 @@ class GPUPool:
                 # A failed start (or Ctrl-C during one) stops the workers it started,
                 # so the pool is never left short of its devices.
                 self._workers[:] = start_workers(self._slots)
+            else:
+                self._replace_dead()
             fn_id = next(self._maps)
             return run_map(
-                self._workers, fn_id, fn_bytes, work, payloads, step=bar.step, timeout=timeout
+                self._workers,
+                fn_id,
+                fn_bytes,
+                work,
+                payloads,
+                step=bar.step,
+                timeout=timeout,
+                caller=caller,
             )
         except BaseException:
             # A failure, a timeout, or Ctrl-C: stop everyone now, whatever is still to do.
@@ -203,39 +256,23 @@ class GPUPool:
         finally:
             bar.close()
 
-
-def _refuse_during_worker_bootstrap() -> None:
-    if in_worker_bootstrap():
-        # We are a spawned worker importing the user's main module, which calls us
-        # at import time: starting workers here would recurse. Say so, briefly, and
-        # stop with an exit code the parent recognizes. One write, newline included:
-        # print() writes the line and its end apart, and under PYTHONUNBUFFERED (as
-        # in many containers) each is a system call, so every worker's line was
-        # liable to run into another's.
-        sys.stderr.write(f"devicekit: gpu_map() called at import time. {MAIN_GUARD_FIX}\n")
-        sys.stderr.flush()
-        raise SystemExit(NO_MAIN_GUARD)
-
-
-def _refuse_in_daemon(caller: str) -> None:
-    process = multiprocessing.current_process()
-    if not process.daemon:
-        return
-    # multiprocessing refuses too, with "AssertionError: daemonic processes are not
-    # allowed to have children", from deep inside start(), naming neither us nor a fix.
-    if process.name.startswith("devicekit-worker-"):
-        raise RuntimeError(
-            f"{caller} was called inside fn, in a gpu_map worker, and a worker cannot start "
-            "workers of its own: it is a daemonic process, which may have no children (so "
-            "that none outlives the map). Run the inner work directly in fn (the worker's "
-            "GPU is dk.try_gpu()), or make it one map: call gpu_map once, from the main "
-            "process, over every inner item."
-        )
-    raise RuntimeError(
-        f"{caller} was called in {process.name!r}, a daemonic process (a multiprocessing "
-        "or DataLoader worker, say), which may start no processes of its own. Call it "
-        "from the main process, or run fn directly here."
-    )
+    def _replace_dead(self) -> None:
+        """Start a fresh worker for each that died since the last map (no item was lost)."""
+        dead = [worker for worker in self._workers if not worker.alive()]
+        if not dead:
+            return
+        for worker in dead:
+            # The out-of-memory killer picks idle workers too: this map need not fail.
+            logger.warning(
+                "GPUPool.map(): %s %s while idle, after the last map; starting a fresh one "
+                "in its place (no item was lost)",
+                worker.where(),
+                how_it_ended(worker.exit_code()),
+            )
+        stop_workers(dead, gently=False)  # what its fn started, and its pipe
+        fresh = iter(start_workers([w.slot for w in dead], [w.number for w in dead]))
+        gone = {id(worker) for worker in dead}
+        self._workers[:] = [next(fresh) if id(w) in gone else w for w in self._workers]
 
 
 @suggest_keywords
@@ -264,7 +301,9 @@ def gpu_pool(
             nor the CPU, or ``workers_per_device`` is less than 1.
         DeviceNotFoundError: One of ``devices`` does not exist here.
         RuntimeError: Called in a daemonic process, such as inside ``fn`` in
-            a ``gpu_map`` worker, which cannot start processes.
+            a ``gpu_map`` worker, which cannot start processes, or where
+            workers cannot import the main module again (a script read from
+            standard input, ``python -``).
 
     Examples:
         >>> import math, devicekit as dk
@@ -274,8 +313,7 @@ def gpu_pool(
         >>> first, second
         ([1.0, 2.0], [6, 24])
     """
-    _refuse_during_worker_bootstrap()
-    _refuse_in_daemon("gpu_pool()")
+    refuse_to_start("gpu_pool()")
     per_device = workers_per_device_count(workers_per_device)
     return GPUPool(worker_slots(devices, per_device, caller="gpu_pool()"))
 
@@ -368,7 +406,9 @@ def gpu_map(
             limit). A ``WorkerError``, with its ``results``, and a
             ``TimeoutError``. Every worker is stopped before it is raised.
         RuntimeError: Called in a daemonic process, such as inside ``fn`` in
-            a ``gpu_map`` worker, which cannot start processes.
+            a ``gpu_map`` worker, which cannot start processes, or where
+            workers cannot import the main module again (a script read from
+            standard input, ``python -``).
         KeyboardInterrupt: On Ctrl-C, after stopping the workers (cancelling
             the outstanding Ray tasks).
         ImportError: ``executor="ray"`` without Ray installed.
@@ -387,8 +427,7 @@ def gpu_map(
         # Before items are read: a worker importing a script that lacks the main
         # guard read them all (a generator, a dataset loading each item) only to be
         # refused, and so did a daemonic process.
-        _refuse_during_worker_bootstrap()
-        _refuse_in_daemon("gpu_map()")
+        refuse_to_start("gpu_map()")
     work = checked_work(fn, items, caller="gpu_map()")
     limit = item_timeout(timeout)
     if progress is not None:  # checked here too: an empty map shows no progress
@@ -409,7 +448,9 @@ def gpu_map(
     per_device = workers_per_device_count(workers_per_device)
     # More workers per device than items would never run: not building them keeps
     # workers_per_device=10**9 from exhausting memory before one item runs.
-    slots = worker_slots(devices, min(per_device, max(len(work), 1)), caller="gpu_map()")
+    slots = worker_slots(
+        devices, min(per_device, max(len(work), 1)), caller="gpu_map()", most=max(len(work), 1)
+    )
     payloads = pickle_items(work)
     if not work:
         return []

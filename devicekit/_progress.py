@@ -21,17 +21,18 @@ class Progress:
     line) gets a line at every tenth of the items, and at the last.
     """
 
-    def __init__(self, total: int, enabled: bool | None) -> None:
+    def __init__(self, total: int, enabled: bool | None, *, label: str = "gpu_map") -> None:
+        """Progress over ``total`` items, shown if ``enabled``, named ``label`` (the call)."""
         if enabled is not None:
             check_flag(enabled, name="progress")
-        self.total, self.done, self.bar = total, 0, None
+        self.total, self.done, self.bar, self.label = total, 0, None, label
         self.enabled = bool(enabled)
         self.redraw = False  # a terminal: redraw one line
         if self.enabled:
             try:
                 from tqdm import tqdm  # noqa: PLC0415 - optional
 
-                self.bar = tqdm(total=total, file=sys.stderr, desc="gpu_map")
+                self.bar = tqdm(total=total, file=sys.stderr, desc=label)
             except ImportError:
                 isatty = getattr(sys.stderr, "isatty", None)
                 self.redraw = bool(isatty and isatty())
@@ -42,11 +43,11 @@ class Progress:
             self.bar.update(1)
         elif self.redraw:
             end = "\n" if self.done == self.total else ""
-            print(f"\rgpu_map: {self.done}/{self.total}", end=end, file=sys.stderr, flush=True)
+            print(f"\r{self.label}: {self.done}/{self.total}", end=end, file=sys.stderr, flush=True)
         elif self.enabled:
             tenth = max(1, self.total // 10)
             if self.done % tenth == 0 or self.done == self.total:
-                print(f"gpu_map: {self.done}/{self.total}", file=sys.stderr, flush=True)
+                print(f"{self.label}: {self.done}/{self.total}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -8,6 +8,19 @@ adds only what ``gpu_map`` promises: results in input order, a failing item
 as [`WorkerError`][devicekit.WorkerError] with its index and traceback, progress,
 and Ctrl-C that stops the work.
 
+A failing item reads as it does with the local executor, whose messages it
+shares. The task catches whatever ``fn`` raises, ``sys.exit()`` and
+``KeyboardInterrupt`` included, and sends it back as an answer: raised out of
+the task, ``SystemExit`` ended the Ray worker, which Ray took for a crash and
+retried three times (``fn`` ran four times, then "The worker died
+unexpectedly"), and ``KeyboardInterrupt`` read as Ray's ``TaskCancelledError``.
+Only a worker that dies (``os._exit()``, a signal) is retried, by Ray's
+``max_retries``; ``retry_exceptions`` stays off. A result Ray cannot serialize
+fails after ``fn`` returned, in Ray's code, so it comes back as a
+``RayTaskError`` whose cause is the pickling error: that one is retold in the
+local executor's words, and any other Ray error is shown as Ray writes it,
+without its terminal colour codes.
+
 Ray is optional (``pip install 'devicekit[ray]'``) and imported only here,
 only when this executor runs.
 """
@@ -16,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,12 +38,14 @@ from typing import Any, TypeVar
 import torch
 
 from ._devices import DeviceLike, resolve_devices
-from ._dispatch import fn_raised, show_item, worker_env
+from ._dispatch import worker_env
 from ._errors import WorkerError
 from ._format import first_line
+from ._mapfaults import fn_raised, item_fault, show_item
 from ._progress import Progress
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR
+from ._worker import _summary
 from ._workerslots import workers_per_device_count
 
 __all__ = ["ray_map"]
@@ -40,19 +56,32 @@ _POLL = 0.1  # seconds per wait for results, so that Ctrl-C is seen at once
 _INSTALL = "pip install 'devicekit[ray]'"
 
 
-def _run(fn: Callable[[Any], Any], item: Any, hide_gpus: bool) -> tuple[bool, Any]:
-    """One item, in a Ray worker: (True, result), or (False, (where, traceback)) if fn raised."""
+def _run(fn: Callable[[Any], Any], item: Any, hide_gpus: bool) -> tuple[Any, ...]:
+    """One item, in a Ray worker: its answer, in the local worker's words.
+
+    ``("ok", result)``; ``("raised", where, traceback)`` if fn raised an
+    ``Exception``; ``("exited", where, what, traceback)`` if it raised any
+    other ``BaseException`` (``what`` is ``"sys.exit(3)"``, or the exception).
+    Nothing fn raises leaves the task, so Ray never retries an item for it.
+    devicekit cancels tasks with ``force=True``, which kills the worker: the
+    ``KeyboardInterrupt`` a gentle ``ray.cancel`` raises never reaches here.
+    """
     # A CPU task sees every GPU unless told otherwise; the local executor hides them.
     with scoped_env(ENV_VAR, "") if hide_gpus else contextlib.nullcontext():
         try:
-            return True, fn(item)
+            return "ok", fn(item)
         except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
-            visible = os.environ.get(ENV_VAR)
-            device = f"GPU {visible}" if visible else "the CPU"
-            return False, (
-                f"a Ray task on {socket.gethostname()} ({device})",
-                traceback.format_exc(),
-            )
+            return "raised", _where(), traceback.format_exc()
+        except BaseException as error:  # noqa: BLE001 - sys.exit() in fn must not end the worker
+            what = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
+            return "exited", _where(), what, traceback.format_exc()
+
+
+def _where() -> str:
+    """``"a Ray task on node-3 (GPU 1)"``: this task, as an error message names it."""
+    visible = os.environ.get(ENV_VAR)
+    device = f"GPU {visible}" if visible else "the CPU"
+    return f"a Ray task on {socket.gethostname()} ({device})"
 
 
 def _import_ray() -> Any:
@@ -89,20 +118,39 @@ _CONNECT_TIMEOUT = 10.0  # seconds to wait for RAY_ADDRESS's port to accept a co
 
 
 def _check_answers(address: str) -> None:
-    """Refuse a ``RAY_ADDRESS`` whose port nothing listens on, before ``ray.init()`` hangs on it.
+    """Refuse a ``RAY_ADDRESS`` that ``ray.init()`` cannot use, or that nothing answers at.
+
+    ``ray.init()`` reads ``RAY_ADDRESS`` as a cluster's GCS address
+    (``host:port``, ``[::1]:6379``), a Ray Client address
+    (``ray://host:port``), ``auto`` or ``local``; any other ``scheme://`` names
+    a module that provides a client. An ``http://`` or ``https://`` address (a
+    dashboard's, which ``ray job submit`` takes) it refuses: that is said here,
+    in gpu_map's words (the scheme was taken for the host name before, and the
+    error blamed DNS).
 
     ``ray.init()`` retries an address that does not answer for many minutes
     (Ray 2.60 took 14 minutes to give up on a port nothing listened on),
     printing warnings: a stale ``RAY_ADDRESS`` looks like a hang. One TCP
-    connection, bounded, tells a cluster that is down at once. Only
-    ``host:port`` and ``ray://host:port`` are checked; other forms
-    (``auto``, ``local``) are Ray's to read.
+    connection, bounded, tells a cluster that is down at once. Only the
+    ``host:port`` and ``ray://host:port`` forms are checked; the others are
+    Ray's to read.
     """
-    target = address.strip().removeprefix("ray://").rstrip("/")
+    scheme, has_scheme, rest = address.strip().partition("://")
+    if has_scheme and scheme.lower() in ("http", "https"):
+        raise ValueError(
+            f"RAY_ADDRESS={address!r} is an HTTP address (a Ray dashboard's, which `ray job "
+            "submit` uses), and ray.init() cannot connect to a cluster there. Set RAY_ADDRESS "
+            "to the cluster's GCS address (head-node:6379) or its Ray Client address "
+            "(ray://head-node:10001), or unset it to let gpu_map start a local Ray for the call."
+        )
+    if has_scheme and scheme != "ray":
+        return  # Ray imports the module the scheme names, for its client
+    target = (rest if has_scheme else scheme).rstrip("/")
     host, _, port = target.rpartition(":")
-    host = host.strip("[]")  # [::1]:6379
-    if not host or not port.isascii() or not port.isdigit():
-        return
+    bracketed = host.startswith("[") and host.endswith("]")  # [::1]:6379
+    host = host[1:-1] if bracketed else host
+    if not host or (":" in host and not bracketed) or not (port.isascii() and port.isdigit()):
+        return  # auto, local, or a form Ray refuses itself, at once
     try:
         with socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT):
             pass
@@ -177,10 +225,13 @@ def ray_map(
             # worker (Ray's default for GPU tasks, said here so it cannot change
             # under us). No CPU is asked for, so that the GPUs alone bound how many
             # tasks run at once, as with the local executor.
-            options = {"num_gpus": share, "num_cpus": 0, "max_calls": 1}
+            options: dict[str, Any] = {"num_gpus": share, "num_cpus": 0, "max_calls": 1}
         else:
             options = {"num_cpus": share}
-        task = ray.remote(**options)(_run)
+        # _run sends back whatever fn raises: an exception out of the task is Ray's own (a
+        # result it cannot serialize), and running fn again would not help. Said here so
+        # that it cannot change under us; a worker that dies is still retried (max_retries).
+        task = ray.remote(**options, retry_exceptions=False)(_run)
         fn_ref = _put_fn(ray, fn)  # serialized once, not once per item
         refs: list[Any] = []
         try:
@@ -201,7 +252,7 @@ def _put_fn(ray: Any, fn: object) -> Any:
     except TypeError as error:  # what Ray raises for what it cannot serialize
         raise TypeError(
             f"gpu_map(executor='ray') sends fn to Ray tasks, so Ray must be able to serialize "
-            f"it, and {fn!r} cannot be: {first_line(error).rstrip(':')}"
+            f"it, and {fn!r} cannot be: {_plain_text(first_line(error)).rstrip(':')}"
         ) from None
 
 
@@ -209,7 +260,7 @@ def _submit(task: Any, fn_ref: Any, index: int, item: Any, hide_gpus: bool) -> A
     try:
         return task.remote(fn_ref, item, hide_gpus)
     except TypeError as error:  # what Ray raises for an argument it cannot serialize
-        reason = first_line(error).rstrip(":")
+        reason = _plain_text(first_line(error)).rstrip(":")
         raise TypeError(
             f"gpu_map(executor='ray') sends each item to a Ray task, so Ray must be able to "
             f"serialize it, and item {index} ({show_item(item)}, a {type(item).__name__}) "
@@ -233,24 +284,72 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
             for ref in ready:
                 index = position[ref]
                 try:
-                    ok, payload = ray.get(ref)
+                    answer = ray.get(ref)
                 except ray.exceptions.RayError as error:  # the worker died, was killed, ...
                     raise WorkerError(
-                        f"gpu_map: the Ray task for item {index} ({show_item(work[index])}) "
-                        f"failed: {error}",
+                        _ray_failed(ray, error, index, work[index]),
                         index=index,
                         results=dict(finished),
                     ) from None
-                if not ok:
+                if answer[0] != "ok":
                     raise WorkerError(
-                        fn_raised(index, work[index], *payload),
+                        _fn_failed(index, work[index], answer),
                         index=index,
                         results=dict(finished),
                     )
-                finished[index] = payload
+                finished[index] = answer[1]
                 progress.step()
     finally:
         for ref in pending:  # empty unless an item failed or Ctrl-C came
             ray.cancel(ref, force=True)
         progress.close()
     return [finished[index] for index in range(len(refs))]
+
+
+def _fn_failed(index: int, item: object, answer: tuple[Any, ...]) -> str:
+    """The message for an item whose fn raised (``"raised"``) or exited (``"exited"``)."""
+    if answer[0] == "raised":
+        return fn_raised(index, item, answer[1], answer[2])
+    kind, where, what, remote_traceback = answer
+    return item_fault(kind, index, item, where, (kind, index, what, remote_traceback))
+
+
+def _ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str:
+    """The message for a task that Ray failed: its result, or the task itself."""
+    cause = getattr(error, "cause", None)
+    if (
+        isinstance(error, ray.exceptions.RayTaskError)
+        and isinstance(cause, BaseException)
+        and not isinstance(cause, ray.exceptions.RayError)
+    ):
+        # _run answers for everything fn raises, and an argument that cannot be rebuilt
+        # has a RaySystemError cause: a cause of another kind failed the answer, as Ray
+        # serialized the result after fn returned. The error is also an instance of the
+        # cause's class, which hides Ray's ip attribute; its message starts
+        # "ray::_run() (pid=1234, ip=10.0.0.3)".
+        node = _NODE.search(str(error))
+        where = f"a Ray task on {node.group(1)}" if node else "a Ray task"
+        reason = ("unpicklable", index, _plain_text(f"{type(cause).__name__}: {cause}"))
+        return item_fault("unpicklable", index, item, where, reason)
+    return (
+        f"gpu_map: the Ray task for item {index} ({show_item(item)}) failed: "
+        f"{_plain_text(str(error))}"
+    )
+
+
+_NODE = re.compile(r"\bip=([^\s,)]+)")  # in Ray's "(pid=1234, ip=10.0.0.3)"
+_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal's colour or cursor code
+
+
+def _plain_text(text: str) -> str:
+    r"""Ray's error text without terminal colour codes, nor caret lines with nothing to mark.
+
+    Ray colours the task's name (``\x1b[36mray::_run()\x1b[39m``), and after
+    dropping its own frames keeps the ``^^^^`` lines that marked them.
+
+    Examples:
+        >>> _plain_text("\x1b[36mray::_run()\x1b[39m (pid=7)\n    ^^^^^\nTypeError: no")
+        'ray::_run() (pid=7)\nTypeError: no'
+    """
+    lines = _ESCAPE.sub("", text).splitlines()
+    return "\n".join(line for line in lines if line.strip(" ^~") or not line.strip())

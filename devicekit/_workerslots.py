@@ -9,6 +9,7 @@ every device, and refused past a limit, before a list of that size is built.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from ._devices import resolve_devices, try_all_gpus
@@ -19,13 +20,18 @@ __all__ = ["worker_slots", "workers_per_device_count"]
 
 
 def worker_slots(
-    devices: object, workers_per_device: int, *, caller: str = "gpu_map()"
+    devices: object,
+    workers_per_device: int,
+    *,
+    caller: str = "gpu_map()",
+    most: int | None = None,
 ) -> list[str | int]:
+    """The slots of the workers to start: ``most`` at most (a map's items), if given."""
     if devices is None:
         targets = [device for device in try_all_gpus() if device.type == "cuda"]
         if not targets:
             cpu: list[str | int] = ["cpu"]
-            return _at_most_max(cpu * _usable_cpus(), workers_per_device, caller)
+            return _at_most_max(cpu * _usable_cpus(), workers_per_device, caller, most)
     else:
         targets = resolve_devices(devices, name="devices")
     slots: list[str | int] = []
@@ -41,26 +47,41 @@ def worker_slots(
             f"{caller} needs at least one device, got devices=[]; pass devices=None for every "
             "visible GPU (or the CPU), or name one"
         )
-    return _at_most_max(slots, workers_per_device, caller)
+    return _at_most_max(slots, workers_per_device, caller, most)
 
 
 _MAX_WORKERS = 1024  # each a process that imports torch: hundreds of MB of memory each
 
 
-def _at_most_max(slots: list[str | int], per_device: int, caller: str) -> list[str | int]:
-    """Each slot ``per_device`` times, round-robin; refused past `_MAX_WORKERS` in all.
+def _at_most_max(
+    slots: list[str | int], per_device: int, caller: str, most: int | None
+) -> list[str | int]:
+    """Each slot ``per_device`` times, round-robin, ``most`` at most; refused past `_MAX_WORKERS`.
 
     Round-robin, not device by device: gpu_map starts only as many workers as it
     has items, a prefix of these, and that prefix must spread over every device.
     """
-    if len(slots) * per_device > _MAX_WORKERS:  # before a list of a billion is built
+    count = len(slots) * per_device
+    one_per_item = most is not None and most < count  # no more workers than items
+    if one_per_item:
+        count = int(most or 0)
+    if count > _MAX_WORKERS:  # before a list of a billion is built
+        if len(slots) > _MAX_WORKERS:
+            fix = (
+                f"Name at most {_MAX_WORKERS} devices (a device named twice gets two workers; "
+                f"{len(slots):,} were named)"
+            )
+        else:
+            fix = (
+                f"Use fewer workers per device: at most {_MAX_WORKERS // len(slots)} on "
+                f"{plural(len(slots), 'device')} (1 to 4 keeps a GPU busy)"
+            )
+        started = f"{count:,} worker processes" + (", one per item" if one_per_item else "")
         raise ValueError(
             f"workers_per_device={per_device} on {plural(len(slots), 'device')} would start "
-            f"{len(slots) * per_device:,} worker processes, each importing torch; {caller} "
-            f"starts at most {_MAX_WORKERS}. Use fewer workers per device (1 to 4 keeps a "
-            "GPU busy)"
+            f"{started}, each importing torch; {caller} starts at most {_MAX_WORKERS}. {fix}"
         )
-    return [slot for _ in range(per_device) for slot in slots]
+    return list(itertools.islice(itertools.cycle(slots), count))
 
 
 def _usable_cpus() -> int:

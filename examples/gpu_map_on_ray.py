@@ -28,8 +28,9 @@ def evaluate(seed: int) -> tuple[int, str, str, float]:
     device = dk.try_gpu()  # the GPU Ray assigned to this task, or the CPU
     model = torch.nn.Linear(256, 10).to(device)
     x = torch.randn(1024, 256, device=device)
-    loss = model(x).logsumexp(dim=1).mean()
-    return seed, str(device), os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"), float(loss)
+    with torch.no_grad():  # scoring only: no graph to keep, and a plain float to return
+        loss = model(x).logsumexp(dim=1).mean()
+    return seed, str(device), os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"), loss.item()
 
 
 if __name__ == "__main__":

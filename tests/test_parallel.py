@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -348,11 +349,13 @@ def test_workers_per_device_beyond_the_items_builds_no_slots(
     real_slots = _workerslots.worker_slots
     asked: list[int] = []
 
-    def slots(devices: object, workers_per_device: int, *, caller: str = "") -> list[str | int]:
+    def slots(
+        devices: object, workers_per_device: int, *, caller: str = "", most: int | None = None
+    ) -> list[str | int]:
         asked.append(workers_per_device)
         # Before, gpu_map built all 10**12 slots (memory, for minutes) to use two.
         assert workers_per_device <= 2, "gpu_map built slots for workers it never starts"
-        return real_slots(devices, workers_per_device, caller=caller)
+        return real_slots(devices, workers_per_device, caller=caller, most=most)
 
     monkeypatch.setattr(_parallel, "worker_slots", slots)  # where gpu_map looks it up
     assert dk.gpu_map(abs, [-1, -2], devices=["cpu"], workers_per_device=10**12) == [1, 2]
@@ -542,7 +545,7 @@ def test_an_unpicklable_item_is_named_before_any_worker_starts() -> None:
     message = str(info.value)
     assert "item 1 (<function " in message
     assert "<lambda>" in message
-    assert "a function) is not: " in message
+    assert "of type function) is not: " in message
     assert set(multiprocessing.active_children()) == before
 
 
@@ -822,7 +825,7 @@ def test_an_item_over_its_timeout_stops_every_worker_and_keeps_the_results(tmp_p
     name, is_worker_error, message, index, limit, results, copied, copied_index = out["first"]
     assert (name, is_worker_error, index, limit) == ("WorkerTimeoutError", True, 2, 0.5)
     assert message == (
-        "gpu_map: item 2 (2) ran longer than timeout=0.5 s in worker 1 on the CPU, so every "
+        "GPUPool.map(): item 2 (2) ran longer than timeout=0.5 s in worker 1 on the CPU, so every "
         "worker was stopped. 2 of 4 items had finished: their results are in this error's "
         ".results (a dict by item index); the others were lost. If the item needs longer, pass "
         "a larger timeout (or timeout=None for no limit)."
@@ -852,23 +855,31 @@ def test_a_missing_main_guard_with_large_items_is_named_too(tmp_path: Any) -> No
     assert "BrokenPipeError" not in result.stderr
 
 
-def test_a_pool_worker_killed_between_maps_is_named() -> None:
-    # Before, the next map wrote to the dead worker's pipe: a bare BrokenPipeError.
-    with dk.gpu_pool(devices=["cpu"]) as pool:
-        assert pool.map(abs, [-1]) == [1]
-        process = pool._workers[0].process
-        os.kill(process.pid, signal.SIGKILL)
-        process.join(30)
-        with pytest.raises(
-            dk.WorkerError,
-            match=r"^gpu_map: worker 1 on the CPU was killed by SIGKILL .* between items$",
-        ):
-            pool.map(abs, [-2])
-        assert pool.map(abs, [-3]) == [3]  # fresh workers
+def test_a_pool_replaces_a_worker_that_died_while_idle(caplog: pytest.LogCaptureFixture) -> None:
+    # Before, the next map failed: "worker 1 on the CPU was killed by SIGKILL ... between
+    # items", with index=None, though no item of it had run (and, earlier still, a bare
+    # BrokenPipeError). The out-of-memory killer picks idle workers too.
+    with dk.gpu_pool(devices=["cpu"], workers_per_device=2) as pool:
+        assert pool.map(abs, [-1, -2]) == [1, 2]
+        victim, other = pool._workers
+        os.kill(victim.process.pid, signal.SIGKILL)
+        assert _wait_for(lambda: not _alive(victim.process.pid), 30)
+        with caplog.at_level(logging.WARNING, logger="devicekit"):
+            assert pool.map(abs, [-3, -4, -5]) == [3, 4, 5]
+        assert pool._workers[0] is not victim
+        assert (pool._workers[0].number, pool._workers[0].slot) == (1, "cpu")
+        assert pool._workers[1] is other  # the live one is kept
+        assert [record.getMessage() for record in caplog.records] == [
+            "GPUPool.map(): worker 1 on the CPU was killed by SIGKILL (the out-of-memory killer "
+            "sends it) while idle, after the last map; starting a fresh one in its place (no "
+            "item was lost)"
+        ]
 
 
 class _Stubborn:
     """A stand-in worker process that ignores SIGTERM: only SIGKILL ends it."""
+
+    pid = None  # no process of the system's: stop_workers asks it, as multiprocessing's own
 
     def __init__(self, number: int, events: list[str]) -> None:
         self.number, self.events, self.alive = number, events, True
@@ -974,7 +985,7 @@ def test_a_map_style_dataset_is_its_items() -> None:
 def test_the_missing_main_guard_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     # Before, print() wrote the line and its newline apart: under PYTHONUNBUFFERED,
     # two workers' lines could interleave into one long line and an empty one.
-    from devicekit import _parallel
+    from devicekit import _mapguards
 
     class Recorder:
         def __init__(self) -> None:
@@ -989,7 +1000,7 @@ def test_the_missing_main_guard_line_is_one_write(monkeypatch: pytest.MonkeyPatc
 
     recorder = Recorder()
     monkeypatch.setattr(sys, "stderr", recorder)
-    monkeypatch.setattr(_parallel, "in_worker_bootstrap", lambda: True)
+    monkeypatch.setattr(_mapguards, "in_worker_bootstrap", lambda: True)
     with pytest.raises(SystemExit) as info:
         dk.gpu_map(abs, [1], devices=["cpu"])
     assert info.value.code == 87
@@ -1021,7 +1032,7 @@ def test_a_worker_whose_fn_never_loads_is_stopped_at_the_startup_limit(tmp_path:
         "gpu_map: worker 1 on the CPU was still loading fn (unpickling it, which imports its "
         "module) 3 s after it was given this map, so every worker was stopped. With "
         "timeout=0.5, a worker's start-up may take max(timeout, 3 s). 0 of 2 items had "
-        "finished: "
+        "finished, so this error's .results is empty. "
     ), message
     assert "look at what the main module and fn's module do at import time" in message
     assert (index, limit, results, children) == (None, 3.0, {}, 0)
@@ -1684,3 +1695,241 @@ def test_a_forked_child_neither_uses_nor_stops_its_parent_s_workers() -> None:
         result.stderr,
         re.MULTILINE,
     ), result.stderr
+
+
+def wait_for_gate(gate: str) -> str:
+    """Say it started (``gate + ".started"``), then wait until ``gate`` exists (60 s at most)."""
+    with open(gate + ".started", "w"):
+        pass
+    _wait_for(lambda: os.path.exists(gate), 60)
+    return gate
+
+
+@pytest.mark.timeout(300)
+def test_a_second_map_on_a_busy_pool_is_refused_at_once(tmp_path: Any) -> None:
+    # Before, two threads' maps on one pool read the same pipes: one hung for ever in
+    # recv(), or both failed with WorkerErrors blaming the workers.
+    gate = str(tmp_path / "gate")
+    outcome: dict[str, object] = {}
+
+    def run(name: str, fn: Callable[[Any], Any], items: list[Any]) -> None:
+        try:
+            outcome[name] = pool.map(fn, items)
+        except BaseException as error:  # noqa: BLE001 - shown by the assertions below
+            outcome[name] = error
+
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        first = threading.Thread(
+            target=run, args=("first", wait_for_gate, [gate]), name="first-map", daemon=True
+        )
+        first.start()
+        try:
+            assert _wait_for(lambda: os.path.exists(gate + ".started"), 120), "fn never ran"
+            second = threading.Thread(target=run, args=("second", abs, [-1]), daemon=True)
+            second.start()
+            second.join(60)  # refused at once: were it to wait or hang, this ends it
+            assert not second.is_alive(), "the second map waited"
+            assert str(outcome["second"]) == (
+                "GPUPool.map() is already running on this pool, in thread 'first-map'. A pool "
+                "runs one map at a time, from one thread: its workers answer one map at a "
+                "time. Use one pool per thread (dk.gpu_pool() in each), or dk.gpu_map(), which "
+                "starts workers of its own for each call."
+            )
+            assert type(outcome["second"]) is RuntimeError
+            assert "first" not in outcome  # the first map runs on, unaffected
+        finally:
+            open(gate, "w").close()
+            first.join(60)
+        assert outcome["first"] == [gate]
+        assert pool.map(abs, [-2]) == [2]  # free again
+
+
+def test_a_script_read_from_stdin_is_refused_before_any_worker_starts(tmp_path: Any) -> None:
+    # Before, every worker printed multiprocessing's FileNotFoundError for '<stdin>',
+    # and the error said to add the main guard, which the script had.
+    script = textwrap.dedent(
+        """
+        import devicekit as dk
+        if __name__ == "__main__":
+            try:
+                dk.gpu_map(abs, [1], devices=["cpu"])
+            except RuntimeError as error:
+                print(error)
+        """
+    )
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "gpu_map() cannot start its workers: the main module was read from standard input "
+        "(`python -`), which is read once. Workers are started with spawn, and each one imports "
+        "the main module again, from its file. Save the code to a .py file and run that file "
+        "(or, from `python -c`, import fn from a module).\n"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_a_main_module_whose_file_is_gone_is_refused_before_any_worker_starts(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__spec__", None, raising=False)  # a script, not `python -m`
+    monkeypatch.setattr(main, "__file__", str(tmp_path / "gone.py"), raising=False)
+    before = set(multiprocessing.active_children())
+    gone = re.escape(repr(str(tmp_path / "gone.py")))
+    calls: list[tuple[Callable[[], object], str]] = [
+        (lambda: dk.gpu_pool(devices=["cpu"]), r"gpu_pool\(\)"),
+        (lambda: dk.gpu_map(abs, [1], devices=["cpu"]), r"gpu_map\(\)"),
+    ]
+    for call, caller in calls:
+        with pytest.raises(
+            RuntimeError,
+            match=rf"^{caller} cannot start its workers: the main module's file, {gone}, does "
+            r"not exist\. Workers are started with spawn",
+        ):
+            call()
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_a_main_module_that_fails_in_a_worker_is_not_said_to_lack_the_guard(
+    tmp_path: Any,
+) -> None:
+    # Before: "... could not import the main module ... a script must call gpu_map()
+    # under `if __name__ == "__main__":`", to a script that does.
+    script = tmp_path / "fails_in_workers.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import devicekit as dk
+            if __name__ == "__mp_main__":  # what a worker runs, importing this module
+                raise RuntimeError("this module fails in a worker")
+            if __name__ == "__main__":
+                try:
+                    dk.gpu_map(abs, [1], devices=["cpu"])
+                except dk.WorkerError as error:
+                    print(error)
+            """
+        )
+    )
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "gpu_map: worker 1 on the CPU exited with code 1 before it started, while it imported "
+        "the main module (a spawned worker imports it again): that import failed in the "
+        "worker, and its own error is printed above, on stderr. Fix what it says (the main "
+        "module must import without error in a fresh Python, from its file).\n"
+    )
+    assert "RuntimeError: this module fails in a worker" in result.stderr
+
+
+def start_a_child(item: int) -> int:
+    """Start ``sleep 60`` and write its PID where the test sees it; then wait, exit or return."""
+    child = subprocess.Popen(["sleep", "60"])
+    with open(os.path.join(os.environ["DK_TEST_PIDS"], str(child.pid)), "w"):
+        pass
+    if item == 0:
+        time.sleep(60)  # past the map's timeout
+    if item == 1:
+        os._exit(3)  # the worker dies under its child
+    return item  # the child runs on, until the pool closes
+
+
+@pytest.mark.parametrize("how", ["timeout", "worker dies", "pool closes"])
+def test_processes_fn_started_end_with_their_worker(
+    how: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, only the worker was stopped: `sleep 60` lived on, with PPID 1.
+    monkeypatch.setenv("DK_TEST_PIDS", str(tmp_path))
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        if how == "timeout":
+            with pytest.raises(dk.WorkerTimeoutError):
+                pool.map(start_a_child, [0], timeout=1)
+        elif how == "worker dies":
+            with pytest.raises(dk.WorkerError, match="exited with code 3 while running item 0"):
+                pool.map(start_a_child, [1])
+        else:
+            assert pool.map(start_a_child, [2]) == [2]
+    children = [int(name) for name in os.listdir(tmp_path)]
+    try:
+        assert len(children) == 1
+        assert _wait_for(lambda: not _alive(children[0]), 10), "fn's child outlived the map"
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pool_names_itself_in_its_errors() -> None:
+    # Before, each of these said gpu_map, which the caller had not called.
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        with pytest.raises(TypeError, match=r"^GPUPool\.map\(\) sends fn to worker processes"):
+            pool.map(lambda x: x, [1])
+        with pytest.raises(
+            TypeError,
+            match=r"^GPUPool\.map\(\) sends each item to a worker process, so it must be "
+            r"picklable, and item 1 \(<function .*, of type function\) is not: ",
+        ):
+            pool.map(str, [1, lambda: 2])
+        with pytest.raises(
+            dk.WorkerError, match=r"^GPUPool\.map\(\): fn raised on item 3 \(3\) in worker 1"
+        ):
+            pool.map(fail_on_three, range(5))
+
+
+class IndexedOnly:
+    """Iterable by the old protocol only: ``[i]`` until ``IndexError``, no ``__iter__`` or len()."""
+
+    def __getitem__(self, index: int) -> int:
+        if index >= 3:
+            raise IndexError(index)
+        return -index
+
+
+def test_items_none_and_items_iterable_by_index_only() -> None:
+    # Before: "pass a list, such as [None]", and an object iter() reads was refused.
+    with pytest.raises(TypeError) as info:
+        dk.gpu_map(abs, None, devices=["cpu"])  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "gpu_map() needs items, an iterable (a list, a generator) or a map-style dataset "
+        "(len() and [i]) of the items to run fn on, got None"
+    )
+    assert dk.gpu_map(abs, IndexedOnly(), devices=["cpu"]) == [0, 1, 2]  # type: ignore[arg-type]
+
+
+def test_the_worker_limit_counts_the_workers_a_map_starts() -> None:
+    # Before, 1,025 devices for 2 items were refused: "would start 1,025 worker
+    # processes ... Use fewer workers per device", for a map that starts 2.
+    assert dk.gpu_map(abs, [-1, -2], devices=["cpu"] * 1025) == [1, 2]
+    with pytest.raises(
+        ValueError,
+        match=r"^workers_per_device=1 on 1025 devices would start 1,025 worker processes, "
+        r"each importing torch; gpu_pool\(\) starts at most 1024\. Name at most 1024 devices",
+    ):
+        dk.gpu_pool(devices=["cpu"] * 1025)
+
+
+def test_what_an_error_kept_is_said_in_good_english() -> None:
+    from devicekit._mapfaults import kept
+
+    # Before: "0 of 1 item had finished: their results are in this error's .results".
+    assert kept(0, 1) == "0 of 1 item had finished, so this error's .results is empty."
+    assert kept(1, 4).startswith("1 of 4 items had finished: its result is in this error's ")
+    assert kept(2, 4).startswith("2 of 4 items had finished: their results are in ")

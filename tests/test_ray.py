@@ -5,10 +5,13 @@ What needs Ray itself is in tests/compat/test_ray.py.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import sys
 import types
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,3 +125,67 @@ def test_a_ray_address_nothing_answers_at_is_an_error_not_a_hang(
             rf"answer: connecting to 127.0.0.1:{port} failed",
         ):
             dk.gpu_map(math.sqrt, [1], devices="cpu", executor="ray")
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:1", "https://head-node:8265/"])
+def test_an_http_ray_address_is_named_as_such_not_as_a_dns_failure(
+    monkeypatch: pytest.MonkeyPatch, address: str
+) -> None:
+    # Before, the scheme was taken for the host: "connecting to http://127.0.0.1:1 failed
+    # ([Errno -2] Name or service not known)". ray.init() refuses these addresses too.
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=False))
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    with pytest.raises(
+        ValueError,
+        match=rf"RAY_ADDRESS='{re.escape(address)}' is an HTTP address \(a Ray dashboard's, "
+        r"which `ray job submit` uses\), and ray.init\(\) cannot connect to a cluster there. "
+        r"Set RAY_ADDRESS to the cluster's GCS address \(head-node:6379\) or its Ray Client "
+        r"address \(ray://head-node:10001\), or unset it",
+    ):
+        dk.gpu_map(math.sqrt, [1], devices="cpu", executor="ray")
+
+
+def test_an_ipv6_ray_address_is_checked_by_its_host_and_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=False))
+    tried: list[tuple[str, int]] = []
+
+    def refuse(address: tuple[str, int], timeout: float) -> None:
+        tried.append(address)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr("socket.create_connection", refuse)
+    for address in ("[::1]:6379", "ray://[::1]:10001/"):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        with pytest.raises(ConnectionError, match=r"connecting to ::1:\d+ failed"):
+            dk.gpu_map(math.sqrt, [1], devices="cpu", executor="ray")
+    assert tried == [("::1", 6379), ("::1", 10001)]
+
+
+def test_ray_error_text_loses_its_terminal_codes() -> None:
+    from devicekit._ray import _plain_text
+
+    text = (
+        "\x1b[36mray::_run()\x1b[39m (pid=7, ip=10.0.0.3)\n           ^^^^^^^^^\n"
+        '  File "x.py", line 1, in f\n\nTypeError: \x1b[1mno\x1b[0m'
+    )
+    assert _plain_text(text) == (
+        'ray::_run() (pid=7, ip=10.0.0.3)\n  File "x.py", line 1, in f\n\nTypeError: no'
+    )
+
+
+def test_the_ray_example_scores_without_autograd_warnings() -> None:
+    # Before, float(loss) of a tensor that requires grad warned in every task: "Converting
+    # a tensor with requires_grad=True to a scalar may lead to unexpected behavior".
+    path = Path(__file__).parent.parent / "examples" / "gpu_map_on_ray.py"
+    spec = importlib.util.spec_from_file_location("gpu_map_on_ray", path)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # its __name__ is not "__main__": nothing runs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seed, device, _, loss = example.evaluate(3)
+    assert (seed, device) == (3, str(dk.try_gpu()))
+    assert isinstance(loss, float)

@@ -17,7 +17,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,39 @@ def die_on_one(item: int) -> int:
     if item == 1:
         os._exit(3)  # the worker process dies, as under the out-of-memory killer
     return item
+
+
+def exit_on_one(job: tuple[str, int]) -> int:
+    """Note each run of an item in ``directory``; item 1 calls sys.exit(3)."""
+    directory, item = job
+    Path(directory, f"{item}-{uuid.uuid4()}").touch()
+    if item == 1:
+        sys.exit(3)
+    return item
+
+
+def interrupt(item: int) -> int:
+    raise KeyboardInterrupt
+
+
+def lock(item: int) -> threading.Lock:
+    return threading.Lock()  # Ray cannot serialize it
+
+
+_DRIVER = os.getpid()  # in a Ray worker, the worker's: items carry the driver's
+
+
+def _rebuild_in(pid: int) -> OnlyHere:
+    if os.getpid() != pid:
+        raise ValueError("this item cannot be rebuilt in a Ray worker")
+    return OnlyHere()
+
+
+class OnlyHere:
+    """An item that Ray serializes here but cannot rebuild in its worker."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_in, (_DRIVER,)
 
 
 def meet(job: tuple[str, int, int]) -> tuple[str, int]:
@@ -168,6 +203,63 @@ def test_a_task_whose_worker_dies_raises_worker_error_with_its_index(cluster: An
         dk.gpu_map(die_on_one, range(3), devices="cpu", executor="ray")
     assert caught.value.index == 1
     assert all(caught.value.results[index] == index for index in caught.value.results)
+
+
+def test_sys_exit_in_fn_is_reported_as_such_and_not_retried(cluster: Any, tmp_path: Path) -> None:
+    # Before, SystemExit ended the Ray worker: Ray retried the task 3 times (fn ran 4 times)
+    # and the error was "The worker died unexpectedly".
+    jobs = [(str(tmp_path), item) for item in range(3)]
+    with pytest.raises(
+        dk.WorkerError,
+        match=r"gpu_map: fn called sys.exit\(3\) on item 1 \(\(.*, 1\)\) in a Ray task on .+ "
+        r"\(the CPU\); fn must return a result, or raise an Exception to fail its item "
+        r"\(SystemExit and KeyboardInterrupt are not Exceptions\). The worker's traceback:\n",
+    ) as caught:
+        dk.gpu_map(exit_on_one, jobs, devices="cpu", executor="ray")
+    assert "SystemExit: 3" in str(caught.value)
+    assert caught.value.index == 1
+    assert len(list(tmp_path.glob("1-*"))) == 1  # fn ran once for item 1
+
+
+def test_keyboard_interrupt_in_fn_is_reported_as_fn_s_not_as_a_cancellation(
+    cluster: Any,
+) -> None:
+    # Before, Ray took it for a cancellation: ray.exceptions.TaskCancelledError.
+    with pytest.raises(
+        dk.WorkerError,
+        match=r"gpu_map: fn raised KeyboardInterrupt on item 0 \(5\) in a Ray task on .+; fn "
+        r"must return a result, or raise an Exception",
+    ):
+        dk.gpu_map(interrupt, [5], devices="cpu", executor="ray")
+
+
+def test_a_result_ray_cannot_serialize_is_named_as_the_local_executor_names_it(
+    cluster: Any,
+) -> None:
+    # Before, Ray's own traceback, with terminal colour codes in it.
+    with pytest.raises(dk.WorkerError) as caught:
+        dk.gpu_map(lock, [7], devices="cpu", executor="ray")
+    message = str(caught.value)
+    assert re.fullmatch(
+        r"gpu_map: the result of item 0 \(7\) cannot be sent back from a Ray task on \S+: "
+        r"TypeError: cannot pickle '_thread.lock' object. Return picklable data: numbers, "
+        r"strings, tensors, or containers of them.",
+        message,
+    ), message
+    assert caught.value.index == 0
+
+
+def test_ray_s_own_errors_come_without_terminal_codes(cluster: Any) -> None:
+    # Before: "failed: \x1b[36mray::_run()\x1b[39m (pid=...)", and ^^^^ lines under nothing.
+    with pytest.raises(
+        dk.WorkerError,
+        match=r"gpu_map: the Ray task for item 1 \(<.*>\) failed: ray::_run\(\) \(pid=",
+    ) as caught:
+        dk.gpu_map(math.sqrt, [4, OnlyHere()], devices="cpu", executor="ray")
+    message = str(caught.value)
+    assert "this item cannot be rebuilt in a Ray worker" in message
+    assert "\x1b" not in message
+    assert not [line for line in message.splitlines() if line.strip() and not line.strip("^ ")]
 
 
 def test_two_tasks_share_a_gpu_with_two_workers_per_device(cluster: Any, tmp_path: Path) -> None:

@@ -1,0 +1,169 @@
+"""What a failed map says: the messages of ``gpu_map``'s and ``GPUPool.map``'s ``WorkerError``s.
+
+``_dispatch`` runs a map and decides what went wrong; this module words it.
+Every message starts with the call that failed (``gpu_map:`` or
+``GPUPool.map():``), names the item and the worker where there is one, and
+ends with what to do. The Ray executor (``_ray``) words its items' faults
+with the same functions, so that both executors say the same thing.
+"""
+
+from __future__ import annotations
+
+import reprlib
+import signal
+from typing import Any
+
+from ._format import plural
+from ._worker import NO_MAIN_GUARD
+
+__all__ = [
+    "MAIN_GUARD_FIX",
+    "death_message",
+    "fn_failed",
+    "fn_raised",
+    "how_it_ended",
+    "item_fault",
+    "kept",
+    "show_item",
+]
+
+MAIN_GUARD_FIX = (
+    "Workers are started with spawn: each one imports the main module again, so a "
+    'script must call gpu_map() under `if __name__ == "__main__":` (and define fn at '
+    "the top level of a module, above that line)."
+)
+
+
+def show_item(item: object) -> str:
+    """An item as error messages show it: its repr, cut short."""
+    return reprlib.repr(item)
+
+
+def kept(done: int, total: int) -> str:
+    """What an error keeps: ``"2 of 4 items had finished: their results are in ..."``."""
+    if not done:
+        return f"0 of {plural(total, 'item')} had finished, so this error's .results is empty."
+    whose = "its result is" if done == 1 else "their results are"
+    return (
+        f"{done} of {plural(total, 'item')} had finished: {whose} in this error's .results (a "
+        "dict by item index); the others were lost."
+    )
+
+
+def how_it_ended(code: int | None) -> str:
+    """``"was killed by SIGKILL (...)"``, ``"exited with code 1"``, from an exit code."""
+    if code is None:
+        return "closed its connection"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+def death_message(
+    where: str,
+    code: int | None,
+    *,
+    ready: bool,
+    doing: str,
+    mid_item: bool,
+    caller: str = "gpu_map",
+) -> str:
+    """The message for a worker that ended without being asked: how, and what it was doing.
+
+    Args:
+        where: ``"worker 1 on the CPU"``.
+        code: Its exit code, minus the signal that killed it; None if it still runs.
+        ready: Whether it had started (imported the main module).
+        doing: ``"while running item 3 (...)"``, ``"between items"``...
+        mid_item: Whether it was running an item.
+        caller: ``"gpu_map"`` or ``"GPUPool.map()"``.
+    """
+    how = how_it_ended(code)
+    if code == NO_MAIN_GUARD:
+        return (
+            f"{caller}: {where} stopped while importing the main module, because the "
+            f"script calls gpu_map() at import time. {MAIN_GUARD_FIX}"
+        )
+    if not ready:
+        # A spawned worker imports the main module before anything else; the main
+        # guard is missing only where it said so (NO_MAIN_GUARD, above).
+        started = (
+            f"{caller}: {where} {how} before it started, while it imported the main module "
+            "(a spawned worker imports it again)"
+        )
+        if code is not None and code > 0:
+            return (
+                f"{started}: that import failed in the worker, and its own error is printed "
+                "above, on stderr. Fix what it says (the main module must import without "
+                "error in a fresh Python, from its file)."
+            )
+        return started
+    if mid_item and code is not None and code >= 0:
+        # It exited by itself mid-item. The worker sends back whatever fn raises,
+        # sys.exit() included, so fn (or a library it calls) ended the process with
+        # os._exit() or C's exit(); without this it reads like a crash of ours.
+        doing += (
+            ". fn must return or raise an Exception: os._exit() in fn (or exit() in a "
+            "library it calls) ends its worker (any message is on stderr above)"
+        )
+    return f"{caller}: {where} {how} {doing}"
+
+
+def fn_failed(where: str, summary: str, remote_traceback: str, *, caller: str = "gpu_map") -> str:
+    """The message for an ``fn`` that could not be unpickled in a worker."""
+    return (
+        f"{caller}: fn could not be unpickled in {where}: {summary}. A worker finds fn by "
+        "its module and name, and imports that module: define fn with def at the top level "
+        "of a module that imports without error (not in a notebook or `python -c`: put it "
+        f"in a .py file and import it). The worker's traceback:\n{remote_traceback}"
+    )
+
+
+def item_fault(
+    kind: str,
+    index: int,
+    item: object,
+    where: str,
+    message: tuple[Any, ...],
+    *,
+    caller: str = "gpu_map",
+) -> str:
+    """The message for an answer other than a result: what went wrong with this item."""
+    shown = f"item {index} ({show_item(item)})"
+    if kind == "raised":
+        return fn_raised(index, item, where, message[2], caller=caller)
+    if kind == "unpicklable":
+        return (
+            f"{caller}: the result of {shown} cannot be sent back from {where}: {message[2]}. "
+            "Return picklable data: numbers, strings, tensors, or containers of them."
+        )
+    if kind == "item_failed":
+        return (
+            f"{caller}: {shown} could not be unpickled in {where}: {message[2]}. Each item "
+            "is rebuilt in its worker from its pickle: pass data (numbers, strings, paths, "
+            "CPU tensors) whose classes the worker can import, and let fn build the rest. "
+            f"The worker's traceback:\n{message[3]}"
+        )
+    # "exited": fn raised a BaseException that is not an Exception.
+    what = message[2]
+    did = f"called {what}" if what.startswith("sys.exit(") else f"raised {what}"
+    return (
+        f"{caller}: fn {did} on {shown} in {where}; fn must return a result, or raise an "
+        "Exception to fail its item (SystemExit and KeyboardInterrupt are not Exceptions). "
+        f"The worker's traceback:\n{message[3]}"
+    )
+
+
+def fn_raised(
+    index: int, item: object, where: str, remote_traceback: str, *, caller: str = "gpu_map"
+) -> str:
+    """The ``WorkerError`` message for an item whose ``fn`` raised, whichever executor ran it."""
+    return (
+        f"{caller}: fn raised on item {index} ({show_item(item)}) in {where}; the worker's "
+        f"traceback:\n{remote_traceback}"
+    )
