@@ -239,6 +239,11 @@ class Measurement:
         )
 
     @property
+    def device(self) -> str:
+        """The device it ran on, as its repr says it (``conditions.device``): ``"cuda:0"``."""
+        return self.conditions.device
+
+    @property
     def host_median(self) -> float | None:
         """Median host time to issue one call, seconds; None when none was kept."""
         return statistics.median(self.host_times) if self.host_times else None

@@ -20,7 +20,7 @@ from ._errors import SyncError
 from ._format import html_table, plural
 from ._frames import UNKNOWN_LOCATION, is_user, user_location
 from ._keywords import suggest_keywords
-from ._options import got
+from ._options import got, short_repr
 
 __all__ = ["SyncReport", "detect_syncs"]
 
@@ -45,15 +45,22 @@ class SyncReport:
         mode: ``"record"`` or ``"error"``.
         supported: False where nothing can be detected (no CUDA device).
         reason: Why not, when ``supported`` is False.
-        events: ``(location, what)`` per sync, in order; location is ``file:line``.
-            Empty when ``supported`` is False: nothing was looked for.
     """
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.supported = True
         self.reason: str | None = None
-        self.events: list[tuple[str, str]] = []
+        self._events: list[tuple[str, str]] = []
+
+    @property
+    def events(self) -> list[tuple[str, str]] | None:
+        """``(location, what)`` per sync, in order (location is ``file:line``).
+
+        None where nothing could be seen (``supported`` False), as for ``count``:
+        an empty list would claim the block was checked and found free of syncs.
+        """
+        return list(self._events) if self.supported else None
 
     @property
     def count(self) -> int | None:
@@ -61,7 +68,7 @@ class SyncReport:
 
         Not 0 there: 0 would claim the block was checked and found free of syncs.
         """
-        return len(self.events) if self.supported else None
+        return len(self._events) if self.supported else None
 
     @property
     def locations(self) -> dict[str, int] | None:
@@ -72,15 +79,15 @@ class SyncReport:
         return self._counted() if self.supported else None
 
     def _counted(self) -> dict[str, int]:
-        return dict(collections.Counter(location for location, _ in self.events).most_common())
+        return dict(collections.Counter(location for location, _ in self._events).most_common())
 
     def summary(self) -> str:
         """A readable account: the count, then each line with its count."""
         if not self.supported:
             return f"sync detection unavailable: {self.reason}"
-        if not self.events:
+        if not self._events:
             return "no synchronizing CUDA operation seen"
-        lines = [f"{plural(len(self.events), 'synchronizing CUDA operation')}:"]
+        lines = [f"{plural(len(self._events), 'synchronizing CUDA operation')}:"]
         lines += [f"  {count:6d}x  {where}" for where, count in self._counted().items()]
         return "\n".join(lines)
 
@@ -94,14 +101,14 @@ class SyncReport:
             return f"SyncReport({self.mode}: no sync)"
         where = ", ".join(f"{line} ({count}x)" for line, count in lines.items())
         return (
-            f"SyncReport({self.mode}: {plural(len(self.events), 'sync')} from "
+            f"SyncReport({self.mode}: {plural(len(self._events), 'sync')} from "
             f"{plural(len(lines), 'line')}: {where})"
         )
 
     def _repr_html_(self) -> str:
         if not self.supported:
             return f"<p>{html.escape(f'sync detection unavailable: {self.reason}')}</p>"
-        caption = f"detect_syncs: {plural(len(self.events), 'synchronizing CUDA operation')}"
+        caption = f"detect_syncs: {plural(len(self._events), 'synchronizing CUDA operation')}"
         rows = [(where, f"{count}x") for where, count in self._counted().items()]
         if not rows:
             return f"<p>{html.escape(caption)}</p>"
@@ -202,7 +209,7 @@ class _Watch:
 
     def record(self, location: str, what: str) -> None:
         for report in list(self.reports):
-            report.events.append((location, what))
+            report._events.append((location, what))
 
     def synchronize(self, device: Any = None) -> None:
         location = user_location()
@@ -269,6 +276,16 @@ def detect_syncs(
         >>> syncs.count == (0 if syncs.supported else None)  # None: no CUDA device to watch
         True
     """
+    if not isinstance(mode, str):
+        raise TypeError(
+            f"mode must be 'record' or 'error', got {got(mode)}; 'record' counts syncs and "
+            "their lines, 'error' raises SyncError at the first"
+        )
+    if mode not in ("record", "error"):
+        raise ValueError(
+            f"mode must be 'record' or 'error' (lower case), got {short_repr(mode)}; 'record' "
+            "counts syncs and their lines, 'error' raises SyncError at the first"
+        )
     return EnterOnce(
         lambda: _sync_block(mode),
         again=(
@@ -282,16 +299,6 @@ def detect_syncs(
 
 @contextlib.contextmanager
 def _sync_block(mode: str) -> Iterator[SyncReport]:
-    if not isinstance(mode, str):
-        raise TypeError(
-            f"mode must be 'record' or 'error', got {got(mode)}; 'record' counts syncs and "
-            "their lines, 'error' raises SyncError at the first"
-        )
-    if mode not in ("record", "error"):
-        raise ValueError(
-            f"mode must be 'record' or 'error' (lower case), got {mode!r}; 'record' counts "
-            "syncs and their lines, 'error' raises SyncError at the first"
-        )
     report = SyncReport(mode)
     reason = _unsupported(accelerator_type(), accelerator_count())
     if reason is not None:

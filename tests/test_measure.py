@@ -1198,3 +1198,10 @@ def test_converged_times_must_meet_the_target_they_claim() -> None:
     ):
         dk.Measurement.from_dict(document)
     assert dk.Measurement.from_dict(document | {"stop_reason": "max_time"}).rel_noise_target
+
+
+def test_the_device_its_repr_names_is_an_attribute() -> None:
+    m = dk.benchmark(lambda: None, device="cpu", max_time=0.2)
+    assert m.device == m.conditions.device == "cpu"
+    assert repr(m).startswith(f"Measurement({m.name} on cpu, ")
+    assert dk.Measurement.from_times([0.01] * 5).device == "unknown"

@@ -24,6 +24,7 @@ def test_without_cuda_it_records_nothing_and_says_why() -> None:
     assert syncs.supported is False
     assert syncs.count is None  # nothing was watched: unknown, not "no sync"
     assert syncs.locations is None
+    assert syncs.events is None  # not [], which would read as "checked, none found"
     assert syncs.reason is not None
     assert syncs.reason.startswith("no CUDA device")
     assert str(syncs) == f"sync detection unavailable: {syncs.reason}"
@@ -145,7 +146,7 @@ def test_a_block_still_decorates_a_function_with_a_fresh_block_per_call() -> Non
 
 def test_report_summary_and_dict() -> None:
     report = _syncs.SyncReport("record")
-    report.events += [("a.py:3", "x"), ("b.py:9", "y"), ("a.py:3", "x")]
+    report._events += [("a.py:3", "x"), ("b.py:9", "y"), ("a.py:3", "x")]
     assert report.count == 3
     assert report.locations == {"a.py:3": 2, "b.py:9": 1}
     assert report.summary() == (
@@ -163,10 +164,10 @@ def test_report_summary_and_dict() -> None:
 def test_reprs_read_in_words_and_in_html() -> None:
     report = _syncs.SyncReport("record")
     assert repr(report) == "SyncReport(record: no sync)"
-    report.events.append(("a.py:3", "x"))
+    report._events.append(("a.py:3", "x"))
     assert report.summary().splitlines()[0] == "1 synchronizing CUDA operation:"
     assert repr(report) == "SyncReport(record: 1 sync from 1 line: a.py:3 (1x))"
-    report.events += [("b.py:9", "y"), ("a.py:3", "x")]
+    report._events += [("b.py:9", "y"), ("a.py:3", "x")]
     assert repr(report) == "SyncReport(record: 3 syncs from 2 lines: a.py:3 (2x), b.py:9 (1x))"
     html = report._repr_html_()
     assert html.startswith(
@@ -412,3 +413,9 @@ def test_which_files_are_the_users() -> None:
     assert is_user(torch.__file__.replace(f"{os.sep}torch{os.sep}", f"{os.sep}torchvision{os.sep}"))
     assert is_user("<stdin>")
     assert is_user("<string>")
+
+
+def test_a_bad_mode_is_refused_by_the_call_not_at_the_with() -> None:
+    # A block built ahead of time (blk = dk.detect_syncs(mode=m)) fails where it is built.
+    with pytest.raises(ValueError, match=r"^mode must be 'record' or 'error' \(lower case\)"):
+        dk.detect_syncs(mode="warn")  # type: ignore[arg-type]
