@@ -713,7 +713,8 @@ class Clip(Sequence[Any]):
 
 def test_byte_arrays_and_read_only_sequences_are_returned_unchanged() -> None:
     data, numbers, clip = bytearray(b"abc"), array.array("f", [1.0]), Clip([torch.ones(1)])
-    moved = dk.to_device([data, numbers, clip, range(3)], META)
+    with pytest.warns(RuntimeWarning, match=r"Clip as it is: .* \(Clip\._items\[0\]\)"):
+        moved = dk.to_device([data, numbers, clip, range(3)], META)  # its tensor stays behind
     assert moved[0] is data  # mutable sequences of numbers: no copy, nothing to move
     assert moved[1] is numbers
     assert moved[2] is clip
