@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 import types
 import weakref
 from collections import defaultdict
-from collections.abc import ItemsView, Iterator, KeysView, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Sized, ValuesView
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ from ._errors import DeviceMismatchError
 from ._format import plural
 from ._mover import _has_to_method
 from ._options import short_repr
-from ._tree import children, object_attributes
+from ._tree import children, iter_children, object_attributes
 
 __all__ = ["assert_same_device"]
 
@@ -36,8 +35,12 @@ def assert_same_device(
     attributes and slots (a class of your own, a transformers ``DynamicCache``,
     whose tensors are at ``cache.layers[0].keys``), which ``to_device()``
     returns unchanged. Each object is looked at once, so one that refers back
-    to itself is no error. A ``PackedSequence``'s ``batch_sizes`` is not
-    checked: torch keeps it on the CPU on purpose.
+    to itself is no error, and any depth is walked (a chain of objects through
+    ``self.next``). Inside such an object, up to 100,000 objects are read: one
+    holding more (a dataset, a logger) is a ``ValueError``, not a pass for
+    tensors never seen. The dicts, lists and records given are checked whole.
+    A ``PackedSequence``'s ``batch_sizes`` is not checked: torch keeps it on
+    the CPU on purpose.
 
     Positional arguments are named ``arg0``, ``arg1``...; keyword
     arguments by their names, so ``assert_same_device(model=model,
@@ -65,12 +68,13 @@ def assert_same_device(
         DeviceMismatchError: Tensors are on more than one device, or on one
             other than ``device``. The message lists each device with the
             paths on it, the strays first, and ends with a fix.
-        ValueError: The arguments hold no tensor, or ``device`` is malformed.
+        ValueError: The arguments hold no tensor, an object the check looks
+            inside attribute by attribute holds more than 100,000 objects, or
+            ``device`` is malformed.
         TypeError: An argument is a generator, an iterator, a dict view, a
             class, a module or a function, or a keyword argument is named
             ``arg0``, ``arg1``... like a positional one (one of the two would
             go unchecked).
-        RecursionError: An argument nests deeper than Python's recursion limit.
         DeviceNotFoundError: This torch build or machine has no ``device``.
 
     Examples:
@@ -96,22 +100,21 @@ def assert_same_device(
     named |= named_objs
     for name, obj in named.items():
         _refuse_unwalkable(name, obj)
-    where: dict[torch.device, list[str]] = defaultdict(list)
+    where: dict[torch.device, list[_Path]] = defaultdict(list)
     owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices
     held: dict[str, list[_Held]] = {}  # tensors in objects to_device() returns unchanged
     for name, obj in named.items():
-        found: list[tuple[str, torch.Tensor, tuple[str, str] | None]] = []
-        try:
-            _collect(obj, name, {}, found, None)
-        except RecursionError:
-            # Counting the depth in the walk would cost every call; Python counts it anyway.
-            raise RecursionError(_too_deep(name)) from None
-        for path, tensor, holder in found:
-            where[tensor.device].append(path)
-            if holder is None or holder is _BY_TO:
-                owners[name].add(tensor.device)
+        holders: dict[int, str] = {}  # each holder's path, made once
+        for path, tensor, holder in _collect(obj, name):
+            on = tensor.device
+            where[on].append(path)
+            if holder is None or holder[2]:
+                owners[name].add(on)
             else:
-                held.setdefault(name, []).append((tensor.device, *holder, path))
+                at = holders.get(id(holder))
+                if at is None:
+                    at = holders[id(holder)] = _render(holder[0])
+                held.setdefault(name, []).append((on, at, holder[1], path))
     if not where:
         raise ValueError(
             f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}; "
@@ -125,11 +128,22 @@ def assert_same_device(
     )
 
 
+# Where a tensor is: (where its container is, or None for an argument; its suffix there).
+# Made into text only for the paths a message shows: a check that passes makes none, and
+# a chain 100,000 objects deep costs no 100,000 ever longer strings.
+_Path = tuple["_Path | None", str]
+# The outermost object around a tensor that children() does not know, looked inside
+# attribute by attribute: its path, its class's name, and whether it has a .to() (then
+# that .to() is to_device()'s whole say, and the fix moves the argument).
+_Holder = tuple[_Path, str, bool]
 # A tensor inside an object that to_device() returns unchanged: its device, the object's
 # path and class name, and the tensor's path.
-_Held = tuple[torch.device, str, str, str]
-# The holder of what is inside an object with a .to(): that .to() is to_device()'s whole say.
-_BY_TO = ("", "")
+_Held = tuple[torch.device, str, str, _Path]
+# Objects read inside the objects the check does not otherwise know, per argument: a
+# cache or a batch holds a few thousand; a dataset or a logger millions, and then the
+# check says it stopped rather than pass what it never saw. Containers given as they are
+# (dicts, lists, records of tensors) are checked whole, however large.
+_LOOK_BUDGET = 100_000
 # Arguments refused: what they hold is code and its globals, which the walk does not read.
 _CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 # Answered before any other question: leaves with nothing inside, and weak proxies, which
@@ -149,48 +163,100 @@ _PLAIN = frozenset(
 )
 
 
-def _collect(
-    obj: object,
-    path: str,
-    seen: dict[int, object],
-    found: list[tuple[str, torch.Tensor, tuple[str, str] | None]],
-    holder: tuple[str, str] | None,
-) -> None:
-    """Append ``(path, tensor, holder)`` for every tensor in ``obj``, each object looked at once.
+def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder | None]]:
+    """Every tensor in argument ``obj``, with its path and holder, each object looked at once.
 
-    ``holder`` is the path and class of the outermost object around the tensor
-    that ``to_device()`` returns unchanged (neither a container it rebuilds nor
-    an object with a ``.to()``), for the fix; ``_BY_TO`` inside an object with
-    a ``.to()``, which is then to_device()'s whole say; else None.
+    ``holder`` is the outermost object around the tensor that `children()` does
+    not know (neither a container ``to_device()`` rebuilds nor a record), for
+    the fix; else None. Depth first, in the order of each object's elements,
+    with a stack of iterators, not a frame per level: any depth is walked.
     ``seen`` keeps each object it names alive, so no ``id()`` is reused while
-    the walk runs. One frame per level: deep nesting is Python's RecursionError.
+    the walk runs. Inside a holder, elements are read as they are reached and
+    counted: past ``_LOOK_BUDGET`` of them, a ``ValueError`` says so.
     """
-    if type(obj) in _PLAIN:
-        return
-    if isinstance(obj, torch.Tensor):
-        found.append((path, obj, holder))
-        return
-    if id(obj) in seen:
-        return
-    if isinstance(obj, torch.nn.Module):
-        seen[id(obj)] = obj
-        found.extend((f"{path}.{name}", p, holder) for name, p in obj.named_parameters())
-        found.extend((f"{path}.{name}", b, holder) for name, b in obj.named_buffers())
-        return
-    elements = children(obj)
-    if elements is None:
-        elements = object_attributes(obj)
-        if not elements:
-            return
+    found: list[tuple[_Path, torch.Tensor, _Holder | None]] = []
+    seen: dict[int, object] = {}
+    left = _LOOK_BUDGET
+    tensor_class, module_class = torch.Tensor, torch.nn.Module
+    stack: list[tuple[Iterator[tuple[str, Any]], _Path | None, _Holder | None]] = [
+        (iter(((name, obj),)), None, None)
+    ]
+    while stack:
+        elements, parent, holder = stack[-1]
+        for suffix, child in elements:
+            if holder is not None:
+                left -= 1
+                if left < 0:
+                    raise ValueError(_too_many(name, holder))
+            cls = type(child)
+            if cls in _PLAIN:
+                continue
+            if cls is tensor_class or isinstance(child, tensor_class):
+                found.append(((parent, suffix), child, holder))
+                continue
+            if id(child) in seen:
+                continue
+            path: _Path = (parent, suffix)
+            if isinstance(child, module_class):
+                seen[id(child)] = child
+                found.extend(((path, f".{n}"), p, holder) for n, p in child.named_parameters())
+                found.extend(((path, f".{n}"), b, holder) for n, b in child.named_buffers())
+                continue
+            opened = _open(child, path, holder, left)
+            if opened is None:
+                continue
+            seen[id(child)] = child
+            stack.append((iter(opened[0]), path, opened[1]))
+            break  # its elements first, then the rest of this one's
+        else:
+            stack.pop()
+    return found
+
+
+def _open(
+    obj: object, path: _Path, holder: _Holder | None, left: int
+) -> tuple[Iterable[tuple[str, Any]], _Holder | None] | None:
+    """What the walk reads inside ``obj`` and the holder around it, or None for nothing.
+
+    Outside a holder, as the argument was given: its elements whole, listed
+    before they are walked (`children()`). Inside one, read as they are reached.
+    """
+    items = children(obj) if holder is None else iter_children(obj)
+    if items is None:
+        attributes = object_attributes(obj, limit=left + 1)
+        if not attributes:
+            return None
         if holder is None:
-            holder = _BY_TO if _has_to_method(type(obj)) else (path, type(obj).__name__)
-    elif isinstance(obj, PackedSequence):
+            cls = type(obj)
+            holder = (path, cls.__name__, _has_to_method(cls))
+        return attributes, holder
+    if isinstance(obj, PackedSequence):
         # torch keeps batch_sizes on the CPU by design (PackedSequence.to() leaves it
         # there: the packed RNN kernels read it on the host); the indices follow data.
-        elements = [element for element in elements if element[0] != ".batch_sizes"]
-    seen[id(obj)] = obj
-    for suffix, child in elements:
-        _collect(child, path + suffix, seen, found, holder)
+        return (item for item in items if item[0] != ".batch_sizes"), holder
+    return items, holder
+
+
+def _render(path: _Path) -> str:
+    """A path as text: ``batch['h'][0].x``."""
+    suffixes = []
+    node: _Path | None = path
+    while node is not None:
+        node, suffix = node
+        suffixes.append(suffix)
+    return "".join(reversed(suffixes))
+
+
+def _too_many(name: str, holder: _Holder) -> str:
+    at, kind = _render(holder[0]), holder[1]
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    return (
+        f"assert_same_device() cannot check {name}: {at} is {article} {kind}, which it looks "
+        f"inside attribute by attribute, and it holds more than {_LOOK_BUDGET:,} objects (counting "
+        "what they hold in turn: a dataset, a logger?). The check stops there rather than "
+        "pass tensors it never saw. Pass the tensors to check themselves, or a dict or list "
+        f"of them, instead of {at}."
+    )
 
 
 def _refuse_unwalkable(name: str, obj: object) -> None:
@@ -233,18 +299,8 @@ def _refuse_unwalkable(name: str, obj: object) -> None:
         )
 
 
-def _too_deep(name: str) -> str:
-    return (
-        f"assert_same_device() cannot check {name}: it nests containers deeper than Python's "
-        f"recursion limit (sys.getrecursionlimit() is {sys.getrecursionlimit()}) allows. Raise "
-        "the limit with sys.setrecursionlimit(), or flatten the structure. (If it is not that "
-        "deep, an attribute read in the walk recursed without end: the original error is this "
-        "one's __context__.)"
-    )
-
-
 def _mismatch_message(
-    where: dict[torch.device, list[str]],
+    where: dict[torch.device, list[_Path]],
     owners: dict[str, set[torch.device]],
     named: dict[str, Any],
     expected: torch.device | None = None,
@@ -263,7 +319,7 @@ def _mismatch_message(
             f"{plural(len(groups), 'device')}: {found}"
         ]
     for device, paths in groups:
-        lines.extend(f"  {path}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
+        lines.extend(f"  {_render(path)}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
         if len(paths) > _SHOWN_PER_DEVICE:
             lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
     lines.extend(_fix(where, owners, named, expected, held))
@@ -271,7 +327,7 @@ def _mismatch_message(
 
 
 def _fix(
-    where: dict[torch.device, list[str]],
+    where: Mapping[torch.device, Sized],
     owners: dict[str, set[torch.device]],
     named: dict[str, Any],
     expected: torch.device | None = None,
@@ -320,7 +376,7 @@ def _fix(
 
 def _held_steps(name: str, held: list[_Held], target: torch.device) -> list[str]:
     """The steps for the strays of ``name`` inside objects that ``to_device()`` leaves alone."""
-    objects: dict[str, tuple[str, list[torch.device], list[str]]] = {}
+    objects: dict[str, tuple[str, list[torch.device], list[_Path]]] = {}
     for device, holder, kind, path in held:
         if device != target:
             _, devices, paths = objects.setdefault(holder, (kind, [], []))
@@ -336,13 +392,13 @@ def _held_steps(name: str, held: list[_Held], target: torch.device) -> list[str]
         else:
             more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
             steps.append(
-                f"move the tensors in {holder} ({paths[0]}{more}) to {target} yourself, or "
-                f"make it there (it is a {kind}, which dk.to_device() returns unchanged)"
+                f"move the tensors in {holder} ({_render(paths[0])}{more}) to {target} yourself, "
+                f"or make it there (it is a {kind}, which dk.to_device() returns unchanged)"
             )
     if len(objects) > _SHOWN_HOLDERS:
         steps.append(f"the same for {len(objects) - _SHOWN_HOLDERS} more objects in {name}")
     return steps
 
 
-def _count(paths: list[str]) -> str:
+def _count(paths: Sized) -> str:
     return "1 tensor" if len(paths) == 1 else f"{len(paths)} tensors"

@@ -203,12 +203,18 @@ class _Mover:
 
         Each class is looked inside a few times at most (a fresh transformers
         ``DynamicCache`` holds no tensor yet), so an object met every step
-        costs one dict lookup once its class is known.
+        costs one dict lookup once its class is known. The look reads storage
+        and runs none of the object's code; where it fails all the same (a
+        tensor subclass whose ``device`` raises), it found nothing, and the
+        class is not looked inside again: ``obj`` is returned as it always was.
         """
         cls = type(obj)
         looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
         if looks > 0:
-            path = tensor_elsewhere(obj, self.device)
+            try:
+                path = tensor_elsewhere(obj, self.device)
+            except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
+                path, looks = None, 1
             _looks_left[cls] = 0 if path is not None else looks - 1
             if path is not None:
                 self.unmoved = [*(self.unmoved or ()), (cls, path)]

@@ -11,6 +11,8 @@ with the option's name, what was given and the fix.
 
 from __future__ import annotations
 
+import array
+import collections
 import inspect
 import math
 import numbers
@@ -19,6 +21,7 @@ import os
 import reprlib
 from collections.abc import Sequence
 from itertools import islice
+from typing import Any
 
 from ._format import close_match, shorten
 
@@ -210,9 +213,11 @@ def short_repr(value: object, limit: int = 80) -> str:
     A long list, tuple, dict, set, string or bytes has only its start read
     (`reprlib`), so a refused value costs no more than its first few items:
     the repr of ``list(range(10**7))`` takes 0.4 s and 89 MB; a tensor's or
-    an array's repr is summarized by its library. A repr that raises is
-    replaced by the type and address, as `reprlib` does, and an int too large
-    to print (``repr`` refuses past 4300 digits) is named by its size.
+    an array's repr is summarized by its library. It never raises: a value
+    (or an item of it) whose repr, ``len()`` or iteration raises is shown as
+    Python shows an object with no repr of its own, ``<module.Class object at
+    0x...>``, and an int too large to print (``repr`` refuses past 4300
+    digits) is named by its size.
 
     Examples:
         >>> short_repr("cuda:0"), short_repr({"b": 1, "a": 2})
@@ -220,10 +225,47 @@ def short_repr(value: object, limit: int = 80) -> str:
         >>> short_repr(list(range(10**6)), limit=20), short_repr(10**5000)
         ('[0, 1, 2, 3, 4, 5...', '<an int of 16610 bits>')
     """
-    return shorten(_ShortRepr(limit).repr(value), limit)
+    try:
+        text = _ShortRepr(limit).repr(value)
+    except Exception:  # noqa: BLE001 - each part is guarded; this is the last word
+        text = _unprintable(value)
+    return shorten(text, limit)
 
 
-_BASES = (dict, list, tuple, set, frozenset)  # the builtins reprlib shortens, by type name
+def _unprintable(value: object) -> str:
+    """How a value whose repr cannot be had is shown: its type and address, as Python does."""
+    cls = type(value)
+    try:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+    except Exception:  # noqa: BLE001 - a class whose names cannot be read is still an object
+        name = "object"
+    return f"<{name} object at {id(value):#x}>"
+
+
+# reprlib picks its method by the type's *name* (a class of one's own named "dict" would
+# reach repr_dict): these are picked by the type itself.
+_METHODS: dict[type, str] = {
+    dict: "repr_dict",
+    list: "repr_list",
+    tuple: "repr_tuple",
+    set: "repr_set",
+    frozenset: "repr_frozenset",
+    collections.deque: "repr_deque",
+    array.array: "repr_array",
+    str: "repr_str",
+    int: "repr_int",
+    bytes: "repr_bytes",
+    bytearray: "repr_bytearray",
+}
+# The builtins a long subclass is shown as, each read as the base stores it: its own
+# __len__, __iter__ or items() is the subclass's code, and may raise.
+_BASES: tuple[tuple[type, Any, Any], ...] = (
+    (dict, dict.__len__, dict.items),
+    (list, list.__len__, list.__iter__),
+    (tuple, tuple.__len__, tuple.__iter__),
+    (set, set.__len__, set.__iter__),
+    (frozenset, frozenset.__len__, frozenset.__iter__),
+)
 
 
 class _ShortRepr(reprlib.Repr):
@@ -245,16 +287,38 @@ class _ShortRepr(reprlib.Repr):
         self.maxset = self.maxfrozenset = self.maxdeque = items
 
     def repr1(self, x: object, level: int) -> str:
-        """As reprlib's, and a long subclass of dict, list, tuple or set as its base.
+        """As reprlib's, by the real type, never raising; a long subclass of a builtin as it.
 
-        The subclass's own repr (an ``OrderedDict``'s, such as a state_dict)
-        reads every item: about 0.2 ms a tensor, 0.45 s for a million ints.
+        A subclass's own repr (an ``OrderedDict``'s, such as a state_dict) reads
+        every item: about 0.2 ms a tensor, 0.45 s for a million ints. So past
+        ``maxlist`` items, its start is shown as its base's, ``Name({...})``.
         """
         kind = type(x)
-        if kind not in _BASES and isinstance(x, _BASES) and len(x) > self.maxlist:
-            base = next(base for base in _BASES if isinstance(x, base))
-            return f"{kind.__name__}({getattr(self, 'repr_' + base.__name__)(x, level)})"
-        return super().repr1(x, level)
+        try:
+            method = _METHODS.get(kind)
+            if method is not None:
+                return str(getattr(self, method)(x, level))
+            for base, size, read in _BASES:
+                if issubclass(kind, base):
+                    if size(x) <= self.maxlist:
+                        break
+                    start = base(islice(read(x), self.maxlist + 1))  # enough to show "..."
+                    return f"{kind.__name__}({self.repr1(start, level)})"
+            return self.repr_instance(x, level)
+        except Exception:  # noqa: BLE001 - the repr of a value that cannot be read
+            return _unprintable(x)
+
+    def repr_instance(self, x: object, level: int) -> str:
+        """``repr(x)``, its middle cut past ``maxother``; the type and address where it raises."""
+        try:
+            text = repr(x)
+        except Exception:  # noqa: BLE001 - a __repr__ that raises: Python's default instead
+            return _unprintable(x)
+        if len(text) > self.maxother:
+            start = max(0, (self.maxother - 3) // 2)
+            end = max(0, self.maxother - 3 - start)
+            text = text[:start] + "..." + text[len(text) - end :]
+        return text
 
     def repr_dict(self, x: dict[object, object], level: int) -> str:
         """A dict's items in their own order (reprlib's sorts the keys, unlike ``repr``)."""
@@ -264,9 +328,9 @@ class _ShortRepr(reprlib.Repr):
             return "{...}"
         pieces = [
             f"{self.repr1(key, level - 1)}: {self.repr1(item, level - 1)}"
-            for key, item in islice(x.items(), self.maxdict)
+            for key, item in islice(dict.items(x), self.maxdict)  # dict's own, never an override
         ]
-        return "{" + ", ".join(pieces + ["..."] * (len(x) > self.maxdict)) + "}"
+        return "{" + ", ".join(pieces + ["..."] * (dict.__len__(x) > self.maxdict)) + "}"
 
     def repr_bytes(self, x: bytes | bytearray, level: int) -> str:
         """The first bytes whose repr fits, whole (reprlib builds all 13 MB of a checkpoint's)."""

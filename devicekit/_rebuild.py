@@ -39,6 +39,7 @@ from typing import Any
 from ._copying import copy_state, forget_cached_properties, own_copy, unshare
 from ._errors import add_note
 from ._format import first_line, qualified_name, shorten
+from ._options import short_repr
 from ._records import Walk, move_attributes, replace_fields
 from ._tree import container_layout, is_dataclass_instance, record_layout
 
@@ -207,14 +208,19 @@ def _set_items(
         except RecursionError:
             raise  # not a refusal: the walk is too deep, and to_device says so
         except Exception as error:
-            if index == 0 and isinstance(result, dict) and _refuses(result, key, originals[key]):
-                base = (
-                    OrderedDict.__setitem__ if isinstance(result, OrderedDict) else dict.__setitem__
-                )
-                for moved_key, moved in changed:
-                    base(result, moved_key, moved)
-                return
-            add_note(error, _refused(type(result), key))
+            takes_others = index > 0  # it took the values before this one
+            if index == 0 and isinstance(result, dict):
+                if _refuses(result, key, originals[key]):
+                    base = (
+                        OrderedDict.__setitem__
+                        if isinstance(result, OrderedDict)
+                        else dict.__setitem__
+                    )
+                    for moved_key, moved in changed:
+                        base(result, moved_key, moved)
+                    return
+                takes_others = True  # it took the value it held there
+            add_note(error, _refused(type(result), key, takes_others=takes_others))
             raise
 
 
@@ -229,15 +235,26 @@ def _refuses(result: dict[Any, Any], key: Any, held: Any) -> bool:
     return False
 
 
-def _refused(cls: type, key: Any) -> str:
+def _refused(cls: type, key: Any, *, takes_others: bool) -> str:
+    """The note on a refusal: what to do, and why it is the class's own rule where that is known.
+
+    ``takes_others``: the copy took another value (an earlier item, or the value
+    it held at ``key``), so it is not read-only. Otherwise (its first item, not a
+    dict's), nothing says which of the two it is.
+    """
     name = cls.__qualname__
+    why = (
+        "It takes other values, so this is its own rule, not a read-only class (whose copy "
+        "to_device fills directly). "
+        if takes_others
+        else ""
+    )
     return (
         f"devicekit: to_device() moves a {qualified_name(cls)} by setting each moved value "
         f"into a copy of it with {name}.__setitem__, which refused item "
-        f"{shorten(repr(key), 60)}. It takes other values, so this is its own rule, not a "
-        "read-only class (whose copy to_device fills directly). Move its tensors yourself, "
-        f"as {name} allows, or give {name} a .to(device) method that moves them and returns "
-        "the result: to_device calls it instead."
+        f"{short_repr(key, 60)}. {why}Move its tensors yourself, as {name} allows, or give "
+        f"{name} a .to(device) method that moves them and returns the result: to_device "
+        "calls it instead."
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checks, _mover
+from devicekit import _checks, _mover, _tree
 
 from .conftest import run_python
 
@@ -254,17 +254,15 @@ def test_a_dict_view_argument_is_refused() -> None:
     assert dk.assert_same_device(list(batch.values())[:1]) == CPU  # what the message suggests
 
 
-def test_a_structure_too_deep_to_walk_says_so() -> None:
-    deep: Any = torch.ones(1)
+def test_a_structure_deeper_than_the_recursion_limit_is_checked() -> None:
+    # It raised RecursionError ("nests containers deeper than Python's recursion limit").
+    deep: Any = torch.ones(1, device="meta")
     for _ in range(3000):
         deep = [deep]
-    with pytest.raises(
-        RecursionError,
-        match=r"assert_same_device\(\) cannot check arg0: it nests containers deeper than "
-        r"Python's recursion limit \(sys.getrecursionlimit\(\) is \d+\) allows\. Raise the "
-        r"limit with sys.setrecursionlimit\(\), or flatten the structure",
-    ):
+    assert dk.assert_same_device(deep, torch.ones(1, device="meta")) == META
+    with pytest.raises(dk.DeviceMismatchError) as info:
         dk.assert_same_device(deep, torch.ones(1))
+    assert f"  arg0{'[0]' * 3000}: meta\n" in str(info.value)
 
 
 class Leaky(torch.nn.Module):
@@ -724,3 +722,67 @@ def test_check_module_does_not_advise_parameter_containers_for_nested_ones() -> 
     model.heads = torch.nn.ModuleDict({"enc": torch.nn.ModuleList([torch.nn.Linear(1, 1)])})
     assert dk.check_module(model) == []
     assert "heads.enc.0.weight" in dict(model.named_parameters())
+
+
+class Link:
+    """A plain object in a chain: to_device() returns it unchanged, the check looks inside."""
+
+    def __init__(self, x: torch.Tensor, next: Link | None = None) -> None:
+        self.x = x
+        self.next = next
+
+
+def test_a_chain_of_objects_deeper_than_the_recursion_limit_is_checked() -> None:
+    # It raised RecursionError, saying the batch "nests containers" too deep.
+    chain = Link(torch.ones(1, device="meta"))
+    for _ in range(4999):
+        chain = Link(torch.ones(1), chain)
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(batch=chain)
+    message = str(info.value)
+    assert message.startswith(
+        "expected every tensor on one device, found 2: meta (1 tensor), cpu (4999 tensors)\n"
+        f"  batch{'.next' * 4999}.x: meta\n"
+        "  batch.x: cpu\n  batch.next.x: cpu\n"
+    )
+    assert "make batch again on cpu (it is a Link" in message
+
+
+def test_an_object_holding_too_much_to_look_through_is_refused_not_passed() -> None:
+    # It walked all of it (0.55 s for a holder of a 2M-item list) and vouched for all of it.
+    holder = Holder(torch.ones(1))
+    holder.dataset = list(range(200_000))  # type: ignore[attr-defined]
+    with pytest.raises(
+        ValueError,
+        match=r"^assert_same_device\(\) cannot check batch: batch\['h'\] is a Holder, which it "
+        r"looks inside attribute by attribute, and it holds more than 100,000 objects .*"
+        r"Pass the tensors to check themselves, or a dict or list of them, instead of "
+        r"batch\['h'\]\.$",
+    ):
+        dk.assert_same_device(batch={"h": holder}, x=torch.ones(1))
+
+
+def test_the_look_is_bounded_inside_objects_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_checks, "_LOOK_BUDGET", 50, raising=False)
+    # The containers given are checked whole, however large: the stray is the 200th tensor.
+    batch = {"x": [torch.ones(1) for _ in range(199)] + [torch.ones(1, device="meta")]}
+    with pytest.raises(dk.DeviceMismatchError, match=r"  batch\['x'\]\[199\]: meta\n"):
+        dk.assert_same_device(batch=batch)
+    with pytest.raises(ValueError, match=r"arg0 is a Holder, .* more than 50 objects"):
+        dk.assert_same_device(Holder(batch["x"]))  # type: ignore[arg-type]
+    assert dk.assert_same_device(Holder(batch["x"][:40])) == CPU  # type: ignore[arg-type]
+
+
+def test_looking_inside_an_object_never_reads_a_property_named_dict() -> None:
+    # object.__getattribute__(obj, "__dict__") ran it, and its error escaped.
+    class Guarded(Holder):
+        @property  # type: ignore[override]
+        def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+            raise AssertionError("a property named __dict__ ran")
+
+    assert dk.assert_same_device(Guarded(torch.ones(1)), torch.ones(1)) == CPU
+    assert _tree.object_attributes(Guarded(torch.ones(1))) == []
+    gone = Holder(torch.ones(1))
+    proxy = weakref.proxy(gone)
+    del gone
+    assert _tree.object_attributes(proxy) == []

@@ -108,7 +108,9 @@ def test_short_repr_of_values_that_have_no_plain_repr() -> None:
         def __repr__(self) -> str:
             raise RuntimeError("no repr")
 
-    assert re.fullmatch(r"<Broken instance at 0x[0-9a-f]+>", short_repr(Broken()))
+    assert re.fullmatch(
+        r"<tests\.test_format\.[\w.<>]*Broken object at 0x[0-9a-f]+>", short_repr(Broken(), 200)
+    )
     # repr() itself refuses an int past 4300 digits (ValueError): say its size instead.
     assert short_repr(10**5000) == "<an int of 16610 bits>"
     assert short_repr(-(10**5000)) == "<a negative int of 16610 bits>"
@@ -194,3 +196,52 @@ def test_every_option_names_a_huge_bad_value_in_a_short_message(
     message = str(caught.value)
     assert len(message) < 1000
     assert names in message
+
+
+class _LengthRaises(list[Any]):
+    def __len__(self) -> int:
+        raise RuntimeError("no len")
+
+
+class _ItemsRaise(dict[str, Any]):
+    def items(self) -> Any:
+        raise RuntimeError("no items")
+
+
+class _IterRaises(list[Any]):
+    def __iter__(self) -> Any:
+        raise RuntimeError("no iter")
+
+
+_UNPRINTABLE = r"<tests\.test_format\.[\w.<>]+ object at 0x[0-9a-f]+>"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (_LengthRaises(range(100)), r"_LengthRaises\(\[0, 1, 2, .*\.\.\."),  # raised
+        (_LengthRaises([1]), r"\[1\]"),
+        (_ItemsRaise(enumerate("x" * 100)), r"_ItemsRaise\(\{0: 'x', 1: 'x', .*\.\.\."),  # raised
+        (_IterRaises(range(100)), r"_IterRaises\(\[0, 1, 2, .*\.\.\."),  # raised
+        (type("dict", (), {})(), _UNPRINTABLE),  # raised: reprlib took it for a dict by its name
+        (type("list", (), {"__module__": __name__})(), _UNPRINTABLE),  # raised too
+        ([type("set", (), {"__module__": __name__})(), 1], rf"\[{_UNPRINTABLE}, 1\]"),
+    ],
+    ids=["len", "short len", "items", "iter", "named dict", "named list", "inside a list"],
+)
+def test_short_repr_never_raises(value: object, shown: str) -> None:
+    # A value whose repr raises is shown by type and address; so is one whose len(), items()
+    # or iteration raises, read as its builtin base stores it where it is long.
+    assert re.fullmatch(shown, short_repr(value))
+
+
+def test_short_repr_of_a_value_whose_repr_raises_names_its_type_and_address() -> None:
+    class Broken:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    broken = Broken()
+    assert short_repr(broken, 200) == (
+        f"<tests.test_format.{Broken.__qualname__} object at {id(broken):#x}>"
+    )
+    assert short_repr({"a": broken}, 200) == f"{{'a': {short_repr(broken, 200)}}}"

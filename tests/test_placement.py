@@ -8,7 +8,8 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import pytest
@@ -1393,3 +1394,138 @@ def test_a_class_is_looked_inside_a_few_times_at_most() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dk.to_device([holder(torch.ones(1))], "meta")
+
+
+def test_the_look_inside_an_object_it_cannot_move_never_raises() -> None:
+    # Each raised from to_device, which returned these objects unchanged before it looked.
+    holder = _holder_class()
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    dead = holder(weakref.proxy(gone))  # type: ignore[arg-type]
+    del gone  # ReferenceError at any question to the proxy, isinstance() too
+
+    class Unlistable(Mapping[str, Any]):
+        def __getitem__(self, key: str) -> Any:
+            raise KeyError(key)
+
+        def __len__(self) -> int:
+            return 1
+
+        def __iter__(self) -> Iterator[str]:
+            raise RuntimeError("cannot list its keys")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for obj in (dead, holder(Unlistable())):  # type: ignore[arg-type]
+            assert dk.to_device([obj], "meta")[0] is obj
+
+
+def test_the_look_inside_an_object_runs_none_of_its_code() -> None:
+    ran: list[str] = []
+
+    class Guarded:
+        def __init__(self) -> None:
+            self.x = torch.ones(1)
+
+        @property  # type: ignore[override]
+        def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+            ran.append("__dict__")
+            raise RuntimeError("a property named __dict__ ran")
+
+    class Sneaky(dict[str, Any]):
+        def items(self) -> Any:
+            ran.append("items")
+            raise RuntimeError("items() ran")
+
+        def __iter__(self) -> Iterator[str]:
+            ran.append("__iter__")
+            raise RuntimeError("__iter__ ran")
+
+    holder = _holder_class()
+    guarded = Guarded()
+    assert dk.to_device([guarded], "meta")[0] is guarded  # its error escaped
+    sneaky = holder(Sneaky(x=torch.ones(1)))  # type: ignore[arg-type]
+    # A dict subclass's items are read as a dict stores them: the tensor is still found.
+    with pytest.warns(RuntimeWarning, match=r"\(Holder\.tensor\['x'\]\)"):
+        assert dk.to_device([sneaky], "meta")[0] is sneaky
+    assert ran == []
+
+
+def test_a_look_that_fails_finds_nothing_and_is_not_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    holder = _holder_class()
+
+    def fails(obj: object, device: torch.device) -> str | None:
+        raise RuntimeError("a tensor subclass whose device raises")
+
+    monkeypatch.setattr(_mover, "tensor_elsewhere", fails)
+    held = holder(torch.ones(1))
+    assert dk.to_device([held], "meta")[0] is held
+    assert _mover._looks_left[holder] == 0
+
+
+class _Key:
+    """A dict key that counts how often its repr was made."""
+
+    reprs = 0
+
+    def __repr__(self) -> str:
+        _Key.reprs += 1
+        return "key"
+
+
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class _CountedList(list[Any]):
+    """A list that counts the items its own iteration hands out."""
+
+    pulled = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in list.__iter__(self):
+            _CountedList.pulled += 1
+            yield item
+
+
+def test_the_look_reads_at_most_its_bound_of_a_huge_container() -> None:
+    # It listed every item, with the repr of every key, before its bound counted a thing:
+    # 0.3 s per call for an object holding a million-entry dict (the first 8 calls).
+    holder = _holder_class()
+    big = holder(None)
+    big.table = {_Key(): None for _ in range(100_000)}  # type: ignore[attr-defined]
+    big.rows = _CountedList([None] * 100_000)  # type: ignore[attr-defined]
+    _Key.reprs = _CountedList.pulled = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(8):
+            dk.to_device([big], "meta")
+    assert _Key.reprs == 0
+    assert _CountedList.pulled == 0
+    # The one path it names is the only repr made, and one that raises is no error.
+    holder = _holder_class()
+    with pytest.warns(RuntimeWarning, match=r"\(Holder\.tensor\[key\]\)"):
+        dk.to_device([holder({_Key(): torch.ones(1)})], "meta")  # type: ignore[arg-type]
+    assert _Key.reprs == 1
+    holder = _holder_class()
+    with pytest.warns(
+        RuntimeWarning, match=r"\(Holder\.tensor\[<tests\.test_placement\._Unprintable ob"
+    ):
+        dk.to_device([holder({_Unprintable(): torch.ones(1)})], "meta")  # type: ignore[arg-type]
+
+
+def test_the_look_stops_at_its_bound() -> None:
+    holder = _holder_class()
+    near, far = [None] * 10 + [torch.ones(1)], [None] * 1000 + [torch.ones(1)]
+    with pytest.warns(RuntimeWarning, match=r"\(Holder\.tensor\[10\]\)"):
+        dk.to_device([holder(near)], "meta")  # type: ignore[arg-type]
+    holder = _holder_class()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # past the 256 references it reads: not found
+        dk.to_device([holder(far)], "meta")  # type: ignore[arg-type]

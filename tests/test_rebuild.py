@@ -564,6 +564,61 @@ def test_read_only_dict_subclasses_are_rebuilt_whatever_they_raise() -> None:
         assert frozen["x"] is tensor
 
 
+class FrozenConfig(collections.UserDict[str, Any]):
+    """Read-only, and not a dict: to_device cannot tell its refusal from a validating one."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise TypeError(f"{type(self).__name__} is read-only")
+
+
+class LateKey(collections.UserDict[str, Any]):
+    """Takes every key but "b"."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "b":
+            raise ValueError("b is fixed")
+        super().__setitem__(key, value)
+
+
+def test_the_note_on_a_refusal_says_only_what_was_checked() -> None:
+    # It said "It takes other values, so this is its own rule, not a read-only class" of a
+    # first item it never checked another value of.
+    frozen = FrozenConfig()
+    frozen.data.update(x=torch.ones(1))
+    with pytest.raises(TypeError, match="FrozenConfig is read-only") as info:
+        dk.to_device(frozen, META)
+    note = "\n".join(info.value.__notes__)
+    assert "FrozenConfig.__setitem__, which refused item 'x'. Move its tensors yourself" in note
+    assert "takes other values" not in note
+    late = LateKey()
+    late.data.update(a=torch.ones(1), b=torch.ones(1))
+    with pytest.raises(ValueError, match="b is fixed") as info:
+        dk.to_device(late, META)
+    note = "\n".join(info.value.__notes__)
+    assert "which refused item 'b'. It takes other values, so this is its own rule" in note
+
+
+class Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class MetaRefused(dict[Any, Any]):
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            raise TypeError("its tensors stay on the cpu")
+        super().__setitem__(key, value)
+
+
+def test_a_refused_key_whose_repr_raises_keeps_the_class_s_own_error() -> None:
+    # The repr in the note raised inside the handler, and its RuntimeError replaced this one.
+    key = Unprintable()
+    with pytest.raises(TypeError, match="its tensors stay on the cpu") as info:
+        dk.to_device(MetaRefused({key: torch.ones(1)}), META)
+    note = "\n".join(info.value.__notes__)
+    assert "which refused item <tests.test_rebuild.Unprintable object at 0x" in note
+
+
 class Handle:
     """Something a WeakKeyDictionary can hold a weak reference to."""
 
