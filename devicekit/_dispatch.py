@@ -50,7 +50,7 @@ from ._mapfaults import death_message, fn_failed, fn_raised, item_fault, kept, s
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR, parse_visible_devices
 from ._worker import WorkerName, work
-from ._workerstate import Slot, Worker
+from ._workerstate import Procs, Slot, Worker, descendants, signal_each, start_time, wait_ended
 
 __all__ = [
     "Slot",
@@ -150,7 +150,10 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
                 process.start()
             child_end.close()  # so that the worker's death reads as EOF here
             _started.add(process)
-            workers.append(Worker(number, slot, process, parent_end))
+            # Its start time, while it is surely alive or a zombie (not reaped): what
+            # ties its PID to it when the processes it started are looked up.
+            started = None if process.pid is None else start_time(process.pid)
+            workers.append(Worker(number, slot, process, parent_end, started=started))
     except BaseException:  # Ctrl-C too: no worker may outlive a failed start
         stop_workers(workers, gently=False)
         raise
@@ -163,18 +166,19 @@ def stop_workers(workers: list[Worker], *, gently: bool) -> None:
     Each step goes to every worker before waiting, and the wait is shared, so
     that stopping many workers that ignore SIGTERM (a hung ``fn``, a library's
     handler) takes about ``_STOP_SECONDS``, not that long for each in turn.
-    Each step also goes to the worker's process group: what ``fn`` started
-    gets SIGTERM, then SIGKILL once the workers have ended, whether its worker
-    was busy, idle or already dead. Workers another process started are left
-    alone: in a forked child, the pool's finalizer must not stop its parent's
-    workers.
+    The processes the workers started (``fn``'s, and theirs) get the same
+    SIGTERM, in the same shared wait, then SIGKILL: they are looked up
+    (``_workerstate.descendants``, Linux only) before any worker is asked or
+    signalled, as a process's children are given to init when it ends, and
+    again before SIGKILL, for those started meanwhile. Workers another process
+    started are left alone: in a forked child, the pool's finalizer must not
+    stop its parent's workers.
     """
     if workers and workers[0].owner != os.getpid():
         return
-    # A group's ID is its worker's PID, which stays the worker's until the worker is
-    # reaped (the joins at the end): those whose PID is still theirs, chosen now.
-    groups = [worker for worker in workers if worker.unreaped()]
+    started: Procs = {}  # what the workers started, each with its start time
     try:
+        started = _started_by(workers, started)
         if gently:
             for worker in workers:
                 if worker.alive():
@@ -184,30 +188,35 @@ def stop_workers(workers: list[Worker], *, gently: bool) -> None:
         alive = [worker for worker in workers if worker.alive()]
         for worker in alive:
             worker.process.terminate()
-        for worker in groups:
-            worker.signal_group(signal.SIGTERM)
-        _join(alive, _STOP_SECONDS)
+        signal_each(started, signal.SIGTERM)
+        _join(alive, _STOP_SECONDS, started)
     finally:
         # Also when a second Ctrl-C cuts the waits short: nothing may outlive this.
+        started.update(_started_by(workers, started))
         alive = [worker for worker in workers if worker.alive()]
         for worker in alive:
             worker.process.kill()
-        for worker in groups:
-            worker.signal_group(signal.SIGKILL)
-        # Reaped only now that their groups have had their last signal.
-        killed = {id(worker) for worker in alive}
-        for worker in workers:
-            if id(worker) in killed or worker.unreaped():
-                worker.process.join()
+        signal_each(started, signal.SIGKILL)
+        _join(alive, None)
         for worker in workers:
             worker.conn.close()
 
 
-def _join(workers: list[Worker], seconds: float | None) -> None:
-    """Wait for these workers to end, ``seconds`` for all of them together (None: as long)."""
+def _started_by(workers: list[Worker], known: Procs) -> Procs:
+    """The processes below these workers, and below those ``known`` already."""
+    roots: Procs = dict(known)
+    for worker in workers:
+        roots.update(worker.as_procs())
+    return descendants(roots)
+
+
+def _join(workers: list[Worker], seconds: float | None, others: Procs | None = None) -> None:
+    """Wait for these workers and ``others`` to end, ``seconds`` in all (None: as long)."""
     end = None if seconds is None else time.monotonic() + seconds
     for worker in workers:
         worker.wait(None if end is None else max(0.0, end - time.monotonic()))
+    if others:
+        wait_ended(others, None if end is None else max(0.0, end - time.monotonic()))
 
 
 def run_map(

@@ -20,6 +20,7 @@ import os
 import sys
 
 from ._mapfaults import MAIN_GUARD_FIX
+from ._options import short_repr
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
 
 __all__ = ["refuse_to_start"]
@@ -67,7 +68,7 @@ def _refuse_in_daemon(caller: str) -> None:
             "process, over every inner item."
         )
     raise RuntimeError(
-        f"{caller} was called in {process.name!r}, a daemonic process (a multiprocessing "
+        f"{caller} was called in {short_repr(process.name)}, a daemonic process (a multiprocessing "
         "or DataLoader worker, say), which may start no processes of its own. Call it "
         "from the main process, or run fn directly here."
     )

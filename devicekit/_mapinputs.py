@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._mapfaults import show_item
-from ._options import check_number
+from ._options import check_number, got, short_repr
 from ._worker import dumps
 
 __all__ = ["checked_work", "item_timeout", "pickle_fn", "pickle_items"]
@@ -21,37 +21,39 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
     """The items as a list, once ``fn`` is known to be callable and ``items`` iterable.
 
     A map-style dataset (``len()`` and ``[i]``, no ``__iter__``, as
-    ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``;
-    an object with ``[i]`` alone is read as ``iter()`` reads it, from ``[0]`` to
-    the first ``IndexError``.
+    ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``.
+    An object with ``[i]`` alone is refused: ``iter()`` would read it from
+    ``[0]`` until an ``IndexError``, for ever (its memory growing) where
+    ``[i]`` never raises one, as a dict-like lookup or a generated sequence.
     """
     if not callable(fn):
         raise TypeError(
-            f"{caller} needs fn, the function to run on each item, got {fn!r} of type "
-            f"{type(fn).__name__}; pass a function defined with def"
+            f"{caller} needs fn, the function to run on each item, got {got(fn)}; pass a "
+            "function defined with def"
         )
-    if not isinstance(items, Iterable) and hasattr(items, "__len__"):
-        getitem = getattr(items, "__getitem__", None)
-        if getitem is not None:
-            return [getitem(index) for index in range(len(items))]
     if isinstance(items, Iterable):
         return list(items)
-    try:
-        # No __iter__ here, so iter() runs none of its code: it fails only where
-        # there is no [i] either (with [i], it reads [0], [1]... as a for loop does).
-        iterator = iter(items)  # type: ignore[call-overload]
-    except TypeError:
-        raise TypeError(_not_items(items, caller)) from None
-    return list(iterator)
+    getitem = getattr(items, "__getitem__", None)
+    if getitem is not None and hasattr(items, "__len__"):
+        return [getitem(index) for index in range(len(items))]
+    raise TypeError(_not_items(items, caller, indexed=getitem is not None))
 
 
-def _not_items(items: object, caller: str) -> str:
+def _not_items(items: object, caller: str, *, indexed: bool) -> str:
     what = "items, an iterable (a list, a generator) or a map-style dataset (len() and [i])"
     if items is None:
         return f"{caller} needs {what} of the items to run fn on, got None"
+    if indexed:
+        return (
+            f"{caller} needs {what} of the items to run fn on, got {got(items)}, which has "
+            "[i] but neither len() nor __iter__, so where its items end is not known (read "
+            "[0], [1]... until an IndexError, it is read for ever if [i] never raises one). "
+            "Give its class __len__ (a map-style dataset) or __iter__, or pass a list of its "
+            "items"
+        )
     return (
-        f"{caller} needs {what} of the items to run fn on, got {items!r} of type "
-        f"{type(items).__name__}; pass a list of the items, such as [{items!r}] for one item"
+        f"{caller} needs {what} of the items to run fn on, got {got(items)}; pass a list of "
+        f"the items, such as [{short_repr(items)}] for one item"
     )
 
 
@@ -70,9 +72,10 @@ def pickle_fn(fn: object, *, caller: str = "gpu_map()") -> bytes:
         return dumps(fn)
     except Exception as error:  # noqa: BLE001 - pickle raises many types; all mean the same
         raise TypeError(
-            f"{caller} sends fn to worker processes, so it must be picklable, and {fn!r} is not "
-            f"({error}). Define it with def at the top level of a module (not a lambda, not "
-            "inside a function); in a notebook, put it in a .py file and import it."
+            f"{caller} sends fn to worker processes, so it must be picklable, and "
+            f"{short_repr(fn)} is not ({error}). Define it with def at the top level of a module "
+            "(not a lambda, not inside a function); in a notebook, put it in a .py file and "
+            "import it."
         ) from None
 
 

@@ -10,8 +10,8 @@ items, ``_workerslots`` says which workers to start, ``_dispatch`` starts
 them and runs a map over them, ``_worker`` is the workers' side.
 
 Faults end the call promptly and say what happened; nothing is left running,
-the processes ``fn`` started included (each worker is a process group of its
-own, stopped as one):
+the processes ``fn`` started included where the system lists them (Linux:
+each worker's descendants, stopped with it):
 
 - ``fn`` or an item that cannot be pickled is refused before any worker
   starts, by its index; one that cannot be unpickled in a worker, or a
@@ -71,7 +71,7 @@ from ._keywords import suggest_keywords
 from ._mapfaults import how_it_ended
 from ._mapguards import refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
-from ._options import check_flag
+from ._options import check_flag, short_repr
 from ._progress import Progress
 from ._workerslots import worker_slots, workers_per_device_count
 
@@ -208,7 +208,9 @@ class GPUPool:
                 "callback, say)"
             )
         else:
-            where = "in another thread" if mapper is None else f"in thread {mapper.name!r}"
+            where = (
+                "in another thread" if mapper is None else f"in thread {short_repr(mapper.name)}"
+            )
         return (
             f"GPUPool.map() is already running on this pool, {where}. A pool runs one map "
             "at a time, from one thread: its workers answer one map at a time. Use one pool "
@@ -269,7 +271,8 @@ class GPUPool:
                 worker.where(),
                 how_it_ended(worker.exit_code()),
             )
-        stop_workers(dead, gently=False)  # what its fn started, and its pipe
+        # Its pipe. What its fn started is out of reach: given to init when it died.
+        stop_workers(dead, gently=False)
         fresh = iter(start_workers([w.slot for w in dead], [w.number for w in dead]))
         gone = {id(worker) for worker in dead}
         self._workers[:] = [next(fresh) if id(w) in gone else w for w in self._workers]
@@ -420,8 +423,8 @@ def gpu_map(
     """
     if executor not in ("local", "ray"):
         raise ValueError(
-            f"executor={executor!r}: expected 'local' (spawned workers on this machine) or "
-            "'ray' (tasks on a Ray cluster)"
+            f"executor={short_repr(executor)}: expected 'local' (spawned workers on this "
+            "machine) or 'ray' (tasks on a Ray cluster)"
         )
     if executor == "local":
         # Before items are read: a worker importing a script that lacks the main

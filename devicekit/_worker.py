@@ -45,10 +45,8 @@ imported, is a ``WorkerName``: unpickling it runs ``_WATCH_PARENT``, a few
 lines of the standard library (the parent's ``sys.path``, where devicekit may
 be, is not restored yet), which ignore Ctrl-C (the parent handles it and
 stops the workers, which otherwise each printed a traceback of the import),
-make the worker a session of its own (so that the processes ``fn`` starts
-are stopped with it), set ``PR_SET_PDEATHSIG`` to ``SIGKILL``, and end the
-worker if its parent is already gone (it died while this Python was
-starting). Where there is no
+set ``PR_SET_PDEATHSIG`` to ``SIGKILL``, and end the worker if its parent is
+already gone (it died while this Python was starting). Where there is no
 such signal (not Linux, or a worker started from a thread other than the
 main one: the signal follows the thread), a daemon thread checks the PPID
 every second instead, busy ``fn`` or not.
@@ -87,11 +85,6 @@ _PARENT_CHECK_SECONDS = 1.0
 _WATCH_PARENT = """
 import os, signal, sys, threading, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-if hasattr(os, "setsid") and os.getsid(0) != os.getpid():
-    try:
-        os.setsid()
-    except OSError:
-        pass
 armed = False
 if signal_on_death and sys.platform.startswith("linux"):
     try:
@@ -116,18 +109,16 @@ it runs before ``multiprocessing`` restores it. ``SIGKILL``, not ``SIGTERM``:
 ``fn`` (or a library) may ignore or handle ``SIGTERM``, and a worker of a
 dead parent has nothing left to do but end. The PPID check after ``prctl``
 catches a parent that died before the signal was armed. Running it twice is
-harmless (one session, one watch thread at most).
+harmless (one watch thread at most).
 
-``setsid`` makes the worker a session, and a process group, of its own,
-before any of the user's code runs, so that the processes ``fn`` starts are
-in it and the parent can stop them with the worker (``os.killpg``): a
-worker's orphans outlived a map that stopped it. A session rather than only
-a group (``setpgid``): a process group of the terminal's session that is not
-in the foreground is stopped (``SIGTTIN``, ``SIGTTOU``) when it reads the
-terminal, or writes to it under ``stty tostop``, while a process outside the
-session is not. What a terminal sends the caller's group (Ctrl-C, Ctrl-Z,
-its hang-up) no longer reaches the workers: they ignore Ctrl-C anyway, and
-the parent that stops on it stops them; they end with their parent.
+The worker stays in its parent's process group and session, and so do the
+processes ``fn`` starts: what a terminal (Ctrl-C, its hang-up) or a tool
+(``timeout``, a batch system) sends the caller's group reaches them all,
+even where the caller itself was killed and runs no code. A session of its
+own per worker stopped those signals: a killed caller's workers ended, by
+the parent-death signal, and what their ``fn`` had started ran on, out of
+reach. The parent stops what ``fn`` started by looking its workers'
+descendants up instead (``_workerstate.descendants``).
 """
 
 
@@ -269,10 +260,9 @@ def in_worker_bootstrap() -> bool:
 def work(conn: Any, parent: int, signal_on_death: bool) -> None:
     """Run items until told to stop, or until the parent is gone."""
     # Done when the worker's name was unpickled, before the main module; again
-    # here, as the main module may have set a SIGINT handler of its own. The
-    # parent handles Ctrl-C and stops the workers, so a worker must not die
-    # mid-item on its own of a SIGINT sent to it (by a terminal, before it made
-    # its own session, or by a script that signals each process).
+    # here, as the main module may have set a SIGINT handler of its own. Ctrl-C
+    # in a terminal reaches the whole process group: the parent handles it and
+    # stops the workers, so a worker must not die mid-item on its own.
     exec(_WATCH_PARENT, _watch_parent(parent, signal_on_death))
     # torch without numpy warns on import; this process is devicekit's, not the user's.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")

@@ -1,28 +1,46 @@
 """One worker as the parent sees it: its process, its pipe, and what it is doing.
 
-A worker leads a process group, in a session of its own (``_worker``), that
-holds the processes ``fn`` starts, so that stopping the worker can stop them
-too (``_dispatch.stop_workers`` signals the group). The group's ID is the
-worker's PID, and a PID is the worker's own only until the worker is reaped
-(waited for): after that the system may give it to another process, whose
-group a signal would then reach. So a worker's state is read here without
-reaping it, where ``os.waitid`` can (``_peek``), and ``stop_workers`` reaps a
-worker only after its last signal to the group.
+And the processes it started: stopping a worker stops what its ``fn``
+started too (``subprocess.Popen``, and what those start), so that none
+outlives a map that stopped the workers. A worker stays in its parent's
+process group (``_worker``), so its processes cannot be told apart by group;
+they are found as its descendants, by parent PID, in ``/proc``: each
+thread's ``task/<tid>/children``, or, where the kernel has no such file
+(``CONFIG_PROC_CHILDREN`` is off), every ``/proc/<pid>/stat``. Where there
+is no ``/proc`` (macOS), none are found, and only the workers are stopped.
+
+A PID names a process only until that process is reaped; then the system
+may give it to another one, which a signal to the PID would reach. So each
+process found is recorded with its start time (field 22 of
+``/proc/<pid>/stat``, in clock ticks since boot), and is signalled only
+while the PID still has that start time. A process is listed as a child
+only if its own ``stat`` names the parent, and a parent's children only if
+the parent still has its start time once they are read: the worker's is
+read when it starts, so a worker reaped meanwhile, and a PID of another
+process, have no children here. What cannot be found: the children of a
+worker that ended by itself (a process's children are given to init when it
+ends), and a process that left its parent's tree on purpose (a daemon that
+forked twice).
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing.connection
 import os
+import signal
+import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Slot", "Worker"]
+__all__ = ["Procs", "Slot", "Worker", "descendants", "signal_each", "start_time", "wait_ended"]
 
 Slot = str | int  # "cpu", or a CUDA index as this process numbers it
-_POLL_SECONDS = 0.05  # how often a wait checks a worker's PID
+Procs = dict[int, int]  # processes, each as its PID and its start time
+_PROC = "/proc"
+_MOST = 4096  # descendants looked up per call: a fork bomb in fn must not hang the stop
+_POLL_SECONDS = 0.05  # how often a wait reads whether processes have ended
 
 
 @dataclass
@@ -42,6 +60,8 @@ class Worker:
     loaded: int = -1  # the map whose fn it has unpickled
     deadline: float | None = None  # when its item's, or its start-up's, time is up (monotonic)
     owner: int = field(default_factory=os.getpid)  # the process that started it: its parent
+    # Its start time, read once it was started: its PID is its own while /proc says so.
+    started: int | None = None
 
     def where(self) -> str:
         """``"worker 2 on cuda:1"``, ``"worker 1 on the CPU"``."""
@@ -49,59 +69,155 @@ class Worker:
         return f"worker {self.number} on {device}"
 
     def alive(self) -> bool:
-        """Whether the process still runs (a dead one is not reaped, where that can be told)."""
-        peeked = _peek(self.process)
-        return self.process.is_alive() if peeked is None else not peeked[0]
-
-    def unreaped(self) -> bool:
-        """Whether its PID, and so its process group's ID, is still its own."""
-        return _peek(self.process) is not None
+        """Whether the process still runs."""
+        return bool(self.process.is_alive())
 
     def wait(self, seconds: float | None) -> None:
-        """Wait until it has ended, ``seconds`` at most (None: as long), without reaping it."""
-        if _peek(self.process) is None:
-            self.process.join(seconds)
-            return
-        end = None if seconds is None else time.monotonic() + seconds
-        while self.alive():
-            left = _POLL_SECONDS if end is None else min(end - time.monotonic(), _POLL_SECONDS)
-            if left <= 0:
-                return
-            # Its sentinel is ready once it has exited, unless a process it started
-            # (with os.fork, say) holds that pipe too: the PID is checked each time.
-            multiprocessing.connection.wait([self.process.sentinel], left)
+        """Wait until it has ended, ``seconds`` at most (None: as long)."""
+        self.process.join(seconds)
 
     def exit_code(self, wait: float = 0.0) -> int | None:
         """Its exit code, minus the signal that ended it; None while it runs (after ``wait`` s)."""
         self.wait(wait)
-        peeked = _peek(self.process)
-        return self.process.exitcode if peeked is None else peeked[1]
+        code: int | None = self.process.exitcode
+        return code
 
-    def signal_group(self, signum: int) -> None:
-        """Send ``signum`` to its process group: the worker and the processes ``fn`` started."""
-        killpg = getattr(os, "killpg", None)
-        if killpg is not None:
-            # No such group: the worker has not made it yet (nor started anything).
-            with contextlib.suppress(OSError):
-                killpg(self.process.pid, signum)
+    def as_procs(self) -> Procs:
+        """``{pid: start time}`` of the worker, or ``{}`` where it cannot be looked up."""
+        pid = self.process.pid
+        return {} if pid is None or self.started is None else {pid: self.started}
 
 
-def _peek(process: Any) -> tuple[bool, int | None] | None:
-    """``(ended, exit code)`` of a worker not yet reaped, read without reaping it.
+def start_time(pid: int, proc: str = _PROC) -> int | None:
+    """When the process ``pid`` started (clock ticks since boot); None if there is none.
 
-    ``os.waitid`` with ``WNOWAIT`` leaves a dead worker a zombie, which keeps
-    its PID. None where this cannot be told (no ``os.waitid``, a process not
-    started, one already reaped): multiprocessing's own calls, which reap,
-    answer then.
+    Examples:
+        >>> start_time(os.getpid()) == start_time(os.getpid())
+        True
     """
-    waitid = getattr(os, "waitid", None)
-    if waitid is None or process.pid is None:
-        return None
+    found = _stat(pid, proc)
+    return None if found is None else found[2]
+
+
+def descendants(roots: Procs, *, proc: str = _PROC) -> Procs:
+    """Every process below ``roots`` that is still the process its parent started.
+
+    A root whose PID no longer has its start time has no descendants here.
+    At most ``_MOST`` are looked up; ``{}`` where there is no ``/proc``.
+    """
+    if (proc == _PROC and not sys.platform.startswith("linux")) or not os.path.isdir(proc):
+        return {}  # another system's /proc (or none) says no parents
+    found: Procs = {}
+    todo = deque(roots.items())
+    table: dict[int, Procs] | None = None  # children by parent, from one read of /proc
+    while todo and len(found) < _MOST:
+        pid, started = todo.popleft()
+        children = _children(pid, proc)
+        if children is None:  # no children files: every process's stat says its parent
+            table = _by_parent(proc) if table is None else table
+            children = table.get(pid, {})
+        # Read after the list: were the PID another process's by now, the list may be its.
+        if start_time(pid, proc) != started:
+            continue
+        for child, child_started in children.items():
+            if child not in found and child not in roots and len(found) < _MOST:
+                found[child] = child_started
+                todo.append((child, child_started))
+    return found
+
+
+def signal_each(procs: Procs, signum: int, *, proc: str = _PROC) -> list[int]:
+    """Send ``signum`` to each of ``procs`` that is still the process recorded; say to which."""
+    return [pid for pid, started in procs.items() if _signal(pid, started, signum, proc)]
+
+
+def wait_ended(procs: Procs, seconds: float | None, *, proc: str = _PROC) -> None:
+    """Wait until none of ``procs`` runs (a zombie has ended), ``seconds`` at most."""
+    end = None if seconds is None else time.monotonic() + seconds
+    while any(_running(pid, started, proc) for pid, started in procs.items()):
+        if end is not None and time.monotonic() >= end:
+            return
+        time.sleep(_POLL_SECONDS)
+
+
+def _signal(pid: int, started: int, signum: int, proc: str) -> bool:
+    """Signal ``pid`` if it still started at ``started``; whether it was signalled."""
+    # A pidfd holds the process it was opened on: checked after it is opened, the
+    # start time says that the signal goes where it was meant to, even if the PID
+    # is reused in between. Without one (before Linux 5.3), os.kill right after.
+    pidfd: int | None = None
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is not None:
+        with contextlib.suppress(OSError):  # gone, or a kernel without pidfds
+            pidfd = pidfd_open(pid)
     try:
-        found = waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped already (multiprocessing has its exit code)
+        if start_time(pid, proc) != started:
+            return False
+        if pidfd is None:
+            os.kill(pid, signum)
+        else:
+            signal.pidfd_send_signal(pidfd, signum)
+    except OSError:  # it has ended (and was reaped) meanwhile
+        return False
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    return True
+
+
+def _running(pid: int, started: int, proc: str) -> bool:
+    found = _stat(pid, proc)
+    return found is not None and found[2] == started and found[0] != "Z"
+
+
+def _stat(pid: int, proc: str) -> tuple[str, int, int] | None:
+    """``(state, parent PID, start time)`` from ``/proc/<pid>/stat``; None if unreadable."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as file:
+            text = file.read()
+    except OSError:  # no such process (or no /proc)
         return None
-    if found is None:
-        return False, None
-    exited = found.si_code == os.CLD_EXITED
-    return True, found.si_status if exited else -found.si_status
+    # After the name, which may hold spaces and parentheses: field 3 on.
+    fields = text[text.rfind(b")") + 1 :].split()
+    try:
+        return fields[0].decode("ascii", "replace"), int(fields[1]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _children(pid: int, proc: str) -> Procs | None:
+    """The children of ``pid`` that say so themselves; None where the kernel cannot list them."""
+    listed: set[int] = set()
+    try:
+        threads = os.listdir(f"{proc}/{pid}/task")
+    except OSError:  # it has ended
+        return {}
+    for thread in threads:
+        try:
+            with open(f"{proc}/{pid}/task/{thread}/children", "rb") as file:
+                listed.update(int(child) for child in file.read().split())
+        except FileNotFoundError:
+            if os.path.isdir(f"{proc}/{pid}/task/{thread}"):
+                return None  # the thread is there, its file is not: CONFIG_PROC_CHILDREN is off
+        except PermissionError:
+            return None  # not ours to read: every stat is
+        except (OSError, ValueError):  # the thread has ended meanwhile
+            continue
+    found: Procs = {}
+    for child in listed:
+        stat = _stat(child, proc)
+        if stat is not None and stat[1] == pid:  # not a PID reused since the list was read
+            found[child] = stat[2]
+    return found
+
+
+def _by_parent(proc: str) -> dict[int, Procs]:
+    """Every process of ``proc``, as ``{parent PID: {PID: start time}}``."""
+    table: dict[int, Procs] = {}
+    with contextlib.suppress(OSError), os.scandir(proc) as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                stat = _stat(int(entry.name), proc)
+                if stat is not None:
+                    table.setdefault(stat[1], {})[int(entry.name)] = stat[2]
+    return table

@@ -1841,40 +1841,229 @@ def test_a_main_module_that_fails_in_a_worker_is_not_said_to_lack_the_guard(
 
 
 def start_a_child(item: int) -> int:
-    """Start ``sleep 60`` and write its PID where the test sees it; then wait, exit or return."""
-    child = subprocess.Popen(["sleep", "60"])
-    with open(os.path.join(os.environ["DK_TEST_PIDS"], str(child.pid)), "w"):
-        pass
+    """Start ``sh``, which starts ``sleep 60``; write both PIDs where the test sees them.
+
+    Then wait past the map's timeout (item 0), raise (item 1), or return, and
+    leave them running.
+    """
+    folder = os.environ["DK_TEST_PIDS"]
+    # The shell writes its child's PID itself: a grandchild of the worker.
+    child = subprocess.Popen(["sh", "-c", 'sleep 60 & echo $! > "$0"; wait', f"{folder}/sleep"])
+    with open(os.path.join(folder, "sh"), "w") as file:
+        file.write(str(child.pid))
+    assert _wait_for(lambda: _written(f"{folder}/sleep"), 60)
     if item == 0:
         time.sleep(60)  # past the map's timeout
     if item == 1:
-        os._exit(3)  # the worker dies under its child
-    return item  # the child runs on, until the pool closes
+        raise ValueError("fn fails, and its worker is stopped")
+    return item  # they run on, until the pool closes
 
 
-@pytest.mark.parametrize("how", ["timeout", "worker dies", "pool closes"])
+def _written(path: Any) -> bool:
+    """Whether ``path`` exists and has something in it (a PID, once the shell wrote it)."""
+    return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def _started_pids(folder: Any) -> list[int]:
+    pids = []
+    for name in ("sh", "sleep"):
+        with open(os.path.join(folder, name)) as file:
+            pids.append(int(file.read()))
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.parametrize("how", ["timeout", "fn raises", "pool closes"])
 def test_processes_fn_started_end_with_their_worker(
     how: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Before, only the worker was stopped: `sleep 60` lived on, with PPID 1.
+    # Before, only the worker was stopped: `sleep 60` lived on, with PPID 1. Both
+    # the child and the grandchild are stopped, whether the worker was busy or idle.
     monkeypatch.setenv("DK_TEST_PIDS", str(tmp_path))
     with dk.gpu_pool(devices=["cpu"]) as pool:
         if how == "timeout":
             with pytest.raises(dk.WorkerTimeoutError):
                 pool.map(start_a_child, [0], timeout=1)
-        elif how == "worker dies":
-            with pytest.raises(dk.WorkerError, match="exited with code 3 while running item 0"):
+        elif how == "fn raises":
+            with pytest.raises(dk.WorkerError, match="fn fails, and its worker is stopped"):
                 pool.map(start_a_child, [1])
         else:
             assert pool.map(start_a_child, [2]) == [2]
-    children = [int(name) for name in os.listdir(tmp_path)]
+    started = _started_pids(tmp_path)
     try:
-        assert len(children) == 1
-        assert _wait_for(lambda: not _alive(children[0]), 10), "fn's child outlived the map"
+        for pid in started:
+            assert _wait_for(lambda: not _alive(pid), 10), "what fn started outlived the map"  # noqa: B023
     finally:
-        for pid in children:
+        for pid in started:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_workers_stay_in_the_caller_s_process_group_and_session() -> None:
+    # Before, each worker made a session of its own (os.setsid): what a terminal or
+    # `timeout` sends the caller's group no longer reached the processes fn started.
+    with dk.gpu_pool(devices=["cpu"], workers_per_device=2) as pool:
+        assert pool.map(abs, [-1, -2]) == [1, 2]
+        for worker in pool._workers:
+            pid = worker.process.pid
+            assert os.getpgid(pid) == os.getpgrp()
+            assert os.getsid(pid) == os.getsid(0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_a_signal_to_a_killed_caller_s_group_reaches_what_fn_started(tmp_path: Any) -> None:
+    # The caller is killed with its group, as a terminal's hang-up or `timeout -s KILL`
+    # kills a job: it runs no code, its workers end by their parent-death signal, and
+    # what fn started must be in the group to be killed too. Before, `sleep 60` lived
+    # on, with PPID 1, in the session its worker had made.
+    script = tmp_path / "caller.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import devicekit as dk
+            from tests.test_parallel import start_a_child
+            if __name__ == "__main__":
+                dk.gpu_map(start_a_child, [0], devices=["cpu"])
+            """
+        )
+    )
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    caller = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path, "DK_TEST_PIDS": str(tmp_path)},
+        start_new_session=True,  # a group of its own, as a shell's job is
+    )
+    started: list[int] = []
+    try:
+        assert _wait_for(lambda: _written(tmp_path / "sleep"), 120), "fn started nothing"
+        started = _started_pids(tmp_path)
+        os.killpg(caller.pid, signal.SIGKILL)
+        caller.wait(30)
+        for pid in started:
+            assert _wait_for(lambda: not _alive(pid), 30), "what fn started outlived the caller"  # noqa: B023
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(caller.pid, signal.SIGKILL)
+        caller.wait(30)
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def trap_then_start_more(folder: str) -> None:
+    """Start a shell that, on SIGTERM, starts ``sleep 61`` and runs on; hang."""
+    shell = (
+        'trap \'sleep 61 & echo $! > "$0.late"\' TERM; echo $$ > "$0"; while :; do sleep 1; done'
+    )
+    subprocess.Popen(["sh", "-c", shell, f"{folder}/shell"])
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_what_fn_started_while_being_stopped_is_killed_too(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process that answers SIGTERM by starting another: the last step looks the
+    # workers' descendants up again, so the late one gets SIGKILL too.
+    from devicekit import _dispatch
+
+    real_signal_each = _dispatch.signal_each
+
+    def signal_each(procs: dict[int, int], signum: int) -> list[int]:
+        sent = real_signal_each(procs, signum)
+        if signum == signal.SIGTERM:  # let the trap start its process before going on
+            assert _wait_for(lambda: _written(tmp_path / "shell.late"), 60)
+        return sent
+
+    monkeypatch.setattr(_dispatch, "signal_each", signal_each)
+    monkeypatch.setattr(_dispatch, "_STOP_SECONDS", 0.5)  # the shell ignores SIGTERM: not long
+    with dk.gpu_pool(devices=["cpu"]) as pool, pytest.raises(dk.WorkerTimeoutError):
+        pool.map(trap_then_start_more, [str(tmp_path)], timeout=2)
+    pids = []
+    for name in ("shell", "shell.late"):
+        with open(tmp_path / name) as file:
+            pids.append(int(file.read()))
+    try:
+        for pid in pids:
+            assert _wait_for(lambda: not _alive(pid), 10), "a process outlived the stop"  # noqa: B023
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _fake_proc(root: Any, table: dict[int, tuple[int, int]], *, children: bool) -> str:
+    """A /proc of ``{pid: (parent, start time)}``, with ``task/<pid>/children`` files or none."""
+    for pid, (parent, started) in table.items():
+        task = root / str(pid) / "task" / str(pid)
+        task.mkdir(parents=True, exist_ok=True)
+        fields = ["S", str(parent), *["0"] * 17, str(started), "0"]
+        (root / str(pid) / "stat").write_text(f"{pid} (a (b) c) {' '.join(fields)}\n")
+        if children:
+            kids = [str(kid) for kid, (up, _) in table.items() if up == pid]
+            (task / "children").write_text(" ".join(kids) + (" " if kids else ""))
+    return str(root)
+
+
+# PIDs above the kernel's largest (2**22): no process of this machine can have one.
+W, C, G, U = 2**22 + 1, 2**22 + 2, 2**22 + 3, 2**22 + 4
+
+
+@pytest.mark.parametrize("children", [True, False], ids=["children files", "stat scan"])
+def test_descendants_are_found_by_parent_and_tied_to_their_start_time(
+    tmp_path: Any, children: bool
+) -> None:
+    from devicekit._workerstate import descendants
+
+    table = {W: (1, 100), C: (W, 150), G: (C, 160), U: (1, 170)}
+    proc = _fake_proc(tmp_path, table, children=children)
+    assert descendants({W: 100}, proc=proc) == {C: 150, G: 160}
+    assert descendants({C: 150}, proc=proc) == {G: 160}
+    # The worker's PID has another start time: it is another process's now (the
+    # worker was reaped), whose children are not the worker's.
+    assert descendants({W: 99}, proc=proc) == {}
+
+
+def test_a_child_listed_before_its_pid_was_reused_is_not_taken(tmp_path: Any) -> None:
+    from devicekit._workerstate import descendants
+
+    # W's children file names C, but C's stat names another parent: C ended after the
+    # list was read, and its PID went to a process that is not W's.
+    proc = _fake_proc(tmp_path, {W: (1, 100), C: (W, 150)}, children=True)
+    (tmp_path / str(C) / "stat").write_text(f"{C} (x) S 1 {' '.join(['0'] * 17)} 180 0\n")
+    assert descendants({W: 100}, proc=proc) == {}
+
+
+def test_without_linux_s_proc_no_descendants_are_looked_up(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # macOS: only the workers are stopped, as before workers had sessions of their own
+    # (which, there, hid fn's processes from the terminal's Ctrl-C too).
+    from devicekit import _workerstate
+
+    assert _workerstate.descendants({W: 100}, proc=str(tmp_path / "none")) == {}
+    monkeypatch.setattr(_workerstate.sys, "platform", "darwin")
+    assert _workerstate.descendants({os.getpid(): 1}) == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_a_pid_whose_start_time_changed_is_not_signalled() -> None:
+    # The process recorded at this PID has ended and the PID went to another one (the
+    # `sleep` here): another start time, so it is left alone.
+    from devicekit._workerstate import signal_each, start_time
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        started = start_time(other.pid)
+        assert started is not None
+        assert signal_each({other.pid: started - 1}, signal.SIGKILL) == []
+        assert other.poll() is None
+        assert signal_each({other.pid: started}, signal.SIGKILL) == [other.pid]
+        assert other.wait(30) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait(30)
 
 
 def test_a_pool_names_itself_in_its_errors() -> None:
@@ -1904,14 +2093,61 @@ class IndexedOnly:
 
 
 def test_items_none_and_items_iterable_by_index_only() -> None:
-    # Before: "pass a list, such as [None]", and an object iter() reads was refused.
+    # Before: "pass a list, such as [None]". And an object with [i] alone was read from
+    # [0] to the first IndexError: where [i] never raises one, for ever, its memory
+    # growing; it is refused, saying what to give it.
     with pytest.raises(TypeError) as info:
         dk.gpu_map(abs, None, devices=["cpu"])  # type: ignore[arg-type]
     assert str(info.value) == (
         "gpu_map() needs items, an iterable (a list, a generator) or a map-style dataset "
         "(len() and [i]) of the items to run fn on, got None"
     )
-    assert dk.gpu_map(abs, IndexedOnly(), devices=["cpu"]) == [0, 1, 2]  # type: ignore[arg-type]
+    before = set(multiprocessing.active_children())
+    with pytest.raises(TypeError) as info:
+        dk.gpu_map(abs, IndexedOnly(), devices=["cpu"])  # type: ignore[arg-type]
+    assert re.fullmatch(
+        r"gpu_map\(\) needs items, an iterable \(a list, a generator\) or a map-style dataset "
+        r"\(len\(\) and \[i\]\) of the items to run fn on, got <tests\.test_parallel\."
+        r"IndexedOnly object at 0x[0-9a-f]+> of type IndexedOnly, which has \[i\] but neither "
+        r"len\(\) nor __iter__, so where its items end is not known \(read \[0\], \[1\]\.\.\. "
+        r"until an IndexError, it is read for ever if \[i\] never raises one\)\. Give its "
+        r"class __len__ \(a map-style dataset\) or __iter__, or pass a list of its items",
+        str(info.value),
+    ), str(info.value)
+    assert set(multiprocessing.active_children()) == before
+    with (
+        dk.gpu_pool(devices=["cpu"]) as pool,
+        pytest.raises(TypeError, match=r"^GPUPool\.map\(\) needs items, .* neither len"),
+    ):
+        pool.map(abs, IndexedOnly())  # type: ignore[arg-type]
+
+
+class _Huge:
+    """A callable, and not picklable, whose repr is a megabyte long."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __call__(self, item: object) -> object:
+        return item
+
+    def __repr__(self) -> str:
+        return "H" * 10**6
+
+
+def test_errors_show_a_large_fn_or_items_cut_short() -> None:
+    # Before, each error quoted the whole repr: a megabyte of message.
+    huge = list(range(10**6))
+    refused: list[tuple[Callable[[], object], str]] = [
+        (lambda: dk.gpu_map(huge, [1], devices=["cpu"]), r"got \[0, 1, 2, .*\.\.\. of type list"),
+        (lambda: dk.gpu_map(abs, _Huge(), devices=["cpu"]), r"got H+\.\.\.H+ of type _Huge"),
+        (lambda: dk.gpu_map(_Huge(), [1], devices=["cpu"]), r"picklable, and H+\.\.\.H+ is not"),
+    ]
+    for call, shown in refused:
+        with pytest.raises(TypeError) as info:
+            call()
+        assert re.search(shown, str(info.value)), str(info.value)
+        assert len(str(info.value)) < 1000, str(info.value)[:300]
 
 
 def test_the_worker_limit_counts_the_workers_a_map_starts() -> None:
