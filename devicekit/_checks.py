@@ -14,9 +14,10 @@ from torch.nn.utils.rnn import PackedSequence
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
+from ._look import object_attributes
 from ._mover import _has_to_method
 from ._options import short_repr
-from ._tree import children, iter_children, object_attributes
+from ._tree import children, iter_children
 
 __all__ = ["assert_same_device"]
 

@@ -27,6 +27,7 @@ import torch
 from ._devices import CPU, META, synchronize
 from ._errors import add_note
 from ._format import qualified_name
+from ._look import tensor_elsewhere
 from ._rebuild import (
     rebuild_list_subclass,
     rebuild_mapping,
@@ -35,7 +36,7 @@ from ._rebuild import (
     rebuild_tuple,
 )
 from ._records import rebuild_dataclass, rebuild_record
-from ._tree import is_dataclass_instance, is_record, tensor_elsewhere
+from ._tree import is_dataclass_instance, is_record
 
 # What to_device uses. Both stay private: nothing here is devicekit's API.
 __all__ = ["Cycle", "borrow"]

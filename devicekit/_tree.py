@@ -4,13 +4,7 @@ One definition serves [`to_device()`][devicekit.to_device] (which rebuilds), and
 [`assert_same_device()`][devicekit.assert_same_device] and
 [`check_module()`][devicekit.check_module]
 (which only look), so the three always agree on what "inside" means. A look
-may go further than a move: `assert_same_device()` also reads what any other
-object holds (`object_attributes()`), since a check that skipped it would vouch
-for tensors it never saw. Such a look reads storage through Python's own
-descriptors, never a property or the object's own methods, and never raises;
-`tensor_elsewhere()`, behind `to_device()`'s warning about an object it
-cannot move, reads builtin containers as their base class stores them, and
-a bounded number of references in all.
+may go further than a move, into any object: that is `_look`.
 
 A record (a dataclass, an ``attrs`` instance, a pydantic model, a
 ``SimpleNamespace``) holds its fields and whatever else its instance was given
@@ -31,15 +25,13 @@ import dataclasses
 import sys
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, MutableSequence
-from itertools import islice
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, MutableSequence
 from typing import Any, NamedTuple, cast
 
 import torch
 
-from ._options import short_repr
-
 __all__ = [
+    "ITEMS_ONLY",
     "RecordLayout",
     "children",
     "container_attributes",
@@ -50,12 +42,10 @@ __all__ = [
     "iter_children",
     "iter_leaves",
     "iter_tensors",
-    "object_attributes",
     "record_attributes",
     "record_fields",
     "record_layout",
     "slot_names",
-    "tensor_elsewhere",
 ]
 
 
@@ -233,7 +223,7 @@ _ITEM_STORAGE: dict[type, frozenset[str]] = {
     )
 }
 # Instances of these hold nothing but their items: no __dict__, no slots.
-_ITEMS_ONLY = frozenset(
+ITEMS_ONLY = frozenset(
     {dict, list, tuple, set, frozenset, collections.deque, collections.defaultdict}
 )
 _container_layouts: weakref.WeakKeyDictionary[type, RecordLayout | None] = (
@@ -291,7 +281,7 @@ def container_attributes(obj: object) -> list[tuple[str, Any]]:
         [('lengths', tensor([1]))]
     """
     cls = type(obj)
-    if cls in _ITEMS_ONLY:
+    if cls in ITEMS_ONLY:
         return []
     layout = container_layout(cls)
     return [] if layout is None else record_attributes(obj, layout)
@@ -338,7 +328,7 @@ def iter_children(obj: object) -> Iterator[tuple[str, Any]] | None:
         return ((f".{name}", value) for name, value in held)
     else:
         return None
-    if type(obj) in _ITEMS_ONLY or container_layout(type(obj)) is None:
+    if type(obj) in ITEMS_ONLY or container_layout(type(obj)) is None:
         return items
     return _then_attributes(obj, items)
 
@@ -352,226 +342,6 @@ def _then_attributes(obj: object, items: Iterator[tuple[str, Any]]) -> Iterator[
     for name, value in container_attributes(obj):
         if id(value) not in mirrors:
             yield f".{name}", value
-
-
-# Not looked inside by object_attributes(): what they hold is code and its globals, not data.
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
-# A weak proxy holds nothing of its own, and a dead one raises ReferenceError at any
-# question, isinstance() included: only its exact type is asked.
-_PROXIES = frozenset(weakref.ProxyTypes)
-# A class's own namespace and its MRO, read without its metaclass (whose __getattribute__
-# or properties could run code of the user's own).
-_class_namespace: Callable[[type], Mapping[str, Any]] = type.__dict__["__dict__"].__get__
-_class_mro: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
-# Python's own readers of an instance's __dict__: a getset (classes written in Python),
-# or a member (SimpleNamespace, some C types). A property named __dict__ is neither.
-_STORAGE_READERS = (types.GetSetDescriptorType, types.MemberDescriptorType)
-_dict_readers: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
-_slot_readers: weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def object_attributes(obj: object, *, limit: int | None = None) -> list[tuple[str, Any]]:
-    """Everything an object holds by name: the entries of its ``__dict__``, then its slots.
-
-    For a look, never a move, inside an object `children()` does not know (a
-    class of your own, a transformers ``DynamicCache``): it reads the instance's
-    own storage through Python's own descriptors, so no property (one named
-    ``__dict__`` too), ``__getattr__`` or ``__getattribute__`` of the class
-    runs, and it never raises: what it cannot read is not there. Names
-    ``__like_this__`` are Python's or a library's, and left out; so is
-    everything in a class, a Python module or a function (code and its
-    globals, not data), and a weak proxy (what it refers to is another's).
-    Empty for an object with neither (a number, a ``torch.dtype``). Each path
-    suffix is ``.name``. ``limit``: at most that many entries of each are read.
-
-    Examples:
-        >>> import torch
-        >>> class Holder:
-        ...     def __init__(self) -> None:
-        ...         self.x = torch.ones(1)
-        >>> object_attributes(Holder())
-        [('.x', tensor([1.]))]
-    """
-    return [(f".{name}", value) for name, value in _attributes(obj, limit)]
-
-
-def _attributes(obj: object, limit: int | None) -> list[tuple[str, Any]]:
-    """`object_attributes()` with bare names; never raises, runs no code of the object's."""
-    found: list[tuple[str, Any]] = []
-    cls = type(obj)
-    if cls in _PROXIES or issubclass(cls, _OPAQUE):
-        return found
-    try:
-        reader = _dict_readers.get(cls, _UNREAD)
-        if reader is _UNREAD:
-            reader = _dict_readers[cls] = _dict_reader(cls)
-        state: Any = None if reader is None else reader.__get__(obj, cls)
-        if issubclass(type(state), dict):
-            for name, value in islice(dict.items(state), limit):  # dict's own, not an override
-                if issubclass(type(name), str) and not (
-                    str.startswith(name, "__") and str.endswith(name, "__")
-                ):
-                    found.append((str.__str__(name), value))  # a str subclass's as a str
-        readers = _slot_readers.get(cls)
-        if readers is None:
-            readers = _slot_readers[cls] = tuple(_slot_descriptors(cls))
-        for name, slot in readers[:limit]:
-            try:
-                found.append((name, slot.__get__(obj, cls)))
-            except AttributeError:  # a slot never set has no value
-                continue
-    except Exception:  # noqa: BLE001 - storage that cannot be read holds nothing to look at
-        pass
-    return found
-
-
-_UNREAD = object()
-
-
-def _dict_reader(cls: type) -> Any:
-    """The descriptor that reads ``cls``'s instances' ``__dict__``, or None if not Python's own.
-
-    The first ``__dict__`` in its MRO: Python's getset (or member), or a class's
-    own property (None: reading it would run that code).
-    """
-    for klass in _class_mro(cls):
-        entry = _class_namespace(klass).get("__dict__")
-        if entry is not None:
-            return entry if type(entry) in _STORAGE_READERS else None
-    return None
-
-
-def _slot_descriptors(cls: type) -> Iterator[tuple[str, Any]]:
-    """Each slot's name and the member descriptor that reads it (never a property)."""
-    for klass in _class_mro(cls):
-        namespace = _class_namespace(klass)
-        slots = namespace.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            private = name.startswith("__") and not name.endswith("__")
-            stored = f"_{klass.__name__.lstrip('_')}{name}" if private else name
-            reader = namespace.get(stored)
-            dunder = stored.startswith("__") and stored.endswith("__")
-            if type(reader) is types.MemberDescriptorType and not dunder:
-                yield stored, reader
-
-
-# How tensor_elsewhere() reached each object: the path suffix is made only for the path
-# it returns.
-_KEY, _INDEX, _MEMBER, _NAME = range(4)
-# Nothing inside to look at: exact types, asked before anything else.
-_NOTHING_INSIDE = frozenset(
-    {str, bytes, int, float, complex, bool, type(None), range, *weakref.ProxyTypes}
-)
-_NOT_OPENED = (torch.nn.Module, str, bytes, bytearray, array.array, *_OPAQUE)
-# The builtin containers whose items tensor_elsewhere() reads, each with its own reader
-# (a subclass's __iter__ or items() is its code, and is not run).
-_ITEM_READERS: tuple[tuple[type, Any, int], ...] = (
-    (dict, dict.items, _KEY),
-    (list, list.__iter__, _INDEX),
-    (tuple, tuple.__iter__, _INDEX),
-    (collections.deque, collections.deque.__iter__, _INDEX),
-    (set, set.__iter__, _MEMBER),
-    (frozenset, frozenset.__iter__, _MEMBER),
-)
-
-
-def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> str | None:
-    """The path of a tensor inside ``obj`` that is not on ``device``, or None.
-
-    A bounded look into what an object holds: ``looks`` references read at
-    most in all, each object looked inside once, so an object that holds a
-    dataset of a million items costs what 256 of them cost. It reads storage,
-    never runs code of the objects it meets: a dict's, list's, tuple's,
-    deque's or set's items (a subclass's too, read as its base class stores
-    them), and every object's instance attributes and slots
-    (`object_attributes()`). For ``to_device``, which returns an object it
-    cannot move unchanged, to say so when that leaves tensors behind.
-
-    Raises what reading a tensor's ``device`` raises (a tensor subclass may
-    run code for it), and ``RuntimeError`` for a container that another thread
-    changes while it is read: the caller treats either as nothing found.
-
-    Examples:
-        >>> import torch
-        >>> class Cache:
-        ...     def __init__(self) -> None:
-        ...         self.layers = [{"keys": torch.ones(1)}]
-        >>> tensor_elsewhere(Cache(), torch.device("meta"))
-        ".layers[0]['keys']"
-        >>> tensor_elsewhere(Cache(), torch.device("cpu")) is None
-        True
-    """
-    seen: set[int] = set()
-    kept: list[object] = []  # alive while the look runs, so no id() in seen is reused
-    links: list[tuple[int, int, Any]] = []  # how each object was reached: (parent, kind, key)
-    queue: collections.deque[tuple[int, Any]] = collections.deque([(-1, obj)])
-    left = looks
-    while queue:
-        link, item = queue.popleft()
-        cls = type(item)
-        if cls in _NOTHING_INSIDE or id(item) in seen:
-            continue
-        seen.add(id(item))
-        kept.append(item)
-        if issubclass(cls, torch.Tensor):
-            if item.device != device:
-                return _path(links, link)
-            continue
-        if left <= 0 or issubclass(cls, _NOT_OPENED):
-            continue  # a module is moved by its own .to(), never left behind
-        for kind, key, child in islice(_held(item, cls, left), left):
-            left -= 1
-            links.append((link, kind, key))
-            queue.append((len(links) - 1, child))
-    return None
-
-
-def _held(item: object, cls: type, limit: int) -> Iterator[tuple[int, Any, Any]]:
-    """What ``item`` holds, read from its storage: (kind, key or index or name, value)."""
-    for base, read, kind in _ITEM_READERS:
-        if issubclass(cls, base):
-            if kind == _KEY:
-                yield from ((kind, key, value) for key, value in read(item))
-            else:
-                names = _class_attribute(cls, "_fields") if base is tuple else None
-                if isinstance(names, tuple):  # a namedtuple: its fields by name
-                    yield from (
-                        (_NAME, name, value) for name, value in zip(names, read(item), strict=False)
-                    )
-                else:
-                    yield from ((kind, index, value) for index, value in enumerate(read(item)))
-            if cls in _ITEMS_ONLY:
-                return
-            break
-    yield from ((_NAME, name, value) for name, value in _attributes(item, limit))
-
-
-def _class_attribute(cls: type, name: str) -> Any:
-    """``cls.name`` as a class defines it (no metaclass code runs), or None."""
-    for klass in _class_mro(cls):
-        value = _class_namespace(klass).get(name)
-        if value is not None:
-            return value
-    return None
-
-
-def _path(links: list[tuple[int, int, Any]], link: int) -> str:
-    """The path suffix of the object reached by ``links[link]``, from the object looked in."""
-    suffixes = []
-    while link >= 0:
-        link, kind, key = links[link]
-        suffixes.append(
-            f"[{short_repr(key, 60)}]"
-            if kind == _KEY
-            else f"[{key}]"
-            if kind == _INDEX
-            else f"{{{key}}}"
-            if kind == _MEMBER
-            else f".{key}"
-        )
-    return "".join(reversed(suffixes))
 
 
 def iter_tensors(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checks, _mover, _tree
+from devicekit import _checks, _look, _mover
 
 from .conftest import run_python
 
@@ -781,8 +781,8 @@ def test_looking_inside_an_object_never_reads_a_property_named_dict() -> None:
             raise AssertionError("a property named __dict__ ran")
 
     assert dk.assert_same_device(Guarded(torch.ones(1)), torch.ones(1)) == CPU
-    assert _tree.object_attributes(Guarded(torch.ones(1))) == []
+    assert _look.object_attributes(Guarded(torch.ones(1))) == []
     gone = Holder(torch.ones(1))
     proxy = weakref.proxy(gone)
     del gone
-    assert _tree.object_attributes(proxy) == []
+    assert _look.object_attributes(proxy) == []
