@@ -159,7 +159,9 @@ def warn_if_launched_alone(what: str) -> None:
     )
 
 
-_NO_STORE = "devicekit's group is made through the job's store, which stopped answering"
+_NO_STORE = (
+    "devicekit's group is made through the job's store, and this rank's connection to it was lost"
+)
 
 
 def _group(timeout: float, what: str, call: int, started: float) -> Any:
@@ -171,11 +173,16 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
 
     The ranks meet through the job's store: each writes its address there and
     waits for the others'. So a rank that exited before its first call costs
-    the others the whole timeout (the store does not say that it left), and
-    once the store has stopped answering (``Job.store_lost``: the process
-    that serves it, normally rank 0, has gone) no group can be made: that
-    fails at once, without torch's C++ warning for each store operation
-    ``new_group`` would try.
+    the others the whole timeout (the store does not say that it left).
+    Once this rank's connection to the store is lost (``Job.store_lost``,
+    set by a lost connection alone, never by a timeout or an operation the
+    store lacks) no group can be made here: torch's store client never
+    reconnects, and ``new_group`` through it fails at once with "Broken
+    pipe" (torch 2.6 and 2.13), printing one more C++ warning and stack dump.
+    So it is not tried: the call fails at once, and its error says the store
+    went. Trying would spare the other ranks no wait: it fails before this
+    rank's address reaches the store (and where the serving process has
+    gone, their own ``new_group`` fails as soon).
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 

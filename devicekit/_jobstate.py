@@ -18,11 +18,15 @@ When the store stops answering. The store is served by one process of the
 job: rank 0's, or under torchrun its agent on the first node. Once that
 process has gone, every store operation fails, and torch prints a C++
 warning with a stack dump for each (more than 100 lines for one call, before
-devicekit's own error). So the first failure is remembered for the job, and
+devicekit's own error). So a lost connection is remembered for the job, and
 no later step of any call uses the store again: a call prints at most one
 such warning, and its error says the store stopped answering. (torch reads
 ``TORCH_CPP_LOG_LEVEL`` once, at start: set later, for a few calls, it
-silences nothing, and torch offers no other way.)
+silences nothing, and torch offers no other way.) Only a lost connection
+counts (``_connection_lost``): torch's TCPStore client never opens another,
+so each later try would fail the same way. A store operation that timed out,
+or that this store does not have (``NotImplementedError``), fails that
+operation alone: the store is used again at the next step.
 
 Before the group exists. A rank that exits before its first job-wide call
 cannot be told from one still on its way: devicekit's group does not exist
@@ -64,8 +68,9 @@ class Job:
     # connections when a collective times out, so every later call would fail
     # too, blaming a crash: it is refused at once, saying why, instead.
     broken: str | None = None
-    # The job's store stopped answering (its first failure, in words): its process has
-    # gone, and each further try would print torch's C++ warning and a stack dump.
+    # This rank's connection to the job's store was lost (the failure, in words): its
+    # process has most likely gone, torch's client never reconnects, and each further
+    # try would print torch's C++ warning and a stack dump. Never set by a timeout.
     store_lost: str | None = None
 
 
@@ -143,25 +148,62 @@ def _break(call: int, what: str, reason: str, earlier: str | None) -> None:
 
 
 def _use_store(use: Callable[[Any], T]) -> T | None:
-    """``use(the job's store)``, or None: no store, it failed before in this job, or it fails now.
+    """``use(the job's store)``, or None: no store, its connection was lost, or it fails now."""
+    return _try_store(use)[0]
 
-    The store is served by one process of the job; once a store operation
-    has failed, that process has most likely gone, so none is tried again
-    in this job: each would fail too, printing torch's C++ warning and stack
-    dump (5 or 6 per call before, over 100 lines, when rank 0 had exited).
+
+def _try_store(use: Callable[[Any], T]) -> tuple[T | None, str | None]:
+    """``use(the job's store)`` and None, or None and why the store could not be used.
+
+    The store is served by one process of the job; once this rank's
+    connection to it is lost, that process has most likely gone, so the
+    store is not tried again in this job: each try would fail too, printing
+    torch's C++ warning and stack dump (5 or 6 per call before, over 100
+    lines, when rank 0 had exited). Any other failure (a timeout, an
+    operation this store lacks) fails this use alone.
     """
-    if Job.store_lost is not None:
-        return None
+    lost = Job.store_lost
+    if lost is not None:
+        return None, lost
     store = _store()
     if store is None:
-        return None
+        return None, None
     try:
-        return use(store)
-    except (RuntimeError, ValueError, OSError) as error:
-        with Job.lock:
-            if Job.store_lost is None:
-                Job.store_lost = first_line(error)
-        return None
+        return use(store), None
+    except (RuntimeError, ValueError, OSError, EOFError) as error:
+        reason = first_line(error)
+        if _connection_lost(error):
+            with Job.lock:
+                if Job.store_lost is None:
+                    Job.store_lost = reason
+        return None, reason
+
+
+def _connection_lost(error: BaseException) -> bool:
+    """Whether a store operation failed because this rank's connection to the store is gone.
+
+    torch's TCPStore raises ``DistNetworkError`` for that ("Broken pipe",
+    "failed to recv, got 0 bytes" on torch 2.6 and 2.13, once the serving
+    process was killed), and its client never reconnects: every later
+    operation fails the same way. A timeout is a ``DistStoreError`` ("wait
+    timeout after 1000ms, keys: /missing"), after which the connection
+    works; a store that lacks an operation raises ``NotImplementedError`` (a
+    ``RuntimeError``), or for a Python ``Store`` torch's ``RuntimeError``
+    ("Tried to call pure virtual function"). None of these is a lost store. A
+    store of another kind counts as lost on Python's own connection errors
+    (reset, refused, aborted, broken pipe) and end of file.
+
+    Examples:
+        >>> _connection_lost(ConnectionResetError(104, "Connection reset by peer"))
+        True
+        >>> _connection_lost(NotImplementedError("compare_set"))
+        False
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    if isinstance(error, NotImplementedError):  # this store cannot do that; it still answers
+        return False
+    return isinstance(error, (dist.DistNetworkError, ConnectionError, EOFError))
 
 
 def _store() -> Any:
@@ -190,20 +232,23 @@ def _key(rank: int) -> str:
 _BROKEN_KEY = "devicekit/broken"
 
 
-def _where_ranks_are(world_size: int) -> dict[int, tuple[int, str] | None] | None:
+def _where_ranks_are(
+    world_size: int,
+) -> tuple[dict[int, tuple[int, str] | None] | None, str | None]:
     """Each rank's latest job-wide call (its number and name), None for a rank that made none.
 
     None as a whole where the store cannot be read (it lives in one rank's
-    process, which may be the one that died).
+    process, which may be the one that died), with why, where a store
+    operation failed.
     """
 
     def read(store: Any) -> list[bytes | None]:
         # check never waits; get would, for a missing key
         return [store.get(_key(r)) if store.check([_key(r)]) else None for r in range(world_size)]
 
-    notes = _use_store(read)
+    notes, failure = _try_store(read)
     if notes is None:
-        return None
+        return None, failure
     found: dict[int, tuple[int, str] | None] = {}
     for rank, note in enumerate(notes):
         if note is None:
@@ -211,9 +256,9 @@ def _where_ranks_are(world_size: int) -> dict[int, tuple[int, str] | None] | Non
             continue
         count, _, name = bytes(note).decode("utf-8", "replace").partition("\n")
         if not count.isdigit():  # not devicekit's note: unknown, not a store failure
-            return None
+            return None, None
         found[rank] = (int(count), name)
-    return found
+    return found, None
 
 
 def out_of_step(
@@ -249,15 +294,17 @@ def out_of_step(
             f"(the wait failed after {format_seconds(waited)}, before the "
             f"{format_seconds(timeout)} timeout: a rank exited or crashed)"
         )
-    where = _where_ranks_are(dist.get_world_size())
+    where, unread = _where_ranks_are(dist.get_world_size())
     if where is None:  # no store to read: only gloo's own words (rank 0's name the ranks)
         lost = Job.store_lost
-        store = (
-            "could not be read; rank 0's message may name them."
-            if lost is None
-            else f"stopped answering ({lost}): {_store_host()} serves it, and has most likely "
-            "exited or crashed."
-        )
+        if lost is not None:  # the connection itself: its process has gone
+            store = (
+                f"stopped answering ({lost}): {_store_host()} serves it, and has most likely "
+                "exited or crashed."
+            )
+        else:  # a timeout, or an operation this store lacks: it may answer the next call
+            why = f" ({unread})" if unread is not None else ""
+            store = f"could not be read{why}; rank 0's message may name them."
         return RanksOutOfStepError(
             f"{what}: not every rank joined {when} ({reason}). {rule} The job's store, which "
             f"would name them, {store}"

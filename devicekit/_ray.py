@@ -15,11 +15,23 @@ the task, ``SystemExit`` ended the Ray worker, which Ray took for a crash and
 retried three times (``fn`` ran four times, then "The worker died
 unexpectedly"), and ``KeyboardInterrupt`` read as Ray's ``TaskCancelledError``.
 Only a worker that dies (``os._exit()``, a signal) is retried, by Ray's
-``max_retries``; ``retry_exceptions`` stays off. A result Ray cannot serialize
-fails after ``fn`` returned, in Ray's code, so it comes back as a
-``RayTaskError`` whose cause is the pickling error: that one is retold in the
-local executor's words, and any other Ray error is shown as Ray writes it,
-without its terminal colour codes.
+``max_retries``; ``retry_exceptions`` stays off.
+
+Ray cancels a running task (``ray.cancel(ref)`` without ``force``; a
+cancel of the task that called ``gpu_map`` reaches its tasks too) by raising
+``KeyboardInterrupt`` in it, where ``fn``'s own would be raised. Ray's
+runtime context tells them apart (``is_canceled()``, in Ray 2.60; not in
+Ray before late 2025): a cancellation is raised on, and Ray reports it as
+the ``TaskCancelledError`` it is. Where Ray cannot tell, the message names
+both.
+
+The task's own code around ``fn`` (hiding the GPUs, wording ``fn``'s
+failure) answers for its failures too, as ``"task_failed"``. So a
+``RayTaskError`` whose cause is not one of Ray's comes from Ray's code after
+the task returned: serializing the result. Where Ray's traceback also
+passes through its serializer, that is retold in the local executor's words
+("the result ... cannot be sent back"); any other Ray error is shown as Ray
+writes it, without its terminal colour codes.
 
 Ray is optional (``pip install 'devicekit[ray]'``) and imported only here,
 only when this executor runs.
@@ -61,20 +73,57 @@ def _run(fn: Callable[[Any], Any], item: Any, hide_gpus: bool) -> tuple[Any, ...
 
     ``("ok", result)``; ``("raised", where, traceback)`` if fn raised an
     ``Exception``; ``("exited", where, what, traceback)`` if it raised any
-    other ``BaseException`` (``what`` is ``"sys.exit(3)"``, or the exception).
-    Nothing fn raises leaves the task, so Ray never retries an item for it.
-    devicekit cancels tasks with ``force=True``, which kills the worker: the
-    ``KeyboardInterrupt`` a gentle ``ray.cancel`` raises never reaches here.
+    other ``BaseException`` (``what`` is ``"sys.exit(3)"``, or the
+    exception); ``("task_failed", where, summary, traceback)`` if this
+    task's own code around fn failed. Nothing fn raises leaves the task, so
+    Ray never retries an item for it, and nothing this code raises does
+    either, so that an exception out of the task is Ray's own.
+
+    Save one: the ``KeyboardInterrupt`` by which Ray cancels a running task
+    (``ray.cancel`` without ``force``) is raised on, for Ray to report as
+    the cancellation it is. devicekit cancels with ``force=True``, which
+    kills the worker; a user's ``ray.cancel`` of the task that called
+    ``gpu_map`` cancels these tasks too, without it.
     """
-    # A CPU task sees every GPU unless told otherwise; the local executor hides them.
-    with scoped_env(ENV_VAR, "") if hide_gpus else contextlib.nullcontext():
-        try:
-            return "ok", fn(item)
-        except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
-            return "raised", _where(), traceback.format_exc()
-        except BaseException as error:  # noqa: BLE001 - sys.exit() in fn must not end the worker
-            what = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
-            return "exited", _where(), what, traceback.format_exc()
+    try:
+        # A CPU task sees every GPU unless told otherwise; the local executor hides them.
+        with scoped_env(ENV_VAR, "") if hide_gpus else contextlib.nullcontext():
+            return _call(fn, item)
+    except Exception as error:  # noqa: BLE001 - this task's code failed, not fn: said so
+        return "task_failed", _where(), _summary(error), traceback.format_exc()
+
+
+def _call(fn: Callable[[Any], Any], item: Any) -> tuple[Any, ...]:
+    """``fn(item)``'s answer (see ``_run``): its result, or what it raised, and where."""
+    try:
+        return "ok", fn(item)
+    except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
+        return "raised", _where(), traceback.format_exc()
+    except BaseException as error:  # sys.exit() in fn must not end the worker
+        cancelled = _cancelled() if isinstance(error, KeyboardInterrupt) else False
+        if cancelled:
+            raise  # Ray's cancellation, not fn's: Ray reports it (TaskCancelledError)
+        what = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
+        if cancelled is None:
+            what += ", or Ray cancelled the task (this Ray cannot tell which)"
+        return "exited", _where(), what, traceback.format_exc()
+
+
+def _cancelled() -> bool | None:
+    """Whether Ray is cancelling this task (a ``ray.cancel`` without ``force``), None if unknown.
+
+    Ray cancels a running task by raising ``KeyboardInterrupt`` in it, which
+    reads as fn's own. Its runtime context says which (``is_canceled()``,
+    True from the cancellation on): Ray 2.60 has it, Ray before late 2025
+    (ray-project/ray#58914) does not, and outside a Ray worker it raises
+    ``RuntimeError``.
+    """
+    try:
+        import ray  # noqa: PLC0415 - in a Ray worker, imported already
+
+        return bool(ray.get_runtime_context().is_canceled())
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 def _where() -> str:
@@ -307,26 +356,29 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
 
 
 def _fn_failed(index: int, item: object, answer: tuple[Any, ...]) -> str:
-    """The message for an item whose fn raised (``"raised"``) or exited (``"exited"``)."""
+    """The message for an item whose fn raised (``"raised"``) or exited (``"exited"``).
+
+    Or whose task failed around fn (``"task_failed"``): devicekit's code there, not fn.
+    """
     if answer[0] == "raised":
         return fn_raised(index, item, answer[1], answer[2])
+    if answer[0] == "task_failed":
+        _, where, summary, remote_traceback = answer
+        return (
+            f"gpu_map: the Ray task for item {index} ({show_item(item)}) failed in {where}, "
+            f"outside fn (in devicekit's code around it): {summary}. The task's traceback:\n"
+            f"{remote_traceback}"
+        )
     kind, where, what, remote_traceback = answer
     return item_fault(kind, index, item, where, (kind, index, what, remote_traceback))
 
 
 def _ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str:
     """The message for a task that Ray failed: its result, or the task itself."""
-    cause = getattr(error, "cause", None)
-    if (
-        isinstance(error, ray.exceptions.RayTaskError)
-        and isinstance(cause, BaseException)
-        and not isinstance(cause, ray.exceptions.RayError)
-    ):
-        # _run answers for everything fn raises, and an argument that cannot be rebuilt
-        # has a RaySystemError cause: a cause of another kind failed the answer, as Ray
-        # serialized the result after fn returned. The error is also an instance of the
-        # cause's class, which hides Ray's ip attribute; its message starts
-        # "ray::_run() (pid=1234, ip=10.0.0.3)".
+    cause = _unsendable_result(ray, error)
+    if cause is not None:
+        # The error is also an instance of the cause's class, which hides Ray's ip
+        # attribute; its message starts "ray::_run() (pid=1234, ip=10.0.0.3)".
         node = _NODE.search(str(error))
         where = f"a Ray task on {node.group(1)}" if node else "a Ray task"
         reason = ("unpicklable", index, _plain_text(f"{type(cause).__name__}: {cause}"))
@@ -337,6 +389,30 @@ def _ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str
     )
 
 
+def _unsendable_result(ray: Any, error: BaseException) -> BaseException | None:
+    """Why Ray could not serialize the task's result, after ``_run`` returned; else None.
+
+    ``_run`` answers for everything raised in it, fn's and its own, and Ray
+    wraps an argument it cannot rebuild in ``RaySystemError``: a
+    ``RayTaskError`` whose cause is not a Ray error comes from Ray's code
+    after the return. Its traceback must also pass through Ray's serializer
+    (``ray/cloudpickle``'s ``dumps``, in Ray 2.60's "cannot pickle
+    '_thread.lock' object" and in a result whose ``__reduce__`` raised), so
+    that a cause from anywhere else is quoted as Ray words it, not blamed on
+    the result.
+    """
+    cause = getattr(error, "cause", None)
+    if (
+        isinstance(error, ray.exceptions.RayTaskError)
+        and isinstance(cause, BaseException)
+        and not isinstance(cause, ray.exceptions.RayError)
+        and _SERIALIZER.search(_ESCAPE.sub("", str(error))) is not None
+    ):
+        return cause
+    return None
+
+
+_SERIALIZER = re.compile(r'cloudpickle\.py", line \d+, in dumps?$', re.MULTILINE)
 _NODE = re.compile(r"\bip=([^\s,)]+)")  # in Ray's "(pid=1234, ip=10.0.0.3)"
 _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal's colour or cursor code
 

@@ -735,3 +735,152 @@ def test_once_the_store_has_failed_a_rank_never_uses_it_again(tmp_path: Path, wh
     assert "rank 0's process serves it, and has most likely exited or crashed." in first
     assert later.startswith("job_status(): rank 1's job-wide call #"), later
     assert "so no later job-wide call can complete in this job" in later
+
+
+# --- store failures that are not a lost store -------------------------------------------------
+
+
+class _FakeStore:
+    """A job's store in memory; ``failures[operation]`` holds the errors its next uses raise."""
+
+    def __init__(self, failures: dict[str, list[BaseException]]) -> None:
+        self.data: dict[str, bytes] = {}
+        self.failures = failures
+        self.calls: list[str] = []
+
+    def _use(self, operation: str) -> None:
+        self.calls.append(operation)
+        if self.failures.get(operation):
+            raise self.failures[operation].pop(0)
+
+    def check(self, keys: list[str]) -> bool:
+        self._use("check")
+        return all(key in self.data for key in keys)
+
+    def get(self, key: str) -> bytes:
+        self._use("get")
+        return self.data[key]
+
+    def set(self, key: str, value: str) -> None:
+        self._use("set")
+        self.data[key] = value.encode()
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._use("compare_set")
+        if self.data.get(key, b"") == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+
+@pytest.fixture
+def fake_store(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``fake_store(check=[error, ...])``: the job's store, for _jobstate, as rank 0 of 2."""
+    import torch.distributed as dist
+
+    from devicekit import _jobstate
+
+    monkeypatch.setattr(_jobstate.Job, "store_lost", None)
+    monkeypatch.setattr(_jobstate.Job, "broken", None)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+
+    def make(**failures: list[BaseException]) -> _FakeStore:
+        store = _FakeStore(failures)
+        monkeypatch.setattr(_jobstate, "_store", lambda: store)
+        return store
+
+    return make
+
+
+BROKEN = "rank 1's job-wide call #3, job_status(), failed (timed out)"
+
+
+def _timeout() -> Exception:
+    """What torch's TCPStore raises for an operation that timed out (torch 2.6 and 2.13)."""
+    import torch.distributed as dist
+
+    return dist.DistStoreError("wait timeout after 300000ms, keys: /devicekit/broken")
+
+
+def test_a_store_without_compare_set_is_not_taken_for_lost(fake_store: Any) -> None:
+    # Before, the NotImplementedError (a RuntimeError) of a store that cannot compare_set
+    # marked the store lost for the job: no later call read the failure key again.
+    from devicekit import _jobstate
+
+    store = fake_store(compare_set=[NotImplementedError("compare_set is not implemented")])
+    _jobstate._break(1, "job_status()", "timed out", None)
+    assert _jobstate.Job.store_lost is None
+    store.data["devicekit/broken"] = BROKEN.encode()
+    assert _jobstate._read_broken() == BROKEN
+
+
+def test_one_timeout_does_not_make_the_store_lost(fake_store: Any) -> None:
+    # Before, one store operation that timed out stopped every later use of the store for
+    # the job, and the error said its process "has most likely exited or crashed".
+    from devicekit import _jobstate
+
+    store = fake_store(check=[_timeout()])
+    store.data["devicekit/broken"] = BROKEN.encode()
+    assert _jobstate._read_broken() is None  # this read failed: the call goes on
+    assert _jobstate.Job.store_lost is None
+    assert _jobstate._read_broken() == BROKEN  # the next one reads it
+
+
+def test_a_store_that_timed_out_is_not_said_to_have_exited(fake_store: Any) -> None:
+    # Before: "stopped answering (wait timeout ...): rank 0's process serves it, and has
+    # most likely exited or crashed".
+    import time
+
+    import torch.distributed as dist
+
+    from devicekit import _jobstate
+
+    fake_store(check=[_timeout() for _ in range(4)])  # every read of the call times out
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "get_world_size", lambda group=None: 2)
+        error = _jobstate.out_of_step(
+            "job_status()", 10, RuntimeError("Connection closed by peer"), 1, time.monotonic()
+        )
+    message = str(error)
+    assert message.endswith(
+        "The job's store, which would name them, could not be read (wait timeout after "
+        "300000ms, keys: /devicekit/broken); rank 0's message may name them."
+    ), message
+    assert _jobstate.Job.store_lost is None
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        torch.distributed.DistNetworkError("Broken pipe"),  # TCPStore's, its server gone
+        ConnectionResetError(104, "Connection reset by peer"),
+        EOFError(),
+    ],
+)
+def test_a_lost_connection_to_the_store_is_not_tried_again(
+    fake_store: Any, lost: BaseException
+) -> None:
+    from devicekit import _jobstate
+
+    store = fake_store(check=[lost])
+    assert _jobstate._read_broken() is None
+    assert _jobstate.Job.store_lost is not None
+    assert _jobstate._read_broken() is None
+    assert store.calls == ["check"]  # once lost, never used again: one C++ warning, not one each
+
+
+def test_a_store_that_timed_out_once_still_lets_the_group_be_made(
+    fake_store: Any, tmp_path: Path
+) -> None:
+    # Before, the first call's read of the failure key timed out, that marked the store lost,
+    # and devicekit's group was then never made: every call on this rank failed at once,
+    # while the other ranks waited in new_group for the whole timeout.
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        fake_store(check=[_timeout()])  # devicekit's own reads; new_group uses the real store
+        assert _dist.gather_objects({"rank": 0}, timeout=30, what="test") == [{"rank": 0}]
+    finally:
+        dist.destroy_process_group()

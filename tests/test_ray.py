@@ -189,3 +189,133 @@ def test_the_ray_example_scores_without_autograd_warnings() -> None:
         seed, device, _, loss = example.evaluate(3)
     assert (seed, device) == (3, str(dk.try_gpu()))
     assert isinstance(loss, float)
+
+
+# --- what a failed task is blamed on -----------------------------------------------------------
+
+
+def _interrupt(item: object) -> object:
+    raise KeyboardInterrupt
+
+
+class _RuntimeContext:
+    def __init__(self, cancelled: bool | None) -> None:
+        if cancelled is not None:  # None: a Ray without is_canceled()
+            self.is_canceled = lambda: cancelled
+
+
+def _ray_in_a_task(monkeypatch: pytest.MonkeyPatch, cancelled: bool | None) -> None:
+    """``ray`` as a task sees it: whether Ray is cancelling it (None: this Ray cannot say)."""
+    ray = types.ModuleType("ray")
+    ray.get_runtime_context = lambda: _RuntimeContext(cancelled)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray", ray)
+
+
+def test_a_cancellation_by_ray_leaves_the_task_as_a_cancellation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, the KeyboardInterrupt by which ray.cancel() (without force) stops a task came
+    # back as fn's own: "fn raised KeyboardInterrupt". Now Ray reports its cancellation.
+    from devicekit._ray import _run
+
+    _ray_in_a_task(monkeypatch, cancelled=True)
+    with pytest.raises(KeyboardInterrupt):
+        _run(_interrupt, 5, False)
+
+
+def test_fn_s_own_keyboard_interrupt_is_fn_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit._ray import _fn_failed, _run
+
+    _ray_in_a_task(monkeypatch, cancelled=False)
+    answer = _run(_interrupt, 5, False)
+    assert answer[:1] == ("exited",)
+    assert _fn_failed(0, 5, answer).startswith("gpu_map: fn raised KeyboardInterrupt on item 0 (5)")
+
+
+def test_where_ray_cannot_tell_a_cancellation_the_message_names_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ray before late 2025 has no is_canceled(): its cancellation and fn's KeyboardInterrupt
+    # are the same exception in the task.
+    from devicekit._ray import _fn_failed, _run
+
+    _ray_in_a_task(monkeypatch, cancelled=None)
+    message = _fn_failed(0, 5, _run(_interrupt, 5, False))
+    assert re.match(
+        r"gpu_map: fn raised KeyboardInterrupt, or Ray cancelled the task \(this Ray cannot "
+        r"tell which\) on item 0 \(5\) in a Ray task on .+ \(the CPU\); fn must return",
+        message,
+    ), message
+
+
+def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, it left the task, and Ray's RayTaskError(KeyError) was worded as a result
+    # that "cannot be sent back ... Return picklable data".
+    import contextlib
+
+    from devicekit import _ray
+
+    @contextlib.contextmanager
+    def fails_at_exit(name: str, value: str | None) -> Any:
+        yield
+        raise KeyError(name)
+
+    monkeypatch.setattr(_ray, "scoped_env", fails_at_exit)
+    answer = _ray._run(math.sqrt, 4, True)
+    assert answer[:1] == ("task_failed",)
+    message = _ray._fn_failed(0, 4, answer)
+    assert message.startswith("gpu_map: the Ray task for item 0 (4) failed in a Ray task on "), (
+        message
+    )
+    assert "outside fn (in devicekit's code around it): KeyError: 'CUDA_VISIBLE_DEVICES'. The " in (
+        message
+    )
+    assert "in fails_at_exit" in message  # the task's traceback
+
+
+class _RayError(Exception):
+    pass
+
+
+class _RayTaskError(_RayError):
+    """Ray's RayTaskError as ray.get raises it: Ray's text, and the cause."""
+
+    def __init__(self, text: str, cause: BaseException) -> None:
+        super().__init__(text)
+        self.cause = cause
+
+
+_FAKE_RAY = types.SimpleNamespace(
+    exceptions=types.SimpleNamespace(RayError=_RayError, RayTaskError=_RayTaskError)
+)
+_TASK = "\x1b[36mray::_run()\x1b[39m (pid=7, ip=10.0.0.3)\n"
+
+
+def test_a_task_error_from_outside_the_serializer_is_quoted_not_blamed_on_the_result() -> None:
+    # Before, any cause that was not a Ray error read "the result of item 2 (7) cannot be
+    # sent back ... Return picklable data", whatever had raised it.
+    from devicekit._ray import _ray_failed
+
+    text = _TASK + '  File "x.py", line 3, in setup\nValueError: no'
+    message = _ray_failed(_FAKE_RAY, _RayTaskError(text, ValueError("no")), 2, 7)
+    assert message == (
+        "gpu_map: the Ray task for item 2 (7) failed: ray::_run() (pid=7, ip=10.0.0.3)\n"
+        '  File "x.py", line 3, in setup\nValueError: no'
+    )
+
+
+def test_a_result_ray_s_serializer_refused_is_named_as_such() -> None:
+    from devicekit._ray import _ray_failed
+
+    text = _TASK + (
+        '  File "/site-packages/ray/cloudpickle/cloudpickle.py", line 1544, in dumps\n'
+        "    cp.dump(obj)\nTypeError: cannot pickle '_thread.lock' object"
+    )
+    cause = TypeError("cannot pickle '_thread.lock' object")
+    assert _ray_failed(_FAKE_RAY, _RayTaskError(text, cause), 2, 7) == (
+        "gpu_map: the result of item 2 (7) cannot be sent back from a Ray task on 10.0.0.3: "
+        "TypeError: cannot pickle '_thread.lock' object. Return picklable data: numbers, "
+        "strings, tensors, or containers of them."
+    )

@@ -68,6 +68,19 @@ def lock(item: int) -> threading.Lock:
     return threading.Lock()  # Ray cannot serialize it
 
 
+def unbalance(item: int) -> int:
+    """Return, having emptied the record of scoped_env's open blocks: its exit then fails."""
+    from devicekit import _scopedenv
+
+    _scopedenv._scopes.open.clear()
+    return item
+
+
+def started_then_sleep(path: str) -> None:
+    Path(path).touch()
+    time.sleep(TIMEOUT)
+
+
 _DRIVER = os.getpid()  # in a Ray worker, the worker's: items carry the driver's
 
 
@@ -247,6 +260,45 @@ def test_a_result_ray_cannot_serialize_is_named_as_the_local_executor_names_it(
         message,
     ), message
     assert caught.value.index == 0
+
+
+def test_a_failure_in_the_task_outside_fn_is_not_blamed_on_the_result(cluster: Any) -> None:
+    # Before: "the result of item 0 (3) cannot be sent back from a Ray task on ...: KeyError:
+    # 'CUDA_VISIBLE_DEVICES'. Return picklable data", for a failure of devicekit's own code
+    # in the task (here, putting back the CUDA_VISIBLE_DEVICES it hid), after fn returned.
+    with pytest.raises(dk.WorkerError) as caught:
+        dk.gpu_map(unbalance, [3], devices="cpu", executor="ray")
+    message = str(caught.value)
+    assert re.match(
+        r"gpu_map: the Ray task for item 0 \(3\) failed in a Ray task on .+ \(the CPU\), outside "
+        r"fn \(in devicekit's code around it\): KeyError: 'CUDA_VISIBLE_DEVICES'. The task's "
+        r"traceback:\n",
+        message,
+    ), message
+    assert "cannot be sent back" not in message
+
+
+def test_a_task_ray_cancels_is_a_cancellation_not_fn_s_keyboard_interrupt(
+    cluster: Any, tmp_path: Path
+) -> None:
+    # Before, _run caught the KeyboardInterrupt by which ray.cancel() (without force) stops
+    # a running task, and answered "fn raised KeyboardInterrupt". gpu_map's own tasks are
+    # submitted as here; a cancel of the task that called gpu_map reaches them this way.
+    from devicekit._ray import _ray_failed, _run
+
+    task = ray.remote(num_cpus=1, retry_exceptions=False)(_run)
+    started = tmp_path / "started"
+    ref = task.remote(started_then_sleep, str(started), True)
+    deadline = time.monotonic() + TIMEOUT
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists()
+    ray.cancel(ref)  # not forced: Ray raises KeyboardInterrupt in the task
+    with pytest.raises(ray.exceptions.TaskCancelledError) as caught:
+        ray.get(ref, timeout=TIMEOUT)
+    message = _ray_failed(ray, caught.value, 0, "x")
+    assert message.startswith("gpu_map: the Ray task for item 0 ('x') failed: ray::_run()")
+    assert re.search(r"TaskCancelledError: Task: \S+ was cancelled\.\s*$", message), message
 
 
 def test_ray_s_own_errors_come_without_terminal_codes(cluster: Any) -> None:
