@@ -224,7 +224,12 @@ def _open(
     """
     items = children(obj) if holder is None else iter_children(obj)
     if items is None:
-        attributes = object_attributes(obj, limit=left + 1)
+        try:
+            attributes = object_attributes(obj, limit=left + 1)
+        except RuntimeError as error:  # another thread kept changing it: no partial pass
+            raise RuntimeError(
+                f"assert_same_device() cannot check {_render(path)}: {error}"
+            ) from None
         if not attributes:
             return None
         if holder is None:

@@ -6,7 +6,10 @@ what any object holds (`object_attributes()`), since a check that skipped it
 would vouch for tensors it never saw. Both only look: an instance's
 ``__dict__`` and slots are read through Python's own descriptors, so no
 property, ``__getattr__`` or container method of the object's class runs, and
-a look that fails is no answer, never an error.
+a look that fails is no answer, never an error. Each dict, set or deque is read
+in one go, in C (`_snapshot`), so another thread writing it cannot cut a look
+short: where it does all the same, twice, that is said (`_Changed`), never
+taken for all there was.
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ def object_attributes(obj: object, *, limit: int | None = None) -> list[tuple[st
     everything in a class, a Python module or a function (code and its
     globals, not data), and a weak proxy (what it refers to is another's).
     Empty for an object with neither (a number, a ``torch.dtype``). Each path
-    suffix is ``.name``. ``limit``: at most that many entries of each are read.
+    suffix is ``.name``. ``limit``: at most that many of each are returned,
+    counted after those left out.
+
+    Raises:
+        RuntimeError: Another thread changed the ``__dict__`` while it was
+            read, and again when it was read once more: a part of it would
+            pass for the whole.
 
     Examples:
         >>> import torch
@@ -67,11 +76,21 @@ def object_attributes(obj: object, *, limit: int | None = None) -> list[tuple[st
         >>> object_attributes(Holder())
         [('.x', tensor([1.]))]
     """
-    return [(f".{name}", value) for name, value in _attributes(obj, limit)]
+    try:
+        return [(f".{name}", value) for name, value in _attributes(obj, limit)]
+    except _Changed:
+        raise RuntimeError(
+            f"another thread changed the attributes of a {type(obj).__name__} while they "
+            "were read, twice: they cannot be looked at. Read them when no thread writes them."
+        ) from None
 
 
 def _attributes(obj: object, limit: int | None) -> list[tuple[str, Any]]:
-    """`object_attributes()` with bare names; never raises, runs no code of the object's."""
+    """`object_attributes()` with bare names; runs no code of the object's.
+
+    Raises `_Changed` where another thread changes the ``__dict__`` while it is
+    read, twice: a partial list would pass tensors never seen.
+    """
     found: list[tuple[str, Any]] = []
     cls = type(obj)
     if cls in _PROXIES or issubclass(cls, _OPAQUE):
@@ -82,22 +101,74 @@ def _attributes(obj: object, limit: int | None) -> list[tuple[str, Any]]:
             reader = _dict_readers[cls] = _dict_reader(cls)
         state: Any = None if reader is None else reader.__get__(obj, cls)
         if issubclass(type(state), dict):
-            for name, value in islice(dict.items(state), limit):  # dict's own, not an override
-                if issubclass(type(name), str) and not (
-                    str.startswith(name, "__") and str.endswith(name, "__")
-                ):
-                    found.append((str.__str__(name), value))  # a str subclass's as a str
+            found.extend(_named_entries(state, limit))
         readers = _slot_readers.get(cls)
         if readers is None:
             readers = _slot_readers[cls] = tuple(_slot_descriptors(cls))
-        for name, slot in readers[:limit]:
+        slots = 0
+        for name, slot in readers:
+            if limit is not None and slots >= limit:
+                break
             try:
                 found.append((name, slot.__get__(obj, cls)))
-            except AttributeError:  # a slot never set has no value
+            except AttributeError:  # a slot never set has no value, and is not counted
                 continue
+            slots += 1
+    except _Changed:
+        raise
     except Exception:  # noqa: BLE001 - storage that cannot be read holds nothing to look at
         pass
     return found
+
+
+def _named_entries(state: dict[Any, Any], limit: int | None) -> list[tuple[str, Any]]:
+    """Up to ``limit`` entries of an instance's ``__dict__``, Python's own names left out.
+
+    ``limit`` counts the entries kept, so names ``__like_this__`` first in the
+    dict cannot use it up and hide the rest: the entries are read again, twice
+    as many each time, until enough are kept or the dict ends.
+    """
+    wanted = limit
+    while True:
+        entries = _snapshot(dict.items, state, wanted)  # dict's own, not an override
+        kept = [
+            (str.__str__(name), value)  # a str subclass's as a str
+            for name, value in entries
+            if issubclass(type(name), str)
+            and not (str.startswith(name, "__") and str.endswith(name, "__"))
+        ]
+        if limit is None or wanted is None or len(kept) >= limit or len(entries) < wanted:
+            return kept[:limit]
+        wanted *= 2
+
+
+class _Changed(RuntimeError):
+    """A container another thread changed while it was read, twice.
+
+    Never leaves devicekit: `assert_same_device()` raises a ``RuntimeError``
+    naming the path instead, and `to_device()` takes it for no look at all.
+    """
+
+
+def _snapshot(read: Callable[[Any], Any], container: Any, limit: int | None) -> tuple[Any, ...]:
+    """The first ``limit`` of what ``read(container)`` yields, read in one go.
+
+    ``tuple(islice(...))`` runs in C, with no bytecode between items where
+    another thread could change the container (a loop in Python raised
+    "changed size during iteration" midway, and a partial list was taken for
+    the whole). Where that happens all the same (a finalizer the read set
+    off), it is read once more, then `_Changed` is raised.
+    """
+    try:
+        return tuple(islice(read(container), limit))
+    except RuntimeError:
+        pass
+    try:
+        return tuple(islice(read(container), limit))
+    except RuntimeError:
+        raise _Changed(
+            f"another thread changed a {type(container).__name__} while it was read, twice"
+        ) from None
 
 
 _UNREAD = object()
@@ -163,8 +234,9 @@ def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> 
     cannot move unchanged, to say so when that leaves tensors behind.
 
     Raises what reading a tensor's ``device`` raises (a tensor subclass may
-    run code for it), and ``RuntimeError`` for a container that another thread
-    changes while it is read: the caller treats either as nothing found.
+    run code for it): the caller treats it as nothing found. A container that
+    another thread changes while it is read is read once more, then
+    `_Changed` (a ``RuntimeError``) is raised: no answer, and no look either.
 
     Examples:
         >>> import torch
@@ -205,16 +277,17 @@ def _held(item: object, cls: type, limit: int) -> Iterator[tuple[int, Any, Any]]
     """What ``item`` holds, read from its storage: (kind, key or index or name, value)."""
     for base, read, kind in _ITEM_READERS:
         if issubclass(cls, base):
+            entries = _snapshot(read, item, limit)  # in one go: see _snapshot
             if kind == _KEY:
-                yield from ((kind, key, value) for key, value in read(item))
+                yield from ((kind, key, value) for key, value in entries)
             else:
                 names = _class_attribute(cls, "_fields") if base is tuple else None
                 if isinstance(names, tuple):  # a namedtuple: its fields by name
                     yield from (
-                        (_NAME, name, value) for name, value in zip(names, read(item), strict=False)
+                        (_NAME, name, value) for name, value in zip(names, entries, strict=False)
                     )
                 else:
-                    yield from ((kind, index, value) for index, value in enumerate(read(item)))
+                    yield from ((kind, index, value) for index, value in enumerate(entries))
             if cls in ITEMS_ONLY:
                 return
             break

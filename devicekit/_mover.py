@@ -27,7 +27,7 @@ import torch
 from ._devices import CPU, META, synchronize
 from ._errors import add_note
 from ._format import qualified_name
-from ._look import tensor_elsewhere
+from ._look import _Changed, tensor_elsewhere
 from ._rebuild import (
     rebuild_list_subclass,
     rebuild_mapping,
@@ -208,12 +208,15 @@ class _Mover:
         and runs none of the object's code; where it fails all the same (a
         tensor subclass whose ``device`` raises), it found nothing, and the
         class is not looked inside again: ``obj`` is returned as it always was.
+        A look another thread's writes spoiled is no look: the next one counts.
         """
         cls = type(obj)
         looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
         if looks > 0:
             try:
                 path = tensor_elsewhere(obj, self.device)
+            except _Changed:  # another thread was writing it: no answer, and no look either
+                return obj
             except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
                 path, looks = None, 1
             _looks_left[cls] = 0 if path is not None else looks - 1

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -786,3 +788,98 @@ def test_looking_inside_an_object_never_reads_a_property_named_dict() -> None:
     proxy = weakref.proxy(gone)
     del gone
     assert _look.object_attributes(proxy) == []
+
+
+def test_names_left_out_do_not_use_up_the_look_budget() -> None:
+    # limit was applied before __names__ and unset slots were left out: the budget left
+    # for inner was used up by its __m0__..., nothing was counted and t was never seen.
+    class Inner:
+        def __init__(self) -> None:
+            for i in range(12):
+                setattr(self, f"__m{i}__", i)
+            self.t = torch.ones(1, device="meta")
+
+    class Outer:
+        def __init__(self, items: list[int]) -> None:
+            self.items = items
+            self.inner = Inner()
+
+    for items in ([], list(range(99_990))):
+        with pytest.raises(dk.DeviceMismatchError, match=r"arg0\.inner\.t"):
+            dk.assert_same_device(Outer(items), x=torch.ones(1))
+    assert [name for name, _ in _look.object_attributes(Inner(), limit=1)] == [".t"]
+
+    class Slots:
+        __slots__ = ("a", "b", "c")
+
+    slots = Slots()
+    slots.c = 3
+    assert _look.object_attributes(slots, limit=1) == [(".c", 3)]
+
+
+def test_attributes_another_thread_changes_are_never_read_in_part() -> None:
+    # The __dict__ was read in a Python loop: a change midway raised RuntimeError, which
+    # was swallowed, and the part read so far (without t) passed for the whole.
+    class Many:
+        pass
+
+    obj = Many()
+    for i in range(2_000):
+        setattr(obj, f"a{i}", i)
+    obj.t = torch.ones(1)
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            for i in range(10):
+                setattr(obj, f"extra{i}", i)
+            for i in range(10):
+                delattr(obj, f"extra{i}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        partial = 0
+        for _ in range(300):
+            try:
+                names = [name for name, _ in _look.object_attributes(obj)]
+            except RuntimeError:  # changed twice while read: an error, never a part
+                continue
+            partial += ".t" not in names
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+        sys.setswitchinterval(interval)
+    assert partial == 0
+
+
+def test_a_dict_changed_while_read_is_read_again_then_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tries: list[int] = []
+
+    def changes(times: int) -> Any:
+        def read(container: dict[str, int]) -> Any:
+            tries.append(1)
+            if len(tries) <= times:
+                raise RuntimeError("dictionary changed size during iteration")
+            return dict.items(container)
+
+        return read
+
+    assert _look._snapshot(changes(1), {"a": 1}, None) == (("a", 1),)
+    tries.clear()
+    with pytest.raises(_look._Changed, match="another thread changed a dict"):
+        _look._snapshot(changes(2), {"a": 1}, None)
+    assert len(tries) == 2
+
+    def always(read: Any, container: Any, limit: int | None) -> tuple[Any, ...]:
+        raise _look._Changed("another thread changed a dict while it was read, twice")
+
+    monkeypatch.setattr(_look, "_snapshot", always)
+    with pytest.raises(
+        RuntimeError, match=r"cannot check batch\['h'\]: another thread changed the attributes"
+    ):
+        dk.assert_same_device(batch={"h": Holder(torch.ones(1))})

@@ -1529,3 +1529,21 @@ def test_the_look_stops_at_its_bound() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # past the 256 references it reads: not found
         dk.to_device([holder(far)], "meta")  # type: ignore[arg-type]
+
+
+def test_a_look_another_thread_spoiled_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A race while reading set the class's looks to none left: it was never warned about.
+    from devicekit import _look
+
+    holder = _holder_class()
+
+    def changed(obj: object, device: torch.device) -> str | None:
+        raise _look._Changed("another thread changed a dict while it was read, twice")
+
+    monkeypatch.setattr(_mover, "tensor_elsewhere", changed)
+    held = holder(torch.ones(1))
+    assert dk.to_device([held], "meta")[0] is held
+    assert holder not in _mover._looks_left
+    monkeypatch.undo()
+    with pytest.warns(RuntimeWarning, match=r"Holder\.tensor"):
+        dk.to_device([held], "meta")
