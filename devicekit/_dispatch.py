@@ -50,7 +50,15 @@ from ._mapfaults import death_message, fn_failed, fn_raised, item_fault, kept, s
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR, parse_visible_devices
 from ._worker import WorkerName, work
-from ._workerstate import Procs, Slot, Worker, descendants, signal_each, start_time, wait_ended
+from ._workerstate import (
+    Procs,
+    Slot,
+    Worker,
+    child_start_time,
+    descendants,
+    signal_each,
+    wait_ended,
+)
 
 __all__ = [
     "Slot",
@@ -151,8 +159,9 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
             child_end.close()  # so that the worker's death reads as EOF here
             _started.add(process)
             # Its start time, while it is surely alive or a zombie (not reaped): what
-            # ties its PID to it when the processes it started are looked up.
-            started = None if process.pid is None else start_time(process.pid)
+            # ties its PID to it when the processes it started are looked up. None
+            # where /proc does not show it as our child (another PID namespace's).
+            started = None if process.pid is None else child_start_time(process.pid)
             workers.append(Worker(number, slot, process, parent_end, started=started))
     except BaseException:  # Ctrl-C too: no worker may outlive a failed start
         stop_workers(workers, gently=False)
@@ -192,14 +201,16 @@ def stop_workers(workers: list[Worker], *, gently: bool) -> None:
         _join(alive, _STOP_SECONDS, started)
     finally:
         # Also when a second Ctrl-C cuts the waits short: nothing may outlive this.
-        started.update(_started_by(workers, started))
-        alive = [worker for worker in workers if worker.alive()]
-        for worker in alive:
-            worker.process.kill()
-        signal_each(started, signal.SIGKILL)
-        _join(alive, None)
-        for worker in workers:
-            worker.conn.close()
+        try:  # before any worker dies; a scan of all /proc may be slow, and cut short too
+            started.update(_started_by(workers, started))
+        finally:
+            alive = [worker for worker in workers if worker.alive()]
+            for worker in alive:
+                worker.process.kill()
+            signal_each(started, signal.SIGKILL)
+            _join(alive, None)
+            for worker in workers:
+                worker.conn.close()
 
 
 def _started_by(workers: list[Worker], known: Procs) -> Procs:

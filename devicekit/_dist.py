@@ -175,8 +175,9 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
     waits for the others'. So a rank that exited before its first call costs
     the others the whole timeout (the store does not say that it left).
     Once this rank's connection to the store is lost (``Job.store_lost``,
-    set by a lost connection alone, never by a timeout or an operation the
-    store lacks) no group can be made here: torch's store client never
+    set by a lost connection, including a socket timeout, which leaves the
+    stream out of step; not by a server-side wait timeout or an operation
+    the store lacks) no group can be made here: torch's store client never
     reconnects, and ``new_group`` through it fails at once with "Broken
     pipe" (torch 2.6 and 2.13), printing one more C++ warning and stack dump.
     So it is not tried: the call fails at once, and its error says the store

@@ -70,7 +70,9 @@ class Job:
     broken: str | None = None
     # This rank's connection to the job's store was lost (the failure, in words): its
     # process has most likely gone, torch's client never reconnects, and each further
-    # try would print torch's C++ warning and a stack dump. Never set by a timeout.
+    # try would print torch's C++ warning and a stack dump. Not set by a server-side wait
+    # timeout or a missing operation; a socket timeout counts as lost (the stream is out
+    # of step, see _connection_lost).
     store_lost: str | None = None
 
 
@@ -159,8 +161,9 @@ def _try_store(use: Callable[[Any], T]) -> tuple[T | None, str | None]:
     connection to it is lost, that process has most likely gone, so the
     store is not tried again in this job: each try would fail too, printing
     torch's C++ warning and stack dump (5 or 6 per call before, over 100
-    lines, when rank 0 had exited). Any other failure (a timeout, an
-    operation this store lacks) fails this use alone.
+    lines, when rank 0 had exited). Any other failure (a server-side wait
+    timeout, an operation this store lacks) fails this use alone; a socket
+    timeout counts as a lost connection.
     """
     lost = Job.store_lost
     if lost is not None:
@@ -185,11 +188,14 @@ def _connection_lost(error: BaseException) -> bool:
     torch's TCPStore raises ``DistNetworkError`` for that ("Broken pipe",
     "failed to recv, got 0 bytes" on torch 2.6 and 2.13, once the serving
     process was killed), and its client never reconnects: every later
-    operation fails the same way. A timeout is a ``DistStoreError`` ("wait
-    timeout after 1000ms, keys: /missing"), after which the connection
-    works; a store that lacks an operation raises ``NotImplementedError`` (a
-    ``RuntimeError``), or for a Python ``Store`` torch's ``RuntimeError``
-    ("Tried to call pure virtual function"). None of these is a lost store. A
+    operation fails the same way. So does a socket timeout on ``set``,
+    ``check`` or ``compare_set`` (``DistNetworkError("Socket Timeout")``): the
+    reply may still come, and the stream is out of step, so it counts as lost.
+    A server-side wait timeout is a ``DistStoreError`` ("wait timeout after
+    1000ms, keys: /missing"), after which the connection works; a store that
+    lacks an operation raises ``NotImplementedError`` (a ``RuntimeError``), or
+    for a Python ``Store`` torch's ``RuntimeError`` ("Tried to call pure
+    virtual function"). None of these is a lost store. A
     store of another kind counts as lost on Python's own connection errors
     (reset, refused, aborted, broken pipe) and end of file.
 

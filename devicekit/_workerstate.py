@@ -17,7 +17,13 @@ while the PID still has that start time. A process is listed as a child
 only if its own ``stat`` names the parent, and a parent's children only if
 the parent still has its start time once they are read: the worker's is
 read when it starts, so a worker reaped meanwhile, and a PID of another
-process, have no children here. What cannot be found: the children of a
+process, have no children here. The worker's start time is recorded only if
+``/proc`` is this process's own (``/proc/self`` names it) and the worker's
+``stat`` names this process as its parent: a ``/proc`` of another PID
+namespace (``unshare -pf`` without ``--mount-proc``, some sandboxes) numbers
+other processes, and the worker's PID there is another process, whose
+descendants must not be signalled; there, as without ``/proc``, only the
+workers are stopped. What cannot be found: the children of a
 worker that ended by itself (a process's children are given to init when it
 ends), and a process that left its parent's tree on purpose (a daemon that
 forked twice).
@@ -34,7 +40,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Procs", "Slot", "Worker", "descendants", "signal_each", "start_time", "wait_ended"]
+__all__ = [
+    "Procs",
+    "Slot",
+    "Worker",
+    "child_start_time",
+    "descendants",
+    "signal_each",
+    "start_time",
+    "wait_ended",
+]
 
 Slot = str | int  # "cpu", or a CUDA index as this process numbers it
 Procs = dict[int, int]  # processes, each as its PID and its start time
@@ -99,14 +114,30 @@ def start_time(pid: int, proc: str = _PROC) -> int | None:
     return None if found is None else found[2]
 
 
+def child_start_time(pid: int, proc: str = _PROC) -> int | None:
+    """When ``pid`` started, if ``proc`` is this process's own and says it is our child; else None.
+
+    Examples:
+        >>> child_start_time(os.getpid()) is None  # our own process is not our child
+        True
+    """
+    if not _ours(proc):
+        return None
+    found = _stat(pid, proc)
+    return None if found is None or found[1] != os.getpid() else found[2]
+
+
 def descendants(roots: Procs, *, proc: str = _PROC) -> Procs:
     """Every process below ``roots`` that is still the process its parent started.
 
     A root whose PID no longer has its start time has no descendants here.
-    At most ``_MOST`` are looked up; ``{}`` where there is no ``/proc``.
+    At most ``_MOST`` are looked up; ``{}`` where there is no ``/proc``, or
+    where ``/proc`` is another PID namespace's (its PIDs are not ours).
     """
-    if (proc == _PROC and not sys.platform.startswith("linux")) or not os.path.isdir(proc):
-        return {}  # another system's /proc (or none) says no parents
+    if proc == _PROC and not (sys.platform.startswith("linux") and _ours(proc)):
+        return {}  # another system's /proc says no parents; another namespace's, other PIDs
+    if not os.path.isdir(proc):
+        return {}
     found: Procs = {}
     todo = deque(roots.items())
     table: dict[int, Procs] | None = None  # children by parent, from one read of /proc
@@ -155,14 +186,39 @@ def _signal(pid: int, started: int, signum: int, proc: str) -> bool:
             return False
         if pidfd is None:
             os.kill(pid, signum)
-        else:
-            signal.pidfd_send_signal(pidfd, signum)
-    except OSError:  # it has ended (and was reaped) meanwhile
+        elif not _pidfd_signal(pidfd, signum):  # refused: os.kill, right after a check
+            if start_time(pid, proc) != started:
+                return False
+            os.kill(pid, signum)
+    except OSError:  # it has ended (and was reaped) meanwhile, or is not ours to signal
         return False
     finally:
         if pidfd is not None:
             os.close(pidfd)
     return True
+
+
+def _pidfd_signal(pidfd: int, signum: int) -> bool:
+    """Send ``signum`` through ``pidfd``; False where the system refuses pidfd signals.
+
+    Raises:
+        ProcessLookupError: The process has ended.
+    """
+    try:
+        signal.pidfd_send_signal(pidfd, signum)
+    except ProcessLookupError:
+        raise
+    except OSError:  # ENOSYS, EPERM: a seccomp filter, gVisor; os.kill may still work
+        return False
+    return True
+
+
+def _ours(proc: str) -> bool:
+    """Whether ``proc`` numbers processes as this process does: its ``self`` is this PID."""
+    try:
+        return os.readlink(f"{proc}/self") == str(os.getpid())
+    except OSError:  # no /proc, or one of a PID namespace this process is not in
+        return False
 
 
 def _running(pid: int, started: int, proc: str) -> bool:

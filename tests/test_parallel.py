@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import gc
 import importlib.util
 import json
 import logging
@@ -1969,10 +1971,12 @@ def test_what_fn_started_while_being_stopped_is_killed_too(
     from devicekit import _dispatch
 
     real_signal_each = _dispatch.signal_each
+    gc.collect()  # a pool an earlier test dropped is stopped now, not through the patch below
 
     def signal_each(procs: dict[int, int], signum: int) -> list[int]:
         sent = real_signal_each(procs, signum)
-        if signum == signal.SIGTERM:  # let the trap start its process before going on
+        trapped = (tmp_path / "shell").exists()  # this test's stop, not another pool's
+        if signum == signal.SIGTERM and trapped:  # let the trap start its process first
             assert _wait_for(lambda: _written(tmp_path / "shell.late"), 60)
         return sent
 
@@ -2064,6 +2068,110 @@ def test_a_pid_whose_start_time_changed_is_not_signalled() -> None:
     finally:
         other.kill()
         other.wait(30)
+
+
+def test_a_worker_s_start_time_is_read_only_where_proc_shows_it_as_our_child(
+    tmp_path: Any,
+) -> None:
+    from devicekit._workerstate import child_start_time
+
+    proc = _fake_proc(tmp_path, {W: (os.getpid(), 100), C: (1, 150)}, children=True)
+    assert child_start_time(W, proc=proc) is None  # no `self`: not a /proc of ours
+    (tmp_path / "self").symlink_to("1")  # another PID namespace's /proc
+    assert child_start_time(W, proc=proc) is None
+    (tmp_path / "self").unlink()
+    (tmp_path / "self").symlink_to(str(os.getpid()))
+    assert child_start_time(W, proc=proc) == 100
+    assert child_start_time(C, proc=proc) is None  # not our child: another process's PID
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.parametrize("foreign", ["proc/self", "parent"])
+def test_workers_seen_in_another_pid_namespace_s_proc_have_no_descendants(
+    foreign: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a /proc of another PID namespace (`unshare -pf` without --mount-proc)
+    # gave the worker's PID another process's start time, and that process's
+    # descendants were signalled when the workers stopped. Now the worker's start
+    # time is recorded only where /proc is ours and names us as its parent.
+    from devicekit import _dispatch, _workerstate
+
+    if foreign == "proc/self":
+        real_readlink = os.readlink
+
+        def readlink(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path) == "/proc/self":
+                return "1"  # in that namespace's numbering, we are someone else
+            return real_readlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "readlink", readlink)
+    else:
+        real_stat = _workerstate._stat
+
+        def stat(pid: int, proc: str) -> tuple[str, int, int] | None:
+            found = real_stat(pid, proc)
+            return None if found is None else (found[0], 1, found[2])  # another's child
+
+        monkeypatch.setattr(_workerstate, "_stat", stat)
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        assert pool.map(abs, [-1]) == [1]
+        assert [worker.started for worker in pool._workers] == [None]
+        assert _dispatch._started_by(pool._workers, {}) == {}
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"),
+    reason="needs pidfds",
+)
+@pytest.mark.parametrize(
+    "refusal",
+    [PermissionError(errno.EPERM, "Operation not permitted"), OSError(errno.ENOSYS, "nosys")],
+    ids=["EPERM", "ENOSYS"],
+)
+def test_a_refused_pidfd_signal_falls_back_to_kill(
+    refusal: OSError, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a seccomp filter or gVisor refusing pidfd_send_signal read as "it has
+    # ended": the process was never signalled and outlived the stop.
+    from devicekit import _workerstate
+
+    def refused(pidfd: int, signum: int, *args: Any) -> None:
+        raise refusal
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        started = _workerstate.start_time(other.pid)
+        assert started is not None
+        monkeypatch.setattr(_workerstate.signal, "pidfd_send_signal", refused)
+        assert _workerstate.signal_each({other.pid: started}, signal.SIGKILL) == [other.pid]
+        assert other.wait(30) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait(30)
+
+
+def test_a_ctrl_c_while_looking_up_descendants_still_kills_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a second Ctrl-C during the last lookup of the workers' descendants (a
+    # scan of all /proc where there are no children files) skipped every SIGKILL.
+    from devicekit import _dispatch
+
+    calls: list[int] = []
+
+    def started_by(workers: list[Any], known: dict[int, int]) -> dict[int, int]:
+        calls.append(1)
+        if len(calls) == 2:  # the one before the SIGKILLs
+            raise KeyboardInterrupt
+        return {}
+
+    monkeypatch.setattr(_dispatch, "_started_by", started_by)
+    events: list[str] = []
+    workers = [_dispatch.Worker(n, "cpu", _Stubborn(n, events), _Conn()) for n in (1, 2)]
+    with pytest.raises(KeyboardInterrupt):
+        _dispatch.stop_workers(workers, gently=False)
+    assert events[-4:] == ["kill 1", "kill 2", "join 1", "join 2"]
+    assert not any(worker.process.is_alive() for worker in workers)
 
 
 def test_a_pool_names_itself_in_its_errors() -> None:
