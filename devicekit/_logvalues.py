@@ -18,6 +18,7 @@ from typing import Any, SupportsIndex, cast
 import torch
 
 from ._format import shorten
+from ._options import short_repr
 
 __all__ = [
     "FLOATING",
@@ -160,6 +161,6 @@ def checked_step(step: object) -> int:
             return operator.index(cast("SupportsIndex", step))
     raise TypeError(
         f"step must be an int (or None for the number of earlier log() calls), got "
-        f"{shorten(repr(step), 60)} of type {type(step).__name__}; pass int(step) once it is "
+        f"{short_repr(step, 60)} of type {type(step).__name__}; pass int(step) once it is "
         "on the host, or leave step out"
     )

@@ -38,7 +38,7 @@ from typing import Any
 
 from ._copying import copy_state, forget_cached_properties, own_copy, unshare
 from ._errors import add_note
-from ._format import first_line, qualified_name, shorten
+from ._format import first_line, qualified_name
 from ._options import short_repr
 from ._records import Walk, move_attributes, replace_fields
 from ._tree import container_layout, is_dataclass_instance, record_layout
@@ -152,7 +152,7 @@ def _rebuild_read_only(cls: Any, moved: dict[Any, Any]) -> Any:
     if type(result) is not cls:
         what = f"returned a {qualified_name(type(result))}"
     elif result.keys() != moved.keys():
-        keys, expected = shorten(repr(list(result)), 80), shorten(repr(list(moved)), 80)
+        keys, expected = short_repr(list(result), 80), short_repr(list(moved), 80)
         what = f"returned one with the keys {keys} instead of {expected}"
     else:
         return result
@@ -279,9 +279,9 @@ def _check_untouched(
     cls = type(obj)
     raise TypeError(
         f"to_device() cannot copy a {qualified_name(cls)} without changing it: "
-        f"setting item {leaked[0]!r} of its copy wrote into the input too (they share storage; "
-        f"the input is put back). Give {cls.__qualname__} a __copy__ that copies its storage, "
-        "or a .to() method."
+        f"setting item {short_repr(leaked[0], 60)} of its copy wrote into the input too "
+        f"(they share storage; the input is put back). Give {cls.__qualname__} a __copy__ "
+        "that copies its storage, or a .to() method."
     )
 
 
