@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import types
-import weakref
 from collections import defaultdict
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Sized, ValuesView
 from typing import Any
@@ -14,7 +13,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
-from ._look import object_attributes
+from ._look import NOTHING_INSIDE, OPAQUE, object_attributes
 from ._mover import _has_to_method
 from ._options import short_repr
 from ._tree import children, iter_children
@@ -145,23 +144,6 @@ _Held = tuple[torch.device, str, str, _Path]
 # check says it stopped rather than pass what it never saw. Containers given as they are
 # (dicts, lists, records of tensors) are checked whole, however large.
 _LOOK_BUDGET = 100_000
-# Arguments refused: what they hold is code and its globals, which the walk does not read.
-_CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
-# Answered before any other question: leaves with nothing inside, and weak proxies, which
-# hold nothing of their own (a dead one raises ReferenceError at any question, isinstance too).
-_PLAIN = frozenset(
-    {
-        int,
-        float,
-        bool,
-        complex,
-        str,
-        bytes,
-        type(None),
-        weakref.ProxyType,
-        weakref.CallableProxyType,
-    }
-)
 
 
 def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder | None]]:
@@ -190,7 +172,7 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
                 if left < 0:
                     raise ValueError(_too_many(name, holder))
             cls = type(child)
-            if cls in _PLAIN:
+            if cls in NOTHING_INSIDE:
                 continue
             if cls is tensor_class or isinstance(child, tensor_class):
                 found.append(((parent, suffix), child, holder))
@@ -270,7 +252,7 @@ def _refuse_unwalkable(name: str, obj: object) -> None:
 
     An iterator, a dict view, a class, a Python module, a function.
     """
-    if isinstance(obj, _CODE):
+    if isinstance(obj, OPAQUE):
         kind = (
             "class"
             if isinstance(obj, type)

@@ -27,11 +27,12 @@ import torch
 from ._options import short_repr
 from ._tree import ITEMS_ONLY
 
-__all__ = ["object_attributes", "tensor_elsewhere"]
+__all__ = ["NOTHING_INSIDE", "OPAQUE", "object_attributes", "tensor_elsewhere"]
 
 
-# Not looked inside by object_attributes(): what they hold is code and its globals, not data.
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+# Not looked inside (object_attributes(), assert_same_device()): what they hold is code
+# and its globals, not data.
+OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 # A weak proxy holds nothing of its own, and a dead one raises ReferenceError at any
 # question, isinstance() included: only its exact type is asked.
 _PROXIES = frozenset(weakref.ProxyTypes)
@@ -93,7 +94,7 @@ def _attributes(obj: object, limit: int | None) -> list[tuple[str, Any]]:
     """
     found: list[tuple[str, Any]] = []
     cls = type(obj)
-    if cls in _PROXIES or issubclass(cls, _OPAQUE):
+    if cls in _PROXIES or issubclass(cls, OPAQUE):
         return found
     try:
         reader = _dict_readers.get(cls, _UNREAD)
@@ -204,11 +205,12 @@ def _slot_descriptors(cls: type) -> Iterator[tuple[str, Any]]:
 # How tensor_elsewhere() reached each object: the path suffix is made only for the path
 # it returns.
 _KEY, _INDEX, _MEMBER, _NAME = range(4)
-# Nothing inside to look at: exact types, asked before anything else.
-_NOTHING_INSIDE = frozenset(
+# Nothing inside to look at: exact types, asked before anything else (weak proxies hold
+# nothing of their own, and a dead one raises ReferenceError at any other question).
+NOTHING_INSIDE = frozenset(
     {str, bytes, int, float, complex, bool, type(None), range, *weakref.ProxyTypes}
 )
-_NOT_OPENED = (torch.nn.Module, str, bytes, bytearray, array.array, *_OPAQUE)
+_NOT_OPENED = (torch.nn.Module, str, bytes, bytearray, array.array, *OPAQUE)
 # The builtin containers whose items tensor_elsewhere() reads, each with its own reader
 # (a subclass's __iter__ or items() is its code, and is not run).
 _ITEM_READERS: tuple[tuple[type, Any, int], ...] = (
@@ -256,7 +258,7 @@ def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> 
     while queue:
         link, item = queue.popleft()
         cls = type(item)
-        if cls in _NOTHING_INSIDE or id(item) in seen:
+        if cls in NOTHING_INSIDE or id(item) in seen:
             continue
         seen.add(id(item))
         kept.append(item)
