@@ -422,21 +422,40 @@ def test_an_fn_that_cannot_be_unpickled_in_a_worker_is_named() -> None:
     assert "in _fail_to_load" in message  # the worker's traceback
 
 
-def _run_in_repo(
-    script: str, *, env: dict[str, str] | None = None, timeout: float = 120
+def _importable(**env: str) -> dict[str, str]:
+    """This environment, with the repository on ``PYTHONPATH`` and ``env`` on top."""
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **env}
+
+
+def _run_python(
+    args: list[str],
+    *,
+    cwd: Any = REPO,
+    input: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` with ``python -c`` from the repository (its functions importable there)."""
+    """Run ``python *args`` with the repository importable and ``env`` set; it must exit 0."""
     result = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, *args],
+        input=input,
         capture_output=True,
         text=True,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        env=_importable(**(env or {})),
         timeout=timeout,
         check=False,
     )
     assert result.returncode == 0, result.stderr
     return result
+
+
+def _run_in_repo(
+    script: str, *, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``python -c`` from the repository (its functions importable there)."""
+    return _run_python(["-c", script], env=env, timeout=timeout)
 
 
 def test_an_fn_defined_in_python_c_is_named_as_not_importable() -> None:
@@ -594,8 +613,7 @@ def _kill_parent_and_watch(
     ``script`` runs with ``python -c``, or from the file ``main`` (a main module
     that spawned workers import again), with the repository importable.
     """
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "DK_TEST_PIDS": str(pids), "PYTHONPATH": path, **(env or {})}
+    env = _importable(DK_TEST_PIDS=str(pids), **(env or {}))
     command = [sys.executable, "-c", textwrap.dedent(script)]
     if main is not None:
         main.write_text(textwrap.dedent(script))
@@ -1759,18 +1777,7 @@ def test_a_script_read_from_stdin_is_refused_before_any_worker_starts(tmp_path: 
                 print(error)
         """
     )
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-"],
-        input=script,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": path},
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_python(["-"], input=script, cwd=tmp_path)
     assert result.stdout == (
         "gpu_map() cannot start its workers: the main module was read from standard input "
         "(`python -`), which is read once. Workers are started with spawn, and each one imports "
@@ -1822,17 +1829,7 @@ def test_a_main_module_that_fails_in_a_worker_is_not_said_to_lack_the_guard(
             """
         )
     )
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": path},
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_python([str(script)], cwd=tmp_path)
     assert result.stdout == (
         "gpu_map: worker 1 on the CPU exited with code 1 before it started, while it imported "
         "the main module (a spawned worker imports it again): that import failed in the "
@@ -1929,11 +1926,10 @@ def test_a_signal_to_a_killed_caller_s_group_reaches_what_fn_started(tmp_path: A
             """
         )
     )
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     caller = subprocess.Popen(
         [sys.executable, str(script)],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": path, "DK_TEST_PIDS": str(tmp_path)},
+        env=_importable(DK_TEST_PIDS=str(tmp_path)),
         start_new_session=True,  # a group of its own, as a shell's job is
     )
     started: list[int] = []
