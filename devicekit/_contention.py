@@ -29,6 +29,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from ._procfs import read_stat
+
 __all__ = ["CpuEvidence", "CpuWindow", "allowed_cpus", "contended"]
 
 CONTENDED_SHARE = 0.1  # others took a tenth of our cores: the result depends on them
@@ -126,16 +128,12 @@ def running_on(cpus: frozenset[int], *, budget: float = 1.0) -> tuple[tuple[int,
             continue
         if len(found) == _MAX_NAMED or time.perf_counter() > deadline:
             break
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as file:
-                text = file.read().decode(errors="replace")
-        except OSError:  # it exited, or it is not ours to read
+        read = read_stat(pid)
+        if read is None:  # it exited, or it is not ours to read
             continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        name = text[text.find("(") + 1 : text.rfind(")")]
-        fields = text[text.rfind(")") + 2 :].split()
+        name, fields = read
         # fields[0] is the state (field 3); fields[36] the CPU it last ran on (field 39).
-        if len(fields) > 36 and fields[0] == "R" and int(fields[36]) in cpus:
+        if len(fields) > 36 and fields[0] == b"R" and int(fields[36]) in cpus:
             found.append((pid, name or None))
     return tuple(sorted(found))
 

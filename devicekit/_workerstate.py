@@ -40,6 +40,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._procfs import read_stat
+
 __all__ = [
     "Procs",
     "Slot",
@@ -228,13 +230,10 @@ def _running(pid: int, started: int, proc: str) -> bool:
 
 def _stat(pid: int, proc: str) -> tuple[str, int, int] | None:
     """``(state, parent PID, start time)`` from ``/proc/<pid>/stat``; None if unreadable."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as file:
-            text = file.read()
-    except OSError:  # no such process (or no /proc)
+    read = read_stat(pid, proc)
+    if read is None:  # no such process (or no /proc)
         return None
-    # After the name, which may hold spaces and parentheses: field 3 on.
-    fields = text[text.rfind(b")") + 1 :].split()
+    fields = read[1]  # field 3 on
     try:
         return fields[0].decode("ascii", "replace"), int(fields[1]), int(fields[19])
     except (IndexError, ValueError):
