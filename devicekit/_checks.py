@@ -14,9 +14,10 @@ from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
 from ._look import NOTHING_INSIDE, OPAQUE, object_attributes
+from ._lookbulk import bulk_children, bulk_look
 from ._mover import _has_to_method
 from ._options import short_repr
-from ._tree import children, iter_children
+from ._tree import children, container_attributes, iter_children
 
 __all__ = ["assert_same_device"]
 
@@ -36,7 +37,11 @@ def assert_same_device(
     whose tensors are at ``cache.layers[0].keys``), which ``to_device()``
     returns unchanged. Each object is looked at once, so one that refers back
     to itself is no error, and any depth is walked (a chain of objects through
-    ``self.next``). Inside such an object, up to 100,000 objects are read: one
+    ``self.next``). Inside such an object, up to 100,000 objects are read one
+    by one, and its builtin lists, tuples, dicts and sets of plain values
+    (str, numbers, None, numpy scalars and arrays), and of such containers in
+    turn, which hold no tensor, are passed over in bulk, up to 10,000,000
+    values: a tokenizer's 150,000-entry vocabulary costs about 3 ms. One
     holding more (a dataset, a logger) is a ``ValueError``, not a pass for
     tensors never seen. The dicts, lists and records given are checked whole.
     A ``PackedSequence``'s ``batch_sizes`` is not checked: torch keeps it on
@@ -69,7 +74,8 @@ def assert_same_device(
             other than ``device``. The message lists each device with the
             paths on it, the strays first, and ends with a fix.
         ValueError: The arguments hold no tensor, an object the check looks
-            inside attribute by attribute holds more than 100,000 objects, or
+            inside attribute by attribute holds more than 100,000 objects (or
+            10,000,000 values in its lists, dicts, tuples and sets), or
             ``device`` is malformed.
         TypeError: An argument is a generator, an iterator, a dict view, a
             class, a module or a function, or a keyword argument is named
@@ -139,11 +145,28 @@ _Holder = tuple[_Path, str, bool]
 # A tensor inside an object that to_device() returns unchanged: its device, the object's
 # path and class name, and the tensor's path.
 _Held = tuple[torch.device, str, str, _Path]
-# Objects read inside the objects the check does not otherwise know, per argument: a
-# cache or a batch holds a few thousand; a dataset or a logger millions, and then the
-# check says it stopped rather than pass what it never saw. Containers given as they are
-# (dicts, lists, records of tensors) are checked whole, however large.
+# Objects read one by one inside the objects the check does not otherwise know, per
+# argument: a cache or a batch holds a few thousand; a dataset or a logger millions, and
+# then the check says it stopped rather than pass what it never saw. Containers given as
+# they are (dicts, lists, records of tensors) are checked whole, however large.
 _LOOK_BUDGET = 100_000
+# Values read in bulk there, in C (_lookbulk.bulk_look()): the builtin lists, tuples, dicts and
+# sets of plain values (str, numbers, None...), which hold no tensor, are passed over so,
+# not read one by one: a tokenizer's 150,000-entry vocabulary, a dataset's labels. About
+# 20 to 100 ns a value, measured: 3 ms for that vocabulary, 26 ms for 1.28 million int
+# labels, 0.3 s for those and 1.28 million (path, label) pairs besides, about 1 s for 10
+# million values, on a busy 2-core machine: so much plain data costs a second at most.
+_BULK_BUDGET = 10_000_000
+
+
+class _Budget:
+    """What is left to read inside the objects of one argument: one by one, and in bulk."""
+
+    __slots__ = ("bulk", "objects")
+
+    def __init__(self) -> None:
+        self.objects = _LOOK_BUDGET
+        self.bulk = _BULK_BUDGET
 
 
 def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder | None]]:
@@ -155,11 +178,14 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
     with a stack of iterators, not a frame per level: any depth is walked.
     ``seen`` keeps each object it names alive, so no ``id()`` is reused while
     the walk runs. Inside a holder, elements are read as they are reached and
-    counted: past ``_LOOK_BUDGET`` of them, a ``ValueError`` says so.
+    counted: past ``_LOOK_BUDGET`` of them, a ``ValueError`` says so. A builtin
+    container there is first read in bulk (`bulk_look()`): its plain values are
+    passed over, counted against ``_BULK_BUDGET``, and only the rest read one by
+    one.
     """
     found: list[tuple[_Path, torch.Tensor, _Holder | None]] = []
     seen: dict[int, object] = {}
-    left = _LOOK_BUDGET
+    left = _Budget()
     tensor_class, module_class = torch.Tensor, torch.nn.Module
     stack: list[tuple[Iterator[tuple[str, Any]], _Path | None, _Holder | None]] = [
         (iter(((name, obj),)), None, None)
@@ -168,9 +194,9 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
         elements, parent, holder = stack[-1]
         for suffix, child in elements:
             if holder is not None:
-                left -= 1
-                if left < 0:
-                    raise ValueError(_too_many(name, holder))
+                left.objects -= 1
+                if left.objects < 0:
+                    raise ValueError(_too_many(name, holder, f"{_LOOK_BUDGET:,} objects"))
             cls = type(child)
             if cls in NOTHING_INSIDE:
                 continue
@@ -185,7 +211,7 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
                 found.extend(((path, f".{n}"), p, holder) for n, p in child.named_parameters())
                 found.extend(((path, f".{n}"), b, holder) for n, b in child.named_buffers())
                 continue
-            opened = _open(child, path, holder, left)
+            opened = _open(child, path, holder, left, name)
             if opened is None:
                 continue
             seen[id(child)] = child
@@ -197,17 +223,40 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
 
 
 def _open(
-    obj: object, path: _Path, holder: _Holder | None, left: int
+    obj: object, path: _Path, holder: _Holder | None, left: _Budget, name: str
 ) -> tuple[Iterable[tuple[str, Any]], _Holder | None] | None:
     """What the walk reads inside ``obj`` and the holder around it, or None for nothing.
 
     Outside a holder, as the argument was given: its elements whole, listed
-    before they are walked (`children()`). Inside one, read as they are reached.
+    before they are walked (`children()`). Inside one, read as they are
+    reached, but for the plain values of a builtin container, passed over in
+    bulk; past ``_BULK_BUDGET`` of those, a ``ValueError`` says so.
     """
+    if holder is not None:
+        try:
+            bulk = bulk_look(obj, left.bulk)
+        except RuntimeError as error:  # another thread kept changing it: no partial pass
+            raise RuntimeError(
+                f"assert_same_device() cannot check {_render(path)}: {error}"
+            ) from None
+        if bulk is not None:
+            read, plain = bulk
+            left.bulk -= read
+            if left.bulk < 0:
+                raise ValueError(
+                    _too_many(
+                        name,
+                        holder,
+                        f"{_BULK_BUDGET:,} values in its lists, dicts, tuples and sets",
+                    )
+                )
+            if plain:  # its items hold nothing to read: what its instance was given, if any
+                return ((f".{key}", value) for key, value in container_attributes(obj)), holder
+            return bulk_children(obj), holder  # its attributes too
     items = children(obj) if holder is None else iter_children(obj)
     if items is None:
         try:
-            attributes = object_attributes(obj, limit=left + 1)
+            attributes = object_attributes(obj, limit=left.objects + 1)
         except RuntimeError as error:  # another thread kept changing it: no partial pass
             raise RuntimeError(
                 f"assert_same_device() cannot check {_render(path)}: {error}"
@@ -235,12 +284,12 @@ def _render(path: _Path) -> str:
     return "".join(reversed(suffixes))
 
 
-def _too_many(name: str, holder: _Holder) -> str:
+def _too_many(name: str, holder: _Holder, what: str) -> str:
     at, kind = _render(holder[0]), holder[1]
     article = "an" if kind[:1].lower() in "aeiou" else "a"
     return (
         f"assert_same_device() cannot check {name}: {at} is {article} {kind}, which it looks "
-        f"inside attribute by attribute, and it holds more than {_LOOK_BUDGET:,} objects (counting "
+        f"inside attribute by attribute, and it holds more than {what} (counting "
         "what they hold in turn: a dataset, a logger?). The check stops there rather than "
         "pass tensors it never saw. Pass the tensors to check themselves, or a dict or list "
         f"of them, instead of {at}."

@@ -7,9 +7,10 @@ would vouch for tensors it never saw. Both only look: an instance's
 ``__dict__`` and slots are read through Python's own descriptors, so no
 property, ``__getattr__`` or container method of the object's class runs, and
 a look that fails is no answer, never an error. Each dict, set or deque is read
-in one go, in C (`_snapshot`), so another thread writing it cannot cut a look
-short: where it does all the same, twice, that is said (`_Changed`), never
-taken for all there was.
+in one go, in C (`snapshot`), so another thread writing it cannot cut a look
+short: where it does all the same, twice, that is said (`Changed`), never
+taken for all there was. A builtin container of plain values (a tokenizer's
+vocabulary, a dataset's labels) is told apart in bulk, by `_lookbulk`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,20 @@ import torch
 from ._options import short_repr
 from ._tree import ITEMS_ONLY
 
-__all__ = ["NOTHING_INSIDE", "OPAQUE", "object_attributes", "tensor_elsewhere"]
+__all__ = [
+    "INDEX",
+    "KEY",
+    "MEMBER",
+    "NOTHING_INSIDE",
+    "OPAQUE",
+    "UNREAD",
+    "Changed",
+    "class_attribute",
+    "class_namespace",
+    "object_attributes",
+    "snapshot",
+    "tensor_elsewhere",
+]
 
 
 # Not looked inside (object_attributes(), assert_same_device()): what they hold is code
@@ -38,7 +52,7 @@ OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.Bu
 _PROXIES = frozenset(weakref.ProxyTypes)
 # A class's own namespace and its MRO, read without its metaclass (whose __getattribute__
 # or properties could run code of the user's own).
-_class_namespace: Callable[[type], Mapping[str, Any]] = type.__dict__["__dict__"].__get__
+class_namespace: Callable[[type], Mapping[str, Any]] = type.__dict__["__dict__"].__get__
 _class_mro: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
 # Python's own readers of an instance's __dict__: a getset (classes written in Python),
 # or a member (SimpleNamespace, some C types). A property named __dict__ is neither.
@@ -79,7 +93,7 @@ def object_attributes(obj: object, *, limit: int | None = None) -> list[tuple[st
     """
     try:
         return [(f".{name}", value) for name, value in _attributes(obj, limit)]
-    except _Changed:
+    except Changed:
         raise RuntimeError(
             f"another thread changed the attributes of a {type(obj).__name__} while they "
             "were read, twice: they cannot be looked at. Read them when no thread writes them."
@@ -89,7 +103,7 @@ def object_attributes(obj: object, *, limit: int | None = None) -> list[tuple[st
 def _attributes(obj: object, limit: int | None) -> list[tuple[str, Any]]:
     """`object_attributes()` with bare names; runs no code of the object's.
 
-    Raises `_Changed` where another thread changes the ``__dict__`` while it is
+    Raises `Changed` where another thread changes the ``__dict__`` while it is
     read, twice: a partial list would pass tensors never seen.
     """
     found: list[tuple[str, Any]] = []
@@ -97,8 +111,8 @@ def _attributes(obj: object, limit: int | None) -> list[tuple[str, Any]]:
     if cls in _PROXIES or issubclass(cls, OPAQUE):
         return found
     try:
-        reader = _dict_readers.get(cls, _UNREAD)
-        if reader is _UNREAD:
+        reader = _dict_readers.get(cls, UNREAD)
+        if reader is UNREAD:
             reader = _dict_readers[cls] = _dict_reader(cls)
         state: Any = None if reader is None else reader.__get__(obj, cls)
         if issubclass(type(state), dict):
@@ -115,7 +129,7 @@ def _attributes(obj: object, limit: int | None) -> list[tuple[str, Any]]:
             except AttributeError:  # a slot never set has no value, and is not counted
                 continue
             slots += 1
-    except _Changed:
+    except Changed:
         raise
     except Exception:  # noqa: BLE001 - storage that cannot be read holds nothing to look at
         pass
@@ -131,7 +145,7 @@ def _named_entries(state: dict[Any, Any], limit: int | None) -> list[tuple[str, 
     """
     wanted = limit
     while True:
-        entries = _snapshot(dict.items, state, wanted)  # dict's own, not an override
+        entries = snapshot(dict.items, state, wanted)  # dict's own, not an override
         kept = [
             (str.__str__(name), value)  # a str subclass's as a str
             for name, value in entries
@@ -143,7 +157,7 @@ def _named_entries(state: dict[Any, Any], limit: int | None) -> list[tuple[str, 
         wanted *= 2
 
 
-class _Changed(RuntimeError):
+class Changed(RuntimeError):
     """A container another thread changed while it was read, twice.
 
     Never leaves devicekit: `assert_same_device()` raises a ``RuntimeError``
@@ -151,14 +165,14 @@ class _Changed(RuntimeError):
     """
 
 
-def _snapshot(read: Callable[[Any], Any], container: Any, limit: int | None) -> tuple[Any, ...]:
+def snapshot(read: Callable[[Any], Any], container: Any, limit: int | None) -> tuple[Any, ...]:
     """The first ``limit`` of what ``read(container)`` yields, read in one go.
 
     ``tuple(islice(...))`` runs in C, with no bytecode between items where
     another thread could change the container (a loop in Python raised
     "changed size during iteration" midway, and a partial list was taken for
     the whole). Where that happens all the same (a finalizer the read set
-    off), it is read once more, then `_Changed` is raised.
+    off), it is read once more, then `Changed` is raised.
     """
     try:
         return tuple(islice(read(container), limit))
@@ -167,12 +181,12 @@ def _snapshot(read: Callable[[Any], Any], container: Any, limit: int | None) -> 
     try:
         return tuple(islice(read(container), limit))
     except RuntimeError:
-        raise _Changed(
+        raise Changed(
             f"another thread changed a {type(container).__name__} while it was read, twice"
         ) from None
 
 
-_UNREAD = object()
+UNREAD = object()
 
 
 def _dict_reader(cls: type) -> Any:
@@ -182,7 +196,7 @@ def _dict_reader(cls: type) -> Any:
     own property (None: reading it would run that code).
     """
     for klass in _class_mro(cls):
-        entry = _class_namespace(klass).get("__dict__")
+        entry = class_namespace(klass).get("__dict__")
         if entry is not None:
             return entry if type(entry) in _STORAGE_READERS else None
     return None
@@ -191,7 +205,7 @@ def _dict_reader(cls: type) -> Any:
 def _slot_descriptors(cls: type) -> Iterator[tuple[str, Any]]:
     """Each slot's name and the member descriptor that reads it (never a property)."""
     for klass in _class_mro(cls):
-        namespace = _class_namespace(klass)
+        namespace = class_namespace(klass)
         slots = namespace.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
             private = name.startswith("__") and not name.endswith("__")
@@ -204,7 +218,7 @@ def _slot_descriptors(cls: type) -> Iterator[tuple[str, Any]]:
 
 # How tensor_elsewhere() reached each object: the path suffix is made only for the path
 # it returns.
-_KEY, _INDEX, _MEMBER, _NAME = range(4)
+KEY, INDEX, MEMBER, _NAME = range(4)
 # Nothing inside to look at: exact types, asked before anything else (weak proxies hold
 # nothing of their own, and a dead one raises ReferenceError at any other question).
 NOTHING_INSIDE = frozenset(
@@ -214,12 +228,12 @@ _NOT_OPENED = (torch.nn.Module, str, bytes, bytearray, array.array, *OPAQUE)
 # The builtin containers whose items tensor_elsewhere() reads, each with its own reader
 # (a subclass's __iter__ or items() is its code, and is not run).
 _ITEM_READERS: tuple[tuple[type, Any, int], ...] = (
-    (dict, dict.items, _KEY),
-    (list, list.__iter__, _INDEX),
-    (tuple, tuple.__iter__, _INDEX),
-    (collections.deque, collections.deque.__iter__, _INDEX),
-    (set, set.__iter__, _MEMBER),
-    (frozenset, frozenset.__iter__, _MEMBER),
+    (dict, dict.items, KEY),
+    (list, list.__iter__, INDEX),
+    (tuple, tuple.__iter__, INDEX),
+    (collections.deque, collections.deque.__iter__, INDEX),
+    (set, set.__iter__, MEMBER),
+    (frozenset, frozenset.__iter__, MEMBER),
 )
 
 
@@ -238,7 +252,7 @@ def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> 
     Raises what reading a tensor's ``device`` raises (a tensor subclass may
     run code for it): the caller treats it as nothing found. A container that
     another thread changes while it is read is read once more, then
-    `_Changed` (a ``RuntimeError``) is raised: no answer, and no look either.
+    `Changed` (a ``RuntimeError``) is raised: no answer, and no look either.
 
     Examples:
         >>> import torch
@@ -279,11 +293,11 @@ def _held(item: object, cls: type, limit: int) -> Iterator[tuple[int, Any, Any]]
     """What ``item`` holds, read from its storage: (kind, key or index or name, value)."""
     for base, read, kind in _ITEM_READERS:
         if issubclass(cls, base):
-            entries = _snapshot(read, item, limit)  # in one go: see _snapshot
-            if kind == _KEY:
+            entries = snapshot(read, item, limit)  # in one go: see snapshot
+            if kind == KEY:
                 yield from ((kind, key, value) for key, value in entries)
             else:
-                names = _class_attribute(cls, "_fields") if base is tuple else None
+                names = class_attribute(cls, "_fields") if base is tuple else None
                 if isinstance(names, tuple):  # a namedtuple: its fields by name
                     yield from (
                         (_NAME, name, value) for name, value in zip(names, entries, strict=False)
@@ -296,10 +310,10 @@ def _held(item: object, cls: type, limit: int) -> Iterator[tuple[int, Any, Any]]
     yield from ((_NAME, name, value) for name, value in _attributes(item, limit))
 
 
-def _class_attribute(cls: type, name: str) -> Any:
+def class_attribute(cls: type, name: str) -> Any:
     """``cls.name`` as a class defines it (no metaclass code runs), or None."""
     for klass in _class_mro(cls):
-        value = _class_namespace(klass).get(name)
+        value = class_namespace(klass).get(name)
         if value is not None:
             return value
     return None
@@ -312,11 +326,11 @@ def _path(links: list[tuple[int, int, Any]], link: int) -> str:
         link, kind, key = links[link]
         suffixes.append(
             f"[{short_repr(key, 60)}]"
-            if kind == _KEY
+            if kind == KEY
             else f"[{key}]"
-            if kind == _INDEX
+            if kind == INDEX
             else f"{{{key}}}"
-            if kind == _MEMBER
+            if kind == MEMBER
             else f".{key}"
         )
     return "".join(reversed(suffixes))

@@ -27,7 +27,7 @@ import torch
 from ._devices import CPU, META, synchronize
 from ._errors import add_note
 from ._format import qualified_name
-from ._look import _Changed, tensor_elsewhere
+from ._look import Changed, tensor_elsewhere
 from ._rebuild import (
     rebuild_list_subclass,
     rebuild_mapping,
@@ -215,7 +215,7 @@ class _Mover:
         if looks > 0:
             try:
                 path = tensor_elsewhere(obj, self.device)
-            except _Changed:  # another thread was writing it: no answer, and no look either
+            except Changed:  # another thread was writing it: no answer, and no look either
                 return obj
             except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
                 path, looks = None, 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checks, _look, _mover
+from devicekit import _checks, _look, _lookbulk, _mover
 
 from .conftest import run_python
 
@@ -752,8 +752,9 @@ def test_a_chain_of_objects_deeper_than_the_recursion_limit_is_checked() -> None
 
 def test_an_object_holding_too_much_to_look_through_is_refused_not_passed() -> None:
     # It walked all of it (0.55 s for a holder of a 2M-item list) and vouched for all of it.
+    # Objects, not plain values: those are passed over in bulk (tested below).
     holder = Holder(torch.ones(1))
-    holder.dataset = list(range(200_000))  # type: ignore[attr-defined]
+    holder.dataset = [object() for _ in range(200_000)]  # type: ignore[attr-defined]
     with pytest.raises(
         ValueError,
         match=r"^assert_same_device\(\) cannot check batch: batch\['h'\] is a Holder, which it "
@@ -800,11 +801,11 @@ def test_names_left_out_do_not_use_up_the_look_budget() -> None:
             self.t = torch.ones(1, device="meta")
 
     class Outer:
-        def __init__(self, items: list[int]) -> None:
+        def __init__(self, items: list[object]) -> None:
             self.items = items
             self.inner = Inner()
 
-    for items in ([], list(range(99_990))):
+    for items in ([], [object()] * 99_990):  # objects: plain values are read in bulk
         with pytest.raises(dk.DeviceMismatchError, match=r"arg0\.inner\.t"):
             dk.assert_same_device(Outer(items), x=torch.ones(1))
     assert [name for name, _ in _look.object_attributes(Inner(), limit=1)] == [".t"]
@@ -869,17 +870,113 @@ def test_a_dict_changed_while_read_is_read_again_then_refused(
 
         return read
 
-    assert _look._snapshot(changes(1), {"a": 1}, None) == (("a", 1),)
+    assert _look.snapshot(changes(1), {"a": 1}, None) == (("a", 1),)
     tries.clear()
-    with pytest.raises(_look._Changed, match="another thread changed a dict"):
-        _look._snapshot(changes(2), {"a": 1}, None)
+    with pytest.raises(_look.Changed, match="another thread changed a dict"):
+        _look.snapshot(changes(2), {"a": 1}, None)
     assert len(tries) == 2
 
     def always(read: Any, container: Any, limit: int | None) -> tuple[Any, ...]:
-        raise _look._Changed("another thread changed a dict while it was read, twice")
+        raise _look.Changed("another thread changed a dict while it was read, twice")
 
-    monkeypatch.setattr(_look, "_snapshot", always)
+    monkeypatch.setattr(_look, "snapshot", always)
     with pytest.raises(
         RuntimeError, match=r"cannot check batch\['h'\]: another thread changed the attributes"
     ):
         dk.assert_same_device(batch={"h": Holder(torch.ones(1))})
+
+
+class Tokenizer:
+    """A stand-in for a slow tokenizer: large plain data, no tensor."""
+
+    def __init__(self, size: int) -> None:
+        self.vocab = collections.OrderedDict((f"w{i}", i) for i in range(size))
+        self.ids_to_tokens = {i: token for token, i in self.vocab.items()}
+        self.merges = [(f"w{i}", f"w{i + 1}") for i in range(size)]
+        self.special = {"pad": ["<pad>", 0], "eos": ["</s>", 1]}
+        self.stream = (i for i in range(3))  # a generator: never advanced
+
+
+def test_plain_data_inside_an_object_is_read_in_bulk_not_refused() -> None:
+    # A tokenizer-sized vocabulary (150,000 str -> int) or a dataset's labels was a
+    # ValueError: "holds more than 100,000 objects", though no tensor was there.
+    np = pytest.importorskip("numpy")
+    tok = Tokenizer(150_000)
+    labels = Holder(torch.ones(1))
+    labels.targets = [float(i % 10) for i in range(300_000)]  # type: ignore[attr-defined]
+    labels.array = np.zeros(3)  # type: ignore[attr-defined]
+    labels.scalars = [np.float32(i) for i in range(120_000)]  # type: ignore[attr-defined]
+    labels.token_ids = {"input_ids": [[1, 2, 3]] * 50_000}  # type: ignore[attr-defined]
+    assert dk.assert_same_device(tok=tok, labels=labels, x=torch.ones(1)) == CPU
+    assert next(tok.stream) == 0
+    # It still looks: a tensor among the plain values, or in a container among them.
+    tok.vocab["stray"] = torch.ones(1, device="meta")  # type: ignore[assignment]
+    tok.special["eos"].append(torch.ones(1, device="meta"))
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(tok=tok, x=torch.ones(1))
+    assert "  tok.vocab['stray']: meta\n  tok.special['eos'][2]: meta\n" in str(info.value)
+    # Among 150,000 pairs, one holding a tensor: each pair is then read one by one.
+    tok.merges[149_999] = (torch.ones(1),)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"tok is a Tokenizer, .* more than 100,000 objects"):
+        dk.assert_same_device(tok=tok)
+
+
+def test_the_bulk_read_is_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_checks, "_BULK_BUDGET", 1_000, raising=False)
+    holder = Holder(torch.ones(1))
+    holder.labels = {"train": list(range(600)), "test": list(range(600))}  # type: ignore[attr-defined]
+    with pytest.raises(
+        ValueError,
+        match=r"^assert_same_device\(\) cannot check arg0: arg0 is a Holder, which it looks "
+        r"inside attribute by attribute, and it holds more than 1,000 values in its lists, "
+        r"dicts, tuples and sets \(counting what they hold in turn",
+    ):
+        dk.assert_same_device(holder)
+    # The containers given are checked whole, however large.
+    assert dk.assert_same_device(holder.labels, torch.ones(1)) == CPU  # type: ignore[attr-defined]
+
+
+def test_a_container_changed_while_read_in_bulk_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    snapshot = _lookbulk.snapshot
+
+    def changed(read: Any, container: Any, limit: int | None) -> tuple[Any, ...]:
+        if read is dict.values:
+            raise _look.Changed("another thread changed a dict while it was read, twice")
+        return snapshot(read, container, limit)
+
+    monkeypatch.setattr(_lookbulk, "snapshot", changed)
+    holder = Holder(torch.ones(1))
+    holder.vocab = {"a": 1}  # type: ignore[attr-defined]
+    with pytest.raises(
+        RuntimeError, match=r"cannot check arg0\.vocab: another thread changed a dict while"
+    ):
+        dk.assert_same_device(holder)
+
+
+def test_only_builtin_containers_that_read_as_their_base_are_read_in_bulk() -> None:
+    class Vocab(dict):  # type: ignore[type-arg]
+        pass
+
+    class Lazy(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:  # its own code: what to_device() and the walk read
+            yield torch.ones(1, device="meta")
+
+    pair = collections.namedtuple("pair", "a b")
+    assert _lookbulk.bulk_look(Vocab(a=1, b=[2.0, "c"]), 10) == (4, True)
+    assert _lookbulk.bulk_look(torch.Size([2, 3]), 10) == (2, True)
+    assert _lookbulk.bulk_look(Lazy([1]), 10) is None
+    assert _lookbulk.bulk_look(pair(1, 2), 10) is None
+    assert _lookbulk.bulk_look(Holder(torch.ones(1)), 10) is None
+    assert _lookbulk.bulk_look([[1], [object()]], 10) == (4, False)
+    assert _lookbulk.bulk_look([[[[[1]]]]], 10) == (4, False)  # deeper than it reads in bulk
+    assert _lookbulk.bulk_look(list(range(11)), 10) == (11, False)  # over the budget: not read
+    holder = Holder(torch.ones(1))
+    holder.lazy = Lazy([1])  # type: ignore[attr-defined]
+    with pytest.raises(dk.DeviceMismatchError, match=r"arg0\.lazy\[0\]: meta"):
+        dk.assert_same_device(holder)
+    vocab = Vocab(a=1)
+    vocab.embedding = torch.ones(1, device="meta")  # type: ignore[attr-defined]
+    with pytest.raises(dk.DeviceMismatchError, match=r"arg0\.x\.embedding: meta"):
+        dk.assert_same_device(Holder(vocab), torch.ones(1))  # type: ignore[arg-type]

@@ -1538,7 +1538,7 @@ def test_a_look_another_thread_spoiled_is_not_counted(monkeypatch: pytest.Monkey
     holder = _holder_class()
 
     def changed(obj: object, device: torch.device) -> str | None:
-        raise _look._Changed("another thread changed a dict while it was read, twice")
+        raise _look.Changed("another thread changed a dict while it was read, twice")
 
     monkeypatch.setattr(_mover, "tensor_elsewhere", changed)
     held = holder(torch.ones(1))

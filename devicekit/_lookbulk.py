@@ -1,0 +1,267 @@
+"""Plain data told apart in bulk: a look inside a container of 150,000 values in milliseconds.
+
+`assert_same_device()` looks inside any object (`_look`), and an object may
+hold a tokenizer's vocabulary or a dataset's labels: hundreds of thousands of
+values, none of which can hold a tensor. Read one by one they would exhaust the
+look's budget; here each builtin list, tuple, dict or set is read in one go
+(`_look.snapshot`) and its values are told apart by their class alone, read
+with ``type()`` in C, so no code of theirs runs and 150,000 of them cost about
+3 ms (`bulk_look()`). What is not plain is handed back to the walk one by one,
+with its path (`bulk_children()`).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import operator
+import pathlib
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, compress, repeat
+from typing import Any
+
+import torch
+
+from ._look import (
+    INDEX,
+    KEY,
+    MEMBER,
+    NOTHING_INSIDE,
+    UNREAD,
+    class_attribute,
+    class_namespace,
+    snapshot,
+)
+from ._tree import ITEMS_ONLY, container_attributes
+
+__all__ = ["bulk_children", "bulk_look"]
+
+
+# Plain values: nothing inside them can be a tensor, and their class alone says so (read
+# with type(), which runs no code of theirs). A container of them is passed over in bulk.
+# Each class is kept here, so its id() stays its own.
+_PLAIN_CLASSES: tuple[Any, ...] = (
+    *NOTHING_INSIDE,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    datetime.date,
+    datetime.datetime,
+    datetime.time,
+    datetime.timedelta,
+    datetime.timezone,
+    pathlib.PurePosixPath,
+    pathlib.PureWindowsPath,
+    pathlib.PosixPath,
+    pathlib.WindowsPath,
+)
+_plain_ids = [frozenset(map(id, _PLAIN_CLASSES))]  # numpy's added once it is imported
+_numpy_classes: list[type] = []
+# Exact containers whose values a nested look reads in bulk, below the container asked.
+_SEQUENCE_IDS = frozenset(map(id, (list, tuple, set, frozenset, collections.deque)))
+_MAPPING_IDS = frozenset(map(id, (dict, collections.defaultdict, collections.OrderedDict)))
+# How many containers deep below the one asked a look reads in bulk: a vocabulary (str to
+# int), merges (a list of pairs), a batch of token ids (a dict of lists of lists).
+_BULK_DEPTH = 3
+# Classes a bulk read tells apart one at a time, before it asks each value's (_containers_among)
+_CLASSES_ONE_BY_ONE = 4
+# Containers read in bulk: (base, the method a subclass must not override, its items as
+# (key or index, value) pairs, its values, the kind of key). A subclass that overrides it
+# would give iter_children() other items than its storage holds.
+_Items = Callable[[Any], Iterator[tuple[Any, Any]]]
+_Values = Callable[[Any], Iterator[Any]]
+
+
+def _numbered(read: _Values) -> _Items:
+    """``read``'s items numbered, as `iter_children()` names them: ``[0]``, ``{0}``."""
+    return lambda obj: enumerate(read(obj))
+
+
+_BULK: tuple[tuple[type, str, Any, Any, int], ...] = (  # the readers: _Items, _Values
+    (
+        collections.OrderedDict,
+        "items",
+        collections.OrderedDict.items,
+        collections.OrderedDict.values,
+        KEY,
+    ),
+    (dict, "items", dict.items, dict.values, KEY),
+    (list, "__iter__", _numbered(list.__iter__), list.__iter__, INDEX),
+    (tuple, "__iter__", _numbered(tuple.__iter__), tuple.__iter__, INDEX),
+    (
+        collections.deque,
+        "__iter__",
+        _numbered(collections.deque.__iter__),
+        collections.deque.__iter__,
+        INDEX,
+    ),
+    (set, "__iter__", _numbered(set.__iter__), set.__iter__, MEMBER),
+    (frozenset, "__iter__", _numbered(frozenset.__iter__), frozenset.__iter__, MEMBER),
+)
+_bulk_readers: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
+
+
+def bulk_look(obj: object, budget: int) -> tuple[int, bool] | None:
+    """How many values a container holds, read in bulk, and whether all of them are plain.
+
+    For a look inside a container that may hold hundreds of thousands of plain
+    values (a tokenizer's vocabulary, a dataset's labels): its values, and
+    those of the builtin lists, tuples, dicts and sets among them, down to
+    three levels, are read in one go each and told apart by their class
+    alone, in C, never one by one in Python, and no code of theirs runs.
+    Plain: a str, bytes, number, bool or None, a range, a numpy scalar or
+    array, a ``torch.dtype`` or ``torch.device``, a date, a path. None where
+    ``obj`` is not a builtin container (or a subclass that reads its items as
+    its base does); then it is not read. The count is of the values read,
+    where one more container's would pass ``budget``, with theirs (not read):
+    above ``budget``, the look stopped there.
+
+    Raises:
+        Changed: Another thread changed a container while it was read, twice.
+
+    Examples:
+        >>> bulk_look({"a": 1, "b": ["c", 2.0]}, 100), bulk_look([1, object()], 100)
+        ((4, True), (2, False))
+    """
+    reader = _bulk_reader(type(obj))
+    if reader is None:
+        return None
+    size = reader[0].__len__(obj)  # the base's own: C
+    if size > budget:
+        return size, False
+    return _plain_through(snapshot(reader[3], obj, None), budget, _BULK_DEPTH)
+
+
+def bulk_children(obj: object) -> Iterator[tuple[str, Any]]:
+    """`iter_children()` of a container `bulk_look()` reads, its plain items left out.
+
+    Its items that are not plain, read lazily (the plain ones are passed over
+    in C), then the attributes its instance was given, but for one that is
+    one of those items (`container_attributes()`).
+    """
+    cls = type(obj)
+    reader = _bulk_reader(cls)
+    if reader is None:
+        raise TypeError(f"a {cls.__name__} is not read in bulk")
+    _, _, items, values, kind = reader
+    plain = _plain()
+    wanted = map(operator.not_, map(plain.__contains__, _class_ids(values(obj))))
+    mirrors: set[int] = set()
+    for key, value in compress(items(obj), wanted):
+        mirrors.add(id(value))
+        suffix = f"[{key!r}]" if kind == KEY else f"[{key}]" if kind == INDEX else f"{{{key}}}"
+        yield suffix, value
+    if cls in ITEMS_ONLY:
+        return
+    for name, value in container_attributes(obj):
+        if id(value) not in mirrors:
+            yield f".{name}", value
+
+
+def _plain_through(values: tuple[Any, ...], budget: int, depth: int) -> tuple[int, bool]:
+    """How many values were read, ``values`` and those below them, and whether all are plain."""
+    read = len(values)
+    containers = _containers_among(values)
+    if containers is None:
+        return read, False  # a tensor, an object, a namedtuple: looked at one by one
+    sequences, mappings = containers
+    if not sequences and not mappings:
+        return read, True
+    if depth == 0:
+        return read, False
+    below = sum(map(len, sequences)) + sum(map(len, mappings))  # builtins' own len(): C
+    if read + below > budget:
+        return read + below, False
+    inner = snapshot(_values_within, (sequences, mappings), None)
+    deeper, plain_below = _plain_through(inner, budget - read, depth - 1)
+    return read + deeper, plain_below
+
+
+def _containers_among(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...] | None:
+    """The exact builtin sequences and sets, and dicts, among plain ``values``; None if not.
+
+    None where one value is neither plain nor such a container. One class at
+    a time, by identity (a pass of about 15 ns a value, and most containers
+    hold values of one or two classes), then the rest by the id of each one's
+    class.
+    """
+    plain, rest = _plain(), values
+    sequences: tuple[Any, ...] = ()
+    mappings: tuple[Any, ...] = ()
+    for _ in range(_CLASSES_ONE_BY_ONE):
+        if not rest:
+            return sequences, mappings
+        first = type(rest[0])
+        if id(first) in _SEQUENCE_IDS or id(first) in _MAPPING_IDS:
+            these = tuple(compress(rest, map(operator.is_, map(type, rest), repeat(first))))
+            if id(first) in _SEQUENCE_IDS:
+                sequences += these
+            else:
+                mappings += these
+            if len(these) == len(rest):
+                return sequences, mappings
+        elif id(first) not in plain:
+            return None
+        rest = tuple(compress(rest, map(operator.is_not, map(type, rest), repeat(first))))
+    rest = tuple(compress(rest, map(operator.not_, map(plain.__contains__, _class_ids(rest)))))
+    more_sequences = tuple(compress(rest, map(_SEQUENCE_IDS.__contains__, _class_ids(rest))))
+    more_mappings = tuple(compress(rest, map(_MAPPING_IDS.__contains__, _class_ids(rest))))
+    if len(more_sequences) + len(more_mappings) < len(rest):
+        return None
+    return sequences + more_sequences, mappings + more_mappings
+
+
+def _class_ids(values: Iterable[Any]) -> Iterator[int]:
+    """The id() of each value's class, in C.
+
+    type() runs no code of the value's, and an id is hashed as an int (a
+    metaclass's own ``__hash__`` would be code).
+    """
+    return map(id, map(type, values))
+
+
+def _values_within(containers: tuple[tuple[Any, ...], tuple[Any, ...]]) -> Iterator[Any]:
+    """The values of exact builtin sequences and sets, then of exact dicts, in one chain."""
+    sequences, mappings = containers
+    return chain(chain.from_iterable(sequences), chain.from_iterable(map(dict.values, mappings)))
+
+
+def _bulk_reader(cls: type) -> Any:
+    """The `_BULK` entry that reads ``cls``'s items in bulk, or None (not a builtin container)."""
+    reader = _bulk_readers.get(cls, UNREAD)
+    if reader is UNREAD:
+        reader = None
+        for entry in _BULK:
+            base, method = entry[0], entry[1]
+            if issubclass(cls, base):
+                own = class_attribute(cls, method) is class_namespace(base)[method]
+                if own and not (base is tuple and class_attribute(cls, "_fields") is not None):
+                    reader = entry  # a namedtuple is not: its items are named fields
+                break
+        _bulk_readers[cls] = reader
+    return reader
+
+
+def _plain() -> frozenset[int]:
+    """The id() of every plain class: numpy's too, once numpy is imported."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and not _numpy_classes:
+        generic, ndarray = getattr(numpy, "generic", None), getattr(numpy, "ndarray", None)
+        if isinstance(generic, type) and isinstance(ndarray, type):  # not still importing
+            found, stack = [ndarray], [generic]
+            while stack:
+                klass = stack.pop()
+                stack.extend(type.__subclasses__(klass))
+                # numpy's own, with no instance __dict__ (nothing of a user's inside)
+                if _dict_offset(klass) == 0 and _module(klass).startswith("numpy"):
+                    found.append(klass)
+            _numpy_classes.extend(found)
+            _plain_ids[0] = _plain_ids[0] | frozenset(map(id, found))
+    return _plain_ids[0]
+
+
+_dict_offset: Callable[[type], int] = type.__dict__["__dictoffset__"].__get__
+_module: Callable[[type], str] = type.__dict__["__module__"].__get__
