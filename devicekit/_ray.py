@@ -8,30 +8,21 @@ adds only what ``gpu_map`` promises: results in input order, a failing item
 as [`WorkerError`][devicekit.WorkerError] with its index and traceback, progress,
 and Ctrl-C that stops the work.
 
-A failing item reads as it does with the local executor, whose messages it
-shares. The task catches whatever ``fn`` raises, ``sys.exit()`` and
-``KeyboardInterrupt`` included, and sends it back as an answer: raised out of
-the task, ``SystemExit`` ended the Ray worker, which Ray took for a crash and
-retried three times (``fn`` ran four times, then "The worker died
-unexpectedly"), and ``KeyboardInterrupt`` read as Ray's ``TaskCancelledError``.
-Only a worker that dies (``os._exit()``, a signal) is retried, by Ray's
-``max_retries``; ``retry_exceptions`` stays off.
+A failing item reads as it does with the local executor (``_rayfaults``
+words it). The task catches whatever ``fn`` raises, ``sys.exit()`` and
+``KeyboardInterrupt`` included, and what rebuilding ``fn`` or pickling the
+result raises (a dry run, before Ray's), and sends it back as an answer:
+raised out of the task, ``SystemExit`` ended the Ray worker, which Ray took
+for a crash and retried three times (``fn`` ran four times, then "The worker
+died unexpectedly"). Only a worker that dies (``os._exit()``, a signal) is
+retried, by Ray's ``max_retries``; ``retry_exceptions`` stays off.
 
-Ray cancels a running task (``ray.cancel(ref)`` without ``force``; a
-cancel of the task that called ``gpu_map`` reaches its tasks too) by raising
-``KeyboardInterrupt`` in it, where ``fn``'s own would be raised. Ray's
-runtime context tells them apart (``is_canceled()``, in Ray 2.60; not in
-Ray before late 2025): a cancellation is raised on, and Ray reports it as
-the ``TaskCancelledError`` it is. Where Ray cannot tell, the message names
-both.
-
-The task's own code around ``fn`` (hiding the GPUs, wording ``fn``'s
-failure) answers for its failures too, as ``"task_failed"``. So a
-``RayTaskError`` whose cause is not one of Ray's comes from Ray's code after
-the task returned: serializing the result. Where Ray's traceback also
-passes through its serializer, that is retold in the local executor's words
-("the result ... cannot be sent back"); any other Ray error is shown as Ray
-writes it, without its terminal colour codes.
+Ray cancels a running task (``ray.cancel(ref)`` without ``force``; a cancel
+of the task that called ``gpu_map`` reaches its tasks too) by raising
+``KeyboardInterrupt`` in it, where ``fn``'s own would be raised. Ray 2.54 and
+later tell them apart (``is_canceled()``): a cancellation is raised on, and
+Ray reports it as the ``TaskCancelledError`` it is. Older Ray cannot tell,
+and the message says so.
 
 Ray is optional (``pip install 'devicekit[ray]'``) and imported only here,
 only when this executor runs.
@@ -41,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
+import pickle
 import socket
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -53,8 +44,17 @@ from ._devices import DeviceLike, resolve_devices
 from ._dispatch import worker_env
 from ._errors import WorkerError
 from ._format import first_line
-from ._mapfaults import fn_raised, item_fault, show_item
+from ._mapfaults import show_item
 from ._progress import Progress
+from ._rayfaults import (
+    answer_failed,
+    exit_what,
+    loading_error,
+    plain_text,
+    ray_failed,
+    result_not_rebuilt,
+    this_ray,
+)
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR
 from ._worker import _summary
@@ -68,16 +68,25 @@ _POLL = 0.1  # seconds per wait for results, so that Ctrl-C is seen at once
 _INSTALL = "pip install 'devicekit[ray]'"
 
 
-def _run(fn: Callable[[Any], Any], item: Any, hide_gpus: bool) -> tuple[Any, ...]:
+def _run(fn_box: list[Any], item: Any, hide_gpus: bool) -> tuple[Any, ...]:
     """One item, in a Ray worker: its answer, in the local worker's words.
 
     ``("ok", result)``; ``("raised", where, traceback)`` if fn raised an
     ``Exception``; ``("exited", where, what, traceback)`` if it raised any
     other ``BaseException`` (``what`` is ``"sys.exit(3)"``, or the
-    exception); ``("task_failed", where, summary, traceback)`` if this
-    task's own code around fn failed. Nothing fn raises leaves the task, so
-    Ray never retries an item for it, and nothing this code raises does
-    either, so that an exception out of the task is Ray's own.
+    exception); ``("interrupted", where, ray, traceback)`` for a
+    ``KeyboardInterrupt`` that this Ray cannot tell from its cancellation;
+    ``("fn_failed", ...)`` if fn could not be rebuilt here;
+    ``("unsendable", where, what, traceback)`` if pickling the result raised
+    a ``BaseException`` that is not an ``Exception``; ``("task_failed",
+    where, summary, traceback)`` if this task's own code around fn failed.
+    Nothing fn (or its result) raises leaves the task, so Ray never retries
+    an item for it, and nothing this code raises does either, so that an
+    exception out of the task is Ray's own.
+
+    ``fn`` comes as ``[ObjectRef]``, which Ray passes as it is: fetched here,
+    a fn that cannot be rebuilt is told from an item that cannot (an
+    argument Ray fails to rebuild is then always the item).
 
     Save one: the ``KeyboardInterrupt`` by which Ray cancels a running task
     (``ray.cancel`` without ``force``) is raised on, for Ray to report as
@@ -88,7 +97,18 @@ def _run(fn: Callable[[Any], Any], item: Any, hide_gpus: bool) -> tuple[Any, ...
     try:
         # A CPU task sees every GPU unless told otherwise; the local executor hides them.
         with scoped_env(ENV_VAR, "") if hide_gpus else contextlib.nullcontext():
-            return _call(fn, item)
+            try:
+                import ray  # noqa: PLC0415 - in a Ray worker, imported already
+
+                fn = ray.get(fn_box[0])
+            except BaseException as error:  # a __reduce__'s sys.exit() must not end the worker
+                if isinstance(error, KeyboardInterrupt) and _cancelled() is not False:
+                    raise  # Ray's cancellation (or, on an old Ray, perhaps): Ray reports it
+                return "fn_failed", _where(), loading_error(error), traceback.format_exc()
+            answer = _call(fn, item)
+            if answer[0] == "ok":
+                return _unsendable(answer[1]) or answer
+            return answer
     except Exception as error:  # noqa: BLE001 - this task's code failed, not fn: said so
         return "task_failed", _where(), _summary(error), traceback.format_exc()
 
@@ -101,12 +121,51 @@ def _call(fn: Callable[[Any], Any], item: Any) -> tuple[Any, ...]:
         return "raised", _where(), traceback.format_exc()
     except BaseException as error:  # sys.exit() in fn must not end the worker
         cancelled = _cancelled() if isinstance(error, KeyboardInterrupt) else False
-        if cancelled:
+        if cancelled is True:
             raise  # Ray's cancellation, not fn's: Ray reports it (TaskCancelledError)
-        what = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
         if cancelled is None:
-            what += ", or Ray cancelled the task (this Ray cannot tell which)"
-        return "exited", _where(), what, traceback.format_exc()
+            return "interrupted", _where(), this_ray(), traceback.format_exc()
+        return "exited", _where(), exit_what(error), traceback.format_exc()
+
+
+class _Discard:
+    """A file that keeps nothing: the dry run of pickling a result writes here."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _DryRun(pickle.Pickler):
+    """A pickler that leaves out what cannot run user code: tensors and Ray's own objects."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in (torch.Tensor, torch.nn.Parameter) or kind.__module__.startswith("ray."):
+            return tuple, ()  # torch's and Ray's pickling: no user code, and large or stateful
+        return NotImplemented
+
+
+def _unsendable(result: object) -> tuple[Any, ...] | None:
+    """The answer for a result whose pickling raises ``SystemExit`` or the like, else None.
+
+    Ray pickles the result after ``_run`` returns; a ``BaseException`` that
+    is not an ``Exception`` raised there (``sys.exit()`` in a ``__reduce__``)
+    ended the worker, and Ray retried the task three times (fn ran four
+    times), then said "The worker died unexpectedly". A dry run here, with
+    protocol 5 and out-of-band buffers (numpy arrays are not copied) and
+    tensors left out, finds it first at the cost of walking the result once.
+    An ``Exception`` it meets is left for Ray's own pickling to meet and
+    report.
+    """
+    try:
+        _DryRun(_Discard(), protocol=5, buffer_callback=lambda buffer: None).dump(result)
+    except Exception:  # noqa: BLE001 - Ray's own pickling reports it, in its words
+        return None
+    except BaseException as error:
+        if isinstance(error, KeyboardInterrupt) and _cancelled() is not False:
+            raise  # Ray's cancellation: Ray reports it
+        return "unsendable", _where(), exit_what(error), traceback.format_exc()
+    return None
 
 
 def _cancelled() -> bool | None:
@@ -114,16 +173,24 @@ def _cancelled() -> bool | None:
 
     Ray cancels a running task by raising ``KeyboardInterrupt`` in it, which
     reads as fn's own. Its runtime context says which (``is_canceled()``,
-    True from the cancellation on): Ray 2.60 has it, Ray before late 2025
-    (ray-project/ray#58914) does not, and outside a Ray worker it raises
-    ``RuntimeError``.
+    True from the cancellation on): Ray 2.54 and later have it (added by
+    ray-project/ray#58914), Ray 2.53 and before (down to our floor, 2.9) do
+    not. Outside a Ray worker (no Ray, or ``is_canceled()`` raising
+    ``RuntimeError``) nothing can be Ray's cancellation.
     """
     try:
         import ray  # noqa: PLC0415 - in a Ray worker, imported already
 
-        return bool(ray.get_runtime_context().is_canceled())
-    except (ImportError, AttributeError, RuntimeError):
-        return None
+        context = ray.get_runtime_context()
+    except ImportError:
+        return False
+    is_canceled = getattr(context, "is_canceled", None)
+    if is_canceled is None:
+        return None  # an older Ray: it cannot tell
+    try:
+        return bool(is_canceled())
+    except RuntimeError:  # not a task of a Ray worker
+        return False
 
 
 def _where() -> str:
@@ -281,11 +348,13 @@ def ray_map(
         # result it cannot serialize), and running fn again would not help. Said here so
         # that it cannot change under us; a worker that dies is still retried (max_retries).
         task = ray.remote(**options, retry_exceptions=False)(_run)
-        fn_ref = _put_fn(ray, fn)  # serialized once, not once per item
+        # Serialized once, not once per item, and boxed: Ray passes [ref] as it is, and
+        # the task fetches fn itself (see _run).
+        fn_box = [_put_fn(ray, fn)]
         refs: list[Any] = []
         try:
             for index, item in enumerate(work):
-                refs.append(_submit(task, fn_ref, index, item, not use_gpus))
+                refs.append(_submit(task, fn_box, index, item, not use_gpus))
         except BaseException:
             # An item Ray cannot serialize, or Ctrl-C: the tasks already submitted would
             # run on, on a cluster that outlives this call.
@@ -301,15 +370,15 @@ def _put_fn(ray: Any, fn: object) -> Any:
     except TypeError as error:  # what Ray raises for what it cannot serialize
         raise TypeError(
             f"gpu_map(executor='ray') sends fn to Ray tasks, so Ray must be able to serialize "
-            f"it, and {fn!r} cannot be: {_plain_text(first_line(error)).rstrip(':')}"
+            f"it, and {fn!r} cannot be: {plain_text(first_line(error)).rstrip(':')}"
         ) from None
 
 
-def _submit(task: Any, fn_ref: Any, index: int, item: Any, hide_gpus: bool) -> Any:
+def _submit(task: Any, fn_box: list[Any], index: int, item: Any, hide_gpus: bool) -> Any:
     try:
-        return task.remote(fn_ref, item, hide_gpus)
+        return task.remote(fn_box, item, hide_gpus)
     except TypeError as error:  # what Ray raises for an argument it cannot serialize
-        reason = _plain_text(first_line(error)).rstrip(":")
+        reason = plain_text(first_line(error)).rstrip(":")
         raise TypeError(
             f"gpu_map(executor='ray') sends each item to a Ray task, so Ray must be able to "
             f"serialize it, and item {index} ({show_item(item)}, a {type(item).__name__}) "
@@ -332,17 +401,10 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL)
             for ref in ready:
                 index = position[ref]
-                try:
-                    answer = ray.get(ref)
-                except ray.exceptions.RayError as error:  # the worker died, was killed, ...
-                    raise WorkerError(
-                        _ray_failed(ray, error, index, work[index]),
-                        index=index,
-                        results=dict(finished),
-                    ) from None
+                answer = _get(ray, ref, index, work[index], finished)
                 if answer[0] != "ok":
                     raise WorkerError(
-                        _fn_failed(index, work[index], answer),
+                        answer_failed(index, work[index], answer),
                         index=index,
                         results=dict(finished),
                     )
@@ -355,77 +417,23 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
     return [finished[index] for index in range(len(refs))]
 
 
-def _fn_failed(index: int, item: object, answer: tuple[Any, ...]) -> str:
-    """The message for an item whose fn raised (``"raised"``) or exited (``"exited"``).
+def _get(ray: Any, ref: Any, index: int, item: object, finished: dict[int, Any]) -> Any:
+    """The task's answer, rebuilt here; a `WorkerError` if Ray failed it or it cannot be rebuilt.
 
-    Or whose task failed around fn (``"task_failed"``): devicekit's code there, not fn.
+    Rebuilding runs the result's own code (its ``__reduce__``'s function, its
+    ``__setstate__``): a ``sys.exit()`` there left ``gpu_map`` as
+    ``SystemExit``, which ends a script without a word. A
+    ``KeyboardInterrupt`` stays one (it may be Ctrl-C), saying where it came.
     """
-    if answer[0] == "raised":
-        return fn_raised(index, item, answer[1], answer[2])
-    if answer[0] == "task_failed":
-        _, where, summary, remote_traceback = answer
-        return (
-            f"gpu_map: the Ray task for item {index} ({show_item(item)}) failed in {where}, "
-            f"outside fn (in devicekit's code around it): {summary}. The task's traceback:\n"
-            f"{remote_traceback}"
-        )
-    kind, where, what, remote_traceback = answer
-    return item_fault(kind, index, item, where, (kind, index, what, remote_traceback))
-
-
-def _ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str:
-    """The message for a task that Ray failed: its result, or the task itself."""
-    cause = _unsendable_result(ray, error)
-    if cause is not None:
-        # The error is also an instance of the cause's class, which hides Ray's ip
-        # attribute; its message starts "ray::_run() (pid=1234, ip=10.0.0.3)".
-        node = _NODE.search(str(error))
-        where = f"a Ray task on {node.group(1)}" if node else "a Ray task"
-        reason = ("unpicklable", index, _plain_text(f"{type(cause).__name__}: {cause}"))
-        return item_fault("unpicklable", index, item, where, reason)
-    return (
-        f"gpu_map: the Ray task for item {index} ({show_item(item)}) failed: "
-        f"{_plain_text(str(error))}"
-    )
-
-
-def _unsendable_result(ray: Any, error: BaseException) -> BaseException | None:
-    """Why Ray could not serialize the task's result, after ``_run`` returned; else None.
-
-    ``_run`` answers for everything raised in it, fn's and its own, and Ray
-    wraps an argument it cannot rebuild in ``RaySystemError``: a
-    ``RayTaskError`` whose cause is not a Ray error comes from Ray's code
-    after the return. Its traceback must also pass through Ray's serializer
-    (``ray/cloudpickle``'s ``dumps``, in Ray 2.60's "cannot pickle
-    '_thread.lock' object" and in a result whose ``__reduce__`` raised), so
-    that a cause from anywhere else is quoted as Ray words it, not blamed on
-    the result.
-    """
-    cause = getattr(error, "cause", None)
-    if (
-        isinstance(error, ray.exceptions.RayTaskError)
-        and isinstance(cause, BaseException)
-        and not isinstance(cause, ray.exceptions.RayError)
-        and _SERIALIZER.search(_ESCAPE.sub("", str(error))) is not None
-    ):
-        return cause
-    return None
-
-
-_SERIALIZER = re.compile(r'cloudpickle\.py", line \d+, in dumps?$', re.MULTILINE)
-_NODE = re.compile(r"\bip=([^\s,)]+)")  # in Ray's "(pid=1234, ip=10.0.0.3)"
-_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal's colour or cursor code
-
-
-def _plain_text(text: str) -> str:
-    r"""Ray's error text without terminal colour codes, nor caret lines with nothing to mark.
-
-    Ray colours the task's name (``\x1b[36mray::_run()\x1b[39m``), and after
-    dropping its own frames keeps the ``^^^^`` lines that marked them.
-
-    Examples:
-        >>> _plain_text("\x1b[36mray::_run()\x1b[39m (pid=7)\n    ^^^^^\nTypeError: no")
-        'ray::_run() (pid=7)\nTypeError: no'
-    """
-    lines = _ESCAPE.sub("", text).splitlines()
-    return "\n".join(line for line in lines if line.strip(" ^~") or not line.strip())
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as error:  # the worker died, was killed, ...
+        message = ray_failed(ray, error, index, item)
+    except KeyboardInterrupt as error:
+        raise KeyboardInterrupt(
+            f"gpu_map: while the result of item {index} ({show_item(item)}) was rebuilt here: "
+            "Ctrl-C, or code in that result (a __reduce__ or __setstate__) raised it"
+        ) from error
+    except BaseException as error:  # noqa: BLE001 - the result's own code: it is this item's fault
+        message = result_not_rebuilt(index, item, exit_what(error))
+    raise WorkerError(message, index=index, results=dict(finished)) from None

@@ -6,6 +6,7 @@ What needs Ray itself is in tests/compat/test_ray.py.
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 import re
 import sys
@@ -164,13 +165,13 @@ def test_an_ipv6_ray_address_is_checked_by_its_host_and_port(
 
 
 def test_ray_error_text_loses_its_terminal_codes() -> None:
-    from devicekit._ray import _plain_text
+    from devicekit._rayfaults import plain_text
 
     text = (
         "\x1b[36mray::_run()\x1b[39m (pid=7, ip=10.0.0.3)\n           ^^^^^^^^^\n"
         '  File "x.py", line 1, in f\n\nTypeError: \x1b[1mno\x1b[0m'
     )
-    assert _plain_text(text) == (
+    assert plain_text(text) == (
         'ray::_run() (pid=7, ip=10.0.0.3)\n  File "x.py", line 1, in f\n\nTypeError: no'
     )
 
@@ -207,7 +208,9 @@ class _RuntimeContext:
 def _ray_in_a_task(monkeypatch: pytest.MonkeyPatch, cancelled: bool | None) -> None:
     """``ray`` as a task sees it: whether Ray is cancelling it (None: this Ray cannot say)."""
     ray = types.ModuleType("ray")
+    ray.__version__ = "2.53.0"  # type: ignore[attr-defined]
     ray.get_runtime_context = lambda: _RuntimeContext(cancelled)  # type: ignore[attr-defined]
+    ray.get = lambda ref: ref  # type: ignore[attr-defined]  # fn comes as [ObjectRef]
     monkeypatch.setitem(sys.modules, "ray", ray)
 
 
@@ -220,16 +223,19 @@ def test_a_cancellation_by_ray_leaves_the_task_as_a_cancellation(
 
     _ray_in_a_task(monkeypatch, cancelled=True)
     with pytest.raises(KeyboardInterrupt):
-        _run(_interrupt, 5, False)
+        _run([_interrupt], 5, False)
 
 
 def test_fn_s_own_keyboard_interrupt_is_fn_s(monkeypatch: pytest.MonkeyPatch) -> None:
-    from devicekit._ray import _fn_failed, _run
+    from devicekit._ray import _run
+    from devicekit._rayfaults import answer_failed
 
     _ray_in_a_task(monkeypatch, cancelled=False)
-    answer = _run(_interrupt, 5, False)
+    answer = _run([_interrupt], 5, False)
     assert answer[:1] == ("exited",)
-    assert _fn_failed(0, 5, answer).startswith("gpu_map: fn raised KeyboardInterrupt on item 0 (5)")
+    assert answer_failed(0, 5, answer).startswith(
+        "gpu_map: fn raised KeyboardInterrupt on item 0 (5)"
+    )
 
 
 def test_where_ray_cannot_tell_a_cancellation_the_message_names_both(
@@ -237,15 +243,85 @@ def test_where_ray_cannot_tell_a_cancellation_the_message_names_both(
 ) -> None:
     # Ray before late 2025 has no is_canceled(): its cancellation and fn's KeyboardInterrupt
     # are the same exception in the task.
-    from devicekit._ray import _fn_failed, _run
+    from devicekit._ray import _run
+    from devicekit._rayfaults import answer_failed
 
     _ray_in_a_task(monkeypatch, cancelled=None)
-    message = _fn_failed(0, 5, _run(_interrupt, 5, False))
+    message = answer_failed(0, 5, _run([_interrupt], 5, False))
     assert re.match(
-        r"gpu_map: fn raised KeyboardInterrupt, or Ray cancelled the task \(this Ray cannot "
-        r"tell which\) on item 0 \(5\) in a Ray task on .+ \(the CPU\); fn must return",
+        r"gpu_map: item 0 \(5\) stopped on KeyboardInterrupt in a Ray task on .+ \(the CPU\): "
+        r"fn raised it, or Ray cancelled the task \(ray.cancel\(\) without force, or a cancel "
+        r"of the task that called gpu_map, raises KeyboardInterrupt in it\), and Ray 2.53.0 "
+        r"cannot tell which \(Ray 2.54 and later can\). If fn raised it: fn must return a "
+        r"result, or raise an Exception to fail its item",
         message,
     ), message
+    # Before: "fn raised KeyboardInterrupt, or Ray cancelled the task (this Ray cannot tell
+    # which) on item 0 (5) ...; fn must return a result", a fix for fn's case alone.
+    assert "fn raised KeyboardInterrupt, or" not in message
+
+
+def test_outside_a_ray_worker_a_keyboard_interrupt_is_fn_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    # is_canceled() raises RuntimeError outside a Ray worker's task: nothing there is Ray's
+    # cancellation. Before, it read as a Ray that cannot tell ("or Ray cancelled the task").
+    from devicekit._ray import _run
+
+    _ray_in_a_task(monkeypatch, cancelled=False)
+    context = _RuntimeContext(None)
+
+    def not_a_worker() -> bool:
+        raise RuntimeError("This method is only available when the process is a worker.")
+
+    context.is_canceled = not_a_worker  # type: ignore[attr-defined]
+    monkeypatch.setattr(sys.modules["ray"], "get_runtime_context", lambda: context)
+    assert _run([_interrupt], 5, False)[:1] == ("exited",)
+
+
+class _ExitsWhenPickled:
+    def __reduce__(self) -> Any:
+        sys.exit(5)
+
+
+def _exits_when_pickled(item: object) -> object:
+    import torch
+
+    return [torch.zeros(3), {"bad": _ExitsWhenPickled()}]
+
+
+def test_a_result_whose_pickling_exits_is_answered_not_left_to_end_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, "ok" went back and Ray's pickling of the result raised SystemExit after the
+    # task returned: the worker ended, and Ray ran the task again, three times.
+    from devicekit._ray import _run
+    from devicekit._rayfaults import answer_failed
+
+    _ray_in_a_task(monkeypatch, cancelled=False)
+    answer = _run([_exits_when_pickled], 5, False)
+    assert answer[:1] == ("unsendable",), answer
+    message = answer_failed(0, 5, answer)
+    assert re.match(
+        r"gpu_map: the result of item 0 \(5\) cannot be sent back from a Ray task on .+ \(the "
+        r"CPU\): pickling it called sys.exit\(5\) \(SystemExit and KeyboardInterrupt are not "
+        r"Exceptions\); it was not retried",
+        message,
+    ), message
+    assert "in __reduce__" in message  # the worker's traceback
+
+
+def test_the_dry_run_of_a_result_leaves_tensors_and_ray_s_objects_out() -> None:
+    import torch
+
+    from devicekit._ray import _DryRun
+
+    class _RayObject:  # as an ObjectRef: Ray's own pickling of it has side effects
+        def __reduce__(self) -> Any:
+            raise AssertionError("pickled")
+
+    _RayObject.__module__ = "ray._raylet"
+    written = io.BytesIO()
+    _DryRun(written, protocol=5).dump([torch.zeros(1000), _RayObject()])
+    assert len(written.getvalue()) < 100  # neither the tensor's bytes nor the object's
 
 
 def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
@@ -256,6 +332,9 @@ def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
     import contextlib
 
     from devicekit import _ray
+    from devicekit._rayfaults import answer_failed
+
+    _ray_in_a_task(monkeypatch, cancelled=False)
 
     @contextlib.contextmanager
     def fails_at_exit(name: str, value: str | None) -> Any:
@@ -263,9 +342,9 @@ def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
         raise KeyError(name)
 
     monkeypatch.setattr(_ray, "scoped_env", fails_at_exit)
-    answer = _ray._run(math.sqrt, 4, True)
+    answer = _ray._run([math.sqrt], 4, True)
     assert answer[:1] == ("task_failed",)
-    message = _ray._fn_failed(0, 4, answer)
+    message = answer_failed(0, 4, answer)
     assert message.startswith("gpu_map: the Ray task for item 0 (4) failed in a Ray task on "), (
         message
     )
@@ -279,6 +358,15 @@ class _RayError(Exception):
     pass
 
 
+class _RaySystemError(_RayError):
+    """Ray's RaySystemError: what could not be rebuilt in the worker, and its traceback."""
+
+    def __init__(self, client_exc: BaseException, traceback_str: str) -> None:
+        super().__init__(f"System error: {client_exc}\ntraceback: {traceback_str}")
+        self.client_exc = client_exc
+        self.traceback_str = traceback_str
+
+
 class _RayTaskError(_RayError):
     """Ray's RayTaskError as ray.get raises it: Ray's text, and the cause."""
 
@@ -288,7 +376,9 @@ class _RayTaskError(_RayError):
 
 
 _FAKE_RAY = types.SimpleNamespace(
-    exceptions=types.SimpleNamespace(RayError=_RayError, RayTaskError=_RayTaskError)
+    exceptions=types.SimpleNamespace(
+        RayError=_RayError, RayTaskError=_RayTaskError, RaySystemError=_RaySystemError
+    )
 )
 _TASK = "\x1b[36mray::_run()\x1b[39m (pid=7, ip=10.0.0.3)\n"
 
@@ -296,10 +386,10 @@ _TASK = "\x1b[36mray::_run()\x1b[39m (pid=7, ip=10.0.0.3)\n"
 def test_a_task_error_from_outside_the_serializer_is_quoted_not_blamed_on_the_result() -> None:
     # Before, any cause that was not a Ray error read "the result of item 2 (7) cannot be
     # sent back ... Return picklable data", whatever had raised it.
-    from devicekit._ray import _ray_failed
+    from devicekit._rayfaults import ray_failed
 
     text = _TASK + '  File "x.py", line 3, in setup\nValueError: no'
-    message = _ray_failed(_FAKE_RAY, _RayTaskError(text, ValueError("no")), 2, 7)
+    message = ray_failed(_FAKE_RAY, _RayTaskError(text, ValueError("no")), 2, 7)
     assert message == (
         "gpu_map: the Ray task for item 2 (7) failed: ray::_run() (pid=7, ip=10.0.0.3)\n"
         '  File "x.py", line 3, in setup\nValueError: no'
@@ -307,15 +397,56 @@ def test_a_task_error_from_outside_the_serializer_is_quoted_not_blamed_on_the_re
 
 
 def test_a_result_ray_s_serializer_refused_is_named_as_such() -> None:
-    from devicekit._ray import _ray_failed
+    from devicekit._rayfaults import ray_failed
 
     text = _TASK + (
         '  File "/site-packages/ray/cloudpickle/cloudpickle.py", line 1544, in dumps\n'
         "    cp.dump(obj)\nTypeError: cannot pickle '_thread.lock' object"
     )
     cause = TypeError("cannot pickle '_thread.lock' object")
-    assert _ray_failed(_FAKE_RAY, _RayTaskError(text, cause), 2, 7) == (
+    assert ray_failed(_FAKE_RAY, _RayTaskError(text, cause), 2, 7) == (
         "gpu_map: the result of item 2 (7) cannot be sent back from a Ray task on 10.0.0.3: "
         "TypeError: cannot pickle '_thread.lock' object. Return picklable data: numbers, "
         "strings, tensors, or containers of them."
     )
+
+
+def test_an_item_ray_could_not_rebuild_in_its_worker_is_named_with_the_fix() -> None:
+    # Before, Ray's words: "the Ray task for item 1 (...) failed: ray::_run() (...) At least
+    # one of the input arguments for this task could not be computed: ...RaySystemError...".
+    text = _TASK + (
+        "  At least one of the input arguments for this task could not be computed:\n"
+        "ray.exceptions.RaySystemError: System error: no module mine"
+    )
+    remote = (
+        'Traceback (most recent call last):\n  File "x.py", line 3\nModuleNotFoundError: mine\n'
+    )
+    cause = _RaySystemError(ModuleNotFoundError("mine"), remote)
+    message = ray_failed_of(_RayTaskError(text, cause))
+    assert message == (
+        "gpu_map: item 2 (7) could not be unpickled in a Ray task on 10.0.0.3: "
+        "ModuleNotFoundError: mine. Each item is rebuilt in its worker from its pickle: pass "
+        "data (numbers, strings, paths, CPU tensors) whose classes the worker can import, and "
+        f"let fn build the rest. The worker's traceback:\n{remote}"
+    )
+
+
+def test_a_result_this_process_cannot_rebuild_is_named_as_such() -> None:
+    # Before: "the Ray task for item 2 (7) failed: System error: ..." (RaySystemError).
+    remote = "Traceback (most recent call last):\nModuleNotFoundError: No module named 'mine'"
+    message = ray_failed_of(_RaySystemError(ModuleNotFoundError("mine"), remote))
+    assert message == (
+        "gpu_map: the result of item 2 (7) came back from its Ray task, but cannot be rebuilt "
+        "here: ModuleNotFoundError: No module named 'mine'. Return data that this process can "
+        "rebuild: numbers, strings, tensors, or containers of them (of classes that this "
+        "process can import too)."
+    )
+
+
+def ray_failed_of(error: BaseException) -> str:
+    """The message for item 2 (7) whose task Ray failed with ``error``."""
+    try:
+        from devicekit._rayfaults import ray_failed
+    except ImportError:  # before _rayfaults
+        from devicekit._ray import _ray_failed as ray_failed  # type: ignore[attr-defined]
+    return ray_failed(_FAKE_RAY, error, 2, 7)

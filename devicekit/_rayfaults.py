@@ -1,0 +1,203 @@
+"""What a failed Ray task says: the messages of ``gpu_map(executor="ray")``'s ``WorkerError``s.
+
+``_ray`` runs the tasks; this module words their faults, in the local
+executor's words where it has them (``_mapfaults``). A task answers
+(``("ok", result)``, or a fault as a tuple, see ``_ray._run``), or Ray
+raises for it:
+
+- ``RayTaskError`` whose cause is ``RaySystemError``: an argument could not be
+  rebuilt in the worker (Ray's "At least one of the input arguments for this
+  task could not be computed"). ``fn`` is fetched by the task itself, so the
+  one argument that can fail is the item: said as the local executor says it.
+- ``RayTaskError`` with any other cause that is not one of Ray's: Ray's code
+  after the task returned failed, serializing the result. Where Ray's
+  traceback also passes through its serializer, that is retold in the local
+  executor's words ("the result ... cannot be sent back").
+- Any other Ray error is shown as Ray writes it, without its colour codes.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+from ._mapfaults import fn_raised, item_fault, show_item
+from ._worker import _summary
+
+__all__ = [
+    "answer_failed",
+    "exit_what",
+    "loading_error",
+    "plain_text",
+    "ray_failed",
+    "result_not_rebuilt",
+    "this_ray",
+]
+
+_CANCEL_API = "2.54"  # the first Ray with ray.get_runtime_context().is_canceled()
+_NOT_AN_EXCEPTION = "(SystemExit and KeyboardInterrupt are not Exceptions)"
+
+
+def answer_failed(index: int, item: object, answer: tuple[Any, ...]) -> str:
+    """The message for a task that answered a fault rather than ``("ok", result)``."""
+    kind, where = answer[0], answer[1]
+    shown = f"item {index} ({show_item(item)})"
+    if kind == "raised":
+        return fn_raised(index, item, where, answer[2])
+    if kind == "exited":  # fn raised a BaseException that is not an Exception
+        return item_fault(kind, index, item, where, (kind, index, answer[2], answer[3]))
+    if kind == "interrupted":  # KeyboardInterrupt, on a Ray that cannot say whose
+        return (
+            f"gpu_map: {shown} stopped on KeyboardInterrupt in {where}: fn raised it, or Ray "
+            "cancelled the task (ray.cancel() without force, or a cancel of the task that "
+            f"called gpu_map, raises KeyboardInterrupt in it), and {answer[2]} cannot tell "
+            f"which (Ray {_CANCEL_API} and later can). If fn raised it: fn must return a "
+            f"result, or raise an Exception to fail its item {_NOT_AN_EXCEPTION}. The "
+            f"worker's traceback:\n{answer[3]}"
+        )
+    if kind == "fn_failed":
+        return (
+            f"gpu_map: fn could not be rebuilt in {where}, for {shown}: {answer[2]}. Ray "
+            "sends fn by reference to its module where it can: every node must be able to "
+            "import that module and what fn uses (install them there, or pass them with a "
+            "Ray runtime_env, e.g. ray.init(runtime_env={'py_modules': [module]})), and "
+            f"rebuilding fn must not exit. The worker's traceback:\n{answer[3]}"
+        )
+    if kind == "unsendable":  # pickling the result raised a BaseException
+        return (
+            f"gpu_map: the result of {shown} cannot be sent back from {where}: pickling it "
+            f"{_did(answer[2])} {_NOT_AN_EXCEPTION}; it was not retried: that is code in the "
+            "result (a __reduce__ or __getstate__) asking to exit, or a bug there. Return "
+            "picklable data: numbers, strings, tensors, or containers of them. The worker's "
+            f"traceback:\n{answer[3]}"
+        )
+    _, where, summary, remote_traceback = answer  # "task_failed"
+    return (
+        f"gpu_map: the Ray task for {shown} failed in {where}, outside fn (in devicekit's "
+        f"code around it): {summary}. The task's traceback:\n{remote_traceback}"
+    )
+
+
+def exit_what(error: BaseException) -> str:
+    """``"sys.exit(3)"`` for a ``SystemExit``, else ``"KeyboardInterrupt"`` and the like."""
+    return f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
+
+
+def loading_error(error: BaseException) -> str:
+    """Why fn could not be rebuilt: ``"ModuleNotFoundError: No module named 'mine'"``."""
+    if isinstance(error, SystemExit):
+        return f"rebuilding it called sys.exit({error.code!r})"
+    remote_traceback = getattr(error, "traceback_str", None)  # a RaySystemError's
+    if isinstance(remote_traceback, str) and remote_traceback.strip():
+        return remote_traceback.strip().splitlines()[-1]
+    return _summary(error)
+
+
+def this_ray() -> str:
+    """``"Ray 2.53.0"``: this Ray, as a message names it."""
+    version = getattr(sys.modules.get("ray"), "__version__", None)
+    return f"Ray {version}" if isinstance(version, str) else "this Ray"
+
+
+def _did(what: str) -> str:
+    """``"called sys.exit(3)"``, ``"raised KeyboardInterrupt"``."""
+    return f"called {what}" if what.startswith("sys.exit(") else f"raised {what}"
+
+
+def result_not_rebuilt(index: int, item: object, what: str) -> str:
+    """The message for a result that came back but raised a BaseException as it was rebuilt."""
+    return (
+        f"gpu_map: the result of item {index} ({show_item(item)}) came back from its Ray "
+        f"task, but rebuilding it here {_did(what)} {_NOT_AN_EXCEPTION}; it was not retried: "
+        "that is code in the result (a __reduce__ or __setstate__) asking to exit, or a bug "
+        "there. Return picklable data: numbers, strings, tensors, or containers of them."
+    )
+
+
+def ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str:
+    """The message for a task that Ray failed: its item, its result, or the task itself."""
+    node = _NODE.search(plain_text(str(error)))
+    where = f"a Ray task on {node.group(1)}" if node else "a Ray task"
+    cause = getattr(error, "cause", None)
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(
+        cause, ray.exceptions.RaySystemError
+    ):
+        summary, remote_traceback = _system_error(cause)
+        return item_fault(
+            "item_failed", index, item, where, ("item_failed", index, summary, remote_traceback)
+        )
+    cause = _unsendable_result(ray, error)
+    if cause is not None:
+        # The error is also an instance of the cause's class, which hides Ray's ip
+        # attribute; its message starts "ray::_run() (pid=1234, ip=10.0.0.3)".
+        reason = ("unpicklable", index, plain_text(f"{type(cause).__name__}: {cause}"))
+        return item_fault("unpicklable", index, item, where, reason)
+    if isinstance(error, ray.exceptions.RaySystemError) and not isinstance(
+        error, ray.exceptions.RayTaskError
+    ):  # ray.get could not rebuild the result here
+        summary, _ = _system_error(error)
+        return (
+            f"gpu_map: the result of item {index} ({show_item(item)}) came back from its Ray "
+            f"task, but cannot be rebuilt here: {summary}. Return data that this process can "
+            "rebuild: numbers, strings, tensors, or containers of them (of classes that this "
+            "process can import too)."
+        )
+    text = plain_text(str(error))
+    return f"gpu_map: the Ray task for item {index} ({show_item(item)}) failed: {text}"
+
+
+def _system_error(cause: BaseException) -> tuple[str, str]:
+    """A ``RaySystemError``'s exception (``"ValueError: no"``) and the worker's traceback.
+
+    Ray keeps the worker's exception as ``client_exc`` and its traceback as
+    ``traceback_str``, whose last line names the exception's class.
+    """
+    remote_traceback = getattr(cause, "traceback_str", None)
+    if isinstance(remote_traceback, str) and remote_traceback.strip():
+        return remote_traceback.strip().splitlines()[-1], remote_traceback
+    client = getattr(cause, "client_exc", None)
+    summary = f"{type(client).__name__}: {client}" if isinstance(client, BaseException) else None
+    return summary or plain_text(str(cause)), "(Ray sent none)\n"
+
+
+def _unsendable_result(ray: Any, error: BaseException) -> BaseException | None:
+    """Why Ray could not serialize the task's result, after ``_run`` returned; else None.
+
+    ``_run`` answers for everything raised in it, fn's and its own, and Ray
+    wraps an argument it cannot rebuild in ``RaySystemError``: a
+    ``RayTaskError`` whose cause is not a Ray error comes from Ray's code
+    after the return. Its traceback must also pass through Ray's serializer
+    (``ray/cloudpickle``'s ``dumps``, in Ray 2.60's "cannot pickle
+    '_thread.lock' object" and in a result whose ``__reduce__`` raised), so
+    that a cause from anywhere else is quoted as Ray words it, not blamed on
+    the result.
+    """
+    cause = getattr(error, "cause", None)
+    if (
+        isinstance(error, ray.exceptions.RayTaskError)
+        and isinstance(cause, BaseException)
+        and not isinstance(cause, ray.exceptions.RayError)
+        and _SERIALIZER.search(_ESCAPE.sub("", str(error))) is not None
+    ):
+        return cause
+    return None
+
+
+_SERIALIZER = re.compile(r'cloudpickle\.py", line \d+, in dumps?$', re.MULTILINE)
+_NODE = re.compile(r"\bip=([^\s,)]+)")  # in Ray's "(pid=1234, ip=10.0.0.3)"
+_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal's colour or cursor code
+
+
+def plain_text(text: str) -> str:
+    r"""Ray's error text without terminal colour codes, nor caret lines with nothing to mark.
+
+    Ray colours the task's name (``\x1b[36mray::_run()\x1b[39m``), and after
+    dropping its own frames keeps the ``^^^^`` lines that marked them.
+
+    Examples:
+        >>> plain_text("\x1b[36mray::_run()\x1b[39m (pid=7)\n    ^^^^^\nTypeError: no")
+        'ray::_run() (pid=7)\nTypeError: no'
+    """
+    lines = _ESCAPE.sub("", text).splitlines()
+    return "\n".join(line for line in lines if line.strip(" ^~") or not line.strip())
