@@ -24,7 +24,9 @@ __all__ = [
     "how_it_ended",
     "item_fault",
     "kept",
+    "outlived",
     "show_item",
+    "told",
 ]
 
 MAIN_GUARD_FIX = (
@@ -112,6 +114,53 @@ def death_message(
             "library it calls) ends its worker (any message is on stderr above)"
         )
     return f"{caller}: {where} {how} {doing}"
+
+
+def outlived(stopped: dict[int, str], left: dict[int, str]) -> str:
+    """What became of what a dead worker's ``fn`` started: ``"1 process that its fn ..."``.
+
+    Args:
+        stopped: The processes that outlived the worker and were stopped, ``{pid: name}``.
+        left: Those that outlived it and still run after ``SIGKILL``.
+
+    Examples:
+        >>> print(outlived({12: "sh", 3: "top"}, {}))
+        2 processes that its fn had started outlived it and were stopped: PID 12 (sh), PID 3 (top).
+        >>> outlived({}, {14: "sleep"}).endswith("stop it yourself (kill -9 14).")
+        True
+    """
+    said = []
+    if stopped:
+        were = "was" if len(stopped) == 1 else "were"
+        said.append(
+            f"{plural(len(stopped), 'process')} that its fn had started outlived it and {were} "
+            f"stopped: {_listed(stopped)}."
+        )
+    if left:
+        them = "it" if len(left) == 1 else "them"
+        pids = " ".join(map(str, left))
+        said.append(
+            f"{plural(len(left), 'process')} that its fn had started outlived it and could not "
+            f"be stopped: {_listed(left)}; stop {them} yourself (kill -9 {pids})."
+        )
+    return " ".join(said)
+
+
+def told(message: str, fates: dict[int, str]) -> str:
+    """``message``, then what became of what dead workers started (``fates``' values).
+
+    Examples:
+        >>> told("gpu_map: worker 1 on the CPU was killed by SIGKILL", {1: "1 process ..."})
+        'gpu_map: worker 1 on the CPU was killed by SIGKILL. 1 process ...'
+    """
+    said = " ".join(fates.values())
+    if message.endswith("\n"):  # a traceback: on a line of its own
+        return f"{message}{said}"
+    return f"{message} {said}" if message.endswith(".") else f"{message}. {said}"
+
+
+def _listed(procs: dict[int, str]) -> str:
+    return ", ".join(f"PID {pid} ({name})" for pid, name in procs.items())
 
 
 def fn_failed(where: str, summary: str, remote_traceback: str, *, caller: str = "gpu_map") -> str:

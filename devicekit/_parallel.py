@@ -11,7 +11,8 @@ them and runs a map over them, ``_worker`` is the workers' side.
 
 Faults end the call promptly and say what happened; nothing is left running,
 the processes ``fn`` started included where the system lists them (Linux:
-each worker's descendants, stopped with it):
+each worker's descendants, stopped with it, and those of a worker that died,
+found by the mark it left in their environment; ``_workerstate``):
 
 - ``fn`` or an item that cannot be pickled is refused before any worker
   starts, by its index; one that cannot be unpickled in a worker, or a
@@ -25,7 +26,9 @@ each worker's descendants, stopped with it):
 - every ``WorkerError`` keeps the results already computed, in ``.results``;
 - a worker that dies (the out-of-memory killer, a segfault, ``kill -9``) is
   seen at once, through its process sentinel, and named with its device,
-  its exit code or signal and the item it was running;
+  its exit code or signal and the item it was running; the processes its
+  ``fn`` had started, which outlive it, are stopped, and the error names
+  them (``_workerstate.orphans``);
 - Ctrl-C stops every worker and raises ``KeyboardInterrupt``;
 - a dead parent (``SIGKILL``, pre-emption) takes its workers with it, from
   their first line of Python, before they import the main module: at once on
@@ -39,8 +42,10 @@ each worker's descendants, stopped with it):
   worker, which cannot start processes of its own, and a script read from
   standard input, which workers cannot import again;
 - a pool's worker that died while idle is replaced before the next map, with
-  a warning; a second map on a pool while one runs is refused at once (two
-  maps reading the same pipes took each other's answers, or hung).
+  a warning (which names what of its ``fn`` outlived it and was stopped); a
+  second map on a pool while one runs is refused at once (two maps reading
+  the same pipes took each other's answers, or hung), and so is ``close()``
+  while a map runs (see `GPUPool.close`).
 
 Tensors in ``fn``, items and results cross on the CPU (``_worker.dumps``): a
 worker's ``cuda:0`` is its own GPU, and rebuilding a tensor on the device it
@@ -66,14 +71,16 @@ from ._dispatch import (
     start_workers,
     stop_workers,
 )
+from ._errors import WorkerError
 from ._format import html_table, plural
 from ._keywords import suggest_keywords
-from ._mapfaults import how_it_ended
+from ._mapfaults import how_it_ended, outlived, told
 from ._mapguards import refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
 from ._options import check_flag, short_repr
 from ._progress import Progress
 from ._workerslots import worker_slots, workers_per_device_count
+from ._workerstate import Orphans, Procs, orphans, running, wait_ended
 
 __all__ = ["GPUPool", "gpu_map", "gpu_pool"]
 
@@ -82,6 +89,10 @@ logger = logging.getLogger("devicekit")
 T = TypeVar("T")
 R = TypeVar("R")
 T_co = TypeVar("T_co", covariant=True)
+
+# How long what a dead worker started may take to end once sent SIGKILL, before the
+# error says it still runs: a process in the kernel (reading a disk) ends when it leaves.
+_GONE_SECONDS = 1.0
 
 
 class _MapStyle(Protocol[T_co]):
@@ -100,7 +111,7 @@ class GPUPool:
     instead of each paying it. After a failed ``map`` the workers are stopped;
     the next ``map`` starts fresh ones, and a worker that died while idle is
     replaced before the next ``map``. Use a pool from one thread at a time: a
-    ``map`` while another runs raises ``RuntimeError``.
+    ``map`` while another runs raises ``RuntimeError``, and so does ``close()``.
     """
 
     def __init__(self, slots: list[Slot]) -> None:
@@ -108,10 +119,14 @@ class GPUPool:
         self._workers: list[Worker] = []
         self._closed = False
         self._maps = itertools.count()
-        # Held by a map: every worker answers one map at a time, and two maps reading
-        # the same pipes took each other's answers (or one waited for ever).
-        self._mapping = threading.Lock()
-        self._mapper: threading.Thread | None = None  # the thread whose map holds it
+        # The thread whose map runs: every worker answers one map at a time, and two
+        # maps reading the same pipes took each other's answers (or one waited for
+        # ever); close() under a map stopped its workers under it. Read and set
+        # under _state, which is held for a few lines only. Reentrant: a signal
+        # handler that calls map() or close() runs in a thread that may hold it.
+        self._mapper: threading.Thread | None = None
+        self._state = threading.RLock()
+        self._stopping = threading.RLock()  # held by close() while it stops the workers
         self._finalizer = weakref.finalize(self, stop_workers, self._workers, gently=False)
 
     @property
@@ -155,9 +170,24 @@ class GPUPool:
         self.close()
 
     def close(self) -> None:
-        """Stop the workers (each finishes nothing new) and wait for them."""
-        self._closed = True
-        self._stop(gently=True)
+        """Stop the workers (each finishes nothing new) and wait for them.
+
+        Refused while a map runs on the pool (from another thread, or from a
+        signal handler in the thread that maps): it would stop the workers
+        under that map, whose thread reads the same pipes and stops the same
+        processes. The pool is left open and the map runs on. Close the pool
+        from the thread that maps, once ``map`` has returned; to end a map
+        that takes too long, give it a ``timeout``.
+
+        Raises:
+            RuntimeError: A map is running on this pool.
+        """
+        with self._state:
+            if self._mapper is not None:
+                raise RuntimeError(self._busy(self._mapper, closing=True))
+            self._closed = True  # no map starts from now on
+        with self._stopping:  # a close() in another thread: wait until it has stopped them
+            self._stop(gently=True)
 
     def _stop(self, *, gently: bool) -> None:
         # The workers leave the pool only once stopped: a Ctrl-C before that leaves
@@ -181,13 +211,14 @@ class GPUPool:
         and ``RuntimeError`` at once if another map runs on this pool (a pool
         is for one thread at a time).
         """
-        if self._closed:  # before items are read and pickled, for nothing
-            raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
         refuse_foreign(self._workers, caller="GPUPool.map()")
-        if not self._mapping.acquire(blocking=False):  # refused at once, not waited for
-            raise RuntimeError(self._busy())
-        try:
+        with self._state:  # refused at once, not waited for
+            if self._closed:  # before items are read and pickled, for nothing
+                raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
+            if self._mapper is not None:
+                raise RuntimeError(self._busy(self._mapper))
             self._mapper = threading.current_thread()
+        try:
             work = checked_work(fn, items, caller="GPUPool.map()")
             limit = item_timeout(timeout)
             fn_bytes = pickle_fn(fn, caller="GPUPool.map()")
@@ -196,20 +227,27 @@ class GPUPool:
                 fn_bytes, work, payloads, progress=progress, timeout=limit, caller="GPUPool.map()"
             )
         finally:
-            self._mapper = None
-            self._mapping.release()
+            with self._state:
+                self._mapper = None
 
-    def _busy(self) -> str:
-        """Why a second map cannot run now, and what to do instead."""
-        mapper = self._mapper  # None if that map has just ended
+    @staticmethod
+    def _busy(mapper: threading.Thread, *, closing: bool = False) -> str:
+        """Why a second map, or ``close()``, cannot run now, and what to do instead."""
         if mapper is threading.current_thread():
             where = (
                 "in this same thread: this call came from inside it (a signal handler or a "
                 "callback, say)"
             )
         else:
-            where = (
-                "in another thread" if mapper is None else f"in thread {short_repr(mapper.name)}"
+            where = f"in thread {short_repr(mapper.name)}"
+        if closing:
+            runs_on = "" if mapper is threading.current_thread() else ", and the map runs on"
+            return (
+                f"GPUPool.close() was called while GPUPool.map() runs on this pool, {where}; "
+                f"the pool is left open{runs_on}. Closing it would stop the "
+                "workers under that map. Close the pool from the thread that maps, once "
+                "map() has returned (leave the `with dk.gpu_pool()` block there); to end a "
+                "map that takes too long, pass map(..., timeout=seconds)."
             )
         return (
             f"GPUPool.map() is already running on this pool, {where}. A pool runs one map "
@@ -251,9 +289,12 @@ class GPUPool:
                 timeout=timeout,
                 caller=caller,
             )
-        except BaseException:
+        except BaseException as error:
             # A failure, a timeout, or Ctrl-C: stop everyone now, whatever is still to do.
-            self._stop(gently=False)
+            dead = orphans(self._workers) if isinstance(error, WorkerError) else []
+            self._stop(gently=False)  # what the dead workers started too
+            if dead:  # the message says what of theirs outlived them, and was stopped
+                error.args = (told(error.args[0], _fates(dead)), *error.args[1:])
             raise
         finally:
             bar.close()
@@ -263,19 +304,40 @@ class GPUPool:
         dead = [worker for worker in self._workers if not worker.alive()]
         if not dead:
             return
+        outlived_them = orphans(dead)
+        # Its pipe, and what its fn started, which outlived it: found by their mark.
+        stop_workers(dead, gently=False)
+        fates = _fates(outlived_them)
         for worker in dead:
             # The out-of-memory killer picks idle workers too: this map need not fail.
+            fate = fates.get(id(worker))
             logger.warning(
                 "GPUPool.map(): %s %s while idle, after the last map; starting a fresh one "
-                "in its place (no item was lost)",
+                "in its place (no item was lost)%s",
                 worker.where(),
                 how_it_ended(worker.exit_code()),
+                "" if fate is None else f". {fate}",
             )
-        # Its pipe. What its fn started is out of reach: given to init when it died.
-        stop_workers(dead, gently=False)
         fresh = iter(start_workers([w.slot for w in dead], [w.number for w in dead]))
         gone = {id(worker) for worker in dead}
         self._workers[:] = [next(fresh) if id(w) in gone else w for w in self._workers]
+
+
+def _fates(dead: list[Orphans]) -> dict[int, str]:
+    """Once they were sent SIGKILL: what became of them, as words, by ``id(worker)``."""
+    procs: Procs = {}
+    for orphaned in dead:
+        procs.update(orphaned.procs)
+    wait_ended(procs, _GONE_SECONDS)
+    still = running(procs)
+    fates = {}
+    for orphaned in dead:
+        shown, worker = orphaned.names, orphaned.worker
+        stopped = {pid: name for pid, name in shown.items() if pid not in still}
+        left = {pid: name for pid, name in shown.items() if pid in still}
+        said = outlived(stopped, left)
+        fates[id(worker)] = said if len(dead) == 1 else f"{worker.where()}: {said}"
+    return fates
 
 
 @suggest_keywords
@@ -399,7 +461,8 @@ def gpu_map(
             worker's traceback), ``fn`` or an item could not be unpickled in a
             worker, a result could not be sent back, or a worker died (the
             message says how: its exit code or signal, and what it was
-            running). Every worker is stopped before it is raised. With
+            running, and names what its ``fn`` had started that outlived it,
+            which was stopped). Every worker is stopped before it is raised. With
             ``executor="local"``, its ``results`` holds the results of the
             items that had finished, by index (the others are lost), and
             ``index`` the failed item's.

@@ -51,6 +51,12 @@ such signal (not Linux, or a worker started from a thread other than the
 main one: the signal follows the thread), a daemon thread checks the PPID
 every second instead, busy ``fn`` or not.
 
+A worker marks the processes it starts: it adds ``<its PID>-<its start
+time>`` to ``DEVICEKIT_WORKER`` in its environment (``_MARK_WORKER``), at
+the same early point, so that every process ``fn`` starts inherits it, and
+the parent can find them in ``/proc`` once the worker has died and they have
+been given to init (``_workerstate``).
+
 Memory: what crosses is copied once, into its pickle, and a worker holds
 nothing longer than it needs it. Storages are pickled as raw bytes, read
 straight from the tensor's memory (torch's own pickling ``torch.save``-s each
@@ -74,10 +80,13 @@ import traceback
 import warnings
 from typing import Any
 
-__all__ = ["NO_MAIN_GUARD", "WorkerName", "dumps", "in_worker_bootstrap", "work"]
+__all__ = ["MARK", "NO_MAIN_GUARD", "WorkerName", "dumps", "in_worker_bootstrap", "work"]
 
 NO_MAIN_GUARD = 87
 """Exit code of a worker that stopped because the main module called gpu_map at import."""
+
+MARK = "DEVICEKIT_WORKER"
+"""The environment variable that names, in each process a worker starts, that worker."""
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_CHECK_SECONDS = 1.0
@@ -122,13 +131,44 @@ descendants up instead (``_workerstate.descendants``).
 """
 
 
+_MARK_WORKER = """
+import os
+try:
+    if os.readlink("/proc/self") == str(os.getpid()):
+        with open("/proc/self/stat", "rb") as stat:
+            line = stat.read()
+        token = "%d-%d" % (os.getpid(), int(line[line.rfind(b")") + 1 :].split()[19]))
+        tokens = os.environ.get(mark, "").split()
+        if token not in tokens:
+            os.environ[mark] = " ".join([*tokens, token])
+except (OSError, ValueError, IndexError):
+    pass
+"""
+"""Marks this worker's processes-to-be: ``"<PID>-<start time>"`` added to ``MARK``'s value.
+
+Field 22 of ``/proc/self/stat``, the start time, read after the last ``)``
+(the name may hold one) as ``_procfs`` does: with the PID it names this
+worker and no other process since boot, so a process that carries it was
+started (or forked, then run a program) below this worker, or copied it on
+purpose. Added to the value, not put in its place: a worker of a process
+that a worker started (a script run by ``fn``) marks its own processes as
+below both. Only where ``/proc`` is this process's own (``self`` names this
+PID): another PID namespace's numbers others. Running it twice adds nothing.
+``os.environ``, so that ``subprocess``, ``os.system`` and C's ``fork`` and
+``exec`` pass it on; ``/proc/<pid>/environ`` shows what a process was
+started with, so the worker itself, and a child it forks without running a
+program, do not show it.
+"""
+
+
 def _watch_parent(parent: int, signal_on_death: bool) -> dict[str, Any]:
-    """The names ``_WATCH_PARENT`` runs with."""
+    """The names ``_WATCH_PARENT`` (and ``_MARK_WORKER``) run with."""
     return {
         "parent": parent,
         "signal_on_death": signal_on_death,
         "PR_SET_PDEATHSIG": _PR_SET_PDEATHSIG,
         "every": _PARENT_CHECK_SECONDS,
+        "mark": MARK,
     }
 
 
@@ -161,8 +201,9 @@ class WorkerName(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # eval and exec are the builtins: nothing to import in the child but the
-        # standard library. The program runs _WATCH_PARENT, then is the name.
-        program = {"source": _WATCH_PARENT, "name": str(self), **self._watch}
+        # standard library. The program runs _WATCH_PARENT and _MARK_WORKER, then is
+        # the name: the main module, imported next, may start processes too.
+        program = {"source": _WATCH_PARENT + _MARK_WORKER, "name": str(self), **self._watch}
         return eval, ("exec(source) or name", program)
 
 
@@ -263,7 +304,7 @@ def work(conn: Any, parent: int, signal_on_death: bool) -> None:
     # here, as the main module may have set a SIGINT handler of its own. Ctrl-C
     # in a terminal reaches the whole process group: the parent handles it and
     # stops the workers, so a worker must not die mid-item on its own.
-    exec(_WATCH_PARENT, _watch_parent(parent, signal_on_death))
+    exec(_WATCH_PARENT + _MARK_WORKER, _watch_parent(parent, signal_on_death))
     # torch without numpy warns on import; this process is devicekit's, not the user's.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     conn.send(("ready", os.getpid()))

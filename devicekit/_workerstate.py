@@ -23,10 +23,34 @@ process, have no children here. The worker's start time is recorded only if
 namespace (``unshare -pf`` without ``--mount-proc``, some sandboxes) numbers
 other processes, and the worker's PID there is another process, whose
 descendants must not be signalled; there, as without ``/proc``, only the
-workers are stopped. What cannot be found: the children of a
-worker that ended by itself (a process's children are given to init when it
-ends), and a process that left its parent's tree on purpose (a daemon that
-forked twice).
+workers are stopped.
+
+A worker that ends by itself (``os._exit`` in ``fn``, a segfault, the
+out-of-memory killer) leaves its processes to init (or a subreaper): by the
+time the parent sees it dead, no ``/proc`` parent PID leads from it to them.
+So each worker marks the processes it starts: it adds ``<its PID>-<its start
+time>`` to ``DEVICEKIT_WORKER`` in its environment (``_worker.MARK``), which
+every process started below it inherits, and ``descendants`` also takes
+every process of this user whose ``/proc/<pid>/environ`` names one of the
+roots that way and that started no earlier than that root (``marked``);
+then their descendants by parent PID. The same finds a daemon ``fn``
+started, which forked twice to leave the tree. A PID and a start time name
+one process since boot, so a mark names one worker, dead or alive, never a
+later process given its PID; the environment is the process's to change, so
+a mark is a hint that it came from below the worker, and is trusted only
+within this user's processes (which could signal ours anyway), from a
+process that started after the worker, and with the start-time check before
+every signal. Not found: a process that dropped the mark from its
+environment (``env={}``), and a child the worker forked without running a
+program (``/proc`` shows the environment a program was started with, and
+the worker's own has no mark: it was added after).
+
+Weighed and left: looking the busy workers' descendants up at every tick of
+the map (a scan of ``/proc`` per tick, bounded by ``_MOST``, and what
+started since the last tick is still lost); ``PR_SET_CHILD_SUBREAPER`` on a
+worker (its orphans go to its parent, so its own death still loses them),
+or on the caller (every orphan of the user's process would be the caller's
+to reap); a cgroup per worker (not open to unprivileged users).
 """
 
 from __future__ import annotations
@@ -41,13 +65,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._procfs import read_stat
+from ._worker import MARK
 
 __all__ = [
+    "Orphans",
     "Procs",
     "Slot",
     "Worker",
     "child_start_time",
     "descendants",
+    "marked",
+    "names",
+    "orphans",
+    "running",
     "signal_each",
     "start_time",
     "wait_ended",
@@ -105,6 +135,32 @@ class Worker:
         return {} if pid is None or self.started is None else {pid: self.started}
 
 
+@dataclass(frozen=True)
+class Orphans:
+    """A worker that died, and the processes it had started that run on."""
+
+    worker: Worker
+    procs: Procs
+    names: dict[int, str]  # {pid: its name}, read while it ran
+
+
+def orphans(workers: list[Worker]) -> list[Orphans]:
+    """Each dead worker of these that had started processes that run on, with them.
+
+    Found by the mark in their environment (`marked`), as ``stop_workers``
+    finds them to stop them; look them up before it does, for their names:
+    a process that has ended has none to read.
+    """
+    found = []
+    for worker in workers:
+        if not worker.alive():
+            procs = descendants(worker.as_procs())
+            shown = names(procs)
+            if shown:
+                found.append(Orphans(worker, procs, shown))
+    return found
+
+
 def start_time(pid: int, proc: str = _PROC) -> int | None:
     """When the process ``pid`` started (clock ticks since boot); None if there is none.
 
@@ -132,16 +188,19 @@ def child_start_time(pid: int, proc: str = _PROC) -> int | None:
 def descendants(roots: Procs, *, proc: str = _PROC) -> Procs:
     """Every process below ``roots`` that is still the process its parent started.
 
-    A root whose PID no longer has its start time has no descendants here.
-    At most ``_MOST`` are looked up; ``{}`` where there is no ``/proc``, or
-    where ``/proc`` is another PID namespace's (its PIDs are not ours).
+    Found by parent PID, and by the mark a root worker left in their
+    environment (`marked`): those of a root that has ended are found too.
+    A root whose PID no longer has its start time has no descendants by
+    parent PID here. At most ``_MOST`` are looked up; ``{}`` where there is
+    no ``/proc``, or where ``/proc`` is another PID namespace's (its PIDs are
+    not ours).
     """
     if proc == _PROC and not (sys.platform.startswith("linux") and _ours(proc)):
         return {}  # another system's /proc says no parents; another namespace's, other PIDs
     if not os.path.isdir(proc):
         return {}
-    found: Procs = {}
-    todo = deque(roots.items())
+    found: Procs = marked(roots, proc=proc)
+    todo = deque([*roots.items(), *found.items()])
     table: dict[int, Procs] | None = None  # children by parent, from one read of /proc
     while todo and len(found) < _MOST:
         pid, started = todo.popleft()
@@ -157,6 +216,47 @@ def descendants(roots: Procs, *, proc: str = _PROC) -> Procs:
                 found[child] = child_started
                 todo.append((child, child_started))
     return found
+
+
+def marked(roots: Procs, *, proc: str = _PROC) -> Procs:
+    """The processes of this user whose environment says a root worker started them.
+
+    Each carries ``<root's PID>-<root's start time>`` in ``DEVICEKIT_WORKER``
+    and started no earlier than that root. The roots themselves and this
+    process are left out; at most ``_MOST`` are found. ``{}`` where this
+    system has no users' IDs (Windows).
+    """
+    getuid = getattr(os, "getuid", None)
+    if getuid is None or not roots:
+        return {}
+    wanted = {f"{pid}-{started}".encode(): started for pid, started in roots.items()}
+    uid, ours = getuid(), os.getpid()
+    found: Procs = {}
+    with contextlib.suppress(OSError), os.scandir(proc) as entries:
+        for entry in entries:
+            if len(found) >= _MOST:
+                break
+            pid = int(entry.name) if entry.name.isdigit() else ours
+            if pid == ours or pid in roots or not _owned_by(entry, uid):
+                continue
+            since = _marked_by(pid, wanted, proc)
+            if since is None:
+                continue
+            stat = _stat(pid, proc)
+            if stat is not None and stat[2] >= since:  # after its worker: not an older PID
+                found[pid] = stat[2]
+    return found
+
+
+def names(procs: Procs, *, proc: str = _PROC) -> dict[int, str]:
+    """``{pid: its name}`` (``"sleep"``) for each of ``procs`` that is still that process."""
+    shown: dict[int, str] = {}
+    for pid, started in procs.items():
+        read = read_stat(pid, proc)
+        with contextlib.suppress(IndexError, ValueError):  # a stat cut short: not shown
+            if read is not None and int(read[1][19]) == started:
+                shown[pid] = read[0]
+    return shown
 
 
 def signal_each(procs: Procs, signum: int, *, proc: str = _PROC) -> list[int]:
@@ -221,6 +321,35 @@ def _ours(proc: str) -> bool:
         return os.readlink(f"{proc}/self") == str(os.getpid())
     except OSError:  # no /proc, or one of a PID namespace this process is not in
         return False
+
+
+def running(procs: Procs, *, proc: str = _PROC) -> Procs:
+    """Those of ``procs`` that still run (a zombie has ended), as the processes recorded."""
+    return {pid: started for pid, started in procs.items() if _running(pid, started, proc)}
+
+
+def _owned_by(entry: os.DirEntry[str], uid: int) -> bool:
+    """Whether the process of a ``/proc`` entry is this user's (its directory is)."""
+    try:
+        return entry.stat(follow_symlinks=False).st_uid == uid
+    except OSError:  # it has ended
+        return False
+
+
+def _marked_by(pid: int, wanted: dict[bytes, int], proc: str) -> int | None:
+    """The start time of the root whose mark ``pid``'s environment carries; None if none."""
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as file:
+            environ = file.read()
+    except OSError:  # ended, or not ours to read
+        return None
+    prefix = MARK.encode() + b"="
+    for variable in environ.split(b"\0"):
+        if variable.startswith(prefix):
+            for token in variable[len(prefix) :].split():
+                if token in wanted:
+                    return wanted[token]
+    return None
 
 
 def _running(pid: int, started: int, proc: str) -> bool:

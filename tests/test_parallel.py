@@ -2273,3 +2273,206 @@ def test_what_an_error_kept_is_said_in_good_english() -> None:
     assert kept(0, 1) == "0 of 1 item had finished, so this error's .results is empty."
     assert kept(1, 4).startswith("1 of 4 items had finished: its result is in this error's ")
     assert kept(2, 4).startswith("2 of 4 items had finished: their results are in ")
+
+
+def start_a_child_then_die(how: str) -> int:
+    """Start what ``start_a_child`` starts, then end the worker without a word: ``how``."""
+    start_a_child(2)
+    if how == "SIGKILL":  # as the out-of-memory killer does
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)
+
+
+def _kill_what_was_started(folder: Any) -> None:
+    """Kill what ``start_a_child`` started, where it wrote its PIDs and it still runs."""
+    for name in ("sh", "sleep"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(folder, name)) as file:
+                pid = int(file.read())
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _said_stopped(message: str) -> set[tuple[int, str]]:
+    """The processes a message says were stopped, as ``{(pid, name)}``."""
+    said = re.search(
+        r"2 processes that its fn had started outlived it and were stopped: "
+        r"PID (\d+) \((\w+)\), PID (\d+) \((\w+)\)\.$",
+        message,
+    )
+    assert said, message
+    return {(int(said[1]), said[2]), (int(said[3]), said[4])}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["os._exit", "SIGKILL"])
+def test_what_fn_started_is_stopped_when_its_worker_dies_by_itself(
+    how: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, `sh` and `sleep 60` lived on, with PPID 1: a worker that dies by itself
+    # leaves its children to init, and no parent PID led from it to them any more.
+    # They are found by the mark the worker left in their environment.
+    monkeypatch.setenv("DK_TEST_PIDS", str(tmp_path))
+    try:
+        with pytest.raises(dk.WorkerError) as info:
+            dk.gpu_map(start_a_child_then_die, [how], devices=["cpu"])
+        sh, sleep = _started_pids(tmp_path)
+        for pid in (sh, sleep):
+            assert _wait_for(lambda: not _alive(pid), 10), "what fn started outlived it"  # noqa: B023
+        message = str(info.value)
+        if how == "SIGKILL":
+            assert message.startswith(
+                "gpu_map: worker 1 on the CPU was killed by SIGKILL (the out-of-memory killer "
+                "sends it) while running item 0 ('SIGKILL'). 2 processes that its fn had "
+                "started outlived it and were stopped: PID "
+            ), message
+        else:
+            assert "(any message is on stderr above). 2 processes that" in message, message
+        assert _said_stopped(message) == {(sh, "sh"), (sleep, "sleep")}
+    finally:
+        _kill_what_was_started(tmp_path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.timeout(300)
+def test_what_fn_started_is_stopped_when_an_idle_pool_worker_dies(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, the warning said nothing of them and they ran on, given to init.
+    monkeypatch.setenv("DK_TEST_PIDS", str(tmp_path))
+    try:
+        with dk.gpu_pool(devices=["cpu"]) as pool:
+            assert pool.map(start_a_child, [2]) == [2]  # they run on, below the idle worker
+            sh, sleep = _started_pids(tmp_path)
+            (victim,) = pool._workers
+            os.kill(victim.process.pid, signal.SIGKILL)
+            # Its own wait, not /proc: a zombie whose threads still end cannot be waited
+            # for yet, and would read as alive to the next map, which would see it die.
+            assert _wait_for(lambda: not victim.alive(), 30)
+            with caplog.at_level(logging.WARNING, logger="devicekit"):
+                assert pool.map(abs, [-3]) == [3]
+            for pid in (sh, sleep):
+                assert _wait_for(lambda: not _alive(pid), 10), "what fn started outlived it"  # noqa: B023
+        (warning,) = [record.getMessage() for record in caplog.records]
+        assert warning.startswith(
+            "GPUPool.map(): worker 1 on the CPU was killed by SIGKILL (the out-of-memory killer "
+            "sends it) while idle, after the last map; starting a fresh one in its place (no "
+            "item was lost). 2 processes that its fn had started"
+        ), warning
+        assert _said_stopped(warning) == {(sh, "sh"), (sleep, "sleep")}
+    finally:
+        _kill_what_was_started(tmp_path)
+
+
+def marks_of_a_child(item: int) -> tuple[str, str]:
+    """The mark a process this worker starts carries, and this worker's own ``PID-start time``."""
+    from devicekit._workerstate import start_time
+
+    shell = subprocess.run(
+        ["sh", "-c", "echo $DEVICEKIT_WORKER"], capture_output=True, text=True, check=True
+    )
+    return shell.stdout.strip(), f"{os.getpid()}-{start_time(os.getpid())}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_a_worker_marks_what_it_starts_below_any_worker_above_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # This process was started by another worker's fn: its mark stays, ours is added.
+    monkeypatch.setenv("DEVICEKIT_WORKER", "12-345")
+    ((mark, worker),) = dk.gpu_map(marks_of_a_child, [0], devices=["cpu"])
+    assert mark == f"12-345 {worker}"
+    assert os.environ["DEVICEKIT_WORKER"] == "12-345"  # the caller's own is left alone
+
+
+# Two more PIDs no process of this machine can have.
+E, X = 2**22 + 5, 2**22 + 6
+
+
+def test_processes_marked_by_a_worker_are_found_once_it_has_ended(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from devicekit._workerstate import descendants, marked
+
+    # W has ended and is gone from /proc. C, given to init, carries W's mark among
+    # others; G is C's child, which dropped the mark; E carries it but started before
+    # W (it copied the mark: no process W started is older than W); X carries the
+    # mark of another process that had W's PID; U carries none.
+    table = {C: (1, 150), G: (C, 160), E: (1, 90), X: (1, 170), U: (1, 180)}
+    proc = _fake_proc(tmp_path, table, children=True)
+    environs = {
+        C: f"PATH=/bin\0DEVICEKIT_WORKER=7-1 {W}-100\0",
+        G: "PATH=/bin\0",
+        E: f"DEVICEKIT_WORKER={W}-100\0",
+        X: f"DEVICEKIT_WORKER={W}-99\0",
+        U: "HOME=/\0",
+    }
+    for pid, environ in environs.items():
+        (tmp_path / str(pid) / "environ").write_text(environ)
+    assert marked({W: 100}, proc=proc) == {C: 150}
+    assert descendants({W: 100}, proc=proc) == {C: 150, G: 160}
+    assert marked({C: 150}, proc=proc) == {}  # a mark names a worker, not its descendants
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # none of them is this user's
+    assert marked({W: 100}, proc=proc) == {}
+
+
+def close_in_thread(pool: dk.GPUPool) -> BaseException | None:
+    """``pool.close()`` from a thread of its own: what it raised (None: nothing); 60 s at most."""
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            pool.close()
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001 - returned to the test
+            outcome.append(error)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(60)  # refused at once: were it to wait or hang, this ends it
+    assert not closer.is_alive(), "close() waited"
+    return outcome[0]
+
+
+@pytest.mark.timeout(300)
+def test_closing_a_pool_while_another_thread_maps_on_it_is_refused_at_once(
+    tmp_path: Any,
+) -> None:
+    # Before, close() stopped the workers under the running map: the map failed
+    # with "worker 1 on the CPU was killed by SIGTERM while running item 0", as if the
+    # worker had crashed, and its thread raced close() to stop the same processes.
+    gate = str(tmp_path / "gate")
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["map"] = pool.map(wait_for_gate, [gate])
+        except BaseException as error:  # noqa: BLE001 - shown by the assertions below
+            outcome["map"] = error
+
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        mapper = threading.Thread(target=run, name="first-map", daemon=True)
+        mapper.start()
+        try:
+            assert _wait_for(lambda: os.path.exists(gate + ".started"), 120), "fn never ran"
+            refused = close_in_thread(pool)
+            assert type(refused) is RuntimeError
+            assert str(refused) == (
+                "GPUPool.close() was called while GPUPool.map() runs on this pool, in thread "
+                "'first-map'; the pool is left open, and the map runs on. Closing it would "
+                "stop the workers under that map. Close the pool from the thread that maps, "
+                "once map() has returned (leave the `with dk.gpu_pool()` block there); to end "
+                "a map that takes too long, pass map(..., timeout=seconds)."
+            )
+            assert "map" not in outcome  # the map runs on, unaffected
+        finally:
+            open(gate, "w").close()
+            mapper.join(60)
+        assert outcome["map"] == [gate]
+        assert pool.map(abs, [-2]) == [2]  # still open, and its workers with it
+        assert close_in_thread(pool) is None  # no map runs now: closed from any thread
+        assert pool._workers == []
+        with pytest.raises(ValueError, match="this GPUPool is closed"):
+            pool.map(abs, [-3])
