@@ -15,10 +15,12 @@ from typing import Any
 
 from ._format import plural
 from ._worker import NO_MAIN_GUARD
+from ._workerstate import Orphans, Procs, running, wait_ended
 
 __all__ = [
     "MAIN_GUARD_FIX",
     "death_message",
+    "fates",
     "fn_failed",
     "fn_raised",
     "how_it_ended",
@@ -216,3 +218,25 @@ def fn_raised(
         f"{caller}: fn raised on item {index} ({show_item(item)}) in {where}; the worker's "
         f"traceback:\n{remote_traceback}"
     )
+
+
+# How long what a dead worker started may take to end once sent SIGKILL, before the
+# error says it still runs: a process in the kernel (reading a disk) ends when it leaves.
+_GONE_SECONDS = 1.0
+
+
+def fates(dead: list[Orphans]) -> dict[int, str]:
+    """Once they were sent SIGKILL: what became of them, as words, by ``id(worker)``."""
+    procs: Procs = {}
+    for orphaned in dead:
+        procs.update(orphaned.procs)
+    wait_ended(procs, _GONE_SECONDS)
+    still = running(procs)
+    fates = {}
+    for orphaned in dead:
+        shown, worker = orphaned.names, orphaned.worker
+        stopped = {pid: name for pid, name in shown.items() if pid not in still}
+        left = {pid: name for pid, name in shown.items() if pid in still}
+        said = outlived(stopped, left)
+        fates[id(worker)] = said if len(dead) == 1 else f"{worker.where()}: {said}"
+    return fates

@@ -18,12 +18,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import threading
 
 from ._mapfaults import MAIN_GUARD_FIX
 from ._options import short_repr
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
 
-__all__ = ["refuse_to_start"]
+__all__ = ["pool_busy", "refuse_to_start"]
 
 
 def refuse_to_start(caller: str) -> None:
@@ -104,4 +105,30 @@ def _refuse_main_from_stdin(caller: str) -> None:
         f"{caller} cannot start its workers: {why}. Workers are started with spawn, and each "
         "one imports the main module again, from its file. Save the code to a .py file and "
         "run that file (or, from `python -c`, import fn from a module)."
+    )
+
+
+def pool_busy(mapper: threading.Thread, *, closing: bool = False) -> str:
+    """Why a second map, or ``close()``, cannot run now, and what to do instead."""
+    if mapper is threading.current_thread():
+        where = (
+            "in this same thread: this call came from inside it (a signal handler or a "
+            "callback, say)"
+        )
+    else:
+        where = f"in thread {short_repr(mapper.name)}"
+    if closing:
+        runs_on = "" if mapper is threading.current_thread() else ", and the map runs on"
+        return (
+            f"GPUPool.close() was called while GPUPool.map() runs on this pool, {where}; "
+            f"the pool is left open{runs_on}. Closing it would stop the "
+            "workers under that map. Close the pool from the thread that maps, once "
+            "map() has returned (leave the `with dk.gpu_pool()` block there); to end a "
+            "map that takes too long, pass map(..., timeout=seconds)."
+        )
+    return (
+        f"GPUPool.map() is already running on this pool, {where}. A pool runs one map "
+        "at a time, from one thread: its workers answer one map at a time. Use one pool "
+        "per thread (dk.gpu_pool() in each), or dk.gpu_map(), which starts workers of "
+        "its own for each call."
     )

@@ -74,13 +74,13 @@ from ._dispatch import (
 from ._errors import WorkerError
 from ._format import html_table, plural
 from ._keywords import suggest_keywords
-from ._mapfaults import how_it_ended, outlived, told
-from ._mapguards import refuse_to_start
+from ._mapfaults import fates, how_it_ended, told
+from ._mapguards import pool_busy, refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
 from ._options import check_flag, short_repr
 from ._progress import Progress
 from ._workerslots import worker_slots, workers_per_device_count
-from ._workerstate import Orphans, Procs, orphans, running, wait_ended
+from ._workerstate import orphans
 
 __all__ = ["GPUPool", "gpu_map", "gpu_pool"]
 
@@ -89,10 +89,6 @@ logger = logging.getLogger("devicekit")
 T = TypeVar("T")
 R = TypeVar("R")
 T_co = TypeVar("T_co", covariant=True)
-
-# How long what a dead worker started may take to end once sent SIGKILL, before the
-# error says it still runs: a process in the kernel (reading a disk) ends when it leaves.
-_GONE_SECONDS = 1.0
 
 
 class _MapStyle(Protocol[T_co]):
@@ -184,7 +180,7 @@ class GPUPool:
         """
         with self._state:
             if self._mapper is not None:
-                raise RuntimeError(self._busy(self._mapper, closing=True))
+                raise RuntimeError(pool_busy(self._mapper, closing=True))
             self._closed = True  # no map starts from now on
         with self._stopping:  # a close() in another thread: wait until it has stopped them
             self._stop(gently=True)
@@ -216,7 +212,7 @@ class GPUPool:
             if self._closed:  # before items are read and pickled, for nothing
                 raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
             if self._mapper is not None:
-                raise RuntimeError(self._busy(self._mapper))
+                raise RuntimeError(pool_busy(self._mapper))
             self._mapper = threading.current_thread()
         try:
             work = checked_work(fn, items, caller="GPUPool.map()")
@@ -229,32 +225,6 @@ class GPUPool:
         finally:
             with self._state:
                 self._mapper = None
-
-    @staticmethod
-    def _busy(mapper: threading.Thread, *, closing: bool = False) -> str:
-        """Why a second map, or ``close()``, cannot run now, and what to do instead."""
-        if mapper is threading.current_thread():
-            where = (
-                "in this same thread: this call came from inside it (a signal handler or a "
-                "callback, say)"
-            )
-        else:
-            where = f"in thread {short_repr(mapper.name)}"
-        if closing:
-            runs_on = "" if mapper is threading.current_thread() else ", and the map runs on"
-            return (
-                f"GPUPool.close() was called while GPUPool.map() runs on this pool, {where}; "
-                f"the pool is left open{runs_on}. Closing it would stop the "
-                "workers under that map. Close the pool from the thread that maps, once "
-                "map() has returned (leave the `with dk.gpu_pool()` block there); to end a "
-                "map that takes too long, pass map(..., timeout=seconds)."
-            )
-        return (
-            f"GPUPool.map() is already running on this pool, {where}. A pool runs one map "
-            "at a time, from one thread: its workers answer one map at a time. Use one pool "
-            "per thread (dk.gpu_pool() in each), or dk.gpu_map(), which starts workers of "
-            "its own for each call."
-        )
 
     def _run(
         self,
@@ -294,7 +264,7 @@ class GPUPool:
             dead = orphans(self._workers) if isinstance(error, WorkerError) else []
             self._stop(gently=False)  # what the dead workers started too
             if dead:  # the message says what of theirs outlived them, and was stopped
-                error.args = (told(error.args[0], _fates(dead)), *error.args[1:])
+                error.args = (told(error.args[0], fates(dead)), *error.args[1:])
             raise
         finally:
             bar.close()
@@ -307,10 +277,10 @@ class GPUPool:
         outlived_them = orphans(dead)
         # Its pipe, and what its fn started, which outlived it: found by their mark.
         stop_workers(dead, gently=False)
-        fates = _fates(outlived_them)
+        said = fates(outlived_them)
         for worker in dead:
             # The out-of-memory killer picks idle workers too: this map need not fail.
-            fate = fates.get(id(worker))
+            fate = said.get(id(worker))
             logger.warning(
                 "GPUPool.map(): %s %s while idle, after the last map; starting a fresh one "
                 "in its place (no item was lost)%s",
@@ -321,23 +291,6 @@ class GPUPool:
         fresh = iter(start_workers([w.slot for w in dead], [w.number for w in dead]))
         gone = {id(worker) for worker in dead}
         self._workers[:] = [next(fresh) if id(w) in gone else w for w in self._workers]
-
-
-def _fates(dead: list[Orphans]) -> dict[int, str]:
-    """Once they were sent SIGKILL: what became of them, as words, by ``id(worker)``."""
-    procs: Procs = {}
-    for orphaned in dead:
-        procs.update(orphaned.procs)
-    wait_ended(procs, _GONE_SECONDS)
-    still = running(procs)
-    fates = {}
-    for orphaned in dead:
-        shown, worker = orphaned.names, orphaned.worker
-        stopped = {pid: name for pid, name in shown.items() if pid not in still}
-        left = {pid: name for pid, name in shown.items() if pid in still}
-        said = outlived(stopped, left)
-        fates[id(worker)] = said if len(dead) == 1 else f"{worker.where()}: {said}"
-    return fates
 
 
 @suggest_keywords
