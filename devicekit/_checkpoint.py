@@ -35,7 +35,7 @@ from ._devices import DeviceLike, resolve_device, try_gpu
 from ._errors import CheckpointError
 from ._format import close_match, first_line, shorten
 from ._frames import is_user
-from ._options import check_flag, check_path, got, short_repr
+from ._options import check_path, got, short_repr
 
 __all__ = ["load"]
 
@@ -142,8 +142,7 @@ legacy format). Check the path
             f"weights_only must be True, False or None (torch's default), got "
             f"{got(weights_only)}; pass weights_only=False only for files you trust"
         )
-    if kwargs.get("mmap") is not None:  # None is torch's default; "yes" would read as True
-        check_flag(kwargs["mmap"], name="mmap")
+    _check_mmap(path, kwargs.get("mmap"))
     start = _position(path)
     try:
         return torch.load(path, map_location=map_location, **kwargs)
@@ -164,6 +163,8 @@ legacy format). Check the path
         ValueError,
         struct.error,
     ) as error:
+        if kwargs.get("mmap") and str(error).startswith(_MMAP_LEGACY):
+            raise _legacy_mmap(path) from None
         head = _head(path, start)
         why = _why_unreadable(error, head)
         if why is None:
@@ -172,6 +173,41 @@ legacy format). Check the path
             why = _misplaced(path, start) or f"{why} (read from byte {start}, where the file stood)"
         message = f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
         raise CheckpointError(message) from error
+
+
+# How torch refuses mmap=True for a legacy-format file (torch.serialization.load).
+_MMAP_LEGACY = "mmap can only be used with files saved with"
+
+
+def _check_mmap(path: object, mmap: object) -> None:
+    """Refuse an ``mmap`` that is no bool, and ``mmap=True`` of a file object.
+
+    None is torch's default; ``"yes"`` would read as True. torch's own refusal of a
+    file object, *f must be a file path*, named neither ``load()`` nor the file.
+    """
+    if mmap is None:
+        return
+    if not isinstance(mmap, bool):
+        raise TypeError(f"mmap must be True, False or None (torch's default), got {got(mmap)}")
+    if mmap and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(
+            f"load(path={_name(path)}, mmap=True): mmap maps a file on disk into memory, "
+            f"so it needs the file's path, got a file object ({type(path).__name__}); "
+            "pass the path, or leave mmap out"
+        )
+
+
+def _legacy_mmap(path: object) -> RuntimeError:
+    """The refusal of ``mmap=True`` for a legacy file, said of ``load()`` and the file.
+
+    torch's own put the path inside a ``torch.save(...)`` call, as what to save.
+    """
+    return RuntimeError(
+        f"load(path={_name(path)}, mmap=True): this checkpoint is in torch's legacy "
+        "format (saved with _use_new_zipfile_serialization=False, or by torch before "
+        "1.6), which cannot be memory-mapped; load it with mmap=False, or save it "
+        "again with torch.save's default format to memory-map it"
+    )
 
 
 # What checkpoints are usually named, to point at them in a folder given as the path.

@@ -354,7 +354,9 @@ def benchmark(
     measure_began = time.perf_counter()
     while True:
         left = deadline - time.perf_counter()
-        batch = max(1, min(int(_BATCH_SECONDS / max(per_call, 1e-7)), int(left / per_call)))
+        # min() before int(): with a max_time near float's largest (1e308) left / per_call
+        # is inf, which int() refuses; the batch's own bound is always finite.
+        batch = max(1, int(min(_BATCH_SECONDS / max(per_call, 1e-7), left / per_call)))
         batch_began = time.perf_counter()
         device_times, host_times = runner.run(batch)
         # The warm-up's estimate can be far off (a first call that compiles takes

@@ -11,10 +11,11 @@ import csv
 import errno
 import io
 import os
+import pickle
 import stat
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ._errors import add_note
 from ._format import shorten
@@ -23,6 +24,8 @@ from ._logdeliver import Record
 from ._options import check_flag, check_path, short_repr
 
 __all__ = ["CSVSink", "ProgressBarSink", "TensorBoardSink"]
+
+_S = TypeVar("_S")
 
 
 class CSVSink:
@@ -391,6 +394,21 @@ class TensorBoardSink:
     def __repr__(self) -> str:
         return f"TensorBoardSink(prefix={self.prefix!r})" if self.prefix else "TensorBoardSink()"
 
+    def __copy__(self) -> TensorBoardSink:
+        return _sharing(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TensorBoardSink:
+        """A copy that writes with the same writer, as a copied `CSVSink` writes the same file.
+
+        A ``SummaryWriter`` holds a thread and a lock, so it cannot be copied:
+        without this, deep-copying a model that holds a buffer (an EMA copy)
+        failed on the writer.
+        """
+        return _sharing(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _picklable(self, "writer", self.writer)
+
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
         for record in records:
@@ -460,6 +478,22 @@ class ProgressBarSink:
     def __repr__(self) -> str:
         return f"ProgressBarSink(keys={self.keys!r})" if self.keys else "ProgressBarSink()"
 
+    def __copy__(self) -> ProgressBarSink:
+        return _sharing(self, keys=self.keys, _newest=self._newest)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ProgressBarSink:
+        """A copy that shows on the same bar, with its own keys and values shown.
+
+        A bar is a display, not data: the copy's is the one on screen. A tqdm
+        bar cannot be deep-copied either (it recursed until RecursionError), so
+        deep-copying a model that holds a buffer (an EMA copy) failed on it.
+        """
+        keys = None if self.keys is None else list(self.keys)
+        return _sharing(self, keys=keys, _newest=dict(self._newest))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _picklable(self, "bar", self.bar)
+
     def __call__(self, records: list[Record]) -> None:
         """Show the newest value of each key (called by the buffer at each flush)."""
         # Each key's newest value, kept across flushes: a key logged now and then (a
@@ -473,3 +507,30 @@ class ProgressBarSink:
         shown = {key: format(self._newest[key], self.fmt) for key in keys if key in self._newest}
         if shown:
             self.bar.set_postfix(shown, refresh=True)
+
+
+def _sharing(sink: _S, **own: Any) -> _S:
+    """A copy of ``sink`` that shares its writer or bar (``own``: attributes of its own)."""
+    copied = object.__new__(type(sink))
+    copied.__dict__.update(sink.__dict__, **own)
+    return copied
+
+
+def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
+    """``sink``'s state for pickle, or a `TypeError` naming the sink when ``value`` cannot go.
+
+    A tqdm bar on a terminal or a ``SummaryWriter`` cannot be pickled, and pickle's
+    own error (*cannot pickle '_io.TextIOWrapper' object*) names neither the sink
+    nor the buffer that holds it (in a model saved whole with ``torch.save``).
+    """
+    try:
+        pickle.dumps(value)
+    except Exception as error:  # noqa: BLE001 - any failure means it cannot be saved
+        name = type(sink).__name__
+        raise TypeError(
+            f"a {name} cannot be pickled: its {part} ({type(value).__name__}) cannot be "
+            f"({shorten(f'{type(error).__name__}: {error}', 120)}). It belongs to this process: "
+            f"remove the sink from the LogBuffer's sinks before pickling or torch.save "
+            f"(logs.sinks.remove(sink)), and give the loaded buffer a {name} of its own"
+        ) from None
+    return sink.__dict__.copy()

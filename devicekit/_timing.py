@@ -9,6 +9,7 @@ instead, or synchronizes around the host clock when asked.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ __all__ = ["Benchmark", "TimedFunction", "Timer"]
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+
+# Two threads entering one Timer at once: one block, one error. One lock for every
+# Timer, not one each: a Timer is pickled and deep-copied (in a trainer), a lock is not.
+_ENTERING = threading.Lock()
 
 # torch leaves these constructors unannotated; typed as Any once, here.
 CudaEvent: Any = torch.cuda.Event
@@ -151,6 +156,7 @@ class Timer:
         self._laps: list[_Lap] = []
         self._running: _Lap | None = None
         self._in_block = False  # inside `with timer:`, whose exit ends the lap it began
+        self._block_thread: int | None = None  # the thread whose `with` block is open
         self.start()
 
     def _cuda_device(self) -> torch.device | None:
@@ -229,15 +235,24 @@ class Timer:
         return totals
 
     def __enter__(self) -> Timer:
-        if self._in_block:
-            # The inner block would restart the lap and its exit end it: the outer
-            # block's time would be lost. Refuse instead.
-            raise RuntimeError(
-                "this Timer is already timing a `with` block; a Timer times one block at a "
-                "time: use a second Timer for the inner block"
-            )
-        self.start()
-        self._in_block = True
+        with _ENTERING:
+            if self._in_block:
+                # The inner block would restart the lap and its exit end it: the outer
+                # block's time would be lost. Refuse instead.
+                if self._block_thread != threading.get_ident():
+                    raise RuntimeError(
+                        "this Timer is timing a `with` block in another thread; a Timer times "
+                        "one block at a time: give each thread a Timer of its own, or decorate "
+                        "the function with it (@timer), whose calls each keep their own lap, "
+                        "from any thread"
+                    )
+                raise RuntimeError(
+                    "this Timer is already timing a `with` block; a Timer times one block at "
+                    "a time: use a second Timer for the inner block"
+                )
+            self.start()
+            self._in_block = True
+            self._block_thread = threading.get_ident()
         return self
 
     def __exit__(
@@ -247,6 +262,7 @@ class Timer:
         traceback: TracebackType | None,
     ) -> None:
         self._in_block = False
+        self._block_thread = None
         if self._running is None:
             # stop() inside the block already ended its lap; raising here would
             # also hide any exception leaving the block.

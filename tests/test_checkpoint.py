@@ -367,10 +367,33 @@ def test_a_path_too_long_for_the_system_gets_a_short_message(tmp_path: Path) -> 
 def test_mmap_must_be_a_bool(tmp_path: Path, mmap: object) -> None:
     # Before, mmap="yes" (and "False") was truthy: the file was memory-mapped, silently.
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
-    with pytest.raises(TypeError, match=r"^mmap must be True or False, got .* of type "):
+    with pytest.raises(
+        TypeError, match=r"^mmap must be True, False or None \(torch's default\), got .* of type "
+    ):
         dk.load(tmp_path / "w.pt", "cpu", mmap=mmap)
     for flag in (True, False, None):  # None: torch's default
         assert torch.equal(dk.load(tmp_path / "w.pt", "cpu", mmap=flag)["w"], torch.ones(2))
+
+
+def test_mmap_of_a_legacy_file_or_a_file_object_names_load_and_the_fix(tmp_path: Path) -> None:
+    # Before: torch's "mmap can only be used with files saved with `torch.save(<path>,
+    # _use_new_zipfile_serialization=True)" (a call with the path as what to save), and
+    # "f must be a file path in order to use the mmap argument" for a file object.
+    path = tmp_path / "old.pt"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    legacy = r"^load\(path='.*old.pt', mmap=True\): this checkpoint is in torch's legacy "
+    with pytest.raises(RuntimeError, match=legacy) as info:
+        dk.load(path, "cpu", mmap=True)
+    assert "load it with mmap=False" in str(info.value)
+    assert info.value.__suppress_context__  # torch's garbled message adds nothing
+    assert torch.equal(dk.load(path, "cpu", mmap=False)["w"], torch.ones(2))
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buffer)
+    buffer.seek(0)
+    file_object = r"^load\(path=the file, mmap=True\): .* got a file object \(BytesIO\); pass "
+    with pytest.raises(ValueError, match=file_object):
+        dk.load(buffer, "cpu", mmap=True)
+    assert torch.equal(dk.load(buffer, "cpu")["w"], torch.ones(2))  # nothing was read
 
 
 @pytest.mark.parametrize("legacy", [False, True])

@@ -155,6 +155,14 @@ def test_benchmark_stops_at_max_time_when_the_target_is_out_of_reach() -> None:
     assert m.n >= 10
 
 
+def test_a_max_time_near_floats_largest_is_a_bound_not_an_overflow() -> None:
+    # max_time=1e308 is finite, so it is allowed; the time left over a call's time was
+    # inf, and int(inf) raised OverflowError from inside the loop (devicekit bench too).
+    m = dk.benchmark(lambda: None, max_time=1e308, rel_noise=0.5, warmup=0, min_time=0)
+    assert m.stop_reason == "converged"
+    assert m.n >= 10
+
+
 def test_warmup_counts_against_max_time() -> None:
     # Without the bound this would warm up for 30 s; with it, the call takes about 0.3 s.
     started = time.perf_counter()

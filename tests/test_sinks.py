@@ -1,13 +1,18 @@
 from __future__ import annotations
 
+import copy
 import csv
 import errno
 import math
 import os
+import pickle
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import devicekit as dk
 from devicekit import _sinks
@@ -155,6 +160,58 @@ def test_tensorboard_and_progress_bar_sinks() -> None:
 
 class _Writer:
     def add_scalar(self, tag: str, value: float, step: int | None = None) -> None: ...
+
+
+class _LiveBar(_Bar):
+    """A bar as tqdm's is: it holds a lock (and a terminal), so it cannot be copied or pickled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+class _LiveWriter(_Writer):
+    """A writer as SummaryWriter is: a thread and a lock, which cannot be copied or pickled."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: list[tuple[str, float, int | None]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int | None = None) -> None:
+        self.calls.append((tag, value, step))
+
+
+def test_a_buffer_with_a_bar_and_a_writer_is_deep_copied_sharing_them() -> None:
+    # An EMA copy of a model that holds a buffer: deepcopy failed on the bar (tqdm's
+    # recursed until RecursionError) and on the writer ("cannot pickle '_thread.lock'").
+    bar, writer = _LiveBar(), _LiveWriter()
+    shown = dk.ProgressBarSink(bar, keys=["loss"])
+    model = torch.nn.Linear(2, 2)
+    model.logs = dk.LogBuffer(sinks=[shown, dk.TensorBoardSink(writer, prefix="t/")])  # type: ignore[assignment]
+    model.logs.log(0, loss=0.5)  # type: ignore[operator]
+    ema = copy.deepcopy(model)
+    copied_bar, copied_writer = ema.logs.sinks  # type: ignore[union-attr]
+    assert copied_bar.bar is bar  # the same display
+    assert copied_writer.writer is writer  # and the same event file
+    assert copied_bar is not shown
+    assert copied_bar.keys is not shown.keys
+    ema.logs.log(1, loss=0.25)  # type: ignore[operator]
+    ema.logs.flush()  # type: ignore[operator]
+    assert bar.postfix == {"loss": "0.25"}
+    assert writer.calls == [("t/loss", 0.5, 0), ("t/loss", 0.25, 1)]
+    assert copy.copy(shown).bar is bar
+
+
+def test_a_sink_that_cannot_be_pickled_says_which_and_what_to_do() -> None:
+    for sink, part in (
+        (dk.ProgressBarSink(_LiveBar()), "bar (_LiveBar)"),
+        (dk.TensorBoardSink(_LiveWriter()), "writer (_LiveWriter)"),
+    ):
+        with pytest.raises(TypeError, match=rf"cannot be pickled: its {re.escape(part)}") as info:
+            pickle.dumps(dk.LogBuffer(sinks=[sink]))
+        assert "logs.sinks.remove(sink)" in str(info.value)
+    sink = pickle.loads(pickle.dumps(dk.ProgressBarSink(_Bar(), keys=["loss"])))
+    assert sink.keys == ["loss"]  # a bar that pickles still goes
 
 
 def test_sink_reprs() -> None:

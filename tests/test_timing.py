@@ -249,6 +249,33 @@ def test_a_timer_refuses_a_with_block_inside_its_own() -> None:
     assert len(timer.times) == 2
 
 
+def test_a_timer_in_a_block_of_another_thread_says_so_not_inner_block() -> None:
+    # Before: "use a second Timer for the inner block", of a block no code was inside.
+    timer, entered, leave = dk.Timer(), threading.Event(), threading.Event()
+
+    def other() -> None:
+        with timer:
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    entered.wait(10)
+    try:
+        with (
+            pytest.raises(RuntimeError, match=r"^this Timer is timing a `with` block in another "),
+            timer,
+        ):
+            pass
+    finally:
+        leave.set()
+        thread.join()
+    assert len(timer.times) == 1  # the other thread's lap, whole
+    with timer:  # and this thread times its next block as before
+        pass
+    assert len(timer.times) == 2
+
+
 def test_timer_as_a_decorator_without_parentheses_says_so() -> None:
     def step() -> None: ...
 
