@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
@@ -22,7 +23,7 @@ from ._errors import DeviceOutOfMemoryError, add_note
 from ._keywords import suggest_keywords
 from ._oomreport import build_report
 from ._oomtext import is_oom
-from ._options import check_count, check_flag
+from ._options import check_count, check_flag, short_repr
 
 __all__ = ["explain_oom"]
 
@@ -239,7 +240,13 @@ def explain_oom(
     # Strictly a bool: record_history="no" would be truthy, and recording starts CUDA.
     check_flag(record_history, name="record_history")
     check_count(top, name="top", minimum=1)
-    check_count(history_entries, name="history_entries", minimum=1)
+    if check_count(history_entries, name="history_entries", minimum=1) > sys.maxsize:
+        # torch's recorder takes a C++ size_t: past it, pybind's bare "incompatible
+        # function arguments" would surface at the first out-of-memory error, on CUDA only.
+        raise ValueError(
+            f"history_entries must be at most sys.maxsize ({sys.maxsize:,}), torch's own "
+            f"default, got {short_repr(history_entries)}; leave it out, or pass fewer"
+        )
     options = _ExplainOOM(target, model, record_history, top, history_entries)
     # explain_oom(fn, model=m) applies its options to fn, as @explain_oom(model=m) does.
     return options if func is None else options(func)

@@ -418,6 +418,9 @@ def test_options_are_checked() -> None:
         dk.explain_oom(top=0)
     with pytest.raises(ValueError, match="history_entries must be an int >= 1, got -1"):
         dk.explain_oom(history_entries=-1)
+    with pytest.raises(ValueError, match=r"history_entries must be at most sys\.maxsize \("):
+        dk.explain_oom(history_entries=sys.maxsize + 1)
+    dk.explain_oom(history_entries=sys.maxsize)  # torch's own default: taken
     with pytest.raises(dk.DeviceNotFoundError):
         dk.explain_oom(device="cuda:7")
     with pytest.raises(TypeError, match="a function to decorate or keyword options"):
