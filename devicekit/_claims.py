@@ -17,39 +17,31 @@ already holds, and closing *any* descriptor of the file would drop them.
 process, and a child made by ``fork`` closes its inherited copy (below)
 without releasing the parent's claim.
 
-Every job of one user must find the same files, whatever its environment, so
-the directory is fixed: ``/tmp/devicekit-<uid>``, mode 0700, or
-``$DEVICEKIT_CLAIMS_DIR`` where the user names one. Not ``$XDG_RUNTIME_DIR``
-or ``$TMPDIR``: a job started from cron, Slurm, ``sudo -u`` or a service has
-neither, or its own, and would claim GPUs other jobs hold; and logind deletes
-``/run/user/<uid>`` at logout, under the claims of jobs left running. The
-files are never deleted: deleting a lock file while another process has it
-open but not yet locked would let two processes lock two different files for
-one GPU. There is one small file per GPU ever claimed. While it holds a
-claim, a process also holds a shared ``flock`` on the directory, which
-``systemd-tmpfiles`` honours: it does not age a locked directory, so the
-files of a claim held for weeks stay where the next job looks for them.
+Where the lock files live, what each is named, and who holds one: `_claimfiles`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import re
-import stat
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from ._blocks import EnterOnce
+from ._claimfiles import (
+    DIR_VAR,
+    PID_WIDTH,
+    cannot,
+    claims_directory,
+    holder,
+    lock_file,
+    share_lock,
+)
 from ._devices import DeviceLike, parse_cuda_index, resolve_device
 from ._keywords import suggest_keywords
 from ._visible import ENV_VAR
@@ -72,19 +64,6 @@ __all__ = [
     "release_gpu",
 ]
 
-DIR_VAR = "DEVICEKIT_CLAIMS_DIR"
-# Fixed, not tempfile.gettempdir(): TMPDIR differs between jobs of one user (Slurm sets
-# one per job), and jobs that look in different directories do not see each other.
-_SHARED_TMP = "/tmp"
-# systemd-tmpfiles holds a directory it ages exclusively for milliseconds; wait that out,
-# but never hang on a process that keeps it locked (then the claim goes on without it).
-_DIRECTORY_LOCK_TRIES = 100
-_DIRECTORY_LOCK_PAUSE = 0.01  # seconds
-_FIX = (
-    f"set {DIR_VAR} to a directory of your own on a local disk with free space (every job "
-    "that shares these GPUs must see the same value), or pass claim=False"
-)
-
 
 @dataclass(frozen=True)
 class _Claim:
@@ -92,9 +71,6 @@ class _Claim:
     directory_fd: int  # the directory, share-locked so that tmp cleaners leave it alone
     index: int  # cuda:<index> as pick_gpu returned it
     visible: str | None  # CUDA_VISIBLE_DEVICES then, which gave the index its meaning
-
-
-_PID_WIDTH = 10  # Linux process ids have at most 7 digits (pid_max <= 2**22)
 
 
 class _Held:
@@ -130,133 +106,6 @@ def check_claims_supported() -> None:
         )
 
 
-def claims_directory() -> Path:
-    """The directory of this user's lock files, created with mode 0700 if needed.
-
-    ``$DEVICEKIT_CLAIMS_DIR`` when set (an absolute path; ``~`` is expanded,
-    missing parents are made), else ``/tmp/devicekit-<uid>``, whatever
-    ``TMPDIR`` or ``XDG_RUNTIME_DIR`` say: jobs see each other's claims only
-    where they look in the same directory. The default directory is made
-    private again if its mode let others in; a chosen one is never changed,
-    and refused if others can write to it.
-
-    Raises:
-        PermissionError: The directory exists but is not a directory owned
-            by this user (someone else created it, or it is a link), a chosen
-            one is writable by others, or it cannot be created here.
-        OSError: It cannot be created for another reason (a full or
-            read-only disk); the message names the directory and the fix.
-        ValueError: ``$DEVICEKIT_CLAIMS_DIR`` is a relative path.
-
-    Examples:
-        >>> from devicekit._claims import claims_directory
-        >>> oct(claims_directory().stat().st_mode & 0o777)
-        '0o700'
-    """
-    chosen = os.environ.get(DIR_VAR)
-    if chosen:
-        expanded = os.path.expanduser(chosen)  # as a shell would have: "~/claims"
-        if not os.path.isabs(expanded):
-            raise ValueError(
-                f"{DIR_VAR}={chosen!r} is a relative path, which names a different directory "
-                "for each job's working directory; give an absolute path"
-            )
-        path = Path(expanded)
-    else:
-        base = _SHARED_TMP if os.path.isdir(_SHARED_TMP) else tempfile.gettempdir()
-        path = Path(base) / f"devicekit-{os.getuid()}"
-    try:
-        if chosen and not os.path.lexists(path.parent):
-            path.parent.mkdir(parents=True, exist_ok=True)  # "devicekit creates it"
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as error:
-        raise _cannot("create the directory of GPU claims", path, error) from None
-    info = os.lstat(path)
-    # In a shared temp directory another user could have made this name first:
-    # then their files would decide our claims, so refuse instead.
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        # A device, pipe or socket the user named (DEVICEKIT_CLAIMS_DIR=/dev/null) is not
-        # theirs to remove: only a file, a link or a directory is.
-        plain = any(test(info.st_mode) for test in (stat.S_ISREG, stat.S_ISLNK, stat.S_ISDIR))
-        fix = "remove it, or set" if plain or not chosen else "set"
-        raise PermissionError(
-            errno.EACCES,
-            f"{path} should be a directory of GPU claims owned by this user (uid "
-            f"{os.getuid()}), but it is {_describe(info)}; {fix} {DIR_VAR} "
-            "to a directory of your own",
-        )
-    mode = stat.S_IMODE(info.st_mode)
-    if chosen and mode & 0o022:
-        # Not changed: it is the user's (their home, a project folder). Others could plant
-        # links there where the lock files go, so it is refused instead.
-        raise PermissionError(
-            errno.EACCES,
-            f"{DIR_VAR}={chosen!r} is writable by other users (mode {mode:o}), who could "
-            "plant files or links where the lock files go; devicekit does not change a "
-            f"directory you chose. Set {DIR_VAR} to a directory only you can write, such as "
-            f"{os.path.join(expanded, 'devicekit-claims')!r} (devicekit creates it, private)",
-        )
-    if not chosen and mode & 0o077:
-        try:  # its own directory, made by an older umask or by hand: make it private again
-            os.chmod(path, 0o700)
-        except OSError as error:
-            raise _cannot("make private (mode 0700)", path, error) from None
-    return path
-
-
-def _describe(info: os.stat_result) -> str:
-    """What a path is and who owns it: ``"a character device owned by uid 0"``.
-
-    Named by kind: "not a directory owned by uid 0" read as "not owned by uid 0" to the
-    owner of a file (or of ``/dev/null``), and a link to a directory is not "not a
-    directory" to its maker.
-    """
-    note = ""
-    mode = info.st_mode
-    if stat.S_ISLNK(mode):
-        kind, note = "a symbolic link", ", which claims do not follow (its target could change)"
-    else:
-        kinds = [
-            (stat.S_ISDIR, "a directory"),
-            (stat.S_ISREG, "a regular file"),
-            (stat.S_ISCHR, "a character device"),
-            (stat.S_ISBLK, "a block device"),
-            (stat.S_ISFIFO, "a named pipe (FIFO)"),
-            (stat.S_ISSOCK, "a socket"),
-        ]
-        kind = next((name for test, name in kinds if test(mode)), "a special file")
-    return f"{kind} owned by uid {info.st_uid}{note}"
-
-
-def _cannot(action: str, path: Path, error: OSError) -> OSError:
-    """``error`` retold: what claim=True was doing, where, and what to do (same errno, so class)."""
-    return OSError(
-        error.errno,
-        f"claim=True cannot {action} {path}: {error.strerror or error}; {_FIX}",
-    )
-
-
-def _lock_file(uuid: str) -> Path:
-    # Old drivers name MIG instances "MIG-GPU-<uuid>/<gi>/<ci>": no slashes in a file name.
-    return claims_directory() / (re.sub(r"[^A-Za-z0-9._-]", "_", uuid) + ".lock")
-
-
-def _share_lock(directory_fd: int) -> None:
-    """Share-lock the directory, so that ``systemd-tmpfiles`` does not age it (best effort)."""
-    assert fcntl is not None
-    for _ in range(_DIRECTORY_LOCK_TRIES):
-        try:
-            fcntl.flock(directory_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:  # a cleaner is looking at it right now
-            time.sleep(_DIRECTORY_LOCK_PAUSE)
-        except OSError:  # a file system without directory locks: nothing to protect it with
-            return
-        else:
-            return
-
-
 def claim(uuid: str, index: int) -> bool:
     """Claim the GPU with this UUID for this process; False if anyone holds it, this process too.
 
@@ -272,7 +121,7 @@ def claim(uuid: str, index: int) -> bool:
     with _held.lock:
         if uuid in _held.claims:
             return False
-        path = _lock_file(uuid)
+        path = lock_file(uuid)
         opened: list[int] = []
         made: _Claim | None = None
         try:
@@ -280,23 +129,23 @@ def claim(uuid: str, index: int) -> bool:
                 opened.append(os.open(path.parent, os.O_RDONLY))
                 # The directory's lock first: a cleaner already at work in it could delete
                 # the lock file between our open and our lock, and the next job make another.
-                _share_lock(opened[0])
+                share_lock(opened[0])
                 opened.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # closed by exec
             except OSError as error:
-                raise _cannot("open the lock file", path, error) from None
+                raise cannot("open the lock file", path, error) from None
             directory_fd, fd = opened
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False
             except OSError as error:  # a file system without flock (some FUSE mounts)
-                raise _cannot("lock", path, error) from None
+                raise cannot("lock", path, error) from None
             # Who holds it, for the messages of processes turned away (best effort). Fixed
             # width, written over the last holder's: truncating first would make ext4 flush
             # the file to disk at close (its auto_da_alloc rule), 4.5 ms instead of 20 us.
             # Best effort: a full disk must not fail the claim (holder() asks the kernel).
             with contextlib.suppress(OSError):
-                os.pwrite(fd, f"{os.getpid():>{_PID_WIDTH}}\n".encode(), 0)
+                os.pwrite(fd, f"{os.getpid():>{PID_WIDTH}}\n".encode(), 0)
             made = _Claim(fd, directory_fd, index, os.environ.get(ENV_VAR))
             _held.claims[uuid] = made
             return True
@@ -322,59 +171,6 @@ def release(uuid: str) -> bool:
 def is_held(uuid: str) -> bool:
     """Whether this process holds a claim on the GPU with this UUID."""
     return uuid in _held.claims
-
-
-_PROC_LOCKS = "/proc/locks"
-
-
-def holder(uuid: str) -> int | None:
-    """The process id that holds the claim on this GPU; None if unknown.
-
-    The kernel's lock table says, where there is one (Linux): the pid the
-    lock file holds is only what the holder wrote, and a holder that could
-    not write it (a full disk) leaves the pid of an earlier holder there,
-    which may since belong to an unrelated process.
-    """
-    path = _lock_file(uuid)
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    listed, pid = _kernel_holder(info)
-    if listed:
-        return pid
-    try:
-        text = path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _kernel_holder(info: os.stat_result) -> tuple[bool, int | None]:
-    """Whether ``/proc/locks`` lists an exclusive ``flock`` on this file, and by which pid.
-
-    The pid is None where the holder lives in another pid namespace (the
-    kernel writes 0 or less for it then). Not listed: no lock table, or a
-    file system whose device number there differs from ``stat``'s (btrfs).
-    """
-    try:
-        with open(_PROC_LOCKS, encoding="ascii") as table:
-            lines = table.readlines()
-    except (OSError, UnicodeDecodeError):
-        return False, None
-    # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2147666 0 EOF"; waiters' lines carry "->".
-    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-    for line in lines:
-        fields = line.split()
-        if (
-            len(fields) >= 6
-            and fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"]
-            and fields[5] == key
-            and fields[4].lstrip("-").isdigit()
-        ):
-            pid = int(fields[4])
-            return True, pid if pid > 0 else None
-    return False, None
 
 
 def _held_at(index: int) -> list[str]:

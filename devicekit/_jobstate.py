@@ -24,9 +24,25 @@ such warning, and its error says the store stopped answering. (torch reads
 ``TORCH_CPP_LOG_LEVEL`` once, at start: set later, for a few calls, it
 silences nothing, and torch offers no other way.) Only a lost connection
 counts (``_connection_lost``): torch's TCPStore client never opens another,
-so each later try would fail the same way. A store operation that timed out,
-or that this store does not have (``NotImplementedError``), fails that
-operation alone: the store is used again at the next step.
+so each later try would fail the same way. An operation that this store does
+not have (``NotImplementedError``) fails that operation alone.
+
+When the store is slow. A store whose process is stopped or unreachable
+(``SIGSTOP``, a hung node, a network partition that drops packets) leaves a
+TCPStore ``check`` or ``get`` waiting forever on torch 2.13, whatever the
+store's timeout: before, a job-wide call then hung before its collective,
+timeout or not. So every use of the store here waits at most
+``STORE_WAIT`` seconds (it runs on a daemon thread, which is left behind
+if it does not finish: it holds no lock of devicekit's). A use that did not
+finish in time, or that the store itself timed out (``DistStoreError``: a
+server-side wait, which cost the store's whole timeout, the job's: 10 or
+30 minutes by default, at every later step) marks the store slow for the job
+(``Job.store_slow``): devicekit logs one warning and uses it no more in that
+job, so it costs at most one such wait per job, not one per step. A later
+use would only queue behind the one still waiting. What is lost is the
+notes that name the missing ranks; each call's collective is bounded by its
+own timeout, and devicekit's group is still made (``new_group`` uses the
+store through torch, under the store's own timeout).
 
 Before the group exists. A rank that exits before its first job-wide call
 cannot be told from one still on its way: devicekit's group does not exist
@@ -39,6 +55,8 @@ its going ends the store.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import threading
 import time
@@ -51,9 +69,20 @@ from ._errors import RanksOutOfStepError
 from ._format import first_line, format_seconds, plural
 from ._gloo import gloo_keeps_first_timeout
 
-__all__ = ["Job", "arrive", "out_of_step", "refuse_if_broken", "this_job"]
+__all__ = ["STORE_WAIT", "Job", "arrive", "out_of_step", "refuse_if_broken", "this_job"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger("devicekit")
+
+STORE_WAIT = 5.0
+"""Seconds one use of the job's store may take before devicekit stops using it for the job.
+
+A healthy store answers in well under a millisecond, a few tens of them with
+thousands of ranks asking at once; five seconds is far past that, and short
+next to a job-wide call's default timeout. Not the call's own timeout: the
+notes are best effort, and a call with ``timeout=0.001`` must still find them.
+"""
 
 
 class Job:
@@ -74,6 +103,11 @@ class Job:
     # timeout or a missing operation; a socket timeout counts as lost (the stream is out
     # of step, see _connection_lost).
     store_lost: str | None = None
+    # The job's store did not answer one of devicekit's uses within STORE_WAIT, or timed
+    # it out itself (why, in words): it is not used again in this job, each later try
+    # would wait as long (see the module's docstring). Unlike store_lost, its process
+    # need not have gone, and devicekit's group is still made.
+    store_slow: str | None = None
 
 
 def this_job() -> None:
@@ -83,7 +117,7 @@ def this_job() -> None:
     world = dist.group.WORLD
     if Job.world is not world:  # destroyed and made again: a new job, a new group, a new count
         Job.world, Job.group, Job.calls, Job.broken = world, None, 0, None
-        Job.store_lost = None
+        Job.store_lost = Job.store_slow = None
 
 
 def arrive(what: str) -> int:
@@ -161,25 +195,133 @@ def _try_store(use: Callable[[Any], T]) -> tuple[T | None, str | None]:
     connection to it is lost, that process has most likely gone, so the
     store is not tried again in this job: each try would fail too, printing
     torch's C++ warning and stack dump (5 or 6 per call before, over 100
-    lines, when rank 0 had exited). Any other failure (a server-side wait
-    timeout, an operation this store lacks) fails this use alone; a socket
-    timeout counts as a lost connection.
+    lines, when rank 0 had exited); a socket timeout counts as a lost
+    connection. A use that takes longer than ``STORE_WAIT``, or that the
+    store times out itself, marks it slow: not tried again in this job
+    either (see ``_note_slow``). Any other failure (an operation this store
+    lacks) fails this use alone.
     """
-    lost = Job.store_lost
-    if lost is not None:
-        return None, lost
+    with Job.lock:
+        skipped = Job.store_lost or Job.store_slow
+    if skipped is not None:
+        return None, skipped
     store = _store()
     if store is None:
         return None, None
     try:
-        return use(store), None
+        return _within(STORE_WAIT, use, store), None
+    except _StoreStalled as stalled:
+        return None, _note_slow(str(stalled))
     except (RuntimeError, ValueError, OSError, EOFError) as error:
         reason = first_line(error)
         if _connection_lost(error):
             with Job.lock:
                 if Job.store_lost is None:
                     Job.store_lost = reason
+        elif _timed_out(error):
+            _note_slow(reason)
         return None, reason
+
+
+class _StoreStalled(Exception):
+    """A use of the store that did not finish within its time (internal: never raised out)."""
+
+
+def _within(seconds: float, use: Callable[[Any], T], store: Any) -> T:
+    """``use(store)``, or `_StoreStalled` when it takes longer than ``seconds``.
+
+    On a daemon thread, so that a store that never answers (a TCPStore whose
+    process is stopped: ``check`` waits forever on torch 2.13, whatever its
+    timeout) holds up this call for ``seconds``, not for good. A thread left
+    waiting ends with the store's answer, or with the process; it holds no
+    lock of devicekit's (torch's client may hold its own, so torch's next use
+    of that store waits behind it, as it would wait anyway). An answer
+    that comes while the interpreter exits wakes the thread in torch's C++
+    code, which can abort the exiting process, as ``_gloo`` describes for
+    gloo's worker: so exit waits up to ``STORE_WAIT`` for such threads
+    (``_let_go_at_exit``); an answer later than that still can.
+    Costs about 80 µs a use (a thread start), two per job-wide call.
+    Ctrl-C stops the wait here, as it would the use.
+    """
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, use(store)))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, raised there
+            outcome.append((False, error))
+
+    worker = threading.Thread(target=run, name="devicekit-store", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not outcome:
+        _left_behind.append(worker)
+        raise _StoreStalled(f"no answer within {format_seconds(seconds)}")
+    done, value = outcome[0]
+    if not done:
+        raise value
+    result: T = value
+    return result
+
+
+_left_behind: list[threading.Thread] = []  # store uses that did not finish in time
+
+
+@atexit.register
+def _let_go_at_exit() -> None:
+    """At exit, give store uses left waiting up to ``STORE_WAIT`` in all to finish.
+
+    A store that answers late (its process resumed, or gone: its connection
+    closes) wakes such a thread in torch's C++ code; while the interpreter
+    shuts down, that aborts the process ("terminate called without an active
+    exception": 1 run in 4 of the test whose rank stops the store's process).
+    Exit handlers run before that, with daemon threads still running.
+    """
+    deadline = time.monotonic() + STORE_WAIT
+    for worker in _left_behind:
+        worker.join(max(0.0, deadline - time.monotonic()))
+
+
+def _note_slow(reason: str) -> str:
+    """Stop using the store for this job after a use that timed out; warn once. ``reason`` back.
+
+    Every later use would wait as long again (one per step of every call:
+    the store's whole timeout each, or for ever behind a use still waiting).
+    """
+    with Job.lock:
+        first = Job.store_slow is None
+        if first:
+            Job.store_slow = reason
+    if first:
+        logger.warning(
+            "devicekit: the job's store (served by %s) timed out (%s); devicekit stops "
+            "using it for the rest of this job, so a failed job-wide call names the missing "
+            "ranks only where gloo does (on rank 0). Job-wide calls still work, each bounded "
+            "by its own timeout.",
+            _store_host(),
+            reason,
+        )
+    return reason
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a store operation failed because the store timed it out (its connection works).
+
+    TCPStore's server-side wait timeout is a ``DistStoreError`` ("wait timeout
+    after 1000ms, keys: /missing"); other stores say "timeout" or "timed out".
+
+    Examples:
+        >>> _timed_out(TimeoutError("timed out"))
+        True
+        >>> _timed_out(NotImplementedError("compare_set"))
+        False
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    if isinstance(error, (TimeoutError, dist.DistStoreError)):
+        return True
+    text = str(error).lower()
+    return not isinstance(error, NotImplementedError) and ("timeout" in text or "timed out" in text)
 
 
 def _connection_lost(error: BaseException) -> bool:

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _claims
+from devicekit import _claimfiles, _claims
 
 from .conftest import CTRL_C_WORKS, run_python
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -264,7 +264,7 @@ def default_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.delenv(_claims.DIR_VAR)
     shared = tmp_path / "tmp"
     shared.mkdir()
-    monkeypatch.setattr(_claims, "_SHARED_TMP", str(shared))
+    monkeypatch.setattr(_claimfiles, "_SHARED_TMP", str(shared))
     return shared / f"devicekit-{os.getuid()}"
 
 
@@ -702,7 +702,7 @@ def _job(code: str, env: dict[str, str | None]) -> subprocess.Popen[str]:
         sys.modules["pynvml"] = FakeNVML([FakeGPU(U)])
         torch.version.cuda = torch.version.cuda or "13.0"
         import devicekit as dk
-        from devicekit import _claims, _gpus
+        from devicekit import _claimfiles, _claims, _gpus
         """
     program = CTRL_C_WORKS + textwrap.dedent(prelude) + textwrap.dedent(code)
     return subprocess.Popen(
@@ -732,7 +732,7 @@ def test_a_job_from_a_login_shell_and_one_from_cron_get_different_gpus(
     # The same user; one job has a login session's XDG_RUNTIME_DIR, the other none and
     # a TMPDIR of its own (cron, Slurm). Both take /tmp, patched here to a stand-in.
     claim = f"""
-        _claims._SHARED_TMP = {str(default_directory.parent)!r}
+        _claimfiles._SHARED_TMP = {str(default_directory.parent)!r}
         print(dk.pick_gpu(claim=True), flush=True)
         sys.stdin.read()  # hold the claim until the test closes stdin
         """
@@ -782,6 +782,29 @@ def test_the_holder_named_is_the_process_that_holds_the_lock(nvml_session: Insta
             dk.pick_gpus(1, claim=True)
     finally:
         _finish(full)
+
+
+def test_without_the_kernels_lock_table_a_holder_that_exited_is_not_named(
+    private_claims: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Without /proc/locks (macOS; btrfs, whose device numbers there differ from stat's)
+    # the pid in the file is all there is. Before, it was named even once that process
+    # had exited (its pid free for reuse), and "0" named this process group.
+    files = sys.modules[_claims.holder.__module__]  # where holder() reads the lock table
+    monkeypatch.setattr(files, "_PROC_LOCKS", str(tmp_path / "no-lock-table"))
+    earlier = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=True,
+    )
+    lock = _claims.claims_directory() / f"{uuid(0)}.lock"
+    for gone in (int(earlier.stdout), 0):
+        lock.write_text(f"{gone:>10}\n")
+        assert _claims.holder(uuid(0)) is None
+    lock.write_text(f"{os.getpid():>10}\n")
+    assert _claims.holder(uuid(0)) == os.getpid()
 
 
 def test_ctrl_c_while_waiting_stops_the_wait_and_holds_nothing() -> None:

@@ -737,6 +737,61 @@ def test_once_the_store_has_failed_a_rank_never_uses_it_again(tmp_path: Path, wh
     assert "so no later job-wide call can complete in this job" in later
 
 
+def _store_server_stops(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 1 stops rank 0 (whose process serves the store), makes two calls, resumes it."""
+    import logging
+    import signal
+
+    from devicekit import _jobstate
+
+    _tcp_job(rank, world, port)
+    # devicekit's group exists. Its timeout, not the later call's, bounds rank 1's wait for
+    # a stopped rank 0 in monitored_barrier (torch 2.13): short, to keep the test short.
+    dk.job_status(timeout=10)
+    if rank == 0:
+        Path(folder, "pid-0").write_text(str(os.getpid()))
+        _wait_for(folder, ["done-1"])  # stopped meanwhile; then out, without the store
+        os._exit(0)
+    _wait_for(folder, ["pid-0"])
+    pid = int(Path(folder, "pid-0").read_text())
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("devicekit").addHandler(handler)
+    _jobstate.STORE_WAIT = 0.5
+    errors = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(2):
+            try:
+                dk.job_status(timeout=2)
+            except dk.RanksOutOfStepError as error:
+                errors.append(str(error))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _record(folder, "stopped", rank, {"errors": errors, "warnings": warnings})
+    Path(folder, "done-1").touch()
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_store_server_costs_one_short_wait_not_a_hang(tmp_path: Path) -> None:
+    # Before, rank 1's call waited for ever in its first store read (torch 2.13's TCPStore
+    # client waits for a stopped server whatever its timeout), before its collective, so
+    # the call's timeout never came. Now that read gives up after STORE_WAIT, the store is
+    # used no more in this job (one warning says so), and each call fails within its time.
+    spawn_ranks(_store_server_stops, 2, str(tmp_path), timeout=120)
+    outcome = json.loads((tmp_path / "stopped-1.json").read_text())
+    first, later = outcome["errors"]
+    assert first.startswith("job_status(): not every rank joined"), first
+    assert first.endswith(
+        "The job's store, which would name them, could not be read (no answer within 500 ms); "
+        "rank 0's message may name them."
+    ), first
+    assert later.startswith("job_status(): rank 1's job-wide call #2, job_status(), failed")
+    (warning,) = outcome["warnings"]
+    assert "timed out (no answer within 500 ms); devicekit stops using it" in warning
+
+
 # --- store failures that are not a lost store -------------------------------------------------
 
 
@@ -780,6 +835,8 @@ def fake_store(monkeypatch: pytest.MonkeyPatch) -> Any:
     from devicekit import _jobstate
 
     monkeypatch.setattr(_jobstate.Job, "store_lost", None)
+    # raising=False: these tests also run (and fail) against code from before store_slow
+    monkeypatch.setattr(_jobstate.Job, "store_slow", None, raising=False)
     monkeypatch.setattr(_jobstate.Job, "broken", None)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
 
@@ -818,11 +875,66 @@ def test_one_timeout_does_not_make_the_store_lost(fake_store: Any) -> None:
     # the job, and the error said its process "has most likely exited or crashed".
     from devicekit import _jobstate
 
-    store = fake_store(check=[_timeout()])
-    store.data["devicekit/broken"] = BROKEN.encode()
+    fake_store(check=[_timeout()])
     assert _jobstate._read_broken() is None  # this read failed: the call goes on
     assert _jobstate.Job.store_lost is None
-    assert _jobstate._read_broken() == BROKEN  # the next one reads it
+
+
+def test_a_store_that_timed_out_is_used_no_more_in_the_job_and_says_so_once(
+    fake_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, each later use tried the store again, and each cost the store's whole
+    # timeout (30 minutes by default): every step of every later job-wide call.
+    from devicekit import _jobstate
+
+    store = fake_store(check=[_timeout()])
+    store.data["devicekit/broken"] = BROKEN.encode()
+    with caplog.at_level("WARNING", logger="devicekit"):
+        for _ in range(3):
+            assert _jobstate._read_broken() is None
+        _jobstate._break(4, "job_status()", "timed out", None)
+    assert store.calls == ["check"]
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "devicekit: the job's store (served by rank 0's process) timed out (wait timeout after "
+        "300000ms, keys: /devicekit/broken); devicekit stops using it for the rest of this job"
+    )
+    assert _jobstate.Job.store_lost is None  # its process need not have gone
+
+
+class _Stalled(_FakeStore):
+    """A store whose ``check`` does not answer until ``answer`` is set (a stopped server)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        super().__init__({})
+        self.answer = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls.append("check")
+        self.answer.wait(30)  # torch 2.13's TCPStore waits for ever, whatever its timeout
+        return False
+
+
+def test_a_store_that_does_not_answer_holds_up_a_call_for_store_wait_only(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a job-wide call waited as long as the store did: for ever, on torch 2.13, for
+    # a TCPStore whose process was stopped (before its collective, so its timeout did not
+    # help), and the next call waited again.
+    from devicekit import _jobstate
+
+    store = _Stalled()
+    monkeypatch.setattr(_jobstate, "_store", lambda: store)
+    monkeypatch.setattr(_jobstate, "STORE_WAIT", 0.05)
+    try:
+        assert _jobstate._read_broken() is None
+        assert _jobstate.Job.store_slow == "no answer within 50 ms"
+        assert _jobstate._read_broken() is None
+        assert store.calls == ["check"]
+    finally:
+        store.answer.set()
 
 
 def test_a_store_that_timed_out_is_not_said_to_have_exited(fake_store: Any) -> None:
