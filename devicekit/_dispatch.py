@@ -51,11 +51,13 @@ from ._scopedenv import scoped_env
 from ._visible import ENV_VAR, parse_visible_devices
 from ._worker import WorkerName, work
 from ._workerstate import (
+    Orphans,
     Procs,
     Slot,
     Worker,
     child_start_time,
     descendants,
+    orphans,
     signal_each,
     wait_ended,
 )
@@ -169,7 +171,7 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
     return workers
 
 
-def stop_workers(workers: list[Worker], *, gently: bool) -> None:
+def stop_workers(workers: list[Worker], *, gently: bool, dead: list[Orphans] | None = None) -> None:
     """Stop every worker and wait for it: ask (if gently), then terminate, then kill.
 
     Each step goes to every worker before waiting, and the wait is shared, so
@@ -179,15 +181,19 @@ def stop_workers(workers: list[Worker], *, gently: bool) -> None:
     SIGTERM, in the same shared wait, then SIGKILL: they are looked up
     (``_workerstate.descendants``, Linux only) before any worker is asked or
     signalled, as a process's children are given to init when it ends, and
-    again before SIGKILL, for those started meanwhile. Workers another process
-    started are left alone: in a forked child, the pool's finalizer must not
-    stop its parent's workers.
+    again before SIGKILL, for those started meanwhile. Those of a worker that
+    had already died are found by its mark, once per stop (``orphans``): by
+    the caller, which passes them as ``dead`` for the names it reports, or
+    here. Workers another process started are left alone: in a forked child,
+    the pool's finalizer must not stop its parent's workers.
     """
     if workers and workers[0].owner != os.getpid():
         return
     started: Procs = {}  # what the workers started, each with its start time
     try:
-        started = _started_by(workers, started)
+        for orphaned in orphans(workers) if dead is None else dead:
+            started.update(orphaned.procs)
+        started.update(_started_by(workers, started))
         if gently:
             for worker in workers:
                 if worker.alive():

@@ -31,6 +31,9 @@ __all__ = [
     "told",
 ]
 
+# How many leftover processes a message names: a fork bomb in fn leaves thousands.
+_NAMED = 10
+
 MAIN_GUARD_FIX = (
     "Workers are started with spawn: each one imports the main module again, so a "
     'script must call gpu_map() under `if __name__ == "__main__":` (and define fn at '
@@ -140,7 +143,9 @@ def outlived(stopped: dict[int, str], left: dict[int, str]) -> str:
         )
     if left:
         them = "it" if len(left) == 1 else "them"
-        pids = " ".join(map(str, left))
+        pids = " ".join(map(str, list(left)[:_NAMED]))
+        if len(left) > _NAMED:
+            pids += f", and the {len(left) - _NAMED} more"
         said.append(
             f"{plural(len(left), 'process')} that its fn had started outlived it and could not "
             f"be stopped: {_listed(left)}; stop {them} yourself (kill -9 {pids})."
@@ -162,7 +167,11 @@ def told(message: str, fates: dict[int, str]) -> str:
 
 
 def _listed(procs: dict[int, str]) -> str:
-    return ", ".join(f"PID {pid} ({name})" for pid, name in procs.items())
+    """``"PID 12 (sh), PID 3 (top)"``: the first ``_NAMED``, then ``"and 5 more"``."""
+    shown = [f"PID {pid} ({name})" for pid, name in list(procs.items())[:_NAMED]]
+    if len(procs) > _NAMED:
+        shown.append(f"and {len(procs) - _NAMED} more")
+    return ", ".join(shown)
 
 
 def fn_failed(where: str, summary: str, remote_traceback: str, *, caller: str = "gpu_map") -> str:
@@ -226,7 +235,11 @@ _GONE_SECONDS = 1.0
 
 
 def fates(dead: list[Orphans]) -> dict[int, str]:
-    """Once they were sent SIGKILL: what became of them, as words, by ``id(worker)``."""
+    """Once they were sent SIGKILL: what became of them, as words, by ``id(worker)``.
+
+    Dead workers whose ``fn`` had started nothing that outlived them are left out.
+    """
+    dead = [orphaned for orphaned in dead if orphaned.names]
     procs: Procs = {}
     for orphaned in dead:
         procs.update(orphaned.procs)

@@ -117,11 +117,17 @@ def pool_busy(mapper: threading.Thread, *, closing: bool = False) -> str:
         )
     else:
         where = f"in thread {short_repr(mapper.name)}"
-    if closing:
-        runs_on = "" if mapper is threading.current_thread() else ", and the map runs on"
+    if closing and mapper is threading.current_thread():
         return (
             f"GPUPool.close() was called while GPUPool.map() runs on this pool, {where}; "
-            f"the pool is left open{runs_on}. Closing it would stop the "
+            "this error stops that map (its workers are stopped) and the pool is closed. "
+            "To end a map that takes too long, pass map(..., timeout=seconds); to keep "
+            "the map, close the pool once map() has returned."
+        )
+    if closing:
+        return (
+            f"GPUPool.close() was called while GPUPool.map() runs on this pool, {where}; "
+            "the pool is left open, and the map runs on. Closing it would stop the "
             "workers under that map. Close the pool from the thread that maps, once "
             "map() has returned (leave the `with dk.gpu_pool()` block there); to end a "
             "map that takes too long, pass map(..., timeout=seconds)."

@@ -80,7 +80,7 @@ from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
 from ._options import check_flag, short_repr
 from ._progress import Progress
 from ._workerslots import worker_slots, workers_per_device_count
-from ._workerstate import orphans
+from ._workerstate import Orphans, orphans
 
 __all__ = ["GPUPool", "gpu_map", "gpu_pool"]
 
@@ -89,6 +89,8 @@ logger = logging.getLogger("devicekit")
 T = TypeVar("T")
 R = TypeVar("R")
 T_co = TypeVar("T_co", covariant=True)
+
+_CLOSED = "this GPUPool is closed; make a new one with dk.gpu_pool()"
 
 
 class _MapStyle(Protocol[T_co]):
@@ -168,28 +170,33 @@ class GPUPool:
     def close(self) -> None:
         """Stop the workers (each finishes nothing new) and wait for them.
 
-        Refused while a map runs on the pool (from another thread, or from a
-        signal handler in the thread that maps): it would stop the workers
-        under that map, whose thread reads the same pipes and stops the same
-        processes. The pool is left open and the map runs on. Close the pool
-        from the thread that maps, once ``map`` has returned; to end a map
-        that takes too long, give it a ``timeout``.
+        Refused while a map runs on the pool in another thread: it would stop
+        the workers under that map, whose thread reads the same pipes and
+        stops the same processes. The pool is left open and the map runs on.
+        Close the pool from the thread that maps, once ``map`` has returned;
+        to end a map that takes too long, give it a ``timeout``. From inside
+        the map's own thread (a signal handler, a shutdown hook), the map is
+        stopped instead: the ``RuntimeError`` raised here ends it, and its
+        teardown stops the workers and leaves the pool closed.
 
         Raises:
-            RuntimeError: A map is running on this pool.
+            RuntimeError: A map is running on this pool (in this thread: it
+                is stopped, and the pool closed).
         """
         with self._state:
+            if self._mapper is threading.current_thread():
+                self._closed = True  # the map's teardown stops its workers, for good
             if self._mapper is not None:
                 raise RuntimeError(pool_busy(self._mapper, closing=True))
             self._closed = True  # no map starts from now on
         with self._stopping:  # a close() in another thread: wait until it has stopped them
             self._stop(gently=True)
 
-    def _stop(self, *, gently: bool) -> None:
+    def _stop(self, *, gently: bool, dead: list[Orphans] | None = None) -> None:
         # The workers leave the pool only once stopped: a Ctrl-C before that leaves
         # them to the next close() (gpu_map's own, or the finalizer's).
         try:
-            stop_workers(list(self._workers), gently=gently)
+            stop_workers(list(self._workers), gently=gently, dead=dead)
         finally:
             self._workers[:] = []
 
@@ -210,7 +217,7 @@ class GPUPool:
         refuse_foreign(self._workers, caller="GPUPool.map()")
         with self._state:  # refused at once, not waited for
             if self._closed:  # before items are read and pickled, for nothing
-                raise ValueError("this GPUPool is closed; make a new one with dk.gpu_pool()")
+                raise ValueError(_CLOSED)
             if self._mapper is not None:
                 raise RuntimeError(pool_busy(self._mapper))
             self._mapper = threading.current_thread()
@@ -223,8 +230,15 @@ class GPUPool:
                 fn_bytes, work, payloads, progress=progress, timeout=limit, caller="GPUPool.map()"
             )
         finally:
-            with self._state:
-                self._mapper = None
+            if self._map_ended():  # close() from inside it, by a handler that caught its error
+                with self._stopping:
+                    self._stop(gently=True)
+
+    def _map_ended(self) -> bool:
+        """Mark that no map runs now; whether the pool was closed meanwhile."""
+        with self._state:
+            self._mapper = None
+            return self._closed
 
     def _run(
         self,
@@ -236,6 +250,8 @@ class GPUPool:
         timeout: float | None,
         caller: str = "gpu_map",
     ) -> list[Any]:
+        if self._closed:  # by close() from a signal handler that ran before map() set _mapper
+            raise ValueError(_CLOSED)
         # Checks `progress` before any worker starts.
         bar = Progress(len(work), progress, label=caller)
         if not work:
@@ -261,10 +277,13 @@ class GPUPool:
             )
         except BaseException as error:
             # A failure, a timeout, or Ctrl-C: stop everyone now, whatever is still to do.
-            dead = orphans(self._workers) if isinstance(error, WorkerError) else []
-            self._stop(gently=False)  # what the dead workers started too
-            if dead:  # the message says what of theirs outlived them, and was stopped
-                error.args = (told(error.args[0], fates(dead)), *error.args[1:])
+            dead: list[Orphans] | None = None  # None: the stop looks for them itself
+            try:  # a second Ctrl-C during the scan of /proc must not skip the stop
+                dead = orphans(self._workers) if isinstance(error, WorkerError) else None
+            finally:
+                self._stop(gently=False, dead=dead)  # what the dead workers started too
+            if said := fates(dead or []):  # what of theirs outlived them, and was stopped
+                error.args = (told(error.args[0], said), *error.args[1:])
             raise
         finally:
             bar.close()
@@ -276,7 +295,7 @@ class GPUPool:
             return
         outlived_them = orphans(dead)
         # Its pipe, and what its fn started, which outlived it: found by their mark.
-        stop_workers(dead, gently=False)
+        stop_workers(dead, gently=False, dead=outlived_them)
         said = fates(outlived_them)
         for worker in dead:
             # The out-of-memory killer picks idle workers too: this map need not fail.

@@ -30,20 +30,25 @@ out-of-memory killer) leaves its processes to init (or a subreaper): by the
 time the parent sees it dead, no ``/proc`` parent PID leads from it to them.
 So each worker marks the processes it starts: it adds ``<its PID>-<its start
 time>`` to ``DEVICEKIT_WORKER`` in its environment (``_worker.MARK``), which
-every process started below it inherits, and ``descendants`` also takes
-every process of this user whose ``/proc/<pid>/environ`` names one of the
-roots that way and that started no earlier than that root (``marked``);
-then their descendants by parent PID. The same finds a daemon ``fn``
-started, which forked twice to leave the tree. A PID and a start time name
-one process since boot, so a mark names one worker, dead or alive, never a
-later process given its PID; the environment is the process's to change, so
-a mark is a hint that it came from below the worker, and is trusted only
-within this user's processes (which could signal ours anyway), from a
-process that started after the worker, and with the start-time check before
-every signal. Not found: a process that dropped the mark from its
-environment (``env={}``), and a child the worker forked without running a
-program (``/proc`` shows the environment a program was started with, and
-the worker's own has no mark: it was added after).
+every process started below it inherits. For a worker that was already dead
+when a stop began (``orphans``), and for no other, the processes of this
+user whose ``/proc/<pid>/environ`` names it that way and that started no
+earlier than it are taken (``marked``), then their descendants by parent
+PID. A live worker's processes are found by parent PID alone: a mark is
+copied into processes ``fn`` never meant to tie to the map (a tmux or screen
+server that ``fn`` started and the user went on using, a job that ``at``
+replays with the environment it was given, a ``nohup`` daemon), and an
+orderly stop, the end of every map, must not stop those. A PID and a start
+time name one process since boot, so a mark names one worker, dead or
+alive, never a later process given its PID; the environment is the
+process's to change, so a mark is a hint that it came from below the
+worker, and is trusted only within this user's processes (which could
+signal ours anyway), from a process that started after the worker, and with
+the start-time check before every signal. Not found: a process that dropped
+the mark from its environment (``env={}``, ``env -u DEVICEKIT_WORKER``), and
+a child the worker forked without running a program (``/proc`` shows the
+environment a program was started with, and the worker's own has no mark:
+it was added after).
 
 Weighed and left: looking the busy workers' descendants up at every tick of
 the map (a scan of ``/proc`` per tick, bounded by ``_MOST``, and what
@@ -137,27 +142,36 @@ class Worker:
 
 @dataclass(frozen=True)
 class Orphans:
-    """A worker that died, and the processes it had started that run on."""
+    """A worker that died, and the processes it had started that run on (maybe none)."""
 
     worker: Worker
     procs: Procs
     names: dict[int, str]  # {pid: its name}, read while it ran
 
 
-def orphans(workers: list[Worker]) -> list[Orphans]:
-    """Each dead worker of these that had started processes that run on, with them.
+def orphans(workers: list[Worker], *, proc: str = _PROC) -> list[Orphans]:
+    """Each dead worker of these, with the processes it had started that run on.
 
-    Found by the mark in their environment (`marked`), as ``stop_workers``
-    finds them to stop them; look them up before it does, for their names:
-    a process that has ended has none to read.
+    Found by the mark in their environment (`marked`), in one scan for all
+    of them, then their descendants by parent PID; none where ``descendants``
+    finds none. Look them up before ``stop_workers`` runs, and hand them to
+    it: their names are read now, as a process that has ended has none. Live
+    workers are left out: their processes are found by parent PID, and a
+    mark copied into a process ``fn`` never started (a tmux server it
+    started, say, later used for other work) must not tie it to an orderly
+    stop.
     """
+    dead = [worker for worker in workers if not worker.alive()]
+    roots: Procs = {}
+    for worker in dead:
+        roots.update(worker.as_procs())
+    by_root = _marks(roots, proc) if roots and _listable(proc) else {}
     found = []
-    for worker in workers:
-        if not worker.alive():
-            procs = descendants(worker.as_procs())
-            shown = names(procs)
-            if shown:
-                found.append(Orphans(worker, procs, shown))
+    for worker in dead:
+        pid = next(iter(worker.as_procs()), None)
+        procs = dict(by_root.get(pid, {})) if pid is not None else {}
+        procs.update(descendants(procs, proc=proc))
+        found.append(Orphans(worker, procs, names(procs, proc=proc)))
     return found
 
 
@@ -188,19 +202,15 @@ def child_start_time(pid: int, proc: str = _PROC) -> int | None:
 def descendants(roots: Procs, *, proc: str = _PROC) -> Procs:
     """Every process below ``roots`` that is still the process its parent started.
 
-    Found by parent PID, and by the mark a root worker left in their
-    environment (`marked`): those of a root that has ended are found too.
-    A root whose PID no longer has its start time has no descendants by
-    parent PID here. At most ``_MOST`` are looked up; ``{}`` where there is
-    no ``/proc``, or where ``/proc`` is another PID namespace's (its PIDs are
-    not ours).
+    Found by parent PID only (those of a root that has ended: `orphans`). A
+    root whose PID no longer has its start time has no descendants here. At
+    most ``_MOST`` are looked up; ``{}`` where there is no ``/proc``, or where
+    ``/proc`` is another PID namespace's (its PIDs are not ours).
     """
-    if proc == _PROC and not (sys.platform.startswith("linux") and _ours(proc)):
-        return {}  # another system's /proc says no parents; another namespace's, other PIDs
-    if not os.path.isdir(proc):
+    if not _listable(proc):
         return {}
-    found: Procs = marked(roots, proc=proc)
-    todo = deque([*roots.items(), *found.items()])
+    found: Procs = {}
+    todo = deque(roots.items())
     table: dict[int, Procs] | None = None  # children by parent, from one read of /proc
     while todo and len(found) < _MOST:
         pid, started = todo.popleft()
@@ -224,27 +234,44 @@ def marked(roots: Procs, *, proc: str = _PROC) -> Procs:
     Each carries ``<root's PID>-<root's start time>`` in ``DEVICEKIT_WORKER``
     and started no earlier than that root. The roots themselves and this
     process are left out; at most ``_MOST`` are found. ``{}`` where this
-    system has no users' IDs (Windows).
+    system has no users' IDs (Windows). For roots that have died only
+    (`orphans`): see the module's docstring.
     """
+    found: Procs = {}
+    for procs in _marks(roots, proc).values():
+        found.update(procs)
+    return found
+
+
+def _marks(roots: Procs, proc: str) -> dict[int, Procs]:
+    """`marked`, by the root each carries the mark of: ``{root's PID: {pid: start time}}``."""
     getuid = getattr(os, "getuid", None)
     if getuid is None or not roots:
         return {}
-    wanted = {f"{pid}-{started}".encode(): started for pid, started in roots.items()}
+    wanted = {f"{pid}-{started}".encode(): (pid, started) for pid, started in roots.items()}
+    earliest = min(roots.values())
     uid, ours = getuid(), os.getpid()
-    found: Procs = {}
+    found: dict[int, Procs] = {}
+    count = 0
     with contextlib.suppress(OSError), os.scandir(proc) as entries:
         for entry in entries:
-            if len(found) >= _MOST:
+            if count >= _MOST:
                 break
             pid = int(entry.name) if entry.name.isdigit() else ours
             if pid == ours or pid in roots or not _owned_by(entry, uid):
                 continue
-            since = _marked_by(pid, wanted, proc)
-            if since is None:
-                continue
+            # Its stat first, which never blocks: reading a process's environ takes its
+            # memory map's lock, which a hung process (in the kernel, mid-fault) may hold
+            # for ever. Only a process that started after the earliest root can carry
+            # one's mark, so most are passed over here, unread (and the scan is cheaper,
+            # with a thousand processes); and only roots that have died are looked for.
             stat = _stat(pid, proc)
-            if stat is not None and stat[2] >= since:  # after its worker: not an older PID
-                found[pid] = stat[2]
+            if stat is None or stat[2] < earliest:
+                continue
+            root = _marked_by(pid, wanted, proc)
+            if root is not None and stat[2] >= root[1]:  # after its worker: not an older PID
+                found.setdefault(root[0], {})[pid] = stat[2]
+                count += 1
     return found
 
 
@@ -336,8 +363,8 @@ def _owned_by(entry: os.DirEntry[str], uid: int) -> bool:
         return False
 
 
-def _marked_by(pid: int, wanted: dict[bytes, int], proc: str) -> int | None:
-    """The start time of the root whose mark ``pid``'s environment carries; None if none."""
+def _marked_by(pid: int, wanted: dict[bytes, tuple[int, int]], proc: str) -> tuple[int, int] | None:
+    """The root (PID, start time) whose mark ``pid``'s environment carries; None if none."""
     try:
         with open(f"{proc}/{pid}/environ", "rb") as file:
             environ = file.read()
@@ -350,6 +377,13 @@ def _marked_by(pid: int, wanted: dict[bytes, int], proc: str) -> int | None:
                 if token in wanted:
                     return wanted[token]
     return None
+
+
+def _listable(proc: str) -> bool:
+    """Whether ``proc`` can be searched for processes: Linux's, this namespace's, or a test's."""
+    if proc == _PROC and not (sys.platform.startswith("linux") and _ours(proc)):
+        return False  # another system's /proc says no parents; another namespace's, other PIDs
+    return os.path.isdir(proc)
 
 
 def _running(pid: int, started: int, proc: str) -> bool:

@@ -2393,7 +2393,7 @@ E, X = 2**22 + 5, 2**22 + 6
 def test_processes_marked_by_a_worker_are_found_once_it_has_ended(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from devicekit._workerstate import descendants, marked
+    from devicekit._workerstate import descendants, marked, orphans
 
     # W has ended and is gone from /proc. C, given to init, carries W's mark among
     # others; G is C's child, which dropped the mark; E carries it but started before
@@ -2411,11 +2411,30 @@ def test_processes_marked_by_a_worker_are_found_once_it_has_ended(
     for pid, environ in environs.items():
         (tmp_path / str(pid) / "environ").write_text(environ)
     assert marked({W: 100}, proc=proc) == {C: 150}
-    assert descendants({W: 100}, proc=proc) == {C: 150, G: 160}
+    (found,) = orphans([_dead_worker(W, 100)], proc=proc)
+    assert found.procs == {C: 150, G: 160}
+    assert found.names == {C: "a (b) c", G: "a (b) c"}
+    assert descendants({W: 100}, proc=proc) == {}  # by parent PID only: W has none now
     assert marked({C: 150}, proc=proc) == {}  # a mark names a worker, not its descendants
     uid = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # none of them is this user's
     assert marked({W: 100}, proc=proc) == {}
+
+
+class _Ended:
+    """A worker's process that has ended: what `_dead_worker` stands on."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def _dead_worker(pid: int, started: int) -> Any:
+    from devicekit._workerstate import Worker
+
+    return Worker(number=1, slot="cpu", process=_Ended(pid), conn=None, started=started)
 
 
 def close_in_thread(pool: dk.GPUPool) -> BaseException | None:
@@ -2476,3 +2495,259 @@ def test_closing_a_pool_while_another_thread_maps_on_it_is_refused_at_once(
         assert pool._workers == []
         with pytest.raises(ValueError, match="this GPUPool is closed"):
             pool.map(abs, [-3])
+
+
+def environment_of_a_child(item: int) -> dict[str, str]:
+    """The environment a process this worker starts is given: its mark included."""
+    shell = subprocess.run(["env", "-0"], capture_output=True, check=True)
+    pairs = [entry.split("=", 1) for entry in shell.stdout.decode().split("\0") if "=" in entry]
+    return dict(pairs)
+
+
+def start_a_daemon(item: int) -> int:
+    """Start ``sleep 60`` as ``nohup server &`` does (its shell exits: init has it); its PID."""
+    shell = subprocess.run(
+        ["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(shell.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.timeout(300)
+def test_a_process_that_carries_a_live_worker_s_mark_outlives_an_orderly_stop() -> None:
+    # Before, every stop looked for the mark, the end of every map included: closing
+    # the pool killed this process, which fn never started, as it killed a tmux
+    # server that fn had started and the user had gone on using.
+    stranger: subprocess.Popen[bytes] | None = None
+    try:
+        with dk.gpu_pool(devices=["cpu"]) as pool:
+            (environ,) = pool.map(environment_of_a_child, [0])
+            assert environ["DEVICEKIT_WORKER"]  # copied, as tmux or `at` copy it
+            stranger = subprocess.Popen(["sleep", "60"], env=environ)
+        assert _alive(stranger.pid), "an orderly close stopped a process fn never started"
+    finally:
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.timeout(300)
+def test_a_daemon_that_fn_started_outlives_the_end_of_gpu_map() -> None:
+    # Before, `nohup server &` in fn was stopped at the end of every gpu_map: found by
+    # the mark, though its worker ended in order. Only a worker's descendants are.
+    (daemon,) = dk.gpu_map(start_a_daemon, [0], devices=["cpu"])
+    try:
+        assert _alive(daemon), "the end of gpu_map stopped a daemon fn had started"
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(daemon, signal.SIGKILL)
+
+
+def _ticks_now() -> float:
+    """Clock ticks since boot, as ``/proc/<pid>/stat`` counts a start time."""
+    with open("/proc/uptime") as uptime:
+        return float(uptime.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+
+
+def _environs_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The PIDs whose ``/proc/<pid>/environ`` ``_workerstate`` opens from now on, in order."""
+    from devicekit import _workerstate
+
+    read: list[int] = []
+
+    def spy(path: str, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("/environ"):
+            read.append(int(str(path).split("/")[-2]))
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(_workerstate, "open", spy, raising=False)
+    return read
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.timeout(300)
+def test_an_orderly_stop_reads_no_process_s_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, every stop read /proc/<pid>/environ of every process of this user, twice
+    # (17 to 54 ms with a thousand processes; each read takes the process's memory
+    # map lock, which a hung process may hold): this one's, say.
+    older = subprocess.Popen(["sleep", "60"])
+    try:
+        read = _environs_read(monkeypatch)
+        with dk.gpu_pool(devices=["cpu"]) as pool:
+            assert pool.map(abs, [-1]) == [1]
+        assert dk.gpu_map(abs, [-2], devices=["cpu"]) == [2]
+        assert read == []
+    finally:
+        older.kill()
+        older.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.timeout(300)
+def test_a_dead_worker_s_mark_is_looked_for_once_and_in_younger_processes_only(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a stop after a worker died read each process's environment three times
+    # (once for the error's names, twice in the stop), that of processes older than
+    # every worker included, which cannot carry a worker's mark.
+    from devicekit._workerstate import start_time
+
+    monkeypatch.setenv("DK_TEST_PIDS", str(tmp_path))
+    older = subprocess.Popen(["sleep", "60"])
+    try:
+        started = start_time(older.pid)
+        assert started is not None
+        # Start times are in clock ticks: the worker's must come at a later tick.
+        assert _wait_for(lambda: _ticks_now() > started + 1, 60)
+        read = _environs_read(monkeypatch)
+        with pytest.raises(dk.WorkerError, match="were stopped: PID"):
+            dk.gpu_map(start_a_child_then_die, ["SIGKILL"], devices=["cpu"])
+        sh, sleep = _started_pids(tmp_path)
+        assert read.count(sh) == 1, read
+        assert read.count(sleep) == 1, read
+        assert older.pid not in read
+    finally:
+        older.kill()
+        older.wait()
+        _kill_what_was_started(tmp_path)
+
+
+def test_a_message_names_ten_leftover_processes_and_counts_the_rest() -> None:
+    # Before, all were named: up to 4,096 of them, from a fork bomb in fn.
+    from devicekit._mapfaults import outlived
+
+    stopped = dict.fromkeys(range(100, 112), "sleep")
+    said = outlived(stopped, dict.fromkeys(range(200, 213), "cat"))
+    named = ", ".join(f"PID {pid} (sleep)" for pid in range(100, 110))
+    assert f"were stopped: {named}, and 2 more." in said, said
+    assert "PID 110" not in said
+    assert said.endswith(
+        "PID 209 (cat), and 3 more; stop them yourself (kill -9 200 201 202 203 204 205 206 "
+        "207 208 209, and the 3 more)."
+    ), said
+
+
+def close_from_a_handler(pool: dk.GPUPool, caught: list[BaseException], *, reraise: bool) -> Any:
+    """Make SIGUSR1 close ``pool``; what that raises goes to ``caught``, and on if ``reraise``."""
+
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            pool.close()
+        except RuntimeError as error:
+            caught.append(error)
+            if reraise:
+                raise
+
+    return signal.signal(signal.SIGUSR1, handler)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs SIGUSR1")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("handler", ["lets the error out", "catches the error"])
+def test_closing_a_pool_from_a_signal_handler_in_the_mapping_thread_closes_it(
+    tmp_path: Any, handler: str
+) -> None:
+    # Before, the map was stopped but the pool was left open ("the pool is left
+    # open"): a shutdown handler's close() did not close it. A handler that caught
+    # the error left the map, and then the pool, running.
+    gate = str(tmp_path / "gate")
+    caught: list[BaseException] = []
+
+    def signal_then_open_the_gate() -> None:
+        _wait_for(lambda: os.path.exists(gate + ".started"), 120)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        if handler == "catches the error":
+            _wait_for(lambda: bool(caught), 60)
+            open(gate, "w").close()
+
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        reraise = handler == "lets the error out"
+        previous = close_from_a_handler(pool, caught, reraise=reraise)
+        sender = threading.Thread(target=signal_then_open_the_gate, daemon=True)
+        try:
+            sender.start()
+            if handler == "catches the error":
+                assert pool.map(wait_for_gate, [gate]) == [gate]
+            else:
+                with pytest.raises(RuntimeError):
+                    pool.map(wait_for_gate, [gate])
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+            open(gate, "w").close()
+            sender.join(60)
+        assert pool._workers == []
+        assert repr(pool).endswith("; closed)")
+        with pytest.raises(ValueError, match="this GPUPool is closed"):
+            pool.map(abs, [-1])
+        (error,) = caught
+        assert str(error) == (
+            "GPUPool.close() was called while GPUPool.map() runs on this pool, in this same "
+            "thread: this call came from inside it (a signal handler or a callback, say); "
+            "this error stops that map (its workers are stopped) and the pool is closed. To "
+            "end a map that takes too long, pass map(..., timeout=seconds); to keep the "
+            "map, close the pool once map() has returned."
+        )
+
+
+@pytest.mark.timeout(300)
+def test_a_close_between_map_s_check_and_its_start_leaves_the_pool_closed() -> None:
+    # A signal handler's close() can run between map()'s check of the pool and its
+    # mark that a map runs (the lock is reentrant): before, the map then started
+    # fresh workers on the closed pool, which nothing stopped until it was collected.
+    import inspect
+
+    from devicekit._parallel import GPUPool
+
+    lines, first = inspect.getsourcelines(GPUPool.map)
+    (at,) = [first + i for i, line in enumerate(lines) if "self._mapper = threading." in line]
+    pool = dk.gpu_pool(devices=["cpu"])
+
+    def in_map(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == at:
+            pool.close()  # as a signal handler would, between two lines of map()
+        return in_map
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return in_map if frame.f_code is GPUPool.map.__code__ else None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(ValueError, match="this GPUPool is closed"):
+            pool.map(abs, [-1])
+    finally:
+        sys.settrace(previous)
+        workers = list(pool._workers)
+        pool._closed = False
+        pool.close()
+    assert workers == []
+
+
+def _interrupted(*args: Any, **kwargs: Any) -> Any:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(300)
+def test_a_second_ctrl_c_while_dead_workers_are_looked_up_still_stops_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a Ctrl-C during the scan for what dead workers had started skipped the
+    # stop: the pool kept its workers, running, after the map had failed.
+    from devicekit import _parallel
+
+    pool = dk.gpu_pool(devices=["cpu", "cpu"])
+    try:
+        assert pool.map(abs, [-1, -2]) == [1, 2]
+        processes = [worker.process for worker in pool._workers]
+        monkeypatch.setattr(_parallel, "orphans", _interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pool.map(math.sqrt, [-1])  # fn raises: a WorkerError, then the scan
+        assert pool._workers == []
+        assert not any(process.is_alive() for process in processes)
+    finally:
+        monkeypatch.undo()
+        pool.close()
