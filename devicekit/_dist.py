@@ -21,6 +21,15 @@ call's timeout would fail a later call that allowed for it. torch before
 timeout once, when the group is made, so there the first call's timeout
 bounds every later call, and a call that fails by it says so.
 
+One step ignores the group's new timeout on every torch: on ranks other than
+0, ``monitored_barrier`` waits for rank 0 without the timeout it is given,
+under the one the group was made with (torch 2.13: with a group made by a
+``timeout=7`` call, a ``timeout=2`` call waited 7 s for a stopped rank 0,
+even after ``set_timeout``). So there, where this call's timeout is the
+shorter, the barrier runs on a thread that is waited on for this call's
+timeout (``_barrier``); where it is the longer, nothing can lengthen
+torch's wait, and a call that fails by it says so.
+
 Which job-wide call each rank is in, and what a failed call leaves behind:
 ``_jobstate``. How long gloo holds a collective's tensors, and why every
 collective here waits until it lets go: ``_gloo``.
@@ -41,9 +50,10 @@ from typing import Any, TypeVar
 import torch
 
 from ._errors import RanksOutOfStepError, add_note
-from ._format import first_line
+from ._format import first_line, format_seconds
 from ._gloo import gloo_keeps_first_timeout, gloo_lets_go
 from ._jobstate import Job, arrive, out_of_step, refuse_if_broken, this_job
+from ._jobstore import Stalled, within
 from ._options import check_seconds, short_repr
 
 __all__ = [
@@ -162,6 +172,11 @@ def warn_if_launched_alone(what: str) -> None:
 _NO_STORE = (
     "devicekit's group is made through the job's store, and this rank's connection to it was lost"
 )
+_SLOW_STORE = (
+    "devicekit's group is made through the job's store, which did not answer in time earlier in "
+    "this job ({}); making it would wait under torch's own store timeout (the job's, 10 or 30 "
+    "minutes by default, or for ever for a stopped store), not this call's, so it is not made"
+)
 
 
 def _group(timeout: float, what: str, call: int, started: float) -> Any:
@@ -184,6 +199,12 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
     went. Trying would spare the other ranks no wait: it fails before this
     rank's address reaches the store (and where the serving process has
     gone, their own ``new_group`` fails as soon).
+
+    Nor once the store is slow (``Job.store_slow``: a use of devicekit's did
+    not finish within ``STORE_WAIT``, or the store timed it out): ``new_group``
+    would wait under torch's store timeout, not this call's (for ever, on
+    torch 2.13, for a stopped TCPStore). The call fails at once, saying so;
+    the other ranks wait for this one within their own call's timeout.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
@@ -194,6 +215,8 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
             Job.made_with = timeout
             if Job.store_lost is not None:
                 failure = RuntimeError(_NO_STORE)
+            elif Job.store_slow is not None:
+                failure = RuntimeError(_SLOW_STORE.format(Job.store_slow))
             else:
                 try:
                     Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
@@ -210,6 +233,38 @@ def _set_timeout(group: Any, wait: datetime.timedelta) -> None:
     """Run ``group``'s next collectives under ``wait``, not under the timeout it was made with."""
     if not gloo_keeps_first_timeout():
         group.set_timeout(wait)
+
+
+def _barrier(group: Any, timeout: float) -> None:
+    """``monitored_barrier`` over ``group``, bounded by ``timeout`` where torch lets it be.
+
+    Rank 0 waits for the others under the timeout it is given. The other
+    ranks send to rank 0 and wait for its answer under the timeout the group
+    was made with (``Job.made_with``), whatever they are given. Where that is
+    longer than this call's, the barrier runs on a thread, waited on for
+    ``timeout``: a rank 0 that does not answer (stopped, hung) fails the call
+    on time. The thread goes on until gloo ends the barrier, and exit waits
+    for it (see ``_jobstore.within``). Where it is shorter, torch's wait is
+    the shorter one, and ``out_of_step`` says so.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    wait = _wait(timeout)
+
+    def meet() -> None:
+        dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
+
+    made_with = Job.made_with
+    if dist.get_rank(group) == 0 or made_with is None or _wait(made_with) <= wait:
+        meet()
+        return
+    try:
+        within(timeout, meet, name="devicekit-barrier", ends_within=made_with + 5.0)
+    except Stalled:
+        raise RuntimeError(
+            f"rank 0 did not answer the barrier within {format_seconds(timeout)}; torch would "
+            f"wait for it for devicekit's group's {format_seconds(made_with)}"
+        ) from None
 
 
 def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
@@ -232,12 +287,14 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     started = time.monotonic()
     call = arrive(what)
     group = _group(timeout, what, call, started)
-    wait = _wait(timeout)
     world = dist.get_world_size(group)
     data = pickle.dumps((what, obj))
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     try:
-        dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
+        _barrier(group, timeout)
+    except RuntimeError as error:
+        raise out_of_step(what, timeout, error, call, started, barrier=True) from error
+    try:
         _all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group, timeout)
         longest = max(int(s) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _dist, _gloo, _job
+from devicekit import _dist, _gloo, _job, _jobstate, _jobstore
 
 from .conftest import spawn_ranks
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -742,12 +742,10 @@ def _store_server_stops(rank: int, world: int, port: int, folder: str) -> None:
     import logging
     import signal
 
-    from devicekit import _jobstate
+    from devicekit import _jobstore
 
     _tcp_job(rank, world, port)
-    # devicekit's group exists. Its timeout, not the later call's, bounds rank 1's wait for
-    # a stopped rank 0 in monitored_barrier (torch 2.13): short, to keep the test short.
-    dk.job_status(timeout=10)
+    dk.job_status(timeout=10)  # devicekit's group exists
     if rank == 0:
         Path(folder, "pid-0").write_text(str(os.getpid()))
         _wait_for(folder, ["done-1"])  # stopped meanwhile; then out, without the store
@@ -758,7 +756,7 @@ def _store_server_stops(rank: int, world: int, port: int, folder: str) -> None:
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("devicekit").addHandler(handler)
-    _jobstate.STORE_WAIT = 0.5
+    _jobstore.STORE_WAIT = 0.5
     errors = []
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -832,8 +830,6 @@ def fake_store(monkeypatch: pytest.MonkeyPatch) -> Any:
     """``fake_store(check=[error, ...])``: the job's store, for _jobstate, as rank 0 of 2."""
     import torch.distributed as dist
 
-    from devicekit import _jobstate
-
     monkeypatch.setattr(_jobstate.Job, "store_lost", None)
     # raising=False: these tests also run (and fail) against code from before store_slow
     monkeypatch.setattr(_jobstate.Job, "store_slow", None, raising=False)
@@ -842,7 +838,7 @@ def fake_store(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     def make(**failures: list[BaseException]) -> _FakeStore:
         store = _FakeStore(failures)
-        monkeypatch.setattr(_jobstate, "_store", lambda: store)
+        monkeypatch.setattr(_jobstore, "_store", lambda: store)
         return store
 
     return make
@@ -861,8 +857,6 @@ def _timeout() -> Exception:
 def test_a_store_without_compare_set_is_not_taken_for_lost(fake_store: Any) -> None:
     # Before, the NotImplementedError (a RuntimeError) of a store that cannot compare_set
     # marked the store lost for the job: no later call read the failure key again.
-    from devicekit import _jobstate
-
     store = fake_store(compare_set=[NotImplementedError("compare_set is not implemented")])
     _jobstate._break(1, "job_status()", "timed out", None)
     assert _jobstate.Job.store_lost is None
@@ -873,8 +867,6 @@ def test_a_store_without_compare_set_is_not_taken_for_lost(fake_store: Any) -> N
 def test_one_timeout_does_not_make_the_store_lost(fake_store: Any) -> None:
     # Before, one store operation that timed out stopped every later use of the store for
     # the job, and the error said its process "has most likely exited or crashed".
-    from devicekit import _jobstate
-
     fake_store(check=[_timeout()])
     assert _jobstate._read_broken() is None  # this read failed: the call goes on
     assert _jobstate.Job.store_lost is None
@@ -885,8 +877,6 @@ def test_a_store_that_timed_out_is_used_no_more_in_the_job_and_says_so_once(
 ) -> None:
     # Before, each later use tried the store again, and each cost the store's whole
     # timeout (30 minutes by default): every step of every later job-wide call.
-    from devicekit import _jobstate
-
     store = fake_store(check=[_timeout()])
     store.data["devicekit/broken"] = BROKEN.encode()
     with caplog.at_level("WARNING", logger="devicekit"):
@@ -923,11 +913,9 @@ def test_a_store_that_does_not_answer_holds_up_a_call_for_store_wait_only(
     # Before, a job-wide call waited as long as the store did: for ever, on torch 2.13, for
     # a TCPStore whose process was stopped (before its collective, so its timeout did not
     # help), and the next call waited again.
-    from devicekit import _jobstate
-
     store = _Stalled()
-    monkeypatch.setattr(_jobstate, "_store", lambda: store)
-    monkeypatch.setattr(_jobstate, "STORE_WAIT", 0.05)
+    monkeypatch.setattr(_jobstore, "_store", lambda: store)
+    monkeypatch.setattr(_jobstore, "STORE_WAIT", 0.05)
     try:
         assert _jobstate._read_broken() is None
         assert _jobstate.Job.store_slow == "no answer within 50 ms"
@@ -943,8 +931,6 @@ def test_a_store_that_timed_out_is_not_said_to_have_exited(fake_store: Any) -> N
     import time
 
     import torch.distributed as dist
-
-    from devicekit import _jobstate
 
     fake_store(check=[_timeout() for _ in range(4)])  # every read of the call times out
     with pytest.MonkeyPatch.context() as patch:
@@ -971,8 +957,6 @@ def test_a_store_that_timed_out_is_not_said_to_have_exited(fake_store: Any) -> N
 def test_a_lost_connection_to_the_store_is_not_tried_again(
     fake_store: Any, lost: BaseException
 ) -> None:
-    from devicekit import _jobstate
-
     store = fake_store(check=[lost])
     assert _jobstate._read_broken() is None
     assert _jobstate.Job.store_lost is not None
@@ -980,19 +964,110 @@ def test_a_lost_connection_to_the_store_is_not_tried_again(
     assert store.calls == ["check"]  # once lost, never used again: one C++ warning, not one each
 
 
-def test_a_store_that_timed_out_once_still_lets_the_group_be_made(
+def test_a_store_that_timed_out_makes_no_group_and_the_call_says_so(
     fake_store: Any, tmp_path: Path
 ) -> None:
-    # Before, the first call's read of the failure key timed out, that marked the store lost,
-    # and devicekit's group was then never made: every call on this rank failed at once,
-    # while the other ranks waited in new_group for the whole timeout.
+    # Before, devicekit's group was made through a store marked slow: new_group waited under
+    # torch's own store timeout (the job's 10 or 30 minutes, or for ever for a stopped
+    # TCPStore), not the call's. Now the call fails at once, saying why.
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
-        fake_store(check=[_timeout()])  # devicekit's own reads; new_group uses the real store
-        assert _dist.gather_objects({"rank": 0}, timeout=30, what="test") == [{"rank": 0}]
+        fake_store(check=[_timeout()])  # the first call's read of the failure key times out
+        with pytest.raises(dk.RanksOutOfStepError) as caught:
+            _dist.gather_objects({"rank": 0}, timeout=30, what="test")
+        assert _jobstate.Job.group is None
+        assert _jobstate.Job.store_lost is None  # slow, not gone
     finally:
         dist.destroy_process_group()
+    assert (
+        "devicekit's group is made through the job's store, which did not answer in time "
+        "earlier in this job (wait timeout after 300000ms, keys: /devicekit/broken)"
+    ) in str(caught.value)
+    assert "so it is not made" in str(caught.value)
+
+
+def test_a_store_that_times_out_once_the_group_exists_leaves_calls_working(
+    fake_store: Any, tmp_path: Path
+) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        store = fake_store()
+        assert _dist.gather_objects({"rank": 0}, timeout=30, what="test") == [{"rank": 0}]
+        store.failures["check"] = [_timeout()]
+        for _ in range(2):
+            assert _dist.gather_objects({"rank": 0}, timeout=30, what="test") == [{"rank": 0}]
+        assert _jobstate.Job.store_slow is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_barrier_cut_short_by_the_groups_timeout_says_so(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, rank 1 said rank 0 "did not arrive (the wait failed after 1 s, before the 60 s
+    # timeout: a rank exited or crashed)": torch's monitored_barrier waits for rank 0, on
+    # the other ranks, under the timeout devicekit's group was made with (1 s), not the call's.
+    import time
+
+    import torch.distributed as dist
+
+    store = fake_store()
+    store.data = {"devicekit/call/0": b"1\njob_status()", "devicekit/call/1": b"2\njob_status()"}
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(_jobstate.Job, "made_with", 1.0)
+    monkeypatch.setattr(_jobstate, "gloo_keeps_first_timeout", lambda: False)
+    failure = RuntimeError("Rank 1 successfully reached monitoredBarrier, but received errors")
+    error = _jobstate.out_of_step(
+        "job_status()", 60, failure, 2, time.monotonic() - 1.0, barrier=True
+    )
+    message = str(error)
+    assert message.startswith("job_status(): rank 0 did not arrive within 1 s."), message
+    assert (
+        "On ranks other than 0, torch's monitored_barrier waits for rank 0 under the timeout of "
+        "devicekit's group, that of the job's first job-wide call (1 s), not this call's (60 s)"
+    ) in message
+
+
+def _rank_0_stops(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 1 stops rank 0 (not dead: its connections stay open) and makes a short call."""
+    import signal
+
+    dist = _scenario(folder, "barrier", rank, world)  # a file store: rank 0 does not serve it
+    dk.job_status(timeout=300)  # devicekit's group is made with 300 s
+    if rank == 0:
+        Path(folder, "pid-0").write_text(str(os.getpid()))
+        _wait_for(folder, ["done-1"])  # stopped meanwhile; then out, which ends rank 1's wait
+        os._exit(0)
+    _wait_for(folder, ["pid-0"])
+    pid = int(Path(folder, "pid-0").read_text())
+    outcome: dict[str, Any] = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        dk.job_status(timeout=2)
+    except dk.RanksOutOfStepError as error:
+        outcome["error"] = str(error)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _record(folder, "barrier", rank, outcome)
+    Path(folder, "done-1").touch()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_0_fails_a_later_call_within_its_own_timeout(tmp_path: Path) -> None:
+    # Before, rank 1's 2 s call waited in monitored_barrier for the group's 300 s (the first
+    # call's timeout; 7.5 s for a 2 s call after a 7 s one), and then said "within 2 s".
+    spawn_ranks(_rank_0_stops, 2, str(tmp_path), timeout=150)
+    message = json.loads((tmp_path / "barrier-1.json").read_text())["error"]
+    assert message.startswith("job_status(): rank 0 did not arrive within 2 s."), message
+    assert "rank 0 last entered job-wide call #1, job_status()" in message
+    assert "rank 0 did not answer the barrier within 2 s" in message
