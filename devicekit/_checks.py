@@ -14,7 +14,7 @@ from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import plural
 from ._look import NOTHING_INSIDE, OPAQUE, object_attributes
-from ._lookbulk import bulk_children, bulk_look
+from ._lookbulk import array_elements, bulk_children, bulk_look
 from ._mover import _has_to_method
 from ._options import short_repr
 from ._tree import children, container_attributes, iter_children
@@ -38,12 +38,15 @@ def assert_same_device(
     returns unchanged. Each object is looked at once, so one that refers back
     to itself is no error, and any depth is walked (a chain of objects through
     ``self.next``). Inside such an object, up to 100,000 objects are read one
-    by one, and its builtin lists, tuples, dicts and sets of plain values
-    (str, numbers, None, numpy scalars and arrays), and of such containers in
+    by one (a numpy array of ``dtype=object`` element by element), and its
+    builtin lists, tuples, dicts and sets of plain values (str, numbers,
+    None, numpy scalars and arrays of numbers), and of such containers in
     turn, which hold no tensor, are passed over in bulk, up to 10,000,000
-    values: a tokenizer's 150,000-entry vocabulary costs about 3 ms. One
-    holding more (a dataset, a logger) is a ``ValueError``, not a pass for
-    tensors never seen. The dicts, lists and records given are checked whole.
+    values (a dict's keys, checked too, count with its values): a
+    tokenizer's 150,000-entry vocabulary costs about 3 ms. One holding more
+    (a dataset, a logger) is a ``ValueError``, not a pass for tensors never
+    seen. The dicts, lists and records given are checked whole (a dict's
+    values, as ``to_device()`` moves them, not its keys).
     A ``PackedSequence``'s ``batch_sizes`` is not checked: torch keeps it on
     the CPU on purpose.
 
@@ -255,6 +258,9 @@ def _open(
             return bulk_children(obj), holder  # its attributes too
     items = children(obj) if holder is None else iter_children(obj)
     if items is None:
+        elements = array_elements(obj)  # a numpy array of dtype=object: each element
+        if elements is not None:  # to_device() returns it unchanged: a holder
+            return elements, holder or (path, type(obj).__name__, False)
         try:
             attributes = object_attributes(obj, limit=left.objects + 1)
         except RuntimeError as error:  # another thread kept changing it: no partial pass

@@ -34,9 +34,10 @@ from ._look import (
     class_namespace,
     snapshot,
 )
+from ._options import short_repr
 from ._tree import ITEMS_ONLY, container_attributes
 
-__all__ = ["bulk_children", "bulk_look"]
+__all__ = ["array_elements", "bulk_children", "bulk_look"]
 
 
 # Plain values: nothing inside them can be a tensor, and their class alone says so (read
@@ -60,9 +61,16 @@ _PLAIN_CLASSES: tuple[Any, ...] = (
 )
 _plain_ids = [frozenset(map(id, _PLAIN_CLASSES))]  # numpy's added once it is imported
 _numpy_classes: list[type] = []
-# Exact containers whose values a nested look reads in bulk, below the container asked.
+# numpy's arrays and records (ndarray, void): plain unless their dtype holds Python objects
+# (dtype=object, a record with an object field), which may be tensors. Read in C.
+_dtyped_ids = [frozenset[int]()]
+_has_object: Callable[[Any], bool] = operator.attrgetter("dtype.hasobject")
+# Exact containers whose values a nested look reads in bulk, below the container asked:
+# only those whose exact instances cannot be given attributes (no __dict__), since below
+# the container asked only the values are read. An OrderedDict has a __dict__
+# (od.t = tensor): it is read one by one, where its attributes are looked at too.
 _SEQUENCE_IDS = frozenset(map(id, (list, tuple, set, frozenset, collections.deque)))
-_MAPPING_IDS = frozenset(map(id, (dict, collections.defaultdict, collections.OrderedDict)))
+_MAPPING_IDS = frozenset(map(id, (dict, collections.defaultdict)))
 # How many containers deep below the one asked a look reads in bulk: a vocabulary (str to
 # int), merges (a list of pairs), a batch of token ids (a dict of lists of lists).
 _BULK_DEPTH = 3
@@ -111,49 +119,67 @@ def bulk_look(obj: object, budget: int) -> tuple[int, bool] | None:
     values (a tokenizer's vocabulary, a dataset's labels): its values, and
     those of the builtin lists, tuples, dicts and sets among them, down to
     three levels, are read in one go each and told apart by their class
-    alone, in C, never one by one in Python, and no code of theirs runs.
-    Plain: a str, bytes, number, bool or None, a range, a numpy scalar or
-    array, a ``torch.dtype`` or ``torch.device``, a date, a path. None where
-    ``obj`` is not a builtin container (or a subclass that reads its items as
-    its base does); then it is not read. The count is of the values read,
-    where one more container's would pass ``budget``, with theirs (not read):
-    above ``budget``, the look stopped there.
+    alone, in C, never one by one in Python, and no code of theirs runs. A
+    dict's keys are read with its values, and counted too. Below ``obj``,
+    only exact containers whose instances have no ``__dict__`` are read so
+    (not an ``OrderedDict``, whose attributes the walk looks at), and a
+    container referred to many times at one level is read, and counted, once.
+    Plain: a str, bytes, number, bool or None, a range, a numpy scalar, a
+    numpy array or record whose dtype holds no Python object (``dtype=object``
+    may hold a tensor), a ``torch.dtype`` or ``torch.device``, a date, a path.
+    None where ``obj`` is not a builtin container (or a subclass that reads
+    its items as its base does); then it is not read. The count is of the
+    values read, where one more container's would pass ``budget``, with
+    theirs (not read): above ``budget``, the look stopped there.
 
     Raises:
         Changed: Another thread changed a container while it was read, twice.
 
     Examples:
         >>> bulk_look({"a": 1, "b": ["c", 2.0]}, 100), bulk_look([1, object()], 100)
-        ((4, True), (2, False))
+        ((6, True), (2, False))
     """
     reader = _bulk_reader(type(obj))
     if reader is None:
         return None
     size = reader[0].__len__(obj)  # the base's own: C
+    if reader[4] == KEY:
+        size *= 2  # its keys too
     if size > budget:
         return size, False
-    return _plain_through(snapshot(reader[3], obj, None), budget, _BULK_DEPTH)
+    values = snapshot(reader[3], obj, None)
+    if reader[4] == KEY:
+        values += snapshot(dict.keys, obj, None)  # dict's own: a subclass's storage too
+    return _plain_through(values, budget, _BULK_DEPTH)
 
 
 def bulk_children(obj: object) -> Iterator[tuple[str, Any]]:
     """`iter_children()` of a container `bulk_look()` reads, its plain items left out.
 
     Its items that are not plain, read lazily (the plain ones are passed over
-    in C), then the attributes its instance was given, but for one that is
-    one of those items (`container_attributes()`).
+    in C), then a dict's keys that are not plain (``[key <repr>]``), then the
+    attributes its instance was given, but for one that is one of those
+    items (`container_attributes()`).
     """
     cls = type(obj)
     reader = _bulk_reader(cls)
     if reader is None:
         raise TypeError(f"a {cls.__name__} is not read in bulk")
     _, _, items, values, kind = reader
-    plain = _plain()
+    plain, dtyped = _plain(), _dtyped_ids[0]
     wanted = map(operator.not_, map(plain.__contains__, _class_ids(values(obj))))
     mirrors: set[int] = set()
     for key, value in compress(items(obj), wanted):
+        if id(type(value)) in dtyped and not _has_object(value):
+            continue  # an array of numbers: plain
         mirrors.add(id(value))
         suffix = f"[{key!r}]" if kind == KEY else f"[{key}]" if kind == INDEX else f"{{{key}}}"
         yield suffix, value
+    if kind == KEY:
+        keys = snapshot(dict.keys, obj, None)
+        for key in compress(keys, map(operator.not_, map(plain.__contains__, _class_ids(keys)))):
+            if not (id(type(key)) in dtyped and not _has_object(key)):
+                yield f"[key {short_repr(key, 60)}]", key
     if cls in ITEMS_ONLY:
         return
     for name, value in container_attributes(obj):
@@ -162,17 +188,25 @@ def bulk_children(obj: object) -> Iterator[tuple[str, Any]]:
 
 
 def _plain_through(values: tuple[Any, ...], budget: int, depth: int) -> tuple[int, bool]:
-    """How many values were read, ``values`` and those below them, and whether all are plain."""
+    """How many values were read, ``values`` and those below them, and whether all are plain.
+
+    A container referred to many times among ``values`` (``[row] * 10_000``)
+    is read and counted once.
+    """
     read = len(values)
     containers = _containers_among(values)
     if containers is None:
         return read, False  # a tensor, an object, a namedtuple: looked at one by one
-    sequences, mappings = containers
+    sequences, mappings, arrays = containers
+    if arrays and any(map(_has_object, arrays)):  # numpy's C getters: no code of a user's
+        return read, False  # dtype=object: its elements are looked at one by one
     if not sequences and not mappings:
         return read, True
     if depth == 0:
         return read, False
-    below = sum(map(len, sequences)) + sum(map(len, mappings))  # builtins' own len(): C
+    sequences = tuple(dict(zip(map(id, sequences), sequences, strict=True)).values())  # once
+    mappings = tuple(dict(zip(map(id, mappings), mappings, strict=True)).values())
+    below = sum(map(len, sequences)) + 2 * sum(map(len, mappings))  # their own len(): C
     if read + below > budget:
         return read + below, False
     inner = snapshot(_values_within, (sequences, mappings), None)
@@ -181,37 +215,34 @@ def _plain_through(values: tuple[Any, ...], budget: int, depth: int) -> tuple[in
 
 
 def _containers_among(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...] | None:
-    """The exact builtin sequences and sets, and dicts, among plain ``values``; None if not.
+    """The exact builtin sequences and sets, dicts, and numpy arrays among plain ``values``.
 
-    None where one value is neither plain nor such a container. One class at
-    a time, by identity (a pass of about 15 ns a value, and most containers
-    hold values of one or two classes), then the rest by the id of each one's
-    class.
+    None where one value is neither plain nor such a container or array. One
+    class at a time, by identity (a pass of about 15 ns a value, and most
+    containers hold values of one or two classes), then the rest by the id of
+    each one's class.
     """
-    plain, rest = _plain(), values
-    sequences: tuple[Any, ...] = ()
-    mappings: tuple[Any, ...] = ()
+    plain, dtyped, rest = _plain(), _dtyped_ids[0], values
+    found: tuple[tuple[Any, ...], ...] = ((), (), ())
+    kinds = (_SEQUENCE_IDS, _MAPPING_IDS, dtyped)
     for _ in range(_CLASSES_ONE_BY_ONE):
         if not rest:
-            return sequences, mappings
+            return found
         first = type(rest[0])
-        if id(first) in _SEQUENCE_IDS or id(first) in _MAPPING_IDS:
+        if id(first) not in plain:
+            which = [id(first) in ids for ids in kinds]
+            if not any(which):
+                return None
             these = tuple(compress(rest, map(operator.is_, map(type, rest), repeat(first))))
-            if id(first) in _SEQUENCE_IDS:
-                sequences += these
-            else:
-                mappings += these
+            found = tuple(o + these if hit else o for o, hit in zip(found, which, strict=True))
             if len(these) == len(rest):
-                return sequences, mappings
-        elif id(first) not in plain:
-            return None
+                return found
         rest = tuple(compress(rest, map(operator.is_not, map(type, rest), repeat(first))))
     rest = tuple(compress(rest, map(operator.not_, map(plain.__contains__, _class_ids(rest)))))
-    more_sequences = tuple(compress(rest, map(_SEQUENCE_IDS.__contains__, _class_ids(rest))))
-    more_mappings = tuple(compress(rest, map(_MAPPING_IDS.__contains__, _class_ids(rest))))
-    if len(more_sequences) + len(more_mappings) < len(rest):
+    more = tuple(tuple(compress(rest, map(ids.__contains__, _class_ids(rest)))) for ids in kinds)
+    if sum(map(len, more)) < len(rest):
         return None
-    return sequences + more_sequences, mappings + more_mappings
+    return tuple(old + new for old, new in zip(found, more, strict=True))
 
 
 def _class_ids(values: Iterable[Any]) -> Iterator[int]:
@@ -224,9 +255,13 @@ def _class_ids(values: Iterable[Any]) -> Iterator[int]:
 
 
 def _values_within(containers: tuple[tuple[Any, ...], tuple[Any, ...]]) -> Iterator[Any]:
-    """The values of exact builtin sequences and sets, then of exact dicts, in one chain."""
+    """The values of exact builtin sequences and sets, then of exact dicts, then their keys."""
     sequences, mappings = containers
-    return chain(chain.from_iterable(sequences), chain.from_iterable(map(dict.values, mappings)))
+    return chain(
+        chain.from_iterable(sequences),
+        chain.from_iterable(map(dict.values, mappings)),
+        chain.from_iterable(map(dict.keys, mappings)),
+    )
 
 
 def _bulk_reader(cls: type) -> Any:
@@ -259,8 +294,32 @@ def _plain() -> frozenset[int]:
                 if _dict_offset(klass) == 0 and _module(klass).startswith("numpy"):
                     found.append(klass)
             _numpy_classes.extend(found)
-            _plain_ids[0] = _plain_ids[0] | frozenset(map(id, found))
+            void = getattr(numpy, "void", None)
+            arrays = [k for k in found if k is ndarray or (void is not None and k is void)]
+            _dtyped_ids[0] = frozenset(map(id, arrays))
+            _plain_ids[0] = _plain_ids[0] | frozenset(map(id, found)) - _dtyped_ids[0]
     return _plain_ids[0]
+
+
+def array_elements(obj: object) -> Iterator[tuple[str, Any]] | None:
+    """What a numpy array or record of Python objects holds, with paths; None if not one.
+
+    An exact ``ndarray`` of ``dtype=object`` (or of records with an object
+    field): its elements, ``.flat[i]``, in numpy's C; an exact ``np.void``
+    record with such a field: its fields, ``['name']``. For the walk, which
+    counts each one: an array of a million objects is refused, not passed.
+    None for an array of numbers, which holds no tensor.
+    """
+    _plain()
+    if id(type(obj)) not in _dtyped_ids[0] or not _has_object(obj):
+        return None
+    array: Any = obj  # numpy's own class: its getters are numpy's C, never a user's
+    if type(obj) is _numpy_classes[0]:  # ndarray
+        return ((f".flat[{index}]", value) for index, value in enumerate(array.flat))
+    names = array.dtype.names
+    if not names:
+        return iter(((".item()", array.item()),))
+    return ((f"[{name!r}]", array[name]) for name in names)
 
 
 _dict_offset: Callable[[type], int] = type.__dict__["__dictoffset__"].__get__

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import sys
 import threading
 import warnings
@@ -964,7 +965,7 @@ def test_only_builtin_containers_that_read_as_their_base_are_read_in_bulk() -> N
             yield torch.ones(1, device="meta")
 
     pair = collections.namedtuple("pair", "a b")
-    assert _lookbulk.bulk_look(Vocab(a=1, b=[2.0, "c"]), 10) == (4, True)
+    assert _lookbulk.bulk_look(Vocab(a=1, b=[2.0, "c"]), 10) == (6, True)  # keys count too
     assert _lookbulk.bulk_look(torch.Size([2, 3]), 10) == (2, True)
     assert _lookbulk.bulk_look(Lazy([1]), 10) is None
     assert _lookbulk.bulk_look(pair(1, 2), 10) is None
@@ -980,3 +981,93 @@ def test_only_builtin_containers_that_read_as_their_base_are_read_in_bulk() -> N
     vocab.embedding = torch.ones(1, device="meta")  # type: ignore[attr-defined]
     with pytest.raises(dk.DeviceMismatchError, match=r"arg0\.x\.embedding: meta"):
         dk.assert_same_device(Holder(vocab), torch.ones(1))  # type: ignore[arg-type]
+
+
+def test_containers_whose_instances_take_attributes_are_not_read_in_bulk_below() -> None:
+    # An OrderedDict has a __dict__: nested below a container read in bulk, only its
+    # values were read, and a tensor set as its attribute passed unchecked.
+    candidates: tuple[type[Any], ...] = (
+        list,
+        tuple,
+        dict,
+        set,
+        frozenset,
+        collections.deque,
+        collections.defaultdict,
+        collections.OrderedDict,
+        collections.Counter,
+    )
+    for cls in candidates:
+        instance: Any = cls()
+        try:
+            instance.t = torch.ones(1, device="meta")
+        except AttributeError:  # no __dict__: nothing but its items to look at
+            continue
+        assert id(cls) not in _lookbulk._SEQUENCE_IDS | _lookbulk._MAPPING_IDS, cls
+        for payload, path in (
+            ([instance], "arg0.x[0].t"),
+            ({"k": instance}, "arg0.x['k'].t"),
+            ({"k": [instance]}, "arg0.x['k'][0].t"),
+        ):
+            with pytest.raises(dk.DeviceMismatchError, match=re.escape(f"  {path}: meta")):
+                dk.assert_same_device(Holder(payload), torch.ones(1))  # type: ignore[arg-type]
+
+
+def test_a_container_referred_to_many_times_is_read_and_counted_once() -> None:
+    # [[0] * 1000] * 10_000 counted ten million values, one list's thousand read again
+    # for each reference, and was refused (it passed before the bulk read).
+    assert _lookbulk.bulk_look([[0] * 1000] * 10_000, 20_000) == (11_000, True)
+    row = list(range(100))
+    table = {"a": row, "b": row}
+    assert _lookbulk.bulk_look([table] * 3, 1_000) == (3 + 4 + 100, True)
+    assert dk.assert_same_device(Holder([[0] * 1000] * 10_000), torch.ones(1)) == CPU  # type: ignore[arg-type]
+
+
+def test_a_numpy_array_of_objects_is_looked_inside() -> None:
+    # Arrays were plain by their class: dtype=object (or a record with an object field)
+    # held a tensor that passed unchecked.
+    np = pytest.importorskip("numpy")
+    meta = torch.ones(1, device="meta")
+    objects = np.empty((2, 2), dtype=object)
+    objects[1, 0] = meta
+    records = np.empty(2, dtype=[("n", float), ("t", object)])
+    records[1]["t"] = meta
+    for payload, path in (
+        ([objects], "arg0.x[0].flat[2]"),
+        ({"k": objects}, "arg0.x['k'].flat[2]"),
+        ([records[1]], "arg0.x[0]['t']"),
+        ([records], "arg0.x[0].flat[1]['t']"),
+    ):
+        with pytest.raises(dk.DeviceMismatchError, match=re.escape(f"  {path}: meta")):
+            dk.assert_same_device(Holder(payload), torch.ones(1))  # type: ignore[arg-type]
+    # Given as an argument, or as an attribute, too; the fix says to move it yourself.
+    with pytest.raises(dk.DeviceMismatchError, match=r"  arg0\.flat\[2\]: meta") as info:
+        dk.assert_same_device(objects, torch.ones(1))
+    assert "it is a ndarray, which dk.to_device() returns unchanged" in str(info.value)
+    with pytest.raises(dk.DeviceMismatchError, match=r"  arg0\.x\.flat\[2\]: meta"):
+        dk.assert_same_device(Holder(objects), torch.ones(1))
+    # Arrays of numbers, and of objects that hold no tensor, still pass (in bulk for the
+    # former); a large array of objects is counted object by object, and refused.
+    objects[1, 0] = "s"
+    numbers = [np.zeros(3)] * 1000 + [np.float32(1)]
+    holder = Holder([numbers, objects, records[0]])  # type: ignore[arg-type]
+    assert dk.assert_same_device(holder, torch.ones(1)) == CPU
+    assert _lookbulk.bulk_look(numbers, 10_000) == (1001, True)
+    assert _lookbulk.bulk_look([objects], 10_000) == (1, False)
+    with pytest.raises(ValueError, match=r"more than 100,000 objects"):
+        dk.assert_same_device(Holder(np.full(200_000, "s", dtype=object)), torch.ones(1))
+
+
+def test_dict_keys_inside_an_object_are_checked() -> None:
+    # A tensor used as a dict key passed unchecked, while set members were checked.
+    meta = torch.ones(1, device="meta")
+    for payload, path in (
+        ({meta: 1}, "arg0.x[key tensor(...,"),
+        ([{meta: 1}], "arg0.x[0][key tensor(...,"),
+        ({"a": {(1, meta): 1}}, "arg0.x['a'][key (1, tensor(...,"),
+    ):
+        with pytest.raises(dk.DeviceMismatchError, match=re.escape(f"  {path}")):
+            dk.assert_same_device(Holder(payload), torch.ones(1))  # type: ignore[arg-type]
+    # Plain keys, tuples of them included, are read in bulk with the values.
+    assert _lookbulk.bulk_look({(1, "a"): [2], 3: 4}, 100) == (4 + 2 + 1, True)
+    assert _lookbulk.bulk_look({object(): 1}, 100) == (2, False)
