@@ -31,9 +31,10 @@ only when this executor runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import pickle
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -51,6 +52,7 @@ from ._rayfaults import (
     exit_what,
     loading_error,
     plain_text,
+    ray_cancelling,
     ray_failed,
     result_not_rebuilt,
     this_ray,
@@ -102,7 +104,7 @@ def _run(fn_box: list[Any], item: Any, hide_gpus: bool) -> tuple[Any, ...]:
 
                 fn = ray.get(fn_box[0])
             except BaseException as error:  # a __reduce__'s sys.exit() must not end the worker
-                if isinstance(error, KeyboardInterrupt) and _cancelled() is not False:
+                if isinstance(error, KeyboardInterrupt) and ray_cancelling() is not False:
                     raise  # Ray's cancellation (or, on an old Ray, perhaps): Ray reports it
                 return "fn_failed", _where(), loading_error(error), traceback.format_exc()
             answer = _call(fn, item)
@@ -120,7 +122,7 @@ def _call(fn: Callable[[Any], Any], item: Any) -> tuple[Any, ...]:
     except Exception:  # noqa: BLE001 - any failure goes back to the caller, with its traceback
         return "raised", _where(), traceback.format_exc()
     except BaseException as error:  # sys.exit() in fn must not end the worker
-        cancelled = _cancelled() if isinstance(error, KeyboardInterrupt) else False
+        cancelled = ray_cancelling() if isinstance(error, KeyboardInterrupt) else False
         if cancelled is True:
             raise  # Ray's cancellation, not fn's: Ray reports it (TaskCancelledError)
         if cancelled is None:
@@ -135,14 +137,39 @@ class _Discard:
         return len(data)
 
 
-class _DryRun(pickle.Pickler):
-    """A pickler that leaves out what cannot run user code: tensors and Ray's own objects."""
+@functools.cache
+def _dry_run() -> Any:
+    """Ray's pickler (cloudpickle's), which leaves out tensors, arrays and Ray's objects.
 
-    def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind in (torch.Tensor, torch.nn.Parameter) or kind.__module__.startswith("ray."):
-            return tuple, ()  # torch's and Ray's pickling: no user code, and large or stateful
-        return NotImplemented
+    Ray's, so that a lambda or a class of ``__main__`` (pickled by value) is
+    pickled as Ray will: the standard pickler gave up on it, before the rest.
+    """
+    from ray.cloudpickle import CloudPickler  # noqa: PLC0415 - in a Ray worker, imported already
+
+    pickler: Any = CloudPickler
+
+    class DryRun(pickler):  # type: ignore[misc]  # Ray's classes are untyped
+        def reducer_override(self, obj: Any) -> Any:
+            if _runs_no_code(obj) or type(obj).__module__.startswith("ray."):
+                return tuple, ()  # no user code in their pickling; large, or (Ray's) stateful
+            return super().reducer_override(obj)
+
+    return DryRun
+
+
+_PLAIN = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
+def _runs_no_code(obj: object) -> bool:
+    """Whether pickling ``obj`` runs no user code: a tensor, or a numpy array not of objects.
+
+    numpy's pickling copied a non-contiguous array whole (+391 MB for a 400 MB
+    view). numpy is looked at only if it is imported already.
+    """
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(obj) is numpy.ndarray:
+        return not obj.dtype.hasobject  # type: ignore[attr-defined]  # an ndarray
+    return type(obj) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _unsendable(result: object) -> tuple[Any, ...] | None:
@@ -151,46 +178,23 @@ def _unsendable(result: object) -> tuple[Any, ...] | None:
     Ray pickles the result after ``_run`` returns; a ``BaseException`` that
     is not an ``Exception`` raised there (``sys.exit()`` in a ``__reduce__``)
     ended the worker, and Ray retried the task three times (fn ran four
-    times), then said "The worker died unexpectedly". A dry run here, with
-    protocol 5 and out-of-band buffers (numpy arrays are not copied) and
-    tensors left out, finds it first at the cost of walking the result once.
-    An ``Exception`` it meets is left for Ray's own pickling to meet and
-    report.
+    times), then said "The worker died unexpectedly". A dry run here (protocol
+    5, out-of-band buffers, tensors and arrays left out) finds it first, at
+    the cost of walking the result once; a tensor, an array or a plain value
+    is not walked. An ``Exception`` it meets is left for Ray's pickling to report.
     """
+    if type(result) in _PLAIN or _runs_no_code(result):
+        return None
+    pickler = _dry_run()(_Discard(), protocol=5, buffer_callback=lambda buffer: None)
     try:
-        _DryRun(_Discard(), protocol=5, buffer_callback=lambda buffer: None).dump(result)
+        pickler.dump(result)
     except Exception:  # noqa: BLE001 - Ray's own pickling reports it, in its words
         return None
     except BaseException as error:
-        if isinstance(error, KeyboardInterrupt) and _cancelled() is not False:
+        if isinstance(error, KeyboardInterrupt) and ray_cancelling() is not False:
             raise  # Ray's cancellation: Ray reports it
         return "unsendable", _where(), exit_what(error), traceback.format_exc()
     return None
-
-
-def _cancelled() -> bool | None:
-    """Whether Ray is cancelling this task (a ``ray.cancel`` without ``force``), None if unknown.
-
-    Ray cancels a running task by raising ``KeyboardInterrupt`` in it, which
-    reads as fn's own. Its runtime context says which (``is_canceled()``,
-    True from the cancellation on): Ray 2.54 and later have it (added by
-    ray-project/ray#58914), Ray 2.53 and before (down to our floor, 2.9) do
-    not. Outside a Ray worker (no Ray, or ``is_canceled()`` raising
-    ``RuntimeError``) nothing can be Ray's cancellation.
-    """
-    try:
-        import ray  # noqa: PLC0415 - in a Ray worker, imported already
-
-        context = ray.get_runtime_context()
-    except ImportError:
-        return False
-    is_canceled = getattr(context, "is_canceled", None)
-    if is_canceled is None:
-        return None  # an older Ray: it cannot tell
-    try:
-        return bool(is_canceled())
-    except RuntimeError:  # not a task of a Ray worker
-        return False
 
 
 def _where() -> str:
@@ -390,26 +394,28 @@ def _submit(task: Any, fn_box: list[Any], index: int, item: Any, hide_gpus: bool
 def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> list[Any]:
     """Results in input order as tasks finish; on failure or Ctrl-C, cancel what is left.
 
-    A failure raises a `WorkerError` that keeps the results already in (by
-    index), as the local executor's do: nothing finished is lost.
+    A failure raises a `WorkerError` that keeps every result already in (by
+    index), as the local executor's do: nothing finished is lost. Tasks that
+    finish together are all fetched before the first of their failures is
+    raised (before, the results after it in that batch were dropped).
     """
     position = {ref: index for index, ref in enumerate(refs)}
     finished: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
     pending = list(refs)
     try:
-        while pending:
+        while pending and failure is None:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL)
             for ref in ready:
                 index = position[ref]
-                answer = _get(ray, ref, index, work[index], finished)
-                if answer[0] != "ok":
-                    raise WorkerError(
-                        answer_failed(index, work[index], answer),
-                        index=index,
-                        results=dict(finished),
-                    )
-                finished[index] = answer[1]
-                progress.step()
+                ok, value = _get(ray, ref, index, work[index])
+                if ok:
+                    finished[index] = value
+                    progress.step()
+                elif failure is None:
+                    failure = index, value
+        if failure is not None:
+            raise WorkerError(failure[1], index=failure[0], results=dict(finished))
     finally:
         for ref in pending:  # empty unless an item failed or Ctrl-C came
             ray.cancel(ref, force=True)
@@ -417,23 +423,26 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
     return [finished[index] for index in range(len(refs))]
 
 
-def _get(ray: Any, ref: Any, index: int, item: object, finished: dict[int, Any]) -> Any:
-    """The task's answer, rebuilt here; a `WorkerError` if Ray failed it or it cannot be rebuilt.
+def _get(ray: Any, ref: Any, index: int, item: object) -> tuple[bool, Any]:
+    """``(True, result)``, rebuilt here, or ``(False, message)`` if the item failed.
 
-    Rebuilding runs the result's own code (its ``__reduce__``'s function, its
-    ``__setstate__``): a ``sys.exit()`` there left ``gpu_map`` as
-    ``SystemExit``, which ends a script without a word. A
+    It failed if its task answered a fault, Ray failed the task, or the result
+    cannot be rebuilt here. Rebuilding runs the result's own code (its
+    ``__reduce__``'s function, its ``__setstate__``): a ``sys.exit()`` there
+    left ``gpu_map`` as ``SystemExit``, which ends a script without a word. A
     ``KeyboardInterrupt`` stays one (it may be Ctrl-C), saying where it came.
     """
     try:
-        return ray.get(ref)
+        answer = ray.get(ref)
     except ray.exceptions.RayError as error:  # the worker died, was killed, ...
-        message = ray_failed(ray, error, index, item)
+        return False, ray_failed(ray, error, index, item)
     except KeyboardInterrupt as error:
         raise KeyboardInterrupt(
             f"gpu_map: while the result of item {index} ({show_item(item)}) was rebuilt here: "
             "Ctrl-C, or code in that result (a __reduce__ or __setstate__) raised it"
         ) from error
     except BaseException as error:  # noqa: BLE001 - the result's own code: it is this item's fault
-        message = result_not_rebuilt(index, item, exit_what(error))
-    raise WorkerError(message, index=index, results=dict(finished)) from None
+        return False, result_not_rebuilt(index, item, exit_what(error))
+    if answer[0] == "ok":
+        return True, answer[1]
+    return False, answer_failed(index, item, answer)

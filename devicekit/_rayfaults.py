@@ -1,7 +1,8 @@
 """What a failed Ray task says: the messages of ``gpu_map(executor="ray")``'s ``WorkerError``s.
 
 ``_ray`` runs the tasks; this module words their faults, in the local
-executor's words where it has them (``_mapfaults``). A task answers
+executor's words where it has them (``_mapfaults``), and tells which of them
+are Ray's own (its cancellation, a failed upstream task). A task answers
 (``("ok", result)``, or a fault as a tuple, see ``_ray._run``), or Ray
 raises for it:
 
@@ -11,7 +12,8 @@ raises for it:
   one argument that can fail is the item: said as the local executor says it.
 - ``RayTaskError`` with any other cause that is not one of Ray's: Ray's code
   after the task returned failed, serializing the result. Where Ray's
-  traceback also passes through its serializer, that is retold in the local
+  traceback also passes through its serializer, in devicekit's task (not in
+  the task that made an ``ObjectRef`` item), that is retold in the local
   executor's words ("the result ... cannot be sent back").
 - Any other Ray error is shown as Ray writes it, without its colour codes.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "exit_what",
     "loading_error",
     "plain_text",
+    "ray_cancelling",
     "ray_failed",
     "result_not_rebuilt",
     "this_ray",
@@ -92,6 +95,31 @@ def loading_error(error: BaseException) -> str:
     if isinstance(remote_traceback, str) and remote_traceback.strip():
         return remote_traceback.strip().splitlines()[-1]
     return _summary(error)
+
+
+def ray_cancelling() -> bool | None:
+    """Whether Ray is cancelling this task (a ``ray.cancel`` without ``force``), None if unknown.
+
+    Ray cancels a running task by raising ``KeyboardInterrupt`` in it, which
+    reads as fn's own. Its runtime context says which (``is_canceled()``,
+    True from the cancellation on): Ray 2.54 and later have it (added by
+    ray-project/ray#58914), Ray 2.53 and before (down to our floor, 2.9) do
+    not. Outside a Ray worker (no Ray, or ``is_canceled()`` raising
+    ``RuntimeError``) nothing can be Ray's cancellation.
+    """
+    try:
+        import ray  # noqa: PLC0415 - in a Ray worker, imported already
+
+        context = ray.get_runtime_context()
+    except ImportError:
+        return False
+    is_canceled = getattr(context, "is_canceled", None)
+    if is_canceled is None:
+        return None  # an older Ray: it cannot tell
+    try:
+        return bool(is_canceled())
+    except RuntimeError:  # not a task of a Ray worker
+        return False
 
 
 def this_ray() -> str:
@@ -169,22 +197,32 @@ def _unsendable_result(ray: Any, error: BaseException) -> BaseException | None:
     ``RayTaskError`` whose cause is not a Ray error comes from Ray's code
     after the return. Its traceback must also pass through Ray's serializer
     (``ray/cloudpickle``'s ``dumps``, in Ray 2.60's "cannot pickle
-    '_thread.lock' object" and in a result whose ``__reduce__`` raised), so
-    that a cause from anywhere else is quoted as Ray words it, not blamed on
-    the result.
+    '_thread.lock' object" and in a result whose ``__reduce__`` raised), in
+    devicekit's task: the last task Ray names before that frame
+    (``ray::_run()``) must be ours. An item that is an ``ObjectRef`` whose
+    own task's result could not be pickled reads ``ray::_run()``, "At least
+    one of the input arguments for this task could not be computed", then
+    ``ray::upstream()`` and the same frame: that is quoted as Ray words it,
+    not blamed on the result (fn never ran). Ray's ``function_name`` cannot
+    tell: ``ray.get`` raises an instance of the cause's class, where it reads
+    the cause's attribute (Ray 2.60).
     """
     cause = getattr(error, "cause", None)
     if (
-        isinstance(error, ray.exceptions.RayTaskError)
-        and isinstance(cause, BaseException)
-        and not isinstance(cause, ray.exceptions.RayError)
-        and _SERIALIZER.search(_ESCAPE.sub("", str(error))) is not None
+        not isinstance(error, ray.exceptions.RayTaskError)
+        or not isinstance(cause, BaseException)
+        or isinstance(cause, ray.exceptions.RayError)
     ):
-        return cause
-    return None
+        return None
+    text = _ESCAPE.sub("", str(error))
+    frame = _SERIALIZER.search(text)
+    tasks = _TASK.findall(text, 0, frame.start()) if frame is not None else []
+    return cause if tasks and tasks[-1] == _OUR_TASK else None
 
 
+_OUR_TASK = "_run"  # the name Ray gives devicekit's task (the function _ray._run)
 _SERIALIZER = re.compile(r'cloudpickle\.py", line \d+, in dumps?$', re.MULTILINE)
+_TASK = re.compile(r"\bray::([\w.]+)\(\)")  # "ray::_run() (pid=1234, ip=10.0.0.3)"
 _NODE = re.compile(r"\bip=([^\s,)]+)")  # in Ray's "(pid=1234, ip=10.0.0.3)"
 _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal's colour or cursor code
 

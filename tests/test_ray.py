@@ -205,8 +205,16 @@ class _RuntimeContext:
             self.is_canceled = lambda: cancelled
 
 
-def _ray_in_a_task(monkeypatch: pytest.MonkeyPatch, cancelled: bool | None) -> None:
-    """``ray`` as a task sees it: whether Ray is cancelling it (None: this Ray cannot say)."""
+def _ray_in_a_task(
+    monkeypatch: pytest.MonkeyPatch, cancelled: bool | None, *, pickler: bool = False
+) -> None:
+    """``ray`` as a task sees it: whether Ray is cancelling it (None: this Ray cannot say).
+
+    With ``pickler``, Ray's own ``ray.cloudpickle`` too (the result's dry run pickles with it).
+    """
+    if pickler:
+        real = pytest.importorskip("ray.cloudpickle")
+        monkeypatch.setitem(sys.modules, "ray.cloudpickle", real)
     ray = types.ModuleType("ray")
     ray.__version__ = "2.53.0"  # type: ignore[attr-defined]
     ray.get_runtime_context = lambda: _RuntimeContext(cancelled)  # type: ignore[attr-defined]
@@ -296,7 +304,7 @@ def test_a_result_whose_pickling_exits_is_answered_not_left_to_end_the_worker(
     from devicekit._ray import _run
     from devicekit._rayfaults import answer_failed
 
-    _ray_in_a_task(monkeypatch, cancelled=False)
+    _ray_in_a_task(monkeypatch, cancelled=False, pickler=True)
     answer = _run([_exits_when_pickled], 5, False)
     assert answer[:1] == ("unsendable",), answer
     message = answer_failed(0, 5, answer)
@@ -312,7 +320,8 @@ def test_a_result_whose_pickling_exits_is_answered_not_left_to_end_the_worker(
 def test_the_dry_run_of_a_result_leaves_tensors_and_ray_s_objects_out() -> None:
     import torch
 
-    from devicekit._ray import _DryRun
+    pytest.importorskip("ray.cloudpickle")
+    from devicekit._ray import _dry_run
 
     class _RayObject:  # as an ObjectRef: Ray's own pickling of it has side effects
         def __reduce__(self) -> Any:
@@ -320,8 +329,85 @@ def test_the_dry_run_of_a_result_leaves_tensors_and_ray_s_objects_out() -> None:
 
     _RayObject.__module__ = "ray._raylet"
     written = io.BytesIO()
-    _DryRun(written, protocol=5).dump([torch.zeros(1000), _RayObject()])
+    _dry_run()(written, protocol=5).dump([torch.zeros(1000), _RayObject()])
     assert len(written.getvalue()) < 100  # neither the tensor's bytes nor the object's
+
+
+def _lambda_then_exits(item: object) -> object:
+    return [lambda: 1, _ExitsWhenPickled()]
+
+
+def _local_class_then_exits(item: object) -> object:
+    class Local:  # pickled by value by Ray's pickler; the standard one refuses it
+        pass
+
+    return [Local(), _ExitsWhenPickled()]
+
+
+@pytest.mark.parametrize("fn", [_lambda_then_exits, _local_class_then_exits])
+def test_the_dry_run_pickles_lambdas_and_local_classes_as_ray_does(
+    monkeypatch: pytest.MonkeyPatch, fn: Any
+) -> None:
+    # Before, the dry run used the standard pickler: it gave up (PicklingError) at the lambda
+    # or the class, before the object whose __reduce__ exits, and answered "ok". Ray's own
+    # pickling then ended the worker, and Ray ran fn four times.
+    from devicekit._ray import _run
+
+    _ray_in_a_task(monkeypatch, cancelled=False, pickler=True)
+    answer = _run([fn], 5, False)
+    assert answer[:1] == ("unsendable",), answer
+    assert answer[2] == "sys.exit(5)"
+
+
+class _Written:
+    """``_Discard`` that counts what the dry run writes, and how often it runs."""
+
+    runs = 0
+    size = 0
+
+    def __init__(self) -> None:
+        _Written.runs += 1
+
+    def write(self, data: bytes) -> int:
+        _Written.size += len(data)
+        return len(data)
+
+
+def test_the_dry_run_leaves_numpy_arrays_out_and_plain_results_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a non-contiguous array was copied whole by the dry run (+391 MB of peak memory
+    # for a 400 MB view), and a result that is itself a tensor or a number was pickled too.
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("ray.cloudpickle")
+    import torch
+
+    from devicekit import _ray
+
+    monkeypatch.setattr(_ray, "_Discard", _Written)
+    monkeypatch.setattr(_Written, "runs", 0)
+    monkeypatch.setattr(_Written, "size", 0)
+    view = np.ones((200, 200))[:, ::2]  # 160 kB, not contiguous
+    assert _ray._unsendable({"scores": view, "best": view[0]}) is None
+    assert _Written.runs == 1
+    assert _Written.size < 1000  # the dict and its keys, not the arrays' bytes
+    for plain in (view, torch.ones(100), 3, 2.5, "text", b"bytes", None, True):
+        assert _ray._unsendable(plain) is None
+    assert _Written.runs == 1  # not pickled at all
+
+
+def test_an_array_of_objects_is_still_pickled_in_the_dry_run() -> None:
+    # numpy pickles the objects of an object array: their __reduce__ runs.
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("ray.cloudpickle")
+    from devicekit._ray import _unsendable
+
+    objects = np.empty(2, dtype=object)
+    objects[1] = _ExitsWhenPickled()
+    for result in (objects, [objects]):
+        answer = _unsendable(result)
+        assert answer is not None
+        assert answer[:1] == ("unsendable",)
 
 
 def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
@@ -450,3 +536,68 @@ def ray_failed_of(error: BaseException) -> str:
     except ImportError:  # before _rayfaults
         from devicekit._ray import _ray_failed as ray_failed  # type: ignore[attr-defined]
     return ray_failed(_FAKE_RAY, error, 2, 7)
+
+
+def test_an_objectref_item_whose_own_task_s_result_was_unpicklable_is_not_blamed_on_fn() -> None:
+    # Before: "the result of item 2 (7) cannot be sent back ... Return picklable data", for
+    # an item whose upstream task could not send its own result back: fn never ran.
+    text = _TASK + (
+        "  At least one of the input arguments for this task could not be computed:\n"
+        "ray.exceptions.RayTaskError: \x1b[36mray::upstream()\x1b[39m (pid=8, ip=10.0.0.4)\n"
+        '  File "/site-packages/ray/cloudpickle/cloudpickle.py", line 1544, in dumps\n'
+        "    cp.dump(obj)\nTypeError: cannot pickle '_thread.lock' object"
+    )
+    message = ray_failed_of(_RayTaskError(text, TypeError("cannot pickle '_thread.lock' object")))
+    assert message.startswith(
+        "gpu_map: the Ray task for item 2 (7) failed: ray::_run() (pid=7, ip=10.0.0.3)\n"
+        "  At least one of the input arguments for this task could not be computed:\n"
+        "ray.exceptions.RayTaskError: ray::upstream() (pid=8, ip=10.0.0.4)\n"
+    ), message
+    assert "cannot be sent back" not in message
+
+
+def test_the_task_ray_names_is_devicekit_s() -> None:
+    from devicekit import _ray, _rayfaults
+
+    assert _ray._run.__name__ == _rayfaults._OUR_TASK  # Ray names the task ray::_run()
+
+
+class _BatchRay:
+    """A ``ray`` whose tasks have all finished: one ``wait`` returns every ref."""
+
+    exceptions = _FAKE_RAY.exceptions
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers = answers
+        self.cancelled: list[str] = []
+
+    def wait(
+        self, refs: list[str], num_returns: int, timeout: float
+    ) -> tuple[list[str], list[str]]:
+        return list(refs), []
+
+    def get(self, ref: str) -> Any:
+        answer = self.answers[ref]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def cancel(self, ref: str, *, force: bool = False) -> None:
+        self.cancelled.append(ref)
+
+
+def test_results_that_finish_with_a_failure_are_kept() -> None:
+    # Before, the first failing ref of a batch raised at once: the results after it in the
+    # same batch were never fetched and were missing from WorkerError.results.
+    from devicekit._progress import Progress
+    from devicekit._ray import _collect
+
+    trace = "Traceback (most recent call last):\nValueError: item 1 fails\n"
+    answers: dict[str, Any] = {f"ref-{i}": ("ok", i * 10) for i in range(6)}
+    answers["ref-1"] = ("raised", "a Ray task on node-3 (the CPU)", trace)
+    answers["ref-3"] = _RayTaskError(_TASK + "ValueError: worker died", ValueError("died"))
+    ray = _BatchRay(answers)
+    with pytest.raises(dk.WorkerError, match=r"fn raised on item 1 \(1\)") as caught:
+        _collect(ray, list(answers), list(range(6)), Progress(6, False))
+    assert caught.value.index == 1  # the first failure
+    assert caught.value.results == {0: 0, 2: 20, 4: 40, 5: 50}

@@ -82,6 +82,11 @@ def started_then_sleep(path: str) -> None:
     time.sleep(TIMEOUT)
 
 
+@ray.remote
+def locked() -> threading.Lock:
+    return threading.Lock()  # Ray cannot serialize it: this task fails, not the next
+
+
 _DRIVER = os.getpid()  # in a Ray worker, the worker's: items carry the driver's
 
 
@@ -152,7 +157,17 @@ def noted(job: tuple[str, int, str]) -> object:
     Path(directory, f"{item}-{uuid.uuid4()}").touch()
     made = {"exits": ExitsWhenPickled, "exits here": ExitsWhenRebuilt}
     made.update({"interrupts here": InterruptsWhenRebuilt, "fails here": FailsWhenRebuilt})
-    return made[kind]() if item == 1 else item
+    if item != 1:
+        return item
+    if kind == "lambda, then exits":  # Ray pickles a lambda by value; pickle refuses it
+        return [lambda: 1, ExitsWhenPickled()]
+    if kind == "local class, then exits":
+
+        class Local:  # the same, for a class defined in a function
+            pass
+
+        return [Local(), ExitsWhenPickled()]
+    return made[kind]()
 
 
 def meet(job: tuple[str, int, int]) -> tuple[str, int]:
@@ -407,6 +422,42 @@ def test_a_result_whose_pickling_exits_is_not_retried(cluster: Any, tmp_path: Pa
     ), message
     assert len(list(tmp_path.glob("1-*"))) == 1  # fn ran once for item 1
     assert caught.value.index == 1
+
+
+@pytest.mark.parametrize("kind", ["lambda, then exits", "local class, then exits"])
+def test_a_result_whose_pickling_exits_after_a_lambda_is_not_retried(
+    cluster: Any, tmp_path: Path, kind: str
+) -> None:
+    # Before, the dry run (the standard pickler) gave up at the lambda or the local class,
+    # which Ray's pickler takes: Ray's pickling then ended the worker, and fn ran four times.
+    jobs = [(str(tmp_path), item, kind) for item in range(3)]
+    with pytest.raises(dk.WorkerError) as caught:
+        dk.gpu_map(noted, jobs, devices="cpu", executor="ray")
+    message = str(caught.value)
+    assert re.match(
+        r"gpu_map: the result of item 1 \(.*\) cannot be sent back from a Ray task on .+: "
+        r"pickling it called sys.exit\(5\)",
+        message,
+    ), message
+    assert len(list(tmp_path.glob("1-*"))) == 1  # fn ran once for item 1
+
+
+def test_an_objectref_item_whose_task_s_result_was_unpicklable_is_not_blamed_on_fn(
+    cluster: Any,
+) -> None:
+    # Before: "the result of item 0 (ObjectRef(...)) cannot be sent back ...", though fn
+    # never ran: the item's own task could not send its result back.
+    with pytest.raises(dk.WorkerError) as caught:
+        dk.gpu_map(math.sqrt, [locked.remote()], devices="cpu", executor="ray")
+    message = str(caught.value)
+    assert re.match(
+        r"gpu_map: the Ray task for item 0 \(.*\) failed: ray::_run\(\) .*\n  At least one "
+        r"of the input arguments for this task could not be computed:\nray.exceptions."
+        r"RayTaskError: ray::locked\(\)",
+        message,
+    ), message
+    assert "TypeError: cannot pickle '_thread.lock' object" in message
+    assert "cannot be sent back" not in message
 
 
 def test_a_result_whose_rebuilding_here_exits_is_a_worker_error(
