@@ -41,6 +41,7 @@ __all__ = [
     "PID_WIDTH",
     "cannot",
     "claims_directory",
+    "fcntl",
     "holder",
     "lock_file",
     "share_lock",

@@ -28,7 +28,6 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -38,6 +37,7 @@ from ._claimfiles import (
     PID_WIDTH,
     cannot,
     claims_directory,
+    fcntl,  # None where the OS has no flock (Windows)
     holder,
     lock_file,
     share_lock,
@@ -45,12 +45,6 @@ from ._claimfiles import (
 from ._devices import DeviceLike, parse_cuda_index, resolve_device
 from ._keywords import suggest_keywords
 from ._visible import ENV_VAR
-
-fcntl: ModuleType | None
-try:
-    import fcntl
-except ImportError:  # Windows has no flock
-    fcntl = None
 
 __all__ = [
     "DIR_VAR",
