@@ -53,7 +53,7 @@ from ._errors import RanksOutOfStepError, add_note
 from ._format import first_line, format_seconds
 from ._gloo import gloo_keeps_first_timeout, gloo_lets_go
 from ._jobstate import Job, arrive, out_of_step, refuse_if_broken, this_job
-from ._jobstore import Stalled, within
+from ._jobstore import Stalled, slow_now, within
 from ._options import check_seconds, short_repr
 
 __all__ = [
@@ -173,9 +173,9 @@ _NO_STORE = (
     "devicekit's group is made through the job's store, and this rank's connection to it was lost"
 )
 _SLOW_STORE = (
-    "devicekit's group is made through the job's store, which did not answer in time earlier in "
-    "this job ({}); making it would wait under torch's own store timeout (the job's, 10 or 30 "
-    "minutes by default, or for ever for a stopped store), not this call's, so it is not made"
+    "devicekit's group is made through the job's store, which did not answer in time {} ({}); "
+    "making it would wait under torch's own store timeout (the job's, 10 or 30 minutes by "
+    "default, or for ever for a stopped store), not this call's, so it is not made"
 )
 
 
@@ -200,31 +200,41 @@ def _group(timeout: float, what: str, call: int, started: float) -> Any:
     rank's address reaches the store (and where the serving process has
     gone, their own ``new_group`` fails as soon).
 
-    Nor once the store is slow (``Job.store_slow``: a use of devicekit's did
-    not finish within ``STORE_WAIT``, or the store timed it out): ``new_group``
-    would wait under torch's store timeout, not this call's (for ever, on
-    torch 2.13, for a stopped TCPStore). The call fails at once, saying so;
-    the other ranks wait for this one within their own call's timeout.
+    Nor while the store is slow (``Job.store_slow``: a use of devicekit's
+    did not finish within ``STORE_WAIT`` and still waits, or the store timed
+    one out): ``new_group`` would wait under torch's store timeout, not this
+    call's (for ever, on torch 2.13, for a stopped TCPStore). The call fails
+    at once, saying so, and that it waited for no rank; the other ranks wait
+    for this one within their own call's timeout. A use that has ended since
+    clears the mark (``slow_now``), and the group is made.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
     failure: RuntimeError | None = None
+    refused = True  # by devicekit, for a lost or slow store: no wait, no rank blamed
     with Job.lock:
         this_job()
         if Job.group is None:
             Job.made_with = timeout
             if Job.store_lost is not None:
                 failure = RuntimeError(_NO_STORE)
-            elif Job.store_slow is not None:
-                failure = RuntimeError(_SLOW_STORE.format(Job.store_slow))
+            elif (slow := slow_now()) is not None:
+                since = Job.store_slow_at
+                when = (
+                    "in this call"
+                    if since is not None and since >= started
+                    else "earlier in this job"
+                )
+                failure = RuntimeError(_SLOW_STORE.format(when, slow))
             else:
+                refused = False
                 try:
                     Job.group = dist.new_group(backend="gloo", timeout=_wait(timeout))
                 except RuntimeError as error:
                     failure = error
         group = Job.group
     if failure is not None:  # out of the lock: the error notes the failure under it
-        raise out_of_step(what, timeout, failure, call, started) from failure
+        raise out_of_step(what, timeout, failure, call, started, refused=refused) from failure
     _set_timeout(group, _wait(timeout))
     return group
 
@@ -294,6 +304,9 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
         _barrier(group, timeout)
     except RuntimeError as error:
         raise out_of_step(what, timeout, error, call, started, barrier=True) from error
+    except KeyboardInterrupt:
+        _interrupted(call, what, "barrier")
+        raise
     try:
         _all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group, timeout)
         longest = max(int(s) for s in sizes)
@@ -303,6 +316,9 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
         _all_gather(received, mine, group, timeout)
     except RuntimeError as error:
         raise out_of_step(what, timeout, error, call, started) from error
+    except KeyboardInterrupt:
+        _interrupted(call, what, "gather")
+        raise
     answers = [
         pickle.loads(bytes(tensor.untyped_storage())[: int(length)])  # our own job's ranks
         for tensor, length in zip(received, sizes, strict=True)
@@ -315,6 +331,23 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
             "devicekit's job-wide calls (job_status(), StragglerDetector.step()) in the same order"
         )
     return [answer for _, answer in answers]
+
+
+def _interrupted(call: int, what: str, step: str) -> None:
+    """Remember that Ctrl-C stopped this call in a collective: the ranks are out of step now.
+
+    Its collective may still run (a barrier left waiting on its thread, or
+    the other ranks' gather): a next call would start another one beside it,
+    and meet the wrong one. So later calls are refused, saying why.
+    """
+    import torch.distributed as dist  # noqa: PLC0415 - only with a process group
+
+    with Job.lock:
+        if Job.broken is None:
+            Job.broken = (
+                f"rank {dist.get_rank()}'s job-wide call #{call}, {what}, was interrupted during "
+                f"its {step}"
+            )
 
 
 @dataclass(frozen=True)

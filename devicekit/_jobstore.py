@@ -26,17 +26,29 @@ store's timeout: before, a job-wide call then hung before its collective,
 timeout or not. So every use of the store here waits at most
 ``STORE_WAIT`` seconds (it runs on a daemon thread, ``within``, which is
 left behind if it does not finish: it holds no lock of devicekit's). A use
-that did not finish in time, or that the store itself timed out
-(``DistStoreError``: a server-side wait, which cost the store's whole
-timeout, the job's: 10 or 30 minutes by default, at every later step) marks
-the store slow for the job (``Job.store_slow``): devicekit logs one warning
-and uses it no more in that job, so it costs at most one such wait per job,
-not one per step. A later use would only queue behind the one still
-waiting. What is lost is the notes that name the missing ranks; each call's
-collective is bounded by its own timeout. devicekit's group, if it does not
-exist yet, is not made on a slow store (``_dist._group``): ``new_group``
-goes through the store under torch's own timeout, the store's, which is
-the job's 10 or 30 minutes, or for ever on a stopped TCPStore.
+left behind marks the store slow (``Job.store_slow``) while it is still
+waiting: later uses would only queue behind it, so they are skipped, and a
+stall costs one ``STORE_WAIT`` however long it lasts. At the first use
+after that use has ended (the store answered after all), the mark is
+cleared and the store is used again, this rank's note first, so that the
+other ranks' errors name the call this rank is in, not the one before the
+stall. A use that the store timed out itself (``DistStoreError``: a
+server-side wait, which would cost the store's timeout again at every later
+use) marks it slow for the rest of the job. devicekit logs one warning per
+job. What is lost meanwhile is the notes that name the missing ranks; each
+call's collective is bounded by its own timeout. devicekit's group, if it
+does not exist yet, is not made on a slow store (``_dist._group``):
+``new_group`` goes through the store under torch's own timeout, the
+store's, which is the job's 10 or 30 minutes, or for ever on a stopped
+TCPStore.
+
+The cost on a healthy store: one thread per use, and one use per job-wide
+call (``_jobstate.arrive`` reads the failure key and writes this rank's
+note in one use): about 0.1 ms. Not one persistent worker thread: a
+process with a Python thread of devicekit's running for good would make
+every later ``os.fork`` (a ``DataLoader``'s workers) warn of a fork in a
+multi-threaded process on Python 3.12 and later, for a saving of tens of
+microseconds per call.
 """
 
 from __future__ import annotations
@@ -51,14 +63,24 @@ from typing import Any, TypeVar
 
 from ._format import first_line, format_seconds
 
-__all__ = ["STORE_WAIT", "Job", "Stalled", "store_host", "try_store", "use_store", "within"]
+__all__ = [
+    "STORE_WAIT",
+    "Job",
+    "Stalled",
+    "forget_store",
+    "slow_now",
+    "store_host",
+    "try_store",
+    "use_store",
+    "within",
+]
 
 T = TypeVar("T")
 
 logger = logging.getLogger("devicekit")
 
 STORE_WAIT = 5.0
-"""Seconds one use of the job's store may take before devicekit stops using it for the job.
+"""Seconds one use of the job's store may take before devicekit leaves it alone until it ends.
 
 A healthy store answers in well under a millisecond, a few tens of them with
 thousands of ranks asking at once; five seconds is far past that, and short
@@ -75,6 +97,9 @@ class Job:
     world: Any = None  # the default group this state belongs to
     group: Any = None  # devicekit's gloo group over every rank, once made
     calls = 0  # job-wide calls this rank has made in this job (its notes in the store)
+    # This rank's note (its key and text) while it is not yet in the store: the next use
+    # of the store writes it first (see _jobstate.arrive).
+    unwritten: tuple[str, str] | None = None
     # The call whose collective failed here, in words. Gloo closes a group's
     # connections when a collective times out, so every later call would fail
     # too, blaming a crash: it is refused at once, saying why, instead.
@@ -85,11 +110,32 @@ class Job:
     # timeout or a missing operation; a socket timeout counts as lost (the stream is out
     # of step, see _connection_lost).
     store_lost: str | None = None
-    # The job's store did not answer one of devicekit's uses within STORE_WAIT, or timed
-    # it out itself (why, in words): it is not used again in this job, each later try
-    # would wait as long (see the module's docstring). Unlike store_lost, its process
-    # need not have gone; but devicekit's group, if not made yet, is not made through it.
+    # The job's store is slow (why, in words): a use of devicekit's is still waiting for
+    # it (store_stalled, left behind by within), or the store timed a use out itself
+    # (store_stalled None: for the rest of the job). Unlike store_lost, its process need
+    # not have gone; but devicekit's group, if not made yet, is not made through it.
     store_slow: str | None = None
+    store_stalled: threading.Thread | None = None
+    store_slow_at: float | None = None  # when store_slow was set (time.monotonic())
+    store_warned = False  # the one warning of the job about a slow store was logged
+
+
+def forget_store() -> None:
+    """Forget what an earlier job's store did (call under the lock)."""
+    Job.store_lost = Job.store_slow = Job.store_stalled = Job.store_slow_at = None
+    Job.unwritten, Job.store_warned = None, False
+
+
+def slow_now() -> str | None:
+    """Why the store is not to be used now, if slow (call under the lock).
+
+    A store marked slow by a use left waiting is usable again once that use
+    has ended: the mark is cleared here, and None returned.
+    """
+    stalled = Job.store_stalled
+    if Job.store_slow is not None and stalled is not None and not stalled.is_alive():
+        Job.store_slow = Job.store_stalled = Job.store_slow_at = None
+    return Job.store_slow
 
 
 def use_store(use: Callable[[Any], T]) -> T | None:
@@ -105,22 +151,37 @@ def try_store(use: Callable[[Any], T]) -> tuple[T | None, str | None]:
     store is not tried again in this job: each try would fail too, printing
     torch's C++ warning and stack dump (5 or 6 per call before, over 100
     lines, when rank 0 had exited); a socket timeout counts as a lost
-    connection. A use that takes longer than ``STORE_WAIT``, or that the
-    store times out itself, marks it slow: not tried again in this job
-    either (see ``_note_slow``). Any other failure (an operation this store
-    lacks) fails this use alone.
+    connection. A use that takes longer than ``STORE_WAIT`` marks it slow
+    until that use ends, one that the store times out itself for the job
+    (see ``_note_slow``). Any other failure (an operation this store lacks)
+    fails this use alone. This rank's note, if not yet written
+    (``Job.unwritten``), is written first, in the same use.
     """
     with Job.lock:
-        skipped = Job.store_lost or Job.store_slow
+        skipped = Job.store_lost or slow_now()
+        note = Job.unwritten
     if skipped is not None:
         return None, skipped
     store = _store()
     if store is None:
         return None, None
+
+    def noted() -> T:
+        if note is not None:
+            store.set(*note)
+        return use(store)
+
+    left: list[threading.Thread] = []
     try:
-        answer = within(STORE_WAIT, lambda: use(store), name="devicekit-store", ends_within=None)
+        answer = within(
+            STORE_WAIT, noted, name="devicekit-store", ends_within=None, left_behind=left.append
+        )
     except Stalled as stalled:
-        return None, _note_slow(str(stalled))
+        return None, _note_slow(str(stalled), left[0])
+    except KeyboardInterrupt:
+        if left:  # the use goes on: later ones would queue behind it
+            _note_slow("a use interrupted by Ctrl-C", left[0], quiet=True)
+        raise
     except (RuntimeError, ValueError, OSError, EOFError) as error:
         reason = first_line(error)
         if _connection_lost(error):
@@ -128,8 +189,11 @@ def try_store(use: Callable[[Any], T]) -> tuple[T | None, str | None]:
                 if Job.store_lost is None:
                     Job.store_lost = reason
         elif _timed_out(error):
-            _note_slow(reason)
+            _note_slow(reason, None)
         return None, reason
+    with Job.lock:
+        if Job.unwritten is note:
+            Job.unwritten = None
     return answer, None
 
 
@@ -137,7 +201,14 @@ class Stalled(Exception):
     """Work run ``within`` a time that did not finish in it (internal: never raised out)."""
 
 
-def within(seconds: float, work: Callable[[], T], *, name: str, ends_within: float | None) -> T:
+def within(
+    seconds: float,
+    work: Callable[[], T],
+    *,
+    name: str,
+    ends_within: float | None,
+    left_behind: Callable[[threading.Thread], None] | None = None,
+) -> T:
     """``work()``, or `Stalled` when it takes longer than ``seconds``.
 
     On a daemon thread, so that work that never returns (a TCPStore whose
@@ -153,7 +224,8 @@ def within(seconds: float, work: Callable[[], T], *, name: str, ends_within: flo
     ``ends_within`` seconds from now (the time torch gives the work), or for
     None (a store use, which may never end) ``STORE_WAIT`` from exit; work
     that ends later than that still can. Costs about 80 µs (a thread start).
-    Ctrl-C stops the wait here, as it would the work.
+    Ctrl-C stops the wait here, as it would the work; a thread left behind
+    by it is remembered too. ``left_behind`` is given each thread left behind.
     """
     outcome: list[tuple[bool, Any]] = []
 
@@ -166,10 +238,14 @@ def within(seconds: float, work: Callable[[], T], *, name: str, ends_within: flo
     started = time.monotonic()
     worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
-    worker.join(seconds)
+    try:
+        worker.join(seconds)
+    finally:  # a timeout, or Ctrl-C during the wait: the work goes on without this call
+        if not outcome:
+            _left_behind.append((worker, None if ends_within is None else started + ends_within))
+            if left_behind is not None:
+                left_behind(worker)
     if not outcome:
-        until = None if ends_within is None else started + ends_within
-        _left_behind.append((worker, until))
         raise Stalled(f"no answer within {format_seconds(seconds)}")
     done, value = outcome[0]
     if not done:
@@ -191,40 +267,61 @@ def _let_go_at_exit() -> None:
     code; while the interpreter shuts down, that aborts the process
     ("terminate called without an active exception": 1 run in 4 of the test
     whose rank stops the store's process). Exit handlers run before that,
-    with daemon threads still running.
+    with daemon threads still running. A wait longer than a second is
+    announced first; Ctrl-C ends it, quietly (the process may then abort).
     """
-    stores = time.monotonic() + STORE_WAIT
-    for worker, until in _left_behind:
-        left = (stores if until is None else until) - time.monotonic()
-        if until is not None and left > STORE_WAIT and worker.is_alive():
+    now = time.monotonic()
+    waits = [
+        (worker, now + STORE_WAIT if until is None else until)
+        for worker, until in _left_behind
+        if worker.is_alive()
+    ]
+    longest = max((end for _, end in waits), default=now) - now
+    try:
+        if longest > 1.0:
+            barriers = any(worker.name == "devicekit-barrier" for worker, _ in waits)
             logger.warning(
-                "devicekit: waiting up to %s at exit for torch to end a job-wide call's barrier "
-                "that devicekit stopped waiting for: a process that exits before then can abort",
-                format_seconds(left),
+                "devicekit: waiting up to %s at exit for %s that devicekit stopped waiting for "
+                "to end: a process that exits while torch still runs it can abort. Ctrl-C ends "
+                "this wait.",
+                format_seconds(longest),
+                "a job-wide call's barrier" if barriers else "a use of the job's store",
             )
-        worker.join(max(0.0, left))
+        for worker, end in waits:
+            worker.join(max(0.0, end - time.monotonic()))
+    except KeyboardInterrupt:  # asked to stop waiting: exit now, without a traceback
+        return
 
 
-def _note_slow(reason: str) -> str:
-    """Stop using the store for this job after a use that timed out; warn once. ``reason`` back.
+def _note_slow(reason: str, stalled: threading.Thread | None, *, quiet: bool = False) -> str:
+    """Mark the store slow: while ``stalled`` waits, or for the job (None). ``reason`` back.
 
-    Every later use would wait as long again (one per step of every call:
-    the store's whole timeout each, or for ever behind a use still waiting).
+    Every later use would wait as long again (behind the use still waiting,
+    or the store's whole timeout each). Warns once per job, unless ``quiet``.
     """
     with Job.lock:
-        first = Job.store_slow is None
-        if first:
-            Job.store_slow = reason
-    if first:
-        logger.warning(
-            "devicekit: the job's store (served by %s) timed out (%s); devicekit stops "
-            "using it for the rest of this job, so a failed job-wide call names the missing "
-            "ranks only where gloo does (on rank 0). Job-wide calls still work, each bounded "
-            "by its own timeout, once devicekit's group exists (a job's first call makes it "
-            "through the store, so it fails at once instead).",
-            store_host(),
-            reason,
+        Job.store_slow, Job.store_stalled, Job.store_slow_at = reason, stalled, time.monotonic()
+        warn = not quiet and not Job.store_warned
+        Job.store_warned = Job.store_warned or warn
+    if not warn:
+        return reason
+    if stalled is not None:
+        until = (
+            "leaves it alone while that use is still waiting and uses it again once it "
+            "ends (each stall costs one wait)"
         )
+    else:
+        until = "stops using it for the rest of this job (each use would wait as long again)"
+    logger.warning(
+        "devicekit: the job's store (served by %s) timed out (%s); devicekit %s. Meanwhile a "
+        "failed job-wide call cannot say which job-wide call each missing rank is in (rank 0's "
+        "error still quotes gloo's, which names the ranks that missed a barrier). Job-wide "
+        "calls still work, each bounded by its own timeout, once devicekit's group exists (a "
+        "job's first call makes it through the store, so it fails at once instead).",
+        store_host(),
+        reason,
+        until,
+    )
     return reason
 
 

@@ -730,8 +730,14 @@ def test_once_the_store_has_failed_a_rank_never_uses_it_again(tmp_path: Path, wh
     outcome = json.loads((tmp_path / "store-1.json").read_text())
     assert outcome["warnings"] == 1, outcome
     first, later = outcome["errors"]
-    assert first.startswith("job_status(): not every rank joined (the wait failed after"), first
-    assert "The job's store, which would name them, stopped answering (" in first, first
+    if when == "before any call":  # no group made: this rank waited for none
+        assert first.startswith(
+            "job_status(): this rank cannot join the other ranks: devicekit's group is made "
+            "through the job's store, and this rank's connection to it was lost ("
+        ), first
+    else:
+        assert first.startswith("job_status(): not every rank joined (the wait failed after")
+        assert "The job's store, which would name them, stopped answering (" in first, first
     assert "rank 0's process serves it, and has most likely exited or crashed." in first
     assert later.startswith("job_status(): rank 1's job-wide call #"), later
     assert "so no later job-wide call can complete in this job" in later
@@ -787,7 +793,10 @@ def test_a_stopped_store_server_costs_one_short_wait_not_a_hang(tmp_path: Path) 
     ), first
     assert later.startswith("job_status(): rank 1's job-wide call #2, job_status(), failed")
     (warning,) = outcome["warnings"]
-    assert "timed out (no answer within 500 ms); devicekit stops using it" in warning
+    assert (
+        "timed out (no answer within 500 ms); devicekit leaves it alone while that use is still "
+        "waiting and uses it again once it ends"
+    ) in warning
 
 
 # --- store failures that are not a lost store -------------------------------------------------
@@ -833,6 +842,13 @@ def fake_store(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(_jobstate.Job, "store_lost", None)
     # raising=False: these tests also run (and fail) against code from before store_slow
     monkeypatch.setattr(_jobstate.Job, "store_slow", None, raising=False)
+    for name, value in [
+        ("store_stalled", None),
+        ("store_slow_at", None),
+        ("store_warned", False),
+        ("unwritten", None),
+    ]:
+        monkeypatch.setattr(_jobstate.Job, name, value, raising=False)
     monkeypatch.setattr(_jobstate.Job, "broken", None)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
 
@@ -983,11 +999,18 @@ def test_a_store_that_timed_out_makes_no_group_and_the_call_says_so(
         assert _jobstate.Job.store_lost is None  # slow, not gone
     finally:
         dist.destroy_process_group()
-    assert (
-        "devicekit's group is made through the job's store, which did not answer in time "
-        "earlier in this job (wait timeout after 300000ms, keys: /devicekit/broken)"
-    ) in str(caught.value)
-    assert "so it is not made" in str(caught.value)
+    # Before: "not every rank joined (the wait failed after 5 s, before the 30 s timeout: a
+    # rank exited or crashed) (... did not answer in time earlier in this job ...)", though
+    # nothing crashed, this rank waited for none, and the store timed out in this very call.
+    message = str(caught.value)
+    assert message.startswith(
+        "test: this rank cannot join the other ranks: devicekit's group is made through the "
+        "job's store, which did not answer in time in this call (wait timeout after 300000ms, "
+        "keys: /devicekit/broken)"
+    ), message
+    assert "so it is not made" in message
+    assert "crashed" not in message
+    assert "the wait failed" not in message
 
 
 def test_a_store_that_times_out_once_the_group_exists_leaves_calls_working(
@@ -1071,3 +1094,249 @@ def test_a_stopped_rank_0_fails_a_later_call_within_its_own_timeout(tmp_path: Pa
     assert message.startswith("job_status(): rank 0 did not arrive within 2 s."), message
     assert "rank 0 last entered job-wide call #1, job_status()" in message
     assert "rank 0 did not answer the barrier within 2 s" in message
+
+
+# --- a store that stalls, then answers; exits and Ctrl-C during bounded waits ------------------
+
+
+def _store_thread_gone(seconds: float = 20) -> bool:
+    """Whether every use of the store left waiting has ended."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + seconds
+    while any(t.name == "devicekit-store" for t in threading.enumerate()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_store_that_answers_after_a_stall_is_used_again_with_this_ranks_note(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, one stall (STORE_WAIT) stopped every later use for the rest of the job: this
+    # rank's note stayed at the call before it, so the other ranks' errors named that one.
+    fake_store()
+    store = _Stalled()
+    monkeypatch.setattr(_jobstore, "_store", lambda: store)
+    monkeypatch.setattr(_jobstore, "STORE_WAIT", 0.05)
+    monkeypatch.setattr(_jobstate, "this_job", lambda: None)
+    monkeypatch.setattr(_jobstate.Job, "calls", 4)
+    try:
+        with caplog.at_level("WARNING", logger="devicekit"):
+            for stall in range(2):
+                store.answer.clear()
+                assert _jobstate.arrive("job_status()") == 5 + 2 * stall  # stalls: slow
+                assert _jobstate.Job.store_slow == "no answer within 50 ms"
+                store.answer.set()
+                assert _store_thread_gone()
+                assert _jobstate.arrive("job_status()") == 6 + 2 * stall
+                assert _jobstate.Job.store_slow is None
+                assert store.data["devicekit/call/0"] == f"{6 + 2 * stall}\njob_status()".encode()
+    finally:
+        store.answer.set()
+    assert len(caplog.records) == 1  # once per job
+
+
+def _store_stalls_then_answers(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 1 stops rank 0 (which serves the store) for 3 s during call 2 of 5; then rank 0
+    makes a sixth call alone, and says where rank 1 is."""
+    import signal
+    import threading
+
+    from devicekit import _jobstore
+
+    dist = _tcp_job(rank, world, port)
+    dk.job_status(timeout=60)  # call 1: devicekit's group exists
+    if rank == 0:
+        Path(folder, "pid-0").write_text(str(os.getpid()))
+        for _ in range(4):
+            dk.job_status(timeout=60)
+        _wait_for(folder, ["done-1"])
+        outcome: dict[str, Any] = {}
+        try:
+            dk.job_status(timeout=1)
+        except dk.RanksOutOfStepError as error:
+            outcome["error"] = str(error)
+        _record(folder, "stall", rank, outcome)
+        Path(folder, "exit-0").touch()
+        dist.destroy_process_group()
+        return
+    _wait_for(folder, ["pid-0"])
+    pid = int(Path(folder, "pid-0").read_text())
+    _jobstore.STORE_WAIT = 0.5
+    resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
+    os.kill(pid, signal.SIGSTOP)
+    resume.start()
+    try:
+        for _ in range(4):
+            dk.job_status(timeout=60)
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+    Path(folder, "done-1").touch()
+    _wait_for(folder, ["exit-0"])
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_after_a_stall_the_other_ranks_name_the_call_a_rank_is_in(tmp_path: Path) -> None:
+    # Before: "rank 1 last entered job-wide call #1", though it had made five: its store was
+    # left alone for the rest of the job after one stall, and its notes went stale.
+    spawn_ranks(_store_stalls_then_answers, 2, str(tmp_path), timeout=150)
+    message = json.loads((tmp_path / "stall-0.json").read_text())["error"]
+    assert message.startswith("job_status(): rank 1 did not arrive within 1 s."), message
+    assert "rank 1 last entered job-wide call #5, job_status()" in message
+
+
+class _Waiting:
+    """A thread left behind, as ``_let_go_at_exit`` sees it; Ctrl-C arrives during its join."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.joins: list[float | None] = []
+
+    def is_alive(self) -> bool:
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joins.append(timeout)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("name", "lasts", "what"),
+    [
+        ("devicekit-barrier", 3.0, "a job-wide call's barrier"),
+        ("devicekit-store", None, "a use of the job's store"),
+    ],
+)
+def test_exit_says_before_it_waits_and_ctrl_c_ends_the_wait_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    lasts: float | None,
+    what: str,
+) -> None:
+    # Before, exit waited silently for a barrier's first 5 s and for any store use, and
+    # Ctrl-C during the wait printed "Exception ignored in atexit callback" and a traceback.
+    import time
+
+    waiting = _Waiting(name)
+    until = None if lasts is None else time.monotonic() + lasts
+    monkeypatch.setattr(_jobstore, "_left_behind", [(waiting, until)])
+    with caplog.at_level("WARNING", logger="devicekit"):
+        try:
+            _jobstore._let_go_at_exit()
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C during the exit wait came out of the exit handler")
+    assert len(waiting.joins) == 1
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        f"devicekit: waiting up to {'3' if lasts else '5'} s at exit for {what} that devicekit "
+        "stopped waiting for to end"
+    ), record.getMessage()
+
+
+def test_ctrl_c_during_a_bounded_wait_leaves_no_untracked_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a thread whose wait Ctrl-C stopped was not recorded: exit did not wait for it.
+    import threading
+
+    release = threading.Event()
+    left: list[tuple[threading.Thread, float | None]] = []
+    monkeypatch.setattr(_jobstore, "_left_behind", left)
+
+    def interrupted(self: threading.Thread, timeout: float | None = None) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(threading.Thread, "join", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                _jobstore.within(5, release.wait, name="devicekit-test", ends_within=None)
+    finally:
+        release.set()
+    ((thread, until),) = left
+    assert thread.name == "devicekit-test"
+    assert until is None
+    thread.join(10)
+
+
+@contextlib.contextmanager
+def _one_rank(tmp_path: Path) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_call_interrupted_in_its_barrier_refuses_the_next_call(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before, the next call started a second barrier while the first one was still pending.
+    fake_store()
+
+    def interrupted(group: Any, timeout: float) -> None:
+        raise KeyboardInterrupt
+
+    with _one_rank(tmp_path):
+        with monkeypatch.context() as patch:
+            patch.setattr(_dist, "_barrier", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                _dist.gather_objects({"rank": 0}, timeout=30, what="test")
+        with pytest.raises(
+            dk.RanksOutOfStepError,
+            match=r"^test: rank 0's job-wide call #1, test, was interrupted during its barrier",
+        ):
+            _dist.gather_objects({"rank": 0}, timeout=30, what="test")
+
+
+def test_a_job_wide_call_uses_the_store_once_on_a_healthy_store(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before, twice (the failure key's read, then the note): a thread each, 0.5 ms a call.
+    store = fake_store()
+    uses: list[str] = []
+    real = _jobstore.within
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        uses.append(kwargs["name"])
+        return real(*args, **kwargs)
+
+    with _one_rank(tmp_path):
+        _dist.gather_objects({"rank": 0}, timeout=30, what="test")  # makes the group
+        monkeypatch.setattr(_jobstore, "within", counted)
+        for _ in range(3):
+            assert _dist.gather_objects({"rank": 0}, timeout=30, what="test") == [{"rank": 0}]
+    assert uses == ["devicekit-store"] * 3
+    assert store.data["devicekit/call/0"] == b"4\ntest"
+
+
+def test_a_call_held_up_past_its_timeout_says_how_long_it_took(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: "rank 1 did not arrive within 2 s" after 8 s (a stalled store before the
+    # collective, up to STORE_WAIT).
+    import time
+
+    import torch.distributed as dist
+
+    store = fake_store()
+    store.data = {"devicekit/call/0": b"2\njob_status()", "devicekit/call/1": b"1\njob_status()"}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    started = time.monotonic() - 8.0
+    # A use of the store stalled in this call, and has ended since.
+    monkeypatch.setattr(_jobstate.Job, "store_slow_at", started + 0.1, raising=False)
+    error = _jobstate.out_of_step("job_status()", 2, RuntimeError("Timed out"), 2, started)
+    assert str(error).startswith(
+        "job_status(): rank 1 did not arrive within 2 s (this call took 8 s in all: the job's "
+        "store held it up). Where they are: rank 1 last entered job-wide call #1, job_status();"
+    ), str(error)
