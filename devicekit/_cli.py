@@ -255,7 +255,8 @@ def _parser() -> _Parser:
         description="Show what torch can use here and what each GPU is doing, "
         "without initializing CUDA.",
         epilog="Exit codes: 0 ok, 1 doctor found an error, 2 usage error, 74 stdout cannot be "
-        "written, 130 interrupted (Ctrl-C), 141 the pipe was closed (| head).",
+        "written, 130 interrupted (Ctrl-C; watch, which runs until Ctrl-C, stops with 0), "
+        "141 the pipe was closed (| head).",
     )
     parser.add_argument("-V", "--version", action="version", version=f"devicekit {__version__}")
     _shared_options(parser, top=True)
@@ -271,10 +272,11 @@ def _parser() -> _Parser:
     _shared_options(status, top=False)
     watch = commands.add_parser(
         "watch",
-        help="refresh the status until Ctrl-C",
+        help="refresh the status until Ctrl-C (which exits 0)",
         description="Print the status every few seconds until Ctrl-C, with the time of each "
         "refresh. On a terminal the screen is redrawn in place; piped, refreshes are "
-        "separated by a line (with --json, one JSON document per line).",
+        "separated by a line (with --json, one JSON document per line). Ctrl-C is how it "
+        "ends, so it exits 0, not 130.",
     )
     watch.add_argument(
         "-n",

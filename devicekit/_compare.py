@@ -217,7 +217,9 @@ def compare(
         if not (isinstance(value, Measurement) or callable(value)):
             raise TypeError(
                 f"results[{short_repr(name)}] must be a Measurement or a function to measure, "
-                f"got {got(value)}"
+                f"got {got(value)}. To time model(x), wrap the call, {{{short_repr(name)}: "
+                f"lambda: model(x)}}: {{{short_repr(name)}: model(x)}} passes what the call "
+                "returned"
             )
     unknown = [name for name in options if name not in OPTIONS]
     if unknown:

@@ -7,7 +7,9 @@ accelerator are stacked per device and dtype and copied to the host in one
 non-blocking copy per stack (into pinned memory on CUDA), and `land()`
 waits for those copies only. Across ranks, every rank arranges its values by
 key name, checks with the other ranks (over devicekit's gloo group, ``_dist``)
-that all logged the same, and only then combines them in one ``all_reduce``.
+that all logged the same, and only then combines them in one ``all_reduce``;
+the combined records keep rank 0's keys in the order it logged them, on every
+rank, as one rank's records keep its own.
 Once the job's collectives are broken for good (`broken_job`), nothing can be
 combined any more, and the buffer records each rank's own values instead.
 """
@@ -232,6 +234,9 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     devicekit's own gloo group: CPU bytes, so even with NCCL nothing waits for
     the GPU, and a rank that never arrives ends in ``RanksOutOfStepError``, not
     a hang. Only when all ranks agree are the values combined, in key order.
+    The records then hold the keys in the order rank 0 logged them first (as
+    a single process's records do, so a CSV has the same columns however the
+    script is launched), the same on every rank.
 
     Raises:
         RanksDisagreeError: The ranks logged different keys or steps; every rank
@@ -266,12 +271,14 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     except Exception as error:  # noqa: BLE001 - every rank must still hear of it
         layout, said = None, f"could not prepare its values: {error!r}"
     what = _what(op)
-    answers = gather_objects((layout, said, wants_gpu), timeout=DEFAULT_TIMEOUT, what=what)
+    logged = tuple(key for key, _, _ in columns)  # in order of first appearance
+    answer: _Answer = (layout, said, wants_gpu, logged)
+    answers = gather_objects(answer, timeout=DEFAULT_TIMEOUT, what=what)
     _check_agreement(answers, op)  # the same verdict on every rank, from the same answers
     assert flat is not None
     if not ordered:  # every rank had nothing to send, and all agree
         return InFlight(steps, [])
-    on_gpu = all(wants for _, _, wants in answers)
+    on_gpu = all(wants for _, _, wants, _ in answers)
     if wants_gpu and not on_gpu:  # a rank's values are all on the host: gloo, on the host
         flat = flat.cpu()
     flat = _combine(flat, op, on_gpu=on_gpu, what=what)
@@ -282,12 +289,17 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
         in_flight.columns.append((key, rows, floats))
         in_flight.fills.append((0, offset, floats, 0, len(values)))
         offset += len(values)
+    # Combined in name order; recorded in rank 0's order (the ranks agree on the keys).
+    named = {column[0]: column for column in in_flight.columns}
+    in_flight.columns = [named[key] for key in answers[0][3]]
     _copy_to_host(in_flight, flat)
     return in_flight
 
 
 _Layout = tuple[tuple[Any, ...], tuple[tuple[str, tuple[int, ...] | None], ...]]
 """What a rank logged in one flush: its steps, and each key with its rows (None: all)."""
+_Answer = tuple[_Layout | None, str, bool, tuple[str, ...]]
+"""A rank's answer: its layout, its summary, whether its values are on its GPU, its keys."""
 
 
 def _flatten(
@@ -318,10 +330,10 @@ def _describe(layout: _Layout | None) -> str:
     return f"steps {list(steps)}; keys {shown}"
 
 
-def _check_agreement(answers: list[tuple[_Layout | None, str, bool]], op: str) -> None:
+def _check_agreement(answers: list[_Answer], op: str) -> None:
     """Raise unless every rank prepared its values and logged the same keys at the same steps."""
-    layouts = [layout for layout, _, _ in answers]
-    summaries = [said for _, said, _ in answers]
+    layouts = [layout for layout, _, _, _ in answers]
+    summaries = [said for _, said, _, _ in answers]
     if len(set(summaries)) == 1 and len(set(layouts)) > 1:  # they differ in what no summary shows
         summaries = [shorten(_describe(layout), 300) for layout in layouts]
     lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))

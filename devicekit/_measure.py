@@ -200,7 +200,11 @@ def _check_options(
     fn: object, *, warmup: float, min_time: float, max_time: float, rel_noise: float, mode: str
 ) -> None:
     if not callable(fn):
-        raise TypeError(f"benchmark() needs a function to time, got {got(fn)}")
+        raise TypeError(
+            f"benchmark() needs a function to time, got {got(fn)}. To time model(x), pass "
+            "the function and its arguments, benchmark(model, x), or wrap the call, "
+            "benchmark(lambda: model(x)): benchmark(model(x)) passes what the call returned"
+        )
     refuse_lazy(fn, call="benchmark(fn): fn()")
     check_seconds(warmup, name="warmup", zero_ok=True, fix="0 warms up with a single call")
     check_seconds(min_time, name="min_time", zero_ok=True, fix="0 stops as soon as it is precise")

@@ -45,9 +45,10 @@ class CSVSink:
     where it began. The records it could not write are kept and written first
     at the next flush. A file that disappears while the run goes on (a log
     rotation) is started again with the header. An error writing the file
-    keeps its type (``except OSError`` still catches it) and gains a note
-    naming the sink and its path: it may surface at a ``log()`` call far from
-    where the sink was made.
+    may surface at a ``log()`` call far from where the sink was made, so its
+    message names the sink, the file (not the temporary file written beside
+    it) and the fix; it keeps its type and ``errno`` (``except OSError``
+    still catches it).
 
     Args:
         path: The file (a ``str`` or ``os.PathLike``), created on the first
@@ -72,8 +73,9 @@ class CSVSink:
         IsADirectoryError: ``path`` is a folder that exists.
         OSError: The folder of ``path`` cannot be created (the error
             ``mkdir`` raised, such as ``FileNotFoundError`` or
-            ``FileExistsError``, with a message naming ``path``), or is not
-            writable (``PermissionError``).
+            ``FileExistsError``, with a message naming ``path``), is not
+            writable (``PermissionError``), or is on a file system mounted
+            read-only (``errno.EROFS``).
 
     Examples:
         >>> import pathlib, tempfile, devicekit as dk
@@ -113,9 +115,11 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         if not self._started and self.append:
             try:
                 self.columns, self._newline_first, self._line_end = _existing(self._file)
-            except BaseException as error:
+            except OSError as error:
                 self._unwritten = rows
-                self._note(error, rows)
+                raise self._write_error(error, rows, doing="read") from None
+            except BaseException:
+                self._unwritten = rows
                 raise
             self._started = bool(self.columns)
         new = [
@@ -127,23 +131,39 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
                 self._append(columns, rows)
             else:
                 self._replace(columns, rows)
-        except BaseException as error:
+        except OSError as error:
             self._unwritten = rows
-            self._note(error, rows)
+            raise self._write_error(error, rows) from None
+        except BaseException:
+            self._unwritten = rows
             raise
         self._unwritten = []
         self._newline_first = False
         self.columns = columns
         self._started = True
 
-    def _note(self, error: BaseException, rows: list[Record]) -> None:
-        """Name this sink on a write error, which may surface at a distant ``log()``."""
-        if isinstance(error, OSError):
-            add_note(
-                error,
-                f"raised by {self!r} writing {str(self._file)!r}; its {len(rows)} unwritten "
-                "records are kept and written first at its next call",
-            )
+    def _write_error(self, error: OSError, rows: list[Record], doing: str = "write") -> OSError:
+        """``error`` told as this sink's: the user's path, what went wrong and the fix.
+
+        It may surface at a ``log()`` far from where the sink was made, and the
+        file ``os.open`` names is often the temporary one written beside the
+        CSV (``.train.csv.42b0d82b0920.tmp``), which the user never named. The
+        same type and ``errno``, so ``except FileNotFoundError`` still catches
+        it; and the same message at each failure (no temporary name in it), so
+        a flush that fails on several batches tells it once, with a count.
+        """
+        kept = f"its {len(rows)} unwritten records are kept and written first at its next call"
+        if type(error).__module__ != "builtins":  # a subclass of unknown signature: as it is
+            add_note(error, f"raised by {self!r} writing {str(self._file)!r}; {kept}")
+            return error
+        why = error.strerror or str(error)  # OSError("disk full") has no strerror
+        raised = type(error)(
+            f"{self!r} could not {doing} {str(self._file)!r}: {why}. "
+            f"{_write_fix(error.errno, self._file.parent)}"
+        )
+        raised.errno = error.errno  # its message stays as written
+        add_note(raised, f"{self!r}: {kept}")
+        return raised
 
     def _append(self, columns: list[str], rows: list[Record]) -> None:
         descriptor = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -240,6 +260,23 @@ def _file_path(path: object) -> Path:
     return file
 
 
+def _write_fix(number: int | None, folder: Path) -> str:
+    """What to do about a write that failed with ``errno`` ``number``, the file in ``folder``."""
+    where = str(folder)
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return "Free space on that disk, or pass a path on another one"
+    if number == errno.ENOENT:  # os.open(O_CREAT) fails so only where no file can be made
+        return (
+            f"Its folder {where!r} was removed, or holds no files of its own (as /proc and "
+            "/sys do): create the folder again, or pass a path in a folder you can write to"
+        )
+    if number == errno.EROFS:
+        return f"Its folder {where!r} is read-only: pass a path in a folder you can write to"
+    if number in (errno.EACCES, errno.EPERM):
+        return f"Make {where!r} writable, or pass a path in a folder you can write to"
+    return "Pass a path in a folder you can write to, on a disk with room"
+
+
 def _make_folder(folder: Path, given: str) -> None:
     """Create ``folder`` now, so a folder that cannot be made is refused here, not at a log()."""
     try:
@@ -267,6 +304,19 @@ def _make_folder(folder: Path, given: str) -> None:
             "in a folder you can write to"
         )
         raised.errno = errno.EACCES
+        raise raised
+    # Root passes os.access everywhere, but not a file system mounted read-only (a
+    # container's /sys): every write there fails with EROFS.
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows): unknown, so not refused
+        read_only = False
+    if read_only:
+        raised = OSError(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} is on a file system mounted "
+            "read-only, where no file can be written. Pass a path in a folder you can write to"
+        )
+        raised.errno = errno.EROFS
         raise raised
 
 

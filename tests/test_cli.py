@@ -277,8 +277,24 @@ def test_every_subcommand_has_a_description() -> None:
     main_help = " ".join(run_cli("--help").stdout.split())  # as one line, however wrapped
     assert (
         "Exit codes: 0 ok, 1 doctor found an error, 2 usage error, 74 stdout cannot be "
-        "written, 130 interrupted (Ctrl-C), 141 the pipe was closed (| head)."
+        "written, 130 interrupted (Ctrl-C; watch, which runs until Ctrl-C, stops with 0), "
+        "141 the pipe was closed (| head)."
     ) in main_help
+
+
+def test_the_help_says_watch_exits_0_on_ctrl_c(capsys: pytest.CaptureFixture[str]) -> None:
+    # Before, the help said only "130 interrupted (Ctrl-C)", and watch stopped by Ctrl-C
+    # exits 0 (by design: Ctrl-C is how it ends), which looked like a bug.
+    help_text: dict[str, str] = {}
+    for args in (["--help"], ["watch", "--help"]):
+        with pytest.raises(SystemExit) as exited:
+            _cli.main(args)
+        assert exited.value.code == 0
+        help_text[args[0]] = " ".join(capsys.readouterr().out.split())  # as one line
+    main_help = help_text["--help"]
+    assert "130 interrupted (Ctrl-C; watch, which runs until Ctrl-C, stops with 0)" in main_help
+    assert "watch refresh the status until Ctrl-C (which exits 0)" in help_text["--help"]
+    assert "Ctrl-C is how it ends, so it exits 0, not 130." in help_text["watch"]
 
 
 @pytest.mark.parametrize(

@@ -139,6 +139,17 @@ def test_results_that_are_not_named_variants_are_refused(results: Any, text: str
     assert text in str(info.value)
 
 
+def test_a_call_s_result_given_as_a_variant_is_refused_with_the_fix() -> None:
+    # Before: "results['eager'] must be ... got tensor(...) of type Tensor", no fix.
+    model, x = torch.nn.Linear(2, 1), torch.ones(2)
+    with pytest.raises(TypeError) as caught:
+        dk.compare({"eager": model(x)})  # type: ignore[dict-item]
+    assert str(caught.value).endswith(
+        "of type Tensor. To time model(x), wrap the call, {'eager': lambda: model(x)}: "
+        "{'eager': model(x)} passes what the call returned"
+    )
+
+
 def test_a_huge_bad_variant_is_named_in_a_short_message() -> None:
     # Before: the repr of all 10**6 items, 7.9 MB.
     with pytest.raises(TypeError) as caught:
@@ -148,7 +159,7 @@ def test_a_huge_bad_variant_is_named_in_a_short_message() -> None:
     assert message.startswith(
         "results['a'] must be a Measurement or a function to measure, got [0, 1, 2, "
     )
-    assert message.endswith("... of type list")
+    assert "... of type list. To time model(x)" in message
     one = measured(1e-3, 0)
     many = {f"v{i}": one for i in range(10**4)}
     with pytest.raises(ValueError, match=r"^baseline 'b' is not one of 'v0', .*'v9', \.\.\.$"):

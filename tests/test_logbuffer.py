@@ -1418,6 +1418,57 @@ def test_after_the_job_broke_every_flush_records_this_rank_s_values(tmp_path: Pa
         assert (history, pending) == ([{"step": 0, "x": float(rank)}], 0)
 
 
+def _training_log(rank: int, world: int, port: int, folder: str) -> None:
+    """The trial's script: keys logged in one order (rank 1 in another), a late key at step 12."""
+    import datetime
+
+    import torch.distributed as dist
+
+    launched = world > 1  # world 1: the same script run alone, without reduce
+    if launched:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+    try:
+        path = Path(folder, f"{'launched' if launched else 'alone'}{rank}.csv")
+        options: dict[str, Any] = {"reduce": "mean"} if launched else {}
+        with dk.LogBuffer(flush_every=7, sinks=[dk.CSVSink(path)], **options) as logs:
+            for step in range(25):
+                values = {"loss": torch.tensor(0.5), "lr": 0.1, "rank": float(rank), "const": 1.0}
+                if rank % 2:  # the same keys, in another keyword order
+                    values = dict(reversed(values.items()))
+                logs.log(step, **values)
+                if step == 12:
+                    logs.log(step, acc=torch.tensor(0.5 + rank))
+        keys = [list(record) for record in logs.history]
+        Path(folder, f"{path.stem}.json").write_text(json.dumps(keys))
+        if launched:
+            dist.barrier()
+    finally:
+        if launched:
+            dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_a_reduced_log_keeps_the_keys_in_the_order_they_were_logged(tmp_path: Path) -> None:
+    # Before, reduce= sorted them: step,const,loss,lr,rank,acc under torchrun, and
+    # step,loss,lr,rank,const,acc from the same script run alone.
+    _training_log(0, 1, 0, str(tmp_path))
+    _spawn(_training_log, (2, _free_port(), str(tmp_path)), 2)
+    header = "step,loss,lr,rank,const,acc"
+    for name in ("alone0", "launched0", "launched1"):  # rank 0's order, on every rank
+        assert (tmp_path / f"{name}.csv").read_text().splitlines()[0] == header, name
+    keys = json.loads((tmp_path / "launched0.json").read_text())
+    assert json.loads((tmp_path / "launched1.json").read_text()) == keys  # the same records
+    assert keys == json.loads((tmp_path / "alone0.json").read_text())
+    assert keys[0] == ["step", "loss", "lr", "rank", "const"]
+    assert ["step", "acc"] in keys
+
+
 @pytest.mark.gpu
 def test_reduction_with_nccl_on_one_gpu(tmp_path: Path) -> None:
     _reduce_across_ranks(tmp_path, world=1, backend="nccl")

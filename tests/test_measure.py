@@ -252,6 +252,20 @@ def test_benchmark_needs_a_function() -> None:
         dk.benchmark(3)  # type: ignore[arg-type]
 
 
+def test_a_call_s_result_passed_for_the_function_is_refused_with_the_fix() -> None:
+    # Before: "benchmark() needs a function to time, got tensor(...) of type Tensor", no fix.
+    model, x = torch.nn.Linear(2, 1), torch.ones(2)
+    with pytest.raises(TypeError) as caught:
+        dk.benchmark(model(x))  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert message.startswith("benchmark() needs a function to time, got tensor(")
+    assert message.endswith(
+        "of type Tensor. To time model(x), pass the function and its arguments, "
+        "benchmark(model, x), or wrap the call, benchmark(lambda: model(x)): "
+        "benchmark(model(x)) passes what the call returned"
+    )
+
+
 def test_device_follows_the_arguments() -> None:
     m = dk.benchmark(torch.add, torch.ones(2, device="meta"), 1, max_time=0.1)
     assert m.conditions.device == "meta"

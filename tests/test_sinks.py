@@ -440,11 +440,86 @@ def test_a_write_error_names_the_sink_and_keeps_its_type_and_rows(tmp_path: Path
     folder.rmdir()  # removed mid-run: the next write cannot open the file
     with pytest.raises(FileNotFoundError) as caught:
         _logged(buffer, range(3, 5))
+    assert str(caught.value).startswith(f"{sink!r} could not write {str(folder / 'train.csv')!r}")
+    assert caught.value.errno == errno.ENOENT
     notes = getattr(caught.value, "__notes__", [])
-    assert any(f"raised by {sink!r} writing {str(folder / 'train.csv')!r}" in n for n in notes)
+    assert f"{sink!r}: its 2 unwritten records are kept and written first at its next call" in notes
     folder.mkdir()
     _logged(buffer, range(5, 6))
     assert [int(row[0]) for row in read_rows(folder / "train.csv")[1:]] == [3, 4, 5]
+
+
+class _Root:
+    """``os`` as _sinks sees it for root, whom os.access lets write anywhere (even /proc)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def access(self, path: Any, mode: int) -> bool:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_write_error_names_the_user_s_path_and_the_fix_not_the_temporary_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: FileNotFoundError: [Errno 2] No such file or directory:
+    # '/proc/.train.csv.42b0d82b0920.tmp', the user's own path only in a note.
+    monkeypatch.setattr(_sinks, "os", _Root())  # as root: nothing refuses /proc beforehand
+    sink = dk.CSVSink("/proc/train.csv")
+    buffer = dk.LogBuffer(flush_every=2, sinks=[sink])
+
+    def train() -> None:
+        for step in range(10):
+            buffer.log(step, loss=step / 4)
+
+    with pytest.raises(FileNotFoundError) as caught:  # at an automatic flush, in log()
+        train()
+    error = caught.value
+    assert error.errno == errno.ENOENT  # the same type and errno: except OSError still works
+    assert str(error) == (
+        "CSVSink('/proc/train.csv') could not write '/proc/train.csv': No such file or "
+        "directory. Its folder '/proc' was removed, or holds no files of its own (as /proc "
+        "and /sys do): create the folder again, or pass a path in a folder you can write to"
+    )
+    assert ".tmp" not in str(error)
+    assert buffer.history == [{"step": s, "loss": s / 4} for s in range(len(buffer.history))]
+    unwritten = sink._unwritten  # kept, and written first once the sink can write
+    assert unwritten
+    assert unwritten == buffer.history[: len(unwritten)]
+
+
+def test_a_full_disk_names_the_path_and_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    sink = dk.CSVSink(path)
+    monkeypatch.setattr(_sinks, "os", FullDisk(room=0))
+    with pytest.raises(OSError, match="No space left") as caught:
+        sink([{"step": 0, "loss": 1.0}])
+    assert caught.value.errno == errno.ENOSPC
+    assert str(caught.value) == (
+        f"CSVSink({str(path)!r}) could not write {str(path)!r}: No space left on device. "
+        "Free space on that disk, or pass a path on another one"
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_failure_on_several_batches_is_told_once_with_a_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, each failure named its own random temporary file, so each was told again.
+    monkeypatch.setattr(_sinks, "os", _Root())
+    buffer = dk.LogBuffer(sinks=[dk.CSVSink("/proc/train.csv")])
+    buffer.log(0, loss=0.5)
+    buffer.flush(wait=False)
+    assert len(buffer.history) == 1  # landed, and its sinks get it at the next flush
+    buffer.log(1, loss=0.25)
+    with pytest.raises(FileNotFoundError, match="could not write") as caught:
+        buffer.flush()  # hands the sink two batches: each fails
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "failed 2 times in this flush" in notes
+    assert "also raised" not in notes
 
 
 # --- paths refused when the sink is made -----------------------------------------------------
@@ -560,6 +635,24 @@ def test_a_folder_that_is_not_writable_is_refused_when_the_sink_is_made(
         match=rf"^CSVSink\(path='{tmp_path}/x\.csv'\): its folder '{tmp_path}' is not writable",
     ):
         dk.CSVSink(tmp_path / "x.csv")
+
+
+def test_a_folder_on_a_read_only_file_system_is_refused_when_the_sink_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class ReadOnlyMount(_Root):  # root's os.access passes; the mount still refuses writes
+        def statvfs(self, path: Any) -> Any:
+            return type("Statvfs", (), {"f_flag": os.ST_RDONLY})()
+
+    monkeypatch.setattr(_sinks, "os", ReadOnlyMount())
+    with pytest.raises(OSError, match="read-only") as caught:
+        dk.CSVSink(tmp_path / "x.csv")
+    assert caught.value.errno == errno.EROFS
+    assert str(caught.value) == (
+        f"CSVSink(path={str(tmp_path / 'x.csv')!r}): its folder {str(tmp_path)!r} is on a file "
+        "system mounted read-only, where no file can be written. Pass a path in a folder you "
+        "can write to"
+    )
 
 
 # --- what a demanding user writes ------------------------------------------------------------
