@@ -87,8 +87,8 @@ if TYPE_CHECKING:
     from ._placement import to_device as to_device
     from ._scopedenv import visible_devices as visible_devices
     from ._sinks import CSVSink as CSVSink
-    from ._sinks import ProgressBarSink as ProgressBarSink
-    from ._sinks import TensorBoardSink as TensorBoardSink
+    from ._sinkadapters import ProgressBarSink as ProgressBarSink
+    from ._sinkadapters import TensorBoardSink as TensorBoardSink
     from ._status import Status as Status
     from ._status import status as status
     from ._straggler import StragglerDetector as StragglerDetector
@@ -178,8 +178,8 @@ _EXPORTS: dict[str, str] = {
     "to_device": "._placement",
     "visible_devices": "._scopedenv",
     "CSVSink": "._sinks",
-    "ProgressBarSink": "._sinks",
-    "TensorBoardSink": "._sinks",
+    "ProgressBarSink": "._sinkadapters",
+    "TensorBoardSink": "._sinkadapters",
     "Status": "._status",
     "status": "._status",
     "RankTimes": "._stragglerreport",

@@ -1,0 +1,202 @@
+"""[`LogBuffer`][devicekit.LogBuffer] sinks that hand values to your own object: TensorBoard, a bar.
+
+Each is called once per flush with the new records, so neither costs a sync
+per step. TensorBoard and tqdm are not dependencies: pass your own writer or
+bar. A copy of a buffer shares the writer or bar (as a copied `CSVSink` shares
+its file); pickling one whose writer or bar cannot be pickled says which sink.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Protocol, TypeVar
+
+from ._format import shorten
+from ._keywords import suggest_keywords
+from ._logdeliver import Record
+from ._options import short_repr
+
+__all__ = ["ProgressBarSink", "TensorBoardSink"]
+
+_S = TypeVar("_S")
+
+
+class _ScalarWriter(Protocol):
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
+
+
+class TensorBoardSink:
+    """Send each value to a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar``).
+
+    Args:
+        writer: Your ``torch.utils.tensorboard.SummaryWriter``.
+        prefix: Prepended to each key, such as ``"train/"``.
+
+    Examples:
+        >>> import devicekit as dk
+        >>> class Writer:  # stands in for SummaryWriter here
+        ...     def add_scalar(self, tag, value, step):
+        ...         print(tag, value, step)
+        >>> with dk.LogBuffer(sinks=[dk.TensorBoardSink(Writer(), prefix="train/")]) as logs:
+        ...     logs.log(3, loss=0.25)
+        train/loss 0.25 3
+    """
+
+    @suggest_keywords
+    def __init__(self, writer: _ScalarWriter, *, prefix: str = "") -> None:
+        if not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(
+                f"writer must have an add_scalar(tag, value, step) method, such as a "
+                f"torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}"
+            )
+        if not isinstance(prefix, str):
+            raise TypeError(
+                f"prefix must be a str put before each key, such as 'train/', got "
+                f"{type(prefix).__name__}; pass '' for none"
+            )
+        self.writer = writer
+        self.prefix = prefix
+
+    def __repr__(self) -> str:
+        return f"TensorBoardSink(prefix={self.prefix!r})" if self.prefix else "TensorBoardSink()"
+
+    def __copy__(self) -> TensorBoardSink:
+        return _sharing(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TensorBoardSink:
+        """A copy that writes with the same writer, as a copied `CSVSink` writes the same file.
+
+        A ``SummaryWriter`` holds a thread and a lock, so it cannot be copied:
+        without this, deep-copying a model that holds a buffer (an EMA copy)
+        failed on the writer.
+        """
+        return _sharing(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _picklable(self, "writer", self.writer)
+
+    def __call__(self, records: list[Record]) -> None:
+        """Write ``records`` (called by the buffer at each flush)."""
+        for record in records:
+            step = record.get("step")
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(self.prefix + key, value, step)
+
+
+class _Bar(Protocol):
+    def set_postfix(
+        self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True
+    ) -> Any: ...
+
+
+class ProgressBarSink:
+    """Show the newest value of each key in a progress bar's postfix (a ``tqdm`` bar, or alike).
+
+    Updating the bar once per flush, from host values, is what makes showing
+    the loss in a progress bar free: no ``.item()`` per step.
+
+    Args:
+        bar: A ``tqdm`` bar (anything with ``set_postfix``).
+        keys: Which keys to show. Default: all but ``step``.
+        fmt: How to format each value.
+
+    Examples:
+        >>> import devicekit as dk
+        >>> class Bar:  # stands in for tqdm here
+        ...     def set_postfix(self, values, refresh=True):
+        ...         print(values)
+        >>> with dk.LogBuffer(sinks=[dk.ProgressBarSink(Bar())]) as logs:
+        ...     logs.log(loss=0.123456)
+        {'loss': '0.1235'}
+    """
+
+    @suggest_keywords
+    def __init__(self, bar: _Bar, *, keys: list[str] | None = None, fmt: str = ".4g") -> None:
+        if not callable(getattr(bar, "set_postfix", None)):
+            raise TypeError(
+                f"bar must have a set_postfix() method, such as a tqdm bar, got "
+                f"{type(bar).__name__}"
+            )
+        given: object = keys  # typed as a list, but a caller may pass anything
+        if keys is not None:
+            if not isinstance(given, str):
+                keys = list(keys)  # once: a generator would be empty after the check
+            if isinstance(given, str) or not all(isinstance(key, str) for key in keys):
+                raise TypeError(
+                    f"keys must be a list of key names, such as ['loss'], got {short_repr(given)}; "
+                    "pass None to show every key"
+                )
+        if not isinstance(fmt, str):
+            raise TypeError(f"fmt must be a format spec such as '.4g', got {type(fmt).__name__}")
+        try:
+            format(0.5, fmt)  # every value a flush records is a float
+        except ValueError as error:
+            raise ValueError(
+                f"fmt={short_repr(fmt)} cannot format a float ({shorten(str(error), 100)}); "
+                "pass a float format such as '.4g' or '.3f'"
+            ) from None
+        self.bar = bar
+        self.keys = keys
+        self.fmt = fmt
+        self._newest: dict[str, Any] = {}  # each key shown, with its newest value
+
+    def __repr__(self) -> str:
+        return f"ProgressBarSink(keys={self.keys!r})" if self.keys else "ProgressBarSink()"
+
+    def __copy__(self) -> ProgressBarSink:
+        return _sharing(self, keys=self.keys, _newest=self._newest)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ProgressBarSink:
+        """A copy that shows on the same bar, with its own keys and values shown.
+
+        A bar is a display, not data: the copy's is the one on screen. A tqdm
+        bar cannot be deep-copied either (it recursed until RecursionError), so
+        deep-copying a model that holds a buffer (an EMA copy) failed on it.
+        """
+        keys = None if self.keys is None else list(self.keys)
+        return _sharing(self, keys=keys, _newest=dict(self._newest))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _picklable(self, "bar", self.bar)
+
+    def __call__(self, records: list[Record]) -> None:
+        """Show the newest value of each key (called by the buffer at each flush)."""
+        # Each key's newest value, kept across flushes: a key logged now and then (a
+        # validation loss) stays on the bar, and a record without the keys clears nothing.
+        wanted = None if self.keys is None else set(self.keys)
+        for record in records:
+            for key, value in record.items():
+                if key in wanted if wanted is not None else key != "step":
+                    self._newest[key] = value
+        keys = self.keys if self.keys is not None else list(self._newest)
+        shown = {key: format(self._newest[key], self.fmt) for key in keys if key in self._newest}
+        if shown:
+            self.bar.set_postfix(shown, refresh=True)
+
+
+def _sharing(sink: _S, **own: Any) -> _S:
+    """A copy of ``sink`` that shares its writer or bar (``own``: attributes of its own)."""
+    copied = object.__new__(type(sink))
+    copied.__dict__.update(sink.__dict__, **own)
+    return copied
+
+
+def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
+    """``sink``'s state for pickle, or a `TypeError` naming the sink when ``value`` cannot go.
+
+    A tqdm bar on a terminal or a ``SummaryWriter`` cannot be pickled, and pickle's
+    own error (*cannot pickle '_io.TextIOWrapper' object*) names neither the sink
+    nor the buffer that holds it (in a model saved whole with ``torch.save``).
+    """
+    try:
+        pickle.dumps(value)
+    except Exception as error:  # noqa: BLE001 - any failure means it cannot be saved
+        name = type(sink).__name__
+        raise TypeError(
+            f"a {name} cannot be pickled: its {part} ({type(value).__name__}) cannot be "
+            f"({shorten(f'{type(error).__name__}: {error}', 120)}). It belongs to this process: "
+            f"remove the sink from the LogBuffer's sinks before pickling or torch.save "
+            f"(logs.sinks.remove(sink)), and give the loaded buffer a {name} of its own"
+        ) from None
+    return sink.__dict__.copy()
