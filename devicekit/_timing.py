@@ -145,10 +145,17 @@ class Timer:
                 "write @dk.Timer() with parentheses (or timer = dk.Timer(), then @timer)"
             )
         if fn is not None:
+            # A device-like argument (a string, an index, a torch.device) was meant as
+            # device=; anything else (a tensor: Timer(model(x))) was a call's result.
+            meant = (
+                f"write dk.Timer(device={short_repr(fn)})"
+                if isinstance(fn, (str, int, torch.device)) and not isinstance(fn, bool)
+                else "to time a call, use `with dk.Timer() as t:` around it, or decorate the "
+                "function with @dk.Timer()"
+            )
             raise TypeError(
                 f"Timer takes its options by keyword, got the positional argument "
-                f"{short_repr(fn)}; "
-                f"write dk.Timer(device={short_repr(fn)})"
+                f"{short_repr(fn)}; {meant}"
             )
         check_flag(sync, name="sync")
         self._device = None if device is None else resolve_device(device)
@@ -283,6 +290,12 @@ class Timer:
         """
         # The function's own name, qualified as written (a method reads Model.steps); a
         # function defined inside another drops the "outer.<locals>." Python adds.
+        if not callable(fn):
+            raise TypeError(
+                f"@Timer() decorates a function, got {short_repr(fn)}; to time a call, "
+                "decorate the function (@timer above `def step(...)`), or put "
+                "`with timer:` around the call"
+            )
         qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
         name = str(qualname).rpartition("<locals>.")[2] if qualname else "fn"
         refuse_lazy(

@@ -340,3 +340,16 @@ def test_a_benchmark_refuses_a_with_block_inside_its_own(
         pass
     assert bench.elapsed is not None
     assert capsys.readouterr().out.startswith("outer: ")
+
+
+def test_a_call_s_result_given_to_timer_says_how_to_time_the_call() -> None:
+    # Before, @Timer() took a tensor and failed only when the "function" was called
+    # ("'Tensor' object is not callable"), and Timer(model(x)) said Timer(device=tensor(...)).
+    result = torch.ones(2)
+    with pytest.raises(TypeError, match=r"^@Timer\(\) decorates a function, got tensor\("):
+        dk.Timer()(result)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"to time a call, use `with dk\.Timer\(\) as t:`") as told:
+        dk.Timer(result)
+    assert "device=" not in str(told.value)
+    with pytest.raises(TypeError, match=r"write dk\.Timer\(device='cpu'\)$"):
+        dk.Timer("cpu")
