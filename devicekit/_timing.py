@@ -13,8 +13,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from threading import get_ident
 from types import TracebackType
-from typing import Any, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
@@ -35,10 +36,6 @@ __all__ = ["Benchmark", "TimedFunction", "Timer"]
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
-
-# Two threads entering one Timer at once: one block, one error. One lock for every
-# Timer, not one each: a Timer is pickled and deep-copied (in a trainer), a lock is not.
-_ENTERING = threading.Lock()
 
 # torch leaves these constructors unannotated; typed as Any once, here.
 CudaEvent: Any = torch.cuda.Event
@@ -164,6 +161,10 @@ class Timer:
         self._running: _Lap | None = None
         self._in_block = False  # inside `with timer:`, whose exit ends the lap it began
         self._block_thread: int | None = None  # the thread whose `with` block is open
+        # Held for the length of a `with` block, and only ever taken without waiting: a
+        # second entry (another thread, a signal handler, a forked child) is refused at
+        # once, never left blocked on a lock its own thread holds.
+        self._block = threading.Lock()
         self.start()
 
     def _cuda_device(self) -> torch.device | None:
@@ -242,24 +243,14 @@ class Timer:
         return totals
 
     def __enter__(self) -> Timer:
-        with _ENTERING:
-            if self._in_block:
-                # The inner block would restart the lap and its exit end it: the outer
-                # block's time would be lost. Refuse instead.
-                if self._block_thread != threading.get_ident():
-                    raise RuntimeError(
-                        "this Timer is timing a `with` block in another thread; a Timer times "
-                        "one block at a time: give each thread a Timer of its own, or decorate "
-                        "the function with it (@timer), whose calls each keep their own lap, "
-                        "from any thread"
-                    )
-                raise RuntimeError(
-                    "this Timer is already timing a `with` block; a Timer times one block at "
-                    "a time: use a second Timer for the inner block"
-                )
-            self.start()
-            self._in_block = True
-            self._block_thread = threading.get_ident()
+        if not self._block.acquire(blocking=False):
+            self._refuse_block("this Timer", "Timer")
+        self._in_block, self._block_thread = True, get_ident()
+        try:
+            self.start()  # reads the clock last: the bookkeeping above is not in the lap
+        except BaseException:
+            self._release_block()
+            raise
         return self
 
     def __exit__(
@@ -268,13 +259,58 @@ class Timer:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._in_block = False
-        self._block_thread = None
-        if self._running is None:
-            # stop() inside the block already ended its lap; raising here would
+        try:
+            # The lap ends before the block is released: another thread's entry
+            # cannot begin a lap that this exit would then end.
+            if self._running is not None and self._in_block:
+                self._finish()
+            # else stop() inside the block already ended its lap; raising here would
             # also hide any exception leaving the block.
-            return
-        self._finish()
+        finally:
+            if self._in_block:
+                self._in_block, self._block_thread = False, None
+                self._block.release()
+
+    def _claim_block(self, this: str, kind: str) -> None:
+        """Mark a `with` block open, or refuse a second one (``this``: how errors name it)."""
+        if not self._block.acquire(blocking=False):
+            self._refuse_block(this, kind)
+        self._in_block, self._block_thread = True, get_ident()
+
+    def _refuse_block(self, this: str, kind: str) -> NoReturn:
+        # The inner block would restart the lap and its exit end it: the outer
+        # block's time would be lost. Refuse instead.
+        if self._block_thread != get_ident():
+            raise RuntimeError(
+                f"{this} is timing a `with` block in another thread; a {kind} times one "
+                f"block at a time: give each thread a {kind} of its own"
+                + (
+                    ", or decorate the function with it (@timer), whose calls each keep "
+                    "their own lap, from any thread"
+                    if kind == "Timer"
+                    else ""
+                )
+            )
+        raise RuntimeError(
+            f"{this} is already timing a `with` block; a {kind} times one block at a "
+            f"time: use a second {kind} for the inner block"
+        )
+
+    def _release_block(self) -> None:
+        if self._in_block:
+            self._in_block, self._block_thread = False, None
+            self._block.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy made inside a block is a Timer with no block open (a lock is not copied).
+        state = self.__dict__.copy()
+        del state["_block"]
+        state["_in_block"], state["_block_thread"] = False, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._block = threading.Lock()
 
     def __call__(self, fn: Callable[P, R]) -> TimedFunction[P, R]:
         """Use the timer as a decorator: each call of ``fn`` is one lap.
@@ -375,14 +411,14 @@ class Benchmark:
         self._timer = Timer(device=device, sync=True)
 
     def __enter__(self) -> Benchmark:
-        if self._timer._in_block:
-            # The inner block would restart the timing and the outer one find no
-            # lap to end: refuse, as Timer does.
-            raise RuntimeError(
-                f"this Benchmark ({self.description!r}) is already timing a `with` block; "
-                "use a second Benchmark for the inner block"
-            )
-        self._timer.__enter__()
+        # A second block (nested, or in another thread) is refused as Timer refuses it.
+        timer = self._timer
+        timer._claim_block(f"this Benchmark ({self.description!r})", "Benchmark")
+        try:
+            timer.start()
+        except BaseException:
+            timer._release_block()
+            raise
         return self
 
     def __exit__(

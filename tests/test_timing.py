@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import copy
+import pickle
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -353,3 +357,94 @@ def test_a_call_s_result_given_to_timer_says_how_to_time_the_call() -> None:
     assert "device=" not in str(told.value)
     with pytest.raises(TypeError, match=r"write dk\.Timer\(device='cpu'\)$"):
         dk.Timer("cpu")
+
+
+_HANDLER_ENTERS_A_TIMER = """
+import json
+import signal
+import devicekit as dk
+from devicekit import _timing
+
+outer, seen = dk.Timer(sync=True), []
+
+def handler(signum, frame):
+    with dk.Timer(sync=True):  # another Timer: times its block as usual
+        seen.append("other timer")
+    try:
+        with outer:  # the Timer whose block the signal interrupted: refused, not waited for
+            pass
+    except RuntimeError as error:
+        seen.append(str(error))
+
+signal.signal(signal.SIGUSR1, handler)
+synchronize = _timing._synchronize
+fired = []
+
+def synchronize_then_signal(device):
+    synchronize(device)
+    if not fired:  # once: while `outer` enters its block
+        fired.append(True)
+        signal.raise_signal(signal.SIGUSR1)
+
+_timing._synchronize = synchronize_then_signal
+with outer:
+    pass
+print(json.dumps([seen, len(outer.times)]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs SIGUSR1")
+def test_a_signal_handler_that_enters_timers_never_waits_on_one() -> None:
+    # Before, one lock for every Timer was held while a block began: a handler that
+    # entered any Timer there waited for ever on a lock its own thread held.
+    seen, laps = run_python(_HANDLER_ENTERS_A_TIMER, timeout=60)
+    assert "other timer" in seen
+    assert any(said.startswith("this Timer is already timing a `with` block") for said in seen)
+    assert laps == 1  # the block's own, ended by its own exit
+
+
+def test_another_thread_cannot_enter_a_block_until_its_lap_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, the exit released the block before it ended the lap: another thread's
+    # block could begin in between, and this exit ended that thread's lap instead.
+    timer = dk.Timer()
+    refused: list[str] = []
+    finish = dk.Timer._finish
+
+    def finish_while_another_thread_tries(self: dk.Timer) -> Any:
+        def enter() -> None:
+            try:
+                with timer:
+                    pass
+            except RuntimeError as error:
+                refused.append(str(error))
+
+        thread = threading.Thread(target=enter)
+        thread.start()
+        thread.join(timeout=60)
+        return finish(self)
+
+    with timer:
+        monkeypatch.setattr(dk.Timer, "_finish", finish_while_another_thread_tries)
+    monkeypatch.undo()
+    assert len(refused) == 1
+    assert refused[0].startswith("this Timer is timing a `with` block in another thread")
+    assert len(timer.times) == 1  # this block's, ended by its own exit: none lost
+
+
+def test_a_timer_copied_inside_its_block_can_be_entered() -> None:
+    timer = dk.Timer()
+    with timer:
+        copied = copy.deepcopy(timer)
+        restored = pickle.loads(pickle.dumps(timer))
+    for fresh in (copied, restored):
+        with fresh:
+            pass
+    bench = dk.Benchmark("b")
+    with (
+        pytest.raises(RuntimeError, match=r"^this Benchmark \('b'\) is already timing"),
+        bench,
+        bench,
+    ):
+        pass
