@@ -337,11 +337,15 @@ mean 'loss'?"
         leave(self, exc)  # a last flush; a failing one never replaces `exc` (see _logexit)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Its state, without the lock: for ``copy.deepcopy``, ``pickle`` and ``torch.save``.
+        """Its state, without the lock or the sinks: for copies, ``pickle`` and ``torch.save``.
 
         A model that holds a buffer is deep-copied (an EMA copy) or saved whole:
-        the copy gets the records, the pending values, the options and the
-        sinks (copied, as the rest), and is independent of the buffer it came from.
+        the copy gets the records, the pending values and the options, and is
+        independent of the buffer it came from. It gets no sinks: they write to
+        this run's file, bar and writer, where a second buffer's records would
+        come twice or mix two runs under one name (and a copied ``CSVSink``
+        that rewrote the file for a wider header dropped the rows the original
+        wrote since). Give the copy sinks of its own.
         """
         with self._lock:
             self._complete()  # an in-flight copy holds CUDA events and pinned memory
@@ -349,9 +353,9 @@ mean 'loss'?"
             # Even a shallow copy.copy() must not share the lists the buffer appends to.
             state["_pending"] = list(self._pending)
             state["_history"] = list(self._history)
-            state["_deliveries"] = self._deliveries.copy()  # not running: a sink may make the copy
+            state["_deliveries"] = Deliveries()  # what this buffer's sinks still await
             state["_keys"] = dict(self._keys)
-            state["sinks"] = list(self.sinks)
+            state["sinks"] = []
         del state["_lock"]
         state["_leaving_on_error"] = False  # a sink may make the copy
         return state

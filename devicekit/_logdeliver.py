@@ -42,12 +42,6 @@ class Deliveries:
         """How many records some sink has not had yet."""
         return sum(len(records) for records, _ in self._queue)
 
-    def copy(self) -> Deliveries:
-        """An independent queue of the same records, not running (for a copy of the buffer)."""
-        copied = Deliveries()
-        copied._queue = deque([records, sink] for records, sink in self._queue)
-        return copied
-
     def deliver(self, sinks: list[Sink]) -> list[tuple[Sink, BaseException]]:
         """Hand each landed flush to every sink, in order; what each failing sink raised.
 

@@ -187,7 +187,7 @@ def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
 
     A tqdm bar on a terminal or a ``SummaryWriter`` cannot be pickled, and pickle's
     own error (*cannot pickle '_io.TextIOWrapper' object*) names neither the sink
-    nor the buffer that holds it (in a model saved whole with ``torch.save``).
+    nor what holds it.
     """
     try:
         pickle.dumps(value)
@@ -196,7 +196,7 @@ def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
         raise TypeError(
             f"a {name} cannot be pickled: its {part} ({type(value).__name__}) cannot be "
             f"({shorten(f'{type(error).__name__}: {error}', 120)}). It belongs to this process: "
-            f"remove the sink from the LogBuffer's sinks before pickling or torch.save "
-            f"(logs.sinks.remove(sink)), and give the loaded buffer a {name} of its own"
+            f"leave the sink out of what you pickle or torch.save (a LogBuffer leaves its "
+            f"sinks out itself), and make a {name} of its own where it is loaded"
         ) from None
     return sink.__dict__.copy()

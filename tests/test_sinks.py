@@ -181,25 +181,32 @@ class _LiveWriter(_Writer):
         self.calls.append((tag, value, step))
 
 
-def test_a_buffer_with_a_bar_and_a_writer_is_deep_copied_sharing_them() -> None:
-    # An EMA copy of a model that holds a buffer: deepcopy failed on the bar (tqdm's
-    # recursed until RecursionError) and on the writer ("cannot pickle '_thread.lock'").
-    bar, writer = _LiveBar(), _LiveWriter()
-    shown = dk.ProgressBarSink(bar, keys=["loss"])
+def test_a_copy_of_a_buffer_has_no_sinks_and_the_original_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    # An EMA copy of a model that holds a buffer: deepcopy failed on a tqdm bar
+    # (RecursionError) and a writer ("cannot pickle '_thread.lock'"); a copy sharing
+    # them sent pending values twice and mixed two runs under one tag, and a copied
+    # CSVSink that rewrote the file for a wider header dropped the original's rows.
+    bar, writer, path = _LiveBar(), _LiveWriter(), tmp_path / "log.csv"
+    sinks = [dk.ProgressBarSink(bar, keys=["loss"]), dk.TensorBoardSink(writer, prefix="t/")]
     model = torch.nn.Linear(2, 2)
-    model.logs = dk.LogBuffer(sinks=[shown, dk.TensorBoardSink(writer, prefix="t/")])  # type: ignore[assignment]
+    model.logs = dk.LogBuffer(sinks=[*sinks, dk.CSVSink(path)])  # type: ignore[assignment]
     model.logs.log(0, loss=0.5)  # type: ignore[operator]
     ema = copy.deepcopy(model)
-    copied_bar, copied_writer = ema.logs.sinks  # type: ignore[union-attr]
-    assert copied_bar.bar is bar  # the same display
-    assert copied_writer.writer is writer  # and the same event file
-    assert copied_bar is not shown
-    assert copied_bar.keys is not shown.keys
-    ema.logs.log(1, loss=0.25)  # type: ignore[operator]
-    ema.logs.flush()  # type: ignore[operator]
+    restored = pickle.loads(pickle.dumps(model.logs))
+    for copied in (ema.logs, restored, copy.copy(model.logs)):
+        assert copied.sinks == []  # type: ignore[union-attr]
+        copied.log(1, loss=9.0, acc=1.0)  # type: ignore[operator]
+        copied.flush()  # type: ignore[operator]
+        assert copied.values("loss") == [0.5, 9.0]  # type: ignore[operator]
+    model.logs.log(1, loss=0.25)  # type: ignore[operator]
+    model.logs.flush()  # type: ignore[operator]
+    assert model.logs.sinks[:2] == sinks  # type: ignore[index]
+    assert writer.calls == [("t/loss", 0.5, 0), ("t/loss", 0.25, 1)]  # once each, this run's
     assert bar.postfix == {"loss": "0.25"}
-    assert writer.calls == [("t/loss", 0.5, 0), ("t/loss", 0.25, 1)]
-    assert copy.copy(shown).bar is bar
+    assert path.read_text().splitlines() == ["step,loss", "0,0.5", "1,0.25"]
+    assert copy.copy(sinks[0]).bar is bar  # a sink copied by itself shares its bar
 
 
 def test_a_sink_that_cannot_be_pickled_says_which_and_what_to_do() -> None:
@@ -208,8 +215,9 @@ def test_a_sink_that_cannot_be_pickled_says_which_and_what_to_do() -> None:
         (dk.TensorBoardSink(_LiveWriter()), "writer (_LiveWriter)"),
     ):
         with pytest.raises(TypeError, match=rf"cannot be pickled: its {re.escape(part)}") as info:
-            pickle.dumps(dk.LogBuffer(sinks=[sink]))
-        assert "logs.sinks.remove(sink)" in str(info.value)
+            pickle.dumps(sink)
+        assert "leave the sink out of what you pickle" in str(info.value)
+        assert pickle.loads(pickle.dumps(dk.LogBuffer(sinks=[sink]))).sinks == []
     sink = pickle.loads(pickle.dumps(dk.ProgressBarSink(_Bar(), keys=["loss"])))
     assert sink.keys == ["loss"]  # a bar that pickles still goes
 
