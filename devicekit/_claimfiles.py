@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from ._procfs import read_stat
+
 fcntl: ModuleType | None
 try:
     import fcntl
@@ -215,19 +217,30 @@ def holder(uuid: str) -> int | None:
     except (OSError, UnicodeDecodeError):
         return None
     pid = int(text) if text.isascii() and text.isdigit() else 0
-    # 0 would ask os.kill about this process group; a pid that has exited held nothing since.
-    return pid if pid > 0 and _exists(pid) else None
+    # 0 would ask os.kill about this process group; this process holds no claim here
+    # (is_held() said so before holder() was asked); one that has exited held nothing since.
+    return pid if 0 < pid < _PID_LIMIT and pid != os.getpid() and _exists(pid) else None
+
+
+# No system gives out pids this large (Linux's pid_max is at most 2**22): a number past
+# it is no pid, and os.kill would raise OverflowError on it, not an OSError.
+_PID_LIMIT = 2**31
 
 
 def _exists(pid: int) -> bool:
-    """Whether a process ``pid`` exists (perhaps another user's), as far as signals tell."""
+    """Whether a live process ``pid`` exists (perhaps another user's), as far as we can tell.
+
+    Signals tell whether the pid is in use; where ``/proc`` shows it, a zombie
+    (exited, not yet reaped by its parent) holds no lock any more.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # PermissionError: it exists, and is another user's
-        return True
-    return True
+        pass
+    stat = read_stat(pid)
+    return stat is None or not stat[1] or stat[1][0] != b"Z"
 
 
 def _kernel_holder(info: os.stat_result) -> tuple[bool, int | None]:

@@ -803,8 +803,26 @@ def test_without_the_kernels_lock_table_a_holder_that_exited_is_not_named(
     for gone in (int(earlier.stdout), 0):
         lock.write_text(f"{gone:>10}\n")
         assert _claims.holder(uuid(0)) is None
-    lock.write_text(f"{os.getpid():>10}\n")
-    assert _claims.holder(uuid(0)) == os.getpid()
+    # Nor this process (it holds no claim here: is_held() said so first), nor a number
+    # past any pid (os.kill raised OverflowError on it), nor a zombie (it exited).
+    for never in (os.getpid(), 9_999_999_999):
+        lock.write_text(f"{never:>10}\n")
+        assert _claims.holder(uuid(0)) is None
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f"{alive.pid:>10}\n")
+        assert _claims.holder(uuid(0)) == alive.pid
+        alive.kill()
+        if Path("/proc/self/stat").exists():  # where a zombie can be told apart
+            deadline = time.monotonic() + TIMEOUT
+            stat = Path(f"/proc/{alive.pid}/stat")
+            while b"Z" not in stat.read_bytes().rpartition(b")")[2][:3]:
+                assert time.monotonic() < deadline, "the child never became a zombie"
+                time.sleep(0.01)
+            assert _claims.holder(uuid(0)) is None  # exited, not reaped yet: holds nothing
+    finally:
+        alive.kill()
+        alive.wait(timeout=TIMEOUT)
 
 
 def test_ctrl_c_while_waiting_stops_the_wait_and_holds_nothing() -> None:
