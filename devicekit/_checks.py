@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import types
+import warnings
 from collections import defaultdict
-from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Sized, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, ValuesView
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from ._checkfix import ATTRIBUTE, KEPT, MOVED, Held, Holder, Path, mismatch_message, render
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
-from ._format import plural
-from ._look import NOTHING_INSIDE, OPAQUE, object_attributes
-from ._lookbulk import array_elements, bulk_children, bulk_look
+from ._frames import caller_stacklevel
+from ._look import NOTHING_INSIDE, OPAQUE, module_attributes, object_attributes
+from ._lookbulk import array_elements, bulk_children, bulk_look, plain_class_ids
 from ._mover import _has_to_method
 from ._options import short_repr
 from ._tree import children, container_attributes, iter_children
 
 __all__ = ["assert_same_device"]
-
-_SHOWN_PER_DEVICE = 5  # paths listed per device before "... and N more"
-_SHOWN_HOLDERS = 3  # objects to_device() leaves alone named in a fix, per argument
 
 
 def assert_same_device(
@@ -43,10 +42,26 @@ def assert_same_device(
     None, numpy scalars and arrays of numbers), and of such containers in
     turn, which hold no tensor, are passed over in bulk, up to 10,000,000
     values (a dict's keys, checked too, count with its values): a
-    tokenizer's 150,000-entry vocabulary costs about 3 ms. One holding more
+    tokenizer's 150,000-entry vocabulary costs about 15 ms. One holding more
     (a dataset, a logger) is a ``ValueError``, not a pass for tensors never
     seen. The dicts, lists and records given are checked whole (a dict's
     values, as ``to_device()`` moves them, not its keys).
+
+    A module's plain attributes are looked inside by the same rules: what its
+    instance (or a submodule's) holds besides parameters, buffers and
+    submodules (``self.pos = torch.randn(16, 8)``, a cache, a vocabulary),
+    which ``module.to()`` does not move. One left behind is named with a
+    path such as ``model.pos`` or ``model.encoder.layers.0.cache`` and a fix
+    that registers it (what [`check_module()`][devicekit.check_module] says
+    for each): in the error where any other tensor is astray too; alone, in
+    a ``RuntimeWarning``, and the check passes, since a module may keep such
+    a copy elsewhere on purpose and move it when it uses it (transformers'
+    rotary embeddings keep ``original_inv_freq`` so, in the 4.x releases). Not looked at again: torch's own bookkeeping, a
+    submodule or parameter referred to twice (moved in place), an attribute
+    a forward pre-hook makes again (``weight`` after ``weight_norm``), plain
+    values and functions. This costs about 3 to 4 µs per module (a 12-layer
+    transformers Qwen2 or BERT, 160 to 230 modules: about 1 ms, where
+    parameters and buffers alone took 0.25 to 0.35 ms).
     A ``PackedSequence``'s ``batch_sizes`` is not checked: torch keeps it on
     the CPU on purpose.
 
@@ -109,21 +124,26 @@ def assert_same_device(
     named |= named_objs
     for name, obj in named.items():
         _refuse_unwalkable(name, obj)
-    where: dict[torch.device, list[_Path]] = defaultdict(list)
+    where: dict[torch.device, list[Path]] = defaultdict(list)
     owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices
-    held: dict[str, list[_Held]] = {}  # tensors in objects to_device() returns unchanged
+    held: dict[str, list[Held]] = {}  # tensors in objects to_device() returns unchanged
+    # Where the tensors are, but for those a module holds as plain attributes: a module
+    # may keep one elsewhere on purpose (see _warn_attributes), so alone they only warn.
+    core: dict[torch.device, int] = defaultdict(int)
     for name, obj in named.items():
         holders: dict[int, str] = {}  # each holder's path, made once
         for path, tensor, holder in _collect(obj, name):
             on = tensor.device
             where[on].append(path)
-            if holder is None or holder[2]:
+            if holder is None or holder[2] is not ATTRIBUTE:
+                core[on] += 1
+            if holder is None or holder[2] is MOVED:
                 owners[name].add(on)
             else:
                 at = holders.get(id(holder))
                 if at is None:
-                    at = holders[id(holder)] = _render(holder[0])
-                held.setdefault(name, []).append((on, at, holder[1], path))
+                    at = holders[id(holder)] = render(holder[0])
+                held.setdefault(name, []).append((on, at, holder[1], holder[2], path))
     if not where:
         raise ValueError(
             f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}; "
@@ -131,23 +151,48 @@ def assert_same_device(
         )
     if len(where) == 1 and (expected is None or expected in where):
         return next(iter(where))
+    if len(core) == 1 and (expected is None or expected in core):
+        device = next(iter(core))
+        _warn_attributes(held, device)
+        return device
     said = f"device={short_repr(device)}" if isinstance(device, (str, int)) else "device="
     raise DeviceMismatchError(
-        _mismatch_message(where, owners, named, expected, said=said, held=held)
+        mismatch_message(where, owners, named, expected, said=said, held=held)
     )
 
 
-# Where a tensor is: (where its container is, or None for an argument; its suffix there).
-# Made into text only for the paths a message shows: a check that passes makes none, and
-# a chain 100,000 objects deep costs no 100,000 ever longer strings.
-_Path = tuple["_Path | None", str]
-# The outermost object around a tensor that children() does not know, looked inside
-# attribute by attribute: its path, its class's name, and whether it has a .to() (then
-# that .to() is to_device()'s whole say, and the fix moves the argument).
-_Holder = tuple[_Path, str, bool]
-# A tensor inside an object that to_device() returns unchanged: its device, the object's
-# path and class name, and the tensor's path.
-_Held = tuple[torch.device, str, str, _Path]
+def _warn_attributes(held: dict[str, list[Held]], device: torch.device) -> None:
+    """Warn of the tensors modules hold as plain attributes off ``device``, every other on it.
+
+    ``module.to()`` leaves a plain attribute where it is, so one left behind is
+    a bug where the forward uses it, and none where the module keeps a copy on
+    purpose and moves it when it needs it (transformers' rotary embeddings keep
+    ``original_inv_freq`` so, in the 4.x releases): the check cannot tell which,
+    so it names them, and passes.
+    """
+    for tensors in held.values():
+        strays = [
+            (on, holder, path)
+            for on, holder, _, kind, path in tensors
+            if kind is ATTRIBUTE and on != device
+        ]
+        if not strays:
+            continue
+        shown = ", ".join(f"{render(path)}: {on}" for on, _, path in strays[:3])
+        more = f" and {len(strays) - 3} more" if len(strays) > 3 else ""
+        holder = strays[0][1]
+        warnings.warn(
+            f"assert_same_device(): every tensor is on {device} but for what {holder} holds as "
+            f"plain attributes ({shown}{more}), which {holder}.to() does not move. Where the "
+            "forward uses one, register it with self.register_buffer() in the module holding "
+            f"it (dk.check_module({holder}) names the fix for each); some modules keep such a "
+            "copy on purpose and move it when they use it (transformers' rotary embeddings "
+            "keep original_inv_freq so).",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
+
+
 # Objects read one by one inside the objects the check does not otherwise know, per
 # argument: a cache or a batch holds a few thousand; a dataset or a logger millions, and
 # then the check says it stopped rather than pass what it never saw. Containers given as
@@ -156,10 +201,13 @@ _LOOK_BUDGET = 100_000
 # Values read in bulk there, in C (_lookbulk.bulk_look()): the builtin lists, tuples, dicts and
 # sets of plain values (str, numbers, None...), which hold no tensor, are passed over so,
 # not read one by one: a tokenizer's 150,000-entry vocabulary, a dataset's labels. About
-# 20 to 100 ns a value, measured: 3 ms for that vocabulary, 26 ms for 1.28 million int
-# labels, 0.3 s for those and 1.28 million (path, label) pairs besides, about 1 s for 10
-# million values, on a busy 2-core machine: so much plain data costs a second at most.
+# 20 to 120 ns a value, measured (best of 5, 2-core machine, load average 1.0): 14 ms for
+# that vocabulary (its keys read too: 300,000 values), 28 ms for 1.28 million int labels,
+# 0.45 s for those and 1.28 million (path, label) pairs besides, 0.35 s for 10 million
+# ints and str-to-int entries: so much plain data costs a second at most.
 _BULK_BUDGET = 10_000_000
+# A module's attributes that are code (OPAQUE: never looked inside), by their class's id().
+_CODE = frozenset(map(id, OPAQUE))
 
 
 class _Budget:
@@ -172,7 +220,29 @@ class _Budget:
         self.bulk = _BULK_BUDGET
 
 
-def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder | None]]:
+class _Listed:
+    """The tensors found so far, by ``id()``, read from the walk's list as they are asked for."""
+
+    __slots__ = ("ids", "upto")
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.upto = 0
+
+    def again(self, tensor: torch.Tensor, found: list[Any], parameter: type) -> bool:
+        """Whether ``tensor`` is a parameter found already, under another name.
+
+        A plain reference to one (``self.groups = [self.fc.weight]``): ``module.to()``
+        moves it in place, so it is where that one is, and it is listed once.
+        """
+        if not isinstance(tensor, parameter):
+            return False
+        self.ids.update(id(entry[1]) for entry in found[self.upto :])
+        self.upto = len(found)
+        return id(tensor) in self.ids
+
+
+def _collect(obj: object, name: str) -> list[tuple[Path, torch.Tensor, Holder | None]]:
     """Every tensor in argument ``obj``, with its path and holder, each object looked at once.
 
     ``holder`` is the outermost object around the tensor that `children()` does
@@ -186,11 +256,12 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
     passed over, counted against ``_BULK_BUDGET``, and only the rest read one by
     one.
     """
-    found: list[tuple[_Path, torch.Tensor, _Holder | None]] = []
+    found: list[tuple[Path, torch.Tensor, Holder | None]] = []
     seen: dict[int, object] = {}
     left = _Budget()
-    tensor_class, module_class = torch.Tensor, torch.nn.Module
-    stack: list[tuple[Iterator[tuple[str, Any]], _Path | None, _Holder | None]] = [
+    tensor_class, module_class, parameter_class = torch.Tensor, torch.nn.Module, torch.nn.Parameter
+    listed = _Listed()
+    stack: list[tuple[Iterator[tuple[str, Any]], Path | None, Holder | None]] = [
         (iter(((name, obj),)), None, None)
     ]
     while stack:
@@ -204,16 +275,21 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
             if cls in NOTHING_INSIDE:
                 continue
             if cls is tensor_class or isinstance(child, tensor_class):
-                found.append(((parent, suffix), child, holder))
+                if holder is None or not listed.again(child, found, parameter_class):
+                    found.append(((parent, suffix), child, holder))
                 continue
             if id(child) in seen:
                 continue
-            path: _Path = (parent, suffix)
+            path: Path = (parent, suffix)
             if isinstance(child, module_class):
                 seen[id(child)] = child
                 found.extend(((path, f".{n}"), p, holder) for n, p in child.named_parameters())
                 found.extend(((path, f".{n}"), b, holder) for n, b in child.named_buffers())
-                continue
+                attributes = _module_attributes(child, seen)
+                if not attributes:
+                    continue
+                stack.append((iter(attributes), path, holder or (path, cls.__name__, ATTRIBUTE)))
+                break
             opened = _open(child, path, holder, left, name)
             if opened is None:
                 continue
@@ -226,8 +302,8 @@ def _collect(obj: object, name: str) -> list[tuple[_Path, torch.Tensor, _Holder 
 
 
 def _open(
-    obj: object, path: _Path, holder: _Holder | None, left: _Budget, name: str
-) -> tuple[Iterable[tuple[str, Any]], _Holder | None] | None:
+    obj: object, path: Path, holder: Holder | None, left: _Budget, name: str
+) -> tuple[Iterable[tuple[str, Any]], Holder | None] | None:
     """What the walk reads inside ``obj`` and the holder around it, or None for nothing.
 
     Outside a holder, as the argument was given: its elements whole, listed
@@ -240,7 +316,7 @@ def _open(
             bulk = bulk_look(obj, left.bulk)
         except RuntimeError as error:  # another thread kept changing it: no partial pass
             raise RuntimeError(
-                f"assert_same_device() cannot check {_render(path)}: {error}"
+                f"assert_same_device() cannot check {render(path)}: {error}"
             ) from None
         if bulk is not None:
             read, plain = bulk
@@ -260,18 +336,18 @@ def _open(
     if items is None:
         elements = array_elements(obj)  # a numpy array of dtype=object: each element
         if elements is not None:  # to_device() returns it unchanged: a holder
-            return elements, holder or (path, type(obj).__name__, False)
+            return elements, holder or (path, type(obj).__name__, KEPT)
         try:
             attributes = object_attributes(obj, limit=left.objects + 1)
         except RuntimeError as error:  # another thread kept changing it: no partial pass
             raise RuntimeError(
-                f"assert_same_device() cannot check {_render(path)}: {error}"
+                f"assert_same_device() cannot check {render(path)}: {error}"
             ) from None
         if not attributes:
             return None
         if holder is None:
             cls = type(obj)
-            holder = (path, cls.__name__, _has_to_method(cls))
+            holder = (path, cls.__name__, MOVED if _has_to_method(cls) else KEPT)
         return attributes, holder
     if isinstance(obj, PackedSequence):
         # torch keeps batch_sizes on the CPU by design (PackedSequence.to() leaves it
@@ -280,19 +356,41 @@ def _open(
     return items, holder
 
 
-def _render(path: _Path) -> str:
-    """A path as text: ``batch['h'][0].x``."""
-    suffixes = []
-    node: _Path | None = path
-    while node is not None:
-        node, suffix = node
-        suffixes.append(suffix)
-    return "".join(reversed(suffixes))
+def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list[tuple[str, Any]]:
+    """The plain attributes of ``module`` and its submodules, those that may hold a tensor.
+
+    What `module_attributes()` finds (``module.to()`` leaves it where it is),
+    with a dotted path as a parameter's (``.encoder.layers.0.cache``), but for
+    plain values (a number, a str, a dtype), which hold none and are not
+    counted, and for functions and classes (an activation, ``F.relu``), whose
+    insides are not looked at anywhere. Every submodule is marked seen: a plain reference to one (a
+    back-reference) is moved with the model, not looked at again.
+    """
+    found: list[tuple[str, Any]] = []
+    plain = plain_class_ids() | _CODE
+    for prefix, submodule in module.named_modules():
+        seen[id(submodule)] = submodule
+        dotted = f".{prefix}." if prefix else "."
+        found.extend(
+            (f"{dotted}{attr}", value)
+            for attr, value in module_attributes(submodule)
+            if id(type(value)) not in plain
+        )
+    return found
 
 
-def _too_many(name: str, holder: _Holder, what: str) -> str:
-    at, kind = _render(holder[0]), holder[1]
+def _too_many(name: str, holder: Holder, what: str) -> str:
+    at, kind = render(holder[0]), holder[1]
     article = "an" if kind[:1].lower() in "aeiou" else "a"
+    if holder[2] is ATTRIBUTE:
+        return (
+            f"assert_same_device() cannot check {name}: {at} is {article} {kind} module, whose "
+            f"plain attributes (neither parameters nor buffers) it looks inside, and they hold "
+            f"more than {what} (counting what they hold in turn: a dataset, a logger?). The "
+            "check stops there rather than pass tensors it never saw. Keep such data out of "
+            f"the module, or check its parameters and buffers alone: "
+            f"dict({at}.state_dict(keep_vars=True))."
+        )
     return (
         f"assert_same_device() cannot check {name}: {at} is {article} {kind}, which it looks "
         f"inside attribute by attribute, and it holds more than {what} (counting "
@@ -340,108 +438,3 @@ def _refuse_unwalkable(name: str, obj: object) -> None:
             "walked (to_device() returns it unchanged, with its tensors where they were). Pass "
             "the dict itself, or list(...) of the view."
         )
-
-
-def _mismatch_message(
-    where: dict[torch.device, list[_Path]],
-    owners: dict[str, set[torch.device]],
-    named: dict[str, Any],
-    expected: torch.device | None = None,
-    *,
-    said: str = "device=",
-    held: dict[str, list[_Held]] | None = None,
-) -> str:
-    # Strays first: the tensors off the expected device, else the smallest groups.
-    groups = sorted(where.items(), key=lambda item: (item[0] == expected, len(item[1])))
-    found = ", ".join(f"{device} ({_count(paths)})" for device, paths in groups)
-    if expected is None:
-        lines = [f"expected every tensor on one device, found {len(groups)}: {found}"]
-    else:
-        lines = [
-            f"expected every tensor on {expected} ({said}), found them on "
-            f"{plural(len(groups), 'device')}: {found}"
-        ]
-    for device, paths in groups:
-        lines.extend(f"  {_render(path)}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
-        if len(paths) > _SHOWN_PER_DEVICE:
-            lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
-    lines.extend(_fix(where, owners, named, expected, held))
-    return "\n".join(lines)
-
-
-def _fix(
-    where: Mapping[torch.device, Sized],
-    owners: dict[str, set[torch.device]],
-    named: dict[str, Any],
-    expected: torch.device | None = None,
-    held: dict[str, list[_Held]] | None = None,
-) -> list[str]:
-    """What to run: every argument that is not all on the target, moved there.
-
-    ``owners`` has each argument's devices but for its tensors in ``held``:
-    those inside an object ``to_device()`` returns unchanged, which only the
-    user can move (or make again) where they belong.
-    """
-    if expected is not None:
-        target = expected  # the caller said where: even meta (a model built without weights)
-    else:
-        # The target is where the work should run: the accelerator that holds the most,
-        # else the CPU. Never meta: its tensors hold no values, so nothing can run there.
-        accelerators = [device for device in where if device.type not in ("cpu", "meta")]
-        target = max(
-            accelerators, key=lambda device: len(where[device]), default=torch.device("cpu")
-        )
-    stuck = target.type != "meta"  # meta tensors cannot be copied anywhere else: no data
-    steps = []
-    for name, obj in named.items():
-        devices = owners.get(name, set())
-        steps.extend(_held_steps(name, (held or {}).get(name, []), target))
-        if devices <= {target}:
-            continue
-        on_meta = stuck and torch.device("meta") in devices
-        if isinstance(obj, torch.nn.Module):
-            if on_meta:
-                steps.append(f"{name}.to_empty(device='{target}'), then load its weights")
-            else:
-                steps.append(f"{name}.to('{target}')")
-        elif on_meta:
-            steps.append(f"make {name} again on {target} (its meta tensors hold no values to copy)")
-        else:
-            steps.append(f"{name} = dk.to_device({name}, '{target}')")
-    fix = [f"Fix: move everything to {target}: {'; '.join(steps)}."]
-    if stuck and torch.device("meta") in where:
-        fix.append(
-            "Tensors on meta hold no values (shapes only): make them on a real device, or "
-            "materialize a model with to_empty() and load its weights."
-        )
-    return fix
-
-
-def _held_steps(name: str, held: list[_Held], target: torch.device) -> list[str]:
-    """The steps for the strays of ``name`` inside objects that ``to_device()`` leaves alone."""
-    objects: dict[str, tuple[str, list[torch.device], list[_Path]]] = {}
-    for device, holder, kind, path in held:
-        if device != target:
-            _, devices, paths = objects.setdefault(holder, (kind, [], []))
-            devices.append(device)
-            paths.append(path)
-    steps = []
-    for holder, (kind, devices, paths) in list(objects.items())[:_SHOWN_HOLDERS]:
-        if target.type != "meta" and torch.device("meta") in devices:
-            steps.append(
-                f"make {holder} again on {target} (it is a {kind}, which dk.to_device() "
-                "returns unchanged, and its meta tensors hold no values to copy)"
-            )
-        else:
-            more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
-            steps.append(
-                f"move the tensors in {holder} ({_render(paths[0])}{more}) to {target} yourself, "
-                f"or make it there (it is a {kind}, which dk.to_device() returns unchanged)"
-            )
-    if len(objects) > _SHOWN_HOLDERS:
-        steps.append(f"the same for {len(objects) - _SHOWN_HOLDERS} more objects in {name}")
-    return steps
-
-
-def _count(paths: Sized) -> str:
-    return "1 tensor" if len(paths) == 1 else f"{len(paths)} tensors"

@@ -38,6 +38,7 @@ __all__ = [
     "Changed",
     "class_attribute",
     "class_namespace",
+    "module_attributes",
     "object_attributes",
     "snapshot",
     "tensor_elsewhere",
@@ -155,6 +156,82 @@ def _named_entries(state: dict[Any, Any], limit: int | None) -> list[tuple[str, 
         if limit is None or wanted is None or len(kept) >= limit or len(entries) < wanted:
             return kept[:limit]
         wanted *= 2
+
+
+# What every module's instance holds (the registries, hooks, flags): torch's bookkeeping,
+# which module.to() sees to, not state of the user's.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+# The attribute a forward pre-hook sets again before every call names itself in one of
+# these: WeightNorm and SpectralNorm (torch.nn.utils) say ``name``, pruning ``_tensor_name``.
+_HOOK_TARGETS = (".name", "._tensor_name")
+
+
+def module_attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """A module's plain attributes: what its instance holds that ``module.to()`` leaves alone.
+
+    The entries of its ``__dict__`` and its slots (`object_attributes()`, so no
+    code of the module's runs), but for torch's own bookkeeping (``_parameters``,
+    ``_buffers``, ``_modules``, the hooks, ``training``...) and for an attribute
+    a forward pre-hook sets again before every call (``weight`` after
+    ``torch.nn.utils.weight_norm``, ``spectral_norm`` or pruning). Its
+    submodules' are not included: each module is asked for its own. For
+    `check_module()` and `assert_same_device()`, which look at the same ones.
+    Bare names (names that are not an exact ``str`` are left out), in the
+    order they were set.
+
+    Examples:
+        >>> import torch
+        >>> class Scaled(torch.nn.Linear):
+        ...     def __init__(self) -> None:
+        ...         super().__init__(1, 1)
+        ...         self.scale = torch.ones(1)
+        >>> module_attributes(Scaled())
+        [('in_features', 1), ('out_features', 1), ('scale', tensor([1.]))]
+    """
+    cls = type(module)
+    readers = _module_readers.get(cls)
+    if readers is None:
+        readers = _module_readers[cls] = (_dict_reader(cls), tuple(_slot_descriptors(cls)))
+    dict_reader, slots = readers
+    found: list[tuple[str, Any]] = []
+    state: Any
+    try:
+        state = None if dict_reader is None else dict_reader.__get__(module, cls)
+    except Exception:  # noqa: BLE001 - storage that cannot be read holds nothing to look at
+        state = None
+    if issubclass(type(state), dict):
+        # torch's own entries (about 17 of a module's 20) left out in C, by a set
+        # difference, with no bytecode where another thread could change the dict: the
+        # few left are read in Python, in the order they were set.
+        names: Any = dict.keys(state) - _MODULE_INTERNALS
+        if len(names) > 1:
+            names = tuple(filter(names.__contains__, dict.keys(state)))
+        for name in names:
+            if type(name) is not str or (name[:2] == "__" and name[-2:] == "__"):
+                continue  # Python's or a library's, or not a name
+            value = dict.get(state, name, UNREAD)
+            if value is not UNREAD:  # unless another thread just deleted it
+                found.append((name, value))
+    for name, slot in slots:
+        try:
+            found.append((name, slot.__get__(module, cls)))
+        except AttributeError:  # a slot never set has no value
+            continue
+    hooks = dict.get(state, "_forward_pre_hooks") if issubclass(type(state), dict) else None
+    if type(hooks) in (dict, collections.OrderedDict) and hooks:
+        recomputed = {
+            value
+            for hook in tuple(dict.values(hooks))  # in C, in one go
+            for name, value in object_attributes(hook)
+            if name in _HOOK_TARGETS and type(value) is str
+        }
+        found = [(name, value) for name, value in found if name not in recomputed]
+    return found
+
+
+_module_readers: weakref.WeakKeyDictionary[type, tuple[Any, tuple[tuple[str, Any], ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Changed(RuntimeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -18,16 +19,11 @@ import torch
 
 from ._census import storage_identity
 from ._format import plural
-from ._tree import children
+from ._look import Changed, module_attributes
+from ._lookbulk import bulk_children, bulk_look
+from ._tree import container_attributes, iter_children
 
 __all__ = ["check_module"]
-
-
-# Attributes every module has (hooks, flags, the registries themselves): not user state.
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-# The attribute a forward pre-hook recomputes before every call names itself in one of
-# these: WeightNorm and SpectralNorm (torch.nn.utils) say ``name``, pruning ``_tensor_name``.
-_HOOK_TARGETS = ("name", "_tensor_name")
 
 
 class _Registered:
@@ -83,7 +79,11 @@ def check_module(module: torch.nn.Module) -> list[str]:
     reference to a registered *buffer* is reported: ``module.to()`` replaces
     buffers, so the reference keeps the old tensor. The walk takes time in
     proportion to the module's size, and a plain attribute that contains
-    itself is looked inside once.
+    itself is looked inside once. Builtin lists, tuples, dicts and sets of
+    plain values (str, numbers...) inside plain attributes hold no tensor,
+    and are passed over in bulk, in C, as
+    [`assert_same_device()`][devicekit.assert_same_device] does: a
+    tokenizer's 150,000-entry vocabulary costs about 15 ms, not 0.65 s.
 
     Args:
         module: The model to inspect (all its submodules are inspected too).
@@ -110,25 +110,11 @@ def check_module(module: torch.nn.Module) -> list[str]:
     registered = _Registered(module)
     findings: list[str] = []
     for prefix, submodule in module.named_modules():
-        recomputed = _recomputed(submodule)
-        for attr, value in vars(submodule).items():
-            if attr in _MODULE_INTERNALS or attr in recomputed:
-                continue
+        for attr, value in module_attributes(submodule):
             finding = _describe(attr, value, registered)
             if finding is not None:
                 findings.append(f"{prefix}.{attr}: {finding}" if prefix else f"{attr}: {finding}")
     return findings
-
-
-def _recomputed(module: torch.nn.Module) -> set[str]:
-    """The attributes the module's forward pre-hooks set again before every call."""
-    names = set()
-    for hook in module._forward_pre_hooks.values():
-        for field in _HOOK_TARGETS:
-            name = getattr(hook, field, None)
-            if isinstance(name, str):
-                names.add(name)
-    return names
 
 
 def _describe(attr: str, value: object, registered: _Registered) -> str | None:
@@ -141,7 +127,7 @@ def _describe(attr: str, value: object, registered: _Registered) -> str | None:
             f"a {type(value).__name__} module held as a plain attribute, not registered; "
             "module.to() will not move it. Assign it with self.<name> = module to register it."
         )
-    if children(value) is None:
+    if iter_children(value) is None:  # lazily: a vocabulary's 150,000 paths are not made
         return None
     modules, tensors = _leaves(value, registered)
     kind = type(value).__name__
@@ -308,6 +294,28 @@ def _leaves(value: object, registered: _Registered) -> tuple[list[_Leaf], list[_
                 _Leaf(
                     leaf.path + suffix, child, leaf.depth + 1, leaf.items_only and suffix[0] == "["
                 )
-                for suffix, child in reversed(children(item) or [])
+                for suffix, child in reversed(_elements(item))
             )
     return modules, tensors
+
+
+def _elements(item: object) -> list[tuple[str, Any]]:
+    """What the walk reads inside ``item``: its elements, but none that are plain data.
+
+    A builtin list, tuple, dict or set of plain values (a tokenizer's
+    vocabulary, its merges) holds no tensor, and is passed over in bulk, in C
+    (`bulk_look()`): 150,000 entries in milliseconds, where reading each one
+    took half a second. One that holds something else as well is read
+    without its plain values (`bulk_children()`).
+    """
+    try:
+        bulk = bulk_look(item, sys.maxsize)  # no budget: the walk reads the whole module
+        if bulk is None:
+            return list(iter_children(item) or ())
+        if bulk[1]:  # nothing inside but what its instance was given, if anything
+            return [(f".{name}", value) for name, value in container_attributes(item)]
+        return list(bulk_children(item))
+    except Changed as error:  # another thread kept changing it: no finding from a part
+        raise RuntimeError(
+            f"check_module() cannot look inside a plain attribute: {error}"
+        ) from None

@@ -133,6 +133,7 @@ class _Mover:
         "device",
         "kept",
         "memo",
+        "modules",
         "move",
         "non_blocking",
         "returned_none",
@@ -154,6 +155,7 @@ class _Mover:
         self.unsynced: set[torch.device] | None = set() if self.non_blocking and to_host else None
         self.returned_none: list[type] | None = None  # classes whose .to() returned None
         self.unmoved: list[tuple[type, str]] | None = None  # left as they are, tensors inside
+        self.modules: list[torch.nn.Module] | None = None  # moved, class not looked at enough
         self.kept: list[Any] = []  # objects made during the call: alive while memo has their id
         self.busy = False  # a call is walking with it (a .to() may call to_device again)
         self.move: Callable[[Any], Any] = _walk(self, kind, index)
@@ -238,6 +240,7 @@ class _Mover:
         self.kept.clear()
         self.returned_none = None
         self.unmoved = None
+        self.modules = None
         self.busy = False
 
 
@@ -433,7 +436,10 @@ def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
     if mover.unsynced is not None:
         mover.unsynced.update(t.device for t in module.parameters())
         mover.unsynced.update(t.device for t in module.buffers())
-    return _returned(mover, module, module.to(mover.device, non_blocking=mover.non_blocking))
+    moved = module.to(mover.device, non_blocking=mover.non_blocking)
+    if _looks_left.get(type(module), _LOOKS_PER_CLASS) > 0:  # to_device looks at its attributes
+        mover.modules = [*(mover.modules or ()), module]
+    return _returned(mover, module, moved)
 
 
 def _returned(mover: _Mover, obj: Any, moved: Any) -> Any:

@@ -19,7 +19,9 @@ from ._devices import CPU, META, DeviceLike, resolve_device, try_gpu
 from ._errors import add_note
 from ._format import qualified_name
 from ._frames import caller_stacklevel
-from ._mover import Cycle, borrow
+from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
+from ._lookbulk import plain_class_ids
+from ._mover import _LOOKS_PER_CLASS, Cycle, _looks_left, borrow
 from ._options import check_flag
 from ._tree import describe_cycle, iter_tensors
 
@@ -69,6 +71,69 @@ def _warn_unmoved(unmoved: list[tuple[type, str]], target: torch.device) -> None
         )
 
 
+# Plain attributes of a moved module looked at per look, and references read inside each:
+# a model's are a few per module (a config, a cache), read once per class.
+_ATTRIBUTES_PER_LOOK = 4096
+_REFERENCES_PER_ATTRIBUTE = 64
+_CODE = frozenset(map(id, OPAQUE))
+
+
+def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> None:
+    """Warn, once per class, where ``Module.to()`` left a plain tensor attribute elsewhere.
+
+    Each class is looked at a few times at most (`_mover.unchanged` does the
+    same for objects), so a model moved at every step costs a dict lookup per
+    call once its class is known.
+    """
+    for module in {id(module): module for module in modules}.values():
+        cls = type(module)
+        looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
+        if looks <= 0:
+            continue
+        try:
+            found = _plain_tensor_elsewhere(module, target)
+        except Changed:  # another thread was writing it: no answer, and no look either
+            continue
+        except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
+            found, looks = None, 1
+        _looks_left[cls] = 0 if found is not None else looks - 1
+        if found is None:
+            continue
+        path, attr = found
+        warnings.warn(
+            f"to_device() moved a {qualified_name(cls)} with Module.to(), which leaves a "
+            f"tensor kept as a plain attribute where it is: {cls.__name__}.{path} is not on "
+            f"{target}. Register it in its module with self.register_buffer({attr!r}, ...) "
+            "(or nn.Parameter if it should be trained), or move it yourself; "
+            "dk.check_module() lists each such attribute. This warning is shown once per class.",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
+
+
+def _plain_tensor_elsewhere(
+    module: torch.nn.Module, target: torch.device
+) -> tuple[str, str] | None:
+    """The path of a tensor in a plain attribute of ``module`` not on ``target``, and its name.
+
+    Bounded: up to `_ATTRIBUTES_PER_LOOK` attributes that are not plain values,
+    `_REFERENCES_PER_ATTRIBUTE` references read inside each (`tensor_elsewhere()`).
+    """
+    skip = plain_class_ids() | _CODE
+    left = _ATTRIBUTES_PER_LOOK
+    for prefix, submodule in module.named_modules():
+        for attr, value in module_attributes(submodule):
+            if id(type(value)) in skip:
+                continue
+            left -= 1
+            if left < 0:
+                return None
+            inside = tensor_elsewhere(value, target, looks=_REFERENCES_PER_ATTRIBUTE)
+            if inside is not None:
+                return f"{prefix}.{attr}{inside}" if prefix else f"{attr}{inside}", attr
+    return None
+
+
 def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | None = None) -> T:
     """Return ``obj`` with every tensor inside it moved to ``device``.
 
@@ -107,7 +172,10 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     - Objects with their own ``.to(device)`` method are moved by it, modules
       whose class overrides ``.to`` too; one whose ``.to()`` returns None is
       kept (it moved itself), with a warning once per class.
-    - Other modules are moved in place, as ``Module.to`` does.
+    - Other modules are moved in place, as ``Module.to`` does. A tensor
+      kept as a plain attribute (not a buffer), which ``Module.to`` leaves
+      where it is, is warned of once per module class where it is left off
+      the target (``RuntimeWarning``, with its path and the fix).
 
     Anything else (a ``range``, your own read-only ``Sequence``) is returned
     unchanged, and the input is never modified
@@ -171,7 +239,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     mover = borrow(target, non_blocking)
     try:
         result = mover.move(obj)
-        returned_none, unmoved = mover.returned_none, mover.unmoved
+        returned_none, unmoved, modules = mover.returned_none, mover.unmoved, mover.modules
     except Cycle:
         raise ValueError(
             f"to_device() cannot move a structure that contains itself: "
@@ -189,6 +257,8 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         _warn_returned_none(returned_none)
     if unmoved is not None:
         _warn_unmoved(unmoved, target)
+    if modules is not None:
+        _warn_left_behind(modules, target)
     return result  # type: ignore[no-any-return]
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checks, _look, _lookbulk, _mover
+from devicekit import _checkfix, _checks, _look, _lookbulk, _mover
 
 from .conftest import run_python
 
@@ -116,7 +116,7 @@ def _fix_for(where: dict[torch.device, int], owners: dict[str, set[torch.device]
     """The fix line for a made-up mismatch: CUDA tensors cannot be made without a GPU."""
     named = {name: torch.nn.Linear(1, 1) if name == "model" else {} for name in owners}
     paths = {device: [f"t{index}" for index in range(count)] for device, count in where.items()}
-    return _checks._fix(paths, owners, named)[0]
+    return _checkfix._fix(paths, owners, named)[0]
 
 
 def test_the_fix_moves_work_to_the_accelerator_even_when_most_tensors_are_on_the_cpu() -> None:
@@ -1071,3 +1071,85 @@ def test_dict_keys_inside_an_object_are_checked() -> None:
     # Plain keys, tuples of them included, are read in bulk with the values.
     assert _lookbulk.bulk_look({(1, "a"): [2], 3: 4}, 100) == (4 + 2 + 1, True)
     assert _lookbulk.bulk_look({object(): 1}, 100) == (2, False)
+
+
+class _Positions(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.pos = torch.randn(16, 4)  # a plain attribute: Module.to() leaves it behind
+
+
+def test_a_module_s_plain_tensor_attributes_are_checked() -> None:
+    # They were never read: only parameters and buffers were, and the forward then failed
+    # with no word from the check. A stray there alone is named in a warning (a module may
+    # keep a copy elsewhere on purpose, as transformers' rotary embeddings do), and the
+    # check passes; with any other stray, it is in the error.
+    model = _Positions().to("meta")
+    ids = torch.zeros(2, dtype=torch.long, device="meta")
+    with pytest.warns(RuntimeWarning, match=r"every tensor is on meta but for what model holds"):
+        assert dk.assert_same_device(model=model, ids=ids) == torch.device("meta")
+    with pytest.raises(dk.DeviceMismatchError) as raised:
+        dk.assert_same_device(model=model, ids=torch.zeros(2), device="meta")
+    assert "  model.pos: cpu\n" in str(raised.value)
+    model = torch.nn.Sequential(_Positions(), torch.nn.Linear(4, 4))
+    model[0].cache = {"keys": [torch.ones(1, device="meta")], "vocab": {"a": 1}}
+    with pytest.warns(RuntimeWarning) as told:
+        assert dk.assert_same_device(model=model, device="cpu") == torch.device("cpu")
+    said = str(told[0].message)
+    assert "(model.0.cache['keys'][0]: meta), which model.to() does not move" in said
+    assert "register it with self.register_buffer() in the module holding it" in said
+    assert "dk.check_module(model) names the fix for each" in said
+    assert told[0].filename == __file__  # the caller's line
+    with pytest.raises(dk.DeviceMismatchError) as raised:
+        dk.assert_same_device(model=model, x=torch.ones(1, device="meta"))
+    message = str(raised.value)
+    assert "  model.0.cache['keys'][0]: meta\n" in message
+    assert "register the tensors model holds as plain attributes (model.0.cache['keys'][0])" in (
+        message
+    )
+
+
+def test_what_module_to_moves_or_remakes_is_not_a_plain_attribute_stray() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        normed = torch.nn.utils.weight_norm(torch.nn.Linear(2, 2))  # weight: a plain attribute
+    model = torch.nn.Sequential(normed).to("meta")  # weight stays, made again at each call
+    assert dk.assert_same_device(model=model) == torch.device("meta")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model.groups = [model[0].weight]  # moved in place with the parameter: listed once
+    object.__setattr__(model, "back", model[0])  # a back-reference: moved with the model
+    with pytest.raises(dk.DeviceMismatchError, match=r"found 2: meta \(1 tensor\), cpu \(2 "):
+        dk.assert_same_device(model=model, x=torch.ones(1, device="meta"))
+
+
+def test_a_module_holding_too_much_in_plain_attributes_is_refused_not_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_checks, "_LOOK_BUDGET", 50)
+    model = torch.nn.Linear(2, 2)
+    model.rows = [object() for _ in range(100)]
+    with pytest.raises(ValueError, match=r"model is a Linear module, whose plain attributes"):
+        dk.assert_same_device(model=model)
+    model.rows = [str(index) for index in range(10_000)]  # plain data: read in bulk
+    assert dk.assert_same_device(model=model) == torch.device("cpu")
+
+
+def test_check_module_reads_plain_data_in_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It read each of a vocabulary's entries in Python: 150,000 took 650 ms.
+    from devicekit import _modulecheck, _tree
+
+    calls = []
+    for module in (_tree, _modulecheck):
+        read = getattr(module, "iter_children", None)
+        if read is not None:
+            monkeypatch.setattr(
+                module, "iter_children", lambda obj, read=read: calls.append(1) or read(obj)
+            )
+    model = torch.nn.Linear(2, 2)
+    model.vocab = {f"tok{index}": index for index in range(10_000)}
+    model.merges = [(f"a{index}", f"b{index}") for index in range(10_000)]
+    assert dk.check_module(model) == []
+    assert len(calls) < 10
+    model.vocab["hidden"] = torch.ones(1)
+    assert [finding.split(":")[0] for finding in dk.check_module(model)] == ["vocab"]

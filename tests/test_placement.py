@@ -1547,3 +1547,43 @@ def test_a_look_another_thread_spoiled_is_not_counted(monkeypatch: pytest.Monkey
     monkeypatch.undo()
     with pytest.warns(RuntimeWarning, match=r"Holder\.tensor"):
         dk.to_device([held], "meta")
+
+
+def _positions_class() -> type[torch.nn.Module]:
+    """A fresh module class (the warning is once per class) keeping a plain tensor attribute."""
+
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.pos = torch.randn(16, 4)  # a plain attribute: Module.to() leaves it behind
+
+    return Positions
+
+
+def test_a_plain_tensor_attribute_a_module_move_leaves_behind_is_warned_once_per_class() -> None:
+    # It was left behind without a word, and the forward failed with a device mismatch.
+    positions = _positions_class()
+    with pytest.warns(RuntimeWarning, match=r"Positions\.pos is not on meta\. Register it in its"):
+        model = dk.to_device(positions(), "meta")
+    assert model.pos.device.type == "cpu"  # still left where it was: a warning, not a move
+    assert _mover._looks_left[positions] == 0  # never looked at again: a dict lookup per call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dk.to_device(positions(), "meta")
+    nested = torch.nn.Sequential(torch.nn.Linear(4, 4), _positions_class()())
+    nested[1].cache = {"keys": [torch.ones(1)]}
+    del nested[1].pos
+    with pytest.warns(RuntimeWarning, match=r"Sequential\.1\.cache\['keys'\]\[0\] is not on meta"):
+        dk.to_device(nested, "meta")
+
+
+def test_a_clean_module_class_is_looked_at_a_few_times_then_no_more() -> None:
+    positions = _positions_class()
+    model = positions()
+    model.register_buffer("pos", model.__dict__.pop("pos"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(_mover._LOOKS_PER_CLASS + 2):
+            dk.to_device(model, "cpu")
+    assert _mover._looks_left[positions] == 0

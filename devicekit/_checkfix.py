@@ -1,0 +1,161 @@
+"""The message `assert_same_device()` raises: each device with its paths, then the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sized
+from typing import Any
+
+import torch
+
+from ._format import plural
+
+__all__ = ["ATTRIBUTE", "KEPT", "MOVED", "Held", "Holder", "Path", "mismatch_message", "render"]
+
+
+_SHOWN_PER_DEVICE = 5  # paths listed per device before "... and N more"
+_SHOWN_HOLDERS = 3  # objects to_device() leaves alone named in a fix, per argument
+
+# Where a tensor is: (where its container is, or None for an argument; its suffix there).
+# Made into text only for the paths a message shows: a check that passes makes none, and
+# a chain 100,000 objects deep costs no 100,000 ever longer strings.
+Path = tuple["Path | None", str]
+# The outermost object around a tensor that children() does not know, looked inside
+# attribute by attribute: its path, its class's name, and what moves it: MOVED, its own
+# .to() (to_device()'s whole say: the fix moves the argument); KEPT, nothing (to_device()
+# returns it unchanged); ATTRIBUTE, nothing either: a module's plain attributes, which
+# module.to() leaves where they are (the holder is the module).
+Holder = tuple[Path, str, str]
+MOVED, KEPT, ATTRIBUTE = "moved", "kept", "attribute"
+# A tensor the fix moves apart from its argument: its device, its holder's path, class
+# name and kind, and the tensor's path.
+Held = tuple[torch.device, str, str, str, Path]
+
+
+def render(path: Path) -> str:
+    """A path as text: ``batch['h'][0].x``."""
+    suffixes = []
+    node: Path | None = path
+    while node is not None:
+        node, suffix = node
+        suffixes.append(suffix)
+    return "".join(reversed(suffixes))
+
+
+def mismatch_message(
+    where: dict[torch.device, list[Path]],
+    owners: dict[str, set[torch.device]],
+    named: dict[str, Any],
+    expected: torch.device | None = None,
+    *,
+    said: str = "device=",
+    held: dict[str, list[Held]] | None = None,
+) -> str:
+    # Strays first: the tensors off the expected device, else the smallest groups.
+    groups = sorted(where.items(), key=lambda item: (item[0] == expected, len(item[1])))
+    found = ", ".join(f"{device} ({_count(paths)})" for device, paths in groups)
+    if expected is None:
+        lines = [f"expected every tensor on one device, found {len(groups)}: {found}"]
+    else:
+        lines = [
+            f"expected every tensor on {expected} ({said}), found them on "
+            f"{plural(len(groups), 'device')}: {found}"
+        ]
+    for device, paths in groups:
+        lines.extend(f"  {render(path)}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
+        if len(paths) > _SHOWN_PER_DEVICE:
+            lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
+    lines.extend(_fix(where, owners, named, expected, held))
+    return "\n".join(lines)
+
+
+def _fix(
+    where: Mapping[torch.device, Sized],
+    owners: dict[str, set[torch.device]],
+    named: dict[str, Any],
+    expected: torch.device | None = None,
+    held: dict[str, list[Held]] | None = None,
+) -> list[str]:
+    """What to run: every argument that is not all on the target, moved there.
+
+    ``owners`` has each argument's devices but for its tensors in ``held``:
+    those inside an object ``to_device()`` returns unchanged, which only the
+    user can move (or make again) where they belong.
+    """
+    if expected is not None:
+        target = expected  # the caller said where: even meta (a model built without weights)
+    else:
+        # The target is where the work should run: the accelerator that holds the most,
+        # else the CPU. Never meta: its tensors hold no values, so nothing can run there.
+        accelerators = [device for device in where if device.type not in ("cpu", "meta")]
+        target = max(
+            accelerators, key=lambda device: len(where[device]), default=torch.device("cpu")
+        )
+    stuck = target.type != "meta"  # meta tensors cannot be copied anywhere else: no data
+    steps = []
+    for name, obj in named.items():
+        devices = owners.get(name, set())
+        moved = not devices <= {target}  # a step below moves the argument
+        steps.extend(_held_steps(name, (held or {}).get(name, []), target, moved=moved))
+        if not moved:
+            continue
+        on_meta = stuck and torch.device("meta") in devices
+        if isinstance(obj, torch.nn.Module):
+            if on_meta:
+                steps.append(f"{name}.to_empty(device='{target}'), then load its weights")
+            else:
+                steps.append(f"{name}.to('{target}')")
+        elif on_meta:
+            steps.append(f"make {name} again on {target} (its meta tensors hold no values to copy)")
+        else:
+            steps.append(f"{name} = dk.to_device({name}, '{target}')")
+    fix = [f"Fix: move everything to {target}: {'; '.join(steps)}."]
+    if stuck and torch.device("meta") in where:
+        fix.append(
+            "Tensors on meta hold no values (shapes only): make them on a real device, or "
+            "materialize a model with to_empty() and load its weights."
+        )
+    return fix
+
+
+def _held_steps(
+    name: str, held: list[Held], target: torch.device, *, moved: bool = False
+) -> list[str]:
+    """The steps for the strays of ``name`` that moving ``name`` would leave where they are.
+
+    In objects ``to_device()`` returns unchanged, and in a module's plain
+    attributes (``moved``: a step of the fix moves ``name`` besides).
+    """
+    objects: dict[str, tuple[str, str, list[torch.device], list[Path]]] = {}
+    for device, holder, cls, kind, path in held:
+        if device != target:
+            _, _, devices, paths = objects.setdefault(holder, (cls, kind, [], []))
+            devices.append(device)
+            paths.append(path)
+    steps = []
+    for holder, (cls, kind, devices, paths) in list(objects.items())[:_SHOWN_HOLDERS]:
+        more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        if kind == ATTRIBUTE:
+            then = "" if moved else f", then move {holder} to {target}"
+            steps.append(
+                f"register the tensors {holder} holds as plain attributes ({render(paths[0])}"
+                f"{more}) with self.register_buffer() in the module holding each{then} "
+                f"({holder}.to() does not move a plain attribute; dk.check_module({holder}) "
+                "names the fix for each)"
+            )
+        elif target.type != "meta" and torch.device("meta") in devices:
+            steps.append(
+                f"make {holder} again on {target} (it is a {cls}, which dk.to_device() "
+                "returns unchanged, and its meta tensors hold no values to copy)"
+            )
+        else:
+            steps.append(
+                f"move the tensors in {holder} ({render(paths[0])}{more}) to {target} yourself, "
+                f"or make it there (it is a {cls}, which dk.to_device() returns unchanged)"
+            )
+    if len(objects) > _SHOWN_HOLDERS:
+        steps.append(f"the same for {len(objects) - _SHOWN_HOLDERS} more objects in {name}")
+    return steps
+
+
+def _count(paths: Sized) -> str:
+    return "1 tensor" if len(paths) == 1 else f"{len(paths)} tensors"
