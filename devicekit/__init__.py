@@ -86,9 +86,9 @@ if TYPE_CHECKING:
     from ._pick import pick_gpus as pick_gpus
     from ._placement import to_device as to_device
     from ._scopedenv import visible_devices as visible_devices
-    from ._sinks import CSVSink as CSVSink
     from ._sinkadapters import ProgressBarSink as ProgressBarSink
     from ._sinkadapters import TensorBoardSink as TensorBoardSink
+    from ._sinks import CSVSink as CSVSink
     from ._status import Status as Status
     from ._status import status as status
     from ._straggler import StragglerDetector as StragglerDetector
