@@ -215,6 +215,8 @@ def explain_oom(
         TypeError: ``model`` is not a ``torch.nn.Module``, ``device`` not a
             device, ``record_history`` not True or False, or ``func`` an async
             generator function (use the context manager inside it).
+        ValueError: ``top`` or ``history_entries`` is below 1, or
+            ``history_entries`` past ``sys.maxsize``.
         DeviceNotFoundError: ``device`` does not exist here.
 
     Examples:
@@ -244,8 +246,9 @@ def explain_oom(
         # torch's recorder takes a C++ size_t: past it, pybind's bare "incompatible
         # function arguments" would surface at the first out-of-memory error, on CUDA only.
         raise ValueError(
-            f"history_entries must be at most sys.maxsize ({sys.maxsize:,}), torch's own "
-            f"default, got {short_repr(history_entries)}; leave it out, or pass fewer"
+            f"history_entries must be at most sys.maxsize ({sys.maxsize:,}), got "
+            f"{short_repr(history_entries)}; for no practical bound pass sys.maxsize (torch's "
+            "own default), else fewer"
         )
     options = _ExplainOOM(target, model, record_history, top, history_entries)
     # explain_oom(fn, model=m) applies its options to fn, as @explain_oom(model=m) does.
