@@ -53,10 +53,14 @@ def assert_same_device(
     which ``module.to()`` does not move. One left behind is named with a
     path such as ``model.pos`` or ``model.encoder.layers.0.cache`` and a fix
     that registers it (what [`check_module()`][devicekit.check_module] says
-    for each): in the error where any other tensor is astray too; alone, in
-    a ``RuntimeWarning``, and the check passes, since a module may keep such
-    a copy elsewhere on purpose and move it when it uses it (transformers'
-    rotary embeddings keep ``original_inv_freq`` so, in the 4.x releases). Not looked at again: torch's own bookkeeping, a
+    for each): in the error where any other tensor is astray too, or where
+    the argument holds no other tensor; else in a ``RuntimeWarning``, once
+    per argument and stray, and the check passes, since a module may keep
+    such a copy elsewhere on purpose and move it when it uses it
+    (transformers' rotary embeddings keep ``original_inv_freq`` so, in the
+    4.x releases). Up to 4,096 objects are read there per argument, and past
+    them the rest is left unread, not refused (a loss history kept on the
+    model must not make a check run every step ever slower). Not looked at again: torch's own bookkeeping, a
     submodule or parameter referred to twice (moved in place), an attribute
     a forward pre-hook makes again (``weight`` after ``weight_norm``), plain
     values and functions. This costs about 3 to 4 µs per module (a 12-layer
@@ -129,13 +133,16 @@ def assert_same_device(
     held: dict[str, list[Held]] = {}  # tensors in objects to_device() returns unchanged
     # Where the tensors are, but for those a module holds as plain attributes: a module
     # may keep one elsewhere on purpose (see _warn_attributes), so alone they only warn.
+    # An argument whose only tensors are such attributes has nothing else to be judged by.
     core: dict[torch.device, int] = defaultdict(int)
     for name, obj in named.items():
         holders: dict[int, str] = {}  # each holder's path, made once
-        for path, tensor, holder in _collect(obj, name):
+        collected = _collect(obj, name)
+        alone = all(holder is not None and holder[2] is ATTRIBUTE for _, _, holder in collected)
+        for path, tensor, holder in collected:
             on = tensor.device
             where[on].append(path)
-            if holder is None or holder[2] is not ATTRIBUTE:
+            if alone or holder is None or holder[2] is not ATTRIBUTE:
                 core[on] += 1
             if holder is None or holder[2] is MOVED:
                 owners[name].add(on)
@@ -153,7 +160,7 @@ def assert_same_device(
         return next(iter(where))
     if len(core) == 1 and (expected is None or expected in core):
         device = next(iter(core))
-        _warn_attributes(held, device)
+        _warn_attributes(held, device, named)
         return device
     said = f"device={short_repr(device)}" if isinstance(device, (str, int)) else "device="
     raise DeviceMismatchError(
@@ -161,7 +168,13 @@ def assert_same_device(
     )
 
 
-def _warn_attributes(held: dict[str, list[Held]], device: torch.device) -> None:
+_warned: set[tuple[int, str]] = set()  # (id of the argument, first stray's path) told
+_WARNED_AT_MOST = 1024
+
+
+def _warn_attributes(
+    held: dict[str, list[Held]], device: torch.device, named: dict[str, Any]
+) -> None:
     """Warn of the tensors modules hold as plain attributes off ``device``, every other on it.
 
     ``module.to()`` leaves a plain attribute where it is, so one left behind is
@@ -170,7 +183,7 @@ def _warn_attributes(held: dict[str, list[Held]], device: torch.device) -> None:
     ``original_inv_freq`` so, in the 4.x releases): the check cannot tell which,
     so it names them, and passes.
     """
-    for tensors in held.values():
+    for name, tensors in held.items():
         strays = [
             (on, holder, path)
             for on, holder, _, kind, path in tensors
@@ -181,6 +194,13 @@ def _warn_attributes(held: dict[str, list[Held]], device: torch.device) -> None:
         shown = ", ".join(f"{render(path)}: {on}" for on, _, path in strays[:3])
         more = f" and {len(strays) - 3} more" if len(strays) > 3 else ""
         holder = strays[0][1]
+        # Once per argument and stray, not per call: a check run every step, over a list
+        # that grows ("and N more"), would warn at each (and fill __warningregistry__).
+        first = (id(named[name]), render(strays[0][2]))
+        if first in _warned:
+            continue
+        if len(_warned) < _WARNED_AT_MOST:
+            _warned.add(first)
         warnings.warn(
             f"assert_same_device(): every tensor is on {device} but for what {holder} holds as "
             f"plain attributes ({shown}{more}), which {holder}.to() does not move. Where the "
@@ -210,14 +230,36 @@ _BULK_BUDGET = 10_000_000
 _CODE = frozenset(map(id, OPAQUE))
 
 
+# Objects read one by one inside the plain attributes of an argument's modules. A stray
+# there only warns (see _warn_attributes), so past this the rest is not read, rather than
+# refused: a model may keep a loss history or a trainer, and a check run every step must
+# not grow with it. A model's own (a config, a cache, a mask) are a few hundred.
+_ATTRIBUTE_BUDGET = 4096
+
+
 class _Budget:
     """What is left to read inside the objects of one argument: one by one, and in bulk."""
 
-    __slots__ = ("bulk", "objects")
+    __slots__ = ("attributes", "bulk", "objects")
 
     def __init__(self) -> None:
         self.objects = _LOOK_BUDGET
         self.bulk = _BULK_BUDGET
+        self.attributes = _ATTRIBUTE_BUDGET
+
+    def spend(self, holder: Holder, name: str) -> bool:
+        """Count one object read inside ``holder``; False once modules' attributes are spent.
+
+        Raises:
+            ValueError: Past ``_LOOK_BUDGET`` inside other objects: not a pass.
+        """
+        if holder[2] is ATTRIBUTE:
+            self.attributes -= 1
+            return self.attributes >= 0
+        self.objects -= 1
+        if self.objects < 0:
+            raise ValueError(_too_many(name, holder, f"{_LOOK_BUDGET:,} objects"))
+        return True
 
 
 class _Listed:
@@ -267,10 +309,11 @@ def _collect(obj: object, name: str) -> list[tuple[Path, torch.Tensor, Holder | 
     while stack:
         elements, parent, holder = stack[-1]
         for suffix, child in elements:
-            if holder is not None:
-                left.objects -= 1
-                if left.objects < 0:
-                    raise ValueError(_too_many(name, holder, f"{_LOOK_BUDGET:,} objects"))
+            if holder is not None and not left.spend(holder, name):
+                # The rest of the modules' plain attributes: left unread (see _Budget).
+                while stack and stack[-1][2] is not None and stack[-1][2][2] is ATTRIBUTE:
+                    stack.pop()
+                break
             cls = type(child)
             if cls in NOTHING_INSIDE:
                 continue
@@ -320,6 +363,8 @@ def _open(
             ) from None
         if bulk is not None:
             read, plain = bulk
+            if holder[2] is ATTRIBUTE and read > left.bulk:
+                return None  # a module's attribute: not read further, not refused (see above)
             left.bulk -= read
             if left.bulk < 0:
                 raise ValueError(

@@ -103,9 +103,11 @@ def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> N
         warnings.warn(
             f"to_device() moved a {qualified_name(cls)} with Module.to(), which leaves a "
             f"tensor kept as a plain attribute where it is: {cls.__name__}.{path} is not on "
-            f"{target}. Register it in its module with self.register_buffer({attr!r}, ...) "
-            "(or nn.Parameter if it should be trained), or move it yourself; "
-            "dk.check_module() lists each such attribute. This warning is shown once per class.",
+            f"{target}. Where the forward uses it, register it in its module with "
+            f"self.register_buffer({attr!r}, ...) (or nn.Parameter if it should be trained), "
+            "or move it yourself; dk.check_module() lists each such attribute. Some modules "
+            "keep such a copy elsewhere on purpose and move it when they use it (transformers' "
+            "rotary embeddings keep original_inv_freq so). This warning is shown once per class.",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )

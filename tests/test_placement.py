@@ -1564,7 +1564,9 @@ def _positions_class() -> type[torch.nn.Module]:
 def test_a_plain_tensor_attribute_a_module_move_leaves_behind_is_warned_once_per_class() -> None:
     # It was left behind without a word, and the forward failed with a device mismatch.
     positions = _positions_class()
-    with pytest.warns(RuntimeWarning, match=r"Positions\.pos is not on meta\. Register it in its"):
+    with pytest.warns(
+        RuntimeWarning, match=r"Positions\.pos is not on meta\. Where the forward uses it, register"
+    ):
         model = dk.to_device(positions(), "meta")
     assert model.pos.device.type == "cpu"  # still left where it was: a warning, not a move
     assert _mover._looks_left[positions] == 0  # never looked at again: a dict lookup per call
