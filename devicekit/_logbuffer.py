@@ -25,6 +25,8 @@ import torch
 from ._callbacks import checked_sinks
 from ._dist import initialized
 from ._errors import RanksDisagreeError, RanksOutOfStepError
+from ._format import shorten
+from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._logdeliver import Deliveries, Record, Sink
 from ._logexit import leave
@@ -43,6 +45,7 @@ from ._logreport import (
     describe_sink,
     dropped_warning,
     flush_error,
+    left_out_warning,
     state_line,
     state_table,
     unknown_key,
@@ -184,6 +187,7 @@ class LogBuffer:
         self._history: list[Record] = []
         self._deliveries = Deliveries()  # landed records not yet handed to every sink
         self._leaving_on_error = False  # the with block is exiting on an exception
+        self._sinks_left_out: list[str] | None = None  # a copy's: the sinks it did not get
         self._told_broken = False  # a flush raised that the job's collectives are broken
         self._keys: dict[str, None] = {}  # every key recorded, in order of first appearance
 
@@ -268,7 +272,16 @@ class LogBuffer:
                 error only: what else failed in the flush is a note on it (a
                 sink that failed again, a count), never printed.
         """
+        if self._sinks_left_out is not None:
+            self._tell_sinks_left_out()
         return list(map(dict.copy, self._flush(wait=wait, reduce=True)))
+
+    def _tell_sinks_left_out(self) -> None:
+        """Once, at a copy's first flush: where its records would have gone, and do not."""
+        left_out, self._sinks_left_out = self._sinks_left_out, None
+        if left_out and not self.sinks:
+            told = left_out_warning(left_out)
+            warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     @property
     def history(self) -> list[Record]:
@@ -340,12 +353,9 @@ mean 'loss'?"
         """Its state, without the lock or the sinks: for copies, ``pickle`` and ``torch.save``.
 
         A model that holds a buffer is deep-copied (an EMA copy) or saved whole:
-        the copy gets the records, the pending values and the options, and is
-        independent of the buffer it came from. It gets no sinks: they write to
-        this run's file, bar and writer, where a second buffer's records would
-        come twice or mix two runs under one name (and a copied ``CSVSink``
-        that rewrote the file for a wider header dropped the rows the original
-        wrote since). Give the copy sinks of its own.
+        the copy gets the records, the pending values and the options, not the
+        sinks: they write this run's file, bar and writer, where a second
+        buffer's records would come twice or mix two runs (its first flush says so).
         """
         with self._lock:
             self._complete()  # an in-flight copy holds CUDA events and pinned memory
@@ -356,6 +366,7 @@ mean 'loss'?"
             state["_deliveries"] = Deliveries()  # what this buffer's sinks still await
             state["_keys"] = dict(self._keys)
             state["sinks"] = []
+            state["_sinks_left_out"] = [shorten(describe_sink(s), 80) for s in self.sinks] or None
         del state["_lock"]
         state["_leaving_on_error"] = False  # a sink may make the copy
         return state

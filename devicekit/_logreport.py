@@ -26,6 +26,7 @@ __all__ = [
     "describe_sink",
     "dropped_warning",
     "flush_error",
+    "left_out_warning",
     "report_while_exiting",
     "state_line",
     "state_table",
@@ -164,6 +165,16 @@ def dropped_warning(pending: int, unsent: int) -> str:
     return (
         f"a LogBuffer was dropped with {' and '.join(lost)}; use it in a with block, "
         "or call flush() before letting it go"
+    )
+
+
+def left_out_warning(left_out: list[str]) -> str:
+    """What a copy of a buffer warns at its first flush: the sinks it did not get."""
+    return (
+        f"this LogBuffer is a copy (copy, deepcopy, pickle or torch.save), and a copy gets no "
+        f"sinks: {', '.join(left_out)} stayed with the buffer it was copied from, so its "
+        "records are kept in its history only. Give it sinks of its own: "
+        "logs.sinks = [dk.CSVSink('ema.csv')]."
     )
 
 

@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -198,8 +199,22 @@ def test_a_copy_of_a_buffer_has_no_sinks_and_the_original_keeps_its_own(
     for copied in (ema.logs, restored, copy.copy(model.logs)):
         assert copied.sinks == []  # type: ignore[union-attr]
         copied.log(1, loss=9.0, acc=1.0)  # type: ignore[operator]
-        copied.flush()  # type: ignore[operator]
+        with pytest.warns(RuntimeWarning, match=r"is a copy .*: ProgressBarSink\(") as told:
+            copied.flush()  # type: ignore[operator]
+        assert "TensorBoardSink(" in str(told[0].message)
+        assert "CSVSink('" in str(told[0].message)
+        assert told[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            copied.flush()  # type: ignore[operator]  # told once
         assert copied.values("loss") == [0.5, 9.0]  # type: ignore[operator]
+    given = copy.deepcopy(model.logs)
+    seen: list[Any] = []
+    given.sinks = [seen.append]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sinks of its own: nothing to tell
+        given.flush()
+    assert seen
     model.logs.log(1, loss=0.25)  # type: ignore[operator]
     model.logs.flush()  # type: ignore[operator]
     assert model.logs.sinks[:2] == sinks  # type: ignore[index]
