@@ -245,10 +245,11 @@ class Timer:
     def __enter__(self) -> Timer:
         if not self._block.acquire(blocking=False):
             self._refuse_block("this Timer", "Timer")
-        self._in_block, self._block_thread = True, get_ident()
-        try:
+        try:  # from here on, a Ctrl-C gives the block back
+            self._in_block, self._block_thread = True, get_ident()
             self.start()  # reads the clock last: the bookkeeping above is not in the lap
         except BaseException:
+            self._in_block = True
             self._release_block()
             raise
         return self
@@ -275,7 +276,11 @@ class Timer:
         """Mark a `with` block open, or refuse a second one (``this``: how errors name it)."""
         if not self._block.acquire(blocking=False):
             self._refuse_block(this, kind)
-        self._in_block, self._block_thread = True, get_ident()
+        try:
+            self._in_block, self._block_thread = True, get_ident()
+        except BaseException:  # a Ctrl-C right there: the block is given back
+            self._block.release()
+            raise
 
     def _refuse_block(self, this: str, kind: str) -> NoReturn:
         # The inner block would restart the lap and its exit end it: the outer
