@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import copy
+import linecache
 import pickle
 import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -448,3 +450,30 @@ def test_a_timer_copied_inside_its_block_can_be_entered() -> None:
         bench,
     ):
         pass
+
+
+def test_a_ctrl_c_as_a_block_is_entered_leaves_the_timer_usable() -> None:
+    # Before, a KeyboardInterrupt just after the block's lock was taken kept it taken:
+    # the Timer refused every later block, saying another thread had one open.
+    timer = dk.Timer()
+    enter = dk.Timer.__enter__.__code__
+
+    def interrupt(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is enter:
+            if event == "line" and "_block_thread" in linecache.getline(
+                frame.f_code.co_filename, frame.f_lineno
+            ):
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return interrupt
+        return None
+
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt), timer:
+            pass
+    finally:
+        sys.settrace(None)
+    with timer:  # usable again
+        pass
+    assert len(timer.times) == 1
