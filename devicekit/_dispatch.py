@@ -57,6 +57,7 @@ from ._workerstate import (
     Worker,
     child_start_time,
     descendants,
+    marked,
     orphans,
     signal_each,
     wait_ended,
@@ -171,7 +172,13 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
     return workers
 
 
-def stop_workers(workers: list[Worker], *, gently: bool, dead: list[Orphans] | None = None) -> None:
+def stop_workers(
+    workers: list[Worker],
+    *,
+    gently: bool,
+    dead: list[Orphans] | None = None,
+    detached: bool = False,
+) -> None:
     """Stop every worker and wait for it: ask (if gently), then terminate, then kill.
 
     Each step goes to every worker before waiting, and the wait is shared, so
@@ -184,8 +191,12 @@ def stop_workers(workers: list[Worker], *, gently: bool, dead: list[Orphans] | N
     again before SIGKILL, for those started meanwhile. Those of a worker that
     had already died are found by its mark, once per stop (``orphans``): by
     the caller, which passes them as ``dead`` for the names it reports, or
-    here. Workers another process started are left alone: in a forked child,
-    the pool's finalizer must not stop its parent's workers.
+    here. With ``detached`` (a map cut short: a failure, a timeout, Ctrl-C),
+    so are those that live workers' ``fn`` detached from them (``setsid``, a
+    double fork), which no parent PID leads to; an orderly stop leaves a
+    daemon ``fn`` started to outlive the map (and a process that copied a
+    mark) alone. Workers another process started are left alone: in a forked
+    child, the pool's finalizer must not stop its parent's workers.
     """
     if workers and workers[0].owner != os.getpid():
         return
@@ -193,6 +204,8 @@ def stop_workers(workers: list[Worker], *, gently: bool, dead: list[Orphans] | N
     try:
         for orphaned in orphans(workers) if dead is None else dead:
             started.update(orphaned.procs)
+        if detached:
+            started.update(_detached(workers))
         started.update(_started_by(workers, started))
         if gently:
             for worker in workers:
@@ -217,6 +230,15 @@ def stop_workers(workers: list[Worker], *, gently: bool, dead: list[Orphans] | N
             _join(alive, None)
             for worker in workers:
                 worker.conn.close()
+
+
+def _detached(workers: list[Worker]) -> Procs:
+    """What the live workers' ``fn`` detached from them (``setsid``), found by their mark."""
+    live: Procs = {}
+    for worker in workers:
+        if worker.alive():
+            live.update(worker.as_procs())
+    return marked(live)
 
 
 def _started_by(workers: list[Worker], known: Procs) -> Procs:

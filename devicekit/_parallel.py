@@ -192,11 +192,13 @@ class GPUPool:
         with self._stopping:  # a close() in another thread: wait until it has stopped them
             self._stop(gently=True)
 
-    def _stop(self, *, gently: bool, dead: list[Orphans] | None = None) -> None:
+    def _stop(
+        self, *, gently: bool, dead: list[Orphans] | None = None, detached: bool = False
+    ) -> None:
         # The workers leave the pool only once stopped: a Ctrl-C before that leaves
         # them to the next close() (gpu_map's own, or the finalizer's).
         try:
-            stop_workers(list(self._workers), gently=gently, dead=dead)
+            stop_workers(list(self._workers), gently=gently, dead=dead, detached=detached)
         finally:
             self._workers[:] = []
 
@@ -281,7 +283,7 @@ class GPUPool:
             try:  # a second Ctrl-C during the scan of /proc must not skip the stop
                 dead = orphans(self._workers) if isinstance(error, WorkerError) else None
             finally:
-                self._stop(gently=False, dead=dead)  # what the dead workers started too
+                self._stop(gently=False, dead=dead, detached=True)  # and what fn setsid-ed
             if said := fates(dead or []):  # what of theirs outlived them, and was stopped
                 error.args = (told(error.args[0], said), *error.args[1:])
             raise

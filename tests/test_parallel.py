@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -2751,3 +2752,28 @@ def test_a_second_ctrl_c_while_dead_workers_are_looked_up_still_stops_the_worker
     finally:
         monkeypatch.undo()
         pool.close()
+
+
+def start_a_daemon_then_hang(pid_file: str) -> None:
+    """Start a daemon (as ``nohup server &``), note its PID, and never return."""
+    Path(pid_file).write_text(str(start_a_daemon(0)))
+    time.sleep(600)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.timeout(300)
+def test_a_daemon_that_fn_started_is_stopped_with_a_map_cut_short(tmp_path: Path) -> None:
+    # Before, a map stopped by its timeout (a failure, Ctrl-C) left what fn had detached
+    # from its worker running: no parent PID leads to it, and the mark was looked for
+    # only after a worker died on its own.
+    pid_file = tmp_path / "daemon.pid"
+    daemon = None
+    try:
+        with pytest.raises(dk.WorkerTimeoutError):
+            dk.gpu_map(start_a_daemon_then_hang, [str(pid_file)], devices=["cpu"], timeout=5)
+        daemon = int(pid_file.read_text())
+        assert _wait_for(lambda: not _alive(daemon), 10), "the daemon outlived the map"
+    finally:
+        if daemon is not None:
+            with contextlib.suppress(OSError):
+                os.kill(daemon, signal.SIGKILL)
