@@ -8,6 +8,7 @@ in `_sinkadapters`).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import io
@@ -126,9 +127,10 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             key for key in dict.fromkeys(k for row in rows for k in row) if key not in self.columns
         ]
         columns = [*self.columns, *new]
+        closing = None
         try:
             if self._started and not new:
-                self._append(columns, rows)
+                closing = self._append(columns, rows)
             else:
                 self._replace(columns, rows)
         except OSError as error:
@@ -141,6 +143,21 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         self._newline_first = False
         self.columns = columns
         self._started = True
+        if closing is not None:
+            raise self._close_error(closing, rows)
+
+    def _close_error(self, error: OSError, rows: list[Record]) -> OSError:
+        """A close that failed once ``rows`` were written: said so, and not written again."""
+        why = error.strerror or str(error)
+        raised = type(error)(
+            f"{self!r} wrote {len(rows)} records to {str(self._file)!r}, but closing it "
+            f"failed: {why}. Some may not have reached the disk (a network file system "
+            "reports late write errors so); they are not written again, which would put "
+            f"them there twice (they are in the buffer's history). "
+            f"{_write_fix(error.errno, self._file.parent)}"
+        )
+        raised.errno = error.errno
+        return raised
 
     def _write_error(self, error: OSError, rows: list[Record], doing: str = "write") -> OSError:
         """``error`` told as this sink's: the user's path, what went wrong and the fix.
@@ -165,7 +182,13 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         add_note(raised, f"{self!r}: {kept}")
         return raised
 
-    def _append(self, columns: list[str], rows: list[Record]) -> None:
+    def _append(self, columns: list[str], rows: list[Record]) -> OSError | None:
+        """Append ``rows``; the error closing the file raised once they were written, if any.
+
+        A network file system may report a late write error at ``close``: the
+        rows are in the file by then, as far as this process can tell, so they
+        are not kept to be written again (they would be there twice).
+        """
         descriptor = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             size = os.fstat(descriptor).st_size
@@ -178,8 +201,15 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             except BaseException:
                 os.ftruncate(descriptor, size)  # no half-written row is left behind
                 raise
-        finally:
+        except BaseException:
+            with contextlib.suppress(OSError):  # the write's own error is the one to tell
+                os.close(descriptor)
+            raise
+        try:
             os.close(descriptor)
+        except OSError as error:
+            return error
+        return None
 
     def _replace(self, columns: list[str], rows: list[Record]) -> None:
         """Write the whole file (old rows widened, then ``rows``) beside it, then swap it in."""
@@ -296,17 +326,8 @@ def _make_folder(folder: Path, given: str) -> None:
         )
         raised.errno = error.errno
         raise raised from None
-    # The file, and a wider one beside it at each new key, are created in the folder.
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raised = PermissionError(
-            f"CSVSink(path={given!r}): its folder {str(folder)!r} is not writable, and the file "
-            "is written there (a new one beside it, each time the header widens). Pass a path "
-            "in a folder you can write to"
-        )
-        raised.errno = errno.EACCES
-        raise raised
-    # Root passes os.access everywhere, but not a file system mounted read-only (a
-    # container's /sys): every write there fails with EROFS.
+    # First: os.access says a read-only file system is not writable (to root too), and
+    # the folder's permissions are not what to fix there (a container's /sys).
     try:
         read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):  # no statvfs (Windows): unknown, so not refused
@@ -317,6 +338,15 @@ def _make_folder(folder: Path, given: str) -> None:
             "read-only, where no file can be written. Pass a path in a folder you can write to"
         )
         raised.errno = errno.EROFS
+        raise raised
+    # The file, and a wider one beside it at each new key, are created in the folder.
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raised = PermissionError(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} is not writable, and the file "
+            "is written there (a new one beside it, each time the header widens). Pass a path "
+            "in a folder you can write to"
+        )
+        raised.errno = errno.EACCES
         raise raised
 
 

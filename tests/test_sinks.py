@@ -663,7 +663,8 @@ def test_a_folder_that_is_not_writable_is_refused_when_the_sink_is_made(
 def test_a_folder_on_a_read_only_file_system_is_refused_when_the_sink_is_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    class ReadOnlyMount(_Root):  # root's os.access passes; the mount still refuses writes
+    class ReadOnlyMount(_ReadOnly):  # as a real read-only mount is: os.access says no too,
+        # to root as well (before, that was told as the folder's permissions to fix)
         def statvfs(self, path: Any) -> Any:
             return type("Statvfs", (), {"f_flag": os.ST_RDONLY})()
 
@@ -768,3 +769,30 @@ def test_a_relative_path_stays_where_it_was_when_the_sink_was_made(
     assert read_rows(tmp_path / "logs" / "train.csv") == [["step", "loss"], ["0", "0.5"]]
     assert list((tmp_path / "elsewhere").iterdir()) == []
     assert repr(sink) == "CSVSink('logs/train.csv')"  # as given
+
+
+class LateError:
+    """``os`` as _sinks sees it, but the next close reports a late write error (NFS)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def close(self, descriptor: int) -> None:
+        os.close(descriptor)
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def test_a_close_that_fails_once_rows_are_written_does_not_write_them_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the rows stayed queued and the next flush wrote them again: twice on disk.
+    path = tmp_path / "log.csv"
+    sink = dk.CSVSink(path)
+    sink([{"step": 0, "loss": 1.0}])
+    monkeypatch.setattr(_sinks, "os", LateError())
+    with pytest.raises(OSError, match=r"wrote 1 records to .*, but closing it failed") as told:
+        sink([{"step": 1, "loss": 2.0}])
+    assert told.value.errno == errno.EIO
+    monkeypatch.setattr(_sinks, "os", os)
+    sink([{"step": 2, "loss": 3.0}])
+    assert path.read_text().splitlines() == ["step,loss", "0,1.0", "1,2.0", "2,3.0"]
