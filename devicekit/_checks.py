@@ -427,15 +427,6 @@ def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list
 def _too_many(name: str, holder: Holder, what: str) -> str:
     at, kind = render(holder[0]), holder[1]
     article = "an" if kind[:1].lower() in "aeiou" else "a"
-    if holder[2] is ATTRIBUTE:
-        return (
-            f"assert_same_device() cannot check {name}: {at} is {article} {kind} module, whose "
-            f"plain attributes (neither parameters nor buffers) it looks inside, and they hold "
-            f"more than {what} (counting what they hold in turn: a dataset, a logger?). The "
-            "check stops there rather than pass tensors it never saw. Keep such data out of "
-            f"the module, or check its parameters and buffers alone: "
-            f"dict({at}.state_dict(keep_vars=True))."
-        )
     return (
         f"assert_same_device() cannot check {name}: {at} is {article} {kind}, which it looks "
         f"inside attribute by attribute, and it holds more than {what} (counting "

@@ -412,8 +412,8 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
                 if ok:
                     finished[index] = value
                     progress.step()
-                elif failure is None:
-                    failure = index, value
+                elif failure is None or index < failure[0]:
+                    failure = index, value  # of those that failed together, the first item
         if failure is not None:
             raise WorkerError(failure[1], index=failure[0], results=dict(finished))
     finally:

@@ -260,6 +260,11 @@ class Timer:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if self._in_block and self._block_thread != get_ident():
+            raise RuntimeError(
+                "this Timer's `with` block was entered in another thread: only that thread's "
+                "exit ends it (a Timer times one block at a time; give each thread its own)"
+            )
         try:
             # The lap ends before the block is released: another thread's entry
             # cannot begin a lap that this exit would then end.

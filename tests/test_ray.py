@@ -601,3 +601,26 @@ def test_results_that_finish_with_a_failure_are_kept() -> None:
         _collect(ray, list(answers), list(range(6)), Progress(6, False))
     assert caught.value.index == 1  # the first failure
     assert caught.value.results == {0: 0, 2: 20, 4: 40, 5: 50}
+
+
+def test_of_items_that_fail_together_the_first_is_reported() -> None:
+    # Before, the first failure in ray.wait's order was reported: item 3, not item 1.
+    from devicekit._progress import Progress
+    from devicekit._ray import _collect
+
+    def failed(index: int) -> tuple[str, str, str]:
+        trace = f"Traceback (most recent call last):\nValueError: item {index} fails\n"
+        return ("raised", "a Ray task on node-3 (the CPU)", trace)
+
+    class Reversed(_BatchRay):  # ray.wait gives finished refs back in its own order
+        def wait(
+            self, refs: list[str], num_returns: int, timeout: float
+        ) -> tuple[list[str], list[str]]:
+            return list(reversed(refs)), []
+
+    answers: dict[str, Any] = {f"ref-{i}": ("ok", i * 10) for i in range(4)}
+    answers["ref-1"], answers["ref-3"] = failed(1), failed(3)
+    with pytest.raises(dk.WorkerError, match=r"item 1 fails") as caught:
+        _collect(Reversed(answers), list(answers), list(range(4)), Progress(4, False))
+    assert caught.value.index == 1
+    assert caught.value.results == {0: 0, 2: 20}

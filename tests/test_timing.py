@@ -477,3 +477,24 @@ def test_a_ctrl_c_as_a_block_is_entered_leaves_the_timer_usable() -> None:
     with timer:  # usable again
         pass
     assert len(timer.times) == 1
+
+
+def test_only_the_thread_that_entered_a_block_can_exit_it() -> None:
+    # Before, another thread's __exit__ ended and released the owner's block.
+    timer = dk.Timer()
+    told: list[str] = []
+
+    def exit_from_here() -> None:
+        try:
+            timer.__exit__(None, None, None)
+        except RuntimeError as error:
+            told.append(str(error))
+
+    with timer:
+        thread = threading.Thread(target=exit_from_here)
+        thread.start()
+        thread.join(timeout=60)
+        assert timer._in_block  # still this thread's block
+    assert told
+    assert told[0].startswith("this Timer's `with` block was entered in another thread")
+    assert len(timer.times) == 1
