@@ -432,8 +432,15 @@ def _scenario(folder: str, name: str, rank: int, world: int) -> Any:
     return dist
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write ``path`` so that a rank polling for it never reads it half-written."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def _record(folder: str, name: str, rank: int, outcome: dict[str, Any]) -> None:
-    Path(folder, f"{name}-{rank}.json").write_text(json.dumps(outcome))
+    _publish(Path(folder, f"{name}-{rank}.json"), json.dumps(outcome))
 
 
 def _wait_for(folder: str, names: list[str], seconds: float = 120) -> bool:
@@ -701,7 +708,7 @@ def _store_server_exits(rank: int, world: int, port: int, folder: str, when: str
     if when == "after the first call":
         dk.job_status(timeout=60)  # devicekit's group exists
     if rank == 0:
-        Path(folder, "pid-0").write_text(str(os.getpid()))
+        _publish(Path(folder, "pid-0"), str(os.getpid()))
         os._exit(0)
     _wait_for(folder, ["pid-0"])
     pid = int(Path(folder, "pid-0").read_text())
@@ -753,7 +760,7 @@ def _store_server_stops(rank: int, world: int, port: int, folder: str) -> None:
     _tcp_job(rank, world, port)
     dk.job_status(timeout=10)  # devicekit's group exists
     if rank == 0:
-        Path(folder, "pid-0").write_text(str(os.getpid()))
+        _publish(Path(folder, "pid-0"), str(os.getpid()))
         _wait_for(folder, ["done-1"])  # stopped meanwhile; then out, without the store
         os._exit(0)
     _wait_for(folder, ["pid-0"])
@@ -1067,7 +1074,7 @@ def _rank_0_stops(rank: int, world: int, port: int, folder: str) -> None:
     dist = _scenario(folder, "barrier", rank, world)  # a file store: rank 0 does not serve it
     dk.job_status(timeout=300)  # devicekit's group is made with 300 s
     if rank == 0:
-        Path(folder, "pid-0").write_text(str(os.getpid()))
+        _publish(Path(folder, "pid-0"), str(os.getpid()))
         _wait_for(folder, ["done-1"])  # stopped meanwhile; then out, which ends rank 1's wait
         os._exit(0)
     _wait_for(folder, ["pid-0"])
@@ -1150,7 +1157,7 @@ def _store_stalls_then_answers(rank: int, world: int, port: int, folder: str) ->
     dist = _tcp_job(rank, world, port)
     dk.job_status(timeout=60)  # call 1: devicekit's group exists
     if rank == 0:
-        Path(folder, "pid-0").write_text(str(os.getpid()))
+        _publish(Path(folder, "pid-0"), str(os.getpid()))
         for _ in range(4):
             dk.job_status(timeout=60)
         _wait_for(folder, ["done-1"])
