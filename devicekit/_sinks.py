@@ -23,10 +23,32 @@ from ._format import shorten
 from ._keywords import suggest_keywords
 from ._logdeliver import Record
 from ._options import check_flag, check_path, short_repr
+from ._procfs import file_system_type
 
 __all__ = ["CSVSink"]
 
 _S = TypeVar("_S")
+
+# Where no regular file can be created, whatever the folder's permissions say.
+_KERNEL_FILE_SYSTEMS = frozenset(
+    [
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "configfs",
+        "devpts",
+        "bpf",
+        "pstore",
+        "efivarfs",
+        "fusectl",
+        "binfmt_misc",
+        "mqueue",
+    ]
+)
 
 
 class CSVSink:
@@ -326,7 +348,18 @@ def _make_folder(folder: Path, given: str) -> None:
         )
         raised.errno = error.errno
         raise raised from None
-    # First: os.access says a read-only file system is not writable (to root too), and
+    # The kernel's own file systems look writable to root, yet no file can be made there:
+    # the first flush, in a log() call, would fail (ENOENT).
+    kind = file_system_type(str(folder))
+    if kind in _KERNEL_FILE_SYSTEMS:
+        raised = OSError(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} is on the kernel's {kind} "
+            "file system, which holds no files of its own. Pass a path in a folder you can "
+            "write to"
+        )
+        raised.errno = errno.ENOENT
+        raise raised
+    # Then: os.access says a read-only file system is not writable (to root too), and
     # the folder's permissions are not what to fix there (a container's /sys).
     try:
         read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)

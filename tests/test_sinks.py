@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _sinks
+from devicekit import _procfs, _sinks
 
 
 def read_rows(path: Path) -> list[list[str]]:
@@ -482,13 +482,20 @@ class _Root:
         return True
 
 
+def _unrefused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let CSVSink take a path in /proc, so that its writes fail: as root, where the
+    file system cannot be told (no mountinfo), or a write fails anyway."""
+    monkeypatch.setattr(_sinks, "os", _Root())
+    monkeypatch.setattr(_sinks, "file_system_type", lambda folder: None)
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_a_write_error_names_the_user_s_path_and_the_fix_not_the_temporary_file(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Before: FileNotFoundError: [Errno 2] No such file or directory:
     # '/proc/.train.csv.42b0d82b0920.tmp', the user's own path only in a note.
-    monkeypatch.setattr(_sinks, "os", _Root())  # as root: nothing refuses /proc beforehand
+    _unrefused(monkeypatch)
     sink = dk.CSVSink("/proc/train.csv")
     buffer = dk.LogBuffer(flush_every=2, sinks=[sink])
 
@@ -512,6 +519,47 @@ def test_a_write_error_names_the_user_s_path_and_the_fix_not_the_temporary_file(
     assert unwritten == buffer.history[: len(unwritten)]
 
 
+@pytest.mark.skipif(not Path("/proc/self/mountinfo").is_file(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(("folder", "kind"), [("/proc", "proc"), ("/sys", "sysfs")])
+def test_a_folder_on_the_kernel_s_own_file_system_is_refused_when_the_sink_is_made(
+    monkeypatch: pytest.MonkeyPatch, folder: str, kind: str
+) -> None:
+    # Before, to root (whom the folder's permissions let write), CSVSink("/sys/train.csv")
+    # was accepted, and the first automatic flush failed inside a log() call.
+    if _procfs.file_system_type(folder) != kind:
+        pytest.skip(f"{folder} is not {kind} here")
+    monkeypatch.setattr(_sinks, "os", _Root())
+    with pytest.raises(OSError, match="kernel's") as caught:
+        dk.CSVSink(f"{folder}/train.csv")
+    assert caught.value.errno == errno.ENOENT
+    assert str(caught.value) == (
+        f"CSVSink(path='{folder}/train.csv'): its folder '{folder}' is on the kernel's {kind} "
+        "file system, which holds no files of its own. Pass a path in a folder you can "
+        "write to"
+    )
+
+
+def test_the_file_system_of_a_folder_is_read_from_mountinfo(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 0:21 / /proc rw,nosuid - proc proc rw\n"
+        "25 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "30 25 0:5 / /my\\040data rw - tmpfs tmpfs rw\n"
+        "31 30 0:6 / /my\\040data rw - xfs /dev/sdb rw\n"  # mounted over the first
+        "40 25 0:7 / /proc2 rw shared:2 master:3 - sysfs sysfs rw\n"
+    )
+
+    def kind(folder: str) -> str | None:
+        return _procfs.file_system_type(folder, str(mountinfo))
+
+    assert kind("/proc/1") == "proc"
+    assert kind("/procfiles") == "ext4"  # a prefix of the name is not a folder inside
+    assert kind("/my data/x") == "xfs"  # spaces unescaped; the mount on top wins
+    assert kind("/proc2") == "sysfs"  # optional fields before " - " skipped
+    assert kind("/") == "ext4"
+    assert _procfs.file_system_type("/", str(tmp_path / "none")) is None
+
+
 def test_a_full_disk_names_the_path_and_the_fix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -532,7 +580,7 @@ def test_a_failure_on_several_batches_is_told_once_with_a_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Before, each failure named its own random temporary file, so each was told again.
-    monkeypatch.setattr(_sinks, "os", _Root())
+    _unrefused(monkeypatch)
     buffer = dk.LogBuffer(sinks=[dk.CSVSink("/proc/train.csv")])
     buffer.log(0, loss=0.5)
     buffer.flush(wait=False)
