@@ -9,7 +9,17 @@ import torch
 
 from ._format import plural
 
-__all__ = ["ATTRIBUTE", "KEPT", "MOVED", "Held", "Holder", "Path", "mismatch_message", "render"]
+__all__ = [
+    "ATTRIBUTE",
+    "DICT_KEY",
+    "KEPT",
+    "MOVED",
+    "Held",
+    "Holder",
+    "Path",
+    "mismatch_message",
+    "render",
+]
 
 
 _SHOWN_PER_DEVICE = 5  # paths listed per device before "... and N more"
@@ -23,9 +33,11 @@ Path = tuple["Path | None", str]
 # attribute by attribute: its path, its class's name, and what moves it: MOVED, its own
 # .to() (to_device()'s whole say: the fix moves the argument); KEPT, nothing (to_device()
 # returns it unchanged); ATTRIBUTE, nothing either: a module's plain attributes, which
-# module.to() leaves where they are (the holder is the module).
+# module.to() leaves where they are (the holder is the module); DICT_KEY, nothing: the
+# keys of a dict given as it is, whose values to_device() moves, never its keys (the
+# holder is the dict).
 Holder = tuple[Path, str, str]
-MOVED, KEPT, ATTRIBUTE = "moved", "kept", "attribute"
+MOVED, KEPT, ATTRIBUTE, DICT_KEY = "moved", "kept", "attribute", "dict key"
 # A tensor the fix moves apart from its argument: its device, its holder's path, class
 # name and kind, and the tensor's path.
 Held = tuple[torch.device, str, str, str, Path]
@@ -141,6 +153,14 @@ def _held_steps(
                 f"{more}) with self.register_buffer() in the module holding each{then} "
                 f"({holder}.to() does not move a plain attribute; dk.check_module({holder}) "
                 "names the fix for each)"
+            )
+        elif kind == DICT_KEY:
+            remade = target.type != "meta" and torch.device("meta") in devices
+            steps.append(
+                f"make {holder} again with its tensor keys {'made anew on' if remade else 'on'} "
+                f"{target} ({render(paths[0])}{more}), since dk.to_device() moves its "
+                "values, never its keys"
+                + (", and meta tensors hold no values to copy" if remade else "")
             )
         elif target.type != "meta" and torch.device("meta") in devices:
             steps.append(

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import types
 import warnings
 from collections import defaultdict
-from collections.abc import ItemsView, Iterable, Iterator, KeysView, ValuesView
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import PackedSequence
 
-from ._checkfix import ATTRIBUTE, KEPT, MOVED, Held, Holder, Path, mismatch_message, render
+from ._checkfix import (
+    ATTRIBUTE,
+    MOVED,
+    Held,
+    Path,
+    mismatch_message,
+    render,
+)
+from ._checkwalk import collect, refuse_unwalkable
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._frames import caller_stacklevel
-from ._look import NOTHING_INSIDE, OPAQUE, module_attributes, object_attributes
-from ._lookbulk import array_elements, bulk_children, bulk_look, plain_class_ids
-from ._mover import _has_to_method
 from ._options import short_repr
-from ._tree import children, container_attributes, iter_children
 
 __all__ = ["assert_same_device"]
 
@@ -41,11 +42,16 @@ def assert_same_device(
     builtin lists, tuples, dicts and sets of plain values (str, numbers,
     None, numpy scalars and arrays of numbers), and of such containers in
     turn, which hold no tensor, are passed over in bulk, up to 10,000,000
-    values (a dict's keys, checked too, count with its values): a
-    tokenizer's 150,000-entry vocabulary costs about 15 ms. One holding more
-    (a dataset, a logger) is a ``ValueError``, not a pass for tensors never
-    seen. The dicts, lists and records given are checked whole (a dict's
-    values, as ``to_device()`` moves them, not its keys).
+    values, each counted once however deep (a dict's keys, checked too,
+    count with its values): a tokenizer's 150,000-entry vocabulary costs
+    about 15 ms. One holding more (a dataset, a logger) is a ``ValueError``,
+    not a pass for tensors never seen. The dicts, lists and records given
+    are checked whole. A dict's keys are checked wherever its values are,
+    and a tensor in one is named by its device and size
+    (``batch[key tensor(..., device='cpu', size=(3,))]``); since
+    ``to_device()`` moves a dict's values, never its keys, the fix for one
+    given as it is says to make the dict again with its keys where they
+    belong.
 
     A module's plain attributes are looked inside by the same rules: what its
     instance (or a submodule's) holds besides parameters, buffers and
@@ -127,7 +133,7 @@ def assert_same_device(
         )
     named |= named_objs
     for name, obj in named.items():
-        _refuse_unwalkable(name, obj)
+        refuse_unwalkable(name, obj)
     where: dict[torch.device, list[Path]] = defaultdict(list)
     owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices
     held: dict[str, list[Held]] = {}  # tensors in objects to_device() returns unchanged
@@ -137,7 +143,7 @@ def assert_same_device(
     core: dict[torch.device, int] = defaultdict(int)
     for name, obj in named.items():
         holders: dict[int, str] = {}  # each holder's path, made once
-        collected = _collect(obj, name)
+        collected = collect(obj, name)
         alone = all(holder is not None and holder[2] is ATTRIBUTE for _, _, holder in collected)
         for path, tensor, holder in collected:
             on = tensor.device
@@ -210,267 +216,4 @@ def _warn_attributes(
             "keep original_inv_freq so).",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
-        )
-
-
-# Objects read one by one inside the objects the check does not otherwise know, per
-# argument: a cache or a batch holds a few thousand; a dataset or a logger millions, and
-# then the check says it stopped rather than pass what it never saw. Containers given as
-# they are (dicts, lists, records of tensors) are checked whole, however large.
-_LOOK_BUDGET = 100_000
-# Values read in bulk there, in C (_lookbulk.bulk_look()): the builtin lists, tuples, dicts and
-# sets of plain values (str, numbers, None...), which hold no tensor, are passed over so,
-# not read one by one: a tokenizer's 150,000-entry vocabulary, a dataset's labels. About
-# 20 to 120 ns a value, measured (best of 5, 2-core machine, load average 1.0): 14 ms for
-# that vocabulary (its keys read too: 300,000 values), 28 ms for 1.28 million int labels,
-# 0.45 s for those and 1.28 million (path, label) pairs besides, 0.35 s for 10 million
-# ints and str-to-int entries: so much plain data costs a second at most.
-_BULK_BUDGET = 10_000_000
-# A module's attributes that are code (OPAQUE: never looked inside), by their class's id().
-_CODE = frozenset(map(id, OPAQUE))
-
-
-# Objects read one by one inside the plain attributes of an argument's modules. A stray
-# there only warns (see _warn_attributes), so past this the rest is not read, rather than
-# refused: a model may keep a loss history or a trainer, and a check run every step must
-# not grow with it. A model's own (a config, a cache, a mask) are a few hundred.
-_ATTRIBUTE_BUDGET = 4096
-
-
-class _Budget:
-    """What is left to read inside the objects of one argument: one by one, and in bulk."""
-
-    __slots__ = ("attributes", "bulk", "objects")
-
-    def __init__(self) -> None:
-        self.objects = _LOOK_BUDGET
-        self.bulk = _BULK_BUDGET
-        self.attributes = _ATTRIBUTE_BUDGET
-
-    def spend(self, holder: Holder, name: str) -> bool:
-        """Count one object read inside ``holder``; False once modules' attributes are spent.
-
-        Raises:
-            ValueError: Past ``_LOOK_BUDGET`` inside other objects: not a pass.
-        """
-        if holder[2] is ATTRIBUTE:
-            self.attributes -= 1
-            return self.attributes >= 0
-        self.objects -= 1
-        if self.objects < 0:
-            raise ValueError(_too_many(name, holder, f"{_LOOK_BUDGET:,} objects"))
-        return True
-
-
-class _Listed:
-    """The tensors found so far, by ``id()``, read from the walk's list as they are asked for."""
-
-    __slots__ = ("ids", "upto")
-
-    def __init__(self) -> None:
-        self.ids: set[int] = set()
-        self.upto = 0
-
-    def again(self, tensor: torch.Tensor, found: list[Any], parameter: type) -> bool:
-        """Whether ``tensor`` is a parameter found already, under another name.
-
-        A plain reference to one (``self.groups = [self.fc.weight]``): ``module.to()``
-        moves it in place, so it is where that one is, and it is listed once.
-        """
-        if not isinstance(tensor, parameter):
-            return False
-        self.ids.update(id(entry[1]) for entry in found[self.upto :])
-        self.upto = len(found)
-        return id(tensor) in self.ids
-
-
-def _collect(obj: object, name: str) -> list[tuple[Path, torch.Tensor, Holder | None]]:
-    """Every tensor in argument ``obj``, with its path and holder, each object looked at once.
-
-    ``holder`` is the outermost object around the tensor that `children()` does
-    not know (neither a container ``to_device()`` rebuilds nor a record), for
-    the fix; else None. Depth first, in the order of each object's elements,
-    with a stack of iterators, not a frame per level: any depth is walked.
-    ``seen`` keeps each object it names alive, so no ``id()`` is reused while
-    the walk runs. Inside a holder, elements are read as they are reached and
-    counted: past ``_LOOK_BUDGET`` of them, a ``ValueError`` says so. A builtin
-    container there is first read in bulk (`bulk_look()`): its plain values are
-    passed over, counted against ``_BULK_BUDGET``, and only the rest read one by
-    one.
-    """
-    found: list[tuple[Path, torch.Tensor, Holder | None]] = []
-    seen: dict[int, object] = {}
-    left = _Budget()
-    tensor_class, module_class, parameter_class = torch.Tensor, torch.nn.Module, torch.nn.Parameter
-    listed = _Listed()
-    stack: list[tuple[Iterator[tuple[str, Any]], Path | None, Holder | None]] = [
-        (iter(((name, obj),)), None, None)
-    ]
-    while stack:
-        elements, parent, holder = stack[-1]
-        for suffix, child in elements:
-            if holder is not None and not left.spend(holder, name):
-                # The rest of the modules' plain attributes: left unread (see _Budget).
-                while stack and stack[-1][2] is not None and stack[-1][2][2] is ATTRIBUTE:
-                    stack.pop()
-                break
-            cls = type(child)
-            if cls in NOTHING_INSIDE:
-                continue
-            if cls is tensor_class or isinstance(child, tensor_class):
-                if holder is None or not listed.again(child, found, parameter_class):
-                    found.append(((parent, suffix), child, holder))
-                continue
-            if id(child) in seen:
-                continue
-            path: Path = (parent, suffix)
-            if isinstance(child, module_class):
-                seen[id(child)] = child
-                found.extend(((path, f".{n}"), p, holder) for n, p in child.named_parameters())
-                found.extend(((path, f".{n}"), b, holder) for n, b in child.named_buffers())
-                attributes = _module_attributes(child, seen)
-                if not attributes:
-                    continue
-                stack.append((iter(attributes), path, holder or (path, cls.__name__, ATTRIBUTE)))
-                break
-            opened = _open(child, path, holder, left, name)
-            if opened is None:
-                continue
-            seen[id(child)] = child
-            stack.append((iter(opened[0]), path, opened[1]))
-            break  # its elements first, then the rest of this one's
-        else:
-            stack.pop()
-    return found
-
-
-def _open(
-    obj: object, path: Path, holder: Holder | None, left: _Budget, name: str
-) -> tuple[Iterable[tuple[str, Any]], Holder | None] | None:
-    """What the walk reads inside ``obj`` and the holder around it, or None for nothing.
-
-    Outside a holder, as the argument was given: its elements whole, listed
-    before they are walked (`children()`). Inside one, read as they are
-    reached, but for the plain values of a builtin container, passed over in
-    bulk; past ``_BULK_BUDGET`` of those, a ``ValueError`` says so.
-    """
-    if holder is not None:
-        try:
-            bulk = bulk_look(obj, left.bulk)
-        except RuntimeError as error:  # another thread kept changing it: no partial pass
-            raise RuntimeError(
-                f"assert_same_device() cannot check {render(path)}: {error}"
-            ) from None
-        if bulk is not None:
-            read, plain = bulk
-            if holder[2] is ATTRIBUTE and read > left.bulk:
-                return None  # a module's attribute: not read further, not refused (see above)
-            left.bulk -= read
-            if left.bulk < 0:
-                raise ValueError(
-                    _too_many(
-                        name,
-                        holder,
-                        f"{_BULK_BUDGET:,} values in its lists, dicts, tuples and sets",
-                    )
-                )
-            if plain:  # its items hold nothing to read: what its instance was given, if any
-                return ((f".{key}", value) for key, value in container_attributes(obj)), holder
-            return bulk_children(obj), holder  # its attributes too
-    items = children(obj) if holder is None else iter_children(obj)
-    if items is None:
-        elements = array_elements(obj)  # a numpy array of dtype=object: each element
-        if elements is not None:  # to_device() returns it unchanged: a holder
-            return elements, holder or (path, type(obj).__name__, KEPT)
-        try:
-            attributes = object_attributes(obj, limit=left.objects + 1)
-        except RuntimeError as error:  # another thread kept changing it: no partial pass
-            raise RuntimeError(
-                f"assert_same_device() cannot check {render(path)}: {error}"
-            ) from None
-        if not attributes:
-            return None
-        if holder is None:
-            cls = type(obj)
-            holder = (path, cls.__name__, MOVED if _has_to_method(cls) else KEPT)
-        return attributes, holder
-    if isinstance(obj, PackedSequence):
-        # torch keeps batch_sizes on the CPU by design (PackedSequence.to() leaves it
-        # there: the packed RNN kernels read it on the host); the indices follow data.
-        return (item for item in items if item[0] != ".batch_sizes"), holder
-    return items, holder
-
-
-def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list[tuple[str, Any]]:
-    """The plain attributes of ``module`` and its submodules, those that may hold a tensor.
-
-    What `module_attributes()` finds (``module.to()`` leaves it where it is),
-    with a dotted path as a parameter's (``.encoder.layers.0.cache``), but for
-    plain values (a number, a str, a dtype), which hold none and are not
-    counted, and for functions and classes (an activation, ``F.relu``), whose
-    insides are not looked at anywhere. Every submodule is marked seen: a plain reference to one (a
-    back-reference) is moved with the model, not looked at again.
-    """
-    found: list[tuple[str, Any]] = []
-    plain = plain_class_ids() | _CODE
-    for prefix, submodule in module.named_modules():
-        seen[id(submodule)] = submodule
-        dotted = f".{prefix}." if prefix else "."
-        found.extend(
-            (f"{dotted}{attr}", value)
-            for attr, value in module_attributes(submodule)
-            if id(type(value)) not in plain
-        )
-    return found
-
-
-def _too_many(name: str, holder: Holder, what: str) -> str:
-    at, kind = render(holder[0]), holder[1]
-    article = "an" if kind[:1].lower() in "aeiou" else "a"
-    return (
-        f"assert_same_device() cannot check {name}: {at} is {article} {kind}, which it looks "
-        f"inside attribute by attribute, and it holds more than {what} (counting "
-        "what they hold in turn: a dataset, a logger?). The check stops there rather than "
-        "pass tensors it never saw. Pass the tensors to check themselves, or a dict or list "
-        f"of them, instead of {at}."
-    )
-
-
-def _refuse_unwalkable(name: str, obj: object) -> None:
-    """Refuse an argument whose tensors the walk would miss without a word.
-
-    An iterator, a dict view, a class, a Python module, a function.
-    """
-    if isinstance(obj, OPAQUE):
-        kind = (
-            "class"
-            if isinstance(obj, type)
-            else "module"
-            if isinstance(obj, types.ModuleType)
-            else "function"
-        )
-        label = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
-        raise TypeError(
-            f"assert_same_device() cannot check {name}, a {kind} ({label}): it does "
-            "not look inside classes, Python modules or functions, so their tensors (a "
-            "global, a closure, a class attribute) would go unchecked. Pass the tensors "
-            "themselves, or the object or module instance that holds them."
-        )
-    if not isinstance(obj, (Iterator, KeysView, ValuesView, ItemsView)):
-        return
-    if children(obj) is not None:
-        return  # a container that is also an iterator is walked as a container
-    kind = type(obj).__name__
-    if isinstance(obj, Iterator):  # a generator, map(), zip(), iter(list)...
-        raise TypeError(
-            f"assert_same_device() cannot check {name}, a {kind}, without consuming it: "
-            "checking its tensors would use it up (to_device() returns it unchanged and not "
-            "consumed for the same reason). Pass a list of its items, list(...), and use that "
-            "list afterwards, or check each item as it comes."
-        )
-    if isinstance(obj, (KeysView, ValuesView, ItemsView)):
-        raise TypeError(
-            f"assert_same_device() cannot check {name}, a {kind} view: a dict view is not "
-            "walked (to_device() returns it unchanged, with its tensors where they were). Pass "
-            "the dict itself, or list(...) of the view."
         )

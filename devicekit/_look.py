@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ._options import short_repr
+from ._format import shorten
+from ._options import _ShortRepr, _unprintable
 from ._tree import ITEMS_ONLY
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "Changed",
     "class_attribute",
     "class_namespace",
+    "key_text",
     "module_attributes",
     "object_attributes",
     "snapshot",
@@ -402,7 +404,7 @@ def _path(links: list[tuple[int, int, Any]], link: int) -> str:
     while link >= 0:
         link, kind, key = links[link]
         suffixes.append(
-            f"[{short_repr(key, 60)}]"
+            f"[{key_text(key)}]"
             if kind == KEY
             else f"[{key}]"
             if kind == INDEX
@@ -411,3 +413,48 @@ def _path(links: list[tuple[int, int, Any]], link: int) -> str:
             else f".{key}"
         )
     return "".join(reversed(suffixes))
+
+
+# How many characters a path gives a key that is not a str (a tuple, a tensor).
+_KEY_SHOWN = 60
+# Keys written as they are, with no reprlib: a short repr, or a str (never cut).
+_AS_THEY_ARE = frozenset({str, bool, float, type(None)})
+_INT_BITS = 128  # an int of fewer bits has at most 39 digits
+
+
+def key_text(key: object) -> str:
+    """How a path names a dict's key: a str by its repr, anything else in one short line.
+
+    A tensor used as a key (alone or in a tuple) is named as torch prints a
+    meta tensor, by its device and size, never by its values, which torch
+    prints over many lines: ``x[tensor(..., device='cpu', size=(3,))]`` is
+    the value under it, ``x[key tensor(..., device='cpu', size=(3,))]`` the
+    key itself. Other keys are their repr, cut to 60 characters (a str is
+    never cut, so ``batch['labels']`` reads as written). Never raises: a key
+    whose repr raises is named by its type and address.
+
+    Examples:
+        >>> import torch
+        >>> key_text("labels"), key_text(3), key_text((1, torch.ones(2, 3)))
+        ("'labels'", '3', "(1, tensor(..., device='cpu', size=(2, 3)))")
+    """
+    if type(key) in _AS_THEY_ARE or (type(key) is int and key.bit_length() < _INT_BITS):
+        return repr(key)
+    try:
+        text = _KeyRepr(_KEY_SHOWN).repr(key)
+    except Exception:  # noqa: BLE001 - each part is guarded; this is the last word
+        text = _unprintable(key)
+    return shorten(text, _KEY_SHOWN)
+
+
+class _KeyRepr(_ShortRepr):
+    """`short_repr()`'s reader, with a tensor shown by its device and size alone."""
+
+    def repr_instance(self, x: object, level: int) -> str:
+        """A tensor as torch shows a meta tensor; anything else as `short_repr()` does."""
+        if isinstance(x, torch.Tensor):
+            try:
+                return f"tensor(..., device='{x.device}', size={tuple(x.shape)})"
+            except Exception:  # noqa: BLE001 - a subclass whose device or shape raises
+                return _unprintable(x)
+        return super().repr_instance(x, level)

@@ -18,7 +18,7 @@ import operator
 import pathlib
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from itertools import chain, compress, repeat
 from typing import Any
 
@@ -32,9 +32,9 @@ from ._look import (
     UNREAD,
     class_attribute,
     class_namespace,
+    key_text,
     snapshot,
 )
-from ._options import short_repr
 from ._tree import ITEMS_ONLY, container_attributes
 
 __all__ = ["array_elements", "bulk_children", "bulk_look", "plain_class_ids"]
@@ -112,7 +112,7 @@ _BULK: tuple[tuple[type, str, Any, Any, int], ...] = (  # the readers: _Items, _
 _bulk_readers: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
 
 
-def bulk_look(obj: object, budget: int) -> tuple[int, bool] | None:
+def bulk_look(obj: object, budget: int, looked: Set[int] = frozenset()) -> tuple[int, bool] | None:
     """How many values a container holds, read in bulk, and whether all of them are plain.
 
     For a look inside a container that may hold hundreds of thousands of plain
@@ -123,14 +123,19 @@ def bulk_look(obj: object, budget: int) -> tuple[int, bool] | None:
     dict's keys are read with its values, and counted too. Below ``obj``,
     only exact containers whose instances have no ``__dict__`` are read so
     (not an ``OrderedDict``, whose attributes the walk looks at), and a
-    container referred to many times at one level is read, and counted, once.
-    Plain: a str, bytes, number, bool or None, a range, a numpy scalar, a
+    container referred to many times at one level is read, and counted, once,
+    and one whose ``id()`` is in ``looked`` (the walk has it already) not at
+    all. Plain: a str, bytes, number, bool or None, a range, a numpy scalar, a
     numpy array or record whose dtype holds no Python object (``dtype=object``
     may hold a tensor), a ``torch.dtype`` or ``torch.device``, a date, a path.
     None where ``obj`` is not a builtin container (or a subclass that reads
-    its items as its base does); then it is not read. The count is of the
-    values read, where one more container's would pass ``budget``, with
-    theirs (not read): above ``budget``, the look stopped there.
+    its items as its base does); then it is not read. Where all are plain,
+    the count is of every value read; where one more container's would pass
+    ``budget``, of those read with theirs (not read): above ``budget``, the
+    look stopped there. Else (not all plain), of ``obj``'s own values (a
+    dict's keys with them) alone: the walk reads each container among them
+    next, and counts what that holds then, so no value is counted twice (a
+    nest of 5,000,000 values deeper than the look was refused as twice that).
 
     Raises:
         Changed: Another thread changed a container while it was read, twice.
@@ -150,14 +155,22 @@ def bulk_look(obj: object, budget: int) -> tuple[int, bool] | None:
     values = snapshot(reader[3], obj, None)
     if reader[4] == KEY:
         values += snapshot(dict.keys, obj, None)  # dict's own: a subclass's storage too
-    return _plain_through(values, budget, _BULK_DEPTH)
+    read, plain = _plain_through(values, budget, _BULK_DEPTH, looked)
+    if plain or read > budget:
+        return read, plain
+    # Not all plain: what lies below obj's own values is counted as the walk reaches it
+    # (it counted again at each level before). Read here, it is read there again: a value
+    # by the looks of the _BULK_DEPTH + 1 containers above it at most, and not at all once
+    # the walk has its container (looked), so what is read stays a few times what counts.
+    return len(values), False
 
 
 def bulk_children(obj: object) -> Iterator[tuple[str, Any]]:
     """`iter_children()` of a container `bulk_look()` reads, its plain items left out.
 
     Its items that are not plain, read lazily (the plain ones are passed over
-    in C), then a dict's keys that are not plain (``[key <repr>]``), then the
+    in C), then a dict's keys that are not plain (``[key <repr>]``, a tensor
+    in one by its device and size: `key_text()`), then the
     attributes its instance was given, but for one that is one of those
     items (`container_attributes()`).
     """
@@ -173,13 +186,15 @@ def bulk_children(obj: object) -> Iterator[tuple[str, Any]]:
         if id(type(value)) in dtyped and not _has_object(value):
             continue  # an array of numbers: plain
         mirrors.add(id(value))
-        suffix = f"[{key!r}]" if kind == KEY else f"[{key}]" if kind == INDEX else f"{{{key}}}"
+        suffix = (
+            f"[{key_text(key)}]" if kind == KEY else f"[{key}]" if kind == INDEX else f"{{{key}}}"
+        )
         yield suffix, value
     if kind == KEY:
         keys = snapshot(dict.keys, obj, None)
         for key in compress(keys, map(operator.not_, map(plain.__contains__, _class_ids(keys)))):
             if not (id(type(key)) in dtyped and not _has_object(key)):
-                yield f"[key {short_repr(key, 60)}]", key
+                yield f"[key {key_text(key)}]", key
     if cls in ITEMS_ONLY:
         return
     for name, value in container_attributes(obj):
@@ -200,11 +215,13 @@ def plain_class_ids() -> frozenset[int]:
     return _plain()
 
 
-def _plain_through(values: tuple[Any, ...], budget: int, depth: int) -> tuple[int, bool]:
+def _plain_through(
+    values: tuple[Any, ...], budget: int, depth: int, looked: Set[int]
+) -> tuple[int, bool]:
     """How many values were read, ``values`` and those below them, and whether all are plain.
 
     A container referred to many times among ``values`` (``[row] * 10_000``)
-    is read and counted once.
+    is read and counted once; one in ``looked`` is not read (the walk has it).
     """
     read = len(values)
     containers = _containers_among(values)
@@ -215,15 +232,22 @@ def _plain_through(values: tuple[Any, ...], budget: int, depth: int) -> tuple[in
         return read, False  # dtype=object: its elements are looked at one by one
     if not sequences and not mappings:
         return read, True
+    unique = dict(zip(map(id, sequences), sequences, strict=True))  # each read once
+    by_id = dict(zip(map(id, mappings), mappings, strict=True))
+    for known in (unique, by_id):
+        # The intersection walks the smaller of the two: at most what is read here.
+        for key in looked & known.keys():
+            del known[key]
+    if not unique and not by_id:
+        return read, True
     if depth == 0:
         return read, False
-    sequences = tuple(dict(zip(map(id, sequences), sequences, strict=True)).values())  # once
-    mappings = tuple(dict(zip(map(id, mappings), mappings, strict=True)).values())
+    sequences, mappings = tuple(unique.values()), tuple(by_id.values())
     below = sum(map(len, sequences)) + 2 * sum(map(len, mappings))  # their own len(): C
     if read + below > budget:
         return read + below, False
     inner = snapshot(_values_within, (sequences, mappings), None)
-    deeper, plain_below = _plain_through(inner, budget - read, depth - 1)
+    deeper, plain_below = _plain_through(inner, budget - read, depth - 1, looked)
     return read + deeper, plain_below
 
 

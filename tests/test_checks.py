@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _checkfix, _checks, _look, _lookbulk, _mover
+from devicekit import _checkfix, _checkwalk, _look, _lookbulk, _mover
 
 from .conftest import run_python
 
@@ -767,7 +767,7 @@ def test_an_object_holding_too_much_to_look_through_is_refused_not_passed() -> N
 
 
 def test_the_look_is_bounded_inside_objects_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_checks, "_LOOK_BUDGET", 50, raising=False)
+    monkeypatch.setattr(_checkwalk, "_LOOK_BUDGET", 50)
     # The containers given are checked whole, however large: the stray is the 200th tensor.
     batch = {"x": [torch.ones(1) for _ in range(199)] + [torch.ones(1, device="meta")]}
     with pytest.raises(dk.DeviceMismatchError, match=r"  batch\['x'\]\[199\]: meta\n"):
@@ -923,7 +923,7 @@ def test_plain_data_inside_an_object_is_read_in_bulk_not_refused() -> None:
 
 
 def test_the_bulk_read_is_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_checks, "_BULK_BUDGET", 1_000, raising=False)
+    monkeypatch.setattr(_checkwalk, "_BULK_BUDGET", 1_000)
     holder = Holder(torch.ones(1))
     holder.labels = {"train": list(range(600)), "test": list(range(600))}  # type: ignore[attr-defined]
     with pytest.raises(
@@ -970,8 +970,9 @@ def test_only_builtin_containers_that_read_as_their_base_are_read_in_bulk() -> N
     assert _lookbulk.bulk_look(Lazy([1]), 10) is None
     assert _lookbulk.bulk_look(pair(1, 2), 10) is None
     assert _lookbulk.bulk_look(Holder(torch.ones(1)), 10) is None
-    assert _lookbulk.bulk_look([[1], [object()]], 10) == (4, False)
-    assert _lookbulk.bulk_look([[[[[1]]]]], 10) == (4, False)  # deeper than it reads in bulk
+    # Not all plain: its own values alone count, the walk counts the rest as it reads them.
+    assert _lookbulk.bulk_look([[1], [object()]], 10) == (2, False)
+    assert _lookbulk.bulk_look([[[[[1]]]]], 10) == (1, False)  # deeper than it reads in bulk
     assert _lookbulk.bulk_look(list(range(11)), 10) == (11, False)  # over the budget: not read
     holder = Holder(torch.ones(1))
     holder.lazy = Lazy([1])  # type: ignore[attr-defined]
@@ -1128,8 +1129,8 @@ def test_a_module_s_plain_attributes_are_read_within_a_bound_of_their_own() -> N
     # a model keeping its loss history made every step's check slower, then a ValueError.
     model = torch.nn.Linear(2, 2).to("meta")
     model.stray = torch.ones(1)  # type: ignore[assignment]
-    model.losses = [torch.tensor(float(step)) for step in range(_checks._ATTRIBUTE_BUDGET * 3)]
-    model.rows = [object() for _ in range(_checks._LOOK_BUDGET + 1)]
+    model.losses = [torch.tensor(float(step)) for step in range(_checkwalk._ATTRIBUTE_BUDGET * 3)]
+    model.rows = [object() for _ in range(_checkwalk._LOOK_BUDGET + 1)]
     with pytest.warns(RuntimeWarning, match=r"\(model\.stray: cpu, model\.losses\[0\]: cpu"):
         assert dk.assert_same_device(model=model) == torch.device("meta")
     with warnings.catch_warnings():
@@ -1161,3 +1162,96 @@ def test_check_module_reads_plain_data_in_bulk(monkeypatch: pytest.MonkeyPatch) 
     assert len(calls) < 10
     model.vocab["hidden"] = torch.ones(1)
     assert [finding.split(":")[0] for finding in dk.check_module(model)] == ["vocab"]
+
+
+def test_tensor_keys_of_the_dicts_given_are_checked_too() -> None:
+    # Only the keys of dicts inside an object were read: a tensor key of a dict given as it
+    # is (or of a UserDict anywhere) passed unchecked, on whatever device it was.
+    meta = torch.ones(3, device="meta")
+    with pytest.raises(dk.DeviceMismatchError) as raised:
+        dk.assert_same_device(batch={meta: torch.ones(1)})
+    assert str(raised.value) == (
+        "expected every tensor on one device, found 2: cpu (1 tensor), meta (1 tensor)\n"
+        "  batch[tensor(..., device='meta', size=(3,))]: cpu\n"
+        "  batch[key tensor(..., device='meta', size=(3,))]: meta\n"
+        "Fix: move everything to cpu: make batch again with its tensor keys made anew on cpu "
+        "(batch[key tensor(..., device='meta', size=(3,))]), since dk.to_device() moves its "
+        "values, never its keys, and meta tensors hold no values to copy.\n"
+        "Tensors on meta hold no values (shapes only): make them on a real device, or "
+        "materialize a model with to_empty() and load its weights."
+    )
+    with pytest.raises(dk.DeviceMismatchError) as raised:
+        dk.assert_same_device({torch.ones(2): torch.ones(1, device="meta")}, device="meta")
+    assert str(raised.value).endswith(
+        "Fix: move everything to meta: make arg0 again with its tensor keys on meta "
+        "(arg0[key tensor(..., device='cpu', size=(2,))]), since dk.to_device() moves its "
+        "values, never its keys."
+    )
+    nested = {"a": [{(1, torch.ones(1, device="meta")): torch.ones(1)}]}
+    with pytest.raises(
+        dk.DeviceMismatchError,
+        match=re.escape("  arg0['a'][0][key (1, tensor(..., device='meta', size=(1,)))][1]: meta"),
+    ):
+        dk.assert_same_device(nested)
+    with pytest.raises(dk.DeviceMismatchError, match=re.escape("  arg0.x[key tensor(...")):
+        dk.assert_same_device(Holder(collections.UserDict({meta: 1})), torch.ones(1))  # type: ignore[arg-type]
+    # Keys that hold no tensor are passed over, given or inside an object.
+    plain = {"a": torch.ones(1), 1: torch.ones(1), (2, "b"): torch.ones(1), None: 3}
+    assert dk.assert_same_device(plain, Holder(collections.UserDict(plain))) == CPU  # type: ignore[arg-type]
+
+
+def test_a_tensor_used_as_a_key_is_named_by_its_device_and_size() -> None:
+    # Its path printed the whole tensor, many lines of values, as the key's name.
+    key = torch.arange(1000.0).reshape(10, 100)
+    for payload, path in (
+        ({key: torch.ones(1, device="meta")}, "arg0[tensor(..., device='cpu', size=(10, 100))]"),
+        (
+            Holder({(1, key): torch.ones(1, device="meta")}),  # type: ignore[arg-type]
+            "arg0.x[(1, tensor(..., device='cpu', size=(10, 100)))]",
+        ),
+    ):
+        with pytest.raises(dk.DeviceMismatchError) as raised:
+            dk.assert_same_device(payload, torch.ones(1))
+        message = str(raised.value)
+        assert f"\n  {path}: meta\n" in message
+        assert "tensor([" not in message
+        assert max(map(len, message.splitlines()[1:-2])) < 80
+    # to_device()'s warning names a path the same way.
+    cache = Holder({key: torch.ones(1, device="meta")})  # type: ignore[arg-type]
+    assert _look.tensor_elsewhere(cache, CPU) == ".x[tensor(..., device='cpu', size=(10, 100))]"
+
+
+def test_each_value_counts_once_toward_the_bulk_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bulk read counted a level's values again each time the walk went one level down
+    # (the read stops three containers deep, or at an object): 600 values were refused as
+    # more than 1,000.
+    monkeypatch.setattr(_checkwalk, "_BULK_BUDGET", 1_000)
+    rows = [[*range(index, index + 100), [0]] for index in range(6)]  # 606 ints, 6 lists
+    deep = [[rows]]  # past the depth read in one go
+    beside = [list(range(index, index + 100)) for index in range(6)] + [[object()]]
+    for payload in (deep, beside):
+        assert dk.assert_same_device(Holder(payload), torch.ones(1)) == CPU  # type: ignore[arg-type]
+    # More than the bound, once each, is refused as before.
+    rows += [[*range(100), [0]] for _ in range(4)]
+    with pytest.raises(ValueError, match=r"more than 1,000 values in its lists"):
+        dk.assert_same_device(Holder(deep), torch.ones(1))  # type: ignore[arg-type]
+
+
+def test_a_container_the_walk_has_is_not_read_in_bulk_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Counted once, a list shared by many lists that hold an object each would be read once
+    # per list: 200 times here. The walk has it after the first, and it is read no more.
+    shared = list(range(5_000))
+    payload = [[shared, [object()]] for _ in range(200)]
+    read = []
+    snapshot = _lookbulk.snapshot
+
+    def counted(reader: Any, container: Any, limit: int | None) -> tuple[Any, ...]:
+        values = snapshot(reader, container, limit)
+        read.append(len(values))
+        return values
+
+    monkeypatch.setattr(_lookbulk, "snapshot", counted)
+    assert dk.assert_same_device(Holder(payload), torch.ones(1)) == CPU  # type: ignore[arg-type]
+    assert sum(read) < 5 * len(shared)
