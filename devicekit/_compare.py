@@ -39,7 +39,9 @@ class ComparisonRow(PlainResult):
     def verdict(self, reference: str) -> str:
         """``"(reference)"``, ``"same within noise"``, ``"3.43x slower"``, ``"2.00x faster"``.
 
-        A difference whose noise is unknown says so: ``"3.43x slower (noise unknown)"``.
+        A difference under 0.5% is given in percent (``"0.4% slower"``), where
+        two decimals would read ``"1.00x"``. A difference whose noise is
+        unknown says so: ``"3.43x slower (noise unknown)"``.
         """
         if self.name == reference:
             return "(reference)"
@@ -49,7 +51,14 @@ class ComparisonRow(PlainResult):
             whose = "its" if self.measurement.median == 0 else "the reference's"
             return f"{UNKNOWN} ({whose} median is 0: faster than the clock can tell)"
         slower = self.ratio >= 1
-        text = f"{self.ratio:.2f}x slower" if slower else f"{1 / self.ratio:.2f}x faster"
+        factor = self.ratio if slower else 1 / self.ratio
+        way = "slower" if slower else "faster"
+        if f"{factor:.2f}" == "1.00":
+            # Apart beyond the noise, yet under 0.5%: "1.00x slower" reads as the same.
+            percent = (factor - 1) * 100
+            text = f"{percent:.1f}% {way}" if percent >= 0.05 else f"<0.1% {way}"
+        else:
+            text = f"{factor:.2f}x {way}"
         return text + (" (noise unknown)" if self.within_noise is None else "")
 
 
@@ -214,6 +223,13 @@ def compare(
     for name, value in results.items():
         if not isinstance(name, str):
             raise TypeError(f"each name in results must be a string, got {got(name)}")
+        if not name.strip():
+            # A string, so the right type: a blank name is the wrong value.
+            raise ValueError(
+                f"each name in results must be a non-empty string, got {name!r}, which the "
+                "table could not show; name what the variant does, as in "
+                "{'eager': f, 'compiled': g}"
+            )
         if not (isinstance(value, Measurement) or callable(value)):
             raise TypeError(
                 f"results[{short_repr(name)}] must be a Measurement or a function to measure, "

@@ -268,3 +268,22 @@ def test_log_norms_says_what_was_measured_when_log_buffer_costs_time(
     )
     assert "  .item() each: same within noise\n  LogBuffer: 1.18x slower\n" in out
     assert "not trustworthy" not in out
+
+
+@pytest.mark.parametrize(
+    ("median", "verdict"),
+    [(1.004e-3, "0.4% slower"), (1.0004e-3, "<0.1% slower"), (0.996e-3, "0.4% faster")],
+)
+def test_a_difference_under_half_a_percent_is_given_in_percent(median: float, verdict: str) -> None:
+    # Before: "1.00x slower" for 17.3 µs against 17.2 µs, apart beyond the noise (no spread).
+    table = dk.compare({"a": measured(median, 0.0), "b": measured(1e-3, 0.0)}, baseline="b")
+    row = next(row for row in table.rows if row.name == "a")
+    assert row.within_noise is False
+    assert row.verdict("b") == verdict
+
+
+@pytest.mark.parametrize("name", ["", "  ", "\n"])
+def test_a_blank_variant_name_is_refused(name: str) -> None:
+    # Before, "" became a blank row, and its notes began with "  : ...".
+    with pytest.raises(ValueError, match=r"non-empty string, got '.*', which the table"):
+        dk.compare({name: measured(1e-3, 1e-6), "b": measured(1e-3, 1e-6)})
