@@ -317,7 +317,9 @@ def census(site: Callable[[torch.Tensor], str | None]) -> dict[GroupKey, tuple[i
 
     Each storage's bytes count once in the whole census, in the group of the
     tensor that views most of it (the first such tensor on a tie): a view kept
-    beside its base adds a tensor to its group, not the base's bytes again.
+    beside its base adds a tensor to its group, not the base's bytes again. A
+    tensor whose site is unknown takes the site of a tensor it shares memory
+    with, where one is known.
 
     Args:
         site: Where a tensor was created (``file:line``), or None when unknown.
@@ -338,6 +340,8 @@ def census(site: Callable[[torch.Tensor], str | None]) -> dict[GroupKey, tuple[i
     counts: dict[GroupKey, int] = {}
     # (device, pointer) -> (storage bytes, bytes of the widest view, its group)
     owners: dict[tuple[str, int], tuple[int, int, GroupKey]] = {}
+    read: list[tuple[GroupKey, list[tuple[tuple[int, int], int]]]] = []
+    sites: dict[tuple[str, int], str] = {}  # a storage's first known creation site
     with _no_collection():
         tensors = live_tensors()
         for tensor in tensors:
@@ -351,12 +355,24 @@ def census(site: Callable[[torch.Tensor], str | None]) -> dict[GroupKey, tuple[i
                 None if tensor.is_nested else tuple(tensor.shape),
                 site(tensor),
             )
-            counts[group] = counts.get(group, 0) + 1
-            for (pointer, size), width in keys:
-                owner = owners.get((group[0], pointer))
-                if owner is None or width > owner[1]:
-                    owners[group[0], pointer] = (size, width, group)
+            read.append((group, keys))
+            if group[3] is not None:
+                for (pointer, _), _ in keys:
+                    sites.setdefault((group[0], pointer), group[3])
         tensors.clear()
+    for seen, keys in read:
+        group = seen
+        if group[3] is None:
+            # No site of its own, yet it shares memory with a tensor made at a known line:
+            # the base of an alias (x.as_subclass(C) keeps x alive, and x's note is lost
+            # when torch keeps its Python object for the alias), made where that was.
+            places = ((group[0], pointer) for (pointer, _), _ in keys)
+            group = (*group[:3], next((sites[p] for p in places if p in sites), None))
+        counts[group] = counts.get(group, 0) + 1
+        for (pointer, size), width in keys:
+            owner = owners.get((group[0], pointer))
+            if owner is None or width > owner[1]:
+                owners[group[0], pointer] = (size, width, group)
     sizes = dict.fromkeys(counts, 0)
     for size, _, group in owners.values():
         sizes[group] += size
