@@ -4,61 +4,24 @@ A module moves what it registers: parameters, buffers and submodules. A
 tensor or module kept in a plain attribute (a list, a dict, a dataclass, a
 hidden ``nn.Parameter``) stays where it was made, and the first forward on
 another device fails far from the cause. `check_module` walks those
-attributes and says, for each, how to register it.
+attributes (here) and says, for each, how to register it, as code that runs
+as written (`_modulefix`).
 """
 
 from __future__ import annotations
 
-import functools
-import re
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from ._census import storage_identity
-from ._format import plural
-from ._look import Changed, module_attributes
-from ._lookbulk import bulk_children, bulk_look
+from ._look import Changed, key_text, module_attributes
+from ._lookbulk import bulk_children, bulk_look, plain_class_ids
+from ._modulefix import KEY, Leaf, Places, Registered
 from ._tree import container_attributes, iter_children
 
 __all__ = ["check_module"]
-
-
-class _Registered:
-    """What ``module.to()`` moves in the tree under inspection, by ``id()``.
-
-    Each set is built the first time a plain attribute needs it, so a clean
-    module pays for none of them.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self._module = module
-
-    @functools.cached_property
-    def modules(self) -> frozenset[int]:
-        return frozenset(map(id, self._module.modules()))
-
-    @functools.cached_property
-    def parameters(self) -> frozenset[int]:
-        return frozenset(map(id, self._module.parameters()))
-
-    @functools.cached_property
-    def buffers(self) -> dict[int, str]:
-        """``id()`` -> dotted name, for the message."""
-        return {id(buffer): name for name, buffer in self._module.named_buffers()}
-
-    @functools.cached_property
-    def memory(self) -> dict[int, str]:
-        """Each parameter's and buffer's memory (its storage) -> dotted name."""
-        owners: dict[int, str] = {}
-        named = [*self._module.named_parameters(), *self._module.named_buffers()]
-        for name, tensor in reversed(named):  # the first name wins, as in named_parameters()
-            key = storage_identity(tensor)
-            if key is not None:
-                owners[key] = name
-        return owners
 
 
 def check_module(module: torch.nn.Module) -> list[str]:
@@ -68,7 +31,8 @@ def check_module(module: torch.nn.Module) -> list[str]:
     tensor kept as a plain attribute (``self.mask = torch.ones(3)``), or
     tensors and modules kept in a plain ``list`` or ``dict`` attribute, stay
     where they are, and the model fails later with a device mismatch. This
-    reports each such attribute with the device it is on and the fix.
+    reports each such attribute with the device it is on and the fix, as code
+    that runs as written (for a parameter of a module kept so: register that module).
 
     Not reported, because ``module.to()`` does move them: a plain reference to
     a module or a parameter registered elsewhere in ``module`` (both are
@@ -107,176 +71,44 @@ def check_module(module: torch.nn.Module) -> list[str]:
     """  # noqa: E501 - the expected output is one line
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"check_module() needs a torch.nn.Module, got {type(module).__name__}")
-    registered = _Registered(module)
-    findings: list[str] = []
+    registered = Registered(module)
+    held = []  # every attribute walked first: a reference may come before its module
     for prefix, submodule in module.named_modules():
         for attr, value in module_attributes(submodule):
-            finding = _describe(attr, value, registered)
-            if finding is not None:
-                findings.append(f"{prefix}.{attr}: {finding}" if prefix else f"{attr}: {finding}")
+            if (
+                not isinstance(value, (torch.Tensor, torch.nn.Module))
+                and iter_children(value) is None
+            ):
+                continue  # nothing inside (read lazily: a vocabulary's paths are not made)
+            modules, tensors = _leaves(value, registered)  # a module itself, unless registered
+            if modules or tensors:
+                where = f"{prefix}.{attr}" if prefix else attr
+                for leaf in modules:  # registered nowhere: module.to() moves none of its tensors
+                    named = (*leaf.value.named_parameters(), *leaf.value.named_buffers())
+                    for name, tensor in named:
+                        registered.loose.setdefault(id(tensor), f"{where}{leaf.path}.{name}")
+                held.append((where, attr, value, submodule, modules, tensors))
+    findings: list[str] = []
+    taken: dict[int, set[str]] = {}  # each module's names, and those suggested in it
+    for where, attr, value, submodule, modules, tensors in held:
+        if id(submodule) not in taken:
+            taken[id(submodule)] = set(dir(submodule))
+        places = Places(attr, value, taken[id(submodule)], registered)
+        findings.append(f"{where}: {places.describe(modules, tensors)}")
     return findings
 
 
-def _describe(attr: str, value: object, registered: _Registered) -> str | None:
-    if isinstance(value, torch.Tensor):
-        return _describe_tensor(attr, value, registered)
-    if isinstance(value, torch.nn.Module):  # set with object.__setattr__ or through __dict__
-        if id(value) in registered.modules:
-            return None  # a back-reference to a module the tree registers: moved with it
-        return (
-            f"a {type(value).__name__} module held as a plain attribute, not registered; "
-            "module.to() will not move it. Assign it with self.<name> = module to register it."
-        )
-    if iter_children(value) is None:  # lazily: a vocabulary's 150,000 paths are not made
-        return None
-    modules, tensors = _leaves(value, registered)
-    kind = type(value).__name__
-    a_kind = f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
-    if modules:
-        return _describe_modules(attr, a_kind, isinstance(value, Mapping), modules)
-    if tensors:
-        return _describe_tensors(attr, a_kind, isinstance(value, Mapping), tensors)
-    return None
-
-
-def _describe_tensor(attr: str, value: torch.Tensor, registered: _Registered) -> str | None:
-    if id(value) in registered.parameters:
-        return None  # Module.to() moves a parameter in place: this reference follows
-    buffer = registered.buffers.get(id(value))
-    if buffer is not None:
-        return (
-            f"the buffer {buffer!r} held again as a plain attribute; module.to() replaces "
-            f"buffers with moved copies, so this one stays the old {value.device} tensor. "
-            "Read the buffer through its module instead (a @property can keep this name)."
-        )
-    key = storage_identity(value)
-    owner = None if key is None else registered.memory.get(key)
-    if owner is not None:  # a view (self.row = self.fc.weight[0]): a buffer would be a copy
-        return (
-            f"a {value.device} tensor held as a plain attribute that shares its memory with "
-            f"{owner!r} (a view or an alias of it); module.to() gives {owner!r} new memory, "
-            f"so this one stays the old {value.device} tensor. Compute it from {owner!r} "
-            "where it is used, in forward() or a @property."
-        )
-    if isinstance(value, torch.nn.Parameter):  # object.__setattr__ hid it from the module
-        return (
-            f"an nn.Parameter on {value.device} held as a plain attribute, not registered; "
-            f"module.to() will not move it, and module.parameters() (so the optimizer) and "
-            f"state_dict() leave it out. Register it: self.{attr} = nn.Parameter(...) (a "
-            "plain assignment registers it; object.__setattr__ does not), or "
-            f"self.register_parameter({attr!r}, ...) in its place."
-        )
-    return (
-        f"a {value.device} tensor held as a plain attribute; module.to() will not move it. "
-        f"Use self.register_buffer({attr!r}, ...) (or nn.Parameter if it should be trained)."
-    )
-
-
-def _describe_modules(attr: str, a_kind: str, mapping: bool, modules: list[_Leaf]) -> str:
-    shape = _shape(modules)
-    if shape == "flat":
-        fix = f"Use {'nn.ModuleDict' if mapping else 'nn.ModuleList'}."
-    elif shape == "nested":
-        fix = (
-            "Use nn.ModuleDict for each dict in it and nn.ModuleList for each list, nested "
-            "in the same shape (they are modules, so they nest)."
-        )
-    else:
-        fix = (
-            "Register each one with self.add_module(name, module), e.g. "
-            f"self.add_module({_derived(attr, modules[0].path)!r}, ...)."
-        )
-    return (
-        f"{a_kind} holding {plural(len(modules), 'module')} as a plain attribute; "
-        f"module.to() will not move them and their parameters are not registered. {fix}"
-    )
-
-
-def _describe_tensors(attr: str, a_kind: str, mapping: bool, tensors: list[_Leaf]) -> str:
-    devices = ", ".join(sorted({str(leaf.value.device) for leaf in tensors}))
-    trained = sum(isinstance(leaf.value, torch.nn.Parameter) for leaf in tensors)
-    every = trained == len(tensors)
-    held = plural(len(tensors), "nn.Parameter" if every else "tensor")
-    lost = ""
-    if trained:
-        them = "them" if every else f"its {plural(trained, 'nn.Parameter')}"
-        lost = f", and module.parameters() (so the optimizer) and state_dict() leave {them} out"
-    container = "nn.ParameterDict" if mapping else "nn.ParameterList"
-    shape = _shape(tensors)
-    if shape != "flat":
-        first = tensors[0]
-        trainable = isinstance(first.value, torch.nn.Parameter)
-        call = "register_parameter" if trainable else "register_buffer"
-        each = (
-            ", with self.register_parameter() for an nn.Parameter and self.register_buffer() "
-            "for the others"
-            if trained and not every
-            else ""
-        )
-        fix = (
-            "nn.ParameterDict and nn.ParameterList register only the tensors directly in them, "
-            f"not those inside {'nested containers' if shape == 'nested' else a_kind}: "
-            "register each tensor under a name made from its place, e.g. "
-            f"self.{call}({_derived(attr, first.path)!r}, ...){each}."
-        )
-    elif every:
-        fix = f"Use {container} to register them."
-    elif trained:
-        fix = (
-            f"Use {container} for trainable tensors, or register each one: "
-            "self.register_parameter() for an nn.Parameter, self.register_buffer() for the others."
-        )
-    else:
-        fix = (
-            f"Use {container} for trainable tensors, or register each one with "
-            "self.register_buffer()."
-        )
-    return (
-        f"{a_kind} of {held} on {devices} held as a plain attribute; module.to() will not move "
-        f"them{lost}. {fix}"
-    )
-
-
-def _shape(leaves: Sequence[_Leaf]) -> str:
-    """How deep the leaves sit in their container.
-
-    ``"flat"``: each is an item of the container itself (what nn.ParameterDict,
-    nn.ParameterList, nn.ModuleDict and nn.ModuleList hold); ``"nested"``: items
-    of items; ``"other"``: some are attributes (a dataclass's fields) or set members.
-    """
-    if not all(leaf.items_only for leaf in leaves):
-        return "other"
-    return "flat" if all(leaf.depth == 1 for leaf in leaves) else "nested"
-
-
-def _derived(attr: str, path: str) -> str:
-    """A name for ``register_buffer()`` made from an attribute and a path in it."""
-    return re.sub(r"\W+", "_", f"{attr}{path}").strip("_") or attr
-
-
-class _Leaf(NamedTuple):
-    """A tensor or module found in a plain attribute, and where."""
-
-    path: str
-    """Its path in the attribute (``['a'][0]``)."""
-    value: Any
-    depth: int
-    """How many containers down: 1 for an item of the attribute itself."""
-    items_only: bool
-    """Whether every step down was to an item (``[key]``), none to an attribute or set member."""
-
-
-def _leaves(value: object, registered: _Registered) -> tuple[list[_Leaf], list[_Leaf]]:
+def _leaves(value: object, registered: Registered) -> tuple[list[Leaf], list[Leaf]]:
     """The modules and tensors inside a plain container that ``module.to()`` will not move.
 
     Each object is visited once, so a container that holds itself (or one
     object twice) ends the walk instead of raising or counting twice; the walk
     uses its own stack, so depth is no limit.
     """
-    modules: list[_Leaf] = []
-    tensors: list[_Leaf] = []
+    modules: list[Leaf] = []
+    tensors: list[Leaf] = []
     seen: set[int] = set()
-    stack = [_Leaf("", value, 0, True)]
+    stack = [Leaf("", value, 0, True, None, False)]
     while stack:
         leaf = stack.pop()
         item = leaf.value
@@ -290,11 +122,20 @@ def _leaves(value: object, registered: _Registered) -> tuple[list[_Leaf], list[_
             if id(item) not in registered.modules:
                 modules.append(leaf)
         else:
+            elements = _elements(item)
+            keys: frozenset[int] = frozenset()
+            if isinstance(item, Mapping) and any(s.startswith(KEY) for s, _ in elements):
+                keys = frozenset(map(id, dict.keys(item) if isinstance(item, dict) else item))
             stack.extend(
-                _Leaf(
-                    leaf.path + suffix, child, leaf.depth + 1, leaf.items_only and suffix[0] == "["
+                Leaf(
+                    leaf.path + suffix,
+                    child,
+                    leaf.depth + 1,
+                    leaf.items_only and suffix[0] == "[",
+                    leaf,
+                    leaf.in_key or (suffix.startswith(KEY) and id(child) in keys),
                 )
-                for suffix, child in reversed(_elements(item))
+                for suffix, child in reversed(elements)
             )
     return modules, tensors
 
@@ -306,12 +147,17 @@ def _elements(item: object) -> list[tuple[str, Any]]:
     vocabulary, its merges) holds no tensor, and is passed over in bulk, in C
     (`bulk_look()`): 150,000 entries in milliseconds, where reading each one
     took half a second. One that holds something else as well is read
-    without its plain values (`bulk_children()`).
+    without its plain values (`bulk_children()`), its keys too, as another
+    mapping's are (a ``UserDict``'s).
     """
     try:
         bulk = bulk_look(item, sys.maxsize)  # no budget: the walk reads the whole module
         if bulk is None:
-            return list(iter_children(item) or ())
+            found = list(iter_children(item) or ())
+            if isinstance(item, Mapping):
+                plain = plain_class_ids()
+                found += [(f"{KEY}{key_text(k)}]", k) for k in item if id(type(k)) not in plain]
+            return found
         if bulk[1]:  # nothing inside but what its instance was given, if anything
             return [(f".{name}", value) for name, value in container_attributes(item)]
         return list(bulk_children(item))

@@ -727,6 +727,187 @@ def test_check_module_does_not_advise_parameter_containers_for_nested_ones() -> 
     assert "heads.enc.0.weight" in dict(model.named_parameters())
 
 
+_NOT_A_KEY = (
+    "no registry takes a tensor as a key (nn.ParameterDict's keys are str; module.to() replaces "
+    "a buffer, so a key would stay the old tensor): key the dict by str or int instead, and "
+    "register each such tensor, e.g. self.register_buffer("
+)
+_DICT_KEYS = "its keys must be str, without '.', and not one of its own attribute names like 'keys'"
+
+
+def test_check_module_says_a_tensor_used_as_a_dict_key_cannot_be_registered_as_one() -> None:
+    # It said "Use nn.ParameterDict", which refuses a tensor key, and missed a UserDict's keys.
+    class Keyed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table: Any = {torch.ones(1): "a"}
+            self.pairs: Any = {torch.ones(1): torch.zeros(2)}
+            self.heads: Any = {torch.nn.Linear(1, 1): "encoder"}
+            self.user: Any = collections.UserDict({torch.ones(1): "a"})
+
+    model = Keyed()
+    assert dk.check_module(model) == [
+        "table: a dict of 1 tensor on cpu held as a plain attribute; module.to() will not move "
+        f"them. It is a dict's key (or in one), and {_NOT_A_KEY}'table_key_0', ...).",
+        "pairs: a dict of 2 tensors on cpu held as a plain attribute; module.to() will not move "
+        f"them. 1 of them is a dict's key (or in one), and {_NOT_A_KEY}'pairs_key_0', ...). For "
+        "the others, use nn.ParameterDict with str keys for trainable tensors (it refuses "
+        f"tensor(..., device='cpu', size=(1,)): {_DICT_KEYS}), or register each one, e.g. "
+        "self.register_buffer('pairs_0', ...).",
+        "heads: a dict holding 1 module as a plain attribute; module.to() will not move them and "
+        "their parameters are not registered. It is a dict's key (or in one): register each "
+        "where it is made, e.g. self.add_module('heads_key_0', ...); module.to() moves a "
+        "registered one in place, so the key follows.",
+        "user: an UserDict of 1 tensor on cpu held as a plain attribute; module.to() will not "
+        f"move them. It is a dict's key (or in one), and {_NOT_A_KEY}'user_key_0', ...).",
+    ]
+    with pytest.raises(TypeError, match="cannot be used as a key as it is not a string"):
+        torch.nn.ParameterDict({torch.ones(1): torch.nn.Parameter(torch.ones(1))})
+    # The advice, followed as written, leaves nothing behind.
+    (key,) = model.table
+    model.register_buffer("table_key_0", key)
+    model.table = {0: "a"}
+    ((key, value),) = model.pairs.items()
+    model.register_buffer("pairs_key_0", key)
+    model.register_buffer("pairs_0", value)
+    model.pairs = {0: "pairs_0"}
+    (head,) = model.heads
+    model.add_module("heads_key_0", head)  # the dict may keep it as a key: it is moved in place
+    (key,) = model.user
+    model.register_buffer("user_key_0", key)
+    model.user = collections.UserDict({0: "a"})
+    assert dk.check_module(model) == []
+    model.to("meta")
+    assert next(iter(model.heads)).weight.device == META
+
+
+def test_check_module_advises_module_and_parameter_dicts_only_for_keys_they_take() -> None:
+    # It said "Use nn.ModuleDict" for int keys, which nn.ModuleDict refuses.
+    class Keys(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_step: Any = {0: torch.nn.Linear(1, 1), 1: torch.nn.Linear(1, 1)}
+            self.named: Any = {"keys": torch.nn.Linear(1, 1)}
+            self.nested: Any = {"enc": {0: torch.nn.Linear(1, 1)}}
+            self.scales: Any = {"layer.0": torch.ones(1)}
+            self.good: Any = {"a": torch.nn.Linear(1, 1)}
+
+    modules = (
+        "a dict holding {} as a plain attribute; module.to() will not move them and their "
+        "parameters are not registered. Use nn.ModuleDict"
+    )
+    assert dk.check_module(Keys()) == [
+        "by_step: " + modules.format("2 modules") + f" with str keys (it refuses 0: {_DICT_KEYS}).",
+        "named: "
+        + modules.format("1 module")
+        + f" with str keys (it refuses 'keys': {_DICT_KEYS}).",
+        "nested: " + modules.format("1 module") + f" with str keys (it refuses 0: {_DICT_KEYS}) "
+        "for each dict in it and nn.ModuleList for each list, nested in the same shape (they are "
+        "modules, so they nest).",
+        "scales: a dict of 1 tensor on cpu held as a plain attribute; module.to() will not move "
+        "them. Use nn.ParameterDict with str keys for trainable tensors (it refuses 'layer.0': "
+        f"{_DICT_KEYS}), or register each one, e.g. self.register_buffer('scales_layer_0', ...).",
+        "good: " + modules.format("1 module") + ".",
+    ]
+    # What it says is refused is, and what it suggests is taken.
+    with pytest.raises(TypeError, match="module name should be a string"):
+        torch.nn.ModuleDict({0: torch.nn.Linear(1, 1)})  # type: ignore[dict-item]
+    with pytest.raises(KeyError, match="attribute 'keys' already exists"):
+        torch.nn.ModuleDict({"keys": torch.nn.Linear(1, 1)})
+    with pytest.raises(KeyError, match=r"contain \"\.\""):
+        torch.nn.ParameterDict({"layer.0": torch.nn.Parameter(torch.ones(1))})
+    model = Keys()
+    model.by_step = torch.nn.ModuleDict({str(k): v for k, v in model.by_step.items()})
+    model.named = torch.nn.ModuleDict({"keys_": model.named["keys"]})
+    model.nested = torch.nn.ModuleDict({"enc": torch.nn.ModuleDict({"0": torch.nn.Linear(1, 1)})})
+    model.register_buffer("scales_layer_0", model.scales.pop("layer.0"))
+    model.good = torch.nn.ModuleDict(model.good)
+    assert dk.check_module(model) == []
+
+
+def test_check_module_says_to_register_a_loose_module_not_its_parameters() -> None:
+    # A reference to a parameter of a module kept in a list was told "Use nn.ParameterList"
+    # (or register_parameter); one to a registered buffer, register_buffer (a second copy);
+    # a tensor beside a module in one list went unmentioned, and nn.ModuleList refuses it.
+    class Loose(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(2)
+            self.blocks: Any = [torch.nn.Linear(2, 2)]
+            self.decay: Any = [self.blocks[0].weight]
+            object.__setattr__(self, "bias", self.blocks[0].bias)
+            self.stats: Any = [self.norm.running_mean]
+            self.mixed: Any = [torch.nn.Linear(1, 1), torch.ones(1)]
+
+    follow = (
+        "of a module held as a plain attribute, not registered ('blocks[0].{}'), which "
+        "module.to() does not move either: register that module instead (its own finding says "
+        "how); module.to() then moves its parameters in place, so a reference follows (read a "
+        "buffer through it)."
+    )
+    assert dk.check_module(Loose()) == [
+        "blocks: a list holding 1 module as a plain attribute; module.to() will not move them "
+        "and their parameters are not registered. Use nn.ModuleList.",
+        "decay: a list of 1 nn.Parameter on cpu held as a plain attribute; module.to() will not "
+        "move them, and module.parameters() (so the optimizer) and state_dict() leave them out. "
+        "It is a tensor " + follow.format("weight"),
+        "bias: a plain reference to a tensor " + follow.format("bias"),
+        "stats: a list of 1 tensor on cpu held as a plain attribute; module.to() will not move "
+        "them. It is a buffer of the model ('norm.running_mean'): module.to() replaces buffers "
+        "with moved copies, so a reference keeps the old tensor. Read each through its module "
+        "instead.",
+        "mixed: a list holding 1 module as a plain attribute; module.to() will not move them and "
+        "their parameters are not registered. Use nn.ModuleList. It holds 1 tensor on cpu "
+        "besides. nn.ModuleList and nn.ModuleDict hold modules only: register each tensor under "
+        "a name made from its place, e.g. self.register_buffer('mixed_1', ...).",
+    ]
+    with pytest.raises(TypeError, match="is not a Module subclass"):
+        torch.nn.ModuleList(Loose().mixed)
+    # Registering the module is the whole fix: the references to its parameters follow.
+    model = Loose()
+    model.blocks = torch.nn.ModuleList(model.blocks)
+    model.register_buffer("mixed_1", model.mixed.pop())
+    model.mixed = torch.nn.ModuleList(model.mixed)
+    del model.stats
+    assert dk.check_module(model) == []
+    model.double()
+    assert model.decay[0].dtype == model.bias.dtype == torch.float64
+    assert len(list(model.parameters())) == 6  # each once: none registered a second time
+
+
+def test_check_module_suggests_names_register_buffer_takes() -> None:
+    # It suggested 'layer.0' (register_buffer refuses a dot) and names the module had already.
+    class Named(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            setattr(self, "layer.0", torch.ones(1))  # a name with a dot
+            self.masks: Any = {"a": {"b": torch.ones(1)}}
+            self.masks_a_b = 3
+            self.a: Any = {"b_c": [torch.ones(1)]}
+            self.a_b: Any = {"c": [torch.ones(1)]}
+
+    nested = (
+        "a dict of 1 tensor on cpu held as a plain attribute; module.to() will not move them. "
+        "nn.ParameterDict and nn.ParameterList register only the tensors directly in them, not "
+        "those inside nested containers: register each tensor under a name made from its place, "
+        "e.g. self.register_buffer({!r}, ...)."
+    )
+    model = Named()
+    assert dk.check_module(model) == [
+        "layer.0: a cpu tensor held as a plain attribute; module.to() will not move it. Use "
+        "self.register_buffer('layer_0', ...) (or nn.Parameter if it should be trained).",
+        "masks: " + nested.format("masks_a_b_2"),
+        "a: " + nested.format("a_b_c_0"),
+        "a_b: " + nested.format("a_b_c_0_2"),  # not the name the finding above suggests
+    ]
+    with pytest.raises(KeyError, match=r"contain \"\.\""):
+        model.register_buffer("layer.0", torch.ones(1))
+    with pytest.raises(KeyError, match="already exists"):
+        model.register_buffer("masks_a_b", torch.ones(1))
+    for name in ("layer_0", "masks_a_b_2", "a_b_c_0", "a_b_c_0_2"):
+        model.register_buffer(name, torch.ones(1))  # each is taken, as written
+
+
 class Link:
     """A plain object in a chain: to_device() returns it unchanged, the check looks inside."""
 
