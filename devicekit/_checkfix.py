@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ._format import plural
+from ._modulecheck import check_module
 
 __all__ = [
     "ATTRIBUTE",
@@ -17,6 +18,7 @@ __all__ = [
     "Held",
     "Holder",
     "Path",
+    "attribute_fix",
     "mismatch_message",
     "render",
 ]
@@ -107,7 +109,7 @@ def _fix(
     for name, obj in named.items():
         devices = owners.get(name, set())
         moved = not devices <= {target}  # a step below moves the argument
-        steps.extend(_held_steps(name, (held or {}).get(name, []), target, moved=moved))
+        steps.extend(_held_steps(name, (held or {}).get(name, []), target, named, moved=moved))
         if not moved:
             continue
         on_meta = stuck and torch.device("meta") in devices
@@ -130,7 +132,12 @@ def _fix(
 
 
 def _held_steps(
-    name: str, held: list[Held], target: torch.device, *, moved: bool = False
+    name: str,
+    held: list[Held],
+    target: torch.device,
+    named: dict[str, Any],
+    *,
+    moved: bool = False,
 ) -> list[str]:
     """The steps for the strays of ``name`` that moving ``name`` would leave where they are.
 
@@ -148,11 +155,10 @@ def _held_steps(
         more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
         if kind == ATTRIBUTE:
             then = "" if moved else f", then move {holder} to {target}"
+            module = named.get(name) if holder == name else None
             steps.append(
-                f"register the tensors {holder} holds as plain attributes ({render(paths[0])}"
-                f"{more}) with self.register_buffer() in the module holding each{then} "
-                f"({holder}.to() does not move a plain attribute; dk.check_module({holder}) "
-                "names the fix for each)"
+                f"for the tensors {holder} holds as plain attributes ({render(paths[0])}{more}), "
+                f"which {holder}.to() does not move: {attribute_fix(holder, module, paths)}{then}"
             )
         elif kind == DICT_KEY:
             remade = target.type != "meta" and torch.device("meta") in devices
@@ -179,3 +185,39 @@ def _held_steps(
 
 def _count(paths: Sized) -> str:
     return "1 tensor" if len(paths) == 1 else f"{len(paths)} tensors"
+
+
+_FINDINGS_SHOWN = 2  # check_module's findings quoted in one fix
+
+
+def attribute_fix(holder: str, module: object, paths: list[Path]) -> str:
+    """How to fix what ``holder`` keeps as plain attributes at ``paths``, as one step.
+
+    ``module`` is the module ``holder`` names, where known: then the fix is
+    `check_module`'s own for those attributes (``nn.ModuleList`` for modules
+    kept in a list, never a buffer for each of their parameters). Where it
+    has none (a tensor inside an object of another class, which it does not
+    look in), or ``module`` is unknown, the general fix.
+    """
+    found: list[str] = []
+    if isinstance(module, torch.nn.Module):
+        try:
+            findings = check_module(module)
+        except RuntimeError:  # another thread kept changing an attribute: the general fix
+            findings = []
+        strays = [render(path)[len(holder) :].lstrip(".") for path in paths]
+        for finding in findings:
+            at = finding.split(": ", 1)[0]
+            if any(s == at or s.startswith((f"{at}.", f"{at}[")) for s in strays):
+                found.append(finding)
+    if found:
+        quoted = "; ".join(f'"{finding}"' for finding in found[:_FINDINGS_SHOWN])
+        more = len(found) - _FINDINGS_SHOWN
+        return f"fix them as dk.check_module({holder}) says: {quoted}" + (
+            f" (and {more} more)" if more > 0 else ""
+        )
+    return (
+        "keep each in a module, registered (self.register_buffer(), a module in "
+        "nn.ModuleList or nn.ModuleDict), not in a plain container or another object, which "
+        "module.to() does not look in; or move it where the forward uses it"
+    )

@@ -13,6 +13,7 @@ from ._checkfix import (
     MOVED,
     Held,
     Path,
+    attribute_fix,
     mismatch_message,
     render,
 )
@@ -207,13 +208,13 @@ def _warn_attributes(
             continue
         if len(_warned) < _WARNED_AT_MOST:
             _warned.add(first)
+        module = named[name] if holder == name else None
+        fix = attribute_fix(holder, module, [path for _, _, path in strays])
         warnings.warn(
             f"assert_same_device(): every tensor is on {device} but for what {holder} holds as "
             f"plain attributes ({shown}{more}), which {holder}.to() does not move. Where the "
-            "forward uses one, register it with self.register_buffer() in the module holding "
-            f"it (dk.check_module({holder}) names the fix for each); some modules keep such a "
-            "copy on purpose and move it when they use it (transformers' rotary embeddings "
-            "keep original_inv_freq so).",
+            f"forward uses one, {fix}; some modules keep such a copy on purpose and move it "
+            "when they use it (transformers' rotary embeddings keep original_inv_freq so).",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )

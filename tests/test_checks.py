@@ -1280,16 +1280,58 @@ def test_a_module_s_plain_tensor_attributes_are_checked() -> None:
         assert dk.assert_same_device(model=model, device="cpu") == torch.device("cpu")
     said = str(told[0].message)
     assert "(model.0.cache['keys'][0]: meta), which model.to() does not move" in said
-    assert "register it with self.register_buffer() in the module holding it" in said
-    assert "dk.check_module(model) names the fix for each" in said
+    # check_module's own fix, quoted (it named check_module, which the user had to run)
+    (fix,) = [f for f in dk.check_module(model) if f.startswith("0.cache:")]
+    assert f'fix them as dk.check_module(model) says: "{fix}"' in said
     assert told[0].filename == __file__  # the caller's line
     with pytest.raises(dk.DeviceMismatchError) as raised:
         dk.assert_same_device(model=model, x=torch.ones(1, device="meta"))
     message = str(raised.value)
     assert "  model.0.cache['keys'][0]: meta\n" in message
-    assert "register the tensors model holds as plain attributes (model.0.cache['keys'][0])" in (
-        message
+    assert (
+        "for the tensors model holds as plain attributes (model.0.cache['keys'][0]), which "
+        f'model.to() does not move: fix them as dk.check_module(model) says: "{fix}", then move '
+        "model to cpu" in message
     )
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.blocks = [torch.nn.Linear(2, 2)]  # not registered: module.to() leaves it
+
+
+class _Helper:
+    def __init__(self) -> None:
+        self.table = torch.ones(1)
+
+
+class _Helped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.helper = _Helper()  # an object check_module does not look in
+
+
+def test_the_fix_for_a_plain_attribute_stray_is_the_one_that_works() -> None:
+    # Before: "register it with self.register_buffer() ... (dk.check_module(model) names the
+    # fix for each)" for the parameters of modules kept in a list (the fix is nn.ModuleList,
+    # never a buffer each), and for a tensor in another object, where check_module says nothing.
+    model = _Blocks().to("meta")
+    with pytest.warns(RuntimeWarning) as told:
+        dk.assert_same_device(model=model)
+    said = str(told[0].message)
+    assert "register_buffer" not in said
+    assert 'says: "blocks: a list holding 1 module' in said
+    assert "Use nn.ModuleList." in said
+    model = _Helped().to("meta")
+    assert dk.check_module(model) == []
+    with pytest.warns(RuntimeWarning) as told:
+        dk.assert_same_device(model=model)
+    said = str(told[0].message)
+    assert "check_module" not in said  # it names no fix there
+    assert "keep each in a module, registered (self.register_buffer()" in said
 
 
 def test_what_module_to_moves_or_remakes_is_not_a_plain_attribute_stray() -> None:
