@@ -19,6 +19,7 @@ __all__ = [
     "Holder",
     "Path",
     "attribute_fix",
+    "inside",
     "mismatch_message",
     "render",
 ]
@@ -158,7 +159,8 @@ def _held_steps(
             module = named.get(name) if holder == name else None
             steps.append(
                 f"for the tensors {holder} holds as plain attributes ({render(paths[0])}{more}), "
-                f"which {holder}.to() does not move: {attribute_fix(holder, module, paths)}{then}"
+                f"which {holder}.to() does not move: "
+                f"{attribute_fix(holder, module, inside(holder, paths))}{then}"
             )
         elif kind == DICT_KEY:
             remade = target.type != "meta" and torch.device("meta") in devices
@@ -190,8 +192,10 @@ def _count(paths: Sized) -> str:
 _FINDINGS_SHOWN = 2  # check_module's findings quoted in one fix
 
 
-def attribute_fix(holder: str, module: object, paths: list[Path]) -> str:
-    """How to fix what ``holder`` keeps as plain attributes at ``paths``, as one step.
+def attribute_fix(holder: str, module: object, strays: list[str]) -> str:
+    """How to fix what ``holder`` keeps as plain attributes at ``strays``, as one step.
+
+    ``strays`` are paths inside the module (``blocks[0].weight``).
 
     ``module`` is the module ``holder`` names, where known: then the fix is
     `check_module`'s own for those attributes (``nn.ModuleList`` for modules
@@ -205,7 +209,6 @@ def attribute_fix(holder: str, module: object, paths: list[Path]) -> str:
             findings = check_module(module)
         except RuntimeError:  # another thread kept changing an attribute: the general fix
             findings = []
-        strays = [render(path)[len(holder) :].lstrip(".") for path in paths]
         for finding in findings:
             at = finding.split(": ", 1)[0]
             if any(s == at or s.startswith((f"{at}.", f"{at}[")) for s in strays):
@@ -213,7 +216,8 @@ def attribute_fix(holder: str, module: object, paths: list[Path]) -> str:
     if found:
         quoted = "; ".join(f'"{finding}"' for finding in found[:_FINDINGS_SHOWN])
         more = len(found) - _FINDINGS_SHOWN
-        return f"fix them as dk.check_module({holder}) says: {quoted}" + (
+        them = "it" if len(strays) == 1 else "them"
+        return f"fix {them} as dk.check_module({holder}) says: {quoted}" + (
             f" (and {more} more)" if more > 0 else ""
         )
     return (
@@ -221,3 +225,8 @@ def attribute_fix(holder: str, module: object, paths: list[Path]) -> str:
         "nn.ModuleList or nn.ModuleDict), not in a plain container or another object, which "
         "module.to() does not look in; or move it where the forward uses it"
     )
+
+
+def inside(holder: str, paths: list[Path]) -> list[str]:
+    """``paths`` (each under ``holder``) as paths inside it: ``blocks[0].weight``."""
+    return [render(path)[len(holder) :].lstrip(".") for path in paths]

@@ -14,6 +14,7 @@ from ._checkfix import (
     Held,
     Path,
     attribute_fix,
+    inside,
     mismatch_message,
     render,
 )
@@ -209,7 +210,7 @@ def _warn_attributes(
         if len(_warned) < _WARNED_AT_MOST:
             _warned.add(first)
         module = named[name] if holder == name else None
-        fix = attribute_fix(holder, module, [path for _, _, path in strays])
+        fix = attribute_fix(holder, module, inside(holder, [path for _, _, path in strays]))
         warnings.warn(
             f"assert_same_device(): every tensor is on {device} but for what {holder} holds as "
             f"plain attributes ({shown}{more}), which {holder}.to() does not move. Where the "

@@ -303,7 +303,8 @@ KEY, INDEX, MEMBER, _NAME = range(4)
 NOTHING_INSIDE = frozenset(
     {str, bytes, int, float, complex, bool, type(None), range, *weakref.ProxyTypes}
 )
-_NOT_OPENED = (torch.nn.Module, str, bytes, bytearray, array.array, *OPAQUE)
+_Module = torch.nn.Module
+_NOT_OPENED = (str, bytes, bytearray, array.array, *OPAQUE)
 # The builtin containers whose items tensor_elsewhere() reads, each with its own reader
 # (a subclass's __iter__ or items() is its code, and is not run).
 _ITEM_READERS: tuple[tuple[type, Any, int], ...] = (
@@ -316,7 +317,9 @@ _ITEM_READERS: tuple[tuple[type, Any, int], ...] = (
 )
 
 
-def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> str | None:
+def tensor_elsewhere(
+    obj: object, device: torch.device, *, looks: int = 256, modules: bool = False
+) -> str | None:
     """The path of a tensor inside ``obj`` that is not on ``device``, or None.
 
     A bounded look into what an object holds: ``looks`` references read at
@@ -326,7 +329,10 @@ def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> 
     deque's or set's items (a subclass's too, read as its base class stores
     them), and every object's instance attributes and slots
     (`object_attributes()`). For ``to_device``, which returns an object it
-    cannot move unchanged, to say so when that leaves tensors behind.
+    cannot move unchanged, to say so when that leaves tensors behind. A module
+    met on the way is looked inside only with ``modules`` (its parameters,
+    buffers, submodules and plain attributes): for the plain attributes of a
+    module ``Module.to()`` moved, where a module kept in a list stays behind.
 
     Raises what reading a tensor's ``device`` raises (a tensor subclass may
     run code for it): the caller treats it as nothing found. A container that
@@ -359,13 +365,27 @@ def tensor_elsewhere(obj: object, device: torch.device, *, looks: int = 256) -> 
             if item.device != device:
                 return _path(links, link)
             continue
-        if left <= 0 or issubclass(cls, _NOT_OPENED):
-            continue  # a module is moved by its own .to(), never left behind
-        for kind, key, child in islice(_held(item, cls, left), left):
+        module = issubclass(cls, _Module)
+        if left <= 0 or (not modules if module else issubclass(cls, _NOT_OPENED)):
+            continue  # a module only where asked (see above)
+        held = _module_held(item, left) if module else _held(item, cls, left)
+        for kind, key, child in islice(held, left):
             left -= 1
             links.append((link, kind, key))
             queue.append((len(links) - 1, child))
     return None
+
+
+def _module_held(module: torch.nn.Module, limit: int) -> Iterator[tuple[int, Any, Any]]:
+    """What ``module`` holds, by name: its parameters, buffers, submodules, plain attributes."""
+    state = vars(module)
+    for registry in ("_parameters", "_buffers", "_modules"):
+        entries = state.get(registry)
+        if type(entries) is dict:
+            for name, value in snapshot(dict.items, entries, limit):
+                if value is not None:
+                    yield _NAME, name, value
+    yield from ((_NAME, name, value) for name, value in module_attributes(module))
 
 
 def _held(item: object, cls: type, limit: int) -> Iterator[tuple[int, Any, Any]]:

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 
+from ._checkfix import attribute_fix
 from ._devices import CPU, META, DeviceLike, resolve_device, try_gpu
 from ._errors import add_note
 from ._format import qualified_name
@@ -99,15 +100,14 @@ def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> N
         _looks_left[cls] = 0 if found is not None else looks - 1
         if found is None:
             continue
-        path, attr = found
+        path, _ = found
+        fix = attribute_fix("model", module, [path])  # check_module's own, where it has one
         warnings.warn(
             f"to_device() moved a {qualified_name(cls)} with Module.to(), which leaves a "
             f"tensor kept as a plain attribute where it is: {cls.__name__}.{path} is not on "
-            f"{target}. Where the forward uses it, register it in its module with "
-            f"self.register_buffer({attr!r}, ...) (or nn.Parameter if it should be trained), "
-            "or move it yourself; dk.check_module() lists each such attribute. Some modules "
-            "keep such a copy elsewhere on purpose and move it when they use it (transformers' "
-            "rotary embeddings keep original_inv_freq so). This warning is shown once per class.",
+            f"{target}. Where the forward uses it, {fix}. Some modules keep such a copy "
+            "elsewhere on purpose and move it when they use it (transformers' rotary "
+            "embeddings keep original_inv_freq so). This warning is shown once per class.",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )
@@ -130,7 +130,8 @@ def _plain_tensor_elsewhere(
             left -= 1
             if left < 0:
                 return None
-            inside = tensor_elsewhere(value, target, looks=_REFERENCES_PER_ATTRIBUTE)
+            # A module kept in a plain attribute (a list of layers) is not moved either.
+            inside = tensor_elsewhere(value, target, looks=_REFERENCES_PER_ATTRIBUTE, modules=True)
             if inside is not None:
                 return f"{prefix}.{attr}{inside}" if prefix else f"{attr}{inside}", attr
     return None

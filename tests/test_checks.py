@@ -1282,7 +1282,7 @@ def test_a_module_s_plain_tensor_attributes_are_checked() -> None:
     assert "(model.0.cache['keys'][0]: meta), which model.to() does not move" in said
     # check_module's own fix, quoted (it named check_module, which the user had to run)
     (fix,) = [f for f in dk.check_module(model) if f.startswith("0.cache:")]
-    assert f'fix them as dk.check_module(model) says: "{fix}"' in said
+    assert f'fix it as dk.check_module(model) says: "{fix}"' in said
     assert told[0].filename == __file__  # the caller's line
     with pytest.raises(dk.DeviceMismatchError) as raised:
         dk.assert_same_device(model=model, x=torch.ones(1, device="meta"))
@@ -1290,7 +1290,7 @@ def test_a_module_s_plain_tensor_attributes_are_checked() -> None:
     assert "  model.0.cache['keys'][0]: meta\n" in message
     assert (
         "for the tensors model holds as plain attributes (model.0.cache['keys'][0]), which "
-        f'model.to() does not move: fix them as dk.check_module(model) says: "{fix}", then move '
+        f'model.to() does not move: fix it as dk.check_module(model) says: "{fix}", then move '
         "model to cpu" in message
     )
 

@@ -1565,7 +1565,9 @@ def test_a_plain_tensor_attribute_a_module_move_leaves_behind_is_warned_once_per
     # It was left behind without a word, and the forward failed with a device mismatch.
     positions = _positions_class()
     with pytest.warns(
-        RuntimeWarning, match=r"Positions\.pos is not on meta\. Where the forward uses it, register"
+        RuntimeWarning,
+        match=r"Positions\.pos is not on meta\. Where the forward uses it, fix it as "
+        r"dk\.check_module\(model\) says: \"pos: .* Use self\.register_buffer\('pos', \.\.\.\)",
     ):
         model = dk.to_device(positions(), "meta")
     assert model.pos.device.type == "cpu"  # still left where it was: a warning, not a move
@@ -1578,6 +1580,24 @@ def test_a_plain_tensor_attribute_a_module_move_leaves_behind_is_warned_once_per
     del nested[1].pos
     with pytest.warns(RuntimeWarning, match=r"Sequential\.1\.cache\['keys'\]\[0\] is not on meta"):
         dk.to_device(nested, "meta")
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.blocks = [torch.nn.Linear(2, 2)]  # not registered: Module.to() leaves it
+
+
+def test_the_warning_for_a_module_kept_in_a_list_says_to_register_the_module() -> None:
+    # Before: "register it in its module with self.register_buffer('blocks', ...)", which
+    # torch refuses for a list, for the parameters of a module that nn.ModuleList registers.
+    with pytest.warns(RuntimeWarning) as told:
+        dk.to_device(_Blocks(), "meta")
+    said = str(told[0].message)
+    assert "_Blocks.blocks[0].weight is not on meta" in said
+    assert "register_buffer" not in said
+    assert "Use nn.ModuleList." in said
 
 
 def test_a_clean_module_class_is_looked_at_a_few_times_then_no_more() -> None:
