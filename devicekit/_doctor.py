@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _findings, _nvml
+from . import _envfindings, _findings, _nvml
 from ._findings import Finding
 from ._format import html_table, plural
 from ._gpuinfo import GPUInfo
@@ -148,9 +148,15 @@ def doctor() -> Diagnosis:
     held down by heat or power trouble now; a GPU at 85 °C or more;
     persistence mode off; CUDA already
     initialized in this process (fork unsafe); Jupyter on a platform that
-    spawns workers; too little free GPU memory; and, when NVML cannot be read
+    spawns workers; too little free GPU memory; ``CUDA_LAUNCH_BLOCKING=1``;
+    a ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` that torch refuses
+    (an error: the first CUDA allocation raises) or reads differently than
+    written, or both set to different settings; a ``DEVICEKIT_CLAIMS_DIR``
+    that is relative or cannot hold claims; and, when NVML cannot be read
     (or ``$DEVICEKIT_NVML_TIMEOUT`` is malformed), that the GPUs went
-    unchecked, rather than "nothing wrong found". Never initializes CUDA.
+    unchecked, rather than "nothing wrong found". The launch and allocator
+    variables' findings are information only on a torch build without CUDA
+    or ROCm, where nothing reads them. Never initializes CUDA.
 
     Returns:
         A [`Diagnosis`][devicekit.Diagnosis]; ``diagnosis.ok`` is False when a finding is an error.
@@ -175,6 +181,10 @@ def doctor() -> Diagnosis:
         *_this_process(),
         *_jupyter(),
         *each_gpu(_findings.low_memory),
+        # Read from the environment alone; on a build without CUDA or ROCm, information only.
+        *_envfindings.environment(
+            os.environ, snapshot.torch, snapshot.torch_build.startswith(("CUDA ", "ROCm "))
+        ),
         # NVML reads NVIDIA GPUs only: a ROCm or MPS build has nothing it could check.
         *_unchecked(
             snapshot.nvml_error,

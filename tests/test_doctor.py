@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import devicekit as dk
 from devicekit import _cli, _doctor
 
-from .conftest import FakeAccelerator
+from .conftest import FakeAccelerator, run_python
 from .fake_pynvml import FakeGPU, FakeNVML
 
 Install = Callable[[Any], None]
@@ -316,3 +318,375 @@ def test_gpus_nvml_cannot_read_are_said_to_be_unchecked(
     assert finding.detail.startswith("the NVIDIA driver is not loaded")
     assert "doctor cannot check the 1 GPU torch sees" in finding.detail
     assert finding.fix == "make NVML available as the reason says, then run devicekit doctor again"
+
+
+# --- variables doctor reads from the environment alone ----------------------------------------
+
+ENV_VARS = (
+    "CUDA_LAUNCH_BLOCKING",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "PYTORCH_HIP_ALLOC_CONF",
+    "DEVICEKIT_CLAIMS_DIR",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_variables_of_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without the variables doctor judges, whatever the shell exported."""
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def one_gpu(nvml_session: Install, cuda_build: Callable[[str | None], None]) -> None:
+    """A CUDA build on a machine with one healthy GPU: nothing else to find."""
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A)]))
+
+
+def finding_for(diagnosis: dk.Diagnosis, start: str) -> dk.Finding:
+    (finding,) = [f for f in diagnosis.findings if f.title.startswith(start)]
+    return finding
+
+
+@pytest.mark.parametrize(
+    ("value", "why", "fix"),
+    [
+        (
+            "0\n1",  # nvidia-smi --query-gpu=index --format=csv,noheader prints one per line
+            "CUDA separates entries with commas only, so '0\\n1' is one entry: CUDA reads its "
+            "number, 0, stops at the newline and drops the rest, '1'",
+            "separate the GPUs with commas, such as CUDA_VISIBLE_DEVICES=0,1",
+        ),
+        (
+            "0 1",
+            "CUDA separates entries with commas only, so '0 1' is one entry: CUDA reads its "
+            "number, 0, stops at the space and drops the rest, '1'",
+            "separate the GPUs with commas, such as CUDA_VISIBLE_DEVICES=0,1",
+        ),
+        (
+            "0;1",
+            "CUDA separates entries with commas only, so '0;1' is one entry: CUDA reads its "
+            "number, 0, stops at the semicolon and drops the rest, '1'",
+            "separate the GPUs with commas, such as CUDA_VISIBLE_DEVICES=0,1",
+        ),
+        (
+            "1a",
+            "CUDA reads the number an entry starts with and ignores the rest of it, so '1a' is 1 "
+            "and 'a' is ignored",
+            "write only valid, distinct indices or UUIDs of one kind; as written, CUDA uses "
+            "CUDA_VISIBLE_DEVICES=1",
+        ),
+        (
+            "01",
+            "CUDA reads '01' as the number 1, without sign or leading 0s",
+            "write only valid, distinct indices or UUIDs of one kind; as written, CUDA uses "
+            "CUDA_VISIBLE_DEVICES=1",
+        ),
+    ],
+)
+def test_a_misread_visible_devices_says_why_not_what_again(
+    one_gpu: None,
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+    why: str,
+    fix: str,
+) -> None:
+    # Before: "CUDA_VISIBLE_DEVICES='0\n1' is read as '0': '0\n1' is read as 0", the
+    # reading given again as its own reason.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    finding = finding_for(dk.doctor(), "CUDA reads CUDA_VISIBLE_DEVICES")
+    prefix = f"CUDA_VISIBLE_DEVICES={value!r} is read as "
+    assert finding.detail.startswith(prefix)
+    assert finding.detail.split(": ", 1)[1] == why
+    assert f"{value!r} is read as" not in why
+    assert finding.fix == fix
+    # dk.status() and the devicekit command show the same words: one judgement.
+    assert finding in dk.status().findings
+
+
+def test_cuda_launch_blocking_is_a_warning_where_kernels_run(
+    one_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    (finding,) = dk.doctor().findings
+    assert (finding.severity, finding.title) == (
+        "warning",
+        "CUDA_LAUNCH_BLOCKING=1: every kernel launch waits for the GPU",
+    )
+    assert "timings and throughput are slower than without it" in finding.detail
+    assert finding.fix == (
+        "fine for debugging (a CUDA error then points at the line that caused it); unset "
+        "CUDA_LAUNCH_BLOCKING otherwise"
+    )
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "0")
+    assert dk.doctor().findings == ()
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "yes")
+    assert titles(dk.doctor()) == [("info", "CUDA_LAUNCH_BLOCKING is neither 0 nor 1")]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (
+            "expandable_segments:Tru",
+            (
+                "error",
+                "expandable_segments:Tru: 'Tru' is neither True nor False",
+                "write expandable_segments:True",
+            ),
+        ),
+        (
+            "garbage",
+            (
+                "error",
+                "'garbage' has no ':' and value, and c10 knows no option 'garbage'",
+                "write name:value pairs, such as expandable_segments:True,max_split_size_mb:512",
+            ),
+        ),
+        (
+            "expandable_segment:True",
+            (
+                "error",
+                "'expandable_segment' is not an option c10 knows "
+                "(did you mean expandable_segments?)",
+                "write expandable_segments instead of expandable_segment",
+            ),
+        ),
+        (
+            "max_split_size_mb=512",
+            (
+                "error",
+                "'max_split_size_mb=512' has '=' where c10 takes ':'",
+                "write max_split_size_mb:512",
+            ),
+        ),
+        (
+            "garbage_collection_threshold:1.5",
+            (
+                "error",
+                "garbage_collection_threshold:1.5 is not a number between 0 and 1",
+                "write a fraction, such as garbage_collection_threshold:0.6",
+            ),
+        ),
+        (
+            "max_split_size_mb:100abc",
+            (
+                "warning",
+                "max_split_size_mb:100abc is read as 100: c10 ignores 'abc'",
+                "write max_split_size_mb:100 if that is what you meant",
+            ),
+        ),
+        (
+            "expandable_segments:True,expandable_segments:False",
+            (
+                "warning",
+                "expandable_segments is given twice; c10 keeps the last",
+                "give expandable_segments once",
+            ),
+        ),
+    ],
+)
+def test_a_malformed_allocator_setting_is_named_with_the_fix(
+    one_gpu: None,
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+    expected: tuple[str, str, str],
+) -> None:
+    severity, why, fix = expected
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
+    diagnosis = dk.doctor()
+    (finding,) = diagnosis.findings
+    assert finding.severity == severity
+    assert finding.detail.startswith(f"PYTORCH_CUDA_ALLOC_CONF={value!r}: {why}")
+    assert finding.fix == fix
+    if severity == "error":
+        assert finding.title == "PYTORCH_CUDA_ALLOC_CONF has a setting torch refuses"
+        assert finding.detail.endswith("at the latest at the first CUDA allocation")
+        assert diagnosis.exit_code == 1
+
+
+def test_a_well_formed_allocator_setting_has_no_finding(
+    one_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "PYTORCH_ALLOC_CONF",
+        "max_split_size_mb:512, expandable_segments:True,roundup_power2_divisions:[256:4,>:1],"
+        "garbage_collection_threshold:0.6,backend:native,pinned_num_register_threads:8,",
+    )
+    assert dk.doctor().findings == ()
+
+
+def test_an_allocator_setting_on_a_cpu_build_is_information(
+    nvml_session: Install, cuda_build: Callable[[str | None], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing reads it here, but it matters where the script runs: info, never an error.
+    nvml_session(None)
+    cuda_build(None)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage")
+    diagnosis = dk.doctor()
+    finding = finding_for(diagnosis, "PYTORCH_ALLOC_CONF")
+    assert finding.severity == "info"
+    assert "this torch build has no CUDA, so nothing reads it here" in finding.detail
+    assert diagnosis.exit_code == 0
+
+
+def test_both_allocator_variables_set_differently_names_the_one_torch_reads(
+    one_gpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    (finding,) = dk.doctor().findings
+    assert (finding.severity, finding.title) == (
+        "warning",
+        "PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF are both set, to different settings",
+    )
+    assert finding.detail.startswith(
+        "torch 2.13.0 reads only PYTORCH_CUDA_ALLOC_CONF and ignores PYTORCH_ALLOC_CONF entirely"
+    )
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    (finding,) = dk.doctor().findings
+    assert "reads only PYTORCH_ALLOC_CONF and ignores PYTORCH_CUDA_ALLOC_CONF" in finding.detail
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch, "__version__", "2.7.1")
+    assert titles(dk.doctor()) == [("warning", "torch 2.7.1 does not read PYTORCH_ALLOC_CONF")]
+
+
+def test_the_allocator_settings_are_refused_where_torch_refuses_them() -> None:
+    # The common part of c10's parser, run by the installed torch in a fresh interpreter (it
+    # keeps what it parsed): doctor must call an error exactly what torch raises on.
+    values = [
+        "garbage",
+        "expandable_segments:Tru",
+        "expandable_segments:true",
+        "expandable_segments: True",
+        "expandable_segments:True,",
+        "expandable_segments:True:False",
+        "max_split_size_mb:abc",
+        "max_split_size_mb:10",
+        "max_split_size_mb:20",
+        "max_split_size_mb:100abc",
+        "max_split_size_mb:-5",
+        "max_split_size_mb=100",
+        "max_split_size_mb:",
+        "max_split_size_mb:100 expandable_segments:True",
+        "max_split_size_mb:[100]",
+        "max_split_size_mb:99999999999999999999999",
+        "garbage_collection_threshold:1",
+        "garbage_collection_threshold:.5",
+        "garbage_collection_threshold:0.5x",
+        "garbage_collection_threshold:nan",
+        "roundup_power2_divisions:3",
+        "roundup_power2_divisions:0",
+        "roundup_power2_divisions:[256:4,>:1]",
+        "roundup_power2_divisions:[256:3]",
+        "roundup_power2_divisions:[300:4]",
+        "roundup_power2_divisions:[256:0,>:4]",
+        "roundup_power2_divisions:[]",
+        "roundup_power2_divisions:[256]",
+        "roundup_power2_divisions:[256:4,>:1",
+        "roundup_power2_divisions:[256:4 >:1]",
+        "pinned_use_background_threads:1",
+        "max_non_split_rounding_mb:19",
+        ":",
+    ]
+    code = f"""
+        import json, torch
+        from devicekit._envfindings import _problems
+        set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        differ = []
+        for value in {values!r}:
+            if set_settings is None:
+                break
+            try:
+                set_settings(value)
+                raised = False
+            except Exception:
+                raised = True
+            if raised != any(p.raises for p in _problems(value)):
+                differ.append(value)
+        print(json.dumps([set_settings is not None, differ]))
+    """
+    checked, differ = run_python(code)
+    if not checked:
+        pytest.skip(f"torch {torch.__version__} has no _accelerator_setAllocatorSettings")
+    assert differ == []
+
+
+def test_a_relative_claims_directory_is_a_warning(
+    nvml_session: Install, cuda_build: Callable[[str | None], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pick_gpu(claim=True) refuses it; doctor said nothing before.
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A)]))
+    monkeypatch.setenv("DEVICEKIT_CLAIMS_DIR", "relative/path")
+    (finding,) = dk.doctor().findings
+    assert (finding.severity, finding.title) == (
+        "warning",
+        "DEVICEKIT_CLAIMS_DIR is a relative path",
+    )
+    assert "jobs started from different folders do not see each other's claims" in finding.detail
+    assert finding.fix.startswith("set DEVICEKIT_CLAIMS_DIR to an absolute path")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/dev/null and modes as on Linux")
+def test_a_claims_directory_that_cannot_hold_claims_is_a_warning(
+    one_gpu: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    for path, why in [
+        ("/dev/null", "it is a character device owned by uid 0, not a directory of this user's"),
+        ("/dev/null/claims", "it does not exist, and cannot be created in /dev/null"),
+        (str(shared), "other users can write to it (mode 777)"),
+    ]:
+        monkeypatch.setenv("DEVICEKIT_CLAIMS_DIR", path)
+        (finding,) = dk.doctor().findings
+        assert finding.title == "DEVICEKIT_CLAIMS_DIR cannot hold GPU claims"
+        assert finding.detail == (
+            f"DEVICEKIT_CLAIMS_DIR={path!r}: {why}, so pick_gpu(claim=True) fails"
+        )
+    for usable in (tmp_path / "claims", tmp_path / "new" / "claims"):  # created when claimed
+        monkeypatch.setenv("DEVICEKIT_CLAIMS_DIR", str(usable))
+        assert dk.doctor().findings == ()
+
+
+def test_the_command_shows_the_variables_findings_as_text_and_json(
+    one_gpu: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:Tru")
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    monkeypatch.setenv("DEVICEKIT_CLAIMS_DIR", "claims")
+    assert _cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "ERROR   PYTORCH_CUDA_ALLOC_CONF has a setting torch refuses\n"
+        "        PYTORCH_CUDA_ALLOC_CONF='expandable_segments:Tru': expandable_segments:Tru: "
+    )
+    assert "        fix: write expandable_segments:True\n" in out
+    assert "WARNING CUDA_LAUNCH_BLOCKING=1: every kernel launch waits for the GPU\n" in out
+    assert "WARNING DEVICEKIT_CLAIMS_DIR is a relative path\n" in out
+    assert out.endswith("3 findings, 1 error\n")
+    assert _cli.main(["doctor", "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert [(f["severity"], f["title"]) for f in document["findings"]] == [
+        ("error", "PYTORCH_CUDA_ALLOC_CONF has a setting torch refuses"),
+        ("warning", "CUDA_LAUNCH_BLOCKING=1: every kernel launch waits for the GPU"),
+        ("warning", "DEVICEKIT_CLAIMS_DIR is a relative path"),
+    ]
+    assert document["findings"][0]["fix"] == "write expandable_segments:True"
+
+
+@given(st.text(alphabet="ab:,[]>= 0124-.eTrux_\n", max_size=24))
+def test_any_allocator_setting_is_judged_without_raising(value: str) -> None:
+    from devicekit import _envfindings
+
+    for version in ("2.7.1", "2.10.0", "2.13.0"):
+        for finding in _envfindings.allocator(
+            {"PYTORCH_CUDA_ALLOC_CONF": value, "PYTORCH_ALLOC_CONF": value[::-1]}, version, True
+        ):
+            assert finding.detail
+            assert finding.fix
