@@ -10,11 +10,19 @@ torch's magic number) from everything else, and says which it is:
 
 - not torch's format: always a `CheckpointError` that names what the file
   looks like (empty, safetensors, NumPy, a plain pickle) and how to load it;
-- torch's format: a `CheckpointError` ("cut short or damaged") only where
-  torch's error is one its readers raise on bad bytes; an error raised in the
-  user's own code (a ``__setstate__``), a ``weights_only`` refusal, a device
-  or out-of-memory error stays torch's own, unchanged.
+- torch's zip format: the archive's own directory and CRC-32s say whether it
+  is cut short or damaged (`check_archive`, which torch's reader never does),
+  whatever error torch met first (an ``OSError`` from a seek the damage
+  caused, a ``weights_only`` refusal of a flipped opcode); where the archive
+  is whole, and for the legacy format, a `CheckpointError` ("cut short or
+  damaged") only where torch's error is one its readers raise on bad bytes;
+- a class the file names that this program lacks (one of the saving script's
+  ``__main__``): torch's error, of its own type, said again with the class
+  and the fix (`missing_class`).
 
+An error raised in the user's own code (a ``__setstate__``), a
+``weights_only`` refusal of a whole file, a device or out-of-memory error,
+and an ``OSError`` of a whole file (``EIO``) stay torch's own, unchanged.
 Nothing of this runs when the load succeeds.
 """
 
@@ -31,9 +39,11 @@ from typing import IO, Any
 
 import torch
 
+from ._checkpointclass import missing_class
+from ._checkpointdamage import Damage, check_archive, damaged, told, torch_said
 from ._devices import DeviceLike, resolve_device, try_gpu
 from ._errors import CheckpointError
-from ._format import close_match, first_line, shorten
+from ._format import close_match
 from ._frames import is_user
 from ._options import check_path, got, short_repr
 
@@ -46,21 +56,6 @@ _MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 _MAGIC_TEXT = b"119547037146038801333356"
 _HEAD = 64  # bytes read to tell the formats apart
 _PATH_SHOWN = 300  # characters of a path a message shows: a real one, whole; a mistake, cut
-
-# What torch's readers say about bad bytes in a file of its own format. A RuntimeError
-# saying anything else (a device that does not exist, out of memory) is not the file's fault.
-_DAMAGED = (
-    "PytorchStreamReader",
-    "inline_container",
-    "unexpected EOF",
-    "corrupt",
-    "wrong byte size",
-    "record size",
-    "hasRecord",
-    "magic number",
-    "protocol version",
-    "unsupported pickle protocol",
-)
 
 
 def load(
@@ -107,9 +102,16 @@ def load(
             and torch's own error is its cause.
         pickle.UnpicklingError: With ``weights_only=True``, a checkpoint
             that holds objects other than tensors and plain data (torch's
-            message lists them, and how to allow them).
+            message lists them, and how to allow them; where this program
+            lacks the class as well, devicekit's says so and how to give it).
+        AttributeError: With ``weights_only=False``, the checkpoint holds an
+            object of a class this program lacks, such as one the saving
+            script defined in its ``__main__`` (``ModuleNotFoundError``: a
+            class from a module this program cannot import); the message
+            names the class and how to give it.
         FileNotFoundError: No file at ``path``, or ``path`` is empty
             (``IsADirectoryError``: a folder).
+        OSError: The file could not be read (``EIO``, ``EACCES``).
 
     Examples:
         >>> import io, torch, devicekit as dk
@@ -146,33 +148,80 @@ legacy format). Check the path
     start = _position(path)
     try:
         return torch.load(path, map_location=map_location, **kwargs)
-    except (FileNotFoundError, IsADirectoryError) as error:
-        if not isinstance(path, (str, os.PathLike)):
-            raise
-        raise type(error)(_not_a_file(os.fspath(path), error)) from None
-    except OSError as error:
-        if error.errno != errno.ENAMETOOLONG or not isinstance(path, (str, os.PathLike)):
-            raise
-        raise OSError(error.errno, _too_long(os.fspath(path))) from None
-    except (
-        KeyError,
-        EOFError,
-        IndexError,
-        pickle.UnpicklingError,
-        RuntimeError,
-        ValueError,
-        struct.error,
-    ) as error:
-        if kwargs.get("mmap") and str(error).startswith(_MMAP_LEGACY):
-            raise _legacy_mmap(path) from None
-        head = _head(path, start)
-        why = _why_unreadable(error, head)
-        if why is None:
+    except Exception as error:
+        better = _explained(error, path, start, mmap=bool(kwargs.get("mmap")))
+        if better is None:
             raise  # torch's own message says it best (weights_only refusals, device errors)
-        if start and head is not None and _kind(head) is not None:
-            why = _misplaced(path, start) or f"{why} (read from byte {start}, where the file stood)"
-        message = f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
-        raise CheckpointError(message) from error
+        # A CheckpointError keeps torch's error as its cause; the others say all it said.
+        raise better from (error if isinstance(better, CheckpointError) else None)
+
+
+# The errors torch raises on bytes it cannot read (its unpickler's, its readers'): a
+# damaged length in a pickle asks for exabytes (MemoryError, OverflowError).
+_UNREADABLE = (
+    MemoryError,
+    OverflowError,
+    KeyError,
+    EOFError,
+    IndexError,
+    pickle.UnpicklingError,
+    RuntimeError,
+    ValueError,
+    struct.error,
+)
+
+
+def _explained(
+    error: Exception, path: object, start: int | None, *, mmap: bool
+) -> Exception | None:
+    """The error ``load()`` raises instead of torch's ``error``; None to raise torch's own."""
+    if isinstance(error, (FileNotFoundError, IsADirectoryError)) or (
+        isinstance(error, OSError) and error.errno == errno.ENAMETOOLONG
+    ):
+        return _path_error(error, path)
+    if not isinstance(error, (OSError, AttributeError, ModuleNotFoundError, *_UNREADABLE)):
+        return None
+    if _raised_outside_torch(error):
+        return None  # the file's own objects (a __setstate__) or a map_location function failed
+    head = _head(path, start)
+    if mmap and str(error).startswith(_MMAP_LEGACY) and (head is None or _kind(head) is None):
+        return _legacy_mmap(path)  # torch says so of any file not a zip: an empty one too
+    # A zip archive's directory and CRC-32s tell damage apart from the rest: an OSError
+    # from a seek that damage made torch compute ([Errno 22], a file cut short inside its
+    # last records) from the disk's own (EIO); a flipped byte from a class that is missing.
+    damage = _zip_damage(path, start, head)
+    if damage is not None:
+        return CheckpointError(_unreadable(path, told(error, damage)))
+    if isinstance(error, OSError):
+        return None
+    whole = head is not None and head.startswith(_ZIP)  # checked: the names in it are as saved
+    if isinstance(error, (AttributeError, ModuleNotFoundError)) or whole:  # or a refusal
+        missing = missing_class(error)
+        if missing is not None:
+            refined = type(error)(f"load(path={_name(path)}): {missing}")
+            if isinstance(error, ImportError) and isinstance(refined, ImportError):
+                refined.name = error.name  # the module, as ModuleNotFoundError keeps it
+            return refined
+    why = _why_unreadable(error, head)
+    if why is None:
+        return None
+    if start and head is not None and _kind(head) is not None:
+        why = _misplaced(path, start) or f"{why} (read from byte {start}, where the file stood)"
+    return CheckpointError(_unreadable(path, why))
+
+
+def _path_error(error: OSError, path: object) -> OSError | None:
+    """No file at ``path``, a folder, or a path too long, said so; None for a file object."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    if error.errno == errno.ENAMETOOLONG:
+        return OSError(error.errno, _too_long(os.fspath(path)))
+    return type(error)(_not_a_file(os.fspath(path), error))
+
+
+def _unreadable(path: object, why: str) -> str:
+    """The message of a file ``load()`` cannot read: the path, then ``why``."""
+    return f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
 
 
 # How torch refuses mmap=True for a legacy-format file (torch.serialization.load).
@@ -404,44 +453,30 @@ _KINDS = {
 
 
 def _why_unreadable(error: BaseException, head: bytes | None) -> str | None:
-    """What is wrong with the file, for the message; None when the file is not to blame."""
-    if _raised_outside_torch(error):
-        return None  # the file's own objects (a __setstate__) or a map_location function failed
+    """What is wrong with the file, from its first bytes and torch's words; None: not its fault."""
     kind = None if head is None else _kind(head)
     if kind is not None:
         return f": {_KINDS[kind]}"
-    if not _damaged(error):
+    if isinstance(error, (AttributeError, ModuleNotFoundError)) or not damaged(error, head):
         return None
     return (
-        f" ({_torch_said(error)}): it is cut short or "
+        f" ({torch_said(error)}): it is cut short or "
         "damaged (a writer killed or a disk full mid-save), or not written by torch.save. "
         "Check the path, and save it again if it was cut short"
     )
 
 
-def _torch_said(error: BaseException) -> str:
-    """Torch's error in a few words, for the message: its type, then its first line.
+def _zip_damage(path: object, start: int | None, head: bytes | None) -> Damage | None:
+    """What `check_archive` finds wrong with a file in torch's zip format; None if nothing.
 
-    Examples:
-        >>> _torch_said(EOFError()), _torch_said(struct.error("unpack requires 8 bytes"))
-        ('EOFError: the data ends early', 'struct.error: unpack requires 8 bytes')
+    None too where the file cannot be read (an ``OSError``: the disk's, not the file's fault).
     """
-    kind = "struct.error" if isinstance(error, struct.error) else type(error).__name__
-    if str(error).strip():
-        return f"{kind}: {shorten(first_line(error), 120)}"
-    return f"{kind}: the data ends early" if isinstance(error, EOFError) else kind
-
-
-def _damaged(error: BaseException) -> bool:
-    """Whether torch's error, on a file in torch's format, means bad bytes."""
-    if isinstance(error, pickle.UnpicklingError):
-        return not str(error).startswith("Weights only load failed")
-    if isinstance(error, (RuntimeError, ValueError)) and not isinstance(
-        error, torch.OutOfMemoryError
-    ):
-        text = str(error)
-        return isinstance(error, UnicodeDecodeError) or any(words in text for words in _DAMAGED)
-    return True  # KeyError, EOFError, IndexError, struct.error: the unpickler read bad bytes
+    if start is None or head is None or not head.startswith(_ZIP):
+        return None
+    try:
+        return check_archive(path, start)  # type: ignore[arg-type]  # a path or file object
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def _raised_outside_torch(error: BaseException) -> bool:

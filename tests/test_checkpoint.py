@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import pickle
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -98,8 +101,8 @@ def test_a_checkpoint_cut_short_says_so(
         dk.load(path, "cpu", weights_only=weights_only)
     message = str(caught.value)
     assert message.startswith(f"load(path={str(path)!r}): not a checkpoint torch.load can read (")
-    assert "): it is cut short or damaged" in message
-    assert "not written by torch.save" in message
+    assert "): it is cut short" in message  # the zip's missing end says so; the legacy "or damaged"
+    assert "save it again" in message.lower()
     assert caught.value.__cause__ is not None  # torch's own error, kept
     assert isinstance(caught.value, ValueError)
     with pytest.raises(dk.CheckpointError, match=r"^load\(path=the file\): not a checkpoint"):
@@ -260,7 +263,7 @@ def test_a_file_object_is_read_from_where_it_stands(tmp_path: Path) -> None:
     assert torch.equal(dk.load(buffer, "cpu")["w"], torch.ones(2))
     damaged = io.BytesIO(b"HEADER" + buffer.getvalue()[6:-20])
     damaged.seek(6)  # the header is not torch's; what follows it is, cut short
-    with pytest.raises(dk.CheckpointError, match="it is cut short or damaged"):
+    with pytest.raises(dk.CheckpointError, match=r"it is cut short: its 1,\d{3} bytes end"):
         dk.load(damaged, "cpu")
 
 
@@ -454,3 +457,220 @@ def test_a_legacy_checkpoint_cut_short_names_torchs_error_in_words(tmp_path: Pat
     assert "EOFError: the data ends early" in said
     assert not any(text.endswith("EOFError") for text in said)
     assert not any(text.startswith("error:") for text in said)  # struct.error, said as such
+
+
+def _conv_bn(tmp_path: Path) -> bytes:
+    """A Conv+BatchNorm state dict, whose zip torch's reader seeks before byte 0 of when cut."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Flatten(),
+        torch.nn.Linear(144, 2),
+    )
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    return (tmp_path / "sd.pt").read_bytes()
+
+
+def test_a_zip_checkpoint_cut_at_any_length_is_a_checkpoint_error(tmp_path: Path) -> None:
+    # Before, from byte 4097 on (1021 of 5118 lengths): torch's raw "OSError: [Errno 22]
+    # Invalid argument" from a path, "ValueError: negative seek value -3689" from a BytesIO.
+    data = _conv_bn(tmp_path)
+    path = tmp_path / "cut.pt"
+    said, said_of_objects = {}, []
+    for size in range(4, len(data)):  # fewer than 4 bytes: empty, or not torch's at all
+        path.write_bytes(data[:size])
+        with pytest.raises(dk.CheckpointError) as caught:
+            dk.load(path, "cpu")
+        said[size] = str(caught.value)
+        if size % 16 == 0 or size > len(data) - 64:  # a file object too (every size: slow)
+            with pytest.raises(dk.CheckpointError) as caught:
+                dk.load(io.BytesIO(data[:size]), "cpu")
+            said_of_objects.append(str(caught.value))
+    assert all("): it is cut short: its " in message for message in said_of_objects)
+    for size, message in said.items():
+        assert message.startswith(f"load(path={str(path)!r}): not a checkpoint torch.load can read")
+        assert f"): it is cut short: its {size:,} bytes end without the directory every zip " in (
+            message
+        )
+        assert message.endswith(
+            "so its save stopped part way (a writer killed, a disk full, a copy interrupted). "
+            "Save it again, or copy it again from a whole one"
+        )
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # a flipped PROTO byte
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_flipped_byte_in_the_pickle_or_the_directory_is_told_as_damage(
+    weights_only: bool,
+) -> None:
+    # Before: torch's "Weights only load failed ... Re-running torch.load with weights_only
+    # set to False will likely succeed ... Unsupported operand 151", or a raw "Trying to resize
+    # storage that is not resizable", MemoryError, "invalid literal for int()".
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(2), "step": 3}, buffer)
+    data = buffer.getvalue()
+    with zipfile.ZipFile(buffer) as archive:
+        pickled = archive.getinfo("archive/data.pkl")
+        regions = [
+            # From byte 4: a file whose first bytes are no zip's is "not written by torch.save".
+            range(pickled.header_offset + 4, pickled.header_offset + 100 + pickled.file_size),
+            range(archive.start_dir, len(data)),  # the directory, and the records that end it
+        ]
+    said: dict[int, str] = {}
+    raw: dict[int, str] = {}
+    for at in (at for region in regions for at in region):
+        flipped = bytearray(data)
+        flipped[at] ^= 0xFF
+        try:
+            dk.load(io.BytesIO(flipped), "cpu", weights_only=weights_only)
+        except dk.CheckpointError as error:
+            said[at] = str(error)
+        except Exception as error:  # noqa: BLE001 - any other is what this test looks for
+            raw[at] = f"{type(error).__name__}: {error}"
+    assert not raw, f"{len(raw)} flips got torch's own errors, such as {next(iter(raw.items()))}"
+    details = set()
+    for at, message in said.items():
+        found = re.search(r"\): it is (damaged|cut short): (.*?), so ", message)
+        assert found, f"byte {at}: {message}"
+        assert "weights_only" not in message
+        details.add(found.group(2))
+    assert (
+        "its record 'archive/data.pkl' does not match the CRC-32 checksum its directory keeps "
+        "for it" in details
+    )
+
+
+def test_a_flipped_byte_says_what_torch_met_and_what_is_damaged(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "flip.pt")
+    data = (tmp_path / "flip.pt").read_bytes()
+    at = data.index(b"\x80\x02}")  # data.pkl's first opcode after PROTO 2: EMPTY_DICT
+    flipped = bytearray(data)
+    flipped[at + 2] ^= 0xFF  # now EXT1, which the weights_only unpickler refuses
+    (tmp_path / "flip.pt").write_bytes(flipped)
+    with pytest.raises(dk.CheckpointError) as caught:
+        dk.load(tmp_path / "flip.pt", "cpu")
+    assert str(caught.value) == (
+        f"load(path={str(tmp_path / 'flip.pt')!r}): not a checkpoint torch.load can read "
+        "(UnpicklingError: Unsupported operand 130): it is damaged: its record 'flip/data.pkl' "
+        "does not match the CRC-32 checksum its directory keeps for it, so bytes in it changed "
+        "after it was saved (a disk, memory or copy error). Copy it again from a good copy, or "
+        "save it again"
+    )
+    assert isinstance(caught.value.__cause__, pickle.UnpicklingError)  # torch's own, kept
+
+
+def test_a_legacy_checkpoint_with_an_opcode_no_pickle_has_is_damage(tmp_path: Path) -> None:
+    # Before: torch's "Weights only load failed ... Unsupported operand 255" and its advice.
+    flipped = bytearray(_legacy(tmp_path))
+    flipped[2] = 0xFF  # no pickle opcode at all
+    (tmp_path / "old.pt").write_bytes(flipped)
+    with pytest.raises(
+        dk.CheckpointError,
+        match=r"\(UnpicklingError: Unsupported operand 255\): it is cut short or damaged",
+    ):
+        dk.load(tmp_path / "old.pt", "cpu")
+
+
+def test_a_refusal_of_a_checkpoint_saved_without_crcs_stays_torchs(tmp_path: Path) -> None:
+    # torch.save can leave the CRC-32s out (as zeros): no record is then called damaged.
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"batch": Batch(torch.ones(1))}, tmp_path / "nocrc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with pytest.raises(pickle.UnpicklingError, match=r"^Weights only load failed"):
+        dk.load(tmp_path / "nocrc.pt", "cpu")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc/self/mem")
+def test_an_os_error_reading_the_file_stays_the_os_error(tmp_path: Path) -> None:
+    # /proc/self/mem opens, and reading its byte 0 fails as a failing disk does (EIO): the
+    # file is not damaged, and the check of it must not say so.
+    with pytest.raises(OSError, match=r"^\[Errno (5|13|1)\] ") as caught:
+        dk.load("/proc/self/mem", "cpu")
+    assert not isinstance(caught.value, dk.CheckpointError)
+
+    class FailingDisk(io.BytesIO):  # a whole checkpoint, on a disk that fails
+        def read(self, size: int | None = -1, /) -> bytes:
+            raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OSError, match=r"^\[Errno 5\] Input/output error$") as caught:
+        dk.load(FailingDisk(_good(tmp_path)), "cpu")
+    assert not isinstance(caught.value, dk.CheckpointError)
+
+
+@pytest.mark.parametrize("size", [0, 1, 3])
+def test_mmap_of_a_file_cut_to_a_few_bytes_is_no_legacy_checkpoint(
+    tmp_path: Path, size: int
+) -> None:
+    # Before: "this checkpoint is in torch's legacy format ... cannot be memory-mapped".
+    (tmp_path / "cut.pt").write_bytes(_good(tmp_path)[:size])
+    with pytest.raises(dk.CheckpointError, match=r"(empty \(0 bytes\)|not written by torch\.save)"):
+        dk.load(tmp_path / "cut.pt", "cpu", mmap=True)
+
+
+@dataclasses.dataclass
+class Config:  # saved as the saving script's own: __main__.Config
+    lr: float = 0.1
+
+
+def test_a_class_of_the_saving_scripts_main_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, weights_only=False: "AttributeError: Can't get attribute 'Config' on <module
+    # '__main__' ...>"; weights_only=True: re-running with False "will likely succeed".
+    main = sys.modules["__main__"]
+    with monkeypatch.context() as patch:  # as the training script that saved it had it
+        patch.setattr(Config, "__module__", "__main__")
+        patch.setattr(main, "Config", Config, raising=False)
+        torch.save({"config": Config(), "w": torch.ones(2)}, tmp_path / "ckpt.pt")
+    path = str(tmp_path / "ckpt.pt")
+    lacks = (
+        rf"^load\(path='{path}'\): the checkpoint holds a __main__\.Config, a class of the script "
+        r"that saved it \(pickle saves an object by its class's name, not its code\), but this "
+        r"program's __main__( \(.*\))? has no Config"
+    )
+    with pytest.raises(AttributeError, match=lacks) as caught:
+        dk.load(path, "cpu", weights_only=False)
+    assert str(caught.value).endswith(
+        ". Define or import Config in the script you run, before load(), or save a state_dict() "
+        "and plain types (dict, list, str, numbers), which load anywhere"
+    )
+    with pytest.raises(pickle.UnpicklingError, match=lacks) as refused:
+        dk.load(path, "cpu")
+    assert "weights_only=False would fail too" in str(refused.value)
+    assert "both need the class. Define or import Config in the script you run" in str(
+        refused.value
+    )
+    assert "add_safe_globals([Config])" in str(refused.value)
+    assert "Re-running" not in str(refused.value)
+    monkeypatch.setattr(main, "Config", Config, raising=False)  # now this script has it
+    monkeypatch.setattr(Config, "__module__", "__main__")
+    with pytest.raises(pickle.UnpicklingError, match=r"^Weights only load failed"):
+        dk.load(path, "cpu")  # torch's own refusal: its advice holds now
+    assert dk.load(path, "cpu", weights_only=False)["config"] == Config()
+
+
+def test_a_class_from_a_module_this_program_lacks_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: a bare "ModuleNotFoundError: No module named 'devicekit_gone_models'".
+    module = types.ModuleType("devicekit_gone_models")
+    exec("class Net:\n    pass\n", module.__dict__)
+    module.Net.__module__ = module.__name__
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, module.__name__, module)
+        torch.save({"net": module.Net()}, tmp_path / "net.pt")
+    with pytest.raises(ModuleNotFoundError) as caught:
+        dk.load(tmp_path / "net.pt", "cpu", weights_only=False)
+    assert str(caught.value) == (
+        f"load(path={str(tmp_path / 'net.pt')!r}): the checkpoint holds an object of a class "
+        "from the module devicekit_gone_models, which this program cannot import (pickle saves "
+        "an object by its class's name, not its code). Install devicekit_gone_models, or run "
+        "from the folder of the code that saved it (or add that folder to sys.path), or save a "
+        "state_dict() and plain types (dict, list, str, numbers), which load anywhere"
+    )
+    assert caught.value.name == "devicekit_gone_models"
