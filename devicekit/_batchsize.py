@@ -19,26 +19,40 @@ A size that fails is tried once more, after the clean-up, before it counts as
 too big: memory another process held for a moment, or a cache not yet given
 back, would otherwise end the doubling early and halve the answer. A size
 that fails and then runs is reported with a ``RuntimeWarning``.
+
+On the CPU no out-of-memory error comes before the kernel's out-of-memory
+killer, so trials there run under a bound of the host's free memory
+(`._hostmemory.bounded`, on Linux): past it an allocation fails, as out of
+memory. The trials run on the CPU when ``device`` says so, or when torch
+here has no accelerator; where CUDA exists but has not started, a first trial
+that ran without starting it ran on the CPU (in this process; a child of
+``isolate=True`` cannot tell, and runs unbounded). Where no bound can be set,
+the search on the CPU needs ``max_size``.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+import torch
+
 from ._census import only_new_objects
-from ._devices import DeviceLike, resolve_device
+from ._devices import DeviceLike, accelerator_count, accelerator_type, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._format import format_bytes
 from ._frames import caller_stacklevel
+from ._hostmemory import can_bound
 from ._isolated import Isolated
 from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
 from ._trial import LAZY_FIX, InProcess, give_back
+from ._visible import torch_cuda_initialized
 
 __all__ = ["find_batch_size"]
 
@@ -143,6 +157,26 @@ def _warn_flaky(flaky: list[int], found: int) -> None:
     )
 
 
+def _on_cpu(target: torch.device | None) -> bool | None:
+    """Whether the trials run on the CPU; None: to be seen (CUDA exists and has not started)."""
+    if target is not None:
+        return target.type == "cpu"
+    if accelerator_count() == 0:
+        return True
+    return None if accelerator_type() == "cuda" and not torch_cuda_initialized() else False
+
+
+def _refuse_unbounded(max_size: int | None) -> None:
+    """Refuse a search on the CPU with no bound at all: it would end in the kernel's SIGKILL."""
+    if max_size is None and not can_bound():
+        raise ValueError(
+            "find_batch_size() on the CPU needs max_size here, got max_size=None: the CPU raises "
+            "no out-of-memory error before the operating system ends a process (or swaps), and "
+            "devicekit bounds the search by the free memory only on Linux, from /proc (this "
+            f"is {sys.platform}); pass max_size=, the largest batch to try"
+        )
+
+
 @suggest_keywords
 def find_batch_size(
     fn: Callable[[int], Any],
@@ -175,17 +209,31 @@ def find_batch_size(
     over ranks, in one collective; a rank that fails makes every rank raise,
     so none waits forever.
 
+    On the CPU no out-of-memory error comes before the kernel kills the
+    process (or a neighbour), so on Linux each trial there runs with this
+    process's ``ulimit -v`` (soft ``RLIMIT_AS``) lowered to its address space
+    plus the free memory of the machine and of its container's cgroup, less
+    5% (at least 256 MiB), and the old limit restored after it, however it
+    ended: a size past that fails as out of memory. The trials run on the
+    CPU when ``device`` is the CPU or torch here has no accelerator; where
+    CUDA exists and has not started, a first trial that ran without starting
+    it tells (not with ``isolate=True``, whose children cannot). Elsewhere
+    (macOS, Windows) the CPU needs ``max_size``.
+
     Args:
         fn: Runs one step (forward, backward, optimizer) at a batch size. It
             should allocate what a real step allocates; its return value is
             dropped.
         start: The first size tried; the answer is never below it.
         max_size: The largest size tried. Default: no bound but an
-            out-of-memory error.
+            out-of-memory error (on the CPU, the host's free memory;
+            required on the CPU where that cannot be bounded).
         margin: A fraction to keep free: the answer is
             ``floor(found * (1 - margin))``, at least ``start``.
-        device: The device whose memory is reported when even ``start``
-            fails. Default: the one the error names.
+        device: The device the trials run on: its memory is reported when
+            even ``start`` fails, and the CPU's bounds the search (above).
+            Default: the one the error names; the CPU where torch has no
+            accelerator.
         isolate: Run each trial in a child process (``spawn``), so this
             process's allocator never sees an out-of-memory error; ``fn``
             must then be picklable. Each trial then pays a process start.
@@ -217,7 +265,9 @@ def find_batch_size(
             ``isolate`` is not True or False.
         ValueError: ``start`` below 1, ``max_size`` below ``start``,
             ``margin`` outside [0, 1), or ``trial_timeout`` not a positive
-            number of seconds or given without ``isolate=True``.
+            number of seconds or given without ``isolate=True``; or the
+            trials run on the CPU where no bound can be set (not Linux) and
+            ``max_size`` is None.
         TimeoutError: A trial ran longer than ``trial_timeout``.
         RuntimeError: Another rank failed, or ``fn`` fits at any size.
 
@@ -245,7 +295,14 @@ def find_batch_size(
                 "cannot be stopped; pass isolate=True, or drop trial_timeout"
             )
     target = None if device is None else resolve_device(device, name="device")
-    trial = Isolated(fn, target, trial_timeout) if isolate else InProcess(fn, target)
+    cpu = _on_cpu(target)
+    if cpu:
+        _refuse_unbounded(max_size)
+    trial = (
+        Isolated(fn, target, trial_timeout, cpu=cpu is True)
+        if isolate
+        else InProcess(fn, target, cpu)
+    )
     flaky: list[int] = []
     if not initialized():
         found = _search_and_clean(trial, start, max_size, flaky)

@@ -3,9 +3,10 @@
 The child loads ``fn``, says it has started, runs ``fn(size)`` and sends back
 None or the exception it raised (or, for the first size, the out-of-memory
 report of its own memory); this process's allocator never sees an
-out-of-memory error. A child that hangs is killed (``trial_timeout``, and a
-bound on its start), and one that dies without an answer is explained by its
-exit code or signal.
+out-of-memory error. A trial on the CPU runs under the host's bound
+(`._hostmemory.bounded`), set in the child, around ``fn(size)`` alone. A
+child that hangs is killed (``trial_timeout``, and a bound on its start), and
+one that dies without an answer is explained by its exit code or signal.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from ._errors import DeviceOutOfMemoryError
+from ._hostmemory import bounded, search_bound
 from ._trial import explain, run, start_failed, too_big
 
 __all__ = ["Isolated"]
@@ -38,12 +40,16 @@ _START_LIMIT = 300.0
 _EXIT_WAIT = 10.0
 
 
-def _child(fn_bytes: bytes, size: int, first: bool, device: str | None, result: Any) -> None:
+def _child(
+    fn_bytes: bytes, size: int, first: bool, device: str | None, result: Any, *, cpu: bool
+) -> None:
     """A trial in a child process: send back None (it ran) or the exception it raised."""
     try:
         fn = pickle.loads(fn_bytes)
         result.send_bytes(_STARTED)
-        run(fn, size)
+        # Around fn alone: the report below is built with the child's old limit back.
+        with bounded(search_bound() if cpu else None):
+            run(fn, size)
     except Exception as error:  # noqa: BLE001 - every failure goes back to the parent
         text = traceback.format_exc()
         if first and too_big(error):  # the report is of this process's memory: built here
@@ -99,12 +105,19 @@ def _died(process: BaseProcess, size: int) -> RuntimeError:
 
 
 class Isolated:
-    """Runs each trial in a spawned child process and reads back how it ended."""
+    """Runs each trial in a spawned child process and reads back how it ended.
+
+    With ``cpu`` (the trials run on the CPU) each child bounds its own host memory.
+    """
 
     def __init__(
-        self, fn: Callable[[int], Any], device: torch.device | None, timeout: float | None
+        self,
+        fn: Callable[[int], Any],
+        device: torch.device | None,
+        timeout: float | None,
+        cpu: bool = False,
     ) -> None:
-        self.timeout = timeout
+        self.timeout, self.cpu = timeout, cpu
         try:
             self.fn_bytes = pickle.dumps(fn)
         except (pickle.PicklingError, AttributeError, TypeError) as error:
@@ -150,7 +163,10 @@ class Isolated:
         context = multiprocessing.get_context("spawn")  # a forked CUDA process cannot use CUDA
         receive, send = context.Pipe(duplex=False)
         process = context.Process(
-            target=_child, args=(self.fn_bytes, size, first, self.device, send), daemon=True
+            target=_child,
+            args=(self.fn_bytes, size, first, self.device, send),
+            kwargs={"cpu": self.cpu},
+            daemon=True,
         )
         process.start()
         send.close()

@@ -20,10 +20,11 @@ from ._devices import (
     accelerator_count,
     accelerator_type,
     default_cuda_device,
-    resolve_cuda_devices,
     resolve_device,
+    resolve_devices,
 )
 from ._format import UNKNOWN, PlainResult, format_bytes, html_table, plain_fields, plural
+from ._hostmemory import cpu_note
 from ._keywords import suggest_keywords
 from ._visible import torch_cuda_initialized
 
@@ -131,7 +132,8 @@ class MemoryReport:
     Attributes:
         devices: One entry per device that was emptied.
         collected: Objects the garbage collector freed (cycles ``del`` left behind).
-        note: Why no device was emptied, when none was.
+        note: Why no device was emptied, when none was; with ``"cpu"`` named, what its
+            live tensors hold (the CPU has no cache to empty).
     """
 
     devices: tuple[DeviceMemory, ...]
@@ -196,14 +198,17 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
     Args:
         devices: CUDA devices to report on (a list of [`DeviceLike`][devicekit.DeviceLike], or
             one). Default: every device where this process holds memory, and
-            the current one.
+            the current one. ``"cpu"`` may be among them (what
+            ``dk.try_gpu()`` gives without a GPU): the CPU has no cache to
+            empty, so its memory goes back by the garbage collection alone,
+            and the report's note says how much its live tensors still hold.
 
     Returns:
         A [`MemoryReport`][devicekit.MemoryReport].
 
     Raises:
-        ValueError: ``devices`` is empty, or one of them is not a CUDA device
-            (the CPU has no cache to empty).
+        ValueError: ``devices`` is empty, or one of them is neither a CUDA
+            device nor the CPU (MPS, XPU, meta).
         DeviceNotFoundError: One of ``devices`` does not exist here.
 
     Examples:
@@ -213,22 +218,32 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
         True
     """
     indices = None
+    cpu = False
     if devices is not None:
-        why = (
-            "free_memory() empties CUDA's caching allocator; other memory goes back "
-            "when its tensors are freed"
-        )
-        targets = resolve_cuda_devices(devices, name="devices", why=why)
+        targets = resolve_devices(devices, name="devices")
         if not targets:
             # Emptying the cache frees every GPU's blocks: a report on none would hide that.
             raise ValueError(
                 "free_memory() got devices=[], an empty list; pass devices=None to report on "
                 "every GPU this process used, or name the GPUs"
             )
-        indices = list(dict.fromkeys(int(device.index) for device in targets))
+        one = isinstance(devices, (str, torch.device)) or not isinstance(devices, Iterable)
+        for at, device in enumerate(targets):
+            if device.type not in ("cuda", "cpu"):  # "devices[1]", or "devices" for one
+                raise ValueError(
+                    f"{'devices' if one else f'devices[{at}]'}={str(device)!r} is neither a CUDA "
+                    "device nor the CPU: free_memory() empties CUDA's caching allocator, and "
+                    "collects garbage for the CPU. Pass CUDA devices, or 'cpu'."
+                )
+        cpu = any(device.type == "cpu" for device in targets)
+        indices = list(dict.fromkeys(int(d.index) for d in targets if d.type == "cuda"))
     collected = gc.collect()
+    note = cpu_note() if cpu else None  # no cache to empty there: gc was all it takes
+    if indices == []:  # only the CPU was named
+        return MemoryReport((), collected, note)
     if not torch_cuda_initialized():
-        return MemoryReport((), collected, "CUDA is not initialized in this process: no GPU memory")
+        none = "CUDA is not initialized in this process: no GPU memory"
+        return MemoryReport((), collected, "; ".join(filter(None, (none, note))))
     if indices is None:
         indices = used_cuda_indices()
     # cuda_bytes reads counters only: naming a GPU this process never used must not
@@ -252,7 +267,7 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
                 new.free,
             )
         )
-    return MemoryReport(tuple(entries), collected)
+    return MemoryReport(tuple(entries), collected, note)
 
 
 @dataclass(frozen=True)

@@ -213,8 +213,10 @@ def explain_oom(
     Raises:
         DeviceOutOfMemoryError: From the block, in place of an out-of-memory error.
         TypeError: ``model`` is not a ``torch.nn.Module``, ``device`` not a
-            device, ``record_history`` not True or False, or ``func`` an async
-            generator function (use the context manager inside it).
+            device, ``record_history`` not True or False, ``func`` an async
+            generator function (use the context manager inside it), or
+            ``func`` a ``torch.nn.Module`` (a module is meant as ``model=``:
+            decorated, it would become a function without its parameters).
         ValueError: ``top`` or ``history_entries`` is below 1, or
             ``history_entries`` past ``sys.maxsize``.
         DeviceNotFoundError: ``device`` does not exist here.
@@ -228,6 +230,15 @@ def explain_oom(
         ...     print(error.report.device, error.report.requested == 2**62)
         cpu True
     """
+    if isinstance(func, torch.nn.Module):
+        # Callable, so it would be decorated: the result is a function, not a module (no
+        # parameters(), no train()), and `with dk.explain_oom(model):` fails in Python.
+        raise TypeError(
+            f"explain_oom() takes a function to decorate as its first argument, got the module "
+            f"{type(func).__name__}; a module goes in model= (it names the report's tensors): "
+            "`with dk.explain_oom(model=model):`, or `@dk.explain_oom(model=model)` on the "
+            "step. To explain each forward pass, decorate a function that calls the model"
+        )
     if func is not None and not callable(func):
         raise TypeError(
             f"explain_oom() takes a function to decorate or keyword options only, got "

@@ -37,6 +37,7 @@ from ._format import (
 from ._frames import first_user_location
 from ._gpuinfo import GPUProcess
 from ._gpus import gpu
+from ._hostmemory import host_memory, with_limit_fix
 from ._memory import cuda_bytes
 from ._oomtext import OOMText, parse_oom
 from ._visible import torch_cuda_initialized
@@ -77,8 +78,10 @@ class OOMReport:
         device: Such as ``"cuda:0"`` or ``"cpu"``.
         message: The first line of torch's message.
         requested: Bytes the failed allocation asked for.
-        total: The device's memory (for the CPU: the machine's).
-        free: Bytes free on the device (for the CPU: available to new allocations).
+        total: The device's memory (for the CPU: the machine's, or the
+            process's own limit where that binds first: ``limit``).
+        free: Bytes free on the device (for the CPU: available to new
+            allocations, under ``limit`` where one binds).
         allocated: Bytes held by tensors, as PyTorch's allocator counts them.
         reserved: Bytes PyTorch's caching allocator holds from the driver.
         largest_free_block: The largest free block inside ``reserved``: the
@@ -106,6 +109,12 @@ class OOMReport:
             what PyTorch reserves here plus the listed processes is more than
             the device has, and one listed process accounts for the excess.
             None when the list names this process by its own PID, or not at all.
+        limit: On the CPU, the bound ``free`` and ``total`` are of when it is
+            not the machine's memory: "this process's ulimit -v" (its soft
+            ``RLIMIT_AS``: total is the limit, free what its address space
+            leaves) or "the container's memory limit (cgroup ...)" (total is
+            the cgroup's limit, free that less its working set). None: the
+            device's own memory.
     """
 
     device: str
@@ -124,6 +133,7 @@ class OOMReport:
     allocation_sites: tuple[AllocationSite, ...] | None
     fixes: tuple[str, ...]
     this_process_pid: int | None = None
+    limit: str | None = None
 
     @property
     def unallocated(self) -> int | None:
@@ -183,9 +193,10 @@ class OOMReport:
     def headline(self) -> str:
         """One line: the device, the request, and what was free."""
         asked = "" if self.requested is None else f", asked for {_bytes(self.requested)}"
+        under = "" if self.limit is None else f" under {self.limit}"
         return (
             f"{self.device} is out of memory{asked}: {_bytes(self.free)} free of "
-            f"{_bytes(self.total)}"
+            f"{_bytes(self.total)}{under}"
         )
 
     def rows(self) -> list[tuple[str, str]]:
@@ -194,6 +205,8 @@ class OOMReport:
             ("asked for", _bytes(self.requested)),
             ("free", f"{_bytes(self.free)} of {_bytes(self.total)}"),
         ]
+        if self.limit is not None:
+            rows[-1] = (rows[-1][0], f"{rows[-1][1]} under {self.limit}")
         if self.allocated is not None or self.reserved is not None:
             rows += [
                 ("allocated by PyTorch", _bytes(self.allocated)),
@@ -278,20 +291,6 @@ class OOMReport:
 
 
 # --- reading the numbers ----------------------------------------------------------------
-
-
-def _host_memory() -> tuple[int | None, int | None]:
-    """(total, available) bytes of this machine's memory, from /proc/meminfo; None elsewhere."""
-    fields: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                name, _, value = line.partition(":")
-                if name in ("MemTotal", "MemAvailable"):
-                    fields[name] = int(value.split()[0]) * 1024  # the file says kB: KiB
-    except (OSError, ValueError, IndexError):
-        return None, None
-    return fields.get("MemTotal"), fields.get("MemAvailable")
 
 
 def _gpu_processes(index: int, parsed: OOMText) -> tuple[tuple[GPUProcess, ...] | None, int | None]:
@@ -457,10 +456,13 @@ def build_report(
             # None listed: in a container NVML lists no other container's process, so
             # "none" holds only where the numbers leave no room for one (unknown is None).
             processes = None
-    elif target.type == "cpu":
-        host_total, host_free = _host_memory()
-        total = host_total if total is None else total
-        free = host_free if free is None else free
+    machine = binding = None
+    if target.type == "cpu":
+        # What binds this process: the machine, its container's cgroup, or its ulimit -v.
+        machine, binding = host_memory()
+        if binding is not None:
+            total = binding.total if total is None else total
+            free = binding.free if free is None else free
     seen = device_census(target, names=_names(model), top=top)
     # No CUDA tensor can live in a process that has not started CUDA: counting
     # none there would claim the message's allocated bytes are held by no tensor.
@@ -484,4 +486,10 @@ def build_report(
         fixes=(),
         this_process_pid=this_pid,
     )
-    return replace(report, fixes=rank_fixes(report))
+    if binding is None or binding.kind == "machine" or report.free != binding.free:
+        return replace(report, fixes=rank_fixes(report))
+    # A limit of the process's own binds first. Fixes are ranked against the machine's
+    # memory (a request the machine could hold is no wrong shape), and raising it is one.
+    ranked = report if machine is None else replace(report, total=machine.total, free=machine.free)
+    fixes = with_limit_fix(rank_fixes(ranked), binding, machine, report.requested)
+    return replace(report, limit=binding.name, fixes=fixes)

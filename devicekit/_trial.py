@@ -3,7 +3,9 @@
 A trial that runs out of memory leaves its tensors alive in the exception's
 traceback, and the allocator keeps what they used in its cache; after every
 trial the failed trial's frames are cleared (their locals dropped), the
-garbage collector runs, and the cache goes back to the driver. The helpers
+garbage collector runs, and the cache goes back to the driver. A trial on the
+CPU runs under `._hostmemory.bounded`, so that a size past the host's free
+memory fails as out of memory instead of being killed by the kernel. The helpers
 that tell an out-of-memory error from the caller's own, and explain it with a
 report, serve the child-process trials of `._isolated` too.
 """
@@ -19,6 +21,7 @@ import torch
 
 from ._census import census
 from ._errors import DeviceOutOfMemoryError, add_note
+from ._hostmemory import bounded, search_bound
 from ._memory import used_cuda_indices
 from ._oomreport import build_report
 from ._oomtext import is_oom
@@ -112,16 +115,29 @@ class InProcess:
     """Runs trials in this process; cleans up after each.
 
     A trial returns whether ``fn(size)`` ran; with ``first``, one that ran out
-    of memory raises `DeviceOutOfMemoryError` with the report instead.
+    of memory raises `DeviceOutOfMemoryError` with the report instead. With
+    ``cpu`` (the trials run on the CPU) each runs under the host's bound; with
+    ``cpu=None`` (CUDA exists but has not started) that is decided by the
+    first trial: one that ran without starting CUDA ran on the CPU.
     """
 
-    def __init__(self, fn: Callable[[int], Any], device: torch.device | None) -> None:
-        self.fn, self.device = fn, device
+    def __init__(
+        self, fn: Callable[[int], Any], device: torch.device | None, cpu: bool | None
+    ) -> None:
+        self.fn, self.device, self.cpu = fn, device, cpu
+        # Read once, at the first trial (after the search's first collection freed what it
+        # could): each size is tried against the same bound.
+        self.bound: int | None = None
         self.held: list[int] = []  # bytes held after each trial that ran, cleaned up
 
     def __call__(self, size: int, *, first: bool) -> bool:
+        if self.cpu and self.bound is None:
+            self.bound = search_bound()
         try:
-            run(self.fn, size)  # the result is dropped at once
+            # The old limit is back before the report is built: it reports the host's
+            # memory as the process has it, not the bound of the search.
+            with bounded(self.bound):
+                run(self.fn, size)  # the result is dropped at once
         except Exception as error:
             if not too_big(error):
                 raise
@@ -133,5 +149,7 @@ class InProcess:
             return False
         finally:
             give_back()
+            if self.cpu is None:
+                self.cpu = not torch_cuda_initialized()
         self.held.append(_held())
         return True

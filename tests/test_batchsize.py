@@ -18,7 +18,7 @@ import torch
 
 import devicekit as dk
 
-from .conftest import run_python
+from .conftest import FakeAccelerator, run_python
 
 TORCH_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
@@ -650,3 +650,194 @@ def test_a_kept_graph_on_the_gpu_is_warned_about() -> None:
     with pytest.warns(RuntimeWarning, match="fn keeps memory from one call to the next"):
         dk.find_batch_size(step, max_size=64)
     losses.clear()
+
+
+# --- the CPU: bounded by the host's free memory ------------------------------------------
+
+LINUX = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the host's bound is Linux's RLIMIT_AS"
+)
+MiB = 2**20
+
+
+def _little_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> int:
+    """Make the machine report ``available`` bytes free; return the address space held now."""
+    from devicekit import _hostmemory
+
+    monkeypatch.setattr(_hostmemory, "meminfo", lambda: (64 * 2**30, available))
+    _hostmemory._start_threads()  # their stacks and heaps count in what is held from here on
+    held = _hostmemory._address_space()
+    assert held is not None
+    return held
+
+
+class HostStep:
+    """Writes ``batch_size`` MiB on the CPU, noting the soft RLIMIT_AS it ran under.
+
+    Past ``cap`` MiB it raises instead: a safety net, so that a search that is not
+    bounded fails the test without taking the machine's memory.
+    """
+
+    def __init__(self, cap: int = 512) -> None:
+        self.cap = cap
+        self.limits: list[int] = []
+
+    def __call__(self, batch_size: int) -> None:
+        import resource
+
+        self.limits.append(resource.getrlimit(resource.RLIMIT_AS)[0])
+        if batch_size > self.cap:
+            raise AssertionError(f"fn({batch_size}) was called: the search was not bounded")
+        torch.ones(batch_size, 2**18)  # batch_size MiB, written
+
+
+@LINUX
+@pytest.mark.filterwarnings("ignore:find_batch_size")  # a size that fails once may be near it
+@pytest.mark.parametrize("device", ["cpu", None])
+def test_on_the_cpu_the_search_stops_at_the_memory_available(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator, device: str | None
+) -> None:
+    import resource
+
+    fake_accelerator(None, 0)  # device=None: torch here has no accelerator, so the CPU
+    gc.collect()  # what earlier tests left: freed by the search, it would widen the room
+    held = _little_memory(monkeypatch, 384 * MiB)  # 128 MiB above the 256 MiB reserve
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    step = HostStep()
+    found = dk.find_batch_size(step, device=device)
+    # About 128 MiB: the bound is on the address space, which other mappings (the
+    # threads' stacks and heaps, what the allocator gives back) move by some MiB.
+    assert 16 <= found <= 256  # unbounded, fn(1024) would have raised
+    assert all(0 < limit <= held + 384 * MiB for limit in step.limits)  # all under the bound
+    assert resource.getrlimit(resource.RLIMIT_AS) == before  # and the old limit is back
+
+
+@LINUX
+@pytest.mark.parametrize("ending", ["error", "KeyboardInterrupt", "SIGINT"])
+def test_the_old_limit_comes_back_however_fn_ends(
+    monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    import resource
+
+    held = _little_memory(monkeypatch, 512 * MiB)
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    inside: list[int] = []
+
+    def step(batch_size: int) -> None:
+        inside.append(resource.getrlimit(resource.RLIMIT_AS)[0])
+        if batch_size == 4:
+            if ending == "error":
+                raise ValueError("fn's own error")
+            if ending == "SIGINT":  # a real Ctrl-C: the signal, then the handler's raise
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            raise KeyboardInterrupt
+
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(ValueError if ending == "error" else KeyboardInterrupt):
+            dk.find_batch_size(step, device="cpu")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert 0 < inside[-1] <= held + 512 * MiB  # lowered while fn ran (unlimited is -1)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+
+
+@LINUX
+def test_a_lower_ulimit_is_kept_and_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    held = _little_memory(monkeypatch, 8 * 2**30)  # the bound would be past the limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    mine = held + 2**30 if hard == resource.RLIM_INFINITY else min(held + 2**30, hard)
+    inside: list[int] = []
+    resource.setrlimit(resource.RLIMIT_AS, (mine, hard))
+    try:
+        found = dk.find_batch_size(
+            lambda n: inside.append(resource.getrlimit(resource.RLIMIT_AS)[0]), max_size=4
+        )
+        after = resource.getrlimit(resource.RLIMIT_AS)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert found == 4
+    assert set(inside) == {mine}  # never raised above what the user set
+    assert after == (mine, hard)
+
+
+def test_where_no_bound_can_be_set_the_cpu_needs_max_size(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")  # no RLIMIT_AS the kernel enforces
+    fake_accelerator(None, 0)
+    fix = r"needs max_size here, got max_size=None: .* pass max_size=, the largest batch to try"
+    with pytest.raises(ValueError, match=fix):
+        dk.find_batch_size(Step(48), device="cpu")
+    with pytest.raises(ValueError, match=fix):
+        dk.find_batch_size(Step(48))  # no accelerator: the trials run on the CPU
+    assert dk.find_batch_size(Step(48), max_size=1000) == 48
+    assert dk.find_batch_size(Step(48), device="meta") == 48  # not the CPU: not refused
+
+
+_README_LINE = """
+import json, resource, torch, devicekit as dk
+from devicekit import _hostmemory
+_hostmemory._start_threads()  # their stacks and heaps count in what is held from here on
+held = _hostmemory._address_space()
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+# A safety net under the bound being tested: past it even a search with no bound stops.
+net = held + 2**30 if hard == resource.RLIM_INFINITY else min(held + 2**30, hard)
+resource.setrlimit(resource.RLIMIT_AS, (net, hard))
+_hostmemory.meminfo = lambda: (64 * 2**30, 400 * 2**20)  # 144 MiB above the reserve
+
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+limits = []
+def train_step(batch):
+    limits.append(resource.getrlimit(resource.RLIMIT_AS)[0])
+    out = model(batch["x"] if isinstance(batch, dict) else batch)
+    loss = out.pow(2).mean(); loss.backward(); return loss.detach()
+def make_batch(n): return {"x": torch.randn(n, 16)}
+
+batch_size = dk.find_batch_size(lambda n: train_step(make_batch(n)), margin=0.1)
+print(json.dumps({"found": batch_size, "held": held, "net": net, "highest": max(limits[1:]),
+                  "after": resource.getrlimit(resource.RLIMIT_AS)[0]}))
+"""
+
+
+@LINUX
+def test_the_readme_line_on_the_cpu_answers_within_the_memory_available() -> None:
+    result = run_python(_README_LINE, timeout=280)
+    assert result["found"] >= 1
+    # Every trial after the first (which tells the CPU on a machine with CUDA) was bounded.
+    assert 0 < result["highest"] <= result["held"] + 400 * MiB
+    assert result["after"] == result["net"]
+
+
+def _load_with_little_memory() -> Callable[[int], None]:
+    from devicekit import _hostmemory
+
+    _hostmemory.meminfo = lambda: (64 * 2**30, 384 * MiB)  # in the child, before its bound
+    return HostStep()
+
+
+class LittleMemoryStep:
+    """A `HostStep` that, loaded in a child, makes the child's machine report 384 MiB free."""
+
+    def __call__(self, batch_size: int) -> None:
+        raise AssertionError("only the loaded step runs")
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[[int], None]], tuple[()]]:
+        return (_load_with_little_memory, ())
+
+
+@LINUX
+def test_isolated_trials_on_the_cpu_are_bounded_in_their_child() -> None:
+    result = run_python(
+        """
+        import json, devicekit as dk
+        from tests.test_batchsize import LittleMemoryStep
+        print(json.dumps(dk.find_batch_size(LittleMemoryStep(), start=16, device="cpu",
+                                            isolate=True)))
+        """,
+        timeout=500,
+    )
+    assert 16 <= result <= 256  # about 128: see the test above

@@ -381,3 +381,27 @@ def test_the_report_read_off_the_block_says_to_enter_it() -> None:
         scope.peak_allocated  # noqa: B018
     with pytest.raises(AttributeError, match=r"^a MemoryScope has no attribute 'nope'$"):
         scope.nope  # noqa: B018
+
+
+def test_free_memory_takes_the_cpu_as_the_advice_for_an_index_says(
+    fake_accelerator: FakeAccelerator,
+) -> None:
+    fake_accelerator(None, 0)  # a CPU build of torch: no accelerator 0
+    with pytest.raises(dk.DeviceNotFoundError, match=r"Pass 'cpu', or dk\.try_gpu\(0\)"):
+        dk.free_memory(devices=0)
+    kept = torch.ones(256, 1024)  # 1 MiB that a live tensor holds
+    for devices in ("cpu", [torch.device("cpu")], dk.try_gpu()):  # try_gpu(): cpu here
+        report = dk.free_memory(devices=devices)
+        assert report.devices == ()
+        assert report.note is not None
+        assert report.note.startswith(
+            "cpu: nothing more to give back than what gc freed, as PyTorch's CPU allocator "
+            "keeps no cache; live tensors there hold "
+        )
+    assert kept.numel() == 256 * 1024
+    with pytest.raises(
+        ValueError,
+        match=r"^devices\[1\]='meta' is neither a CUDA device nor the CPU: .* Pass CUDA devices, "
+        r"or 'cpu'\.$",
+    ):
+        dk.free_memory(devices=["cpu", "meta"])

@@ -800,3 +800,134 @@ def test_memory_no_list_names_gets_a_fix_ranked_by_its_size(nvml_session: Instal
     # Even freed, it would not hold the request: no fix.
     big = numbers(unattributed_bytes=2 * GiB, requested=3 * GiB)
     assert not any(fix.startswith("Free") for fix in rank_fixes(big))
+
+
+def test_a_module_given_as_the_function_is_refused_with_model_as_the_fix() -> None:
+    # A module is callable, so it was decorated: a function came back (no parameters()),
+    # and `with dk.explain_oom(model):` failed with Python's bare "context manager" error.
+    model = torch.nn.Linear(4, 4)
+    fix = (
+        r"^explain_oom\(\) takes a function to decorate as its first argument, got the module "
+        r"Linear; a module goes in model= .*`with dk\.explain_oom\(model=model\):`"
+    )
+    with pytest.raises(TypeError, match=fix), dk.explain_oom(model):  # type: ignore[call-overload]
+        pass
+    with pytest.raises(TypeError, match=fix):
+        dk.explain_oom(model, device="cpu")  # type: ignore[call-overload]
+    with pytest.raises(dk.DeviceOutOfMemoryError), dk.explain_oom(model=model):
+        raise torch.OutOfMemoryError(CUDA)
+
+
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and RLIMIT_AS")
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, total: int, available: int) -> None:
+    from devicekit import _hostmemory
+
+    monkeypatch.setattr(_hostmemory, "meminfo", lambda: (total, available))
+
+
+@LINUX
+def test_the_cpu_report_names_this_process_s_ulimit_when_it_binds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import resource
+
+    from devicekit import _hostmemory
+
+    _machine(monkeypatch, 64 * GiB, 32 * GiB)
+    held = _hostmemory._address_space()
+    assert held is not None
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = held + GiB if hard == resource.RLIM_INFINITY else min(held + GiB, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:  # 2 GiB: more than the limit leaves, far less than the machine has
+        with pytest.raises(torch.OutOfMemoryError) as caught, dk.explain_oom():
+            torch.empty(2 * GiB, dtype=torch.uint8)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    report = caught.value.report  # type: ignore[attr-defined]
+    assert (report.total, report.limit) == (limit, "this process's ulimit -v")
+    assert report.free <= GiB  # not the machine's 32 GiB
+    assert report.headline().startswith("cpu is out of memory, asked for 2.00 GiB: ")
+    assert report.headline().endswith(" under this process's ulimit -v")
+    assert report.fixes[0].startswith("Raise this process's memory limit: its `ulimit -v`")
+    assert "while the machine has 32.00 GiB available" in report.fixes[0]
+    assert report.fixes[1].startswith("Use a smaller batch")  # not "check the shape"
+    assert report.to_dict()["limit"] == "this process's ulimit -v"
+
+
+def _fake_proc(tmp_path: Path, *, v2: bool, limit: int, usage: int, idle: int) -> Path:
+    """A /proc and a cgroup mount with one limited cgroup, a parent of this process's."""
+    proc, mount = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "statm").write_text("1024 512 0 0 0 0 0\n")
+    files = ("memory.max", "memory.current", "inactive_file")
+    if v2:
+        (proc / "self" / "cgroup").write_text("0::/kubepods/pod1/app\n")
+        line = f"30 25 0:26 / {mount} rw,nosuid - cgroup2 cgroup2 rw\n"
+        parent, unlimited = mount / "kubepods" / "pod1", "max"
+    else:  # Docker on cgroup v1, without a cgroup namespace: the mount shows /docker
+        (proc / "self" / "cgroup").write_text("5:cpu:/\n4:memory:/docker/ab12/app\n0::/\n")
+        line = f"32 31 0:30 /docker {mount} rw - cgroup cgroup rw,memory\n"
+        parent, unlimited = mount / "ab12", "9223372036854771712"
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    (proc / "self" / "mountinfo").write_text(line)
+    for folder, its_limit in ((parent / "app", unlimited), (parent, str(limit))):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / files[0]).write_text(f"{its_limit}\n")
+        (folder / files[1]).write_text(f"{usage}\n")
+        (folder / "memory.stat").write_text(f"anon {usage - idle}\n{files[2]} {idle}\n")
+    return proc
+
+
+@LINUX
+@pytest.mark.parametrize("v2", [True, False], ids=["v2", "v1"])
+def test_the_cpu_report_names_the_container_s_limit_when_it_binds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: bool
+) -> None:
+    from devicekit import _hostmemory
+
+    proc = _fake_proc(tmp_path, v2=v2, limit=4 * GiB, usage=3 * GiB, idle=GiB // 2)
+    monkeypatch.setattr(_hostmemory, "_PROC", str(proc))
+    monkeypatch.setattr(_hostmemory, "_soft_limit", lambda: None)  # whatever ulimit -v runs this
+    _machine(monkeypatch, 64 * GiB, 32 * GiB)
+    machine, binding = _hostmemory.host_memory()
+    path = "/kubepods/pod1 memory.max" if v2 else "/docker/ab12 memory.limit_in_bytes"
+    # The working set is the usage less the page cache the kernel drops first.
+    assert binding == ("cgroup", 4 * GiB, 4 * GiB - (3 * GiB - GiB // 2), path)
+    assert machine == ("machine", 64 * GiB, 32 * GiB, None)
+    held = 1024 * os.sysconf("SC_PAGE_SIZE")
+    assert _hostmemory.search_bound() == held + GiB + GiB // 2 - _hostmemory.RESERVE
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise RuntimeError(CPU)  # torch's CPU allocator, asking for 4 EiB
+    report = caught.value.report
+    assert report is not None
+    assert (report.total, report.free) == (4 * GiB, GiB + GiB // 2)
+    assert report.limit == f"the container's memory limit (cgroup {path})"
+    assert report.fixes[0].startswith("Check the shape that asked for 4.00 EiB")
+    assert "all of cpu's memory (64.00 GiB)" in report.fixes[0]  # the machine's
+    assert report.fixes[-1].startswith(  # 4 EiB would not fit the machine either: last
+        f"Raise the container's memory limit: cgroup {path} allows 4.00 GiB, 1.50 GiB of it "
+        "free, while the machine has 32.00 GiB available"
+    )
+
+
+@LINUX
+def test_a_cgroup_without_a_limit_or_unreadable_leaves_the_machine_s_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from devicekit import _hostmemory
+
+    proc = _fake_proc(tmp_path, v2=True, limit=4 * GiB, usage=3 * GiB, idle=0)
+    (tmp_path / "cgroup" / "kubepods" / "pod1" / "memory.max").write_text("max\n")
+    monkeypatch.setattr(_hostmemory, "_PROC", str(proc))
+    monkeypatch.setattr(_hostmemory, "_soft_limit", lambda: None)
+    _machine(monkeypatch, 64 * GiB, 32 * GiB)
+    assert _hostmemory.host_memory()[1] == ("machine", 64 * GiB, 32 * GiB, None)
+    (proc / "self" / "mountinfo").unlink()  # unknown: no cgroup, never a limit of 0
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise RuntimeError(CPU)
+    report = caught.value.report
+    assert report is not None
+    assert (report.total, report.free, report.limit) == (64 * GiB, 32 * GiB, None)
