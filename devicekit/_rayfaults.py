@@ -9,18 +9,23 @@ raises for it:
 - ``RayTaskError`` whose cause is ``RaySystemError``: an argument could not be
   rebuilt in the worker (Ray's "At least one of the input arguments for this
   task could not be computed"). ``fn`` is fetched by the task itself, so the
-  one argument that can fail is the item: said as the local executor says it.
+  one argument that can fail is an item that Ray rebuilt (a packed one the
+  task unpacks itself, and answers for): said as the local executor says it.
 - ``RayTaskError`` with any other cause that is not one of Ray's: Ray's code
   after the task returned failed, serializing the result. Where Ray's
   traceback also passes through its serializer, in devicekit's task (not in
   the task that made an ``ObjectRef`` item), that is retold in the local
   executor's words ("the result ... cannot be sent back").
 - Any other Ray error is shown as Ray writes it, without its colour codes.
+
+Before any task, ``check_address`` refuses a ``RAY_ADDRESS`` that ``ray.init()``
+cannot use or that nothing answers at, in gpu_map's words.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import sys
 from typing import Any
 
@@ -28,7 +33,9 @@ from ._mapfaults import fn_raised, item_fault, show_item
 from ._worker import _summary
 
 __all__ = [
+    "TASK_NAME",
     "answer_failed",
+    "check_address",
     "exit_what",
     "loading_error",
     "plain_text",
@@ -37,6 +44,13 @@ __all__ = [
     "result_not_rebuilt",
     "this_ray",
 ]
+
+TASK_NAME = "devicekit.gpu_map"
+"""The name of gpu_map's Ray tasks: Ray's text reads ``ray::devicekit.gpu_map()``.
+
+Not ``_run``, Ray's name for them from their function: a user's task can have
+that name too (an item's upstream task), and its failure read as ours.
+"""
 
 _CANCEL_API = "2.54"  # the first Ray with ray.get_runtime_context().is_canceled()
 _NOT_AN_EXCEPTION = "(SystemExit and KeyboardInterrupt are not Exceptions)"
@@ -59,6 +73,8 @@ def answer_failed(index: int, item: object, answer: tuple[Any, ...]) -> str:
             f"result, or raise an Exception to fail its item {_NOT_AN_EXCEPTION}. The "
             f"worker's traceback:\n{answer[3]}"
         )
+    if kind == "item_failed":  # the task could not unpickle the item
+        return item_fault(kind, index, item, where, (kind, index, answer[2], answer[3]))
     if kind == "fn_failed":
         return (
             f"gpu_map: fn could not be rebuilt in {where}, for {shown}: {answer[2]}. Ray "
@@ -80,6 +96,54 @@ def answer_failed(index: int, item: object, answer: tuple[Any, ...]) -> str:
         f"gpu_map: the Ray task for {shown} failed in {where}, outside fn (in devicekit's "
         f"code around it): {summary}. The task's traceback:\n{remote_traceback}"
     )
+
+
+_CONNECT_TIMEOUT = 10.0  # seconds to wait for RAY_ADDRESS's port to accept a connection
+
+
+def check_address(address: str) -> None:
+    """Refuse a ``RAY_ADDRESS`` that ``ray.init()`` cannot use, or that nothing answers at.
+
+    ``ray.init()`` reads ``RAY_ADDRESS`` as a cluster's GCS address
+    (``host:port``, ``[::1]:6379``), a Ray Client address
+    (``ray://host:port``), ``auto`` or ``local``; any other ``scheme://`` names
+    a module that provides a client. An ``http://`` or ``https://`` address (a
+    dashboard's, which ``ray job submit`` takes) it refuses: that is said here,
+    in gpu_map's words (the scheme was taken for the host name before, and the
+    error blamed DNS).
+
+    ``ray.init()`` retries an address that does not answer for many minutes
+    (Ray 2.60 took 14 minutes to give up on a port nothing listened on),
+    printing warnings: a stale ``RAY_ADDRESS`` looks like a hang. One TCP
+    connection, bounded, tells a cluster that is down at once. Only the
+    ``host:port`` and ``ray://host:port`` forms are checked; the others are
+    Ray's to read.
+    """
+    scheme, has_scheme, rest = address.strip().partition("://")
+    if has_scheme and scheme.lower() in ("http", "https"):
+        raise ValueError(
+            f"RAY_ADDRESS={address!r} is an HTTP address (a Ray dashboard's, which `ray job "
+            "submit` uses), and ray.init() cannot connect to a cluster there. Set RAY_ADDRESS "
+            "to the cluster's GCS address (head-node:6379) or its Ray Client address "
+            "(ray://head-node:10001), or unset it to let gpu_map start a local Ray for the call."
+        )
+    if has_scheme and scheme != "ray":
+        return  # Ray imports the module the scheme names, for its client
+    target = (rest if has_scheme else scheme).rstrip("/")
+    host, _, port = target.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")  # [::1]:6379
+    host = host[1:-1] if bracketed else host
+    if not host or (":" in host and not bracketed) or not (port.isascii() and port.isdigit()):
+        return  # auto, local, or a form Ray refuses itself, at once
+    try:
+        with socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT):
+            pass
+    except OSError as error:
+        raise ConnectionError(
+            f"RAY_ADDRESS={address!r} names a Ray cluster that does not answer: connecting to "
+            f"{host}:{port} failed ({error}). Start the cluster (ray start --head), correct "
+            "RAY_ADDRESS, or unset it to let gpu_map start a local Ray for the call."
+        ) from None
 
 
 def exit_what(error: BaseException) -> str:
@@ -158,7 +222,7 @@ def ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str:
     cause = _unsendable_result(ray, error)
     if cause is not None:
         # The error is also an instance of the cause's class, which hides Ray's ip
-        # attribute; its message starts "ray::_run() (pid=1234, ip=10.0.0.3)".
+        # attribute; its message starts "ray::devicekit.gpu_map() (pid=1234, ip=10.0.0.3)".
         reason = ("unpicklable", index, plain_text(f"{type(cause).__name__}: {cause}"))
         return item_fault("unpicklable", index, item, where, reason)
     if isinstance(error, ray.exceptions.RaySystemError) and not isinstance(
@@ -199,13 +263,15 @@ def _unsendable_result(ray: Any, error: BaseException) -> BaseException | None:
     (``ray/cloudpickle``'s ``dumps``, in Ray 2.60's "cannot pickle
     '_thread.lock' object" and in a result whose ``__reduce__`` raised), in
     devicekit's task: the last task Ray names before that frame
-    (``ray::_run()``) must be ours. An item that is an ``ObjectRef`` whose
-    own task's result could not be pickled reads ``ray::_run()``, "At least
-    one of the input arguments for this task could not be computed", then
-    ``ray::upstream()`` and the same frame: that is quoted as Ray words it,
-    not blamed on the result (fn never ran). Ray's ``function_name`` cannot
-    tell: ``ray.get`` raises an instance of the cause's class, where it reads
-    the cause's attribute (Ray 2.60).
+    (``ray::devicekit.gpu_map()``, ``TASK_NAME``) must be ours. An item that
+    is an ``ObjectRef`` whose own task's result could not be pickled reads
+    ``ray::devicekit.gpu_map()``, "At least one of the input arguments for
+    this task could not be computed", then ``ray::upstream()`` and the same
+    frame: that is quoted as Ray words it, not blamed on the result (fn never
+    ran). Ray's ``function_name`` cannot tell: ``ray.get`` raises an instance
+    of the cause's class, where it reads the cause's attribute (Ray 2.60).
+    Before the task had its name, Ray named it after its function, ``_run``,
+    and an upstream task of that name was taken for ours.
     """
     cause = getattr(error, "cause", None)
     if (
@@ -217,12 +283,11 @@ def _unsendable_result(ray: Any, error: BaseException) -> BaseException | None:
     text = _ESCAPE.sub("", str(error))
     frame = _SERIALIZER.search(text)
     tasks = _TASK.findall(text, 0, frame.start()) if frame is not None else []
-    return cause if tasks and tasks[-1] == _OUR_TASK else None
+    return cause if tasks and tasks[-1] == TASK_NAME else None
 
 
-_OUR_TASK = "_run"  # the name Ray gives devicekit's task (the function _ray._run)
 _SERIALIZER = re.compile(r'cloudpickle\.py", line \d+, in dumps?$', re.MULTILINE)
-_TASK = re.compile(r"\bray::([\w.]+)\(\)")  # "ray::_run() (pid=1234, ip=10.0.0.3)"
+_TASK = re.compile(r"\bray::([\w.]+)\(\)")  # "ray::upstream() (pid=1234, ip=10.0.0.3)"
 _NODE = re.compile(r"\bip=([^\s,)]+)")  # in Ray's "(pid=1234, ip=10.0.0.3)"
 _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal's colour or cursor code
 

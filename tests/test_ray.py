@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import pickle
 import re
 import sys
 import types
@@ -53,6 +54,9 @@ def test_bad_arguments_are_refused_before_ray_is_needed(
 class _Unserializable:
     """An item Ray's serializer refuses (as it refuses a lock)."""
 
+    def __reduce__(self) -> Any:
+        raise TypeError("cannot pickle '_Unserializable' object")
+
 
 class _FakeRay(types.ModuleType):
     """Just enough of ``ray`` for ray_map's bookkeeping; it never runs a task."""
@@ -63,6 +67,7 @@ class _FakeRay(types.ModuleType):
         self.exceptions = types.SimpleNamespace(RayError=RuntimeError)
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
+        self.named: list[str] = []
 
     def is_initialized(self) -> bool:
         return self.initialized
@@ -83,7 +88,11 @@ class _FakeRay(types.ModuleType):
         ray = self
 
         class Task:
-            def remote(self, fn: object, item: object, hide_gpus: bool) -> str:
+            def options(self, *, name: str) -> Task:
+                ray.named.append(name)
+                return self
+
+            def remote(self, fn: object, item: object, hide_gpus: bool, packed: bool) -> str:
                 if isinstance(item, _Unserializable):
                     raise TypeError(f"Could not serialize the argument {item!r} for a task")
                 ray.submitted.append(f"ref-{item}")
@@ -317,17 +326,25 @@ def test_a_result_whose_pickling_exits_is_answered_not_left_to_end_the_worker(
     assert "in __reduce__" in message  # the worker's traceback
 
 
-def test_the_dry_run_of_a_result_leaves_tensors_and_ray_s_objects_out() -> None:
+class _RayObject:
+    """As one of Ray's objects: Ray's own pickling of an ObjectRef has side effects."""
+
+    def __reduce__(self) -> Any:
+        raise AssertionError("pickled")
+
+
+@pytest.mark.parametrize("module", ["ray._raylet", "ray"])
+def test_the_dry_run_of_a_result_leaves_tensors_and_ray_s_objects_out(
+    monkeypatch: pytest.MonkeyPatch, module: str
+) -> None:
+    # Before, an ObjectRef (of class ray.ObjectRef, whose module is "ray") was pickled in the
+    # dry run, by Ray's own reducer, which pins its object for the life of the worker.
     import torch
 
     pytest.importorskip("ray.cloudpickle")
     from devicekit._ray import _dry_run
 
-    class _RayObject:  # as an ObjectRef: Ray's own pickling of it has side effects
-        def __reduce__(self) -> Any:
-            raise AssertionError("pickled")
-
-    _RayObject.__module__ = "ray._raylet"
+    monkeypatch.setattr(_RayObject, "__module__", module)
     written = io.BytesIO()
     _dry_run()(written, protocol=5).dump([torch.zeros(1000), _RayObject()])
     assert len(written.getvalue()) < 100  # neither the tensor's bytes nor the object's
@@ -410,6 +427,77 @@ def test_an_array_of_objects_is_still_pickled_in_the_dry_run() -> None:
         assert answer[:1] == ("unsendable",)
 
 
+class _Store:
+    """``ray.put`` and ``ray.get``: what is put is pickled, and rebuilt when got."""
+
+    def put(self, value: object) -> bytes:
+        return pickle.dumps(value)
+
+    def get(self, ref: bytes) -> Any:
+        return pickle.loads(ref)
+
+
+def _exit_here() -> None:
+    sys.exit(3)
+
+
+class _ExitsWhenUnpickled:
+    def __reduce__(self) -> Any:
+        return _exit_here, ()
+
+
+@pytest.mark.parametrize("holds", ["nothing else", "a tensor"])
+def test_an_item_whose_unpickling_exits_is_answered_not_left_to_end_the_worker(
+    monkeypatch: pytest.MonkeyPatch, holds: str
+) -> None:
+    # Before, Ray rebuilt the item before the task ran, where nothing caught SystemExit: it
+    # ended the worker, Ray ran the task again three times, then "The worker died
+    # unexpectedly". Now the item travels packed, and the task unpacks it itself.
+    import torch
+
+    pytest.importorskip("ray.cloudpickle")
+    from devicekit._ray import _parcel, _run
+    from devicekit._rayfaults import answer_failed
+
+    store = _Store()
+    item = [_ExitsWhenUnpickled()] + ([torch.zeros(2)] if holds == "a tensor" else [])
+    parcel, packed = _parcel(store, item)
+    assert packed
+    assert isinstance(parcel, bytes) == (holds == "nothing else")  # else Ray's to carry: put
+    _ray_in_a_task(monkeypatch, cancelled=False)
+    monkeypatch.setattr(sys.modules["ray"], "get", store.get)
+    answer = _run([store.put(len)], parcel, False, packed)
+    assert answer[:1] == ("item_failed",), answer
+    message = answer_failed(1, item, answer)
+    assert re.match(
+        r"gpu_map: item 1 \(\[.*\]\) could not be unpickled in a Ray task on .+ \(the CPU\): "
+        r"rebuilding it called sys.exit\(3\). Each item is rebuilt in its worker from its "
+        r"pickle: pass data .* The worker's traceback:\nTraceback",
+        message,
+        re.DOTALL,
+    ), message
+    assert "in _exit_here" in message
+
+
+def test_items_whose_rebuilding_runs_no_code_of_theirs_travel_as_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    pytest.importorskip("ray.cloudpickle")
+    from devicekit._ray import _parcel
+
+    monkeypatch.setattr(_RayObject, "__module__", "ray")  # an ObjectRef: Ray resolves it
+    store = _Store()
+    for item in (3, "/data/ckpt.pt", None, torch.zeros(2), _RayObject(), _Unserializable()):
+        parcel, packed = _parcel(store, item)
+        assert parcel is item
+        assert not packed  # Ray's own serializer, as before (and its error, for the last)
+    parcel, packed = _parcel(store, ("/data/ckpt.pt", 3))
+    assert packed
+    assert pickle.loads(parcel) == ("/data/ckpt.pt", 3)
+
+
 def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -466,7 +554,7 @@ _FAKE_RAY = types.SimpleNamespace(
         RayError=_RayError, RayTaskError=_RayTaskError, RaySystemError=_RaySystemError
     )
 )
-_TASK = "\x1b[36mray::_run()\x1b[39m (pid=7, ip=10.0.0.3)\n"
+_TASK = "\x1b[36mray::devicekit.gpu_map()\x1b[39m (pid=7, ip=10.0.0.3)\n"
 
 
 def test_a_task_error_from_outside_the_serializer_is_quoted_not_blamed_on_the_result() -> None:
@@ -477,8 +565,8 @@ def test_a_task_error_from_outside_the_serializer_is_quoted_not_blamed_on_the_re
     text = _TASK + '  File "x.py", line 3, in setup\nValueError: no'
     message = ray_failed(_FAKE_RAY, _RayTaskError(text, ValueError("no")), 2, 7)
     assert message == (
-        "gpu_map: the Ray task for item 2 (7) failed: ray::_run() (pid=7, ip=10.0.0.3)\n"
-        '  File "x.py", line 3, in setup\nValueError: no'
+        "gpu_map: the Ray task for item 2 (7) failed: ray::devicekit.gpu_map() (pid=7, "
+        'ip=10.0.0.3)\n  File "x.py", line 3, in setup\nValueError: no'
     )
 
 
@@ -549,17 +637,43 @@ def test_an_objectref_item_whose_own_task_s_result_was_unpicklable_is_not_blamed
     )
     message = ray_failed_of(_RayTaskError(text, TypeError("cannot pickle '_thread.lock' object")))
     assert message.startswith(
-        "gpu_map: the Ray task for item 2 (7) failed: ray::_run() (pid=7, ip=10.0.0.3)\n"
-        "  At least one of the input arguments for this task could not be computed:\n"
-        "ray.exceptions.RayTaskError: ray::upstream() (pid=8, ip=10.0.0.4)\n"
+        "gpu_map: the Ray task for item 2 (7) failed: ray::devicekit.gpu_map() (pid=7, "
+        "ip=10.0.0.3)\n  At least one of the input arguments for this task could not be "
+        "computed:\nray.exceptions.RayTaskError: ray::upstream() (pid=8, ip=10.0.0.4)\n"
     ), message
     assert "cannot be sent back" not in message
 
 
-def test_the_task_ray_names_is_devicekit_s() -> None:
-    from devicekit import _ray, _rayfaults
+def test_an_upstream_task_named_run_is_not_taken_for_devicekit_s() -> None:
+    # Before, devicekit's task was Ray's "_run" (its function's name): an ObjectRef item whose
+    # own task, a user's function also called _run, could not send its result back read as
+    # "the result of item 2 (7) cannot be sent back ... Return picklable data", though fn
+    # never ran.
+    text = _TASK + (
+        "  At least one of the input arguments for this task could not be computed:\n"
+        "ray.exceptions.RayTaskError: \x1b[36mray::_run()\x1b[39m (pid=8, ip=10.0.0.4)\n"
+        '  File "/site-packages/ray/cloudpickle/cloudpickle.py", line 1544, in dumps\n'
+        "    cp.dump(obj)\nTypeError: cannot pickle '_thread.lock' object"
+    )
+    message = ray_failed_of(_RayTaskError(text, TypeError("cannot pickle '_thread.lock' object")))
+    assert message.startswith(
+        "gpu_map: the Ray task for item 2 (7) failed: ray::devicekit.gpu_map() (pid=7, "
+        "ip=10.0.0.3)\n  At least one of the input arguments for this task could not be "
+        "computed:\nray.exceptions.RayTaskError: ray::_run() (pid=8, ip=10.0.0.4)\n"
+    ), message
+    assert "cannot be sent back" not in message
 
-    assert _ray._run.__name__ == _rayfaults._OUR_TASK  # Ray names the task ray::_run()
+
+def test_gpu_map_s_tasks_are_named_as_its_faults_tell_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from devicekit._rayfaults import TASK_NAME
+
+    ray = _FakeRay(initialized=True)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(TypeError, match=r"Could not serialize"):  # the fake runs no task
+        dk.gpu_map(math.sqrt, [1, _Unserializable()], devices="cpu", executor="ray")
+    assert ray.named == [TASK_NAME] == ["devicekit.gpu_map"]
 
 
 class _BatchRay:

@@ -78,13 +78,28 @@ def unbalance(item: int) -> int:
 
 
 def started_then_sleep(path: str) -> None:
+    """Note the start, then wait (bounded) in short sleeps: Ray's cancel lands between two.
+
+    Ray cancels a running task by ``_thread.interrupt_main()``, which sends no signal: the
+    ``KeyboardInterrupt`` is raised once the sleep under way returns. One sleep of TIMEOUT
+    held the test that long (2 of the compat run's minutes), and its end raced the test's
+    ``ray.get(timeout=TIMEOUT)``.
+    """
     Path(path).touch()
-    time.sleep(TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @ray.remote
 def locked() -> threading.Lock:
     return threading.Lock()  # Ray cannot serialize it: this task fails, not the next
+
+
+@ray.remote
+def _run() -> threading.Lock:
+    """A user's task that fails as ``locked`` does, named as devicekit's function is."""
+    return threading.Lock()
 
 
 _DRIVER = os.getpid()  # in a Ray worker, the worker's: items carry the driver's
@@ -149,6 +164,17 @@ def _fail_here() -> None:
 class FailsWhenRebuilt:
     def __reduce__(self) -> tuple[Any, ...]:
         return _fail_here, ()
+
+
+class ExitsWhenUnpickled:
+    """An item whose unpickling notes each attempt in ``directory``, then calls sys.exit(3)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        Path(state["directory"], f"unpickled-{uuid.uuid4()}").touch()
+        sys.exit(3)
 
 
 def noted(job: tuple[str, int, str]) -> object:
@@ -360,10 +386,10 @@ def test_a_task_ray_cancels_is_a_cancellation_not_fn_s_keyboard_interrupt(
     # Before, _run caught the KeyboardInterrupt by which ray.cancel() (without force) stops
     # a running task, and answered "fn raised KeyboardInterrupt". gpu_map's own tasks are
     # submitted as here; a cancel of the task that called gpu_map reaches them this way.
-    from devicekit._ray import _run
-    from devicekit._rayfaults import ray_failed
+    from devicekit import _ray
+    from devicekit._rayfaults import TASK_NAME, ray_failed
 
-    task = ray.remote(num_cpus=1, retry_exceptions=False)(_run)
+    task = ray.remote(num_cpus=1, retry_exceptions=False)(_ray._run).options(name=TASK_NAME)
     started = tmp_path / "started"
     ref = task.remote([ray.put(started_then_sleep)], str(started), True)
     deadline = time.monotonic() + TIMEOUT
@@ -374,7 +400,9 @@ def test_a_task_ray_cancels_is_a_cancellation_not_fn_s_keyboard_interrupt(
     with pytest.raises(ray.exceptions.TaskCancelledError) as caught:
         ray.get(ref, timeout=TIMEOUT)
     message = ray_failed(ray, caught.value, 0, "x")
-    assert message.startswith("gpu_map: the Ray task for item 0 ('x') failed: ray::_run()")
+    assert message.startswith(
+        "gpu_map: the Ray task for item 0 ('x') failed: ray::devicekit.gpu_map()"
+    ), message
     assert re.search(r"TaskCancelledError: Task: \S+ was cancelled\.\s*$", message), message
 
 
@@ -385,7 +413,7 @@ def test_an_item_ray_cannot_rebuild_in_its_worker_is_named_with_the_fix(cluster:
         dk.gpu_map(math.sqrt, [4, OnlyHere()], devices="cpu", executor="ray")
     message = str(caught.value)
     assert re.match(
-        r"gpu_map: item 1 \(<.*>\) could not be unpickled in a Ray task on \S+: "
+        r"gpu_map: item 1 \(<.*>\) could not be unpickled in a Ray task on .+ \(the CPU\): "
         r"ValueError: this item cannot be rebuilt in a Ray worker. Each item is rebuilt in its "
         r"worker from its pickle: pass data .* The worker's traceback:\nTraceback",
         message,
@@ -451,13 +479,56 @@ def test_an_objectref_item_whose_task_s_result_was_unpicklable_is_not_blamed_on_
         dk.gpu_map(math.sqrt, [locked.remote()], devices="cpu", executor="ray")
     message = str(caught.value)
     assert re.match(
-        r"gpu_map: the Ray task for item 0 \(.*\) failed: ray::_run\(\) .*\n  At least one "
+        r"gpu_map: the Ray task for item 0 \(.*\) failed: ray::devicekit\.gpu_map\(\) .*\n  At "
+        r"least one "
         r"of the input arguments for this task could not be computed:\nray.exceptions."
         r"RayTaskError: ray::locked\(\)",
         message,
     ), message
     assert "TypeError: cannot pickle '_thread.lock' object" in message
     assert "cannot be sent back" not in message
+
+
+def test_an_objectref_item_of_a_user_task_named_run_is_not_blamed_on_fn(cluster: Any) -> None:
+    # Before, devicekit's task was Ray's "_run" too (its function's name), so the failure of
+    # a user's upstream task of that name read as devicekit's: "the result of item 0 (...)
+    # cannot be sent back ... Return picklable data", though fn never ran.
+    with pytest.raises(dk.WorkerError) as caught:
+        dk.gpu_map(math.sqrt, [_run.remote()], devices="cpu", executor="ray")
+    message = str(caught.value)
+    assert re.match(
+        r"gpu_map: the Ray task for item 0 \(.*\) failed: ray::devicekit\.gpu_map\(\) .*\n  At "
+        r"least one of the input arguments for this task could not be computed:\n"
+        r"ray.exceptions.RayTaskError: ray::_run\(\)",
+        message,
+    ), message
+    assert "TypeError: cannot pickle '_thread.lock' object" in message
+    assert "cannot be sent back" not in message
+
+
+@pytest.mark.parametrize("holds", ["nothing else", "a tensor"])
+def test_an_item_whose_unpickling_exits_fails_at_once_and_is_not_retried(
+    cluster: Any, tmp_path: Path, holds: str
+) -> None:
+    # Before, Ray rebuilt the item before the task ran, where sys.exit() ended the worker:
+    # Ray ran the task four times, then "The worker died unexpectedly". With a tensor the
+    # item travels by ray.put, else as its pickle; the task unpacks either.
+    import torch
+
+    item = [ExitsWhenUnpickled(str(tmp_path))] + ([torch.ones(2)] if holds == "a tensor" else [])
+    with pytest.raises(dk.WorkerError) as caught:
+        dk.gpu_map(len, [[1], item], devices="cpu", executor="ray")
+    message = str(caught.value)
+    assert re.match(
+        r"gpu_map: item 1 \(\[.*\]\) could not be unpickled in a Ray task on .+ \(the CPU\): "
+        r"rebuilding it called sys.exit\(3\). Each item is rebuilt in its worker from its "
+        r"pickle: pass data .* The worker's traceback:\n",
+        message,
+        re.DOTALL,
+    ), message
+    assert "in __setstate__" in message
+    assert caught.value.index == 1
+    assert len(list(tmp_path.glob("unpickled-*"))) == 1  # one attempt: not run again
 
 
 def test_a_result_whose_rebuilding_here_exits_is_a_worker_error(
