@@ -622,7 +622,10 @@ def test_a_class_of_the_saving_scripts_main_is_named_with_the_fix(
 ) -> None:
     # Before, weights_only=False: "AttributeError: Can't get attribute 'Config' on <module
     # '__main__' ...>"; weights_only=True: re-running with False "will likely succeed".
-    main = sys.modules["__main__"]
+    # A __main__ of its own: under `python -m pytest` the real one is pytest.__main__,
+    # whose classes pickle saves under that name.
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
     with monkeypatch.context() as patch:  # as the training script that saved it had it
         patch.setattr(Config, "__module__", "__main__")
         patch.setattr(main, "Config", Config, raising=False)

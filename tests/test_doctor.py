@@ -511,7 +511,7 @@ def test_a_well_formed_allocator_setting_has_no_finding(
     one_gpu: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(
-        "PYTORCH_ALLOC_CONF",
+        "PYTORCH_CUDA_ALLOC_CONF",  # the name every torch reads (PYTORCH_ALLOC_CONF: 2.8 on)
         "max_split_size_mb:512, expandable_segments:True,roundup_power2_divisions:[256:4,>:1],"
         "garbage_collection_threshold:0.6,backend:native,pinned_num_register_threads:8,",
     )
