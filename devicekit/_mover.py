@@ -52,6 +52,9 @@ _HOST, _CUDA, _META, _SAME_DEVICE = range(4)
 # Objects to_device cannot move: how often each class is still looked inside for tensors.
 _LOOKS_PER_CLASS = 8
 _looks_left: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
+# Modules to_device moved with Module.to(): how often each is still looked at for a tensor
+# it left behind, per instance (an nn.Sequential holds something else in each).
+_module_looks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 _BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
 
 
@@ -437,9 +440,25 @@ def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
         mover.unsynced.update(t.device for t in module.parameters())
         mover.unsynced.update(t.device for t in module.buffers())
     moved = module.to(mover.device, non_blocking=mover.non_blocking)
-    if _looks_left.get(type(module), _LOOKS_PER_CLASS) > 0:  # to_device looks at its attributes
+    if module_looks_left(module) > 0:  # to_device looks at its attributes
         mover.modules = [*(mover.modules or ()), module]
     return _returned(mover, module, moved)
+
+
+def module_looks_left(module: torch.nn.Module) -> int:
+    """How many more times to_device looks at ``module``'s plain attributes (see above)."""
+    try:
+        return _module_looks.get(module, _LOOKS_PER_CLASS)
+    except TypeError:  # a module class with __eq__ and no __hash__: counted by its class
+        return _looks_left.get(type(module), _LOOKS_PER_CLASS)
+
+
+def set_module_looks(module: torch.nn.Module, looks: int) -> None:
+    """Record how many more looks at ``module`` are left."""
+    try:
+        _module_looks[module] = looks
+    except TypeError:  # unhashable: counted by its class
+        _looks_left[type(module)] = looks
 
 
 def _returned(mover: _Mover, obj: Any, moved: Any) -> Any:

@@ -22,7 +22,7 @@ from ._format import qualified_name
 from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
-from ._mover import _LOOKS_PER_CLASS, Cycle, _looks_left, borrow
+from ._mover import Cycle, borrow, module_looks_left, set_module_looks
 from ._options import check_flag
 from ._tree import describe_cycle, iter_tensors
 
@@ -79,16 +79,21 @@ _REFERENCES_PER_ATTRIBUTE = 64
 _CODE = frozenset(map(id, OPAQUE))
 
 
-def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> None:
-    """Warn, once per class, where ``Module.to()`` left a plain tensor attribute elsewhere.
+_warned_left: set[tuple[type, str]] = set()  # (class, path) told by _warn_left_behind
+_WARNED_AT_MOST = 1024
 
-    Each class is looked at a few times at most (`_mover.unchanged` does the
-    same for objects), so a model moved at every step costs a dict lookup per
-    call once its class is known.
+
+def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> None:
+    """Warn where ``Module.to()`` left a plain tensor attribute elsewhere.
+
+    Each module is looked at a few times at most (`_mover.unchanged` does the
+    same for objects, by class), so a model moved at every step costs a dict
+    lookup per call once it is known. Each stray is told once per class and
+    path, however many models of that class hold it.
     """
     for module in {id(module): module for module in modules}.values():
         cls = type(module)
-        looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
+        looks = module_looks_left(module)
         if looks <= 0:
             continue
         try:
@@ -97,10 +102,15 @@ def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> N
             continue
         except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
             found, looks = None, 1
-        _looks_left[cls] = 0 if found is not None else looks - 1
+        set_module_looks(module, 0 if found is not None else looks - 1)
         if found is None:
             continue
         path, _ = found
+        # Once per class and path: each new model of a class with the same stray looks once.
+        if (cls, path) in _warned_left:
+            continue
+        if len(_warned_left) < _WARNED_AT_MOST:
+            _warned_left.add((cls, path))
         fix = attribute_fix("model", module, [path])  # check_module's own, where it has one
         warnings.warn(
             f"to_device() moved a {qualified_name(cls)} with Module.to(), which leaves a "

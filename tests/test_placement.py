@@ -1571,7 +1571,7 @@ def test_a_plain_tensor_attribute_a_module_move_leaves_behind_is_warned_once_per
     ):
         model = dk.to_device(positions(), "meta")
     assert model.pos.device.type == "cpu"  # still left where it was: a warning, not a move
-    assert _mover._looks_left[positions] == 0  # never looked at again: a dict lookup per call
+    assert _mover._module_looks[model] == 0  # never looked at again: a dict lookup per call
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dk.to_device(positions(), "meta")
@@ -1608,4 +1608,16 @@ def test_a_clean_module_class_is_looked_at_a_few_times_then_no_more() -> None:
         warnings.simplefilter("error")
         for _ in range(_mover._LOOKS_PER_CLASS + 2):
             dk.to_device(model, "cpu")
-    assert _mover._looks_left[positions] == 0
+    assert _mover._module_looks[model] == 0  # a dict lookup per call from now on
+
+
+def test_a_stray_in_a_sequential_is_found_after_clean_ones_were_moved() -> None:
+    # Before, the looks were counted by class: after 8 clean nn.Sequential moves (or one
+    # warning of a Sequential), no Sequential was looked at again, whatever it held.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(_mover._LOOKS_PER_CLASS + 1):
+            dk.to_device(torch.nn.Sequential(torch.nn.Linear(2, 2)), "meta")
+    stray = torch.nn.Sequential(torch.nn.Linear(2, 2), _positions_class()())
+    with pytest.warns(RuntimeWarning, match=r"Sequential\.1\.pos is not on meta"):
+        dk.to_device(stray, "meta")
