@@ -93,7 +93,14 @@ def check_module(module: torch.nn.Module) -> list[str]:
     for where, attr, value, submodule, modules, tensors in held:
         if id(submodule) not in taken:
             taken[id(submodule)] = set(dir(submodule))
-        places = Places(attr, value, taken[id(submodule)], registered)
+        places = Places(
+            attr,
+            value,
+            taken[id(submodule)],
+            registered,
+            where=where,
+            owner=type(submodule).__name__,
+        )
         findings.append(f"{where}: {places.describe(modules, tensors)}")
     return findings
 

@@ -106,6 +106,23 @@ _REFUSED = "its keys must be str, without '.', and not one of its own attribute 
 _OTHER = object()  # a key that is neither a str nor an int
 
 
+def _expression(path: str) -> str:
+    """A module path as Python reads it: ``model.blocks[0].attn`` for ``blocks.0.attn``.
+
+    An index (a child of ``nn.Sequential`` or ``nn.ModuleList``) is subscripted,
+    and so is a name no attribute can have (an ``nn.ModuleDict`` key like ``"a-b"``).
+    """
+    parts = []
+    for part in path.split("."):
+        if part.isdigit():
+            parts.append(f"[{part}]")
+        elif part.isidentifier():
+            parts.append(f".{part}")
+        else:
+            parts.append(f"[{part!r}]")
+    return "model" + "".join(parts)
+
+
 def _made(text: str, taken: set[str]) -> str:
     """A name ``register_buffer()`` takes, made of ``text``: no dot, none ``taken`` already.
 
@@ -125,8 +142,19 @@ def _made(text: str, taken: set[str]) -> str:
 class Places:
     """The fix for one plain attribute, from where each tensor and module lies in it."""
 
-    def __init__(self, attr: str, value: object, taken: set[str], registered: Registered) -> None:
+    def __init__(
+        self,
+        attr: str,
+        value: object,
+        taken: set[str],
+        registered: Registered,
+        *,
+        where: str | None = None,
+        owner: str = "the module",
+    ) -> None:
         self.attr, self.value, self.taken, self.registered = attr, value, taken, registered
+        self.where = attr if where is None else where  # the path from the checked module
+        self.owner = owner  # the class whose instance holds the attribute
         kind = type(value).__name__
         self.a_kind = f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 
@@ -134,10 +162,14 @@ class Places:
         if isinstance(self.value, torch.Tensor):
             return describe_tensor(self.attr, self.value, self)
         if isinstance(self.value, torch.nn.Module):  # set with object.__setattr__
+            # Module.__setattr__ registers a module and drops the plain attribute of
+            # that name, so assigning the attribute to itself registers it at once.
             return (
                 f"a {type(self.value).__name__} module held as a plain attribute, not "
-                "registered; module.to() will not move it. Assign it with self.<name> = module "
-                "to register it."
+                "registered (set with object.__setattr__ or through __dict__); module.to() "
+                f"will not move it. Register it: in {self.owner}.__init__ assign it the usual "
+                f"way, self.{self.attr} = ..., or on this model now: "
+                f"{_expression(self.where)} = {_expression(self.where)}."
             )
         keys = [leaf for leaf in (*modules, *tensors) if leaf.in_key]
         kept = [leaf for leaf in modules if not leaf.in_key]

@@ -413,11 +413,28 @@ def test_check_module_reports_a_module_kept_out_of_the_registry() -> None:
     model = torch.nn.Linear(2, 2)
     object.__setattr__(model, "helper", torch.nn.Linear(1, 1))  # as some wrappers do
     assert dk.check_module(model) == [
-        "helper: a Linear module held as a plain attribute, not registered; module.to() will "
-        "not move it. Assign it with self.<name> = module to register it."
+        "helper: a Linear module held as a plain attribute, not registered (set with "
+        "object.__setattr__ or through __dict__); module.to() will not move it. Register it: "
+        "in Linear.__init__ assign it the usual way, self.helper = ..., or on this model now: "
+        "model.helper = model.helper."
     ]
     model.to("meta")
     assert model.helper.weight.device == CPU  # type: ignore[union-attr]
+
+
+def test_check_module_gives_a_hidden_module_a_fix_that_runs() -> None:
+    """The fix for a module set with object.__setattr__ deep inside is a line that works."""
+    model = torch.nn.Sequential(torch.nn.ModuleDict({"a-b": torch.nn.Linear(2, 2)}))
+    object.__setattr__(model[0]["a-b"], "teacher", torch.nn.Linear(1, 1))
+    (finding,) = dk.check_module(model)
+    assert finding.startswith("0.a-b.teacher: ")
+    assert "in Linear.__init__ assign it the usual way, self.teacher = ..." in finding
+    line = finding.rsplit("on this model now: ", 1)[1].rstrip(".")
+    assert line == "model[0]['a-b'].teacher = model[0]['a-b'].teacher"
+    exec(line, {"model": model})  # the fix, pasted
+    assert dk.check_module(model) == []
+    model.to("meta")
+    assert model[0]["a-b"].teacher.weight.device.type == "meta"
 
 
 def test_check_module_ignores_weights_a_pre_hook_recomputes() -> None:
