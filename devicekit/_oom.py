@@ -5,6 +5,12 @@ block, ``__exit__`` builds the report (`_oomreport`) while the failed block's
 frames are still alive (the traceback holds them), so the numbers are those of
 the moment of failure, and raises a ``DeviceOutOfMemoryError`` that carries it
 from torch's error (the host's ``MemoryError`` gets it as a note instead).
+
+A plain function comes back decorated as an `_Explained`, not as a function:
+``with dk.explain_oom(step):`` then fails with the fix (`_misuse`), where a
+function would fail with Python's bare "does not support the context manager
+protocol". It binds as a method and pickles by name as the function it
+replaces does.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, NoReturn, TypeVar, overload
 
 import torch
 
@@ -35,6 +41,85 @@ def _history_enabled() -> bool:
     """Whether CUDA's memory-history recorder is on (a private torch call, there since 2.1)."""
     probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
     return bool(probe()) if probe is not None else False
+
+
+def _misuse(func: object) -> TypeError:
+    """The error for ``func`` given where it cannot serve: what was received, and the fix.
+
+    A module is refused as soon as it is given (decorated, it would become a
+    function without parameters); a function is decorated, and refused when the
+    result is entered as a block instead of called.
+    """
+    if isinstance(func, torch.nn.Module):
+        # Callable, so it would be decorated: the result is a function, not a module (no
+        # parameters(), no train()), and `with dk.explain_oom(model):` fails in Python.
+        return TypeError(
+            f"explain_oom() takes a function to decorate as its first argument, got the module "
+            f"{type(func).__name__}; a module goes in model= (it names the report's tensors): "
+            "`with dk.explain_oom(model=model):`, or `@dk.explain_oom(model=model)` on the "
+            "step. To explain each forward pass, decorate a function that calls the model"
+        )
+    name = getattr(func, "__name__", None)
+    what = f"the function {name}" if isinstance(name, str) else f"a {type(func).__name__}"
+    return TypeError(
+        f"`with dk.explain_oom(fn):` got {what}, but explain_oom(fn) is a decorator: it "
+        "returns fn wrapped, to be called, not a block to enter. For a block, write "
+        "`with dk.explain_oom():` around the code (options by keyword: "
+        "`with dk.explain_oom(model=model):`); for the function, put `@dk.explain_oom` above "
+        "its def (or `fn = dk.explain_oom(fn)`) and call it"
+    )
+
+
+def _lookup(module: object, qualname: str) -> object:
+    """What ``module.qualname`` names (``Trainer.step``: an attribute of an attribute); None."""
+    found = sys.modules.get(module) if isinstance(module, str) else None
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
+class _Explained:
+    """A function that `explain_oom` decorated: each call runs in a block of its own.
+
+    Not a function, so that entering it (``with dk.explain_oom(step):``) can
+    say what to write instead; bound as a method, copied as itself and pickled
+    by name, as a function is.
+    """
+
+    def __init__(self, func: Callable[..., Any], options: tuple[Any, ...]) -> None:
+        functools.update_wrapper(self, func)  # __name__, __doc__, ..., and __wrapped__
+        self._explained = (func, options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        func, options = self._explained
+        with _ExplainOOM(*options):  # a fresh one per call: calls may nest or overlap
+            return func(*args, **kwargs)
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __enter__(self) -> NoReturn:
+        raise _misuse(self._explained[0])
+
+    def __exit__(self, *exc_info: object) -> Literal[False]:
+        return False
+
+    def __copy__(self) -> _Explained:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Explained:
+        return self  # as a function is: a copy of model= would label nothing
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # By name where the name leads here (`@dk.explain_oom` on a module's function), as
+        # a function is pickled; else the function and options, to decorate again.
+        name = self.__dict__.get("__qualname__")
+        if isinstance(name, str) and _lookup(self.__dict__.get("__module__"), name) is self:
+            return name
+        return (_Explained, self._explained)
+
+    def __repr__(self) -> str:
+        return f"<{self._explained[0]!r} explained by devicekit.explain_oom>"
 
 
 class _ExplainOOM:
@@ -123,13 +208,7 @@ class _ExplainOOM:
                 "body runs between the awaits of whoever iterates it; use "
                 "`with dk.explain_oom():` inside it instead"
             )
-
-        @functools.wraps(func)
-        def explained(*args: Any, **kwargs: Any) -> Any:
-            with _ExplainOOM(*options):  # a fresh one per call: calls may nest or overlap
-                return func(*args, **kwargs)
-
-        return explained  # type: ignore[return-value]
+        return _Explained(func, options)  # type: ignore[return-value]
 
 
 @overload
@@ -208,7 +287,9 @@ def explain_oom(
 
     Returns:
         A context manager that is also a decorator; with ``func``, the
-        decorated function.
+        decorated function, to be called: ``with dk.explain_oom(func):``
+        raises a ``TypeError`` that says to write ``with dk.explain_oom():``
+        or ``@dk.explain_oom``.
 
     Raises:
         DeviceOutOfMemoryError: From the block, in place of an out-of-memory error.
@@ -216,7 +297,8 @@ def explain_oom(
             device, ``record_history`` not True or False, ``func`` an async
             generator function (use the context manager inside it), or
             ``func`` a ``torch.nn.Module`` (a module is meant as ``model=``:
-            decorated, it would become a function without its parameters).
+            decorated, it would become a function without its parameters);
+            or, on entering it, the decorated ``func`` used as a block.
         ValueError: ``top`` or ``history_entries`` is below 1, or
             ``history_entries`` past ``sys.maxsize``.
         DeviceNotFoundError: ``device`` does not exist here.
@@ -231,14 +313,7 @@ def explain_oom(
         cpu True
     """
     if isinstance(func, torch.nn.Module):
-        # Callable, so it would be decorated: the result is a function, not a module (no
-        # parameters(), no train()), and `with dk.explain_oom(model):` fails in Python.
-        raise TypeError(
-            f"explain_oom() takes a function to decorate as its first argument, got the module "
-            f"{type(func).__name__}; a module goes in model= (it names the report's tensors): "
-            "`with dk.explain_oom(model=model):`, or `@dk.explain_oom(model=model)` on the "
-            "step. To explain each forward pass, decorate a function that calls the model"
-        )
+        raise _misuse(func)
     if func is not None and not callable(func):
         raise TypeError(
             f"explain_oom() takes a function to decorate or keyword options only, got "

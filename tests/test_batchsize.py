@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,73 @@ def test_max_size_bounds_the_search() -> None:
     assert max(step.calls) == 100
     assert dk.find_batch_size(Step(1000), start=7, max_size=7) == 7
     assert dk.find_batch_size(Step(60), max_size=100) == 60
+
+
+def _bisection(step: Step, precision: Fraction) -> tuple[int, int]:
+    """(the largest size that ran, the smallest that failed) of ``step``'s search.
+
+    Asserts, replaying the calls, that the bisection tried no size once the one
+    that failed was within ``precision`` of the one that ran.
+    """
+    fits, failed = 0, None
+    for size in dict.fromkeys(step.calls):  # each size once, in the order tried
+        if failed is not None:  # bisecting: only while the interval is wider than asked
+            assert failed - fits > max(1, fits * precision), (size, fits, failed)
+        if size <= step.limit:
+            fits = max(fits, size)
+        else:
+            failed = size if failed is None else min(failed, size)
+    assert failed is not None
+    return fits, failed
+
+
+@pytest.mark.parametrize("margin", [0.1, 0.02, 0.5])
+@pytest.mark.parametrize("limit", [1_000_003, 11_508_926, 777_777])
+def test_with_a_margin_the_bisection_stops_within_a_tenth_of_it(limit: int, margin: float) -> None:
+    # The README's step on the CPU bisected 23 times to 11,508,926 (a trial near the
+    # bound writes gigabytes); a 10% margin hides any difference under 1%.
+    share = Fraction(str(margin))  # 0.1 as the decimal it is written as
+    step = Step(limit)
+    answer = dk.find_batch_size(step, margin=margin)
+    ran, failed = _bisection(step, share / 10)
+    # The answer is a size that ran, less the margin, and the first size that failed
+    # (twice) is at most a tenth of the margin above it.
+    assert answer == math.floor(ran * (1 - share))
+    assert ran < failed <= ran * (1 + share / 10)
+    assert step.calls.count(failed) == 2
+    # Doubling to the first failure, then one step per halving to a tenth of the margin.
+    bisections = math.ceil(math.log2(10 / margin))
+    assert len(set(step.calls)) <= limit.bit_length() + 1 + bisections
+    exact = Step(limit)
+    dk.find_batch_size(exact)
+    assert len(set(step.calls)) < len(set(exact.calls)) - 5  # fewer trials than the exact search
+
+
+def test_without_a_margin_the_search_is_exact_at_any_size() -> None:
+    step = Step(11_508_926)
+    assert dk.find_batch_size(step) == 11_508_926  # margin=0: nothing hides a difference
+    assert dk.find_batch_size(Step(11_508_926), margin=0.0) == 11_508_926
+    assert _bisection(step, Fraction(0)) == (11_508_926, 11_508_927)
+    # Small sizes are exact with a margin too: a tenth of 10% of 48 is under one.
+    assert dk.find_batch_size(Step(48), margin=0.1) == math.floor(48 * Fraction(9, 10))
+
+
+def test_max_size_and_a_margin() -> None:
+    # max_size ran: no bisection, and the margin comes off it.
+    step = Step(10**6)
+    assert dk.find_batch_size(step, max_size=600_000, margin=0.1) == 540_000
+    assert max(step.calls) == 600_000
+    assert all(step.calls.count(size) == 1 for size in step.calls)  # nothing failed
+    # max_size failed: it is the first size that failed, and the bisection below it stops
+    # within a tenth of the margin.
+    step = Step(650_000)
+    answer = dk.find_batch_size(step, max_size=700_000, margin=0.1)
+    ran, failed = _bisection(step, Fraction(1, 100))
+    assert max(step.calls) == 700_000
+    assert ran < failed <= ran * Fraction(101, 100)
+    assert answer == math.floor(ran * Fraction(9, 10))
+    # Without a margin, exact below max_size as before.
+    assert dk.find_batch_size(Step(650_000), max_size=700_000) == 650_000
 
 
 def test_start_is_where_it_begins() -> None:

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
+import inspect
 import json
 import os
+import pickle
 import subprocess
 import sys
 import weakref
@@ -816,6 +819,85 @@ def test_a_module_given_as_the_function_is_refused_with_model_as_the_fix() -> No
         dk.explain_oom(model, device="cpu")  # type: ignore[call-overload]
     with pytest.raises(dk.DeviceOutOfMemoryError), dk.explain_oom(model=model):
         raise torch.OutOfMemoryError(CUDA)
+
+
+@dk.explain_oom(top=1)
+def _explained_step(batch_size: int) -> int:
+    """One step, explained: a module-level function, pickled by name."""
+    return batch_size + 1
+
+
+def _plain_step(batch_size: int) -> int:
+    return batch_size + 1
+
+
+class _Trainer:
+    @dk.explain_oom
+    def step(self, size: int) -> tuple[_Trainer, int]:
+        if size > 4:
+            torch.empty(2**62, dtype=torch.uint8)
+        return self, size
+
+
+class _Callable:
+    def __call__(self) -> None:
+        pass
+
+
+def test_a_decorated_function_entered_as_a_block_says_to_write_the_block() -> None:
+    # explain_oom(fn) returns fn decorated; `with` on it failed with Python's bare
+    # "'function' object does not support the context manager protocol".
+    ran: list[str] = []
+
+    def step() -> None:
+        ran.append("step")
+
+    fix = (
+        r"^`with dk\.explain_oom\(fn\):` got {what}, but explain_oom\(fn\) is a decorator: it "
+        r"returns fn wrapped, to be called, not a block to enter\. For a block, write "
+        r"`with dk\.explain_oom\(\):` around the code \(options by keyword: "
+        r"`with dk\.explain_oom\(model=model\):`\); for the function, put `@dk\.explain_oom` "
+        r"above its def \(or `fn = dk\.explain_oom\(fn\)`\) and call it$"
+    )
+    function = fix.format(what="the function step")
+    with pytest.raises(TypeError, match=function), dk.explain_oom(step):
+        ran.append("block")
+    with pytest.raises(TypeError, match=function), dk.explain_oom(step, top=1):
+        ran.append("block")
+    with pytest.raises(TypeError, match=fix.format(what="the function <lambda>")):  # noqa: SIM117
+        with dk.explain_oom(lambda: None):
+            ran.append("block")
+    with (
+        pytest.raises(TypeError, match=fix.format(what="a _Callable")),
+        dk.explain_oom(_Callable()),
+    ):
+        ran.append("block")
+    assert ran == []  # the block never ran
+    dk.explain_oom(step)()  # called, as meant
+    assert ran == ["step"]
+
+
+def test_a_decorated_function_still_behaves_as_a_function() -> None:
+    assert _explained_step(1) == 2
+    assert _explained_step.__name__ == "_explained_step"
+    assert (
+        _explained_step.__doc__ == "One step, explained: a module-level function, pickled by name."
+    )
+    assert str(inspect.signature(_explained_step)) == "(batch_size: 'int') -> 'int'"
+    # A method binds its instance, and its out-of-memory errors are explained.
+    trainer = _Trainer()
+    assert trainer.step(3) == (trainer, 3)
+    with pytest.raises(dk.DeviceOutOfMemoryError):
+        trainer.step(5)
+    # Copied as itself; pickled by name where its name leads to it, as a function is
+    # (find_batch_size(isolate=True) pickles the step), else rebuilt from the function.
+    assert copy.copy(_explained_step) is _explained_step
+    assert copy.deepcopy(_explained_step) is _explained_step
+    assert pickle.loads(pickle.dumps(_explained_step)) is _explained_step
+    assert pickle.loads(pickle.dumps(_Trainer.step)) is _Trainer.step
+    again = pickle.loads(pickle.dumps(dk.explain_oom(_plain_step, top=2)))
+    assert again(1) == 2
+    assert again.__wrapped__ is _plain_step
 
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and RLIMIT_AS")
