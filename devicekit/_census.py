@@ -295,7 +295,11 @@ def device_census(
                 width = _widest(part)
                 if seen is None or width > seen[1]:  # show the view that covers most of it
                     storages[key[0]] = (key[1], width, part)
-        largest = heapq.nlargest(top, storages.items(), key=lambda item: item[1][0])
+        # Of storages of one size, a named one first: the model's weight tells more than a
+        # stray tensor as large (a gradient of another model, not yet collected).
+        largest = heapq.nlargest(
+            top, storages.items(), key=lambda item: (item[1][0], item[0] in names)
+        )
         described = tuple(
             LiveTensor(tuple(view.shape), _dtype_name(view.dtype), size, names.get(pointer))
             for pointer, (size, _, view) in largest

@@ -547,6 +547,22 @@ def test_options_given_with_the_function_are_applied_and_checked() -> None:
         dk.explain_oom(step, top=0)
 
 
+def test_of_tensors_as_large_the_named_one_is_shown_first() -> None:
+    """A stray tensor the size of a weight (another model's, not yet collected) does not hide it."""
+    strays = [torch.empty(512, 256) for _ in range(3)]  # made first: ahead of it in gc's order
+    model = torch.nn.Linear(256, 512)
+
+    def step() -> None:
+        torch.empty(2**62, dtype=torch.uint8)
+
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught:
+        dk.explain_oom(step, model=model, top=1)()
+    report = caught.value.report
+    assert report is not None
+    assert [t.name for t in report.tensors] == ["weight"]
+    del strays
+
+
 def test_record_history_must_be_a_bool() -> None:
     # "no" is truthy, and recording starts CUDA.
     with pytest.raises(TypeError, match="record_history must be True or False, got 'no' of ty"):
