@@ -30,6 +30,7 @@ its going ends the store.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -41,6 +42,10 @@ from ._gloo import gloo_keeps_first_timeout
 from ._jobstore import Job, forget_store, store_host, try_store, use_store
 
 __all__ = ["Job", "arrive", "out_of_step", "refuse_if_broken", "this_job"]
+
+
+# Gloo's message for a barrier a rank left early still gives its whole timeout.
+_TIME_IN_WORDS = re.compile(r"\bin \d+ ?ms\b")
 
 
 def this_job() -> None:
@@ -212,6 +217,7 @@ def out_of_step(
             "timeout."
         )
         timeout = made_with  # the wait that torch ran, for what follows
+    gloo = "gloo"  # who said ``reason``
     if waited >= 0.9 * timeout:
         when = f"within {format_seconds(timeout)}"
         if held:
@@ -221,6 +227,8 @@ def out_of_step(
             f"(the wait failed after {format_seconds(waited)}, before the "
             f"{format_seconds(timeout)} timeout: a rank exited or crashed)"
         )
+        if _TIME_IN_WORDS.search(reason):  # "failed to pass monitoredBarrier in 300000 ms"
+            gloo = "gloo, whose time is its timeout, not the time it waited"
     where, unread = _where_ranks_are(dist.get_world_size())
     if where is None:  # no store to read: only gloo's own words (rank 0's name the ranks)
         lost = Job.store_lost
@@ -241,7 +249,7 @@ def out_of_step(
             f"{what}: {earlier}, and gloo closes devicekit's connections between the ranks "
             "when a call fails, so this call could not complete, nor can any later one in "
             "this job. Treat the first failure as the end of the job (log it, then exit); "
-            f"that rank's own error says why it failed. (gloo: {reason})"
+            f"that rank's own error says why it failed. ({gloo}: {reason})"
         )
     missing = {rank: at for rank, at in where.items() if at is None or at[0] != call}
     if not missing:
@@ -258,7 +266,7 @@ def out_of_step(
     return RanksOutOfStepError(
         f"{what}: {'rank' if len(missing) == 1 else 'ranks'} {ranks} {how}. Where they are: "
         f"{'; '.join(places)}; rank {me} is in job-wide call #{call}, {what}.{_unseen(missing)} "
-        f"{rule} (gloo: {reason})"
+        f"{rule} ({gloo}: {reason})"
     )
 
 

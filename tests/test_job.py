@@ -1327,6 +1327,28 @@ def test_a_job_wide_call_uses_the_store_once_on_a_healthy_store(
     assert store.data["devicekit/call/0"] == b"4\ntest"
 
 
+def test_gloo_s_timeout_in_an_early_failure_is_not_read_as_the_wait(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: "the wait failed after 13 ms, before the 300 s timeout ... (gloo: Ranks 1
+    # failed to pass monitoredBarrier in 300000 ms)": two times for one wait.
+    import time
+
+    import torch.distributed as dist
+
+    store = fake_store()
+    store.data = {"devicekit/call/0": b"2\njob_status()", "devicekit/call/1": b"1\njob_status()"}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    failure = RuntimeError("[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 300000 ms")
+    error = _jobstate.out_of_step("job_status()", 300, failure, 2, time.monotonic() - 0.01)
+    message = str(error)
+    assert "before the 300 s timeout: a rank exited or crashed" in message, message
+    assert message.endswith(
+        "(gloo, whose time is its timeout, not the time it waited: [Rank 0]: Ranks 1 failed "
+        "to pass monitoredBarrier in 300000 ms)"
+    ), message
+
+
 def test_a_call_held_up_past_its_timeout_says_how_long_it_took(
     fake_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
