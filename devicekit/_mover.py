@@ -4,7 +4,8 @@ A `_Mover` holds one target and copy policy, the memo that keeps shared things
 shared (and finds cycles), and the walk itself: `_walk`, a closure that
 rebuilds plain dicts, lists and tuples inline, since they hold nearly every
 batch. Every other container goes to `_rebuild` or `_records`; an object with
-its own ``.to()`` (a module, a Hugging Face ``BatchEncoding``) is moved by it.
+its own ``.to()`` (a module, a Hugging Face ``BatchEncoding``) is moved by it
+(`_movecalls`, which also keeps a module's tensors one with the batch's).
 
 Each thread keeps one mover per target and policy and reuses it (`borrow`);
 `to_device` borrows one, walks, turns `Cycle` into a ``ValueError`` that
@@ -14,8 +15,6 @@ forget the call.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import sys
 import threading
 import weakref
@@ -25,9 +24,19 @@ from typing import Any
 import torch
 
 from ._devices import CPU, META, synchronize
-from ._errors import add_note
-from ._format import qualified_name
-from ._look import Changed, tensor_elsewhere
+from ._look import Changed, key_text, tensor_elsewhere
+from ._movecalls import (
+    KEY_HELD,
+    UNCHANGED,
+    DictKey,
+    ModuleFirst,
+    array_stray,
+    call_to,
+    has_to_method,
+    keep_shared,
+    returned,
+    takes_non_blocking,
+)
 from ._rebuild import (
     rebuild_list_subclass,
     rebuild_mapping,
@@ -39,7 +48,7 @@ from ._records import rebuild_dataclass, rebuild_record
 from ._tree import is_dataclass_instance, is_record
 
 # What to_device uses. Both stay private: nothing here is devicekit's API.
-__all__ = ["Cycle", "borrow"]
+__all__ = ["Cycle", "ModuleFirst", "borrow"]
 
 _Tensor = torch.Tensor
 _CPU, _META_DEVICE = CPU, META
@@ -55,7 +64,9 @@ _looks_left: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
 # Modules to_device moved with Module.to(): how often each is still looked at for a tensor
 # it left behind, per instance (an nn.Sequential holds something else in each).
 _module_looks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+_has_to_method = has_to_method  # the name _checkwalk imports it by
 _BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
+_NUMPY_ARRAYS = frozenset({("numpy", "ndarray"), ("numpy", "void")})  # looked in by dtype
 
 
 def _describe_target(device: torch.device) -> tuple[int, int | None, bool]:
@@ -140,6 +151,7 @@ class _Mover:
         "move",
         "non_blocking",
         "returned_none",
+        "shared",
         "unmoved",
         "unsynced",
     )
@@ -157,8 +169,11 @@ class _Mover:
         # Sources of non-blocking copies to the host, which must be waited for.
         self.unsynced: set[torch.device] | None = set() if self.non_blocking and to_host else None
         self.returned_none: list[type] | None = None  # classes whose .to() returned None
-        self.unmoved: list[tuple[type, str]] | None = None  # left as they are, tensors inside
+        # Left as they were, with a tensor inside: (class, path, how: UNCHANGED...).
+        self.unmoved: list[tuple[type, str, str]] | None = None
         self.modules: list[torch.nn.Module] | None = None  # moved, class not looked at enough
+        # What moving a module inside the batch made: id(module or its old tensor) -> moved.
+        self.shared: dict[int, Any] | None = None
         self.kept: list[Any] = []  # objects made during the call: alive while memo has their id
         self.busy = False  # a call is walking with it (a .to() may call to_device again)
         self.move: Callable[[Any], Any] = _walk(self, kind, index)
@@ -181,13 +196,9 @@ class _Mover:
         if isinstance(obj, type):
             return obj  # a class, even one with a .to attribute (nn.Linear.to)
         if isinstance(obj, torch.nn.Module):
-            if not _takes_non_blocking(type(obj)):
-                # Its own .to(), whose signature does not take non_blocking (and which
-                # may forget `return self`): called as any other object's .to() is.
-                return self.container(obj, _call_to)
-            return self.container(obj, _call_module_to)  # once, however often reached
+            return self.container(obj, _call_module)  # once, however often reached
         if _has_to_method(type(obj)):
-            return self.container(obj, _call_to)
+            return self.container(obj, call_to)
         if isinstance(obj, Mapping):
             return self.container(obj, rebuild_mapping)
         if isinstance(obj, tuple):
@@ -204,7 +215,7 @@ class _Mover:
             return self.container(obj, rebuild_record)
         return self.unchanged(obj)
 
-    def unchanged(self, obj: Any) -> Any:
+    def unchanged(self, obj: Any, how: str = UNCHANGED) -> Any:
         """``obj``, which to_device cannot move; noted where it leaves a tensor behind.
 
         Each class is looked inside a few times at most (a fresh transformers
@@ -214,24 +225,72 @@ class _Mover:
         tensor subclass whose ``device`` raises), it found nothing, and the
         class is not looked inside again: ``obj`` is returned as it always was.
         A look another thread's writes spoiled is no look: the next one counts.
+        A numpy array is looked inside only where it holds Python objects
+        (``dtype=object``), each such array until one warns: one of numbers
+        costs a check of its dtype. ``how``: why ``obj`` is as it was
+        (`UNCHANGED`, `OWN_TO`), for the warning.
         """
         cls = type(obj)
         looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
         if looks > 0:
+            array = (cls.__module__, cls.__qualname__) in _NUMPY_ARRAYS
             try:
-                path = tensor_elsewhere(obj, self.device)
+                path = (
+                    array_stray(obj, self.device) if array else tensor_elsewhere(obj, self.device)
+                )
             except Changed:  # another thread was writing it: no answer, and no look either
                 return obj
             except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
                 path, looks = None, 1
+            if array and path is None:
+                return obj  # numbers, or objects all on the target: the next array is looked at
             _looks_left[cls] = 0 if path is not None else looks - 1
             if path is not None:
-                self.unmoved = [*(self.unmoved or ()), (cls, path)]
+                self.unmoved = [*(self.unmoved or ()), (cls, path, how)]
         return obj
+
+    def key(self, mapping: dict[Any, Any], key: Any) -> None:
+        """Note a dict's key that holds a tensor off the target: keys are never moved.
+
+        Keys that are not str nor a plain value (a tuple, a tensor) are looked at
+        as one class: a few times at most, then never again, as `unchanged`.
+        """
+        looks = _looks_left.get(DictKey, _LOOKS_PER_CLASS)
+        if looks <= 0:
+            return
+        try:
+            path = tensor_elsewhere(key, self.device)
+        except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
+            path, looks = None, 1
+        _looks_left[DictKey] = 0 if path is not None else looks - 1
+        if path is not None:
+            where = f"[key {key_text(key)}]{path}"
+            self.unmoved = [*(self.unmoved or ()), (type(mapping), where, KEY_HELD)]
 
     def keep(self, obj: Any) -> None:
         """Hold ``obj`` until the call ends (see `Walk.keep`)."""
         self.kept.append(obj)
+
+    def again(self, obj: Any, module: torch.nn.Module) -> Any:
+        """Walk ``obj`` again from the start, ``module`` moved first (see `ModuleFirst`).
+
+        What moving modules made is kept (a module moved in place is not moved
+        twice, and the tensors it replaced still map to its new ones); the
+        copies the first walk made are dropped. Each module is moved first
+        once at most, so this ends.
+        """
+        while True:
+            memo = self.memo
+            memo.clear()
+            memo.update(self.shared or ())
+            key = id(module)
+            if key not in memo:
+                memo[key] = _BUSY
+                memo[key] = keep_shared(self, module, _module_move(module))
+            try:
+                return self.move(obj)
+            except ModuleFirst as first:
+                module = first.module
 
     def finish(self) -> None:
         """Wait for the copies to the host the call left in flight, and forget the call."""
@@ -244,6 +303,7 @@ class _Mover:
         self.returned_none = None
         self.unmoved = None
         self.modules = None
+        self.shared = None
         self.busy = False
 
 
@@ -344,6 +404,8 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
         if cls is dict:
             result = {}
             for name, value in obj.items():
+                if name.__class__ is not str and name.__class__ not in _LEAVES:
+                    mover.key(obj, name)  # a tensor as a key (never moved) is warned of
                 vcls = value.__class__
                 if vcls is not tensor_class or not inline:
                     if (vcls is dict or vcls is list or vcls is tuple) and count(
@@ -398,41 +460,17 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
     return move
 
 
-def _has_to_method(cls: type) -> bool:
-    """Whether the class defines ``.to`` itself, or a base class does.
-
-    Not an instance's "to" key (an attribute-style dict), nor a metaclass's
-    ``to`` (which the class has, and its instances do not), nor a dataclass
-    field named ``to`` (whose callable default is a class attribute too).
-    """
-    return (
-        callable(getattr(cls, "to", None))
-        and any("to" in vars(k) for k in cls.__mro__)
-        and not _is_field(cls, "to")
-    )
+def _call_module(mover: _Mover, module: torch.nn.Module) -> Any:
+    move = _module_move(module)
+    if len(mover.memo) <= 1 and mover.shared is None:
+        return move(mover, module)  # the module is the whole obj: no other reference to share
+    return keep_shared(mover, module, move)
 
 
-def _is_field(cls: type, name: str) -> bool:
-    return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
-
-
-def _call_to(mover: _Mover, obj: Any) -> Any:
-    try:
-        moved = obj.to(mover.device)
-    except RecursionError:
-        raise  # the walk is too deep: to_device says so
-    except Exception as error:
-        # The traceback ends in the user's own .to(), far from the to_device() call.
-        cls = type(obj)
-        add_note(
-            error,
-            f"devicekit: to_device() moves a {qualified_name(cls)} by calling its own "
-            f".to({str(mover.device)!r}), which raised this. If {cls.__qualname__}.to() takes "
-            "other arguments or means something else (a unit conversion), move its tensors "
-            "yourself, or give it a .to(device) that moves them and returns the result.",
-        )
-        raise
-    return _returned(mover, obj, moved)
+def _module_move(module: torch.nn.Module) -> Callable[[_Mover, Any], Any]:
+    # A .to() whose signature does not take non_blocking (and which may forget
+    # `return self`) is called as any other object's .to() is.
+    return _call_module_to if takes_non_blocking(type(module)) else call_to
 
 
 def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
@@ -442,7 +480,7 @@ def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
     moved = module.to(mover.device, non_blocking=mover.non_blocking)
     if module_looks_left(module) > 0:  # to_device looks at its attributes
         mover.modules = [*(mover.modules or ()), module]
-    return _returned(mover, module, moved)
+    return returned(mover, module, moved)
 
 
 def module_looks_left(module: torch.nn.Module) -> int:
@@ -459,38 +497,3 @@ def set_module_looks(module: torch.nn.Module, looks: int) -> None:
         _module_looks[module] = looks
     except TypeError:  # unhashable: counted by its class
         _looks_left[type(module)] = looks
-
-
-def _returned(mover: _Mover, obj: Any, moved: Any) -> Any:
-    """What ``obj.to()`` returned, or ``obj`` itself where that was None."""
-    if moved is None:
-        # It moved itself in place and forgot to return self (Lightning keeps it too).
-        mover.returned_none = [*(mover.returned_none or ()), type(obj)]
-        return obj
-    return moved
-
-
-_non_blocking_taken: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
-
-
-def _takes_non_blocking(cls: type[torch.nn.Module]) -> bool:
-    """Whether a module class's ``.to`` takes ``non_blocking=`` (``Module.to`` does).
-
-    Hugging Face and Lightning models override ``.to`` with ``*args, **kwargs``:
-    they take it, and their copies to a GPU stay non-blocking.
-    """
-    known = _non_blocking_taken.get(cls)
-    if known is None:
-        if cls.to is torch.nn.Module.to:
-            known = True
-        else:
-            try:
-                parameters = inspect.signature(cls.to).parameters.values()
-            except (TypeError, ValueError):  # a signature Python cannot read: not assumed
-                parameters = ()  # type: ignore[assignment]
-            known = any(
-                p.name == "non_blocking" or p.kind is inspect.Parameter.VAR_KEYWORD
-                for p in parameters
-            )
-        _non_blocking_taken[cls] = known
-    return known

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -22,8 +23,9 @@ from ._format import qualified_name
 from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
-from ._mover import Cycle, borrow, module_looks_left, set_module_looks
-from ._options import check_flag
+from ._movecalls import KEY_HELD, OWN_TO
+from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
+from ._options import got
 from ._tree import describe_cycle, iter_tensors
 
 __all__ = ["to_device"]
@@ -57,16 +59,40 @@ def _warn_returned_none(classes: list[type]) -> None:
 _TRANSFORMERS_CACHE = " (a model's cache: run the model there, or pass use_cache=False)"
 
 
-def _warn_unmoved(unmoved: list[tuple[type, str]], target: torch.device) -> None:
-    # Once per class: _mover looks inside a class no more once it found a tensor.
-    for cls, path in dict(unmoved).items():
+def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) -> None:
+    # Once per class and kind: _mover looks inside a class no more once it found a tensor.
+    for (cls, how), path in {(cls, how): path for cls, path, how in unmoved}.items():
+        name = cls.__name__
+        if how == KEY_HELD:
+            what = (
+                f"moved a {name if cls is dict else qualified_name(cls)}'s values, never its "
+                "keys, and a key holds a "
+                f"tensor not on {target} ({name}{path}), which stays where it is. Key it by "
+                "a str or an int instead, and keep the tensor among the values"
+            )
+        elif how == OWN_TO:
+            what = (
+                f"moved a {qualified_name(cls)} with its own .to(), which left a tensor not "
+                f"on {target} ({name}{path}) where it was (a BatchEncoding's .to() moves its "
+                "top-level values only). Move that value yourself, or keep such tensors at "
+                "the top level"
+            )
+        else:
+            fix = (
+                "keep them in a list (which it moves) instead of a numpy array"
+                if cls.__module__ == "numpy"
+                else f"give {name} a .to(device) that returns the moved object"
+            )
+            cache = _TRANSFORMERS_CACHE if cls.__module__.startswith("transformers.") else ""
+            what = (
+                f"returned a {qualified_name(cls)} as it is: devicekit does not know how to "
+                f"move it, and it holds a tensor not on {target} ({name}{path}), which stays "
+                f"where it is. Move its tensors yourself, {fix}, or make it on {target} in the "
+                f"first place{cache}"
+            )
         warnings.warn(
-            f"to_device() returned a {qualified_name(cls)} as it is: devicekit does not know "
-            f"how to move it, and it holds a tensor not on {target} ({cls.__name__}{path}), "
-            f"which stays where it is. Move its tensors yourself, give {cls.__name__} a "
-            f".to(device) that returns the moved object, or make it on {target} in the first "
-            f"place{_TRANSFORMERS_CACHE if cls.__module__.startswith('transformers.') else ''}. "
-            "dk.assert_same_device() finds such tensors. This warning is shown once per class.",
+            f"to_device() {what}. dk.assert_same_device() finds such tensors. This warning "
+            "is shown once per class.",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )
@@ -147,7 +173,9 @@ def _plain_tensor_elsewhere(
     return None
 
 
-def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | None = None) -> T:
+def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
+    obj: T, device: DeviceLike | None = None, *, non_blocking: bool | None = None
+) -> T:
     """Return ``obj`` with every tensor inside it moved to ``device``.
 
     Walks nested structures and rebuilds each container so that it keeps its
@@ -196,8 +224,13 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     whose writes would reach the input (shared storage) is refused with
     ``TypeError``, the input put back. A
     tensor reached twice is moved once, so shared tensors stay shared, and a
-    tensor already on ``device`` is returned as is. An ``nn.Parameter`` comes
-    back as a plain tensor, as its own ``.to()`` returns it.
+    tensor already on ``device`` is returned as is. A parameter or buffer of a
+    module in the batch comes back as the module's own moved one, in whichever
+    order the two are met (where the tensor comes first, the walk starts again
+    with the module moved first). Any other tensor is copied as its own
+    ``.to()`` copies it: an ``nn.Parameter`` comes back as a plain tensor, and
+    a tensor that requires grad as a non-leaf (``grad_fn=ToCopyBackward0``, no
+    ``.grad``) whose gradients flow back to the original.
 
     Copies *to an accelerator* are non-blocking; copies *to the host* are
     blocking, because the host may read a non-blocking copy before it has
@@ -245,13 +278,16 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
                 return obj.to(target)  # type: ignore[attr-defined,no-any-return]
             return obj.to(target, non_blocking=True)  # type: ignore[attr-defined,no-any-return]
         except NotImplementedError as error:
-            _explain_meta(error, obj, target)
+            _explain_unsupported(error, obj, target)
             raise
     if non_blocking is not None:
-        check_flag(non_blocking, name="non_blocking")
+        _check_non_blocking(non_blocking)
     mover = borrow(target, non_blocking)
     try:
-        result = mover.move(obj)
+        try:
+            result = mover.move(obj)
+        except ModuleFirst as first:  # a module met after one of its tensors: walk again
+            result = mover.again(obj, first.module)
         returned_none, unmoved, modules = mover.returned_none, mover.unmoved, mover.modules
     except Cycle:
         raise ValueError(
@@ -262,7 +298,7 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
         # Counting the depth in the walk would cost every call; Python counts it anyway.
         raise RecursionError(_too_deep()) from None
     except NotImplementedError as error:
-        _explain_meta(error, obj, target)
+        _explain_unsupported(error, obj, target)
         raise
     finally:
         mover.finish()
@@ -275,21 +311,65 @@ def to_device(obj: T, device: DeviceLike | None = None, *, non_blocking: bool | 
     return result  # type: ignore[no-any-return]
 
 
-def _explain_meta(error: NotImplementedError, obj: object, target: torch.device) -> None:
-    """Name the meta tensor behind torch's "Cannot copy out of meta tensor", and the fix."""
-    if "meta tensor" not in str(error):
+def _explain_unsupported(error: NotImplementedError, obj: object, target: torch.device) -> None:
+    """Name the tensor behind torch's NotImplementedError for a copy, and the fix.
+
+    A tensor on the meta device holds no values to copy ("Cannot copy out of
+    meta tensor"); a nested (strided) or quantized tensor has no copy to some
+    devices (``meta``): "Could not run 'aten::_to_copy' with arguments from
+    the 'NestedTensorMeta' backend".
+    """
+    text, there = str(error), str(target)
+    if "meta tensor" in text:
+        path = _first(obj, lambda t: t.is_meta) or "a tensor in obj"
+        add_note(
+            error,
+            f"devicekit: to_device(obj, {there!r}) cannot move {path}: it is on the meta "
+            f"device, which holds no values to copy. Make it again on {there!r}; for a "
+            f"model built on meta, call model.to_empty(device={there!r}), then load its "
+            "weights.",
+        )
         return
+    if "Could not run" not in text:
+        return
+    for kind, test, fix in _NO_COPY:
+
+        def astray(tensor: torch.Tensor, test: Callable[[torch.Tensor], bool] = test) -> bool:
+            return test(tensor) and tensor.device != target
+
+        found = _first(obj, astray)
+        if found is not None:
+            add_note(
+                error,
+                f"devicekit: to_device(obj, {there!r}) cannot move {found}: torch has no copy of "
+                f"a {kind} tensor to {there} (this error). Leave it out of what you move, or "
+                f"{fix}.",
+            )
+            return
+
+
+# Tensors torch cannot copy to every device: what they are, how to tell, and the fix.
+_NO_COPY: list[tuple[str, Callable[[torch.Tensor], bool], str]] = [
+    ("nested", lambda t: t.is_nested, "make it with layout=torch.jagged, which moves there"),
+    ("quantized", lambda t: t.is_quantized, "move its .dequantize(), and quantize that there"),
+    ("sparse", lambda t: t.layout != torch.strided, "move its .to_dense()"),
+]
+
+
+def _first(obj: object, test: Callable[[torch.Tensor], bool]) -> str | None:
+    """The path of the first tensor in ``obj`` that passes ``test``; "a tensor in obj" if unsure."""
     try:
-        path = next((p for p, t in iter_tensors(obj, "obj") if t.is_meta), "a tensor in obj")
+        return next((p for p, t in iter_tensors(obj, "obj") if test(t)), None)
     except Exception:  # noqa: BLE001 - a structure iter_tensors cannot walk: say less
-        path = "a tensor in obj"
-    add_note(
-        error,
-        f"devicekit: to_device(obj, {str(target)!r}) cannot move {path}: it is on the meta "
-        f"device, which holds no values to copy. Make it again on {str(target)!r}; for a "
-        f"model built on meta, call model.to_empty(device={str(target)!r}), then load its "
-        "weights.",
-    )
+        return "a tensor in obj"
+
+
+def _check_non_blocking(value: object) -> None:
+    if value is not True and value is not False:
+        raise TypeError(
+            "non_blocking must be None (the default: non-blocking to an accelerator, blocking "
+            f"to the host), True or False, got {got(value)}"
+        )
 
 
 def _too_deep() -> str:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _dataparallel, _mover, _placement
+from devicekit import _dataparallel, _movecalls, _mover, _placement
 from devicekit._tree import children
 
 from .conftest import FakeAccelerator
@@ -976,6 +976,67 @@ def test_shared_containers_stay_shared() -> None:
     assert moved["a"] is moved["b"]
 
 
+@pytest.fixture(params=[False, True], ids=["params-replaced", "params-kept"])
+def swap_params(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Module.to to meta replaces each Parameter; with the swap it keeps each one, as a move
+    to CUDA does (param.data = ...): the two ways a module's tensors can follow it."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(request.param)
+    yield request.param
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("module_first", [True, False])
+def test_a_module_s_tensor_in_the_batch_is_the_module_s_own_whatever_the_order(
+    swap_params: bool, module_first: bool
+) -> None:
+    # Before, with the tensor first it came back a copy of its own: an update to the
+    # module's weight no longer reached the batch's (and buffers never did).
+    model = torch.nn.BatchNorm1d(2)
+    weight, mean = model.weight, model.running_mean
+    batch: dict[str, Any] = {"w": weight, "stats": [mean]}
+    batch = {"m": model, **batch} if module_first else {**batch, "m": model}
+    moved = dk.to_device(batch, META)
+    assert moved["m"] is model
+    assert moved["w"] is model.weight
+    assert isinstance(moved["w"], torch.nn.Parameter)
+    assert moved["stats"][0] is model.running_mean
+    assert on(META, model.running_mean)
+    assert (model.weight is weight) is swap_params  # as Module.to left it
+
+
+def test_each_module_keeps_its_tensors_when_the_walk_starts_again() -> None:
+    # The second walk (m2's weight came first) must not lose what moving m1 in the first
+    # walk made: m1 is not moved twice, and its old weight still maps to its new one.
+    m1, m2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    batch = {"m1": m1, "w1": m1.weight, "w2": m2.weight, "m2": m2, "pair": (m2.bias, m1.bias)}
+    moved = dk.to_device(batch, META)
+    assert moved["w1"] is m1.weight
+    assert moved["w2"] is m2.weight
+    assert moved["pair"][0] is m2.bias
+    assert moved["pair"][1] is m1.bias
+    assert all(on(META, t) for t in (*m1.parameters(), *m2.parameters()))
+
+
+def test_a_module_alone_or_with_no_tensor_of_its_own_in_the_batch_is_walked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+    real = _mover._Mover.again
+
+    def spy(self: Any, obj: Any, module: torch.nn.Module) -> Any:
+        calls.append(module)
+        return real(self, obj, module)
+
+    monkeypatch.setattr(_mover._Mover, "again", spy)
+    dk.to_device(torch.nn.Linear(2, 2), META)
+    dk.to_device({"x": torch.ones(1), "m": torch.nn.Linear(2, 2)}, META)
+    assert calls == []
+    later = torch.nn.Linear(2, 2)
+    dk.to_device([later.bias, later], META)
+    assert calls == [later]
+
+
 def test_tensors_already_there_are_not_copied() -> None:
     tensor = torch.ones(1)
     assert dk.to_device({"t": tensor}, "cpu")["t"] is tensor
@@ -1319,8 +1380,36 @@ def test_a_read_only_mapping_is_rebuilt_and_a_validating_one_keeps_its_errors() 
 
 
 def test_non_blocking_must_be_a_bool_or_none() -> None:
-    with pytest.raises(TypeError, match=r"^non_blocking must be True or False, got 'yes' of type"):
-        dk.to_device({"x": torch.ones(1)}, "cpu", non_blocking="yes")  # type: ignore[arg-type]
+    # Before, "must be True or False", though None (the default) is taken too.
+    for value, shown in [("yes", "'yes' of type str"), (1, "1 of type int")]:
+        with pytest.raises(
+            TypeError,
+            match=r"^non_blocking must be None \(the default: non-blocking to an accelerator, "
+            rf"blocking to the host\), True or False, got {shown}$",
+        ):
+            dk.to_device({"x": torch.ones(1)}, "cpu", non_blocking=value)  # type: ignore[arg-type]
+
+
+def test_a_tensor_torch_cannot_copy_there_is_named_with_the_fix() -> None:
+    # Before, torch's "Could not run 'aten::_to_copy' with arguments from the
+    # 'NestedTensorMeta' backend" came alone, with no path and no fix.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype and deprecation warnings
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        quantized = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    for obj, path, kind, fix in [
+        ({"x": torch.ones(1), "n": nested}, "obj['n']", "nested", "layout=torch.jagged"),
+        (nested, "obj", "nested", "layout=torch.jagged"),
+        ([torch.ones(1), (quantized,)], "obj[1][0]", "quantized", ".dequantize()"),
+    ]:
+        with pytest.raises(NotImplementedError, match="Could not run") as raised:
+            dk.to_device(obj, META)
+        (note,) = raised.value.__notes__
+        assert note.startswith(
+            f"devicekit: to_device(obj, 'meta') cannot move {path}: torch has no copy of a "
+            f"{kind} tensor to meta (this error). Leave it out of what you move, or "
+        )
+        assert fix in note
 
 
 def test_a_meta_tensor_that_cannot_be_copied_is_named_with_the_fix() -> None:
@@ -1621,3 +1710,61 @@ def test_a_stray_in_a_sequential_is_found_after_clean_ones_were_moved() -> None:
     stray = torch.nn.Sequential(torch.nn.Linear(2, 2), _positions_class()())
     with pytest.warns(RuntimeWarning, match=r"Sequential\.1\.pos is not on meta"):
         dk.to_device(stray, "meta")
+
+
+# --- tensors left behind, told (trial 9) ----------------------------------------------------
+
+
+def test_a_numpy_array_of_objects_holding_a_tensor_is_warned_of() -> None:
+    np = pytest.importorskip("numpy")
+    _mover._looks_left.pop(np.ndarray, None)  # warned once per class: as if never met
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # arrays of numbers: no look, no warning
+        for _ in range(_mover._LOOKS_PER_CLASS + 1):  # and they use up no look
+            dk.to_device({"a": np.arange(3), "t": torch.ones(1)}, META)
+    array = np.array([None, [torch.ones(2)]], dtype=object)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"returned a numpy\.ndarray as it is: .* holds a tensor not on meta "
+        r"\(ndarray\.flat\[1\]\[0\]\), which stays where it is\. Move its tensors yourself, "
+        r"keep them in a list \(which it moves\) instead of a numpy array, or make",
+    ):
+        moved = dk.to_device({"a": array}, META)
+    assert moved["a"] is array
+    _mover._looks_left.pop(np.ndarray, None)
+
+
+def test_what_an_object_s_own_to_leaves_in_a_nested_value_is_warned_of() -> None:
+    class Encoding(collections.UserDict):  # type: ignore[type-arg]
+        """As transformers' BatchEncoding: its .to() moves its top-level tensors only."""
+
+        def to(self, device: torch.device) -> Encoding:
+            self.data = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                         for k, v in self.data.items()}  # fmt: skip
+            return self
+
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"moved a .*Encoding with its own \.to\(\), which left a tensor not on meta "
+        r"\(Encoding\.data\['pixels'\]\[0\]\) where it was",
+    ):
+        moved = dk.to_device(Encoding(ids=torch.ones(1), pixels=[torch.ones(1)]), META)
+    assert on(META, moved["ids"])
+    # A PackedSequence keeps batch_sizes on the host on purpose: its .to() has the last word.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed = torch.nn.utils.rnn.pack_sequence([torch.ones(2), torch.ones(1)])
+        assert dk.to_device(packed, META).batch_sizes.device.type == "cpu"
+
+
+def test_a_tensor_used_as_a_dict_key_is_warned_of() -> None:
+    _mover._looks_left.pop(_movecalls.DictKey, None)
+    key = torch.ones(1)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"moved a dict's values, never its keys, and a key holds a tensor not on meta "
+        r"\(dict\[key \(1, tensor\(\.\.\., device='cpu', size=\(1,\)\)\)\]\[1\]\)",
+    ):
+        moved = dk.to_device({"x": {(1, key): torch.ones(1)}}, META)
+    assert next(iter(moved["x"])) == (1, key)
+    _mover._looks_left.pop(_movecalls.DictKey, None)

@@ -1,0 +1,222 @@
+"""What `_mover`'s walk calls to move an object that moves itself: its own ``.to()``.
+
+An object with its own ``.to()`` (a Hugging Face ``BatchEncoding``, a
+``PackedSequence``) is moved by it, and so is a module, by ``Module.to`` or its
+class's override. Two things make that more than a call:
+
+- What ``.to()`` returns. One that moves in place and forgets ``return self``
+  returns None: the walk keeps the object, and `to_device` warns once per
+  class (`returned`). One that moves a mapping's top-level values only (a
+  ``BatchEncoding``'s ``.to()``) may leave a tensor in a nested value:
+  `to_device` looks, as it looks inside objects it cannot move.
+- A module's tensors met elsewhere in the batch (``{"w": model.weight, "m":
+  model}``). A tensor reached twice is moved once, whatever the order: the
+  batch's reference must come back as the module's own moved tensor, not as a
+  copy of its own, or an update to one no longer reaches the other. A module
+  met *after* one of its tensors was copied is too late: the copy is already
+  in the result. So the walk starts again, that module moved first
+  (`ModuleFirst`); then each of its tensors is found in the memo (or already
+  on the target, where ``Module.to`` moved it in place). Batches without
+  modules never pay for this: the bookkeeping runs only where a module is met
+  inside a container, and a second walk only where one of its tensors was met
+  before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from collections.abc import Callable, Mapping
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._errors import add_note
+from ._format import qualified_name
+from ._look import tensor_elsewhere
+from ._lookbulk import array_elements
+
+if TYPE_CHECKING:
+    from ._mover import _Mover
+
+__all__ = [
+    "KEY_HELD",
+    "OWN_TO",
+    "UNCHANGED",
+    "DictKey",
+    "ModuleFirst",
+    "array_stray",
+    "call_to",
+    "has_to_method",
+    "keep_shared",
+    "returned",
+    "takes_non_blocking",
+]
+
+# Why a tensor stayed where it was, for to_device's warning: in an object returned as it
+# is, in what an object's own .to() returned, or in a dict's key (never moved).
+UNCHANGED, OWN_TO, KEY_HELD = "unchanged", "own .to()", "key"
+# References read inside a numpy array of objects, as inside any object (tensor_elsewhere).
+_ARRAY_LOOKS = 256
+
+
+class DictKey:
+    """Dicts' keys, counted in `_mover`'s looks per class as one class of their own."""
+
+
+class ModuleFirst(Exception):
+    """Raised inside the walk: ``module`` was met after one of its tensors was copied alone.
+
+    `to_device` walks again from the start with the module moved first
+    (`_Mover.again`).
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def _held(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """Each parameter and buffer of ``module`` and its submodules, with the registry and name.
+
+    Read from the registries themselves (``named_parameters()`` builds a
+    dotted name per tensor, at 2.5 times the cost): after ``Module.to``, which
+    moves in place, each registry holds the tensor that replaced the one listed.
+    """
+    held = []
+    for submodule in module.modules():
+        for registry in (submodule._parameters, submodule._buffers):
+            for name, tensor in registry.items():
+                if tensor is not None:
+                    held.append((registry, name, tensor))
+    return held
+
+
+def keep_shared(mover: _Mover, module: torch.nn.Module, move: Callable[[_Mover, Any], Any]) -> Any:
+    """``move(mover, module)``, keeping the module's tensors one with the rest of the batch's.
+
+    Before the move: where the walk already copied one of the module's
+    tensors on its own, raise `ModuleFirst`. After it: each parameter or
+    buffer the move replaced (``Module.to`` replaces buffers, and parameters
+    where it cannot move them in place, as to ``meta``) is entered in the memo
+    as the module's new one, so a later reference to it in the batch comes
+    back as that very tensor. The replaced tensors are kept until the call
+    ends: the memo is keyed by ``id()``.
+    """
+    memo, shared = mover.memo, mover.shared
+    held = _held(module)
+    for _, _, tensor in held:
+        key = id(tensor)
+        if key in memo and (shared is None or key not in shared):
+            raise ModuleFirst(module)  # copied alone earlier: too late to share it
+    result = move(mover, module)
+    if shared is None:
+        shared = mover.shared = {}
+    shared[id(module)] = result
+    if result is module:  # moved in place (an override that returns a copy is its own)
+        for registry, name, old in held:
+            new = registry.get(name)
+            if new is not None and new is not old and id(old) not in memo:
+                memo[id(old)] = shared[id(old)] = new
+                mover.keep(old)
+    return result
+
+
+def call_to(mover: _Mover, obj: Any) -> Any:
+    """``obj.to(device)``: an object's own ``.to()``, with a note where it raises."""
+    try:
+        moved = obj.to(mover.device)
+    except RecursionError:
+        raise  # the walk is too deep: to_device says so
+    except Exception as error:
+        # The traceback ends in the user's own .to(), far from the to_device() call.
+        cls = type(obj)
+        add_note(
+            error,
+            f"devicekit: to_device() moves a {qualified_name(cls)} by calling its own "
+            f".to({str(mover.device)!r}), which raised this. If {cls.__qualname__}.to() takes "
+            "other arguments or means something else (a unit conversion), move its tensors "
+            "yourself, or give it a .to(device) that moves them and returns the result.",
+        )
+        raise
+    result = returned(mover, obj, moved)
+    if isinstance(result, Mapping) and not isinstance(result, torch.nn.Module):
+        # A BatchEncoding's .to() moves its top-level values only: a tensor in a nested
+        # list stays. Looked for as inside an object the walk cannot move (bounded, a few
+        # times per class). Other classes' .to() may keep a tensor on the host on
+        # purpose (a PackedSequence's batch_sizes): theirs is the last word.
+        mover.unchanged(result, OWN_TO)
+    return result
+
+
+def array_stray(array: Any, device: torch.device) -> str | None:
+    """The path of a tensor off ``device`` in a numpy array of Python objects, or None.
+
+    None for an array of numbers (its dtype says so). Up to 256 elements are
+    read, each as `tensor_elsewhere` reads inside an object, and named as
+    `assert_same_device` names them (``.flat[2]``, a record's ``['name']``).
+    """
+    elements = array_elements(array)
+    if elements is None:
+        return None
+    named = list(islice(elements, _ARRAY_LOOKS))
+    found = tensor_elsewhere([value for _, value in named], device, looks=_ARRAY_LOOKS)
+    if found is None:
+        return None
+    index, _, inside = found[1:].partition("]")  # "[2].x": element 2, then what is in it
+    return named[int(index)][0] + inside
+
+
+def returned(mover: _Mover, obj: Any, moved: Any) -> Any:
+    """What ``obj.to()`` returned, or ``obj`` itself where that was None."""
+    if moved is None:
+        # It moved itself in place and forgot to return self (Lightning keeps it too).
+        mover.returned_none = [*(mover.returned_none or ()), type(obj)]
+        return obj
+    return moved
+
+
+_non_blocking_taken: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def takes_non_blocking(cls: type[torch.nn.Module]) -> bool:
+    """Whether a module class's ``.to`` takes ``non_blocking=`` (``Module.to`` does).
+
+    Hugging Face and Lightning models override ``.to`` with ``*args, **kwargs``:
+    they take it, and their copies to a GPU stay non-blocking.
+    """
+    known = _non_blocking_taken.get(cls)
+    if known is None:
+        if cls.to is torch.nn.Module.to:
+            known = True
+        else:
+            try:
+                parameters = inspect.signature(cls.to).parameters.values()
+            except (TypeError, ValueError):  # a signature Python cannot read: not assumed
+                parameters = ()  # type: ignore[assignment]
+            known = any(
+                p.name == "non_blocking" or p.kind is inspect.Parameter.VAR_KEYWORD
+                for p in parameters
+            )
+        _non_blocking_taken[cls] = known
+    return known
+
+
+def has_to_method(cls: type) -> bool:
+    """Whether the class defines ``.to`` itself, or a base class does.
+
+    Not an instance's "to" key (an attribute-style dict), nor a metaclass's
+    ``to`` (which the class has, and its instances do not), nor a dataclass
+    field named ``to`` (whose callable default is a class attribute too).
+    """
+    return (
+        callable(getattr(cls, "to", None))
+        and any("to" in vars(k) for k in cls.__mro__)
+        and not _is_field(cls, "to")
+    )
+
+
+def _is_field(cls: type, name: str) -> bool:
+    return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
