@@ -6,10 +6,11 @@ so the two stop overlapping. A ``LogBuffer`` keeps references to the detached
 and copies them to the host in one copy per device and dtype.
 
 This module keeps the values and the records. ``_logvalues`` checks each
-value as it is logged, ``_logflush`` brings them to the host (by key, and
-across ranks), ``_logdeliver`` hands the records to the sinks, ``_logreport``
-words what the buffer tells (its errors, its reprs), and ``_logexit`` ends a
-``with`` block.
+value as it is logged, ``_logflight`` runs a flush (Ctrl-C anywhere in it loses
+nothing: ``_loghistory`` keeps the records), ``_logflush`` brings the values to
+the host (by key, and across ranks), ``_logdeliver`` hands the records to the
+sinks, ``_logreport`` words what the buffer tells (its errors, its reprs), and
+``_logexit`` ends a ``with`` block.
 """
 
 from __future__ import annotations
@@ -23,34 +24,30 @@ from typing import Any, Literal
 import torch
 
 from ._callbacks import checked_sinks
-from ._dist import initialized
-from ._errors import RanksDisagreeError, RanksOutOfStepError
+from ._dist import DEFAULT_TIMEOUT, initialized, validated_timeout
 from ._format import shorten
 from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._logdeliver import Deliveries, Record, Sink
 from ._logexit import leave
+from ._logflight import Flushes
 from ._logflush import (
     HOST_TENSORS,
     HOST_VALUES,
     ON_DEVICE,
     InFlight,
-    broken_job,
     by_key,
-    land,
     start,
     start_reduced,
 )
+from ._loghistory import Entry, Flight, History
 from ._logreport import (
     describe_sink,
     dropped_warning,
-    flush_error,
     left_out_warning,
     state_line,
     state_table,
     unknown_key,
-    unreadable_error,
-    unreduced_error,
 )
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import checked, checked_step, on_device, refuse, refuse_keys
@@ -63,7 +60,7 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
 
-class LogBuffer:
+class LogBuffer(Flushes):
     """Collect scalars on the device and bring them to the host in bulk, never per step.
 
     ``log(step, loss=loss, lr=0.1)`` takes 0-d (or one-element) tensors of a
@@ -126,7 +123,8 @@ class LogBuffer:
     this rank's own ``log()`` calls, so pass the step where ranks may log
     different numbers of times). (To compare, the ranks first exchange what they
     logged over devicekit's own gloo group, as ``job_status()`` does: no GPU
-    sync, and ``RanksOutOfStepError`` if a rank never arrives within 300 s.)
+    sync, and ``RanksOutOfStepError`` if a rank never arrives within
+    ``timeout``.)
     Once a job-wide call of the job has failed (``RanksOutOfStepError``: a
     rank was late or crashed), no collective of the job can complete: the
     buffer's first flush after that raises it, and it and every later flush
@@ -144,6 +142,9 @@ class LogBuffer:
         sinks: Callables that receive the list of new records at each flush.
         reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` across ranks, or None.
             Combined in float64; the records hold floats, as without it.
+        timeout: With ``reduce``, how many seconds a flush waits for the other
+            ranks before ``RanksOutOfStepError`` (a rank that raised and stays
+            alive, or one that stopped flushing). Positive, at most a week.
 
     Examples:
         >>> import torch, devicekit as dk
@@ -163,8 +164,10 @@ class LogBuffer:
         flush_every: int = 100,
         sinks: Iterable[Sink] | Sink = (),
         reduce: Literal["mean", "sum", "max", "min"] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         check_count(flush_every, name="flush_every", minimum=1)
+        self.timeout = validated_timeout(timeout)
         if reduce is not None and reduce not in _REDUCE_OPS:
             raise ValueError(
                 f"reduce must be one of {', '.join(_REDUCE_OPS)} or None, got {short_repr(reduce)}"
@@ -172,24 +175,27 @@ class LogBuffer:
         self.flush_every = flush_every
         self.sinks: list[Sink] = checked_sinks(sinks, receives="a list of records")
         self.reduce = reduce
-        self.nonfinite = 0
-        """How many NaN or infinite values have been recorded (they are kept)."""
         # log() appends one entry to _pending, which is atomic (a list's own lock
         # on free-threaded Python), so it takes no lock: a lock there measured
         # 0.1 to 0.25 µs, a third of what log() costs. Flushes and readers take _lock,
         # which is re-entrant so that a sink may read the buffer; a flush takes
         # entries from the front of the same list, in place (see _flush).
         self._lock = threading.RLock()
-        self._pending: list[tuple[Any, dict[str, Any], int]] = []  # (step, values, how to read)
+        self._pending: list[Entry] = []  # (step, values, how to read)
         self._taken = 0  # log() calls whose entries left _pending: the next default step
         self._flush_at = flush_every  # pending steps that start a flush
-        self._in_flight: InFlight | None = None
-        self._history: list[Record] = []
-        self._deliveries = Deliveries()  # landed records not yet handed to every sink
+        self._in_flight: Flight | None = None
+        # Ctrl-C may land anywhere in a flush: see _loghistory for how nothing is lost.
+        self._history = History()
+        self._deliveries = Deliveries()  # how far every sink has got through the history
         self._leaving_on_error = False  # the with block is exiting on an exception
         self._sinks_left_out: list[str] | None = None  # a copy's: the sinks it did not get
         self._told_broken = False  # a flush raised that the job's collectives are broken
-        self._keys: dict[str, None] = {}  # every key recorded, in order of first appearance
+
+    @property
+    def nonfinite(self) -> int:
+        """How many NaN or infinite values have been recorded (they are kept)."""
+        return self._history.counts()[1]
 
     def log(self, step: int | None = None, **scalars: torch.Tensor | float | int) -> None:
         """Record scalars for one step; ``step`` defaults to the number of earlier ``log`` calls.
@@ -238,9 +244,7 @@ class LogBuffer:
         pending = self._pending
         pending.append((step, scalars, read))  # atomic: no lock (see __init__)
         if len(pending) >= self._flush_at:
-            # Waiting here would wait for every kernel queued before the copy: the
-            # GPU's queue would drain each flush. The copy lands long before the next.
-            self.flush(wait=False)
+            self._flush_soon()
 
     def flush(self, *, wait: bool = True) -> list[Record]:
         """Copy the pending values to the host and hand the new records to the sinks.
@@ -262,7 +266,7 @@ class LogBuffer:
                 others as usual, and they are in ``history`` and the sinks have
                 them. Or, with ``reduce``, a rank could not prepare its values
                 (they stay pending).
-            RanksOutOfStepError: With ``reduce``, a rank did not flush within 300 s,
+            RanksOutOfStepError: With ``reduce``, a rank did not flush within ``timeout``,
                 or a job-wide call of this job failed earlier (a rank was late, or
                 crashed). No collective of the job can complete any more, so this
                 rank's values were recorded unreduced. Only the buffer's first such
@@ -293,14 +297,15 @@ class LogBuffer:
         """
         with self._lock:
             self._complete()  # sinks get these records at the next flush
-            return list(map(dict.copy, self._history))
+            return self._history.records()
 
     @property
     def latest(self) -> Record | None:
         """The newest record on the host, or None."""
         with self._lock:
             self._complete()
-            return dict(self._history[-1]) if self._history else None
+            latest = self._history.latest()
+            return None if latest is None else dict(latest)
 
     def values(self, key: str) -> list[float]:
         """Every value of ``key`` that has reached the host, oldest first.
@@ -310,7 +315,7 @@ class LogBuffer:
         """
         with self._lock:
             self._complete()
-            return [record[key] for record in self._history if key in record]
+            return self._history.values(key)
 
     def mean(self, key: str, *, last: int | None = None) -> float:
         """The mean of ``key`` over the history, or over its ``last`` values (NaN propagates).
@@ -329,12 +334,13 @@ class LogBuffer:
             KeyError: "no value of 'los' has been recorded yet (keys recorded: 'loss'); did you \
 mean 'loss'?"
         """
-        values = self.values(key)
-        if last is not None:  # a negative slice would drop the *first* values instead
-            values = values[-check_count(last, name="last", minimum=1) :]
+        if last is not None:
+            check_count(last, name="last", minimum=1)
+        with self._lock:
+            self._complete()
+            values = self._history.values(key, last)  # the last ones read from the end
+            known = [*self._history.keys]
         if not values:
-            with self._lock:
-                known = [name for record in self._history for name in record]
             raise KeyError(unknown_key(key, known, pending=self._pending_count()))
         return sum(values) / len(values)
 
@@ -350,30 +356,41 @@ mean 'loss'?"
         leave(self, exc)  # a last flush; a failing one never replaces `exc` (see _logexit)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Its state, without the lock or the sinks: for copies, ``pickle`` and ``torch.save``.
+        """Its state as plain lists, dicts and numbers: for copies, ``pickle`` and ``torch.save``.
 
         A model that holds a buffer is deep-copied (an EMA copy) or saved whole:
         the copy gets the records, the pending values and the options, not the
         sinks: they write this run's file, bar and writer, where a second
         buffer's records would come twice or mix two runs (its first flush says so).
+        Plain types only, so that ``torch.load(weights_only=True)`` needs no class
+        of devicekit's allowed but `LogBuffer` (docs/logging.md).
         """
         with self._lock:
             self._complete()  # an in-flight copy holds CUDA events and pinned memory
-            state = self.__dict__.copy()
             # Even a shallow copy.copy() must not share the lists the buffer appends to.
-            state["_pending"] = list(self._pending)
-            state["_history"] = list(self._history)
-            state["_deliveries"] = Deliveries()  # what this buffer's sinks still await
-            state["_keys"] = dict(self._keys)
-            state["sinks"] = []
-            state["_sinks_left_out"] = [shorten(describe_sink(s), 80) for s in self.sinks] or None
-        del state["_lock"]
-        state["_leaving_on_error"] = False  # a sink may make the copy
-        return state
+            return {
+                "flush_every": self.flush_every,
+                "reduce": self.reduce,
+                "timeout": self.timeout,
+                "pending": [list(entry) for entry in self._pending],
+                "taken": self._taken,
+                "flush_at": self._flush_at,
+                "history": self._history.to_plain(),
+                "sinks_left_out": [shorten(describe_sink(s), 80) for s in self.sinks] or None,
+                "told_broken": self._told_broken,
+            }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.RLock()
+        self.__init__(  # type: ignore[misc]
+            flush_every=state["flush_every"],
+            reduce=state["reduce"],
+            timeout=state.get("timeout", DEFAULT_TIMEOUT),  # saved before there was one
+        )
+        self._pending = [(step, values, read) for step, values, read in state["pending"]]
+        self._taken, self._flush_at = state["taken"], state["flush_at"]
+        self._history = History.from_plain(state["history"])
+        self._deliveries = Deliveries(sent=len(self._history.batches))  # it has no sinks
+        self._sinks_left_out, self._told_broken = state["sinks_left_out"], state["told_broken"]
 
     def __del__(self) -> None:
         # Values dropped with the buffer are lost: say so, as Python does for an unclosed file.
@@ -383,7 +400,7 @@ mean 'loss'?"
             return
         # Records that landed (a read of history completes a flush) but never reached the
         # sinks: a CSV file would miss their rows.
-        unsent = self._deliveries.unsent() if self.sinks else 0
+        unsent = self._deliveries.unsent(self._history.batches) if self.sinks else 0
         if pending or unsent:
             warnings.warn(dropped_warning(pending, unsent), ResourceWarning, stacklevel=2)
 
@@ -398,129 +415,44 @@ mean 'loss'?"
     def _state(self) -> dict[str, Any]:
         """What the reprs show, read without waiting for any copy."""
         pending_keys = [key for _, values, _ in list(self._pending) for key in values]
-        in_flight = self._in_flight
-        flight_keys = [key for key, _, _ in in_flight.columns] if in_flight else []
+        flight = self._in_flight
+        flight_keys = [key for key, _, _ in flight.values.columns] if flight else []
+        records, nonfinite = self._history.counts()
+        latest = self._history.latest()
         options = [f"flush_every={self.flush_every}"]
         if self.reduce is not None:
             options.append(f"reduce={self.reduce!r}")
         return {
             "name": f"LogBuffer({', '.join(options)})",
-            "records": len(self._history),
-            "keys": list(dict.fromkeys([*self._keys, *flight_keys, *pending_keys])),
+            "records": records,
+            "keys": list(dict.fromkeys([*self._history.keys, *flight_keys, *pending_keys])),
             "pending": self._pending_count(),
-            "last": self._history[-1] if self._history else None,
+            "last": latest,
             "sinks": [describe_sink(sink) for sink in self.sinks],
-            "nonfinite": self.nonfinite,
+            "nonfinite": nonfinite,
         }
 
     def _pending_count(self) -> int:
-        in_flight = self._in_flight
-        flying = sum(len(values) for _, _, values in in_flight.columns) if in_flight else 0
-        return flying + sum(len(values) for _, values, _ in list(self._pending))
+        flight = self._in_flight
+        if flight is None:
+            return sum(len(values) for _, values, _ in list(self._pending))
+        settled = list(self._pending)  # Ctrl-C may have left its entries there (see _complete)
+        if flight.count and settled and settled[0] is flight.first:
+            del settled[: flight.count]
+        flying = sum(len(values) for _, _, values in flight.values.columns)
+        return flying + sum(len(values) for _, values, _ in settled)
 
     def _unfinished(self, *, deliver: bool) -> bool:
         """Values not yet on the host, or (``deliver``) records not yet handed to every sink."""
-        return bool(self._pending or self._in_flight or (deliver and self._deliveries))
+        behind = deliver and self._deliveries.behind(self._history.batches)
+        return bool(self._pending or self._in_flight or behind)
 
-    # --- the flush -----------------------------------------------------------------------
-
-    def _flush(self, *, wait: bool, reduce: bool, deliver: bool = True) -> list[Record]:
-        with self._lock:
-            # Leaving a block on an exception: no flush joins a collective, not even one
-            # a sink starts (the other ranks may never reach it).
-            reduce = reduce and not self._leaving_on_error
-            finished: list[Record] = []
-            failure: BaseException | None = None
-            pending = self._pending
-            try:
-                finished += self._complete()
-                # Take the entries from the front, in place: each slice is atomic, and
-                # entries that log() appends in between land behind them, untouched.
-                count = len(pending)
-                batch = pending[:count]
-                del pending[:count]
-                # A reducing flush is a collective: a rank with nothing to send still
-                # joins, so that a rank with values hears at once that the ranks
-                # disagree, instead of waiting for it until the timeout.
-                reducing = reduce and self.reduce is not None and initialized()
-                if batch or reducing:
-                    try:
-                        failure = self._begin(batch, reducing=reducing)
-                    except BaseException:
-                        pending[:0] = batch  # keep the values, in order
-                        raise
-                    self._taken += count
-                    spoiled = self._in_flight is not None and self._in_flight.unreadable
-                    if spoiled:  # raised below, once the records are in history and sinks
-                        failure = failure or unreadable_error(spoiled)
-                    if wait or spoiled:
-                        finished += self._complete()
-            except BaseException as error:  # noqa: BLE001 - raised below, once the sinks ran
-                # Try again flush_every calls later, never at every log() call.
-                self._flush_at = len(pending) + self.flush_every
-                failure = error
-            else:
-                self._flush_at = self.flush_every
-            errors = self._deliveries.deliver(self.sinks) if deliver else []
-            if failure is None and not errors:
-                return finished
-            # One is raised, what else failed told in notes on it.
-            raise flush_error(failure, errors, pending=self._pending_count())
-
-    def _begin(
-        self, batch: list[tuple[Any, dict[str, Any], int]], *, reducing: bool
-    ) -> BaseException | None:
-        """Start the flight of ``batch``; what to raise once its records are in history.
-
-        Combined across ranks when ``reducing``, except where that can never
-        pass, and keeping the values pending would make every later flush fail
-        the same way. Then this rank records its own values, unreduced: when
-        the ranks disagree (every rank raises `RanksDisagreeError`), and when
-        the job's collectives are broken for good (`broken_job`), which the
-        first such flush raises and the later ones do not.
-        """
-        if not reducing or self.reduce is None:
-            self._in_flight = self._start(batch, reduce=False)
-            return None
-        failure: BaseException | None = broken_job(self.reduce)
-        if failure is None:
-            self._told_broken = False  # the job works (again: it may have been made again)
-            try:
-                self._in_flight = self._start(batch, reduce=True)
-            except RanksDisagreeError as error:  # the same verdict on every rank
-                failure = error
-            except RanksOutOfStepError as error:
-                if broken_job(self.reduce) is None:  # the ranks met from different calls
-                    raise  # the values stay pending
-                failure = error  # the first failure of the job, or another rank's, found now
-            else:
-                return None
-        if batch:
-            self._in_flight = self._start(batch, reduce=False)
-        if not isinstance(failure, RanksOutOfStepError):
-            return failure
-        told, self._told_broken = self._told_broken, True
-        return None if told else unreduced_error(failure)
-
-    def _start(self, batch: list[tuple[Any, dict[str, Any], int]], *, reduce: bool) -> InFlight:
+    def _start(self, batch: list[Entry], *, reduce: bool) -> InFlight:
         steps: Sequence[Any]
         steps, rows, reads = zip(*batch, strict=True) if batch else ((), (), ())  # in C
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
         if reduce and self.reduce is not None and initialized():
-            return start_reduced(steps, by_key(rows) if rows else [], self.reduce)
-        return start(steps, rows, read=max(reads))
-
-    def _complete(self) -> list[Record]:
-        in_flight = self._in_flight
-        if in_flight is None:
-            return []
-        records, nonfinite = land(in_flight)
-        # Only now is the flight landed: had land() failed, it would be tried again.
-        self._in_flight = None
-        self.nonfinite += nonfinite
-        self._keys.update(dict.fromkeys(key for key, _, _ in in_flight.columns))
-        if records:  # a reducing flush with nothing to send lands nothing
-            self._history.extend(records)
-            self._deliveries.add(records)
-        return records
+            columns = by_key(rows) if rows else []
+            return start_reduced(steps, columns, self.reduce, timeout=self.timeout)
+        return start(steps, rows, read=max(reads) if reads else HOST_TENSORS)

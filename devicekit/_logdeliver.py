@@ -1,17 +1,28 @@
 """How a [`LogBuffer`][devicekit.LogBuffer]'s records reach its sinks: each once, in order.
 
-A flush lands its records in ``history`` first, then queues them here; the
-queue hands each landed flush to every sink, oldest first. Records wait here,
-not in the sinks' hands, so that nothing is lost or handed on twice when a
-sink raises, logs (which may start a flush while the sinks run), or removes
-itself from the list. Which of the sinks' errors a flush raises, and how the
-others are told, is ``_logreport``'s.
+A flush lands its records in ``history`` first, one batch per flush; this
+hands each batch to every sink, oldest first, and counts the batches every
+sink has had. Records wait in ``history``, not in the sinks' hands, so that
+nothing is lost or handed on twice when a sink raises, logs (which may start a
+flush while the sinks run), or removes itself from the list.
+
+Ctrl-C can land between any two bytecodes, so the state is kept where one
+step changes it: the batches every sink has had (one int, set once the batch
+has reached them all), and for the batch under way an iterator over the sinks
+still to call. Advancing that iterator and calling the sink come in one
+``for`` statement, with nothing between them where Python runs a signal
+handler (on 3.11 and later): a sink counts as served once it is called. So a
+sink never gets a batch twice (a CSV file never gets rows twice), and misses
+one only if Ctrl-C lands inside it, while it writes. Which of the sinks'
+errors a flush raises, and how the others are told, is ``_logreport``'s.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from operator import length_hint
+from types import FrameType
 from typing import Any
 
 __all__ = ["Deliveries", "Record", "Sink"]
@@ -21,65 +32,98 @@ Record = dict[str, Any]
 Sink = Callable[[list[Record]], Any]
 """Anything that takes the new records of a flush."""
 
+_Batches = list[tuple[list[Record], int]]  # a History's: (records, NaN count) per flush
+
 
 class Deliveries:
-    """The landed flushes not yet handed to every sink, and the loop that hands them on."""
+    """How far the sinks have got through the history, and the loop that hands it on."""
 
-    def __init__(self) -> None:
-        # One entry per landed flush: [records, index of the next sink].
-        self._queue: deque[list[Any]] = deque()
-        self._running = False  # the sinks are running (one may log, and so flush)
+    def __init__(self, sent: int = 0) -> None:
+        self.sent = sent  # batches of history that every sink has had
+        # The batch under way: its index, its sinks (each with its own copies of the
+        # records), and an iterator over those: past a sink, that sink was called.
+        self._left: tuple[int, list[tuple[Sink, list[Record]]], Iterator[Any]] | None = None
+        self._running: FrameType | None = None  # the frame handing records on, while it runs
 
-    def __bool__(self) -> bool:
+    def behind(self, batches: _Batches) -> bool:
         """Whether some landed records have not reached every sink yet."""
-        return bool(self._queue)
+        return self.sent < len(batches)
 
-    def add(self, records: list[Record]) -> None:
-        """Queue a landed flush's records for every sink."""
-        self._queue.append([records, 0])
-
-    def unsent(self) -> int:
+    def unsent(self, batches: _Batches) -> int:
         """How many records some sink has not had yet."""
-        return sum(len(records) for records, _ in self._queue)
+        return sum(len(records) for records, _ in batches[self.sent :])
 
-    def deliver(self, sinks: list[Sink]) -> list[tuple[Sink, BaseException]]:
-        """Hand each landed flush to every sink, in order; what each failing sink raised.
+    def deliver(self, batches: _Batches, sinks: list[Sink]) -> list[tuple[Sink, BaseException]]:
+        """Hand each landed batch to every sink, in order; what each failing sink raised.
 
         Each sink gets its own copies of the records, so one that changes them
         (``record.pop("step")``) changes nothing for ``history`` or the other
         sinks. A sink that logs may start a flush: that flush delivers nothing,
         and this loop hands its records on after the ones before them. A sink
-        interrupted by Ctrl-C (or that calls ``sys.exit``) counts as done, and
-        is not called again by this loop; the other sinks still get the
-        records, and the interrupt is among the errors returned, for the
-        caller to raise once they have (``_logreport.flush_error``).
+        interrupted by Ctrl-C (or that calls ``sys.exit``) counts as having
+        had the batch; the other sinks still get it, then this call stops (the
+        later batches wait for the next flush), and the interrupt is among the
+        errors returned, for the caller to raise (``_logreport.flush_error``).
         """
-        if self._running:
+        if self._running is not None and _on_stack(self._running):
             return []
-        self._running = True
         errors: list[tuple[Sink, BaseException]] = []
-        interrupted: set[int] = set()  # id() of the sinks Ctrl-C got out of
-        queue = self._queue
         try:
+            # Set inside the try, so that the finally always clears it; a frame, not a
+            # flag, so that one left set (Ctrl-C in the finally) is seen to be stale.
+            self._running = sys._getframe()
             # Only what had landed when this call began: what the sinks log meanwhile
             # waits for the next flush, so a sink that logs at every record cannot
             # keep this loop going forever.
-            for _ in range(len(queue)):
-                entry = queue[0]
-                records, first = entry
-                current = list(sinks)  # a sink may remove itself from the list
-                for index in range(first, len(current)):
-                    entry[1] = index + 1
-                    if id(current[index]) in interrupted:
-                        continue
-                    try:
-                        current[index](list(map(dict.copy, records)))
-                    except Exception as error:  # noqa: BLE001 - every sink runs; one is raised
-                        errors.append((current[index], error))
-                    except BaseException as error:  # noqa: BLE001 - Ctrl-C: raised once all ran
-                        errors.append((current[index], error))
-                        interrupted.add(id(current[index]))
-                queue.popleft()
+            end = len(batches)
+            while self.sent < end:
+                index = self.sent
+                left = self._left
+                if left is None or left[0] != index:  # a new batch (or a stale one left)
+                    calls = [(sink, list(map(dict.copy, batches[index][0]))) for sink in sinks]
+                    left = self._left = (index, calls, iter(calls))
+                if _call_each(left[1], left[2], errors):
+                    break
+                self.sent = index + 1  # the commit: every sink has had this batch
         finally:
-            self._running = False
+            self._running = None
         return errors
+
+
+def _call_each(
+    calls: list[tuple[Sink, list[Record]]],
+    left: Iterator[tuple[Sink, list[Record]]],
+    errors: list[tuple[Sink, BaseException]],
+) -> bool:
+    """Call the sinks ``left`` has still to give; whether one was interrupted."""
+    interrupted = False
+    while True:
+        try:
+            # Advancing `left` and calling the sink: no signal handler runs between
+            # them (no call, no backward jump), so a sink past in `left` was called.
+            # One line, so that no line event (a tracer, a debugger) comes between.
+            for sink, records in left: sink(records)  # noqa: E701  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - every sink runs; one is raised
+            errors.append((_current(calls, left), error))
+        except BaseException as error:  # Ctrl-C: raised once the other sinks ran
+            if length_hint(left) == len(calls):  # before the first sink: no sink's doing
+                raise
+            errors.append((_current(calls, left), error))
+            interrupted = True
+        else:
+            return interrupted
+
+
+def _current(calls: list[tuple[Sink, list[Record]]], left: Iterator[Any]) -> Sink:
+    """The sink ``left`` gave last (a list's iterator knows how many it has left)."""
+    return calls[len(calls) - length_hint(left) - 1][0]
+
+
+def _on_stack(frame: FrameType) -> bool:
+    """Whether ``frame`` is still running, below this call."""
+    here: FrameType | None = sys._getframe(1)
+    while here is not None:
+        if here is frame:
+            return True
+        here = here.f_back
+    return False

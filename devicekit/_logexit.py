@@ -46,8 +46,8 @@ def leave(buffer: Block, exc: BaseException | None) -> None:
         return
     # Leaving on an exception: flush without the collective (other ranks may
     # never reach it), and never let a failing flush or sink replace `exc`.
-    buffer._leaving_on_error = True
     try:
+        buffer._leaving_on_error = True  # inside the try: Ctrl-C never leaves it set
         try:
             buffer._flush(wait=True, reduce=False)
         except Exception as error:  # noqa: BLE001 - reported on exc, which propagates

@@ -227,7 +227,9 @@ def _what(op: str) -> str:
     return f"LogBuffer(reduce={op!r}).flush()"
 
 
-def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFlight:
+def start_reduced(
+    steps: Sequence[Any], columns: list[_Column], op: str, *, timeout: float = DEFAULT_TIMEOUT
+) -> InFlight:
     """Combine every rank's values, matched by key name, in one collective.
 
     First every rank says what it logged (which keys, at which steps) through
@@ -242,8 +244,8 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
         RanksDisagreeError: The ranks logged different keys or steps; every rank
             raises it, and no values are mixed.
         ValueError: A rank could not prepare its values; every rank raises it.
-        RanksOutOfStepError: A rank did not arrive within 300 s, or an earlier
-            job-wide call of this job failed (`broken_job` then says so).
+        RanksOutOfStepError: A rank did not arrive within ``timeout`` seconds, or an
+            earlier job-wide call of this job failed (`broken_job` then says so).
     """
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
 
@@ -273,7 +275,7 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     what = _what(op)
     logged = tuple(key for key, _, _ in columns)  # in order of first appearance
     answer: _Answer = (layout, said, wants_gpu, logged)
-    answers = gather_objects(answer, timeout=DEFAULT_TIMEOUT, what=what)
+    answers = gather_objects(answer, timeout=timeout, what=what)
     _check_agreement(answers, op)  # the same verdict on every rank, from the same answers
     assert flat is not None
     if not ordered:  # every rank had nothing to send, and all agree
@@ -281,7 +283,7 @@ def start_reduced(steps: Sequence[Any], columns: list[_Column], op: str) -> InFl
     on_gpu = all(wants for _, _, wants, _ in answers)
     if wants_gpu and not on_gpu:  # a rank's values are all on the host: gloo, on the host
         flat = flat.cpu()
-    flat = _combine(flat, op, on_gpu=on_gpu, what=what)
+    flat = _combine(flat, op, on_gpu=on_gpu, what=what, timeout=timeout)
     in_flight = InFlight(steps, [], unreadable=unreadable)
     offset = 0
     for key, rows, values in ordered:
@@ -324,6 +326,8 @@ def _describe(layout: _Layout | None) -> str:
     if layout is None:
         return "None"
     steps, keys = layout
+    if not steps:
+        return "logged nothing since the last flush"
     shown = ", ".join(
         repr(key) if rows is None else f"{key!r} at rows {list(rows)}" for key, rows in keys
     )
@@ -353,7 +357,9 @@ def _check_agreement(answers: list[_Answer], op: str) -> None:
         )
 
 
-def _combine(flat: torch.Tensor, op: str, *, on_gpu: bool, what: str) -> torch.Tensor:
+def _combine(
+    flat: torch.Tensor, op: str, *, on_gpu: bool, what: str, timeout: float
+) -> torch.Tensor:
     """Every rank's ``flat`` combined by ``op``, in one collective: NCCL's or devicekit's gloo."""
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing
 
@@ -372,7 +378,7 @@ def _combine(flat: torch.Tensor, op: str, *, on_gpu: bool, what: str) -> torch.T
     if on_gpu:
         dist.all_reduce(flat, op=reduce_op)
     else:
-        all_reduce(flat, reduce_op, timeout=DEFAULT_TIMEOUT, what=what)
+        all_reduce(flat, reduce_op, timeout=timeout, what=what)
     if op in ("max", "min"):
         nan = flat[count:] > 0
         flat = (flat[:count] * sign).masked_fill_(nan, math.nan)
@@ -402,6 +408,9 @@ def _as_float64(values: list[Any], device: torch.device) -> torch.Tensor:
 
 
 def _summary(columns: list[_Column], steps: Sequence[Any]) -> str:
+    """What a rank logged, after ``logged``: ``2 steps (0 to 1) of loss``, or ``nothing ...``."""
+    if not steps:  # a flush with nothing pending still joins the collective
+        return "nothing since the last flush"
     keys = ", ".join(
         key if rows is None else f"{key} ({plural(len(rows), 'step')})" for key, rows, _ in columns
     )

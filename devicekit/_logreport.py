@@ -158,14 +158,34 @@ def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:
     return message
 
 
-def dropped_warning(pending: int, unsent: int) -> str:
-    """What a buffer dropped with ``pending`` values or ``unsent`` records warns."""
+def dropped_warning(pending: int, unsent: int, *, flushed_last: bool | None = None) -> str:
+    """What a buffer dropped with ``pending`` values or ``unsent`` records warns.
+
+    Two things leave them behind, with different fixes: no flush after the last
+    ``log()`` (no ``with`` block, no ``flush()`` at the end), or sinks that log
+    during the last flush (the end of a ``with`` block flushes a few more times
+    for what they log, and a sink that logs at every call always leaves more).
+    ``flushed_last`` says which (a flush ran after the last ``log()`` call);
+    None, not known, tells both, each with its condition, so that the warning
+    never tells a buffer used in a ``with`` block to use one.
+    """
     lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
     lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
-    return (
-        f"a LogBuffer was dropped with {' and '.join(lost)}; use it in a with block, "
-        "or call flush() before letting it go"
+    dropped = f"a LogBuffer was dropped with {' and '.join(lost)}"
+    no_flush = "use it in a with block, or call flush() before letting it go"
+    sinks_logged = (
+        "they are what its sinks logged during its last flushes (the end of a with block "
+        "flushes a few more times for them), and a sink that logs at every call always "
+        "leaves more: log such a value from your loop instead, or into another LogBuffer"
     )
+    if flushed_last is None:
+        return (
+            f"{dropped}. If nothing flushed it after its last log() call, {no_flush}; if "
+            f"something did, {sinks_logged}"
+        )
+    if flushed_last:
+        return f"{dropped}, although it was flushed after its last log() call: {sinks_logged}"
+    return f"{dropped}; {no_flush}"
 
 
 def left_out_warning(left_out: list[str]) -> str:
@@ -190,11 +210,18 @@ def describe_sink(sink: Sink) -> str:
 
 
 def state_line(state: dict[str, Any]) -> str:
-    """The buffer's repr, from its ``_state()``: one line, however many keys it holds."""
-    parts = [f"{plural(state['records'], 'record')} of {_some(state['keys']) or '(none)'}"]
+    r"""The buffer's repr, from its ``_state()``: one line, however many keys it holds.
+
+    A key is shown as written where that reads unmistakably (``loss``,
+    ``train/loss``), else as its repr (``'a, b'``, ``'multi\nline'``), so that a
+    key holding a comma or a line break neither blurs with the next nor breaks
+    the line; a long one is shortened.
+    """
+    keys = [_key(key) for key in state["keys"]]
+    parts = [f"{plural(state['records'], 'record')} of {_some(keys) or '(none)'}"]
     parts.append(f"{plural(state['pending'], 'value')} pending")
     if state["last"] is not None:
-        parts.append(f"last {_some_items(state['last'])}")
+        parts.append(f"last {_some_items(state['last'], limit=_KEY_LIMIT)}")
     if state["sinks"]:
         parts.append(f"sinks {', '.join(state['sinks'])}")
     return f"{state['name']}: {', '.join(parts)}"
@@ -222,8 +249,31 @@ def _some(keys: list[str], *, shown: int = 10) -> str:
     return f"{', '.join(keys[:shown])} and {len(keys) - shown} more"
 
 
-def _some_items(record: Record, *, shown: int = 10, braces: bool = True) -> str:
-    """The first items of a record (as its repr writes them), then how many more."""
-    items = [f"{key!r}: {value!r}" if braces else f"{key}={value}" for key, value in record.items()]
+def _some_items(
+    record: Record, *, shown: int = 10, braces: bool = True, limit: int | None = None
+) -> str:
+    """The first items of a record (as its repr writes them), then how many more.
+
+    ``limit``: the most characters a key is shown with (its repr then quoted in full).
+    """
+    items = [
+        f"{_quoted(key, limit)}: {value!r}" if braces else f"{key}={value}"
+        for key, value in record.items()
+    ]
     text = _some(items, shown=shown)
     return f"{{{text}}}" if braces else text
+
+
+_KEY_LIMIT = 40  # the most characters of one key in the one-line repr
+
+
+def _key(key: str) -> str:
+    """A key in the one-line repr: as written if that is unmistakable, else its repr; short."""
+    if key and key.isprintable() and key.strip() == key and not any(c in key for c in ",'\""):
+        return shorten(key, _KEY_LIMIT)
+    return _quoted(key, _KEY_LIMIT)
+
+
+def _quoted(key: str, limit: int | None) -> str:
+    """``repr(key)``, its text cut to ``limit`` characters (the quotes kept)."""
+    return repr(key if limit is None else shorten(key, limit))

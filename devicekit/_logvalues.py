@@ -32,8 +32,8 @@ __all__ = [
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
-# Real numbers that stack and convert to a Python float exactly (as float64).
-# Complex, quantized and bit-packed dtypes are refused when logged.
+# Real numbers that stack and convert to a Python float exactly (as float64): every
+# float8 too. Complex, quantized and bit-packed dtypes are refused when logged.
 LOGGABLE = frozenset(
     getattr(torch, name)
     for name in (
@@ -45,6 +45,8 @@ LOGGABLE = frozenset(
         "float8_e5m2",
         "float8_e4m3fnuz",
         "float8_e5m2fnuz",
+        # A power of two (or NaN), unsigned: the scale of an MX block, exact as a float64.
+        "float8_e8m0fnu",
         "int64",
         "int32",
         "int16",
@@ -55,7 +57,7 @@ LOGGABLE = frozenset(
         "uint64",
         "bool",
     )
-    if isinstance(getattr(torch, name, None), torch.dtype)  # the uints and float8s: torch >= 2.3
+    if isinstance(getattr(torch, name, None), torch.dtype)  # uints, float8s: newer torch only
 )
 # Those whose Tensor.item() is already a Python float: log()'s fast path takes these.
 FLOATING = frozenset(dtype for dtype in LOGGABLE if dtype.is_floating_point)
@@ -65,17 +67,13 @@ def checked(key: str, value: Any) -> Any:
     """What to keep for a value the fast path of log() did not accept, or an error."""
     if isinstance(value, _Tensor):
         if value.dtype not in LOGGABLE:
-            expected, fix = (
-                ("a real number", "value.real or value.abs()")
-                if value.dtype.is_complex
-                else (
-                    "a dtype that converts to a float",
-                    "value.dequantize()" if value.is_quantized else "value.float()",
-                )
-            )
+            if value.dtype.is_complex:
+                expected, fix = "a real number", "; log value.real or value.abs()"
+            else:
+                expected, fix = "a dtype that converts to a float", _dtype_fix(value)
             raise TypeError(
                 f"LogBuffer.log({key}=...) expects {expected}, got a tensor of dtype "
-                f"{value.dtype}; log {fix}"
+                f"{value.dtype}{fix}"
             )
         if value.layout is not _STRIDED or value.is_nested:
             raise TypeError(
@@ -92,8 +90,8 @@ def checked(key: str, value: Any) -> Any:
         if value.requires_grad:
             value = value.detach()
         return value.reshape(()) if value.ndim else value  # a view: no kernel
-    if isinstance(value, (int, float)) or _is_real(value):  # bool and int subclasses included
-        try:
+    if isinstance(value, (int, float)) or (_is_real(value) and not _is_time(value)):
+        try:  # bool and int subclasses included
             return float(value)  # now: a numpy scalar is exact as a float64
         except OverflowError:
             what = (
@@ -103,10 +101,68 @@ def checked(key: str, value: Any) -> Any:
                 else f"a {type(value).__name__} too large for a float64"
             )
             raise ValueError(f"LogBuffer.log({key}=...) got {what}; log it scaled") from None
+        except (TypeError, ValueError) as error:  # a numbers.Real whose float() fails
+            raise TypeError(
+                f"LogBuffer.log({key}=...) expects a number that converts to a float, got "
+                f"{short_repr(value, 60)} of type {type(value).__name__}, whose float() raised "
+                f"{type(error).__name__}: {shorten(str(error), 80)}; log a float computed from it"
+            ) from None
     raise TypeError(
-        f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got {type(value).__name__}"
-        + ("; log float(value)" if hasattr(value, "__float__") else "")
+        f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got "
+        f"{type(value).__name__}{_fix(value)}"
     )
+
+
+def _is_time(value: object) -> bool:
+    """A numpy datetime64 or timedelta64 (a timedelta64 is a ``numbers.Real``, with no float())."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, (numpy.datetime64, numpy.timedelta64))
+
+
+def _fix(value: object) -> str:
+    """What to log instead of ``value``, which is no number: advice that works, or none.
+
+    ``float(value)`` is offered only where it gives the number meant: not for a
+    complex (it drops the imaginary part, or raises), nor for numpy's dates and
+    durations (it raises), nor for a numpy array of several elements.
+    """
+    numpy = sys.modules.get("numpy")
+    complexes = (complex,) if numpy is None else (complex, numpy.complexfloating)
+    if isinstance(value, complexes):
+        return "; log value.real or abs(value)"
+    if numpy is not None:
+        if isinstance(value, numpy.timedelta64):
+            return " (a duration); log it in seconds, value / np.timedelta64(1, 's')"
+        if isinstance(value, numpy.datetime64):
+            return (
+                " (a date); log it in seconds since 1970, "
+                "(value - np.datetime64(0, 's')) / np.timedelta64(1, 's')"
+            )
+        if isinstance(value, numpy.ndarray):
+            if value.size == 1:
+                return "; log value.item()"
+            return f" of shape {value.shape}; log value.mean().item() or one element"
+    if value is None:
+        return "; leave the key out of this call where there is no value, or log math.nan"
+    if isinstance(value, (list, tuple)):
+        return "; log one element, or their mean"
+    if hasattr(value, "__float__"):
+        return "; log float(value)"
+    return ""
+
+
+def _dtype_fix(value: torch.Tensor) -> str:
+    """What to log instead of a tensor of a dtype that is not `LOGGABLE` (nor complex)."""
+    if value.is_quantized:
+        return "; log value.dequantize()"
+    try:  # bit-packed dtypes (float4_e2m1fn_x2, uint4, bits8) have no conversion at all
+        torch.empty(1, dtype=value.dtype).float()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return (
+            " (bit-packed: several values per byte, which torch cannot convert to a float); "
+            "unpack it with the code that packed it, and log a float"
+        )
+    return "; log value.float()"
 
 
 def _is_real(value: object) -> bool:

@@ -4,51 +4,47 @@ Called once per flush with the new records, so it costs no sync per step. It
 appends whole rows only, and widens its header by writing a new file beside
 the old one and replacing it (the sinks for TensorBoard and a progress bar are
 in `_sinkadapters`).
+
+One file, one writer. Two sinks on one file would each append under whatever
+header is on disk (values under another's columns) and replace the file for
+their own header (another's rows lost). So a sink remembers the file as it
+left it (device, inode and size, from one ``stat``): before each write it
+checks that the file is still that one, grown by no one else, and refuses to
+write otherwise; this catches another process too (every DDP rank writing
+``metrics.csv``). In this process it refuses even earlier: a second live sink
+that would replace the file (``append=False``) is refused when it is made.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
-import errno
-import io
+import gc
 import os
-import stat
+import threading
 import uuid
+import weakref
 from pathlib import Path
 from typing import TypeVar
 
+from ._csvpath import file_path, write_fix
+from ._csvtext import csv_text, existing, render, utf8
 from ._errors import add_note
-from ._format import shorten
+from ._format import plural
 from ._keywords import suggest_keywords
 from ._logdeliver import Record
-from ._options import check_flag, check_path, short_repr
-from ._procfs import file_system_type
+from ._options import check_flag
 
 __all__ = ["CSVSink"]
 
 _S = TypeVar("_S")
 
-# Where no regular file can be created, whatever the folder's permissions say.
-_KERNEL_FILE_SYSTEMS = frozenset(
-    [
-        "proc",
-        "sysfs",
-        "cgroup",
-        "cgroup2",
-        "debugfs",
-        "tracefs",
-        "securityfs",
-        "configfs",
-        "devpts",
-        "bpf",
-        "pstore",
-        "efivarfs",
-        "fusectl",
-        "binfmt_misc",
-        "mqueue",
-    ]
-)
+_Identity = tuple[int, int, int]
+"""A file as a sink left it: its device, inode and size (None: no file there)."""
+_UNKNOWN: _Identity = (-1, -1, -1)  # not known (a stat failed): not checked
+# Every CSVSink alive in this process, to refuse a second one on the same file.
+_LIVE: weakref.WeakSet[CSVSink] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
 
 
 class CSVSink:
@@ -61,6 +57,16 @@ class CSVSink:
     (earlier rows get an empty cell), so no value is dropped. Keys are written
     as given (quoted where they hold a comma, a quote or a line break), the
     file is UTF-8, and NaN and inf are written as ``nan``, ``inf`` and ``-inf``.
+
+    One file has one writer. A second sink on a file that a sink alive in
+    this process writes is refused when it is made (``ValueError``), unless
+    it is made with ``append=True``, which keeps the first one's rows. Before
+    each write a sink checks that the file is still the one it last wrote
+    (or found when it was made): one that another writer has grown or
+    replaced since (another sink, another process: every DDP rank writing
+    the same file) is not written to, and the flush raises a
+    ``RuntimeError`` naming the file, what changed and the fix; the records
+    are in the buffer's history.
 
     A failed write never destroys rows already on disk. A wider header is
     written to a new file beside the old one, which then replaces it in one
@@ -92,7 +98,8 @@ class CSVSink:
             path included: pass ``os.fsdecode(path)``).
         ValueError: ``path`` is empty, holds a NUL character, ends with a
             separator or ``.`` (a folder), or names something that is not a
-            regular file (``/dev/null``).
+            regular file (``/dev/null``); or, with ``append=False``, another
+            `CSVSink` alive in this process writes that file.
         IsADirectoryError: ``path`` is a folder that exists.
         OSError: The folder of ``path`` cannot be created (the error
             ``mkdir`` raised, such as ``FileNotFoundError`` or
@@ -117,7 +124,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
     @suggest_keywords
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
         check_flag(append, name="append")  # first: a refused sink makes no folder
-        self.path = _file_path(path)
+        self.path = file_path(path)
         # Where it was when the sink was made (as logging.FileHandler does): a chdir()
         # later must not move the file, away from the folder made here.
         self._file = self.path.absolute()
@@ -127,6 +134,10 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         self._newline_first = False  # appending to a file whose last line has no line end
         self._line_end = "\r\n"  # the csv module's; a file appended to keeps its own
         self._unwritten: list[Record] = []  # what a failed write left out, written first next time
+        self._real = os.path.realpath(self._file)  # one file, however it is named (a link)
+        self._known = _identity(self._file)  # the file as this sink expects to find it
+        self._wrote = False
+        _claim(self)
 
     def __repr__(self) -> str:
         append = ", append=True" if self.append else ""
@@ -135,14 +146,18 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
         rows = [*self._unwritten, *records]
+        changed = self._changed()
+        if changed is not None:  # another writer: writing now would mix or lose rows
+            self._unwritten = rows
+            raise self._conflict_error(changed, rows)
         if not self._started and self.append:
             try:
-                self.columns, self._newline_first, self._line_end = _existing(self._file)
+                self.columns, self._newline_first, self._line_end = existing(self._file)
             except OSError as error:
-                self._unwritten = rows
+                self._unwritten, self._known = rows, _UNKNOWN  # to be fixed: read it again
                 raise self._write_error(error, rows, doing="read") from None
             except BaseException:
-                self._unwritten = rows
+                self._unwritten, self._known = rows, _UNKNOWN
                 raise
             self._started = bool(self.columns)
         new = [
@@ -164,9 +179,46 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         self._unwritten = []
         self._newline_first = False
         self.columns = columns
-        self._started = True
+        self._started = self._wrote = True
         if closing is not None:
             raise self._close_error(closing, rows)
+
+    def _changed(self) -> str | None:
+        """How another writer changed the file since this sink last wrote it (or was made).
+
+        None while it is this sink's: as it left it, gone, or emptied (a log
+        rotation: the sink starts it again with its header). One ``stat``.
+        """
+        now = _identity(self._file)
+        known = self._known
+        if now is None or now[2] == 0 or known in (now, _UNKNOWN):
+            return None
+        since = "since this sink last wrote it" if self._wrote else "since this sink was made"
+        if known is None:
+            what = f"there was no file, and now one holds {now[2]} bytes"
+        elif now[:2] != known[:2]:
+            what = f"it was replaced by another file, of {now[2]} bytes"
+            if self._wrote:
+                what += ", which may not hold the rows this sink wrote before"
+        else:
+            what = f"it went from {known[2]} to {now[2]} bytes"
+        return f"{since} ({what})"
+
+    def _conflict_error(self, changed: str, rows: list[Record]) -> RuntimeError:
+        """The error for a file another writer changed: what changed, and one file per writer."""
+        name = Path(self._file.name)
+        per_rank = f"{name.stem}.rank{{rank}}{name.suffix or '.csv'}"
+        return RuntimeError(
+            f"{self!r} did not write {str(self._file)!r}: the file changed {changed}, so "
+            "something else writes it too: another CSVSink, in this process or another (every "
+            "DDP rank writing the same file is a common slip), or another program. Two writers "
+            "on one file put values under the wrong columns and lose rows, so this sink wrote "
+            f"none of its {plural(len(rows), 'record')} (they are in its LogBuffer's history). "
+            "Give each writer its own file: one per rank "
+            f"(dk.CSVSink(f{per_rank!r}) with rank = torch.distributed.get_rank()), or a "
+            "CSVSink on rank 0 only (with reduce='mean' every rank records the same values); "
+            "one per LogBuffer ('train.csv', 'eval.csv'), or one CSVSink object given to both"
+        )
 
     def _close_error(self, error: OSError, rows: list[Record]) -> OSError:
         """A close that failed once ``rows`` were written: said so, and not written again."""
@@ -176,7 +228,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             f"failed: {why}. Some may not have reached the disk (a network file system "
             "reports late write errors so); they are not written again, which would put "
             f"them there twice (they are in the buffer's history). "
-            f"{_write_fix(error.errno, self._file.parent)}"
+            f"{write_fix(error.errno, self._file.parent)}"
         )
         raised.errno = error.errno
         return raised
@@ -198,7 +250,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         why = error.strerror or str(error)  # OSError("disk full") has no strerror
         raised = type(error)(
             f"{self!r} could not {doing} {str(self._file)!r}: {why}. "
-            f"{_write_fix(error.errno, self._file.parent)}"
+            f"{write_fix(error.errno, self._file.parent)}"
         )
         raised.errno = error.errno  # its message stays as written
         add_note(raised, f"{self!r}: {kept}")
@@ -215,7 +267,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         try:
             size = os.fstat(descriptor).st_size
             # A file rotated away (empty now) gets a new header.
-            data = _render(columns, rows, header=not size, line_end=self._line_end)
+            data = render(columns, rows, header=not size, line_end=self._line_end)
             if self._newline_first and size:
                 data = self._line_end.encode() + data
             try:
@@ -223,6 +275,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             except BaseException:
                 os.ftruncate(descriptor, size)  # no half-written row is left behind
                 raise
+            self._known = _descriptor_identity(descriptor)  # what the next write expects
         except BaseException:
             with contextlib.suppress(OSError):  # the write's own error is the one to tell
                 os.close(descriptor)
@@ -235,17 +288,15 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
 
     def _replace(self, columns: list[str], rows: list[Record]) -> None:
         """Write the whole file (old rows widened, then ``rows``) beside it, then swap it in."""
-        text = io.StringIO()
-        writer = csv.writer(text, lineterminator=self._line_end)
-        writer.writerow(columns)
+        table = [columns]
         if self._started:  # the rows on disk, each with an empty cell per new column
             padding = [""] * (len(columns) - len(self.columns))
             try:
                 with self._file.open(newline="", encoding="utf-8") as old:
-                    writer.writerows([*row, *padding] for row in list(csv.reader(old))[1:])
+                    table += ([*row, *padding] for row in list(csv.reader(old))[1:])
             except FileNotFoundError:  # rotated away: nothing of it to keep here
                 pass
-        data = _utf8(text.getvalue()) + _render(
+        data = utf8(csv_text(table, self._line_end)) + render(
             columns, rows, header=False, line_end=self._line_end
         )
         # A link is kept, and the file it points to replaced: os.replace would swap the link.
@@ -258,208 +309,64 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             try:
                 _write_all(descriptor, data)
                 os.fsync(descriptor)  # on disk before it takes the old file's name
+                written = _descriptor_identity(descriptor)  # a rename keeps inode and size
             finally:
                 os.close(descriptor)
             os.replace(temporary, target)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
+        self._known = written
 
 
-def _file_path(path: object) -> Path:
-    """The file a `CSVSink` writes, its folder made: refused now if no CSV file can go there.
-
-    Each refusal names the path as given, what was expected, and the fix:
-    otherwise it would surface at the first flush, as a raw error from
-    ``os.replace`` at a ``log()`` call far away (and ``"logs/"`` would have
-    become a file named ``logs``, ``"/tmp"`` a temporary file in ``/``).
-    """
-    given = os.fspath(path) if isinstance(path, os.PathLike) else path  # as written, for messages
-    if isinstance(given, bytes):  # open() takes bytes; Path, and so this sink, does not
-        raise TypeError(
-            f"CSVSink(path={short_repr(path)}): expected a str or os.PathLike path, got bytes. "
-            "Pass "
-            "os.fsdecode(path)"
-        )
-    if not isinstance(given, str):
-        check_path(path, name="path", fix="pass where the CSV file goes, such as 'log.csv'")
-        raise TypeError(f"path must be a str, got {given!r}")  # never: check_path refused it
-    expected = f"CSVSink(path={given!r}): expected the path of a CSV file, got"
-    if not given:
-        raise ValueError(f"{expected} an empty string. Pass one such as 'logs/train.csv'")
-    if "\0" in given:
-        raise ValueError(f"{expected} one with a NUL character, which no file name can hold")
-    expanded = os.path.expanduser(given)  # "~/runs/a.csv", not a folder named "~" here
-    in_it = f"Pass a file in it, such as {os.path.join(os.path.normpath(given), 'train.csv')!r}"
-    file = Path(expanded)
+def _identity(path: Path) -> _Identity | None:
+    """The file at ``path`` as `_Identity`, None if there is none, `_UNKNOWN` if unreadable."""
     try:
-        mode: int | None = file.stat().st_mode
-    except (OSError, ValueError):  # not there yet (nearly always), or its folder unreadable
-        mode = None
-    if mode is not None and stat.S_ISDIR(mode):
-        error = IsADirectoryError(f"{expected} a folder that exists. {in_it}")
-        error.errno = errno.EISDIR  # its message stays as written
-        raise error
-    if os.path.basename(expanded) in ("", ".", ".."):  # Path("logs/") would be a file "logs"
-        ending = "/" if given.endswith(("/", os.sep)) else os.path.basename(given)
-        raise ValueError(f"{expected} a folder (it ends with {ending!r}). {in_it}")
-    if mode is not None and not stat.S_ISREG(mode):  # os.replace would replace /dev/null itself
-        raise ValueError(
-            f"{expected} a special file (a device or a pipe), which a flush would "
-            "replace. Pass the path of a regular file; to write no CSV, leave the sink out"
-        )
-    _make_folder(file.parent, given)
-    return file
-
-
-def _write_fix(number: int | None, folder: Path) -> str:
-    """What to do about a write that failed with ``errno`` ``number``, the file in ``folder``."""
-    where = str(folder)
-    if number in (errno.ENOSPC, errno.EDQUOT):
-        return "Free space on that disk, or pass a path on another one"
-    if number == errno.ENOENT:  # os.open(O_CREAT) fails so only where no file can be made
-        return (
-            f"Its folder {where!r} was removed, or holds no files of its own (as /proc and "
-            "/sys do): create the folder again, or pass a path in a folder you can write to"
-        )
-    if number == errno.EROFS:
-        return f"Its folder {where!r} is read-only: pass a path in a folder you can write to"
-    if number in (errno.EACCES, errno.EPERM):
-        return f"Make {where!r} writable, or pass a path in a folder you can write to"
-    return "Pass a path in a folder you can write to, on a disk with room"
-
-
-def _make_folder(folder: Path, given: str) -> None:
-    """Create ``folder`` now, so a folder that cannot be made is refused here, not at a log()."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        # The folder, or one above it, may be a file: name the one in the way.
-        blocker = next((p for p in (folder, *folder.parents) if p.is_file()), None)
-        if blocker == folder:
-            why = "is a file, not a folder"
-        elif blocker is not None:
-            why = f"cannot be created: {str(blocker)!r} is a file, not a folder"
-        else:
-            why = f"does not exist and cannot be created ({error.strerror or error})"
-        raised = type(error)(
-            f"CSVSink(path={given!r}): its folder {str(folder)!r} {why}. Pass a path in a folder "
-            "you can write to, or create the folder first"
-        )
-        raised.errno = error.errno
-        raise raised from None
-    # The kernel's own file systems look writable to root, yet no file can be made there:
-    # the first flush, in a log() call, would fail (ENOENT).
-    kind = file_system_type(str(folder))
-    if kind in _KERNEL_FILE_SYSTEMS:
-        raised = OSError(
-            f"CSVSink(path={given!r}): its folder {str(folder)!r} is on the kernel's {kind} "
-            "file system, which holds no files of its own. Pass a path in a folder you can "
-            "write to"
-        )
-        raised.errno = errno.ENOENT
-        raise raised
-    # Then: os.access says a read-only file system is not writable (to root too), and
-    # the folder's permissions are not what to fix there (a container's /sys).
-    try:
-        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-    except (OSError, AttributeError):  # no statvfs (Windows): unknown, so not refused
-        read_only = False
-    if read_only:
-        raised = OSError(
-            f"CSVSink(path={given!r}): its folder {str(folder)!r} is on a file system mounted "
-            "read-only, where no file can be written. Pass a path in a folder you can write to"
-        )
-        raised.errno = errno.EROFS
-        raise raised
-    # The file, and a wider one beside it at each new key, are created in the folder.
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raised = PermissionError(
-            f"CSVSink(path={given!r}): its folder {str(folder)!r} is not writable, and the file "
-            "is written there (a new one beside it, each time the header widens). Pass a path "
-            "in a folder you can write to"
-        )
-        raised.errno = errno.EACCES
-        raise raised
-
-
-def _existing(path: Path) -> tuple[list[str], bool, str]:
-    """The header of the CSV file at ``path`` (none without one), and how to go on after it.
-
-    Also whether its last line lacks a line end (the first appended row then
-    starts with one), and the line end it uses: a bare line feed, or the csv
-    module's carriage return and line feed.
-    """
-    try:
-        data = path.read_bytes()
+        info = os.stat(path)
     except FileNotFoundError:
-        return [], False, "\r\n"
-    try:  # utf-8-sig: a file saved by Excel starts with a byte-order mark, not part of the header
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"CSVSink(append=True) cannot go on after {str(path)!r}: it is not UTF-8 text "
-            f"({error.reason} at byte {error.start}), and the sink writes UTF-8. Save it as "
-            "UTF-8 or move it, or pass append=False to replace it"
-        ) from None
-    header = next(csv.reader(io.StringIO(text, newline="")), [])
-    problem = _not_a_header(header) if data else None
-    if problem is not None:
-        first = text.splitlines()[0] if text else ""
-        raise ValueError(
-            f"CSVSink(append=True) cannot go on after {str(path)!r}: its first line is not a "
-            f"CSV header ({problem}): {shorten(first, 60)!r}. Expected the names of its "
-            "columns, such as 'step,loss'. Pass another path, fix the file, or pass "
-            "append=False to start it over"
-        )
-    end = data.find(b"\n")
-    line_end = "\n" if end >= 0 and data[end - 1 : end] != b"\r" else "\r\n"
-    return header, bool(data) and not data.endswith((b"\n", b"\r")), line_end
+        return None
+    except (OSError, ValueError):  # its folder unreadable now: not known, so not checked
+        return _UNKNOWN
+    return info.st_dev, info.st_ino, info.st_size
 
 
-def _not_a_header(header: list[str]) -> str | None:
-    """Why a first line cannot be a header (a row of data, a blank line), or None.
-
-    Only what no header is: an empty name, a name given twice, or numbers
-    alone, as a row of data is. A row of text (``train,0.5``) cannot be told
-    from a header, and is taken as one.
-    """
-    if not any(header):
-        return "it is empty"
-    empty = next((index for index, name in enumerate(header, 1) if not name), None)
-    if empty is not None:  # log() refuses the key "": no file of this sink's has one
-        return f"column {empty} has no name"
-    seen: set[str] = set()
-    for name in header:
-        if name in seen:
-            return f"it names {shorten(repr(name), 40)} twice"
-        seen.add(name)
-    if all(_is_number(name) for name in header):
-        return "it holds numbers only, as a row of data does"
-    return None
-
-
-def _is_number(text: str) -> bool:
+def _descriptor_identity(descriptor: int) -> _Identity:
     try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        info = os.fstat(descriptor)
+    except OSError:  # never seen; the next write is not checked rather than refused
+        return _UNKNOWN
+    return info.st_dev, info.st_ino, info.st_size
 
 
-def _render(columns: list[str], rows: list[Record], *, header: bool, line_end: str) -> bytes:
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=columns, restval="", lineterminator=line_end)
-    if header:
-        writer.writeheader()
-    writer.writerows(rows)
-    return _utf8(text.getvalue())
+def _claim(sink: CSVSink) -> None:
+    """Count ``sink`` among the live ones; refused if it would replace another's file.
 
-
-def _utf8(text: str) -> bytes:
-    # A key with a lone surrogate ("\ud800") cannot be UTF-8: written escaped, so that
-    # it cannot make every later flush fail on the same records.
-    return text.encode("utf-8", "backslashreplace")
+    With ``append=False`` its first flush replaces the file, and with it the
+    rows of another sink alive in this process that writes it (a train and an
+    eval buffer given one path): refused now, before anything is lost. With
+    ``append=True`` nothing can be lost (it keeps the rows), and the check at
+    each write stops whichever of the two writes after the other has.
+    """
+    for attempt in range(2):
+        with _LIVE_LOCK:
+            others = [other for other in _LIVE if other._real == sink._real]
+            if not others or sink.append:
+                _LIVE.add(sink)
+                return
+            other = repr(others[0])
+        del others
+        if attempt == 0:
+            gc.collect()  # one alive only in a reference cycle (a sink that holds its buffer)
+    named = f" ({other})" if other != repr(sink) else ""  # the same file by another name
+    raise ValueError(
+        f"{sink!r}: another CSVSink alive in this process{named} writes that file, and this "
+        "one (append=False) would replace it at its first flush, the other's rows with it. "
+        "Two sinks on one file put values under each other's columns and lose rows. Give "
+        "each LogBuffer its own file ('train.csv', 'eval.csv'), or give both the same sink "
+        "(sink = dk.CSVSink(path), then sinks=[sink] for each). If the other one is done "
+        "(a notebook cell run again, a loop), let it go first (del logs, or logs.sinks = [] "
+        "on its LogBuffer), or pass append=True to go on after its rows"
+    )
 
 
 def _write_all(descriptor: int, data: bytes) -> None:

@@ -717,11 +717,15 @@ def test_one_ctrl_c_gets_out_of_a_sink_for_the_whole_flush(
     with pytest.raises(KeyboardInterrupt) as raised:
         buffer.flush()
     assert len(entered) == 1  # not entered again for the second batch
-    assert [r["loss"] for r in received] == [1.0, 2.0]  # the sink after it got both
-    assert (  # the error not raised is told on the one raised, once, with a count
-        "devicekit: the LogBuffer sink _full_disk also raised OSError: disk full (2 times)"
+    assert [r["loss"] for r in received] == [1.0]  # the sink after it finished the batch
+    assert (  # the error not raised is told on the one raised
+        "devicekit: the LogBuffer sink _full_disk also raised OSError: disk full"
         in _told_on(raised.value, caplog)
     )
+    with pytest.raises(KeyboardInterrupt):  # the second batch waited, for every sink
+        buffer.flush()
+    assert [r["loss"] for r in entered[1]] == [2.0]
+    assert [r["loss"] for r in received] == [1.0, 2.0]
 
 
 @pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()])
@@ -1258,7 +1262,7 @@ def _check_disagreements(ranks: list[dict[str, Any]]) -> None:
     # Each: what rank 1 logged, as the message says it, and how many steps rank 0 recorded.
     for case, rank_1_logged, recorded in (
         ("steps", "logged 2 steps (0 to 1) of loss", 3),
-        ("one empty", "logged 0 steps of nothing", 2),
+        ("one empty", "logged nothing since the last flush", 2),
         # Steps 0-1 against 1-2: combining them would mix different steps.
         ("shifted", "logged 2 steps (1 to 2) of loss", 2),
     ):
@@ -1320,6 +1324,50 @@ def _raised(call: Callable[[], object]) -> list[Any] | None:
     except Exception as error:  # noqa: BLE001 - recorded for the test to check
         return [type(error).__name__, str(error), getattr(error, "__notes__", [])]
     return None
+
+
+def _one_rank_stays_away(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 1 raised in its own code and stays alive: rank 0's flush waits ``timeout`` only."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        store = _get_default_store()
+        if rank == 1:  # never flushes: waits (alive, connected) until rank 0 is done
+            store.wait(["test/done"])
+            return
+        logs = dk.LogBuffer(reduce="mean", timeout=2)
+        logs.log(0, loss=1.0)
+        result = _raised(logs.flush)
+        store.set("test/done", "1")
+        Path(folder, "0.json").write_text(json.dumps([result, logs.history]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_reducing_flush_waits_for_the_other_ranks_its_timeout_only(tmp_path: Path) -> None:
+    # Before, there was no timeout=: a rank that raised but stayed alive held the others
+    # for the fixed 300 s (240 s here fails the test).
+    _spawn(_one_rank_stays_away, (2, _free_port(), str(tmp_path)), 2, timeout=240)
+    (name, message, _), history = json.loads((tmp_path / "0.json").read_text())
+    assert name == "RanksOutOfStepError"
+    assert "did not arrive within 2 s" in message, message
+    assert history == [{"step": 0, "loss": 1.0}]  # its own value, unreduced: not lost
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "5", True])
+def test_the_timeout_of_a_logbuffer_is_checked(timeout: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="timeout"):
+        dk.LogBuffer(reduce="mean", timeout=timeout)  # type: ignore[arg-type]
 
 
 def _after_the_job_broke(rank: int, world: int, port: int, folder: str) -> None:
@@ -1710,3 +1758,138 @@ def test_the_empty_key_is_refused_by_the_call_that_passes_it(tmp_path: Path) -> 
     assert logs.history == [{"step": 0, "loss": 1.0}, {"step": 2, "loss": 3.0}]
     assert path.read_text().splitlines() == ["step,loss", "0,1.0", "2,3.0"]
     assert seen == [logs.history]
+
+
+# --- L10 ---
+
+
+def test_numpy_dates_durations_and_arrays_are_refused_with_a_fix_that_works() -> None:
+    # A timedelta64 is a numbers.Real: float() of it raised a bare TypeError naming no
+    # key; a datetime64 was told "log float(value)", which raises too.
+    np = pytest.importorskip("numpy")
+    cases = [
+        (np.timedelta64(90, "s"), "got timedelta64 (a duration); log it in seconds, ", 90.0),
+        (
+            np.datetime64("2020-01-01"),
+            "got datetime64 (a date); log it in seconds since 1970, ",
+            1577836800.0,
+        ),
+        (np.complex64(1 + 2j), "got complex64; log value.real or abs(value)", 1.0),
+        (np.array([1.5], dtype=np.float32), "got ndarray; log value.item()", 1.5),
+        (np.array([1.0, 3.0]), "got ndarray of shape (2,); log value.mean().item() or ", 2.0),
+    ]
+    buffer = dk.LogBuffer()
+    for value, said, recorded in cases:
+        with pytest.raises(TypeError) as told:
+            buffer.log(when=value)
+        message = str(told.value)
+        assert message.startswith("LogBuffer.log(when=...) expects a 0-d tensor or a number, ")
+        assert said in message
+        fix = message.split("; log ", 1)[1].split(" or ", 1)[0]
+        fix = fix.removeprefix("it in seconds since 1970, ").removeprefix("it in seconds, ")
+        buffer.log(when=eval(fix, {"np": np, "value": value}))  # the advice, as written
+        assert buffer.flush()[-1]["when"] == recorded
+    with pytest.raises(TypeError, match=r"got NoneType; leave the key out of this call where"):
+        buffer.log(when=None)
+
+
+def test_a_real_number_whose_float_fails_is_refused_naming_its_key() -> None:
+    class Broken(fractions.Fraction):
+        def __float__(self) -> float:
+            raise TypeError("no float here")
+
+    with pytest.raises(TypeError) as told:
+        dk.LogBuffer().log(ratio=Broken(1, 3))
+    assert str(told.value) == (
+        "LogBuffer.log(ratio=...) expects a number that converts to a float, got "
+        "Broken(1, 3) of type Broken, whose float() raised TypeError: no float here; log a "
+        "float computed from it"
+    )
+
+
+def test_every_float8_is_accepted_and_bit_packed_dtypes_are_told_apart() -> None:
+    # float8_e8m0fnu (an MX block scale: a power of two) converts exactly, as the docs'
+    # "float64 to float8" says; it was refused with "log value.float()".
+    names = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    names.append("float8_e8m0fnu")
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("this torch has no float8_e8m0fnu")
+    dtypes = [getattr(torch, name) for name in names if hasattr(torch, name)]
+    with dk.LogBuffer() as buffer:
+        for dtype in dtypes:
+            buffer.log(0, **{str(dtype): torch.tensor(2.0).to(dtype)})  # the fast path
+        buffer.log(1, scale=torch.tensor(0.25).to(torch.float8_e8m0fnu), n=torch.tensor(3))
+    firsts = zip(buffer.history[: len(dtypes)], dtypes, strict=True)
+    assert [record[str(dtype)] for record, dtype in firsts] == [2.0] * len(dtypes)
+    assert buffer.history[-1] == {"step": 1, "scale": 0.25, "n": 3.0}
+    packed = getattr(torch, "float4_e2m1fn_x2", None)
+    if packed is None:
+        return
+    with pytest.raises(TypeError) as told:
+        buffer.log(w=torch.zeros((), dtype=torch.uint8).view(packed))
+    assert str(told.value) == (
+        "LogBuffer.log(w=...) expects a dtype that converts to a float, got a tensor of dtype "
+        "torch.float4_e2m1fn_x2 (bit-packed: several values per byte, which torch cannot "
+        "convert to a float); unpack it with the code that packed it, and log a float"
+    )
+
+
+def test_the_repr_line_shows_odd_keys_quoted_and_long_ones_short() -> None:
+    # A key with a line break broke the one-line repr; "a, b" read as two keys; a
+    # 300-character key was shown whole.
+    buffer = dk.LogBuffer(flush_every=10)
+    long_key = "x" * 300
+    buffer.log(0, **{"multi\nline": 1.0, "a, b": 2.0, long_key: 3.0, "train/loss": 4.0})
+    text = repr(buffer)
+    assert "\n" not in text
+    assert text.startswith(
+        "LogBuffer(flush_every=10): 0 records of 'multi\\nline', 'a, b', "
+        f"{'x' * 37}..., train/loss, 4 values pending"
+    )
+    buffer.flush()
+    text = repr(buffer)
+    assert "\n" not in text
+    assert f"last {{'step': 0, 'multi\\nline': 1.0, 'a, b': 2.0, '{'x' * 37}...': 3.0" in text
+    assert len(text) < 300
+
+
+def test_the_warning_for_a_dropped_buffer_says_what_left_records_behind() -> None:
+    # A buffer used in a with block, whose sink logs at every call, was told to "use it
+    # in a with block".
+    from devicekit._logreport import dropped_warning
+
+    told = dropped_warning(0, 3)  # not known which: each fix with its condition
+    assert told == (
+        "a LogBuffer was dropped with 3 records never handed to its sinks. If nothing "
+        "flushed it after its last log() call, use it in a with block, or call flush() "
+        "before letting it go; if something did, they are what its sinks logged during its "
+        "last flushes (the end of a with block flushes a few more times for them), and a "
+        "sink that logs at every call always leaves more: log such a value from your loop "
+        "instead, or into another LogBuffer"
+    )
+    told = dropped_warning(2, 3, flushed_last=True)
+    assert told.startswith(
+        "a LogBuffer was dropped with 2 values never recorded and 3 records never handed to "
+        "its sinks, although it was flushed after its last log() call: they are what its "
+        "sinks logged"
+    )
+    assert "with block, or call flush()" not in told
+    assert dropped_warning(1, 0, flushed_last=False) == (
+        "a LogBuffer was dropped with 1 value never recorded; use it in a with block, or "
+        "call flush() before letting it go"
+    )
+
+
+def test_a_rank_that_logged_nothing_is_said_plainly() -> None:
+    # "rank 1: logged 0 steps of nothing".
+    from devicekit import _logflush
+
+    assert _logflush._summary([], []) == "nothing since the last flush"
+    answers: list[Any] = [
+        (((4,), (("loss", None),)), "logged 1 step (4) of loss", False, ("loss",)),
+        (((), ()), f"logged {_logflush._summary([], [])}", False, ()),
+    ]
+    with pytest.raises(dk.RanksDisagreeError) as told:
+        _logflush._check_agreement(answers, "mean")
+    assert "  rank 0: logged 1 step (4) of loss\n" in str(told.value)
+    assert "  rank 1: logged nothing since the last flush\n" in str(told.value)

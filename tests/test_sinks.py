@@ -7,6 +7,8 @@ import math
 import os
 import pickle
 import re
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _procfs, _sinks
+from devicekit import _csvpath, _procfs, _sinks
 
 
 def read_rows(path: Path) -> list[list[str]]:
@@ -296,6 +298,7 @@ def test_append_keeps_an_earlier_run_s_rows_and_widens_its_header(tmp_path: Path
         ["1", "0.25", ""],
         ["2", "0.125", "0.9"],
     ]
+    del first_run, resumed  # their sinks too: a live one's file is not replaced
     dk.CSVSink(path)([{"step": 0, "lr": 0.1}])  # the default replaces the file
     assert read_rows(path) == [["step", "lr"], ["0", "0.1"]]
     new = tmp_path / "new.csv"
@@ -473,7 +476,7 @@ def test_a_write_error_names_the_sink_and_keeps_its_type_and_rows(tmp_path: Path
 
 
 class _Root:
-    """``os`` as _sinks sees it for root, whom os.access lets write anywhere (even /proc)."""
+    """``os`` as _csvpath sees it for root, whom os.access lets write anywhere (even /proc)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
@@ -485,8 +488,8 @@ class _Root:
 def _unrefused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let CSVSink take a path in /proc, so that its writes fail: as root, where the
     file system cannot be told (no mountinfo), or a write fails anyway."""
-    monkeypatch.setattr(_sinks, "os", _Root())
-    monkeypatch.setattr(_sinks, "file_system_type", lambda folder: None)
+    monkeypatch.setattr(_csvpath, "os", _Root())
+    monkeypatch.setattr(_csvpath, "file_system_type", lambda folder: None)
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
@@ -528,7 +531,7 @@ def test_a_folder_on_the_kernel_s_own_file_system_is_refused_when_the_sink_is_ma
     # was accepted, and the first automatic flush failed inside a log() call.
     if _procfs.file_system_type(folder) != kind:
         pytest.skip(f"{folder} is not {kind} here")
-    monkeypatch.setattr(_sinks, "os", _Root())
+    monkeypatch.setattr(_csvpath, "os", _Root())
     with pytest.raises(OSError, match="kernel's") as caught:
         dk.CSVSink(f"{folder}/train.csv")
     assert caught.value.errno == errno.ENOENT
@@ -700,7 +703,7 @@ class _ReadOnly:
 def test_a_folder_that_is_not_writable_is_refused_when_the_sink_is_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_sinks, "os", _ReadOnly())
+    monkeypatch.setattr(_csvpath, "os", _ReadOnly())
     with pytest.raises(
         PermissionError,
         match=rf"^CSVSink\(path='{tmp_path}/x\.csv'\): its folder '{tmp_path}' is not writable",
@@ -716,7 +719,7 @@ def test_a_folder_on_a_read_only_file_system_is_refused_when_the_sink_is_made(
         def statvfs(self, path: Any) -> Any:
             return type("Statvfs", (), {"f_flag": os.ST_RDONLY})()
 
-    monkeypatch.setattr(_sinks, "os", ReadOnlyMount())
+    monkeypatch.setattr(_csvpath, "os", ReadOnlyMount())
     with pytest.raises(OSError, match="read-only") as caught:
         dk.CSVSink(tmp_path / "x.csv")
     assert caught.value.errno == errno.EROFS
@@ -844,3 +847,201 @@ def test_a_close_that_fails_once_rows_are_written_does_not_write_them_twice(
     monkeypatch.setattr(_sinks, "os", os)
     sink([{"step": 2, "loss": 3.0}])
     assert path.read_text().splitlines() == ["step,loss", "0,1.0", "1,2.0", "2,3.0"]
+
+
+# --- one file, one writer (trial 9) ------------------------------------------------------------
+
+
+def test_a_second_sink_that_would_replace_a_live_sink_s_file_is_refused_when_made(
+    tmp_path: Path,
+) -> None:
+    # A train and an eval buffer given one path: the eval sink's first flush replaced the
+    # file, then each appended under whatever header was on disk (values under the wrong
+    # column, rows lost).
+    path = tmp_path / "metrics.csv"
+    train = dk.LogBuffer(flush_every=2, sinks=[dk.CSVSink(path)])
+    with pytest.raises(ValueError, match="another CSVSink alive in this process writes") as told:
+        dk.CSVSink(path)
+    message = str(told.value)
+    assert message.startswith(f"CSVSink({str(path)!r}): another CSVSink alive in this process ")
+    assert "would replace it at its first flush, the other's rows with it" in message
+    assert "Give each LogBuffer its own file ('train.csv', 'eval.csv')" in message
+    with pytest.raises(ValueError, match=r"\(CSVSink\('.*metrics.csv'\)\) writes that file"):
+        dk.CSVSink(tmp_path / "sub" / ".." / "metrics.csv")  # the same file by another name
+    link = tmp_path / "link.csv"
+    link.symlink_to(path)
+    with pytest.raises(ValueError, match="another CSVSink alive"):
+        dk.CSVSink(link)
+    # The fix the message gives: one sink for both buffers, one writer, one header.
+    sink = train.sinks[0]
+    evals = dk.LogBuffer(flush_every=1, sinks=[sink])
+    for step in range(4):
+        train.log(step, loss=float(10 + step))
+        if step % 2:
+            evals.log(step, val_acc=0.5 + step / 10)
+    train.flush()
+    evals.flush()
+    rows = read_rows(path)
+    assert rows[0] == ["step", "loss", "val_acc"]
+    trained = [[str(step), f"{10 + step}.0", ""] for step in range(4)]
+    assert sorted(rows[1:]) == sorted([*trained, ["1", "", "0.6"], ["3", "", "0.8"]])
+    # Once the first is let go (a loop, a notebook cell run again), a new one may replace it.
+    del train, evals, sink
+    dk.CSVSink(path)([{"step": 0, "loss": 1.0}])
+    assert read_rows(path) == [["step", "loss"], ["0", "1.0"]]
+
+
+def test_a_sink_kept_alive_by_a_cycle_does_not_block_a_new_one(tmp_path: Path) -> None:
+    path = tmp_path / "log.csv"
+
+    class Counting:  # a sink that holds its buffer: the two live on in a reference cycle
+        def __init__(self) -> None:
+            self.logs = dk.LogBuffer(sinks=[self, dk.CSVSink(path)])
+
+        def __call__(self, records: list[dk.Record]) -> None:
+            pass
+
+    Counting()
+    dk.CSVSink(path)  # the cycle is collected first, not refused
+
+
+def test_a_sink_does_not_write_a_file_another_writer_changed(tmp_path: Path) -> None:
+    # Another process (a DDP rank) writing the same file: the sink cannot know who, only
+    # that the file is not the one it left. It writes nothing, and says what changed.
+    path = tmp_path / "metrics.csv"
+    with dk.LogBuffer(sinks=[dk.CSVSink(path)]) as logs:
+        logs.log(0, loss=0.5)
+        logs.flush()
+        with path.open("a", newline="") as other:  # another writer appends a row
+            other.write("0,0.75\r\n")
+        before = path.read_bytes()
+        logs.log(1, loss=0.25)
+        with pytest.raises(RuntimeError) as told:
+            logs.flush()
+        assert path.read_bytes() == before  # nothing written
+        assert logs.history == [{"step": 0, "loss": 0.5}, {"step": 1, "loss": 0.25}]
+        message = str(told.value)
+        assert message.startswith(
+            f"CSVSink({str(path)!r}) did not write {str(path)!r}: the file changed since this "
+            "sink last wrote it (it went from 18 to 26 bytes), so something else writes it too"
+        )
+        assert "every DDP rank writing the same file is a common slip" in message
+        assert "this sink wrote none of its 1 record (they are in its LogBuffer's" in message
+        assert "(dk.CSVSink(f'metrics.rank{rank}.csv') with rank = torch.distributed" in message
+        path.unlink()  # the other writer is gone: the file is this sink's again
+        logs.log(2, loss=0.125)
+    # Then it starts the file again, with what it could not write before first.
+    assert read_rows(path) == [["step", "loss"], ["1", "0.25"], ["2", "0.125"]]
+
+
+def test_a_file_replaced_or_made_by_another_writer_is_not_written(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    sink = dk.CSVSink(path)
+    path.write_text("step,acc\r\n0,0.5\r\n")  # made by another writer after this sink was
+    with pytest.raises(RuntimeError, match=r"changed since this sink was made \(there was no "):
+        sink([{"step": 0, "loss": 1.0}])
+    assert read_rows(path) == [["step", "acc"], ["0", "0.5"]]
+    path.unlink()
+    sink([{"step": 1, "loss": 2.0}])  # the refused record is written first
+    assert read_rows(path) == [["step", "loss"], ["0", "1.0"], ["1", "2.0"]]
+    other = tmp_path / "other.csv"
+    other.write_text("step,loss\r\n")
+    other.replace(path)  # another writer's wider header, swapped in
+    replaced = r"\(it was replaced by another file, of 11 bytes, which may not hold the rows"
+    with pytest.raises(RuntimeError, match=replaced + r" this sink wrote before\)"):
+        sink([{"step": 2, "loss": 3.0}])
+    # A log rotation is no other writer: a file emptied, or moved away.
+    path.write_text("")
+    sink([{"step": 3, "loss": 4.0}])
+    assert read_rows(path) == [["step", "loss"], ["2", "3.0"], ["3", "4.0"]]
+
+
+def test_an_appending_sink_and_the_one_before_it_never_mix_rows(tmp_path: Path) -> None:
+    # append=True keeps the other's rows, so it is not refused when made; whichever of
+    # the two writes after the other has is refused.
+    path = tmp_path / "metrics.csv"
+    first = dk.CSVSink(path)
+    first([{"step": 0, "loss": 1.0}])
+    second = dk.CSVSink(path, append=True)
+    second([{"step": 1, "acc": 0.5}])  # widens the file, the first one's row kept
+    with pytest.raises(RuntimeError, match="it was replaced by another file"):
+        first([{"step": 2, "loss": 2.0}])
+    second([{"step": 3, "acc": 0.75}])
+    assert read_rows(path) == [
+        ["step", "loss", "acc"],
+        ["0", "1.0", ""],
+        ["1", "", "0.5"],
+        ["3", "", "0.75"],
+    ]
+    made = dk.CSVSink(tmp_path / "fresh.csv", append=True)
+    twin = copy.copy(made)  # a copy of a sink is a second writer too
+    made([{"step": 0, "loss": 1.0}])
+    with pytest.raises(RuntimeError, match=r"since this sink was made \(there was no file"):
+        twin([{"step": 0, "loss": 9.0}])
+    assert read_rows(tmp_path / "fresh.csv") == [["step", "loss"], ["0", "1.0"]]
+
+
+def test_two_processes_writing_one_file_are_told(tmp_path: Path) -> None:
+    # Every DDP rank writing metrics.csv: each process has its own sinks, so only the
+    # file itself can tell.
+    path = tmp_path / "metrics.csv"
+    sink = dk.CSVSink(path)
+    other_rank = (
+        "import sys, devicekit as dk\n"
+        "dk.CSVSink(sys.argv[1])([{'step': 0, 'loss': 2.0}, {'step': 1, 'loss': 3.0}])\n"
+    )
+    subprocess.run([sys.executable, "-c", other_rank, str(path)], check=True, timeout=300)
+    with pytest.raises(RuntimeError, match=r"since this sink was made \(there was no file, and"):
+        sink([{"step": 0, "loss": 1.0}])
+    assert read_rows(path) == [["step", "loss"], ["0", "2.0"], ["1", "3.0"]]  # the other's
+
+
+# --- line ends and odd keys, resumed (trial 9) -------------------------------------------------
+
+ODD_KEYS = ["multi\nline", "\r", "a\r\nb", "a,b", 'say "hi"', " lead"]
+
+
+@pytest.mark.parametrize("line_end", ["\r\n", "\n"])
+@pytest.mark.parametrize("key", ODD_KEYS)
+def test_append_finds_the_line_end_after_the_whole_header_record(
+    tmp_path: Path, key: str, line_end: str
+) -> None:
+    # The line end was read from the first b"\n" in the file, which a quoted key may
+    # hold: a file written with "\r\n" went on with "\n", and a key "\r" was then
+    # written unquoted ("new-line character seen in unquoted field").
+    path = tmp_path / "resumed.csv"
+    quoted = '"' + key.replace('"', '""') + '"'
+    path.write_bytes(f"step,{quoted}{line_end}0,1.0{line_end}".encode())
+    sink = dk.CSVSink(path, append=True)
+    sink([{"step": 1, key: 2.0}])  # appended
+    sink([{"\r": 4.0, "step": 2, key: 3.0, "new": 5.0}])  # widened: the file written again
+    data = path.read_bytes()
+    expected = ["step", key, *dict.fromkeys(k for k in ["\r", "new"] if k != key)]
+    assert read_rows(path) == [
+        expected,
+        ["0", "1.0", *[""] * (len(expected) - 2)],
+        ["1", "2.0", *[""] * (len(expected) - 2)],
+        ["2", "3.0", *(["4.0"] if key != "\r" else []), "5.0"],
+    ]
+    # Every record ends with the file's own line end, and only line breaks inside
+    # quotes are anything else.
+    records = data.decode().split(f"{line_end}")
+    assert records[-1] == ""
+    if line_end == "\n":
+        assert not any(record.endswith("\r") for record in records[1:-1])
+
+
+def test_all_odd_keys_at_once_survive_a_resume(tmp_path: Path) -> None:
+    path = tmp_path / "w.csv"
+    with dk.LogBuffer(flush_every=2, sinks=[dk.CSVSink(path)]) as logs:
+        for step in range(3):
+            logs.log(step, **dict.fromkeys(ODD_KEYS, float(step)))
+    del logs
+    with dk.LogBuffer(flush_every=2, sinks=[dk.CSVSink(path, append=True)]) as logs:
+        logs.log(3, **dict.fromkeys(ODD_KEYS, 3.0))
+        logs.log(4, **{ODD_KEYS[0]: 4.0, "new": 1.0})
+    rows = read_rows(path)
+    assert rows[0] == ["step", *ODD_KEYS, "new"]
+    assert len(rows) == 6
+    assert all(len(row) == len(rows[0]) for row in rows)
+    assert path.read_bytes().count(b"\r\n") >= 6  # its line ends kept: "\r\n", the default

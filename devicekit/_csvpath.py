@@ -1,0 +1,157 @@
+"""Where a `CSVSink` may write: its path checked and its folder made, or refused now.
+
+A path no CSV file can take is refused when the sink is made, with the fix,
+not at its first flush inside a ``log()`` call far away: a folder, a special
+file, a folder that cannot be made, one on the kernel's own file systems, a
+read-only one; and a write that fails later is explained (`write_fix`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from ._options import check_path, short_repr
+from ._procfs import file_system_type
+
+__all__ = ["file_path", "write_fix"]
+
+# Where no regular file can be created, whatever the folder's permissions say.
+_KERNEL_FILE_SYSTEMS = frozenset(
+    [
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "configfs",
+        "devpts",
+        "bpf",
+        "pstore",
+        "efivarfs",
+        "fusectl",
+        "binfmt_misc",
+        "mqueue",
+    ]
+)
+
+
+def file_path(path: object) -> Path:
+    """The file a `CSVSink` writes, its folder made: refused now if no CSV file can go there.
+
+    Each refusal names the path as given, what was expected, and the fix:
+    otherwise it would surface at the first flush, as a raw error from
+    ``os.replace`` at a ``log()`` call far away (and ``"logs/"`` would have
+    become a file named ``logs``, ``"/tmp"`` a temporary file in ``/``).
+    """
+    given = os.fspath(path) if isinstance(path, os.PathLike) else path  # as written, for messages
+    if isinstance(given, bytes):  # open() takes bytes; Path, and so this sink, does not
+        raise TypeError(
+            f"CSVSink(path={short_repr(path)}): expected a str or os.PathLike path, got bytes. "
+            "Pass "
+            "os.fsdecode(path)"
+        )
+    if not isinstance(given, str):
+        check_path(path, name="path", fix="pass where the CSV file goes, such as 'log.csv'")
+        raise TypeError(f"path must be a str, got {given!r}")  # never: check_path refused it
+    expected = f"CSVSink(path={given!r}): expected the path of a CSV file, got"
+    if not given:
+        raise ValueError(f"{expected} an empty string. Pass one such as 'logs/train.csv'")
+    if "\0" in given:
+        raise ValueError(f"{expected} one with a NUL character, which no file name can hold")
+    expanded = os.path.expanduser(given)  # "~/runs/a.csv", not a folder named "~" here
+    in_it = f"Pass a file in it, such as {os.path.join(os.path.normpath(given), 'train.csv')!r}"
+    file = Path(expanded)
+    try:
+        mode: int | None = file.stat().st_mode
+    except (OSError, ValueError):  # not there yet (nearly always), or its folder unreadable
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        error = IsADirectoryError(f"{expected} a folder that exists. {in_it}")
+        error.errno = errno.EISDIR  # its message stays as written
+        raise error
+    if os.path.basename(expanded) in ("", ".", ".."):  # Path("logs/") would be a file "logs"
+        ending = "/" if given.endswith(("/", os.sep)) else os.path.basename(given)
+        raise ValueError(f"{expected} a folder (it ends with {ending!r}). {in_it}")
+    if mode is not None and not stat.S_ISREG(mode):  # os.replace would replace /dev/null itself
+        raise ValueError(
+            f"{expected} a special file (a device or a pipe), which a flush would "
+            "replace. Pass the path of a regular file; to write no CSV, leave the sink out"
+        )
+    _make_folder(file.parent, given)
+    return file
+
+
+def write_fix(number: int | None, folder: Path) -> str:
+    """What to do about a write that failed with ``errno`` ``number``, the file in ``folder``."""
+    where = str(folder)
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return "Free space on that disk, or pass a path on another one"
+    if number == errno.ENOENT:  # os.open(O_CREAT) fails so only where no file can be made
+        return (
+            f"Its folder {where!r} was removed, or holds no files of its own (as /proc and "
+            "/sys do): create the folder again, or pass a path in a folder you can write to"
+        )
+    if number == errno.EROFS:
+        return f"Its folder {where!r} is read-only: pass a path in a folder you can write to"
+    if number in (errno.EACCES, errno.EPERM):
+        return f"Make {where!r} writable, or pass a path in a folder you can write to"
+    return "Pass a path in a folder you can write to, on a disk with room"
+
+
+def _make_folder(folder: Path, given: str) -> None:
+    """Create ``folder`` now, so a folder that cannot be made is refused here, not at a log()."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        # The folder, or one above it, may be a file: name the one in the way.
+        blocker = next((p for p in (folder, *folder.parents) if p.is_file()), None)
+        if blocker == folder:
+            why = "is a file, not a folder"
+        elif blocker is not None:
+            why = f"cannot be created: {str(blocker)!r} is a file, not a folder"
+        else:
+            why = f"does not exist and cannot be created ({error.strerror or error})"
+        raised = type(error)(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} {why}. Pass a path in a folder "
+            "you can write to, or create the folder first"
+        )
+        raised.errno = error.errno
+        raise raised from None
+    # The kernel's own file systems look writable to root, yet no file can be made there:
+    # the first flush, in a log() call, would fail (ENOENT).
+    kind = file_system_type(str(folder))
+    if kind in _KERNEL_FILE_SYSTEMS:
+        raised = OSError(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} is on the kernel's {kind} "
+            "file system, which holds no files of its own. Pass a path in a folder you can "
+            "write to"
+        )
+        raised.errno = errno.ENOENT
+        raise raised
+    # Then: os.access says a read-only file system is not writable (to root too), and
+    # the folder's permissions are not what to fix there (a container's /sys).
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows): unknown, so not refused
+        read_only = False
+    if read_only:
+        raised = OSError(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} is on a file system mounted "
+            "read-only, where no file can be written. Pass a path in a folder you can write to"
+        )
+        raised.errno = errno.EROFS
+        raise raised
+    # The file, and a wider one beside it at each new key, are created in the folder.
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raised = PermissionError(
+            f"CSVSink(path={given!r}): its folder {str(folder)!r} is not writable, and the file "
+            "is written there (a new one beside it, each time the header widens). Pass a path "
+            "in a folder you can write to"
+        )
+        raised.errno = errno.EACCES
+        raise raised

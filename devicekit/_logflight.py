@@ -1,0 +1,159 @@
+"""How a [`LogBuffer`][devicekit.LogBuffer] flushes: pending values into flight, then into history.
+
+`Flushes` is `LogBuffer`'s base: the buffer's state lives there, the steps of
+a flush here. Ctrl-C (``KeyboardInterrupt``) can land between any two
+bytecodes, and a notebook user goes on with the same buffer, so every step
+is ordered as ``_loghistory`` says: nothing changes until one assignment
+commits it (the flight set, the batch appended), and what follows it is done
+again, harmlessly, by the next flush or read. ``log()``'s own flush never
+waits for the lock (`Flushes._flush_soon`): another thread's sinks may be
+slow.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ._dist import initialized
+from ._errors import RanksDisagreeError, RanksOutOfStepError
+from ._logdeliver import Deliveries, Record, Sink
+from ._logflush import InFlight, broken_job
+from ._loghistory import Entry, Flight, History, settle
+from ._logreport import flush_error, unreadable_error, unreduced_error
+
+__all__ = ["Flushes"]
+
+
+class Flushes:
+    """The flush of a `LogBuffer`: its state, and the steps that move it."""
+
+    flush_every: int
+    reduce: str | None
+    sinks: list[Sink]
+    _lock: threading.RLock
+    _pending: list[Entry]
+    _taken: int  # log() calls whose entries left _pending: the next default step
+    _flush_at: int  # pending steps that start a flush
+    _in_flight: Flight | None
+    _history: History
+    _deliveries: Deliveries
+    _leaving_on_error: bool  # the with block is exiting on an exception
+    _told_broken: bool  # a flush raised that the job's collectives are broken
+
+    @property
+    def _keys(self) -> dict[str, None]:
+        """Every key recorded, in order of first appearance."""
+        return self._history.keys
+
+    def flush(self, *, wait: bool = True) -> list[Record]:
+        raise NotImplementedError  # LogBuffer's
+
+    def _start(self, batch: list[Entry], *, reduce: bool) -> InFlight:
+        raise NotImplementedError  # LogBuffer's
+
+    def _pending_count(self) -> int:
+        raise NotImplementedError  # LogBuffer's
+
+    def _flush_soon(self) -> None:
+        """``log()``'s flush: started, never waited for, and skipped while another thread flushes.
+
+        Waiting for the copy would wait for every kernel queued before it: the
+        GPU's queue would drain each flush. The copy lands long before the next.
+        Waiting for the lock would wait for the other thread's sinks (a slow
+        file, a network call): the values stay pending instead, for that flush
+        or a later ``log()`` to take (``flush()`` and the end of a ``with``
+        block wait, and take everything).
+        """
+        lock = self._lock
+        # _is_owned() is the RLock's own "this thread holds it" (threading.Condition's):
+        # a sink that logs flushes as before. Read before the try, and the release
+        # decided by ownership, so Ctrl-C anywhere leaves the lock as it was.
+        owned = lock._is_owned()  # type: ignore[attr-defined]
+        try:
+            if owned or lock.acquire(blocking=False):
+                self.flush(wait=False)
+        finally:
+            if not owned and lock._is_owned():  # type: ignore[attr-defined]
+                lock.release()
+
+    def _flush(self, *, wait: bool, reduce: bool, deliver: bool = True) -> list[Record]:
+        with self._lock:
+            # Leaving a block on an exception: no flush joins a collective, not even one
+            # a sink starts (the other ranks may never reach it).
+            reduce = reduce and not self._leaving_on_error
+            finished: list[Record] = []
+            failure: BaseException | None = None
+            pending = self._pending
+            try:
+                finished += self._complete()
+                # Entries that log() appends meanwhile land behind these, untouched.
+                count = len(pending)
+                batch = pending[:count]
+                # A reducing flush is a collective: a rank with nothing to send still
+                # joins, so that a rank with values hears at once that the ranks
+                # disagree, instead of waiting for it until the timeout.
+                reducing = reduce and self.reduce is not None and initialized()
+                if batch or reducing:
+                    # Nothing changes until the flight is set: a failure (or Ctrl-C)
+                    # before leaves the values pending; after, they are in flight.
+                    values, failure = self._begin(batch, reducing=reducing)
+                    first = batch[0] if batch else None
+                    flight = Flight(values, first, count, self._taken + count)
+                    self._in_flight = flight  # the commit
+                    self._taken = settle(flight, pending)  # again at landing, if cut short
+                    spoiled = values.unreadable
+                    if spoiled:  # raised below, once the records are in history and sinks
+                        failure = failure or unreadable_error(spoiled)
+                    if wait or spoiled:
+                        finished += self._complete()
+            except BaseException as error:  # noqa: BLE001 - raised below, once the sinks ran
+                # Try again flush_every calls later, never at every log() call.
+                self._flush_at = len(pending) + self.flush_every
+                failure = error
+            else:
+                self._flush_at = self.flush_every
+            errors = self._deliveries.deliver(self._history.batches, self.sinks) if deliver else []
+            if failure is None and not errors:
+                return finished
+            # One is raised, what else failed told in notes on it.
+            raise flush_error(failure, errors, pending=self._pending_count())
+
+    def _begin(
+        self, batch: list[Entry], *, reducing: bool
+    ) -> tuple[InFlight, BaseException | None]:
+        """Start the flight of ``batch``; what to raise once its records are in history.
+
+        Combined across ranks when ``reducing``, except where that can never
+        pass, and keeping the values pending would make every later flush fail
+        the same way. Then this rank records its own values, unreduced: when
+        the ranks disagree (every rank raises `RanksDisagreeError`), and when
+        the job's collectives are broken for good (`broken_job`), which the
+        first such flush raises and the later ones do not.
+        """
+        if not reducing or self.reduce is None:
+            return self._start(batch, reduce=False), None
+        failure: BaseException | None = broken_job(self.reduce)
+        if failure is None:
+            self._told_broken = False  # the job works (again: it may have been made again)
+            try:
+                return self._start(batch, reduce=True), None
+            except RanksDisagreeError as error:  # the same verdict on every rank
+                failure = error
+            except RanksOutOfStepError as error:
+                if broken_job(self.reduce) is None:  # the ranks met from different calls
+                    raise  # the values stay pending
+                failure = error  # the first failure of the job, or another rank's, found now
+        values = self._start(batch, reduce=False) if batch else InFlight((), [])
+        if not isinstance(failure, RanksOutOfStepError):
+            return values, failure
+        told, self._told_broken = self._told_broken, True
+        return values, None if told else unreduced_error(failure)
+
+    def _complete(self) -> list[Record]:
+        flight = self._in_flight
+        if flight is None:
+            return []
+        self._taken = settle(flight, self._pending)  # in case Ctrl-C cut _flush short
+        records = self._history.land(flight)  # again after Ctrl-C: in history once only
+        self._in_flight = None  # only now: had landing failed, it would be tried again
+        return records
