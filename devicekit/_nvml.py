@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from ._gpuinfo import GPUInfo, GPUProcess
+from ._nvmlbound import Job, bounded
 from ._nvmlstart import (
     DEFAULT_TIMEOUT,
-    NOT_INSTALLED,
     RETRY_AFTER,
     TIMEOUT_VAR,
-    Start,
+    Starting,
     error_code,
     start_timeout,
 )
@@ -72,17 +70,15 @@ _ARGUMENT_VERSION_MISMATCH = 25
 ABSENT_CALLS = frozenset({FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH})
 
 
-class _Session:
+class _Session(Starting):
     """Every piece of NVML state in this process, in one place, with one `reset()`.
 
-    NVML starts under a lock, in a daemon thread the caller waits for at most
-    `start_timeout()` seconds (see `_nvmlstart`): a wedged driver can block ``nvmlInit`` for good,
-    and then the caller gets "NVML did not answer" instead of a hang. While
-    that start is still blocked no second one begins; if it ever returns, the
-    next query takes its result. A start that failed is tried again
-    `RETRY_AFTER` seconds later, at the earliest (a driver loaded after this
-    process started is then seen), except where nothing can change while the
-    process runs (`_nvmlstart.PERMANENT`).
+    NVML starts under a lock, bounded: a wedged driver can block ``nvmlInit``
+    for good, and then the caller gets "NVML did not answer" instead of a hang
+    (`_nvmlstart.Starting` says when it starts and when it is tried again).
+    Every NVML call after the start runs in a unit of work bounded alike
+    (`_nvmlbound`): one GPU's snapshot, the enumeration. Only the start and
+    the enumeration wait under the lock, each for the bound at most.
 
     A child made by ``fork`` gets a fresh session (``os.register_at_fork``): a
     lock held by another thread at the moment of the fork would otherwise stay
@@ -95,16 +91,14 @@ class _Session:
 
     def reset(self) -> None:
         """Forget everything: the next query starts NVML again (tests; a forked child)."""
-        self.lock = threading.Lock()
-        self.tried = False
-        self.module: Any = None
-        self.error: str | None = None
-        # When (time.monotonic()) the last start failed, if it may be tried again; None
-        # while NVML runs, and for a failure no retry can change.
-        self.failed_at: float | None = None
-        # A start whose caller gave up waiting: its thread is still blocked in nvmlInit.
-        self.blocked: Start | None = None
+        self.reset_start()
         self.physical: list[PhysicalGPU] | None = None
+        # Units of NVML work a query gave up waiting for, by key, still blocked or lately
+        # returned: a GPU's NVML index, "enumeration", "system" (see `_nvmlbound`).
+        self.wedged: dict[Hashable, Job] = {}
+        # The driver's version and the CUDA version it supports: fixed while NVML runs
+        # (NVML holds the driver open, so its kernel module cannot be swapped meanwhile).
+        self.versions: tuple[str | None, int | None] | None = None
         # Why NVML, started, could not count the GPUs at the last try (not cached: the
         # next query tries again), or None.
         self.count_error: str | None = None
@@ -129,82 +123,6 @@ class _Session:
         # (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, CUDA started) -> the visible GPUs, in
         # torch order (devicekit._gpus works them out; entries are _gpus._Visible).
         self.visible: dict[tuple[str | None, str | None, bool], Any] = {}
-
-    def start(self) -> Any:
-        """The started ``pynvml`` module, starting it if due; None while NVML is not usable."""
-        module = self.module
-        if module is not None:  # fast path: no lock once started
-            return module
-        if self.tried and self.blocked is None and not self._retry_due():
-            return None  # failed, and not to be tried again yet (or ever)
-        with self.lock:
-            if self.module is None:
-                if self.blocked is not None:
-                    self._take(self.blocked)  # if that start has returned since
-                elif not self.tried or self._retry_due():
-                    self._begin()
-        return self.module
-
-    def _retry_due(self) -> bool:
-        failed_at = self.failed_at
-        return failed_at is not None and time.monotonic() - failed_at >= RETRY_AFTER
-
-    def _begin(self) -> None:
-        """Start NVML and wait for it, at most `start_timeout()` seconds (under the lock).
-
-        ``tried``, ``blocked`` and ``failed_at`` are read without the lock (the
-        fast path in `start`), so each outcome sets them last, once the answer
-        they describe is in place.
-        """
-        try:
-            import pynvml  # noqa: PLC0415 - lazy on purpose: no NVML work until asked
-        except ImportError:
-            # Importing is no driver call, so it cannot hang; a package installed
-            # later needs a new process, as any import does.
-            self.module, self.error, self.failed_at = None, NOT_INSTALLED, None
-            self.tried = True
-            return
-        try:
-            timeout = start_timeout()
-        except ValueError as error:
-            # The reason NVML is unavailable, where status() and the CLI say it, rather
-            # than a traceback out of every query; read again at each one (no driver
-            # call), so a corrected variable counts at once.
-            self.module, self.error = None, str(error)
-            return
-        attempt = Start(pynvml, timeout)
-        thread = threading.Thread(target=attempt.run, name="devicekit-nvml-start", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:
-            # Python 3.12+ starts no thread while the interpreter exits (an atexit handler
-            # asking for status): start NVML here, unbounded, as the only way to answer.
-            attempt.run()
-        if attempt.done.wait(timeout):
-            self._take(attempt)
-            return
-        self.module, self.failed_at = None, None  # not retried while it is still blocked
-        self.error = (
-            f"NVML did not answer in {timeout:g} s: nvmlInit is blocked in the NVIDIA driver "
-            "(a hung GPU or a wedged driver: look for Xid errors in `dmesg`); if this machine "
-            f"is only slow to start NVML (GPUs without persistence mode), set {TIMEOUT_VAR} "
-            "to more seconds"
-        )
-        self.blocked = attempt
-        self.tried = True
-
-    def _take(self, attempt: Start) -> None:
-        """Adopt the result of ``attempt`` once it has one; until then change nothing."""
-        if not attempt.done.is_set():
-            return
-        if attempt.unexpected is not None:
-            self.blocked = None
-            self.tried = False  # not NVML's answer: the next query starts afresh
-            raise attempt.unexpected
-        self.module, self.error = attempt.module, attempt.error
-        self.failed_at = None if attempt.module is not None or attempt.final else attempt.ended
-        self.tried = True
-        self.blocked = None
 
     def mig_changed(self) -> None:
         """Forget the enumeration: a GPU's MIG mode or instances changed since it was made.
@@ -256,11 +174,11 @@ def nvml_error() -> str | None:
 
     Also not usable: an NVML that starts but cannot count the GPUs (a GPU that
     fell off the bus can do that); that is asked again on the next query. An
-    ``nvmlInit`` that does not return within ``$DEVICEKIT_NVML_TIMEOUT``
-    seconds (default 30: a wedged driver) reads as not usable, with that
-    reason, instead of hanging the caller. A start that failed is tried again
-    10 s later at the earliest, unless nothing can change it in this process
-    (no driver library, no ``nvidia-ml-py``).
+    ``nvmlInit``, or a count of the GPUs, that does not return within
+    ``$DEVICEKIT_NVML_TIMEOUT`` seconds (default 30: a wedged driver) reads as
+    not usable, with that reason, instead of hanging the caller. A start that
+    failed is tried again 10 s later at the earliest, unless nothing can
+    change it in this process (no driver library, no ``nvidia-ml-py``).
 
     Examples:
         >>> import devicekit as dk
@@ -309,13 +227,43 @@ def read_energy(handle: Any) -> float | None:
     """Joules the GPU behind ``handle`` consumed since the driver loaded; None without a counter.
 
     The counter exists from Volta on, and not for a MIG instance (it covers
-    the whole board). The driver updates it every 20 to 100 ms.
+    the whole board). The driver updates it every 20 to 100 ms. None too
+    while the GPU does not answer (bounded as its snapshot is, under its key).
     """
     nv = library()
     if nv is None:
         return None
-    millijoules = checked_number(_read(nv, nv.nvmlDeviceGetTotalEnergyConsumption, handle), bits=64)
+    owner = next((g for g in physical_gpus() if handle is g.handle or g.owns(handle)), None)
+    millijoules, _ = bounded(
+        _session.wedged,
+        # A handle of no GPU listed now (listed before MIG changed): keyed by itself. Its
+        # id is not reused while a read of it is blocked, which holds on to it.
+        ("handle", id(handle)) if owner is None else owner.nvml_index,
+        lambda: checked_number(_read(nv, nv.nvmlDeviceGetTotalEnergyConsumption, handle), bits=64),
+        "reading an energy counter",
+    )
     return None if millijoules is None else float(millijoules) / 1e3
+
+
+def _versions(nv: Any) -> tuple[str | None, int | None]:
+    """The driver's version and the CUDA version it supports; asked until both are known."""
+    known = _session.versions
+    if known is not None:
+        return known
+    doing = "reading the driver's version"
+    answer, _ = bounded(_session.wedged, "system", lambda: _read_versions(nv), doing)
+    if answer is None:
+        return None, None
+    if None not in answer:
+        _session.versions = answer
+    return answer
+
+
+def _read_versions(nv: Any) -> tuple[str | None, int | None]:
+    cuda = checked_number(_read(nv, nv.nvmlSystemGetCudaDriverVersion_v2))
+    if cuda is None:
+        cuda = checked_number(_read(nv, nv.nvmlSystemGetCudaDriverVersion))
+    return nvml_text(_read(nv, nv.nvmlSystemGetDriverVersion)), cuda
 
 
 def driver_version() -> str | None:
@@ -328,7 +276,7 @@ def driver_version() -> str | None:
         True
     """
     nv = library()
-    return None if nv is None else nvml_text(_read(nv, nv.nvmlSystemGetDriverVersion))
+    return None if nv is None else _versions(nv)[0]
 
 
 def cuda_driver_version() -> str | None:
@@ -341,11 +289,7 @@ def cuda_driver_version() -> str | None:
         True
     """
     nv = library()
-    if nv is None:
-        return None
-    version = checked_number(_read(nv, nv.nvmlSystemGetCudaDriverVersion_v2))
-    if version is None:
-        version = checked_number(_read(nv, nv.nvmlSystemGetCudaDriverVersion))
+    version = None if nv is None else _versions(nv)[1]
     if not version:
         return None
     return f"{version // 1000}.{version % 1000 // 10}"
@@ -370,12 +314,18 @@ class PhysicalGPU:
     mig_enabled: bool | None
     mig: tuple[tuple[str, Any], ...]  # (uuid, handle) of each MIG instance, if any
 
+    def owns(self, handle: Any) -> bool:
+        """Whether ``handle`` is one of this GPU's MIG instances, as listed."""
+        return any(handle is mig for _, mig in self.mig)
+
 
 def physical_gpus() -> list[PhysicalGPU]:
     """Every GPU NVML can open, in NVML index order (cached after the first count).
 
     Empty without NVML, and while NVML cannot count the GPUs (then
-    `nvml_error()` says why, and the next call counts again).
+    `nvml_error()` says why, and the next call counts again). The count runs
+    bounded (`_nvmlbound`), under the lock: queries waiting for the lock
+    meanwhile wait for that bound at most, and then answer at once.
     """
     nv = library()
     if nv is None:
@@ -384,21 +334,28 @@ def physical_gpus() -> list[PhysicalGPU]:
     if physical is None:
         with _session.lock:
             if _session.physical is None:
-                _session.physical = _enumerate(nv)
+                doing = "counting and opening the GPUs"
+                found, why = bounded(
+                    _session.wedged, "enumeration", lambda: _enumerate(nv), doing, late=True
+                )
+                if found is None:
+                    _session.count_error = why
+                else:
+                    _session.physical, _session.count_error, lost = found
+                    if lost is not None:  # made afresh with the list: a GPU reset since may answer
+                        _session.lost = lost
             physical = _session.physical
     return physical or []
 
 
-def _enumerate(nv: Any) -> list[PhysicalGPU] | None:
-    """Open every GPU NVML counts; None (and `count_error` says why) when it cannot count."""
+def _enumerate(nv: Any) -> tuple[list[PhysicalGPU] | None, str | None, dict[int, str] | None]:
+    """Open every GPU NVML counts: (the GPUs, None, the lost ones), or (None, why, None)."""
     try:
         count = int(nv.nvmlDeviceGetCount())
     except nv.NVMLError as error:
         # Not "no GPU": NVML started, so there is a driver, and it could not say.
-        _session.count_error = f"NVML started but could not count the GPUs: {_why(error)}"
-        return None
-    _session.count_error = None
-    _session.lost = {}  # made afresh with the list: a GPU reset since may answer now
+        return None, f"NVML started but could not count the GPUs: {_why(error)}", None
+    lost = {}
     found = []
     for index in range(count):
         try:
@@ -409,7 +366,7 @@ def _enumerate(nv: Any) -> list[PhysicalGPU] | None:
             # leaves NVML counting GPUs it denies this process: no finding there).
             reason = lost_reason(error)
             if reason is not None:
-                _session.lost[index] = reason
+                lost[index] = reason
             continue
         pci = _read(nv, nv.nvmlDeviceGetPciInfo, handle)
         mig_mode = _read(nv, nv.nvmlDeviceGetMigMode, handle)
@@ -427,7 +384,7 @@ def _enumerate(nv: Any) -> list[PhysicalGPU] | None:
                 mig=mig_instances(nv, handle) if mig_mode and mig_mode[0] == 1 else (),
             )
         )
-    return found
+    return found, None, lost
 
 
 def _why(error: BaseException) -> str:
@@ -471,5 +428,10 @@ def persistence_mode(nvml_index: int) -> bool | None:
     gpu = next((g for g in physical_gpus() if g.nvml_index == nvml_index), None)
     if nv is None or gpu is None:
         return None
-    mode = _read(nv, nv.nvmlDeviceGetPersistenceMode, gpu.handle)
+    mode, _ = bounded(
+        _session.wedged,
+        nvml_index,
+        lambda: _read(nv, nv.nvmlDeviceGetPersistenceMode, gpu.handle),
+        f"reading the persistence mode of the GPU at NVML index {nvml_index}",
+    )
     return None if mode is None else mode == 1

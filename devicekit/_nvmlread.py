@@ -3,12 +3,15 @@
 `_nvml` owns the session (start, enumeration, what a driver lacks); this module
 reads a GPU field by field through it. A field NVML cannot give, or gives as a
 value that cannot be true, is ``None``; a GPU lost part way stops the snapshot,
-and its ``error`` says why.
+and its ``error`` says why. The snapshot is one unit of bounded work
+(`_nvmlbound`): a GPU whose calls block in the driver gets every reading None
+and an ``error`` saying NVML did not answer, and the other GPUs are read.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -30,6 +33,7 @@ from ._nvml import (
     nvml_text,
     session,
 )
+from ._nvmlbound import bounded
 
 __all__ = ["foreign_pids", "read_gpu", "throttle_names"]
 
@@ -59,8 +63,40 @@ def throttle_names(mask: int) -> tuple[str, ...]:
 def read_gpu(
     gpu: PhysicalGPU, *, torch_index: int | None, handle: Any = None, uuid: str | None = None
 ) -> GPUInfo:
-    """One snapshot of ``gpu`` (or of one of its MIG instances, given its handle and uuid)."""
+    """One snapshot of ``gpu`` (or of one of its MIG instances, given its handle and uuid).
+
+    Bounded: where NVML does not answer within ``$DEVICEKIT_NVML_TIMEOUT``
+    seconds, every reading is None and ``error`` says so. Keyed by the GPU, so
+    that its MIG instances, too, answer at once while a read of it is blocked.
+    """
     nv = library()
+    doing = f"reading the GPU at NVML index {gpu.nvml_index} ({gpu.pci_bus_id or gpu.uuid})"
+    info, why = bounded(
+        session().wedged,
+        gpu.nvml_index,
+        lambda: _snapshot(nv, gpu, torch_index, handle, uuid),
+        doing,
+    )
+    if info is not None:
+        return info
+    # What the enumeration knows; every reading unknown (None, never 0), as for a GPU lost.
+    fields: dict[str, Any] = {field.name: None for field in dataclasses.fields(GPUInfo)}
+    fields.update(
+        torch_index=torch_index,
+        nvml_index=gpu.nvml_index,
+        uuid=gpu.uuid if uuid is None else uuid,
+        name=gpu.name if handle is None else None,
+        pci_bus_id=gpu.pci_bus_id,
+        sm_clock_max=gpu.sm_clock_max,
+        mig_enabled=None if handle is None else gpu.mig_enabled,
+        error=why,
+    )
+    return GPUInfo(**fields)
+
+
+def _snapshot(
+    nv: Any, gpu: PhysicalGPU, torch_index: int | None, handle: Any, uuid: str | None
+) -> GPUInfo:
     snap = _Snapshot(
         nv,
         gpu.handle if handle is None else handle,

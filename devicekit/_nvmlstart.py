@@ -1,9 +1,10 @@
-"""Starting NVML: one bounded ``nvmlInit``, what its failures mean, and the shutdown at exit.
+"""Starting NVML: when to start and try again, one bounded ``nvmlInit``, the shutdown at exit.
 
 A wedged driver can block ``nvmlInit`` (and ``nvmlShutdown``) for good, so
 each runs in a daemon thread its caller waits for at most `start_timeout()`
-seconds. `_nvml`'s session decides when to start and when to try again; this
-module knows one attempt.
+seconds. `Starting`, the start half of `_nvml`'s session, decides when to
+start and when to try again; `Start` is one attempt. What comes after the
+start is bounded in `_nvmlbound`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "RETRY_AFTER",
     "TIMEOUT_VAR",
     "Start",
+    "Starting",
     "error_code",
     "shutdown",
     "start_timeout",
@@ -94,6 +96,108 @@ class Start:
             self.done.set()
 
 
+class Starting:
+    """When NVML starts, and what the last start answered: the start half of `_nvml`'s session.
+
+    NVML starts under a lock, in a daemon thread the caller waits for at most
+    `start_timeout()` seconds: a wedged driver can block ``nvmlInit`` for good,
+    and then the caller gets "NVML did not answer" instead of a hang. While
+    that start is still blocked no second one begins; if it ever returns, the
+    next query takes its result. A start that failed is tried again
+    `RETRY_AFTER` seconds later, at the earliest (a driver loaded after this
+    process started is then seen), except where nothing can change while the
+    process runs (`PERMANENT`).
+    """
+
+    def reset_start(self) -> None:
+        """Forget every start: the next query starts NVML again."""
+        self.lock = threading.Lock()  # the session's: the enumeration runs under it too
+        self.tried = False
+        self.module: Any = None
+        self.error: str | None = None
+        # When (time.monotonic()) the last start failed, if it may be tried again; None
+        # while NVML runs, and for a failure no retry can change.
+        self.failed_at: float | None = None
+        # A start whose caller gave up waiting: its thread is still blocked in nvmlInit.
+        self.blocked: Start | None = None
+
+    def start(self) -> Any:
+        """The started ``pynvml`` module, starting it if due; None while NVML is not usable."""
+        module = self.module
+        if module is not None:  # fast path: no lock once started
+            return module
+        if self.tried and self.blocked is None and not self._retry_due():
+            return None  # failed, and not to be tried again yet (or ever)
+        with self.lock:
+            if self.module is None:
+                if self.blocked is not None:
+                    self._take(self.blocked)  # if that start has returned since
+                elif not self.tried or self._retry_due():
+                    self._begin()
+        return self.module
+
+    def _retry_due(self) -> bool:
+        failed_at = self.failed_at
+        return failed_at is not None and time.monotonic() - failed_at >= RETRY_AFTER
+
+    def _begin(self) -> None:
+        """Start NVML and wait for it, at most `start_timeout()` seconds (under the lock).
+
+        ``tried``, ``blocked`` and ``failed_at`` are read without the lock (the
+        fast path in `start`), so each outcome sets them last, once the answer
+        they describe is in place.
+        """
+        try:
+            import pynvml  # noqa: PLC0415 - lazy on purpose: no NVML work until asked
+        except ImportError:
+            # Importing is no driver call, so it cannot hang; a package installed
+            # later needs a new process, as any import does.
+            self.module, self.error, self.failed_at = None, NOT_INSTALLED, None
+            self.tried = True
+            return
+        try:
+            timeout = start_timeout()
+        except ValueError as error:
+            # The reason NVML is unavailable, where status() and the CLI say it, rather
+            # than a traceback out of every query; read again at each one (no driver
+            # call), so a corrected variable counts at once.
+            self.module, self.error = None, str(error)
+            return
+        attempt = Start(pynvml, timeout)
+        thread = threading.Thread(target=attempt.run, name="devicekit-nvml-start", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            # Python 3.12+ starts no thread while the interpreter exits (an atexit handler
+            # asking for status): start NVML here, unbounded, as the only way to answer.
+            attempt.run()
+        if attempt.done.wait(timeout):
+            self._take(attempt)
+            return
+        self.module, self.failed_at = None, None  # not retried while it is still blocked
+        self.error = (
+            f"NVML did not answer in {timeout:g} s: nvmlInit is blocked in the NVIDIA driver "
+            "(a hung GPU or a wedged driver: look for Xid errors in `dmesg`); if this machine "
+            f"is only slow to start NVML (GPUs without persistence mode), set {TIMEOUT_VAR} "
+            "to more seconds"
+        )
+        self.blocked = attempt
+        self.tried = True
+
+    def _take(self, attempt: Start) -> None:
+        """Adopt the result of ``attempt`` once it has one; until then change nothing."""
+        if not attempt.done.is_set():
+            return
+        if attempt.unexpected is not None:
+            self.blocked = None
+            self.tried = False  # not NVML's answer: the next query starts afresh
+            raise attempt.unexpected
+        self.module, self.error = attempt.module, attempt.error
+        self.failed_at = None if attempt.module is not None or attempt.final else attempt.ended
+        self.tried = True
+        self.blocked = None
+
+
 def start_timeout() -> float:
     """Seconds a query waits for NVML to start: ``$DEVICEKIT_NVML_TIMEOUT``, else 30.
 
@@ -117,7 +221,17 @@ def start_timeout() -> float:
 
 
 def shutdown(pynvml: Any, timeout: float) -> None:
-    """``nvmlShutdown`` at exit, bounded as the start is: a wedged driver must not hang the exit."""
+    """``nvmlShutdown`` at exit, bounded as the start is: a wedged driver must not hang the exit.
+
+    Skipped while a call of this process is still blocked in the driver (a
+    query gave up on it, `_nvmlbound`): the shutdown would most likely wait
+    out its bound behind it, and the driver frees what a process held when
+    it ends.
+    """
+    from ._nvmlbound import calls_blocked  # noqa: PLC0415 - it imports this module
+
+    if calls_blocked():
+        return
     done = threading.Event()
 
     def run() -> None:
