@@ -107,8 +107,9 @@ class GPUInfo:
             newer); the difference between two snapshots is the energy used
             in between.
         error: Why NVML could not read this GPU at all, such as "NVML says
-            the GPU is lost" (it fell off the bus); then every reading is
-            None. None when NVML answered (a field it cannot give is None
+            the GPU is lost" (it fell off the bus) or "NVML did not answer in
+            30 s reading the GPU ..." (a call blocked in the driver); then
+            every reading is None. None when NVML answered (a field it cannot give is None
             without a reason here).
     """
 

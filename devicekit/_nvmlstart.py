@@ -199,7 +199,7 @@ class Starting:
 
 
 def start_timeout() -> float:
-    """Seconds a query waits for NVML to start: ``$DEVICEKIT_NVML_TIMEOUT``, else 30.
+    """Seconds a query waits for NVML to start, or to read: ``$DEVICEKIT_NVML_TIMEOUT``, else 30.
 
     Raises:
         ValueError: ``$DEVICEKIT_NVML_TIMEOUT`` is not a finite number of
@@ -214,8 +214,9 @@ def start_timeout() -> float:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(
-            f"{TIMEOUT_VAR}={text!r}: expected a finite number of seconds above 0 for "
-            f"NVML to start, such as 60; unset it for the default, {DEFAULT_TIMEOUT:g}"
+            f"{TIMEOUT_VAR}={text!r}: expected a finite number of seconds above 0 that a "
+            "query waits for NVML to start or to read a GPU, such as 60; unset it for the "
+            f"default, {DEFAULT_TIMEOUT:g}"
         )
     return seconds
 

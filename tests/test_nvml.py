@@ -792,8 +792,8 @@ def test_a_bad_start_timeout_is_refused_by_name(
     nvml_session(fake)
     monkeypatch.setenv(_nvml.TIMEOUT_VAR, value)
     message = (
-        f"DEVICEKIT_NVML_TIMEOUT={value!r}: expected a finite number of seconds above 0 for "
-        "NVML to start, such as 60; unset it for the default, 30"
+        f"DEVICEKIT_NVML_TIMEOUT={value!r}: expected a finite number of seconds above 0 that a "
+        "query waits for NVML to start or to read a GPU, such as 60; unset it for the default, 30"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         _nvml.start_timeout()
