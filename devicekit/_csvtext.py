@@ -74,7 +74,8 @@ def _not_a_header(header: list[str]) -> str | None:
         return "it is empty"
     empty = next((index for index, name in enumerate(header, 1) if not name), None)
     if empty is not None:  # log() refuses the key "": no file of this sink's has one
-        return f"column {empty} has no name"
+        pandas = " (pandas writes its index there: to_csv(path, index=False))" if empty == 1 else ""
+        return f"column {empty} has no name{pandas}"
     seen: set[str] = set()
     for name in header:
         if name in seen:

@@ -198,11 +198,15 @@ def refuse_keys(scalars: dict[str, Any]) -> ValueError:
     """
     if not scalars:
         return ValueError("log() needs at least one value to record, such as log(step, loss=loss)")
-    others = ", ".join(f"{key}=..." for key in scalars if key)
+    # As the call would be written: a key that is no identifier ("a,b", "l\nb") inside the
+    # dict, quoted, so that neither a comma nor a line break in it blurs the message.
+    plain = [f"{key}=..." for key in scalars if key and key.isidentifier()]
+    quoted = [f"{key!r}: ..." for key in scalars if key and not key.isidentifier()]
+    written = shorten(", ".join(["'': ...", *quoted]), 60)
     return ValueError(
-        f"LogBuffer.log() got a value under the empty key '' (log(**{{'': ...}}"
-        f"{', ' + shorten(others, 60) if others else ''})), which names no column in the "
-        "history or in a sink (a CSV header, a TensorBoard tag); give it a name, such as "
+        f"LogBuffer.log() got a value under the empty key '' (log(**{{{written}}}"
+        f"{', ' + shorten(', '.join(plain), 60) if plain else ''})), which names no column in "
+        "the history or in a sink (a CSV header, a TensorBoard tag); give it a name, such as "
         "log(step, loss=value)"
     )
 

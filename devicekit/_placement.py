@@ -351,7 +351,13 @@ def _explain_unsupported(error: NotImplementedError, obj: object, target: torch.
 # Tensors torch cannot copy to every device: what they are, how to tell, and the fix.
 _NO_COPY: list[tuple[str, Callable[[torch.Tensor], bool], str]] = [
     ("nested", lambda t: t.is_nested, "make it with layout=torch.jagged, which moves there"),
-    ("quantized", lambda t: t.is_quantized, "move its .dequantize(), and quantize that there"),
+    (
+        "quantized",
+        lambda t: t.is_quantized,
+        # Not "quantize it there": quantize_per_tensor of a meta tensor gives a float one.
+        "move its .dequantize() instead, a float tensor (quantize it again only where torch "
+        "has quantized tensors: the CPU, and CUDA for some operations)",
+    ),
     ("sparse", lambda t: t.layout != torch.strided, "move its .to_dense()"),
 ]
 

@@ -1880,6 +1880,16 @@ def test_the_warning_for_a_dropped_buffer_says_what_left_records_behind() -> Non
     )
 
 
+def test_the_empty_key_error_writes_odd_keys_quoted_inside_the_dict() -> None:
+    # Before: log(**{'': ...}, a,b=..., l
+    # b=...): a comma and a line break in the keys blurred and broke the message.
+    logs = dk.LogBuffer()
+    with pytest.raises(ValueError, match="empty key") as raised:
+        logs.log(**{"": 1.0, "a,b": 2.0, "l\nb": 3.0, "loss": 4.0})
+    assert "(log(**{'': ..., 'a,b': ..., 'l\\nb': ...}, loss=...))" in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
 def test_a_rank_that_logged_nothing_is_said_plainly() -> None:
     # "rank 1: logged 0 steps of nothing".
     from devicekit import _logflush

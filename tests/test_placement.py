@@ -1410,6 +1410,11 @@ def test_a_tensor_torch_cannot_copy_there_is_named_with_the_fix() -> None:
             f"{kind} tensor to meta (this error). Leave it out of what you move, or "
         )
         assert fix in note
+    # The fix gives what it says: a float tensor there (a quantized one on meta cannot be:
+    # quantize_per_tensor of a meta tensor gives a float one, which "quantize it there" hid).
+    assert "quantize it again only where torch has quantized tensors" in note
+    moved = dk.to_device(quantized.dequantize(), META)
+    assert (moved.device, moved.dtype) == (META, torch.float32)
 
 
 def test_a_meta_tensor_that_cannot_be_copied_is_named_with_the_fix() -> None:

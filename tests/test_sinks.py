@@ -373,6 +373,10 @@ def test_append_never_replaces_a_file_it_cannot_read_and_keeps_the_records(
         ("1,2,3", "it holds numbers only, as a row of data does"),
         ("0,nan,-1e-3,inf", "it holds numbers only, as a row of data does"),
         ("step,,loss", "column 2 has no name"),
+        (
+            ",step,loss",
+            "column 1 has no name (pandas writes its index there: to_csv(path, index=False))",
+        ),
         ("step,loss,loss", "it names 'loss' twice"),
         ("", "it is empty"),
     ],
