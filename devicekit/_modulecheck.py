@@ -11,7 +11,7 @@ as written (`_modulefix`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -73,7 +73,11 @@ def check_module(module: torch.nn.Module) -> list[str]:
         raise TypeError(f"check_module() needs a torch.nn.Module, got {type(module).__name__}")
     registered = Registered(module)
     held = []  # every attribute walked first: a reference may come before its module
-    for prefix, submodule in module.named_modules():
+    # The tree module.to() walks, then the trees of modules found held as plain attributes:
+    # what those hold is reported in the same pass (a hidden module in a hidden ModuleList).
+    trees: list[tuple[str, torch.nn.Module]] = [("", module)]
+    seen: set[int] = set()
+    for prefix, submodule in _walk(trees, seen):
         for attr, value in module_attributes(submodule):
             if (
                 not isinstance(value, (torch.Tensor, torch.nn.Module))
@@ -87,6 +91,7 @@ def check_module(module: torch.nn.Module) -> list[str]:
                     named = (*leaf.value.named_parameters(), *leaf.value.named_buffers())
                     for name, tensor in named:
                         registered.loose.setdefault(id(tensor), f"{where}{leaf.path}.{name}")
+                    trees.append((f"{where}{leaf.path}", leaf.value))
                 held.append((where, attr, value, submodule, modules, tensors))
     findings: list[str] = []
     taken: dict[int, set[str]] = {}  # each module's names, and those suggested in it
@@ -103,6 +108,17 @@ def check_module(module: torch.nn.Module) -> list[str]:
         )
         findings.append(f"{where}: {places.describe(modules, tensors)}")
     return findings
+
+
+def _walk(
+    trees: list[tuple[str, torch.nn.Module]], seen: set[int]
+) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Each module of each tree in ``trees`` (which may grow meanwhile) once, with its path."""
+    for root_path, root in trees:  # a list iterator sees the trees appended while it runs
+        for prefix, submodule in root.named_modules():
+            if id(submodule) not in seen:
+                seen.add(id(submodule))
+                yield ".".join(part for part in (root_path, prefix) if part), submodule
 
 
 def _leaves(value: object, registered: Registered) -> tuple[list[Leaf], list[Leaf]]:

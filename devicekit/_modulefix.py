@@ -114,13 +114,18 @@ def _expression(path: str) -> str:
     """
     parts = []
     for part in path.split("."):
+        held = _HELD.match(part)  # a module in a plain container: "blocks[0]", written so
         if part.isdigit():
             parts.append(f"[{part}]")
-        elif part.isidentifier():
+        elif part.isidentifier() or held is not None:
             parts.append(f".{part}")
         else:
             parts.append(f"[{part!r}]")
     return "model" + "".join(parts)
+
+
+# An attribute and the items it was reached through, as `Leaf.path` writes them.
+_HELD = re.compile(r"[A-Za-z_]\w*(\[[^\]]*\])+")
 
 
 def _made(text: str, taken: set[str]) -> str:

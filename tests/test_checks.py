@@ -437,6 +437,35 @@ def test_check_module_gives_a_hidden_module_a_fix_that_runs() -> None:
     assert model[0]["a-b"].teacher.weight.device.type == "meta"
 
 
+def test_check_module_reports_what_hidden_modules_hide_in_the_same_pass() -> None:
+    # Before, a module hidden inside a hidden module (or a plain list's module) was found
+    # only once the outer one was fixed: one more run of check_module per level.
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            object.__setattr__(self, "teacher", torch.nn.Linear(1, 1))
+
+    model = torch.nn.Linear(2, 2)
+    object.__setattr__(model, "hidden", torch.nn.ModuleList([Block()]))
+    model.extra = [Block()]  # a plain list: module.to() moves neither Block
+    findings = dk.check_module(model)
+    assert [finding.split(": ", 1)[0] for finding in findings] == [
+        "hidden",
+        "extra",
+        "hidden.0.teacher",
+        "extra[0].teacher",
+    ]
+    lines = [f.rsplit("on this model now: ", 1)[1].rstrip(".") for f in findings[2:]]
+    assert lines == [
+        "model.hidden[0].teacher = model.hidden[0].teacher",
+        "model.extra[0].teacher = model.extra[0].teacher",
+    ]
+    for line in lines:
+        exec(line, {"model": model})  # the fixes, pasted
+    model.hidden = model.hidden
+    assert [finding.split(": ", 1)[0] for finding in dk.check_module(model)] == ["extra"]
+
+
 def test_check_module_ignores_weights_a_pre_hook_recomputes() -> None:
     prune = pytest.importorskip("torch.nn.utils.prune")
     pruned = torch.nn.Linear(2, 2)
