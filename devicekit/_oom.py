@@ -184,6 +184,10 @@ class _ExplainOOM:
 
     def __call__(self, func: F) -> F:
         options = self._options
+        # Above @staticmethod or @classmethod: the function inside is what runs, and the
+        # descriptor must stay outermost, or a call on an instance passes it as an argument.
+        if isinstance(func, (staticmethod, classmethod)):
+            return type(func)(self(func.__func__))
         # A generator's or coroutine's body runs after the call returns, so wrapping the
         # call alone would leave every out-of-memory error in it unexplained.
         if inspect.isgeneratorfunction(func):

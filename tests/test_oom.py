@@ -893,6 +893,34 @@ def test_a_decorated_function_entered_as_a_block_says_to_write_the_block() -> No
     assert ran == ["step"]
 
 
+def test_a_decorator_above_staticmethod_or_classmethod_keeps_the_method_kind() -> None:
+    # Before, @dk.explain_oom above @staticmethod made the method an instance method:
+    # Model().scale(2) raised "takes 1 positional argument but 2 were given".
+    class Model:
+        factor = 3
+
+        @dk.explain_oom
+        @staticmethod
+        def scale(x: int) -> int:
+            return 2 * x
+
+        @dk.explain_oom(top=1)
+        @classmethod
+        def times(cls, x: int) -> int:
+            return cls.factor * x
+
+        @staticmethod
+        def fails() -> None:
+            torch.empty(2**62, dtype=torch.uint8)
+
+        explained_fails = dk.explain_oom(fails)
+
+    assert (Model.scale(2), Model().scale(2)) == (4, 4)
+    assert (Model.times(2), Model().times(2)) == (6, 6)
+    with pytest.raises(dk.DeviceOutOfMemoryError):
+        Model().explained_fails()
+
+
 def test_a_decorated_function_still_behaves_as_a_function() -> None:
     assert _explained_step(1) == 2
     assert _explained_step.__name__ == "_explained_step"
