@@ -218,7 +218,8 @@ def state_line(state: dict[str, Any]) -> str:
     the line; a long one is shortened.
     """
     keys = [_key(key) for key in state["keys"]]
-    parts = [f"{plural(state['records'], 'record')} of {_some(keys) or '(none)'}"]
+    records = plural(state["records"], "record")
+    parts = [f"{records} of {_some(keys)}" if keys else f"{records}, no keys yet"]
     parts.append(f"{plural(state['pending'], 'value')} pending")
     if state["last"] is not None:
         parts.append(f"last {_some_items(state['last'], limit=_KEY_LIMIT)}")

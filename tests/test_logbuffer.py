@@ -934,7 +934,7 @@ def test_repr_shows_keys_records_pending_last_record_and_sinks(tmp_path: Path) -
 
     buffer = dk.LogBuffer(flush_every=3, sinks=[dk.CSVSink(tmp_path / "log.csv"), show])
     assert repr(buffer) == (
-        f"LogBuffer(flush_every=3): 0 records of (none), 0 values pending, "
+        f"LogBuffer(flush_every=3): 0 records, no keys yet, 0 values pending, "
         f"sinks CSVSink({str(tmp_path / 'log.csv')!r}), "
         "test_repr_shows_keys_records_pending_last_record_and_sinks.<locals>.show"
     )
