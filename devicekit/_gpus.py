@@ -268,6 +268,11 @@ def _snapshot(visible: _Visible, torch_index: int | None) -> GPUInfo:
     )
 
 
+def _snapshots(targets: list[tuple[_Visible, int | None]]) -> list[GPUInfo]:
+    """A snapshot of each, all read at once: GPUs that hang together cost one wait, not one each."""
+    return _nvmlread.read_gpus([(v.gpu, index, v.handle, v.uuid) for v, index in targets])
+
+
 @suggest_keywords
 def gpus(*, all: bool = False) -> list[GPUInfo]:
     """Snapshot every GPU this process can see, in torch index order.
@@ -297,14 +302,14 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
     check_flag(all, name="all")
     visible = visible_gpus()
     if not all:
-        return [_snapshot(v, index) for index, v in enumerate(visible)]
+        return _snapshots([(v, index) for index, v in enumerate(visible)])
     torch_index = {(v.gpu.nvml_index, v.uuid): i for i, v in enumerate(visible)}
     every = []
     for gpu in _nvml.physical_gpus():
         every.append(_Visible(gpu))
         # A GPU in MIG mode is not a CUDA device itself; its instances are.
         every.extend(_Visible(gpu, handle, uuid) for uuid, handle in gpu.mig)
-    return [_snapshot(v, torch_index.get((v.gpu.nvml_index, v.uuid))) for v in every]
+    return _snapshots([(v, torch_index.get((v.gpu.nvml_index, v.uuid))) for v in every])
 
 
 def gpu(index: DeviceLike = 0) -> GPUInfo:

@@ -20,6 +20,14 @@ hung once may hang again, and every try could cost a full wait. (Threads
 asking at the same moment can each start a unit of a key before the first one
 is given up on; after that, none does.)
 
+A query of several GPUs (`bounded_each`) hands every GPU's unit to a worker
+before it waits for any, and waits for them all with one deadline: when a
+driver in recovery blocks every GPU at once, the query costs one bound, not
+one per GPU in turn. Units of one key (a GPU and its MIG instances) run in
+turn in one worker, so that a hung GPU still blocks one thread. The caller
+sleeps once, until the last of them has answered (`_Batch`), instead of once
+per GPU.
+
 The workers are daemon threads, kept for the next unit while work comes. On
 `benchmarks/status.py`'s 2-core VM, with the stand-in NVML, a snapshot
 handed to a waiting worker costs 15 µs more than one read in the caller
@@ -46,15 +54,16 @@ from typing import Any, TypeVar
 
 from ._nvmlstart import DEFAULT_TIMEOUT, RETRY_AFTER, start_timeout
 
-__all__ = ["IDLE_SECONDS", "Job", "bounded", "calls_blocked", "read_timeout"]
+__all__ = ["IDLE_SECONDS", "Job", "bounded", "bounded_each", "calls_blocked", "read_timeout"]
 
 _T = TypeVar("_T")
 
 # Seconds a worker waits for its next unit before it ends: a status of many GPUs, or a
 # `pick_gpu(wait=...)` polling every 0.2 s, reuses one; a single query leaves none behind.
 IDLE_SECONDS = 1.0
-# Workers kept waiting at most. One serves a process that queries from one thread;
-# threads querying at once start more, and the ones over this number end when done.
+# Workers kept waiting at least. One serves a process that queries one GPU from one
+# thread; a status of N GPUs keeps N (`_Pool.keep`); threads querying at once start
+# more, and the ones over that number end when done.
 _KEEP_IDLE = 4
 
 _BLOCKED = (
@@ -64,29 +73,33 @@ _BLOCKED = (
 
 
 class Job:
-    """One unit of NVML work, run by a worker, and what it answered."""
+    """Units of NVML work of one key, run in turn by one worker, and what they answered."""
 
-    def __init__(self, work: Callable[[], Any]) -> None:
-        self.work = work
-        self.result: Any = None
-        self.raised: BaseException | None = None
+    def __init__(self, works: list[Callable[[], Any]]) -> None:
+        self.works = works
+        self.answers: list[Any] = []  # one per work that returned, in order
+        self.raised: BaseException | None = None  # from the work after the last answer
         self.ended: float | None = None  # time.monotonic() when it returned
         self.reason = ""  # set when its caller gave up: said again to every later caller
         self._finished = threading.Lock()
         self._finished.acquire()  # released once it has run: cheaper to wait on than an Event
+        self.batch: _Batch | None = None  # the jobs handed out with it, waited for as one
 
     def run(self) -> None:
-        """Do the work and keep its answer (``finish()`` then tells the caller)."""
+        """Do the works in turn and keep their answers (``finish()`` then tells the caller)."""
         try:
-            self.result = self.work()
+            for work in self.works:
+                self.answers.append(work())
         except BaseException as error:  # noqa: BLE001 - not NVML's answer: the caller's to raise
             self.raised = error
         finally:
             self.ended = time.monotonic()
 
     def finish(self) -> None:
-        """Wake the caller waiting for this job."""
+        """Wake the caller waiting for this job (or for the last of its batch)."""
         self._finished.release()
+        if self.batch is not None:
+            self.batch.one_finished()
 
     def wait(self, timeout: float) -> bool:
         """Whether the job has finished within ``timeout`` seconds."""
@@ -94,6 +107,35 @@ class Job:
             return False
         self._finished.release()  # finished stays finished for anyone else waiting
         return True
+
+
+class _Batch:
+    """Jobs handed out together: their caller wakes once, when the last has finished.
+
+    Waiting for each in turn would wake it once per job that finishes after
+    it went to sleep: a wake-up per GPU, which is what handing them out
+    together saves.
+    """
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.left = len(jobs)
+        self._lock = threading.Lock()
+        self._finished = threading.Lock()
+        self._finished.acquire()
+        for job in jobs:
+            job.batch = self
+
+    def one_finished(self) -> None:
+        """Count one job as finished; the last one wakes the caller."""
+        with self._lock:
+            self.left -= 1
+            if self.left:
+                return
+        self._finished.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether every job has finished within ``timeout`` seconds."""
+        return self._finished.acquire(timeout=timeout)
 
 
 class _Pool:
@@ -107,26 +149,33 @@ class _Pool:
         self.lock = threading.Lock()
         self.idle: list[queue.SimpleQueue[Job]] = []
         self.given_up: list[Job] = []  # jobs a caller stopped waiting for: blocked, or were
+        # Workers kept waiting at most: `_KEEP_IDLE`, or as many as the largest batch
+        # handed out at once, so that a status of 8 GPUs finds its 8 workers next time.
+        self.keep = _KEEP_IDLE
 
-    def run(self, job: Job) -> None:
-        """Hand ``job`` to an idle worker, or to a new one."""
+    def run(self, jobs: list[Job]) -> None:
+        """Hand each job to an idle worker, or to a new one: all of them at once."""
         with self.lock:
-            inbox = self.idle.pop() if self.idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            worker = threading.Thread(
-                target=self._serve, args=(inbox,), name="devicekit-nvml", daemon=True
-            )
-            try:
-                worker.start()
-            except RuntimeError:
-                # No thread can start: Python 3.12+ while the interpreter exits (an atexit
-                # handler asking for status), or a process at its limit of threads. Do the
-                # work here, unbounded, as the start does: the only way to answer.
-                job.run()
-                job.finish()
-                return
-        inbox.put(job)
+            self.keep = max(self.keep, len(jobs))
+            taken = [self.idle.pop() for _ in range(min(len(jobs), len(self.idle)))]
+        for job in jobs:
+            inbox = taken.pop() if taken else None
+            if inbox is None:
+                inbox = queue.SimpleQueue()
+                worker = threading.Thread(
+                    target=self._serve, args=(inbox,), name="devicekit-nvml", daemon=True
+                )
+                try:
+                    worker.start()
+                except RuntimeError:
+                    # No thread can start: Python 3.12+ while the interpreter exits (an
+                    # atexit handler asking for status), or a process at its limit of
+                    # threads. Do the work here, unbounded, as the start does: the only
+                    # way to answer.
+                    job.run()
+                    job.finish()
+                    continue
+            inbox.put(job)
 
     def _serve(self, inbox: queue.SimpleQueue[Job]) -> None:
         while True:
@@ -142,7 +191,7 @@ class _Pool:
             # Idle again before the caller wakes, so that its next job finds this worker
             # instead of starting a thread (a status of 8 GPUs hands over 8 jobs in a row).
             with self.lock:
-                keep = len(self.idle) < _KEEP_IDLE
+                keep = len(self.idle) < self.keep
                 if keep:
                     self.idle.append(inbox)
             job.finish()
@@ -195,24 +244,116 @@ def bounded(
         time, or when one of the same key is still blocked, or returned less
         than `RETRY_AFTER` seconds ago.
     """
-    blocked = wedged.get(key)
-    if blocked is not None:
-        ended = blocked.ended
-        if ended is None or (not late and time.monotonic() - ended < RETRY_AFTER):
-            return None, blocked.reason
-        wedged.pop(key, None)
-        if late:
-            return _answer(blocked), None
+    settled = _settled(wedged, key, late)
+    if settled is not None:
+        return settled
+    # One unit: `bounded_each`'s way without its bookkeeping, a few µs a query cheaper.
+    job = Job([work])
+    _pool.run([job])
     timeout = read_timeout()
-    job = Job(work)
-    _pool.run(job)
     if job.wait(timeout):
-        return _answer(job), None
+        return _answer(job, 0), None
     job.reason = f"NVML did not answer in {timeout:g} s {doing}: {_BLOCKED}"
+    _give_up(wedged, key, job)
+    return None, job.reason
+
+
+def _settled(
+    wedged: dict[Hashable, Job], key: Hashable, late: bool
+) -> tuple[Any, str | None] | None:
+    """The answer of ``key`` without asking NVML (blocked, or tried too lately), or None to ask."""
+    blocked = wedged.get(key)
+    if blocked is None:
+        return None
+    ended = blocked.ended
+    if ended is None or (not late and time.monotonic() - ended < RETRY_AFTER):
+        return None, blocked.reason
+    wedged.pop(key, None)
+    return (_answer(blocked, 0), None) if late else None
+
+
+def _give_up(wedged: dict[Hashable, Job], key: Hashable, job: Job) -> None:
+    """Remember ``job`` as given up on: its key answers its reason until it returned."""
     wedged[key] = job
     with _pool.lock:
         _pool.given_up = [*(each for each in _pool.given_up if each.ended is None), job]
-    return None, job.reason
+
+
+def bounded_each(
+    wedged: dict[Hashable, Job],
+    units: list[tuple[Hashable, Callable[[], Any], str]],
+    *,
+    late: bool = False,
+) -> list[tuple[Any, str | None]]:
+    """Several units at once, as `bounded` runs one, waited for with one deadline.
+
+    Every unit is handed to a worker before the first wait, and all are
+    waited for until one `read_timeout()` from then: a query of 8 GPUs that
+    all block in the driver waits one bound, not 8 in turn. Units of the same
+    key (a GPU and its MIG instances) run in turn in one worker, so that one
+    blocked GPU still blocks one thread at most; of those, the ones that
+    answered before the deadline keep their answers.
+
+    Args:
+        wedged: The session's units that did not answer in time, by key.
+        units: ``(key, work, doing)`` of each unit, as `bounded` takes them.
+            An exception a work raises is raised here, after every unit has
+            been waited for (the first, in the order of ``units``).
+        late: As for `bounded`, for keys of one unit.
+
+    Returns:
+        One ``(answer, None)`` or ``(None, why)`` per unit, in order.
+    """
+    answers: list[tuple[Any, str | None] | None] = [None] * len(units)
+    groups: dict[Hashable, list[int]] = {}  # key -> its units, in order
+    for index, (key, _, _) in enumerate(units):
+        if key in groups:
+            groups[key].append(index)
+            continue
+        answers[index] = _settled(wedged, key, late)
+        if answers[index] is None:
+            groups[key] = [index]
+    jobs = {key: Job([units[i][1] for i in indices]) for key, indices in groups.items()}
+    if jobs:
+        for index, why in _wait(wedged, jobs, groups, units).items():
+            answers[index] = (None, why)
+    owners = {
+        index: (jobs[key], at) for key, found in groups.items() for at, index in enumerate(found)
+    }
+    result: list[tuple[Any, str | None]] = []
+    for index, answer in enumerate(answers):
+        if answer is not None:
+            result.append(answer)
+        else:  # the job answered it, or raised before it: raised in the order of units
+            job, at = owners[index]
+            result.append((_answer(job, at), None))
+    return result
+
+
+def _wait(
+    wedged: dict[Hashable, Job],
+    jobs: dict[Hashable, Job],
+    groups: dict[Hashable, list[int]],
+    units: list[tuple[Hashable, Callable[[], Any], str]],
+) -> dict[int, str]:
+    """Run ``jobs`` and wait for them until one bound from now: the units unanswered, and why."""
+    batch = _Batch(list(jobs.values()))
+    _pool.run(list(jobs.values()))
+    timeout = read_timeout()
+    if batch.wait(timeout):
+        return {}
+    unanswered: dict[int, str] = {}
+    for key, job in jobs.items():
+        indices = groups[key]
+        if job.wait(0.0):
+            continue
+        done = len(job.answers)  # the units that answered in time keep their answers
+        if done == len(indices):
+            continue  # all answered: the job was ending as the deadline passed
+        job.reason = f"NVML did not answer in {timeout:g} s {units[indices[done]][2]}: {_BLOCKED}"
+        _give_up(wedged, key, job)
+        unanswered.update(dict.fromkeys(indices[done:], job.reason))
+    return unanswered
 
 
 def calls_blocked() -> bool:
@@ -220,7 +361,10 @@ def calls_blocked() -> bool:
     return any(job.ended is None for job in _pool.given_up)
 
 
-def _answer(job: Job) -> Any:
+def _answer(job: Job, position: int) -> Any:
+    """The answer of ``job``'s work at ``position``, or what stopped the job before it."""
+    if position < len(job.answers):
+        return job.answers[position]
     if job.raised is not None:
         raise job.raised
-    return job.result
+    return None  # a late answer that never came: not reached (late units are single)

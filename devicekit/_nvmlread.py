@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ._gpuinfo import GPUInfo, GPUProcess
@@ -33,9 +34,9 @@ from ._nvml import (
     nvml_text,
     session,
 )
-from ._nvmlbound import bounded
+from ._nvmlbound import bounded, bounded_each
 
-__all__ = ["foreign_pids", "read_gpu", "throttle_names"]
+__all__ = ["foreign_pids", "read_gpu", "read_gpus", "throttle_names"]
 
 _PROCESS_LIST_TRIES = 3  # a process can start between NVML's "how many" and "list them"
 
@@ -70,16 +71,49 @@ def read_gpu(
     that its MIG instances, too, answer at once while a read of it is blocked.
     """
     nv = library()
-    doing = f"reading the GPU at NVML index {gpu.nvml_index} ({gpu.pci_bus_id or gpu.uuid})"
     info, why = bounded(
         session().wedged,
         gpu.nvml_index,
         lambda: _snapshot(nv, gpu, torch_index, handle, uuid),
-        doing,
+        _doing(gpu),
     )
-    if info is not None:
-        return info
-    # What the enumeration knows; every reading unknown (None, never 0), as for a GPU lost.
+    return _unanswered(gpu, torch_index, handle, uuid, why) if info is None else info
+
+
+def read_gpus(targets: list[tuple[PhysicalGPU, int | None, Any, str | None]]) -> list[GPUInfo]:
+    """A snapshot of each ``(gpu, torch_index, handle, uuid)``, as `read_gpu` takes them.
+
+    All are read at once, each GPU in a worker of its own, and waited for
+    with one ``$DEVICEKIT_NVML_TIMEOUT``: however many GPUs do not answer, a
+    query waits that long at most, not that long per GPU.
+    """
+    if len(targets) == 1:  # nothing to read beside it: the hand-off of one, cheaper
+        gpu, torch_index, handle, uuid = targets[0]
+        return [read_gpu(gpu, torch_index=torch_index, handle=handle, uuid=uuid)]
+    nv = library()
+    units: list[tuple[Hashable, Callable[[], GPUInfo], str]] = [
+        (
+            gpu.nvml_index,
+            functools.partial(_snapshot, nv, gpu, index, handle, uuid),
+            _doing(gpu),
+        )
+        for gpu, index, handle, uuid in targets
+    ]
+    answers = bounded_each(session().wedged, units)
+    return [
+        _unanswered(*target, why) if info is None else info
+        for target, (info, why) in zip(targets, answers, strict=True)
+    ]
+
+
+def _doing(gpu: PhysicalGPU) -> str:
+    return f"reading the GPU at NVML index {gpu.nvml_index} ({gpu.pci_bus_id or gpu.uuid})"
+
+
+def _unanswered(
+    gpu: PhysicalGPU, torch_index: int | None, handle: Any, uuid: str | None, why: str | None
+) -> GPUInfo:
+    """What the enumeration knows of a GPU NVML did not answer for; every reading unknown."""
     fields: dict[str, Any] = {field.name: None for field in dataclasses.fields(GPUInfo)}
     fields.update(
         torch_index=torch_index,

@@ -25,7 +25,8 @@ from .fake_pynvml import FakeGPU, FakeNVML
 Install = Callable[[Any], None]
 H100 = "GPU-4e1be09d-5954-ebad-2f3a-c71188f45156"
 OTHER = "GPU-0b0b0b0b-5954-ebad-2f3a-c71188f45156"
-BUS_0, BUS_1 = "00000000:18:00.0", "00000000:3A:00.0"
+THIRD = "GPU-0c0c0c0c-5954-ebad-2f3a-c71188f45156"
+BUS_0, BUS_1, BUS_2 = "00000000:18:00.0", "00000000:3A:00.0", "00000000:5D:00.0"
 BLOCKED = (
     "the call is blocked in the NVIDIA driver (a hung GPU or a wedged driver: look for Xid "
     "errors in `dmesg`)"
@@ -136,6 +137,110 @@ def test_a_gpu_that_never_answers_is_given_up_on_and_the_others_are_read(
         1980,
     )
     assert (other.error, other.utilization, other.memory_total) == (None, 10, 80 * 2**30)
+    assert stuck.calls == 1
+
+
+def three_gpus(nvml_session: Install, monkeypatch: pytest.MonkeyPatch) -> FakeNVML:
+    """Three GPUs, as `two_gpus` makes two."""
+    fake = FakeNVML(
+        [FakeGPU(H100, bus=BUS_0), FakeGPU(OTHER, bus=BUS_1), FakeGPU(THIRD, bus=BUS_2)]
+    )
+    nvml_session(fake)
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, WAIT)
+    assert len(dk.gpus()) == 3
+    return fake
+
+
+def given_up_when_read(fake: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """UUID -> how many units the queries had given up on when its utilization was asked."""
+    seen: dict[str, int] = {}
+    real = fake.nvmlDeviceGetUtilizationRates  # blocking, where a test made it so
+
+    def noting(handle: FakeGPU) -> Any:
+        seen[handle.uuid] = len(_nvml.session().wedged)
+        return real(handle)
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetUtilizationRates", noting)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_gpus_that_all_hang_cost_one_wait_not_one_each(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, hang: Callable[..., Hang]
+) -> None:
+    # Before: each GPU was waited for in turn: a driver in recovery, blocking every GPU at
+    # once, made the first query wait the bound once per GPU (4 minutes for 8 GPUs at 30 s).
+    fake = three_gpus(nvml_session, monkeypatch)
+    stuck = hang(fake, "nvmlDeviceGetUtilizationRates")
+    seen = given_up_when_read(fake, monkeypatch)
+    began = time.monotonic()
+    infos = finishes(dk.gpus)
+    assert time.monotonic() - began < 10 * float(WAIT)  # a hang guard; the count decides
+    assert [info.error for info in infos] == [reason(0, BUS_0), reason(1, BUS_1), reason(2, BUS_2)]
+    # Every GPU's read began before the query gave up on any: one wait for the three.
+    assert seen == {H100: 0, OTHER: 0, THIRD: 0}
+    assert stuck.calls == 3
+
+
+@pytest.mark.timeout(120)
+def test_healthy_gpus_are_read_while_a_hung_one_is_waited_for(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, hang: Callable[..., Hang]
+) -> None:
+    fake = three_gpus(nvml_session, monkeypatch)
+    hang(fake, "nvmlDeviceGetUtilizationRates", fake.gpus[0])
+    seen = given_up_when_read(fake, monkeypatch)
+    infos = finishes(lambda: dk.gpus(all=True))
+    assert [info.error for info in infos] == [reason(0, BUS_0), None, None]
+    assert [info.utilization for info in infos] == [None, 10, 10]
+    assert [info.memory_total for info in infos] == [None, 80 * 2**30, 80 * 2**30]
+    # Read beside the hung GPU, not after it was given up on.
+    assert seen == {H100: 0, OTHER: 0, THIRD: 0}
+
+
+@pytest.mark.timeout(120)
+def test_gpus_given_up_on_together_answer_at_once_then_are_read_again_together(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, hang: Callable[..., Hang]
+) -> None:
+    fake = three_gpus(nvml_session, monkeypatch)
+    stuck = hang(fake, "nvmlDeviceGetUtilizationRates")
+    seen = given_up_when_read(fake, monkeypatch)
+    finishes(dk.status)
+    assert seen == {H100: 0, OTHER: 0, THIRD: 0}
+    reasons = [reason(0, BUS_0), reason(1, BUS_1), reason(2, BUS_2)]
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "3600")  # waiting again would fail the test
+    monkeypatch.setattr("devicekit._nvmlbound.RETRY_AFTER", 0.0)  # blocked: no retry is due
+    for _ in range(3):
+        assert [info.error for info in finishes(dk.gpus)] == reasons
+        assert finishes(lambda: dk.gpu(1)).error == reasons[1]
+    assert stuck.calls == 3  # no second read began beside a blocked one
+    stuck.release()
+    for job in list(_nvml.session().wedged.values()):
+        assert job.wait(_HANG_BOUND)
+    infos = finishes(dk.gpus)
+    assert [(info.error, info.utilization) for info in infos] == [(None, 10)] * 3
+    assert not _nvml.session().wedged
+
+
+@pytest.mark.timeout(120)
+def test_a_gpu_and_its_mig_instances_block_one_thread_and_keep_what_answered(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, hang: Callable[..., Hang]
+) -> None:
+    # A GPU and its instances are one key: read in turn by one worker, so a hung GPU
+    # blocks one thread, as when they were read one after the other.
+    slices = [FakeGPU("MIG-11111111-aaaa"), FakeGPU("MIG-22222222-bbbb")]
+    fake = FakeNVML([FakeGPU(H100, bus=BUS_0, mig=slices), FakeGPU(OTHER, bus=BUS_1)])
+    nvml_session(fake)
+    monkeypatch.setattr("devicekit._gpus._order_from_cuda", lambda: None)  # no CUDA child
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, WAIT)
+    assert len(dk.gpus(all=True)) == 4
+    stuck = hang(fake, "nvmlDeviceGetUtilizationRates", slices[1])
+    infos = finishes(lambda: dk.gpus(all=True))
+    assert [info.uuid for info in infos] == [H100, *(each.uuid for each in slices), OTHER]
+    assert [info.error for info in infos] == [None, None, reason(0, BUS_0), None]
+    assert [info.utilization for info in infos] == [10, 10, None, 10]
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "3600")
+    again = finishes(lambda: dk.gpus(all=True))
+    assert [info.error for info in again] == [reason(0, BUS_0)] * 3 + [None]
     assert stuck.calls == 1
 
 
@@ -311,10 +416,11 @@ def test_an_error_in_a_snapshot_that_is_not_nvmls_is_raised_not_taken_for_a_hang
     assert not _nvml.session().wedged
 
 
-def test_one_worker_thread_serves_query_after_query(
+def test_the_same_workers_serve_query_after_query(
     nvml_session: Install, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A thread per snapshot costs about 3x a hand-off to a waiting one.
+    # A thread per snapshot costs about 3x a hand-off to a waiting one. A status reads its
+    # two GPUs at once, in two workers; both wait for the next status.
     fake = two_gpus(nvml_session, monkeypatch)
     readers: set[threading.Thread] = set()
     real = fake.nvmlDeviceGetUtilizationRates
@@ -326,8 +432,11 @@ def test_one_worker_thread_serves_query_after_query(
     monkeypatch.setattr(fake, "nvmlDeviceGetUtilizationRates", noting)
     for _ in range(10):
         dk.status()
-    assert len(readers) == 1
-    assert readers != {threading.current_thread()}
+    assert len(readers) == 2
+    assert threading.current_thread() not in readers
+    for _ in range(10):
+        dk.gpu(0)
+    assert len(readers) == 2
 
 
 @pytest.mark.timeout(120)
