@@ -78,8 +78,8 @@ class Diagnosis:
 
 def _persistence(infos: list[GPUInfo]) -> list[Finding]:
     # Per physical GPU: a GPU in MIG mode and its instances share one NVML index.
-    indices = dict.fromkeys(info.nvml_index for info in infos)
-    off = [i for i in indices if _nvml.persistence_mode(i) is False]
+    indices = list(dict.fromkeys(info.nvml_index for info in infos))
+    off = [i for i, mode in _nvml.persistence_modes(indices).items() if mode is False]
     if not off or not sys.platform.startswith("linux"):
         return []
     return [

@@ -10,6 +10,7 @@ than the GPU has); nothing here raises because of one missing field.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Hashable
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._gpuinfo import GPUInfo, GPUProcess
-from ._nvmlbound import Job, bounded
+from ._nvmlbound import Job, bounded, bounded_each
 from ._nvmlstart import (
     DEFAULT_TIMEOUT,
     RETRY_AFTER,
@@ -424,14 +425,23 @@ def mig_instances(nv: Any, handle: Any) -> tuple[tuple[str, Any], ...]:
 
 def persistence_mode(nvml_index: int) -> bool | None:
     """Whether the driver keeps this GPU initialized between processes; None if unknown."""
+    return persistence_modes([nvml_index])[nvml_index]
+
+
+def persistence_modes(nvml_indices: list[int]) -> dict[int, bool | None]:
+    """`persistence_mode` of each GPU, asked at once: hung GPUs cost one bound, not one each."""
     nv = library()
-    gpu = next((g for g in physical_gpus() if g.nvml_index == nvml_index), None)
-    if nv is None or gpu is None:
-        return None
-    mode, _ = bounded(
-        _session.wedged,
-        nvml_index,
-        lambda: _read(nv, nv.nvmlDeviceGetPersistenceMode, gpu.handle),
-        f"reading the persistence mode of the GPU at NVML index {nvml_index}",
-    )
-    return None if mode is None else mode == 1
+    gpus = {gpu.nvml_index: gpu for gpu in physical_gpus()}
+    modes: dict[int, bool | None] = dict.fromkeys(nvml_indices)
+    known = [index for index in modes if nv is not None and index in gpus]
+    units: list[tuple[Hashable, Callable[[], Any], str]] = [
+        (
+            index,
+            functools.partial(_read, nv, nv.nvmlDeviceGetPersistenceMode, gpus[index].handle),
+            f"reading the persistence mode of the GPU at NVML index {index}",
+        )
+        for index in known
+    ]
+    for index, (mode, _) in zip(known, bounded_each(_session.wedged, units), strict=True):
+        modes[index] = None if mode is None else mode == 1
+    return modes

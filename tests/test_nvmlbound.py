@@ -183,6 +183,28 @@ def test_gpus_that_all_hang_cost_one_wait_not_one_each(
 
 
 @pytest.mark.timeout(120)
+def test_doctor_s_persistence_check_of_gpus_that_hang_costs_one_wait(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, hang: Callable[..., Hang]
+) -> None:
+    # Before: doctor asked each GPU's persistence mode in turn, after the status: GPUs
+    # that hung meanwhile cost the bound once each.
+    fake = three_gpus(nvml_session, monkeypatch)
+    assert _nvml.persistence_modes([2, 0, 7]) == {2: True, 0: True, 7: None}  # 7: no such GPU
+    stuck = hang(fake, "nvmlDeviceGetPersistenceMode")
+    blocking = fake.nvmlDeviceGetPersistenceMode
+    began: dict[str, int] = {}  # UUID -> units given up on when its read began
+
+    def noting(handle: FakeGPU) -> Any:
+        began[handle.uuid] = len(_nvml.session().wedged)
+        return blocking(handle)
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetPersistenceMode", noting)
+    assert finishes(lambda: _nvml.persistence_modes([0, 1, 2])) == {0: None, 1: None, 2: None}
+    assert began == {H100: 0, OTHER: 0, THIRD: 0}  # all began before the one deadline
+    assert stuck.calls == 3
+
+
+@pytest.mark.timeout(120)
 def test_healthy_gpus_are_read_while_a_hung_one_is_waited_for(
     nvml_session: Install, monkeypatch: pytest.MonkeyPatch, hang: Callable[..., Hang]
 ) -> None:
