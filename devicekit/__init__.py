@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ._findings import Finding as Finding
     from ._gpuinfo import GPUInfo as GPUInfo
     from ._gpuinfo import GPUProcess as GPUProcess
+    from ._gpumap import gpu_map as gpu_map
     from ._gpus import gpu as gpu
     from ._gpus import gpus as gpus
     from ._job import JobFlag as JobFlag
@@ -80,7 +81,6 @@ if TYPE_CHECKING:
     from ._oomreport import AllocationSite as AllocationSite
     from ._oomreport import OOMReport as OOMReport
     from ._parallel import GPUPool as GPUPool
-    from ._parallel import gpu_map as gpu_map
     from ._parallel import gpu_pool as gpu_pool
     from ._pick import pick_gpu as pick_gpu
     from ._pick import pick_gpus as pick_gpus
@@ -172,7 +172,7 @@ _EXPORTS: dict[str, str] = {
     "explain_oom": "._oom",
     "AllocationSite": "._oomreport",
     "OOMReport": "._oomreport",
-    "gpu_map": "._parallel",
+    "gpu_map": "._gpumap",
     "gpu_pool": "._parallel",
     "GPUPool": "._parallel",
     "to_device": "._placement",

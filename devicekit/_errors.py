@@ -194,6 +194,19 @@ def add_note(error: BaseException, note: str) -> None:
         logging.getLogger("devicekit").error("%s (while raising %r)", note, error)
 
 
+class TerminatedBySignal(SystemExit):
+    """SIGTERM or SIGHUP arrived while devicekit's workers ran: raised to stop them first.
+
+    Internal: `_termination` raises it from its signal handler, the map's
+    cleanup stops the workers and what ``fn`` started, and the process then
+    dies of the signal itself, as it would have at once.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 # Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),
 # not the private module the class happens to live in.
 for _cls in (

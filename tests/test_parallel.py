@@ -347,7 +347,7 @@ def test_few_items_spread_over_every_device(
 def test_workers_per_device_beyond_the_items_builds_no_slots(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from devicekit import _parallel, _workerslots
+    from devicekit import _gpumap, _workerslots
 
     real_slots = _workerslots.worker_slots
     asked: list[int] = []
@@ -360,7 +360,7 @@ def test_workers_per_device_beyond_the_items_builds_no_slots(
         assert workers_per_device <= 2, "gpu_map built slots for workers it never starts"
         return real_slots(devices, workers_per_device, caller=caller, most=most)
 
-    monkeypatch.setattr(_parallel, "worker_slots", slots)  # where gpu_map looks it up
+    monkeypatch.setattr(_gpumap, "worker_slots", slots)  # where gpu_map looks it up
     assert dk.gpu_map(abs, [-1, -2], devices=["cpu"], workers_per_device=10**12) == [1, 2]
     assert asked == [2]
 
