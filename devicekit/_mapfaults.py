@@ -176,11 +176,19 @@ def _listed(procs: dict[int, str]) -> str:
 
 def fn_failed(where: str, summary: str, remote_traceback: str, *, caller: str = "gpu_map") -> str:
     """The message for an ``fn`` that could not be unpickled in a worker."""
+    # The worker imports the script as __mp_main__, so nothing under its main guard runs:
+    # a def there is at the top level of the file, yet not there for the worker.
+    guarded = (
+        ' If fn is defined under `if __name__ == "__main__":`, move its def above that '
+        "line: a worker imports the script without running what the guard holds."
+        if "on <module '__mp_main__'" in summary
+        else ""
+    )
     return (
         f"{caller}: fn could not be unpickled in {where}: {summary}. A worker finds fn by "
         "its module and name, and imports that module: define fn with def at the top level "
         "of a module that imports without error (not in a notebook or `python -c`: put it "
-        f"in a .py file and import it). The worker's traceback:\n{remote_traceback}"
+        f"in a .py file and import it).{guarded} The worker's traceback:\n{remote_traceback}"
     )
 
 

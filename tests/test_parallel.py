@@ -482,6 +482,31 @@ def test_an_fn_defined_in_python_c_is_named_as_not_importable() -> None:
     assert "Traceback" not in result.stderr  # the worker no longer dies, printing its own
 
 
+def test_an_fn_defined_under_the_main_guard_is_told_to_move_above_it(tmp_path: Any) -> None:
+    # Before, only "define fn with def at the top level of a module": it was, under the guard.
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import devicekit as dk
+            if __name__ == "__main__":
+                def double(x):
+                    return 2 * x
+                try:
+                    dk.gpu_map(double, [1], devices=["cpu"])
+                except dk.WorkerError as error:
+                    print(str(error).split(" The worker's traceback")[0])
+            """
+        )
+    )
+    result = _run_python([str(script)])
+    assert "on <module '__mp_main__'" in result.stdout, result.stdout
+    assert result.stdout.rstrip().endswith(
+        'If fn is defined under `if __name__ == "__main__":`, move its def above that line: '
+        "a worker imports the script without running what the guard holds."
+    ), result.stdout
+
+
 def test_an_item_that_cannot_be_unpickled_in_a_worker_is_named() -> None:
     # Before: "fn raised on item 1", though fn never saw it.
     with pytest.raises(dk.WorkerError) as info:
