@@ -99,7 +99,10 @@ class Timer:
     returns its seconds, ``start()`` begins the next, and ``times``, ``avg()``,
     ``sum()`` and ``cumsum()`` read the laps. A decorated function keeps its
     timer in its ``timer`` attribute, so ``@dk.Timer()`` loses nothing:
-    ``step.timer.times``.
+    ``step.timer.times``. A lap whose block or call raised (Ctrl-C included)
+    is kept too, with its time up to the exception: ``elapsed`` then tells
+    how long the failed attempt ran; time the successful calls alone by
+    timing after the check that can fail, or read ``times`` selectively.
 
     Args:
         fn: Not taken: it is there to explain ``@dk.Timer`` without
@@ -386,6 +389,19 @@ class Timer:
 
     def _repr_html_(self) -> str:
         return html_table(self._summary(), caption="Timer" + self._where().replace(";", ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The laps as plain data, for ``json.dumps``: seconds of each, and where they ran.
+
+        Examples:
+            >>> import json, devicekit as dk
+            >>> with dk.Timer() as timer:
+            ...     pass
+            >>> sorted(json.loads(json.dumps(timer.to_dict())))
+            ['device', 'sync', 'times']
+        """
+        device = None if self._device is None else str(self._device)
+        return {"device": device, "sync": self._sync, "times": self.times}
 
 
 class Benchmark:

@@ -498,3 +498,17 @@ def test_only_the_thread_that_entered_a_block_can_exit_it() -> None:
     assert told
     assert told[0].startswith("this Timer's `with` block was entered in another thread")
     assert len(timer.times) == 1
+
+
+def test_a_timer_s_laps_go_to_json_and_a_lap_that_raised_is_kept() -> None:
+    # Before, a Timer had no to_dict() and json.dumps(timer) raised TypeError.
+    import json
+
+    timer = dk.Timer()
+    timer.stop()  # the lap that began when it was made
+    with pytest.raises(ValueError, match="boom"), timer:
+        raise ValueError("boom")
+    data = json.loads(json.dumps(timer.to_dict()))
+    assert data == {"device": None, "sync": False, "times": timer.times}
+    assert len(data["times"]) == 2  # the block that raised is a lap, as documented
+    assert dk.Timer(device="cpu", sync=True).to_dict()["device"] == "cpu"
