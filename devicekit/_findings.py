@@ -454,7 +454,7 @@ def bad_nvml_timeout(raw: str) -> Finding:
     """
     return Finding(
         "warning",
-        f"{TIMEOUT_VAR} is not a number of seconds",
+        f"{TIMEOUT_VAR} is not a number of seconds above 0",
         f"{TIMEOUT_VAR}={safe_text(repr(raw))}: until it is, devicekit starts no NVML, so no "
         "GPU's processes, clocks, temperature or memory is read or checked",
         f"set {TIMEOUT_VAR} to seconds above 0, such as 60, or unset it for the default, "

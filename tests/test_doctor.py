@@ -296,7 +296,7 @@ def test_a_malformed_nvml_timeout_is_a_warning_not_nothing_wrong_found(
     (finding,) = dk.doctor().findings
     assert (finding.severity, finding.title) == (
         "warning",
-        "DEVICEKIT_NVML_TIMEOUT is not a number of seconds",
+        "DEVICEKIT_NVML_TIMEOUT is not a number of seconds above 0",
     )
     assert finding.detail.startswith("DEVICEKIT_NVML_TIMEOUT='1min': until it is, devicekit ")
     assert finding.fix == (
