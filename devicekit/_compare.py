@@ -170,8 +170,9 @@ def _overlap(a: Measurement, b: Measurement) -> bool | None:
 def _benchmark_variant(name: str, fn: Callable[[], Any], options: dict[str, Any]) -> Measurement:
     try:
         return benchmark(fn, **options)
-    except Exception as error:
-        # Every variant is often a lambda on one line: the traceback cannot tell which.
+    except (Exception, KeyboardInterrupt) as error:
+        # Every variant is often a lambda on one line: the traceback cannot tell which (nor,
+        # after Ctrl-C, which one was slow enough to give up on).
         add_note(error, f"devicekit: compare() was measuring the variant {short_repr(name)}")
         raise
 

@@ -193,6 +193,16 @@ def test_a_median_of_zero_gives_an_unknown_ratio_not_a_crash() -> None:
         assert json.loads(json.dumps(table.to_dict()))["rows"][0]["ratio"] in (None, 1.0)
 
 
+def test_ctrl_c_in_a_variant_names_the_variant() -> None:
+    # Before, a KeyboardInterrupt carried no note: which variant was too slow to wait for?
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        dk.compare({"fast": lambda: None, "slow": interrupted}, max_time=0.15)
+    assert caught.value.__notes__ == ["devicekit: compare() was measuring the variant 'slow'"]
+
+
 def test_an_error_in_a_variant_names_the_variant() -> None:
     ran: list[str] = []
     with pytest.raises(ZeroDivisionError) as caught:
