@@ -1339,6 +1339,9 @@ def test_gloo_s_timeout_in_an_early_failure_is_not_read_as_the_wait(
     store = fake_store()
     store.data = {"devicekit/call/0": b"2\njob_status()", "devicekit/call/1": b"1\njob_status()"}
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    # Whatever torch and earlier tests left: gloo here runs under this call's timeout.
+    monkeypatch.setattr(_jobstate.Job, "made_with", None)
+    monkeypatch.setattr(_jobstate, "gloo_keeps_first_timeout", lambda: False)
     failure = RuntimeError("[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 300000 ms")
     error = _jobstate.out_of_step("job_status()", 300, failure, 2, time.monotonic() - 0.01)
     message = str(error)
