@@ -122,6 +122,8 @@ def examples(gpus: list[dk.GPUInfo]) -> dict[type, Any]:
         (dk.DeviceMemory("cuda:0", 2**20, 2**20, 2**30, 2**21, None, 2**33),), collected=3
     )
     comparison = dk.compare({"a": measurement(), "b": measurement(median=2e-3)})
+    timer = dk.Timer()
+    timer.stop()  # one lap
     return {
         # Rows inside reports have their own to_dict() too (they had none before).
         dk.Leak: leaks.leaks[0],
@@ -151,6 +153,7 @@ def examples(gpus: list[dk.GPUInfo]) -> dict[type, Any]:
         dk.BenchReport: bench,
         dk.MemoryReport: memory,
         dk.ScopeReport: dk.ScopeReport("cuda:0", 0, 2**20, 2**21, 0, 2**21, 2**21),
+        dk.Timer: timer,
     }
 
 
