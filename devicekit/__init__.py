@@ -68,10 +68,10 @@ if TYPE_CHECKING:
     from ._measurement import Measurement as Measurement
     from ._memory import DeviceMemory as DeviceMemory
     from ._memory import MemoryReport as MemoryReport
-    from ._memory import MemoryScope as MemoryScope
-    from ._memory import ScopeReport as ScopeReport
     from ._memory import free_memory as free_memory
-    from ._memory import memory_scope as memory_scope
+    from ._memoryscope import MemoryScope as MemoryScope
+    from ._memoryscope import ScopeReport as ScopeReport
+    from ._memoryscope import memory_scope as memory_scope
     from ._modulecheck import check_module as check_module
     from ._nvml import cuda_driver_version as cuda_driver_version
     from ._nvml import driver_version as driver_version
@@ -161,10 +161,10 @@ _EXPORTS: dict[str, str] = {
     "Measurement": "._measurement",
     "DeviceMemory": "._memory",
     "free_memory": "._memory",
-    "memory_scope": "._memory",
+    "memory_scope": "._memoryscope",
     "MemoryReport": "._memory",
-    "MemoryScope": "._memory",
-    "ScopeReport": "._memory",
+    "MemoryScope": "._memoryscope",
+    "ScopeReport": "._memoryscope",
     "cuda_driver_version": "._nvml",
     "driver_version": "._nvml",
     "nvml_available": "._nvml",

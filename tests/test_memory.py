@@ -154,15 +154,15 @@ def test_memory_scope_sees_the_peak_and_the_net() -> None:
 def test_a_scope_measures_the_device_asked_for_even_cuda0(
     monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
 ) -> None:
-    from devicekit import _devices, _memory
+    from devicekit import _devices, _memoryscope
 
     fake_accelerator("cuda", 3)
     monkeypatch.setattr(_devices, "current_cuda_device", lambda: torch.device("cuda", 1))
-    assert _memory._default_scope_device() == torch.device("cuda", 1)
+    assert _memoryscope._default_scope_device() == torch.device("cuda", 1)
     monkeypatch.setattr(_devices, "current_cuda_device", lambda: None)
-    assert _memory._default_scope_device() == torch.device("cuda", 0)
+    assert _memoryscope._default_scope_device() == torch.device("cuda", 0)
     fake_accelerator(None, 0)
-    assert _memory._default_scope_device() == torch.device("cpu")
+    assert _memoryscope._default_scope_device() == torch.device("cpu")
 
 
 class FakeCUDAAllocator:
@@ -172,9 +172,10 @@ class FakeCUDAAllocator:
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from devicekit import _memory
+        from devicekit import _memory, _memoryscope
 
-        monkeypatch.setattr(_memory, "torch_cuda_initialized", lambda: True)
+        for module in (_memory, _memoryscope):
+            monkeypatch.setattr(module, "torch_cuda_initialized", lambda: True)
         counters = {
             "memory_allocated": lambda: self.allocated,
             "memory_reserved": lambda: self.reserved,
@@ -206,7 +207,7 @@ def fake_cuda(
 
 
 def test_an_outer_scope_keeps_the_peak_an_inner_one_resets(fake_cuda: FakeCUDAAllocator) -> None:
-    from devicekit import _memory
+    from devicekit import _memoryscope
 
     fake_cuda.allocate(100)
     with dk.memory_scope("cuda:0") as outer:
@@ -220,7 +221,7 @@ def test_an_outer_scope_keeps_the_peak_an_inner_one_resets(fake_cuda: FakeCUDAAl
     assert (inner.report.peak_allocated, inner.report.net) == (300, 100)
     assert (outer.report.peak_allocated, outer.report.net) == (1000, 100)  # before: 300
     assert outer.report.peak_reserved == 1000
-    assert _memory._scopes.open == {}
+    assert _memoryscope._scopes.open == {}
 
 
 def test_scopes_that_overlap_without_nesting_keep_their_peaks(
@@ -279,7 +280,7 @@ def test_scopes_in_two_threads_keep_their_peaks(fake_cuda: FakeCUDAAllocator) ->
 def test_a_scope_reports_and_closes_when_its_block_raises(
     fake_cuda: FakeCUDAAllocator, error: type[BaseException]
 ) -> None:
-    from devicekit import _memory
+    from devicekit import _memoryscope
 
     scopes: list[dk.MemoryScope] = []
 
@@ -294,7 +295,7 @@ def test_a_scope_reports_and_closes_when_its_block_raises(
     (scope,) = scopes
     assert scope.report is not None
     assert (scope.report.peak_allocated, scope.report.net) == (64, 64)
-    assert _memory._scopes.open == {}
+    assert _memoryscope._scopes.open == {}
 
 
 def test_scopes_and_free_memory_never_start_cuda() -> None:
