@@ -11,8 +11,11 @@ from __future__ import annotations
 import collections
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import pytest
 
 INVALID_ARGUMENT = 2
 NOT_SUPPORTED = 3
@@ -308,3 +311,19 @@ def _fault(errors: dict[str, int | list[int]], name: str) -> None:
             raise NVMLError(code.pop(0))
     elif code is not None:
         raise NVMLError(code)
+
+
+def finishes(fn: Callable[[], Any], *, within: float) -> Any:
+    """``fn()``, run in a daemon thread; fails the test (instead of hanging it) if it hangs.
+
+    ``within`` seconds is the hang guard: only a hang takes that long, every
+    answer of the stand-in takes milliseconds.
+    """
+    outcome: list[Any] = []
+    thread = threading.Thread(target=lambda: outcome.append(fn()), daemon=True)
+    thread.start()
+    thread.join(within)
+    if thread.is_alive():
+        pytest.fail(f"{fn} still ran after {within} s: it hangs")
+    assert outcome, f"{fn} raised (its traceback is above)"
+    return outcome[0]

@@ -36,6 +36,7 @@ from .fake_pynvml import (
     FakeGPU,
     FakeNVML,
 )
+from .fake_pynvml import finishes as wait_for
 
 Install = Callable[[Any], None]
 H100 = "GPU-4e1be09d-5954-ebad-2f3a-c71188f45156"
@@ -679,15 +680,8 @@ _HANG_BOUND = 60  # seconds: only a hang takes this long; every answer here take
 
 
 def finishes(fn: Callable[[], Any]) -> Any:
-    """``fn()``, run in a daemon thread; fails the test (instead of hanging it) if it hangs."""
-    outcome: list[Any] = []
-    thread = threading.Thread(target=lambda: outcome.append(fn()), daemon=True)
-    thread.start()
-    thread.join(_HANG_BOUND)
-    if thread.is_alive():
-        pytest.fail(f"{fn} still ran after {_HANG_BOUND} s: it hangs")
-    assert outcome, f"{fn} raised (its traceback is above)"
-    return outcome[0]
+    """``fn()``, failing the test if it still runs after `_HANG_BOUND` seconds."""
+    return wait_for(fn, within=_HANG_BOUND)
 
 
 def test_a_hung_nvml_start_is_given_up_on_and_not_started_twice(

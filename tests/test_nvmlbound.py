@@ -21,6 +21,7 @@ import devicekit as dk
 from devicekit import _cli, _nvml
 
 from .fake_pynvml import FakeGPU, FakeNVML
+from .fake_pynvml import finishes as wait_for
 
 Install = Callable[[Any], None]
 H100 = "GPU-4e1be09d-5954-ebad-2f3a-c71188f45156"
@@ -74,15 +75,8 @@ def hang() -> Iterator[Callable[..., Hang]]:
 
 
 def finishes(fn: Callable[[], Any]) -> Any:
-    """``fn()``, run in a daemon thread; fails the test (instead of hanging it) if it hangs."""
-    outcome: list[Any] = []
-    thread = threading.Thread(target=lambda: outcome.append(fn()), daemon=True)
-    thread.start()
-    thread.join(_HANG_BOUND)
-    if thread.is_alive():
-        pytest.fail(f"{fn} still ran after {_HANG_BOUND} s: it hangs")
-    assert outcome, f"{fn} raised (its traceback is above)"
-    return outcome[0]
+    """``fn()``, failing the test if it still runs after `_HANG_BOUND` seconds."""
+    return wait_for(fn, within=_HANG_BOUND)
 
 
 def two_gpus(nvml_session: Install, monkeypatch: pytest.MonkeyPatch) -> FakeNVML:
