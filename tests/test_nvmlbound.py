@@ -145,16 +145,18 @@ def three_gpus(nvml_session: Install, monkeypatch: pytest.MonkeyPatch) -> FakeNV
     return fake
 
 
-def given_up_when_read(fake: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """UUID -> how many units the queries had given up on when its utilization was asked."""
+def given_up_when_read(
+    fake: FakeNVML, monkeypatch: pytest.MonkeyPatch, call: str = "nvmlDeviceGetUtilizationRates"
+) -> dict[str, int]:
+    """UUID -> how many units the queries had given up on when ``call`` was asked of it."""
     seen: dict[str, int] = {}
-    real = fake.nvmlDeviceGetUtilizationRates  # blocking, where a test made it so
+    real = getattr(fake, call)  # blocking, where a test made it so
 
     def noting(handle: FakeGPU) -> Any:
         seen[handle.uuid] = len(_nvml.session().wedged)
         return real(handle)
 
-    monkeypatch.setattr(fake, "nvmlDeviceGetUtilizationRates", noting)
+    monkeypatch.setattr(fake, call, noting)
     return seen
 
 
@@ -185,14 +187,7 @@ def test_doctor_s_persistence_check_of_gpus_that_hang_costs_one_wait(
     fake = three_gpus(nvml_session, monkeypatch)
     assert _nvml.persistence_modes([2, 0, 7]) == {2: True, 0: True, 7: None}  # 7: no such GPU
     stuck = hang(fake, "nvmlDeviceGetPersistenceMode")
-    blocking = fake.nvmlDeviceGetPersistenceMode
-    began: dict[str, int] = {}  # UUID -> units given up on when its read began
-
-    def noting(handle: FakeGPU) -> Any:
-        began[handle.uuid] = len(_nvml.session().wedged)
-        return blocking(handle)
-
-    monkeypatch.setattr(fake, "nvmlDeviceGetPersistenceMode", noting)
+    began = given_up_when_read(fake, monkeypatch, "nvmlDeviceGetPersistenceMode")
     assert finishes(lambda: _nvml.persistence_modes([0, 1, 2])) == {0: None, 1: None, 2: None}
     assert began == {H100: 0, OTHER: 0, THIRD: 0}  # all began before the one deadline
     assert stuck.calls == 3
