@@ -987,22 +987,28 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> None:
+def _join_job(rank: int, world: int, port: int, *, backend: str = "gloo", seconds: int = 60) -> Any:
+    """This spawned rank joins the job over TCP on ``port``; ``torch.distributed``, to use."""
     import datetime
 
     import torch.distributed as dist
 
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=seconds),
     )
+    return dist
+
+
+def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> None:
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist = _join_job(rank, world, port, backend=backend)
     try:
         results: dict[str, Any] = {}
         for op in ("mean", "sum", "max", "min"):
@@ -1328,18 +1334,9 @@ def _raised(call: Callable[[], object]) -> list[Any] | None:
 
 def _one_rank_stays_away(rank: int, world: int, port: int, folder: str) -> None:
     """Rank 1 raised in its own code and stays alive: rank 0's flush waits ``timeout`` only."""
-    import datetime
-
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    dist = _join_job(rank, world, port, seconds=120)
     try:
         store = _get_default_store()
         if rank == 1:  # never flushes: waits (alive, connected) until rank 0 is done
@@ -1372,18 +1369,9 @@ def test_the_timeout_of_a_logbuffer_is_checked(timeout: object) -> None:
 
 def _after_the_job_broke(rank: int, world: int, port: int, folder: str) -> None:
     """Rank 0's job_status() fails, since rank 1 never comes: the job's collectives are broken."""
-    import datetime
-
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    dist = _join_job(rank, world, port)
     try:
         results: dict[str, Any] = {}
         dk.job_status(timeout=10)  # together: devicekit's group is made
@@ -1468,19 +1456,11 @@ def test_after_the_job_broke_every_flush_records_this_rank_s_values(tmp_path: Pa
 
 def _training_log(rank: int, world: int, port: int, folder: str) -> None:
     """The trial's script: keys logged in one order (rank 1 in another), a late key at step 12."""
-    import datetime
-
     import torch.distributed as dist
 
     launched = world > 1  # world 1: the same script run alone, without reduce
     if launched:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        _join_job(rank, world, port)
     try:
         path = Path(folder, f"{'launched' if launched else 'alone'}{rank}.csv")
         options: dict[str, Any] = {"reduce": "mean"} if launched else {}
