@@ -470,36 +470,23 @@ def test_a_result_whose_pickling_exits_after_a_lambda_is_not_retried(
     assert len(list(tmp_path.glob("1-*"))) == 1  # fn ran once for item 1
 
 
+@pytest.mark.parametrize(
+    ("task", "name"), [(locked, "locked"), (_run, "_run")], ids=["locked", "_run"]
+)
 def test_an_objectref_item_whose_task_s_result_was_unpicklable_is_not_blamed_on_fn(
-    cluster: Any,
+    cluster: Any, task: Any, name: str
 ) -> None:
     # Before: "the result of item 0 (ObjectRef(...)) cannot be sent back ...", though fn
-    # never ran: the item's own task could not send its result back.
+    # never ran: the item's own task could not send its result back. And devicekit's task
+    # was Ray's "_run" too (its function's name), so the failure of a user's upstream task
+    # of that name read as devicekit's.
     with pytest.raises(dk.WorkerError) as caught:
-        dk.gpu_map(math.sqrt, [locked.remote()], devices="cpu", executor="ray")
-    message = str(caught.value)
-    assert re.match(
-        r"gpu_map: the Ray task for item 0 \(.*\) failed: ray::devicekit\.gpu_map\(\) .*\n  At "
-        r"least one "
-        r"of the input arguments for this task could not be computed:\nray.exceptions."
-        r"RayTaskError: ray::locked\(\)",
-        message,
-    ), message
-    assert "TypeError: cannot pickle '_thread.lock' object" in message
-    assert "cannot be sent back" not in message
-
-
-def test_an_objectref_item_of_a_user_task_named_run_is_not_blamed_on_fn(cluster: Any) -> None:
-    # Before, devicekit's task was Ray's "_run" too (its function's name), so the failure of
-    # a user's upstream task of that name read as devicekit's: "the result of item 0 (...)
-    # cannot be sent back ... Return picklable data", though fn never ran.
-    with pytest.raises(dk.WorkerError) as caught:
-        dk.gpu_map(math.sqrt, [_run.remote()], devices="cpu", executor="ray")
+        dk.gpu_map(math.sqrt, [task.remote()], devices="cpu", executor="ray")
     message = str(caught.value)
     assert re.match(
         r"gpu_map: the Ray task for item 0 \(.*\) failed: ray::devicekit\.gpu_map\(\) .*\n  At "
         r"least one of the input arguments for this task could not be computed:\n"
-        r"ray.exceptions.RayTaskError: ray::_run\(\)",
+        rf"ray.exceptions.RayTaskError: ray::{name}\(\)",
         message,
     ), message
     assert "TypeError: cannot pickle '_thread.lock' object" in message
