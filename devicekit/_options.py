@@ -21,7 +21,7 @@ import os
 import reprlib
 from collections.abc import Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, overload
 
 from ._format import close_match, shorten
 
@@ -129,8 +129,14 @@ def check_number(
     return number
 
 
-def check_flag(value: object, *, name: str) -> bool:
+@overload
+def check_flag(value: object, *, name: str) -> bool: ...
+@overload
+def check_flag(value: object, *, name: str, none: str) -> bool | None: ...
+def check_flag(value: object, *, name: str, none: str | None = None) -> bool | None:
     """Return ``value`` when it is True or False; anything else (``"yes"``, ``1``) is refused.
+
+    ``none``, where None is accepted too: what None means, for the message.
 
     Examples:
         >>> check_flag(True, name="sync")
@@ -139,10 +145,15 @@ def check_flag(value: object, *, name: str) -> bool:
         Traceback (most recent call last):
         ...
         TypeError: sync must be True or False, got 'yes' of type str
+        >>> check_flag(1, name="non_blocking", none="the default")
+        Traceback (most recent call last):
+        ...
+        TypeError: non_blocking must be None (the default), True or False, got 1 of type int
     """
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {got(value)}")
-    return value
+    if isinstance(value, bool) or (value is None and none is not None):
+        return value
+    accepted = "True or False" if none is None else f"None ({none}), True or False"
+    raise TypeError(f"{name} must be {accepted}, got {got(value)}")
 
 
 def check_path(value: object, *, name: str, fix: str, file_objects: bool = False) -> None:

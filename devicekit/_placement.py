@@ -25,7 +25,7 @@ from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
 from ._movecalls import KEY_HELD, OWN_TO
 from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
-from ._options import got
+from ._options import check_flag
 from ._tree import describe_cycle, iter_tensors
 
 __all__ = ["to_device"]
@@ -281,7 +281,7 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
             _explain_unsupported(error, obj, target)
             raise
     if non_blocking is not None:
-        _check_non_blocking(non_blocking)
+        check_flag(non_blocking, name="non_blocking", none=_NON_BLOCKING_DEFAULT)
     mover = borrow(target, non_blocking)
     try:
         try:
@@ -370,12 +370,7 @@ def _first(obj: object, test: Callable[[torch.Tensor], bool]) -> str | None:
         return "a tensor in obj"
 
 
-def _check_non_blocking(value: object) -> None:
-    if value is not True and value is not False:
-        raise TypeError(
-            "non_blocking must be None (the default: non-blocking to an accelerator, blocking "
-            f"to the host), True or False, got {got(value)}"
-        )
+_NON_BLOCKING_DEFAULT = "the default: non-blocking to an accelerator, blocking to the host"
 
 
 def _too_deep() -> str:
