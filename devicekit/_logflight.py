@@ -40,11 +40,6 @@ class Flushes:
     _leaving_on_error: bool  # the with block is exiting on an exception
     _told_broken: bool  # a flush raised that the job's collectives are broken
 
-    @property
-    def _keys(self) -> dict[str, None]:
-        """Every key recorded, in order of first appearance."""
-        return self._history.keys
-
     def flush(self, *, wait: bool = True) -> list[Record]:
         raise NotImplementedError  # LogBuffer's
 

@@ -64,9 +64,6 @@ class History:
         self.keys: dict[str, None] = dict.fromkeys(keys)  # in order of first appearance
         self._counted = (0, 0, 0)  # records and NaN values in the first n batches, n
 
-    def __len__(self) -> int:
-        return self.counts()[0]
-
     def land(self, flight: Flight) -> list[Record]:
         """Land ``flight`` (again, harmlessly): its records, in history once only."""
         if flight.landed is None:
