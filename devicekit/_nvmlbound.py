@@ -304,6 +304,9 @@ def bounded_each(
     Returns:
         One ``(answer, None)`` or ``(None, why)`` per unit, in order.
     """
+    if len(units) == 1:  # nothing to run beside it: one hand-off, without the batch's books
+        key, work, doing = units[0]
+        return [bounded(wedged, key, work, doing, late=late)]
     answers: list[tuple[Any, str | None] | None] = [None] * len(units)
     groups: dict[Hashable, list[int]] = {}  # key -> its units, in order
     for index, (key, _, _) in enumerate(units):

@@ -34,7 +34,7 @@ from ._nvml import (
     nvml_text,
     session,
 )
-from ._nvmlbound import bounded, bounded_each
+from ._nvmlbound import bounded_each
 
 __all__ = ["foreign_pids", "read_gpu", "read_gpus", "throttle_names"]
 
@@ -70,14 +70,7 @@ def read_gpu(
     seconds, every reading is None and ``error`` says so. Keyed by the GPU, so
     that its MIG instances, too, answer at once while a read of it is blocked.
     """
-    nv = library()
-    info, why = bounded(
-        session().wedged,
-        gpu.nvml_index,
-        lambda: _snapshot(nv, gpu, torch_index, handle, uuid),
-        _doing(gpu),
-    )
-    return _unanswered(gpu, torch_index, handle, uuid, why) if info is None else info
+    return read_gpus([(gpu, torch_index, handle, uuid)])[0]
 
 
 def read_gpus(targets: list[tuple[PhysicalGPU, int | None, Any, str | None]]) -> list[GPUInfo]:
@@ -87,9 +80,6 @@ def read_gpus(targets: list[tuple[PhysicalGPU, int | None, Any, str | None]]) ->
     with one ``$DEVICEKIT_NVML_TIMEOUT``: however many GPUs do not answer, a
     query waits that long at most, not that long per GPU.
     """
-    if len(targets) == 1:  # nothing to read beside it: the hand-off of one, cheaper
-        gpu, torch_index, handle, uuid = targets[0]
-        return [read_gpu(gpu, torch_index=torch_index, handle=handle, uuid=uuid)]
     nv = library()
     units: list[tuple[Hashable, Callable[[], GPUInfo], str]] = [
         (
