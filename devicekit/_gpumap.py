@@ -137,8 +137,7 @@ def gpu_map(
         refuse_to_start("gpu_map()")
     work = checked_work(fn, items, caller="gpu_map()")
     limit = item_timeout(timeout)
-    if progress is not None:  # checked here too: an empty map shows no progress
-        check_flag(progress, name="progress")
+    check_flag(progress, name="progress", none="no progress")  # here too: an empty map shows none
     if executor == "ray":
         if limit is not None:
             raise ValueError(

@@ -422,6 +422,8 @@ mean 'loss'?"
         options = [f"flush_every={self.flush_every}"]
         if self.reduce is not None:
             options.append(f"reduce={self.reduce!r}")
+        if self.timeout != DEFAULT_TIMEOUT:
+            options.append(f"timeout={self.timeout!r}")
         return {
             "name": f"LogBuffer({', '.join(options)})",
             "records": records,

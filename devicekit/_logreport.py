@@ -158,34 +158,26 @@ def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:
     return message
 
 
-def dropped_warning(pending: int, unsent: int, *, flushed_last: bool | None = None) -> str:
+def dropped_warning(pending: int, unsent: int) -> str:
     """What a buffer dropped with ``pending`` values or ``unsent`` records warns.
 
     Two things leave them behind, with different fixes: no flush after the last
     ``log()`` (no ``with`` block, no ``flush()`` at the end), or sinks that log
     during the last flush (the end of a ``with`` block flushes a few more times
     for what they log, and a sink that logs at every call always leaves more).
-    ``flushed_last`` says which (a flush ran after the last ``log()`` call);
-    None, not known, tells both, each with its condition, so that the warning
-    never tells a buffer used in a ``with`` block to use one.
+    The buffer does not track which (a flag set in ``log()`` would cost every
+    step), so the warning tells both, each with its condition: it never tells a
+    buffer used in a ``with`` block to use one.
     """
     lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
     lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
-    dropped = f"a LogBuffer was dropped with {' and '.join(lost)}"
-    no_flush = "use it in a with block, or call flush() before letting it go"
-    sinks_logged = (
-        "they are what its sinks logged during its last flushes (the end of a with block "
-        "flushes a few more times for them), and a sink that logs at every call always "
-        "leaves more: log such a value from your loop instead, or into another LogBuffer"
+    return (
+        f"a LogBuffer was dropped with {' and '.join(lost)}. If nothing flushed it after its "
+        "last log() call, use it in a with block, or call flush() before letting it go; if "
+        "something did, they are what its sinks logged during its last flushes (the end of "
+        "a with block flushes a few more times for them), and a sink that logs at every call "
+        "always leaves more: log such a value from your loop instead, or into another LogBuffer"
     )
-    if flushed_last is None:
-        return (
-            f"{dropped}. If nothing flushed it after its last log() call, {no_flush}; if "
-            f"something did, {sinks_logged}"
-        )
-    if flushed_last:
-        return f"{dropped}, although it was flushed after its last log() call: {sinks_logged}"
-    return f"{dropped}; {no_flush}"
 
 
 def left_out_warning(left_out: list[str]) -> str:

@@ -23,8 +23,7 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool | None, *, label: str = "gpu_map") -> None:
         """Progress over ``total`` items, shown if ``enabled``, named ``label`` (the call)."""
-        if enabled is not None:
-            check_flag(enabled, name="progress")
+        check_flag(enabled, name="progress", none="no progress")
         self.total, self.done, self.bar, self.label = total, 0, None, label
         self.enabled = bool(enabled)
         self.redraw = False  # a terminal: redraw one line

@@ -770,7 +770,9 @@ def test_three_workers_share_one_gpu() -> None:
 
 def test_progress_must_be_a_bool() -> None:
     before = set(multiprocessing.active_children())
-    with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+    with pytest.raises(
+        TypeError, match="progress must be None \\(no progress\\), True or False, got 'yes'"
+    ):
         dk.gpu_map(math.sqrt, [1], devices=["cpu"], progress="yes")  # type: ignore[arg-type]
     assert set(multiprocessing.active_children()) == before  # refused before any worker started
 
@@ -805,9 +807,13 @@ def test_progress_with_tqdm_is_a_bar(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_progress_is_checked_for_an_empty_map_too() -> None:
     # Before, an empty map returned [] without looking at progress at all.
-    with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+    with pytest.raises(
+        TypeError, match="progress must be None \\(no progress\\), True or False, got 'yes'"
+    ):
         dk.gpu_map(math.sqrt, [], devices=["cpu"], progress="yes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="progress must be True or False, got 'yes'"):
+    with pytest.raises(
+        TypeError, match="progress must be None \\(no progress\\), True or False, got 'yes'"
+    ):
         dk.gpu_map(math.sqrt, [], executor="ray", progress="yes")  # type: ignore[arg-type]
 
 
