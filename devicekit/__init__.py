@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from ._accelerators import try_all_gpus as try_all_gpus
+    from ._accelerators import try_gpu as try_gpu
     from ._batchsize import find_batch_size as find_batch_size
     from ._bench import BenchReport as BenchReport
     from ._bench import BenchResult as BenchResult
@@ -29,8 +31,6 @@ if TYPE_CHECKING:
     from ._conditions import Conditions as Conditions
     from ._dataparallel import data_parallel as data_parallel
     from ._devices import DeviceLike as DeviceLike
-    from ._devices import try_all_gpus as try_all_gpus
-    from ._devices import try_gpu as try_gpu
     from ._doctor import Diagnosis as Diagnosis
     from ._doctor import doctor as doctor
     from ._errors import CheckpointError as CheckpointError
@@ -121,8 +121,8 @@ _EXPORTS: dict[str, str] = {
     "Conditions": "._conditions",
     "data_parallel": "._dataparallel",
     "DeviceLike": "._devices",
-    "try_all_gpus": "._devices",
-    "try_gpu": "._devices",
+    "try_all_gpus": "._accelerators",
+    "try_gpu": "._accelerators",
     "Diagnosis": "._doctor",
     "doctor": "._doctor",
     "CheckpointError": "._errors",

@@ -48,8 +48,9 @@ from typing import Any
 
 import torch
 
+from ._accelerators import accelerator_count, accelerator_type
 from ._census import only_new_objects
-from ._devices import DeviceLike, accelerator_count, accelerator_type, resolve_device
+from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
 from ._format import format_bytes
 from ._frames import caller_stacklevel

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ._devices import DeviceLike, resolve_cuda_devices, try_all_gpus
+from ._accelerators import try_all_gpus
+from ._devices import DeviceLike, resolve_cuda_devices
 from ._format import PlainResult, format_seconds, html_table, plain_data
 from ._keywords import suggest_keywords
 from ._measure import benchmark

@@ -39,9 +39,10 @@ from typing import IO, Any
 
 import torch
 
+from ._accelerators import try_gpu
 from ._checkpointclass import missing_class
 from ._checkpointdamage import Damage, check_archive, damaged, told, torch_said
-from ._devices import DeviceLike, resolve_device, try_gpu
+from ._devices import DeviceLike, resolve_device
 from ._errors import CheckpointError
 from ._format import close_match
 from ._frames import is_user

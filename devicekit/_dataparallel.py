@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ._devices import DeviceLike, resolve_devices, try_all_gpus
+from ._accelerators import try_all_gpus
+from ._devices import DeviceLike, resolve_devices
 
 __all__ = ["data_parallel"]
 

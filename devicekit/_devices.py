@@ -1,11 +1,8 @@
 """What a device is to devicekit: every device argument is read, checked and refused here.
 
 "Accelerator" is what ``torch.accelerator`` reports for this torch build: CUDA
-(which includes ROCm), XPU or MPS. Nothing here initializes CUDA: device counts
-come from ``torch.cuda.device_count()``, which asks NVML and honours
-``CUDA_VISIBLE_DEVICES`` without starting the CUDA driver. (Where NVML is
-missing, torch itself falls back to the CUDA runtime; devicekit cannot avoid
-that, but it still leaves ``torch.cuda.is_initialized()`` False.)
+(which includes ROCm), XPU or MPS; `_accelerators` says which, and how many
+devices this process sees, without initializing any.
 
 Every public function that takes a device calls `resolve_device()` (or
 `resolve_devices()` for a list), so the same input means the same device
@@ -16,8 +13,6 @@ parameter, what was given, what this process has, and the fix.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import operator
 import os
 import sys
@@ -25,23 +20,27 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from ._accelerators import (
+    CPU,
+    META,
+    accelerator_count,
+    accelerator_type,
+    default_cuda_device,
+    try_all_gpus,
+)
 from ._errors import DeviceNotFoundError
 from ._format import first_line, plural, shorten
 from ._options import check_index, got, short_repr
-from ._visible import ENV_VAR, torch_cuda_initialized
+from ._visible import ENV_VAR
 
 __all__ = [
     "DeviceLike",
-    "default_cuda_device",
     "describe_devices",
     "parse_cuda_index",
     "parse_cuda_indices",
     "resolve_cuda_devices",
     "resolve_device",
     "resolve_devices",
-    "synchronize",
-    "try_all_gpus",
-    "try_gpu",
 ]
 
 DeviceLike = torch.device | str | int
@@ -52,10 +51,6 @@ is anything ``torch.device`` parses. ``"cuda"`` without an index is the
 current CUDA device, and ``"cpu:0"`` is the CPU.
 """
 
-CPU = torch.device("cpu")
-"""The canonical CPU device: `resolve_device()` returns this very object for the CPU."""
-META = torch.device("meta")
-"""The canonical meta device, as `CPU`."""
 _CPU, _META = CPU, META
 _xpu_initialized: Callable[[], bool] = torch.xpu.is_initialized  # untyped in torch
 _LABELS = {
@@ -82,70 +77,6 @@ _IN_TREE = frozenset({"cpu", "meta", "cuda", "xpu", "mps", "mtia"})
 # The package that makes each out-of-tree type work, for the message when it is missing.
 _PACKAGES = {"hpu": "habana_frameworks.torch", "xla": "torch_xla"}
 _EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
-
-
-@functools.cache
-def accelerator_type() -> str | None:
-    """The accelerator this torch build supports (``"cuda"``, ``"xpu"``, ``"mps"``...), or None.
-
-    This is a property of the build, read without touching any device.
-    """
-    if "check_available" in inspect.signature(torch.accelerator.current_accelerator).parameters:
-        accelerator = torch.accelerator.current_accelerator()  # torch >= 2.7: the build only
-        return None if accelerator is None else accelerator.type
-    # torch 2.6 asks the runtime (cudaGetDeviceCount, which starts the driver and
-    # poisons fork) and raises without a device, so read the build flags instead.
-    if torch.version.cuda or torch.version.hip:  # ROCm is "cuda" to torch too
-        return "cuda"
-    if torch.xpu._is_compiled():
-        return "xpu"
-    return "mps" if torch.backends.mps.is_built() else None
-
-
-def accelerator_count() -> int:
-    """How many accelerator devices this process can see, without initializing any of them."""
-    kind = accelerator_type()
-    if kind is None:
-        return 0
-    if kind == "mps":
-        # MPS has at most one device; is_available() does not create a context.
-        return 1 if torch.backends.mps.is_available() else 0
-    # torch.cuda.device_count() asks NVML first, so it does not poison fork and it
-    # re-reads CUDA_VISIBLE_DEVICES on every call until CUDA is initialized.
-    return int(torch.get_device_module(kind).device_count())
-
-
-def current_cuda_device() -> torch.device | None:
-    """The current CUDA device if CUDA is already initialized, else None.
-
-    Asking torch for the current device when CUDA has not started would start
-    it; before that, nothing can have chosen a device other than ``cuda:0``.
-    """
-    return torch.device("cuda", torch.cuda.current_device()) if torch_cuda_initialized() else None
-
-
-def default_cuda_device() -> torch.device:
-    """The current CUDA device; ``cuda:0`` before CUDA starts (nothing can have chosen another).
-
-    What ``"cuda"`` without an index means.
-    """
-    return current_cuda_device() or torch.device("cuda", 0)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for everything queued on ``device``; nothing to wait for on the CPU or meta.
-
-    One place for it because the backends differ: ``torch.mps.synchronize()``
-    takes no device (MPS has one), the others take it.
-    """
-    kind = device.type
-    if kind in ("cpu", "meta"):
-        return
-    module = torch.get_device_module(kind)
-    if kind == "mps":
-        module.synchronize()
-    else:
-        module.synchronize(device)
 
 
 # --- the device model ------------------------------------------------------------------
@@ -470,56 +401,3 @@ def _registered(kind: str) -> bool:
 
 def _here() -> str:
     return ", ".join(["cpu", *(str(d) for d in try_all_gpus() if d.type != "cpu")])
-
-
-def try_gpu(i: int = 0) -> torch.device:
-    """Return the i-th accelerator device if it exists, else the CPU.
-
-    Works the same on CUDA, ROCm, XPU and MPS builds, and never initializes
-    CUDA, so it is safe to call before forking or before changing
-    ``CUDA_VISIBLE_DEVICES``.
-
-    Args:
-        i: Index of the accelerator among the devices this process can see.
-
-    Returns:
-        ``torch.device("cuda", i)`` (or ``xpu``/``mps``) when that device exists,
-        otherwise ``torch.device("cpu")``.
-
-    Raises:
-        TypeError: ``i`` is not an int (``bool`` is rejected too).
-        ValueError: ``i`` is negative.
-
-    Examples:
-        >>> import devicekit as dk
-        >>> device = dk.try_gpu()
-        >>> device in dk.try_all_gpus()
-        True
-        >>> dk.try_gpu(1000)
-        device(type='cpu')
-    """
-    index = check_index(i, name="try_gpu(i)")
-    kind = accelerator_type()
-    if kind is not None and index < accelerator_count():
-        return torch.device(kind, index)
-    return _CPU
-
-
-def try_all_gpus() -> list[torch.device]:
-    """Return every accelerator device this process can see, or ``[cpu]`` when there is none.
-
-    The list is never empty, so ``devices[0]`` is always a usable device.
-
-    Examples:
-        >>> import devicekit as dk
-        >>> devices = dk.try_all_gpus()
-        >>> len(devices) >= 1
-        True
-        >>> all(d.type == devices[0].type for d in devices)
-        True
-    """
-    kind = accelerator_type()
-    count = accelerator_count()
-    if kind is None or count == 0:
-        return [_CPU]
-    return [torch.device(kind, index) for index in range(count)]

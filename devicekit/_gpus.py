@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from . import _nvml, _nvmlread
-from ._devices import DeviceLike, accelerator_type, parse_cuda_index
+from ._accelerators import accelerator_type
+from ._devices import DeviceLike, parse_cuda_index
 from ._errors import GPUNotFoundError
 from ._findings import no_gpu_reason
 from ._keywords import suggest_keywords

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from ._devices import current_cuda_device
+from ._accelerators import current_cuda_device
 from ._dist import (
     DEFAULT_TIMEOUT,
     gather_results,

@@ -28,7 +28,8 @@ import sys
 
 import torch
 
-from ._devices import accelerator_count, accelerator_type, describe_devices, try_gpu
+from ._accelerators import accelerator_count, accelerator_type, try_gpu
+from ._devices import describe_devices
 from ._errors import DeviceNotFoundError
 from ._visible import ENV_VAR, parse_visible_devices
 

@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 import torch
 
+from ._accelerators import current_cuda_device
 from ._conditions import Sampler
-from ._devices import DeviceLike, current_cuda_device, resolve_device
+from ._devices import DeviceLike, resolve_device
 from ._energy import EnergyCounter, energy_counter, energy_use
 from ._format import close_match
 from ._measurecheck import MODES

@@ -19,14 +19,9 @@ from typing import Any
 
 import torch
 
+from ._accelerators import accelerator_count, accelerator_type, default_cuda_device
 from ._blocks import EnterOnce
-from ._devices import (
-    DeviceLike,
-    accelerator_count,
-    accelerator_type,
-    default_cuda_device,
-    resolve_device,
-)
+from ._devices import DeviceLike, resolve_device
 from ._format import UNKNOWN, format_bytes, html_table, plain_fields
 from ._visible import torch_cuda_initialized
 

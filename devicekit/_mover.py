@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._devices import CPU, META, synchronize
+from ._accelerators import CPU, META, synchronize
 from ._look import Changed, key_text, tensor_elsewhere
 from ._movecalls import (
     KEY_HELD,

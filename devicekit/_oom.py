@@ -24,7 +24,8 @@ from typing import Any, Literal, NoReturn, TypeVar, overload
 
 import torch
 
-from ._devices import DeviceLike, accelerator_count, accelerator_type, resolve_device
+from ._accelerators import accelerator_count, accelerator_type
+from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceOutOfMemoryError, add_note
 from ._keywords import suggest_keywords
 from ._oomreport import build_report

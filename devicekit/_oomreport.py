@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from ._accelerators import current_cuda_device, default_cuda_device
 from ._census import LiveTensor, device_census, storage_key
-from ._devices import current_cuda_device, default_cuda_device
 from ._errors import DeviceNotFoundError
 from ._fixes import counted_twice, rank_fixes, unattributed_margin
 from ._format import (

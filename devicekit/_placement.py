@@ -16,8 +16,9 @@ from typing import TypeVar
 
 import torch
 
+from ._accelerators import CPU, META, try_gpu
 from ._checkfix import attribute_fix
-from ._devices import CPU, META, DeviceLike, resolve_device, try_gpu
+from ._devices import DeviceLike, resolve_device
 from ._errors import add_note
 from ._format import qualified_name
 from ._frames import caller_stacklevel

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from . import _findings, _gpus, _nvml
-from ._devices import DeviceLike, accelerator_type, parse_cuda_index, try_all_gpus
+from ._accelerators import accelerator_type, try_all_gpus
+from ._devices import DeviceLike, parse_cuda_index
 from ._errors import GPUNotFoundError
 from ._findings import Finding
 from ._format import (

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from ._accelerators import accelerator_count, accelerator_type
 from ._blocks import EnterOnce
-from ._devices import accelerator_count, accelerator_type
 from ._errors import SyncError
 from ._format import html_table, plural
 from ._frames import UNKNOWN_LOCATION, is_user, user_location

@@ -19,13 +19,8 @@ from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
-from ._devices import (
-    DeviceLike,
-    accelerator_type,
-    current_cuda_device,
-    resolve_device,
-    synchronize,
-)
+from ._accelerators import accelerator_type, current_cuda_device, synchronize
+from ._devices import DeviceLike, resolve_device
 from ._format import format_seconds, html_table, plural
 from ._keywords import suggest_keywords
 from ._options import check_flag, refuse_lazy, short_repr

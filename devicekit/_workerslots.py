@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 import os
 
-from ._devices import resolve_devices, try_all_gpus
+from ._accelerators import try_all_gpus
+from ._devices import resolve_devices
 from ._format import plural
 from ._options import check_count
 

@@ -95,7 +95,7 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
     Patched in every devicekit module that imported the two functions, so the
     whole library sees the same fake. Nothing can run on the fake devices.
     """
-    from devicekit import _devices
+    from devicekit import _accelerators
 
     # Import every module first: one first imported under the fake would keep the fake
     # functions it imported by name for the rest of the session (the undo restores only
@@ -103,7 +103,10 @@ def fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
     for info in pkgutil.iter_modules(devicekit.__path__):
         if not info.name.startswith("__"):  # __main__ would run the command
             importlib.import_module(f"devicekit.{info.name}")
-    replaced = {_devices.accelerator_type, _devices.accelerator_count}  # and, later, fakes
+    replaced = {
+        _accelerators.accelerator_type,
+        _accelerators.accelerator_count,
+    }  # and, later, fakes
 
     def install(kind: str | None, count: int) -> None:
         fakes = {"accelerator_type": lambda: kind, "accelerator_count": lambda: count}

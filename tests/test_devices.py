@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _devices
+from devicekit import _accelerators
 
 from .conftest import GPU_COUNT, FakeAccelerator, run_python
 
@@ -26,11 +26,11 @@ def test_accelerator_type_reads_the_build_without_the_torch_2_6_runtime_check(
         raise RuntimeError("Cannot access accelerator device when none is available.")
 
     monkeypatch.setattr(torch.accelerator, "current_accelerator", like_torch_2_6)
-    _devices.accelerator_type.cache_clear()
+    _accelerators.accelerator_type.cache_clear()
     try:
-        assert _devices.accelerator_type() == (None if build is None else build.type)
+        assert _accelerators.accelerator_type() == (None if build is None else build.type)
     finally:
-        _devices.accelerator_type.cache_clear()
+        _accelerators.accelerator_type.cache_clear()
 
 
 def test_try_gpu_is_cpu_without_an_accelerator(fake_accelerator: FakeAccelerator) -> None:
@@ -151,8 +151,8 @@ def test_synchronize_calls_each_backend_as_it_wants(monkeypatch: pytest.MonkeyPa
             calls.append((self.kind, args))
 
     monkeypatch.setattr(torch, "get_device_module", Module)
-    _devices.synchronize(torch.device("mps", 0))  # torch.mps.synchronize() takes no device
-    _devices.synchronize(torch.device("cuda", 1))
-    _devices.synchronize(torch.device("cpu"))  # nothing to wait for
-    _devices.synchronize(torch.device("meta"))
+    _accelerators.synchronize(torch.device("mps", 0))  # torch.mps.synchronize() takes no device
+    _accelerators.synchronize(torch.device("cuda", 1))
+    _accelerators.synchronize(torch.device("cpu"))  # nothing to wait for
+    _accelerators.synchronize(torch.device("meta"))
     assert calls == [("mps", ()), ("cuda", (torch.device("cuda", 1),))]

@@ -154,12 +154,12 @@ def test_memory_scope_sees_the_peak_and_the_net() -> None:
 def test_a_scope_measures_the_device_asked_for_even_cuda0(
     monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
 ) -> None:
-    from devicekit import _devices, _memoryscope
+    from devicekit import _accelerators, _memoryscope
 
     fake_accelerator("cuda", 3)
-    monkeypatch.setattr(_devices, "current_cuda_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(_accelerators, "current_cuda_device", lambda: torch.device("cuda", 1))
     assert _memoryscope._default_scope_device() == torch.device("cuda", 1)
-    monkeypatch.setattr(_devices, "current_cuda_device", lambda: None)
+    monkeypatch.setattr(_accelerators, "current_cuda_device", lambda: None)
     assert _memoryscope._default_scope_device() == torch.device("cuda", 0)
     fake_accelerator(None, 0)
     assert _memoryscope._default_scope_device() == torch.device("cpu")
