@@ -1,7 +1,7 @@
 """``explain_oom``: when a device runs out of memory, say where the memory is and what to do.
 
 A context manager and a decorator. When an out-of-memory error leaves the
-block, ``__exit__`` builds the report (`_oomreport`) while the failed block's
+block, ``__exit__`` builds the report (`_oomread`) while the failed block's
 frames are still alive (the traceback holds them), so the numbers are those of
 the moment of failure, and raises a ``DeviceOutOfMemoryError`` that carries it
 from torch's error (the host's ``MemoryError`` gets it as a note instead).
@@ -28,7 +28,7 @@ from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceOutOfMemoryError, add_note
 from ._keywords import suggest_keywords
-from ._oomreport import build_report
+from ._oomread import build_report
 from ._oomtext import is_oom
 from ._options import check_count, check_flag, short_repr
 

@@ -23,7 +23,7 @@ from ._census import census
 from ._errors import DeviceOutOfMemoryError, add_note
 from ._hostmemory import bounded, search_bound
 from ._memory import used_cuda_indices
-from ._oomreport import build_report
+from ._oomread import build_report
 from ._oomtext import is_oom
 from ._options import refuse_lazy
 from ._visible import torch_cuda_initialized

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _oom, _oomreport
+from devicekit import _oom, _oomread
 from devicekit._fixes import rank_fixes
 from devicekit._oomtext import is_oom, parse_oom
 
@@ -632,14 +632,14 @@ def test_numbers_of_another_device_s_message_are_not_reported_as_device_s() -> N
     if torch.cuda.device_count():  # a real cuda:1 would report its own numbers, rightly
         return
     # Another GPU than the message's: its process list is not this one's.
-    other = _oomreport.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 1))
+    other = _oomread.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 1))
     assert (other.device, other.processes, other.total, other.requested) == (
         "cuda:1",
         None,
         None,
         None,
     )
-    same = _oomreport.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 0))
+    same = _oomread.build_report(torch.OutOfMemoryError(CUDA), device=torch.device("cuda", 0))
     assert (same.total, same.requested) == (gib(79.19), 20 * MiB)
 
 
@@ -652,7 +652,7 @@ def test_rocm_s_hip_message_is_read_as_a_gpu_s() -> None:
     assert is_oom(RuntimeError(hip))
     if torch.cuda.is_initialized():
         pytest.skip("CUDA started in this process: the report reads its live numbers")
-    report = _oomreport.build_report(torch.OutOfMemoryError(hip))
+    report = _oomread.build_report(torch.OutOfMemoryError(hip))
     assert report.device == "cuda:0"
     assert (
         report.headline()
