@@ -183,7 +183,48 @@ def main() -> None:
         report_cost(torch.device("cuda", 0), args.tensors, args.rounds)
     leak_cost(args.rounds)
     recorder_per_op(args.rounds)
+    load_cost(args.rounds)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+
+
+def load_cost(repeats: int, megabytes: int = 512) -> None:
+    """``dk.load`` of a checkpoint from the page cache, with and without ``verify=True``.
+
+    Against plain ``torch.load`` and the CRC-32 of every record alone (devicekit's
+    reader, and zlib over an mmap of the whole file), in the same rounds.
+    """
+    import mmap
+    import tempfile
+    import zlib
+
+    from devicekit._ziparchive import check_archive
+
+    count = megabytes // 8
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "big.pt")
+        torch.save({f"layer{i}.weight": torch.randn(2_000_000) for i in range(count)}, path)
+        size = os.path.getsize(path)
+
+        def crc_mmap() -> None:
+            with (
+                open(path, "rb") as file,
+                mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m,
+            ):
+                view, crc = memoryview(m), 0
+                for at in range(0, size, 1 << 20):
+                    crc = zlib.crc32(view[at : at + (1 << 20)], crc)
+                view.release()
+
+        variants: dict[str, Callable[[], object]] = {
+            "torch.load": lambda: torch.load(path, map_location="cpu", weights_only=True),
+            "dk.load": lambda: dk.load(path, "cpu"),
+            "dk.load(verify=True)": lambda: dk.load(path, "cpu", verify=True),
+            "CRC-32 of every record (devicekit)": lambda: check_archive(path, tensors=True),
+            "CRC-32 of the file (zlib, mmap)": crc_mmap,
+        }
+        torch.load(path, map_location="cpu", weights_only=True)  # warm the page cache
+        print(f"\nload of a {size / 1e6:.0f} MB checkpoint from the page cache ({repeats} rounds):")
+        table(rounds(variants, repeats), "torch.load")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ Nothing of this runs when the load succeeds.
 from __future__ import annotations
 
 import errno
-import functools
-import inspect
 import io
 import os
 import pickle
@@ -40,13 +38,23 @@ from typing import IO, Any
 import torch
 
 from ._accelerators import try_gpu
+from ._checkpointargs import (
+    MMAP_LEGACY,
+    check_keywords,
+    check_mmap,
+    legacy_mmap,
+    not_a_file,
+    path_shown,
+    too_long,
+)
+from ._checkpointcheck import check_loaded, inflated_note, out_of_memory
 from ._checkpointclass import missing_class
-from ._checkpointdamage import Damage, check_archive, damaged, told, torch_said
+from ._checkpointdamage import damaged, told, torch_said
 from ._devices import DeviceLike, resolve_device
-from ._errors import CheckpointError
-from ._format import close_match
+from ._errors import CheckpointError, add_note
 from ._frames import is_user
-from ._options import check_path, got, short_repr
+from ._options import check_path, got
+from ._ziparchive import Damage, check_archive
 
 __all__ = ["load"]
 
@@ -56,11 +64,14 @@ _ZIP = b"PK\x03\x04"
 _MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 _MAGIC_TEXT = b"119547037146038801333356"
 _HEAD = 64  # bytes read to tell the formats apart
-_PATH_SHOWN = 300  # characters of a path a message shows: a real one, whole; a mistake, cut
 
 
 def load(
-    path: str | os.PathLike[str] | IO[bytes], device: DeviceLike | None = None, **kwargs: Any
+    path: str | os.PathLike[str] | IO[bytes],
+    device: DeviceLike | None = None,
+    *,
+    verify: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """``torch.load`` onto ``device``, whatever device the checkpoint was saved from.
 
@@ -71,20 +82,37 @@ def load(
 
     A file that is not a checkpoint gets an error that says what it is
     instead: empty, cut short or damaged, or another format (safetensors,
-    NumPy, a plain pickle), with how to load that.
+    NumPy, a plain pickle), with how to load that. A checkpoint saved from
+    tensors on the meta device (shapes, no values) is refused unless
+    ``device`` is meta.
+
+    What is detected: a file torch cannot read, always (from its first
+    bytes, and for torch's zip format the archive's directory and the
+    CRC-32 of every record but the tensors'). What is not, unless
+    ``verify=True``: bytes changed inside a tensor's data, which load
+    without an error and give wrong values. ``verify=True`` checks the
+    CRC-32 of every record after the load, at about the cost of the load
+    itself from the page cache. Never checked: a legacy-format file (no
+    CRC-32s), records saved without CRC-32s
+    (``torch.utils.serialization.config.save.compute_crc32 = False``) and
+    compressed records (not torch.save's).
 
     Args:
         path: The file to load: a path, or a binary file object with
             ``read()`` and ``seek()`` (opened with ``"rb"``, not ``"r"``).
         device: Where the tensors go, a [`DeviceLike`][devicekit.DeviceLike].
             Default: [`try_gpu()`][devicekit.try_gpu].
+        verify: Whether to check, after a load that succeeds, the CRC-32 of
+            every record of a zip-format checkpoint (the whole file read
+            again, ``mmap=True`` or not), and refuse a damaged one.
         **kwargs: Passed to ``torch.load`` (``weights_only``, ``mmap``...).
             ``map_location`` may replace ``device``: a device string or
             ``torch.device`` is checked as ``device`` is, a dict or a function
             goes to torch as it is, and ``None`` means "not given" (the
             tensors go to ``try_gpu()``, never back to the device they were
             saved from). ``weights_only`` and ``mmap`` must be True, False
-            or None.
+            or None. With a dict or a function, tensors saved from meta
+            come back on meta (torch never maps them), unrefused.
 
     Returns:
         What ``torch.load`` returns, with its tensors on ``device``.
@@ -94,13 +122,17 @@ def load(
             file opened in text mode), a keyword is one neither ``torch.load``
             nor its unpickler takes (a typo such as ``maplocation``), both
             ``device`` and ``map_location`` were given, ``map_location`` is
-            of no type torch takes, or ``weights_only`` or ``mmap`` is not
-            True, False or None.
+            of no type torch takes, ``weights_only`` or ``mmap`` is not
+            True, False or None, or ``verify`` is not True or False.
         DeviceNotFoundError: This torch build or machine has no such device.
         CheckpointError: The file is not one ``torch.save`` wrote (empty,
             another format), or is one cut short or damaged, or a file object
             stands past the start of its checkpoint; the message says which,
-            and torch's own error is its cause.
+            and torch's own error is its cause. Also, after a load that
+            succeeded: the checkpoint holds tensors saved from the meta
+            device and ``device`` is not meta (the message names some), or,
+            with ``verify=True``, a record fails its CRC-32 (the message
+            names it, and the tensors that hold it).
         pickle.UnpicklingError: With ``weights_only=True``, a checkpoint
             that holds objects other than tensors and plain data (torch's
             message lists them, and how to allow them; where this program
@@ -113,6 +145,10 @@ def load(
         FileNotFoundError: No file at ``path``, or ``path`` is empty
             (``IsADirectoryError``: a folder).
         OSError: The file could not be read (``EIO``, ``EACCES``).
+        MemoryError: The tensors do not fit in memory (``RuntimeError``
+            from torch's CPU allocator, ``torch.OutOfMemoryError``); where
+            the archive's records are compressed (not torch.save's), a note
+            says how much they inflate to.
 
     Examples:
         >>> import io, torch, devicekit as dk
@@ -137,7 +173,7 @@ legacy format). Check the path
             "path is a file opened in text mode, but a checkpoint is binary; "
             "open it with open(path, 'rb'), or pass the path itself"
         )
-    _check_keywords(kwargs)
+    check_keywords(kwargs)
     map_location = _map_location(device, kwargs.pop("map_location", None))
     weights_only = kwargs.setdefault("weights_only", True)
     if weights_only is not None and not isinstance(weights_only, bool):
@@ -145,16 +181,29 @@ legacy format). Check the path
             f"weights_only must be True, False or None (torch's default), got "
             f"{got(weights_only)}; pass weights_only=False only for files you trust"
         )
-    _check_mmap(path, kwargs.get("mmap"))
+    check_mmap(path, kwargs.get("mmap"))
+    if not isinstance(verify, bool):
+        raise TypeError(
+            f"verify must be True or False, got {got(verify)}; pass verify=True to check the "
+            "CRC-32 of every record after the load"
+        )
     start = _position(path)
     try:
-        return torch.load(path, map_location=map_location, **kwargs)
+        result = torch.load(path, map_location=map_location, **kwargs)
     except Exception as error:
+        if out_of_memory(error):
+            note = inflated_note(path, start)
+            if note is not None:
+                add_note(error, note)
         better = _explained(error, path, start, mmap=bool(kwargs.get("mmap")))
         if better is None:
             raise  # torch's own message says it best (weights_only refusals, device errors)
         # A CheckpointError keeps torch's error as its cause; the others say all it said.
         raise better from (error if isinstance(better, CheckpointError) else None)
+    check_loaded(
+        result, path, start, map_location, verify=verify, where=f"load(path={path_shown(path)}"
+    )
+    return result
 
 
 # The errors torch raises on bytes it cannot read (its unpickler's, its readers'): a
@@ -185,8 +234,8 @@ def _explained(
     if _raised_outside_torch(error):
         return None  # the file's own objects (a __setstate__) or a map_location function failed
     head = _head(path, start)
-    if mmap and str(error).startswith(_MMAP_LEGACY) and (head is None or _kind(head) is None):
-        return _legacy_mmap(path)  # torch says so of any file not a zip: an empty one too
+    if mmap and str(error).startswith(MMAP_LEGACY) and (head is None or _kind(head) is None):
+        return legacy_mmap(path)  # torch says so of any file not a zip: an empty one too
     # A zip archive's directory and CRC-32s tell damage apart from the rest: an OSError
     # from a seek that damage made torch compute ([Errno 22], a file cut short inside its
     # last records) from the disk's own (EIO); a flipped byte from a class that is missing.
@@ -199,7 +248,7 @@ def _explained(
     if isinstance(error, (AttributeError, ModuleNotFoundError)) or whole:  # or a refusal
         missing = missing_class(error)
         if missing is not None:
-            refined = type(error)(f"load(path={_name(path)}): {missing}")
+            refined = type(error)(f"load(path={path_shown(path)}): {missing}")
             if isinstance(error, ImportError) and isinstance(refined, ImportError):
                 refined.name = error.name  # the module, as ModuleNotFoundError keeps it
             return refined
@@ -216,96 +265,13 @@ def _path_error(error: OSError, path: object) -> OSError | None:
     if not isinstance(path, (str, os.PathLike)):
         return None
     if error.errno == errno.ENAMETOOLONG:
-        return OSError(error.errno, _too_long(os.fspath(path)))
-    return type(error)(_not_a_file(os.fspath(path), error))
+        return OSError(error.errno, too_long(os.fspath(path)))
+    return type(error)(not_a_file(os.fspath(path), error))
 
 
 def _unreadable(path: object, why: str) -> str:
     """The message of a file ``load()`` cannot read: the path, then ``why``."""
-    return f"load(path={_name(path)}): not a checkpoint torch.load can read{why}"
-
-
-# How torch refuses mmap=True for a legacy-format file (torch.serialization.load).
-_MMAP_LEGACY = "mmap can only be used with files saved with"
-
-
-def _check_mmap(path: object, mmap: object) -> None:
-    """Refuse an ``mmap`` that is no bool, and ``mmap=True`` of a file object.
-
-    None is torch's default; ``"yes"`` would read as True. torch's own refusal of a
-    file object, *f must be a file path*, named neither ``load()`` nor the file.
-    """
-    if mmap is None:
-        return
-    if not isinstance(mmap, bool):
-        raise TypeError(f"mmap must be True, False or None (torch's default), got {got(mmap)}")
-    if mmap and not isinstance(path, (str, os.PathLike)):
-        raise ValueError(
-            f"load(path={_name(path)}, mmap=True): mmap maps a file on disk into memory, "
-            f"so it needs the file's path, got a file object ({type(path).__name__}); "
-            "pass the path, or leave mmap out"
-        )
-
-
-def _legacy_mmap(path: object) -> RuntimeError:
-    """The refusal of ``mmap=True`` for a legacy file, said of ``load()`` and the file.
-
-    torch's own put the path inside a ``torch.save(...)`` call, as what to save.
-    """
-    return RuntimeError(
-        f"load(path={_name(path)}, mmap=True): this checkpoint is in torch's legacy "
-        "format (saved with _use_new_zipfile_serialization=False, or by torch before "
-        "1.6), which cannot be memory-mapped; load it with mmap=False, or save it "
-        "again with torch.save's default format to memory-map it"
-    )
-
-
-# What checkpoints are usually named, to point at them in a folder given as the path.
-_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors")
-
-
-def _not_a_file(path: str | bytes, error: OSError) -> str:
-    """Why ``path`` could not be opened (a wrong path, a folder), and what is there instead."""
-    text = os.fsdecode(path)
-    if not text:  # abspath("") is the working directory, which is no file to look for
-        return "load(path=''): the path is empty; pass the checkpoint file's path"
-    shown = short_repr(text, _PATH_SHOWN)
-    where = os.path.abspath(text)
-    if isinstance(error, IsADirectoryError):
-        try:
-            inside = sorted(n for n in os.listdir(where) if n.endswith(_CHECKPOINT_SUFFIXES))
-        except OSError:
-            inside = []
-        hint = (
-            f"; it holds {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}: pass one"
-            if inside
-            else "; pass the checkpoint file inside it"
-        )
-        return f"load(path={shown}): {where} is a folder, not a checkpoint file{hint}"
-    folder = os.path.dirname(where)
-    if not os.path.isdir(folder):
-        hint = f"; the folder {folder} does not exist either"
-    else:
-        try:
-            # Files only: a checkpoint is one ("/nope.pt" suggested the folder "/opt").
-            with os.scandir(folder) as entries:
-                files = [e.name for e in entries if e.is_file()]
-            near = close_match(os.path.basename(where), files)
-        except OSError:
-            near = None
-        hint = f"; did you mean {os.path.join(os.path.dirname(text), near)!r}?" if near else ""
-    relative = "" if os.path.isabs(text) else f" (relative to the working directory, {os.getcwd()})"
-    return f"load(path={shown}): there is no file {where}{relative}{hint}"
-
-
-def _too_long(path: str | bytes) -> str:
-    """Why a path the system refuses as too long was refused: often not a path at all."""
-    text = os.fsdecode(path)
-    return (
-        f"load(path={short_repr(text, _PATH_SHOWN)}): a path of {len(text)} characters, longer "
-        "than this system takes (a file name of 255 bytes at most); pass the checkpoint "
-        "file's path, or io.BytesIO(data) for a checkpoint's bytes"
-    )
+    return f"load(path={path_shown(path)}): not a checkpoint torch.load can read{why}"
 
 
 def _misplaced(path: object, start: int) -> str | None:
@@ -324,50 +290,6 @@ def _misplaced(path: object, start: int) -> str | None:
     )
 
 
-# The pickle module's load() and Unpickler take these; torch.load passes them on.
-_PICKLE_KEYWORDS = ("encoding", "errors", "fix_imports", "buffers")
-
-
-@functools.cache
-def _keywords() -> tuple[str, ...]:
-    """The keywords ``load()`` passes on: this torch.load's own, and the pickle's."""
-    parameters = inspect.signature(torch.load).parameters.values()
-    own = [
-        p.name
-        for p in parameters
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "f"
-    ]
-    return (*own, *_PICKLE_KEYWORDS)
-
-
-def _check_keywords(kwargs: dict[str, Any]) -> None:
-    """Refuse, before the file is read, a keyword neither torch.load nor its unpickler takes.
-
-    Torch would pass it to the unpickler, whose ``TypeError`` names neither
-    ``load`` nor the keyword meant. A ``pickle_module`` of the caller's own
-    may take keywords of its own, so then every keyword goes through.
-
-    Examples:
-        >>> _check_keywords({"maplocation": "cpu"})
-        Traceback (most recent call last):
-        ...
-        TypeError: load() got an unexpected keyword argument 'maplocation'; did you mean \
-map_location? ...
-    """
-    if kwargs.get("pickle_module") not in (None, pickle):
-        return
-    known = ("device", *_keywords())
-    for key in kwargs:
-        if key in known:
-            continue
-        match = close_match(key, known)
-        fix = f"did you mean {match}?" if match else "check the spelling."
-        raise TypeError(
-            f"load() got an unexpected keyword argument {short_repr(key)}; {fix} load() takes "
-            f"{', '.join(known)}"
-        )
-
-
 def _map_location(device: DeviceLike | None, given: object) -> Any:
     """The ``map_location`` torch gets: from ``device``, or ``map_location`` checked."""
     if given is None:
@@ -382,14 +304,6 @@ def _map_location(device: DeviceLike | None, given: object) -> Any:
         "map_location must be a device (such as 'cpu' or 'cuda:0'), a dict of locations or a "
         f"function, got {got(given)}; pass device instead"
     )
-
-
-def _name(path: object) -> str:
-    """How messages name the file: its path, a file object's name, or "the file"."""
-    if isinstance(path, (str, os.PathLike)):
-        return short_repr(os.fsdecode(path), _PATH_SHOWN)
-    name = getattr(path, "name", None)
-    return short_repr(name, _PATH_SHOWN) if isinstance(name, str) else "the file"
 
 
 def _position(path: object) -> int | None:

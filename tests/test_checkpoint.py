@@ -677,3 +677,147 @@ def test_a_class_from_a_module_this_program_lacks_is_named_with_the_fix(
         "state_dict() and plain types (dict, list, str, numbers), which load anywhere"
     )
     assert caught.value.name == "devicekit_gone_models"
+
+
+def _saved_on_meta(tmp_path: Path) -> Path:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).to(META)
+    torch.save(model.state_dict(), tmp_path / "meta.pt")
+    return tmp_path / "meta.pt"
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_checkpoint_saved_from_meta_is_refused_off_meta(
+    tmp_path: Path, device: str | None, legacy: bool
+) -> None:
+    # Before: every tensor came back on meta, and load_state_dict failed later with
+    # "Cannot copy out of meta tensor; no data!".
+    path = _saved_on_meta(tmp_path)
+    target = dk.try_gpu() if device is None else device
+    if legacy:
+        state = torch.load(path, weights_only=True)
+        torch.save(state, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(dk.CheckpointError) as caught:
+        dk.load(path, device)
+    assert str(caught.value) == (
+        f"load(path={str(path)!r}): the checkpoint was saved from tensors on the meta device "
+        "(0.weight, 0.bias, 1.weight, 1.bias, 1.running_mean and 2 more), which have a shape "
+        f"and no values, so the file has none to put on {target}. "
+        "Save it again from real weights: after model.to_empty(device=...) and initialising "
+        "them, or after loading them; or, if a skeleton of shapes is what you want, load it "
+        "with device='meta'"
+    )
+    state = dk.load(path, META)  # a skeleton of shapes, asked for
+    assert state["0.weight"].shape == (2, 3)
+    assert state["0.weight"].is_meta
+
+
+def test_meta_tensors_are_found_inside_objects_too(tmp_path: Path) -> None:
+    torch.save({"batch": Batch(torch.ones(2, device=META))}, tmp_path / "obj.pt")
+    with pytest.raises(dk.CheckpointError, match=r"saved from tensors on the meta device, which"):
+        dk.load(tmp_path / "obj.pt", "cpu", weights_only=False)
+    torch.save({"w": torch.ones(2), "step": 3}, tmp_path / "real.pt")
+    assert dk.load(tmp_path / "real.pt", "cpu")["step"] == 3  # no meta: loads as before
+
+
+def _flip_in_tensor(data: bytes, record: str) -> bytes:
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        info = archive.getinfo(record)
+    header = data[info.header_offset : info.header_offset + 30]
+    at = info.header_offset + 30 + int.from_bytes(header[26:28], "little")
+    at += int.from_bytes(header[28:30], "little")
+    flipped = bytearray(data)
+    flipped[at + 5] ^= 0xFF
+    return bytes(flipped)
+
+
+def test_verify_names_the_damaged_record_and_its_tensors(tmp_path: Path) -> None:
+    # Before: verify was no keyword (torch's unpickler refused it); a flipped byte in a
+    # tensor's data loaded with a wrong value, and still does without verify=True.
+    weight = torch.arange(8.0)
+    torch.save({"a": torch.ones(8), "b": weight, "b_view": weight[2:], "n": 3}, tmp_path / "x.pt")
+    path = tmp_path / "x.pt"
+    path.write_bytes(_flip_in_tensor(path.read_bytes(), "x/data/1"))
+    assert not torch.equal(dk.load(path, "cpu")["b"], weight)  # the documented limit
+    with pytest.raises(dk.CheckpointError) as caught:
+        dk.load(path, "cpu", verify=True)
+    assert str(caught.value) == (
+        f"load(path={str(path)!r}, verify=True): the checkpoint is damaged: its record "
+        "'x/data/1' does not match the CRC-32 checksum its directory keeps for it (it holds b, "
+        "b_view), so bytes in it changed after it was saved (a disk, memory or copy error), and "
+        "the values loaded from it are wrong. Copy it again from a good copy, or save it again"
+    )
+    with open(path, "rb") as file, pytest.raises(dk.CheckpointError, match="'x/data/1'"):
+        dk.load(file, "cpu", verify=True)  # a file object is read again from where it began
+    with pytest.raises(dk.CheckpointError, match="'x/data/1'"):
+        dk.load(path, "cpu", verify=True, mmap=True)  # asked for: the whole file is read
+
+
+def test_verify_passes_whole_files_and_those_without_crcs(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(8)}, tmp_path / "good.pt")
+    assert torch.equal(dk.load(tmp_path / "good.pt", "cpu", verify=True)["w"], torch.ones(8))
+    buffer = io.BytesIO(b"junk" + (tmp_path / "good.pt").read_bytes())
+    buffer.seek(4)  # a checkpoint from where the file object stands
+    assert torch.equal(dk.load(buffer, "cpu", verify=True)["w"], torch.ones(8))
+    torch.save({"w": torch.ones(8)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    assert torch.equal(dk.load(tmp_path / "old.pt", "cpu", verify=True)["w"], torch.ones(8))
+    torch.serialization.set_crc32_options(False)  # every CRC-32 written as 0: none to check
+    try:
+        torch.save({"w": torch.ones(8)}, tmp_path / "nocrc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    path = tmp_path / "nocrc.pt"
+    path.write_bytes(_flip_in_tensor(path.read_bytes(), "nocrc/data/0"))
+    assert dk.load(path, "cpu", verify=True)["w"].shape == (8,)  # not refused: nothing to check
+
+
+@pytest.mark.parametrize("verify", ["yes", 1, None])
+def test_verify_must_be_a_bool(tmp_path: Path, verify: object) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "w.pt")
+    with pytest.raises(TypeError, match=r"^verify must be True or False, got "):
+        dk.load(tmp_path / "w.pt", "cpu", verify=verify)  # type: ignore[arg-type]
+
+
+def test_a_memory_error_from_a_compressed_archive_says_what_it_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the allocator's bare "DefaultCPUAllocator: can't allocate memory", nothing more.
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.zeros(2**20)}, buffer)
+    with zipfile.ZipFile(buffer) as source, zipfile.ZipFile(tmp_path / "z.pt", "w") as packed:
+        for info in source.infolist():
+            packed.writestr(info.filename, source.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    assert dk.load(tmp_path / "z.pt", "cpu")["w"].shape == (2**20,)  # with room, it loads
+
+    def no_room(*args: object, **kwargs: object) -> object:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+            "allocate memory: you tried to allocate 4194304 bytes."
+        )
+
+    monkeypatch.setattr(torch, "load", no_room)
+    with pytest.raises(RuntimeError, match="can't allocate memory") as caught:
+        dk.load(tmp_path / "z.pt", "cpu")
+    (note,) = caught.value.__notes__
+    assert re.fullmatch(
+        r"devicekit.load: this archive's records are compressed, which torch.save never does "
+        r"\(another zip tool wrote it\): [\d,]+ bytes in the file inflate to 4,194,[\d,]+ "
+        r"\([\d,]+ times as many\), all of which torch.load allocates\. .*zip bomb.*",
+        note,
+    )
+    torch.save({"w": torch.zeros(4)}, tmp_path / "plain.pt")  # torch's own: no note
+    with pytest.raises(RuntimeError, match="can't allocate memory") as caught:
+        dk.load(tmp_path / "plain.pt", "cpu")
+    assert not getattr(caught.value, "__notes__", None)
+
+
+def test_torchs_words_in_devicekits_message_lose_terminal_escapes() -> None:
+    # Before: "\x1b[1m...\x1b[0m" (torch's bold) in the message devicekit wrote.
+    from devicekit._checkpointdamage import torch_said
+
+    said = torch_said(pickle.UnpicklingError("\x1b[1mdo those steps only if you trust\x1b[0m."))
+    assert said == "UnpicklingError: do those steps only if you trust."

@@ -1,0 +1,166 @@
+"""``load()``'s arguments checked before the file is read: the path, ``mmap``, the keywords.
+
+Each refusal names ``load()``, the file and the fix, where torch's own named
+neither (a folder, a path of a thousand characters, ``mmap=True`` of a file
+object, a misspelt keyword that reached the unpickler).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from ._format import close_match
+from ._options import got, short_repr
+
+__all__ = [
+    "MMAP_LEGACY",
+    "check_keywords",
+    "check_mmap",
+    "legacy_mmap",
+    "not_a_file",
+    "path_shown",
+    "too_long",
+]
+
+_PATH_SHOWN = 300  # characters of a path a message shows: a real one, whole; a mistake, cut
+
+
+# How torch refuses mmap=True for a legacy-format file (torch.serialization.load).
+MMAP_LEGACY = "mmap can only be used with files saved with"
+
+
+def check_mmap(path: object, mmap: object) -> None:
+    """Refuse an ``mmap`` that is no bool, and ``mmap=True`` of a file object.
+
+    None is torch's default; ``"yes"`` would read as True. torch's own refusal of a
+    file object, *f must be a file path*, named neither ``load()`` nor the file.
+    """
+    if mmap is None:
+        return
+    if not isinstance(mmap, bool):
+        raise TypeError(f"mmap must be True, False or None (torch's default), got {got(mmap)}")
+    if mmap and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(
+            f"load(path={path_shown(path)}, mmap=True): mmap maps a file on disk into memory, "
+            f"so it needs the file's path, got a file object ({type(path).__name__}); "
+            "pass the path, or leave mmap out"
+        )
+
+
+def legacy_mmap(path: object) -> RuntimeError:
+    """The refusal of ``mmap=True`` for a legacy file, said of ``load()`` and the file.
+
+    torch's own put the path inside a ``torch.save(...)`` call, as what to save.
+    """
+    return RuntimeError(
+        f"load(path={path_shown(path)}, mmap=True): this checkpoint is in torch's legacy "
+        "format (saved with _use_new_zipfile_serialization=False, or by torch before "
+        "1.6), which cannot be memory-mapped; load it with mmap=False, or save it "
+        "again with torch.save's default format to memory-map it"
+    )
+
+
+# What checkpoints are usually named, to point at them in a folder given as the path.
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors")
+
+
+def not_a_file(path: str | bytes, error: OSError) -> str:
+    """Why ``path`` could not be opened (a wrong path, a folder), and what is there instead."""
+    text = os.fsdecode(path)
+    if not text:  # abspath("") is the working directory, which is no file to look for
+        return "load(path=''): the path is empty; pass the checkpoint file's path"
+    shown = short_repr(text, _PATH_SHOWN)
+    where = os.path.abspath(text)
+    if isinstance(error, IsADirectoryError):
+        try:
+            inside = sorted(n for n in os.listdir(where) if n.endswith(_CHECKPOINT_SUFFIXES))
+        except OSError:
+            inside = []
+        hint = (
+            f"; it holds {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''}: pass one"
+            if inside
+            else "; pass the checkpoint file inside it"
+        )
+        return f"load(path={shown}): {where} is a folder, not a checkpoint file{hint}"
+    folder = os.path.dirname(where)
+    if not os.path.isdir(folder):
+        hint = f"; the folder {folder} does not exist either"
+    else:
+        try:
+            # Files only: a checkpoint is one ("/nope.pt" suggested the folder "/opt").
+            with os.scandir(folder) as entries:
+                files = [e.name for e in entries if e.is_file()]
+            near = close_match(os.path.basename(where), files)
+        except OSError:
+            near = None
+        hint = f"; did you mean {os.path.join(os.path.dirname(text), near)!r}?" if near else ""
+    relative = "" if os.path.isabs(text) else f" (relative to the working directory, {os.getcwd()})"
+    return f"load(path={shown}): there is no file {where}{relative}{hint}"
+
+
+def too_long(path: str | bytes) -> str:
+    """Why a path the system refuses as too long was refused: often not a path at all."""
+    text = os.fsdecode(path)
+    return (
+        f"load(path={short_repr(text, _PATH_SHOWN)}): a path of {len(text)} characters, longer "
+        "than this system takes (a file name of 255 bytes at most); pass the checkpoint "
+        "file's path, or io.BytesIO(data) for a checkpoint's bytes"
+    )
+
+
+# The pickle module's load() and Unpickler take these; torch.load passes them on.
+_PICKLE_KEYWORDS = ("encoding", "errors", "fix_imports", "buffers")
+
+
+@functools.cache
+def _keywords() -> tuple[str, ...]:
+    """The keywords ``load()`` passes on: this torch.load's own, and the pickle's."""
+    parameters = inspect.signature(torch.load).parameters.values()
+    own = [
+        p.name
+        for p in parameters
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "f"
+    ]
+    return (*own, *_PICKLE_KEYWORDS)
+
+
+def check_keywords(kwargs: dict[str, Any]) -> None:
+    """Refuse, before the file is read, a keyword neither torch.load nor its unpickler takes.
+
+    Torch would pass it to the unpickler, whose ``TypeError`` names neither
+    ``load`` nor the keyword meant. A ``pickle_module`` of the caller's own
+    may take keywords of its own, so then every keyword goes through.
+
+    Examples:
+        >>> check_keywords({"maplocation": "cpu"})
+        Traceback (most recent call last):
+        ...
+        TypeError: load() got an unexpected keyword argument 'maplocation'; did you mean \
+map_location? ...
+    """
+    if kwargs.get("pickle_module") not in (None, pickle):
+        return
+    known = ("device", "verify", *_keywords())
+    for key in kwargs:
+        if key in known:
+            continue
+        match = close_match(key, known)
+        fix = f"did you mean {match}?" if match else "check the spelling."
+        raise TypeError(
+            f"load() got an unexpected keyword argument {short_repr(key)}; {fix} load() takes "
+            f"{', '.join(known)}"
+        )
+
+
+def path_shown(path: object) -> str:
+    """How messages name the file: its path, a file object's name, or "the file"."""
+    if isinstance(path, (str, os.PathLike)):
+        return short_repr(os.fsdecode(path), _PATH_SHOWN)
+    name = getattr(path, "name", None)
+    return short_repr(name, _PATH_SHOWN) if isinstance(name, str) else "the file"
