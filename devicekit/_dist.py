@@ -277,7 +277,9 @@ def _barrier(group: Any, timeout: float) -> None:
         ) from None
 
 
-def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
+def gather_objects(
+    obj: object, *, timeout: float, what: str, meets: str | None = None
+) -> list[Any]:
     """Every rank's ``obj``, in rank order, through devicekit's gloo group, bounded by ``timeout``.
 
     The ranks first meet at a ``monitored_barrier``, which fails within
@@ -285,7 +287,11 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     one of pickled bytes, as ``all_gather_object`` does, each waited on for
     at most the same timeout. Each rank sends ``what`` along: every devicekit call shares
     the one group, so a rank in ``job_status()`` would otherwise meet a rank
-    in a detector's ``step()`` and take its data for an answer.
+    in a detector's ``step()`` and take its data for an answer. ``meets``,
+    when given, is what the ranks compare instead (``what`` still names the
+    call in messages): a call whose name holds an option (a LogBuffer's
+    ``reduce``) compares that option itself, in ``obj``, and says plainly
+    that it differs, instead of "different calls".
 
     Raises:
         RanksOutOfStepError: Not every rank arrived within ``timeout`` (every
@@ -298,7 +304,7 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
     call = arrive(what)
     group = _group(timeout, what, call, started)
     world = dist.get_world_size(group)
-    data = pickle.dumps((what, obj))
+    data = pickle.dumps((meets or what, what, obj))
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     try:
         _barrier(group, timeout)
@@ -323,14 +329,14 @@ def gather_objects(obj: object, *, timeout: float, what: str) -> list[Any]:
         pickle.loads(bytes(tensor.untyped_storage())[: int(length)])  # our own job's ranks
         for tensor, length in zip(received, sizes, strict=True)
     ]
-    calls = [call for call, _ in answers]
-    if any(call != what for call in calls):
-        listing = "; ".join(f"rank {rank} in {call}" for rank, call in enumerate(calls))
+    if any(met != (meets or what) for met, _, _ in answers):
+        listing = "; ".join(f"rank {rank} in {call}" for rank, (_, call, _) in enumerate(answers))
         raise RanksOutOfStepError(
             f"{what}: the ranks met from different calls: {listing}. Every rank must make "
-            "devicekit's job-wide calls (job_status(), StragglerDetector.step()) in the same order"
+            "devicekit's job-wide calls (job_status(), StragglerDetector.step(), a reducing "
+            "LogBuffer's flushes) in the same order"
         )
-    return [answer for _, answer in answers]
+    return [answer for _, _, answer in answers]
 
 
 def _interrupted(call: int, what: str, step: str) -> None:

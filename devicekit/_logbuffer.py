@@ -38,9 +38,9 @@ from ._logflush import (
     InFlight,
     by_key,
     start,
-    start_reduced,
 )
 from ._loghistory import Entry, Flight, History
+from ._logreduce import start_reduced
 from ._logreport import (
     describe_sink,
     dropped_warning,
@@ -121,7 +121,13 @@ class LogBuffer(Flushes):
     its own values of that flush unreduced (retrying could never pass; the
     next flushes combine again once the ranks agree; a default step counts
     this rank's own ``log()`` calls, so pass the step where ranks may log
-    different numbers of times). (To compare, the ranks first exchange what they
+    different numbers of times). Ranks whose buffers differ in ``reduce`` or
+    ``flush_every`` disagree in the same way, at every flush. A ``flush()``
+    on one rank only meets another rank's automatic flush, which holds more
+    steps: that flush combines the steps both hold and keeps the rest pending,
+    so the ranks flush the same steps again from the next flush on (two
+    ``flush()`` calls that hold different steps disagree, as above, since
+    each takes every value). (To compare, the ranks first exchange what they
     logged over devicekit's own gloo group, as ``job_status()`` does: no GPU
     sync, and ``RanksOutOfStepError`` if a rank never arrives within
     ``timeout``.)
@@ -260,7 +266,9 @@ class LogBuffer(Flushes):
 
         Raises:
             RanksDisagreeError: With ``reduce``, the ranks logged different keys or
-                steps; each rank recorded its own values, unreduced.
+                steps, flushed at different points, or their buffers have a different
+                ``reduce`` or ``flush_every``; each rank recorded its own values,
+                unreduced.
             ValueError: A value that passed ``log()`` could not be read (changed
                 since: resized, its storage freed); it is recorded as NaN, the
                 others as usual, and they are in ``history`` and the sinks have
@@ -279,6 +287,12 @@ class LogBuffer(Flushes):
         if self._sinks_left_out is not None:
             self._tell_sinks_left_out()
         return list(map(dict.copy, self._flush(wait=wait, reduce=True)))
+
+    def _flush_automatic(self) -> None:
+        """``log()``'s flush: as ``flush(wait=False)``, and it may realign the ranks (`_start`)."""
+        if self._sinks_left_out is not None:
+            self._tell_sinks_left_out()
+        self._flush(wait=False, reduce=True, automatic=True)
 
     def _tell_sinks_left_out(self) -> None:
         """Once, at a copy's first flush: where its records would have gone, and do not."""
@@ -449,12 +463,21 @@ mean 'loss'?"
         behind = deliver and self._deliveries.behind(self._history.batches)
         return bool(self._pending or self._in_flight or behind)
 
-    def _start(self, batch: list[Entry], *, reduce: bool) -> InFlight:
+    def _start(self, batch: list[Entry], *, reduce: bool, automatic: bool = False) -> InFlight:
         steps: Sequence[Any]
         steps, rows, reads = zip(*batch, strict=True) if batch else ((), (), ())  # in C
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
         if reduce and self.reduce is not None and initialized():
             columns = by_key(rows) if rows else []
-            return start_reduced(steps, columns, self.reduce, timeout=self.timeout)
+            # An automatic flush that meets a shorter one (a flush() on one rank only)
+            # combines the entries both hold and keeps the rest pending: see start_reduced.
+            return start_reduced(
+                steps,
+                columns,
+                self.reduce,
+                timeout=self.timeout,
+                flush_every=self.flush_every,
+                automatic=automatic,
+            )
         return start(steps, rows, read=max(reads) if reads else HOST_TENSORS)

@@ -17,8 +17,9 @@ import threading
 from ._dist import initialized
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._logdeliver import Deliveries, Record, Sink
-from ._logflush import InFlight, broken_job
+from ._logflush import InFlight
 from ._loghistory import Entry, Flight, History, settle
+from ._logreduce import broken_job
 from ._logreport import flush_error, unreadable_error, unreduced_error
 
 __all__ = ["Flushes"]
@@ -43,7 +44,10 @@ class Flushes:
     def flush(self, *, wait: bool = True) -> list[Record]:
         raise NotImplementedError  # LogBuffer's
 
-    def _start(self, batch: list[Entry], *, reduce: bool) -> InFlight:
+    def _flush_automatic(self) -> None:
+        raise NotImplementedError  # LogBuffer's
+
+    def _start(self, batch: list[Entry], *, reduce: bool, automatic: bool = False) -> InFlight:
         raise NotImplementedError  # LogBuffer's
 
     def _pending_count(self) -> int:
@@ -66,12 +70,15 @@ class Flushes:
         owned = lock._is_owned()  # type: ignore[attr-defined]
         try:
             if owned or lock.acquire(blocking=False):
-                self.flush(wait=False)
+                self._flush_automatic()
         finally:
             if not owned and lock._is_owned():  # type: ignore[attr-defined]
                 lock.release()
 
-    def _flush(self, *, wait: bool, reduce: bool, deliver: bool = True) -> list[Record]:
+    def _flush(
+        self, *, wait: bool, reduce: bool, deliver: bool = True, automatic: bool = False
+    ) -> list[Record]:
+        """Flush; ``automatic``: ``log()``'s, which may leave values pending to realign ranks."""
         with self._lock:
             # Leaving a block on an exception: no flush joins a collective, not even one
             # a sink starts (the other ranks may never reach it).
@@ -91,7 +98,9 @@ class Flushes:
                 if batch or reducing:
                     # Nothing changes until the flight is set: a failure (or Ctrl-C)
                     # before leaves the values pending; after, they are in flight.
-                    values, failure = self._begin(batch, reducing=reducing)
+                    values, failure = self._begin(batch, reducing=reducing, automatic=automatic)
+                    if values.taken is not None:  # the ranks realigned: the rest stays pending
+                        count = values.taken
                     first = batch[0] if batch else None
                     flight = Flight(values, first, count, self._taken + count)
                     self._in_flight = flight  # the commit
@@ -114,7 +123,7 @@ class Flushes:
             raise flush_error(failure, errors, pending=self._pending_count())
 
     def _begin(
-        self, batch: list[Entry], *, reducing: bool
+        self, batch: list[Entry], *, reducing: bool, automatic: bool = False
     ) -> tuple[InFlight, BaseException | None]:
         """Start the flight of ``batch``; what to raise once its records are in history.
 
@@ -131,7 +140,7 @@ class Flushes:
         if failure is None:
             self._told_broken = False  # the job works (again: it may have been made again)
             try:
-                return self._start(batch, reduce=True), None
+                return self._start(batch, reduce=True, automatic=automatic), None
             except RanksDisagreeError as error:  # the same verdict on every rank
                 failure = error
             except RanksOutOfStepError as error:

@@ -27,6 +27,7 @@ __all__ = [
     "dropped_warning",
     "flush_error",
     "left_out_warning",
+    "made_differently",
     "report_while_exiting",
     "state_line",
     "state_table",
@@ -270,3 +271,31 @@ def _key(key: str) -> str:
 def _quoted(key: str, limit: int | None) -> str:
     """``repr(key)``, its text cut to ``limit`` characters (the quotes kept)."""
     return repr(key if limit is None else shorten(key, limit))
+
+
+def made_differently(made: list[tuple[str, int | None]], op: str) -> str:
+    """The error for ranks whose buffers differ in ``reduce`` or ``flush_every``: every flush.
+
+    A different ``flush_every`` makes the ranks' automatic flushes hold
+    different steps, and their number differ, so it must match too. The dtype
+    need not: every value is combined as a float64.
+    """
+    listing = "\n".join(
+        f"  rank {rank}: LogBuffer(flush_every={every}, reduce={each!r})"
+        for rank, (each, every) in enumerate(made)
+    )
+    what = " and ".join(
+        option
+        for option, differs in (
+            ("reduce", len({each for each, _ in made}) > 1),
+            ("flush_every", len({every for _, every in made}) > 1),
+        )
+        if differs
+    )
+    return (
+        f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree on how to "
+        f"combine it, their buffers have different {what}:\n{listing}\nEach rank records its "
+        "own values of this flush, unreduced, so none is lost, and every flush raises this "
+        f"until they agree. Make the LogBuffer with the same {what} on every rank (and where "
+        "a rank has several reducing buffers, flush them in the same order on every rank)."
+    )

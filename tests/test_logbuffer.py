@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import devicekit as dk
 
-from .conftest import requires_two_gpus, run_python
+from .conftest import requires_two_gpus, run_python, spawn_ranks
 
 
 def test_values_are_exact_over_many_flushes_with_an_odd_flush_every() -> None:
@@ -915,14 +915,14 @@ def test_values_on_an_accelerator_are_grouped_by_dtype_and_land_in_place() -> No
 
 
 def test_column_to_float64_for_the_collective() -> None:
-    from devicekit import _logflush
+    from devicekit import _logreduce
 
     cpu = torch.device("cpu")
     same = [torch.tensor(1.5).as_subclass(Elsewhere), torch.tensor(2.5).as_subclass(Elsewhere)]
     mixed = [torch.tensor(1, dtype=torch.int8).as_subclass(Elsewhere), 2.5, torch.tensor(3.0)]
-    assert _logflush._as_float64(same, cpu).tolist() == [1.5, 2.5]
-    assert _logflush._as_float64(mixed, cpu).tolist() == [1.0, 2.5, 3.0]
-    assert _logflush._as_float64([1.0, torch.tensor(2)], cpu).dtype == torch.float64
+    assert _logreduce._as_float64(same, cpu).tolist() == [1.5, 2.5]
+    assert _logreduce._as_float64(mixed, cpu).tolist() == [1.0, 2.5, 3.0]
+    assert _logreduce._as_float64([1.0, torch.tensor(2)], cpu).dtype == torch.float64
 
 
 # --- in a notebook -----------------------------------------------------------------------------
@@ -1053,7 +1053,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, backend: str) -> N
 
 def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
     """Flushes the ranks cannot combine, each followed by one they can."""
-    from devicekit import _logflush
+    from devicekit import _logreduce
 
     results: dict[str, Any] = {}
 
@@ -1094,13 +1094,13 @@ def _disagreements(rank: int, device: torch.device) -> dict[str, Any]:
     except dk.RanksDisagreeError as error:
         results["rows"] = str(error)
     if rank == 1:  # this rank fails to prepare its values: every rank must hear of it
-        real = _logflush._flatten
+        real = _logreduce._flatten
 
         def failing(steps: Any, ordered: Any, on: Any) -> Any:
-            _logflush._flatten = real  # once: the next flush succeeds
+            _logreduce._flatten = real  # once: the next flush succeeds
             raise RuntimeError("out of memory")
 
-        _logflush._flatten = failing  # type: ignore[assignment]
+        _logreduce._flatten = failing  # type: ignore[assignment]
     results["failure"] = disagreement(2, {})
     results["after"] = disagreement(2, {})  # the group still works afterwards
     return results
@@ -1132,12 +1132,12 @@ def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
     """
     import torch.distributed as dist
 
-    from devicekit import _logflush
+    from devicekit import _logreduce
     from devicekit._gloo import gloo_lets_go
 
     real_backend, real_on_cuda, real_all_reduce = (
         dist.get_backend,
-        _logflush._on_cuda,
+        _logreduce._on_cuda,
         dist.all_reduce,
     )
 
@@ -1152,7 +1152,7 @@ def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
 
     dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
     dist.all_reduce = all_reduce
-    _logflush._on_cuda = lambda value: isinstance(value, torch.Tensor)  # type: ignore[assignment]
+    _logreduce._on_cuda = lambda value: isinstance(value, torch.Tensor)  # type: ignore[assignment]
     try:
         results: dict[str, Any] = {}
         for name, op in (("rank 1 on the host", "mean"), ("both on the gpu", "max")):
@@ -1169,7 +1169,7 @@ def _host_and_gpu_ranks(rank: int) -> dict[str, Any]:
     finally:
         dist.get_backend = real_backend  # type: ignore[assignment]
         dist.all_reduce = real_all_reduce
-        _logflush._on_cuda = real_on_cuda  # type: ignore[assignment]
+        _logreduce._on_cuda = real_on_cuda  # type: ignore[assignment]
 
 
 def _reduce_with_a_nan(op: str, rank: int, world: int, device: torch.device) -> list[Any]:
@@ -1866,14 +1866,128 @@ def test_the_empty_key_error_writes_odd_keys_quoted_inside_the_dict() -> None:
 
 def test_a_rank_that_logged_nothing_is_said_plainly() -> None:
     # "rank 1: logged 0 steps of nothing".
-    from devicekit import _logflush
+    from devicekit import _logreduce
 
-    assert _logflush._summary([], []) == "nothing since the last flush"
+    assert _logreduce._summary([], []) == "nothing since the last flush"
     answers: list[Any] = [
         (((4,), (("loss", None),)), "logged 1 step (4) of loss", False, ("loss",)),
-        (((), ()), f"logged {_logflush._summary([], [])}", False, ()),
+        (((), ()), f"logged {_logreduce._summary([], [])}", False, ()),
     ]
     with pytest.raises(dk.RanksDisagreeError) as told:
-        _logflush._check_agreement(answers, "mean")
+        _logreduce._check_agreement(answers, "mean")
     assert "  rank 0: logged 1 step (4) of loss\n" in str(told.value)
     assert "  rank 1: logged nothing since the last flush\n" in str(told.value)
+
+
+def _buffers_made_differently(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 0 means, rank 1 sums; then the same op, but flush_every 4 and 5."""
+    dist = _join_job(rank, world, port)
+    try:
+        results: dict[str, Any] = {}
+        for case, steps, options in (
+            ("ops", 8, {"flush_every": 4, "reduce": "mean" if rank == 0 else "sum"}),
+            # 5 steps: one automatic flush on each rank, so as many flushes on each.
+            ("flush_every", 5, {"flush_every": 4 + rank, "reduce": "mean"}),
+        ):
+            logs = dk.LogBuffer(**options)  # type: ignore[arg-type]
+            logged = [
+                _raised(lambda s=step, logs=logs: logs.log(s, loss=10.0 * rank + s))
+                for step in range(steps)
+            ]
+            results[case] = [logged, _raised(logs.flush), logs.history, logs._pending_count()]
+        agreed = dk.LogBuffer(reduce="mean")  # the group still works
+        agreed.log(0, loss=float(rank))
+        agreed.flush()
+        results["agreed"] = agreed.history
+        Path(folder, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_buffers_reduce_differently_record_their_own_values(tmp_path: Path) -> None:
+    # Before, the ranks "met from different calls" (RanksOutOfStepError, advising
+    # job_status() and StragglerDetector.step()) at every flush, and every value stayed
+    # pending for the whole run: nothing ever reached history or the sinks.
+    spawn_ranks(_buffers_made_differently, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    for rank, results in enumerate(ranks):
+        logged, final, history, pending = results["ops"]
+        assert [outcome and outcome[0] for outcome in logged] == [None] * 3 + [
+            "RanksDisagreeError"
+        ] + [None] * 3 + ["RanksDisagreeError"]
+        assert final is not None
+        for name, message, _ in (logged[3], logged[7], final):
+            assert name == "RanksDisagreeError"
+            op = "mean" if rank == 0 else "sum"
+            assert message == (
+                f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree on how "
+                "to combine it, their buffers have different reduce:\n"
+                "  rank 0: LogBuffer(flush_every=4, reduce='mean')\n"
+                "  rank 1: LogBuffer(flush_every=4, reduce='sum')\n"
+                "Each rank records its own values of this flush, unreduced, so none is lost, and "
+                "every flush raises this until they agree. Make the LogBuffer with the same reduce "
+                "on every rank (and where a rank has several reducing buffers, flush them in the "
+                "same order on every rank)."
+            )
+        assert history == [{"step": s, "loss": 10.0 * rank + s} for s in range(8)]
+        assert pending == 0
+        logged, final, history, pending = results["flush_every"]
+        raised = [outcome[1] for outcome in [*logged, final] if outcome is not None]
+        assert raised, rank
+        assert all("their buffers have different flush_every:\n" in said for said in raised)
+        assert "  rank 1: LogBuffer(flush_every=5, reduce='mean')\n" in raised[0]
+        assert history == [{"step": s, "loss": 10.0 * rank + s} for s in range(5)]
+        assert pending == 0
+        assert results["agreed"] == [{"step": 0, "loss": 0.5}]
+
+
+def _flushes_out_of_turn(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 1 calls flush() twice at step 12 (T14 finding 2), then flush() on rank 0 alone."""
+    dist = _join_job(rank, world, port)
+    try:
+        results: dict[str, Any] = {}
+        seen: list[dk.Record] = []
+        logs = dk.LogBuffer(flush_every=5, reduce="mean", sinks=[seen.extend])
+        raised = []
+        for step in range(20):
+            raised.append(_raised(lambda s=step: logs.log(s, loss=float(s + rank))))
+            if rank == 1 and step == 12:
+                raised += [_raised(logs.flush), _raised(logs.flush)]
+        raised.append(_raised(logs.flush))
+        results["realigned"] = [raised, logs.history, seen, logs._pending_count()]
+        # Both flushes are flush() calls, which take every value: they cannot realign.
+        apart = dk.LogBuffer(flush_every=100, reduce="sum")
+        for step in range(3 if rank == 0 else 2):
+            apart.log(step, loss=float(rank))
+        results["apart"] = [_raised(apart.flush), apart.history, apart._pending_count()]
+        Path(folder, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_flush_on_one_rank_only_realigns_or_says_what_happened(tmp_path: Path) -> None:
+    # Before, log()'s automatic flushes counted each rank's own calls since its own last
+    # flush, so after one extra flush() the ranks never flushed the same steps again:
+    # steps 10 to 19 were recorded unreduced on both ranks, with advice to log the same
+    # keys at the same steps, which they did.
+    spawn_ranks(_flushes_out_of_turn, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    for rank, results in enumerate(ranks):
+        raised, history, seen, pending = results["realigned"]
+        assert raised == [None] * len(raised), rank
+        assert history == [{"step": s, "loss": s + 0.5} for s in range(20)], rank  # every mean
+        assert (seen, pending) == (history, 0)
+        name, message, _ = results["apart"][0]
+        assert name == "RanksDisagreeError"
+        assert (
+            "cannot combine this flush: the ranks disagree, they flushed different steps:\n"
+            "  rank 0: logged 3 steps (0 to 2) of loss\n"
+            "  rank 1: logged 2 steps (0 to 1) of loss\n"
+            "What they logged agrees as far as the shortest flush goes: the ranks flushed at "
+            "different points, which a flush() called on one rank only does."
+        ) in message
+        assert "Call flush() on every rank at the same step" in message
+        assert results["apart"][1:] == [
+            [{"step": s, "loss": float(rank)} for s in range(3 - rank)],
+            0,
+        ]

@@ -15,7 +15,7 @@ import torch
 import devicekit as dk
 
 _FLUSH_MODULES = ("_logbuffer.py", "_logflight.py", "_loghistory.py", "_logdeliver.py")
-_FLUSH_MODULES += ("_logexit.py", "_logflush.py", "_logreport.py")
+_FLUSH_MODULES += ("_logexit.py", "_logflush.py", "_logreduce.py", "_logreport.py")
 
 
 def _collecting(frame: FrameType | None) -> bool:
