@@ -182,6 +182,20 @@ def _warn_flaky(flaky: list[int], found: int) -> None:
     )
 
 
+def _trial_device(device: DeviceLike) -> torch.device:
+    """``device`` resolved; meta refused, where nothing can run out of memory."""
+    target = resolve_device(device, name="device")
+    if target.type == "meta":
+        # Nothing is allocated on meta, so no size can fail there: an answer would be a
+        # size nothing measured (max_size, or wherever fn raised for reasons of its own).
+        raise ValueError(
+            "find_batch_size() got device='meta', where tensors have shapes but no memory: no "
+            "batch size can run out of memory there, so none can be found; pass the device "
+            "fn's step runs on ('cuda', 'cpu'), or leave device out"
+        )
+    return target
+
+
 def _on_cpu(target: torch.device | None) -> bool | None:
     """Whether the trials run on the CPU; None: to be seen (CUDA exists and has not started)."""
     if target is not None:
@@ -296,7 +310,8 @@ def find_batch_size(
         TypeError: ``fn`` is not callable, a generator or ``async def`` function
             (its body would never run), or not picklable with ``isolate=True``;
             ``isolate`` is not True or False.
-        ValueError: ``start`` below 1, ``max_size`` below ``start``,
+        ValueError: ``device`` is ``meta`` (nothing runs out of memory there),
+            ``start`` below 1, ``max_size`` below ``start``,
             ``margin`` outside [0, 1), or ``trial_timeout`` not a positive
             number of seconds or given without ``isolate=True``; or the
             trials run on the CPU where no bound can be set (not Linux) and
@@ -327,7 +342,7 @@ def find_batch_size(
                 f"trial_timeout={trial_timeout:g} needs isolate=True: a trial in this process "
                 "cannot be stopped; pass isolate=True, or drop trial_timeout"
             )
-    target = None if device is None else resolve_device(device, name="device")
+    target = None if device is None else _trial_device(device)
     cpu = _on_cpu(target)
     if cpu:
         _refuse_unbounded(max_size)

@@ -44,10 +44,12 @@ class DevicekitError(Exception):
 
 
 class CheckpointError(DevicekitError, ValueError):
-    """A file given to [`load()`][devicekit.load] is not a checkpoint torch can read.
+    """A file given to [`load()`][devicekit.load] cannot give the tensors asked for.
 
-    It is empty, cut short, or not written by ``torch.save``; torch's own
-    error is kept as ``__cause__``.
+    It is empty, cut short, damaged, or not written by ``torch.save`` (torch's
+    own error is kept as ``__cause__``); or it loaded, but holds tensors saved
+    from the meta device (no values to put on a real one), or, with
+    ``verify=True``, a record whose CRC-32 does not match.
     """
 
 
@@ -115,7 +117,13 @@ class DeviceOutOfMemoryError(DevicekitError, torch.OutOfMemoryError):
 
     A subclass of ``torch.OutOfMemoryError``, so ``except torch.OutOfMemoryError``
     still catches it; raised ``from`` torch's own error, whose traceback is
-    kept as ``__cause__``.
+    kept as ``__cause__``. Its one argument, the message, is the report: its
+    headline first, and last torch's own first line (``original message:
+    CUDA out of memory. ...``), so the retry loops that look for torch's
+    words in ``args[0]`` (accelerate's, Lightning's, transformers') still
+    retry. Raised from an error of a subclass (``class MyOOM(torch.OutOfMemoryError)``,
+    ``torch.AcceleratorError``), it is an instance of that class too, with
+    the original's attributes: ``except MyOOM`` still catches it.
 
     Attributes:
         report: The [`OOMReport`][devicekit.OOMReport], or None where none could be built.

@@ -224,7 +224,12 @@ def free_memory(*, devices: Iterable[DeviceLike] | DeviceLike | None = None) -> 
     if indices == []:  # only the CPU was named
         return MemoryReport((), collected, note)
     if not torch_cuda_initialized():
-        none = "CUDA is not initialized in this process: no GPU memory"
+        # A build without CUDA never will be: "not initialized" would send users to start it.
+        none = (
+            "CUDA is not initialized in this process: no GPU memory"
+            if torch.version.cuda or torch.version.hip
+            else f"this torch build ({torch.__version__}) has no CUDA: no GPU memory"
+        )
         return MemoryReport((), collected, "; ".join(filter(None, (none, note))))
     if indices is None:
         indices = used_cuda_indices()

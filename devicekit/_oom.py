@@ -6,6 +6,14 @@ frames are still alive (the traceback holds them), so the numbers are those of
 the moment of failure, and raises a ``DeviceOutOfMemoryError`` that carries it
 from torch's error (the host's ``MemoryError`` gets it as a note instead).
 
+The error raised is a ``DeviceOutOfMemoryError`` whose one argument is the
+report, ending with torch's first line: the retry loops that look for torch's
+words in ``args[0]`` (accelerate's ``find_executable_batch_size``, Lightning's
+batch-size finder) go on retrying. An error of a class of its own (the user's
+``class MyOOM(torch.OutOfMemoryError)``, torch's ``AcceleratorError``) becomes
+an instance of that class too (`_with_class`), with its attributes: every
+``except`` that caught it still does.
+
 A plain function comes back decorated as an `_Explained`, not as a function:
 ``with dk.explain_oom(step):`` then fails with the fix (`_misuse`), where a
 function would fail with Python's bare "does not support the context manager
@@ -15,6 +23,7 @@ replaces does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -29,6 +38,7 @@ from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceOutOfMemoryError, add_note
 from ._keywords import suggest_keywords
 from ._oomread import build_report
+from ._oomreport import OOMReport
 from ._oomtext import is_oom
 from ._options import check_count, check_flag, short_repr
 
@@ -77,6 +87,76 @@ def _lookup(module: object, qualname: str) -> object:
     for part in qualname.split("."):
         found = getattr(found, part, None)
     return found
+
+
+# One class per class of error, so that two such errors are of one type.
+_CLASSES: dict[type[BaseException], type[DeviceOutOfMemoryError] | None] = {}
+
+
+def _with_class(base: type[BaseException]) -> type[DeviceOutOfMemoryError] | None:
+    """A ``DeviceOutOfMemoryError`` that is a ``base`` too; None where Python cannot make one.
+
+    ``base.__init__`` is never called (its parameters are the user's): the error
+    gets the original's attributes copied instead (`_explained_error`).
+    """
+    if base in _CLASSES:
+        return _CLASSES[base]
+    return _CLASSES.setdefault(base, _make_class(base))  # a racing thread's, if it was first
+
+
+def _make_class(base: type[BaseException]) -> type[DeviceOutOfMemoryError] | None:
+    name = f"DeviceOutOfMemoryError[{base.__qualname__}]"
+    namespace = {
+        "__module__": "devicekit",
+        "__qualname__": name,
+        "__doc__": f"A DeviceOutOfMemoryError that is a {base.__qualname__} too.",
+        "__str__": BaseException.__str__,  # the report, whatever base's own __str__ shows
+        "__reduce__": _reduce,
+        "_devicekit_base": base,
+    }
+    try:
+        return type(name, (DeviceOutOfMemoryError, base), namespace)
+    except Exception:  # noqa: BLE001 - a layout, metaclass or __init_subclass__ refusal
+        return None
+
+
+def _reduce(self: BaseException) -> tuple[Any, ...]:
+    # Pickled as the user's class and the arguments; the state carries the attributes.
+    return _rebuild, (type(self)._devicekit_base, self.args), dict(vars(self))  # type: ignore[attr-defined]
+
+
+def _rebuild(base: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    """Unpickle an error of `_with_class` (``base`` made one when it was raised)."""
+    cls = _with_class(base)
+    return BaseException.__new__(base if cls is None else cls, *args)
+
+
+def _explained_error(error: BaseException, report: OOMReport) -> BaseException | None:
+    """The ``DeviceOutOfMemoryError`` to raise from ``error``; None: keep ``error`` itself.
+
+    torch's own classes become a plain one. Any other class (a subclass of
+    theirs) becomes one that is that class too, with ``error``'s attributes;
+    where no such class can be made, ``error`` is kept, with the report as a
+    note and as ``report``.
+    """
+    message = str(report)
+    if type(error) in (torch.OutOfMemoryError, RuntimeError):
+        return DeviceOutOfMemoryError(message, report)
+    cls = _with_class(type(error))
+    if cls is not None:
+        try:
+            explained = BaseException.__new__(cls, message)
+        except TypeError:  # a __new__ of base's own that BaseException's cannot stand in for
+            pass
+        else:
+            # Its notes stay on error, shown as the cause's, as for torch's own class.
+            explained.__dict__.update((k, v) for k, v in vars(error).items() if k != "__notes__")
+            explained.__dict__["report"] = report
+            return explained
+    add_note(error, f"devicekit.explain_oom:\n{message}")
+    with contextlib.suppress(AttributeError, TypeError):  # a class that refuses attributes
+        error.report = report  # type: ignore[attr-defined]
+    return None
 
 
 class _Explained:
@@ -177,7 +257,10 @@ class _ExplainOOM:
                     f"devicekit.explain_oom: a host allocation failed (MemoryError).\n{report}",
                 )
                 return False
-            raise DeviceOutOfMemoryError(str(report), report) from error
+            explained = _explained_error(error, report)
+            if explained is None:
+                return False
+            raise explained from error
         finally:
             if self._started:
                 _record_history(enabled=None)
@@ -260,7 +343,12 @@ def explain_oom(
     [`DeviceOutOfMemoryError`][devicekit.DeviceOutOfMemoryError] from it: a subclass of
     ``torch.OutOfMemoryError``, so existing handlers still catch it, whose
     message is the report and whose ``report`` is an [`OOMReport`][devicekit.OOMReport].
-    torch's error and its traceback stay attached as ``__cause__``. Python's
+    torch's error and its traceback stay attached as ``__cause__``, and its
+    first line ends the message (``original message: CUDA out of memory.
+    ...``), so the retry loops of accelerate, Lightning and transformers,
+    which look for torch's words, still retry. An error of another class
+    than torch's own (a subclass of it) becomes an instance of that class
+    too, with its attributes, so ``except`` on that class still catches it. Python's
     ``MemoryError`` (the host's memory: NumPy, ``bytearray``, a list) stays a
     ``MemoryError``, so ``except MemoryError`` still catches it, and gets the
     report of the CPU's memory as a note (Python 3.11 and later; logged on

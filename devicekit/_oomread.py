@@ -27,13 +27,14 @@ from ._fixes import counted_twice, rank_fixes, unattributed_margin
 from ._format import (
     first_line,
     safe_text,
+    shorten,
 )
 from ._frames import first_user_location
 from ._gpuinfo import GPUProcess
 from ._gpus import gpu
 from ._hostmemory import host_memory, with_limit_fix
 from ._memory import cuda_bytes
-from ._oomreport import AllocationSite, OOMReport
+from ._oomreport import MESSAGE_LIMIT, AllocationSite, OOMReport
 from ._oomtext import OOMText, parse_oom
 from ._visible import torch_cuda_initialized
 
@@ -222,10 +223,10 @@ def build_report(
     # No CUDA tensor can live in a process that has not started CUDA: counting
     # none there would claim the message's allocated bytes are held by no tensor.
     counted = not (target.type == "cuda" and not torch_cuda_initialized())
-    headline = first_line(error)
+    headline = shorten(first_line(error), MESSAGE_LIMIT)  # the whole text stays on error
     report = OOMReport(
         device=str(target),
-        message=safe_text(headline),
+        message=shorten(safe_text(headline), MESSAGE_LIMIT),
         requested=parsed.requested,
         total=total,
         free=free,

@@ -1,6 +1,9 @@
 """``OOMReport``: where a device's memory was when it ran out, and what to do about it.
 
 The result and how it reads (text, HTML, plain data); `_oomread` fills it in.
+Its text ends with the error's own first line, so a ``DeviceOutOfMemoryError``
+whose message is the report still has torch's words in it: the retry loops of
+accelerate, Lightning and transformers look for them in ``args[0]``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from ._format import (
 )
 from ._gpuinfo import GPUProcess
 
-__all__ = ["AllocationSite", "OOMReport"]
+__all__ = ["MESSAGE_LIMIT", "AllocationSite", "OOMReport"]
+
+# The most of the error's first line a report keeps: torch's longest (CUDA's, with a
+# dozen processes listed) is about 1,100 characters; a 2 MB message made 2 MB of JSON.
+MESSAGE_LIMIT = 2000
 
 
 def _bytes(value: int | None) -> str:
@@ -46,7 +53,10 @@ class OOMReport:
 
     Attributes:
         device: Such as ``"cuda:0"`` or ``"cpu"``.
-        message: The first line of torch's message.
+        message: The first line of torch's message (of the error's, for
+            Python's ``MemoryError``), at most ``MESSAGE_LIMIT`` (2,000)
+            characters: a longer one is cut, ending in ``...``. The whole
+            text stays on the error (``__cause__`` of a ``DeviceOutOfMemoryError``).
         requested: Bytes the failed allocation asked for.
         total: The device's memory (for the CPU: the machine's, or the
             process's own limit where that binds first: ``limit``).
@@ -239,6 +249,9 @@ class OOMReport:
             lines += [f"  {_bytes(s.bytes):>11}  {s.location}" for s in self.allocation_sites]
         lines.append("fixes, most promising first:")
         lines += [f"  {number}. {fix}" for number, fix in enumerate(self.fixes, 1)]
+        # Last, so the headline stays first; there, so that checks for torch's words
+        # (accelerate's `should_reduce_batch_size`, Lightning's `is_oom_error`) find them.
+        lines.append(f"original message: {self.message}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

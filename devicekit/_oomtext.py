@@ -21,7 +21,11 @@ but divides by 1024 all the same):
 - CPU: ``DefaultCPUAllocator: can't allocate memory: you tried to allocate 123
   bytes. Error code 12 (Cannot allocate memory)`` (``not enough memory`` on Windows).
 - Outside the caching allocator: ``CUDA error: out of memory`` (a kernel, a
-  context) and ``CUBLAS_STATUS_ALLOC_FAILED`` (cuBLAS's workspace).
+  context; ``HIP error: out of memory`` or ``hipErrorOutOfMemory`` on ROCm), and
+  the libraries' codes for a workspace or handle they could not allocate:
+  ``CUBLAS_STATUS_ALLOC_FAILED``, ``CUSOLVER_STATUS_ALLOC_FAILED``,
+  ``CUSPARSE_STATUS_ALLOC_FAILED``, ``CUFFT_ALLOC_FAILED``, ``cuDNN error:
+  CUDNN_STATUS_ALLOC_FAILED`` and their ``HIP...`` twins.
 - NumPy's ``MemoryError``: ``Unable to allocate 4.00 EiB for an array with
   shape (4611686018427387904,) and data type uint8`` (binary units up to EiB).
 
@@ -50,11 +54,16 @@ _SCALE = {
     "P": 2**50,
     "E": 2**60,
 }
-_OOM_WORDS = (
-    "out of memory",
-    "can't allocate memory",
-    "not enough memory: you tried to allocate",
-    "CUBLAS_STATUS_ALLOC_FAILED",
+# What torch's out-of-memory messages say, each as its source words it: a RuntimeError
+# that merely mentions memory ("out of memory budget") is the caller's own error.
+_OOM_MESSAGE = re.compile(
+    r"\b(?:CUDA|HIP|XPU) out of memory\."  # the caching allocators (HIP: ROCm's torch)
+    r"|\bMPS backend out of memory\b"
+    r"|\b(?:CUDA|HIP) error: out of memory\b"  # the runtime's own: a kernel, a context
+    r"|\bhipErrorOutOfMemory\b|\bcudaErrorMemoryAllocation\b"
+    r"|\bDefaultCPUAllocator: (?:can't allocate memory|not enough memory)\b"
+    # cuBLAS, cuSOLVER, cuSPARSE, cuFFT, cuDNN and their HIP twins: a workspace or handle
+    r"|\b(?:CU|HIP)[A-Z]*_(?:STATUS_)?ALLOC_FAILED\b"
 )
 
 
@@ -79,7 +88,8 @@ _RESERVED = _pattern(r"{size} reserved in total by PyTorch")
 _THIS_PROCESS = _pattern(r"this process has {size} memory in use")
 _PROCESS = _pattern(r"Process (\d+) has {size} memory in use")
 _KINDS = (
-    ("cuda", re.compile(r"\bCUDA\b|CUBLAS|\bHIP\b")),  # ROCm's torch says HIP; its device is cuda
+    # ROCm's torch says HIP, its device is cuda; the libraries' codes name no device
+    ("cuda", re.compile(r"\bCUDA\b|\bHIP\b|\bhipError|\b(?:CU|HIP)[A-Z]*_(?:STATUS_)?ALLOC_F")),
     ("xpu", re.compile(r"\bXPU\b")),
     ("mps", re.compile(r"\bMPS\b")),
     ("cpu", re.compile(r"CPUAllocator")),
@@ -113,6 +123,11 @@ class OOMText(NamedTuple):
 def is_oom(error: BaseException) -> bool:
     """Whether ``error`` is an out-of-memory error of torch, old or new, on any device.
 
+    ``torch.OutOfMemoryError`` by its type; a ``RuntimeError`` only by one of
+    the messages torch, the CUDA and HIP runtimes, their libraries' ``..._ALLOC_FAILED``
+    codes, MPS, XPU and the CPU allocator really write (the module's list): the
+    words "out of memory" alone are not enough.
+
     Examples:
         >>> import torch
         >>> from devicekit._oomtext import is_oom
@@ -120,13 +135,14 @@ def is_oom(error: BaseException) -> bool:
         True
         >>> is_oom(RuntimeError("CUDA error: out of memory")), is_oom(ValueError("out of memory"))
         (True, False)
+        >>> is_oom(RuntimeError("expected Float but found Half (out of memory budget)"))
+        False
     """
     if isinstance(error, torch.OutOfMemoryError):
         return True
     if not isinstance(error, RuntimeError):
         return False
-    text = str(error)
-    return any(word in text for word in _OOM_WORDS)
+    return _OOM_MESSAGE.search(str(error)) is not None
 
 
 def _bytes(match: re.Match[str] | None, group: int = 1) -> int | None:

@@ -174,6 +174,30 @@ def test_other_errors_are_the_caller_s() -> None:
         dk.find_batch_size(step)
 
 
+def test_a_runtime_error_that_only_mentions_memory_is_the_caller_s() -> None:
+    # Not torch's words: a size too big would end the search early on a bug of fn's.
+    calls: list[int] = []
+
+    def step(batch_size: int) -> None:
+        calls.append(batch_size)
+        if batch_size > 4:
+            raise RuntimeError("expected scalar type Float but found Half (out of memory budget)")
+
+    with pytest.raises(RuntimeError, match=r"found Half \(out of memory budget\)") as caught:
+        dk.find_batch_size(step)
+    assert not isinstance(caught.value, torch.OutOfMemoryError)
+    assert calls == [1, 2, 4, 8]  # raised at once, not tried again as too big
+
+
+def test_meta_is_refused_nothing_runs_out_of_memory_there() -> None:
+    step = Step(48)
+    with pytest.raises(ValueError, match=r"device='meta', where tensors have shapes but no memory"):
+        dk.find_batch_size(step, device="meta")
+    with pytest.raises(ValueError, match=r"pass the device fn's step runs on"):
+        dk.find_batch_size(step, device=torch.device("meta"))
+    assert step.calls == []
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
 def test_an_error_of_fn_s_own_says_which_size_raised_it() -> None:
     def step(batch_size: int) -> None:
@@ -844,7 +868,6 @@ def test_where_no_bound_can_be_set_the_cpu_needs_max_size(
     with pytest.raises(ValueError, match=fix):
         dk.find_batch_size(Step(48))  # no accelerator: the trials run on the CPU
     assert dk.find_batch_size(Step(48), max_size=1000) == 48
-    assert dk.find_batch_size(Step(48), device="meta") == 48  # not the CPU: not refused
 
 
 _README_LINE = """

@@ -28,7 +28,30 @@ def test_free_memory_without_cuda_collects_garbage_and_says_so() -> None:
     )
     assert result["devices"] == []
     assert result["collected"] >= 100  # the cycles del could not free
-    assert result["note"] == "CUDA is not initialized in this process: no GPU memory"
+    assert result["note"] == (
+        "CUDA is not initialized in this process: no GPU memory"
+        if torch.version.cuda or torch.version.hip
+        else f"this torch build ({torch.__version__}) has no CUDA: no GPU memory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cuda", "hip", "note"),
+    [
+        (None, None, "this torch build ({}) has no CUDA: no GPU memory"),
+        ("12.4", None, "CUDA is not initialized in this process: no GPU memory"),
+        (None, "6.2", "CUDA is not initialized in this process: no GPU memory"),  # ROCm
+    ],
+)
+def test_free_memory_says_when_the_build_has_no_cuda(
+    monkeypatch: pytest.MonkeyPatch, cuda: str | None, hip: str | None, note: str
+) -> None:
+    # "Not initialized" on a build that has no CUDA sends the user looking for how to start it.
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA started in this process: free_memory reports on it")
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert dk.free_memory().note == note.format(torch.__version__)
 
 
 def test_free_memory_refuses_an_empty_device_list() -> None:

@@ -1057,3 +1057,151 @@ def test_a_cgroup_without_a_limit_or_unreadable_leaves_the_machine_s_numbers(
     report = caught.value.report
     assert report is not None
     assert (report.total, report.free, report.limit) == (64 * GiB, 32 * GiB, None)
+
+
+# torch's wording, and the words a RuntimeError may merely mention
+@pytest.mark.parametrize(
+    "text",
+    [
+        "HIP out of memory. Tried to allocate 432.00 MiB. GPU 0 has a total capacity of 15.92 GiB",
+        "HIP error: out of memory\nHIP kernel errors might be asynchronously reported",
+        "HIP error: hipErrorOutOfMemory",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`",
+        "CUDA error: CUFFT_ALLOC_FAILED",
+        "hipblas error: HIPBLAS_STATUS_ALLOC_FAILED when calling `hipblasCreate(handle)`",
+    ],
+)
+def test_every_wording_of_torch_and_its_libraries_is_out_of_memory(text: str) -> None:
+    assert is_oom(RuntimeError(text))
+    assert parse_oom(text).kind == "cuda"  # ROCm's and the libraries' too: a GPU's
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "expected scalar type Float but found Half (out of memory budget)",
+        "out of memory",
+        "my cache ran out of memory; call clear()",
+        "Trying to allocate a tensor too big for memory",
+        "CUDA out of memory budget exceeded by the user's own check",
+    ],
+)
+def test_a_runtime_error_that_mentions_memory_is_not_an_oom(text: str) -> None:
+    assert not is_oom(RuntimeError(text))
+    error = RuntimeError(text)
+    with pytest.raises(RuntimeError) as caught, dk.explain_oom():
+        raise error
+    assert caught.value is error  # passed through untouched, not "cpu is out of memory"
+
+
+@pytest.mark.parametrize(("text", "raised"), [(CUDA, torch.OutOfMemoryError), (CPU, RuntimeError)])
+def test_the_error_keeps_torch_s_words_in_its_one_argument(
+    text: str, raised: type[Exception]
+) -> None:
+    # accelerate, Lightning and transformers retry a smaller batch on `len(e.args) == 1`
+    # and torch's words in e.args[0]; the report's headline stays first.
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise raised(text)
+    error = caught.value
+    assert isinstance(error, RuntimeError)
+    assert len(error.args) == 1
+    assert text in error.args[0]
+    assert str(error) == error.args[0] == str(error.report)
+    assert str(error).splitlines()[0] == error.report.headline()  # type: ignore[union-attr]
+    assert str(error).splitlines()[-1] == f"original message: {text}"
+
+
+def test_the_report_keeps_at_most_the_limit_of_torch_s_message() -> None:
+    huge = CUDA + " " + "x" * 2_000_000
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
+        raise torch.OutOfMemoryError(huge)
+    report = caught.value.report
+    assert report is not None
+    assert len(report.message) == 2000
+    assert report.message.startswith(CUDA)
+    assert report.message.endswith("...")
+    assert len(json.dumps(report.to_dict())) < 10_000  # was 2 MB: the whole message
+    assert caught.value.__cause__ is not None
+    assert str(caught.value.__cause__) == huge  # the whole text is still there
+
+
+class MyOOM(torch.OutOfMemoryError):
+    """A user's own out-of-memory error, with an attribute and its own signature."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {super().__str__()}"
+
+
+def raise_my_oom() -> None:
+    error = MyOOM(CUDA, 7)
+    error.add_note("batch 64")
+    raise error
+
+
+@pytest.mark.parametrize("handler", [MyOOM, torch.OutOfMemoryError, dk.DeviceOutOfMemoryError])
+def test_a_subclass_of_torch_s_error_is_still_caught_as_itself(handler: type[Exception]) -> None:
+    with pytest.raises(handler) as caught:
+        dk.explain_oom(raise_my_oom)()
+    error = caught.value
+    assert isinstance(error, MyOOM)
+    assert isinstance(error, dk.DeviceOutOfMemoryError)
+    assert error.step == 7  # the user's attributes come along
+    assert error.report is not None
+    assert error.report.requested == 20 * MiB
+    assert isinstance(error.__cause__, MyOOM)  # the original, as raised
+    assert not isinstance(error.__cause__, dk.DeviceOutOfMemoryError)
+    if sys.version_info >= (3, 11):
+        assert error.__cause__.__notes__ == ["batch 64"]  # shown once, with the cause
+        assert not hasattr(error, "__notes__")
+    # The message is the report with the original's words (its own __str__), not the original's.
+    assert str(error).startswith("cuda:0 is out of memory, asked for 20.00 MiB")
+    assert str(error).endswith(f"original message: step 7: {CUDA}")
+    assert type(error).__name__ == "DeviceOutOfMemoryError[MyOOM]"
+
+
+def test_the_subclass_s_error_is_one_class_and_pickles_with_its_attributes() -> None:
+    errors = []
+    for _ in range(2):
+        with pytest.raises(MyOOM) as caught:
+            dk.explain_oom(raise_my_oom)()
+        errors.append(caught.value)
+    assert type(errors[0]) is type(errors[1])
+    copied = pickle.loads(pickle.dumps(errors[0]))
+    assert type(copied) is type(errors[0])
+    assert copied.step == 7
+    assert copied.args == errors[0].args
+    assert copied.report is not None
+    assert copied.report.headline() == errors[0].report.headline()  # type: ignore[attr-defined]
+    assert copy.copy(errors[0]).step == 7
+
+
+def test_torch_s_own_subclass_is_still_caught_as_itself() -> None:
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch 2.8 and later
+    if accelerator_error is None:
+        pytest.skip("torch.AcceleratorError is new in torch 2.8")
+    with pytest.raises(accelerator_error) as caught, dk.explain_oom():
+        raise accelerator_error("CUDA error: out of memory")
+    assert isinstance(caught.value, dk.DeviceOutOfMemoryError)
+    assert caught.value.report is not None  # type: ignore[attr-defined]
+
+
+def test_a_class_that_cannot_be_combined_keeps_the_original_with_the_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Python refuses some bases (a metaclass's or __init_subclass__'s veto): the user's
+    # error is kept as raised, so every handler that caught it still does.
+    monkeypatch.setattr(_oom, "_with_class", lambda base: None, raising=False)
+    original = MyOOM(CUDA, 7)
+    with pytest.raises(MyOOM) as caught, dk.explain_oom():
+        raise original
+    assert caught.value is original
+    assert caught.value.report.requested == 20 * MiB  # type: ignore[attr-defined]
+    if sys.version_info >= (3, 11):
+        assert caught.value.__notes__[-1].startswith(
+            "devicekit.explain_oom:\ncuda:0 is out of memory, asked for 20.00 MiB"
+        )
