@@ -148,7 +148,7 @@ class _Parser(argparse.ArgumentParser):
         try:
             super()._check_value(action, value)
         except argparse.ArgumentError as error:
-            guess = close_match(str(value), [str(choice) for choice in action.choices or ()])
+            guess = _guess(str(value), [str(choice) for choice in action.choices or ()])
             fix = f"see {self.prog} --help" if guess is None else f"did you mean {guess}?"
             raise argparse.ArgumentError(action, f"{error.message}; {fix}") from None
 
@@ -204,7 +204,7 @@ class _Parser(argparse.ArgumentParser):
         guesses = []
         for word in unknown:
             written = word.partition("=")[0]
-            guess = close_match(written, parser.options) if written.startswith("-") else None
+            guess = _guess(written, parser.options) if written.startswith("-") else None
             if guess is not None:
                 guesses.append((written, guess))
         message = f"unrecognized arguments: {' '.join(unknown)}"
@@ -214,6 +214,20 @@ class _Parser(argparse.ArgumentParser):
             shown = ", ".join(f"{guess} instead of {written}" for written, guess in guesses)
             message += f" (did you mean {shown}?)"
         parser.error(f"{message}; see {parser.prog} --help")
+
+
+def _guess(word: str, known: list[str]) -> str | None:
+    """The known word ``word`` most likely misspells: ``--json`` for ``--JSON`` or ``--jsn``.
+
+    difflib compares letters as written, so a word in the wrong case matched
+    nothing (``--JSON``) while one with a letter missing did.
+    """
+    lower = {k.lower(): k for k in known}
+    exact = lower.get(word.lower())
+    if exact is not None and exact != word:
+        return exact
+    guess = close_match(word.lower(), list(lower))
+    return None if guess is None else lower[guess]
 
 
 def _is_id_option(word: str) -> bool:

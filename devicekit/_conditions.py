@@ -14,8 +14,8 @@ import torch
 from . import _gpus
 from ._contention import CpuWindow, contended
 from ._errors import DeviceNotFoundError
-from ._findings import ENVIRONMENTAL, environmental
 from ._format import format_count, html_table, plain_fields, plural, safe_text
+from ._gpufindings import ENVIRONMENTAL, environmental
 from ._gpuinfo import GPUInfo, GPUProcess
 from ._options import check_count, check_number, got, short_repr
 

@@ -9,11 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _envfindings, _findings, _nvml
+from . import _envfindings, _findings, _gpufindings, _nvml
 from ._findings import Finding
 from ._format import html_table, plural
 from ._gpuinfo import GPUInfo
-from ._nvmlstart import TIMEOUT_VAR, start_timeout
 from ._status import status
 from ._visible import cuda_started
 
@@ -96,13 +95,44 @@ def _persistence(infos: list[GPUInfo]) -> list[Finding]:
 
 def _unchecked(nvml_error: str | None, cuda_devices: int) -> list[Finding]:
     """What doctor could not look at, so that "nothing wrong found" is never said unchecked."""
-    try:
-        start_timeout()
-    except ValueError:
-        # The user's own variable turned NVML off: name it, with its fix, whatever the build.
-        return [_findings.bad_nvml_timeout(os.environ.get(TIMEOUT_VAR, ""))]
     finding = _findings.unchecked(nvml_error, cuda_devices)
     return [] if finding is None else [finding]
+
+
+# What each per-GPU check reads, and what it checks: a None there leaves it unchecked.
+_READINGS = (
+    ("processes", "processes", "other processes"),
+    ("throttle_reasons", "clock reasons", "held clocks"),
+    ("temperature", "temperature", "heat"),
+    ("memory_free", "free memory", "low memory"),
+)
+
+
+def _unread(info: GPUInfo) -> Finding | None:
+    """What doctor could not check on a GPU NVML answered for, so silence is not "all clear".
+
+    A GPU NVML cannot read at all has its own error finding ("cannot be read").
+    """
+    if info.torch_index is None or info.error is not None:
+        return None
+    unread = [
+        (reading, check) for field, reading, check in _READINGS if getattr(info, field) is None
+    ]
+    if not unread:
+        return None
+    return Finding(
+        "info",
+        f"{info.device} not fully checked: NVML cannot read its {_join([r for r, _ in unread])}",
+        f"so doctor could not check it for {_join([c for _, c in unread])}; NVML answers "
+        "'not supported' or 'no permission' for these on some GPUs and drivers (MIG instances, "
+        "containers, consumer GPUs)",
+        "nothing to fix if this GPU or driver cannot report them; nvidia-smi -q -i "
+        f"{info.nvml_index} shows what the driver reports",
+    )
+
+
+def _join(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _this_process() -> list[Finding]:
@@ -152,9 +182,11 @@ def doctor() -> Diagnosis:
     a ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` that torch refuses
     (an error: the first CUDA allocation raises) or reads differently than
     written, or both set to different settings; a ``DEVICEKIT_CLAIMS_DIR``
-    that is relative or cannot hold claims; and, when NVML cannot be read
-    (or ``$DEVICEKIT_NVML_TIMEOUT`` is malformed), that the GPUs went
-    unchecked, rather than "nothing wrong found". The launch and allocator
+    that is relative or cannot hold claims; a malformed
+    ``$DEVICEKIT_NVML_TIMEOUT`` (the default bound holds meanwhile); and,
+    when NVML cannot be read, or reads no processes, clocks, temperature or
+    free memory for a GPU, what went unchecked, rather than "nothing wrong
+    found". The launch and allocator
     variables' findings are information only on a torch build without CUDA
     or ROCm, where nothing reads them. Never initializes CUDA.
 
@@ -174,13 +206,14 @@ def doctor() -> Diagnosis:
 
     findings = [
         *snapshot.findings,
-        *each_gpu(_findings.busy),
-        *each_gpu(_findings.held_clocks),
-        *each_gpu(_findings.hot),
+        *each_gpu(_gpufindings.busy),
+        *each_gpu(_gpufindings.held_clocks),
+        *each_gpu(_gpufindings.hot),
         *_persistence(list(snapshot.gpus)),
         *_this_process(),
         *_jupyter(),
-        *each_gpu(_findings.low_memory),
+        *each_gpu(_gpufindings.low_memory),
+        *each_gpu(_unread),
         # Read from the environment alone; on a build without CUDA or ROCm, information only.
         *_envfindings.environment(
             os.environ, snapshot.torch, snapshot.torch_build.startswith(("CUDA ", "ROCm "))

@@ -3,65 +3,47 @@
 A judgement is a function of plain facts (a variable's value, a GPU
 snapshot, the torch build) that returns a [`Finding`][devicekit.Finding], or None when there
 is nothing to say. [`Status`][devicekit.Status] shows the ones about what this
-process can use; [`doctor()`][devicekit.doctor] adds the ones about speed.
+process can use; [`doctor()`][devicekit.doctor] adds the ones about speed
+(those of one GPU are in `_gpufindings`).
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from ._format import UNKNOWN, format_bytes, format_percent, format_value, plural, safe_text
+from ._format import (
+    UNKNOWN,
+    html_table,
+    plural,
+    safe_text,
+)
 from ._gpuinfo import GPUInfo
-from ._nvmlstart import DEFAULT_TIMEOUT, TIMEOUT_VAR
+from ._nvmlstart import DEFAULT_TIMEOUT, TIMEOUT_VAR, timeout_seconds
 from ._options import short_repr
 from ._visible import ENV_VAR, misreading, parse_visible_devices, read_as
 
 __all__ = [
+    "SEVERITIES",
     "Finding",
     "Severity",
     "bad_nvml_timeout",
-    "busy",
     "device_order",
     "driver_too_old",
-    "environmental",
-    "held_clocks",
-    "hot",
-    "is_hot",
-    "is_low_on_memory",
-    "lost",
-    "low_memory",
     "models",
     "names_no_gpu",
     "no_gpu",
     "no_gpu_reason",
     "torch_cannot_use_gpus",
     "unchecked",
-    "unreadable",
     "visibility",
 ]
 
 Severity = Literal["error", "warning", "info"]
-LOW_MEMORY = 2 * 2**30  # bytes free below which typical work will not fit
-# Busy data-centre GPUs run at 30 to 75 °C and slow themselves down in the high
-# 80s (each board's "GPU Slowdown Temp" in `nvidia-smi -q`), so 85 °C flags a GPU
-# that is close to throttling. (NVML reports each board's own slowdown
-# temperature, but GPUInfo does not carry it yet.)
-HOT_CELSIUS = 85
-
-# Throttle reasons that mean the environment, not the workload, slowed the GPU down.
-ENVIRONMENTAL = {
-    "sw_thermal": "thermal slowdown",
-    "hw_thermal": "thermal slowdown",
-    "hw_slowdown": "hardware slowdown",
-    "power_brake": "external power brake",
-    "board_limit": "board limit",
-    "reliability": "reliability limit",
-}
+SEVERITIES: tuple[Severity, ...] = get_args(Severity)
 
 
 @dataclass(frozen=True)
@@ -81,12 +63,26 @@ class Finding:
     detail: str
     fix: str
 
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(
+                f"Finding(severity={self.severity!r}): expected one of "
+                f"{', '.join(map(repr, SEVERITIES))}: 'error' where GPU work fails, "
+                "'warning' where it is slow or fragile, 'info' otherwise"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return asdict(self)
 
     def __str__(self) -> str:
         return f"{self.title}: {self.detail}. Fix: {self.fix}."
+
+    def _repr_html_(self) -> str:
+        return html_table(
+            [(self.severity, f"{self.title}\n{self.detail}", self.fix)],
+            header=("severity", "finding", "fix"),
+        )
 
 
 def visibility(raw: str | None, gpus_on_machine: int) -> Finding | None:
@@ -346,119 +342,32 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
-def busy(info: GPUInfo) -> Finding | None:
-    """Other processes hold a context on a GPU this process can see."""
-    others = [p for p in info.processes or () if p.pid != os.getpid()]
-    if info.torch_index is None or not others:
-        return None
-    shown = ", ".join(str(p) for p in others)
-    return Finding(
-        "warning",
-        f"{info.device} is busy with {plural(len(others), 'other process')}",
-        f"{shown}; utilization {format_percent(info.utilization)}",
-        "wait, use another GPU (dk.pick_gpu()), or stop them; timings taken now mislead",
-    )
-
-
-# --- the facts each judgement rests on, shared with job_status and benchmark --------------
-
-
-def environmental(reasons: Iterable[str] | None) -> list[str]:
-    """The throttle reasons that are the environment's doing (heat, power), in order."""
-    return [reason for reason in reasons or () if reason in ENVIRONMENTAL]
-
-
-def is_hot(info: GPUInfo) -> bool:
-    """At or above ``HOT_CELSIUS``: close to slowing itself down."""
-    return info.temperature is not None and info.temperature >= HOT_CELSIUS
-
-
-def is_low_on_memory(info: GPUInfo) -> bool:
-    """Less free memory than typical work needs (``LOW_MEMORY``); False when unknown."""
-    return info.memory_free is not None and info.memory_free < LOW_MEMORY
-
-
-# --- per GPU ---------------------------------------------------------------------------------
-
-
-def held_clocks(info: GPUInfo) -> Finding | None:
-    """The environment (heat, power delivery), not the workload, holds the clocks down."""
-    reasons = environmental(info.throttle_reasons)
-    if info.torch_index is None or not reasons:
-        return None
-    return Finding(
-        "warning",
-        f"{info.device} clocks are held down: {', '.join(reasons)}",
-        f"SM clock {info.clock_text()}, {format_value(info.temperature, '°C')}",
-        "check cooling and power; results until then are slower than the GPU can do",
-    )
-
-
-def hot(info: GPUInfo) -> Finding | None:
-    """A GPU this process can see runs close to the temperature where it slows itself down."""
-    if info.torch_index is None or not is_hot(info):
-        return None
-    return Finding(
-        "warning",
-        f"{info.device} runs hot: {info.temperature} °C",
-        f"at {HOT_CELSIUS} °C and above, a GPU is close to slowing itself down",
-        "check the machine's airflow and fans; results taken now may be slower than the GPU can do",
-    )
-
-
-def low_memory(info: GPUInfo) -> Finding | None:
-    """Too little free memory on a GPU this process can see for typical work."""
-    if info.torch_index is None or not is_low_on_memory(info):
-        return None
-    return Finding(
-        "warning",
-        f"{info.device} has little free memory",
-        f"{format_bytes(info.memory_free)} of {format_bytes(info.memory_total)} free",
-        "free it (dk.free_memory() in the process holding it), or use another GPU",
-    )
-
-
-def unreadable(info: GPUInfo) -> Finding | None:
-    """NVML cannot read a GPU this process can see at all: it is lost, or needs a reset."""
-    if info.torch_index is None or info.error is None:
-        return None
-    return lost(str(info.device), info.error)
-
-
-def lost(where: str, reason: str) -> Finding:
-    """A GPU that stopped answering the driver; ``where`` names it (``"cuda:0"``).
-
-    Examples:
-        >>> print(lost("cuda:1", "NVML says the GPU is lost").title)
-        cuda:1 cannot be read
-    """
-    return Finding(
-        "error",
-        f"{where} cannot be read",
-        safe_text(reason),
-        "look for Xid errors in the kernel log (sudo dmesg | grep -i xid); reset the GPU "
-        "(sudo nvidia-smi -r -i <nvml index>) or reboot; if it happens again, check its "
-        "power and cooling",
-    )
-
-
 # --- what doctor could not look at ---------------------------------------------------------
 
 
-def bad_nvml_timeout(raw: str) -> Finding:
-    """``$DEVICEKIT_NVML_TIMEOUT`` is no number of seconds, so devicekit starts no NVML.
+def bad_nvml_timeout(raw: str | None) -> Finding | None:
+    """``$DEVICEKIT_NVML_TIMEOUT`` is no number of seconds, so devicekit waits the default.
+
+    Args:
+        raw: The variable as written, or None when unset.
 
     Examples:
         >>> print(bad_nvml_timeout("1min").fix)
-        set DEVICEKIT_NVML_TIMEOUT to seconds above 0, such as 60, or unset it for the default, 30
+        set DEVICEKIT_NVML_TIMEOUT to seconds above 0, such as 60, or inf for no bound, or \
+unset it for the default, 30
+        >>> bad_nvml_timeout("60") is None, bad_nvml_timeout(None) is None
+        (True, True)
     """
+    text = (raw or "").strip()
+    if not text or timeout_seconds(text) is not None:
+        return None
     return Finding(
         "warning",
         f"{TIMEOUT_VAR} is not a number of seconds above 0",
-        f"{TIMEOUT_VAR}={safe_text(repr(raw))}: until it is, devicekit starts no NVML, so no "
-        "GPU's processes, clocks, temperature or memory is read or checked",
-        f"set {TIMEOUT_VAR} to seconds above 0, such as 60, or unset it for the default, "
-        f"{DEFAULT_TIMEOUT:g}",
+        f"{TIMEOUT_VAR}={safe_text(repr(raw))}: devicekit waits the default {DEFAULT_TIMEOUT:g} s "
+        "instead for NVML to start or to read a GPU",
+        f"set {TIMEOUT_VAR} to seconds above 0, such as 60, or inf for no bound, or unset it for "
+        f"the default, {DEFAULT_TIMEOUT:g}",
     )
 
 

@@ -6,11 +6,14 @@ renders them, in the units and spellings of `_format`.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._format import (
     UNKNOWN,
+    close_match,
     format_bytes,
     format_count,
     format_percent,
@@ -54,6 +57,15 @@ class GPUProcess:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return plain_fields(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GPUProcess:
+        """Rebuild a process from [`to_dict()`][devicekit.GPUProcess.to_dict]'s output.
+
+        As [`GPUInfo.from_dict`][devicekit.GPUInfo.from_dict]: a missing or
+        unknown key is a ``ValueError``, a wrong type a ``TypeError``.
+        """
+        return cls(**_checked_fields(cls, data, _PROCESS_KINDS))
 
     def __repr__(self) -> str:
         where = "" if self.pid_visible else ", in another PID namespace"
@@ -159,13 +171,37 @@ class GPUInfo:
         return plain_fields(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GPUInfo:
-        """Rebuild a snapshot from [`to_dict()`][devicekit.GPUInfo.to_dict]'s output."""
-        fields = dict(data)
+    def from_dict(cls, data: Mapping[str, Any]) -> GPUInfo:
+        """Rebuild a snapshot from [`to_dict()`][devicekit.GPUInfo.to_dict]'s output.
+
+        Checked as ``Measurement.from_dict`` checks its document: a key this
+        version does not know (a typo, or a field a newer devicekit added) is
+        refused rather than dropped without a word; ``energy`` and ``error``
+        (added later) may be left out, and are then None.
+
+        Raises:
+            ValueError: A key is missing or unknown (the message names each one).
+            TypeError: ``data`` is not a dict, or a value has the wrong type
+                (``throttle_reasons`` given as one string, memory as ``"80GB"``).
+
+        Examples:
+            >>> import devicekit as dk
+            >>> info = dk.GPUInfo.from_dict(_EXAMPLE)
+            >>> info.throttle_reasons, info.processes
+            (('idle',), ())
+        """
+        fields = _checked_fields(cls, data, _GPU_KINDS)
         if fields.get("throttle_reasons") is not None:
             fields["throttle_reasons"] = tuple(fields["throttle_reasons"])
         if fields.get("processes") is not None:
-            fields["processes"] = tuple(GPUProcess(**p) for p in fields["processes"])
+            fields["processes"] = tuple(
+                GPUProcess(
+                    **_checked_fields(
+                        GPUProcess, p, _PROCESS_KINDS, where=f"GPUInfo.from_dict: processes[{i}]"
+                    )
+                )
+                for i, p in enumerate(fields["processes"])
+            )
         return cls(**fields)
 
     # --- text --------------------------------------------------------------------------
@@ -241,3 +277,111 @@ class GPUInfo:
 
     def _repr_html_(self) -> str:
         return html_table(self.rows(), caption=f"GPUInfo: {self.device or _UNUSABLE}")
+
+
+# --- from_dict: what type each key takes ------------------------------------------------------
+
+_INT, _FLOAT, _STR, _BOOL, _STRS, _LIST = "an int", "a number", "a str", "a bool", "strs", "list"
+_GPU_KINDS: dict[str, tuple[str, bool]] = {  # key -> (kind, None allowed)
+    "torch_index": (_INT, True),
+    "nvml_index": (_INT, False),
+    **dict.fromkeys(("uuid", "name", "pci_bus_id", "compute_mode", "error"), (_STR, True)),
+    **dict.fromkeys(
+        (
+            "memory_total",
+            "memory_used",
+            "memory_free",
+            "utilization",
+            "memory_utilization",
+            "temperature",
+            "sm_clock",
+            "sm_clock_max",
+            "memory_clock",
+            "fan_speed",
+        ),
+        (_INT, True),
+    ),
+    **dict.fromkeys(("power_draw", "power_limit", "energy"), (_FLOAT, True)),
+    "throttle_reasons": (_STRS, True),
+    "mig_enabled": (_BOOL, True),
+    "processes": (_LIST, True),
+}
+_PROCESS_KINDS: dict[str, tuple[str, bool]] = {
+    "pid": (_INT, False),
+    "name": (_STR, True),
+    "used_memory": (_INT, True),
+    "kind": (_STR, False),
+    "pid_visible": (_BOOL, False),
+}
+_EXPECTED = {
+    _STRS: "a list of str, such as ['power_cap'], or None",
+    _LIST: "a list of dicts, as GPUProcess.to_dict() makes them, or None",
+}
+# A GPUInfo.to_dict() of an idle GPU, for the docstring example.
+_EXAMPLE: dict[str, Any] = {
+    **dict.fromkeys(_GPU_KINDS),
+    "nvml_index": 0,
+    "throttle_reasons": ["idle"],
+    "processes": [],
+}
+
+
+def _checked_fields(
+    cls: type, data: object, kinds: dict[str, tuple[str, bool]], *, where: str = ""
+) -> dict[str, Any]:
+    """The fields of ``cls`` in ``data``, each of the type it needs; any other key is refused."""
+    where = where or f"{cls.__name__}.from_dict"
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"{where}: expected a dict, as {cls.__name__}.to_dict() makes it, got "
+            f"{type(data).__name__}"
+        )
+    unknown = [key for key in data if key not in kinds]
+    if unknown:
+        guess = close_match(str(unknown[0]), kinds)
+        hint = f"did you mean {guess!r}? " if guess is not None else ""
+        raise ValueError(
+            f"{where}: unknown {', '.join(map(repr, unknown))}; {hint}{cls.__name__} has no such "
+            "field in this devicekit version (a document from a newer one needs that version; "
+            "otherwise drop the key)"
+        )
+    every = dataclasses.fields(cls)
+    missing = [f.name for f in every if f.default is dataclasses.MISSING and f.name not in data]
+    if missing:
+        defaulted = " and ".join(
+            repr(f.name) for f in every if f.default is not dataclasses.MISSING
+        )
+        raise ValueError(
+            f"{where}: missing {', '.join(map(repr, missing))}; pass a dict as "
+            f"{cls.__name__}.to_dict() makes it: every key but {defaulted} is required"
+        )
+    fields = {key: data[key] for key in kinds if key in data}
+    for key, value in fields.items():
+        kind, nullable = kinds[key]
+        if not (value is None and nullable) and not _is(value, kind):
+            expected = _EXPECTED.get(kind) or f"{kind}{' or None' if nullable else ''}"
+            raise TypeError(
+                f"{where}: {key!r} must be {expected}, got {value!r} of type {type(value).__name__}"
+            )
+        if kind == _FLOAT and value is not None:
+            fields[key] = float(value)
+    if cls is GPUProcess and fields["kind"] not in ("compute", "graphics"):
+        raise ValueError(f"{where}: 'kind' must be 'compute' or 'graphics', got {fields['kind']!r}")
+    return fields
+
+
+def _is(value: object, kind: str) -> bool:
+    """Whether ``value`` is of ``kind`` (a bool is no number here, as in JSON)."""
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == _INT:
+        return isinstance(value, int)
+    if kind == _FLOAT:
+        return isinstance(value, (int, float))
+    if kind == _STR:
+        return isinstance(value, str)
+    if kind == _STRS:
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    return isinstance(value, (list, tuple))

@@ -31,7 +31,6 @@ from ._dist import (
     validated_timeout,
     warn_if_launched_alone,
 )
-from ._findings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
 from ._format import (
     NOT_APPLICABLE,
     UNKNOWN,
@@ -45,6 +44,7 @@ from ._format import (
     safe_text,
     text_table,
 )
+from ._gpufindings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
 from ._gpuinfo import GPUInfo
 from ._gpus import gpu
 from ._keywords import suggest_keywords

@@ -26,6 +26,7 @@ from ._nvmlstart import (
     Starting,
     error_code,
     start_timeout,
+    timeout_problem,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "read_energy",
     "session",
     "start_timeout",
+    "timeout_problem",
 ]
 
 logger = logging.getLogger("devicekit")

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-from ._nvmlstart import DEFAULT_TIMEOUT, RETRY_AFTER, start_timeout
+from ._nvmlstart import RETRY_AFTER, start_timeout
 
 __all__ = ["IDLE_SECONDS", "Job", "bounded", "bounded_each", "calls_blocked", "read_timeout"]
 
@@ -208,14 +208,10 @@ if hasattr(os, "register_at_fork"):  # POSIX
 def read_timeout() -> float:
     """Seconds a query waits for one unit of NVML work: ``$DEVICEKIT_NVML_TIMEOUT``, else 30.
 
-    The start's bound. A value that is not a number of seconds stops NVML from
-    starting (`start_timeout` says why); set after NVML started, it leaves
-    the reads to the default rather than to no bound.
+    The start's bound, `start_timeout`: a malformed value reads as the
+    default, and one past what a wait can take as the longest wait there is.
     """
-    try:
-        return start_timeout()
-    except ValueError:
-        return DEFAULT_TIMEOUT
+    return start_timeout()
 
 
 def bounded(

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import os
 import threading
 import time
+import warnings
 from typing import Any
+
+from ._frames import caller_stacklevel
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -28,6 +30,8 @@ __all__ = [
     "error_code",
     "shutdown",
     "start_timeout",
+    "timeout_problem",
+    "timeout_seconds",
 ]
 
 # NVML's return codes for a start that failed (pynvml exposes the same numbers).
@@ -120,6 +124,7 @@ class Starting:
         self.failed_at: float | None = None
         # A start whose caller gave up waiting: its thread is still blocked in nvmlInit.
         self.blocked: Start | None = None
+        self.warned: set[str] = set()  # malformed timeouts already warned about
 
     def start(self) -> Any:
         """The started ``pynvml`` module, starting it if due; None while NVML is not usable."""
@@ -155,14 +160,8 @@ class Starting:
             self.module, self.error, self.failed_at = None, NOT_INSTALLED, None
             self.tried = True
             return
-        try:
-            timeout = start_timeout()
-        except ValueError as error:
-            # The reason NVML is unavailable, where status() and the CLI say it, rather
-            # than a traceback out of every query; read again at each one (no driver
-            # call), so a corrected variable counts at once.
-            self.module, self.error = None, str(error)
-            return
+        timeout = start_timeout()
+        self._warn_timeout()
         attempt = Start(pynvml, timeout)
         thread = threading.Thread(target=attempt.run, name="devicekit-nvml-start", daemon=True)
         try:
@@ -184,6 +183,20 @@ class Starting:
         self.blocked = attempt
         self.tried = True
 
+    def _warn_timeout(self) -> None:
+        """Warn, once per value, that ``$DEVICEKIT_NVML_TIMEOUT`` is malformed.
+
+        A typo in it used to keep NVML from starting: ``dk.gpus()`` was empty
+        and ``pick_gpu()`` the CPU, without a word. Now the default bound
+        holds, this warning names the variable, and ``dk.status()`` and
+        ``devicekit doctor`` carry it as a finding.
+        """
+        problem = timeout_problem()
+        if problem is None or problem in self.warned:
+            return
+        self.warned.add(problem)
+        warnings.warn(problem, RuntimeWarning, stacklevel=caller_stacklevel())
+
     def _take(self, attempt: Start) -> None:
         """Adopt the result of ``attempt`` once it has one; until then change nothing."""
         if not attempt.done.is_set():
@@ -201,24 +214,50 @@ class Starting:
 def start_timeout() -> float:
     """Seconds a query waits for NVML to start, or to read: ``$DEVICEKIT_NVML_TIMEOUT``, else 30.
 
-    Raises:
-        ValueError: ``$DEVICEKIT_NVML_TIMEOUT`` is not a finite number of
-            seconds above 0.
+    ``inf``, and any value past what a wait can take (``threading.TIMEOUT_MAX``,
+    about 292 years), is no bound: the wait is that long. A malformed value
+    (`timeout_problem` says why) is no reason to leave the GPUs unread: the
+    default is used, and the start warns about it.
+
+    Examples:
+        >>> import os
+        >>> os.environ.get("DEVICEKIT_NVML_TIMEOUT") is None and start_timeout() == 30.0
+        True
     """
     text = os.environ.get(TIMEOUT_VAR, "").strip()
-    if not text:
+    seconds = timeout_seconds(text)
+    if seconds is None:
         return DEFAULT_TIMEOUT
+    # Past TIMEOUT_MAX a lock's or an event's wait raises OverflowError (1e10 did, from
+    # every query): that long is no bound in practice, so wait that long.
+    return min(seconds, threading.TIMEOUT_MAX)
+
+
+def timeout_problem() -> str | None:
+    """What is wrong with ``$DEVICEKIT_NVML_TIMEOUT``, and the fix; None when it is fine or unset.
+
+    Examples:
+        >>> import os
+        >>> os.environ.get("DEVICEKIT_NVML_TIMEOUT") is None and timeout_problem() is None
+        True
+    """
+    text = os.environ.get(TIMEOUT_VAR, "").strip()
+    if not text or timeout_seconds(text) is not None:
+        return None
+    return (
+        f"{TIMEOUT_VAR}={text!r} is not a number of seconds above 0, so devicekit waits the "
+        f"default {DEFAULT_TIMEOUT:g} s for NVML to start or to read a GPU; set it to seconds "
+        "above 0, such as 60, or inf for no bound, or unset it"
+    )
+
+
+def timeout_seconds(text: str) -> float | None:
+    """``text`` as seconds above 0 (``inf`` included); None when empty or malformed."""
     try:
         seconds = float(text)
     except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(
-            f"{TIMEOUT_VAR}={text!r}: expected a finite number of seconds above 0 that a "
-            "query waits for NVML to start or to read a GPU, such as 60; unset it for the "
-            f"default, {DEFAULT_TIMEOUT:g}"
-        )
-    return seconds
+        return None
+    return seconds if seconds > 0 else None  # nan > 0 is False: nan is malformed too
 
 
 def shutdown(pynvml: Any, timeout: float) -> None:

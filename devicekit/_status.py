@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from . import _findings, _gpus, _nvml
+from . import _findings, _gpufindings, _gpus, _nvml
 from ._accelerators import accelerator_type, try_all_gpus
-from ._devices import DeviceLike, parse_cuda_index
+from ._devices import DeviceLike
 from ._errors import GPUNotFoundError
 from ._findings import Finding
 from ._format import (
@@ -43,6 +43,7 @@ SCHEMA_VERSION = 3
 """The version of [`Status.to_dict()`][devicekit.Status.to_dict]'s layout (``devicekit --json``)."""
 
 _LABEL = 22  # the width of the report's left column
+_REPR_GPUS = 3  # GPUs the repr names one by one; more are summed up by model
 _GPU_COLUMNS = (
     "device",
     "name",
@@ -138,7 +139,7 @@ class Status:
             GPUNotFoundError: This process sees no such GPU; the message lists
                 those it sees, or says why it sees none. Also a ``KeyError``.
         """
-        wanted = parse_cuda_index(index, name="index")
+        wanted = _gpus.gpu_index(index)
         for info in self.visible:
             if info.torch_index == wanted:
                 return info
@@ -238,25 +239,39 @@ class Status:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
+        machine_gpus = plural(len(self._machine), "GPU")
         if self.nvml_error is not None:
             # Without NVML nobody knows how many GPUs the machine has: never say 0, and
             # say why rather than print "? GPUs".
             machine = f"GPU count unknown: no NVML ({self.nvml_error})"
         elif self.gpus and not self._cuda_build:
-            names = ", ".join(safe_text(info.name or UNKNOWN) for info in self._machine)
+            names = [info.name for info in self._machine]
+            listed = (
+                _findings.models(names)
+                if len(names) > _REPR_GPUS
+                else ", ".join(safe_text(name or UNKNOWN) for name in names)
+            )
             machine = (
-                f"{plural(len(self._machine), 'GPU')} on the machine, which this torch build "
-                f"cannot use (no CUDA): {names}"
+                f"{machine_gpus} on the machine, which this torch build cannot use (no CUDA): "
+                f"{listed}"
+            )
+        elif len(self.gpus) > _REPR_GPUS:
+            # One line, short: each GPU's details are str()'s and the notebook table's.
+            machine = (
+                f"{machine_gpus} on the machine: "
+                f"{_findings.models(info.name for info in self._machine)}"
             )
         else:
             gpus = ", ".join(
                 f"{self._label(info)} {safe_text(info.name or UNKNOWN)}" for info in self.gpus
             )
-            count = plural(len(self._machine), "GPU")
-            machine = f"{count} on the machine{': ' + gpus if gpus else ''}"
+            machine = f"{machine_gpus} on the machine{': ' + gpus if gpus else ''}"
+        devices = self.devices
+        if len(devices) > _REPR_GPUS:
+            devices = (f"{devices[0]} to {devices[-1]}",)  # torch numbers them without gaps
         return (
             f"Status(torch {self.torch} ({self.torch_build}), devices: "
-            f"{', '.join(self.devices) or 'cpu only'}; {machine}; "
+            f"{', '.join(devices) or 'cpu only'}; {machine}; "
             f"{plural(len(self.findings), 'finding')})"
         )
 
@@ -325,8 +340,8 @@ def _gpu_block(info: GPUInfo, label: str) -> list[str]:
         f"{indent}memory {_bar(fraction)} {info.memory_text()}{share}  "
         f"util {format_percent(info.utilization)}  "
         f"memory util {format_percent(info.memory_utilization)}",
-        f"{indent}{format_value(info.temperature, '°C')}  fan {format_percent(info.fan_speed)}  "
-        f"power {info.power_text()}  SM {info.clock_text()}  "
+        f"{indent}temp {format_value(info.temperature, '°C')}  "
+        f"fan {format_percent(info.fan_speed)}  power {info.power_text()}  SM {info.clock_text()}  "
         f"memory {format_value(info.memory_clock, 'MHz')}  clocks held by: {info.held_text()}",
         f"{indent}processes: {info.processes_text()}",
         *problem,
@@ -379,10 +394,12 @@ def status() -> Status:
         _findings.driver_too_old(torch.__version__, torch.version.cuda, cuda, driver),
         _findings.visibility(raw, len(machine) + len(lost)),
         _findings.device_order(os.environ.get(_findings.ORDER_VAR)),
+        # A typo here once turned every GPU off without a word; now it is the default bound.
+        _findings.bad_nvml_timeout(os.environ.get(_nvml.TIMEOUT_VAR)),
         # "No GPU" says nothing new beside "torch is a CPU build, but ... has GPUs".
         None if wrong_build else why_none,
-        *(_findings.unreadable(info) for info in ordered),
-        *(_findings.lost(f"the GPU at NVML index {i}", why) for i, why in lost.items()),
+        *(_gpufindings.unreadable(info) for info in ordered),
+        *(_gpufindings.lost(f"the GPU at NVML index {i}", why) for i, why in lost.items()),
     ]
     return Status(
         devicekit=__version__,

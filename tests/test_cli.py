@@ -405,6 +405,12 @@ def test_bad_arguments_exit_2_with_a_readable_message(args: list[str], message: 
             "devicekit: error: unrecognized arguments: --jsn (did you mean --json?)",
         ),
         (
+            ["--JSON"],  # before: no suggestion, since difflib compares letters as written
+            "usage: devicekit [-h]",
+            "devicekit: error: unrecognized arguments: --JSON (did you mean --json?)",
+        ),
+        (["DOCTOR"], "usage: devicekit [-h]", "; did you mean doctor?"),
+        (
             ["--jsn", "doctor"],  # before the subcommand: it would take it there too
             "usage: devicekit doctor [-h]",
             "unrecognized arguments: --jsn (did you mean --json?)",

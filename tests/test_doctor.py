@@ -146,12 +146,12 @@ def test_busy_throttled_persistence_off_and_low_memory(
 def test_a_hot_gpu_is_a_warning_with_the_same_limit_as_job_status(
     nvml_session: Install, cuda_build: Callable[[str | None], None]
 ) -> None:
-    from devicekit import _findings
+    from devicekit import _gpufindings
 
     cuda_build("12.8")
-    nvml_session(FakeNVML([FakeGPU(A, temperature=_findings.HOT_CELSIUS)]))
+    nvml_session(FakeNVML([FakeGPU(A, temperature=_gpufindings.HOT_CELSIUS)]))
     assert titles(dk.doctor()) == [("warning", "cuda:0 runs hot: 85 °C")]
-    nvml_session(FakeNVML([FakeGPU(A, temperature=_findings.HOT_CELSIUS - 1)]))
+    nvml_session(FakeNVML([FakeGPU(A, temperature=_gpufindings.HOT_CELSIUS - 1)]))
     assert dk.doctor().findings == ()
 
 
@@ -289,18 +289,26 @@ def test_a_malformed_nvml_timeout_is_a_warning_not_nothing_wrong_found(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The variable turns NVML off: doctor said "nothing wrong found" about a GPU it never read.
+    # The variable turned NVML off: doctor said "nothing wrong found" about a GPU it never
+    # read, and dk.gpus() was [] without a word. Now the default bound holds, the GPU is
+    # checked (its other process found), and the variable is named once.
     nvml_session(FakeNVML([FakeGPU(A, compute=[(4242, 2**30)])]))
     cuda_build("12.4")
     monkeypatch.setenv("DEVICEKIT_NVML_TIMEOUT", "1min")
-    (finding,) = dk.doctor().findings
-    assert (finding.severity, finding.title) == (
-        "warning",
-        "DEVICEKIT_NVML_TIMEOUT is not a number of seconds above 0",
+    with pytest.warns(RuntimeWarning, match="^DEVICEKIT_NVML_TIMEOUT='1min' is not a number"):
+        diagnosis = dk.doctor()
+    timeout = "DEVICEKIT_NVML_TIMEOUT is not a number of seconds above 0"
+    assert [f.title for f in diagnosis.findings].count(timeout) == 1
+    assert "cuda:0 is busy with 1 other process" in [f.title for f in diagnosis.findings]
+    (finding,) = (f for f in diagnosis.findings if f.title == timeout)
+    assert finding.severity == "warning"
+    assert finding.detail == (
+        "DEVICEKIT_NVML_TIMEOUT='1min': devicekit waits the default 30 s instead for NVML to "
+        "start or to read a GPU"
     )
-    assert finding.detail.startswith("DEVICEKIT_NVML_TIMEOUT='1min': until it is, devicekit ")
     assert finding.fix == (
-        "set DEVICEKIT_NVML_TIMEOUT to seconds above 0, such as 60, or unset it for the default, 30"
+        "set DEVICEKIT_NVML_TIMEOUT to seconds above 0, such as 60, or inf for no bound, or "
+        "unset it for the default, 30"
     )
     assert _cli.main(["doctor"]) == 0
     assert "nothing wrong found" not in capsys.readouterr().out
@@ -690,3 +698,66 @@ def test_any_allocator_setting_is_judged_without_raising(value: str) -> None:
         ):
             assert finding.detail
             assert finding.fix
+
+
+def test_a_gpu_slowed_down_by_heat_is_said_once_not_also_close_to_it(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    # Before: "clocks are held down: sw_thermal, hw_thermal" and "runs hot ... close to
+    # slowing itself down" together, though it already was slowing down.
+    cuda_build("12.8")
+    nvml_session(FakeNVML([FakeGPU(A, temperature=92, throttle=0x20 | 0x40)]))
+    assert titles(dk.doctor()) == [
+        ("warning", "cuda:0 clocks are held down: sw_thermal, hw_thermal")
+    ]
+    assert "92 °C" in dk.doctor().findings[0].detail
+
+
+def test_a_gpu_nvml_reads_nothing_of_is_not_nothing_wrong_found(
+    nvml_session: Install, cuda_build: Callable[[str | None], None]
+) -> None:
+    # Before: with memory, processes, temperature and clocks all unsupported, doctor said
+    # "nothing wrong found" about checks it could not make.
+    cuda_build("12.8")
+    unsupported = {
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlDeviceGetMemoryInfo",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+    }
+    fake = FakeNVML([FakeGPU(A, unsupported=unsupported)])
+    fake.missing |= {"nvmlDeviceGetComputeRunningProcesses"}
+    nvml_session(fake)
+    diagnosis = dk.doctor()
+    assert titles(diagnosis) == [
+        (
+            "info",
+            "cuda:0 not fully checked: NVML cannot read its processes, clock reasons, "
+            "temperature or free memory",
+        )
+    ]
+    assert diagnosis.findings[0].detail.startswith(
+        "so doctor could not check it for other processes, held clocks, heat or low memory; "
+    )
+    assert "nothing wrong found" not in str(diagnosis)
+    nvml_session(FakeNVML([FakeGPU(A, unsupported={"nvmlDeviceGetTemperature"})]))
+    assert titles(dk.doctor()) == [
+        ("info", "cuda:0 not fully checked: NVML cannot read its temperature")
+    ]
+
+
+def test_a_finding_checks_its_severity_and_renders_in_a_notebook() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^Finding\(severity='fatal'\): expected one of 'error', 'warning', 'info': 'error' "
+        "where GPU work fails, 'warning' where it is slow or fragile, 'info' otherwise$",
+    ):
+        dk.Finding("fatal", "t", "d", "f")  # type: ignore[arg-type]
+    html = dk.Finding("info", "a <b>", "seen", "fix it")._repr_html_()
+    assert html == (
+        "<table><tr><th>severity</th><th>finding</th><th>fix</th></tr>"
+        "<tr><td>info</td><td>a &lt;b&gt;<br>seen</td><td>fix it</td></tr></table>"
+    )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -598,3 +600,76 @@ def test_the_limits_are_checked_on_every_machine(
 def test_all_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match=r"^all must be True or False, got 'yes' of type str"):
         dk.gpus(all="yes")  # type: ignore[arg-type]
+
+
+def _idle_gpu_dict() -> dict[str, Any]:
+    keys = [f.name for f in dataclasses.fields(dk.GPUInfo)]
+    return {**dict.fromkeys(keys), "nvml_index": 0, "throttle_reasons": ["idle"], "processes": []}
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (
+            {"extra": 1},
+            ValueError,
+            "GPUInfo.from_dict: unknown 'extra'; GPUInfo has no such field in this devicekit "
+            "version (a document from a newer one needs that version; otherwise drop the key)",
+        ),
+        (
+            {"temprature": 40},
+            ValueError,
+            "GPUInfo.from_dict: unknown 'temprature'; did you mean 'temperature'? ",
+        ),
+        (
+            {"throttle_reasons": "idle"},  # before: the reasons i, d, l, e
+            TypeError,
+            "GPUInfo.from_dict: 'throttle_reasons' must be a list of str, such as ['power_cap'], "
+            "or None, got 'idle' of type str",
+        ),
+        (
+            {"memory_total": "80GB"},
+            TypeError,
+            "GPUInfo.from_dict: 'memory_total' must be an int or None, got '80GB' of type str",
+        ),
+        (
+            {"processes": [{"pid": 1}]},
+            ValueError,
+            "GPUInfo.from_dict: processes[0]: missing 'name', 'used_memory', 'kind'; pass a dict "
+            "as GPUProcess.to_dict() makes it: every key but 'pid_visible' is required",
+        ),
+    ],
+)
+def test_from_dict_names_what_is_wrong(
+    change: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}"):
+        dk.GPUInfo.from_dict({**_idle_gpu_dict(), **change})
+
+
+def test_from_dict_names_the_missing_keys_and_still_reads_older_documents() -> None:
+    document = _idle_gpu_dict()
+    del document["uuid"], document["name"]
+    with pytest.raises(ValueError, match=r"^GPUInfo\.from_dict: missing 'uuid', 'name'; "):
+        dk.GPUInfo.from_dict(document)
+    older = _idle_gpu_dict()
+    del older["energy"], older["error"]  # added later: None when left out
+    info = dk.GPUInfo.from_dict(older)
+    assert (info.energy, info.error, info.throttle_reasons) == (None, None, ("idle",))
+    with pytest.raises(TypeError, match=r"^GPUInfo\.from_dict: expected a dict"):
+        dk.GPUInfo.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        ("1", "pass the torch index as an int, 1, or write 'cuda:1'"),
+        ("GPU-00010001", "pass its torch index, such as 0 or 'cuda:0', not a UUID"),
+    ],
+)
+def test_gpu_of_a_string_index_suggests_what_gpu_takes(value: str, fix: str) -> None:
+    # Before: "write 'cpu', 'cuda', 'cuda:1', or an index", and gpu('cpu') is then refused.
+    with pytest.raises(ValueError, match=f"^index={re.escape(repr(value))} is not a device") as e:
+        dk.gpu(value)
+    assert fix in str(e.value)
+    assert "'cpu'" not in str(e.value)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 import devicekit as dk
 from devicekit import _gpus, _nvml, _nvmlread, _nvmlstart
 
-from .conftest import GPU_COUNT, run_python
+from .conftest import GPU_COUNT, FakeAccelerator, run_python
 from .fake_pynvml import (
     DRIVER_NOT_LOADED,
     FUNCTION_NOT_FOUND,
@@ -778,25 +779,81 @@ def test_the_start_timeout_comes_from_the_environment(
     assert _nvml.start_timeout() == expected
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan", "30s"])
-def test_a_bad_start_timeout_is_refused_by_name(
-    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, value: str
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "30s"])
+def test_a_malformed_timeout_keeps_the_gpus_warns_once_and_is_a_finding(
+    nvml_session: Install,
+    fake_accelerator: FakeAccelerator,
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+) -> None:
+    # Before: a typo here kept NVML from starting, so dk.gpus() was [] and pick_gpu() the
+    # CPU without a word; status() had no finding (only doctor said it).
+    fake = one_gpu()
+    nvml_session(fake)
+    fake_accelerator("cuda", 1)
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, value)
+    message = (
+        f"DEVICEKIT_NVML_TIMEOUT={value!r} is not a number of seconds above 0, so devicekit "
+        "waits the default 30 s for NVML to start or to read a GPU; set it to seconds above 0, "
+        "such as 60, or inf for no bound, or unset it"
+    )
+    assert _nvml.timeout_problem() == message
+    assert _nvml.start_timeout() == _nvml.DEFAULT_TIMEOUT
+    with pytest.warns(RuntimeWarning, match=f"^{re.escape(message)}$") as caught:
+        assert len(dk.gpus()) == 1
+    assert [w.filename for w in caught] == [__file__]  # pointed at the caller's line
+    assert dk.pick_gpu() == torch.device("cuda", 0)
+    assert dk.nvml_error() is None
+    titles = [f.title for f in dk.status().findings]
+    assert titles == ["DEVICEKIT_NVML_TIMEOUT is not a number of seconds above 0"]
+    doctor_titles = [f.title for f in dk.doctor().findings]
+    assert doctor_titles.count(titles[0]) == 1  # status's finding, not said twice
+
+
+def test_a_malformed_timeout_warns_once_per_value(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = one_gpu()
     nvml_session(fake)
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "abc")
+    session = _nvml.session()
+    with pytest.warns(RuntimeWarning, match="'abc'"):
+        session._warn_timeout()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        session._warn_timeout()  # the same value: said once
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "1min")
+    with pytest.warns(RuntimeWarning, match="'1min'"):
+        session._warn_timeout()
+
+
+@pytest.mark.parametrize("value", ["1e10", "1e300", "inf", " INF "])
+def test_a_timeout_past_what_a_wait_can_take_is_no_bound(
+    nvml_session: Install,
+    fake_accelerator: FakeAccelerator,
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+) -> None:
+    # Before: 1e10 and 1e300 passed the check, then every query raised OverflowError
+    # ("timestamp out of range for platform time_t"), devicekit doctor a traceback; inf,
+    # the natural way to ask for no bound, was refused.
+    fake = one_gpu()
+    nvml_session(fake)
+    fake_accelerator("cuda", 1)
     monkeypatch.setenv(_nvml.TIMEOUT_VAR, value)
-    message = (
-        f"DEVICEKIT_NVML_TIMEOUT={value!r}: expected a finite number of seconds above 0 that a "
-        "query waits for NVML to start or to read a GPU, such as 60; unset it for the default, 30"
-    )
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _nvml.start_timeout()
-    # Where a query meets it: the reason NVML is unavailable, not a traceback from status().
-    assert dk.nvml_error() == message
-    assert f"GPU status unavailable: {message}" in str(dk.status())
-    assert fake.init_calls == 0
-    monkeypatch.delenv(_nvml.TIMEOUT_VAR)
-    assert dk.nvml_error() is None  # corrected: counts at the next query
+    assert _nvml.start_timeout() == threading.TIMEOUT_MAX
+    assert _nvml.timeout_problem() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(dk.gpus()) == 1
+        assert dk.nvml_error() is None
+        assert dk.driver_version() is not None
+        assert dk.gpu(0).torch_index == 0
+        assert dk.pick_gpu() == torch.device("cuda", 0)
+        assert dk.status().findings == ()
+        assert dk.doctor().exit_code == 0
+    _nvmlstart.shutdown(fake, _nvml.start_timeout())  # the bound at exit, alike
+    assert fake.shutdown_calls == 1
 
 
 def test_an_error_that_is_not_nvmls_is_raised_not_taken_for_a_hang(

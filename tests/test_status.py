@@ -273,3 +273,31 @@ def test_a_variable_naming_an_existing_gpu_is_not_blamed(
     fake_accelerator("cuda", 0)  # no device for another reason: the old finding stands
     titles = [f.title for f in dk.status().findings]
     assert titles == ["No GPU: torch is built for cuda but sees no device"]
+
+
+def test_an_unknown_temperature_is_labelled_like_the_other_readings() -> None:
+    # Before: a lone "?" began the line, with no unit or label.
+    info = dk.GPUInfo.from_dict({**dict.fromkeys(_GPU_KEYS), "nvml_index": 0, "torch_index": 0})
+    (line,) = [x for x in _status._gpu_block(info, "cuda:0") if "fan" in x]
+    assert line.split()[:4] == ["temp", "?", "fan", "?"]
+
+
+_GPU_KEYS = [
+    "torch_index", "nvml_index", "uuid", "name", "pci_bus_id", "memory_total", "memory_used",
+    "memory_free", "utilization", "memory_utilization", "temperature", "power_draw",
+    "power_limit", "sm_clock", "sm_clock_max", "memory_clock", "throttle_reasons", "fan_speed",
+    "compute_mode", "mig_enabled", "processes",
+]  # fmt: skip
+
+
+def test_the_repr_of_eight_gpus_stays_short(
+    nvml_session: Install, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: one line of about 400 characters naming every GPU.
+    uuids = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(8)]
+    nvml_session(FakeNVML([FakeGPU(uuid) for uuid in uuids]))
+    fake_accelerator("cuda", 8)
+    text = repr(dk.status())
+    assert "devices: cuda:0 to cuda:7; 8 GPUs on the machine: 8x " in text
+    assert len(text) < 160
+    assert "cuda:5" in str(dk.status())  # the details stay in str()

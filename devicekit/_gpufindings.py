@@ -1,0 +1,153 @@
+"""Judgements about one GPU (busy, hot, held clocks, low memory, lost), and the facts under them.
+
+Each takes a [`GPUInfo`][devicekit.GPUInfo] and returns a
+[`Finding`][devicekit.Finding] or None; ``doctor`` runs them on every GPU, and
+``job_status`` and ``benchmark`` share the facts (`is_hot`,
+`is_low_on_memory`, `environmental`) so that every report draws the line in
+the same place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from ._findings import Finding
+from ._format import format_bytes, format_percent, format_value, plural, safe_text
+from ._gpuinfo import GPUInfo
+
+__all__ = [
+    "ENVIRONMENTAL",
+    "HOT_CELSIUS",
+    "LOW_MEMORY",
+    "busy",
+    "environmental",
+    "held_clocks",
+    "hot",
+    "is_hot",
+    "is_low_on_memory",
+    "lost",
+    "low_memory",
+    "unreadable",
+]
+
+LOW_MEMORY = 2 * 2**30  # bytes free below which typical work will not fit
+# Busy data-centre GPUs run at 30 to 75 °C and slow themselves down in the high
+# 80s (each board's "GPU Slowdown Temp" in `nvidia-smi -q`), so 85 °C flags a GPU
+# that is close to throttling. (NVML reports each board's own slowdown
+# temperature, but GPUInfo does not carry it yet.)
+HOT_CELSIUS = 85
+
+# Throttle reasons that mean the environment, not the workload, slowed the GPU down.
+ENVIRONMENTAL = {
+    "sw_thermal": "thermal slowdown",
+    "hw_thermal": "thermal slowdown",
+    "hw_slowdown": "hardware slowdown",
+    "power_brake": "external power brake",
+    "board_limit": "board limit",
+    "reliability": "reliability limit",
+}
+_THERMAL = ("sw_thermal", "hw_thermal")  # the GPU slows itself down for heat already
+
+
+def busy(info: GPUInfo) -> Finding | None:
+    """Other processes hold a context on a GPU this process can see."""
+    others = [p for p in info.processes or () if p.pid != os.getpid()]
+    if info.torch_index is None or not others:
+        return None
+    shown = ", ".join(str(p) for p in others)
+    return Finding(
+        "warning",
+        f"{info.device} is busy with {plural(len(others), 'other process')}",
+        f"{shown}; utilization {format_percent(info.utilization)}",
+        "wait, use another GPU (dk.pick_gpu()), or stop them; timings taken now mislead",
+    )
+
+
+# --- the facts each judgement rests on, shared with job_status and benchmark --------------
+
+
+def environmental(reasons: Iterable[str] | None) -> list[str]:
+    """The throttle reasons that are the environment's doing (heat, power), in order."""
+    return [reason for reason in reasons or () if reason in ENVIRONMENTAL]
+
+
+def is_hot(info: GPUInfo) -> bool:
+    """At or above ``HOT_CELSIUS``: close to slowing itself down."""
+    return info.temperature is not None and info.temperature >= HOT_CELSIUS
+
+
+def is_low_on_memory(info: GPUInfo) -> bool:
+    """Less free memory than typical work needs (``LOW_MEMORY``); False when unknown."""
+    return info.memory_free is not None and info.memory_free < LOW_MEMORY
+
+
+# --- per GPU ---------------------------------------------------------------------------------
+
+
+def held_clocks(info: GPUInfo) -> Finding | None:
+    """The environment (heat, power delivery), not the workload, holds the clocks down."""
+    reasons = environmental(info.throttle_reasons)
+    if info.torch_index is None or not reasons:
+        return None
+    return Finding(
+        "warning",
+        f"{info.device} clocks are held down: {', '.join(reasons)}",
+        f"SM clock {info.clock_text()}, {format_value(info.temperature, '°C')}",
+        "check cooling and power; results until then are slower than the GPU can do",
+    )
+
+
+def hot(info: GPUInfo) -> Finding | None:
+    """A GPU this process can see runs close to the temperature where it slows itself down.
+
+    Not said of a GPU whose clocks heat already holds down: `held_clocks`
+    says that, with the temperature, and "close to slowing down" would be
+    wrong beside it.
+    """
+    if info.torch_index is None or not is_hot(info):
+        return None
+    if any(reason in _THERMAL for reason in info.throttle_reasons or ()):
+        return None
+    return Finding(
+        "warning",
+        f"{info.device} runs hot: {info.temperature} °C",
+        f"at {HOT_CELSIUS} °C and above, a GPU is close to slowing itself down",
+        "check the machine's airflow and fans; results taken now may be slower than the GPU can do",
+    )
+
+
+def low_memory(info: GPUInfo) -> Finding | None:
+    """Too little free memory on a GPU this process can see for typical work."""
+    if info.torch_index is None or not is_low_on_memory(info):
+        return None
+    return Finding(
+        "warning",
+        f"{info.device} has little free memory",
+        f"{format_bytes(info.memory_free)} of {format_bytes(info.memory_total)} free",
+        "free it (dk.free_memory() in the process holding it), or use another GPU",
+    )
+
+
+def unreadable(info: GPUInfo) -> Finding | None:
+    """NVML cannot read a GPU this process can see at all: it is lost, or needs a reset."""
+    if info.torch_index is None or info.error is None:
+        return None
+    return lost(str(info.device), info.error)
+
+
+def lost(where: str, reason: str) -> Finding:
+    """A GPU that stopped answering the driver; ``where`` names it (``"cuda:0"``).
+
+    Examples:
+        >>> print(lost("cuda:1", "NVML says the GPU is lost").title)
+        cuda:1 cannot be read
+    """
+    return Finding(
+        "error",
+        f"{where} cannot be read",
+        safe_text(reason),
+        "look for Xid errors in the kernel log (sudo dmesg | grep -i xid); reset the GPU "
+        "(sudo nvidia-smi -r -i <nvml index>) or reboot; if it happens again, check its "
+        "power and cooling",
+    )
