@@ -19,13 +19,21 @@ S = TypeVar("S", bound=Callable[..., Any])
 def checked_sinks(sinks: Iterable[S] | S, *, receives: str) -> list[S]:
     """``sinks`` as a list, or a ``TypeError`` naming the first that cannot be called.
 
-    One sink where a list is expected is a list of one (as one device is).
+    One sink where a list is expected is a list of one (as one device is). A
+    class is refused: calling it would make an object and throw it away at
+    every flush, silently (``sinks=[dk.CSVSink]`` for ``[dk.CSVSink(path)]``).
 
     Examples:
         >>> checked_sinks(print, receives="records") == checked_sinks([print], receives="records")
         True
+        >>> checked_sinks([dict], receives="records")
+        Traceback (most recent call last):
+        ...
+        TypeError: each sink must be a callable object, got the class dict itself; make one \
+and pass that: sinks=[dict(...)]
     """
     if callable(sinks):
+        _refuse_class(sinks)
         return [sinks]
     given: object = sinks  # typed, but callers pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
@@ -36,7 +44,16 @@ def checked_sinks(sinks: Iterable[S] | S, *, receives: str) -> list[S]:
     for sink in found:
         if not callable(sink):
             raise TypeError(f"each sink must be callable with {receives}, got {sink!r}")
+        _refuse_class(sink)
     return found
+
+
+def _refuse_class(sink: object) -> None:
+    if isinstance(sink, type):
+        raise TypeError(
+            f"each sink must be a callable object, got the class {sink.__name__} itself; make "
+            f"one and pass that: sinks=[{sink.__name__}(...)]"
+        )
 
 
 def call_each(sinks: Iterable[Callable[[Any], Any]], value: Any) -> BaseException | None:

@@ -42,6 +42,7 @@ __all__ = [
     "DIR_VAR",
     "PID_WIDTH",
     "cannot",
+    "check_chosen_directory",
     "claims_directory",
     "fcntl",
     "holder",
@@ -89,13 +90,7 @@ def claims_directory() -> Path:
     """
     chosen = os.environ.get(DIR_VAR)
     if chosen:
-        expanded = os.path.expanduser(chosen)  # as a shell would have: "~/claims"
-        if not os.path.isabs(expanded):
-            raise ValueError(
-                f"{DIR_VAR}={chosen!r} is a relative path, which names a different directory "
-                "for each job's working directory; give an absolute path"
-            )
-        path = Path(expanded)
+        path = _chosen_path(chosen)
     else:
         base = _SHARED_TMP if os.path.isdir(_SHARED_TMP) else tempfile.gettempdir()
         path = Path(base) / f"devicekit-{os.getuid()}"
@@ -108,6 +103,59 @@ def claims_directory() -> Path:
     except OSError as error:
         raise cannot("create the directory of GPU claims", path, error) from None
     info = os.lstat(path)
+    _refuse(path, info, chosen)
+    mode = stat.S_IMODE(info.st_mode)
+    if not chosen and mode & 0o077:
+        try:  # its own directory, made by an older umask or by hand: make it private again
+            os.chmod(path, 0o700)
+        except OSError as error:
+            raise cannot("make private (mode 0700)", path, error) from None
+    return path
+
+
+def check_chosen_directory() -> None:
+    """Refuse a ``$DEVICEKIT_CLAIMS_DIR`` that `claims_directory` would refuse; creates nothing.
+
+    Every ``claim=True`` call checks the setting, GPU or not: a machine with no
+    GPU to claim never reached `claims_directory`, so a relative path,
+    ``/dev/null``, a file, a link or a directory others can write to passed on
+    a laptop or in CI, and was refused only on the GPU node. What does not exist
+    yet is not checked (`claims_directory` creates it): a path that exists only
+    on the GPU nodes (``/scratch/...``) is not an error elsewhere. Unset or empty:
+    the default directory, devicekit's own, which it makes private itself.
+
+    Raises:
+        ValueError: It is a relative path.
+        PermissionError: It exists but is not a directory of this user's, or
+            others can write to it (as `claims_directory` says).
+    """
+    chosen = os.environ.get(DIR_VAR)
+    if not chosen:
+        return
+    path = _chosen_path(chosen)
+    try:
+        info = os.lstat(path)
+    except OSError:  # not there (to be created), or not to be looked at: claims_directory says
+        return
+    _refuse(path, info, chosen)
+
+
+def _chosen_path(chosen: str) -> Path:
+    """``$DEVICEKIT_CLAIMS_DIR``'s path, ``~`` expanded; a `ValueError` if it is relative."""
+    expanded = os.path.expanduser(chosen)  # as a shell would have: "~/claims"
+    if not os.path.isabs(expanded):
+        raise ValueError(
+            f"{DIR_VAR}={chosen!r} is a relative path, which names a different directory "
+            "for each job's working directory; give an absolute path"
+        )
+    return Path(expanded)
+
+
+def _refuse(path: Path, info: os.stat_result, chosen: str | None) -> None:
+    """Raise `PermissionError` unless ``path`` (``info``, its ``lstat``) may hold claims.
+
+    ``chosen``: ``$DEVICEKIT_CLAIMS_DIR`` as set, or None for the default directory.
+    """
     # In a shared temp directory another user could have made this name first:
     # then their files would decide our claims, so refuse instead.
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
@@ -130,14 +178,8 @@ def claims_directory() -> Path:
             f"{DIR_VAR}={chosen!r} is writable by other users (mode {mode:o}), who could "
             "plant files or links where the lock files go; devicekit does not change a "
             f"directory you chose. Set {DIR_VAR} to a directory only you can write, such as "
-            f"{os.path.join(expanded, 'devicekit-claims')!r} (devicekit creates it, private)",
+            f"{os.path.join(path, 'devicekit-claims')!r} (devicekit creates it, private)",
         )
-    if not chosen and mode & 0o077:
-        try:  # its own directory, made by an older umask or by hand: make it private again
-            os.chmod(path, 0o700)
-        except OSError as error:
-            raise cannot("make private (mode 0700)", path, error) from None
-    return path
 
 
 def _describe(info: os.stat_result) -> str:

@@ -36,6 +36,7 @@ from ._claimfiles import (
     DIR_VAR,
     PID_WIDTH,
     cannot,
+    check_chosen_directory,
     claims_directory,
     fcntl,  # None where the OS has no flock (Windows)
     holder,
@@ -48,6 +49,7 @@ from ._visible import ENV_VAR
 
 __all__ = [
     "DIR_VAR",
+    "check_chosen_directory",
     "check_claims_supported",
     "claim",
     "claim_gpu",
@@ -239,6 +241,8 @@ def claim_gpu(
 
     Raises:
         NotImplementedError: This system has no file locks (Windows).
+        ValueError, PermissionError: ``$DEVICEKIT_CLAIMS_DIR`` cannot hold claims,
+            as for [`pick_gpu()`][devicekit.pick_gpu] (when the block is entered, GPU or not).
         RuntimeError: The same ``claim_gpu(...)`` object is entered a second time.
 
     Examples:

@@ -56,6 +56,7 @@ was pickled from would put it on another GPU, or start CUDA in the caller.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -63,6 +64,8 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
+
+from typing_extensions import ParamSpec
 
 from ._devices import DeviceLike
 from ._dispatch import (
@@ -79,6 +82,7 @@ from ._keywords import suggest_keywords
 from ._mapfaults import fates, how_it_ended, told
 from ._mapguards import pool_busy, refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
+from ._options import short_repr
 from ._progress import Progress
 from ._termination import stops_workers_first
 from ._workerslots import worker_slots, workers_per_device_count
@@ -91,6 +95,37 @@ logger = logging.getLogger("devicekit")
 T = TypeVar("T")
 R = TypeVar("R")
 T_co = TypeVar("T_co", covariant=True)
+P = ParamSpec("P")
+
+
+def _local_only(caller: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Make ``caller`` answer ``executor=`` with where Ray runs, not a bare keyword error.
+
+    A pool's workers are this machine's processes: ``executor='local'`` is what
+    it is (taken, and ignored), any other (``'ray'``) is refused, naming
+    ``gpu_map(..., executor='ray')``, where Ray runs. Before, Python's "got an
+    unexpected keyword argument 'executor'" said neither.
+    """
+
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            if "executor" in kwargs:
+                executor = kwargs.pop("executor")
+                if not (isinstance(executor, str) and executor == "local"):
+                    raise TypeError(
+                        f"{caller} got executor={short_repr(executor)}, but a pool runs on this "
+                        "machine only: its workers are local processes, kept between its maps. "
+                        "Ray runs through gpu_map(fn, items, executor='ray'), one call per map "
+                        "(a Ray cluster keeps its own workers between calls, so it needs no "
+                        "pool); for a local pool, leave executor out"
+                    )
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
 
 _CLOSED = "this GPUPool is closed; make a new one with dk.gpu_pool()"
 
@@ -114,6 +149,7 @@ class GPUPool:
     ``map`` while another runs raises ``RuntimeError``, and so does ``close()``.
     """
 
+    @_local_only("GPUPool()")
     def __init__(self, slots: list[Slot]) -> None:
         self._slots = slots
         self._workers: list[Worker] = []
@@ -330,6 +366,7 @@ class GPUPool:
         self._workers[:] = [next(fresh) if id(w) in gone else w for w in self._workers]
 
 
+@_local_only("gpu_pool()")
 @suggest_keywords
 def gpu_pool(
     *,
@@ -359,6 +396,8 @@ def gpu_pool(
             a ``gpu_map`` worker, which cannot start processes, or where
             workers cannot import the main module again (a script read from
             standard input, ``python -``).
+        TypeError: ``executor`` other than ``'local'`` is given: a pool is
+            local only, and Ray runs through ``gpu_map(..., executor="ray")``.
 
     Examples:
         >>> import math, devicekit as dk

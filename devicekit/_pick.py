@@ -149,6 +149,9 @@ def _pick(
     check_flag(claim, name="claim")
     if claim:
         _claims.check_claims_supported()
+        # Here, not only where a GPU is claimed: a bad setting must fail on a laptop or in
+        # CI as it will on the GPU node, not pass wherever there is no GPU to claim.
+        _claims.check_chosen_directory()
     deadline = time.monotonic() + seconds
     while True:
         ranked, rejected = _ranked(min_free_memory, max_utilization, excluded)
@@ -223,10 +226,13 @@ def pick_gpu(
         TypeError: ``wait`` is not a number or ``claim`` not a bool.
         ValueError: ``wait`` is negative, infinite or NaN, or
             ``max_utilization`` is outside 0 to 100 or a fraction between 0
-            and 1 (a percentage is meant: ``50`` for half).
+            and 1 (a percentage is meant: ``50`` for half), or ``claim=True``
+            and ``$DEVICEKIT_CLAIMS_DIR`` is a relative path.
         NotImplementedError: ``claim=True`` on a system without file locks (Windows).
         PermissionError: ``claim=True``, and the directory of claims belongs
-            to another user (the message names it).
+            to another user, is not a directory, or (one you chose) others can
+            write to it (the message names it). The setting is checked on every
+            ``claim=True`` call, with or without a GPU to claim.
         OSError: ``claim=True``, and the directory of claims cannot be made or
             written (a full or read-only disk); the message names it and the fix.
 
@@ -287,7 +293,8 @@ def pick_gpus(
         TypeError: ``wait`` is not a number or ``claim`` not a bool.
         ValueError: ``wait`` is negative, infinite or NaN, or
             ``max_utilization`` is outside 0 to 100 or a fraction between 0
-            and 1 (a percentage is meant: ``50`` for half).
+            and 1 (a percentage is meant: ``50`` for half), or as for
+            [`pick_gpu()`][devicekit.pick_gpu].
         NotImplementedError: ``claim=True`` on a system without file locks (Windows).
         PermissionError: As for [`pick_gpu()`][devicekit.pick_gpu].
         OSError: As for [`pick_gpu()`][devicekit.pick_gpu]; no GPU stays

@@ -18,7 +18,9 @@ worker died unexpectedly"). So an item whose rebuilding can run its own code
 is not left to Ray's rebuilding of the task's arguments, which no code of the
 task can guard: it travels packed, and the task unpacks it (``_parcel``).
 Only a worker that dies (``os._exit()``, a signal) is retried, by Ray's
-``max_retries``; ``retry_exceptions`` stays off.
+``max_retries`` (set here as Ray would: ``RAY_TASK_MAX_RETRIES``, else 3), so
+that the error can say how many times ``fn`` may have run; ``retry_exceptions``
+stays off.
 
 The task is named ``devicekit.gpu_map`` (Ray's ``ray::devicekit.gpu_map()``),
 so that Ray's error text tells it from a user's task, an item's upstream one
@@ -50,7 +52,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._devices import DeviceLike, resolve_devices
+from ._devices import DeviceLike, _article, resolve_devices
 from ._dispatch import worker_env
 from ._errors import WorkerError
 from ._format import first_line
@@ -79,6 +81,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 _POLL = 0.1  # seconds per wait for results, so that Ctrl-C is seen at once
 _INSTALL = "pip install 'devicekit[ray]'"
+_RAY_RETRIES = 3  # Ray's max_retries for a task, where RAY_TASK_MAX_RETRIES does not say
 
 
 def _run(fn_box: list[Any], item: Any, hide_gpus: bool, packed: bool = False) -> tuple[Any, ...]:
@@ -249,10 +252,37 @@ def _unsendable(result: object) -> tuple[Any, ...] | None:
 
 
 def _where() -> str:
-    """``"a Ray task on node-3 (GPU 1)"``: this task, as an error message names it."""
+    """``"a Ray task on 10.0.0.3 (GPU 1)"``: this task, as an error message names it.
+
+    Its node by IP address, as Ray's own errors name it (``ip=10.0.0.3``), which
+    the messages made from those quote: before, one said ``on node-3`` (the host
+    name) and another ``on 10.0.0.3``, for one node.
+    """
     visible = os.environ.get(ENV_VAR)
     device = f"GPU {visible}" if visible else "the CPU"
-    return f"a Ray task on {socket.gethostname()} ({device})"
+    try:
+        import ray  # noqa: PLC0415 - in a Ray worker, imported already
+
+        node_ip: Callable[[], object] = ray.util.get_node_ip_address  # untyped in Ray
+        node = str(node_ip())
+    except Exception:  # noqa: BLE001 - only a name for a message: the host's will do
+        node = socket.gethostname()
+    return f"a Ray task on {node} ({device})"
+
+
+def _max_retries() -> int | None:
+    """How many times Ray runs a task again when its worker dies: its ``max_retries``.
+
+    What Ray would use: ``RAY_TASK_MAX_RETRIES``, else 3. None where that
+    variable is no int: then it is not set here, and Ray refuses it in its words.
+    """
+    raw = os.environ.get("RAY_TASK_MAX_RETRIES")
+    if raw is None:
+        return _RAY_RETRIES
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def _import_ray() -> Any:
@@ -354,6 +384,11 @@ def ray_map(
         # _run sends back whatever fn raises: an exception out of the task is Ray's own (a
         # result it cannot serialize), and running fn again would not help. Said here so
         # that it cannot change under us; a worker that dies is still retried (max_retries).
+        # A worker that dies is run again, max_retries times: said here (as Ray would set
+        # it), so that the error can say how many times fn may have run.
+        retries = _max_retries()
+        if retries is not None:
+            options["max_retries"] = retries
         task = ray.remote(**options, retry_exceptions=False)(_run).options(name=TASK_NAME)
         # Serialized once, not once per item, and boxed: Ray passes [ref] as it is, and
         # the task fetches fn itself (see _run).
@@ -368,7 +403,7 @@ def ray_map(
             for ref in refs:
                 ray.cancel(ref, force=True)
             raise
-        return _collect(ray, refs, work, Progress(len(work), progress))
+        return _collect(ray, refs, work, Progress(len(work), progress), retries=retries)
 
 
 def _put_fn(ray: Any, fn: object) -> Any:
@@ -388,10 +423,11 @@ def _submit(
         parcel, packed = _parcel(ray, item)
         return task.remote(fn_box, parcel, hide_gpus, packed)
     except TypeError as error:  # what Ray raises for an argument it cannot serialize
+        kind = type(item).__name__
         reason = plain_text(first_line(error)).rstrip(":")
         raise TypeError(
             f"gpu_map(executor='ray') sends each item to a Ray task, so Ray must be able to "
-            f"serialize it, and item {index} ({show_item(item)}, a {type(item).__name__}) "
+            f"serialize it, and item {index} ({show_item(item)}, {_article(kind)} {kind}) "
             f"cannot be: {reason}. Pass data (numbers, strings, paths, tensors) and let fn "
             "build the rest."
         ) from None
@@ -425,8 +461,17 @@ def _parcel(ray: Any, item: object) -> tuple[Any, bool]:
     return ([ray.put(item)] if pickler.left_out else written.getvalue()), True
 
 
-def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> list[Any]:
+def _collect(
+    ray: Any,
+    refs: list[Any],
+    work: list[Any],
+    progress: Progress,
+    *,
+    retries: int | None = None,
+) -> list[Any]:
     """Results in input order as tasks finish; on failure or Ctrl-C, cancel what is left.
+
+    ``retries``: the tasks' ``max_retries``, for the message of a worker that died.
 
     A failure raises a `WorkerError` that keeps every result already in (by
     index), as the local executor's do: nothing finished is lost. Tasks that
@@ -442,7 +487,7 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL)
             for ref in ready:
                 index = position[ref]
-                ok, value = _get(ray, ref, index, work[index])
+                ok, value = _get(ray, ref, index, work[index], retries)
                 if ok:
                     finished[index] = value
                     progress.step()
@@ -457,7 +502,9 @@ def _collect(ray: Any, refs: list[Any], work: list[Any], progress: Progress) -> 
     return [finished[index] for index in range(len(refs))]
 
 
-def _get(ray: Any, ref: Any, index: int, item: object) -> tuple[bool, Any]:
+def _get(
+    ray: Any, ref: Any, index: int, item: object, retries: int | None = None
+) -> tuple[bool, Any]:
     """``(True, result)``, rebuilt here, or ``(False, message)`` if the item failed.
 
     It failed if its task answered a fault, Ray failed the task, or the result
@@ -469,7 +516,7 @@ def _get(ray: Any, ref: Any, index: int, item: object) -> tuple[bool, Any]:
     try:
         answer = ray.get(ref)
     except ray.exceptions.RayError as error:  # the worker died, was killed, ...
-        return False, ray_failed(ray, error, index, item)
+        return False, ray_failed(ray, error, index, item, retries)
     except KeyboardInterrupt as error:
         raise KeyboardInterrupt(
             f"gpu_map: while the result of item {index} ({show_item(item)}) was rebuilt here: "

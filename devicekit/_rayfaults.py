@@ -43,6 +43,7 @@ __all__ = [
     "ray_failed",
     "result_not_rebuilt",
     "this_ray",
+    "worker_died",
 ]
 
 TASK_NAME = "devicekit.gpu_map"
@@ -207,10 +208,18 @@ def result_not_rebuilt(index: int, item: object, what: str) -> str:
     )
 
 
-def ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str:
-    """The message for a task that Ray failed: its item, its result, or the task itself."""
+def ray_failed(
+    ray: Any, error: BaseException, index: int, item: object, retries: int | None = None
+) -> str:
+    """The message for a task that Ray failed: its item, its result, or the task itself.
+
+    ``retries``: the task's ``max_retries`` (None: unknown), said when its worker died.
+    """
     node = _NODE.search(plain_text(str(error)))
     where = f"a Ray task on {node.group(1)}" if node else "a Ray task"
+    crashed = getattr(ray.exceptions, "WorkerCrashedError", None)
+    if isinstance(crashed, type) and isinstance(error, crashed):
+        return worker_died(index, item, retries, plain_text(str(error)))
     cause = getattr(error, "cause", None)
     if isinstance(error, ray.exceptions.RayTaskError) and isinstance(
         cause, ray.exceptions.RaySystemError
@@ -237,6 +246,46 @@ def ray_failed(ray: Any, error: BaseException, index: int, item: object) -> str:
         )
     text = plain_text(str(error))
     return f"gpu_map: the Ray task for item {index} ({show_item(item)}) failed: {text}"
+
+
+def worker_died(index: int, item: object, retries: int | None, said: str) -> str:
+    """The message for an item whose Ray worker died, each time Ray ran its task.
+
+    Ray runs such a task again, up to its ``max_retries`` times: ``fn`` may have
+    run that many times, and its side effects repeated (Ray 2.60 took 7.6 s and
+    four runs to say only "The worker died unexpectedly"). Ray's error carries no
+    exit code or signal; its raylet's lines and worker logs do.
+
+    Examples:
+        >>> print(worker_died(1, 1, 3, "The worker died unexpectedly.")[:117])
+        gpu_map: the Ray task for item 1 (1) failed: its worker died; Ray ran the task up to \
+4 times (max_retries=3: Ray runs
+    """
+    shown = f"item {index} ({show_item(item)})"
+    if retries is None or retries < 0:
+        runs = (
+            "Ray runs a task whose worker dies again, up to its max_retries times, so fn "
+            "may have run more than once on this item, and its side effects (files written, "
+            "messages sent) may have repeated"
+        )
+    elif retries == 0:
+        runs = "Ray did not run the task again (max_retries=0)"
+    else:
+        runs = (
+            f"Ray ran the task up to {retries + 1} times (max_retries={retries}: Ray runs "
+            f"a task whose worker dies again), so fn may have run {retries + 1} times on this "
+            "item, and its side effects (files written, messages sent) may have repeated"
+        )
+    return (
+        f"gpu_map: the Ray task for {shown} failed: its worker died; {runs}. Something "
+        "ended the worker's "
+        "process while it ran: os._exit() in fn, a signal (SIGKILL from the out-of-memory "
+        "killer), or a crash in native code. Ray's error does not say which, nor the exit "
+        "code: the raylet's log lines (printed above, by default) and the "
+        "python-core-worker-*.log files do. Make fn "
+        "return, or raise an Exception, instead of ending its process; set "
+        f"RAY_TASK_MAX_RETRIES=0 to have Ray not run it again. Ray said: {said}"
+    )
 
 
 def _system_error(cause: BaseException) -> tuple[str, str]:

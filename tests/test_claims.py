@@ -899,3 +899,59 @@ def test_a_waiting_process_gets_the_gpu_another_releases(
     assert dk.pick_gpu(claim=True, wait=TIMEOUT) == torch.device("cuda", 0)
     releaser.join(TIMEOUT)
     assert process.is_alive()  # released by release_gpu, not by exiting
+
+
+# --- the setting, checked on every claim=True call -------------------------------------------
+
+
+def _bad_claims_dirs(tmp_path: Path) -> list[tuple[str, type[Exception], str]]:
+    """Settings that claims_directory() refuses: (value, error, what the message says)."""
+    (tmp_path / "file").touch()
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    shared = tmp_path / "project"
+    shared.mkdir()
+    shared.chmod(0o2775)  # a group's project folder
+    return [
+        ("relative/claims", ValueError, "is a relative path"),
+        (os.devnull, PermissionError, "but it is a character device"),
+        (str(tmp_path / "file"), PermissionError, "but it is a regular file"),
+        (str(tmp_path / "link"), PermissionError, "but it is a symbolic link"),
+        (str(shared), PermissionError, r"is writable by other users \(mode 2775\)"),
+    ]
+
+
+def test_a_bad_claims_dir_is_refused_even_without_a_gpu_to_claim(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before, every one of these returned the CPU without a word where there was no GPU (a
+    # laptop, CI), and was refused only on the GPU node, once a claim was really taken.
+    nvml_session(machine(0))
+    calls: list[Callable[[], object]] = [
+        lambda: dk.pick_gpu(claim=True),
+        lambda: dk.pick_gpus(1, claim=True),
+        lambda: dk.claim_gpu().__enter__(),
+    ]
+    for value, error, said in _bad_claims_dirs(tmp_path):
+        monkeypatch.setenv(_claims.DIR_VAR, value)
+        with pytest.raises(error) as on_the_gpu_node:
+            _claims.claims_directory()
+        for call in calls:
+            with pytest.raises(error, match=said) as caught:
+                call()
+            assert str(caught.value) == str(on_the_gpu_node.value)  # as the GPU path says it
+        assert dk.pick_gpu() == torch.device("cpu")  # without claim=True, not looked at
+
+
+def test_a_claims_dir_not_made_yet_is_left_to_be_made_and_empty_means_the_default(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The check creates nothing, and a path that exists only on the GPU nodes is no error.
+    nvml_session(machine(0))
+    monkeypatch.setenv(_claims.DIR_VAR, str(tmp_path / "scratch" / "claims"))
+    assert dk.pick_gpu(claim=True) == torch.device("cpu")
+    with dk.claim_gpu() as device:
+        assert device == torch.device("cpu")
+    assert not (tmp_path / "scratch").exists()
+    monkeypatch.setenv(_claims.DIR_VAR, "")  # empty: unset, the default directory
+    assert dk.pick_gpu(claim=True) == torch.device("cpu")

@@ -1113,3 +1113,21 @@ def test_a_close_between_map_s_check_and_its_start_leaves_the_pool_closed() -> N
         pool._closed = False
         pool.close()
     assert workers == []
+
+
+def test_a_pool_asked_for_ray_names_gpu_map_where_ray_runs() -> None:
+    # Before: "gpu_pool() got an unexpected keyword argument 'executor'", and the same for
+    # GPUPool(), which said neither that a pool is local only nor where Ray runs.
+    said = (
+        r" got executor='ray', but a pool runs on this machine only: its workers are local "
+        r"processes, kept between its maps\. Ray runs through gpu_map\(fn, items, "
+        r"executor='ray'\), one call per map .*; for a local pool, leave executor out$"
+    )
+    with pytest.raises(TypeError, match=r"^gpu_pool\(\)" + said):
+        dk.gpu_pool(devices=["cpu"], executor="ray")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^GPUPool\(\)" + said):
+        dk.GPUPool(executor="ray")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^gpu_pool\(\) got executor='dask', but a pool runs"):
+        dk.gpu_pool(devices=["cpu"], executor="dask")  # type: ignore[call-arg]
+    with dk.gpu_pool(devices=["cpu"], executor="local") as pool:  # type: ignore[call-arg]
+        assert pool.map(abs, [-2]) == [2]  # what a pool is: taken, and nothing changes

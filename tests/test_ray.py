@@ -723,3 +723,97 @@ def test_of_items_that_fail_together_the_first_is_reported() -> None:
         _collect(Reversed(answers), list(answers), list(range(4)), Progress(4, False))
     assert caught.value.index == 1
     assert caught.value.results == {0: 0, 2: 20}
+
+
+class _WorkerCrashedError(_RayError):
+    """Ray's WorkerCrashedError: no attributes, one sentence."""
+
+    def __str__(self) -> str:
+        return (
+            "The worker died unexpectedly while executing this task. Check "
+            "python-core-worker-*.log files for more information."
+        )
+
+
+def test_a_worker_that_died_says_how_many_times_ray_ran_fn() -> None:
+    # Before, after Ray had run fn four times (7.6 s), only: "the Ray task for item 1 (1)
+    # failed: The worker died unexpectedly while executing this task. ...".
+    from devicekit._progress import Progress
+    from devicekit._ray import _collect
+
+    ray = _BatchRay({"ref-0": ("ok", 0), "ref-1": _WorkerCrashedError(), "ref-2": ("ok", 2)})
+    ray.exceptions = types.SimpleNamespace(
+        **vars(_FAKE_RAY.exceptions), WorkerCrashedError=_WorkerCrashedError
+    )
+    with pytest.raises(dk.WorkerError) as caught:
+        _collect(ray, ["ref-0", "ref-1", "ref-2"], [0, 1, 2], Progress(3, False), retries=3)
+    message = str(caught.value)
+    assert message.startswith(
+        "gpu_map: the Ray task for item 1 (1) failed: its worker died; Ray ran the task up to "
+        "4 times (max_retries=3: Ray runs a task whose worker dies again), so fn may have run "
+        "4 times on this item, and its side effects (files written, messages sent) may have "
+        "repeated. Something ended the worker's process while it ran: os._exit() in fn, a "
+        "signal"
+    ), message
+    assert "set RAY_TASK_MAX_RETRIES=0 to have Ray not run it again" in message
+    assert message.endswith(
+        "Ray said: The worker died unexpectedly while executing this task. "
+        "Check python-core-worker-*.log files for more information."
+    )
+    assert (caught.value.index, caught.value.results) == (1, {0: 0, 2: 2})
+    from devicekit._rayfaults import worker_died
+
+    assert "died; Ray did not run the task again (max_retries=0)." in worker_died(1, 1, 0, "")
+    assert "may have run more than once on this item" in worker_died(1, 1, None, "")
+
+
+class _OptionsRay(_FakeRay):
+    """A fake ``ray`` that keeps the options gpu_map's task was made with."""
+
+    def remote(self, **options: Any) -> Any:
+        self.options = options
+        return super().remote(**options)
+
+
+def test_the_task_s_max_retries_is_set_as_ray_would_so_the_error_can_say_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for setting, expected in [(None, 3), ("0", 0), ("5", 5)]:
+        if setting is None:
+            monkeypatch.delenv("RAY_TASK_MAX_RETRIES", raising=False)
+        else:
+            monkeypatch.setenv("RAY_TASK_MAX_RETRIES", setting)
+        ray = _OptionsRay(initialized=True)
+        monkeypatch.setitem(sys.modules, "ray", ray)
+        with pytest.raises(TypeError, match=r"Could not serialize"):  # the fake runs no task
+            dk.gpu_map(str, [_Unserializable()], devices="cpu", executor="ray")
+        assert ray.options["max_retries"] == expected
+        assert ray.options["retry_exceptions"] is False
+
+
+class Unpicklable(_Unserializable):
+    """An item whose class name starts with a vowel."""
+
+
+def test_an_unserializable_item_s_type_takes_the_right_article(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: "item 0 (<...>, a Unpicklable)".
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=True))
+    with pytest.raises(TypeError, match=r", an Unpicklable\) cannot be: Could not serialize"):
+        dk.gpu_map(str, [Unpicklable()], devices="cpu", executor="ray")
+
+
+def test_a_task_names_its_node_as_ray_s_errors_do_by_its_ip_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a fault caught in the task said "on vm (the CPU)" (the host name), and one
+    # Ray reported "on 192.0.2.2" (the address in Ray's text): one node, named two ways.
+    from devicekit._ray import _where
+
+    ray = types.SimpleNamespace(util=types.SimpleNamespace(get_node_ip_address=lambda: "10.0.0.3"))
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _where() == "a Ray task on 10.0.0.3 (the CPU)"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert _where() == "a Ray task on 10.0.0.3 (GPU 1)"
