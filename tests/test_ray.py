@@ -236,7 +236,7 @@ def test_a_cancellation_by_ray_leaves_the_task_as_a_cancellation(
 ) -> None:
     # Before, the KeyboardInterrupt by which ray.cancel() (without force) stops a task came
     # back as fn's own: "fn raised KeyboardInterrupt". Now Ray reports its cancellation.
-    from devicekit._ray import _run
+    from devicekit._raytask import run as _run
 
     _ray_in_a_task(monkeypatch, cancelled=True)
     with pytest.raises(KeyboardInterrupt):
@@ -244,8 +244,8 @@ def test_a_cancellation_by_ray_leaves_the_task_as_a_cancellation(
 
 
 def test_fn_s_own_keyboard_interrupt_is_fn_s(monkeypatch: pytest.MonkeyPatch) -> None:
-    from devicekit._ray import _run
     from devicekit._rayfaults import answer_failed
+    from devicekit._raytask import run as _run
 
     _ray_in_a_task(monkeypatch, cancelled=False)
     answer = _run([_interrupt], 5, False)
@@ -260,8 +260,8 @@ def test_where_ray_cannot_tell_a_cancellation_the_message_names_both(
 ) -> None:
     # Ray before late 2025 has no is_canceled(): its cancellation and fn's KeyboardInterrupt
     # are the same exception in the task.
-    from devicekit._ray import _run
     from devicekit._rayfaults import answer_failed
+    from devicekit._raytask import run as _run
 
     _ray_in_a_task(monkeypatch, cancelled=None)
     message = answer_failed(0, 5, _run([_interrupt], 5, False))
@@ -281,7 +281,7 @@ def test_where_ray_cannot_tell_a_cancellation_the_message_names_both(
 def test_outside_a_ray_worker_a_keyboard_interrupt_is_fn_s(monkeypatch: pytest.MonkeyPatch) -> None:
     # is_canceled() raises RuntimeError outside a Ray worker's task: nothing there is Ray's
     # cancellation. Before, it read as a Ray that cannot tell ("or Ray cancelled the task").
-    from devicekit._ray import _run
+    from devicekit._raytask import run as _run
 
     _ray_in_a_task(monkeypatch, cancelled=False)
     context = _RuntimeContext(None)
@@ -310,8 +310,8 @@ def test_a_result_whose_pickling_exits_is_answered_not_left_to_end_the_worker(
 ) -> None:
     # Before, "ok" went back and Ray's pickling of the result raised SystemExit after the
     # task returned: the worker ended, and Ray ran the task again, three times.
-    from devicekit._ray import _run
     from devicekit._rayfaults import answer_failed
+    from devicekit._raytask import run as _run
 
     _ray_in_a_task(monkeypatch, cancelled=False, pickler=True)
     answer = _run([_exits_when_pickled], 5, False)
@@ -342,7 +342,7 @@ def test_the_dry_run_of_a_result_leaves_tensors_and_ray_s_objects_out(
     import torch
 
     pytest.importorskip("ray.cloudpickle")
-    from devicekit._ray import _dry_run
+    from devicekit._raytask import dry_run as _dry_run
 
     monkeypatch.setattr(_RayObject, "__module__", module)
     written = io.BytesIO()
@@ -368,7 +368,7 @@ def test_the_dry_run_pickles_lambdas_and_local_classes_as_ray_does(
     # Before, the dry run used the standard pickler: it gave up (PicklingError) at the lambda
     # or the class, before the object whose __reduce__ exits, and answered "ok". Ray's own
     # pickling then ended the worker, and Ray ran fn four times.
-    from devicekit._ray import _run
+    from devicekit._raytask import run as _run
 
     _ray_in_a_task(monkeypatch, cancelled=False, pickler=True)
     answer = _run([fn], 5, False)
@@ -399,17 +399,17 @@ def test_the_dry_run_leaves_numpy_arrays_out_and_plain_results_alone(
     pytest.importorskip("ray.cloudpickle")
     import torch
 
-    from devicekit import _ray
+    from devicekit import _raytask
 
-    monkeypatch.setattr(_ray, "_Discard", _Written)
+    monkeypatch.setattr(_raytask, "_Discard", _Written)
     monkeypatch.setattr(_Written, "runs", 0)
     monkeypatch.setattr(_Written, "size", 0)
     view = np.ones((200, 200))[:, ::2]  # 160 kB, not contiguous
-    assert _ray._unsendable({"scores": view, "best": view[0]}) is None
+    assert _raytask.unsendable({"scores": view, "best": view[0]}) is None
     assert _Written.runs == 1
     assert _Written.size < 1000  # the dict and its keys, not the arrays' bytes
     for plain in (view, torch.ones(100), 3, 2.5, "text", b"bytes", None, True):
-        assert _ray._unsendable(plain) is None
+        assert _raytask.unsendable(plain) is None
     assert _Written.runs == 1  # not pickled at all
 
 
@@ -417,7 +417,7 @@ def test_an_array_of_objects_is_still_pickled_in_the_dry_run() -> None:
     # numpy pickles the objects of an object array: their __reduce__ runs.
     np = pytest.importorskip("numpy")
     pytest.importorskip("ray.cloudpickle")
-    from devicekit._ray import _unsendable
+    from devicekit._raytask import unsendable as _unsendable
 
     objects = np.empty(2, dtype=object)
     objects[1] = _ExitsWhenPickled()
@@ -456,8 +456,9 @@ def test_an_item_whose_unpickling_exits_is_answered_not_left_to_end_the_worker(
     import torch
 
     pytest.importorskip("ray.cloudpickle")
-    from devicekit._ray import _parcel, _run
+    from devicekit._ray import _parcel
     from devicekit._rayfaults import answer_failed
+    from devicekit._raytask import run as _run
 
     store = _Store()
     item = [_ExitsWhenUnpickled()] + ([torch.zeros(2)] if holds == "a tensor" else [])
@@ -505,7 +506,7 @@ def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
     # that "cannot be sent back ... Return picklable data".
     import contextlib
 
-    from devicekit import _ray
+    from devicekit import _raytask
     from devicekit._rayfaults import answer_failed
 
     _ray_in_a_task(monkeypatch, cancelled=False)
@@ -515,8 +516,8 @@ def test_a_failure_of_the_task_s_own_code_is_not_blamed_on_fn_nor_on_the_result(
         yield
         raise KeyError(name)
 
-    monkeypatch.setattr(_ray, "scoped_env", fails_at_exit)
-    answer = _ray._run([math.sqrt], 4, True)
+    monkeypatch.setattr(_raytask, "scoped_env", fails_at_exit)
+    answer = _raytask.run([math.sqrt], 4, True)
     assert answer[:1] == ("task_failed",)
     message = answer_failed(0, 4, answer)
     assert message.startswith("gpu_map: the Ray task for item 0 (4) failed in a Ray task on "), (
@@ -809,7 +810,7 @@ def test_a_task_names_its_node_as_ray_s_errors_do_by_its_ip_address(
 ) -> None:
     # Before, a fault caught in the task said "on vm (the CPU)" (the host name), and one
     # Ray reported "on 192.0.2.2" (the address in Ray's text): one node, named two ways.
-    from devicekit._ray import _where
+    from devicekit._raytask import where as _where
 
     ray = types.SimpleNamespace(util=types.SimpleNamespace(get_node_ip_address=lambda: "10.0.0.3"))
     monkeypatch.setitem(sys.modules, "ray", ray)

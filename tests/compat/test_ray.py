@@ -301,7 +301,7 @@ def test_an_item_ray_cannot_serialize_raises_type_error_with_its_index(cluster: 
     with pytest.raises(
         TypeError,
         match=r"and item 2 \(<unlocked .*>, a lock\) cannot be: Could not serialize the "
-        r"argument <unlocked .*> for a task or actor devicekit._ray._run. Pass data",
+        r"argument <unlocked .*> for a task or actor devicekit._raytask.run. Pass data",
     ):
         dk.gpu_map(math.sqrt, [1, 4, threading.Lock()], devices="cpu", executor="ray")
     assert dk.gpu_map(math.sqrt, [1, 4], devices="cpu", executor="ray") == [1.0, 2.0]
@@ -386,10 +386,10 @@ def test_a_task_ray_cancels_is_a_cancellation_not_fn_s_keyboard_interrupt(
     # Before, _run caught the KeyboardInterrupt by which ray.cancel() (without force) stops
     # a running task, and answered "fn raised KeyboardInterrupt". gpu_map's own tasks are
     # submitted as here; a cancel of the task that called gpu_map reaches them this way.
-    from devicekit import _ray
+    from devicekit import _raytask
     from devicekit._rayfaults import TASK_NAME, ray_failed
 
-    task = ray.remote(num_cpus=1, retry_exceptions=False)(_ray._run).options(name=TASK_NAME)
+    task = ray.remote(num_cpus=1, retry_exceptions=False)(_raytask.run).options(name=TASK_NAME)
     started = tmp_path / "started"
     ref = task.remote([ray.put(started_then_sleep)], str(started), True)
     deadline = time.monotonic() + TIMEOUT
