@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import torch
 
-from ._options import check_index
+from ._options import check_index, is_tensor
+from ._shortrepr import short_repr
 from ._visible import torch_cuda_initialized
 
 __all__ = [
@@ -115,7 +117,9 @@ def try_gpu(i: int = 0) -> torch.device:
         otherwise ``torch.device("cpu")``.
 
     Raises:
-        TypeError: ``i`` is not an int (``bool`` is rejected too).
+        TypeError: ``i`` is not an int: a bool, a tensor (its value is never
+            read as an index), a float, a string or a device are refused,
+            each with what to pass instead.
         ValueError: ``i`` is negative.
 
     Examples:
@@ -126,11 +130,40 @@ def try_gpu(i: int = 0) -> torch.device:
         >>> dk.try_gpu(1000)
         device(type='cpu')
     """
-    index = check_index(i, name="try_gpu(i)")
+    if i.__class__ is int and i >= 0:  # the usual call: no check to build
+        index = i
+    else:
+        index = check_index(i, name="try_gpu(i)", fix=_try_gpu_fix(i))
     kind = accelerator_type()
     if kind is not None and index < accelerator_count():
         return torch.device(kind, index)
     return CPU
+
+
+def _try_gpu_fix(i: object) -> str:
+    """What to pass to ``try_gpu`` instead of ``i``, for the error that refuses it."""
+    if isinstance(i, torch.device) or (isinstance(i, str) and _is_device(i)):
+        device = torch.device(i)
+        use = f"try_gpu takes an index, not a device: use {short_repr(str(device))} as it is"
+        if device.type in ("cpu", "meta"):
+            return use
+        index = 0 if device.index is None else device.index
+        return f"{use}, or dk.try_gpu({index}) for accelerator {index} (the CPU when there is none)"
+    if is_tensor(i):
+        return "use tensor.device as it is for the device a tensor is on, or an int: dk.try_gpu(0)"
+    if isinstance(i, float) and math.isfinite(i) and i.is_integer() and i >= 0:
+        return f"pass the int: dk.try_gpu({int(i)})"
+    if isinstance(i, str) and i.strip().isascii() and i.strip().isdigit():
+        return f"pass the int: dk.try_gpu({int(i.strip())})"
+    return "pass an int index such as dk.try_gpu(0), or nothing for the first accelerator"
+
+
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
 
 
 def try_all_gpus() -> list[torch.device]:

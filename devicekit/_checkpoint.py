@@ -53,7 +53,8 @@ from ._checkpointdamage import damaged, told, torch_said
 from ._devices import DeviceLike, resolve_device
 from ._errors import CheckpointError, add_note
 from ._frames import is_user
-from ._options import check_path, got
+from ._options import check_path
+from ._shortrepr import got
 from ._ziparchive import Damage, check_archive
 
 __all__ = ["load"]

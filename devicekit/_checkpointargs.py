@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._format import close_match
-from ._options import got, short_repr
+from ._shortrepr import got, short_repr
 
 __all__ = [
     "MMAP_LEGACY",

@@ -22,7 +22,7 @@ from ._checkwalk import collect, refuse_unwalkable
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._frames import caller_stacklevel
-from ._options import short_repr
+from ._shortrepr import short_repr
 
 __all__ = ["assert_same_device"]
 

@@ -11,7 +11,7 @@ from ._errors import add_note
 from ._format import UNKNOWN, PlainResult, format_joules, format_seconds, html_table
 from ._measure import OPTIONS, benchmark, check_options, misspelled_options
 from ._measurement import Measurement
-from ._options import got, short_repr
+from ._shortrepr import got, short_repr
 
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 

@@ -17,7 +17,8 @@ from ._errors import DeviceNotFoundError
 from ._format import format_count, html_table, plain_fields, plural, safe_text
 from ._gpufindings import ENVIRONMENTAL, environmental
 from ._gpuinfo import GPUInfo, GPUProcess
-from ._options import check_count, check_number, got, short_repr
+from ._options import check_count, check_number
+from ._shortrepr import got, short_repr
 
 __all__ = ["Conditions", "Sampler"]
 

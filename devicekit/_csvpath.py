@@ -13,8 +13,9 @@ import os
 import stat
 from pathlib import Path
 
-from ._options import check_path, short_repr
+from ._options import check_path
 from ._procfs import file_system_type
+from ._shortrepr import short_repr
 
 __all__ = ["file_path", "write_fix"]
 

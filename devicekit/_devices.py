@@ -13,7 +13,6 @@ parameter, what was given, what this process has, and the fix.
 
 from __future__ import annotations
 
-import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -30,7 +29,8 @@ from ._accelerators import (
 )
 from ._errors import DeviceNotFoundError
 from ._format import first_line, plural, shorten
-from ._options import check_index, got, short_repr
+from ._options import check_index, is_one_index, tensor_got
+from ._shortrepr import got, short_repr
 from ._visible import ENV_VAR
 
 __all__ = [
@@ -232,24 +232,13 @@ def parse_cuda_indices(value: object, *, name: str) -> list[int]:
 
 def _entries(value: object, name: str) -> list[tuple[str, object]]:
     """A list-of-devices argument as (name for errors, entry) pairs; one device is one entry."""
-    if isinstance(value, (str, torch.device, torch.Tensor)) or _is_index(value):
+    if isinstance(value, (str, torch.device, torch.Tensor)) or is_one_index(value):
         return [(name, value)]  # a tensor is one (refused) entry, never a list of indices
     if isinstance(value, (bool, bytes, Mapping)) or not isinstance(value, Iterable):
         raise TypeError(
             f"{name} must be a device or a list of devices ({_EXPECTED} each), got {got(value)}"
         )
     return [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-
-
-def _is_index(value: object) -> bool:
-    """Whether ``value`` is one integer (an int, a numpy integer), not a bool or an array."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        return False
-    try:  # a numpy array has __index__ too, and raises unless it holds one integer
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _parse(value: object, name: str) -> torch.device:
@@ -269,9 +258,11 @@ def _parse(value: object, name: str) -> torch.device:
         # other's device and dtype instead). A plain int skips the isinstance (50 ns).
         if value.__class__ is not int and isinstance(value, torch.Tensor):
             raise TypeError(
-                f"{name} must be {_EXPECTED}, got a tensor (shape {list(value.shape)}, on "
-                f"{value.device}); pass tensor.device to use the device a tensor is on"
+                f"{name} must be {_EXPECTED}, got {tensor_got(value)}; pass tensor.device to use "
+                "the device a tensor is on"
             )
+        if value.__class__ is not int and not is_one_index(value):  # an array of several integers
+            raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}")
         index = check_index(value, name=name)
         kind = accelerator_type()
         if kind is None:

@@ -54,7 +54,8 @@ from ._format import first_line, format_seconds
 from ._gloo import gloo_keeps_first_timeout, gloo_lets_go
 from ._jobstate import Job, arrive, out_of_step, refuse_if_broken, this_job
 from ._jobstore import Stalled, slow_now, within
-from ._options import check_seconds, short_repr
+from ._options import check_seconds
+from ._shortrepr import short_repr
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -23,7 +23,7 @@ from ._format import (
 )
 from ._gpuinfo import GPUInfo
 from ._nvmlstart import DEFAULT_TIMEOUT, TIMEOUT_VAR, timeout_seconds
-from ._options import short_repr
+from ._shortrepr import short_repr
 from ._visible import ENV_VAR, misreading, parse_visible_devices, read_as
 
 __all__ = [

@@ -14,8 +14,9 @@ from ._devices import DeviceLike
 from ._keywords import suggest_keywords
 from ._mapguards import refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
-from ._options import check_flag, short_repr
+from ._options import check_flag
 from ._parallel import GPUPool, MapStyle
+from ._shortrepr import short_repr
 from ._workerslots import worker_slots, workers_per_device_count
 
 __all__ = ["gpu_map"]

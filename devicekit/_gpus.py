@@ -44,7 +44,8 @@ from ._errors import GPUNotFoundError
 from ._findings import no_gpu_reason
 from ._keywords import suggest_keywords
 from ._nvml import GPUInfo, PhysicalGPU
-from ._options import check_flag, short_repr
+from ._options import check_flag
+from ._shortrepr import short_repr
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized, uuid_matches
 
 __all__ = [

@@ -91,17 +91,36 @@ def local_rank() -> tuple[str, int] | None:
     return None
 
 
-def _local_size(variable: str) -> tuple[str, int] | None:
+def _local_size(variable: str, rank: int) -> tuple[str, int] | None:
     """How many processes the launcher that set ``variable`` started on this node, if it says.
 
-    A malformed value is ignored: the device comes from the rank, and this only
-    lets every rank fail together when there are too few GPUs.
+    Read as strictly as the rank: a launcher writes a count above the rank in
+    ASCII digits, so anything else (``x``, ``-3``, ``0``) is a mistake, and
+    ignoring it skipped the check that every rank of the node has a GPU.
+
+    Raises:
+        ValueError: The size variable is set but is not an integer above ``rank``.
     """
     size_variable = _LOCAL_SIZES.get(variable)
-    raw = os.environ.get(size_variable or "", "").strip()
-    if size_variable is None or not (raw.isascii() and raw.isdigit()):
+    raw = None if size_variable is None else os.environ.get(size_variable)
+    if size_variable is None or raw is None:
         return None
-    return size_variable, int(raw)
+    digits = raw.strip()
+    launcher = next(name for var, name, _ in LAUNCHERS if var == variable)
+    if not (digits.isascii() and digits.isdigit()) or int(digits) == 0:
+        raise ValueError(
+            f"{size_variable} must be a positive integer (how many processes {launcher} started "
+            f"on this node), got {raw!r}; {launcher} sets it for each process, so unset it when "
+            f"you are not launching with {launcher}"
+        )
+    size = int(digits)
+    if size <= rank:
+        raise ValueError(
+            f"{size_variable}={size} but {variable}={rank}: a node's ranks are 0 to "
+            f"{size_variable} - 1, so one of the two is not {launcher}'s; unset both when you are "
+            f"not launching with {launcher}"
+        )
+    return size_variable, size
 
 
 def _ray_gpu_ids() -> list[str] | None:
@@ -162,6 +181,7 @@ def resolve_local_device() -> tuple[torch.device, bool, str | None]:
     found = None if ray_ids else local_rank()
     if ray_ids is None and found is None:
         return try_gpu(), False, None
+    started = None if found is None else _local_size(*found)  # refused on every machine alike
     kind = accelerator_type()
     count = accelerator_count()
     if kind is None or count == 0:
@@ -185,7 +205,6 @@ def resolve_local_device() -> tuple[torch.device, bool, str | None]:
         return torch.device(kind, _ray_index(ray_ids, count)), True, None
     assert found is not None
     variable, rank = found
-    started = _local_size(variable)
     if rank >= count or (started is not None and started[1] > count):
         launcher, start = next((name, how) for var, name, how in LAUNCHERS if var == variable)
         if rank < count and started is not None:
@@ -236,7 +255,9 @@ def local_device() -> torch.device:
         The device for this process.
 
     Raises:
-        ValueError: A launcher variable is set but is not a non-negative integer.
+        ValueError: A launcher variable is set but is not a non-negative integer,
+            or its local size (``LOCAL_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``,
+            ``MV2_COMM_WORLD_LOCAL_SIZE``) is not an integer above the rank.
         DeviceNotFoundError: The local rank has no GPU to match (the message
             names the variable and the GPUs visible), the launcher started more
             processes on the node than there are GPUs (``LOCAL_WORLD_SIZE``, or

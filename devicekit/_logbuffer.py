@@ -51,7 +51,8 @@ from ._logreport import (
 )
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import checked, checked_step, on_device, refuse, refuse_keys
-from ._options import check_count, short_repr
+from ._options import check_count
+from ._shortrepr import short_repr
 
 __all__ = ["LogBuffer"]
 

@@ -18,7 +18,7 @@ from typing import Any, SupportsIndex, cast
 import torch
 
 from ._format import shorten
-from ._options import short_repr
+from ._shortrepr import short_repr
 
 __all__ = [
     "FLOATING",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ._format import shorten
-from ._options import _ShortRepr, _unprintable
+from ._shortrepr import ShortRepr, unprintable
 from ._tree import ITEMS_ONLY
 
 __all__ = [
@@ -463,11 +463,11 @@ def key_text(key: object) -> str:
     try:
         text = _KeyRepr(_KEY_SHOWN).repr(key)
     except Exception:  # noqa: BLE001 - each part is guarded; this is the last word
-        text = _unprintable(key)
+        text = unprintable(key)
     return shorten(text, _KEY_SHOWN)
 
 
-class _KeyRepr(_ShortRepr):
+class _KeyRepr(ShortRepr):
     """`short_repr()`'s reader, with a tensor shown by its device and size alone."""
 
     def repr_instance(self, x: object, level: int) -> str:
@@ -476,5 +476,5 @@ class _KeyRepr(_ShortRepr):
             try:
                 return f"tensor(..., device='{x.device}', size={tuple(x.shape)})"
             except Exception:  # noqa: BLE001 - a subclass whose device or shape raises
-                return _unprintable(x)
+                return unprintable(x)
         return super().repr_instance(x, level)

@@ -21,7 +21,7 @@ import sys
 import threading
 
 from ._mapfaults import MAIN_GUARD_FIX
-from ._options import short_repr
+from ._shortrepr import short_repr
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
 
 __all__ = ["pool_busy", "refuse_to_start"]

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._mapfaults import show_item
-from ._options import check_number, got, short_repr
+from ._options import check_number
+from ._shortrepr import got, short_repr
 from ._worker import dumps
 
 __all__ = ["checked_work", "item_timeout", "pickle_fn", "pickle_items"]

@@ -19,7 +19,8 @@ from ._format import close_match
 from ._measurecheck import MODES
 from ._measurejudge import MIN_CALLS
 from ._measurement import Measurement
-from ._options import check_choice, check_number, check_seconds, got, refuse_lazy, short_repr
+from ._options import check_choice, check_number, check_seconds, refuse_lazy
+from ._shortrepr import got, short_repr
 from ._stats import relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors

@@ -13,14 +13,8 @@ import numbers
 from collections.abc import Iterable, Mapping, Set
 
 from ._conditions import Conditions
-from ._options import (
-    check_choice,
-    check_number,
-    check_seconds,
-    float_or_inf,
-    got,
-    short_repr,
-)
+from ._options import check_choice, check_number, check_seconds, float_or_inf
+from ._shortrepr import got, short_repr
 
 __all__ = [
     "LONGEST_TIME",

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 from ._conditions import Conditions
 from ._format import plural
 from ._measurecheck import same_interval
-from ._options import check_count, check_number, got, short_repr
+from ._options import check_count, check_number
+from ._shortrepr import got, short_repr
 
 __all__ = ["read_document"]
 

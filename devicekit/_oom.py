@@ -40,7 +40,8 @@ from ._keywords import suggest_keywords
 from ._oomread import build_report
 from ._oomreport import OOMReport
 from ._oomtext import is_oom
-from ._options import check_count, check_flag, short_repr
+from ._options import check_count, check_flag
+from ._shortrepr import short_repr
 
 __all__ = ["explain_oom"]
 

@@ -82,8 +82,8 @@ from ._keywords import suggest_keywords
 from ._mapfaults import fates, how_it_ended, told
 from ._mapguards import pool_busy, refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
-from ._options import short_repr
 from ._progress import Progress
+from ._shortrepr import short_repr
 from ._termination import stops_workers_first
 from ._workerslots import worker_slots, workers_per_device_count
 from ._workerstate import Orphans, orphans

@@ -21,7 +21,8 @@ from ._format import format_bytes, format_seconds, plural
 from ._gpuinfo import GPUInfo
 from ._gpus import gpus, why_none_visible
 from ._keywords import suggest_keywords
-from ._options import check_count, check_flag, check_number, check_seconds, short_repr
+from ._options import check_count, check_flag, check_number, check_seconds
+from ._shortrepr import short_repr
 
 __all__ = ["pick_gpu", "pick_gpus"]
 

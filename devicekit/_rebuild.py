@@ -39,8 +39,8 @@ from typing import Any
 from ._copying import copy_state, forget_cached_properties, own_copy, unshare
 from ._errors import add_note
 from ._format import first_line, qualified_name
-from ._options import short_repr
 from ._records import Walk, move_attributes, replace_fields
+from ._shortrepr import short_repr
 from ._tree import container_layout, is_dataclass_instance, record_layout
 
 __all__ = [

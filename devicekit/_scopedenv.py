@@ -13,10 +13,13 @@ import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+from ._blocks import EnterOnce
 from ._errors import CUDAInitializedError
 from ._keywords import suggest_keywords
 from ._options import check_flag
-from ._visible import ENV_VAR, cuda_started, normalize_devices, parse_visible_devices
+from ._shortrepr import short_repr
+from ._visible import ENV_VAR, cuda_started, parse_visible_devices
+from ._visiblearg import normalize_devices
 
 __all__ = ["scoped_env", "visible_devices"]
 
@@ -94,12 +97,11 @@ def scoped_env(name: str, value: str | None) -> Iterator[None]:
 
 
 @suggest_keywords
-@contextmanager
 def visible_devices(
     devices: int | str | Iterable[int | str] | None,
     *,
     subprocesses_only: bool = False,
-) -> Iterator[list[int | str] | None]:
+) -> EnterOnce[list[int | str] | None]:
     """Set ``CUDA_VISIBLE_DEVICES`` inside a ``with`` block, and restore it afterwards.
 
     The previous value, or its absence, comes back when the block ends,
@@ -147,7 +149,8 @@ def visible_devices(
         hidden; None when the variable is unset.
 
     Raises:
-        TypeError: ``devices`` or one of its entries has the wrong type, or
+        TypeError: ``devices`` or one of its entries has the wrong type (a
+            tensor too: its value is never read as an index), or
             ``subprocesses_only`` is not a bool.
         ValueError: An entry is negative, duplicated, malformed, or indices
             and UUIDs are mixed; or, where NVML lists the machine's GPUs, an
@@ -156,6 +159,8 @@ def visible_devices(
             GPU as another entry.
         CUDAInitializedError: CUDA has already started in this process and
             ``subprocesses_only`` is False.
+        RuntimeError: The object a call returned is entered a second time:
+            each ``with`` statement takes a call of its own.
 
     Examples:
         >>> import os, devicekit as dk
@@ -163,6 +168,23 @@ def visible_devices(
         ...     print(devices, os.environ["CUDA_VISIBLE_DEVICES"])
         [1, 0] 1,0
     """
+    call = f"dk.visible_devices({short_repr(devices, limit=40)})"
+    return EnterOnce(
+        lambda: _visible_devices(devices, subprocesses_only),
+        again=(
+            f"this {call} block was entered already, and each block is entered once: call "
+            "dk.visible_devices(...) again for each with statement"
+        ),
+        name=call,
+        gives="devices",
+    )
+
+
+@contextmanager
+def _visible_devices(
+    devices: int | str | Iterable[int | str] | None, subprocesses_only: bool
+) -> Iterator[list[int | str] | None]:
+    """`visible_devices`' block: everything is checked when it is entered."""
     check_flag(subprocesses_only, name="subprocesses_only")  # "no" must not skip the check
     parsed = None if devices is None else normalize_devices(devices)
     value = None if parsed is None else ",".join(str(entry) for entry in parsed)
@@ -220,7 +242,7 @@ def _warn_if_outside_share(parsed: list[int | str]) -> None:
         f"GPU indices, not this process's cuda:N: {fix}. Where leaving the share is meant, "
         "filter this warning.",
         UserWarning,
-        stacklevel=4,  # this function, visible_devices, contextlib's __enter__, the with block
+        stacklevel=5,  # this, the block, contextlib's __enter__, EnterOnce's, the with block
     )
 
 
@@ -236,5 +258,5 @@ def _warn_if_started_inside(value: str | None) -> None:
         "that view of the GPUs until it exits. Start CUDA before the block (or after it), or "
         "pass the setting to the child alone (subprocess.run(..., env=...)).",
         RuntimeWarning,
-        stacklevel=4,  # this function, visible_devices, contextlib's __exit__, the with block
+        stacklevel=5,  # this, the block, contextlib's __exit__, EnterOnce's, the with block
     )

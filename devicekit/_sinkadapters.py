@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 from ._format import shorten
 from ._keywords import suggest_keywords
 from ._logdeliver import Record
-from ._options import short_repr
+from ._shortrepr import short_repr
 
 __all__ = ["ProgressBarSink", "TensorBoardSink"]
 

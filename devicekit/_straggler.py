@@ -32,7 +32,8 @@ from ._dist import (
 from ._errors import RanksOutOfStepError
 from ._format import html_table, plural
 from ._keywords import suggest_keywords
-from ._options import check_count, check_number, got
+from ._options import check_count, check_number
+from ._shortrepr import got
 from ._stragglerreport import StragglerReport, Window, build_report
 from ._timing import CudaEvent
 from ._visible import torch_cuda_initialized

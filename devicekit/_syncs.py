@@ -20,7 +20,7 @@ from ._errors import SyncError
 from ._format import html_table, plural
 from ._frames import UNKNOWN_LOCATION, is_user, user_location
 from ._keywords import suggest_keywords
-from ._options import got, short_repr
+from ._shortrepr import got, short_repr
 
 __all__ = ["SyncReport", "detect_syncs"]
 

@@ -23,7 +23,8 @@ from ._accelerators import accelerator_type, current_cuda_device, synchronize
 from ._devices import DeviceLike, resolve_device
 from ._format import format_seconds, html_table, plural
 from ._keywords import suggest_keywords
-from ._options import check_flag, refuse_lazy, short_repr
+from ._options import check_flag, refuse_lazy
+from ._shortrepr import short_repr
 from ._visible import torch_cuda_initialized
 
 __all__ = ["Benchmark", "TimedFunction", "Timer"]

@@ -3,8 +3,10 @@
 CUDA's rules are lenient and easy to trip over: it stops at the first entry it
 cannot use, reads a leading integer, and hides every GPU when one is listed
 twice. [`parse_visible_devices()`][devicekit.parse_visible_devices] applies
-them, `misreading` says where a value departs from what was written, and
-`normalize_devices` refuses, naming the entry and the fix, a value that CUDA
+them as torch does (where torch and CUDA differ, on spaces around UUIDs and
+digits other than 0-9, torch's count is the one ``cuda:N`` means before CUDA
+starts), `misreading` says where a value departs from what was written, and
+`_visiblearg.normalize_devices` refuses, naming the entry and the fix, a value that CUDA
 would read differently, or that names no GPU here. The variable is read once,
 when the CUDA driver starts in a process; `cuda_started` says whether it has.
 Setting the variable for a block is `_scopedenv`'s.
@@ -13,25 +15,28 @@ Setting the variable for a block is `_scopedenv`'s.
 from __future__ import annotations
 
 import ctypes
-import operator
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, NoReturn
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from . import _nvml
-from ._format import plural
-from ._options import got, short_repr
+from ._shortrepr import got, short_repr
 
 __all__ = [
+    "ASCII_INT",
+    "DUPLICATE",
     "ENV_VAR",
+    "GPU_UUID",
+    "LEADING_INT",
+    "MIG_UUID",
+    "STOPS",
+    "UUID_PREFIXES",
     "Misreading",
     "cuda_started",
     "misreading",
-    "normalize_devices",
     "parse_visible_devices",
     "read_as",
     "reads_as_written",
@@ -40,18 +45,28 @@ __all__ = [
 
 ENV_VAR = "CUDA_VISIBLE_DEVICES"
 
-# strtoul-like: a leading integer counts ("3a" is 3, "1gpu2" is 1).
-_LEADING_INT = re.compile(r"[+-]?[0-9]+")
-_UUID_PREFIXES = ("GPU-", "MIG-")
+# strtoul-like: a leading integer counts ("3a" is 3, "1gpu2" is 1). Read as torch reads it
+# (str.isdigit, so "٣" is 3); torch's int() fails on the other digits ("²"), and CUDA's
+# strtoul reads none of them: such an entry stops the list.
+LEADING_INT = re.compile(r"[+-]?\d+")
+# What visible_devices() writes: ASCII digits, which CUDA and torch read alike.
+ASCII_INT = re.compile(r"[+-]?[0-9]+")
+UUID_PREFIXES = ("GPU-", "MIG-")
 # CUDA accepts unique prefixes of a UUID, so only the start is fixed.
-_GPU_UUID = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]*")
+GPU_UUID = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]*")
 # MIG-<uuid> (R470+ drivers) or the older MIG-GPU-<uuid>/<gi>/<ci>.
-_MIG_UUID = re.compile(r"MIG-(?:[0-9a-fA-F][0-9a-fA-F-]*|GPU-[0-9a-fA-F-]+/\d+/\d+)")
+MIG_UUID = re.compile(r"MIG-(?:[0-9a-fA-F][0-9a-fA-F-]*|GPU-[0-9a-fA-F-]+/\d+/\d+)")
 _CUDA_ERROR_NOT_INITIALIZED = 3
 # CUDA's rules, in the words every message about them uses (visible_devices' errors,
 # and the finding that status, doctor and the CLI show).
-_DUPLICATE = "any duplicate makes CUDA hide every GPU"
-_STOPS = "CUDA stops reading at the first entry it cannot use and ignores the rest"
+DUPLICATE = "any duplicate makes CUDA hide every GPU"
+STOPS = "CUDA stops reading at the first entry it cannot use and ignores the rest"
+_WHITESPACE = "has whitespace"
+_UUID_START = "torch reads UUIDs only in a value that starts with GPU- or MIG-, so it counts no GPU"
+_SPACED_UUID = (
+    f"{_WHITESPACE} around the UUID, and torch compares UUIDs as written, so it counts no GPU "
+    "from there on"
+)
 # Typed alias: torch leaves is_initialized unannotated.
 torch_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 
@@ -61,11 +76,19 @@ def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
 
     The rules are lenient and easy to trip over, which is why this function
     exists: parsing stops at the first invalid entry (``"0,x,1"`` is ``[0]``),
-    a leading integer counts (``"3a"`` is 3), whitespace around entries is
+    a leading integer counts (``"3a"`` is 3), whitespace around indices is
     ignored, a negative entry ends the list (``"-1"`` hides every GPU), and any
-    duplicate hides *every* GPU (``"0,0"`` is ``[]``). Entries that start with
-    ``GPU-`` or ``MIG-`` are UUIDs (or unique UUID prefixes) and are kept as
-    strings; the first entry decides which kind the list is.
+    duplicate hides *every* GPU (``"0,0"`` is ``[]``). A value that starts
+    with ``GPU-`` or ``MIG-`` lists UUIDs (or unique UUID prefixes), kept as
+    strings; the start of the value decides which kind the list is.
+
+    Where torch's reading (``torch.cuda.device_count()`` before CUDA starts)
+    is what ``cuda:N`` means here, this is torch's: whitespace around a UUID is
+    not ignored (``" GPU-5bd6"`` is no UUID, and ``"GPU-5bd6, GPU-8f3a"`` stops
+    at ``" GPU-8f3a"``; an entry with a space inside or after it names no GPU,
+    so the list ends there), and an index may be written in any script's
+    digits (``"٣"`` is 3), which CUDA itself reads as no index: `misreading`
+    says so for each.
 
     Args:
         value: The text to parse. Default: the current environment's
@@ -86,6 +109,8 @@ def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
         []
         >>> dk.parse_visible_devices("0,1a,oops,3")
         [0, 1]
+        >>> dk.parse_visible_devices("GPU-5bd6, GPU-8f3a")  # as torch reads it
+        ['GPU-5bd6']
     """
     if value is None:
         value = os.environ.get(ENV_VAR)
@@ -127,10 +152,20 @@ ignores the rest"
         return None
     entries, notes = _read(value)
     why = "; ".join(notes) if value.strip() else "an empty value lists no GPU"
+    written = [entry.strip() for entry in value.split(",")]
+    if value.lstrip().startswith(UUID_PREFIXES) and written != value.split(","):
+        spelled, what = ",".join(written), "the UUIDs without whitespace"
+    else:
+        spelled, what = ",".join(map(_ascii_index, written)), "indices with the digits 0-9"
+    changed = spelled != ",".join(written) or what.startswith("the UUIDs")
+    if changed and reads_as_written(spelled):  # whitespace or other digits are all that is wrong
+        return Misreading(why, f"write {what}, such as {ENV_VAR}={spelled}")
     if entries:
+        # Indices in other digits are torch's reading: CUDA's own stops at them.
+        other = any(not entry.isascii() and LEADING_INT.match(entry) for entry in written)
         fix = (
             "write only valid, distinct indices or UUIDs of one kind; "
-            f"as written, CUDA uses {ENV_VAR}={read_as(value)}"
+            f"as written, {'torch counts' if other else 'CUDA uses'} {ENV_VAR}={read_as(value)}"
         )
         return Misreading(why, fix)
     # Nothing read, yet the first entry was valid: a duplicate hid everything.
@@ -140,13 +175,20 @@ ignores the rest"
     return Misreading(why, f"unset {ENV_VAR}, or list the GPUs to use, such as {ENV_VAR}=0")
 
 
+def _ascii_index(entry: str) -> str:
+    """``"٣"`` as ``"3"``: an index in other digits, written in those CUDA reads; else as is."""
+    return str(int(entry)) if LEADING_INT.fullmatch(entry) and not entry.isascii() else entry
+
+
 def _read(value: str) -> tuple[list[int | str], list[str]]:
     """CUDA's entries for ``value``, and a note for each place its reading departs from the text."""
-    entries = [entry.strip() for entry in value.split(",")]
-    for prefix in _UUID_PREFIXES:
-        if entries[0].startswith(prefix):
-            return _parse_uuids(entries, prefix)
-    return _parse_indices(entries)
+    for prefix in UUID_PREFIXES:
+        if value.startswith(prefix):  # as torch decides: " GPU-5bd6" is no UUID list
+            return _parse_uuids(value.split(","), prefix)
+    if value.lstrip().startswith(UUID_PREFIXES):
+        # torch reads it as indices, and its first entry as none: no GPU.
+        return [], [f"{short_repr(value)} {_WHITESPACE} before the first UUID, and {_UUID_START}"]
+    return _parse_indices([entry.strip() for entry in value.split(",")])
 
 
 def reads_as_written(value: str) -> bool:
@@ -173,31 +215,49 @@ def _named(entry: str) -> str:
 
 
 def _parse_uuids(entries: list[str], prefix: str) -> tuple[list[int | str], list[str]]:
+    """UUID entries as torch reads them: as written, whitespace and all.
+
+    torch keeps an entry with whitespace around it, but it is the start of no
+    UUID, so torch counts no GPU from there on: the list ends there (after
+    torch's duplicate check, which reads on to the first entry of another kind).
+    """
     parsed: list[int | str] = []
+    stop = None
     for entry in entries:
         if entry in parsed:
-            return [], [f"{short_repr(entry)} is listed twice, and {_DUPLICATE}"]
+            return [], [f"{short_repr(entry)} is listed twice, and {DUPLICATE}"]
         if not entry.startswith(prefix):
-            return parsed, [
-                f"{_named(entry)} is not a {prefix} UUID like the first entry, and {_STOPS}"
-            ]
+            stop = entry
+            break
         parsed.append(entry)
-    return parsed, []
+    spaced = next((i for i, entry in enumerate(parsed) if entry != str(entry).strip()), None)
+    if spaced is not None:
+        return parsed[:spaced], [f"{short_repr(parsed[spaced])} {_SPACED_UUID}"]
+    if stop is None:
+        return parsed, []
+    if stop.strip().startswith(prefix):
+        return parsed, [f"{short_repr(stop)} {_SPACED_UUID}"]
+    return parsed, [f"{_named(stop)} is not a {prefix} UUID like the first entry, and {STOPS}"]
 
 
 def _parse_indices(entries: list[str]) -> tuple[list[int | str], list[str]]:
     parsed: list[int | str] = []
     notes: list[str] = []
     for entry in entries:
-        match = _LEADING_INT.match(entry)
+        match = LEADING_INT.match(entry)
         if match is None:
-            return parsed, [*notes, f"{_named(entry)} is not a device index, and {_STOPS}"]
+            return parsed, [*notes, f"{_named(entry)} is not a device index, and {STOPS}"]
         index = int(match.group())
         if index in parsed:
-            return [], [f"{index} is listed twice, and {_DUPLICATE}"]
+            return [], [f"{index} is listed twice, and {DUPLICATE}"]
         if index < 0:
             return parsed, [*notes, f"the negative entry {short_repr(entry)} ends the list"]
-        if str(index) != entry:
+        if not match.group().isascii():
+            notes.append(
+                f"{short_repr(entry)} is read as {short_repr(index)} by torch, but CUDA reads "
+                "only the digits 0-9, so CUDA itself stops there"
+            )
+        elif str(index) != entry:
             notes.append(f"{short_repr(entry)} is read as {short_repr(index)}")
         parsed.append(index)
     return parsed, notes
@@ -235,54 +295,6 @@ def _driver_started() -> bool:
     return bool(driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED)
 
 
-_EXPECTED = (
-    "an int, a comma-separated string, a sequence of ints or 'GPU-'/'MIG-' UUIDs, "
-    "[] to hide every GPU, or None to unset the variable"
-)
-
-
-def normalize_devices(devices: object) -> list[int | str]:
-    """Check a `visible_devices` argument whole and return its entries; change nothing."""
-    raw: list[object]
-    if isinstance(devices, str):
-        raw = [] if not devices.strip() else list(devices.split(","))
-    elif isinstance(devices, (bool, bytes, dict)):
-        raise TypeError(f"visible_devices() expects {_EXPECTED}; got {got(devices)}")
-    elif hasattr(devices, "__index__"):
-        raw = [devices]
-    elif isinstance(devices, Iterable):
-        raw = list(devices)
-    else:
-        raise TypeError(f"visible_devices() expects {_EXPECTED}; got {got(devices)}")
-    parsed = [_parse_entry(entry, devices) for entry in raw]
-    _check_consistent(parsed, devices)
-    _check_on_machine(parsed, devices)
-    return parsed
-
-
-def _check_on_machine(parsed: list[int | str], devices: object) -> None:
-    """Refuse entries CUDA will not find, where NVML lists the GPUs (else accept them)."""
-    if not parsed or not _nvml.nvml_available():
-        return
-    _check_indices(parsed, devices)
-    _check_gpu_uuids(parsed, devices)
-
-
-def _check_indices(parsed: list[int | str], devices: object) -> None:
-    indices = [entry for entry in parsed if isinstance(entry, int)]
-    if not indices:
-        return
-    count = len(_nvml.physical_gpus())
-    beyond = next((index for index in indices if index >= count), None)
-    if beyond is not None:
-        have = f"{plural(count, 'GPU')} (0 to {count - 1})" if count else "no GPU"
-        raise ValueError(
-            f"entry {short_repr(beyond)} {_where(devices)}: this machine has {have}, and CUDA "
-            f"hides every GPU from an entry that does not exist; list indices below {count} "
-            "(nvidia-smi -L lists them)"
-        )
-
-
 def uuid_matches(entry: str, uuids: Sequence[str | None]) -> list[int]:
     """The positions of the UUIDs that ``entry`` is a prefix of, compared as torch does.
 
@@ -297,117 +309,3 @@ def uuid_matches(entry: str, uuids: Sequence[str | None]) -> list[int]:
         []
     """
     return [index for index, uuid in enumerate(uuids) if uuid and uuid.startswith(entry)]
-
-
-def _check_gpu_uuids(parsed: list[int | str], devices: object) -> None:
-    """Refuse a ``GPU-`` entry that names no GPU, several, or one another entry names.
-
-    MIG UUIDs are not checked: drivers name them in two forms, and NVML may
-    list the other one.
-    """
-    entries = [entry for entry in parsed if isinstance(entry, str) and entry.startswith("GPU-")]
-    uuids = [gpu.uuid for gpu in _nvml.physical_gpus()]
-    if not entries or any(uuid is None for uuid in uuids):
-        return  # a GPU of unknown UUID could be the one an entry names
-    where = _where(devices)
-    named: dict[str, str] = {}  # GPU UUID -> the entry that names it
-    for entry in entries:
-        matches = [uuids[index] or "" for index in uuid_matches(entry, uuids)]
-        if not matches:
-            _refuse_unmatched(entry, where, [uuid for uuid in uuids if uuid])
-        if len(matches) > 1:
-            raise ValueError(
-                f"entry {short_repr(entry)} {where} starts the UUIDs of {len(matches)} GPUs "
-                f"({', '.join(matches)}), so CUDA cannot tell which it means, and {_STOPS}; give "
-                "enough of the UUID to name one"
-            )
-        if matches[0] in named:
-            raise ValueError(
-                f"entries {short_repr(named[matches[0]])} and {short_repr(entry)} {where} both "
-                f"name {matches[0]}, and {_DUPLICATE}; list each GPU once"
-            )
-        named[matches[0]] = entry
-
-
-def _refuse_unmatched(entry: str, where: str, uuids: list[str]) -> NoReturn:
-    folded = [uuid for uuid in uuids if uuid.lower().startswith(entry.lower())]
-    if len(folded) == 1:
-        # torch matches case and all: it would count no GPU here, while the
-        # driver's own count may differ, and a script would quietly use the CPU.
-        written = folded[0][: len(entry)]
-        raise ValueError(
-            f"entry {short_repr(entry)} {where} names {folded[0]} only if case is ignored, and "
-            f"torch compares UUIDs case and all, so it would find no GPU there; write {written!r}, "
-            "as nvidia-smi -L prints it"
-        )
-    have = ", ".join(uuids) or "none"
-    raise ValueError(
-        f"entry {short_repr(entry)} {where} is the UUID of no GPU on this machine (it has {have}), "
-        f"and {_STOPS}; copy the UUID from nvidia-smi -L"
-    )
-
-
-def _where(devices: object) -> str:
-    """How a message names the argument an entry is in: ``in visible_devices([0, 0])``."""
-    return f"in visible_devices({short_repr(devices)})"
-
-
-def _parse_entry(entry: object, devices: object) -> int | str:
-    if isinstance(entry, bool):
-        raise TypeError(
-            f"entry {entry!r} {_where(devices)} is a bool; expected a device index or a UUID"
-        )
-    if isinstance(entry, str):
-        text = entry.strip()
-        if not text:
-            raise ValueError(
-                f"empty entry {_where(devices)}; write indices as '0,1' with no empty slots"
-            )
-        if _LEADING_INT.fullmatch(text):
-            return _check_non_negative(int(text), devices)
-        if _GPU_UUID.fullmatch(text) or _MIG_UUID.fullmatch(text):
-            return text
-        raise ValueError(
-            f"malformed entry {short_repr(text)} {_where(devices)}: expected a device index such "
-            "as 0, a GPU UUID such as 'GPU-5bd6a7e1-...' or a MIG UUID such as 'MIG-8c3b...' "
-            "(nvidia-smi -L lists them)"
-        )
-    if hasattr(entry, "__index__"):
-        return _check_non_negative(operator.index(entry), devices)
-    raise TypeError(
-        f"entry {short_repr(entry)} {_where(devices)} has type {type(entry).__name__}; expected an "
-        "int or a UUID string"
-    )
-
-
-def _check_non_negative(index: int, devices: object) -> int:
-    if index < 0:
-        raise ValueError(
-            f"negative entry {short_repr(index)} {_where(devices)}: device indices start at 0; to "
-            "hide every GPU pass []"
-        )
-    return index
-
-
-def _check_consistent(parsed: list[int | str], devices: object) -> None:
-    seen: set[int | str] = set()
-    for entry in parsed:
-        key = entry.upper() if isinstance(entry, str) else entry
-        if key in seen:
-            raise ValueError(
-                f"duplicate entry {short_repr(entry)} {_where(devices)}: {_DUPLICATE}; "
-                "list each once"
-            )
-        seen.add(key)
-    kinds = {_kind(entry) for entry in parsed}
-    if len(kinds) > 1:
-        raise ValueError(
-            f"mixed entry kinds {_where(devices)} ({', '.join(sorted(kinds))}): CUDA stops reading "
-            "at the first entry of another kind, so the rest would be ignored. Use one kind only."
-        )
-
-
-def _kind(entry: int | str) -> str:
-    if isinstance(entry, int):
-        return "indices"
-    return "GPU UUIDs" if entry.startswith("GPU-") else "MIG UUIDs"

@@ -437,3 +437,85 @@ def test_devices_this_build_lacks_are_named_in_plain_words(value: str, text: str
 
     with pytest.raises(dk.DeviceNotFoundError, match=re.escape(text)):
         resolve_device(value)
+
+
+# Every public parameter that takes an index or a device, called with ``value``: the
+# parameter's name as its errors give it. try_gpu and visible_devices are not device
+# arguments, but take indices, so a tensor is refused there too.
+def _claim_gpu(value: object) -> None:
+    with dk.claim_gpu(exclude=value):  # type: ignore[arg-type]
+        pass
+
+
+def _visible_devices(value: object) -> None:
+    with dk.visible_devices(value):  # type: ignore[arg-type]
+        pass
+
+
+def _explain_oom(value: object) -> None:
+    with dk.explain_oom(device=value):  # type: ignore[arg-type]
+        pass
+
+
+INDEX_TAKERS: dict[str, tuple[Callable[[object], object], str]] = {
+    "try_gpu": (dk.try_gpu, r"try_gpu\(i\)"),  # type: ignore[dict-item]
+    "gpu": (dk.gpu, "index"),  # type: ignore[dict-item]
+    "Status.gpu": (lambda value: dk.status().gpu(value), "index"),  # type: ignore[arg-type]
+    "pick_gpu": (lambda value: dk.pick_gpu(exclude=value), "exclude"),  # type: ignore[arg-type]
+    "pick_gpus": (lambda value: dk.pick_gpus(1, exclude=value), "exclude"),  # type: ignore[arg-type]
+    "claim_gpu": (_claim_gpu, "exclude"),
+    "release_gpu": (dk.release_gpu, "device"),  # type: ignore[dict-item]
+    "explain_oom": (_explain_oom, "device"),
+    "find_batch_size": (
+        lambda value: dk.find_batch_size(lambda size: None, device=value),  # type: ignore[arg-type]
+        "device",
+    ),
+    "gpu_pool": (lambda value: dk.gpu_pool(devices=value), "devices"),  # type: ignore[arg-type]
+    "visible_devices": (_visible_devices, r"visible_devices\(\)|entry"),
+    **SINGLE,
+    **LISTS,
+    **CUDA_ONLY_LISTS,
+}
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.tensor(1), torch.tensor([1]), torch.tensor([0, 1])],
+    ids=lambda tensor: f"shape{list(tensor.shape)}",
+)
+@pytest.mark.parametrize("function", list(INDEX_TAKERS))
+def test_no_function_reads_a_tensor_as_an_index(
+    fake_accelerator: FakeAccelerator,
+    nvml_session: Callable[[object], None],
+    function: str,
+    tensor: torch.Tensor,
+) -> None:
+    # Before: try_gpu(torch.tensor(1)) was cuda:1, visible_devices(torch.tensor(1)) set
+    # CUDA_VISIBLE_DEVICES=1, and visible_devices(torch.tensor([0, 1])) raised torch's own
+    # "only integer tensors of a single element can be converted to an index".
+    nvml_session(None)
+    fake_accelerator("cuda", 2)
+    call, name = INDEX_TAKERS[function]
+    with pytest.raises(TypeError) as info:
+        call(tensor)
+    message = str(info.value)
+    assert re.search(rf"^(entry )?({name})(?!\w)", message), message  # the parameter is named
+    shape = list(tensor.shape)
+    assert f"a tensor (shape {shape}, on cpu)" in message, message  # never its values
+    assert "tensor.device" in message or "tensor.tolist()" in message, message  # the fix
+
+
+def test_a_numpy_array_of_several_is_no_single_device(fake_accelerator: FakeAccelerator) -> None:
+    np = pytest.importorskip("numpy")
+    from devicekit._devices import resolve_device
+
+    fake_accelerator("cuda", 2)
+    # Before: "device must be a non-negative int, got array([0, 1])", as if only ints were meant.
+    with pytest.raises(
+        TypeError,
+        match=r"^device must be a torch\.device, a device string such as 'cuda:0', or an "
+        r"accelerator index, got array\(\[0, 1\]\) of type ndarray$",
+    ):
+        resolve_device(np.arange(2))
+    with pytest.raises(TypeError, match=r"^device must be .*, got the NumPy bool np\.True_$"):
+        resolve_device(np.True_)

@@ -90,7 +90,58 @@ def test_try_gpu_names_a_huge_bad_index_in_a_short_message() -> None:
     message = str(caught.value)
     assert len(message) < 1000
     assert message.startswith("try_gpu(i) must be a non-negative int, got [0, 1, 2, ")
-    assert message.endswith("... of type list")
+    assert "... of type list; pass an int index such as dk.try_gpu(0)" in message
+
+
+@pytest.mark.parametrize(
+    ("bad", "fix"),
+    [
+        (
+            "cuda:0",
+            "try_gpu takes an index, not a device: use 'cuda:0' as it is, or dk.try_gpu(0) for "
+            "accelerator 0 (the CPU when there is none)",
+        ),
+        (
+            torch.device("cuda", 1),
+            "use 'cuda:1' as it is, or dk.try_gpu(1) for accelerator 1 (the CPU when there is "
+            "none)",
+        ),
+        ("cpu", "try_gpu takes an index, not a device: use 'cpu' as it is"),
+        (1.0, "pass the int: dk.try_gpu(1)"),
+        ("2", "pass the int: dk.try_gpu(2)"),
+        ("gpu", "pass an int index such as dk.try_gpu(0), or nothing for the first accelerator"),
+        (None, "pass an int index such as dk.try_gpu(0), or nothing for the first accelerator"),
+    ],
+    ids=repr,
+)
+def test_try_gpu_says_what_to_pass_instead(bad: object, fix: str) -> None:
+    # Before: only "try_gpu(i) must be a non-negative int, got 'cuda:0' of type str".
+    with pytest.raises(TypeError) as caught:
+        dk.try_gpu(bad)  # type: ignore[arg-type]
+    assert str(caught.value).endswith(fix), str(caught.value)
+
+
+@pytest.mark.parametrize("tensor", [torch.tensor(1), torch.tensor([1])], ids=repr)
+def test_try_gpu_never_reads_a_tensor_as_an_index(
+    fake_accelerator: FakeAccelerator, tensor: torch.Tensor
+) -> None:
+    fake_accelerator("cuda", 2)  # before: cuda:1, the tensor's value
+    shape = re.escape(str(list(tensor.shape)))
+    with pytest.raises(
+        TypeError,
+        match=rf"^try_gpu\(i\) must be a non-negative int, got a tensor \(shape {shape}, on cpu\); "
+        r"a tensor's value is never read as an index; use tensor\.device as it is",
+    ):
+        dk.try_gpu(tensor)  # type: ignore[arg-type]
+
+
+def test_try_gpu_names_a_numpy_bool_as_a_bool() -> None:
+    np = pytest.importorskip("numpy")
+    # Before: "got np.True_ of type bool", as if it were a Python bool refused for no reason.
+    with pytest.raises(
+        TypeError, match=r"must be a non-negative int, got the NumPy bool np\.True_;"
+    ):
+        dk.try_gpu(np.True_)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ import torch
 
 import devicekit as dk
 from devicekit._format import format_bytes, safe_text
-from devicekit._options import check_index, check_number, check_seconds, got, short_repr
+from devicekit._options import check_index, check_number, check_seconds
+from devicekit._shortrepr import got, short_repr
 
 
 def test_format_bytes_goes_on_past_pib_to_yib() -> None:

@@ -242,8 +242,59 @@ def test_every_rank_is_refused_when_the_node_has_more_ranks_than_gpus(
         dk.local_device()
     monkeypatch.setenv(size_variable, "2")  # as many as the GPUs: rank 0 gets cuda:0
     assert resolve_local_device()[0] == torch.device("cuda", 0)
-    monkeypatch.setenv(size_variable, "two")  # not what a launcher writes: the rank decides
-    assert resolve_local_device()[0] == torch.device("cuda", 0)
+
+
+@pytest.mark.usefixtures("no_launcher")
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "torchrun"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"),
+        ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE", "MVAPICH"),
+    ],
+    ids=lambda names: names[1],
+)
+@pytest.mark.parametrize("raw", ["x", "two", "-3", "0", "", "1.5", "\u0663"])
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_a_malformed_local_size_is_refused_like_a_malformed_rank(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_accelerator: FakeAccelerator,
+    names: tuple[str, str, str],
+    raw: str,
+    gpus: int,
+) -> None:
+    variable, size_variable, launcher = names
+    # Before: ignored, so the check that every rank of the node has a GPU was skipped.
+    fake_accelerator("cuda", gpus)
+    monkeypatch.setenv(variable, "0")
+    monkeypatch.setenv(size_variable, raw)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{size_variable} must be a positive integer (how many processes {launcher} started "
+            f"on this node), got {raw!r}; {launcher} sets it for each process, so unset it when "
+            f"you are not launching with {launcher}"
+        ),
+    ):
+        dk.local_device()
+
+
+@pytest.mark.usefixtures("no_launcher")
+def test_a_local_size_at_or_below_the_rank_is_refused(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    fake_accelerator("cuda", 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "LOCAL_WORLD_SIZE=2 but LOCAL_RANK=3: a node's ranks are 0 to LOCAL_WORLD_SIZE - 1"
+        ),
+    ):
+        dk.local_device()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", " 4 ")  # whitespace aside, as the rank is read
+    assert resolve_local_device()[0] == torch.device("cuda", 3)
 
 
 @pytest.mark.usefixtures("no_launcher")

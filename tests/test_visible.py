@@ -53,7 +53,14 @@ def cuda_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
         ("0,-1,1", [0]),
         ("+1", [1]),
         ("GPU-ab12,GPU-cd34", ["GPU-ab12", "GPU-cd34"]),
-        (" GPU-ab12 , GPU-cd34", ["GPU-ab12", "GPU-cd34"]),
+        # torch's reading (its device count before CUDA starts), whitespace around UUIDs too:
+        (" GPU-ab12 , GPU-cd34", []),  # a value that starts with a space lists no UUID
+        ("GPU-ab12, GPU-cd34", ["GPU-ab12"]),  # ' GPU-cd34' is not a GPU- entry
+        ("GPU-ab12 ,GPU-cd34", []),  # 'GPU-ab12 ' starts no UUID: no GPU from there on
+        ("GPU-ab12,GPU-cd34\n", ["GPU-ab12"]),
+        ("\u0663", [3]),  # an Arabic-Indic 3: torch's str.isdigit reads it
+        ("0,\u0663", [0, 3]),
+        ("\u00b2", []),  # a superscript 2: torch's int() fails on it, CUDA reads no index
         ("GPU-ab12,0,GPU-cd34", ["GPU-ab12"]),
         ("GPU-ab12,GPU-ab12", []),
         ("MIG-1f2e,MIG-3d4c", ["MIG-1f2e", "MIG-3d4c"]),
@@ -97,6 +104,24 @@ def test_parse_follows_cuda_rules(value: str, expected: list[int | str]) -> None
         ("00,+1", "'00' is read as 0; '+1' is read as 1", "CUDA uses CUDA_VISIBLE_DEVICES=0,1"),
         ("0,-1,1", "the negative entry '-1' ends the list", "CUDA uses CUDA_VISIBLE_DEVICES=0"),
         ("GPU-ab12,0", "'0' is not a GPU- UUID like the first entry", "=GPU-ab12"),
+        (
+            "GPU-ab12, GPU-cd34",
+            "' GPU-cd34' has whitespace around the UUID, and torch compares UUIDs as written, "
+            "so it counts no GPU from there on",
+            "write the UUIDs without whitespace, such as CUDA_VISIBLE_DEVICES=GPU-ab12,GPU-cd34",
+        ),
+        (
+            " GPU-ab12",
+            "' GPU-ab12' has whitespace before the first UUID, and torch reads UUIDs only in a "
+            "value that starts with GPU- or MIG-",
+            "write the UUIDs without whitespace, such as CUDA_VISIBLE_DEVICES=GPU-ab12",
+        ),
+        (
+            "0,\u0663",
+            "'\u0663' is read as 3 by torch, but CUDA reads only the digits 0-9, so CUDA itself "
+            "stops there",
+            "write indices with the digits 0-9, such as CUDA_VISIBLE_DEVICES=0,3",
+        ),
     ],
 )
 def test_misreading_names_the_rule_and_the_fix(value: str, why: str, fix: str) -> None:
@@ -174,27 +199,57 @@ needs_torch_parser = pytest.mark.skipif(
 
 
 @needs_torch_parser
-@given(st.text(alphabet="0123456789,ax +-", max_size=16))
+@given(st.text(alphabet="0123456789,ax +-\u0663\u00b2\n", max_size=16))
 def test_parse_agrees_with_torch_on_indices(value: str) -> None:
     assume(not value.lstrip().startswith(("GPU-", "MIG-")))
     try:
         expected = _torch_reading(value)
-    except ValueError:  # torch's strtoul crashes on a lone sign; CUDA reads it as invalid
+    except ValueError:  # torch's strtoul crashes on a lone sign or a "²"; CUDA reads no index
         assume(False)
     assert dk.parse_visible_devices(value) == expected
 
 
+def _torch_count(entries: list[int] | list[str]) -> list[int] | list[str]:
+    """torch's UUID entries up to the first it can match to no GPU: one with whitespace.
+
+    torch keeps ``'GPU-ab '`` as written, then finds no UUID it starts
+    (``_transform_uuid_to_ordinals``), so its count of devices ends there;
+    devicekit ends the list there.
+    """
+    spaced = [i for i, entry in enumerate(entries) if str(entry) != str(entry).strip()]
+    return entries[: spaced[0]] if spaced else entries  # type: ignore[return-value]
+
+
+_UUID_ENTRIES = ["GPU-ab", "GPU-cd", "GPU-ef12", "MIG-ab", "0", "x", "", " GPU-cd", "GPU-ab "]
+
+
 @needs_torch_parser
 @given(
-    st.lists(
-        st.sampled_from(["GPU-ab", "GPU-cd", "GPU-ef12", "MIG-ab", "0", "x", ""]),
-        min_size=1,
-        max_size=5,
-    ).filter(lambda entries: entries[0].startswith(("GPU-", "MIG-")))
+    st.lists(st.sampled_from(_UUID_ENTRIES), min_size=1, max_size=5).filter(
+        lambda entries: entries[0].lstrip().startswith(("GPU-", "MIG-"))
+    )
 )
 def test_parse_agrees_with_torch_on_uuids(entries: list[str]) -> None:
     value = ",".join(entries)
-    assert dk.parse_visible_devices(value) == _torch_reading(value)
+    assert dk.parse_visible_devices(value) == _torch_count(_torch_reading(value))
+
+
+@needs_torch_parser
+@pytest.mark.parametrize(
+    "value",
+    [
+        "GPU-ab12, GPU-cd34",  # devicekit read both, torch the first
+        " GPU-ab12",  # devicekit read one, torch none
+        "GPU-ab12 ,GPU-cd34",
+        "GPU-ab12,GPU-cd34 ,GPU-ab12",
+        "MIG-ab12, MIG-cd34",
+        "\u0663",  # devicekit read none, torch 3
+        "0,\u0663",
+        "1\u0663",
+    ],
+)
+def test_parse_agrees_with_torch_where_the_trial_found_it_did_not(value: str) -> None:
+    assert dk.parse_visible_devices(value) == _torch_count(_torch_reading(value))
 
 
 # --- visible_devices -------------------------------------------------------------------
@@ -363,6 +418,94 @@ def test_visible_devices_rejects_bad_input_and_changes_nothing(
     with pytest.raises(error, match=message), dk.visible_devices(devices):  # type: ignore[arg-type]
         pytest.fail("the block must not run")
     assert os.environ[VAR] == "7"
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_visible_devices_takes_a_numpy_array_of_indices_as_a_list() -> None:
+    # Before: numpy's own "only integer scalar arrays can be converted to a scalar index".
+    np = pytest.importorskip("numpy")
+    with dk.visible_devices(np.arange(2)) as parsed:
+        assert parsed == [0, 1]
+        assert os.environ[VAR] == "0,1"
+    with dk.visible_devices(np.int64(1)) as parsed, dk.visible_devices(np.array(2)) as inner:
+        assert (parsed, inner) == ([1], [2])
+    with pytest.raises(
+        TypeError, match=r"(?s)^entry array\(\[0, 1\]\) in visible_devices\(.* has type "
+    ):
+        dk.visible_devices(np.arange(4).reshape(2, 2)).__enter__()
+    with pytest.raises(
+        TypeError, match=r"^entry np\.True_ in visible_devices\(\[np\.True_\]\) is a bool"
+    ):
+        dk.visible_devices([np.True_]).__enter__()
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        (
+            torch.tensor([0, 1]),  # before: torch's "only integer tensors of a single element..."
+            r"^visible_devices\(\) expects .*; got a tensor \(shape \[2\], on cpu\), and a "
+            r"tensor's value is never read as an index: pass tensor\.tolist\(\) if it holds",
+        ),
+        (torch.tensor(1), r"got a tensor \(shape \[\], on cpu\)"),  # before: read as [1]
+        ([0, torch.tensor(1)], r"^entry a tensor \(shape \[\], on cpu\) in visible_devices\("),
+    ],
+    ids=repr,
+)
+def test_visible_devices_never_reads_a_tensor_as_indices(devices: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message), dk.visible_devices(devices):  # type: ignore[arg-type]
+        pytest.fail("the block must not run")
+    assert VAR not in os.environ
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        # nvidia-smi --query-gpu=index prints one a line: the words status and doctor use.
+        (
+            "0\n1",
+            r"^malformed entry '0\\n1' in visible_devices\('0\\n1'\): CUDA separates entries "
+            r"with commas only, so '0\\n1' is one entry: CUDA reads its number, 0, stops at the "
+            r"newline and drops the rest, '1'; separate the GPUs with commas, such as "
+            r"visible_devices\('0,1'\)$",
+        ),
+        ("0;1", r"stops at the semicolon .*such as visible_devices\('0,1'\)$"),
+        (
+            ["MIG-xyz"],
+            r"^malformed entry 'MIG-xyz' in visible_devices\(\['MIG-xyz'\]\): a MIG UUID is "
+            r"'MIG-' followed by hexadecimal digits \(0-9, a-f\) and dashes",
+        ),
+        ("GPU-12g4", r"a GPU UUID is 'GPU-' followed by hexadecimal digits \(0-9, a-f\)"),
+        ("gpu-ab12", r"a GPU UUID starts with 'GPU-' in capitals, as nvidia-smi -L prints it"),
+        ("\u0663", r"CUDA reads indices written with the digits 0-9 only; write '3'$"),
+    ],
+    ids=repr,
+)
+def test_visible_devices_says_what_a_malformed_entry_should_be(
+    devices: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message), dk.visible_devices(devices):  # type: ignore[arg-type]
+        pytest.fail("the block must not run")
+
+
+@pytest.mark.usefixtures("cuda_not_started")
+def test_a_visible_devices_block_entered_twice_says_to_call_it_again() -> None:
+    # Before: contextlib's "AttributeError: '_GeneratorContextManager' object has no attribute".
+    block = dk.visible_devices([1, 0])
+    with block as parsed:
+        assert parsed == [1, 0]
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"^this dk\.visible_devices\(\[1, 0\]\) block was entered already, and each "
+            r"block is entered once: call dk\.visible_devices\(\.\.\.\) again for each with",
+        ),
+        block,
+    ):
+        pytest.fail("the block must not run")
+    assert VAR not in os.environ
 
 
 def test_visible_devices_refuses_once_cuda_has_started(monkeypatch: pytest.MonkeyPatch) -> None:
