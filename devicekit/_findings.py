@@ -10,7 +10,6 @@ process can use; [`doctor()`][devicekit.doctor] adds the ones about speed
 from __future__ import annotations
 
 import collections
-import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
@@ -24,7 +23,15 @@ from ._format import (
 from ._gpuinfo import GPUInfo
 from ._nvmlstart import DEFAULT_TIMEOUT, TIMEOUT_VAR, timeout_seconds
 from ._shortrepr import short_repr
-from ._visible import ENV_VAR, misreading, parse_visible_devices, read_as
+from ._visible import (
+    ASCII_INT,
+    ENV_VAR,
+    comma_fix,
+    misreading,
+    parse_visible_devices,
+    read_as,
+    why_number,
+)
 
 __all__ = [
     "SEVERITIES",
@@ -115,58 +122,14 @@ GPU once, such as CUDA_VISIBLE_DEVICES=0.
         # _visible's "'0\n1' is read as 0" repeats, for one entry, the reading it should
         # explain: say instead what ends the number, and what CUDA drops.
         for entry in (entry.strip() for entry in raw.split(",")):
-            if (match := _LEADING_INT.match(entry)) and str(int(match.group())) != entry:
+            if (match := ASCII_INT.match(entry)) and str(int(match.group())) != entry:
                 note = f"{short_repr(entry)} is read as {int(match.group())}"
-                why = why.replace(note, _why_number(entry, int(match.group())))
+                why = why.replace(note, why_number(entry, int(match.group())))
     return Finding(
         "warning",
-        f"CUDA reads {ENV_VAR} differently than it is written",
+        f"{ENV_VAR} is read differently than it is written",
         f"{ENV_VAR}={raw!r} is read as {read_as(raw)!r}: {why}",
-        _comma_fix(raw) or wrong.fix,
-    )
-
-
-_LEADING_INT = re.compile(r"[+-]?[0-9]+")  # CUDA reads the integer an entry starts with
-# What people separate a list with besides commas (a newline: nvidia-smi --query-gpu output).
-_SEPARATORS = {"\n": "newline", "\t": "tab", " ": "space", ";": "semicolon"}
-
-
-def _why_number(entry: str, index: int) -> str:
-    """Why CUDA reads ``entry`` as ``index``: what ends the number, and what it drops.
-
-    Examples:
-        >>> print(_why_number("0 1", 0))
-        CUDA separates entries with commas only, so '0 1' is one entry: CUDA reads its number, \
-0, stops at the space and drops the rest, '1'
-        >>> print(_why_number("1a", 1))
-        CUDA reads the number an entry starts with and ignores the rest of it, so '1a' is 1 \
-and 'a' is ignored
-    """
-    rest = _LEADING_INT.sub("", entry, count=1)
-    if not rest:  # '01', '+1', '-0': the same number, spelled another way
-        return f"CUDA reads {short_repr(entry)} as the number {index}, without sign or leading 0s"
-    name = _SEPARATORS.get(rest[0]) or (f"whitespace {rest[0]!r}" if rest[0].isspace() else None)
-    if name is not None:
-        return (
-            f"CUDA separates entries with commas only, so {short_repr(entry)} is one entry: "
-            f"CUDA reads its number, {index}, stops at the {name} and drops the rest, "
-            f"{short_repr(rest[1:].strip())}"
-        )
-    return (
-        "CUDA reads the number an entry starts with and ignores the rest of it, so "
-        f"{short_repr(entry)} is {index} and {short_repr(rest)} is ignored"
-    )
-
-
-def _comma_fix(raw: str) -> str | None:
-    """``...=0,1`` for ``'0 1'``: distinct indices separated by something besides commas."""
-    parts = [part for part in re.split(r"[\s,;]+", raw) if part]
-    if not re.search(r"[0-9][\s;]+[0-9]", raw) or not all(p.isdigit() for p in parts):
-        return None
-    if len({int(part) for part in parts}) < len(parts):
-        return None  # "0 0": commas would make a duplicate, which hides every GPU
-    return (
-        f"separate the GPUs with commas, such as {ENV_VAR}={','.join(str(int(p)) for p in parts)}"
+        comma_fix(raw) or wrong.fix,
     )
 
 

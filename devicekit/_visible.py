@@ -35,12 +35,14 @@ __all__ = [
     "STOPS",
     "UUID_PREFIXES",
     "Misreading",
+    "comma_fix",
     "cuda_started",
     "misreading",
     "parse_visible_devices",
     "read_as",
     "reads_as_written",
     "uuid_matches",
+    "why_number",
 ]
 
 ENV_VAR = "CUDA_VISIBLE_DEVICES"
@@ -309,3 +311,46 @@ def uuid_matches(entry: str, uuids: Sequence[str | None]) -> list[int]:
         []
     """
     return [index for index, uuid in enumerate(uuids) if uuid and uuid.startswith(entry)]
+
+
+# What people separate a list with besides commas (a newline: nvidia-smi --query-gpu output).
+_SEPARATORS = {"\n": "newline", "\t": "tab", " ": "space", ";": "semicolon"}
+
+
+def why_number(entry: str, index: int) -> str:
+    """Why CUDA reads ``entry`` as ``index``: what ends the number, and what it drops.
+
+    Examples:
+        >>> print(why_number("0 1", 0))
+        CUDA separates entries with commas only, so '0 1' is one entry: CUDA reads its number, \
+0, stops at the space and drops the rest, '1'
+        >>> print(why_number("1a", 1))
+        CUDA reads the number an entry starts with and ignores the rest of it, so '1a' is 1 \
+and 'a' is ignored
+    """
+    rest = ASCII_INT.sub("", entry, count=1)
+    if not rest:  # '01', '+1', '-0': the same number, spelled another way
+        return f"CUDA reads {short_repr(entry)} as the number {index}, without sign or leading 0s"
+    name = _SEPARATORS.get(rest[0]) or (f"whitespace {rest[0]!r}" if rest[0].isspace() else None)
+    if name is not None:
+        return (
+            f"CUDA separates entries with commas only, so {short_repr(entry)} is one entry: "
+            f"CUDA reads its number, {index}, stops at the {name} and drops the rest, "
+            f"{short_repr(rest[1:].strip())}"
+        )
+    return (
+        "CUDA reads the number an entry starts with and ignores the rest of it, so "
+        f"{short_repr(entry)} is {index} and {short_repr(rest)} is ignored"
+    )
+
+
+def comma_fix(raw: str) -> str | None:
+    """``...=0,1`` for ``'0 1'``: distinct indices separated by something besides commas."""
+    parts = [part for part in re.split(r"[\s,;]+", raw) if part]
+    if not re.search(r"[0-9][\s;]+[0-9]", raw) or not all(p.isdigit() for p in parts):
+        return None
+    if len({int(part) for part in parts}) < len(parts):
+        return None  # "0 0": commas would make a duplicate, which hides every GPU
+    return (
+        f"separate the GPUs with commas, such as {ENV_VAR}={','.join(str(int(p)) for p in parts)}"
+    )

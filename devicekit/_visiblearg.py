@@ -25,7 +25,9 @@ from ._visible import (
     MIG_UUID,
     STOPS,
     UUID_PREFIXES,
+    comma_fix,
     uuid_matches,
+    why_number,
 )
 
 __all__ = ["normalize_devices"]
@@ -196,14 +198,12 @@ def _malformed(text: str) -> str:
 
 def _separated(text: str) -> str | None:
     r"""For ``"0\n1"`` (nvidia-smi prints one index a line): the words `status` uses for it."""
-    from ._findings import _comma_fix, _why_number  # noqa: PLC0415 - _findings imports this module
-
     match = ASCII_INT.match(text)
-    if match is None or _comma_fix(text) is None:
+    if match is None or comma_fix(text) is None:
         return None
     listed = ",".join(str(int(part)) for part in re.split(r"[\s;]+", text) if part)
     return (
-        f"{_why_number(text, int(match.group()))}; separate the GPUs with commas, such as "
+        f"{why_number(text, int(match.group()))}; separate the GPUs with commas, such as "
         f"visible_devices({listed!r})"
     )
 

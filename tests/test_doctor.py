@@ -83,7 +83,7 @@ def test_torch_newer_than_the_driver(
         ("", ("error", "CUDA_VISIBLE_DEVICES hides every GPU")),
         ("-1", ("error", "CUDA_VISIBLE_DEVICES hides every GPU")),
         ("0,0", ("error", "CUDA_VISIBLE_DEVICES hides every GPU")),
-        ("0,x", ("warning", "CUDA reads CUDA_VISIBLE_DEVICES differently than it is written")),
+        ("0,x", ("warning", "CUDA_VISIBLE_DEVICES is read differently than it is written")),
     ],
 )
 def test_cuda_visible_devices(
@@ -404,7 +404,7 @@ def test_a_misread_visible_devices_says_why_not_what_again(
     # Before: "CUDA_VISIBLE_DEVICES='0\n1' is read as '0': '0\n1' is read as 0", the
     # reading given again as its own reason.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
-    finding = finding_for(dk.doctor(), "CUDA reads CUDA_VISIBLE_DEVICES")
+    finding = finding_for(dk.doctor(), "CUDA_VISIBLE_DEVICES is read differently")
     prefix = f"CUDA_VISIBLE_DEVICES={value!r} is read as "
     assert finding.detail.startswith(prefix)
     assert finding.detail.split(": ", 1)[1] == why
