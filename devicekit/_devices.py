@@ -214,6 +214,8 @@ def parse_cuda_index(value: object, *, name: str) -> int:
     """
     if hasattr(value, "__index__") and not isinstance(value, (bool, torch.device, torch.Tensor)):
         return check_index(value, name=name)
+    if isinstance(value, str):
+        _refuse_cuda_text(value, name)
     device = value if value.__class__ is torch.device else _parse(value, name)
     assert isinstance(device, torch.device)
     if device.type != "cuda":
@@ -223,6 +225,34 @@ def parse_cuda_index(value: object, *, name: str) -> int:
         )
     index: int | None = device.index  # torch's stubs say int; it is None for "cuda"
     return int(default_cuda_device().index) if index is None else index
+
+
+def _refuse_cuda_text(value: str, name: str) -> None:
+    """Refuse a GPU index or UUID written as text, or any text torch cannot read, for a GPU.
+
+    The shared fix ("write 'cpu', 'cuda', 'cuda:1', or an index") would offer
+    'cpu', which a GPU argument then refuses, and say nothing of UUIDs.
+
+    Examples:
+        >>> _refuse_cuda_text("1", "index")
+        Traceback (most recent call last):
+        ...
+        ValueError: index='1' is not a device torch knows; pass the torch index as an int, 1, \
+or write 'cuda:1'
+    """
+    text = value.strip()
+    if text.upper().startswith(("GPU-", "MIG-")):
+        fix = (
+            "pass its torch index, such as 0 or 'cuda:0', not a UUID (dk.gpus(all=True) lists "
+            "each GPU's uuid with its torch_index)"
+        )
+    elif text.isascii() and text.isdigit() and len(text) < 20:  # int() refuses 4300 digits
+        fix = f"pass the torch index as an int, {int(text)}, or write 'cuda:{int(text)}'"
+    elif not _parses(value) and not _parses(_device_type(text)):
+        fix = "pass a GPU's torch index, such as 0 or 'cuda:0'"
+    else:
+        return  # a device torch reads, or a known type miswritten (_unreadable says how)
+    raise ValueError(f"{name}={short_repr(value)} is not a device torch knows; {fix}")
 
 
 def parse_cuda_indices(value: object, *, name: str) -> list[int]:
@@ -277,8 +307,7 @@ def _parse(value: object, name: str) -> torch.device:
 def _unreadable(value: str, name: str, reason: str) -> ValueError:
     """The error for a string torch cannot parse, with the string it most likely means."""
     kind, colon, index = value.strip().lower().partition(":")
-    if kind == "gpu":  # torch calls GPUs "cuda"; dk.try_gpu() is "whichever accelerator"
-        kind = "cuda"
+    kind = _device_type(kind)
     fixed = kind + colon + index
     if fixed != value and _parses(fixed):
         fix = f"write {short_repr(fixed)} (device types are lower case, without spaces)"
@@ -309,6 +338,12 @@ def _unreadable(value: str, name: str, reason: str) -> ValueError:
         f"{name}={short_repr(value)} is not a device torch knows ({known}); write 'cpu', 'cuda', "
         "'cuda:1', or an index such as 1"
     )
+
+
+def _device_type(text: str) -> str:
+    """The device type ``text`` starts with, lower case; torch calls GPUs "cuda"."""
+    kind = text.strip().lower().partition(":")[0]
+    return "cuda" if kind == "gpu" else kind  # dk.try_gpu() is "whichever accelerator"
 
 
 def _parses(text: str) -> bool:

@@ -317,30 +317,10 @@ def gpus(*, all: bool = False) -> list[GPUInfo]:
 def gpu_index(index: object) -> int:
     """The torch index ``index`` names for `gpu()` and ``Status.gpu()``, as `parse_cuda_index`.
 
-    An index or a UUID written as a string gets a fix for a GPU argument: the
-    shared parser's "write 'cpu', 'cuda', 'cuda:1', or an index" offered
-    'cpu', which a GPU argument then refuses, and said nothing of UUIDs.
-
     Examples:
         >>> gpu_index("cuda:1"), gpu_index(1)
         (1, 1)
-        >>> gpu_index("1")
-        Traceback (most recent call last):
-        ...
-        ValueError: index='1' is not a device torch knows; pass the torch index as an int, 1, \
-or write 'cuda:1'
     """
-    text = index.strip() if isinstance(index, str) else ""
-    fix = None
-    if text.upper().startswith(("GPU-", "MIG-")):
-        fix = (
-            "pass its torch index, such as 0 or 'cuda:0', not a UUID (dk.gpus(all=True) lists "
-            "each GPU's uuid with its torch_index)"
-        )
-    elif text.isascii() and text.isdigit() and len(text) < 20:  # int() refuses 4300 digits
-        fix = f"pass the torch index as an int, {int(text)}, or write 'cuda:{int(text)}'"
-    if fix is not None:
-        raise ValueError(f"index={short_repr(index)} is not a device torch knows; {fix}")
     return parse_cuda_index(index, name="index")
 
 

@@ -673,3 +673,24 @@ def test_gpu_of_a_string_index_suggests_what_gpu_takes(value: str, fix: str) -> 
         dk.gpu(value)
     assert fix in str(e.value)
     assert "'cpu'" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("call", "fix"),
+    [
+        (lambda: dk.gpu("x"), "pass a GPU's torch index, such as 0 or 'cuda:0'"),
+        (lambda: dk.gpu("tpu:1"), "pass a GPU's torch index, such as 0 or 'cuda:0'"),
+        (lambda: dk.pick_gpu(exclude="1"), "pass the torch index as an int, 1, or write 'cuda:1'"),
+        (lambda: dk.pick_gpu(exclude=["x"]), "pass a GPU's torch index, such as 0 or 'cuda:0'"),
+        (lambda: dk.gpu("cuda:00"), "torch reads no leading zero in the index; write 'cuda:0'"),
+    ],
+)
+def test_every_gpu_argument_suggests_a_gpu_not_the_cpu(
+    call: Callable[[], object], fix: str
+) -> None:
+    # Before, gpu('x') and pick_gpu(exclude='1') said "write 'cpu', 'cuda', 'cuda:1', or an
+    # index": 'cpu' is refused there. The shared parser now says it for every GPU argument.
+    with pytest.raises(ValueError, match="is not a device torch knows") as info:
+        call()
+    assert fix in str(info.value)
+    assert "'cpu'" not in str(info.value)
