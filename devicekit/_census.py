@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import heapq
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -121,6 +121,7 @@ def live_tensors() -> list[torch.Tensor]:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 # What reading a tensor that has no real storage raises: sparse and wrapper subclasses
 # (RuntimeError, NotImplementedError, TypeError), and a lazy module's parameters before
 # its first call (ValueError): one in the process made every report fail.
@@ -312,11 +313,11 @@ def device_census(
     return DeviceCensus(count, total, described)
 
 
-GroupKey = tuple[str, str, tuple[int, ...] | None, str | None]
+GroupKey = tuple[str, str, tuple[int, ...] | None, Hashable | None]
 """(device, dtype, shape, creation site) of a group of tensors; shape None for a nested tensor."""
 
 
-def census(site: Callable[[torch.Tensor], str | None]) -> dict[GroupKey, tuple[int, int]]:
+def census(site: Callable[[torch.Tensor], Hashable | None]) -> dict[GroupKey, tuple[int, int]]:
     """Every live tensor on every device, grouped: key -> (tensors, bytes of their storages).
 
     Each storage's bytes count once in the whole census, in the group of the
@@ -325,8 +326,14 @@ def census(site: Callable[[torch.Tensor], str | None]) -> dict[GroupKey, tuple[i
     tensor whose site is unknown takes the site of a tensor it shares memory
     with, where one is known.
 
+    The collector stays paused for the whole census, the grouping after the
+    reading included: the grouping makes a few tuples per tensor, and the
+    collections they triggered walked every tensor again (120,000 tensors:
+    0.92 s with them, 0.2 s without).
+
     Args:
-        site: Where a tensor was created (``file:line``), or None when unknown.
+        site: Where a tensor was created (any hashable: ``file:line``), or
+            None when unknown. Called once per tensor, so it must be cheap.
 
     Examples:
         >>> import torch
@@ -341,43 +348,96 @@ def census(site: Callable[[torch.Tensor], str | None]) -> dict[GroupKey, tuple[i
         ... ]
         (1, 20)
     """
-    counts: dict[GroupKey, int] = {}
     # (device, pointer) -> (storage bytes, bytes of the widest view, its group)
     owners: dict[tuple[str, int], tuple[int, int, GroupKey]] = {}
-    read: list[tuple[GroupKey, list[tuple[tuple[int, int], int]]]] = []
-    sites: dict[tuple[str, int], str] = {}  # a storage's first known creation site
+    read: list[tuple[GroupKey, list[tuple[int, int, int]]]] = []
+    unsited = False  # a tensor with no known site, that may take one from its storage
+    devices: dict[torch.device, str] = {}  # str(device) made one string per tensor
+    dtypes: dict[torch.dtype, str] = {}
     with _no_collection():
         tensors = live_tensors()
         for tensor in tensors:
-            found = [(storage_key(part), _widest(part)) for part in _parts(tensor)]
-            keys = [(key, width) for key, width in found if key is not None]
-            if not keys or len(keys) < len(found):
-                continue  # no memory of its own (meta, fake), or unreadable
-            group = (
-                str(tensor.device),
-                _dtype_name(tensor.dtype),
-                None if tensor.is_nested else tuple(tensor.shape),
-                site(tensor),
-            )
+            nested = tensor.is_nested
+            if type(tensor) in _PLAIN and tensor.layout == _STRIDED and not nested:
+                # Nearly every tensor: read inline, without `_storages`' calls per part.
+                try:
+                    storage = tensor.untyped_storage()
+                    if tensor.is_meta:
+                        continue
+                    keys = [(storage.data_ptr(), storage.nbytes(), tensor.nbytes)]
+                except _UNREADABLE:
+                    continue
+            else:
+                found = _storages(tensor)
+                if found is None:
+                    continue  # no memory of its own (meta, fake), or unreadable
+                keys = found
+            device = tensor.device
+            name = devices.get(device)
+            if name is None:
+                name = devices[device] = str(device)
+            dtype = tensor.dtype
+            dtype_name = dtypes.get(dtype)
+            if dtype_name is None:
+                dtype_name = dtypes[dtype] = _dtype_name(dtype)
+            where = site(tensor)
+            group = (name, dtype_name, None if nested else tuple(tensor.shape), where)
             read.append((group, keys))
-            if group[3] is not None:
-                for (pointer, _), _ in keys:
-                    sites.setdefault((group[0], pointer), group[3])
+            unsited = unsited or where is None
         tensors.clear()
+        counts = _group(read, _storage_sites(read) if unsited else {}, owners)
+        sizes = dict.fromkeys(counts, 0)
+        for size, _, group in owners.values():
+            sizes[group] += size
+        read.clear()
+        owners.clear()
+    return {group: (count, sizes[group]) for group, count in counts.items()}
+
+
+def _storages(tensor: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """(pointer, storage bytes, bytes viewed) per storage of ``tensor``; None if unreadable."""
+    found = []
+    for part in _parts(tensor):
+        key = storage_key(part)
+        if key is None:
+            return None
+        found.append((key[0], key[1], _widest(part)))
+    return found or None
+
+
+def _storage_sites(
+    read: list[tuple[GroupKey, list[tuple[int, int, int]]]],
+) -> dict[tuple[str, int], Hashable]:
+    """The first known creation site of each storage that a tensor with no site views."""
+    wanted = {(group[0], key[0]) for group, keys in read if group[3] is None for key in keys}
+    sites: dict[tuple[str, int], Hashable] = {}
+    for group, keys in read:
+        if group[3] is not None:
+            for pointer, _, _ in keys:
+                place = (group[0], pointer)
+                if place in wanted and place not in sites:
+                    sites[place] = group[3]
+    return sites
+
+
+def _group(
+    read: list[tuple[GroupKey, list[tuple[int, int, int]]]],
+    sites: dict[tuple[str, int], Hashable],
+    owners: dict[tuple[str, int], tuple[int, int, GroupKey]],
+) -> dict[GroupKey, int]:
+    """Tensors per group; fills ``owners`` with each storage's widest view's group."""
+    counts: dict[GroupKey, int] = {}
     for seen, keys in read:
         group = seen
-        if group[3] is None:
+        if group[3] is None and sites:
             # No site of its own, yet it shares memory with a tensor made at a known line:
             # the base of an alias (x.as_subclass(C) keeps x alive, and x's note is lost
             # when torch keeps its Python object for the alias), made where that was.
-            places = ((group[0], pointer) for (pointer, _), _ in keys)
+            places = ((group[0], pointer) for pointer, _, _ in keys)
             group = (*group[:3], next((sites[p] for p in places if p in sites), None))
         counts[group] = counts.get(group, 0) + 1
-        for (pointer, size), width in keys:
+        for pointer, size, width in keys:
             owner = owners.get((group[0], pointer))
             if owner is None or width > owner[1]:
                 owners[group[0], pointer] = (size, width, group)
-    sizes = dict.fromkeys(counts, 0)
-    for size, _, group in owners.values():
-        sizes[group] += size
-    return {group: (count, sizes[group]) for group, count in counts.items()}
+    return counts

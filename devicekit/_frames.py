@@ -27,6 +27,7 @@ __all__ = [
     "UNKNOWN_LOCATION",
     "caller_stacklevel",
     "first_user_location",
+    "is_installed",
     "is_user",
     "user_location",
 ]
@@ -69,6 +70,21 @@ def is_user(filename: str) -> bool:
     if filename.startswith(_SKIPPED):
         return False
     return not filename.startswith(_STDLIB) or any(part in filename for part in _INSTALLED)
+
+
+def is_installed(filename: str) -> bool:
+    """Whether ``filename`` is in an installed package, which `is_user` counts as the user's.
+
+    ``find_leaks`` names the first line of the user's own code, with the
+    line inside transformers as a detail.
+
+    Examples:
+        >>> is_installed("/venv/lib/python3.11/site-packages/transformers/activations.py")
+        True
+        >>> is_installed("train.py")
+        False
+    """
+    return any(part in filename for part in _INSTALLED)
 
 
 def user_location(depth: int = 1) -> str:

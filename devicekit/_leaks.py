@@ -12,8 +12,13 @@ step's saved activations).
 
 Creation sites come from a ``TorchFunctionMode`` that is active only while
 ``fn`` runs: every tensor a torch function or tensor method returns is noted
-with the first line outside torch and devicekit that asked for it. Tensors
-made in C++ without a Python call (gradients in ``backward()``) have no site.
+with the first line of the user's own code that asked for it (outside torch,
+devicekit, the standard library and installed packages), and the line inside
+an installed package (transformers) that made it, as a detail: the user can
+change the first, not the second. Tensors made in C++ without a Python call
+(gradients in ``backward()``) have no site, nor do tensors made by code
+``torch.compile`` generated; the mode steps aside while Dynamo traces, so
+that compiled code is the same graph as outside ``find_leaks``.
 """
 
 from __future__ import annotations
@@ -23,13 +28,12 @@ import html
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._census import GroupKey, census, only_new_objects
+from ._creationsites import CreationSites, Site
 from ._errors import add_note
 from ._format import (
     NOT_APPLICABLE,
@@ -41,7 +45,6 @@ from ._format import (
     plain_fields,
     plural,
 )
-from ._frames import user_location
 from ._keywords import suggest_keywords
 from ._memory import used_cuda_indices
 from ._options import check_count, refuse_lazy
@@ -65,14 +68,20 @@ class Leak(PlainResult):
         device: Such as ``"cpu"`` or ``"cuda:0"``.
         dtype: Such as ``"float32"``; None for memory no tensor holds.
         shape: The tensors' shape; None when they vary, or for memory no tensor holds.
-        location: ``file:line`` that created the tensors; None when unknown
-            (created in C++, or before ``find_leaks`` started).
+        location: ``file:line`` of the user's own code that created the
+            tensors: the first line outside torch, devicekit, the standard
+            library and installed packages (``site-packages``). None when
+            unknown: created in C++, by code ``torch.compile`` generated, or
+            before ``find_leaks`` started.
         count_per_call: Tensors added per call; None for memory no tensor holds.
         bytes_per_call: Bytes added per call (tensors: of their storages; else
             CUDA allocated bytes that no tensor explains).
         count_before: Tensors after the warm-up. Tensors that existed before
             ``find_leaks`` was called are not counted: they cannot be what grows.
         count_after: Tensors after the last call.
+        library_location: When ``location`` called into an installed package
+            (transformers, timm) that made the tensors, the line in it that
+            made most of their bytes; None when ``location`` made them itself.
     """
 
     device: str
@@ -83,6 +92,7 @@ class Leak(PlainResult):
     bytes_per_call: float
     count_before: int | None
     count_after: int | None
+    library_location: str | None = None
 
     def __str__(self) -> str:
         if self.dtype is None:
@@ -92,6 +102,8 @@ class Leak(PlainResult):
             )
         shape = "various shapes" if self.shape is None else list(self.shape)
         where = self.location or "an unknown line"
+        if self.library_location:
+            where += f" (inside {self.library_location})"
         return (
             f"+{self.count_per_call:g} tensor/call, +{_b(self.bytes_per_call)}/call: "
             f"{self.device} {self.dtype} {shape}, created at {where} "
@@ -160,7 +172,7 @@ class LeakReport:
                 leak.device,
                 leak.dtype,
                 "various" if leak.shape is None else list(leak.shape),
-                leak.location,
+                _where(leak),
                 UNKNOWN if leak.count_per_call is None else f"{leak.count_per_call:g}",
                 _b(leak.bytes_per_call),
             )
@@ -186,55 +198,47 @@ class LeakReport:
         return "".join(parts)
 
 
-class _CreationSites(TorchFunctionMode):
-    """Notes the user's line for every tensor a torch function returns while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: Any = WeakIdKeyDictionary()  # unannotated in torch
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        result = func(*args, **(kwargs or {}))
-        # In-place ops return their input, and getters (.grad, .data) an existing tensor:
-        # neither creates one, so neither is a creation site.
-        if getattr(func, "__name__", "") == "__get__" or (args and result is args[0]):
-            return result
-        if isinstance(result, torch.Tensor):
-            self._note(result)
-        elif isinstance(result, (tuple, list)):
-            for item in result:
-                if isinstance(item, torch.Tensor):
-                    self._note(item)
-        return result
-
-    def _note(self, tensor: torch.Tensor) -> None:
-        # Nearly every tensor seen here is new, so no "already noted?" look-up first:
-        # setdefault makes one weak reference where a look-up and a store made two.
-        self.sites.setdefault(tensor, user_location())
-
-    def site(self, tensor: torch.Tensor) -> str | None:
-        found: str | None = self.sites.get(tensor)
-        return found
+def _where(leak: Leak) -> str | None:
+    """The "created at" cell: the user's line, and the library's line inside it if any."""
+    if leak.location and leak.library_location:
+        return f"{leak.location} (inside {leak.library_location})"
+    return leak.location
 
 
+# (device, dtype, shape or None when the line is known, line) -> tensors, bytes, shapes,
+# and per library line (None: made by the user's line itself) its tensors and bytes.
 _MergedKey = tuple[str, str, Any, str | None]
+_Merged = tuple[int, int, set[Any], dict[str | None, tuple[int, int]]]
 
 
-def _merge(groups: dict[GroupKey, tuple[int, int]]) -> dict[_MergedKey, tuple[int, int, set[Any]]]:
-    """Groups with a known creation line merge across shapes (``torch.zeros(step)`` leaks too)."""
-    merged: dict[_MergedKey, tuple[int, int, set[Any]]] = {}
+def _merge(groups: dict[GroupKey, tuple[int, int]]) -> dict[_MergedKey, _Merged]:
+    """Groups with a known creation line merge across shapes and library lines.
+
+    ``torch.zeros(step)`` leaks too; a model call that leaks tensors made on
+    twenty lines of a library's code is one leak at the user's line.
+    """
+    merged: dict[_MergedKey, _Merged] = {}
     for (device, dtype, shape, site), (count, size) in groups.items():
-        key = (device, dtype, None if site else shape, site)
-        old_count, old_size, shapes = merged.get(key, (0, 0, set()))
+        line, library = (None, None) if site is None else cast(Site, site)
+        key = (device, dtype, None if line else shape, line)
+        old_count, old_size, shapes, libraries = merged.get(key, (0, 0, set(), {}))
         shapes.add(shape)
-        merged[key] = (old_count + count, old_size + size, shapes)
+        lib_count, lib_size = libraries.get(library, (0, 0))
+        libraries[library] = (lib_count + count, lib_size + size)
+        merged[key] = (old_count + count, old_size + size, shapes, libraries)
     return merged
+
+
+def _library_line(first: _Merged | None, last: _Merged) -> str | None:
+    """The library line whose tensors grew the most (bytes, then count); None: the user's own."""
+    before = {} if first is None else first[3]
+
+    def growth(line: str | None) -> tuple[int, int]:
+        count, size = last[3][line]
+        old_count, old_size = before.get(line, (0, 0))
+        return size - old_size, count - old_count
+
+    return max(last[3], key=lambda line: (growth(line), line is None))
 
 
 def _allocated() -> dict[str, int]:
@@ -316,7 +320,7 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
     )
 
 
-_Census = dict[_MergedKey, tuple[int, int, set[Any]]]
+_Census = dict[_MergedKey, _Merged]
 _LAZY_FIX = (
     "pass a function that does the work: lambda: list(gen()) for a generator, "
     "lambda: asyncio.run(step()) for async def"
@@ -350,7 +354,7 @@ def _measure(
     fn: Callable[[], Any], repeat: int, warmup: int
 ) -> tuple[list[_Census], list[dict[str, int]]]:
     """Call ``fn``; after the warm-up and after each measured call, count what is alive."""
-    recorder = _CreationSites()
+    recorder = CreationSites()
     for call in range(warmup):
         with recorder:
             _call_numbered(fn, call + 1, repeat, warmup)
@@ -366,17 +370,15 @@ def _measure(
     return counts, allocated
 
 
-def _tensor_leaks(
-    counts: list[dict[_MergedKey, tuple[int, int, set[Any]]]], calls: int
-) -> list[Leak]:
+def _tensor_leaks(counts: list[_Census], calls: int) -> list[Leak]:
     leaks = []
-    for key in counts[-1]:
-        series = [census.get(key, (0, 0, set())) for census in counts]
-        numbers = [count for count, _, _ in series]
+    for key, last in counts[-1].items():
+        series = [census.get(key, (0, 0, set(), {})) for census in counts]
+        numbers = [count for count, _, _, _ in series]
         if not _growing(numbers):
             continue
         device, dtype, _, site = key
-        shapes = series[-1][2]
+        shapes = last[2]
         leaks.append(
             Leak(
                 device=device,
@@ -384,9 +386,10 @@ def _tensor_leaks(
                 shape=next(iter(shapes)) if len(shapes) == 1 else None,
                 location=site,
                 count_per_call=(numbers[-1] - numbers[0]) / calls,
-                bytes_per_call=(series[-1][1] - series[0][1]) / calls,
+                bytes_per_call=(last[1] - series[0][1]) / calls,
                 count_before=numbers[0],
                 count_after=numbers[-1],
+                library_location=_library_line(counts[0].get(key), last),
             )
         )
     return leaks
