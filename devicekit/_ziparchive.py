@@ -27,9 +27,12 @@ import io
 import os
 import struct
 import zlib
-from typing import IO
+from collections.abc import Callable
+from typing import IO, TypeVar
 
 __all__ = ["Damage", "check_archive", "first_record", "inflated"]
+
+T = TypeVar("T")
 
 _END = b"PK\x05\x06"  # the end record: 22 bytes and a comment
 _END64_LOCATOR = b"PK\x06\x07"  # zip64: 20 bytes, just before the end record
@@ -110,14 +113,7 @@ def check_archive(
         >>> check_archive(io.BytesIO(data[:1000])).detail
         'its 1,000 bytes end without the directory every zip archive ends with'
     """
-    if isinstance(file, (str, os.PathLike)):
-        with open(file, "rb") as opened:
-            return _check(opened, start, tensors)
-    stood = file.tell()
-    try:
-        return _check(file, start, tensors)
-    finally:
-        file.seek(stood)
+    return _reading(file, lambda opened: _check(opened, start, tensors))
 
 
 def inflated(file: str | os.PathLike[str] | IO[bytes], start: int = 0) -> tuple[int, int] | None:
@@ -134,14 +130,7 @@ def inflated(file: str | os.PathLike[str] | IO[bytes], start: int = 0) -> tuple[
         >>> inflated(buffer) is None
         True
     """
-    if isinstance(file, (str, os.PathLike)):
-        with open(file, "rb") as opened:
-            return _inflated(opened, start)
-    stood = file.tell()
-    try:
-        return _inflated(file, start)
-    finally:
-        file.seek(stood)
+    return _reading(file, lambda opened: _inflated(opened, start))
 
 
 def first_record(file: str | os.PathLike[str] | IO[bytes], start: int = 0) -> bytes | None:
@@ -158,16 +147,21 @@ def first_record(file: str | os.PathLike[str] | IO[bytes], start: int = 0) -> by
         b'\x80\x02'
     """
     try:
-        if isinstance(file, (str, os.PathLike)):
-            with open(file, "rb") as opened:
-                return _first_record(opened, start)
-        stood = file.tell()
-        try:
-            return _first_record(file, start)
-        finally:
-            file.seek(stood)
+        return _reading(file, lambda opened: _first_record(opened, start))
     except (_Bad, OSError, ValueError, AttributeError, TypeError, struct.error):
         return None
+
+
+def _reading(file: str | os.PathLike[str] | IO[bytes], read: Callable[[IO[bytes]], T]) -> T:
+    """``read(file)``: a path opened for it, a file object left where it stood."""
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as opened:
+            return read(opened)
+    stood = file.tell()
+    try:
+        return read(file)
+    finally:
+        file.seek(stood)
 
 
 def _first_record(file: IO[bytes], start: int) -> bytes | None:
