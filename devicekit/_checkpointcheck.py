@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 import zlib
 from collections.abc import Iterator
 from typing import IO
@@ -33,7 +34,8 @@ from typing import IO
 import torch
 
 from ._errors import CheckpointError
-from ._ziparchive import check_archive, first_record, inflated
+from ._format import plural
+from ._ziparchive import check_archive, first_record, inflated, unchecked
 
 __all__ = ["check_loaded", "inflated_note", "out_of_memory"]
 
@@ -119,6 +121,10 @@ def check_loaded(
         CheckpointError: What is wrong, and the fix.
     """
     if start is None:
+        if verify:  # asked for: say it did not happen
+            _not_verified(
+                where, "the file object cannot say where it stood, so it cannot be read again"
+            )
         return  # a file object that cannot say where it stood: not read again
     if isinstance(map_location, torch.device) and map_location.type != "meta":
         # A dict or a function of the caller's own is theirs: torch maps no meta tensor.
@@ -127,10 +133,23 @@ def check_loaded(
             raise CheckpointError(_meta_message(f"{where})", names, map_location))
     if verify:
         if not _is_zip(path, start):
-            return  # the legacy format keeps no CRC-32s
+            _not_verified(where, "it is in torch's legacy format, which keeps no CRC-32s")
+            return
         damage = _verify(result, path, start, f"{where}, verify=True)")
         if damage is not None:
             raise CheckpointError(damage)
+        skipped = unchecked(path, start)
+        if skipped:
+            _not_verified(
+                where,
+                f"{plural(skipped, 'record')} of it keep no CRC-32 (saved with compute_crc32 off) "
+                "or are compressed (not torch.save's), so those were not checked; the rest were",
+            )
+
+
+def _not_verified(where: str, why: str) -> None:
+    """Warn that ``verify=True`` could not check (all of) the file: it was asked for."""
+    warnings.warn(f"{where}, verify=True): {why}", RuntimeWarning, stacklevel=4)
 
 
 def out_of_memory(error: BaseException) -> bool:

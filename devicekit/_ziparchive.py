@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable
 from typing import IO, TypeVar
 
-__all__ = ["Damage", "check_archive", "first_record", "inflated"]
+__all__ = ["Damage", "check_archive", "first_record", "inflated", "unchecked"]
 
 T = TypeVar("T")
 
@@ -133,11 +133,37 @@ def inflated(file: str | os.PathLike[str] | IO[bytes], start: int = 0) -> tuple[
     return _reading(file, lambda opened: _inflated(opened, start))
 
 
+def unchecked(file: str | os.PathLike[str] | IO[bytes], start: int = 0) -> int:
+    """How many records ``check_archive(tensors=True)`` cannot check: no CRC-32, or compressed.
+
+    Read from the directory alone; 0 where the archive is unreadable (then
+    `check_archive` says why). A file object is left where it stood.
+
+    Examples:
+        >>> import io, torch
+        >>> buffer = io.BytesIO()
+        >>> torch.save({"w": torch.ones(2)}, buffer)
+        >>> unchecked(buffer)
+        0
+    """
+
+    def count(opened: IO[bytes]) -> int:
+        entries = _entries_of(opened, start, opened.seek(0, io.SEEK_END) - start) or []
+        return sum(1 for e in entries if e.method != _STORED or (e.crc == 0 and e.size > 0))
+
+    try:
+        return _reading(file, count)
+    except (_Bad, OSError, ValueError, struct.error):
+        return 0
+
+
 def first_record(file: str | os.PathLike[str] | IO[bytes], start: int = 0) -> bytes | None:
-    r"""The bytes of the archive's first record (torch.save's ``data.pkl``); None if unreadable.
+    r"""The bytes of the archive's first record, torch.save's ``data.pkl``; None if not that.
 
     Read from the directory's first entry alone: a few small reads, whatever
-    the count of records. A file object is left where it stood.
+    the count of records. None where the archive is unreadable, or where
+    another zip tool put something else first. A file object is left where it
+    stood.
 
     Examples:
         >>> import io, torch
@@ -167,7 +193,9 @@ def _reading(file: str | os.PathLike[str] | IO[bytes], read: Callable[[IO[bytes]
 def _first_record(file: IO[bytes], start: int) -> bytes | None:
     size = file.seek(0, io.SEEK_END) - start
     entries = _entries_of(file, start, size, first=True)
-    if not entries or entries[0].method != _STORED:
+    # torch.save writes data.pkl first; another zip tool may put a folder or another
+    # record first (torch finds data.pkl by name): then the caller reads what it loaded.
+    if not entries or entries[0].method != _STORED or not entries[0].name.endswith(b"data.pkl"):
         return None
     entry = entries[0]
     header = _read(file, start + entry.offset, 30)
@@ -296,6 +324,8 @@ def _entries(directory: bytes, count: int) -> list[_Entry]:
             raise _Bad(f"its directory entry of {_text(name)} runs past the directory's end")
         if 0xFFFFFFFF in (size, full, offset):  # zip64: the real values are in the extra field
             full, size, offset = _zip64(extra, (full, size, offset), name)
+        if (folder or name.endswith(b"/")) and full == 0:
+            continue  # a folder's own entry, as `zip -r` writes them: no record to check
         if flags & _ENCRYPTED or method not in (_STORED, _DEFLATED) or disk or folder:
             raise _Bad(
                 f"its directory entry of {_text(name)} says the record is encrypted, compressed "

@@ -762,7 +762,8 @@ def test_verify_passes_whole_files_and_those_without_crcs(tmp_path: Path) -> Non
     buffer.seek(4)  # a checkpoint from where the file object stands
     assert torch.equal(dk.load(buffer, "cpu", verify=True)["w"], torch.ones(8))
     torch.save({"w": torch.ones(8)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
-    assert torch.equal(dk.load(tmp_path / "old.pt", "cpu", verify=True)["w"], torch.ones(8))
+    with pytest.warns(RuntimeWarning, match="legacy format"):  # loaded, and said unchecked
+        assert torch.equal(dk.load(tmp_path / "old.pt", "cpu", verify=True)["w"], torch.ones(8))
     torch.serialization.set_crc32_options(False)  # every CRC-32 written as 0: none to check
     try:
         torch.save({"w": torch.ones(8)}, tmp_path / "nocrc.pt")
@@ -770,7 +771,8 @@ def test_verify_passes_whole_files_and_those_without_crcs(tmp_path: Path) -> Non
         torch.serialization.set_crc32_options(True)
     path = tmp_path / "nocrc.pt"
     path.write_bytes(_flip_in_tensor(path.read_bytes(), "nocrc/data/0"))
-    assert dk.load(path, "cpu", verify=True)["w"].shape == (8,)  # not refused: nothing to check
+    with pytest.warns(RuntimeWarning, match="keep no CRC-32"):
+        assert dk.load(path, "cpu", verify=True)["w"].shape == (8,)  # not refused: unchecked
 
 
 @pytest.mark.parametrize("verify", ["yes", 1, None])
@@ -821,3 +823,74 @@ def test_torchs_words_in_devicekits_message_lose_terminal_escapes() -> None:
 
     said = torch_said(pickle.UnpicklingError("\x1b[1mdo those steps only if you trust\x1b[0m."))
     assert said == "UnpicklingError: do those steps only if you trust."
+
+
+def _repacked(path: Path, to: Path, *, compress: int, meta_first: bool = False) -> Path:
+    """``path``'s records in a new zip as the ``zip -r`` tool writes one: folder entries first."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as source:
+        records = [(info.filename, source.read(info)) for info in source.infolist()]
+    names = [name for name, _ in records]
+    folders = sorted({name.rsplit("/", 1)[0] + "/" for name in names if "/" in name})
+    if meta_first:  # another record before data.pkl, as an unsorted re-pack may put it
+        records.sort(key=lambda record: record[0].endswith("data.pkl"))
+    with zipfile.ZipFile(to, "w", compression=compress) as target:
+        for folder in folders:
+            target.writestr(folder, b"")  # size 0, a name ending in /, the folder flag
+        for name, data in records:
+            target.writestr(name, data)
+    return to
+
+
+@pytest.mark.parametrize("compress", [0, 8], ids=["stored", "deflated"])
+def test_a_checkpoint_re_packed_by_zip_is_not_called_damaged(tmp_path: Path, compress: int) -> None:
+    # Before: `zip -r` writes an entry per folder, which verify=True took for damage ("says
+    # the record is ... a folder"), telling the user the values they loaded were wrong.
+    import warnings
+    import zipfile
+
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    repacked = _repacked(path, tmp_path / "repacked.pt", compress=compress)
+    assert any(info.is_dir() for info in zipfile.ZipFile(repacked).infolist())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # compressed records are said unchecked (tested below)
+        loaded = dk.load(repacked, "cpu", verify=True)
+    assert loaded["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_meta_checkpoint_re_packed_with_another_record_first_is_refused(tmp_path: Path) -> None:
+    # torch finds data.pkl by name; the first record is not always it after a re-pack.
+    path = tmp_path / "meta.pt"
+    torch.save({"w": torch.empty(4, device="meta")}, path)
+    repacked = _repacked(path, tmp_path / "repacked.pt", compress=0, meta_first=True)
+    with pytest.raises(dk.CheckpointError, match="saved from tensors on the meta device"):
+        dk.load(repacked, "cpu")
+
+
+def test_verify_says_when_it_could_not_check(tmp_path: Path) -> None:
+    # Before, verify=True passed silently on files it cannot check (the docs listed them):
+    # whoever asked for the check was not told it did not happen.
+    import warnings
+
+    whole = tmp_path / "whole.pt"
+    torch.save({"w": torch.ones(2)}, whole)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dk.load(whole, "cpu", verify=True)  # every record checked: nothing to say
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.warns(RuntimeWarning, match=r"verify=True\): it is in torch's legacy format") as w:
+        dk.load(legacy, "cpu", verify=True)
+    assert w[0].filename == __file__  # at the caller's line
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.ones(2)}, tmp_path / "no_crc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with pytest.warns(RuntimeWarning, match=r"records? of it keep no CRC-32"):
+        dk.load(tmp_path / "no_crc.pt", "cpu", verify=True)
+    repacked = _repacked(whole, tmp_path / "deflated.pt", compress=8)
+    with pytest.warns(RuntimeWarning, match=r"or are compressed"):
+        dk.load(repacked, "cpu", verify=True)
