@@ -123,7 +123,8 @@ def _make_class(base: type[BaseException]) -> type[DeviceOutOfMemoryError] | Non
 
 def _reduce(self: BaseException) -> tuple[Any, ...]:
     # Pickled as the user's class and the arguments; the state carries the attributes.
-    return _rebuild, (type(self)._devicekit_base, self.args), dict(vars(self))  # type: ignore[attr-defined]
+    state = {**vars(self), **_slot_values(self)}  # BaseException's setstate sets each
+    return _rebuild, (type(self)._devicekit_base, self.args), state  # type: ignore[attr-defined]
 
 
 def _rebuild(base: type[BaseException], args: tuple[Any, ...]) -> BaseException:
@@ -152,12 +153,34 @@ def _explained_error(error: BaseException, report: OOMReport) -> BaseException |
         else:
             # Its notes stay on error, shown as the cause's, as for torch's own class.
             explained.__dict__.update((k, v) for k, v in vars(error).items() if k != "__notes__")
+            _copy_slots(error, explained)
             explained.__dict__["report"] = report
             return explained
     add_note(error, f"devicekit.explain_oom:\n{message}")
     with contextlib.suppress(AttributeError, TypeError):  # a class that refuses attributes
         error.report = report  # type: ignore[attr-defined]
     return None
+
+
+def _slot_values(error: BaseException) -> dict[str, Any]:
+    """What ``error`` keeps in ``__slots__`` (no ``__dict__`` holds it), by attribute name."""
+    values: dict[str, Any] = {}
+    for klass in type(error).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot in ("__dict__", "__weakref__"):
+                continue
+            name = f"_{klass.__name__.lstrip('_')}{slot}" if slot.startswith("__") else slot
+            with contextlib.suppress(AttributeError):  # a slot never set
+                values[name] = getattr(error, name)
+    return values
+
+
+def _copy_slots(source: BaseException, target: BaseException) -> None:
+    """Copy what ``source`` keeps in ``__slots__`` to ``target`` (a class of its slots)."""
+    for name, value in _slot_values(source).items():
+        with contextlib.suppress(AttributeError, TypeError):  # read-only
+            setattr(target, name, value)
 
 
 class _Explained:

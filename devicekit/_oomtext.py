@@ -60,6 +60,8 @@ _OOM_MESSAGE = re.compile(
     r"\b(?:CUDA|HIP|XPU) out of memory\."  # the caching allocators (HIP: ROCm's torch)
     r"|\bMPS backend out of memory\b"
     r"|\b(?:CUDA|HIP) error: out of memory\b"  # the runtime's own: a kernel, a context
+    r"|\bCUDA driver error: out of memory\b"  # torch's check of a driver call
+    r"|\bCuda failure '?out of memory\b"  # NCCL's (a communicator's buffers)
     r"|\bhipErrorOutOfMemory\b|\bcudaErrorMemoryAllocation\b"
     r"|\bDefaultCPUAllocator: (?:can't allocate memory|not enough memory)\b"
     # cuBLAS, cuSOLVER, cuSPARSE, cuFFT, cuDNN and their HIP twins: a workspace or handle
@@ -89,7 +91,12 @@ _THIS_PROCESS = _pattern(r"this process has {size} memory in use")
 _PROCESS = _pattern(r"Process (\d+) has {size} memory in use")
 _KINDS = (
     # ROCm's torch says HIP, its device is cuda; the libraries' codes name no device
-    ("cuda", re.compile(r"\bCUDA\b|\bHIP\b|\bhipError|\b(?:CU|HIP)[A-Z]*_(?:STATUS_)?ALLOC_F")),
+    (
+        "cuda",
+        re.compile(
+            r"\bCUDA\b|\bHIP\b|\bhipError|\b(?:CU|HIP)[A-Z]*_(?:STATUS_)?ALLOC_F|\bCuda fail"
+        ),
+    ),
     ("xpu", re.compile(r"\bXPU\b")),
     ("mps", re.compile(r"\bMPS\b")),
     ("cpu", re.compile(r"CPUAllocator")),

@@ -122,6 +122,21 @@ def test_what_is_an_out_of_memory_error() -> None:
     assert not is_oom(MemoryError())
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA driver error: out of memory",  # torch's check of a CUDA driver call
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with "
+        "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nLast error:\nCuda failure "
+        "'out of memory'",
+    ],
+)
+def test_the_driver_s_and_nccl_s_out_of_memory_are_device_ooms(message: str) -> None:
+    # Before, both passed through unexplained, and find_batch_size took them for fn's own.
+    assert is_oom(RuntimeError(message))
+    assert parse_oom(message).kind == "cuda"
+
+
 def test_an_oom_becomes_the_subclass_with_the_request_fixes_and_the_cause() -> None:
     original = torch.OutOfMemoryError(CUDA)
     with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom():
@@ -1178,6 +1193,24 @@ def test_the_subclass_s_error_is_one_class_and_pickles_with_its_attributes() -> 
     assert copied.report is not None
     assert copied.report.headline() == errors[0].report.headline()  # type: ignore[attr-defined]
     assert copy.copy(errors[0]).step == 7
+
+
+class SlotOOM(torch.OutOfMemoryError):
+    __slots__ = ("step",)
+
+
+def test_the_subclass_s_slots_come_along_and_survive_pickling() -> None:
+    # Before, only vars(error) was copied: an attribute kept in __slots__ was lost.
+    def fails() -> None:
+        error = SlotOOM(CUDA)
+        error.step = 3
+        raise error
+
+    with pytest.raises(SlotOOM) as caught:
+        dk.explain_oom(fails)()
+    assert caught.value.step == 3
+    assert pickle.loads(pickle.dumps(caught.value)).step == 3
+    assert copy.deepcopy(caught.value).step == 3
 
 
 def test_torch_s_own_subclass_is_still_caught_as_itself() -> None:
