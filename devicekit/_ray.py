@@ -20,7 +20,8 @@ task can guard: it travels packed, and the task unpacks it (``_parcel``).
 Only a worker that dies (``os._exit()``, a signal) is retried, by Ray's
 ``max_retries`` (set here as Ray would: ``RAY_TASK_MAX_RETRIES``, else 3), so
 that the error can say how many times ``fn`` may have run; ``retry_exceptions``
-stays off.
+stays off. ``-1`` (retry forever) is warned of, since a map whose ``fn`` kills its
+worker then never returns; a value that is no count is refused before Ray starts.
 
 The task is named ``devicekit.gpu_map`` (Ray's ``ray::devicekit.gpu_map()``),
 so that Ray's error text tells it from a user's task, an item's upstream one
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -51,6 +53,7 @@ from ._devices import DeviceLike, _article, resolve_devices
 from ._dispatch import worker_env
 from ._errors import WorkerError
 from ._format import first_line
+from ._frames import caller_stacklevel
 from ._mapfaults import show_item
 from ._progress import Progress
 from ._rayfaults import (
@@ -74,21 +77,44 @@ R = TypeVar("R")
 _POLL = 0.1  # seconds per wait for results, so that Ctrl-C is seen at once
 _INSTALL = "pip install 'devicekit[ray]'"
 _RAY_RETRIES = 3  # Ray's max_retries for a task, where RAY_TASK_MAX_RETRIES does not say
+_RETRIES_VAR = "RAY_TASK_MAX_RETRIES"
 
 
-def _max_retries() -> int | None:
+def _max_retries() -> int:
     """How many times Ray runs a task again when its worker dies: its ``max_retries``.
 
-    What Ray would use: ``RAY_TASK_MAX_RETRIES``, else 3. None where that
-    variable is no int: then it is not set here, and Ray refuses it in its words.
+    What Ray would use: ``RAY_TASK_MAX_RETRIES``, else 3; ``-1`` is forever.
+
+    Raises:
+        ValueError: The variable is no int >= -1. Ray's own words were
+            *invalid literal for int() with base 10: 'abc'*, naming no variable.
     """
-    raw = os.environ.get("RAY_TASK_MAX_RETRIES")
+    raw = os.environ.get(_RETRIES_VAR)
     if raw is None:
         return _RAY_RETRIES
     try:
-        return int(raw)
+        retries: int | None = int(raw)
     except ValueError:
-        return None
+        retries = None
+    if retries is None or retries < -1:
+        raise ValueError(
+            f"{_RETRIES_VAR}={raw!r}: Ray reads it as how many times to run a task again "
+            f"when its worker dies, an int >= 0 (or -1: forever); set it to a count, such "
+            f"as {_RETRIES_VAR}=3 (Ray's default, also when it is unset) or 0 (never again)"
+        )
+    return retries
+
+
+def _warn_forever(retries: int) -> None:
+    """Warn, once per map, that ``RAY_TASK_MAX_RETRIES=-1`` retries a dead worker forever."""
+    if retries == -1:
+        warnings.warn(
+            f"{_RETRIES_VAR}=-1: a task whose worker dies is retried forever by Ray, so "
+            "gpu_map never returns if fn ends its worker (os._exit(), a signal, the "
+            f"out-of-memory killer); set {_RETRIES_VAR} to a count, such as 3, or 0",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def _import_ray() -> Any:
@@ -168,10 +194,12 @@ def ray_map(
     """``gpu_map`` on Ray: one task per item, ``1/workers_per_device`` of a GPU (or CPU) each."""
     per_device = workers_per_device_count(workers_per_device)
     targets = _targets(devices)
+    retries = _max_retries()
     ray = _import_ray()
     work = list(items)  # gpu_map checked them
     if not work:
         return []
+    _warn_forever(retries)
     share = 1 / per_device
     with _cluster(ray, targets):
         if targets is None:
@@ -192,9 +220,7 @@ def ray_map(
         # that it cannot change under us; a worker that dies is still retried (max_retries).
         # A worker that dies is run again, max_retries times: said here (as Ray would set
         # it), so that the error can say how many times fn may have run.
-        retries = _max_retries()
-        if retries is not None:
-            options["max_retries"] = retries
+        options["max_retries"] = retries
         task = ray.remote(**options, retry_exceptions=False)(run).options(name=TASK_NAME)
         # Serialized once, not once per item, and boxed: Ray passes [ref] as it is, and
         # the task fetches fn itself (see run).

@@ -101,7 +101,9 @@ class ProgressBarSink:
     the loss in a progress bar free: no ``.item()`` per step. A flush redraws
     the bar at most once per its ``mininterval`` (tqdm's throttle, 0.1 s by
     default); values set between redraws show at the bar's next one (its next
-    ``update()``, or ``close()``, which shows the last values).
+    ``update()``, or ``close()``, which shows the last values). Values that come
+    after the bar closed (``for step in tqdm(...)`` closes it when the loop ends,
+    before the buffer's last flush) are written as one line below it.
 
     Args:
         bar: A ``tqdm`` bar (anything with ``set_postfix``): the bar, not its
@@ -185,6 +187,13 @@ class ProgressBarSink:
         shown = {key: format(self._newest[key], self.fmt) for key in keys if key in self._newest}
         if not shown:
             return
+        if _closed(self.bar):
+            # A closed bar draws nothing more: `for step in tqdm(range(n))` closes it as
+            # the loop ends, and the buffer's last flush comes after, at its exit; the bar
+            # showed loss=89 for a last record of loss=99. One line below it shows them.
+            if getattr(self.bar, "leave", None) is not False:  # leave=False: erased, as asked
+                self._write_below(shown)
+            return
         # Redrawn at most once per the bar's mininterval, as tqdm throttles its own
         # updates: a redraw at every flush cost 22.9 us a step at flush_every=1, against
         # 1.1 us at 100 (a terminal write each). Values set without a redraw show at the
@@ -196,6 +205,27 @@ class ProgressBarSink:
         self.bar.set_postfix(shown, refresh=draw)
         if draw:
             self._drawn = now
+
+    def _write_below(self, shown: dict[str, str]) -> None:
+        """Write ``shown`` as one line below the closed bar, as its postfix reads: ``loss=0.25``."""
+        values = ", ".join(f"{key}={value}" for key, value in shown.items())
+        bar: Any = self.bar  # a closed tqdm bar: _closed checked its write and fp
+        desc = getattr(bar, "desc", None)
+        line = f"{desc}: {values}" if isinstance(desc, str) and desc else values
+        bar.write(line, file=bar.fp)
+
+
+def _closed(bar: Any) -> bool:
+    """Whether ``bar`` is a tqdm bar (or alike) that was shown and is closed now.
+
+    tqdm's ``close()`` sets ``disable = True``; a bar made disabled (``disable=True``,
+    or no terminal) has it too, but no ``fp``: it never showed, so nothing is written.
+    """
+    return (
+        getattr(bar, "disable", None) is True
+        and getattr(bar, "fp", None) is not None
+        and callable(getattr(bar, "write", None))
+    )
 
 
 _FMT = ".4g"  # ProgressBarSink's default fmt, left out of its repr

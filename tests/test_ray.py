@@ -818,3 +818,46 @@ def test_a_task_names_its_node_as_ray_s_errors_do_by_its_ip_address(
     assert _where() == "a Ray task on 10.0.0.3 (the CPU)"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert _where() == "a Ray task on 10.0.0.3 (GPU 1)"
+
+
+def test_ray_task_max_retries_that_is_no_count_is_refused_before_ray_is_needed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, Ray's own words at the first task: "invalid literal for int() with base 10:
+    # 'abc'", naming no variable.
+    monkeypatch.setitem(sys.modules, "ray", None)  # refused before Ray is imported
+    for setting in ["abc", "", "2.5", "-2"]:
+        monkeypatch.setenv("RAY_TASK_MAX_RETRIES", setting)
+        with pytest.raises(
+            ValueError,
+            match=rf"^RAY_TASK_MAX_RETRIES={re.escape(repr(setting))}: Ray reads it as how many "
+            r"times to run a task again when its worker dies, an int >= 0 \(or -1: forever\); "
+            r"set it to a count, such as RAY_TASK_MAX_RETRIES=3 .* or 0 \(never again\)$",
+        ):
+            dk.gpu_map(str, [1], devices="cpu", executor="ray")
+
+
+def test_ray_task_max_retries_of_minus_one_is_warned_of_once_at_the_map_s_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, with -1 an fn that ends its worker left gpu_map waiting forever, without a word.
+    monkeypatch.setenv("RAY_TASK_MAX_RETRIES", "-1")
+    ray = _OptionsRay(initialized=True)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with (
+        pytest.warns(RuntimeWarning) as told,
+        pytest.raises(TypeError, match=r"Could not serialize"),  # the fake runs no task
+    ):
+        dk.gpu_map(str, [_Unserializable(), _Unserializable()], devices="cpu", executor="ray")
+    assert [str(warning.message) for warning in told] == [
+        "RAY_TASK_MAX_RETRIES=-1: a task whose worker dies is retried forever by Ray, so "
+        "gpu_map never returns if fn ends its worker (os._exit(), a signal, the out-of-memory "
+        "killer); set RAY_TASK_MAX_RETRIES to a count, such as 3, or 0"
+    ]
+    assert told[0].filename == __file__  # pointed at the caller's line
+    assert ray.options["max_retries"] == -1
+    monkeypatch.setenv("RAY_TASK_MAX_RETRIES", "3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match=r"Could not serialize"):
+            dk.gpu_map(str, [_Unserializable()], devices="cpu", executor="ray")

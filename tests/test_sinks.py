@@ -1139,3 +1139,46 @@ def test_a_class_given_as_a_sink_is_refused_when_the_buffer_is_made() -> None:
     with pytest.raises(TypeError, match=r"got the class dict itself"):
         dk.StragglerDetector(sinks=[dict])  # type: ignore[list-item]
     assert dk.LogBuffer(sinks=[print]).sinks == [print]  # a function is no class: taken
+
+
+def test_values_that_come_after_tqdm_closed_its_bar_are_written_below_it() -> None:
+    # `for step in tqdm(...)` closes the bar as the loop ends; the buffer's last flush
+    # comes after, at its exit. Before, the bar ended on loss=89 for a last loss of 99.
+    tqdm = pytest.importorskip("tqdm")
+
+    screen = io.StringIO()
+    bar = tqdm.tqdm(range(100), file=screen, ascii=True)
+    with dk.LogBuffer(flush_every=10, sinks=[dk.ProgressBarSink(bar)]) as logs:
+        for step in bar:
+            logs.log(step, loss=float(step))
+    assert logs.history[-1] == {"step": 99, "loss": 99.0}
+    assert screen.getvalue().endswith("loss=89]\nloss=99\n")
+
+    for made in [{"leave": False}, {"disable": True}]:  # erased as asked, or never shown
+        screen = io.StringIO()
+        bar = tqdm.tqdm(range(3), file=screen, **made)
+        with dk.LogBuffer(flush_every=10, sinks=[dk.ProgressBarSink(bar)]) as logs:
+            for step in bar:
+                logs.log(step, loss=float(step))
+        assert "loss" not in screen.getvalue(), made
+
+
+class _ClosedBar(_Bar):
+    """Stands in for a tqdm bar that was shown and closed: ``disable`` set, ``fp`` kept."""
+
+    def __init__(self, desc: str = "") -> None:
+        super().__init__()
+        self.disable, self.fp, self.desc = True, io.StringIO(), desc
+
+    def write(self, line: str, file: io.StringIO) -> None:
+        file.write(line + "\n")
+
+
+def test_a_closed_bar_gets_one_line_of_the_newest_values_in_the_sink_s_fmt() -> None:
+    bar, named = _ClosedBar(), _ClosedBar(desc="train")
+    sink = dk.ProgressBarSink(bar, fmt=".2f")
+    sink([{"step": 0, "loss": 0.5, "acc": 0.25}, {"step": 1, "loss": 0.125}])
+    assert bar.fp.getvalue() == "loss=0.12, acc=0.25\n"
+    assert bar.postfix is None  # a closed bar draws nothing more
+    dk.ProgressBarSink(named, keys=["loss"])([{"step": 0, "loss": 0.5, "acc": 0.25}])
+    assert named.fp.getvalue() == "train: loss=0.5\n"
