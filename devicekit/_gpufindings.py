@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from ._findings import Finding
 from ._format import format_bytes, format_percent, format_value, plural, safe_text
 from ._gpuinfo import GPUInfo
+from ._nvmlstart import TIMEOUT_VAR
 
 __all__ = [
     "ENVIRONMENTAL",
@@ -143,11 +144,12 @@ def lost(where: str, reason: str) -> Finding:
         >>> print(lost("cuda:1", "NVML says the GPU is lost").title)
         cuda:1 cannot be read
     """
-    return Finding(
-        "error",
-        f"{where} cannot be read",
-        safe_text(reason),
-        "look for Xid errors in the kernel log (sudo dmesg | grep -i xid); reset the GPU "
-        "(sudo nvidia-smi -r -i <nvml index>) or reboot; if it happens again, check its "
-        "power and cooling",
-    )
+    if TIMEOUT_VAR in reason:  # a bound set too short (_nvmlbound): no GPU to reset
+        fix = f"raise {TIMEOUT_VAR} (30 s is the default) or unset it, then look again"
+    else:
+        fix = (
+            "look for Xid errors in the kernel log (sudo dmesg | grep -i xid); reset the GPU "
+            "(sudo nvidia-smi -r -i <nvml index>) or reboot; if it happens again, check its "
+            "power and cooling"
+        )
+    return Finding("error", f"{where} cannot be read", safe_text(reason), fix)

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-from ._nvmlstart import RETRY_AFTER, start_timeout
+from ._nvmlstart import DEFAULT_TIMEOUT, RETRY_AFTER, TIMEOUT_VAR, start_timeout
 
 __all__ = ["IDLE_SECONDS", "Job", "bounded", "bounded_each", "calls_blocked", "read_timeout"]
 
@@ -70,6 +70,27 @@ _BLOCKED = (
     "the call is blocked in the NVIDIA driver (a hung GPU or a wedged driver: look for Xid "
     "errors in `dmesg`)"
 )
+# Below this, a bound is likelier too short for a read than a sign of a hung driver: a
+# read takes microseconds to milliseconds (more on a GPU that wakes up: then a longer
+# bound is the fix too).
+_SHORT = 0.1
+
+
+def _why_unanswered(timeout: float) -> str:
+    """Why a read did not answer in ``timeout``: a blocked driver, or a bound set too short.
+
+    Examples:
+        >>> print(_why_unanswered(1e-06))
+        DEVICEKIT_NVML_TIMEOUT=1e-06 is shorter than an NVML read can take: raise it (30 s \
+is the default) or unset it; if reads still time out, the call is blocked in the NVIDIA driver \
+(a hung GPU or a wedged driver: look for Xid errors in `dmesg`)
+    """
+    if timeout >= _SHORT:
+        return _BLOCKED
+    return (
+        f"{TIMEOUT_VAR}={timeout:g} is shorter than an NVML read can take: raise it "
+        f"({DEFAULT_TIMEOUT:g} s is the default) or unset it; if reads still time out, " + _BLOCKED
+    )
 
 
 class Job:
@@ -249,7 +270,7 @@ def bounded(
     timeout = read_timeout()
     if job.wait(timeout):
         return _answer(job, 0), None
-    job.reason = f"NVML did not answer in {timeout:g} s {doing}: {_BLOCKED}"
+    job.reason = f"NVML did not answer in {timeout:g} s {doing}: {_why_unanswered(timeout)}"
     _give_up(wedged, key, job)
     return None, job.reason
 
@@ -349,7 +370,8 @@ def _wait(
         done = len(job.answers)  # the units that answered in time keep their answers
         if done == len(indices):
             continue  # all answered: the job was ending as the deadline passed
-        job.reason = f"NVML did not answer in {timeout:g} s {units[indices[done]][2]}: {_BLOCKED}"
+        doing = units[indices[done]][2]
+        job.reason = f"NVML did not answer in {timeout:g} s {doing}: {_why_unanswered(timeout)}"
         _give_up(wedged, key, job)
         unanswered.update(dict.fromkeys(indices[done:], job.reason))
     return unanswered

@@ -496,3 +496,22 @@ def test_a_forked_child_reads_with_threads_of_its_own(
         assert json.loads(os.read(read, 4096)) == [None, None]
     finally:
         os.close(read)
+
+
+@pytest.mark.timeout(120)
+def test_a_bound_too_short_for_a_read_is_named_not_taken_for_a_hung_driver(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, hang: Callable[..., Hang]
+) -> None:
+    # Before: DEVICEKIT_NVML_TIMEOUT=0.000001 gave "the call is blocked in the NVIDIA
+    # driver" and doctor's fix "reset the GPU ... or reboot", for a healthy GPU.
+    fake = three_gpus(nvml_session, monkeypatch)
+    stuck = hang(fake, "nvmlDeviceGetUtilizationRates", fake.gpus[0])  # it never answers
+    monkeypatch.setenv(_nvml.TIMEOUT_VAR, "0.000001")
+    infos = finishes(lambda: dk.gpus(all=True))
+    error = infos[0].error
+    assert error is not None
+    assert "DEVICEKIT_NVML_TIMEOUT=1e-06 is shorter than an NVML read can take" in error
+    (lost,) = [f for f in dk.status().findings if f.title == "cuda:0 cannot be read"]
+    assert lost.fix.startswith("raise DEVICEKIT_NVML_TIMEOUT (30 s is the default)")
+    assert "reboot" not in lost.fix
+    stuck.release()
