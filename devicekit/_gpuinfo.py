@@ -363,6 +363,10 @@ def _checked_fields(
             raise TypeError(
                 f"{where}: {key!r} must be {expected}, got {value!r} of type {type(value).__name__}"
             )
+        if kind in (_INT, _FLOAT) and value is not None and not value >= 0:
+            raise ValueError(  # NVML's counts, bytes, watts and degrees are all unsigned
+                f"{where}: {key!r} must be 0 or more (a reading NVML gives), got {value!r}"
+            )
         if kind == _FLOAT and value is not None:
             fields[key] = float(value)
     if cls is GPUProcess and fields["kind"] not in ("compute", "graphics"):

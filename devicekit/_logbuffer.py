@@ -128,7 +128,9 @@ class LogBuffer(Flushes):
     steps: that flush combines the steps both hold and keeps the rest pending,
     so the ranks flush the same steps again from the next flush on (two
     ``flush()`` calls that hold different steps disagree, as above, since
-    each takes every value). (To compare, the ranks first exchange what they
+    each takes every value, and ranks that each called ``flush()`` at a
+    different step stay apart until ``flush()`` is called at the same step on
+    every rank). (To compare, the ranks first exchange what they
     logged over devicekit's own gloo group, as ``job_status()`` does: no GPU
     sync, and ``RanksOutOfStepError`` if a rank never arrives within
     ``timeout``.)

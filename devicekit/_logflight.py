@@ -20,7 +20,7 @@ from ._logdeliver import Deliveries, Record, Sink
 from ._logflush import InFlight
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
-from ._logreport import flush_error, unreadable_error, unreduced_error
+from ._logreport import flush_error, missing_rank_note, unreadable_error, unreduced_error
 
 __all__ = ["Flushes"]
 
@@ -144,6 +144,7 @@ class Flushes:
             except RanksDisagreeError as error:  # the same verdict on every rank
                 failure = error
             except RanksOutOfStepError as error:
+                missing_rank_note(error, self.reduce)  # reduce=None on a rank looks the same
                 if broken_job(self.reduce) is None:  # the ranks met from different calls
                     raise  # the values stay pending
                 failure = error  # the first failure of the job, or another rank's, found now

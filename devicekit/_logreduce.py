@@ -81,6 +81,9 @@ def start_reduced(
     is in an automatic flush (which never promised to take everything), only
     those first entries are combined, and each rank keeps the rest pending
     (`InFlight.taken`), for its next flush, which then meets the others'.
+    Ranks that each called ``flush()`` at a different step never realign:
+    their entries start at different steps, every later flush disagrees, and
+    the error says so (`_apart_from`), never to pass steps already passed.
 
     Raises:
         RanksDisagreeError: The ranks logged different keys or steps, or their
@@ -218,8 +221,63 @@ def _agreed_entries(answers: list[_Answer], terms: list[_Terms], op: str) -> int
             ):
                 return shortest
             _check_agreement(answers, op, flushed_apart=True)  # out of step by a flush
+        latest = _apart_from(layouts)
+        if latest is not None:  # flush() on several ranks at different steps: never realigns
+            _check_agreement(answers, op, flushed_apart=True, agree_from=latest)
     _check_agreement(answers, op)
     return None
+
+
+def _apart_from(layouts: Sequence[_Layout | None]) -> int | None:
+    """The step from which the ranks' entries agree, when they are out of step by a flush.
+
+    Ranks that each called ``flush()`` at a different step hold windows of the
+    same entries that start at different steps: rank 0 steps 2 to 5, rank 1
+    steps 3 to 6. Each rank's entries from the latest first step on (3) then
+    agree as far as the shortest goes. None when that is not so (the ranks
+    logged different keys or steps), or when the ranks start at the same step.
+
+    Examples:
+        >>> rank0 = ((2, 3, 4, 5), (("loss", None),))
+        >>> _apart_from([rank0, ((3, 4, 5, 6), (("loss", None),))])
+        3
+        >>> print(_apart_from([rank0, ((3, 4, 5, 6), (("acc", None),))]))
+        None
+    """
+    if any(layout is None or not layout[0] for layout in layouts):
+        return None
+    firsts = [layout[0][0] for layout in layouts if layout is not None]
+    latest = max(firsts)
+    if len(set(firsts)) == 1:
+        return None
+    later: list[_Layout] = []
+    for layout in layouts:
+        assert layout is not None
+        if latest not in layout[0]:
+            return None
+        later.append(_later_layout(layout, layout[0].index(latest)))
+    shortest = min(len(layout[0]) for layout in later)
+    return latest if len({_first_layout(layout, shortest) for layout in later}) == 1 else None
+
+
+def _later_layout(layout: _Layout, skip: int) -> _Layout:
+    """``layout`` without its first ``skip`` entries, rows counted from the first one kept.
+
+    Examples:
+        >>> _later_layout(((3, 4, 5), (("a", (0, 2)), ("b", None), ("c", (0,)))), 1)
+        ((4, 5), (('a', (1,)), ('b', None)))
+    """
+    steps, keys = layout
+    count = len(steps) - skip
+    kept: list[tuple[str, tuple[int, ...] | None]] = []
+    for key, rows in keys:
+        if rows is None:
+            kept.append((key, None))
+            continue
+        later = tuple(row - skip for row in rows if row >= skip)
+        if later:
+            kept.append((key, None if len(later) == count else later))
+    return tuple(steps[skip:]), tuple(kept)
 
 
 def _first_layout(layout: _Layout | None, count: int) -> _Layout | None:
@@ -265,11 +323,14 @@ def _first_rows(
     return columns, torch.cat(parts)
 
 
-def _check_agreement(answers: list[_Answer], op: str, *, flushed_apart: bool = False) -> None:
+def _check_agreement(
+    answers: list[_Answer], op: str, *, flushed_apart: bool = False, agree_from: int | None = None
+) -> None:
     """Raise unless every rank prepared its values and logged the same keys at the same steps.
 
     ``flushed_apart``: the ranks logged the same entries as far as the
-    shortest rank's go, and are out of step only by a flush; the error says so.
+    shortest rank's go (from step ``agree_from`` on, when given: see
+    `_apart_from`), and are out of step only by a flush; the error says so.
     """
     layouts = [layout for layout, _, _, _ in answers]
     summaries = [said for _, said, _, _ in answers]
@@ -282,14 +343,18 @@ def _check_agreement(answers: list[_Answer], op: str, *, flushed_apart: bool = F
             f"values:\n{lines}\nThe values stay pending; the next flush tries again."
         )
     if len(set(layouts)) > 1 and flushed_apart:  # never passes either
+        where = "" if agree_from is None else f"from step {agree_from} on, "
         raise RanksDisagreeError(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, they "
-            f"flushed different steps:\n{lines}\nWhat they logged agrees as far as the "
-            "shortest flush goes: the ranks flushed at different points, which a flush() called "
-            "on one rank only does. Each rank records its own values of this flush, unreduced, "
-            "so none is lost. Call flush() on every rank at the same step (or flush only at the "
-            "end of the with block and through the automatic flushes, which realign by "
-            "themselves after a flush() on one rank), and log the same steps on every rank."
+            f"flushed different steps:\n{lines}\nWhat they logged agrees {where}as far as the "
+            "shortest flush goes: the ranks flushed at different points, which flush() called "
+            "on one rank only, or on several ranks at different steps, does. Each rank records "
+            "its own values of this flush, unreduced, so none is lost. The automatic flushes "
+            "realign the ranks only after a flush() on one rank only; ranks that each called "
+            "flush() at a different step stay apart, and every later flush raises this until "
+            "flush() is called at the same step on every rank. Call flush() on every rank at the "
+            "same step (or flush only at the end of the with block and through the automatic "
+            "flushes), and log the same steps on every rank."
         )
     if len(set(layouts)) > 1:  # never passes: trying again would fail again, every time
         raise RanksDisagreeError(

@@ -28,6 +28,7 @@ __all__ = [
     "flush_error",
     "left_out_warning",
     "made_differently",
+    "missing_rank_note",
     "report_while_exiting",
     "state_line",
     "state_table",
@@ -144,6 +145,32 @@ def unreduced_error(error: BaseException) -> BaseException:
         "rank's own values too, without raising this again.",
     )
     return error
+
+
+def missing_rank_note(error: BaseException, op: str) -> BaseException:
+    """``error``, a reducing flush's `RanksOutOfStepError`, with a note on its likely causes.
+
+    A rank whose buffer has ``reduce=None`` makes no job-wide call at its
+    flushes, so the others cannot be told at once: they wait for it until
+    ``timeout``, and only this note can name it. Told only where a rank did
+    not arrive or the ranks met from different calls (``_jobstate``'s and
+    ``_dist``'s words), never on a failure of another rank's call found now.
+    """
+    said = str(error)
+    if not any(words in said for words in _MISSING):
+        return error
+    add_note(
+        error,
+        f"devicekit: a rank missing from a LogBuffer(reduce={op!r}) flush is most often one "
+        "whose LogBuffer has reduce=None (it makes no job-wide call), one that flushes fewer "
+        "times or another buffer first, or one that crashed or hangs. Make the LogBuffer with "
+        "the same reduce on every rank.",
+    )
+    return error
+
+
+_MISSING = (" did not arrive ", "not every rank joined", "the ranks met from different calls")
+"""How a RanksOutOfStepError says a rank was missing from the call (``_jobstate``, ``_dist``)."""
 
 
 def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:

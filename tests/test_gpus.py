@@ -633,6 +633,16 @@ def _idle_gpu_dict() -> dict[str, Any]:
             "GPUInfo.from_dict: 'memory_total' must be an int or None, got '80GB' of type str",
         ),
         (
+            {"memory_total": -5},  # before: accepted, and shown as "/ -5 B"
+            ValueError,
+            "GPUInfo.from_dict: 'memory_total' must be 0 or more (a reading NVML gives), got -5",
+        ),
+        (
+            {"power_draw": float("nan")},
+            ValueError,
+            "GPUInfo.from_dict: 'power_draw' must be 0 or more (a reading NVML gives), got nan",
+        ),
+        (
             {"processes": [{"pid": 1}]},
             ValueError,
             "GPUInfo.from_dict: processes[0]: missing 'name', 'used_memory', 'kind'; pass a dict "

@@ -1984,10 +1984,84 @@ def test_a_flush_on_one_rank_only_realigns_or_says_what_happened(tmp_path: Path)
             "  rank 0: logged 3 steps (0 to 2) of loss\n"
             "  rank 1: logged 2 steps (0 to 1) of loss\n"
             "What they logged agrees as far as the shortest flush goes: the ranks flushed at "
-            "different points, which a flush() called on one rank only does."
+            "different points, which flush() called on one rank only, or on several ranks at "
+            "different steps, does."
         ) in message
         assert "Call flush() on every rank at the same step" in message
         assert results["apart"][1:] == [
             [{"step": s, "loss": float(rank)} for s in range(3 - rank)],
             0,
         ]
+
+
+def _flushes_at_different_steps(rank: int, world: int, port: int, folder: str) -> None:
+    """flush() on both ranks, at different steps: rank 0 after step 1, rank 1 after step 2."""
+    dist = _join_job(rank, world, port)
+    try:
+        logs = dk.LogBuffer(flush_every=4, reduce="mean")
+        raised = []
+        for step in range(12):
+            raised.append(_raised(lambda s=step: logs.log(s, loss=10.0 * s + rank)))
+            if step == 1 + rank:
+                raised.append(_raised(logs.flush))
+        raised.append(_raised(logs.flush))
+        results = [raised, logs.history, logs._pending_count()]
+        Path(folder, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flushes_at_different_steps_on_every_rank_are_told_as_such(tmp_path: Path) -> None:
+    # Before, the first error said the automatic flushes "realign by themselves", which
+    # they never do after flush() on both ranks, and every later one (steps 2 to 5
+    # against 3 to 6) said to pass the step explicitly, though the steps were passed.
+    spawn_ranks(_flushes_at_different_steps, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    for rank, (raised, history, pending) in enumerate(ranks):
+        told = [outcome for outcome in raised if outcome is not None]
+        assert len(told) >= 3, rank
+        for name, message, _ in told:
+            assert name == "RanksDisagreeError"
+            assert "they flushed different steps" in message, message
+            assert "pass the step" not in message, message
+            assert "realign by themselves" not in message, message
+            assert "ranks that each called flush() at a different step stay apart" in message
+            assert "Call flush() on every rank at the same step" in message
+        for _, message, _ in told[1:]:
+            assert "What they logged agrees from step " in message, message
+        # Unreduced, each step once: none lost, none mixed.
+        assert history == [{"step": s, "loss": 10.0 * s + rank} for s in range(12)], rank
+        assert pending == 0
+
+
+def _one_rank_reduces_none(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 0's buffer has reduce=None (no job-wide call); rank 1's reduces, timeout 2 s."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    dist = _join_job(rank, world, port, seconds=120)
+    try:
+        store = _get_default_store()
+        logs = dk.LogBuffer(reduce=None if rank == 0 else "mean", timeout=2)
+        logs.log(0, loss=float(rank))
+        result = _raised(logs.flush)
+        if rank == 0:  # stays alive until rank 1 has its answer
+            store.wait(["test/done"])
+        else:
+            store.set("test/done", "1")
+        Path(folder, f"{rank}.json").write_text(json.dumps([result, logs.history]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_buffer_does_not_reduce_is_named_as_a_likely_cause(
+    tmp_path: Path,
+) -> None:
+    # Before, rank 1 was told only that rank 0 "has made no devicekit job-wide call yet",
+    # never that a LogBuffer with reduce=None makes none.
+    spawn_ranks(_one_rank_reduces_none, 2, str(tmp_path))
+    assert json.loads((tmp_path / "0.json").read_text()) == [None, [{"step": 0, "loss": 0.0}]]
+    (name, message, notes), history = json.loads((tmp_path / "1.json").read_text())
+    assert name == "RanksOutOfStepError"
+    assert "did not arrive within 2 s" in message, message
+    assert any("LogBuffer has reduce=None (it makes no job-wide call)" in n for n in notes), notes
+    assert history == [{"step": 0, "loss": 1.0}]
