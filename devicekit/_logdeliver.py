@@ -20,17 +20,33 @@ errors a flush raises, and how the others are told, is ``_logreport``'s.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from operator import length_hint
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Deliveries", "Record", "Sink"]
 
 Record = dict[str, Any]
 """One logged step on the host: ``{"step": 12, "loss": 0.25, ...}``."""
-Sink = Callable[[list[Record]], Any]
-"""Anything that takes the new records of a flush."""
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything that takes the new records of a flush: a function, or an object with ``__call__``.
+
+    A protocol, so ``isinstance(print, dk.Sink)`` answers (True for anything
+    callable) where a ``Callable[...]`` alias raised ``TypeError``.
+
+    Examples:
+        >>> import devicekit as dk
+        >>> isinstance(print, dk.Sink), isinstance("log.csv", dk.Sink)
+        (True, False)
+    """
+
+    def __call__(self, records: list[Record], /) -> Any:
+        """Take the records of one flush, oldest first."""
+
 
 _Batches = list[tuple[list[Record], int]]  # a History's: (records, NaN count) per flush
 

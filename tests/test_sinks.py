@@ -1182,3 +1182,12 @@ def test_a_closed_bar_gets_one_line_of_the_newest_values_in_the_sink_s_fmt() -> 
     assert bar.postfix is None  # a closed bar draws nothing more
     dk.ProgressBarSink(named, keys=["loss"])([{"step": 0, "loss": 0.5, "acc": 0.25}])
     assert named.fp.getvalue() == "train: loss=0.5\n"
+
+
+def test_a_sink_can_be_told_by_isinstance() -> None:
+    # Before, dk.Sink was a Callable[...] alias: isinstance(print, dk.Sink) raised TypeError
+    # ("Subscripted generics cannot be used with class and instance checks").
+    assert isinstance(print, dk.Sink)
+    assert isinstance(dk.CSVSink.__call__, dk.Sink)
+    assert not isinstance("log.csv", dk.Sink)
+    assert not isinstance([print], dk.Sink)
