@@ -306,7 +306,9 @@ def find_batch_size(
     Raises:
         DeviceOutOfMemoryError: Even ``start`` does not fit, on two tries; the
             message has the out-of-memory report
-            ([`explain_oom()`][devicekit.explain_oom]).
+            ([`explain_oom()`][devicekit.explain_oom]). It is of the class
+            ``fn`` raised too (``except MyOOM``, ``except MemoryError`` still
+            catch it), with that error's attributes.
         TypeError: ``fn`` is not callable, a generator or ``async def`` function
             (its body would never run), or not picklable with ``isolate=True``;
             ``isolate`` is not True or False.

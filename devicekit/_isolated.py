@@ -56,7 +56,10 @@ def _child(
             error = explain(error, None if device is None else torch.device(device))
         try:
             payload = pickle.dumps((error, text))
-        except (pickle.PicklingError, AttributeError, TypeError):
+            # Read back here: a class whose __init__ wants more than its message (a user's
+            # `MyOOM(msg, *, budget)`) pickles, then fails to load in the parent.
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - whatever the error's class raises, a stand-in goes
             # Keep what matters: whether it was an out-of-memory error, and the text.
             kind = torch.OutOfMemoryError if too_big(error) else RuntimeError
             payload = pickle.dumps((kind(f"{type(error).__name__}: {error}"), text))
@@ -186,7 +189,7 @@ class Isolated:
             receive.close()
         try:
             outcome = pickle.loads(received)
-        except (pickle.UnpicklingError, AttributeError, ImportError) as error:
+        except Exception as error:  # noqa: BLE001 - a class's own __init__ may raise anything
             raise RuntimeError(
                 f"find_batch_size: fn({size}) failed in its child process, and its error cannot "
                 f"be read here ({error!r})"

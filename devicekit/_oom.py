@@ -98,7 +98,7 @@ def _with_class(base: type[BaseException]) -> type[DeviceOutOfMemoryError] | Non
     """A ``DeviceOutOfMemoryError`` that is a ``base`` too; None where Python cannot make one.
 
     ``base.__init__`` is never called (its parameters are the user's): the error
-    gets the original's attributes copied instead (`_explained_error`).
+    gets the original's attributes copied instead (`explained_error`).
     """
     if base in _CLASSES:
         return _CLASSES[base]
@@ -133,18 +133,22 @@ def _rebuild(base: type[BaseException], args: tuple[Any, ...]) -> BaseException:
     return BaseException.__new__(base if cls is None else cls, *args)
 
 
-def _explained_error(error: BaseException, report: OOMReport) -> BaseException | None:
+def explained_error(
+    error: BaseException, report: OOMReport | None, *, message: str | None = None
+) -> BaseException | None:
     """The ``DeviceOutOfMemoryError`` to raise from ``error``; None: keep ``error`` itself.
 
     torch's own classes become a plain one. Any other class (a subclass of
     theirs) becomes one that is that class too, with ``error``'s attributes;
     where no such class can be made, ``error`` is kept, with the report as a
-    note and as ``report``.
+    note and as ``report``. ``message`` (default: the report) is the new
+    error's; ``error`` may be one this made (find_batch_size rewords it), whose
+    class is reused, not wrapped again.
     """
-    message = str(report)
-    if type(error) in (torch.OutOfMemoryError, RuntimeError):
+    message = str(report) if message is None else message
+    if type(error) in (torch.OutOfMemoryError, RuntimeError, DeviceOutOfMemoryError):
         return DeviceOutOfMemoryError(message, report)
-    cls = _with_class(type(error))
+    cls = _with_class(getattr(type(error), "_devicekit_base", type(error)))
     if cls is not None:
         try:
             explained = BaseException.__new__(cls, message)
@@ -281,7 +285,7 @@ class _ExplainOOM:
                     f"devicekit.explain_oom: a host allocation failed (MemoryError).\n{report}",
                 )
                 return False
-            explained = _explained_error(error, report)
+            explained = explained_error(error, report)
             if explained is None:
                 return False
             raise explained from error

@@ -23,6 +23,7 @@ from ._census import census
 from ._errors import DeviceOutOfMemoryError, add_note
 from ._hostmemory import bounded, search_bound
 from ._memory import used_cuda_indices
+from ._oom import explained_error
 from ._oomread import build_report
 from ._oomtext import is_oom
 from ._options import refuse_lazy
@@ -49,8 +50,13 @@ def explain(error: BaseException, device: torch.device | None) -> DeviceOutOfMem
         report = build_report(error, device=device)
     except Exception as failure:  # noqa: BLE001 - a failed report must not hide the failure
         add_note(error, f"devicekit.find_batch_size could not build a report: {failure!r}")
-        return DeviceOutOfMemoryError(f"{type(error).__name__}: {error}")
-    return DeviceOutOfMemoryError(str(report), report)
+        report = None
+    message = f"{type(error).__name__}: {error}" if report is None else str(report)
+    # Of the user's class too (a MemoryError stays one), so `except MyOOM` still catches it.
+    explained = explained_error(error, report, message=message)
+    if not isinstance(explained, DeviceOutOfMemoryError):  # no such class could be made
+        return DeviceOutOfMemoryError(message, report)
+    return explained
 
 
 def run(fn: Callable[[int], Any], size: int) -> None:
@@ -100,15 +106,19 @@ def _held() -> int:
 
 
 def start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemoryError:
+    """``error`` (an explained one) reworded: even ``start`` does not fit; of its classes still."""
     report = error.report
-    return DeviceOutOfMemoryError(
+    message = (
         f"find_batch_size: fn({start}) ran out of memory, so even start={start} does not fit. "
         + ("Pass a smaller start, or free memory" if start > 1 else "Free memory")
         + " first (the fixes below), or make one step smaller (a smaller model, shorter "
         f"inputs, mixed precision); what the memory held when it failed:\n"
-        f"{report if report is not None else error}",
-        report,
+        f"{report if report is not None else error}"
     )
+    failed = explained_error(error, report, message=message)
+    if not isinstance(failed, DeviceOutOfMemoryError):
+        return DeviceOutOfMemoryError(message, report)
+    return failed
 
 
 class InProcess:

@@ -165,6 +165,40 @@ def test_a_start_that_fails_says_so_with_the_report() -> None:
     assert "smaller start" not in str(caught.value)
 
 
+class MyOOM(torch.OutOfMemoryError):
+    """A user's own out-of-memory class, with an attribute of its own."""
+
+    def __init__(self, message: str, *, budget: int) -> None:
+        super().__init__(message)
+        self.budget = budget
+
+
+def my_oom_step(batch_size: int) -> None:
+    """Fails above 2 with the user's own class (importable: isolated children run it)."""
+    if batch_size > 2:
+        raise MyOOM(TORCH_OOM, budget=batch_size)
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_start_that_fails_keeps_the_user_s_error_class(isolate: bool) -> None:
+    # `except MyOOM` around the search still catches "even start does not fit".
+    with pytest.raises(MyOOM) as caught:
+        dk.find_batch_size(my_oom_step, start=3, isolate=isolate)
+    error = caught.value
+    assert isinstance(error, dk.DeviceOutOfMemoryError)
+    assert error.budget == 3
+    assert str(error).startswith("find_batch_size: fn(3) ran out of memory, so even start=3")
+    assert str(error).endswith(f"original message: {TORCH_OOM}")
+    assert error.report is not None
+
+
+def test_a_start_that_runs_out_of_host_memory_is_a_memory_error_too() -> None:
+    with pytest.raises(MemoryError) as caught:
+        dk.find_batch_size(host_memory_step, start=3)
+    assert isinstance(caught.value, dk.DeviceOutOfMemoryError)
+    assert str(caught.value).startswith("find_batch_size: fn(3) ran out of memory")
+
+
 def test_other_errors_are_the_caller_s() -> None:
     def step(batch_size: int) -> None:
         if batch_size > 4:
