@@ -4,12 +4,16 @@ Each is called once per flush with the new records, so neither costs a sync
 per step. TensorBoard and tqdm are not dependencies: pass your own writer or
 bar. A copy of a buffer shares the writer or bar (as a copied `CSVSink` shares
 its file); pickling one whose writer or bar cannot be pickled says which sink.
+A sink may be shared by buffers flushed in several threads: each call holds the
+sink's own lock, so a writer or bar is called by one thread at a time (a copy
+gets a lock of its own).
 """
 
 from __future__ import annotations
 
 import math
 import pickle
+import threading
 import time
 from typing import Any, Protocol, TypeVar
 
@@ -60,6 +64,7 @@ class TensorBoardSink:
             )
         self.writer = writer
         self.prefix = prefix
+        self._lock = _new_lock()
 
     def __repr__(self) -> str:
         return f"TensorBoardSink(prefix={self.prefix!r})" if self.prefix else "TensorBoardSink()"
@@ -79,13 +84,17 @@ class TensorBoardSink:
     def __getstate__(self) -> dict[str, Any]:
         return _picklable(self, "writer", self.writer)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _restore(self, state)
+
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
-        for record in records:
-            step = record.get("step")
-            for key, value in record.items():
-                if key != "step":
-                    self.writer.add_scalar(self.prefix + key, value, step)
+        with self._lock:  # one flush's values together, from one thread at a time
+            for record in records:
+                step = record.get("step")
+                for key, value in record.items():
+                    if key != "step":
+                        self.writer.add_scalar(self.prefix + key, value, step)
 
 
 class _Bar(Protocol):
@@ -103,7 +112,9 @@ class ProgressBarSink:
     default); values set between redraws show at the bar's next one (its next
     ``update()``, or ``close()``, which shows the last values). Values that come
     after the bar closed (``for step in tqdm(...)`` closes it when the loop ends,
-    before the buffer's last flush) are written as one line below it.
+    before the buffer's last flush) are written as a line below it, one per call:
+    the exit's flush may hand it two batches (when the automatic flush's copy was
+    still in flight), and the last line holds the last values.
 
     Args:
         bar: A ``tqdm`` bar (anything with ``set_postfix``): the bar, not its
@@ -152,6 +163,7 @@ class ProgressBarSink:
         self.fmt = fmt
         self._newest: dict[str, Any] = {}  # each key shown, with its newest value
         self._drawn: float | None = None  # when a flush last redrew the bar (time.monotonic())
+        self._lock = _new_lock()
 
     def __repr__(self) -> str:
         shown = [] if self.keys is None else [f"keys={self.keys!r}"]
@@ -174,8 +186,15 @@ class ProgressBarSink:
     def __getstate__(self) -> dict[str, Any]:
         return _picklable(self, "bar", self.bar)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _restore(self, state)
+
     def __call__(self, records: list[Record]) -> None:
         """Show the newest value of each key (called by the buffer at each flush)."""
+        with self._lock:  # _newest and _drawn read and changed together
+            self._show(records)
+
+    def _show(self, records: list[Record]) -> None:
         # Each key's newest value, kept across flushes: a key logged now and then (a
         # validation loss) stays on the bar, and a record without the keys clears nothing.
         wanted = None if self.keys is None else set(self.keys)
@@ -259,11 +278,31 @@ def _refuse_class(given: object, name: str, example: str, sink: str) -> None:
         )
 
 
+def _new_lock() -> threading.RLock:
+    """A sink's own lock, held for each call (a flush's, never a ``log()``'s).
+
+    Per sink: a sink shared by two buffers flushed in two threads is called by
+    one at a time, as one buffer calls it. Re-entrant, so that a writer or bar
+    whose own code reaches the same sink again in the same thread (a signal
+    handler that flushes another buffer) goes on as before instead of hanging.
+    """
+    return threading.RLock()
+
+
 def _sharing(sink: _S, **own: Any) -> _S:
-    """A copy of ``sink`` that shares its writer or bar (``own``: attributes of its own)."""
+    """A copy of ``sink`` that shares its writer or bar (``own``: attributes of its own).
+
+    Its lock is its own: it is another sink, which waits for no one else's call.
+    """
     copied = object.__new__(type(sink))
-    copied.__dict__.update(sink.__dict__, **own)
+    copied.__dict__.update(sink.__dict__, **own, _lock=_new_lock())
     return copied
+
+
+def _restore(sink: object, state: dict[str, Any]) -> None:
+    """``sink`` unpickled from ``state``, with a lock of its own (a lock is never pickled)."""
+    sink.__dict__.update(state)
+    sink.__dict__["_lock"] = _new_lock()
 
 
 def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
@@ -283,4 +322,6 @@ def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
             f"leave the sink out of what you pickle or torch.save (a LogBuffer leaves its "
             f"sinks out itself), and make a {name} of its own where it is loaded"
         ) from None
-    return sink.__dict__.copy()
+    state = sink.__dict__.copy()
+    state.pop("_lock", None)  # a lock cannot be pickled; _restore makes a new one
+    return state

@@ -13,6 +13,10 @@ checks that the file is still that one, grown by no one else, and refuses to
 write otherwise; this catches another process too (every DDP rank writing
 ``metrics.csv``). In this process it refuses even earlier: a second live sink
 that would replace the file (``append=False``) is refused when it is made.
+
+One sink object may be shared (a train and an eval buffer given one sink, each
+flushed by its own thread): each call holds the sink's own lock throughout, so
+two calls never interleave their rows or race to widen the header.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import threading
 import uuid
 import weakref
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._csvpath import file_path, write_fix
 from ._csvtext import csv_text, existing, render, utf8
@@ -66,7 +70,8 @@ class CSVSink:
     replaced since (another sink, another process: every DDP rank writing
     the same file) is not written to, and the flush raises a
     ``RuntimeError`` naming the file, what changed and the fix; the records
-    are in the buffer's history.
+    are in the buffer's history. One sink object, by contrast, may be given to
+    several buffers flushed in several threads: its calls take turns.
 
     A failed write never destroys rows already on disk. A wider header is
     written to a new file beside the old one, which then replaces it in one
@@ -137,14 +142,37 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         self._real = os.path.realpath(self._file)  # one file, however it is named (a link)
         self._known = _identity(self._file)  # the file as this sink expects to find it
         self._wrote = False
+        # A lock per sink, not per file: _claim already refuses a second sink that would
+        # replace a live one's file, and the check at each write stops two on one file, so
+        # what is left to serialize is one sink's calls from several threads (two buffers
+        # given one sink). Re-entrant, so that a call the same thread makes from within one
+        # (a signal handler flushing another buffer) goes on as before, and never hangs.
+        self._lock = threading.RLock()
         _claim(self)
 
     def __repr__(self) -> str:
         append = ", append=True" if self.append else ""
         return f"CSVSink({str(self.path)!r}{append})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # a lock cannot be pickled, and a copy waits for no one else
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled sink: the same state, with a lock of its own."""
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
+        # Held for the whole call, once per flush (never per log()): the rows kept from
+        # a failed write, the header and the file as this sink left it are read and
+        # changed together, so two threads never interleave rows or widen it twice.
+        with self._lock:
+            self._write(records)
+
+    def _write(self, records: list[Record]) -> None:
         rows = [*self._unwritten, *records]
         changed = self._changed()
         if changed is not None:  # another writer: writing now would mix or lose rows
