@@ -41,7 +41,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 import devicekit as dk
-from devicekit import _leaks
+from devicekit import _creationsites, _leaks
 
 
 def dk_report(device: torch.device) -> Callable[[], None]:
@@ -133,7 +133,7 @@ def leak_cost(repeats: int) -> None:
         for _ in range(calls):
             step()
 
-    recorder = _leaks._CreationSites()
+    recorder = _creationsites.CreationSites()
 
     def recorded() -> None:
         for _ in range(calls):
@@ -161,7 +161,7 @@ def leak_cost(repeats: int) -> None:
 def recorder_per_op(repeats: int) -> None:
     """The creation-site recorder's cost per torch operation: ``x + 1`` on 4 floats."""
     x = torch.ones(4)
-    recorder = _leaks._CreationSites()
+    recorder = _creationsites.CreationSites()
 
     def ops() -> None:
         for _ in range(2000):
@@ -178,7 +178,7 @@ def recorder_per_op(repeats: int) -> None:
     print(f"  the recorder adds {added * 1e6:.2f} µs per operation (best runs)")
 
 
-class _WeakKeyedSites(_leaks._CreationSites):
+class _WeakKeyedSites(_creationsites.CreationSites):
     """The recorder before 2026-11-24: sites in a ``WeakIdKeyDictionary``."""
 
     def __init__(self) -> None:
@@ -214,18 +214,18 @@ def many_leaks_cost(per_call: int, repeats: int) -> None:
         kept.clear()
 
     def found_weak_keyed() -> None:
-        new = _leaks._CreationSites
-        _leaks._CreationSites = _WeakKeyedSites  # type: ignore[misc]
+        new = _leaks.CreationSites  # what find_leaks makes its recorder of
+        _leaks.CreationSites = _WeakKeyedSites  # type: ignore[misc]
         try:
             found()
         finally:
-            _leaks._CreationSites = new  # type: ignore[misc]
+            _leaks.CreationSites = new  # type: ignore[misc]
 
     print(
         f"\nfind_leaks with {per_call:,} tensors leaked per call, {calls} calls ({repeats} rounds):"
     )
     variants: dict[str, Callable[[], object]] = {"the calls alone": alone, "dk.find_leaks": found}
-    if hasattr(_leaks, "_FIRST_SWEEP"):  # this release's recorder: the old one can stand in
+    if hasattr(_creationsites, "_FIRST_SWEEP"):  # this release's recorder: the old one can stand in
         variants["find_leaks, weak-keyed sites"] = found_weak_keyed
     table(rounds(variants, repeats), "the calls alone")
 

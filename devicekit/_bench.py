@@ -54,6 +54,7 @@ class BenchResult(PlainResult):
     notes: tuple[str, ...] = ()
 
     @classmethod
+    @suggest_keywords
     def of(cls, name: str, device: object, value: float, unit: str, m: Measurement) -> BenchResult:
         """A result carrying ``m``'s verdict and notes."""
         return cls(name, str(device), value, unit, m.trustworthy, tuple(m.notes))

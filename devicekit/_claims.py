@@ -179,6 +179,7 @@ def _held_at(index: int) -> list[str]:
     return matches
 
 
+@suggest_keywords
 def release_gpu(device: DeviceLike) -> bool:
     """Release this process's claim on a GPU that ``pick_gpu(claim=True)`` returned.
 

@@ -56,6 +56,8 @@ _SHORTEST_INTERVAL = 0.1
 # torch warns on import when numpy is absent (numpy is not a dependency): two lines of
 # noise on every run. Hidden inside this command only, never in a caller's process.
 _NUMPY_WARNING = r"Failed to initialize NumPy: No module named 'numpy'"
+# A malformed DEVICEKIT_NVML_TIMEOUT: status, watch and doctor show it as a finding.
+_TIMEOUT_WARNING = r"DEVICEKIT_NVML_TIMEOUT="
 # Exit statuses for what happens to a command line rather than in it (see main()).
 _EXIT_CANNOT_WRITE = 74  # sysexits.h EX_IOERR; 1 already means "doctor found an error"
 _EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell shows for a command stopped by Ctrl-C
@@ -410,6 +412,8 @@ def _main(argv: Sequence[str] | None) -> int:
     # other callers of main() in their own process keep theirs).
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NUMPY_WARNING, category=UserWarning)
+        if args.command != "bench":  # the others print the same as a finding, with its fix
+            warnings.filterwarnings("ignore", message=_TIMEOUT_WARNING, category=RuntimeWarning)
         return _run(parser, args)
 
 

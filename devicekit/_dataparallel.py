@@ -9,6 +9,7 @@ import torch
 
 from ._accelerators import try_all_gpus
 from ._devices import DeviceLike, resolve_devices
+from ._keywords import suggest_keywords
 
 __all__ = ["data_parallel"]
 
@@ -18,6 +19,7 @@ logger = logging.getLogger("devicekit")
 _warned_data_parallel = False
 
 
+@suggest_keywords
 def data_parallel(
     module: torch.nn.Module, devices: Sequence[DeviceLike] | DeviceLike | None = None
 ) -> torch.nn.Module:

@@ -76,6 +76,9 @@ _LABELS = {
 _IN_TREE = frozenset({"cpu", "meta", "cuda", "xpu", "mps", "mtia"})
 # The package that makes each out-of-tree type work, for the message when it is missing.
 _PACKAGES = {"hpu": "habana_frameworks.torch", "xla": "torch_xla"}
+# Device types that a backend's package adds by renaming torch's spare one (privateuse1):
+# until it is imported, torch cannot even parse the name.
+_RENAMED_BY = {"npu": "torch_npu", "musa": "torch_musa"}
 _EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
 
 
@@ -334,6 +337,13 @@ def _unreadable(value: str, name: str, reason: str) -> ValueError:
     # torch's own message lists every type it knows (twenty of them): say the common ones.
     common = "it knows cpu, cuda, mps, xpu, meta and a few more"
     known = common if "Expected one" in reason else reason
+    if kind in _RENAMED_BY:  # torch learns the name only when the backend's package loads
+        package = _RENAMED_BY[kind]
+        return ValueError(
+            f"{name}={short_repr(value)} is not a device torch knows ({known}); {package} "
+            f"registers '{kind}' when imported: import {package} first, or use dk.try_gpu() "
+            "to fall back to the CPU"
+        )
     return ValueError(
         f"{name}={short_repr(value)} is not a device torch knows ({known}); write 'cpu', 'cuda', "
         "'cuda:1', or an index such as 1"

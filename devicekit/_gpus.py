@@ -324,6 +324,7 @@ def gpu_index(index: object) -> int:
     return parse_cuda_index(index, name="index")
 
 
+@suggest_keywords
 def gpu(index: DeviceLike = 0) -> GPUInfo:
     """Snapshot one GPU, named the way torch names it: ``1``, ``"cuda:1"`` or a ``torch.device``.
 

@@ -148,7 +148,12 @@ def _fix(value: object) -> str:
         return "; log one element, or their mean"
     if hasattr(value, "__float__"):
         return "; log float(value)"
-    return ""
+    if isinstance(value, (str, bytes)):
+        return "; log numbers only (a count, a score): keep text in your own logger"
+    if isinstance(value, dict):
+        return "; log each number under its own key: log(step, **values)"
+    # Anything else (an object of the user's): the number it stands for is theirs to pick.
+    return "; log a number taken from it, as a float or a 0-d tensor"
 
 
 def _dtype_fix(value: torch.Tensor) -> str:

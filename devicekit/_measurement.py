@@ -23,6 +23,7 @@ from ._format import (
     plain_data,
     plural,
 )
+from ._keywords import suggest_keywords
 from ._measurecheck import check_converged, check_recorded_options, seconds_list
 from ._measurejudge import is_trustworthy, notes_on
 from ._measureread import read_document
@@ -113,6 +114,7 @@ class Measurement:
     rel_noise_target: float | None = None
 
     @classmethod
+    @suggest_keywords
     def from_times(
         cls,
         times: Iterable[float],

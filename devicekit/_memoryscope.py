@@ -23,6 +23,7 @@ from ._accelerators import accelerator_count, accelerator_type, default_cuda_dev
 from ._blocks import EnterOnce
 from ._devices import DeviceLike, resolve_device
 from ._format import UNKNOWN, format_bytes, html_table, plain_fields
+from ._keywords import suggest_keywords
 from ._visible import torch_cuda_initialized
 
 __all__ = ["MemoryScope", "ScopeReport", "memory_scope"]
@@ -188,6 +189,7 @@ def _default_scope_device() -> torch.device:
     return default_cuda_device()
 
 
+@suggest_keywords
 def memory_scope(
     device: DeviceLike | None = None,
 ) -> contextlib.AbstractContextManager[MemoryScope]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._keywords import suggest_keywords
 from ._look import Changed, key_text, module_attributes
 from ._lookbulk import bulk_children, bulk_look, plain_class_ids
 from ._modulefix import KEY, Leaf, Places, Registered
@@ -24,6 +25,7 @@ from ._tree import container_attributes, iter_children
 __all__ = ["check_module"]
 
 
+@suggest_keywords
 def check_module(module: torch.nn.Module) -> list[str]:
     """Find tensors and modules that ``module.to(...)`` will not move.
 

@@ -144,7 +144,8 @@ def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> N
             f"tensor kept as a plain attribute where it is: {cls.__name__}.{path} is not on "
             f"{target}. Where the forward uses it, {fix}. Some modules keep such a copy "
             "elsewhere on purpose and move it when they use it (transformers' rotary "
-            "embeddings keep original_inv_freq so). This warning is shown once per class.",
+            "embeddings keep original_inv_freq so). This warning is shown once per module "
+            "class and attribute path.",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )

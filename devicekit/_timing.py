@@ -404,7 +404,9 @@ class Benchmark:
     """d2l's ``Benchmark`` context manager, but synchronized, so its numbers are right.
 
     Prints ``"{description}: {seconds:.4f} sec"`` when the block ends, and keeps
-    the time in ``elapsed``.
+    the time in ``elapsed``. A block under a millisecond, which that format
+    shows as ``0.0000`` or with one digit, is printed in human units instead
+    (``sum: 12.3 µs``).
 
     Args:
         description: What the printed line starts with.
@@ -414,7 +416,7 @@ class Benchmark:
         >>> import devicekit as dk
         >>> with dk.Benchmark("sum") as bench:
         ...     _ = sum(range(10))  # doctest: +ELLIPSIS
-        sum: 0.0... sec
+        sum: ... µs
         >>> bench.elapsed >= 0
         True
     """
@@ -451,7 +453,9 @@ class Benchmark:
     ) -> None:
         self._timer.__exit__(exc_type, exc, traceback)
         self.elapsed = self._timer.elapsed
-        print(f"{self.description}: {self.elapsed:.4f} sec")
+        # d2l's format, where it has digits to show; "0.0000 sec" is what made people ask.
+        took = f"{self.elapsed:.4f} sec" if self.elapsed >= 1e-3 else format_seconds(self.elapsed)
+        print(f"{self.description}: {took}")
 
     def __repr__(self) -> str:
         took = "not run yet" if self.elapsed is None else format_seconds(self.elapsed)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._keywords import suggest_keywords
 from ._shortrepr import got, short_repr
 
 __all__ = [
@@ -73,6 +74,7 @@ _SPACED_UUID = (
 torch_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 
 
+@suggest_keywords
 def parse_visible_devices(value: str | None = None) -> list[int | str] | None:
     """Read a ``CUDA_VISIBLE_DEVICES`` value the way CUDA and torch do.
 

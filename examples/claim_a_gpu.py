@@ -25,14 +25,21 @@ import devicekit as dk
 
 # Only GPUs with 4 GiB free qualify; look five times a second for up to 10 minutes.
 with dk.claim_gpu(min_free_memory=4 * 2**30, wait=600) as device:
-    print(f"process {os.getpid()} claimed {device}")
+    if device.type == "cpu":
+        print(f"process {os.getpid()}: no GPU here, so nothing to claim; working on the CPU")
+    else:
+        print(f"process {os.getpid()} claimed {device}")
     x = torch.randn(1024, 1024, device=device)
+    w = torch.randn(1024, 1024, device=device) / 32  # scaled so that x keeps its spread
     started = time.perf_counter()
     for _ in range(5):
-        x = torch.tanh(x @ x / 1024)
-    print(f"worked on {device} for {time.perf_counter() - started:.2f} s: mean {x.mean():.4f}")
-print(f"process {os.getpid()} released {device}")
+        x = torch.tanh(x @ w)
+    spread = x.std().item()  # the result, read back: the work was done
+    print(f"worked on {device} for {time.perf_counter() - started:.2f} s: std {spread:.3f}")
+if device.type != "cpu":
+    print(f"process {os.getpid()} released {device}")
 
 # For a whole script, claim without a block: the claim lasts until the process exits.
 device = dk.pick_gpu(claim=True)
-print(f"pick_gpu(claim=True) -> {device}; held until exit or dk.release_gpu(device)")
+held = "" if device.type == "cpu" else "; held until exit or dk.release_gpu(device)"
+print(f"pick_gpu(claim=True) -> {device}{held}")

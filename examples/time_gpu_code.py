@@ -31,6 +31,10 @@ with dk.Timer() as timer:
 print(f"{n}x{n} matmul on {device}:")
 print(f"  time.perf_counter() around it: {naive * 1e3:8.3f} ms  (no synchronize)")
 print(f"  dk.Timer:                      {timer.elapsed * 1e3:8.3f} ms")
+if device.type == "cpu":
+    # Nothing is asynchronous on the CPU: both readings are right, and they differ only as
+    # any two single runs do. On a GPU the first would be the launch's microseconds.
+    print("  (on the CPU both are right: single runs differ, which is why dk.benchmark repeats)")
 
 quiet = dk.benchmark(torch.matmul, a, a, max_time=1)
 print(f"\nalone on the device:\n{quiet!r}")

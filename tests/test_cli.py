@@ -537,6 +537,14 @@ def test_the_command_hides_torchs_numpy_warning() -> None:
         assert "UserWarning" not in result.stderr
 
 
+@pytest.mark.parametrize("args", [[], ["--json"], ["doctor"], ["watch", "--count", "1"]])
+def test_a_malformed_nvml_timeout_is_told_once_as_a_finding(args: list[str]) -> None:
+    result = run_cli(*args, env={"DEVICEKIT_NVML_TIMEOUT": "abc"})
+    assert result.returncode in (0, 1), result.stderr
+    assert "RuntimeWarning" not in result.stderr  # not also as a raw warning above it
+    assert "DEVICEKIT_NVML_TIMEOUT='abc'" in result.stdout
+
+
 def test_the_command_leaves_its_callers_warning_filters_alone(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -399,6 +399,23 @@ def test_a_numpy_array_of_indices_is_a_list_of_devices(fake_accelerator: FakeAcc
     assert resolve_device(np.array(1)) == torch.device("cuda", 1)  # a 0-d array is an integer
 
 
+@pytest.mark.parametrize(("value", "package"), [("npu:0", "torch_npu"), ("NPU", "torch_npu")])
+def test_a_backend_whose_package_names_the_device_says_to_import_it(
+    value: str, package: str
+) -> None:
+    from devicekit._devices import resolve_device
+
+    if package in sys.modules:
+        pytest.skip(f"{package} is imported here")
+    # Until torch_npu renames torch's spare device type, torch cannot parse "npu" at all.
+    with pytest.raises(
+        ValueError,
+        match=rf"^device='{value}' is not a device torch knows \(.*\); {package} registers "
+        rf"'npu' when imported: import {package} first, or use dk.try_gpu\(\)",
+    ):
+        resolve_device(value)
+
+
 def test_an_out_of_tree_backend_is_a_device_once_its_package_is_imported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

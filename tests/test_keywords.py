@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 import devicekit as dk
 from devicekit._keywords import suggest_keywords
@@ -92,8 +94,24 @@ def test_a_context_manager_function_is_told_too() -> None:
 _NOT_WRAPPED = {"to_device"}
 
 
+def _named_options(target: Any) -> list[str]:
+    """The parameters of ``target`` a call can name (keyword-only, or positional or keyword)."""
+    try:
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return []  # takes any keyword: checks its own
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in named and p.name not in ("self", "cls")]
+
+
 def _public_with_options() -> list[tuple[str, str]]:
-    """(public name, one of its keyword-only options) for every public callable that has one."""
+    """(public call, its longest named parameter) for every public callable that has one.
+
+    Classes count with their constructor and their public class methods
+    (``Measurement.from_times``): a user calls those too.
+    """
     found = []
     for name in dk.__all__:
         obj = getattr(dk, name)
@@ -101,21 +119,48 @@ def _public_with_options() -> list[tuple[str, str]]:
             continue
         if isinstance(obj, type) and issubclass(obj, BaseException):
             continue  # devicekit raises them; users do not build them
-        target = obj.__init__ if isinstance(obj, type) else obj
-        try:
-            parameters = inspect.signature(target).parameters.values()
-        except (TypeError, ValueError):
-            continue
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-            continue
-        options = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
-        if options:
-            found.append((name, max(options, key=len)))
+        calls = []
+        if not isinstance(obj, type):
+            calls.append((name, obj, _named_options(obj)))
+        elif not dataclasses.is_dataclass(obj):  # a result's fields are devicekit's to fill
+            calls.append((name, obj, _keyword_only(obj.__init__)))
+        if isinstance(obj, type):
+            for attr, raw in vars(obj).items():
+                if isinstance(raw, classmethod) and not attr.startswith("_"):
+                    options = _named_options(getattr(obj, attr))
+                    if len(options) > 1:  # from_dict(data): one argument, never named
+                        calls.append((f"{name}.{attr}", getattr(obj, attr), options))
+        for call_name, _, named in calls:
+            options = [option for option in named if len(option) > 2]  # "i": no typo to make
+            if options:
+                found.append((call_name, max(options, key=len)))
     return found
+
+
+def _keyword_only(target: Any) -> list[str]:
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return []
+    return [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def _resolve(name: str) -> Any:
+    obj: Any = dk
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @pytest.mark.parametrize(("name", "option"), _public_with_options())
 def test_every_public_call_with_options_names_a_mistyped_one(name: str, option: str) -> None:
     typo = option[:-1]  # the last letter forgotten: "max_siz"
     with pytest.raises(TypeError, match=rf"'{typo}'; did you mean '{option}'\?$"):
-        getattr(dk, name)(**{typo: 1})
+        _resolve(name)(**{typo: 1})
+
+
+def test_a_singular_for_a_plural_is_named_too() -> None:
+    with pytest.raises(TypeError, match=r"'device'; did you mean 'devices'\?$"):
+        dk.data_parallel(torch.nn.Linear(1, 1), device=[0])  # type: ignore[call-arg]

@@ -175,7 +175,22 @@ def _sparse_scalar() -> torch.Tensor:
     ("value", "error", "message"),
     [
         (torch.ones(3), ValueError, r"expects a scalar.*shape \(3,\)"),
-        ("0.5", TypeError, r"log\(bad=\.\.\.\) expects a 0-d tensor or a number, got str$"),
+        (
+            "0.5",
+            TypeError,
+            r"log\(bad=\.\.\.\) expects a 0-d tensor or a number, got str; log numbers only "
+            r"\(a count, a score\): keep text in your own logger$",
+        ),
+        (
+            {"a": 1.0},
+            TypeError,
+            r"got dict; log each number under its own key: log\(step, \*\*values\)$",
+        ),
+        (
+            object(),
+            TypeError,
+            r"got object; log a number taken from it, as a float or a 0-d tensor$",
+        ),
         (None, TypeError, r"got NoneType"),
         (NumpyLikeInt(), TypeError, r"got NumpyLikeInt; log float\(value\)"),
         (torch.tensor(1 + 2j), TypeError, r"real number, got a tensor of dtype torch\.complex64"),
@@ -190,6 +205,8 @@ def _sparse_scalar() -> torch.Tensor:
     ids=[
         "vector",
         "str",
+        "dict",
+        "object",
         "None",
         "numpy-like",
         "complex",

@@ -130,6 +130,17 @@ def test_benchmark_context_prints_like_d2l(capsys: pytest.CaptureFixture[str]) -
     assert capsys.readouterr().out == f"sleeping: {bench.elapsed:.4f} sec\n"
 
 
+def test_a_block_under_a_millisecond_is_printed_in_human_units(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # d2l's "{:.4f} sec" printed "tiny: 0.0000 sec" for it: the symptom the timing page opens with.
+    monkeypatch.setattr(dk.Timer, "elapsed", property(lambda self: 2.5e-5))
+    with dk.Benchmark("tiny") as bench:
+        pass
+    assert bench.elapsed == 2.5e-5
+    assert capsys.readouterr().out == "tiny: 25 µs\n"
+
+
 def test_cpu_timers_do_not_start_cuda() -> None:
     result = run_python(
         """
