@@ -383,6 +383,6 @@ def refuse_unwalkable(name: str, obj: object) -> None:
     if isinstance(obj, (KeysView, ValuesView, ItemsView)):
         raise TypeError(
             f"assert_same_device() cannot check {name}, a {kind} view: a dict view is not "
-            "walked (to_device() returns it unchanged, with its tensors where they were). Pass "
-            "the dict itself, or list(...) of the view."
+            "walked (to_device() refuses one holding a tensor off its target, for the same "
+            "reason: it shows its dict). Pass the dict itself, or list(...) of the view."
         )

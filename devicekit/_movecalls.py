@@ -46,10 +46,12 @@ __all__ = [
     "OWN_TO",
     "UNCHANGED",
     "DictKey",
+    "HeldView",
     "ModuleFirst",
     "array_stray",
     "call_to",
     "has_to_method",
+    "held_view",
     "keep_shared",
     "returned",
     "takes_non_blocking",
@@ -60,6 +62,8 @@ __all__ = [
 UNCHANGED, OWN_TO, KEY_HELD = "unchanged", "own .to()", "key"
 # References read inside a numpy array of objects, as inside any object (tensor_elsewhere).
 _ARRAY_LOOKS = 256
+# References read inside a dict view's items, besides the items themselves (held_view).
+_VIEW_LOOKS = 256
 
 
 class DictKey:
@@ -78,12 +82,50 @@ class ModuleFirst(Exception):
         self.module = module
 
 
-def _held(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+class HeldView(Exception):
+    """Raised inside the walk: a dict view holds a tensor not on the target.
+
+    `to_device` turns it into a ``TypeError`` that names where the view is.
+    """
+
+    def __init__(self, view: Any, path: str) -> None:
+        super().__init__()
+        self.view = view
+        self.path = path  # of the tensor in list(view): "[0]", "[1][1]" (an item's value)
+
+
+def held_view(mover: _Mover, view: Any) -> Any:
+    """``view`` (``batch.values()``, a ``KeysView``...) where it holds nothing to move.
+
+    A view shows its dict, which `to_device` never changes: it cannot be
+    rebuilt to show moved tensors, and a list instead would change the type
+    without a word. So a view that holds a tensor (or a module's) not on the
+    target raises `HeldView`; one that holds none (a dict's str keys, values
+    already there) is returned as it is, as before. Each item is read, and up
+    to 256 references inside them, each time: a view in a batch is rare, and
+    this runs for no other object.
+    """
+    try:
+        items = list(view)  # a Mapping's ItemsView runs its __iter__ and __getitem__
+        path = tensor_elsewhere(items, mover.device, looks=len(items) + _VIEW_LOOKS, modules=True)
+    except RecursionError:
+        raise  # the walk is too deep: to_device says so
+    except Exception:  # noqa: BLE001 - a look that fails finds nothing, as for any object
+        return view
+    if path is not None:
+        raise HeldView(view, path)
+    return view
+
+
+def _held(module: torch.nn.Module) -> list[tuple[Any, str, torch.Tensor]]:
     """Each parameter and buffer of ``module`` and its submodules, with the registry and name.
 
     Read from the registries themselves (``named_parameters()`` builds a
     dotted name per tensor, at 2.5 times the cost): after ``Module.to``, which
     moves in place, each registry holds the tensor that replaced the one listed.
+    A registry is read with ``items()`` and ``[name]`` only, which every one
+    has: a ``dict`` for most modules, torch's ``OrderedDictWrapper`` for a
+    TorchScript module (``torch.jit.script``, ``torch.jit.trace``).
     """
     held = []
     for submodule in module.modules():
@@ -117,7 +159,12 @@ def keep_shared(mover: _Mover, module: torch.nn.Module, move: Callable[[_Mover, 
     shared[id(module)] = result
     if result is module:  # moved in place (an override that returns a copy is its own)
         for registry, name, old in held:
-            new = registry.get(name)
+            try:
+                # Not .get(): a TorchScript module's registries are torch's own
+                # OrderedDictWrapper, which has items() and [] only.
+                new = registry[name]
+            except KeyError:  # an override of .to() that dropped it: nothing to share
+                continue
             if new is not None and new is not old and id(old) not in memo:
                 memo[id(old)] = shared[id(old)] = new
                 mover.keep(old)

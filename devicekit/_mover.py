@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, MutableSequence
+from collections.abc import Callable, Mapping, MappingView, MutableSequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from ._movecalls import (
     array_stray,
     call_to,
     has_to_method,
+    held_view,
     keep_shared,
     returned,
     takes_non_blocking,
@@ -47,8 +48,7 @@ from ._rebuild import (
 from ._records import rebuild_dataclass, rebuild_record
 from ._tree import is_dataclass_instance, is_record
 
-# What to_device uses. Both stay private: nothing here is devicekit's API.
-__all__ = ["Cycle", "ModuleFirst", "borrow"]
+__all__ = ["Cycle", "ModuleFirst", "borrow"]  # what to_device uses: private, not devicekit's API
 
 _Tensor = torch.Tensor
 _CPU, _META_DEVICE = CPU, META
@@ -213,7 +213,7 @@ class _Mover:
             return self.container(obj, rebuild_dataclass)
         if is_record(obj):  # a SimpleNamespace, an attrs instance, a pydantic model
             return self.container(obj, rebuild_record)
-        return self.unchanged(obj)
+        return held_view(self, obj) if isinstance(obj, MappingView) else self.unchanged(obj)
 
     def unchanged(self, obj: Any, how: str = UNCHANGED) -> Any:
         """``obj``, which to_device cannot move; noted where it leaves a tensor behind.

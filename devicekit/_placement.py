@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, ItemsView, KeysView
 from typing import TypeVar
 
 import torch
@@ -24,10 +24,10 @@ from ._format import qualified_name
 from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
-from ._movecalls import KEY_HELD, OWN_TO
+from ._movecalls import KEY_HELD, OWN_TO, HeldView
 from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
 from ._options import check_flag
-from ._tree import describe_cycle, iter_tensors
+from ._tree import describe_cycle, iter_tensors, path_of
 
 __all__ = ["to_device"]
 
@@ -215,11 +215,15 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     - Objects with their own ``.to(device)`` method are moved by it, modules
       whose class overrides ``.to`` too; one whose ``.to()`` returns None is
       kept (it moved itself), with a warning once per class.
-    - Other modules are moved in place, as ``Module.to`` does. A tensor
+    - Other modules are moved in place, as ``Module.to`` does (TorchScript
+      modules, ``torch.fx`` graph modules and ``torch.compile``'s too). A tensor
       kept as a plain attribute (not a buffer), which ``Module.to`` leaves
       where it is, is warned of once per module class where it is left off
       the target (``RuntimeWarning``, with its path and the fix).
 
+    A dict view (``batch.values()``) cannot be rebuilt: one that holds a
+    tensor not on ``device`` is refused with ``TypeError`` (pass the dict
+    itself), one that holds none (a dict's str keys) is returned as it is.
     Anything else (a ``range``, your own read-only ``Sequence``) is returned
     unchanged, and the input is never modified
     (except modules, and objects whose ``.to()`` moves them in place): a copy
@@ -255,7 +259,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
         ValueError: ``obj`` contains itself, or ``device`` is malformed.
         TypeError: A mapping or sequence in ``obj`` cannot be copied without
             changing it, a read-only mapping cannot be rebuilt from its items,
-            or ``obj`` holds a ``WeakValueDictionary`` whose values move.
+            or ``obj`` holds a ``WeakValueDictionary`` whose values move, or a
+            dict view (``batch.values()``) that holds a tensor not on ``device``.
         RecursionError: ``obj`` nests deeper than Python's recursion limit.
         DeviceNotFoundError: This torch build or machine has no such device.
 
@@ -299,6 +304,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     except RecursionError:
         # Counting the depth in the walk would cost every call; Python counts it anyway.
         raise RecursionError(_too_deep()) from None
+    except HeldView as held:
+        raise TypeError(_view_refused(obj, held, target)) from None
     except NotImplementedError as error:
         _explain_unsupported(error, obj, target)
         raise
@@ -311,6 +318,34 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     if modules is not None:
         _warn_left_behind(modules, target)
     return result  # type: ignore[no-any-return]
+
+
+def _view_refused(obj: object, held: HeldView, target: torch.device) -> str:
+    """Why a dict view in ``obj`` that holds a tensor off ``target`` is refused, and the fix."""
+    view = held.view
+    kind = type(view).__name__
+    try:
+        where = path_of(obj, view, "obj")
+    except Exception:  # noqa: BLE001 - a mapping whose items() raises now: say less
+        where = None
+    at = where or f"the {kind} in obj"
+    if isinstance(view, KeysView):
+        fix = (
+            "A dict's keys are never moved: key the dict by str or int, keep the tensors "
+            "among its values, and pass the dict itself"
+        )
+    else:
+        method = "items" if isinstance(view, ItemsView) else "values"
+        fix = (
+            f"Pass the dict itself, to_device(batch, device), and take .{method}() of what it "
+            "returns (or list(...) of the view, where a list is what you need)"
+        )
+    return (
+        f"to_device() cannot move {at}, a dict view ({kind}): it holds a tensor not on {target} "
+        f"(list({at}){held.path}), and a dict view cannot be rebuilt: it shows its dict, "
+        f"which to_device() never changes, and a list in its place would change its type "
+        f"without a word. {fix}."
+    )
 
 
 def _explain_unsupported(error: NotImplementedError, obj: object, target: torch.device) -> None:

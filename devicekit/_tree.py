@@ -42,6 +42,7 @@ __all__ = [
     "iter_children",
     "iter_leaves",
     "iter_tensors",
+    "path_of",
     "record_attributes",
     "record_fields",
     "record_layout",
@@ -403,3 +404,25 @@ def describe_cycle(root: object, name: str) -> str:
         return None
 
     return search(root, name) or f"{name} contains itself"
+
+
+def path_of(root: object, target: object, name: str) -> str | None:
+    """The path of ``target`` inside ``root``, as ``"obj['a'][0]"``; None where not found.
+
+    ``name`` is ``root``'s own path (``target`` itself). Each container is
+    opened once, on a stack of its own: any depth, and no loop on a cycle.
+    For an error message, after the walk met ``target`` somewhere in ``root``.
+    """
+    if root is target:
+        return name
+    seen = {id(root): root}  # each kept alive, so its id() is not reused by a value made on read
+    stack = [(root, name)]
+    while stack:
+        obj, path = stack.pop()
+        for suffix, child in children(obj) or ():
+            if child is target:
+                return path + suffix
+            if id(child) not in seen:
+                seen[id(child)] = child
+                stack.append((child, path + suffix))
+    return None

@@ -247,8 +247,8 @@ def test_a_dict_view_argument_is_refused() -> None:
     with pytest.raises(
         TypeError,
         match=r"cannot check arg0, a dict_values view: a dict view is not walked \(to_device\(\) "
-        r"returns it unchanged, with its tensors where they were\)\. Pass the dict itself, or "
-        r"list\(\.\.\.\) of the view\.",
+        r"refuses one holding a tensor off its target, for the same reason: it shows its "
+        r"dict\)\. Pass the dict itself, or list\(\.\.\.\) of the view\.",
     ):
         dk.assert_same_device(batch.values())
     for view in (batch.keys(), batch.items(), collections.OrderedDict(batch).values()):
