@@ -17,7 +17,7 @@ from ._options import check_path
 from ._procfs import file_system_type
 from ._shortrepr import short_repr
 
-__all__ = ["file_path", "write_fix"]
+__all__ = ["file_path", "keep_mode", "write_fix"]
 
 # Where no regular file can be created, whatever the folder's permissions say.
 _KERNEL_FILE_SYSTEMS = frozenset(
@@ -156,3 +156,41 @@ def _make_folder(folder: Path, given: str) -> None:
         )
         raised.errno = errno.EACCES
         raise raised
+
+
+# A file's owner or group this process may not give (not root), or a file system with
+# no such thing: the new file keeps what it has, as a file written in place would.
+_NOT_KEPT = frozenset([errno.EPERM, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP])
+
+
+def keep_mode(descriptor: int, target: Path) -> None:
+    """Give the file open at ``descriptor`` the permissions of ``target``, which it replaces.
+
+    A wider header is a new file swapped in for the old one, which would get the
+    umask's mode (``0o644``): a log made private (``chmod 600``) would become
+    readable by all, a group-writable one not writable. The owner and group are
+    kept where this process may set them; a new file (no ``target``) keeps the
+    umask's mode, as ``open(path, "w")`` gives it.
+    """
+    try:
+        info = os.stat(target)
+    except (OSError, ValueError):  # no file yet (a new one), or unreadable: the umask's mode
+        return
+    fchown = getattr(os, "fchown", None)  # not on Windows
+    if fchown is not None:
+        # First: a change of owner may clear the set-id bits. Another user's file: its
+        # group alone, which a member of it may give.
+        for uid in dict.fromkeys((info.st_uid, -1)):
+            try:
+                fchown(descriptor, uid, info.st_gid)
+                break
+            except OSError as error:
+                if error.errno not in _NOT_KEPT:
+                    raise
+    fchmod = getattr(os, "fchmod", None)  # on Windows from 3.13
+    if fchmod is not None:
+        try:
+            fchmod(descriptor, stat.S_IMODE(info.st_mode))
+        except OSError as error:
+            if error.errno not in _NOT_KEPT:
+                raise

@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Any, Protocol, TypeVar
 
-from ._format import shorten
+from ._errors import add_note
+from ._format import plural, shorten
 from ._keywords import suggest_keywords
 from ._logdeliver import Record
 from ._shortrepr import short_repr
@@ -38,6 +39,13 @@ class TensorBoardSink:
         writer: Your ``torch.utils.tensorboard.SummaryWriter`` (the writer, not its
             class: ``SummaryWriter("runs")``).
         prefix: Prepended to each key, such as ``"train/"``.
+
+    When ``add_scalar`` raises (or Ctrl-C stops it), the values after the one it
+    was writing are kept and written first at the next flush, and the error gets
+    a note naming the sink, that value and the steps kept. The value it was
+    writing is not written again: the writer may have written it before it
+    raised, and a value it refuses would otherwise fail every later flush. So
+    each value reaches the writer at most once, and a failure costs one value.
 
     Examples:
         >>> import devicekit as dk
@@ -64,25 +72,28 @@ class TensorBoardSink:
             )
         self.writer = writer
         self.prefix = prefix
+        self._unwritten: list[Record] = []  # what a failed call left, written first next time
         self._lock = _new_lock()
 
     def __repr__(self) -> str:
         return f"TensorBoardSink(prefix={self.prefix!r})" if self.prefix else "TensorBoardSink()"
 
     def __copy__(self) -> TensorBoardSink:
-        return _sharing(self)
+        return _sharing(self, _unwritten=[])  # values kept are the original's to write, once
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TensorBoardSink:
         """A copy that writes with the same writer, as a copied `CSVSink` writes the same file.
 
         A ``SummaryWriter`` holds a thread and a lock, so it cannot be copied:
         without this, deep-copying a model that holds a buffer (an EMA copy)
-        failed on the writer.
+        failed on the writer. Values a failed call kept stay the original's to write.
         """
-        return _sharing(self)
+        return _sharing(self, _unwritten=[])
 
     def __getstate__(self) -> dict[str, Any]:
-        return _picklable(self, "writer", self.writer)
+        state = _picklable(self, "writer", self.writer)
+        state.pop("_unwritten", None)  # the original's to write, once (as for a copy)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         _restore(self, state)
@@ -90,11 +101,57 @@ class TensorBoardSink:
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
         with self._lock:  # one flush's values together, from one thread at a time
-            for record in records:
+            self._write(records)
+
+    def _write(self, records: list[Record]) -> None:
+        # Kept first, so that whatever stops this call (an error, Ctrl-C at any line)
+        # leaves the values not yet handed to the writer for the next call.
+        queue = self._unwritten = [*getattr(self, "_unwritten", []), *records]
+        done: tuple[int, int, str | None] = (0, 0, None)  # where the writer's next value is
+        try:
+            for index, record in enumerate(queue):
                 step = record.get("step")
-                for key, value in record.items():
-                    if key != "step":
-                        self.writer.add_scalar(self.prefix + key, value, step)
+                values = [(key, value) for key, value in record.items() if key != "step"]
+                for position, (key, value) in enumerate(values):
+                    tag = self.prefix + key
+                    # Counted before the call: one that raises may have written it, and
+                    # a value the writer refuses would fail every later call again.
+                    done = (index, position + 1, f"{tag!r} at step {step}")
+                    self.writer.add_scalar(tag, value, step)
+            self._unwritten = []
+        except BaseException as error:
+            self._unwritten = kept = _rest(queue, done[0], done[1])
+            if isinstance(error, Exception):  # Ctrl-C is told as it is
+                add_note(error, self._kept_note(done[2], kept))
+            raise
+
+    def _kept_note(self, value: str | None, kept: list[Record]) -> str:
+        """The note on an error writing ``value`` (a tag and step): what is kept for later."""
+        count = sum(1 for record in kept for key in record if key != "step")
+        first, last = kept[0].get("step") if kept else None, kept[-1].get("step") if kept else None
+        steps = f"step {first}" if len(kept) == 1 else f"steps {first} to {last}"
+        raised = f"raised by {self!r}" + (f" writing {value}" if value else "")
+        if value:
+            raised += " (not written again: the writer may have it)"
+        if not count:
+            return f"{raised}; nothing after it was left to write"
+        return (
+            f"{raised}; the {plural(count, 'value')} after it ({steps}) are kept and written "
+            "first at its next call"
+        )
+
+
+def _rest(queue: list[Record], index: int, position: int) -> list[Record]:
+    """What is left of ``queue`` from value ``position`` of record ``index`` on (step kept)."""
+    if index >= len(queue):
+        return []
+    record = queue[index]
+    values = [(key, value) for key, value in record.items() if key != "step"]
+    if position == 0:
+        return queue[index:]
+    head = {"step": record["step"]} if "step" in record else {}
+    rest = [{**head, **dict(values[position:])}] if values[position:] else []
+    return [*rest, *queue[index + 1 :]]
 
 
 class _Bar(Protocol):

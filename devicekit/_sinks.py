@@ -21,7 +21,6 @@ two calls never interleave their rows or race to widen the header.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import gc
 import os
@@ -31,7 +30,7 @@ import weakref
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ._csvpath import file_path, write_fix
+from ._csvpath import file_path, keep_mode, write_fix
 from ._csvtext import csv_text, existing, render, utf8
 from ._errors import add_note
 from ._format import plural
@@ -75,9 +74,13 @@ class CSVSink:
 
     A failed write never destroys rows already on disk. A wider header is
     written to a new file beside the old one, which then replaces it in one
-    step (``os.replace``); an append that fails (a full disk) is cut back to
-    where it began. The records it could not write are kept and written first
-    at the next flush. A file that disappears while the run goes on (a log
+    step (``os.replace``), with the old file's permissions (a file made private
+    with ``chmod 600`` stays so) and, where allowed, its owner and group; an
+    append that fails (a full disk) is cut back to where it began. The records
+    it could not write are kept and written first at the next flush. Ctrl-C
+    during a write writes no row twice and leaves the file the sink's: a write
+    that reached the file counts as done (found so at the next flush if Ctrl-C
+    landed before the sink could note it). A file that disappears while the run goes on (a log
     rotation) is started again with the header. An error writing the file
     may surface at a ``log()`` call far from where the sink was made, so its
     message names the sink, the file (not the temporary file written beside
@@ -141,6 +144,8 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         self._unwritten: list[Record] = []  # what a failed write left out, written first next time
         self._real = os.path.realpath(self._file)  # one file, however it is named (a link)
         self._known = _identity(self._file)  # the file as this sink expects to find it
+        # A write under way: the file as it will be once it is done, and its header.
+        self._pending: tuple[_Identity, list[str]] | None = None
         self._wrote = False
         # A lock per sink, not per file: _claim already refuses a second sink that would
         # replace a live one's file, and the check at each write stops two on one file, so
@@ -162,6 +167,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled sink: the same state, with a lock of its own."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("_pending", None)  # pickled before it had one
         self._lock = threading.RLock()
 
     def __call__(self, records: list[Record]) -> None:
@@ -173,19 +179,22 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             self._write(records)
 
     def _write(self, records: list[Record]) -> None:
-        rows = [*self._unwritten, *records]
+        # Ctrl-C may land at any line here: the rows are kept until the file holds them,
+        # and a write that reached the file is recorded as done (at once, or by _settle
+        # at the next call), so no row is written twice and the file is never refused.
+        self._settle()
+        rows = self._unwritten = [*self._unwritten, *records]
         changed = self._changed()
         if changed is not None:  # another writer: writing now would mix or lose rows
-            self._unwritten = rows
             raise self._conflict_error(changed, rows)
         if not self._started and self.append:
             try:
                 self.columns, self._newline_first, self._line_end = existing(self._file)
             except OSError as error:
-                self._unwritten, self._known = rows, _UNKNOWN  # to be fixed: read it again
+                self._known = _UNKNOWN  # to be fixed: read it again
                 raise self._write_error(error, rows, doing="read") from None
             except BaseException:
-                self._unwritten, self._known = rows, _UNKNOWN
+                self._known = _UNKNOWN
                 raise
             self._started = bool(self.columns)
         new = [
@@ -199,17 +208,36 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             else:
                 self._replace(columns, rows)
         except OSError as error:
-            self._unwritten = rows
             raise self._write_error(error, rows) from None
-        except BaseException:
-            self._unwritten = rows
-            raise
+        if closing is not None:  # the rows are written (and not kept): only the close failed
+            raise self._close_error(closing, rows)
+
+    def _settle(self) -> None:
+        """Record a write that Ctrl-C cut short once it had reached the file, or drop it.
+
+        `_pending` is set just before the file changes (an append, a replace), with
+        the file as it will be after: found so, the write happened and its rows are
+        not written again; found otherwise, it did not, and they are still kept.
+        """
+        pending = self._pending
+        if pending is not None:
+            if _identity(self._file) == pending[0]:
+                self._commit(*pending)
+            self._pending = None
+
+    def _commit(self, written: _Identity, columns: list[str]) -> None:
+        """The rows kept are in the file, which is now ``written``, with ``columns`` as header.
+
+        Called as soon as the write (or the replace) returns. Ctrl-C between two of
+        these lines leaves `_pending` set, and `_settle` runs this again: every line
+        sets a value, so running it twice changes nothing.
+        """
+        self._known = written  # what the next write expects
+        self.columns = columns
         self._unwritten = []
         self._newline_first = False
-        self.columns = columns
         self._started = self._wrote = True
-        if closing is not None:
-            raise self._close_error(closing, rows)
+        self._pending = None
 
     def _changed(self) -> str | None:
         """How another writer changed the file since this sink last wrote it (or was made).
@@ -291,28 +319,29 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         rows are in the file by then, as far as this process can tell, so they
         are not kept to be written again (they would be there twice).
         """
+        closing = None
         descriptor = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            size = os.fstat(descriptor).st_size
+            info = os.fstat(descriptor)
+            size = info.st_size
             # A file rotated away (empty now) gets a new header.
             data = render(columns, rows, header=not size, line_end=self._line_end)
             if self._newline_first and size:
                 data = self._line_end.encode() + data
+            written = (info.st_dev, info.st_ino, size + len(data))
+            self._pending = (written, columns)  # before the file changes: see _settle
             try:
                 _write_all(descriptor, data)
             except BaseException:
                 os.ftruncate(descriptor, size)  # no half-written row is left behind
                 raise
-            self._known = _descriptor_identity(descriptor)  # what the next write expects
-        except BaseException:
-            with contextlib.suppress(OSError):  # the write's own error is the one to tell
+            self._commit(written, columns)
+        finally:
+            try:
                 os.close(descriptor)
-            raise
-        try:
-            os.close(descriptor)
-        except OSError as error:
-            return error
-        return None
+            except OSError as error:  # the write's own error, if any, is the one to tell
+                closing = error
+        return closing
 
     def _replace(self, columns: list[str], rows: list[Record]) -> None:
         """Write the whole file (old rows widened, then ``rows``) beside it, then swap it in."""
@@ -335,16 +364,20 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             try:
+                # Before any row is in it: a file made private stays so (a new one: umask).
+                keep_mode(descriptor, target)
                 _write_all(descriptor, data)
                 os.fsync(descriptor)  # on disk before it takes the old file's name
-                written = _descriptor_identity(descriptor)  # a rename keeps inode and size
+                info = os.fstat(descriptor)  # a rename keeps inode and size
             finally:
                 os.close(descriptor)
+            written = (info.st_dev, info.st_ino, info.st_size)
+            self._pending = (written, columns)  # before the file changes: see _settle
             os.replace(temporary, target)
+            self._commit(written, columns)
         except BaseException:
-            temporary.unlink(missing_ok=True)
+            temporary.unlink(missing_ok=True)  # gone already once it was swapped in
             raise
-        self._known = written
 
 
 def _identity(path: Path) -> _Identity | None:
@@ -354,14 +387,6 @@ def _identity(path: Path) -> _Identity | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError):  # its folder unreadable now: not known, so not checked
-        return _UNKNOWN
-    return info.st_dev, info.st_ino, info.st_size
-
-
-def _descriptor_identity(descriptor: int) -> _Identity:
-    try:
-        info = os.fstat(descriptor)
-    except OSError:  # never seen; the next write is not checked rather than refused
         return _UNKNOWN
     return info.st_dev, info.st_ino, info.st_size
 

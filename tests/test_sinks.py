@@ -8,6 +8,7 @@ import math
 import os
 import pickle
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -525,6 +526,8 @@ def test_a_write_error_names_the_user_s_path_and_the_fix_not_the_temporary_file(
     unwritten = sink._unwritten  # kept, and written first once the sink can write
     assert unwritten
     assert unwritten == buffer.history[: len(unwritten)]
+    buffer.sinks = []  # done with it: the records it still holds go to no sink
+    buffer.flush()
 
 
 @pytest.mark.skipif(not Path("/proc/self/mountinfo").is_file(), reason="needs Linux's /proc")
@@ -1191,3 +1194,122 @@ def test_a_sink_can_be_told_by_isinstance() -> None:
     assert isinstance(dk.CSVSink.__call__, dk.Sink)
     assert not isinstance("log.csv", dk.Sink)
     assert not isinstance([print], dk.Sink)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o664, 0o640], ids=oct)
+@pytest.mark.parametrize("append", [True, False])
+def test_a_wider_header_keeps_the_file_s_permissions(
+    tmp_path: Path, mode: int, append: bool
+) -> None:
+    # The wider file is a new one swapped in: it had the umask's mode, so a log made
+    # private (chmod 600) became readable by all (0o644) when a new key arrived, and a
+    # group-writable one lost that. Replacing an old file (append=False) keeps its mode
+    # too, as open(path, "w") does.
+    path = tmp_path / "train.csv"
+    path.write_text("step,loss\n0,1.0\n")
+    os.chmod(path, mode)
+    umask = os.umask(0o022)
+    try:
+        with dk.LogBuffer(sinks=[dk.CSVSink(path, append=append)]) as logs:
+            logs.log(1, loss=0.5)
+            logs.flush()
+            logs.log(2, loss=0.25, grad_norm=3.0)  # a new key: the header widens
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert read_rows(path)[0] == ["step", "loss", "grad_norm"]
+    assert [p.name for p in tmp_path.iterdir()] == ["train.csv"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=oct)
+def test_a_new_file_gets_the_umask_s_mode(tmp_path: Path, umask: int) -> None:
+    path = tmp_path / "train.csv"
+    before = os.umask(umask)
+    try:
+        with dk.LogBuffer(sinks=[dk.CSVSink(path)]) as logs:
+            logs.log(0, loss=0.5)
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+@pytest.mark.skipif(not hasattr(os, "fchown"), reason="no owners to keep (Windows)")
+def test_a_wider_header_keeps_the_owner_where_it_may_and_goes_on_where_it_may_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("step,loss\n0,1.0\n")
+    os.chmod(path, 0o640)
+    if os.geteuid() == 0:  # root may give a file to anyone: the owner and group are kept
+        os.chown(path, 4321, 4322)
+        with dk.LogBuffer(sinks=[dk.CSVSink(path, append=True)]) as logs:
+            logs.log(1, loss=0.5, acc=1.0)
+        info = path.stat()
+        assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (4321, 4322, 0o640)
+
+    owner = path.stat()
+    asked: list[tuple[int, int]] = []
+
+    def refused(descriptor: int, uid: int, gid: int) -> None:
+        asked.append((uid, gid))
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchown", refused)  # not root, the file another user's
+    with dk.LogBuffer(sinks=[dk.CSVSink(path, append=True)]) as logs:
+        logs.log(2, loss=0.25, lr=0.1)
+    assert read_rows(path)[0][-1] == "lr"  # widened all the same
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert asked == [(owner.st_uid, owner.st_gid), (-1, owner.st_gid)]  # then the group alone
+
+
+class _FlakyWriter:
+    """A writer whose ``add_scalar`` raises at the calls numbered in ``failing`` (from 1)."""
+
+    def __init__(self, *failing: int, error: type[BaseException] = RuntimeError) -> None:
+        self.failing, self.error, self.calls = failing, error, 0
+        self.got: list[tuple[str, float, int | None]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int | None = None) -> None:
+        self.calls += 1
+        if self.calls in self.failing:
+            raise self.error("transient write failure")
+        self.got.append((tag, value, step))
+
+
+def test_a_tensorboard_write_that_fails_keeps_the_rest_for_the_next_flush() -> None:
+    # One add_scalar that raised dropped the rest of that flush's values for good, and
+    # the error named neither the sink nor what was skipped.
+    writer = _FlakyWriter(2)
+    logs = dk.LogBuffer(sinks=[dk.TensorBoardSink(writer, prefix="t/")])
+    for step in range(4):
+        logs.log(step, loss=float(step))
+    with pytest.raises(RuntimeError, match="transient") as info:
+        logs.flush()
+    if sys.version_info >= (3, 11):
+        note = "\n".join(info.value.__notes__)
+        assert "raised by TensorBoardSink(prefix='t/') writing 't/loss' at step 1" in note
+        assert "the 2 values after it (steps 2 to 3) are kept" in note
+    logs.log(4, loss=4.0)
+    logs.flush()
+    # Step 1's value is not written again: the writer may have had it.
+    assert writer.got == [("t/loss", float(step), step) for step in (0, 2, 3, 4)]
+
+
+def test_a_tensorboard_write_cut_short_mid_record_keeps_the_record_s_other_values() -> None:
+    writer = _FlakyWriter(1, error=KeyboardInterrupt)
+    sink = dk.TensorBoardSink(writer)
+    with pytest.raises(KeyboardInterrupt) as info:
+        sink([{"step": 0, "loss": 0.5, "acc": 0.9}, {"step": 1, "loss": 0.25, "acc": 0.95}])
+    assert not getattr(info.value, "__notes__", None)  # Ctrl-C is told as it is
+    copied = copy.copy(sink)
+    copied([])  # the values kept are the original's to write, once
+    assert writer.got == []
+    sink([{"step": 2, "loss": 0.125}])
+    assert writer.got == [
+        ("acc", 0.9, 0),
+        ("loss", 0.25, 1),
+        ("acc", 0.95, 1),
+        ("loss", 0.125, 2),
+    ]
+    sink([])
+    assert len(writer.got) == 4  # nothing kept once written
