@@ -8,6 +8,7 @@ their data.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -16,7 +17,9 @@ __all__ = ["call_each", "checked_sinks"]
 S = TypeVar("S", bound=Callable[..., Any])
 
 
-def checked_sinks(sinks: Iterable[S] | S, *, receives: str) -> list[S]:
+def checked_sinks(
+    sinks: Iterable[S] | S, *, receives: str, file_sink: str | None = None
+) -> list[S]:
     """``sinks`` as a list, or a ``TypeError`` naming the first that cannot be called.
 
     One sink where a list is expected is a list of one (as one device is). A
@@ -38,14 +41,25 @@ and pass that: sinks=[dict(...)]
     given: object = sinks  # typed, but callers pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
         raise TypeError(
-            f"sinks must be a list of callables (each called with {receives}), got {given!r}"
+            f"sinks must be a list of callables (each called with {receives}), got "
+            f"{given!r}{_path_fix(given, file_sink)}"
         )
     found: list[S] = list(given)
     for sink in found:
         if not callable(sink):
-            raise TypeError(f"each sink must be callable with {receives}, got {sink!r}")
+            raise TypeError(
+                f"each sink must be callable with {receives}, got "
+                f"{sink!r}{_path_fix(sink, file_sink)}"
+            )
         _refuse_class(sink)
     return found
+
+
+def _path_fix(given: object, file_sink: str | None) -> str:
+    """The fix for a file path given as a sink: ``file_sink``, the sink that writes one."""
+    if file_sink is not None and isinstance(given, (str, bytes, os.PathLike)):
+        return f"; to write a file, pass {file_sink}({os.fsdecode(given)!r})"
+    return ""
 
 
 def _refuse_class(sink: object) -> None:

@@ -10,11 +10,12 @@ value as it is logged, ``_logflight`` runs a flush (Ctrl-C anywhere in it loses
 nothing: ``_loghistory`` keeps the records), ``_logflush`` brings the values to
 the host (by key, and across ranks), ``_logdeliver`` hands the records to the
 sinks, ``_logreport`` words what the buffer tells (its errors, its reprs), and
-``_logexit`` ends a ``with`` block.
+``_logexit`` ends a ``with`` block, and at exit flushes what no block or flush() ended.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -23,13 +24,12 @@ from typing import Any, Literal
 
 import torch
 
-from ._callbacks import checked_sinks
 from ._dist import DEFAULT_TIMEOUT, initialized, validated_timeout
 from ._format import shorten
 from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._logdeliver import Deliveries, Record, Sink
-from ._logexit import leave
+from ._logexit import leave, track
 from ._logflight import Flushes
 from ._logflush import (
     HOST_TENSORS,
@@ -101,7 +101,11 @@ class LogBuffer(Flushes):
     - NaN and inf are kept (and counted in [`nonfinite`][devicekit.LogBuffer.nonfinite]).
     - Each sink gets its own copies of the records, in the order they reached
       ``history``, even when a sink logs too; a buffer dropped with values it
-      never recorded warns (``ResourceWarning``).
+      never recorded warns (``RuntimeWarning``).
+    - At exit, a buffer with sinks that still holds values is flushed, as the
+      end of a ``with`` block would (like ``logging.shutdown``), except one with
+      ``reduce`` (a collective at exit can hang): that one, and a flush at
+      exit that fails, warns (``RuntimeWarning``) with what was not recorded.
 
     Device memory holds at most ``flush_every`` pending values plus one
     stacked copy in flight.
@@ -182,7 +186,7 @@ class LogBuffer(Flushes):
                 f"reduce must be one of {', '.join(_REDUCE_OPS)} or None, got {short_repr(reduce)}"
             )
         self.flush_every = flush_every
-        self.sinks: list[Sink] = checked_sinks(sinks, receives="a list of records")
+        self.sinks = sinks  # checked by the property, as any assignment is
         self.reduce = reduce
         # log() appends one entry to _pending, which is atomic (a list's own lock
         # on free-threaded Python), so it takes no lock: a lock there measured
@@ -200,13 +204,16 @@ class LogBuffer(Flushes):
         self._leaving_on_error = False  # the with block is exiting on an exception
         self._sinks_left_out: list[str] | None = None  # a copy's: the sinks it did not get
         self._told_broken = False  # a flush raised that the job's collectives are broken
+        self._made_in = os.getpid()  # a forked child's copy is not flushed at its exit
+        self._told_at_exit = False  # the flush at exit told what it could not flush
+        track(self)  # for the flush at exit (see _logexit)
 
     @property
     def nonfinite(self) -> int:
         """How many NaN or infinite values have been recorded (they are kept)."""
         return self._history.counts()[1]
 
-    def log(self, step: int | None = None, **scalars: torch.Tensor | float | int) -> None:
+    def log(self, /, step: int | None = None, **scalars: torch.Tensor | float | int) -> None:
         """Record scalars for one step; ``step`` defaults to the number of earlier ``log`` calls.
 
         Raises:
@@ -214,8 +221,8 @@ class LogBuffer(Flushes):
                 or ``step`` is not an int.
             ValueError: No value was given, or one under the empty key
                 (``log(**{"": x})``, which names no column); a tensor has more
-                than one element, is sparse or on the ``meta`` device; or an
-                int is too large for a float64.
+                than one element, is sparse or on the ``meta`` device; or a
+                number (an int, a numpy longdouble) is too large for a float64.
             Exception: What the automatic flush this call started raised (see
                 [`flush()`][devicekit.LogBuffer.flush]); this call's value is
                 recorded or pending all the same: do not log it again.
@@ -273,7 +280,8 @@ class LogBuffer(Flushes):
                 ``reduce`` or ``flush_every``; each rank recorded its own values,
                 unreduced.
             ValueError: A value that passed ``log()`` could not be read (changed
-                since: resized, its storage freed); it is recorded as NaN, the
+                since: resized, its storage freed; or logged inside ``torch.vmap``); it
+                is recorded as NaN, the
                 others as usual, and they are in ``history`` and the sinks have
                 them. Or, with ``reduce``, a rank could not prepare its values
                 (they stay pending).
@@ -410,16 +418,21 @@ mean 'loss'?"
         self._sinks_left_out, self._told_broken = state["sinks_left_out"], state["told_broken"]
 
     def __del__(self) -> None:
-        # Values dropped with the buffer are lost: say so, as Python does for an unclosed file.
+        # Values dropped with the buffer are lost: where a sink (a file, TensorBoard) never
+        # got them, say so in a warning Python shows by default (a ResourceWarning is
+        # hidden unless asked for, so that loss was silent). Without sinks, nothing anyone
+        # could still read is lost (its history goes with it): a ResourceWarning, as for
+        # an unclosed file, as at exit, where such a buffer is left quietly.
         try:
+            if self._told_at_exit:  # told at exit already, or nothing there to lose
+                return
             pending = self._pending_count()
+            category = RuntimeWarning if self.sinks else ResourceWarning
         except AttributeError:  # __init__ refused its arguments: nothing was ever logged
             return
-        # Records that landed (a read of history completes a flush) but never reached the
-        # sinks: a CSV file would miss their rows.
-        unsent = self._deliveries.unsent(self._history.batches) if self.sinks else 0
+        unsent = self._unsent()
         if pending or unsent:
-            warnings.warn(dropped_warning(pending, unsent), ResourceWarning, stacklevel=2)
+            warnings.warn(dropped_warning(pending, unsent), category, stacklevel=2)
 
     # --- notebooks ---------------------------------------------------------------------
 

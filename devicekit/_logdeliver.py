@@ -60,14 +60,29 @@ class Deliveries:
         # records), and an iterator over those: past a sink, that sink was called.
         self._left: tuple[int, list[tuple[Sink, list[Record]]], Iterator[Any]] | None = None
         self._running: FrameType | None = None  # the frame handing records on, while it runs
+        # A sink was interrupted (Ctrl-C, sys.exit) and no delivery has finished since:
+        # the flush at exit calls no sink again (one Ctrl-C gets out of a hung sink).
+        self.interrupted = False
 
     def behind(self, batches: _Batches) -> bool:
         """Whether some landed records have not reached every sink yet."""
-        return self.sent < len(batches)
+        return self._served() < len(batches)
 
     def unsent(self, batches: _Batches) -> int:
         """How many records some sink has not had yet."""
-        return sum(len(records) for records, _ in batches[self.sent :])
+        return sum(len(records) for records, _ in batches[self._served() :])
+
+    def _served(self) -> int:
+        """The batches every sink has had: `sent`, and the one under way once its sinks ran.
+
+        Ctrl-C may land after the last sink was called and before `sent` moved
+        on: each sink has had that batch (an interrupted one counts), so it is
+        not owed to them, though the next `deliver` is what commits it.
+        """
+        left = self._left
+        if left is not None and left[0] == self.sent and not length_hint(left[2]):
+            return self.sent + 1
+        return self.sent
 
     def deliver(self, batches: _Batches, sinks: list[Sink]) -> list[tuple[Sink, BaseException]]:
         """Hand each landed batch to every sink, in order; what each failing sink raised.
@@ -98,9 +113,13 @@ class Deliveries:
                 if left is None or left[0] != index:  # a new batch (or a stale one left)
                     calls = [(sink, list(map(dict.copy, batches[index][0]))) for sink in sinks]
                     left = self._left = (index, calls, iter(calls))
-                if _call_each(left[1], left[2], errors):
-                    break
+                interrupted = _call_each(left[1], left[2], errors)
                 self.sent = index + 1  # the commit: every sink has had this batch
+                if interrupted:  # an interrupted sink counts as having had it
+                    self.interrupted = True
+                    break
+            else:
+                self.interrupted = False
         finally:
             self._running = None
         return errors

@@ -1,4 +1,4 @@
-"""Leaving a ``LogBuffer``'s ``with`` block: a last flush that never hides the block's error.
+"""The end of a ``LogBuffer``: its ``with`` block, and the flush at exit for one without.
 
 Leaving normally, the block flushes as `flush()` does (across ranks too, with
 ``reduce``) and raises what that raises. Leaving on an exception, it flushes
@@ -7,29 +7,57 @@ failing flush or sink never replaces the block's exception: it is a note on
 it (`report_while_exiting`). Only an interrupt in a sink (Ctrl-C,
 ``sys.exit``), the user's newest wish, takes its place. Either way, what the
 sinks logged during that flush is recorded too, in a few more flushes.
+
+A buffer used without ``with`` and never flushed at the end of a script would
+lose what it still holds, silently. So, like ``logging.shutdown`` for logging's
+handlers, `flush_at_exit` (an ``atexit`` hook) ends every live buffer that
+still holds values or records as a ``with`` block does. Except a buffer with
+``reduce``: its flush is a collective, which at exit can hang (the other ranks
+may be gone), so it is told instead, as is a flush at exit that fails; a
+``RuntimeWarning``, which Python shows by default, and never an error raised
+past ``atexit``. A buffer with no sinks is left as it is: its history ends with
+the process anyway.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import atexit
+import itertools
+import os
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Protocol
 
-from ._logdeliver import Record
-from ._logreport import report_while_exiting
+from ._frames import caller_stacklevel
+from ._logdeliver import Deliveries, Record, Sink
+from ._logreport import exit_failure, exit_warning, report_while_exiting
 
-__all__ = ["Block", "leave"]
+__all__ = ["Block", "flush_at_exit", "leave", "track"]
 
 _FINAL_ROUNDS = 8  # flushes at the end of a with block for what sinks log (each may log again)
+_EXIT_LOCK_WAIT = 10.0  # seconds the flush at exit waits for another thread's flush
 
 
 class Block(Protocol):
     """What leaving the block needs of its buffer: a `LogBuffer` has it all."""
 
     _leaving_on_error: bool  # no flush joins a collective while it is True
+    _lock: threading.RLock
+    _deliveries: Deliveries
+    _made_in: int  # the process that made it (a forked child's copy is its parent's)
+    _told_at_exit: bool  # the flush at exit dealt with it: dropping it later tells nothing
+    reduce: str | None
 
+    @property
+    def sinks(self) -> list[Sink]: ...
     def flush(self, *, wait: bool = ...) -> list[Record]: ...
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Record]: ...
     def _pending_count(self) -> int: ...
+    def _unsent(self) -> int: ...  # records some sink has not had yet
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go
+    def _state(self) -> dict[str, Any]: ...  # what its repr shows: it names the buffer
 
 
 def leave(buffer: Block, exc: BaseException | None) -> None:
@@ -81,3 +109,108 @@ def _flush_what_sinks_logged(buffer: Block, *, deliver: bool = True) -> None:
         if not buffer._unfinished(deliver=deliver):
             return
         buffer._flush(wait=True, reduce=False, deliver=deliver)
+
+
+# --- the flush at exit ------------------------------------------------------------------
+
+# Weak: a buffer the script let go is not kept alive for the exit. Keyed by the order
+# they were made in, so that they are flushed in that order.
+_live: weakref.WeakValueDictionary[int, Block] = weakref.WeakValueDictionary()
+_numbers = itertools.count()
+_registering = threading.Lock()
+_registered = False
+
+
+def track(buffer: Block) -> None:
+    """Note a new buffer for `flush_at_exit` (once per buffer, when it is made; never in log()).
+
+    The hook is registered with the first buffer, not when devicekit is
+    imported: ``atexit`` runs its hooks last registered first, so it runs
+    before the hooks of what the script set up before (a ``SummaryWriter``,
+    whose own hook closes it), while its sinks still work.
+    """
+    global _registered  # noqa: PLW0603 - one hook per process
+    if not _registered:
+        with _registering:
+            if not _registered:
+                atexit.register(flush_at_exit)
+                _registered = True
+    _live[next(_numbers)] = buffer
+
+
+def flush_at_exit() -> None:
+    """``atexit``'s: end each live buffer that still holds values or records, as ``with`` does.
+
+    Never raises: what could not be flushed is a ``RuntimeWarning`` naming
+    the buffer, what it held and the fix. Ctrl-C stops it (the user wants
+    out): the buffers not flushed yet are told, not flushed.
+    """
+    buffers = list(_live.values())
+    for index, buffer in enumerate(buffers):
+        try:
+            _end(buffer)
+        except BaseException as interrupt:  # noqa: BLE001 - Ctrl-C at exit: told, not raised
+            _tell(buffer, exit_failure(interrupt))
+            for left in buffers[index + 1 :]:
+                if _unfinished(left):
+                    stopped = f"{type(interrupt).__name__} stopped the flushes at exit"
+                    _tell(left, f"{stopped} before it was flushed")
+            return
+
+
+def _unfinished(buffer: Block) -> bool:
+    """Whether the flush at exit has anything to do for ``buffer``; marks those it skips."""
+    if buffer._made_in != os.getpid() or not buffer.sinks:
+        # Another process's (a forked child's copy: the parent flushes it), or one with
+        # nowhere to write (its history ends with the process): nothing to do, nothing lost.
+        buffer._told_at_exit = True
+        return False
+    return buffer._unfinished(deliver=True)
+
+
+def _end(buffer: Block) -> None:
+    """Flush ``buffer`` at exit as the end of a ``with`` block does, or tell why not."""
+    if not _unfinished(buffer):
+        return
+    if buffer._deliveries.interrupted:
+        _tell(
+            buffer,
+            "a sink was interrupted (Ctrl-C or sys.exit) in its last flush, and no sink is "
+            "called again at exit, so that one Ctrl-C gets out of a sink that hangs",
+            fix="",  # the user stopped it: theirs to know, with nothing to do
+        )
+        return
+    if buffer.reduce is not None:
+        _tell(
+            buffer,
+            f"a LogBuffer with reduce={buffer.reduce!r} is not flushed at exit, because its "
+            "flush is a collective across ranks, which at exit can hang (the other ranks may "
+            "be gone)",
+            fix=" Flush it on every rank before the script ends: use it in a with block, or "
+            "call logs.flush() after the loop.",
+        )
+        return
+    # Another thread (a daemon: Python joined the others) may be in the middle of a
+    # flush, its sinks slow: wait for it a while, never forever.
+    if not buffer._lock.acquire(timeout=_EXIT_LOCK_WAIT):
+        _tell(buffer, f"another thread was still flushing it after {_EXIT_LOCK_WAIT:g} s")
+        return
+    try:
+        leave(buffer, None)
+    except Exception as error:  # noqa: BLE001 - told: an error raised past atexit is lost
+        _tell(buffer, exit_failure(error))
+    finally:
+        buffer._lock.release()
+
+
+def _tell(buffer: Block, why: str, **fix: str) -> None:
+    """Warn that ``buffer`` was not (wholly) flushed at exit, and why; never raises."""
+    buffer._told_at_exit = True  # dropped later, at the end of the process: told once
+    try:
+        pending, unsent = buffer._pending_count(), buffer._unsent()
+        told = exit_warning(buffer._state(), pending, unsent, why, **fix)
+        # caller_stacklevel() points past devicekit's frames: at exit there is no user
+        # frame, so Python shows it as "sys:1", as it does its own warnings at exit.
+        warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
+    except Exception as error:  # noqa: BLE001 - warnings made errors (-W error): printed
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)

@@ -13,7 +13,9 @@ slow.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
+from ._callbacks import checked_sinks
 from ._dist import initialized
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._logdeliver import Deliveries, Record, Sink
@@ -30,7 +32,7 @@ class Flushes:
 
     flush_every: int
     reduce: str | None
-    sinks: list[Sink]
+    _sinks: list[Sink]
     _lock: threading.RLock
     _pending: list[Entry]
     _taken: int  # log() calls whose entries left _pending: the next default step
@@ -40,6 +42,37 @@ class Flushes:
     _deliveries: Deliveries
     _leaving_on_error: bool  # the with block is exiting on an exception
     _told_broken: bool  # a flush raised that the job's collectives are broken
+
+    @property
+    def sinks(self) -> list[Sink]:
+        """Callables that receive the list of new records at each flush; settable.
+
+        Assigning runs the constructor's check: one sink alone is a list of one,
+        and anything that cannot be called (a path, a class) is a ``TypeError``.
+        """
+        return self._sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Iterable[Sink] | Sink) -> None:
+        self._sinks = checked_sinks(sinks, receives="a list of records", file_sink="dk.CSVSink")
+
+    def _unsent(self) -> int:
+        """Records that landed (a read of history completes a flush) but some sink never got.
+
+        A CSV file would miss their rows; with no sinks, none is owed.
+        """
+        return self._deliveries.unsent(self._history.batches) if self._sinks else 0
+
+    def _uncallable_sink(self) -> TypeError | None:
+        """The error for a sink put in the list after the check (``logs.sinks.append(path)``)."""
+        try:
+            checked_sinks(self._sinks, receives="a list of records", file_sink="dk.CSVSink")
+        except TypeError as error:
+            return TypeError(
+                f"LogBuffer.sinks: {error}. Take it out of logs.sinks; no sink is handed "
+                "records until then, and they wait in history for the next flush"
+            )
+        return None
 
     def flush(self, *, wait: bool = True) -> list[Record]:
         raise NotImplementedError  # LogBuffer's
@@ -116,7 +149,13 @@ class Flushes:
                 failure = error
             else:
                 self._flush_at = self.flush_every
-            errors = self._deliveries.deliver(self._history.batches, self.sinks) if deliver else []
+            errors = []
+            if deliver:
+                refused = self._uncallable_sink()
+                if refused is None:
+                    errors = self._deliveries.deliver(self._history.batches, self._sinks)
+                else:  # the records wait in history until it is taken out
+                    failure = failure or refused
             if failure is None and not errors:
                 return finished
             # One is raised, what else failed told in notes on it.

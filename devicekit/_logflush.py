@@ -27,6 +27,7 @@ __all__ = [
     "ON_DEVICE",
     "Column",
     "InFlight",
+    "LoggedInVmap",
     "by_key",
     "copy_to_host",
     "land",
@@ -157,9 +158,25 @@ def read_each(steps: Sequence[Any], columns: list[Column]) -> InFlight:
                 floats.append(float(value))
             except Exception as error:  # noqa: BLE001 - named in the error the flush raises
                 floats.append(math.nan)
-                in_flight.unreadable.append((key, steps[row], error))
+                told = LoggedInVmap("a batched tensor") if _batched(value) else error
+                in_flight.unreadable.append((key, steps[row], told))
         in_flight.columns.append((key, rows, floats))
     return in_flight
+
+
+class LoggedInVmap(RuntimeError):
+    """A value logged inside ``torch.vmap``: one per sample, unreadable outside it."""
+
+
+def _batched(value: object) -> bool:
+    """Whether ``value`` is a functorch batched tensor (logged inside ``torch.vmap``).
+
+    ``log()`` cannot tell: inside vmap it is a ``torch.Tensor``, 0-d, of a
+    float dtype, and asking functorch at each call would cost every call.
+    """
+    functorch = getattr(torch._C, "_functorch", None)
+    is_batched = getattr(functorch, "is_batchedtensor", None)
+    return isinstance(value, torch.Tensor) and is_batched is not None and bool(is_batched(value))
 
 
 def _start_copies(steps: Sequence[Any], columns: list[Column]) -> InFlight:

@@ -21,10 +21,13 @@ from typing import Any
 from ._errors import add_note
 from ._format import close_match, html_table, plural, shorten
 from ._logdeliver import Record, Sink
+from ._logflush import LoggedInVmap
 
 __all__ = [
     "describe_sink",
     "dropped_warning",
+    "exit_failure",
+    "exit_warning",
     "flush_error",
     "left_out_warning",
     "made_differently",
@@ -120,19 +123,43 @@ def report_while_exiting(exc: BaseException, error: Exception, *, pending: int) 
 
 
 def unreadable_error(unreadable: list[tuple[str, Any, Exception]]) -> ValueError:
-    """What a flush raises for values that passed log() and could no longer be read."""
+    """What a flush raises for values that passed log() and could no longer be read.
+
+    Two causes, each with its own fix: a tensor changed after ``log()``, and one
+    logged inside ``torch.vmap`` (`LoggedInVmap`), which passes ``log()``'s
+    checks as a 0-d tensor (a check there would cost every call).
+    """
+    vmapped = [one for one in unreadable if isinstance(one[2], LoggedInVmap)]
+    changed = [one for one in unreadable if not isinstance(one[2], LoggedInVmap)]
+    told = []
+    if changed:
+        told.append(
+            f"{_listed(changed)}. Each was recorded as NaN, every other value as usual. A "
+            "tensor that passed log() and cannot be read at the flush was most likely changed "
+            "after log() (resized, or its storage freed): log one that stays as it is until "
+            "the flush, such as value.clone()."
+        )
+    if vmapped:
+        told.append(
+            f"{_listed(vmapped, errors=False)}. Each was recorded as NaN, every other value as "
+            f"usual. {'It was' if len(vmapped) == 1 else 'They were'} logged inside torch.vmap: a "
+            "batched tensor, one value per sample, which looks like a 0-d tensor there and "
+            "cannot be read outside the vmapped function. Return the value from the vmapped "
+            "function and log the result: out = torch.vmap(fn)(x); logs.log(loss=out.mean())."
+        )
+    return ValueError(
+        f"LogBuffer could not read {plural(len(unreadable), 'logged value')}: {' '.join(told)}"
+    )
+
+
+def _listed(unreadable: list[tuple[str, Any, Exception]], *, errors: bool = True) -> str:
+    """The first three values a flush could not read, by key and step (and ``errors``)."""
     shown = "; ".join(
-        f"{key!r} at step {step} ({type(error).__name__}: {shorten(str(error), 80)})"
+        f"{key!r} at step {step}"
+        + (f" ({type(error).__name__}: {shorten(str(error), 80)})" if errors else "")
         for key, step, error in unreadable[:3]
     )
-    more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
-    return ValueError(
-        f"LogBuffer could not read {plural(len(unreadable), 'logged value')}: {shown}{more}. "
-        "Each was recorded as NaN, every other value as usual. A tensor that passed log() "
-        "and cannot be read at the flush was most likely changed after log() (resized, or "
-        "its storage freed): log one that stays as it is until the flush, such as "
-        "value.clone()."
-    )
+    return shown + (f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else "")
 
 
 def unreduced_error(error: BaseException) -> BaseException:
@@ -197,15 +224,54 @@ def dropped_warning(pending: int, unsent: int) -> str:
     step), so the warning tells both, each with its condition: it never tells a
     buffer used in a ``with`` block to use one.
     """
-    lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
-    lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
     return (
-        f"a LogBuffer was dropped with {' and '.join(lost)}. If nothing flushed it after its "
+        f"a LogBuffer was dropped with {_lost(pending, unsent)}. If nothing flushed it after its "
         "last log() call, use it in a with block, or call flush() before letting it go; if "
         "something did, they are what its sinks logged during its last flushes (the end of "
         "a with block flushes a few more times for them), and a sink that logs at every call "
         "always leaves more: log such a value from your loop instead, or into another LogBuffer"
     )
+
+
+def _lost(pending: int, unsent: int) -> str:
+    """``"3 values never recorded and 2 records never handed to its sinks"``."""
+    lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
+    lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
+    return " and ".join(lost)
+
+
+_FLUSH_BEFORE_EXIT = (
+    " Flush it before the script ends, where a failure is raised to you: use it in a with "
+    "block, or call logs.flush() after the loop."
+)
+
+
+def exit_warning(
+    state: dict[str, Any], pending: int, unsent: int, why: str, fix: str = _FLUSH_BEFORE_EXIT
+) -> str:
+    """What the flush at exit tells of a buffer it left values in, ``why``, and the ``fix``.
+
+    ``state`` is the buffer's ``_state()``: its options, keys and sinks name it
+    among the buffers of the script.
+    """
+    keys = _some([_key(key) for key in state["keys"]], shown=5)
+    name = f"{state['name']}{' of ' + keys if keys else ''}"
+    if state["sinks"]:
+        name += f" (sinks {', '.join(state['sinks'])})"
+    lost = _lost(pending, unsent)
+    if lost:
+        return f"devicekit: at exit, {name} was left with {lost}: {why}.{fix}"
+    # Every record reached the sinks' hands, but the one that raised may not have kept them.
+    return (
+        f"devicekit: at exit, {name}: {why}; every record is in its history, but the sink "
+        f"that raised may not have written them all.{fix}"
+    )
+
+
+def exit_failure(error: BaseException) -> str:
+    """``why`` for `exit_warning`: the flush at exit raised ``error`` (a sink's, or Ctrl-C)."""
+    told = shorten(f"{type(error).__name__}{': ' if str(error) else ''}{error}", 300)
+    return f"its flush at exit raised {told}{_their_notes(error)}"
 
 
 def left_out_warning(left_out: list[str]) -> str:

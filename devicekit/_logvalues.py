@@ -10,6 +10,7 @@ hands everything else to `checked()`.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import operator
 import sys
@@ -92,13 +93,17 @@ def checked(key: str, value: Any) -> Any:
         return value.reshape(()) if value.ndim else value  # a view: no kernel
     if isinstance(value, (int, float)) or (_is_real(value) and not _is_time(value)):
         try:  # bool and int subclasses included
-            return float(value)  # now: a numpy scalar is exact as a float64
+            number = float(value)  # now: a numpy scalar is exact as a float64
+            # A finite value beyond float64 whose float() is inf, not an error (a numpy
+            # longdouble): refused as an int of that size is, never recorded as inf.
+            if math.isinf(number) and value != number:
+                raise OverflowError  # noqa: TRY301 - told below, as float()'s own is
         except OverflowError:
             what = (
                 f"an int of {int(value).bit_length()} bits, too large for a float64 (1024 bits "
                 "at most)"
                 if isinstance(value, int)
-                else f"a {type(value).__name__} too large for a float64"
+                else f"a {type(value).__name__} too large for a float64 ({short_repr(value, 40)})"
             )
             raise ValueError(f"LogBuffer.log({key}=...) got {what}; log it scaled") from None
         except (TypeError, ValueError) as error:  # a numbers.Real whose float() fails
@@ -107,6 +112,7 @@ def checked(key: str, value: Any) -> Any:
                 f"{short_repr(value, 60)} of type {type(value).__name__}, whose float() raised "
                 f"{type(error).__name__}: {shorten(str(error), 80)}; log a float computed from it"
             ) from None
+        return number
     raise TypeError(
         f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got "
         f"{type(value).__name__}{_fix(value)}"

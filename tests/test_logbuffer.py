@@ -126,6 +126,7 @@ def test_log_runs_no_kernel() -> None:
         for _ in range(10):
             buffer.log(loss=loss, lr=0.1)
     assert set(ops.seen) == {"aten.detach.default"}
+    _let_go(buffer)
 
 
 def test_nan_and_inf_are_kept_and_counted() -> None:
@@ -404,6 +405,8 @@ def test_a_sink_error_beside_a_failed_flush_is_told_on_the_flush_s_error(
     )
     if sys.version_info >= (3, 11):
         assert _loud(caplog) == []  # before, the sink's error was logged with its traceback
+    monkeypatch.undo()
+    _let_go(buffer)
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="notes need Python 3.11")
@@ -610,6 +613,7 @@ def test_ctrl_c_in_a_sink_while_leaving_on_an_exception_still_records_what_sinks
     assert buffer.history == [{"step": 0, "loss": 1.0}, {"step": 99, "derived": 1.0}]
     assert buffer._pending_count() == 0
     assert len(calls) == 1
+    buffer.sinks = []  # its record the sink never got is this test's point: not the exit's
 
 
 def test_what_sinks_log_while_a_failing_block_exits_is_recorded_when_a_sink_fails() -> None:
@@ -639,6 +643,8 @@ def test_a_failing_final_flush_never_replaces_the_exception_either(
     if sys.version_info >= (3, 11):
         assert "raised RuntimeError: copy failed (2 values still pending)" in _notes(info.value)
     assert len(buffer._pending) == 1  # kept, not lost
+    monkeypatch.undo()
+    _let_go(buffer)
 
 
 def test_without_an_exception_a_failing_sink_raises_from_the_block() -> None:
@@ -767,6 +773,7 @@ def test_what_a_failing_sink_logs_in_the_last_flush_of_a_block_is_recorded(
     # After an error the sinks get the derived record too; after Ctrl-C they are not
     # called again (one Ctrl-C gets out), and the record is in history.
     assert calls == ([1] if isinstance(failure, KeyboardInterrupt) else [1, 1])
+    logs.sinks = []  # its record the sink never got is this test's point: not the exit's
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(1)])
@@ -851,8 +858,18 @@ def test_each_sink_gets_its_own_records_and_history_is_a_copy() -> None:
     assert buffer.history == [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 2.0}]  # untouched
 
 
-def _log_and_let_go(*, flush: bool) -> None:
-    buffer = dk.LogBuffer()
+def _let_go(buffer: dk.LogBuffer) -> None:
+    """Record what a test left in ``buffer`` on purpose, for no sink: dropped, it tells nothing.
+
+    A buffer dropped with values warns (a RuntimeWarning, shown by default): in the
+    warnings of whichever later test collects it, if it is in a reference cycle.
+    """
+    buffer.sinks = []
+    buffer.flush()
+
+
+def _log_and_let_go(*, flush: bool, sinks: list[Any] | None = None) -> None:
+    buffer = dk.LogBuffer(sinks=sinks or [])
     buffer.log(loss=torch.tensor(1.0))
     if flush:
         buffer.flush()
@@ -860,11 +877,18 @@ def _log_and_let_go(*, flush: bool) -> None:
 
 def test_a_buffer_dropped_with_values_never_recorded_says_so() -> None:
     gc.collect()  # no other test's buffer is dropped in the blocks below
+    received: list[Any] = []
+    with pytest.warns(RuntimeWarning, match="dropped with 1 value never recorded"):
+        _log_and_let_go(flush=False, sinks=[received.append])
+    assert received == []
+    # Without a sink, what is lost is a history no one can read any more: a
+    # ResourceWarning (hidden by default, as for an unclosed file), not a RuntimeWarning.
     with pytest.warns(ResourceWarning, match="dropped with 1 value never recorded"):
         _log_and_let_go(flush=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _log_and_let_go(flush=True)
+        _log_and_let_go(flush=True, sinks=[received.append])
 
 
 def test_a_buffer_dropped_with_records_its_sinks_never_got_says_so() -> None:
@@ -876,7 +900,7 @@ def test_a_buffer_dropped_with_records_its_sinks_never_got_says_so() -> None:
         buffer.log(loss=1.0)  # starts a copy
         assert buffer.history == [{"step": 0, "loss": 1.0}]  # lands it: the sink is not called
 
-    with pytest.warns(ResourceWarning, match="dropped with 1 record never handed to its sinks"):
+    with pytest.warns(RuntimeWarning, match="dropped with 1 record never handed to its sinks"):
         read_and_let_go()
     assert received == []
 
@@ -968,6 +992,7 @@ def test_repr_shows_keys_records_pending_last_record_and_sinks(tmp_path: Path) -
     assert "<td>2 values not yet on the host</td>" in html
     assert "<td>step=2, loss=2.0, lr=0.5</td>" in html
     assert "CSVSink(" in html
+    _let_go(buffer)
 
 
 def test_repr_of_a_reducing_buffer_and_html_escaping() -> None:
@@ -978,6 +1003,7 @@ def test_repr_of_a_reducing_buffer_and_html_escaping() -> None:
     # A timeout other than the default is shown: it decides how long a flush may wait.
     waiting = dk.LogBuffer(reduce="sum", timeout=20)
     assert repr(waiting).startswith("LogBuffer(flush_every=100, reduce='sum', timeout=20")
+    _let_go(buffer)
 
 
 def test_logging_and_moving_never_start_cuda(tmp_path: Path) -> None:
@@ -2082,3 +2108,125 @@ def test_a_rank_whose_buffer_does_not_reduce_is_named_as_a_likely_cause(
     assert "did not arrive within 2 s" in message, message
     assert any("LogBuffer has reduce=None (it makes no job-wide call)" in n for n in notes), notes
     assert history == [{"step": 0, "loss": 1.0}]
+
+
+def test_a_value_logged_inside_vmap_is_named_as_such_at_the_flush() -> None:
+    # Before: NaN with "most likely changed after log(): log value.clone()", a fix that
+    # does not work. A batched tensor passes log() (0-d, float): a check there costs
+    # every call, so the flush tells it, with the fix that works.
+    logs = dk.LogBuffer(flush_every=1000)
+
+    def per_sample(x: torch.Tensor) -> torch.Tensor:
+        value = (x**2).sum()
+        logs.log(0, loss=value)
+        return value
+
+    out = torch.vmap(per_sample)(torch.arange(6.0).reshape(3, 2))
+    logs.log(1, loss=out.mean())  # the fix, as the error gives it
+    refused = r"could not read 1 logged value: 'loss' at step 0\. "
+    with pytest.raises(ValueError, match=refused) as info:
+        logs.flush()
+    told = str(info.value)
+    assert "logged inside torch.vmap" in told
+    assert "Return the value from the vmapped function and log the result" in told
+    assert "clone()" not in told
+    history = logs.history
+    assert math.isnan(history[0]["loss"])
+    assert history[1] == {"step": 1, "loss": pytest.approx(55 / 3)}
+
+
+def test_a_value_changed_after_log_and_one_logged_in_vmap_are_each_told_their_fix() -> None:
+    logs = dk.LogBuffer(flush_every=1000)
+    torch.vmap(lambda x: (logs.log(0, inside=x.sum()), x)[1])(torch.ones(2, 2))
+    spoiled = torch.tensor(1.0)
+    logs.log(1, spoiled=spoiled)
+    spoiled.resize_(0)  # no longer one element: cannot be read
+    with pytest.raises(ValueError, match="could not read 2 logged values") as info:
+        logs.flush()
+    told = str(info.value)
+    assert "'spoiled' at step 1 (" in told
+    assert "such as value.clone()" in told
+    assert "'inside' at step 0. " in told
+    assert "logged inside torch.vmap" in told
+
+
+def test_a_longdouble_beyond_float64_is_refused_as_a_huge_int_is() -> None:
+    np = pytest.importorskip("numpy")
+    if np.finfo(np.longdouble).max <= np.finfo(np.float64).max:
+        pytest.skip("this platform's longdouble is a float64")
+    logs = dk.LogBuffer()
+    # Before: recorded as inf, silently, where 10**400 is refused.
+    with pytest.raises(ValueError, match=r"log\(x=...\) got a longdouble too large for a float64"):
+        logs.log(0, x=np.longdouble("1e400"))
+    with pytest.raises(ValueError, match="too large for a float64"):
+        logs.log(0, x=-np.longdouble("1e400"))
+    logs.log(1, x=np.longdouble("inf"), y=np.longdouble("1e300"))  # infinite: kept as inf
+    assert logs.flush() == [{"step": 1, "x": math.inf, "y": 1e300}]
+    assert logs.nonfinite == 1
+
+
+def test_assigning_sinks_runs_the_constructors_check() -> None:
+    # Before: accepted, then a raw "'str' object is not callable" (or "'CSVSink' object
+    # is not iterable") at a later log() or flush().
+    received: list[dk.Record] = []
+    logs = dk.LogBuffer(flush_every=2, sinks=[received.extend])
+    with pytest.raises(
+        TypeError, match=r"must be callable with a list of records, got 'train\.csv'"
+    ):
+        logs.sinks = ["train.csv"]  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="got the class CSVSink itself"):
+        logs.sinks = [dk.CSVSink]  # type: ignore[list-item]
+    assert logs.sinks == [received.extend]  # kept as they were
+    logs.sinks = received.extend  # one sink, no brackets: a list of one, as in LogBuffer()
+    assert logs.sinks == [received.extend]
+    logs.log(0, loss=1.0)
+    logs.log(1, loss=0.5)
+    logs.flush()
+    assert [record["step"] for record in received] == [0, 1]
+
+
+def test_a_sink_that_cannot_be_called_put_in_the_list_is_told_and_loses_nothing() -> None:
+    received: list[dk.Record] = []
+    logs = dk.LogBuffer(sinks=[received.extend])
+    logs.sinks.append("train.csv")  # type: ignore[arg-type]  # no check can see this
+    logs.log(0, loss=1.0)
+    refused = (
+        r"LogBuffer\.sinks: each sink must be callable .* got 'train\.csv'; to write a file, "
+        r"pass dk\.CSVSink\('train\.csv'\)\. Take it out"
+    )
+    with pytest.raises(TypeError, match=refused):
+        logs.flush()
+    assert received == []  # no sink is handed records until then
+    assert logs.history == [{"step": 0, "loss": 1.0}]
+    logs.sinks.remove("train.csv")  # type: ignore[arg-type]
+    logs.flush()
+    assert received == [{"step": 0, "loss": 1.0}]
+
+
+def test_a_key_named_self_is_a_key_like_any_other() -> None:
+    # Before: "log() got multiple values for argument 'self'".
+    logs = dk.LogBuffer()
+    logs.log(0, **{"self": 1.0, "cross": 2.0})
+    logs.log(step=1, loss=3.0)  # step stays a keyword: log(**record) logs a record again
+    assert logs.flush() == [{"step": 0, "self": 1.0, "cross": 2.0}, {"step": 1, "loss": 3.0}]
+
+
+def test_an_interrupted_sink_counts_as_having_had_its_records_when_the_buffer_is_dropped() -> None:
+    # The docs say so; before, the buffer dropped after it warned of "1 record never
+    # handed to its sinks".
+    calls: list[int] = []
+
+    def interrupted(records: list[dk.Record]) -> None:
+        calls.append(len(records))
+        raise KeyboardInterrupt
+
+    gc.collect()  # no other test's buffer is dropped in the block below
+    logs = dk.LogBuffer(sinks=[interrupted])
+    with pytest.raises(KeyboardInterrupt), logs:
+        logs.log(0, loss=1.0)
+    assert calls == [1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del logs
+        gc.collect()
+    assert [str(w.message) for w in caught if "LogBuffer" in str(w.message)] == []

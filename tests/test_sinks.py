@@ -277,8 +277,16 @@ def test_one_sink_is_a_list_of_one() -> None:
     with dk.LogBuffer(sinks=seen.append) as logs:
         logs.log(loss=1.0)
     assert [len(records) for records in seen] == [1]
-    with pytest.raises(TypeError, match="sinks must be a list of callables"):
+    with pytest.raises(
+        TypeError,
+        match=r"sinks must be a list of callables .* got 'log.csv'; to write a file, pass "
+        r"dk\.CSVSink\('log\.csv'\)$",
+    ):
         dk.LogBuffer(sinks="log.csv")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got 'log.csv'; to write a file, pass dk\.CSVSink"):
+        dk.LogBuffer(sinks=["log.csv"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"got 3$"):  # no path: no file to suggest
+        dk.LogBuffer(sinks=3)  # type: ignore[arg-type]
 
 
 def test_csv_sink_needs_a_path() -> None:

@@ -1,0 +1,210 @@
+"""The flush at exit: a LogBuffer never flushed loses nothing silently when the script ends."""
+
+from __future__ import annotations
+
+import csv
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+
+import devicekit as dk
+from devicekit import _logexit
+
+from .mapfns import run_in_repo, run_python_args
+
+_NEVER_FLUSHED = """
+import sys, torch, devicekit as dk
+logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(sys.argv[1])])
+for step in range(250):
+    logs.log(step, loss=torch.tensor(1.0 / (step + 1)))
+# the script ends here: no flush(), no with block
+"""
+
+
+def _script(body: str, *args: str) -> tuple[str, str]:
+    """Run ``body`` as a script with ``args``, Python's default warning filters: its output.
+
+    It must exit 0: what fails at exit is told, never raised.
+    """
+    done = run_python_args(["-c", body, *args])
+    return done.stdout, done.stderr
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_buffer_never_flushed_is_flushed_at_exit(tmp_path: Path) -> None:
+    # Before: the CSV held 100 rows of 250 (the automatic flushes' only), and nothing
+    # was printed (a ResourceWarning is hidden by Python's default filters).
+    path = tmp_path / "train.csv"
+    _, stderr = _script(_NEVER_FLUSHED, str(path))
+    assert [row["step"] for row in _rows(path)] == [str(step) for step in range(250)]
+    assert "LogBuffer" not in stderr, stderr
+
+
+def test_buffers_are_flushed_at_exit_in_the_order_they_were_made(tmp_path: Path) -> None:
+    out = tmp_path / "order.txt"
+    _, stderr = _script(
+        "import sys, devicekit as dk\n"
+        "out = open(sys.argv[1], 'a')\n"
+        "def sink(name):\n"
+        "    return lambda records: out.write(f'{name} {len(records)}\\n') and out.flush()\n"
+        "first = dk.LogBuffer(sinks=[sink('first')])\n"
+        "second = dk.LogBuffer(sinks=[sink('second')])\n"
+        "second.log(0, x=1.0); first.log(0, x=1.0); first.log(1, x=2.0)\n"
+        "quiet = dk.LogBuffer(); quiet.log(0, x=1.0)  # no sinks: its history ends with it\n",
+        str(out),
+    )
+    assert out.read_text().splitlines() == ["first 2", "second 1"]
+    assert "LogBuffer" not in stderr, stderr
+
+
+def test_a_sink_that_fails_at_exit_is_told_never_raised(tmp_path: Path) -> None:
+    _, stderr = _script(
+        "import devicekit as dk\n"
+        "def full_disk(records):\n"
+        "    raise OSError(28, 'No space left on device')\n"
+        "logs = dk.LogBuffer(flush_every=100, sinks=[full_disk])\n"
+        "for step in range(3):\n"
+        "    logs.log(step, loss=1.0)\n"
+    )
+    assert "RuntimeWarning: devicekit: at exit, LogBuffer(flush_every=100) of loss" in stderr
+    assert "its flush at exit raised OSError: [Errno 28] No space left on device" in stderr
+    assert "the sink that raised may not have written them all" in stderr
+    assert "use it in a with block, or call logs.flush()" in stderr
+    assert "Traceback" not in stderr, stderr  # told once, not raised past atexit
+    assert stderr.count("RuntimeWarning") == 1  # not told again when the buffer is dropped
+
+
+def test_a_reducing_buffer_is_not_flushed_at_exit_and_says_what_it_held(tmp_path: Path) -> None:
+    # A flush with reduce is a collective: at exit the other ranks may be gone (a hang).
+    path = tmp_path / "train.csv"
+    _, stderr = _script(
+        "import sys, devicekit as dk\n"
+        "logs = dk.LogBuffer(flush_every=100, reduce='mean', sinks=[dk.CSVSink(sys.argv[1])])\n"
+        "for step in range(250):\n"
+        "    logs.log(step, loss=1.0)\n",
+        str(path),
+    )
+    assert len(_rows(path)) == 100  # the automatic flushes' only
+    assert "LogBuffer(flush_every=100, reduce='mean') of loss" in stderr
+    assert "was left with 150 values never recorded" in stderr
+    assert "reduce='mean' is not flushed at exit" in stderr
+    assert stderr.count("RuntimeWarning") == 1, stderr
+
+
+def test_ctrl_c_in_a_sink_at_exit_stops_the_flushes_and_tells_the_rest(tmp_path: Path) -> None:
+    _, stderr = _script(
+        "import devicekit as dk\n"
+        "def hangs(records):\n"
+        "    raise KeyboardInterrupt  # the user's Ctrl-C in a sink that hangs\n"
+        "first = dk.LogBuffer(sinks=[hangs]); first.log(0, a=1.0)\n"
+        "second = dk.LogBuffer(sinks=[print]); second.log(0, b=1.0)\n"
+    )
+    assert "its flush at exit raised KeyboardInterrupt" in stderr
+    assert "of b (sinks print) was left with 1 value never recorded: KeyboardInterrupt " in stderr
+    assert "stopped the flushes at exit before it was flushed" in stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def test_a_sink_interrupted_before_the_exit_is_not_called_again_at_exit() -> None:
+    # One Ctrl-C gets out of a sink that hangs: the flush at exit must not call it again.
+    stdout, stderr = _script(
+        "import devicekit as dk\n"
+        "calls = []\n"
+        "def hangs(records):\n"
+        "    calls.append(1); print('called', len(calls), flush=True)\n"
+        "    logs.log(9, derived=1.0)\n"
+        "    raise KeyboardInterrupt\n"
+        "logs = dk.LogBuffer(sinks=[hangs])\n"
+        "try:\n"
+        "    with logs:\n"
+        "        logs.log(0, loss=1.0)\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+    )
+    assert stdout.split() == ["called", "1"]
+    assert "was left with 1 record never handed to its sinks: a sink was interrupted" in stderr
+
+
+def test_a_forked_child_does_not_flush_its_parents_buffer_at_its_exit(tmp_path: Path) -> None:
+    out = tmp_path / "pids.txt"
+    _script(
+        "import os, sys, devicekit as dk\n"
+        "def sink(records):\n"
+        "    with open(sys.argv[1], 'a') as file:\n"
+        "        file.write(f'{os.getpid()} {len(records)}\\n')\n"
+        "logs = dk.LogBuffer(sinks=[sink]); logs.log(0, loss=1.0)\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    sys.exit(0)  # a normal exit: atexit's hooks run in the child too\n"
+        "os.waitpid(child, 0)\n"
+        "print(os.getpid())\n",
+        str(out),
+    )
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1  # the parent's flush only, not the child's copy too
+    assert lines[0].endswith(" 1")
+
+
+def test_a_buffer_another_thread_keeps_flushing_is_told_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_logexit, "_EXIT_LOCK_WAIT", 0.0)
+    logs = dk.LogBuffer(sinks=[lambda records: None])
+    logs.log(0, loss=1.0)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with logs._lock:
+            taken.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert taken.wait(60)
+        with pytest.warns(RuntimeWarning, match="another thread was still flushing it after 0 s"):
+            _logexit._end(logs)
+    finally:
+        release.set()
+        holder.join()
+    assert logs._pending_count() == 1
+    logs.flush()
+
+
+def test_a_buffer_dealt_with_at_exit_is_not_told_again_when_dropped() -> None:
+    logs = dk.LogBuffer(reduce="sum", sinks=[lambda records: None])
+    logs.log(0, loss=1.0)
+    with pytest.warns(RuntimeWarning, match="reduce='sum' is not flushed at exit"):
+        _logexit._end(logs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del logs  # its __del__ would raise (printed as ignored) if it warned
+
+
+def test_the_flush_at_exit_ends_a_buffer_as_a_with_block_does() -> None:
+    seen: list[dk.Record] = []
+
+    def derive(records: list[dk.Record]) -> None:
+        seen.extend(records)
+        for record in records:
+            if "loss" in record:
+                logs.log(record["step"], half=record["loss"] / 2)
+
+    logs = dk.LogBuffer(sinks=[derive])
+    logs.log(0, loss=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _logexit._end(logs)
+    assert seen == logs.history == [{"step": 0, "loss": 1.0}, {"step": 0, "half": 0.5}]
+
+
+def test_the_children_import_the_tree_under_test() -> None:
+    # Not an installed copy: these tests must see the devicekit beside them.
+    done = run_in_repo("import devicekit, sys; sys.stdout.write(devicekit.__file__)")
+    assert Path(done.stdout).parent == Path(__file__).parents[1] / "devicekit"
