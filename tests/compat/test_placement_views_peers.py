@@ -9,27 +9,13 @@ three move.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
 import devicekit as dk
 
-META = torch.device("meta")
-Move = Callable[[Any], Any]
-
-
-def accelerate_move() -> Move:
-    operations = pytest.importorskip("accelerate.utils.operations")
-    return lambda obj: operations.send_to_device(obj, META)
-
-
-def lightning_move() -> Move:
-    apply_func = pytest.importorskip("lightning.fabric.utilities.apply_func")
-    return lambda obj: apply_func.move_data_to_device(obj, META)
-
+from .test_placement_peers import META, accelerate_move, lightning_move
 
 PEERS = {"accelerate": accelerate_move, "lightning": lightning_move}
 
