@@ -9,10 +9,11 @@ their data.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["call_each", "checked_sinks"]
+__all__ = ["call_each", "checked_sinks", "new_sink_lock", "restore_sink", "sink_state"]
 
 S = TypeVar("S", bound=Callable[..., Any])
 
@@ -85,3 +86,30 @@ def call_each(sinks: Iterable[Callable[[Any], Any]], value: Any) -> BaseExceptio
         except Exception as error:  # noqa: BLE001 - every sink runs; the first error is raised
             first_error = first_error or error
     return first_error
+
+
+# --- a sink's own lock ---------------------------------------------------------------------
+
+
+def new_sink_lock() -> threading.RLock:
+    """A sink's own lock, held for each call (a flush's, never a ``log()``'s).
+
+    Per sink: a sink shared by two buffers flushed in two threads is called by
+    one at a time, as one buffer calls it. Re-entrant, so that a writer or bar
+    whose own code reaches the same sink again in the same thread (a signal
+    handler that flushes another buffer) goes on as before instead of hanging.
+    """
+    return threading.RLock()
+
+
+def sink_state(sink: object) -> dict[str, Any]:
+    """``sink``'s attributes for pickle or a copy, without its lock (a lock cannot go)."""
+    state = dict(vars(sink))
+    state.pop("_lock", None)
+    return state
+
+
+def restore_sink(sink: object, state: dict[str, Any]) -> None:
+    """``sink`` unpickled (or copied) from ``state``, with a lock of its own."""
+    vars(sink).update(state)
+    vars(sink)["_lock"] = new_sink_lock()

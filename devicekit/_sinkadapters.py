@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 import pickle
-import threading
 import time
 from typing import Any, Protocol, TypeVar
 
+from ._callbacks import new_sink_lock, restore_sink, sink_state
 from ._errors import add_note
 from ._format import plural, shorten
 from ._keywords import suggest_keywords
@@ -73,7 +73,7 @@ class TensorBoardSink:
         self.writer = writer
         self.prefix = prefix
         self._unwritten: list[Record] = []  # what a failed call left, written first next time
-        self._lock = _new_lock()
+        self._lock = new_sink_lock()
 
     def __repr__(self) -> str:
         return f"TensorBoardSink(prefix={self.prefix!r})" if self.prefix else "TensorBoardSink()"
@@ -96,7 +96,8 @@ class TensorBoardSink:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        _restore(self, state)
+        restore_sink(self, state)
+        self._unwritten = []  # never pickled: the original's to write, once
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
@@ -106,7 +107,7 @@ class TensorBoardSink:
     def _write(self, records: list[Record]) -> None:
         # Kept first, so that whatever stops this call (an error, Ctrl-C at any line)
         # leaves the values not yet handed to the writer for the next call.
-        queue = self._unwritten = [*getattr(self, "_unwritten", []), *records]
+        queue = self._unwritten = [*self._unwritten, *records]
         done: tuple[int, int, str | None] = (0, 0, None)  # where the writer's next value is
         try:
             for index, record in enumerate(queue):
@@ -145,10 +146,10 @@ def _rest(queue: list[Record], index: int, position: int) -> list[Record]:
     """What is left of ``queue`` from value ``position`` of record ``index`` on (step kept)."""
     if index >= len(queue):
         return []
-    record = queue[index]
-    values = [(key, value) for key, value in record.items() if key != "step"]
     if position == 0:
         return queue[index:]
+    record = queue[index]
+    values = [(key, value) for key, value in record.items() if key != "step"]
     head = {"step": record["step"]} if "step" in record else {}
     rest = [{**head, **dict(values[position:])}] if values[position:] else []
     return [*rest, *queue[index + 1 :]]
@@ -220,7 +221,7 @@ class ProgressBarSink:
         self.fmt = fmt
         self._newest: dict[str, Any] = {}  # each key shown, with its newest value
         self._drawn: float | None = None  # when a flush last redrew the bar (time.monotonic())
-        self._lock = _new_lock()
+        self._lock = new_sink_lock()
 
     def __repr__(self) -> str:
         shown = [] if self.keys is None else [f"keys={self.keys!r}"]
@@ -244,7 +245,7 @@ class ProgressBarSink:
         return _picklable(self, "bar", self.bar)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        _restore(self, state)
+        restore_sink(self, state)
 
     def __call__(self, records: list[Record]) -> None:
         """Show the newest value of each key (called by the buffer at each flush)."""
@@ -335,31 +336,14 @@ def _refuse_class(given: object, name: str, example: str, sink: str) -> None:
         )
 
 
-def _new_lock() -> threading.RLock:
-    """A sink's own lock, held for each call (a flush's, never a ``log()``'s).
-
-    Per sink: a sink shared by two buffers flushed in two threads is called by
-    one at a time, as one buffer calls it. Re-entrant, so that a writer or bar
-    whose own code reaches the same sink again in the same thread (a signal
-    handler that flushes another buffer) goes on as before instead of hanging.
-    """
-    return threading.RLock()
-
-
 def _sharing(sink: _S, **own: Any) -> _S:
     """A copy of ``sink`` that shares its writer or bar (``own``: attributes of its own).
 
     Its lock is its own: it is another sink, which waits for no one else's call.
     """
     copied = object.__new__(type(sink))
-    copied.__dict__.update(sink.__dict__, **own, _lock=_new_lock())
+    copied.__dict__.update(sink.__dict__, **own, _lock=new_sink_lock())
     return copied
-
-
-def _restore(sink: object, state: dict[str, Any]) -> None:
-    """``sink`` unpickled from ``state``, with a lock of its own (a lock is never pickled)."""
-    sink.__dict__.update(state)
-    sink.__dict__["_lock"] = _new_lock()
 
 
 def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
@@ -379,6 +363,4 @@ def _picklable(sink: object, part: str, value: object) -> dict[str, Any]:
             f"leave the sink out of what you pickle or torch.save (a LogBuffer leaves its "
             f"sinks out itself), and make a {name} of its own where it is loaded"
         ) from None
-    state = sink.__dict__.copy()
-    state.pop("_lock", None)  # a lock cannot be pickled; _restore makes a new one
-    return state
+    return sink_state(sink)  # restore_sink gives it a lock of its own

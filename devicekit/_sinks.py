@@ -30,6 +30,7 @@ import weakref
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ._callbacks import new_sink_lock, restore_sink, sink_state
 from ._csvpath import file_path, keep_mode, write_fix
 from ._csvtext import csv_text, existing, render, utf8
 from ._errors import add_note
@@ -150,9 +151,8 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         # A lock per sink, not per file: _claim already refuses a second sink that would
         # replace a live one's file, and the check at each write stops two on one file, so
         # what is left to serialize is one sink's calls from several threads (two buffers
-        # given one sink). Re-entrant, so that a call the same thread makes from within one
-        # (a signal handler flushing another buffer) goes on as before, and never hangs.
-        self._lock = threading.RLock()
+        # given one sink).
+        self._lock = new_sink_lock()
         _claim(self)
 
     def __repr__(self) -> str:
@@ -160,15 +160,12 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         return f"CSVSink({str(self.path)!r}{append})"
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)  # a lock cannot be pickled, and a copy waits for no one else
-        return state
+        return sink_state(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled sink: the same state, with a lock of its own."""
-        self.__dict__.update(state)
+        restore_sink(self, state)
         self.__dict__.setdefault("_pending", None)  # pickled before it had one
-        self._lock = threading.RLock()
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
