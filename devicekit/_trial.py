@@ -25,6 +25,7 @@ from ._hostmemory import bounded, search_bound
 from ._memory import used_cuda_indices
 from ._oom import explained_error
 from ._oomread import build_report
+from ._oomreport import OOMReport
 from ._oomtext import is_oom
 from ._options import refuse_lazy
 from ._visible import torch_cuda_initialized
@@ -52,11 +53,7 @@ def explain(error: BaseException, device: torch.device | None) -> DeviceOutOfMem
         add_note(error, f"devicekit.find_batch_size could not build a report: {failure!r}")
         report = None
     message = f"{type(error).__name__}: {error}" if report is None else str(report)
-    # Of the user's class too (a MemoryError stays one), so `except MyOOM` still catches it.
-    explained = explained_error(error, report, message=message)
-    if not isinstance(explained, DeviceOutOfMemoryError):  # no such class could be made
-        return DeviceOutOfMemoryError(message, report)
-    return explained
+    return _of_its_class(error, report, message)
 
 
 def run(fn: Callable[[int], Any], size: int) -> None:
@@ -115,10 +112,21 @@ def start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemory
         f"inputs, mixed precision); what the memory held when it failed:\n"
         f"{report if report is not None else error}"
     )
-    failed = explained_error(error, report, message=message)
-    if not isinstance(failed, DeviceOutOfMemoryError):
-        return DeviceOutOfMemoryError(message, report)
-    return failed
+    return _of_its_class(error, report, message)
+
+
+def _of_its_class(
+    error: BaseException, report: OOMReport | None, message: str
+) -> DeviceOutOfMemoryError:
+    """A `DeviceOutOfMemoryError` saying ``message``, of ``error``'s class too where one can be.
+
+    So ``except MyOOM`` (or ``except MemoryError``) around the search still
+    catches it; a plain one where Python cannot make such a class.
+    """
+    explained = explained_error(error, report, message=message)
+    if isinstance(explained, DeviceOutOfMemoryError):
+        return explained
+    return DeviceOutOfMemoryError(message, report)
 
 
 class InProcess:
