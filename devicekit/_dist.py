@@ -145,6 +145,21 @@ def initialized() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
+def alone() -> bool:
+    """Whether this process is a job of its own: no process group, and no launcher says otherwise.
+
+    A ``reduce=`` flush here is local, so it can never wait for another rank.
+    Not so under ``torchrun`` before ``init_process_group`` or after
+    ``destroy_process_group`` (``WORLD_SIZE=4``): the values are one rank's.
+    """
+    return not initialized() and _launched_ranks(os.environ.get("WORLD_SIZE", "").strip()) < 2
+
+
+def _launched_ranks(raw: str) -> int:
+    """The ranks a launcher's ``WORLD_SIZE`` names; 1 where it names none (unset, malformed)."""
+    return int(raw) if raw.isascii() and raw.isdigit() else 1
+
+
 _warned_alone: set[str] = set()
 
 
@@ -157,7 +172,7 @@ def warn_if_launched_alone(what: str) -> None:
     group may come later), so it is a warning, not an error.
     """
     raw = os.environ.get("WORLD_SIZE", "").strip()
-    if what in _warned_alone or not raw.isascii() or not raw.isdigit() or int(raw) < 2:
+    if what in _warned_alone or _launched_ranks(raw) < 2:
         return
     _warned_alone.add(what)
     logger.warning(

@@ -1,8 +1,11 @@
 """How a [`LogBuffer`][devicekit.LogBuffer]'s records reach its sinks: each once, in order.
 
 A flush lands its records in ``history`` first, one batch per flush; this
-hands each batch to every sink, oldest first, and counts the batches every
-sink has had. Records wait in ``history``, not in the sinks' hands, so that
+hands every batch not yet handed on to each sink in one call, oldest record
+first, and counts the batches every sink has had. One call per flush, though
+a flush may land two batches (the automatic flush's copy, then the rest): a
+sink that opens a file, draws a line under a closed progress bar or sends a
+request does it once. Records wait in ``history``, not in the sinks' hands, so that
 nothing is lost or handed on twice when a sink raises, logs (which may start a
 flush while the sinks run), or removes itself from the list.
 
@@ -56,9 +59,10 @@ class Deliveries:
 
     def __init__(self, sent: int = 0) -> None:
         self.sent = sent  # batches of history that every sink has had
-        # The batch under way: its index, its sinks (each with its own copies of the
-        # records), and an iterator over those: past a sink, that sink was called.
-        self._left: tuple[int, list[tuple[Sink, list[Record]]], Iterator[Any]] | None = None
+        # The batches under way: where they start and end, their sinks (each with its
+        # own copies of the records), and an iterator over those: past a sink, that
+        # sink was called.
+        self._left: tuple[int, int, list[tuple[Sink, list[Record]]], Iterator[Any]] | None = None
         self._running: FrameType | None = None  # the frame handing records on, while it runs
         # A sink was interrupted (Ctrl-C, sys.exit) and no delivery has finished since:
         # the flush at exit calls no sink again (one Ctrl-C gets out of a hung sink).
@@ -73,28 +77,27 @@ class Deliveries:
         return sum(len(records) for records, _ in batches[self._served() :])
 
     def _served(self) -> int:
-        """The batches every sink has had: `sent`, and the one under way once its sinks ran.
+        """The batches every sink has had: `sent`, and those under way once their sinks ran.
 
         Ctrl-C may land after the last sink was called and before `sent` moved
-        on: each sink has had that batch (an interrupted one counts), so it is
-        not owed to them, though the next `deliver` is what commits it.
+        on: each sink has had those batches (an interrupted one counts), so they
+        are not owed to them, though the next `deliver` is what commits it.
         """
         left = self._left
-        if left is not None and left[0] == self.sent and not length_hint(left[2]):
-            return self.sent + 1
+        if left is not None and left[0] == self.sent and not length_hint(left[3]):
+            return left[1]
         return self.sent
 
     def deliver(self, batches: _Batches, sinks: list[Sink]) -> list[tuple[Sink, BaseException]]:
-        """Hand each landed batch to every sink, in order; what each failing sink raised.
+        """Hand the landed records to every sink, in one call each; what each failing sink raised.
 
         Each sink gets its own copies of the records, so one that changes them
         (``record.pop("step")``) changes nothing for ``history`` or the other
         sinks. A sink that logs may start a flush: that flush delivers nothing,
-        and this loop hands its records on after the ones before them. A sink
-        interrupted by Ctrl-C (or that calls ``sys.exit``) counts as having
-        had the batch; the other sinks still get it, then this call stops (the
-        later batches wait for the next flush), and the interrupt is among the
-        errors returned, for the caller to raise (``_logreport.flush_error``).
+        and its records wait for the next one. A sink interrupted by Ctrl-C (or
+        that calls ``sys.exit``) counts as having had the records; the other
+        sinks still get them, and the interrupt is among the errors returned,
+        for the caller to raise (``_logreport.flush_error``).
         """
         if self._running is not None and _on_stack(self._running):
             return []
@@ -107,15 +110,18 @@ class Deliveries:
             # waits for the next flush, so a sink that logs at every record cannot
             # keep this loop going forever.
             end = len(batches)
+            # One pass, unless Ctrl-C cut an earlier call short: its sinks left are
+            # called with its records first, then the batches landed since.
             while self.sent < end:
-                index = self.sent
+                start = self.sent
                 left = self._left
-                if left is None or left[0] != index:  # a new batch (or a stale one left)
-                    calls = [(sink, list(map(dict.copy, batches[index][0]))) for sink in sinks]
-                    left = self._left = (index, calls, iter(calls))
-                interrupted = _call_each(left[1], left[2], errors)
-                self.sent = index + 1  # the commit: every sink has had this batch
-                if interrupted:  # an interrupted sink counts as having had it
+                if left is None or left[0] != start:  # new batches (or stale ones left)
+                    records = [record for batch, _ in batches[start:end] for record in batch]
+                    calls = [(sink, list(map(dict.copy, records))) for sink in sinks]
+                    left = self._left = (start, end, calls, iter(calls))
+                interrupted = _call_each(left[2], left[3], errors)
+                self.sent = left[1]  # the commit: every sink has had these batches
+                if interrupted:  # an interrupted sink counts as having had them
                     self.interrupted = True
                     break
             else:

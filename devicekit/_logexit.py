@@ -12,8 +12,11 @@ A buffer used without ``with`` and never flushed at the end of a script would
 lose what it still holds, silently. So, like ``logging.shutdown`` for logging's
 handlers, `flush_at_exit` (an ``atexit`` hook) ends every live buffer that
 still holds values or records as a ``with`` block does. Except a buffer with
-``reduce``: its flush is a collective, which at exit can hang (the other ranks
-may be gone), so it is told instead, as is a flush at exit that fails; a
+``reduce`` in a job of several ranks: its flush is a collective, which at exit
+can hang (the other ranks may be gone), and after ``destroy_process_group``
+it would record one rank's values as the job's, so it is told instead, as is
+a flush at exit that fails (alone, in a script run without a launcher, its
+flush is local and it is flushed); a
 ``RuntimeWarning``, which Python shows by default, and never an error raised
 past ``atexit``. A buffer with no sinks is left as it is: its history ends with
 the process anyway.
@@ -30,6 +33,7 @@ import warnings
 import weakref
 from typing import Any, Protocol
 
+from ._dist import alone, initialized
 from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, Record, Sink
 from ._logreport import exit_failure, exit_warning, report_while_exiting
@@ -180,14 +184,20 @@ def _end(buffer: Block) -> None:
             fix="",  # the user stopped it: theirs to know, with nothing to do
         )
         return
-    if buffer.reduce is not None:
+    if buffer.reduce is not None and not alone():
+        why = (
+            "its flush is a collective across ranks, which at exit can hang (the other ranks "
+            "may be gone)"
+            if initialized()
+            else "the process group is gone, and WORLD_SIZE says this is one of several "
+            "ranks, so its flush would record this rank's own values as the job's"
+        )
         _tell(
             buffer,
-            f"a LogBuffer with reduce={buffer.reduce!r} is not flushed at exit, because its "
-            "flush is a collective across ranks, which at exit can hang (the other ranks may "
-            "be gone)",
-            fix=" Flush it on every rank before the script ends: use it in a with block, or "
-            "call logs.flush() after the loop.",
+            f"a LogBuffer with reduce={buffer.reduce!r} is not flushed at exit, because {why}",
+            fix=" Flush it on every rank before the script ends (and before "
+            "destroy_process_group()): use it in a with block, or call logs.flush() after "
+            "the loop.",
         )
         return
     # Another thread (a daemon: Python joined the others) may be in the middle of a

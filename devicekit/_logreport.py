@@ -1,7 +1,7 @@
 """What a [`LogBuffer`][devicekit.LogBuffer] tells people: its errors, its warnings, its reprs.
 
 A flush may fail in several places at once: the copy, a sink, another sink
-on each batch of records it is handed. It raises one error, chosen here, and
+(twice, after Ctrl-C cut a flush short: see `_one_error`). It raises one error, chosen here, and
 tells everything else in notes on it (a count where one sink failed the same
 way again), never a traceback per failure, never printed; the tracebacks of
 the errors told go to the ``devicekit`` logger at DEBUG. Leaving a ``with``
@@ -70,10 +70,12 @@ def flush_error(
 def _one_error(errors: list[tuple[Sink, BaseException]]) -> tuple[Sink, BaseException]:
     """The one error a flush raises for its sinks, with what else they raised as notes on it.
 
-    The first interrupt, else the first error. A flush may hand a sink several
-    landed batches of records, and a sink that cannot write fails on each:
-    that is told once, with a count, never as a traceback per failure. Each
-    different error is told once too, naming its sink (`_tell`).
+    The first interrupt, else the first error. A flush calls each sink once,
+    except after Ctrl-C cut an earlier flush short: its sinks left are called
+    with its records, then every sink with the newer ones, and a sink that
+    cannot write fails on each. That is told once, with a count, never as a
+    traceback per failure. Each different error is told once too, naming its
+    sink (`_tell`).
     """
     first = next((one for one in errors if not isinstance(one[1], Exception)), errors[0])
     raised = first[1]

@@ -170,9 +170,8 @@ class ProgressBarSink:
     default); values set between redraws show at the bar's next one (its next
     ``update()``, or ``close()``, which shows the last values). Values that come
     after the bar closed (``for step in tqdm(...)`` closes it when the loop ends,
-    before the buffer's last flush) are written as a line below it, one per call:
-    the exit's flush may hand it two batches (when the automatic flush's copy was
-    still in flight), and the last line holds the last values.
+    before the buffer's last flush) are written as a line below it, one per
+    flush: in that loop, one line with the last values.
 
     Args:
         bar: A ``tqdm`` bar (anything with ``set_postfix``): the bar, not its

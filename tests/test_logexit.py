@@ -80,20 +80,52 @@ def test_a_sink_that_fails_at_exit_is_told_never_raised(tmp_path: Path) -> None:
     assert stderr.count("RuntimeWarning") == 1  # not told again when the buffer is dropped
 
 
-def test_a_reducing_buffer_is_not_flushed_at_exit_and_says_what_it_held(tmp_path: Path) -> None:
-    # A flush with reduce is a collective: at exit the other ranks may be gone (a hang).
+_REDUCING = (
+    "import sys, devicekit as dk\n"
+    "{setup}"
+    "logs = dk.LogBuffer(flush_every=100, reduce='mean', sinks=[dk.CSVSink(sys.argv[1])])\n"
+    "for step in range(250):\n"
+    "    logs.log(step, loss=1.0)\n"
+)
+
+
+def test_a_reducing_buffer_alone_is_flushed_at_exit(tmp_path: Path) -> None:
+    # A DDP script run as one plain process: its flush is local, it cannot hang. Before,
+    # it was told, not flushed, and the CSV lost its last 150 rows.
     path = tmp_path / "train.csv"
-    _, stderr = _script(
-        "import sys, devicekit as dk\n"
-        "logs = dk.LogBuffer(flush_every=100, reduce='mean', sinks=[dk.CSVSink(sys.argv[1])])\n"
-        "for step in range(250):\n"
-        "    logs.log(step, loss=1.0)\n",
-        str(path),
+    _, stderr = _script(_REDUCING.format(setup=""), str(path))
+    assert [row["step"] for row in _rows(path)] == [str(step) for step in range(250)]
+    assert "LogBuffer" not in stderr, stderr
+
+
+def test_a_reducing_buffer_of_a_launched_rank_is_not_flushed_at_exit(tmp_path: Path) -> None:
+    # Under torchrun after destroy_process_group(): a flush would record this rank's
+    # values as the job's. Told, with what it held.
+    path = tmp_path / "train.csv"
+    done = run_python_args(
+        ["-c", _REDUCING.format(setup=""), str(path)], env={"WORLD_SIZE": "2", "RANK": "0"}
     )
     assert len(_rows(path)) == 100  # the automatic flushes' only
-    assert "LogBuffer(flush_every=100, reduce='mean') of loss" in stderr
+    assert "LogBuffer(flush_every=100, reduce='mean') of loss" in done.stderr
+    assert "was left with 150 values never recorded" in done.stderr
+    assert "reduce='mean' is not flushed at exit" in done.stderr
+    assert "would record this rank's own values as the job's" in done.stderr
+    assert "before destroy_process_group()" in done.stderr
+    assert done.stderr.count("RuntimeWarning") == 1, done.stderr
+
+
+def test_a_reducing_buffer_in_a_process_group_is_not_flushed_at_exit(tmp_path: Path) -> None:
+    # Its flush is a collective: at exit the other ranks may be gone (a hang).
+    path = tmp_path / "train.csv"
+    setup = (
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method={(tmp_path / 'rendezvous').as_uri()!r}, "
+        "rank=0, world_size=1)\n"
+    )
+    _, stderr = _script(_REDUCING.format(setup=setup), str(path))
+    assert len(_rows(path)) == 100
     assert "was left with 150 values never recorded" in stderr
-    assert "reduce='mean' is not flushed at exit" in stderr
+    assert "its flush is a collective across ranks, which at exit can hang" in stderr
     assert stderr.count("RuntimeWarning") == 1, stderr
 
 
@@ -177,7 +209,10 @@ def test_a_buffer_another_thread_keeps_flushing_is_told_not_waited_for(
     logs.flush()
 
 
-def test_a_buffer_dealt_with_at_exit_is_not_told_again_when_dropped() -> None:
+def test_a_buffer_dealt_with_at_exit_is_not_told_again_when_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one rank of a launched job: told, not flushed
     logs = dk.LogBuffer(reduce="sum", sinks=[lambda records: None])
     logs.log(0, loss=1.0)
     with pytest.warns(RuntimeWarning, match="reduce='sum' is not flushed at exit"):

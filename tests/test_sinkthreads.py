@@ -230,23 +230,17 @@ def test_the_last_values_after_tqdm_closed_its_bar_are_written_once(
     assert len(set(lines)) == len(lines), lines  # no line written twice
 
 
-# The buffer's exit hands the sink two batches when the automatic flush's copy was
-# still in flight (steps not a multiple of flush_every): 95 steps at flush_every=10
-# wrote "loss=89" then "loss=94". The sink cannot tell which call of a flush is its
-# last; one line per flush needs one call per flush, from _logdeliver.
-_TWO_BATCHES = pytest.mark.xfail(
-    strict=True, reason="the exit's flush hands the sink two batches: two lines"
-)
-
-
+# The buffer's exit may land two batches when the automatic flush's copy was still
+# in flight (steps not a multiple of flush_every): before, the sink was handed each,
+# and 95 steps at flush_every=10 wrote "loss=89" then "loss=94". One call per flush.
 @pytest.mark.parametrize(
     ("steps", "flush_every"),
     [
         (100, 10),
         (5, 10),  # no automatic flush: one batch
         (3, 1),
-        pytest.param(95, 10, marks=_TWO_BATCHES),
-        pytest.param(7, 3, marks=_TWO_BATCHES),
+        (95, 10),
+        (7, 3),
     ],
 )
 def test_values_after_tqdm_closed_its_bar_are_one_line(steps: int, flush_every: int) -> None:
