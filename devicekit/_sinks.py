@@ -358,8 +358,10 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         target.parent.mkdir(parents=True, exist_ok=True)
         # Beside it, on the same file system; the name cut short so that a long one still fits.
         temporary = target.with_name(f".{target.name[:40]}.{uuid.uuid4().hex[:12]}.tmp")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
+            # Inside the try: Ctrl-C as os.open returns (before the name is bound) must
+            # still take the new file away; its descriptor closes with the process.
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 # Before any row is in it: a file made private stays so (a new one: umask).
                 keep_mode(descriptor, target)

@@ -104,6 +104,31 @@ def test_a_full_disk_while_widening_leaves_the_old_file_intact(
     assert rows[51] == ["50", "5.0", "0.5"]
 
 
+class _InterruptedOpen:
+    """``os`` as _sinks sees it, but Ctrl-C lands as ``os.open`` returns, before it is kept."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def open(self, path: Any, flags: int, mode: int = 0o777) -> int:
+        os.close(os.open(path, flags, mode))  # the file is made
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_as_the_wider_file_is_made_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    buffer = dk.LogBuffer(sinks=[dk.CSVSink(path)])
+    _logged(buffer, range(3))
+    before = path.read_bytes()
+    monkeypatch.setattr(_sinks, "os", _InterruptedOpen())
+    with pytest.raises(KeyboardInterrupt):
+        _logged(buffer, range(3, 5), acc=0.5)  # a new key: the header widens
+    assert [p.name for p in tmp_path.iterdir()] == ["train.csv"]  # before: a .tmp file left
+    assert path.read_bytes() == before
+
+
 def test_a_full_disk_while_appending_cuts_the_partial_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
