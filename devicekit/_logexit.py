@@ -4,7 +4,9 @@ Leaving normally, the block flushes as `flush()` does (across ranks too, with
 ``reduce``) and raises what that raises. Leaving on an exception, it flushes
 without the collective, since the other ranks may never reach it, and a
 failing flush or sink never replaces the block's exception: it is a note on
-it (`report_while_exiting`). Only an interrupt in a sink (Ctrl-C,
+it (`report_while_exiting`). Except ``GeneratorExit`` (a generator holding the
+block, closed before its end): ``close()`` drops it and its notes, so the
+flush's error is raised, as any ``__exit__``'s would be. Only an interrupt in a sink (Ctrl-C,
 ``sys.exit``), the user's newest wish, takes its place. Either way, what the
 sinks logged during that flush is recorded too, in a few more flushes.
 
@@ -82,14 +84,23 @@ def leave(buffer: Block, exc: BaseException | None) -> None:
         buffer._leaving_on_error = True  # inside the try: Ctrl-C never leaves it set
         try:
             buffer._flush(wait=True, reduce=False)
-        except Exception as error:  # noqa: BLE001 - reported on exc, which propagates
+        except Exception as error:
+            if isinstance(exc, GeneratorExit):
+                # A generator closed early (the loop over it ended, gen.close()): its
+                # close() drops GeneratorExit, notes and all, so a note would be lost
+                # with it. The error is raised instead, as a plain __exit__'s would be.
+                _record_what_sinks_logged(buffer, error, deliver=True)
+                raise
             report_while_exiting(exc, error, pending=buffer._pending_count())
         except BaseException as interrupt:
             # Ctrl-C (or sys.exit) in a sink: the user's newest wish wins, with `exc`
             # as its context; what the sinks logged is recorded, without calling them.
             _record_what_sinks_logged(buffer, interrupt, deliver=False)
             raise
-        _record_what_sinks_logged(buffer, exc, deliver=True)
+        if isinstance(exc, GeneratorExit):
+            _flush_what_sinks_logged(buffer)  # raises what fails: a note would be lost
+        else:
+            _record_what_sinks_logged(buffer, exc, deliver=True)
     finally:
         buffer._leaving_on_error = False
 

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -592,6 +592,51 @@ def test_a_failing_sink_never_replaces_the_exception_the_block_leaves_on(
         assert "every record is in LogBuffer.history" in _notes(leaving_on)
     else:
         assert "OSError: disk full" in caplog.text
+
+
+def _epochs(buffer: dk.LogBuffer) -> Iterator[int]:
+    """An epoch generator that holds the buffer's block, as a training loop's may."""
+    with buffer:
+        for step in range(100):
+            buffer.log(step, loss=float(step))
+            yield step
+
+
+def test_a_generator_closed_early_raises_its_blocks_flush_error() -> None:
+    # close() drops GeneratorExit with its notes: before, a sink that wrote nothing
+    # was a note on it, and close() returned None, so nothing at all was said.
+    buffer = dk.LogBuffer(sinks=[_full_disk])
+    epochs = _epochs(buffer)
+    for step in epochs:
+        if step == 9:
+            break
+    with pytest.raises(OSError, match="disk full") as info:
+        epochs.close()
+    assert isinstance(info.value.__context__, GeneratorExit)
+    assert buffer.values("loss") == [float(step) for step in range(10)]  # recorded all the same
+
+
+def test_a_generator_closed_early_flushes_and_raises_nothing_when_the_sinks_work() -> None:
+    received: list[dk.Record] = []
+    buffer = dk.LogBuffer(sinks=[received.extend])
+    epochs = _epochs(buffer)
+    next(epochs), next(epochs)
+    epochs.close()
+    assert [record["step"] for record in received] == [0, 1]
+
+
+def test_a_generator_collected_unfinished_tells_its_blocks_flush_error() -> None:
+    buffer = dk.LogBuffer(sinks=[_full_disk])
+    seen: list[BaseException | None] = []
+    hook, sys.unraisablehook = sys.unraisablehook, lambda raised: seen.append(raised.exc_value)
+    try:
+        epochs = _epochs(buffer)
+        next(epochs)
+        del epochs  # CPython closes it here: Python prints "Exception ignored in: ..."
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [type(error) for error in seen] == [OSError]
 
 
 @pytest.mark.parametrize("interrupt", [SystemExit("sink gave up"), KeyboardInterrupt()])
