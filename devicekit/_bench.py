@@ -10,14 +10,14 @@ events, repeats until precise) and the same verdict.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ._accelerators import try_all_gpus
 from ._devices import DeviceLike, resolve_cuda_devices
-from ._format import PlainResult, format_seconds, html_table, plain_data
+from ._format import PlainResult, format_seconds, html_table, plain_data, safe_text, shown
 from ._keywords import suggest_keywords
 from ._measure import benchmark
 from ._measurement import Measurement
@@ -48,7 +48,7 @@ class BenchResult(PlainResult):
 
     name: str
     device: str
-    value: float
+    value: float = field(metadata=shown(of_row=lambda result: result.formatted()))
     unit: str
     trustworthy: bool
     notes: tuple[str, ...] = ()
@@ -64,6 +64,9 @@ class BenchResult(PlainResult):
         if self.unit == "s":
             return format_seconds(self.value)
         return f"{self.value:.3g} {self.unit}"
+
+    def _title(self) -> str:
+        return f"{safe_text(self.name)} on {safe_text(self.device)}"
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,12 @@ import gc
 import heapq
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from ._format import PlainResult, format_bytes
+from ._format import PlainResult, format_bytes, shown
 
 __all__ = [
     "LiveTensor",
@@ -53,9 +54,10 @@ class LiveTensor(PlainResult):
             when a module was given and the storage is one of its tensors.
     """
 
-    shape: tuple[int, ...]
+    # As the out-of-memory report's table writes them.
+    shape: tuple[int, ...] = field(metadata=shown(lambda shape: str(list(shape))))
     dtype: str
-    bytes: int
+    bytes: int = field(metadata=shown(partial(format_bytes, digits=2)))
     name: str | None = None
 
     def __str__(self) -> str:

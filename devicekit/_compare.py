@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
 from ._errors import add_note
-from ._format import UNKNOWN, PlainResult, format_joules, format_seconds, html_table
+from ._format import UNKNOWN, PlainResult, format_joules, format_seconds, html_table, shown
 from ._measure import OPTIONS, benchmark, check_options, misspelled_options
 from ._measurement import Measurement
 from ._shortrepr import got, short_repr
@@ -33,7 +33,7 @@ class ComparisonRow(PlainResult):
 
     name: str
     measurement: Measurement
-    ratio: float | None
+    ratio: float | None = field(metadata=shown(lambda ratio: f"{ratio:#.3g}x"))
     within_noise: bool | None
 
     def verdict(self, reference: str) -> str:

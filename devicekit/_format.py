@@ -17,7 +17,7 @@ import difflib
 import html
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "qualified_name",
     "safe_text",
     "shorten",
+    "shown",
     "text_table",
 ]
 
@@ -288,16 +289,63 @@ def plain_fields(result: object) -> dict[str, Any]:
     return {f.name: plain_data(getattr(result, f.name)) for f in dataclasses.fields(result)}
 
 
+_SHOWN = "devicekit.shown"  # the field metadata key `shown` fills
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shown:
+    text: Callable[[Any], str] | None = None
+    none: str = UNKNOWN
+    of_row: Callable[[Any], str] | None = None
+
+
+_AS_IT_IS = _Shown()
+
+
+def shown(
+    text: Callable[[Any], str] | None = None,
+    *,
+    none: str = UNKNOWN,
+    of_row: Callable[[Any], str] | None = None,
+) -> dict[str, Any]:
+    """Field metadata that says how a `PlainResult`'s HTML writes the field.
+
+    For ``field(metadata=shown(format_seconds))``: on the field itself, so the
+    unit cannot drift from it. A field without it is written as it is:
+    ``"yes"``/``"no"`` for a bool, a string with its control characters
+    escaped, a nested result as its text, one line per item of a tuple.
+
+    Args:
+        text: Writes the value when it is not None (a dict's values one by
+            one), such as `format_seconds` or `format_bytes`.
+        none: What None means here: unknown (``"?"``) unless said otherwise.
+        of_row: Writes the field from the whole row instead, where another
+            field decides how (a value in its row's ``unit``).
+
+    Returns:
+        The metadata for ``dataclasses.field``.
+    """
+    return {_SHOWN: _Shown(text, none, of_row)}
+
+
 class PlainResult:
     """A result whose ``to_dict()`` is its fields as plain data: a row inside a report.
 
+    In a notebook a row is a table of its fields in human units (see `shown`),
+    under its ``str()`` where the class has one, else under its class name
+    and `_title`.
+
     Examples:
-        >>> from dataclasses import dataclass
+        >>> from dataclasses import dataclass, field
         >>> @dataclass(frozen=True)
         ... class Row(PlainResult):
         ...     shape: tuple[int, ...]
-        >>> Row((2, 3)).to_dict()
-        {'shape': [2, 3]}
+        ...     seconds: float | None = field(metadata=shown(format_seconds))
+        >>> Row((2, 3), 0.0123).to_dict()
+        {'shape': [2, 3], 'seconds': 0.0123}
+        >>> html = Row((2, 3), 0.0123)._repr_html_()
+        >>> "<td>12.3 ms</td>" in html, "<td>?</td>" in Row((2, 3), None)._repr_html_()
+        (True, True)
     """
 
     __slots__ = ()
@@ -305,6 +353,59 @@ class PlainResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: each field as plain data, a nested result as its own ``to_dict()``."""
         return plain_fields(self)
+
+    def _title(self) -> str:
+        """What names this row in its HTML caption when it has no ``__str__``: its first field."""
+        return _field_text(self, _fields(self)[0])
+
+    def _not_applicable(self) -> Collection[str]:
+        """The fields that do not apply to this row (its HTML shows ``"-"``, not ``"?"``)."""
+        return ()
+
+    def _repr_html_(self) -> str:
+        absent = self._not_applicable()
+        rows = [
+            (f.name.replace("_", " "), NOT_APPLICABLE if f.name in absent else _field_text(self, f))
+            for f in _fields(self)
+        ]
+        if type(self).__str__ is object.__str__:  # no human text of its own
+            caption = f"{type(self).__name__}: {self._title()}"
+        else:
+            caption = str(self).strip()  # a report's line, aligned there by leading blanks
+        return html_table(rows, caption=caption)
+
+
+def _fields(row: object) -> tuple[dataclasses.Field[Any], ...]:
+    if not dataclasses.is_dataclass(row):
+        raise TypeError(f"a PlainResult is a dataclass, got {type(row).__name__}")
+    return dataclasses.fields(row)
+
+
+def _field_text(row: object, field: dataclasses.Field[Any]) -> str:
+    how: _Shown = field.metadata.get(_SHOWN, _AS_IT_IS)
+    if how.of_row is not None:
+        return how.of_row(row)
+    return _text(getattr(row, field.name), how)
+
+
+def _text(value: object, how: _Shown) -> str:
+    """One field's (or one dict value's) text in a row's HTML."""
+    if value is None:
+        return how.none
+    if isinstance(value, Mapping):  # one "key: value" line per item
+        lines = [f"{_text(key, _AS_IT_IS)}: {_text(item, how)}" for key, item in value.items()]
+        return "\n".join(lines) or "none"
+    if how.text is not None:
+        return how.text(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, str):
+        return safe_text(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (tuple, list)):
+        return "\n".join(_text(item, how) for item in value) or "none"
+    return str(value)  # an int, or a nested result (a GPU snapshot) as its text
 
 
 def plain_data(value: object) -> Any:

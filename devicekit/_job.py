@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -42,6 +42,7 @@ from ._format import (
     plain_fields,
     plural,
     safe_text,
+    shown,
     text_table,
 )
 from ._gpufindings import ENVIRONMENTAL, environmental, is_hot, is_low_on_memory
@@ -70,6 +71,10 @@ _COLUMNS = (
 FlagKind = Literal["duplicate_gpu", "throttling", "hot", "nearly_full"]
 
 
+def _listing(ranks: Sequence[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks)
+
+
 @dataclass(frozen=True)
 class RankStatus(PlainResult):
     """One rank of a job, as [`job_status()`][devicekit.job_status] sees it.
@@ -93,6 +98,16 @@ class RankStatus(PlainResult):
     device: str | None
     gpu: GPUInfo | None
 
+    def _title(self) -> str:
+        return f"rank {self.rank} on {safe_text(self.host)}"
+
+    def _not_applicable(self) -> tuple[str, ...]:
+        # A CPU (or MPS) rank has no NVIDIA GPU to describe: the GPU does not apply. A
+        # CUDA rank, or one whose device is unknown, may well have one that nobody
+        # could read (no NVML): that is unknown, not absent.
+        on_gpu = self.device is None or self.device.startswith("cuda")
+        return () if self.gpu is not None or on_gpu else ("gpu",)
+
 
 @dataclass(frozen=True)
 class JobFlag(PlainResult):
@@ -108,7 +123,7 @@ class JobFlag(PlainResult):
     """
 
     kind: FlagKind
-    ranks: tuple[int, ...]
+    ranks: tuple[int, ...] = field(metadata=shown(_listing))
     detail: str
     fix: str
 
@@ -196,19 +211,11 @@ class JobStatus:
         return table + html_table(flags, header=("ranks", "flag", "detail", "fix"))
 
 
-def _listing(ranks: Sequence[int]) -> str:
-    return ", ".join(str(rank) for rank in ranks)
-
-
 def _gpu_cells(entry: RankStatus) -> tuple[str, ...]:
     """The GPU columns of one rank: ``"-"`` for a rank without a GPU, ``"?"`` for one unread."""
     info = entry.gpu
-    if info is None:
-        # A CPU (or MPS) rank has no NVIDIA GPU to describe: the columns do not apply. A
-        # CUDA rank, or one whose device is unknown, may well have one that nobody
-        # could read (no NVML): that is unknown, not absent.
-        on_gpu = entry.device is None or entry.device.startswith("cuda")
-        return (UNKNOWN if on_gpu else NOT_APPLICABLE,) * 6
+    if info is None:  # no GPU, or one nobody could read: as the row's own HTML says
+        return (NOT_APPLICABLE if "gpu" in entry._not_applicable() else UNKNOWN,) * 6
     return (
         safe_text(info.name or UNKNOWN),
         _short(info.uuid),

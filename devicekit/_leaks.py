@@ -27,7 +27,7 @@ import gc
 import html
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -44,6 +44,7 @@ from ._format import (
     html_table,
     plain_fields,
     plural,
+    shown,
 )
 from ._keywords import suggest_keywords
 from ._memory import used_cuda_indices
@@ -86,13 +87,23 @@ class Leak(PlainResult):
 
     device: str
     dtype: str | None
-    shape: tuple[int, ...] | None
+    # As the report's table writes them: None is shapes that vary, not an unknown shape.
+    shape: tuple[int, ...] | None = field(
+        metadata=shown(lambda shape: str(list(shape)), none="various")
+    )
     location: str | None
     count_per_call: float | None
-    bytes_per_call: float
+    bytes_per_call: float = field(metadata=shown(_b))
     count_before: int | None
     count_after: int | None
-    library_location: str | None = None
+    # None: the user's line made the tensors itself, so no library line applies.
+    library_location: str | None = field(default=None, metadata=shown(none=NOT_APPLICABLE))
+
+    def _not_applicable(self) -> tuple[str, ...]:
+        # Memory no tensor holds has no tensor's fields (None there is not "?").
+        if self.dtype is not None:
+            return ()
+        return ("dtype", "shape", "location", "count_per_call", "count_before", "count_after")
 
     def __str__(self) -> str:
         if self.dtype is None:
@@ -116,9 +127,9 @@ class DeviceGrowth(PlainResult):
     """CUDA allocated bytes after the warm-up and after the last call."""
 
     device: str
-    before: int
-    after: int
-    per_call: float
+    before: int = field(metadata=shown(_b))
+    after: int = field(metadata=shown(_b))
+    per_call: float = field(metadata=shown(_b))
 
 
 @dataclass(frozen=True, repr=False)

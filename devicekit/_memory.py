@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import html
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -14,7 +14,7 @@ from ._devices import (
     DeviceLike,
     resolve_devices,
 )
-from ._format import PlainResult, format_bytes, html_table, plain_fields, plural
+from ._format import PlainResult, format_bytes, html_table, plain_fields, plural, shown
 from ._hostmemory import cpu_note
 from ._keywords import suggest_keywords
 from ._visible import torch_cuda_initialized
@@ -86,12 +86,12 @@ class DeviceMemory(PlainResult):
     """
 
     device: str
-    allocated_before: int
-    allocated_after: int
-    reserved_before: int
-    reserved_after: int
-    driver_free_before: int | None
-    driver_free_after: int | None
+    allocated_before: int = field(metadata=shown(_bytes))
+    allocated_after: int = field(metadata=shown(_bytes))
+    reserved_before: int = field(metadata=shown(_bytes))
+    reserved_after: int = field(metadata=shown(_bytes))
+    driver_free_before: int | None = field(metadata=shown(_bytes))
+    driver_free_after: int | None = field(metadata=shown(_bytes))
 
     @property
     def returned(self) -> int:

@@ -8,7 +8,7 @@ accelerate, Lightning and transformers look for them in ``args[0]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._census import LiveTensor
@@ -20,6 +20,7 @@ from ._format import (
     format_count,
     html_table,
     plain_fields,
+    shown,
 )
 from ._gpuinfo import GPUProcess
 
@@ -43,8 +44,11 @@ class AllocationSite(PlainResult):
         location: ``file:line`` of the first frame outside torch and devicekit.
     """
 
-    bytes: int
+    bytes: int = field(metadata=shown(_bytes))
     location: str
+
+    def _title(self) -> str:
+        return f"{_bytes(self.bytes)} at {self.location}"
 
 
 @dataclass(frozen=True, repr=False)

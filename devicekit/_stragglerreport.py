@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._format import (
@@ -23,6 +23,7 @@ from ._format import (
     plain_fields,
     plural,
     safe_text,
+    shown,
     text_table,
 )
 
@@ -45,10 +46,13 @@ class RankTimes(PlainResult):
 
     rank: int
     host: str
-    step_time: float | None
-    median: dict[str, float | None]
-    spread: dict[str, float | None]
+    step_time: float | None = field(metadata=shown(format_seconds))
+    median: dict[str, float | None] = field(metadata=shown(format_seconds))
+    spread: dict[str, float | None] = field(metadata=shown(format_seconds))
     samples: dict[str, int]
+
+    def _title(self) -> str:
+        return f"rank {self.rank} on {safe_text(self.host)}"
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,9 @@ class Straggler(PlainResult):
     rank: int
     host: str
     section: str
-    median: float
-    job_median: float
-    lost: float
+    median: float = field(metadata=shown(format_seconds))
+    job_median: float = field(metadata=shown(format_seconds))
+    lost: float = field(metadata=shown(format_seconds))
 
     @property
     def ratio(self) -> float:
