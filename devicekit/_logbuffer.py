@@ -309,7 +309,7 @@ class LogBuffer(Flushes):
         """Once, at a copy's first flush: where its records would have gone, and do not."""
         left_out, self._sinks_left_out = self._sinks_left_out, None
         if left_out and not self.sinks:
-            told = left_out_warning(left_out)
+            told = left_out_warning(left_out, forked=self._forked)
             warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     @property

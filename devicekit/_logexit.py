@@ -10,6 +10,10 @@ flush's error is raised, as any ``__exit__``'s would be. Only an interrupt in a 
 ``sys.exit``), the user's newest wish, takes its place. Either way, what the
 sinks logged during that flush is recorded too, in a few more flushes.
 
+A forked child (a DataLoader worker) holds copies of the parent's buffers:
+at the fork each becomes a copy without sinks (`_forked`), as a pickled one
+is, so that the child never writes the parent's files.
+
 A buffer used without ``with`` and never flushed at the end of a script would
 lose what it still holds, silently. So, like ``logging.shutdown`` for logging's
 handlers, `flush_at_exit` (an ``atexit`` hook) ends every live buffer that
@@ -64,6 +68,7 @@ class Block(Protocol):
     def _unsent(self) -> int: ...  # records some sink has not had yet
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go
     def _state(self) -> dict[str, Any]: ...  # what its repr shows: it names the buffer
+    def _forked_copy(self) -> None: ...  # in a forked child: a copy without the sinks
 
 
 def leave(buffer: Block, exc: BaseException | None) -> None:
@@ -149,8 +154,16 @@ def track(buffer: Block) -> None:
         with _registering:
             if not _registered:
                 atexit.register(flush_at_exit)
+                if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
+                    os.register_at_fork(after_in_child=_forked)
                 _registered = True
     _live[next(_numbers)] = buffer
+
+
+def _forked() -> None:
+    """In a forked child: each live buffer is the parent's, and becomes a copy of it."""
+    for buffer in list(_live.values()):
+        buffer._forked_copy()
 
 
 def flush_at_exit() -> None:

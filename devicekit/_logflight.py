@@ -12,17 +12,25 @@ slow.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 
 from ._callbacks import checked_sinks
 from ._dist import initialized
 from ._errors import RanksDisagreeError, RanksOutOfStepError
+from ._format import shorten
 from ._logdeliver import Deliveries, Record, Sink
 from ._logflush import InFlight
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
-from ._logreport import flush_error, missing_rank_note, unreadable_error, unreduced_error
+from ._logreport import (
+    describe_sink,
+    flush_error,
+    missing_rank_note,
+    unreadable_error,
+    unreduced_error,
+)
 
 __all__ = ["Flushes"]
 
@@ -42,6 +50,9 @@ class Flushes:
     _deliveries: Deliveries
     _leaving_on_error: bool  # the with block is exiting on an exception
     _told_broken: bool  # a flush raised that the job's collectives are broken
+    _sinks_left_out: list[str] | None  # a copy's: the sinks it did not get, told once
+    _made_in: int  # the process that made it, or this copy of it
+    _forked = False  # a forked child's copy of its parent's buffer (see _forked_copy)
 
     @property
     def sinks(self) -> list[Sink]:
@@ -55,6 +66,30 @@ class Flushes:
     @sinks.setter
     def sinks(self, sinks: Iterable[Sink] | Sink) -> None:
         self._sinks = checked_sinks(sinks, receives="a list of records", file_sink="dk.CSVSink")
+
+    def _forked_copy(self) -> None:
+        """In a forked child (a DataLoader worker): become a copy, as a pickled buffer is.
+
+        The parent's sinks write the parent's file, bar and writer: a child
+        writing there too mixes its values into the parent's rows (and the
+        parent's CSVSink then refuses the file). So the child keeps its records
+        in its own history until it is given sinks, and says so at its first
+        flush. Its lock is new: a thread of the parent's that held it at the
+        fork does not exist here, and would hold it for ever. The values still
+        pending or in flight are the parent's to record, and may be on a GPU a
+        forked child cannot touch (CUDA refuses to start again in it): the copy
+        starts without them, its history as the parent's was.
+        """
+        self._lock = threading.RLock()
+        self._made_in = os.getpid()
+        self._forked = True
+        self._taken += len(self._pending)  # default steps go on from the parent's count
+        self._pending, self._in_flight = [], None
+        self._flush_at = self.flush_every
+        if self._sinks:
+            self._sinks_left_out = [shorten(describe_sink(sink), 80) for sink in self._sinks]
+            self._sinks = []
+            self._deliveries = Deliveries(sent=len(self._history.batches))
 
     def _unsent(self) -> int:
         """Records that landed (a read of history completes a flush) but some sink never got.

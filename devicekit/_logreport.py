@@ -276,13 +276,22 @@ def exit_failure(error: BaseException) -> str:
     return f"its flush at exit raised {told}{_their_notes(error)}"
 
 
-def left_out_warning(left_out: list[str]) -> str:
+def left_out_warning(left_out: list[str], *, forked: bool = False) -> str:
     """What a copy of a buffer warns at its first flush: the sinks it did not get."""
+    if forked:
+        return (
+            f"this LogBuffer is a forked process's copy of its parent's buffer (a DataLoader "
+            f"worker, multiprocessing with fork), and a copy gets no sinks: "
+            f"{', '.join(left_out)} stayed with the parent, so this process's records are "
+            "kept in its own history only, and end with it. Log in the parent (return what "
+            "to log with the batch), or give this copy sinks of its own: "
+            "logs.sinks = [dk.CSVSink(f'worker{os.getpid()}.csv')]."
+        )
     return (
-        f"this LogBuffer is a copy (copy, deepcopy, pickle or torch.save), and a copy gets no "
-        f"sinks: {', '.join(left_out)} stayed with the buffer it was copied from, so its "
-        "records are kept in its history only. Give it sinks of its own: "
-        "logs.sinks = [dk.CSVSink('ema.csv')]."
+        f"this LogBuffer is a copy (copy, deepcopy, pickle or torch.save; a spawned worker's "
+        f"is one), and a copy gets no sinks: {', '.join(left_out)} stayed with the buffer it "
+        "was copied from, so its records are kept in its history only. Give it sinks of its "
+        "own: logs.sinks = [dk.CSVSink('ema.csv')]."
     )
 
 

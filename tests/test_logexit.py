@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -181,6 +182,69 @@ def test_a_forked_child_does_not_flush_its_parents_buffer_at_its_exit(tmp_path: 
     lines = out.read_text().splitlines()
     assert len(lines) == 1  # the parent's flush only, not the child's copy too
     assert lines[0].endswith(" 1")
+
+
+_DATALOADER_LOGS = """
+import os, sys, torch, devicekit as dk
+from torch.utils.data import DataLoader, Dataset
+
+class Timed(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        logs.log(index, load_ms=1.0)  # in the worker: the parent's buffer, copied by fork
+        return torch.tensor(float(index))
+
+logs = dk.LogBuffer(flush_every=1, sinks=[dk.CSVSink(sys.argv[1])])
+loader = DataLoader(Timed(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+for step, batch in enumerate(loader):
+    logs.log(step, loss=batch.mean())
+logs.flush()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_dataloader_workers_copy_never_writes_the_parents_sinks(tmp_path: Path) -> None:
+    # Before: the worker's automatic flush wrote its rows into the parent's CSV, and the
+    # parent's next log() raised that the file had changed under its CSVSink.
+    path = tmp_path / "train.csv"
+    _, stderr = _script(_DATALOADER_LOGS, str(path))
+    assert path.read_text().splitlines() == ["step,loss", "0,0.5", "1,2.5"]
+    assert "this LogBuffer is a forked process's copy of its parent's buffer" in stderr
+    assert "CSVSink(" in stderr
+    assert "stayed with the parent" in stderr
+    assert stderr.count("RuntimeWarning") == 1, stderr  # once, at the worker's first flush
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_flushes_though_a_parent_thread_held_the_lock(tmp_path: Path) -> None:
+    # The thread holding the lock at the fork does not exist in the child: before, the
+    # child's flush() waited for it for ever. Given sinks of its own, the child writes them.
+    out = tmp_path / "child.txt"
+    stdout, _ = _script(
+        "import os, sys, threading, devicekit as dk\n"
+        "parent = []\n"
+        "logs = dk.LogBuffer(sinks=[parent.extend]); logs.log(0, loss=1.0)\n"
+        "taken, release = threading.Event(), threading.Event()\n"
+        "def hold():\n"
+        "    with logs._lock:\n"
+        "        taken.set(); release.wait(60)\n"
+        "holder = threading.Thread(target=hold); holder.start(); taken.wait(60)\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    mine = []\n"
+        "    logs.sinks = [mine.extend]\n"
+        "    logs.log(1, loss=2.0); logs.flush()\n"
+        "    with open(sys.argv[1], 'w') as file:\n"
+        "        file.write(repr(mine))\n"
+        "    os._exit(0)\n"
+        "os.waitpid(child, 0)\n"
+        "release.set(); holder.join(); logs.flush()\n"
+        "print(parent)\n",
+        str(out),
+    )
+    assert out.read_text() == "[{'step': 1, 'loss': 2.0}]"  # not the parent's pending value
+    assert stdout.strip() == "[{'step': 0, 'loss': 1.0}]"  # the parent's, once, by the parent
 
 
 def test_a_buffer_another_thread_keeps_flushing_is_told_not_waited_for(
