@@ -39,7 +39,7 @@ from ._logflush import (
     by_key,
     start,
 )
-from ._loghistory import Entry, Flight, History
+from ._loghistory import Entry, Flight, History, mean_of
 from ._logreduce import start_reduced
 from ._logreport import (
     describe_sink,
@@ -345,6 +345,8 @@ class LogBuffer(Flushes):
     def mean(self, key: str, *, last: int | None = None) -> float:
         """The mean of ``key`` over the history, or over its ``last`` values (NaN propagates).
 
+        Summed exactly (``math.fsum``): nothing cancels away, nothing overflows.
+
         Raises:
             KeyError: No value of ``key`` has reached the host; the message
                 names the keys recorded and the one ``key`` likely misspells.
@@ -367,7 +369,7 @@ mean 'loss'?"
             known = [*self._history.keys]
         if not values:
             raise KeyError(unknown_key(key, known, pending=self._pending_count()))
-        return sum(values) / len(values)
+        return mean_of(values)
 
     def __enter__(self) -> LogBuffer:
         return self

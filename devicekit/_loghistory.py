@@ -20,6 +20,7 @@ class of devicekit's but `LogBuffer` (``torch.load(weights_only=True)``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 from ._logdeliver import Record
 from ._logflush import InFlight, land
 
-__all__ = ["Flight", "History", "settle"]
+__all__ = ["Flight", "History", "mean_of", "settle"]
 
 Entry = tuple[Any, dict[str, Any], int]
 """One ``log()`` call, pending: (step, values, how to read them)."""
@@ -114,3 +115,23 @@ class History:
     def from_plain(cls, state: dict[str, Any]) -> History:
         """The history `to_plain` wrote."""
         return cls(((batch, count) for batch, count in state["batches"]), state["keys"])
+
+
+def mean_of(values: list[float]) -> float:
+    """The mean of ``values`` from their exact sum, rounded once; NaN and infinities propagate.
+
+    ``sum()`` loses what cancels (``[1e16, 1.0, -1e16]`` gave 0.0, not 1/3) and
+    overflows where the mean does not (``[1e308, 1e308]`` gave inf); ``fsum``
+    is exact, and the values are divided first where their sum overflows.
+
+    Examples:
+        >>> mean_of([1e16, 1.0, -1e16]), mean_of([1e308, 1e308]), mean_of([0.1] * 10)
+        (0.3333333333333333, 1e+308, 0.1)
+    """
+    count = len(values)
+    try:
+        return math.fsum(values) / count
+    except OverflowError:  # a sum past the largest float, of finite values
+        return math.fsum(value / count for value in values)
+    except ValueError:  # inf and -inf: as sum() says, and as the mean is
+        return math.nan

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import devicekit as dk
@@ -1722,6 +1724,37 @@ def test_pinned_non_blocking_flush_returns_exact_values() -> None:
     halves = source.to(torch.bfloat16).cpu().tolist()
     assert [r["value"] for r in buffer.history] == expected
     assert [r["half"] for r in buffer.history] == halves
+
+
+def _mean_logged(values: list[float]) -> float:
+    logs = dk.LogBuffer()
+    for value in values:
+        logs.log(loss=value)
+    logs.flush()
+    return logs.mean("loss")
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([1e16, 1.0, -1e16], 1 / 3),  # sum() cancelled the 1.0: 0.0
+        ([1e308, 1e308], 1e308),  # sum() overflowed: inf
+        ([0.1] * 10, 0.1),  # sum(): 0.09999999999999999
+        ([math.inf, 1.0], math.inf),
+        ([math.inf, -math.inf], math.nan),  # as sum() says
+        ([math.nan, 1.0], math.nan),
+    ],
+)
+def test_mean_is_exact_where_a_plain_sum_is_not(values: list[float], expected: float) -> None:
+    got = _mean_logged(values)
+    assert got == expected or (math.isnan(got) and math.isnan(expected))
+
+
+@given(st.lists(st.floats(min_value=-1e300, max_value=1e300), min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_mean_is_within_an_ulp_of_the_exact_mean(values: list[float]) -> None:
+    exact = float(sum(map(fractions.Fraction, values)) / len(values))
+    assert abs(_mean_logged(values) - exact) <= math.ulp(exact)
 
 
 def test_mean_of_the_last_values_never_reads_a_negative_count_backwards() -> None:
