@@ -64,6 +64,20 @@ LOGGABLE = frozenset(
 FLOATING = frozenset(dtype for dtype in LOGGABLE if dtype.is_floating_point)
 
 
+def _not_dense(key: str, value: torch.Tensor) -> TypeError:
+    """The error for a sparse, nested or other non-dense tensor, with a fix that works on it."""
+    if value.is_nested:  # to_dense() refuses it: one number from all its elements
+        return TypeError(
+            f"LogBuffer.log({key}=...) expects a dense tensor of one element, got a nested "
+            f"tensor (layout {value.layout}); log one number from it, such as "
+            "value.values().mean() (over every element of every component)"
+        )
+    return TypeError(
+        f"LogBuffer.log({key}=...) expects a dense tensor, got layout {value.layout}; "
+        "log value.to_dense()"
+    )
+
+
 def checked(key: str, value: Any) -> Any:
     """What to keep for a value the fast path of log() did not accept, or an error."""
     if isinstance(value, _Tensor):
@@ -77,10 +91,7 @@ def checked(key: str, value: Any) -> Any:
                 f"{value.dtype}{fix}"
             )
         if value.layout is not _STRIDED or value.is_nested:
-            raise TypeError(
-                f"LogBuffer.log({key}=...) expects a dense tensor, got layout {value.layout}"
-                f"{' (nested)' if value.is_nested else ''}; log value.to_dense()"
-            )
+            raise _not_dense(key, value)
         if value.numel() != 1:
             raise ValueError(
                 f"LogBuffer.log({key}=...) expects a scalar: a 0-d tensor or a number, got "

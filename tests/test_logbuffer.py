@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import pickle
+import re
 import socket
 import statistics
 import sys
@@ -234,6 +235,31 @@ def test_bad_values_are_refused_by_the_log_call_that_passes_them(
     buffer.flush()
     assert buffer.values("loss") == [1.0, 0.0, 1.0, 2.0, 3.0, 4.0]  # the refused call: nothing
     assert "bad" not in buffer._history.keys
+
+
+def _nested(layout: torch.layout) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nested tensors are in prototype stage" on some torch
+        return torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)], layout=layout)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: _nested(torch.strided), lambda: _nested(torch.jagged), _sparse_scalar],
+    ids=["nested-strided", "nested-jagged", "sparse"],
+)
+def test_the_fix_a_refused_tensor_is_told_works_as_written(make: Callable[[], Any]) -> None:
+    # Before, a nested tensor was told to log value.to_dense(), which torch refuses for
+    # the jagged layout and which gives a nested tensor again for the strided one.
+    value = make()
+    buffer = dk.LogBuffer()
+    with pytest.raises(TypeError, match=r"; log ") as refused:
+        buffer.log(bad=value)
+    fix = re.search(r"; log .*?(value\.[\w.()]*)", str(refused.value))
+    assert fix is not None, str(refused.value)
+    buffer.log(bad=eval(fix.group(1), {"value": value}))  # the message's own fix
+    buffer.flush()
+    assert len(buffer.values("bad")) == 1
 
 
 def test_numpy_scalars_and_fractions_are_read_when_logged() -> None:
