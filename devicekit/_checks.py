@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import array
+import types
 import warnings
+import weakref
 from collections import defaultdict
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -22,7 +26,11 @@ from ._checkwalk import collect, refuse_unwalkable
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._frames import caller_stacklevel
+from ._look import NOTHING_INSIDE, class_attribute
+from ._lookbulk import plain_class_ids
+from ._lookpandas import pandas_kind
 from ._shortrepr import short_repr
+from ._tree import iter_children
 
 __all__ = ["assert_same_device"]
 
@@ -48,8 +56,14 @@ def assert_same_device(
     count with its values): a tokenizer's 150,000-entry vocabulary costs
     about 15 ms. One holding more (a dataset, a logger) is a ``ValueError``,
     not a pass for tensors never seen. The dicts, lists and records given
-    are checked whole. A dict's keys are checked wherever its values are,
-    and a tensor in one is named by its device and size
+    are checked whole. A pandas ``DataFrame``, ``Series`` or ``Index`` is
+    read through pandas's own API: its values and labels of ``object``
+    dtype, the plain ones in bulk (paths such as ``df['emb'].iloc[0]``). An
+    argument it cannot look inside at all (a C extension's object, a
+    ``weakref.ref``) is named with why: alone, in the ``ValueError``; beside
+    other tensors, in a ``RuntimeWarning``, once per name and class. A
+    dict's keys are checked wherever its values are, and a tensor in one is
+    named by its device and size
     (``batch[key tensor(..., device='cpu', size=(3,))]``); since
     ``to_device()`` moves a dict's values, never its keys, the fix for one
     given as it is says to make the dict again with its keys where they
@@ -105,8 +119,8 @@ def assert_same_device(
             paths on it, the strays first, and ends with a fix.
         ValueError: The arguments hold no tensor, an object the check looks
             inside attribute by attribute holds more than 100,000 objects (or
-            10,000,000 values in its lists, dicts, tuples and sets), or
-            ``device`` is malformed.
+            10,000,000 values in its lists, dicts, tuples and sets), pandas
+            raised while a pandas object was read, or ``device`` is malformed.
         TypeError: An argument is a generator, an iterator, a dict view, a
             class, a module or a function, or a keyword argument is named
             ``arg0``, ``arg1``... like a positional one (one of the two would
@@ -159,16 +173,18 @@ def assert_same_device(
                 if at is None:
                     at = holders[id(holder)] = render(holder[0])
                 held.setdefault(name, []).append((on, at, holder[1], holder[2], path))
+    # The arguments with no tensor it could not look inside at all, and why.
+    unread = _unread_arguments(named, owners.keys() | held.keys())
     if not where:
-        raise ValueError(
-            f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}; "
-            "pass the tensors, modules or batches to check"
-        )
+        raise ValueError(_no_tensor(unread, named))
     if len(where) == 1 and (expected is None or expected in where):
-        return next(iter(where))
+        device = next(iter(where))
+        _warn_unread(unread, named, device)
+        return device
     if len(core) == 1 and (expected is None or expected in core):
         device = next(iter(core))
         _warn_attributes(held, device, named)
+        _warn_unread(unread, named, device)
         return device
     said = f"device={short_repr(device)}" if isinstance(device, (str, int)) else "device="
     raise DeviceMismatchError(
@@ -219,3 +235,91 @@ def _warn_attributes(
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )
+
+
+# Python's own objects whose storage shows nothing, and that hold no tensor.
+_NO_TENSOR_INSIDE = (torch.Tensor, torch.nn.Module, bytearray, array.array, memoryview)
+
+
+def _unread_arguments(named: dict[str, Any], holding: Set[str]) -> dict[str, str]:
+    """Why it could not look inside each argument not in ``holding`` (no tensor found)."""
+    unread = {}
+    for name, obj in named.items():
+        if name not in holding:
+            why = _unread(obj)
+            if why is not None:
+                unread[name] = why
+    return unread
+
+
+def _unread(obj: object) -> str | None:
+    """Why the walk could not look inside argument ``obj`` at all; None where it could.
+
+    For an argument in which it found no tensor: a class whose instances keep
+    what they hold where Python cannot read it (a C extension's), or behind a
+    property named ``__dict__`` (never run), and a weak reference (not
+    followed). A plain value, a container, a record, a numpy array (read by
+    its dtype) and a pandas object (read through pandas) were looked inside.
+    """
+    cls = type(obj)
+    if cls in NOTHING_INSIDE or id(cls) in plain_class_ids() or isinstance(obj, _NO_TENSOR_INSIDE):
+        return None
+    if isinstance(obj, weakref.ref):
+        return "a weak reference, which the check does not follow"
+    if pandas_kind(cls) is not None or iter_children(obj) is not None:
+        return None
+    module = getattr(cls, "__module__", None)
+    if isinstance(module, str) and module.split(".")[0] == "numpy":
+        return None  # an array read by its dtype, or numpy's own (a Generator, a dtype)
+    storage = class_attribute(cls, "__dict__")
+    if type(storage) in (types.GetSetDescriptorType, types.MemberDescriptorType):
+        return None
+    if storage is not None:
+        return "its __dict__ is a property, which the check does not run"
+    if class_attribute(cls, "__slots__"):
+        return None
+    return "it keeps what it holds where Python cannot read it, as a C extension's objects do"
+
+
+def _no_tensor(unread: dict[str, str], named: dict[str, Any]) -> str:
+    """The error for arguments with no tensor: it names those it could not look inside."""
+    found = f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}"
+    if not unread:
+        return f"{found}; pass the tensors, modules or batches to check"
+    return (
+        f"{found}, but it could not look inside {_listed(unread, named)}, so it cannot say "
+        "there is none. Pass the tensors to check themselves, or a dict or list of them."
+    )
+
+
+def _listed(unread: dict[str, str], named: dict[str, Any]) -> str:
+    """Each argument not looked inside, with its class and why: ``x (a Foo: ...)``."""
+    return "; ".join(
+        f"{name} (a {type(named[name]).__name__}: {why})" for name, why in unread.items()
+    )
+
+
+_warned_unread: set[tuple[str, int]] = set()  # (argument's name, id of its class) told
+
+
+def _warn_unread(unread: dict[str, str], named: dict[str, Any], device: torch.device) -> None:
+    """Warn of the arguments not looked inside, where every tensor seen is on ``device``.
+
+    Once per argument name and class: a check run every step warns once.
+    """
+    new = {
+        name: why
+        for name, why in unread.items()
+        if (name, id(type(named[name]))) not in _warned_unread
+    }
+    if not new:
+        return
+    if len(_warned_unread) < _WARNED_AT_MOST:
+        _warned_unread.update((name, id(type(named[name]))) for name in new)
+    warnings.warn(
+        f"assert_same_device(): every tensor it saw is on {device}, but it could not look "
+        f"inside {_listed(new, named)}: a tensor there would go unchecked. Pass the tensors "
+        "to check themselves, or a dict or list of them.",
+        RuntimeWarning,
+        stacklevel=caller_stacklevel(),
+    )

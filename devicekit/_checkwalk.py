@@ -3,7 +3,8 @@
 Containers given as they are (dicts, lists, records of tensors) are read
 whole, however large; the objects the check does not otherwise know are read
 one by one within a bound, and the builtin containers of plain values in
-them in bulk (`_lookbulk`); a module's plain attributes within a bound of
+them in bulk (`_lookbulk`), a pandas object's values through pandas
+(`_lookpandas`); a module's plain attributes within a bound of
 their own. Each tensor comes with its path and the object holding it, which
 the error's fix is written from (`_checkfix`).
 """
@@ -42,6 +43,7 @@ from ._look import (
     object_attributes,
 )
 from ._lookbulk import array_elements, bulk_children, bulk_look, plain_class_ids
+from ._lookpandas import Unreadable, pandas_kind, pandas_parts, shown_attribute
 from ._mover import _has_to_method
 from ._tree import children, container_attributes, iter_children
 
@@ -211,6 +213,10 @@ def _open(
         elements = array_elements(obj)  # a numpy array of dtype=object: each element
         if elements is not None:  # to_device() returns it unchanged: a holder
             return [(elements, holder or (path, type(obj).__name__, KEPT))]
+        frame = pandas_kind(type(obj))
+        if frame is not None:  # to_device() returns it unchanged too
+            holder = holder or (path, type(obj).__name__, KEPT)
+            return _open_pandas(obj, frame, path, holder, left=left, name=name, seen=seen)
         try:
             attributes = object_attributes(obj, limit=left.objects + 1)
         except RuntimeError as error:  # another thread kept changing it: no partial pass
@@ -254,6 +260,59 @@ def _open_in_bulk(
     if plain:  # its items hold nothing to read: what its instance was given, if any
         return [(((f".{key}", value) for key, value in container_attributes(obj)), holder)]
     return [(bulk_children(obj), holder)]  # its keys and attributes too
+
+
+def _open_pandas(
+    obj: object,
+    frame: str,
+    path: Path,
+    holder: Holder,
+    *,
+    left: _Budget,
+    name: str,
+    seen: dict[int, object],
+) -> list[_Part]:
+    """What the walk reads inside a pandas DataFrame, Series or Index (`pandas_parts()`).
+
+    Its values that may hold a tensor (``object`` dtype), each column's read
+    in bulk as a list's (`bulk_look()`): plain ones (a str, a number, an array
+    of numbers) are passed over and counted against ``_BULK_BUDGET``, the rest
+    read one by one, ``df['emb'].iloc[0]``. Then its instance attributes, but
+    for its data (`shown_attribute()`): ``attrs`` and a subclass's own.
+    """
+    try:
+        parts, whole = pandas_parts(obj, frame, left.bulk + 1, key_text)
+    except Unreadable as error:  # no look at all: never a pass for what it holds
+        at, kind = render(path), type(obj).__name__
+        raise ValueError(
+            f"assert_same_device() cannot check {name}: {at} is a {kind}, which it reads "
+            f"through pandas, and pandas raised {error}. The check stops there rather than "
+            f"pass tensors it never saw. Pass the tensors to check themselves, or a dict or "
+            f"list of them, instead of {at}."
+        ) from None
+    many = f"{_BULK_BUDGET:,} values in its lists, dicts, tuples, sets and pandas objects"
+    if not whole:
+        raise ValueError(_too_many(name, holder, many))
+    read: list[_Part] = []
+    for at, step, values in parts:
+        counted, plain = bulk_look(values, left.bulk, seen.keys()) or (len(values), False)
+        left.bulk -= counted
+        if left.bulk < 0:
+            raise ValueError(_too_many(name, holder, many))
+        if not plain:
+            read.append((_prefixed(f"{at}{step}", bulk_children(values)), holder))
+    try:
+        attributes = object_attributes(obj, limit=left.objects + 1)
+    except RuntimeError as error:  # another thread kept changing it: no partial pass
+        raise _changed(path, error) from None
+    shown = ((shown_attribute(attr[1:]), value) for attr, value in attributes)
+    read.append((((f".{attr}", value) for attr, value in shown if attr is not None), holder))
+    return read
+
+
+def _prefixed(prefix: str, elements: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``elements`` with ``prefix`` before each suffix: ``['emb'].iloc`` and ``[0]``."""
+    return ((f"{prefix}{suffix}", value) for suffix, value in elements)
 
 
 def _open_mapping(obj: Mapping[Any, Any], path: Path, holder: Holder | None) -> list[_Part]:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ._format import shorten
+from ._lookpandas import Unreadable, pandas_kind, pandas_parts, shown_attribute
 from ._shortrepr import ShortRepr, unprintable
 from ._tree import ITEMS_ONLY
 
@@ -297,7 +298,7 @@ def _slot_descriptors(cls: type) -> Iterator[tuple[str, Any]]:
 
 # How tensor_elsewhere() reached each object: the path suffix is made only for the path
 # it returns.
-KEY, INDEX, MEMBER, _NAME = range(4)
+KEY, INDEX, MEMBER, _NAME, _SUFFIX = range(5)  # _SUFFIX: the key is the suffix itself
 # Nothing inside to look at: exact types, asked before anything else (weak proxies hold
 # nothing of their own, and a dead one raises ReferenceError at any other question).
 NOTHING_INSIDE = frozenset(
@@ -328,8 +329,10 @@ def tensor_elsewhere(
     never runs code of the objects it meets: a dict's, list's, tuple's,
     deque's or set's items (a subclass's too, read as its base class stores
     them), and every object's instance attributes and slots
-    (`object_attributes()`). For ``to_device``, which returns an object it
-    cannot move unchanged, to say so when that leaves tensors behind. A module
+    (`object_attributes()`); a pandas object's values of ``object`` dtype,
+    ``df['emb'].iloc[0]``, through pandas (`_lookpandas`). For ``to_device``,
+    which returns an object it cannot move unchanged, to say so when that
+    leaves tensors behind. A module
     met on the way is looked inside only with ``modules`` (its parameters,
     buffers, submodules and plain attributes): for the plain attributes of a
     module ``Module.to()`` moved, where a module kept in a list stays behind.
@@ -389,7 +392,18 @@ def _module_held(module: torch.nn.Module, limit: int) -> Iterator[tuple[int, Any
 
 
 def _held(item: object, cls: type, limit: int) -> Iterator[tuple[int, Any, Any]]:
-    """What ``item`` holds, read from its storage: (kind, key or index or name, value)."""
+    """What ``item`` holds, read from its storage (a pandas object's, through pandas)."""
+    frame = pandas_kind(cls)
+    if frame is not None:  # its block managers hold nothing storage can show
+        try:
+            parts = pandas_parts(item, frame, limit, key_text)[0]
+        except Unreadable:  # pandas raised: nothing found here
+            parts = []
+        for path, step, values in parts:
+            yield from ((_SUFFIX, f"{path}{step}[{at}]", value) for at, value in enumerate(values))
+        named = ((shown_attribute(name), value) for name, value in _attributes(item, limit))
+        yield from ((_NAME, name, value) for name, value in named if name is not None)
+        return
     for base, read, kind in _ITEM_READERS:
         if issubclass(cls, base):
             entries = snapshot(read, item, limit)  # in one go: see snapshot
@@ -430,6 +444,8 @@ def _path(links: list[tuple[int, int, Any]], link: int) -> str:
             if kind == INDEX
             else f"{{{key}}}"
             if kind == MEMBER
+            else key
+            if kind == _SUFFIX
             else f".{key}"
         )
     return "".join(reversed(suffixes))

@@ -24,6 +24,7 @@ from ._format import qualified_name
 from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
+from ._lookpandas import pandas_kind
 from ._movecalls import KEY_HELD, OWN_TO, HeldView
 from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
 from ._options import check_flag
@@ -79,11 +80,15 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
                 "the top level"
             )
         else:
-            fix = (
-                "keep them in a list (which it moves) instead of a numpy array"
-                if cls.__module__ == "numpy"
-                else f"give {name} a .to(device) that returns the moved object"
-            )
+            if cls.__module__ == "numpy":
+                fix = "keep them in a list (which it moves) instead of a numpy array"
+            elif pandas_kind(cls) is not None:  # its own class: a .to() is not the user's to add
+                fix = (
+                    "keep them in a list or dict of tensors (which it moves), or move a "
+                    "column yourself: df['emb'] = df['emb'].map(lambda t: t.to(device))"
+                )
+            else:
+                fix = f"give {name} a .to(device) that returns the moved object"
             cache = _TRANSFORMERS_CACHE if cls.__module__.startswith("transformers.") else ""
             what = (
                 f"returned a {qualified_name(cls)} as it is: devicekit does not know how to "

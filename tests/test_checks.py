@@ -1011,7 +1011,8 @@ def test_looking_inside_an_object_never_reads_a_property_named_dict() -> None:
         def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
             raise AssertionError("a property named __dict__ ran")
 
-    assert dk.assert_same_device(Guarded(torch.ones(1)), torch.ones(1)) == CPU
+    with pytest.warns(RuntimeWarning, match=r"arg0 \(a Guarded: its __dict__ is a property"):
+        assert dk.assert_same_device(Guarded(torch.ones(1)), torch.ones(1)) == CPU
     assert _look.object_attributes(Guarded(torch.ones(1))) == []
     gone = Holder(torch.ones(1))
     proxy = weakref.proxy(gone)
