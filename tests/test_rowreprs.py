@@ -159,10 +159,9 @@ def comparison_cases() -> list[Case]:
     ]
 
 
-def census_cases() -> list[Case]:
-    named = LiveTensor((1024, 384, 1024), "float32", int(1.5 * GIB), HOSTILE)
-    unnamed = LiveTensor((2, 3), "bfloat16", 12, None)
-    oom = OOMReport(
+def _oom_report(**rows: Any) -> OOMReport:
+    """A report of a CUDA OOM on an 80 GiB GPU, with ``rows`` (its tensors, its sites)."""
+    return OOMReport(
         device="cuda:0",
         message="CUDA out of memory.",
         requested=2 * GIB,
@@ -173,11 +172,19 @@ def census_cases() -> list[Case]:
         largest_free_block=None,
         this_process=None,
         processes=None,
+        fixes=(),
+        **rows,
+    )
+
+
+def census_cases() -> list[Case]:
+    named = LiveTensor((1024, 384, 1024), "float32", int(1.5 * GIB), HOSTILE)
+    unnamed = LiveTensor((2, 3), "bfloat16", 12, None)
+    oom = _oom_report(
         tensor_count=2,
         tensor_bytes=int(1.5 * GIB) + 12,
         tensors=(named, unnamed),
         allocation_sites=None,
-        fixes=(),
     )
     return [
         Case(
@@ -192,23 +199,7 @@ def census_cases() -> list[Case]:
 
 def oom_cases() -> list[Case]:
     site = AllocationSite(int(1.5 * GIB), HOSTILE)
-    oom = OOMReport(
-        device="cuda:0",
-        message="CUDA out of memory.",
-        requested=2 * GIB,
-        total=80 * GIB,
-        free=GIB,
-        allocated=None,
-        reserved=None,
-        largest_free_block=None,
-        this_process=None,
-        processes=None,
-        tensor_count=None,
-        tensor_bytes=None,
-        tensors=(),
-        allocation_sites=(site,),
-        fixes=(),
-    )
+    oom = _oom_report(tensor_count=None, tensor_bytes=None, tensors=(), allocation_sites=(site,))
     bytes_text = format_bytes(1.5 * GIB, digits=2)
     return [Case(site, {"bytes": bytes_text}, report=oom, shared=(bytes_text,))]
 
