@@ -168,9 +168,10 @@ def keep_mode(descriptor: int, target: Path) -> None:
 
     A wider header is a new file swapped in for the old one, which would get the
     umask's mode (``0o644``): a log made private (``chmod 600``) would become
-    readable by all, a group-writable one not writable. The owner and group are
-    kept where this process may set them; a new file (no ``target``) keeps the
-    umask's mode, as ``open(path, "w")`` gives it.
+    readable by all, a group-writable one not writable. The owner and group,
+    and the extended attributes (an ACL), are kept where this process may set
+    them; a new file (no ``target``) keeps the umask's mode, as
+    ``open(path, "w")`` gives it.
     """
     try:
         info = os.stat(target)
@@ -193,4 +194,27 @@ def keep_mode(descriptor: int, target: Path) -> None:
             fchmod(descriptor, stat.S_IMODE(info.st_mode))
         except OSError as error:
             if error.errno not in _NOT_KEPT:
+                raise
+    _keep_attributes(descriptor, target)
+
+
+def _keep_attributes(descriptor: int, target: Path) -> None:
+    """Copy ``target``'s extended attributes: its ACL (``system.posix_acl_access``) among them.
+
+    After the mode, which an ACL's mask refines. Linux only (``os.listxattr``);
+    each attribute this process may not set (another namespace's, a file
+    system without them) is left, as the owner is.
+    """
+    listxattr = getattr(os, "listxattr", None)
+    if listxattr is None:
+        return
+    try:
+        names = listxattr(target)
+    except OSError:  # none on this file system, or unreadable: nothing to keep
+        return
+    for name in names:
+        try:
+            os.setxattr(descriptor, name, os.getxattr(target, name))
+        except OSError as error:
+            if error.errno not in _NOT_KEPT and error.errno != errno.EACCES:
                 raise

@@ -1256,6 +1256,31 @@ def test_a_wider_header_keeps_the_file_s_permissions(
     assert [p.name for p in tmp_path.iterdir()] == ["train.csv"]
 
 
+def _xattrs(path: Path) -> dict[str, bytes]:
+    return {name: os.getxattr(path, name) for name in os.listxattr(path)}
+
+
+@pytest.mark.skipif(not hasattr(os, "setxattr"), reason="extended attributes are Linux's")
+def test_a_wider_header_keeps_the_file_s_extended_attributes(tmp_path: Path) -> None:
+    # Before, the new file swapped in had none: an ACL (system.posix_acl_access) that
+    # gave a group read access, or a user.* tag for a backup tool, was dropped.
+    path = tmp_path / "train.csv"
+    path.write_text("step,loss\n0,1.0\n")
+    try:
+        os.setxattr(path, "user.run", b"42")
+        os.setxattr(path, "user.empty", b"")
+    except OSError as error:
+        pytest.skip(f"this file system keeps no user attributes: {error}")
+    before = _xattrs(path)
+    with dk.LogBuffer(sinks=[dk.CSVSink(path, append=True)]) as logs:
+        logs.log(1, loss=0.5)
+        logs.flush()
+        logs.log(2, loss=0.25, grad_norm=3.0)  # a new key: the header widens
+    assert read_rows(path)[0] == ["step", "loss", "grad_norm"]
+    assert _xattrs(path) == before
+    assert before["user.run"] == b"42"
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077], ids=oct)
 def test_a_new_file_gets_the_umask_s_mode(tmp_path: Path, umask: int) -> None:
     path = tmp_path / "train.csv"
