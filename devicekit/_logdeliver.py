@@ -116,8 +116,7 @@ class Deliveries:
                 start = self.sent
                 left = self._left
                 if left is None or left[0] != start:  # new batches (or stale ones left)
-                    records = [record for batch, _ in batches[start:end] for record in batch]
-                    calls = [(sink, list(map(dict.copy, records))) for sink in sinks]
+                    calls = [(sink, _copies(batches, start, end)) for sink in sinks]
                     left = self._left = (start, end, calls, iter(calls))
                 interrupted = _call_each(left[2], left[3], errors)
                 self.sent = left[1]  # the commit: every sink has had these batches
@@ -129,6 +128,13 @@ class Deliveries:
         finally:
             self._running = None
         return errors
+
+
+def _copies(batches: _Batches, start: int, end: int) -> list[Record]:
+    """A sink's own copies of the records of ``batches[start:end]``, oldest first."""
+    if end == start + 1:  # one batch, as nearly every flush lands
+        return list(map(dict.copy, batches[start][0]))
+    return [record.copy() for records, _ in batches[start:end] for record in records]
 
 
 def _call_each(
