@@ -145,14 +145,11 @@ def initialized() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-def alone() -> bool:
-    """Whether this process is a job of its own: no process group, and no launcher says otherwise.
+def world_size() -> int:
+    """The ranks of this process's ``torch.distributed`` job; 1 without a process group."""
+    import torch.distributed as dist  # noqa: PLC0415 - only when asked
 
-    A ``reduce=`` flush here is local, so it can never wait for another rank.
-    Not so under ``torchrun`` before ``init_process_group`` or after
-    ``destroy_process_group`` (``WORLD_SIZE=4``): the values are one rank's.
-    """
-    return not initialized() and _launched_ranks(os.environ.get("WORLD_SIZE", "").strip()) < 2
+    return dist.get_world_size() if initialized() else 1
 
 
 def _launched_ranks(raw: str) -> int:

@@ -343,9 +343,7 @@ class LogBuffer(Flushes):
             return self._history.values(key)
 
     def mean(self, key: str, *, last: int | None = None) -> float:
-        """The mean of ``key`` over the history, or over its ``last`` values (NaN propagates).
-
-        Summed exactly (``math.fsum``): nothing cancels away, nothing overflows.
+        """The mean of ``key`` over the history or its ``last`` values: exact sum, NaN propagates.
 
         Raises:
             KeyError: No value of ``key`` has reached the host; the message

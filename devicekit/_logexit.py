@@ -18,11 +18,12 @@ A buffer used without ``with`` and never flushed at the end of a script would
 lose what it still holds, silently. So, like ``logging.shutdown`` for logging's
 handlers, `flush_at_exit` (an ``atexit`` hook) ends every live buffer that
 still holds values or records as a ``with`` block does. Except a buffer with
-``reduce`` in a job of several ranks: its flush is a collective, which at exit
-can hang (the other ranks may be gone), and after ``destroy_process_group``
-it would record one rank's values as the job's, so it is told instead, as is
-a flush at exit that fails (alone, in a script run without a launcher, its
-flush is local and it is flushed); a
+``reduce`` in a process group of several ranks (its flush is a collective,
+which at exit can hang: the other ranks may be gone), or one whose flushes
+combined the ranks' values and whose group is gone (its flush would record
+one rank's values as the job's): those are told instead, as is a flush at
+exit that fails (any other ``reduce=`` buffer, whose flushes were all local,
+is flushed without a collective); a
 ``RuntimeWarning``, which Python shows by default, and never an error raised
 past ``atexit``. A buffer with no sinks is left as it is: its history ends with
 the process anyway.
@@ -39,7 +40,7 @@ import warnings
 import weakref
 from typing import Any, Protocol
 
-from ._dist import alone, initialized
+from ._dist import initialized, world_size
 from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, Record, Sink
 from ._logreport import exit_failure, exit_warning, report_while_exiting
@@ -58,6 +59,7 @@ class Block(Protocol):
     _deliveries: Deliveries
     _made_in: int  # the process that made it (a forked child's copy is its parent's)
     _told_at_exit: bool  # the flush at exit dealt with it: dropping it later tells nothing
+    _reduced_across_ranks: bool  # a flush of it combined values across ranks
     reduce: str | None
 
     @property
@@ -71,11 +73,17 @@ class Block(Protocol):
     def _forked_copy(self) -> None: ...  # in a forked child: a copy without the sinks
 
 
-def leave(buffer: Block, exc: BaseException | None) -> None:
-    """``LogBuffer.__exit__``: flush, with ``exc`` (the block's exception, if any) kept first."""
+def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) -> None:
+    """``LogBuffer.__exit__``: flush, with ``exc`` (the block's exception, if any) kept first.
+
+    ``collective=False``: no flush joins a collective (at exit, in a job of one rank).
+    """
     if exc is None:
         try:
-            buffer.flush()
+            if collective:
+                buffer.flush()
+            else:
+                buffer._flush(wait=True, reduce=False)
         except BaseException as error:
             # What the sinks logged meanwhile is still recorded; after Ctrl-C in a
             # sink, without calling the sinks again.
@@ -208,17 +216,11 @@ def _end(buffer: Block) -> None:
             fix="",  # the user stopped it: theirs to know, with nothing to do
         )
         return
-    if buffer.reduce is not None and not alone():
-        why = (
-            "its flush is a collective across ranks, which at exit can hang (the other ranks "
-            "may be gone)"
-            if initialized()
-            else "the process group is gone, and WORLD_SIZE says this is one of several "
-            "ranks, so its flush would record this rank's own values as the job's"
-        )
+    refused = _reduce_refused(buffer)
+    if refused is not None:
         _tell(
             buffer,
-            f"a LogBuffer with reduce={buffer.reduce!r} is not flushed at exit, because {why}",
+            f"a LogBuffer with reduce={buffer.reduce!r} is not flushed at exit, because {refused}",
             fix=" Flush it on every rank before the script ends (and before "
             "destroy_process_group()): use it in a with block, or call logs.flush() after "
             "the loop.",
@@ -230,11 +232,38 @@ def _end(buffer: Block) -> None:
         _tell(buffer, f"another thread was still flushing it after {_EXIT_LOCK_WAIT:g} s")
         return
     try:
-        leave(buffer, None)
+        leave(buffer, None, collective=False)  # any collective left could only be of one rank
     except Exception as error:  # noqa: BLE001 - told: an error raised past atexit is lost
         _tell(buffer, exit_failure(error))
     finally:
         buffer._lock.release()
+
+
+def _reduce_refused(buffer: Block) -> str | None:
+    """Why a ``reduce=`` buffer cannot be flushed at exit; None where it can, locally.
+
+    In a process group of several ranks its flush is a collective, which at
+    exit can hang. After ``destroy_process_group()``, a buffer whose flushes
+    combined the ranks' values would record this rank's own as the job's.
+    Otherwise (no group, ever: a script run alone, or ranks that never made
+    one, whose every flush was local; a group of one rank) it is flushed
+    without a collective, as its flushes were.
+    """
+    if buffer.reduce is None:
+        return None
+    if initialized():
+        if world_size() > 1:
+            return (
+                "its flush is a collective across ranks, which at exit can hang (the other "
+                "ranks may be gone)"
+            )
+        return None
+    if buffer._reduced_across_ranks:
+        return (
+            "the process group is gone (destroy_process_group()), and its flushes combined "
+            "the ranks' values: this one would record this rank's own values as the job's"
+        )
+    return None
 
 
 def _tell(buffer: Block, why: str, **fix: str) -> None:

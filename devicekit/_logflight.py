@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterable
 
 from ._callbacks import checked_sinks
-from ._dist import initialized
+from ._dist import initialized, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._logdeliver import Deliveries, Record, Sink
@@ -53,6 +53,8 @@ class Flushes:
     _sinks_left_out: list[str] | None  # a copy's: the sinks it did not get, told once
     _made_in: int  # the process that made it, or this copy of it
     _forked = False  # a forked child's copy of its parent's buffer (see _forked_copy)
+    # A flush combined values across ranks: at exit without the group, one would not.
+    _reduced_across_ranks = False
 
     @property
     def sinks(self) -> list[Sink]:
@@ -214,7 +216,7 @@ class Flushes:
         if failure is None:
             self._told_broken = False  # the job works (again: it may have been made again)
             try:
-                return self._start(batch, reduce=True, automatic=automatic), None
+                values = self._start(batch, reduce=True, automatic=automatic)
             except RanksDisagreeError as error:  # the same verdict on every rank
                 failure = error
             except RanksOutOfStepError as error:
@@ -222,6 +224,10 @@ class Flushes:
                 if broken_job(self.reduce) is None:  # the ranks met from different calls
                     raise  # the values stay pending
                 failure = error  # the first failure of the job, or another rank's, found now
+            else:
+                if not self._reduced_across_ranks and world_size() > 1:
+                    self._reduced_across_ranks = True  # see _logexit._reduce_refused
+                return values, None
         values = self._start(batch, reduce=False) if batch else InFlight((), [])
         if not isinstance(failure, RanksOutOfStepError):
             return values, failure

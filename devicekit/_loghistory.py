@@ -118,7 +118,7 @@ class History:
 
 
 def mean_of(values: list[float]) -> float:
-    """The mean of ``values`` from their exact sum, rounded once; NaN and infinities propagate.
+    """The mean of ``values`` from their exact sum (``math.fsum``); NaN and infinities propagate.
 
     ``sum()`` loses what cancels (``[1e16, 1.0, -1e16]`` gave 0.0, not 1/3) and
     overflows where the mean does not (``[1e308, 1e308]`` gave inf); ``fsum``

@@ -284,8 +284,10 @@ def left_out_warning(left_out: list[str], *, forked: bool = False) -> str:
             f"worker, multiprocessing with fork), and a copy gets no sinks: "
             f"{', '.join(left_out)} stayed with the parent, so this process's records are "
             "kept in its own history only, and end with it. Log in the parent (return what "
-            "to log with the batch), or give this copy sinks of its own: "
-            "logs.sinks = [dk.CSVSink(f'worker{os.getpid()}.csv')]."
+            "to log with the batch), or give this copy sinks of its own, "
+            "logs.sinks = [dk.CSVSink(f'worker{os.getpid()}.csv')], and call logs.flush() "
+            "before the worker ends: a DataLoader or multiprocessing worker ends without "
+            "Python's exit hooks, so nothing flushes it then."
         )
     return (
         f"this LogBuffer is a copy (copy, deepcopy, pickle or torch.save; a spawned worker's "

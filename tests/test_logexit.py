@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import os
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 import devicekit as dk
 from devicekit import _logexit
 
-from .mapfns import run_in_repo, run_python_args
+from .mapfns import REPO, importable, run_in_repo, run_python_args
 
 _NEVER_FLUSHED = """
 import sys, torch, devicekit as dk
@@ -90,44 +92,91 @@ _REDUCING = (
 )
 
 
-def test_a_reducing_buffer_alone_is_flushed_at_exit(tmp_path: Path) -> None:
-    # A DDP script run as one plain process: its flush is local, it cannot hang. Before,
-    # it was told, not flushed, and the CSV lost its last 150 rows.
-    path = tmp_path / "train.csv"
-    _, stderr = _script(_REDUCING.format(setup=""), str(path))
-    assert [row["step"] for row in _rows(path)] == [str(step) for step in range(250)]
-    assert "LogBuffer" not in stderr, stderr
-
-
-def test_a_reducing_buffer_of_a_launched_rank_is_not_flushed_at_exit(tmp_path: Path) -> None:
-    # Under torchrun after destroy_process_group(): a flush would record this rank's
-    # values as the job's. Told, with what it held.
-    path = tmp_path / "train.csv"
-    done = run_python_args(
-        ["-c", _REDUCING.format(setup=""), str(path)], env={"WORLD_SIZE": "2", "RANK": "0"}
-    )
-    assert len(_rows(path)) == 100  # the automatic flushes' only
-    assert "LogBuffer(flush_every=100, reduce='mean') of loss" in done.stderr
-    assert "was left with 150 values never recorded" in done.stderr
-    assert "reduce='mean' is not flushed at exit" in done.stderr
-    assert "would record this rank's own values as the job's" in done.stderr
-    assert "before destroy_process_group()" in done.stderr
-    assert done.stderr.count("RuntimeWarning") == 1, done.stderr
-
-
-def test_a_reducing_buffer_in_a_process_group_is_not_flushed_at_exit(tmp_path: Path) -> None:
-    # Its flush is a collective: at exit the other ranks may be gone (a hang).
-    path = tmp_path / "train.csv"
-    setup = (
+def _gloo(tmp_path: Path, rank: int = 0, world: int = 1) -> str:
+    """Script lines that make a gloo group of ``world`` ranks through a file in ``tmp_path``."""
+    return (
         "import torch.distributed as dist\n"
         f"dist.init_process_group('gloo', init_method={(tmp_path / 'rendezvous').as_uri()!r}, "
-        "rank=0, world_size=1)\n"
+        f"rank={rank}, world_size={world})\n"
     )
-    _, stderr = _script(_REDUCING.format(setup=setup), str(path))
-    assert len(_rows(path)) == 100
-    assert "was left with 150 values never recorded" in stderr
-    assert "its flush is a collective across ranks, which at exit can hang" in stderr
-    assert stderr.count("RuntimeWarning") == 1, stderr
+
+
+@pytest.mark.parametrize(
+    ("setup", "env"),
+    [
+        ("", {}),  # a DDP script run as one plain process
+        ("", {"WORLD_SIZE": "2", "RANK": "0"}),  # a launcher's rank that made no group
+        ("group", {}),  # a group of one rank (torchrun --nproc_per_node=1)
+        ("group+destroy", {}),
+    ],
+    ids=["alone", "launched-no-group", "group-of-one", "group-of-one-destroyed"],
+)
+def test_a_reducing_buffer_whose_flushes_were_local_is_flushed_at_exit(
+    tmp_path: Path, setup: str, env: dict[str, str]
+) -> None:
+    # Every flush of it was local (no group, or a group of one rank): its flush at exit is
+    # one more, without a collective. Before, it was told, not flushed, and the CSV lost
+    # its last 150 rows.
+    path = tmp_path / "train.csv"
+    script = _REDUCING.format(setup=_gloo(tmp_path) if setup else "")
+    if setup.endswith("destroy"):
+        script += "dist.destroy_process_group()\n"
+    done = run_python_args(["-c", script, str(path)], env=env)
+    assert [row["step"] for row in _rows(path)] == [str(step) for step in range(250)]
+    assert "LogBuffer" not in done.stderr, done.stderr
+
+
+_TWO_RANKS = 60  # seconds each rank of a two-rank script may take
+
+
+def _two_ranks(tmp_path: Path, tail: str) -> list[subprocess.CompletedProcess[str]]:
+    """Run the reducing script as ranks 0 and 1 of a gloo job, ``tail`` after the loop."""
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _REDUCING.format(setup=_gloo(tmp_path, rank, 2)) + tail,
+                str(tmp_path / f"rank{rank}.csv"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=importable(),
+        )
+        for rank in range(2)
+    ]
+    done = []
+    for rank in ranks:
+        stdout, stderr = rank.communicate(timeout=_TWO_RANKS)
+        done.append(subprocess.CompletedProcess(rank.args, rank.returncode, stdout, stderr))
+    return done
+
+
+@pytest.mark.timeout(3 * _TWO_RANKS)
+@pytest.mark.parametrize(
+    ("tail", "why"),
+    [
+        ("", "its flush is a collective across ranks, which at exit can hang"),
+        (
+            "dist.destroy_process_group()\n",
+            "the process group is gone (destroy_process_group()), and its flushes combined "
+            "the ranks' values: this one would record this rank's own values as the job's",
+        ),
+    ],
+    ids=["group-alive", "group-destroyed"],
+)
+def test_a_reducing_buffer_of_a_job_of_two_ranks_is_told_not_flushed_at_exit(
+    tmp_path: Path, tail: str, why: str
+) -> None:
+    for rank, done in enumerate(_two_ranks(tmp_path, tail)):
+        assert done.returncode == 0, done.stderr
+        assert len(_rows(tmp_path / f"rank{rank}.csv")) == 100  # the first automatic flush
+        assert "was left with 150 values never recorded" in done.stderr
+        assert f"reduce='mean' is not flushed at exit, because {why}" in done.stderr
+        assert "before destroy_process_group()" in done.stderr
+        assert done.stderr.count("RuntimeWarning") == 1, done.stderr
 
 
 def test_ctrl_c_in_a_sink_at_exit_stops_the_flushes_and_tells_the_rest(tmp_path: Path) -> None:
@@ -213,6 +262,8 @@ def test_a_dataloader_workers_copy_never_writes_the_parents_sinks(tmp_path: Path
     assert "this LogBuffer is a forked process's copy of its parent's buffer" in stderr
     assert "CSVSink(" in stderr
     assert "stayed with the parent" in stderr
+    # Sinks of its own need a flush there: a worker ends with os._exit, no exit hooks.
+    assert "and call logs.flush() before the worker ends" in stderr
     assert stderr.count("RuntimeWarning") == 1, stderr  # once, at the worker's first flush
 
 
@@ -276,11 +327,11 @@ def test_a_buffer_another_thread_keeps_flushing_is_told_not_waited_for(
 def test_a_buffer_dealt_with_at_exit_is_not_told_again_when_dropped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")  # one rank of a launched job: told, not flushed
     logs = dk.LogBuffer(reduce="sum", sinks=[lambda records: None])
+    monkeypatch.setattr(logs, "_reduced_across_ranks", True)  # as after a job's flushes
     logs.log(0, loss=1.0)
     with pytest.warns(RuntimeWarning, match="reduce='sum' is not flushed at exit"):
-        _logexit._end(logs)
+        _logexit._end(logs)  # its group is gone: told, not flushed
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         del logs  # its __del__ would raise (printed as ignored) if it warned
