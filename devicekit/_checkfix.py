@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._format import plural
+from ._format import article, plural
 from ._modulecheck import check_module
 
 __all__ = [
@@ -172,13 +172,14 @@ def _held_steps(
             )
         elif target.type != "meta" and torch.device("meta") in devices:
             steps.append(
-                f"make {holder} again on {target} (it is a {cls}, which dk.to_device() "
-                "returns unchanged, and its meta tensors hold no values to copy)"
+                f"make {holder} again on {target} (it is {article(cls)} {cls}, which "
+                "dk.to_device() returns unchanged, and its meta tensors hold no values to copy)"
             )
         else:
             steps.append(
                 f"move the tensors in {holder} ({render(paths[0])}{more}) to {target} yourself, "
-                f"or make it there (it is a {cls}, which dk.to_device() returns unchanged)"
+                f"or make it there (it is {article(cls)} {cls}, which dk.to_device() returns "
+                "unchanged)"
             )
     if len(objects) > _SHOWN_HOLDERS:
         steps.append(f"the same for {len(objects) - _SHOWN_HOLDERS} more objects in {name}")

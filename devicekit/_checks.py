@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import sys
 import types
 import warnings
 import weakref
@@ -25,6 +26,7 @@ from ._checkfix import (
 from ._checkwalk import collect, refuse_unwalkable
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
+from ._format import article
 from ._frames import caller_stacklevel
 from ._look import NOTHING_INSIDE, class_attribute
 from ._lookbulk import plain_class_ids
@@ -239,6 +241,7 @@ def _warn_attributes(
 
 # Python's own objects whose storage shows nothing, and that hold no tensor.
 _NO_TENSOR_INSIDE = (torch.Tensor, torch.nn.Module, bytearray, array.array, memoryview)
+_OWN_OBJECTS = frozenset({"builtins", "torch", "numpy"})  # modules whose C objects hold none
 
 
 def _unread_arguments(named: dict[str, Any], holding: Set[str]) -> dict[str, str]:
@@ -269,8 +272,11 @@ def _unread(obj: object) -> str | None:
     if pandas_kind(cls) is not None or iter_children(obj) is not None:
         return None
     module = getattr(cls, "__module__", None)
-    if isinstance(module, str) and module.split(".")[0] == "numpy":
-        return None  # an array read by its dtype, or numpy's own (a Generator, a dtype)
+    root = module.split(".")[0] if isinstance(module, str) else ""
+    if root in _OWN_OBJECTS or root in sys.stdlib_module_names:
+        # Python's, torch's, numpy's own (a slice, a Lock, a Generator, a dtype; an array
+        # is read by its dtype): none holds a tensor the user put there.
+        return None
     storage = class_attribute(cls, "__dict__")
     if type(storage) in (types.GetSetDescriptorType, types.MemberDescriptorType):
         return None
@@ -295,7 +301,9 @@ def _no_tensor(unread: dict[str, str], named: dict[str, Any]) -> str:
 def _listed(unread: dict[str, str], named: dict[str, Any]) -> str:
     """Each argument not looked inside, with its class and why: ``x (a Foo: ...)``."""
     return "; ".join(
-        f"{name} (a {type(named[name]).__name__}: {why})" for name, why in unread.items()
+        f"{name} ({article(kind)} {kind}: {why})"
+        for name, why in unread.items()
+        for kind in [type(named[name]).__name__]
     )
 
 

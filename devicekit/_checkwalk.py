@@ -35,6 +35,7 @@ from ._checkfix import (
     Path,
     render,
 )
+from ._format import article
 from ._look import (
     NOTHING_INSIDE,
     OPAQUE,
@@ -285,20 +286,20 @@ def _open_pandas(
     except Unreadable as error:  # no look at all: never a pass for what it holds
         at, kind = render(path), type(obj).__name__
         raise ValueError(
-            f"assert_same_device() cannot check {name}: {at} is a {kind}, which it reads "
+            f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind}, which "
+            "it reads "
             f"through pandas, and pandas raised {error}. The check stops there rather than "
             f"pass tensors it never saw. Pass the tensors to check themselves, or a dict or "
             f"list of them, instead of {at}."
         ) from None
-    many = f"{_BULK_BUDGET:,} values in its lists, dicts, tuples, sets and pandas objects"
     if not whole:
-        raise ValueError(_too_many(name, holder, many))
+        raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__))
     read: list[_Part] = []
     for at, step, values in parts:
         counted, plain = bulk_look(values, left.bulk, seen.keys()) or (len(values), False)
         left.bulk -= counted
         if left.bulk < 0:
-            raise ValueError(_too_many(name, holder, many))
+            raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__))
         if not plain:
             read.append((_prefixed(f"{at}{step}", bulk_children(values)), holder))
     try:
@@ -397,13 +398,26 @@ def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list
 
 def _too_many(name: str, holder: Holder, what: str) -> str:
     at, kind = render(holder[0]), holder[1]
-    article = "an" if kind[:1].lower() in "aeiou" else "a"
     return (
-        f"assert_same_device() cannot check {name}: {at} is {article} {kind}, which it looks "
-        f"inside attribute by attribute, and it holds more than {what} (counting "
+        f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind}, which it "
+        f"looks inside attribute by attribute, and it holds more than {what} (counting "
         "what they hold in turn: a dataset, a logger?). The check stops there rather than "
         "pass tensors it never saw. Pass the tensors to check themselves, or a dict or list "
         f"of them, instead of {at}."
+    )
+
+
+def _too_many_in_pandas(name: str, path: Path, kind: str) -> str:
+    """The refusal of a pandas object whose values of ``object`` dtype are too many to read."""
+    at = render(path)
+    return (
+        f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind} whose "
+        f"values of object dtype, read one by one through pandas, are more than "
+        f"{_BULK_BUDGET:,} (with those of the lists, dicts and pandas objects around it). "
+        "Under pandas before 3.0 every column of strings is of object dtype: "
+        f"{at}.convert_dtypes() makes them strings, which it passes over. The check stops "
+        "there rather than pass tensors it never saw. Or pass the tensors to check "
+        f"themselves, such as list({at}['emb']) for a column of them."
     )
 
 

@@ -28,7 +28,7 @@ from ._accelerators import (
     try_all_gpus,
 )
 from ._errors import DeviceNotFoundError
-from ._format import first_line, plural, shorten
+from ._format import article, first_line, plural, shorten
 from ._options import check_index, is_one_index, tensor_got
 from ._shortrepr import got, short_repr
 from ._visible import ENV_VAR
@@ -364,13 +364,6 @@ def _parses(text: str) -> bool:
     return True
 
 
-def _article(word: str) -> str:
-    """``"an MPS"``, ``"a CUDA"``: by how an acronym's first letter sounds; ``"a lazy"``."""
-    if word.isupper():  # an acronym, read letter by letter ("ROCm" and "Vulkan" are words)
-        return "an" if word[:1] in "AEFHILMNORSX" else "a"
-    return "an" if word[:1].lower() in "aeiou" else "a"
-
-
 def _check(device: torch.device, value: object, name: str) -> torch.device:
     kind = device.type
     if kind == "cpu":
@@ -415,13 +408,13 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
         )
     if kind in _PACKAGES:  # no torch build has it: a package adds it
         raise DeviceNotFoundError(
-            f"{name}={short_repr(value)} names {_article(label)} {label} device, which torch "
+            f"{name}={short_repr(value)} names {article(label)} {label} device, which torch "
             f"({torch.__version__}) supports only once {_PACKAGES[kind]} is imported, and it is "
             f"not; devices here: {_here()}. Import {_PACKAGES[kind]} first, or use dk.try_gpu() to "
             "fall back to the CPU when there is no GPU."
         )
     raise DeviceNotFoundError(
-        f"{name}={short_repr(value)} names {_article(label)} {label} device, but this torch build "
+        f"{name}={short_repr(value)} names {article(label)} {label} device, but this torch build "
         f"({torch.__version__}) has no {label} support; devices here: {_here()}. Install a torch "
         f"build with {label} to use it, or dk.try_gpu() to fall back to the CPU when there "
         "is no GPU."

@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "NOT_APPLICABLE",
     "UNKNOWN",
+    "article",
     "close_match",
     "first_line",
     "format_bytes",
@@ -209,6 +210,18 @@ def safe_text(text: str) -> str:
 def _escape(match: re.Match[str]) -> str:
     code = ord(match.group())
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def article(word: str) -> str:
+    """``"an"`` or ``"a"`` before ``word``, by how it sounds: an acronym letter by letter.
+
+    Examples:
+        >>> article("MPS"), article("CUDA"), article("Index"), article("ellipsis")
+        ('an', 'a', 'an', 'an')
+    """
+    if word.isupper():  # an acronym, read letter by letter ("ROCm" and "Vulkan" are words)
+        return "an" if word[:1] in "AEFHILMNORSX" else "a"
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

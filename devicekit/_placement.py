@@ -83,10 +83,7 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
             if cls.__module__ == "numpy":
                 fix = "keep them in a list (which it moves) instead of a numpy array"
             elif pandas_kind(cls) is not None:  # its own class: a .to() is not the user's to add
-                fix = (
-                    "keep them in a list or dict of tensors (which it moves), or move a "
-                    "column yourself: df['emb'] = df['emb'].map(lambda t: t.to(device))"
-                )
+                fix = _pandas_fix(pandas_kind(cls), path, target)
             else:
                 fix = f"give {name} a .to(device) that returns the moved object"
             cache = _TRANSFORMERS_CACHE if cls.__module__.startswith("transformers.") else ""
@@ -323,6 +320,17 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     if modules is not None:
         _warn_left_behind(modules, target)
     return result  # type: ignore[no-any-return]
+
+
+def _pandas_fix(kind: str | None, path: str, target: torch.device) -> str:
+    """How to move the tensors of a pandas object yourself: its column, onto ``target``."""
+    move = f".map(lambda t: t.to({str(target)!r}))"
+    if kind == "DataFrame" and path.startswith("["):  # ['emb'].iloc[0]: that column
+        column = path[: path.index("]") + 1]
+        return f"such as df{column} = df{column}{move}, or keep them in a list or dict of tensors"
+    if kind == "Series":
+        return f"such as s = s{move}, or keep them in a list or dict of tensors"
+    return "keep them in a list or dict of tensors (which it moves)"
 
 
 def _view_refused(obj: object, held: HeldView, target: torch.device) -> str:

@@ -49,10 +49,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._devices import DeviceLike, _article, resolve_devices
+from ._devices import DeviceLike, resolve_devices
 from ._dispatch import worker_env
 from ._errors import WorkerError
-from ._format import first_line
+from ._format import article, first_line
 from ._frames import caller_stacklevel
 from ._mapfaults import show_item
 from ._progress import Progress
@@ -259,7 +259,7 @@ def _submit(
         reason = plain_text(first_line(error)).rstrip(":")
         raise TypeError(
             f"gpu_map(executor='ray') sends each item to a Ray task, so Ray must be able to "
-            f"serialize it, and item {index} ({show_item(item)}, {_article(kind)} {kind}) "
+            f"serialize it, and item {index} ({show_item(item)}, {article(kind)} {kind}) "
             f"cannot be: {reason}. Pass data (numbers, strings, paths, tensors) and let fn "
             "build the rest."
         ) from None

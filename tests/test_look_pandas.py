@@ -13,7 +13,9 @@ real pandas, and are skipped where it is absent.
 
 from __future__ import annotations
 
+import decimal
 import re
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -239,8 +241,15 @@ def test_a_large_frame_is_read_within_the_bounds_and_refused_past_them(
     # Plain values of an object column are passed over in bulk, counted as values.
     assert dk.assert_same_device(df=frame(("s", OBJECT, ["a"] * 900)), x=torch.ones(1)) == CPU
     del _read[:]
-    with pytest.raises(ValueError, match=r"more than 1,000 values in its lists, dicts, tuples"):
+    with pytest.raises(
+        ValueError,
+        match=r"values of object dtype, read one by one through pandas, "
+        r"are more than 1,000",
+    ) as refused:
         dk.assert_same_device(df=frame(("s", OBJECT, ["a"] * 100_000)), x=torch.ones(1))
+    # Said as a pandas user reads it: strings of object dtype (pandas < 3), and the fix.
+    assert "df.convert_dtypes() makes them strings" in str(refused.value)
+    assert "a dataset, a logger" not in str(refused.value)
     assert max(count for _, count in _read) <= 1_001  # not the 100,000
     # Objects are looked at one by one, counted as objects.
     objects = frame(("o", OBJECT, [object() for _ in range(60)]))
@@ -256,8 +265,9 @@ def test_to_device_warns_of_a_frame_it_leaves_with_tensors_inside(
     df = frame(("n", FLOAT, [1.0]), ("emb", OBJECT, [torch.ones(1)]))
     with pytest.warns(RuntimeWarning, match=re.escape("(DataFrame['emb'].iloc[0])")) as told:
         assert dk.to_device({"df": df}, "meta")["df"] is df
-    # The fix is one for a pandas user: not "give DataFrame a .to(device)".
-    assert "move a column yourself: df['emb'] = df['emb'].map(" in str(told[0].message)
+    # The fix is one for a pandas user, for that column and target: not "give DataFrame
+    # a .to(device)".
+    assert "such as df['emb'] = df['emb'].map(lambda t: t.to('meta'))" in str(told[0].message)
     assert ".to(device) that returns" not in str(told[0].message)
     # The look is bounded: a column of 10,000 objects is read 256 at most.
     del _read[:]
@@ -275,18 +285,24 @@ class Guarded(Holder):
         raise AssertionError("a property named __dict__ ran")
 
 
+class Extension:
+    """Stands in for a C extension's object (a pybind11 class): no __dict__ Python can read."""
+
+    __slots__ = ()
+    __module__ = "some_extension"
+
+
 def test_an_argument_it_cannot_look_inside_is_named_not_passed_off_as_empty(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # "found no tensor in g" read as if it had looked inside g.
     monkeypatch.setattr(_checks, "_warned_unread", set())
-    generator = torch.Generator()
     with pytest.raises(
         ValueError,
-        match=r"found no tensor in g, step, but it could not look inside g \(a Generator: it "
+        match=r"found no tensor in g, step, but it could not look inside g \(an Extension: it "
         r"keeps what it holds where Python cannot read it",
     ):
-        dk.assert_same_device(g=generator, step=3)
+        dk.assert_same_device(g=Extension(), step=3)
     for thing, why in (
         (Guarded(meta()), "its __dict__ is a property"),
         (weakref.ref(Holder), "a weak reference, which the check does not follow"),
@@ -295,13 +311,18 @@ def test_an_argument_it_cannot_look_inside_is_named_not_passed_off_as_empty(
         with pytest.raises(ValueError, match=re.escape(said)):
             dk.assert_same_device(thing)
     # Beside other tensors it warns, once per name and class, and passes.
-    with pytest.warns(RuntimeWarning, match=r"could not look inside g \(a Generator"):
-        assert dk.assert_same_device(torch.ones(1), g=generator) == CPU
+    with pytest.warns(RuntimeWarning, match=r"could not look inside g \(an Extension"):
+        assert dk.assert_same_device(torch.ones(1), g=Extension()) == CPU
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dk.assert_same_device(torch.ones(1), g=torch.Generator()) == CPU
+        assert dk.assert_same_device(torch.ones(1), g=Extension()) == CPU
         # Objects it looked inside, and plain values, are as before: no warning.
         assert dk.assert_same_device(torch.ones(1), Holder(None), step=3, df=frame()) == CPU
+        # Nor Python's, torch's or numpy's own objects, which hold no tensor of the user's.
+        own = {"rows": slice(0, 2), "every": ..., "lock": threading.Lock()}
+        own |= {"g": torch.Generator(), "info": torch.finfo(torch.float32)}
+        own |= {"price": decimal.Decimal(1), "pattern": re.compile("x")}
+        assert dk.assert_same_device(torch.ones(1), **own) == CPU
     with pytest.raises(ValueError, match=r"found no tensor in arg0, step; pass the tensors"):
         dk.assert_same_device(Holder(None), step=3)
 
