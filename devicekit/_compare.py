@@ -16,6 +16,19 @@ from ._shortrepr import got, short_repr
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 
 
+def _ratio_text(ratio: float) -> str:
+    """A row's ratio as its report writes it: ``"3.43x slower"``, ``"2.00x faster"``.
+
+    Examples:
+        >>> _ratio_text(3.429), _ratio_text(0.5), _ratio_text(1.001)
+        ('3.43x slower than the reference', '2.00x faster than the reference', '1.00x')
+    """
+    if f"{ratio:.2f}" == "1.00":
+        return f"{ratio:.2f}x"
+    factor, way = (ratio, "slower") if ratio > 1 else (1 / ratio, "faster")
+    return f"{factor:.2f}x {way} than the reference"
+
+
 @dataclass(frozen=True)
 class ComparisonRow(PlainResult):
     """One variant in a [`Comparison`][devicekit.Comparison].
@@ -33,7 +46,7 @@ class ComparisonRow(PlainResult):
 
     name: str
     measurement: Measurement
-    ratio: float | None = field(metadata=shown(lambda ratio: f"{ratio:#.3g}x"))
+    ratio: float | None = field(metadata=shown(_ratio_text))
     within_noise: bool | None
 
     def verdict(self, reference: str) -> str:

@@ -253,8 +253,8 @@ def html_table(
         '<table><caption>cuda:0</caption><tr><th style="text-align:left">memory</th><td>80.0 GiB</td></tr></table>'
     """  # noqa: E501 - the expected output is one line
     parts = ["<table>"]
-    if caption is not None:
-        parts.append(f"<caption>{html.escape(caption)}</caption>")
+    if caption is not None:  # lines kept: a flag's "fix:" line under its detail
+        parts.append(f"<caption>{_cell(caption)}</caption>")
     if header is not None:
         parts.append("<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
     for row in rows:

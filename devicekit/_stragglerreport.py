@@ -74,7 +74,7 @@ class Straggler(PlainResult):
     section: str
     median: float = field(metadata=shown(format_seconds))
     job_median: float = field(metadata=shown(format_seconds))
-    lost: float = field(metadata=shown(format_seconds))
+    lost: float = field(metadata=shown(lambda lost: f"{format_seconds(lost)} per step"))
 
     @property
     def ratio(self) -> float:

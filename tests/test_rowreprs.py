@@ -66,9 +66,10 @@ def cells(table: str) -> dict[str, str]:
 
 
 def caption(table: str) -> str:
+    """The caption's text, its lines (``<br>`` in the HTML) joined by newlines."""
     match = re.match(r"<table><caption>(.*?)</caption>", table, re.DOTALL)
     assert match, table
-    return html.unescape(match.group(1))
+    return html.unescape(match.group(1).replace("<br>", "\n"))
 
 
 def label(field: str) -> str:
@@ -151,7 +152,11 @@ def comparison_cases() -> list[Case]:
     return [
         Case(
             slow,
-            {"name": HOSTILE, "ratio": f"{slow.ratio:#.3g}x", "within noise": "no"},
+            {
+                "name": HOSTILE,
+                "ratio": f"{slow.ratio:.2f}x slower than the reference",  # as the report says
+                "within noise": "no",
+            },
             report=table,
             shared=(format_seconds(slow.measurement.median),),
         ),
@@ -305,7 +310,11 @@ def straggler_cases() -> list[Case]:
         Case(untimed, {"step time": UNKNOWN, "samples": "forward: 10\nbackward: 0"}),
         Case(
             straggler,
-            {"median": format_seconds(0.0123), "job median": format_seconds(0.004)},
+            {
+                "median": format_seconds(0.0123),
+                "job median": format_seconds(0.004),
+                "lost": f"{format_seconds(0.0123 - 0.004)} per step",
+            },
             report=report,
             shared=(format_seconds(0.0123 - 0.004),),
         ),
