@@ -43,7 +43,13 @@ from ._look import (
     module_attributes,
     object_attributes,
 )
-from ._lookbulk import array_elements, bulk_children, bulk_look, plain_class_ids
+from ._lookbulk import (
+    array_elements,
+    array_values,
+    bulk_children,
+    bulk_look,
+    plain_class_ids,
+)
 from ._lookpandas import Unreadable, pandas_kind, pandas_parts, shown_attribute
 from ._mover import _has_to_method
 from ._tree import children, container_attributes, iter_children
@@ -211,7 +217,14 @@ def _open(
         return _open_mapping(obj, path, holder)
     elements = children(obj) if holder is None else iter_children(obj)
     if elements is None:
-        elements = array_elements(obj)  # a numpy array of dtype=object: each element
+        values = array_values(obj)  # a numpy array of dtype=object: read as a list is
+        if values is not None:  # to_device() returns it unchanged: a holder
+            holder = holder or (path, type(obj).__name__, KEPT)
+            try:
+                return _open_values(values, ".flat", holder, left=left, seen=seen)
+            except _TooMany:
+                raise ValueError(_too_many_in_array(name, path)) from None
+        elements = array_elements(obj)  # a numpy record with an object field: each field
         if elements is not None:  # to_device() returns it unchanged: a holder
             return [(elements, holder or (path, type(obj).__name__, KEPT))]
         frame = pandas_kind(type(obj))
@@ -296,12 +309,10 @@ def _open_pandas(
         raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__))
     read: list[_Part] = []
     for at, step, values in parts:
-        counted, plain = bulk_look(values, left.bulk, seen.keys()) or (len(values), False)
-        left.bulk -= counted
-        if left.bulk < 0:
-            raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__))
-        if not plain:
-            read.append((_prefixed(f"{at}{step}", bulk_children(values)), holder))
+        try:
+            read += _open_values(values, f"{at}{step}", holder, left=left, seen=seen)
+        except _TooMany:
+            raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__)) from None
     try:
         attributes = object_attributes(obj, limit=left.objects + 1)
     except RuntimeError as error:  # another thread kept changing it: no partial pass
@@ -309,6 +320,27 @@ def _open_pandas(
     shown = ((shown_attribute(attr[1:]), value) for attr, value in attributes)
     read.append((((f".{attr}", value) for attr, value in shown if attr is not None), holder))
     return read
+
+
+class _TooMany(Exception):
+    """More plain values than ``_BULK_BUDGET`` in what `_open_values` read."""
+
+
+def _open_values(
+    values: list[Any], step: str, holder: Holder, *, left: _Budget, seen: dict[int, object]
+) -> list[_Part]:
+    """The elements of an array or a pandas column, read as a list's (`bulk_look()`).
+
+    Plain ones (a str, a number, an array of numbers) are passed over and
+    counted against ``_BULK_BUDGET``; the rest are read one by one, at
+    ``step`` and their index (``.flat[3]``, ``['emb'].iloc[3]``). Past the
+    budget: `_TooMany`, for the caller to say what was too large.
+    """
+    counted, plain = bulk_look(values, left.bulk, seen.keys()) or (len(values), False)
+    left.bulk -= counted
+    if left.bulk < 0:
+        raise _TooMany
+    return [] if plain else [(_prefixed(step, bulk_children(values)), holder)]
 
 
 def _prefixed(prefix: str, elements: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -418,6 +450,17 @@ def _too_many_in_pandas(name: str, path: Path, kind: str) -> str:
         f"{at}.convert_dtypes() makes them strings, which it passes over. The check stops "
         "there rather than pass tensors it never saw. Or pass the tensors to check "
         f"themselves, such as list({at}['emb']) for a column of them."
+    )
+
+
+def _too_many_in_array(name: str, path: Path) -> str:
+    """The refusal of a numpy array of Python objects too large to read."""
+    at = render(path)
+    return (
+        f"assert_same_device() cannot check {name}: {at} is an ndarray of dtype=object "
+        f"whose elements are more than {_BULK_BUDGET:,} (with those of the lists, dicts and "
+        "arrays around it). The check stops there rather than pass tensors it never saw. "
+        f"Pass the tensors to check themselves, or a dict or list of them, instead of {at}."
     )
 
 

@@ -37,7 +37,7 @@ from ._look import (
 )
 from ._tree import ITEMS_ONLY, container_attributes
 
-__all__ = ["array_elements", "bulk_children", "bulk_look", "plain_class_ids"]
+__all__ = ["array_elements", "array_values", "bulk_children", "bulk_look", "plain_class_ids"]
 
 
 # Plain values: nothing inside them can be a tensor, and their class alone says so (read
@@ -357,6 +357,21 @@ def array_elements(obj: object) -> Iterator[tuple[str, Any]] | None:
     if not names:
         return iter(((".item()", array.item()),))
     return ((f"[{name!r}]", array[name]) for name in names)
+
+
+def array_values(obj: object) -> list[Any] | None:
+    """The elements of an exact ``ndarray`` of Python objects, in C order; None if not one.
+
+    For the check, which reads them as it reads a list's (`bulk_look()`): the
+    plain ones (a million labels of ``dtype=object``) in bulk, the rest one by
+    one, at ``.flat[i]``. Listed by numpy's C (``ndarray.flat``), no code of
+    the elements' runs.
+    """
+    _plain()
+    if type(obj) is not _numpy_classes[0] or not _has_object(obj):
+        return None
+    array: Any = obj
+    return list(array.flat)
 
 
 _dict_offset: Callable[[type], int] = type.__dict__["__dictoffset__"].__get__

@@ -1275,16 +1275,31 @@ def test_a_numpy_array_of_objects_is_looked_inside() -> None:
     assert "it is a ndarray, which dk.to_device() returns unchanged" in str(info.value)
     with pytest.raises(dk.DeviceMismatchError, match=r"  arg0\.x\.flat\[2\]: meta"):
         dk.assert_same_device(Holder(objects), torch.ones(1))
-    # Arrays of numbers, and of objects that hold no tensor, still pass (in bulk for the
-    # former); a large array of objects is counted object by object, and refused.
+    # Arrays of numbers, and of objects that hold no tensor, still pass. An array of
+    # objects is read as a list is: its plain values (200,000 labels) in bulk, which
+    # were refused as "more than 100,000 objects"; objects are counted one by one.
     objects[1, 0] = "s"
     numbers = [np.zeros(3)] * 1000 + [np.float32(1)]
     holder = Holder([numbers, objects, records[0]])  # type: ignore[arg-type]
     assert dk.assert_same_device(holder, torch.ones(1)) == CPU
     assert _lookbulk.bulk_look(numbers, 10_000) == (1001, True)
     assert _lookbulk.bulk_look([objects], 10_000) == (1, False)
+    labels = np.full(200_000, "s", dtype=object)
+    assert dk.assert_same_device(Holder(labels), {"labels": labels}, torch.ones(1)) == CPU
+    many = np.array([object() for _ in range(200_000)], dtype=object)
     with pytest.raises(ValueError, match=r"more than 100,000 objects"):
-        dk.assert_same_device(Holder(np.full(200_000, "s", dtype=object)), torch.ones(1))
+        dk.assert_same_device(Holder(many), torch.ones(1))
+
+
+def test_a_numpy_array_of_too_many_labels_is_refused_as_an_array(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(_checkwalk, "_BULK_BUDGET", 1_000)
+    with pytest.raises(ValueError, match=r"arg0\.x is an ndarray of dtype=object whose ") as info:
+        dk.assert_same_device(Holder(np.full(5_000, "s", dtype=object)), torch.ones(1))
+    assert "elements are more than 1,000" in str(info.value)
+    assert "attribute by attribute" not in str(info.value)  # an array has no attributes read
 
 
 def test_dict_keys_inside_an_object_are_checked() -> None:
