@@ -368,7 +368,9 @@ def array_values(obj: object) -> list[Any] | None:
     the elements' runs.
     """
     _plain()
-    if type(obj) is not _numpy_classes[0] or not _has_object(obj):
+    if id(type(obj)) not in _dtyped_ids[0] or type(obj) is not _numpy_classes[0]:
+        return None  # not numpy's (none without numpy), or a record, or a subclass
+    if not _has_object(obj):
         return None
     array: Any = obj
     return list(array.flat)
