@@ -157,6 +157,25 @@ def _launched_ranks(raw: str) -> int:
     return int(raw) if raw.isascii() and raw.isdigit() else 1
 
 
+# Where launchers say how many processes the job has: torchrun, Slurm, Open MPI, MPICH/PMI.
+_WORLD_SIZES = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launched_world() -> tuple[str, int] | None:
+    """The first launcher variable that says this process is one of several; None if none does.
+
+    Examples:
+        >>> import os
+        >>> launched_world() is None or launched_world()[1] > 1
+        True
+    """
+    for variable in _WORLD_SIZES:
+        ranks = _launched_ranks(os.environ.get(variable, "").strip())
+        if ranks > 1:
+            return variable, ranks
+    return None
+
+
 _warned_alone: set[str] = set()
 
 

@@ -19,11 +19,12 @@ lose what it still holds, silently. So, like ``logging.shutdown`` for logging's
 handlers, `flush_at_exit` (an ``atexit`` hook) ends every live buffer that
 still holds values or records as a ``with`` block does. Except a buffer with
 ``reduce`` in a process group of several ranks (its flush is a collective,
-which at exit can hang: the other ranks may be gone), or one whose flushes
-combined the ranks' values and whose group is gone (its flush would record
-one rank's values as the job's): those are told instead, as is a flush at
-exit that fails (any other ``reduce=`` buffer, whose flushes were all local,
-is flushed without a collective); a
+which at exit can hang: the other ranks may be gone), or, with no group left,
+one whose flushes combined the ranks' values or that a launcher says is one
+of several ranks (its flush would record one rank's values as the job's):
+those are told instead, as is a flush at exit that fails (any other
+``reduce=`` buffer, whose flushes were all local, is flushed without a
+collective); a
 ``RuntimeWarning``, which Python shows by default, and never an error raised
 past ``atexit``. A buffer with no sinks is left as it is: its history ends with
 the process anyway.
@@ -40,7 +41,7 @@ import warnings
 import weakref
 from typing import Any, Protocol
 
-from ._dist import initialized, world_size
+from ._dist import initialized, launched_world, world_size
 from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, Record, Sink
 from ._logreport import exit_failure, exit_warning, report_while_exiting
@@ -60,6 +61,7 @@ class Block(Protocol):
     _made_in: int  # the process that made it (a forked child's copy is its parent's)
     _told_at_exit: bool  # the flush at exit dealt with it: dropping it later tells nothing
     _reduced_across_ranks: bool  # a flush of it combined values across ranks
+    _forked: bool  # a forked child's copy: its flushes are local
     reduce: str | None
 
     @property
@@ -249,7 +251,7 @@ def _reduce_refused(buffer: Block) -> str | None:
     one, whose every flush was local; a group of one rank) it is flushed
     without a collective, as its flushes were.
     """
-    if buffer.reduce is None:
+    if buffer.reduce is None or buffer._forked:  # a forked copy flushes locally
         return None
     if initialized():
         if world_size() > 1:
@@ -262,6 +264,14 @@ def _reduce_refused(buffer: Block) -> str | None:
         return (
             "the process group is gone (destroy_process_group()), and its flushes combined "
             "the ranks' values: this one would record this rank's own values as the job's"
+        )
+    launched = launched_world()
+    if launched is not None:  # values logged in a group since destroyed, perhaps: unknown
+        variable, ranks = launched
+        return (
+            f"{variable}={ranks} says this process is one of {ranks} ranks, and there is no "
+            "process group (any there was is gone): its flush would record this rank's own "
+            "values, unreduced, as if they were the job's"
         )
     return None
 

@@ -80,7 +80,8 @@ class Flushes:
         fork does not exist here, and would hold it for ever. The values still
         pending or in flight are the parent's to record, and may be on a GPU a
         forked child cannot touch (CUDA refuses to start again in it): the copy
-        starts without them, its history as the parent's was.
+        starts without them, its history as the parent's was. It is no rank of
+        the parent's job: its flushes are local, never a collective.
         """
         self._lock = threading.RLock()
         self._made_in = os.getpid()
@@ -152,7 +153,8 @@ class Flushes:
         with self._lock:
             # Leaving a block on an exception: no flush joins a collective, not even one
             # a sink starts (the other ranks may never reach it).
-            reduce = reduce and not self._leaving_on_error
+            # A forked copy (a DataLoader worker) is no rank: its flushes are local.
+            reduce = reduce and not self._leaving_on_error and not self._forked
             finished: list[Record] = []
             failure: BaseException | None = None
             pending = self._pending

@@ -105,11 +105,11 @@ def _gloo(tmp_path: Path, rank: int = 0, world: int = 1) -> str:
     ("setup", "env"),
     [
         ("", {}),  # a DDP script run as one plain process
-        ("", {"WORLD_SIZE": "2", "RANK": "0"}),  # a launcher's rank that made no group
+        ("", {"WORLD_SIZE": "1"}),  # a launcher's job of one rank
         ("group", {}),  # a group of one rank (torchrun --nproc_per_node=1)
         ("group+destroy", {}),
     ],
-    ids=["alone", "launched-no-group", "group-of-one", "group-of-one-destroyed"],
+    ids=["alone", "launched-alone", "group-of-one", "group-of-one-destroyed"],
 )
 def test_a_reducing_buffer_whose_flushes_were_local_is_flushed_at_exit(
     tmp_path: Path, setup: str, env: dict[str, str]
@@ -129,21 +129,23 @@ def test_a_reducing_buffer_whose_flushes_were_local_is_flushed_at_exit(
 _TWO_RANKS = 60  # seconds each rank of a two-rank script may take
 
 
-def _two_ranks(tmp_path: Path, tail: str) -> list[subprocess.CompletedProcess[str]]:
-    """Run the reducing script as ranks 0 and 1 of a gloo job, ``tail`` after the loop."""
+def _two_ranks(
+    tmp_path: Path, tail: str, *, script: str = _REDUCING, **env: str
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``script`` as ranks 0 and 1 of a gloo job, ``tail`` after the loop."""
     ranks = [
         subprocess.Popen(
             [
                 sys.executable,
                 "-c",
-                _REDUCING.format(setup=_gloo(tmp_path, rank, 2)) + tail,
+                script.format(setup=_gloo(tmp_path, rank, 2)) + tail,
                 str(tmp_path / f"rank{rank}.csv"),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             cwd=REPO,
-            env=importable(),
+            env=importable(**env),
         )
         for rank in range(2)
     ]
@@ -177,6 +179,60 @@ def test_a_reducing_buffer_of_a_job_of_two_ranks_is_told_not_flushed_at_exit(
         assert f"reduce='mean' is not flushed at exit, because {why}" in done.stderr
         assert "before destroy_process_group()" in done.stderr
         assert done.stderr.count("RuntimeWarning") == 1, done.stderr
+
+
+_SHORT = _REDUCING.replace("range(250)", "range(3)")  # no flush before the group is gone
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"])
+def test_a_rank_a_launcher_started_without_a_group_is_told_not_flushed_at_exit(
+    tmp_path: Path, variable: str
+) -> None:
+    # Its values may have been logged in a group since destroyed: they are one rank's.
+    path = tmp_path / "train.csv"
+    done = run_python_args(["-c", _REDUCING.format(setup=""), str(path)], env={variable: "4"})
+    assert len(_rows(path)) == 100  # the automatic flushes' (local, as they were)
+    assert f"{variable}=4 says this process is one of 4 ranks" in done.stderr
+    assert "was left with 150 values never recorded" in done.stderr
+    assert done.stderr.count("RuntimeWarning") == 1, done.stderr
+
+
+@pytest.mark.timeout(3 * _TWO_RANKS)
+def test_a_launched_rank_whose_group_is_gone_before_any_flush_is_told_not_flushed(
+    tmp_path: Path,
+) -> None:
+    # A short eval buffer: values logged in a group of two, which is destroyed before
+    # any flush combined them. Flushed at exit, each rank wrote its own values as if
+    # they were the job's mean (rank 1: 1.0 where the job's is 0.5), without a word.
+    tail = "dist.destroy_process_group()\n"
+    script = _SHORT.replace("loss=1.0", "loss=float(dist.get_rank())")
+    for rank, done in enumerate(_two_ranks(tmp_path, tail, script=script, WORLD_SIZE="2")):
+        assert done.returncode == 0, done.stderr
+        assert not (tmp_path / f"rank{rank}.csv").exists()
+        assert "WORLD_SIZE=2 says this process is one of 2 ranks" in done.stderr
+        assert "was left with 3 values never recorded" in done.stderr
+
+
+@pytest.mark.timeout(3 * _TWO_RANKS)
+def test_a_forked_child_of_a_rank_flushes_its_copy_locally(tmp_path: Path) -> None:
+    # The copy in a forked worker is no rank: following the warning's advice (sinks of
+    # its own, flush() before it ends), its flush joined the job's collective from the
+    # child, and hung there.
+    tail = (
+        "import os\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    mine = []\n"
+        "    logs.sinks = [mine.extend]\n"
+        "    logs.log(7, loss=2.0); logs.flush()\n"
+        "    print('child recorded', [r['step'] for r in mine], flush=True)\n"
+        "    os._exit(0)\n"
+        "os.waitpid(child, 0)\n"
+        "logs.flush()\n"
+    )
+    for done in _two_ranks(tmp_path, tail):
+        assert done.returncode == 0, done.stderr
+        assert "child recorded [7]" in done.stdout
 
 
 def test_ctrl_c_in_a_sink_at_exit_stops_the_flushes_and_tells_the_rest(tmp_path: Path) -> None:
