@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import array
-import sys
+import decimal
+import functools
+import re
+import threading
 import types
 import warnings
 import weakref
@@ -241,7 +244,30 @@ def _warn_attributes(
 
 # Python's own objects whose storage shows nothing, and that hold no tensor.
 _NO_TENSOR_INSIDE = (torch.Tensor, torch.nn.Module, bytearray, array.array, memoryview)
-_OWN_OBJECTS = frozenset({"builtins", "torch", "numpy"})  # modules whose C objects hold none
+
+
+@functools.cache
+def _holding_nothing() -> frozenset[type]:
+    """Python's and torch's classes with no readable storage that can hold no tensor.
+
+    Named one by one: a module's own C objects may hold tensors all the same
+    (a ``grad_fn`` its saved tensors, a ``torch.ScriptObject`` packed weights,
+    a ``ContextVar`` its default), and those are named as not looked inside.
+    """
+    names = ("Generator", "finfo", "iinfo", "qscheme", "Stream", "Event", "Size")
+    torch_own = {
+        getattr(torch, name) for name in names if isinstance(getattr(torch, name, None), type)
+    }
+    return frozenset({
+        slice, type(Ellipsis), type(NotImplemented), decimal.Decimal, re.Pattern, re.Match,
+        type(threading.Lock()), type(threading.RLock()), *torch_own,
+    })  # fmt: skip
+
+
+def _is_numpy(cls: type) -> bool:
+    """Whether ``cls`` is numpy's (an array is read by its dtype; a Generator holds none)."""
+    module = getattr(cls, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] == "numpy"
 
 
 def _unread_arguments(named: dict[str, Any], holding: Set[str]) -> dict[str, str]:
@@ -271,18 +297,14 @@ def _unread(obj: object) -> str | None:
         return "a weak reference, which the check does not follow"
     if pandas_kind(cls) is not None or iter_children(obj) is not None:
         return None
-    module = getattr(cls, "__module__", None)
-    root = module.split(".")[0] if isinstance(module, str) else ""
-    if root in _OWN_OBJECTS or root in sys.stdlib_module_names:
-        # Python's, torch's, numpy's own (a slice, a Lock, a Generator, a dtype; an array
-        # is read by its dtype): none holds a tensor the user put there.
+    if cls in _holding_nothing() or _is_numpy(cls):
         return None
     storage = class_attribute(cls, "__dict__")
     if type(storage) in (types.GetSetDescriptorType, types.MemberDescriptorType):
         return None
     if storage is not None:
         return "its __dict__ is a property, which the check does not run"
-    if class_attribute(cls, "__slots__"):
+    if class_attribute(cls, "__slots__") is not None:  # a Python class: its slots were read
         return None
     return "it keeps what it holds where Python cannot read it, as a C extension's objects do"
 

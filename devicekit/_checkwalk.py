@@ -428,11 +428,21 @@ def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list
     return found
 
 
+# How the check reads what a holder of these classes holds, where not attribute by attribute.
+_READ_AS = {
+    "ndarray": " whose elements of dtype=object it looks at one by one",
+    "DataFrame": " whose values of object dtype it reads through pandas",
+    "Series": " whose values of object dtype it reads through pandas",
+    "Index": " whose labels of object dtype it reads through pandas",
+}
+
+
 def _too_many(name: str, holder: Holder, what: str) -> str:
     at, kind = render(holder[0]), holder[1]
+    read = _READ_AS.get(kind, ", which it looks inside attribute by attribute")
     return (
-        f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind}, which it "
-        f"looks inside attribute by attribute, and it holds more than {what} (counting "
+        f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind}{read}, "
+        f"and it holds more than {what} (counting "
         "what they hold in turn: a dataset, a logger?). The check stops there rather than "
         "pass tensors it never saw. Pass the tensors to check themselves, or a dict or list "
         f"of them, instead of {at}."
@@ -444,7 +454,7 @@ def _too_many_in_pandas(name: str, path: Path, kind: str) -> str:
     at = render(path)
     return (
         f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind} whose "
-        f"values of object dtype, read one by one through pandas, are more than "
+        f"values of object dtype, read through pandas, are more than "
         f"{_BULK_BUDGET:,} (with those of the lists, dicts and pandas objects around it). "
         "Under pandas before 3.0 every column of strings is of object dtype: "
         f"{at}.convert_dtypes() makes them strings, which it passes over. The check stops "

@@ -17,16 +17,23 @@ __all__ = ["Comparison", "ComparisonRow", "compare"]
 
 
 def _ratio_text(ratio: float) -> str:
-    """A row's ratio as its report writes it: ``"3.43x slower"``, ``"2.00x faster"``.
+    """A row's ratio as its report writes it, against the reference: ``"3.43x slower"``.
+
+    Under 0.5% apart it is in percent, where two decimals would read ``1.00x``.
 
     Examples:
-        >>> _ratio_text(3.429), _ratio_text(0.5), _ratio_text(1.001)
-        ('3.43x slower than the reference', '2.00x faster than the reference', '1.00x')
+        >>> _ratio_text(3.429), _ratio_text(0.5), _ratio_text(1.003), _ratio_text(1.0)
+        ('3.43x slower', '2.00x faster', '0.3% slower', 'the same')
     """
-    if f"{ratio:.2f}" == "1.00":
-        return f"{ratio:.2f}x"
-    factor, way = (ratio, "slower") if ratio > 1 else (1 / ratio, "faster")
-    return f"{factor:.2f}x {way} than the reference"
+    slower = ratio >= 1
+    factor = ratio if slower else 1 / ratio
+    way = "slower" if slower else "faster"
+    if f"{factor:.2f}" != "1.00":
+        return f"{factor:.2f}x {way}"
+    percent = (factor - 1) * 100
+    if percent < 0.05:
+        return "the same"
+    return f"{percent:.1f}% {way}"
 
 
 @dataclass(frozen=True)
@@ -63,15 +70,9 @@ class ComparisonRow(PlainResult):
         if self.ratio is None:
             whose = "its" if self.measurement.median == 0 else "the reference's"
             return f"{UNKNOWN} ({whose} median is 0: faster than the clock can tell)"
-        slower = self.ratio >= 1
-        factor = self.ratio if slower else 1 / self.ratio
-        way = "slower" if slower else "faster"
-        if f"{factor:.2f}" == "1.00":
-            # Apart beyond the noise, yet under 0.5%: "1.00x slower" reads as the same.
-            percent = (factor - 1) * 100
-            text = f"{percent:.1f}% {way}" if percent >= 0.05 else f"<0.1% {way}"
-        else:
-            text = f"{factor:.2f}x {way}"
+        text = _ratio_text(self.ratio)
+        if text == "the same":  # apart beyond the noise, yet under 0.05%
+            text = f"<0.1% {'slower' if self.ratio >= 1 else 'faster'}"
         return text + (" (noise unknown)" if self.within_noise is None else "")
 
 

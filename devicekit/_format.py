@@ -216,11 +216,11 @@ def article(word: str) -> str:
     """``"an"`` or ``"a"`` before ``word``, by how it sounds: an acronym letter by letter.
 
     Examples:
-        >>> article("MPS"), article("CUDA"), article("Index"), article("ellipsis")
+        >>> article("MPS"), article("CUDA"), article("Index"), article("ndarray")
         ('an', 'a', 'an', 'an')
     """
-    if word.isupper():  # an acronym, read letter by letter ("ROCm" and "Vulkan" are words)
-        return "an" if word[:1] in "AEFHILMNORSX" else "a"
+    if word.isupper() or word.startswith("nd"):  # read letter by letter: "en-dee-array"
+        return "an" if word[:1].upper() in "AEFHILMNORSX" else "a"
     return "an" if word[:1].lower() in "aeiou" else "a"
 
 

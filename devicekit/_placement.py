@@ -83,7 +83,7 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
             if cls.__module__ == "numpy":
                 fix = "keep them in a list (which it moves) instead of a numpy array"
             elif pandas_kind(cls) is not None:  # its own class: a .to() is not the user's to add
-                fix = _pandas_fix(pandas_kind(cls), path, target)
+                fix = _pandas_fix(pandas_kind(cls), target)
             else:
                 fix = f"give {name} a .to(device) that returns the moved object"
             cache = _TRANSFORMERS_CACHE if cls.__module__.startswith("transformers.") else ""
@@ -322,14 +322,17 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     return result  # type: ignore[no-any-return]
 
 
-def _pandas_fix(kind: str | None, path: str, target: torch.device) -> str:
-    """How to move the tensors of a pandas object yourself: its column, onto ``target``."""
+def _pandas_fix(kind: str | None, target: torch.device) -> str:
+    """How to move the tensors of a pandas object yourself, onto ``target``.
+
+    A pattern, not code to paste: the label shown in the path may not be one
+    to type back (``np.int64(0)``), and the frame may sit inside the batch.
+    """
     move = f".map(lambda t: t.to({str(target)!r}))"
-    if kind == "DataFrame" and path.startswith("["):  # ['emb'].iloc[0]: that column
-        column = path[: path.index("]") + 1]
-        return f"such as df{column} = df{column}{move}, or keep them in a list or dict of tensors"
+    if kind == "DataFrame":
+        return f"a column of them with df[column] = df[column]{move}"
     if kind == "Series":
-        return f"such as s = s{move}, or keep them in a list or dict of tensors"
+        return f"with series = series{move}"
     return "keep them in a list or dict of tensors (which it moves)"
 
 

@@ -1272,7 +1272,7 @@ def test_a_numpy_array_of_objects_is_looked_inside() -> None:
     # Given as an argument, or as an attribute, too; the fix says to move it yourself.
     with pytest.raises(dk.DeviceMismatchError, match=r"  arg0\.flat\[2\]: meta") as info:
         dk.assert_same_device(objects, torch.ones(1))
-    assert "it is a ndarray, which dk.to_device() returns unchanged" in str(info.value)
+    assert "it is an ndarray, which dk.to_device() returns unchanged" in str(info.value)
     with pytest.raises(dk.DeviceMismatchError, match=r"  arg0\.x\.flat\[2\]: meta"):
         dk.assert_same_device(Holder(objects), torch.ones(1))
     # Arrays of numbers, and of objects that hold no tensor, still pass. An array of
@@ -1289,6 +1289,11 @@ def test_a_numpy_array_of_objects_is_looked_inside() -> None:
     many = np.array([object() for _ in range(200_000)], dtype=object)
     with pytest.raises(ValueError, match=r"more than 100,000 objects"):
         dk.assert_same_device(Holder(many), torch.ones(1))
+    with pytest.raises(ValueError, match=r"more than 100,000 objects") as refused:
+        dk.assert_same_device({"x": many}, torch.ones(1))
+    # Said as an array, not as an object looked inside attribute by attribute.
+    said = "arg0['x'] is an ndarray whose elements of dtype=object it looks at one by one"
+    assert said in str(refused.value)
 
 
 def test_a_numpy_array_of_too_many_labels_is_refused_as_an_array(
