@@ -146,7 +146,8 @@ class LogBuffer(Flushes):
     it again. When the ``with`` block leaves on an exception, its final flush
     records this rank's own values unreduced, because the other ranks may
     never reach the collective. Without an initialized process group, nothing
-    is reduced. Values are combined as float64, the type they are recorded
+    is reduced (a warning says so once where a launcher says there are several
+    ranks). Values are combined as float64, the type they are recorded
     as: ints are exact while the values and the sum stay within 2**53
     (``"sum"`` of ``2**53 + 1`` on two ranks records ``2.0**54``).
 

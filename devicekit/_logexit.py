@@ -41,7 +41,7 @@ import warnings
 import weakref
 from typing import Any, Protocol
 
-from ._dist import initialized, launched_world, world_size
+from ._dist import initialized, world_size
 from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, Record, Sink
 from ._logreport import exit_failure, exit_warning, report_while_exiting
@@ -62,6 +62,9 @@ class Block(Protocol):
     _told_at_exit: bool  # the flush at exit dealt with it: dropping it later tells nothing
     _reduced_across_ranks: bool  # a flush of it combined values across ranks
     _forked: bool  # a forked child's copy: its flushes are local
+
+    def _no_group(self) -> str | None: ...  # why its values would be one rank's, no group left
+
     reduce: str | None
 
     @property
@@ -247,8 +250,8 @@ def _reduce_refused(buffer: Block) -> str | None:
     In a process group of several ranks its flush is a collective, which at
     exit can hang. After ``destroy_process_group()``, a buffer whose flushes
     combined the ranks' values would record this rank's own as the job's.
-    Otherwise (no group, ever: a script run alone, or ranks that never made
-    one, whose every flush was local; a group of one rank) it is flushed
+    A launcher's rank with no group left may have logged its values in one.
+    Otherwise (a script run alone; a group of one rank) it is flushed
     without a collective, as its flushes were.
     """
     if buffer.reduce is None or buffer._forked:  # a forked copy flushes locally
@@ -260,20 +263,7 @@ def _reduce_refused(buffer: Block) -> str | None:
                 "ranks may be gone)"
             )
         return None
-    if buffer._reduced_across_ranks:
-        return (
-            "the process group is gone (destroy_process_group()), and its flushes combined "
-            "the ranks' values: this one would record this rank's own values as the job's"
-        )
-    launched = launched_world()
-    if launched is not None:  # values logged in a group since destroyed, perhaps: unknown
-        variable, ranks = launched
-        return (
-            f"{variable}={ranks} says this process is one of {ranks} ranks, and there is no "
-            "process group (any there was is gone): its flush would record this rank's own "
-            "values, unreduced, as if they were the job's"
-        )
-    return None
+    return buffer._no_group()
 
 
 def _tell(buffer: Block, why: str, **fix: str) -> None:

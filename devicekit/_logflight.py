@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Iterable
 
 from ._callbacks import checked_sinks
-from ._dist import initialized, world_size
+from ._dist import initialized, launched_world, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
+from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, Record, Sink
 from ._logflush import InFlight
 from ._loghistory import Entry, Flight, History, settle
@@ -55,6 +57,7 @@ class Flushes:
     _forked = False  # a forked child's copy of its parent's buffer (see _forked_copy)
     # A flush combined values across ranks: at exit without the group, one would not.
     _reduced_across_ranks = False
+    _told_no_group = False  # a flush warned that it recorded one rank's values unreduced
 
     @property
     def sinks(self) -> list[Sink]:
@@ -93,6 +96,41 @@ class Flushes:
             self._sinks_left_out = [shorten(describe_sink(sink), 80) for sink in self._sinks]
             self._sinks = []
             self._deliveries = Deliveries(sent=len(self._history.batches))
+
+    def _no_group(self) -> str | None:
+        """Why a flush now, with no process group, would record one rank's values as the job's.
+
+        None where its values are the job's all the same: no launcher says there
+        are several ranks, and no flush of it combined several.
+        """
+        if self._reduced_across_ranks:
+            return (
+                "the process group is gone (destroy_process_group()), and its flushes "
+                "combined the ranks' values: this one would record this rank's own values as "
+                "the job's"
+            )
+        launched = launched_world()
+        if launched is None:
+            return None
+        variable, ranks = launched  # values logged in a group since destroyed, perhaps
+        return (
+            f"{variable}={ranks} says this process is one of {ranks} ranks, and there is no "
+            "process group (any there was is gone): its flush would record this rank's own "
+            "values, unreduced, as if they were the job's"
+        )
+
+    def _tell_no_group(self) -> None:
+        """Warn, once, that a flush recorded one rank's values where the job's were meant."""
+        why = None if self._told_no_group else self._no_group()
+        if why is not None:
+            self._told_no_group = True
+            warnings.warn(
+                f"LogBuffer(reduce={self.reduce!r}): {why.replace('would record', 'recorded')}. "
+                "Flush on every rank while the process group exists (before "
+                "destroy_process_group()), or call init_process_group() before logging.",
+                RuntimeWarning,
+                stacklevel=caller_stacklevel(),
+            )
 
     def _unsent(self) -> int:
         """Records that landed (a read of history completes a flush) but some sink never got.
@@ -167,6 +205,8 @@ class Flushes:
                 # joins, so that a rank with values hears at once that the ranks
                 # disagree, instead of waiting for it until the timeout.
                 reducing = reduce and self.reduce is not None and initialized()
+                if reduce and self.reduce is not None and not reducing:
+                    self._tell_no_group()  # once: nothing is reduced without a group
                 if batch or reducing:
                     # Nothing changes until the flight is set: a failure (or Ctrl-C)
                     # before leaves the values pending; after, they are in flight.

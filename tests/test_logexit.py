@@ -194,7 +194,9 @@ def test_a_rank_a_launcher_started_without_a_group_is_told_not_flushed_at_exit(
     assert len(_rows(path)) == 100  # the automatic flushes' (local, as they were)
     assert f"{variable}=4 says this process is one of 4 ranks" in done.stderr
     assert "was left with 150 values never recorded" in done.stderr
-    assert done.stderr.count("RuntimeWarning") == 1, done.stderr
+    # Its first automatic flush said so too, once: it recorded this rank's values.
+    assert "its flush recorded this rank's own values, unreduced" in done.stderr
+    assert done.stderr.count("RuntimeWarning") == 2, done.stderr
 
 
 @pytest.mark.timeout(3 * _TWO_RANKS)
@@ -211,6 +213,21 @@ def test_a_launched_rank_whose_group_is_gone_before_any_flush_is_told_not_flushe
         assert not (tmp_path / f"rank{rank}.csv").exists()
         assert "WORLD_SIZE=2 says this process is one of 2 ranks" in done.stderr
         assert "was left with 3 values never recorded" in done.stderr
+
+
+@pytest.mark.timeout(3 * _TWO_RANKS)
+def test_a_flush_after_the_group_is_gone_says_it_recorded_one_ranks_values(
+    tmp_path: Path,
+) -> None:
+    # Before, a flush() after destroy_process_group() recorded each rank's own values
+    # as the job's without a word, where the flush at exit told it.
+    tail = "dist.destroy_process_group()\nlogs.flush()\nlogs.log(999, loss=1.0)\nlogs.flush()\n"
+    for rank, done in enumerate(_two_ranks(tmp_path, tail)):
+        assert done.returncode == 0, done.stderr
+        assert len(_rows(tmp_path / f"rank{rank}.csv")) == 251  # recorded, and told: once
+        assert "LogBuffer(reduce='mean'): the process group is gone" in done.stderr
+        assert "this one recorded this rank's own values as the job's" in done.stderr
+        assert done.stderr.count("RuntimeWarning") == 1, done.stderr
 
 
 @pytest.mark.timeout(3 * _TWO_RANKS)
