@@ -15,7 +15,6 @@ sinks, ``_logreport`` words what the buffer tells (its errors, its reprs), and
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -25,7 +24,6 @@ from typing import Any, Literal
 import torch
 
 from ._dist import DEFAULT_TIMEOUT, initialized, validated_timeout
-from ._format import shorten
 from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._logdeliver import Deliveries, Record, Sink
@@ -103,9 +101,10 @@ class LogBuffer(Flushes):
       ``history``, even when a sink logs too; a buffer dropped with values it
       never recorded warns (``RuntimeWarning``).
     - At exit, a buffer with sinks that still holds values is flushed, as the
-      end of a ``with`` block would (like ``logging.shutdown``), except one with
-      ``reduce`` (a collective at exit can hang): that one, and a flush at
-      exit that fails, warns (``RuntimeWarning``) with what was not recorded.
+      end of a ``with`` block would (like ``logging.shutdown``), except a
+      ``reduce`` one whose flush could hang or record one rank's values as the
+      job's: that one, and a flush at exit that fails, warns
+      (``RuntimeWarning``) with what was not recorded.
 
     Device memory holds at most ``flush_every`` pending values plus one
     stacked copy in flight.
@@ -205,7 +204,6 @@ class LogBuffer(Flushes):
         self._leaving_on_error = False  # the with block is exiting on an exception
         self._sinks_left_out: list[str] | None = None  # a copy's: the sinks it did not get
         self._told_broken = False  # a flush raised that the job's collectives are broken
-        self._made_in = os.getpid()  # a forked child's copy is not flushed at its exit
         self._told_at_exit = False  # the flush at exit told what it could not flush
         track(self)  # for the flush at exit (see _logexit)
 
@@ -402,7 +400,7 @@ mean 'loss'?"
                 "taken": self._taken,
                 "flush_at": self._flush_at,
                 "history": self._history.to_plain(),
-                "sinks_left_out": [shorten(describe_sink(s), 80) for s in self.sinks] or None,
+                "sinks_left_out": self._sinks_named(),
                 "told_broken": self._told_broken,
             }
 

@@ -58,7 +58,6 @@ class Block(Protocol):
     _leaving_on_error: bool  # no flush joins a collective while it is True
     _lock: threading.RLock
     _deliveries: Deliveries
-    _made_in: int  # the process that made it (a forked child's copy is its parent's)
     _told_at_exit: bool  # the flush at exit dealt with it: dropping it later tells nothing
     _reduced_across_ranks: bool  # a flush of it combined values across ranks
     _forked: bool  # a forked child's copy: its flushes are local
@@ -201,9 +200,9 @@ def flush_at_exit() -> None:
 
 def _unfinished(buffer: Block) -> bool:
     """Whether the flush at exit has anything to do for ``buffer``; marks those it skips."""
-    if buffer._made_in != os.getpid() or not buffer.sinks:
-        # Another process's (a forked child's copy: the parent flushes it), or one with
-        # nowhere to write (its history ends with the process): nothing to do, nothing lost.
+    if not buffer.sinks:
+        # Nowhere to write (its history ends with the process), as a forked child's copy
+        # of its parent's buffer has not (see _forked): nothing to do, nothing lost.
         buffer._told_at_exit = True
         return False
     return buffer._unfinished(deliver=True)

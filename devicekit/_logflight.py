@@ -12,7 +12,6 @@ slow.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Iterable
@@ -37,6 +36,11 @@ from ._logreport import (
 __all__ = ["Flushes"]
 
 
+def _checked(sinks: Iterable[Sink] | Sink) -> list[Sink]:
+    """``sinks`` as a list, each callable (a path: told to use ``dk.CSVSink``); else TypeError."""
+    return checked_sinks(sinks, receives="a list of records", file_sink="dk.CSVSink")
+
+
 class Flushes:
     """The flush of a `LogBuffer`: its state, and the steps that move it."""
 
@@ -53,7 +57,6 @@ class Flushes:
     _leaving_on_error: bool  # the with block is exiting on an exception
     _told_broken: bool  # a flush raised that the job's collectives are broken
     _sinks_left_out: list[str] | None  # a copy's: the sinks it did not get, told once
-    _made_in: int  # the process that made it, or this copy of it
     _forked = False  # a forked child's copy of its parent's buffer (see _forked_copy)
     # A flush combined values across ranks: at exit without the group, one would not.
     _reduced_across_ranks = False
@@ -70,7 +73,11 @@ class Flushes:
 
     @sinks.setter
     def sinks(self, sinks: Iterable[Sink] | Sink) -> None:
-        self._sinks = checked_sinks(sinks, receives="a list of records", file_sink="dk.CSVSink")
+        self._sinks = _checked(sinks)
+
+    def _sinks_named(self) -> list[str] | None:
+        """Its sinks by name, for a copy that does not get them to tell (None: no sinks)."""
+        return [shorten(describe_sink(sink), 80) for sink in self._sinks] or None
 
     def _forked_copy(self) -> None:
         """In a forked child (a DataLoader worker): become a copy, as a pickled buffer is.
@@ -87,26 +94,27 @@ class Flushes:
         the parent's job: its flushes are local, never a collective.
         """
         self._lock = threading.RLock()
-        self._made_in = os.getpid()
         self._forked = True
         self._taken += len(self._pending)  # default steps go on from the parent's count
         self._pending, self._in_flight = [], None
         self._flush_at = self.flush_every
         if self._sinks:
-            self._sinks_left_out = [shorten(describe_sink(sink), 80) for sink in self._sinks]
+            self._sinks_left_out = self._sinks_named()
             self._sinks = []
             self._deliveries = Deliveries(sent=len(self._history.batches))
 
-    def _no_group(self) -> str | None:
+    def _no_group(self, *, recorded: bool = False) -> str | None:
         """Why a flush now, with no process group, would record one rank's values as the job's.
 
-        None where its values are the job's all the same: no launcher says there
-        are several ranks, and no flush of it combined several.
+        ``recorded``: worded for a flush that did. None where its values are the
+        job's all the same: no launcher says there are several ranks, and no
+        flush of it combined several.
         """
+        record = "recorded" if recorded else "would record"
         if self._reduced_across_ranks:
             return (
                 "the process group is gone (destroy_process_group()), and its flushes "
-                "combined the ranks' values: this one would record this rank's own values as "
+                f"combined the ranks' values: this one {record} this rank's own values as "
                 "the job's"
             )
         launched = launched_world()
@@ -115,17 +123,17 @@ class Flushes:
         variable, ranks = launched  # values logged in a group since destroyed, perhaps
         return (
             f"{variable}={ranks} says this process is one of {ranks} ranks, and there is no "
-            "process group (any there was is gone): its flush would record this rank's own "
+            f"process group (any there was is gone): its flush {record} this rank's own "
             "values, unreduced, as if they were the job's"
         )
 
     def _tell_no_group(self) -> None:
         """Warn, once, that a flush recorded one rank's values where the job's were meant."""
-        why = None if self._told_no_group else self._no_group()
+        why = None if self._told_no_group else self._no_group(recorded=True)
         if why is not None:
             self._told_no_group = True
             warnings.warn(
-                f"LogBuffer(reduce={self.reduce!r}): {why.replace('would record', 'recorded')}. "
+                f"LogBuffer(reduce={self.reduce!r}): {why}. "
                 "Flush on every rank while the process group exists (before "
                 "destroy_process_group()), or call init_process_group() before logging.",
                 RuntimeWarning,
@@ -142,7 +150,7 @@ class Flushes:
     def _uncallable_sink(self) -> TypeError | None:
         """The error for a sink put in the list after the check (``logs.sinks.append(path)``)."""
         try:
-            checked_sinks(self._sinks, receives="a list of records", file_sink="dk.CSVSink")
+            _checked(self._sinks)
         except TypeError as error:
             return TypeError(
                 f"LogBuffer.sinks: {error}. Take it out of logs.sinks; no sink is handed "
