@@ -231,10 +231,7 @@ def _open(
         if frame is not None:  # to_device() returns it unchanged too
             holder = holder or (path, type(obj).__name__, KEPT)
             return _open_pandas(obj, frame, path, holder, left=left, name=name, seen=seen)
-        try:
-            attributes = object_attributes(obj, limit=left.objects + 1)
-        except RuntimeError as error:  # another thread kept changing it: no partial pass
-            raise _changed(path, error) from None
+        attributes = _attributes(obj, path, left)
         if not attributes:
             return []
         if holder is None:
@@ -313,11 +310,7 @@ def _open_pandas(
             read += _open_values(values, f"{at}{step}", holder, left=left, seen=seen)
         except _TooMany:
             raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__)) from None
-    try:
-        attributes = object_attributes(obj, limit=left.objects + 1)
-    except RuntimeError as error:  # another thread kept changing it: no partial pass
-        raise _changed(path, error) from None
-    shown = ((shown_attribute(attr[1:]), value) for attr, value in attributes)
+    shown = ((shown_attribute(attr[1:]), value) for attr, value in _attributes(obj, path, left))
     read.append((((f".{attr}", value) for attr, value in shown if attr is not None), holder))
     return read
 
@@ -366,6 +359,14 @@ def _open_mapping(obj: Mapping[Any, Any], path: Path, holder: Holder | None) -> 
     if keys:
         parts.append((keys, (path, type(obj).__name__, DICT_KEY)))
     return parts
+
+
+def _attributes(obj: object, path: Path, left: _Budget) -> list[tuple[str, Any]]:
+    """``obj``'s instance attributes, one more than the objects left to read at most."""
+    try:
+        return object_attributes(obj, limit=left.objects + 1)
+    except RuntimeError as error:  # another thread kept changing it: no partial pass
+        raise _changed(path, error) from None
 
 
 def _changed(path: Path, error: Exception) -> RuntimeError:

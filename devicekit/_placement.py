@@ -82,8 +82,8 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
         else:
             if cls.__module__ == "numpy":
                 fix = "keep them in a list (which it moves) instead of a numpy array"
-            elif pandas_kind(cls) is not None:  # its own class: a .to() is not the user's to add
-                fix = _pandas_fix(pandas_kind(cls), target)
+            elif (kind := pandas_kind(cls)) is not None:  # a .to() is not the user's to add
+                fix = _pandas_fix(kind, target)
             else:
                 fix = f"give {name} a .to(device) that returns the moved object"
             cache = _TRANSFORMERS_CACHE if cls.__module__.startswith("transformers.") else ""
@@ -322,7 +322,7 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     return result  # type: ignore[no-any-return]
 
 
-def _pandas_fix(kind: str | None, target: torch.device) -> str:
+def _pandas_fix(kind: str, target: torch.device) -> str:
     """How to move the tensors of a pandas object yourself, onto ``target``.
 
     A pattern, not code to paste: the label shown in the path may not be one
