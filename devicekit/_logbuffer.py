@@ -35,6 +35,7 @@ from ._logflush import (
     ON_DEVICE,
     InFlight,
     by_key,
+    records_of,
     start,
 )
 from ._loghistory import Entry, Flight, History, mean_of
@@ -296,7 +297,7 @@ class LogBuffer(Flushes):
         """
         if self._sinks_left_out is not None:
             self._tell_sinks_left_out()
-        return list(map(dict.copy, self._flush(wait=wait, reduce=True)))
+        return records_of(self._flush(wait=wait, reduce=True))
 
     def _flush_automatic(self) -> None:
         """``log()``'s flush: as ``flush(wait=False)``, and it may realign the ranks (`_start`)."""
@@ -328,8 +329,7 @@ class LogBuffer(Flushes):
         """The newest record on the host, or None."""
         with self._lock:
             self._complete()
-            latest = self._history.latest()
-            return None if latest is None else dict(latest)
+            return self._history.latest()
 
     def values(self, key: str) -> list[float]:
         """Every value of ``key`` that has reached the host, oldest first.
@@ -447,7 +447,6 @@ mean 'loss'?"
         flight = self._in_flight
         flight_keys = [key for key, _, _ in flight.values.columns] if flight else []
         records, nonfinite = self._history.counts()
-        latest = self._history.latest()
         options = [f"flush_every={self.flush_every}"]
         if self.reduce is not None:
             options.append(f"reduce={self.reduce!r}")
@@ -458,7 +457,7 @@ mean 'loss'?"
             "records": records,
             "keys": list(dict.fromkeys([*self._history.keys, *flight_keys, *pending_keys])),
             "pending": self._pending_count(),
-            "last": latest,
+            "last": self._history.latest(),
             "sinks": [describe_sink(sink) for sink in self.sinks],
             "nonfinite": nonfinite,
         }
@@ -480,7 +479,8 @@ mean 'loss'?"
 
     def _start(self, batch: list[Entry], *, reduce: bool, automatic: bool = False) -> InFlight:
         steps: Sequence[Any]
-        steps, rows, reads = zip(*batch, strict=True) if batch else ((), (), ())  # in C
+        # In C; not strict: each entry is a 3-tuple (log(), __setstate__), 7 ns an entry less.
+        steps, rows, reads = zip(*batch, strict=False) if batch else ((), (), ())
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
         if reduce and self.reduce is not None and initialized():
@@ -495,4 +495,6 @@ mean 'loss'?"
                 flush_every=self.flush_every,
                 automatic=automatic,
             )
-        return start(steps, rows, read=max(reads) if reads else HOST_TENSORS)
+        # count() meets only the int itself when all are host tensors: 3x faster than max().
+        host = reads.count(HOST_TENSORS) == len(reads)
+        return start(steps, rows, read=HOST_TENSORS if host else max(reads))

@@ -28,6 +28,8 @@ from operator import length_hint
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
+from ._logflush import Landed, records_of
+
 __all__ = ["Deliveries", "Record", "Sink"]
 
 Record = dict[str, Any]
@@ -51,7 +53,7 @@ class Sink(Protocol):
         """Take the records of one flush, oldest first."""
 
 
-_Batches = list[tuple[list[Record], int]]  # a History's: (records, NaN count) per flush
+_Batches = list[Landed]  # a History's: one per flush
 
 
 class Deliveries:
@@ -74,7 +76,7 @@ class Deliveries:
 
     def unsent(self, batches: _Batches) -> int:
         """How many records some sink has not had yet."""
-        return sum(len(records) for records, _ in batches[self._served() :])
+        return sum(len(batch.steps) for batch in batches[self._served() :])
 
     def _served(self) -> int:
         """The batches every sink has had: `sent`, and those under way once their sinks ran.
@@ -116,7 +118,7 @@ class Deliveries:
                 start = self.sent
                 left = self._left
                 if left is None or left[0] != start:  # new batches (or stale ones left)
-                    calls = [(sink, _copies(batches, start, end)) for sink in sinks]
+                    calls = [(sink, records_of(batches[start:end])) for sink in sinks]
                     left = self._left = (start, end, calls, iter(calls))
                 interrupted = _call_each(left[2], left[3], errors)
                 self.sent = left[1]  # the commit: every sink has had these batches
@@ -128,13 +130,6 @@ class Deliveries:
         finally:
             self._running = None
         return errors
-
-
-def _copies(batches: _Batches, start: int, end: int) -> list[Record]:
-    """A sink's own copies of the records of ``batches[start:end]``, oldest first."""
-    if end == start + 1:  # one batch, as nearly every flush lands
-        return list(map(dict.copy, batches[start][0]))
-    return [record.copy() for records, _ in batches[start:end] for record in records]
 
 
 def _call_each(

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from ._dist import initialized, world_size
 from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, Record, Sink
+from ._logflush import Landed
 from ._logreport import exit_failure, exit_warning, report_while_exiting
 
 __all__ = ["Block", "flush_at_exit", "leave", "track"]
@@ -69,7 +70,7 @@ class Block(Protocol):
     @property
     def sinks(self) -> list[Sink]: ...
     def flush(self, *, wait: bool = ...) -> list[Record]: ...
-    def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Record]: ...
+    def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Landed]: ...
     def _pending_count(self) -> int: ...
     def _unsent(self) -> int: ...  # records some sink has not had yet
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go

@@ -22,7 +22,7 @@ from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, Record, Sink
-from ._logflush import InFlight
+from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
 from ._logreport import (
@@ -149,6 +149,8 @@ class Flushes:
 
     def _uncallable_sink(self) -> TypeError | None:
         """The error for a sink put in the list after the check (``logs.sinks.append(path)``)."""
+        if not self._sinks:
+            return None
         try:
             _checked(self._sinks)
         except TypeError as error:
@@ -194,14 +196,14 @@ class Flushes:
 
     def _flush(
         self, *, wait: bool, reduce: bool, deliver: bool = True, automatic: bool = False
-    ) -> list[Record]:
+    ) -> list[Landed]:
         """Flush; ``automatic``: ``log()``'s, which may leave values pending to realign ranks."""
         with self._lock:
             # Leaving a block on an exception: no flush joins a collective, not even one
             # a sink starts (the other ranks may never reach it).
             # A forked copy (a DataLoader worker) is no rank: its flushes are local.
             reduce = reduce and not self._leaving_on_error and not self._forked
-            finished: list[Record] = []
+            finished: list[Landed] = []
             failure: BaseException | None = None
             pending = self._pending
             try:
@@ -284,11 +286,12 @@ class Flushes:
         told, self._told_broken = self._told_broken, True
         return values, None if told else unreduced_error(failure)
 
-    def _complete(self) -> list[Record]:
+    def _complete(self) -> list[Landed]:
+        """Land the flush in flight, if any: its batch (none if it had no steps)."""
         flight = self._in_flight
         if flight is None:
             return []
         self._taken = settle(flight, self._pending)  # in case Ctrl-C cut _flush short
-        records = self._history.land(flight)  # again after Ctrl-C: in history once only
+        landed = self._history.land(flight)  # again after Ctrl-C: in history once only
         self._in_flight = None  # only now: had landing failed, it would be tried again
-        return records
+        return [landed] if landed.steps else []

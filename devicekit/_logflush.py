@@ -27,11 +27,13 @@ __all__ = [
     "ON_DEVICE",
     "Column",
     "InFlight",
+    "Landed",
     "LoggedInVmap",
     "by_key",
     "copy_to_host",
     "land",
     "read_each",
+    "records_of",
     "start",
 ]
 
@@ -68,28 +70,62 @@ class InFlight:
     taken: int | None = None
 
 
-def land(in_flight: InFlight) -> tuple[list[dict[str, Any]], int]:
-    """Wait for a flush's copies; its records, and how many values are NaN or infinite."""
+@dataclass(frozen=True)
+class Landed:
+    """A landed flush, as ``history`` keeps it: by key, one list of floats per key.
+
+    Columns, not a dict per step: a long run's history takes a fraction of the
+    memory, ``values(key)`` is a list concatenation, and a flush builds the
+    dicts it returns once, not once for history and again as the caller's copies.
+    """
+
+    steps: Sequence[Any]
+    columns: list[Column]  # (key, the rows that have it or None for all, their floats)
+    nonfinite: int  # how many of the values are NaN or infinite
+
+    def records(self) -> list[dict[str, Any]]:
+        """New dicts, one per step, oldest first: ``{"step": ..., key: value, ...}``."""
+        steps, columns = self.steps, self.columns
+        rest = columns
+        if columns and columns[0][1] is None:  # nearly always: every step has the first key
+            (key, _, floats), *rest = columns
+            records = [{"step": s, key: v} for s, v in zip(steps, floats, strict=True)]
+        else:
+            records = [{"step": step} for step in steps]
+        for key, rows, floats in rest:  # keys in order of first appearance, as they were logged
+            for row, value in zip(range(len(steps)) if rows is None else rows, floats, strict=True):
+                records[row][key] = value
+        return records
+
+    def last_record(self) -> dict[str, Any]:
+        """A new dict of the newest step (the batch has at least one)."""
+        row = len(self.steps) - 1
+        record = {"step": self.steps[row]}
+        for key, rows, floats in self.columns:
+            if rows is None or rows[-1] == row:
+                record[key] = floats[-1]
+        return record
+
+
+def records_of(batches: Sequence[Landed]) -> list[dict[str, Any]]:
+    """New dicts of the records of ``batches``, oldest first."""
+    if len(batches) == 1:  # nearly every flush lands one batch
+        return batches[0].records()
+    return [record for batch in batches for record in batch.records()]
+
+
+def land(in_flight: InFlight) -> Landed:
+    """Wait for a flush's copies; its values by key, and how many are NaN or infinite."""
     for event in in_flight.done:
         event.synchronize()  # this copy only, not the whole device
     host_values = [host.tolist() for host in in_flight.hosts]
     for host, offset, floats, index, count in in_flight.fills:
         floats[index : index + count] = map(float, host_values[host][offset : offset + count])
-    steps, columns = in_flight.steps, in_flight.columns
-    rest = columns
-    if columns and columns[0][1] is None:  # nearly always: every step has the first key
-        (key, _, floats), *rest = columns
-        records = [{"step": s, key: v} for s, v in zip(steps, floats, strict=True)]
-    else:
-        records = [{"step": step} for step in steps]
-    for key, rows, floats in rest:  # keys in order of first appearance, as they were logged
-        for row, value in zip(range(len(steps)) if rows is None else rows, floats, strict=True):
-            records[row][key] = value
     nonfinite = 0
-    for _, _, floats in columns:
+    for _, _, floats in in_flight.columns:
         if not math.isfinite(sum(floats)):  # one C loop; count only when needed
             nonfinite += sum(not math.isfinite(value) for value in floats)
-    return records, nonfinite
+    return Landed(in_flight.steps, in_flight.columns, nonfinite)
 
 
 # --- one rank ---------------------------------------------------------------------------------

@@ -8,14 +8,16 @@ around it can be run again without effect:
 - A flush's values stay in ``_pending`` until its flight is set (`Flight`, the
   commit); only then are they taken off the front, and `settle` does that
   again, doing nothing the second time, wherever a flight is read.
-- A landed flight's records are kept on it, so landing it again gives the very
-  same objects, and `History.land` appends them only if the last batch is not
-  them already (one ``list.append``, the commit); the flight is let go after.
+- A landed flight's batch is kept on it, so landing it again gives the very
+  same object, and `History.land` appends it only if the last batch is not
+  it already (one ``list.append``, the commit); the flight is let go after.
 - What is counted (NaN values, records) is counted from the batches, not added
   up as they land, so nothing is counted twice or never.
 
-The batches are plain lists, dicts and numbers: a pickled buffer needs no
-class of devicekit's but `LogBuffer` (``torch.load(weights_only=True)``).
+Each batch keeps its values by key (`Landed`), not as a dict per step; the
+dicts are built when asked for. Pickled, the batches are plain lists and
+numbers: a saved buffer needs no class of devicekit's but `LogBuffer`
+(``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._logdeliver import Record
-from ._logflush import InFlight, land
+from ._logflush import Column, InFlight, Landed, by_key, land, records_of
 
 __all__ = ["Flight", "History", "mean_of", "settle"]
 
@@ -42,7 +44,7 @@ class Flight:
     first: Entry | None  # the first pending entry it took (by identity), or None
     count: int  # how many pending entries it took, from the front
     taken: int  # the buffer's count of log() calls taken off _pending, with these
-    landed: tuple[list[Record], int] | None = None  # its records and NaN count, once landed
+    landed: Landed | None = None  # its batch, once landed
 
 
 def settle(flight: Flight, pending: list[Entry]) -> int:
@@ -58,63 +60,98 @@ def settle(flight: Flight, pending: list[Entry]) -> int:
 
 
 class History:
-    """Every landed flush's records, oldest first, as one batch per flush."""
+    """Every landed flush's values, oldest first, as one batch per flush."""
 
-    def __init__(self, batches: Iterable[tuple[list[Record], int]] = (), keys: Iterable[str] = ()):
-        self.batches: list[tuple[list[Record], int]] = list(batches)  # (records, NaN count)
+    def __init__(self, batches: Iterable[Landed] = (), keys: Iterable[str] = ()):
+        self.batches: list[Landed] = list(batches)
         self.keys: dict[str, None] = dict.fromkeys(keys)  # in order of first appearance
         self._counted = (0, 0, 0)  # records and NaN values in the first n batches, n
 
-    def land(self, flight: Flight) -> list[Record]:
-        """Land ``flight`` (again, harmlessly): its records, in history once only."""
+    def land(self, flight: Flight) -> Landed:
+        """Land ``flight`` (again, harmlessly): its batch, in history once only."""
         if flight.landed is None:
-            flight.landed = land(flight.values)  # kept: landing again gives the same objects
-        records, nonfinite = flight.landed
-        self.keys.update(dict.fromkeys(key for key, _, _ in flight.values.columns))
+            flight.landed = land(flight.values)  # kept: landing again gives the same object
+        landed = flight.landed
+        self.keys.update(dict.fromkeys(key for key, _, _ in landed.columns))
         batches = self.batches
-        if records and not (batches and batches[-1][0] is records):
-            batches.append((records, nonfinite))  # the commit
-        return records
+        if landed.steps and not (batches and batches[-1] is landed):
+            batches.append(landed)  # the commit
+        return landed
 
     def counts(self) -> tuple[int, int]:
         """How many records, and how many NaN or infinite values, the history holds."""
         records, nonfinite, seen = self._counted
         end = len(self.batches)  # a flush on another thread may append meanwhile
-        for batch, count in self.batches[seen:end]:
-            records += len(batch)
-            nonfinite += count
+        for batch in self.batches[seen:end]:
+            records += len(batch.steps)
+            nonfinite += batch.nonfinite
         self._counted = (records, nonfinite, end)
         return records, nonfinite
 
     def records(self) -> list[Record]:
-        """Copies of every record, oldest first."""
-        return [record.copy() for batch, _ in self.batches for record in batch]
+        """New dicts of every record, oldest first."""
+        return records_of(self.batches)
 
     def latest(self) -> Record | None:
-        """The newest record itself, or None."""
-        return self.batches[-1][0][-1] if self.batches else None
+        """A new dict of the newest record, or None."""
+        return self.batches[-1].last_record() if self.batches else None
 
     def values(self, key: str, last: int | None = None) -> list[float]:
         """The values of ``key``, oldest first; only the ``last`` ones, read from the end."""
         if last is None:
-            return [record[key] for batch, _ in self.batches for record in batch if key in record]
+            found = []
+            for floats in self._columns_of(key, self.batches):
+                found += floats
+            return found
         found: list[float] = []
-        for batch, _ in reversed(self.batches):
-            for record in reversed(batch):
-                if key in record:
-                    found.append(record[key])
-                    if len(found) == last:
-                        return found[::-1]
-        return found[::-1]
+        for floats in self._columns_of(key, reversed(self.batches)):
+            found[:0] = floats[-(last - len(found)) :]
+            if len(found) == last:
+                break
+        return found
+
+    @staticmethod
+    def _columns_of(key: str, batches: Iterable[Landed]) -> Iterable[list[float]]:
+        """The floats of ``key`` in each of ``batches`` that has it ("step": the steps)."""
+        for batch in batches:
+            if key == "step":  # every record has one, as with a dict per step
+                yield list(batch.steps)
+                continue
+            for name, _, floats in batch.columns:
+                if name == key:
+                    yield floats
+                    break
 
     def to_plain(self) -> dict[str, Any]:
         """The history as lists, dicts and numbers (for pickling)."""
-        return {"batches": [[batch, count] for batch, count in self.batches], "keys": [*self.keys]}
+        batches = [
+            [list(batch.steps), [list(column) for column in batch.columns], batch.nonfinite]
+            for batch in self.batches
+        ]
+        return {"columns": batches, "keys": [*self.keys]}
 
     @classmethod
     def from_plain(cls, state: dict[str, Any]) -> History:
-        """The history `to_plain` wrote."""
-        return cls(((batch, count) for batch, count in state["batches"]), state["keys"])
+        """The history `to_plain` wrote, or the dicts per step an earlier version wrote."""
+        if "columns" in state:
+            batches = (
+                Landed(steps, [_column(*column) for column in columns], nonfinite)
+                for steps, columns, nonfinite in state["columns"]
+            )
+        else:
+            batches = (_from_records(records, count) for records, count in state["batches"])
+        return cls(batches, state["keys"])
+
+
+def _column(key: str, rows: list[int] | None, floats: list[float]) -> Column:
+    return key, rows, floats
+
+
+def _from_records(records: list[Record], nonfinite: int) -> Landed:
+    """A batch saved as one dict per step (devicekit 0.x before columns), as columns."""
+    steps = [record["step"] for record in records]
+    values = [{key: value for key, value in record.items() if key != "step"} for record in records]
+    return Landed(steps, by_key(values) if values else [], nonfinite)
 
 
 def mean_of(values: list[float]) -> float:

@@ -1018,8 +1018,9 @@ def test_values_on_an_accelerator_are_grouped_by_dtype_and_land_in_place() -> No
     rows[3]["loss"] = float("nan")  # a number among tensors of the same key
     in_flight = _logflush.start(list(range(6)), rows, read=_logflush.ON_DEVICE)
     assert len(in_flight.hosts) == 3  # float32, bfloat16, int64: one stack and copy each
-    records, nonfinite = _logflush.land(in_flight)
-    assert nonfinite == 1
+    landed = _logflush.land(in_flight)
+    records = landed.records()
+    assert landed.nonfinite == 1
     for step, record in enumerate(records):
         expected = {"step": step, "loss": step + 0.5, "lr": 0.1 * step}
         expected["tokens" if step % 2 else "acc"] = float(step)
@@ -1869,6 +1870,71 @@ def test_a_buffer_is_copied_and_pickled_with_its_records_and_pending_values() ->
         assert other.values("loss") == [0.0, 1.0, 2.0, 3.0, 4.0]
     buffer.flush()  # the original is independent of its copies, and still works
     assert buffer.values("loss") == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_buffer_saved_by_the_version_before_columns_loads_whole() -> None:
+    # What __getstate__ wrote when history kept one dict per step (commit 6644cc9):
+    # a checkpoint saved then must load, and go on, with every record as it was.
+    saved = {
+        "flush_every": 2,
+        "reduce": None,
+        "timeout": 300.0,
+        "pending": [[3, {"loss": 0.25}, 1]],
+        "taken": 3,
+        "flush_at": 2,
+        "history": {
+            "batches": [
+                [[{"step": 0, "loss": 0.5, "lr": 0.1}, {"step": 1, "loss": math.nan}], 1],
+                [[{"step": 2, "acc": 3.0}], 0],
+            ],
+            "keys": ["loss", "lr", "acc"],
+        },
+        "sinks_left_out": None,
+        "told_broken": False,
+    }
+    logs = dk.LogBuffer.__new__(dk.LogBuffer)
+    logs.__setstate__(saved)
+    assert logs.nonfinite == 1
+    assert logs.latest == {"step": 2, "acc": 3.0}
+    logs.log(4, lr=0.2)
+    assert logs.flush() == [{"step": 3, "loss": 0.25}, {"step": 4, "lr": 0.2}]
+    history = logs.history
+    assert math.isnan(history[1].pop("loss"))
+    assert history == [
+        {"step": 0, "loss": 0.5, "lr": 0.1},
+        {"step": 1},
+        {"step": 2, "acc": 3.0},
+        {"step": 3, "loss": 0.25},
+        {"step": 4, "lr": 0.2},
+    ]
+    assert logs.values("lr") == [0.1, 0.2]
+    assert math.isnan(logs.mean("loss", last=2))  # NaN propagates, across the two forms
+    assert logs.mean("loss", last=1) == 0.25
+    assert logs.values("step") == [0, 1, 2, 3, 4]  # as when every record was a dict
+    again = pickle.loads(pickle.dumps(logs))  # and saved again, in today's form
+    assert again.history[2:] == history[2:]
+    assert again.latest == {"step": 4, "lr": 0.2}
+
+
+def test_history_reads_each_key_where_steps_log_different_keys() -> None:
+    logs = dk.LogBuffer(flush_every=3)
+    logs.log(0, loss=1.0, acc=0.5)
+    logs.log(1, loss=2.0)
+    logs.log(2, acc=0.75, lr=0.1)  # a flush: three steps, three keys, none in every step
+    logs.log(3, lr=0.2)
+    logs.flush()
+    assert logs.values("loss") == [1.0, 2.0]
+    assert logs.values("acc") == [0.5, 0.75]
+    assert logs.mean("lr", last=1) == 0.2
+    assert logs.mean("acc", last=5) == 0.625
+    assert logs.latest == {"step": 3, "lr": 0.2}
+    latest = logs.latest
+    assert latest is not None
+    latest["lr"] = 9.0  # a copy: the buffer keeps its own
+    assert logs.latest == {"step": 3, "lr": 0.2}
+    logs.log(4, loss=3.0, acc=1.0)
+    assert logs.flush() == [{"step": 4, "loss": 3.0, "acc": 1.0}]
+    assert logs.history[2] == {"step": 2, "acc": 0.75, "lr": 0.1}
 
 
 def test_the_empty_key_is_refused_by_the_call_that_passes_it(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable
@@ -173,18 +174,25 @@ def test_a_sink_that_logs_still_flushes_from_its_own_thread() -> None:
 
 
 def test_mean_of_the_last_values_reads_only_the_end_of_the_history() -> None:
-    class Untouchable(dict[str, Any]):
-        def __contains__(self, key: object) -> bool:
-            raise AssertionError("mean(last=) read a record it did not need")
+    class Untouchable(list[float]):
+        def __getitem__(self, index: Any) -> Any:
+            raise AssertionError("mean(last=) read a batch it did not need")
+
+        def __iter__(self) -> Any:
+            raise AssertionError("mean(last=) read a batch it did not need")
 
     logs = dk.LogBuffer(flush_every=10)
     for step in range(100):
         logs.log(step, loss=float(step))
     logs.flush()
-    first_batch = logs._history.batches[0][0]
-    first_batch[:] = [Untouchable(record) for record in first_batch]
+    first = logs._history.batches[0]
+    (key, rows, floats), *_ = first.columns
+    untouchable = [(key, rows, Untouchable(floats))]
+    logs._history.batches[0] = dataclasses.replace(first, columns=untouchable)
     assert logs.mean("loss", last=3) == 98.0
     assert logs.mean("loss", last=90) == 54.5
+    with pytest.raises(AssertionError, match="did not need"):  # the guard works
+        logs.mean("loss")
 
 
 def test_a_saved_buffer_loads_with_weights_only_as_the_docs_say(tmp_path: Path) -> None:
