@@ -98,12 +98,11 @@ class History:
 
     def values(self, key: str, last: int | None = None) -> list[float]:
         """The values of ``key``, oldest first; only the ``last`` ones, read from the end."""
+        found: list[float] = []
         if last is None:
-            found = []
             for floats in self._columns_of(key, self.batches):
                 found += floats
             return found
-        found: list[float] = []
         for floats in self._columns_of(key, reversed(self.batches)):
             found[:0] = floats[-(last - len(found)) :]
             if len(found) == last:

@@ -81,27 +81,7 @@ def _not_dense(key: str, value: torch.Tensor) -> TypeError:
 def checked(key: str, value: Any) -> Any:
     """What to keep for a value the fast path of log() did not accept, or an error."""
     if isinstance(value, _Tensor):
-        if value.dtype not in LOGGABLE:
-            if value.dtype.is_complex:
-                expected, fix = "a real number", "; log value.real or value.abs()"
-            else:
-                expected, fix = "a dtype that converts to a float", _dtype_fix(value)
-            raise TypeError(
-                f"LogBuffer.log({key}=...) expects {expected}, got a tensor of dtype "
-                f"{value.dtype}{fix}"
-            )
-        if value.layout is not _STRIDED or value.is_nested:
-            raise _not_dense(key, value)
-        if value.numel() != 1:
-            raise ValueError(
-                f"LogBuffer.log({key}=...) expects a scalar: a 0-d tensor or a number, got "
-                f"a tensor of shape {tuple(value.shape)}; log value.mean() or one element"
-            )
-        if value.is_meta:
-            raise refuse(key, value)
-        if value.requires_grad:
-            value = value.detach()
-        return value.reshape(()) if value.ndim else value  # a view: no kernel
+        return _checked_tensor(key, value)
     if isinstance(value, (int, float)) or (_is_real(value) and not _is_time(value)):
         try:  # bool and int subclasses included
             number = float(value)  # now: a numpy scalar is exact as a float64
@@ -128,6 +108,51 @@ def checked(key: str, value: Any) -> Any:
         f"LogBuffer.log({key}=...) expects a 0-d tensor or a number, got "
         f"{type(value).__name__}{_fix(value)}"
     )
+
+
+def _checked_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
+    """`checked()` of a tensor: a 0-d one of a loggable dtype, detached, or an error."""
+    if _MASKED is not None and isinstance(value, _MASKED):
+        value = _unmasked(value)
+    if value.dtype not in LOGGABLE:
+        if value.dtype.is_complex:
+            expected, fix = "a real number", "; log value.real or value.abs()"
+        else:
+            expected, fix = "a dtype that converts to a float", _dtype_fix(value)
+        raise TypeError(
+            f"LogBuffer.log({key}=...) expects {expected}, got a tensor of dtype {value.dtype}{fix}"
+        )
+    if value.layout is not _STRIDED or value.is_nested:
+        raise _not_dense(key, value)
+    if value.numel() != 1:
+        raise ValueError(
+            f"LogBuffer.log({key}=...) expects a scalar: a 0-d tensor or a number, got "
+            f"a tensor of shape {tuple(value.shape)}; log value.mean() or one element"
+        )
+    if value.is_meta:
+        raise refuse(key, value)
+    if value.requires_grad:
+        value = value.detach()
+    return value.reshape(()) if value.ndim else value  # a view: no kernel
+
+
+_MASKED: type | None = getattr(getattr(torch, "masked", None), "MaskedTensor", None)
+
+
+def _unmasked(value: torch.Tensor) -> torch.Tensor:
+    """A ``MaskedTensor`` as a plain tensor: its value, NaN where it is masked out.
+
+    Kept as it was, its flush read it as a tensor that changed after ``log()``.
+    Asking whether the mask is set would wait for the device, at every call;
+    NaN is what the history and the sinks hold for a value that is not there
+    (counted in ``nonfinite``), with no wait. An integer one becomes a float64
+    (float32 on MPS, which has no float64), so that NaN fits.
+    """
+    masked = cast("Any", value)  # torch.masked is untyped
+    data: torch.Tensor = masked.get_data().detach()
+    if not data.is_floating_point() and not data.is_complex():
+        data = data.to(torch.float32 if data.device.type == "mps" else torch.float64)
+    return torch.where(masked.get_mask(), data, math.nan)
 
 
 def _is_time(value: object) -> bool:

@@ -262,6 +262,33 @@ def test_the_fix_a_refused_tensor_is_told_works_as_written(make: Callable[[], An
     assert len(buffer.values("bad")) == 1
 
 
+def _masked(data: torch.Tensor, mask: torch.Tensor, **options: Any) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "MaskedTensors is in prototype stage"
+        return torch.masked.masked_tensor(data, mask, **options)  # type: ignore[no-any-return]
+
+
+def test_a_masked_tensor_is_its_value_or_nan_where_masked_out() -> None:
+    # Before, a masked-out value passed log() and its flush said it had "most likely
+    # changed after log()", the masked-in ones aside.
+    logs = dk.LogBuffer(flush_every=10)
+    logs.log(0, loss=_masked(torch.tensor(2.0), torch.tensor(True), requires_grad=True))
+    logs.log(1, loss=_masked(torch.tensor(3.0), torch.tensor(False)))
+    logs.log(2, loss=_masked(torch.tensor([4.0]), torch.tensor([True])), tokens=1.0)
+    logs.log(3, count=_masked(torch.tensor(2**40 + 1), torch.tensor(True)))  # float32: 2**40
+    records = logs.flush()  # no error
+    assert math.isnan(records[1].pop("loss"))
+    assert records == [
+        {"step": 0, "loss": 2.0},
+        {"step": 1},
+        {"step": 2, "loss": 4.0, "tokens": 1.0},
+        {"step": 3, "count": float(2**40 + 1)},
+    ]
+    assert logs.nonfinite == 1
+    with pytest.raises(ValueError, match=r"log\(loss=...\) expects a scalar.*shape \(2,\)"):
+        logs.log(4, loss=_masked(torch.tensor([1.0, 2.0]), torch.tensor([True, False])))
+
+
 def test_numpy_scalars_and_fractions_are_read_when_logged() -> None:
     np = pytest.importorskip("numpy")
     value = np.float32(0.1)
