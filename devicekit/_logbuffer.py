@@ -63,24 +63,22 @@ _STRIDED = torch.strided
 class LogBuffer(Flushes):
     """Collect scalars on the device and bring them to the host in bulk, never per step.
 
-    ``log(step, loss=loss, lr=0.1)`` takes 0-d (or one-element) tensors of a
-    real dtype on any real device, Python numbers, and numpy's real scalars
-    (read at once: ``np.float32(0.5)``). It never synchronizes
-    and launches no kernel: it checks each value, keeps a reference to it
-    (detached, so no autograd graph stays alive), and returns. A reference,
-    not a copy: a tensor changed in place after ``log()`` (an accumulator,
-    ``total += loss``; a learning rate tensor its scheduler sets) is recorded
-    with its value at the flush; log ``total.clone()``. A flush reads
-    the pending values that are already on the host, stacks the others per
-    device and dtype, copies each stack to the host in one non-blocking copy
-    (into pinned memory on CUDA), and waits for that copy only; the records
-    land in [`history`][devicekit.LogBuffer.history] and are handed to each sink.
-    [`flush()`][devicekit.LogBuffer.flush] and
-    the end of a ``with`` block flush at once. The automatic flush every
-    ``flush_every`` calls only *starts* the copy: waiting for it would also
-    wait for every kernel queued before it, so its records arrive at the next
-    flush (or when ``history`` is read), by which time the copy has long
-    landed.
+    ``log(step, loss=loss, lr=0.1)`` takes 0-d (or one-element) tensors of a real dtype
+    on any real device, Python numbers, and numpy's real scalars (read at once:
+    ``np.float32(0.5)``). It never synchronizes and launches no kernel (but one for a
+    ``MaskedTensor``): it checks each value, keeps a reference to it (detached, so no
+    autograd graph stays alive), and returns. A reference, not a copy: a tensor changed
+    in place after ``log()`` (an accumulator, ``total += loss``; a learning rate tensor
+    its scheduler sets) is recorded with its value at the flush; log ``total.clone()``.
+    A flush reads the values already on the host, stacks the others per device and
+    dtype, copies each stack to the host in one non-blocking copy (into pinned memory on
+    CUDA), and waits for that copy only; the records land in
+    [`history`][devicekit.LogBuffer.history] and are handed to each sink.
+    [`flush()`][devicekit.LogBuffer.flush] and the end of a ``with`` block flush at
+    once. The automatic flush every ``flush_every`` calls only *starts* the copy:
+    waiting for it would also wait for every kernel queued before it, so its records
+    arrive at the next flush (or when ``history`` is read), by which time the copy has
+    long landed.
 
     Nothing is lost:
 

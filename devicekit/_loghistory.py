@@ -23,12 +23,12 @@ numbers: a saved buffer needs no class of devicekit's but `LogBuffer`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._logdeliver import Record
-from ._logflush import Column, InFlight, Landed, by_key, land, records_of
+from ._logflush import InFlight, Landed, by_key, land, records_of
 
 __all__ = ["Flight", "History", "mean_of", "settle"]
 
@@ -110,11 +110,11 @@ class History:
         return found
 
     @staticmethod
-    def _columns_of(key: str, batches: Iterable[Landed]) -> Iterable[list[float]]:
+    def _columns_of(key: str, batches: Iterable[Landed]) -> Iterable[Sequence[float]]:
         """The floats of ``key`` in each of ``batches`` that has it ("step": the steps)."""
         for batch in batches:
             if key == "step":  # every record has one, as with a dict per step
-                yield list(batch.steps)
+                yield batch.steps
                 continue
             for name, _, floats in batch.columns:
                 if name == key:
@@ -124,7 +124,11 @@ class History:
     def to_plain(self) -> dict[str, Any]:
         """The history as lists, dicts and numbers (for pickling)."""
         batches = [
-            [list(batch.steps), [list(column) for column in batch.columns], batch.nonfinite]
+            [
+                list(batch.steps),
+                [[key, rows and list(rows), list(floats)] for key, rows, floats in batch.columns],
+                batch.nonfinite,
+            ]
             for batch in self.batches
         ]
         return {"columns": batches, "keys": [*self.keys]}
@@ -134,23 +138,19 @@ class History:
         """The history `to_plain` wrote, or the dicts per step an earlier version wrote."""
         if "columns" in state:
             batches = (
-                Landed(steps, [_column(*column) for column in columns], nonfinite)
-                for steps, columns, nonfinite in state["columns"]
+                Landed.of(steps, [(key, rows, floats) for key, rows, floats in columns], count)
+                for steps, columns, count in state["columns"]
             )
         else:
             batches = (_from_records(records, count) for records, count in state["batches"])
         return cls(batches, state["keys"])
 
 
-def _column(key: str, rows: list[int] | None, floats: list[float]) -> Column:
-    return key, rows, floats
-
-
 def _from_records(records: list[Record], nonfinite: int) -> Landed:
     """A batch saved as one dict per step (devicekit 0.x before columns), as columns."""
     steps = [record["step"] for record in records]
     values = [{key: value for key, value in record.items() if key != "step"} for record in records]
-    return Landed(steps, by_key(values) if values else [], nonfinite)
+    return Landed.of(steps, by_key(values) if values else [], nonfinite)
 
 
 def mean_of(values: list[float]) -> float:

@@ -146,10 +146,14 @@ def _unmasked(value: torch.Tensor) -> torch.Tensor:
     Asking whether the mask is set would wait for the device, at every call;
     NaN is what the history and the sinks hold for a value that is not there
     (counted in ``nonfinite``), with no wait. An integer one becomes a float64
-    (float32 on MPS, which has no float64), so that NaN fits.
+    (float32 on MPS, which has no float64), so that NaN fits. The one kernel
+    this takes (``where``) makes a new tensor: its value is the one at
+    ``log()``, where a plain tensor's is the one at the flush.
     """
     masked = cast("Any", value)  # torch.masked is untyped
     data: torch.Tensor = masked.get_data().detach()
+    if data.layout is not _STRIDED:
+        return value  # refused as a sparse tensor is, with the same fix (to_dense())
     if not data.is_floating_point() and not data.is_complex():
         data = data.to(torch.float32 if data.device.type == "mps" else torch.float64)
     return torch.where(masked.get_mask(), data, math.nan)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 from collections.abc import Callable
@@ -188,7 +187,7 @@ def test_mean_of_the_last_values_reads_only_the_end_of_the_history() -> None:
     first = logs._history.batches[0]
     (key, rows, floats), *_ = first.columns
     untouchable = [(key, rows, Untouchable(floats))]
-    logs._history.batches[0] = dataclasses.replace(first, columns=untouchable)
+    logs._history.batches[0] = first._replace(columns=untouchable)
     assert logs.mean("loss", last=3) == 98.0
     assert logs.mean("loss", last=90) == 54.5
     with pytest.raises(AssertionError, match="did not need"):  # the guard works
