@@ -245,6 +245,7 @@ class Flushes:
                     errors = self._deliveries.deliver(self._history.batches, self._sinks)
                 else:  # the records wait in history until it is taken out
                     failure = failure or refused
+            self._history.compact(upto=self._deliveries.sent)
             if failure is None and not errors:
                 return finished
             # One is raised, what else failed told in notes on it.

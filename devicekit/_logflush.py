@@ -131,7 +131,7 @@ def records_of(batches: Sequence[Landed]) -> list[dict[str, Any]]:
     """New dicts of the records of ``batches``, oldest first."""
     if len(batches) == 1:  # nearly every flush lands one batch
         return batches[0].records()
-    return [record for batch in batches for record in batch.records()]
+    return [record for batch in batches if batch.steps for record in batch.records()]
 
 
 def land(in_flight: InFlight) -> Landed:

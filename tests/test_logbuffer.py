@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import devicekit as dk
+from devicekit import _loghistory
 
 from .conftest import requires_two_gpus, run_python, spawn_ranks
 
@@ -1985,6 +1986,45 @@ def test_a_long_history_gives_the_garbage_collector_one_object_per_flush() -> No
     assert len(gc.get_objects()) - tracked <= 1100  # one per flush (a Landed), and a list
     assert logs.values("lr")[-1] == pytest.approx(0.1)
     assert len(logs.history) == 1001
+
+
+def test_a_flush_per_step_merges_its_small_batches_and_keeps_every_record() -> None:
+    # Each flush of one step kept a batch of its own, a tuple per key: 630 bytes a
+    # record of three keys, where a dict per step took 440.
+    received: list[dict[str, Any]] = []
+    logs = dk.LogBuffer(flush_every=1, sinks=[received.extend])
+    expected = []
+    for step in range(1000):
+        values: dict[str, Any] = {"loss": step / 4}
+        if step % 7 == 0:
+            values["val"] = math.inf if step == 700 else step / 8  # a key some steps have
+        if step % 2:
+            values["lr"] = torch.tensor(0.5)
+        logs.log(step, **values)
+        expected.append({"step": step, **{k: float(v) for k, v in values.items()}})
+    logs.flush()  # the automatic flush of the last step started its copy only
+    batches = logs._history.batches
+    assert sum(batch is not _loghistory.EMPTY for batch in batches) < 80  # 1000 before
+    assert logs.history == expected
+    assert received == expected  # each once, in order
+    assert logs.values("val") == [record["val"] for record in expected if "val" in record]
+    assert logs.mean("loss", last=100) == statistics.fmean(s / 4 for s in range(900, 1000))
+    assert logs.latest == expected[-1]
+    assert logs.nonfinite == 1
+    assert len(repr(logs)) > 0
+    copy_ = pickle.loads(pickle.dumps(logs))  # the empty places are not saved
+    assert copy_.history == expected
+    assert len(copy_._history.batches) < 80
+    # A count read before a merge, on another thread (a repr: it takes no lock), and
+    # finished after it, found the merged steps' places empty and counted them out.
+    history = logs._history
+    history._counted = (500, 0, 500)  # as counted when the history held 500 batches
+    assert history.counts() == (1000, 1)
+    many = dk.LogBuffer(flush_every=100)  # batches of 100: nothing to merge
+    for step in range(10_000):
+        many.log(step, loss=1.0)
+    many.flush()
+    assert _loghistory.EMPTY not in many._history.batches
 
 
 def test_the_empty_key_is_refused_by_the_call_that_passes_it(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import devicekit as dk
+from devicekit import _loghistory
 
 _FLUSH_MODULES = ("_logbuffer.py", "_logflight.py", "_loghistory.py", "_logdeliver.py")
 _FLUSH_MODULES += ("_logexit.py", "_logflush.py", "_logreduce.py", "_logreport.py")
@@ -98,6 +99,50 @@ def test_ctrl_c_at_any_line_of_a_flush_loses_and_doubles_nothing(scenario: str) 
         if sorted(history) != expected or received != history:
             problems.append(f"{where}: history {history}, the sink got {received}")
     assert at > 100  # the tracer did reach the flush's lines
+    assert not problems, "\n".join(problems)
+
+
+def test_ctrl_c_at_any_line_of_a_flush_that_merges_small_batches_loses_nothing() -> None:
+    # The 65th flush of one step each merges the first 64 batches (History.compact).
+    problems, merge_lines = [], set()
+    kept: list[Any] = []
+    at = 0
+    while True:
+        at += 1
+        received: list[dk.Record] = []
+        logs = dk.LogBuffer(flush_every=1000, sinks=[received.extend])
+        kept.append(logs)
+        for step in range(65):
+            logs.log(step, loss=float(step), **({"acc": 0.5} if step % 3 else {}))
+            if step < 64:
+                logs.flush()
+        ctrl_c = _CtrlC(at)
+        try:
+            sys.settrace(ctrl_c)
+            logs.flush()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        logs.flush()
+        if not ctrl_c.where:
+            break  # past the last line the flush runs
+        if "_loghistory" in ctrl_c.where:
+            merge_lines.add(ctrl_c.where)
+        history = logs.history
+        steps = [record["step"] for record in history]
+        if (
+            steps != list(range(65))
+            or [record["step"] for record in received] != steps
+            or logs.values("loss") != [float(step) for step in range(65)]
+            or logs.values("acc") != [0.5 for step in range(65) if step % 3]
+            or history[63] != {"step": 63, "loss": 63.0}
+            or history[64] != {"step": 64, "loss": 64.0, "acc": 0.5}
+            or logs.nonfinite != 0
+        ):
+            problems.append(f"{ctrl_c.where}: history {steps}")
+    assert logs._history.batches[1] is _loghistory.EMPTY  # the last run merged them
+    assert len(merge_lines) > 20  # the tracer did reach the merge's lines
     assert not problems, "\n".join(problems)
 
 
