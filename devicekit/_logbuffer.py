@@ -211,12 +211,14 @@ class LogBuffer(Flushes):
         """How many NaN or infinite values have been recorded (they are kept)."""
         return self._history.counts()[1]
 
-    def log(self, /, step: int | None = None, **scalars: torch.Tensor | float | int) -> None:
+    def log(
+        self, /, step: int | None = None, *unnamed: object, **scalars: torch.Tensor | float | int
+    ) -> None:
         """Record scalars for one step; ``step`` defaults to the number of earlier ``log`` calls.
 
         Raises:
             TypeError: A value is not a tensor of a real dtype or a real number,
-                or ``step`` is not an int.
+                or has no key (``log(0, loss)``), or ``step`` is not an int.
             ValueError: No value was given, or one under the empty key
                 (``log(**{"": x})``, which names no column); a tensor has more
                 than one element, is sparse or on the ``meta`` device; or a
@@ -231,8 +233,8 @@ class LogBuffer(Flushes):
             step = checked_step(step)
         # The key "" names no column: refused with no value, in one test (the lookup
         # costs 10 ns, below the noise of benchmarks/logbuffer.py).
-        if not scalars or "" in scalars:
-            raise refuse_keys(scalars)
+        if unnamed or not scalars or "" in scalars:
+            raise refuse_keys(scalars, unnamed)
         read = HOST_TENSORS  # how the flush will read this step (see _logflush)
         for key in scalars:  # noqa: PLC0206 - indexing is 50 ns faster than .items() here
             value = scalars[key]
@@ -334,10 +336,17 @@ class LogBuffer(Flushes):
 
         Values logged since the last flush are still on their device: call
         [`flush()`][devicekit.LogBuffer.flush] first to include them.
+
+        Raises:
+            KeyError: ``key`` was never logged (misspelled, as ``mean()`` says too).
         """
         with self._lock:
             self._complete()
-            return self._history.values(key)
+            values = self._history.values(key)
+            if values or key == "step" or key in self._state()["keys"]:
+                return values  # a key logged, its values not on the host yet: none
+            known = [*self._history.keys]
+        raise KeyError(unknown_key(key, known, pending=self._pending_count()))
 
     def mean(self, key: str, *, last: int | None = None) -> float:
         """The mean of ``key`` over the history or its ``last`` values: exact sum, NaN propagates.
@@ -459,16 +468,6 @@ mean 'loss'?"
             "sinks": [describe_sink(sink) for sink in self.sinks],
             "nonfinite": nonfinite,
         }
-
-    def _pending_count(self) -> int:
-        flight = self._in_flight
-        if flight is None:
-            return sum(len(values) for _, values, _ in list(self._pending))
-        settled = list(self._pending)  # Ctrl-C may have left its entries there (see _complete)
-        if flight.count and settled and settled[0] is flight.first:
-            del settled[: flight.count]
-        flying = sum(len(values) for _, _, values in flight.values.columns)
-        return flying + sum(len(values) for _, values, _ in settled)
 
     def _unfinished(self, *, deliver: bool) -> bool:
         """Values not yet on the host, or (``deliver``) records not yet handed to every sink."""

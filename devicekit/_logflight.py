@@ -77,7 +77,8 @@ class Flushes:
 
     def _sinks_named(self) -> list[str] | None:
         """Its sinks by name, for a copy that does not get them to tell (None: no sinks)."""
-        return [shorten(describe_sink(sink), 80) for sink in self._sinks] or None
+        # Long enough for a CSV file's path, which the warning gives back (_logreport).
+        return [shorten(describe_sink(sink), 400) for sink in self._sinks] or None
 
     def _forked_copy(self) -> None:
         """In a forked child (a DataLoader worker): become a copy, as a pickled buffer is.
@@ -170,7 +171,15 @@ class Flushes:
         raise NotImplementedError  # LogBuffer's
 
     def _pending_count(self) -> int:
-        raise NotImplementedError  # LogBuffer's
+        """Values logged and not yet on the host: pending, or in flight."""
+        flight = self._in_flight
+        if flight is None:
+            return sum(len(values) for _, values, _ in list(self._pending))
+        settled = list(self._pending)  # Ctrl-C may have left its entries there (see _complete)
+        if flight.count and settled and settled[0] is flight.first:
+            del settled[: flight.count]
+        flying = sum(len(values) for _, _, values in flight.values.columns)
+        return flying + sum(len(values) for _, values, _ in settled)
 
     def _flush_soon(self) -> None:
         """``log()``'s flush: started, never waited for, and skipped while another thread flushes.

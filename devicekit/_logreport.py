@@ -278,11 +278,12 @@ def exit_failure(error: BaseException) -> str:
 
 def left_out_warning(left_out: list[str], *, forked: bool = False) -> str:
     """What a copy of a buffer warns at its first flush: the sinks it did not get."""
+    named = ", ".join(shorten(name, 80) for name in left_out)
     if forked:
         return (
             f"this LogBuffer is a forked process's copy of its parent's buffer (a DataLoader "
             f"worker, multiprocessing with fork), and a copy gets no sinks: "
-            f"{', '.join(left_out)} stayed with the parent, so this process's records are "
+            f"{named} stayed with the parent, so this process's records are "
             "kept in its own history only, and end with it. Log in the parent (return what "
             "to log with the batch), or give this copy sinks of its own, "
             "logs.sinks = [dk.CSVSink(f'worker{os.getpid()}.csv')], and call logs.flush() "
@@ -291,10 +292,20 @@ def left_out_warning(left_out: list[str], *, forked: bool = False) -> str:
         )
     return (
         f"this LogBuffer is a copy (copy, deepcopy, pickle or torch.save; a spawned worker's "
-        f"is one), and a copy gets no sinks: {', '.join(left_out)} stayed with the buffer it "
+        f"is one), and a copy gets no sinks: {named} stayed with the buffer it "
         "was copied from, so its records are kept in its history only. Give it sinks of its "
-        "own: logs.sinks = [dk.CSVSink('ema.csv')]."
+        f"own: a run resumed from a checkpoint, those it writes to now ({_resumed(left_out)}); "
+        "a copy beside the original (an EMA model's), a file of its own."
     )
+
+
+def _resumed(left_out: list[str]) -> str:
+    """How a resumed run gives its buffer back the sinks it had: the same CSV file, appended."""
+    for described in left_out:
+        if described.startswith("CSVSink(") and described.endswith(")"):
+            path = described[len("CSVSink(") : -1].removesuffix(", append=True")
+            return f"logs.sinks = [dk.CSVSink({path}, append=True)] goes on with the same file"
+    return "logs.sinks = [...]"
 
 
 def describe_sink(sink: Sink) -> str:

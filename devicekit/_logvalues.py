@@ -14,6 +14,7 @@ import math
 import numbers
 import operator
 import sys
+from collections.abc import Mapping
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -240,13 +241,22 @@ def refuse(key: str, value: torch.Tensor) -> ValueError:
     )
 
 
-def refuse_keys(scalars: dict[str, Any]) -> ValueError:
-    """The error for a ``log()`` call with no value, or with a value under the key ``""``.
+def refuse_keys(scalars: dict[str, Any], unnamed: tuple[object, ...] = ()) -> Exception:
+    """The error for a ``log()`` call with no value, a value with no key, or the key ``""``.
 
     A key names a column of the history and of each sink (a CSV header, a
-    TensorBoard tag): ``""`` would be a column with no name. Refused before
-    anything is kept, so nothing else logged is affected.
+    TensorBoard tag): a value passed by position, or under ``""``, would be a
+    column with no name. Refused before anything is kept, so nothing else
+    logged is affected.
     """
+    if unnamed:  # log(step, loss): Python's own message said nothing of keys
+        values = ", ".join(short_repr(value, 40) for value in unnamed[:3])
+        more = ", ..." if len(unnamed) > 3 else ""
+        return TypeError(
+            f"LogBuffer.log() takes the step by position and each value by keyword, got "
+            f"{len(unnamed)} value{'s' if len(unnamed) > 1 else ''} with no key ({values}{more}); "
+            "name each one, as in log(step, loss=value), or log(step, **values) for a dict"
+        )
     if not scalars:
         return ValueError("log() needs at least one value to record, such as log(step, loss=loss)")
     # As the call would be written: a key that is no identifier ("a,b", "l\nb") inside the
@@ -264,6 +274,11 @@ def refuse_keys(scalars: dict[str, Any]) -> ValueError:
 
 def checked_step(step: object) -> int:
     """A step that is not a plain int: an integer-like one (numpy's) is taken as an int."""
+    if isinstance(step, Mapping):  # wandb.log({"loss": x}) style: the values in a dict
+        raise TypeError(
+            f"LogBuffer.log() takes each value by keyword, not in a dict, got the dict "
+            f"{short_repr(step, 60)} as the step; log(**values), or log(step, **values)"
+        )
     usable = not isinstance(step, bool) and hasattr(step, "__index__")
     if isinstance(step, _Tensor) and (not step.is_cpu or step.dtype is torch.bool):
         usable = False  # reading one on a device would wait for it at every log()

@@ -2027,6 +2027,36 @@ def test_a_flush_per_step_merges_its_small_batches_and_keeps_every_record() -> N
     assert _loghistory.EMPTY not in many._history.batches
 
 
+def test_a_value_with_no_key_or_in_a_dict_is_told_to_be_named() -> None:
+    # Before: Python's "log() takes from 1 to 2 positional arguments but 3 were given",
+    # and for a dict (wandb.log's style) "step must be an int ...; pass int(step)".
+    logs = dk.LogBuffer()
+    loss = torch.tensor(0.5)
+    with pytest.raises(TypeError, match=r"got 1 value with no key \(tensor\(0\.5000\)\); name"):
+        logs.log(0, loss)
+    with pytest.raises(TypeError, match=r"got 2 values with no key \(1\.0, 2\.0\)"):
+        logs.log(0, 1.0, 2.0, acc=1.0)  # not one of them kept, nor acc
+    with pytest.raises(TypeError, match=r"not in a dict, got the dict \{'loss': .*log\(\*\*values"):
+        logs.log({"loss": loss})  # type: ignore[arg-type]
+    logs.log(**{"loss": loss})  # the fix, as told
+    assert logs.flush() == [{"step": 0, "loss": 0.5}]  # the refused calls took no turn
+
+
+def test_values_of_a_key_never_logged_is_a_key_error_as_mean_is() -> None:
+    # Before, values("los") returned [] where mean("los") raised: a typo gave an
+    # empty plot.
+    logs = dk.LogBuffer()
+    logs.log(0, loss=1.0)
+    logs.flush()
+    with pytest.raises(KeyError, match=r"no value of 'los'.*did you mean 'loss'\?"):
+        logs.values("los")
+    logs.log(1, acc=0.5)  # logged, not on the host yet: none, as the docs say
+    assert logs.values("acc") == []
+    assert logs.values("step") == [0]
+    with pytest.raises(KeyError, match=r"no value of 'loss'.*keys recorded: none"):
+        dk.LogBuffer().values("loss")
+
+
 def test_the_empty_key_is_refused_by_the_call_that_passes_it(tmp_path: Path) -> None:
     path = tmp_path / "log.csv"
     seen: list[list[dict[str, Any]]] = []

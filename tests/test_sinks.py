@@ -253,6 +253,32 @@ def test_a_copy_of_a_buffer_has_no_sinks_and_the_original_keeps_its_own(
     assert copy.copy(sinks[0]).bar is bar  # a sink copied by itself shares its bar
 
 
+def test_a_resumed_buffer_is_told_how_to_go_on_with_its_own_csv_file(tmp_path: Path) -> None:
+    # Before, every copy was told to write "ema.csv", whatever its sinks had been.
+    path = tmp_path / "train.csv"
+    for append in (False, True):
+        path.unlink(missing_ok=True)
+        with dk.LogBuffer(flush_every=2, sinks=[dk.CSVSink(path, append=append)]) as logs:
+            logs.log(0, loss=0.5)
+        torch.save({"logs": logs}, tmp_path / "checkpoint.pt")
+        torch.serialization.add_safe_globals([dk.LogBuffer])
+        resumed = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["logs"]
+        resumed.log(1, loss=0.25)
+        with pytest.warns(RuntimeWarning, match=r"a run resumed from a checkpoint") as told:
+            resumed.flush()
+        fix = re.search(r"(logs\.sinks = \[dk\.CSVSink\(.*?\)\]) goes on", str(told[0].message))
+        assert fix is not None, str(told[0].message)
+        assert "append=True, append=True" not in fix.group(1)
+        # The script, fixed as told: the sinks given back right after loading.
+        resumed = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["logs"]
+        exec(fix.group(1), {"logs": resumed, "dk": dk})  # the advice, as written
+        resumed.log(1, loss=0.25)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # sinks of its own: nothing to tell
+            resumed.flush()
+        assert path.read_text().splitlines() == ["step,loss", "0,0.5", "1,0.25"]
+
+
 def test_a_sink_that_cannot_be_pickled_says_which_and_what_to_do() -> None:
     for sink, part in (
         (dk.ProgressBarSink(_LiveBar()), "bar (_LiveBar)"),
