@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from ._errors import RanksDisagreeError as RanksDisagreeError
     from ._errors import RanksOutOfStepError as RanksOutOfStepError
     from ._errors import SyncError as SyncError
+    from ._errors import TensorCopyError as TensorCopyError
     from ._errors import WorkerError as WorkerError
     from ._errors import WorkerTimeoutError as WorkerTimeoutError
     from ._findings import Finding as Finding
@@ -136,6 +137,7 @@ _EXPORTS: dict[str, str] = {
     "RanksDisagreeError": "._errors",
     "RanksOutOfStepError": "._errors",
     "SyncError": "._errors",
+    "TensorCopyError": "._errors",
     "WorkerError": "._errors",
     "WorkerTimeoutError": "._errors",
     "Finding": "._findings",
@@ -258,6 +260,7 @@ __all__ = [
     "SyncError",
     "SyncReport",
     "TensorBoardSink",
+    "TensorCopyError",
     "TimedFunction",
     "Timer",
     "WorkerError",

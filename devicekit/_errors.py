@@ -1,7 +1,8 @@
 """Every exception devicekit raises on purpose.
 
-Each one subclasses a builtin (``ValueError`` or ``RuntimeError``; one is a
-``KeyError`` as well, because the error it replaced was one), or the torch
+Each one subclasses a builtin (``ValueError``, ``RuntimeError`` or
+``NotImplementedError``; one is a ``KeyError`` as well, because the error it
+replaced was one), or the torch
 exception it refines (``torch.OutOfMemoryError``, which is why this module
 imports torch), as well as [`DevicekitError`][devicekit.DevicekitError], so
 callers can catch it either way. Bad argument *types* and *values* that need
@@ -33,6 +34,7 @@ __all__ = [
     "RanksDisagreeError",
     "RanksOutOfStepError",
     "SyncError",
+    "TensorCopyError",
     "WorkerError",
     "WorkerTimeoutError",
     "add_note",
@@ -105,6 +107,17 @@ class RanksOutOfStepError(DevicekitError, RuntimeError):
     failed in its own part of the call. Every rank that took part raises it,
     naming the ranks concerned. Every rank must make these calls together,
     the same number of times.
+    """
+
+
+class TensorCopyError(DevicekitError, NotImplementedError):
+    """torch has no copy of a tensor ``to_device`` was given to the target device.
+
+    A tensor on the ``meta`` device holds no values to copy; a nested (strided)
+    or quantized one has no copy to some devices. The message names the tensor
+    by its path in the object and gives the fix, then torch's own message
+    (torch's ``NotImplementedError`` is its ``__cause__``). Before, devicekit
+    added that as a note, which ``str(error)`` and log lines left out.
     """
 
 

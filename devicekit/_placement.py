@@ -19,7 +19,7 @@ import torch
 from ._accelerators import CPU, META, try_gpu
 from ._checkfix import attribute_fix
 from ._devices import DeviceLike, resolve_device
-from ._errors import add_note
+from ._errors import TensorCopyError
 from ._format import qualified_name
 from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
@@ -287,8 +287,10 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
                 return obj.to(target)  # type: ignore[attr-defined,no-any-return]
             return obj.to(target, non_blocking=True)  # type: ignore[attr-defined,no-any-return]
         except NotImplementedError as error:
-            _explain_unsupported(error, obj, target)
-            raise
+            explained = _unsupported(error, obj, target)
+            if explained is None:
+                raise
+            raise explained from error
     if non_blocking is not None:
         check_flag(non_blocking, name="non_blocking", none=_NON_BLOCKING_DEFAULT)
     mover = borrow(target, non_blocking)
@@ -309,8 +311,10 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     except HeldView as held:
         raise TypeError(_view_refused(obj, held, target)) from None
     except NotImplementedError as error:
-        _explain_unsupported(error, obj, target)
-        raise
+        explained = _unsupported(error, obj, target)
+        if explained is None:
+            raise
+        raise explained from error
     finally:
         mover.finish()
     if returned_none is not None:
@@ -364,27 +368,27 @@ def _view_refused(obj: object, held: HeldView, target: torch.device) -> str:
     )
 
 
-def _explain_unsupported(error: NotImplementedError, obj: object, target: torch.device) -> None:
-    """Name the tensor behind torch's NotImplementedError for a copy, and the fix.
+def _unsupported(
+    error: NotImplementedError, obj: object, target: torch.device
+) -> TensorCopyError | None:
+    """A `TensorCopyError` for torch's NotImplementedError of a copy: the tensor, and the fix.
 
     A tensor on the meta device holds no values to copy ("Cannot copy out of
     meta tensor"); a nested (strided) or quantized tensor has no copy to some
     devices (``meta``): "Could not run 'aten::_to_copy' with arguments from
-    the 'NestedTensorMeta' backend".
+    the 'NestedTensorMeta' backend". None for any other: raised as it is.
     """
     text, there = str(error), str(target)
+    torch_said = f" (torch: {text.splitlines()[0] if text else type(error).__name__})"
     if "meta tensor" in text:
         path = _first(obj, lambda t: t.is_meta) or "a tensor in obj"
-        add_note(
-            error,
-            f"devicekit: to_device(obj, {there!r}) cannot move {path}: it is on the meta "
-            f"device, which holds no values to copy. Make it again on {there!r}; for a "
-            f"model built on meta, call model.to_empty(device={there!r}), then load its "
-            "weights.",
+        return TensorCopyError(
+            f"to_device(obj, {there!r}) cannot move {path}: it is on the meta device, which "
+            f"holds no values to copy. Make it again on {there!r}; for a model built on meta, "
+            f"call model.to_empty(device={there!r}), then load its weights{torch_said}"
         )
-        return
     if "Could not run" not in text:
-        return
+        return None
     for kind, test, fix in _NO_COPY:
 
         def astray(tensor: torch.Tensor, test: Callable[[torch.Tensor], bool] = test) -> bool:
@@ -392,13 +396,11 @@ def _explain_unsupported(error: NotImplementedError, obj: object, target: torch.
 
         found = _first(obj, astray)
         if found is not None:
-            add_note(
-                error,
-                f"devicekit: to_device(obj, {there!r}) cannot move {found}: torch has no copy of "
-                f"a {kind} tensor to {there} (this error). Leave it out of what you move, or "
-                f"{fix}.",
+            return TensorCopyError(
+                f"to_device(obj, {there!r}) cannot move {found}: torch has no copy of a {kind} "
+                f"tensor to {there}. Leave it out of what you move, or {fix}{torch_said}"
             )
-            return
+    return None
 
 
 # Tensors torch cannot copy to every device: what they are, how to tell, and the fix.
