@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KEY_HELD",
+    "LAZY",
     "OWN_TO",
     "UNCHANGED",
     "DictKey",
@@ -58,8 +59,9 @@ __all__ = [
 ]
 
 # Why a tensor stayed where it was, for to_device's warning: in an object returned as it
-# is, in what an object's own .to() returned, or in a dict's key (never moved).
-UNCHANGED, OWN_TO, KEY_HELD = "unchanged", "own .to()", "key"
+# is, in what an object's own .to() returned, or in a dict's key (never moved); or why
+# none could be seen: an iterator makes its items as it runs.
+UNCHANGED, OWN_TO, KEY_HELD, LAZY = "unchanged", "own .to()", "key", "lazy"
 # References read inside a numpy array of objects, as inside any object (tensor_elsewhere).
 _ARRAY_LOOKS = 256
 # References read inside a dict view's items, besides the items themselves (held_view).

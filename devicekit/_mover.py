@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, MappingView, MutableSequence
+from collections.abc import Callable, Iterator, Mapping, MappingView, MutableSequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from ._accelerators import CPU, META, synchronize
 from ._look import Changed, key_text, tensor_elsewhere
 from ._movecalls import (
     KEY_HELD,
+    LAZY,
     UNCHANGED,
     DictKey,
     ModuleFirst,
@@ -213,7 +214,10 @@ class _Mover:
             return self.container(obj, rebuild_dataclass)
         if is_record(obj):  # a SimpleNamespace, an attrs instance, a pydantic model
             return self.container(obj, rebuild_record)
-        return held_view(self, obj) if isinstance(obj, MappingView) else self.unchanged(obj)
+        if isinstance(obj, MappingView):
+            return held_view(self, obj)
+        # A generator, map(): moving its items would run it and use it up.
+        return self.unchanged(obj, LAZY if isinstance(obj, Iterator) else UNCHANGED)
 
     def unchanged(self, obj: Any, how: str = UNCHANGED) -> Any:
         """``obj``, which to_device cannot move; noted where it leaves a tensor behind.
@@ -228,11 +232,15 @@ class _Mover:
         A numpy array is looked inside only where it holds Python objects
         (``dtype=object``), each such array until one warns: one of numbers
         costs a check of its dtype. ``how``: why ``obj`` is as it was
-        (`UNCHANGED`, `OWN_TO`), for the warning.
+        (`UNCHANGED`, `OWN_TO`, `LAZY`), for the warning. An iterator's items
+        are not made yet: it is told of once per class, with nothing to look at.
         """
         cls = type(obj)
         looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
-        if looks > 0:
+        if looks > 0 and how == LAZY:
+            _looks_left[cls] = 0
+            self.unmoved = [*(self.unmoved or ()), (cls, "", LAZY)]
+        elif looks > 0:
             array = (cls.__module__, cls.__qualname__) in _NUMPY_ARRAYS
             try:
                 path = (

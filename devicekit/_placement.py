@@ -25,7 +25,7 @@ from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
 from ._lookpandas import pandas_kind
-from ._movecalls import KEY_HELD, OWN_TO, HeldView
+from ._movecalls import KEY_HELD, LAZY, OWN_TO, HeldView
 from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
 from ._options import check_flag
 from ._tree import describe_cycle, iter_tensors, path_of
@@ -72,6 +72,13 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
                 f"tensor not on {target} ({name}{path}), which stays where it is. Key it by "
                 "a str or an int instead, and keep the tensor among the values"
             )
+        elif how == LAZY:
+            what = (
+                f"returned a {name if cls.__module__ == 'builtins' else qualified_name(cls)} "
+                "as it is: an iterator makes its items as "
+                "it runs, so to_device cannot move them without running it and using it up. "
+                "Pass a list of its items instead (list(...)), or move each item as it comes"
+            )
         elif how == OWN_TO:
             what = (
                 f"moved a {qualified_name(cls)} with its own .to(), which left a tensor not "
@@ -93,9 +100,9 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
                 f"where it is. Move its tensors yourself, {fix}, or make it on {target} in the "
                 f"first place{cache}"
             )
+        finds = "" if how == LAZY else " dk.assert_same_device() finds such tensors."
         warnings.warn(
-            f"to_device() {what}. dk.assert_same_device() finds such tensors. This warning "
-            "is shown once per class.",
+            f"to_device() {what}.{finds} This warning is shown once per class.",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )
@@ -226,6 +233,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     A dict view (``batch.values()``) cannot be rebuilt: one that holds a
     tensor not on ``device`` is refused with ``TypeError`` (pass the dict
     itself), one that holds none (a dict's str keys) is returned as it is.
+    An iterator (a generator, ``map()``) is returned as it is, with a warning
+    once per class: moving its items would run it and use it up.
     Anything else (a ``range``, your own read-only ``Sequence``) is returned
     unchanged, and the input is never modified
     (except modules, and objects whose ``.to()`` moves them in place): a copy

@@ -1456,6 +1456,32 @@ def _holder_class() -> type:
     return Holder
 
 
+def test_an_iterator_is_returned_as_it_is_and_told_of_once_per_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a generator of tensors came back unmoved in silence, where a dict view
+    # holding tensors is refused.
+    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())  # none told yet
+
+    def batches() -> Iterator[torch.Tensor]:
+        yield torch.ones(1)
+
+    generator = batches()
+    with pytest.warns(
+        RuntimeWarning, match=r"returned a generator as it is: an iterator makes"
+    ) as told:
+        assert dk.to_device(generator, META) is generator
+    assert told[0].filename == __file__
+    assert "list(...)" in str(told[0].message)
+    assert next(generator).device.type == "cpu"  # not run by to_device: its item is still there
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        dk.to_device({"x": torch.ones(1), "more": batches()}, META)
+    with pytest.warns(RuntimeWarning, match=r"returned a map as it is"):
+        moved = dk.to_device({"x": torch.ones(1), "sizes": map(len, ["ab"])}, META)
+    assert moved["x"].is_meta
+
+
 def test_an_object_it_cannot_move_is_returned_as_it_is_but_not_in_silence() -> None:
     holder = _holder_class()
     held = holder(torch.ones(1))
