@@ -71,9 +71,12 @@ def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        value = math.nan  # told as a non-finite one is, with the range
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds, got {text!r}; use -n 1 (the default is 2), "
+            f"from {_SHORTEST_INTERVAL:g} to {_LONGEST_INTERVAL:g}"
+        )
     if value < _SHORTEST_INTERVAL:
         raise argparse.ArgumentTypeError(
             f"expected at least {_SHORTEST_INTERVAL:g} seconds between refreshes, got {text!r}; "
@@ -93,7 +96,7 @@ def _max_time(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        value = math.nan  # told as a non-finite one is, with the default
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(
             f"expected a finite number of seconds above 0, got {text!r}; the default is 0.4"

@@ -84,7 +84,7 @@ class History:
 
         A flush of one step (``flush_every=1``, a flush per epoch) lands a batch
         of its own, with a tuple per key: 630 bytes a record of three keys, where
-        64 steps merged take 200. The merged batch takes the first one's place
+        64 steps merged take 150. The merged batch takes the first one's place
         and the others become `EMPTY`, in one slice assignment: no index moves
         (the sinks' count of batches had stays true), and Ctrl-C leaves either
         the batches or their merge. Only batches already counted (`counts`) are

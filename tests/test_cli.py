@@ -339,9 +339,15 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["watch", "-n", "inf"], "expected a finite number of seconds, got 'inf'"),
-        (["watch", "-n", "nan"], "expected a finite number of seconds, got 'nan'"),
-        (["watch", "-n", "abc"], "expected a number of seconds, got 'abc'"),
+        (["watch", "-n", "inf"], "expected a finite number of seconds, got 'inf'; use -n 1"),
+        (["watch", "-n", "nan"], "expected a finite number of seconds, got 'nan'; use -n 1"),
+        # A hint for each: a word said only what it expected.
+        (
+            ["watch", "-n", "abc"],
+            "expected a finite number of seconds, got 'abc'; use -n 1 (the default is 2), "
+            "from 0.1 to 86400",
+        ),
+        (["bench", "--max-time", "abc"], "got 'abc'; the default is 0.4"),
         (
             ["watch", "-n", "1e-9", "--count", "3"],
             "argument -n/--interval: expected at least 0.1 seconds between refreshes, "
