@@ -16,6 +16,10 @@ from ._shortrepr import got, short_repr
 __all__ = ["Comparison", "ComparisonRow", "compare"]
 
 
+# Medians this far apart are never called the same, however wide their intervals.
+_APART = 1.5
+
+
 def _ratio_text(ratio: float) -> str:
     """A row's ratio as its report writes it, against the reference: ``"3.43x slower"``.
 
@@ -59,6 +63,10 @@ class ComparisonRow(PlainResult):
     def verdict(self, reference: str) -> str:
         """``"(reference)"``, ``"same within noise"``, ``"3.43x slower"``, ``"2.00x faster"``.
 
+        Medians 1.5x apart or more whose intervals still overlap (times in two
+        modes, a loaded machine) give ``"395.57x slower by the medians, within
+        the noise: measure longer"``, never "same within noise".
+
         A difference under 0.5% is given in percent (``"0.4% slower"``), where
         two decimals would read ``"1.00x"``. A difference whose noise is
         unknown says so: ``"3.43x slower (noise unknown)"``.
@@ -66,6 +74,10 @@ class ComparisonRow(PlainResult):
         if self.name == reference:
             return "(reference)"
         if self.within_noise:
+            if self.ratio is not None and not 1 / _APART < self.ratio < _APART:
+                # Intervals that overlap across a gap this wide are wide ones (times in
+                # two modes): "the same" would be a guess, not a measurement.
+                return f"{_ratio_text(self.ratio)} by the medians, within the noise: measure longer"
             return "same within noise"
         if self.ratio is None:
             whose = "its" if self.measurement.median == 0 else "the reference's"

@@ -23,6 +23,28 @@ def measured(median: float, spread: float, name: str = "f") -> dk.Measurement:
     )
 
 
+def test_medians_far_apart_are_never_called_the_same_however_wide_the_noise() -> None:
+    # A new user's compare() under load said "same within noise" of 12.5 ms against
+    # 31.6 us: the slow variant's times fell in two modes, so its interval reached down.
+    times = [31.6e-6] * 12 + [12.5e-3] * 18
+    two_modes = dk.Measurement.from_times(
+        times,
+        times,
+        name="a",
+        mode="warm",
+        stop_reason="converged",
+        conditions=dk.Conditions(device="cpu", load_average=0.1, cpu_count=8),
+    )
+    table = dk.compare({"a": two_modes, "b": measured(31.6e-6, 1e-7)})
+    (row,) = [row for row in table.rows if row.name == "a"]
+    assert row.within_noise  # the intervals do overlap
+    assert row.verdict(table.reference) == (
+        "395.57x slower by the medians, within the noise: measure longer"
+    )
+    near = dk.compare({"a": measured(1.2e-3, 4e-4), "b": measured(1e-3, 4e-4)})
+    assert "same within noise" in str(near)  # 1.2x apart, within the noise: as before
+
+
 def test_against_the_fastest() -> None:
     table = dk.compare(
         {
