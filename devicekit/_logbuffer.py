@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -27,7 +26,7 @@ from ._dist import DEFAULT_TIMEOUT, initialized, validated_timeout
 from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._logdeliver import Deliveries, Record, Sink
-from ._logexit import leave, track
+from ._logexit import Scoped, track
 from ._logflight import Flushes
 from ._logflush import (
     HOST_TENSORS,
@@ -60,7 +59,7 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
 
-class LogBuffer(Flushes):
+class LogBuffer(Flushes, Scoped):
     """Collect scalars on the device and bring them to the host in bulk, never per step.
 
     ``log(step, loss=loss, lr=0.1)`` takes 0-d (or one-element) tensors of a real dtype
@@ -374,17 +373,6 @@ mean 'loss'?"
         if not values:
             raise KeyError(unknown_key(key, known, pending=self._pending_count()))
         return mean_of(values)
-
-    def __enter__(self) -> LogBuffer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        leave(self, exc)  # a last flush; a failing one never replaces `exc` (see _logexit)
 
     def __getstate__(self) -> dict[str, Any]:
         """Its state as plain lists, dicts and numbers: for copies, ``pickle`` and ``torch.save``.

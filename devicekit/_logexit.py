@@ -39,7 +39,10 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Protocol
+from types import TracebackType
+from typing import Any, Protocol, cast
+
+from typing_extensions import Self
 
 from ._dist import initialized, world_size
 from ._frames import caller_stacklevel
@@ -47,7 +50,7 @@ from ._logdeliver import Deliveries, Record, Sink
 from ._logflush import Landed
 from ._logreport import exit_failure, exit_warning, report_while_exiting
 
-__all__ = ["Block", "flush_at_exit", "leave", "track"]
+__all__ = ["Block", "Scoped", "flush_at_exit", "leave", "track"]
 
 _FINAL_ROUNDS = 8  # flushes at the end of a with block for what sinks log (each may log again)
 _EXIT_LOCK_WAIT = 10.0  # seconds the flush at exit waits for another thread's flush
@@ -76,6 +79,37 @@ class Block(Protocol):
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go
     def _state(self) -> dict[str, Any]: ...  # what its repr shows: it names the buffer
     def _forked_copy(self) -> None: ...  # in a forked child: a copy without the sinks
+
+
+class Scoped:
+    """``with`` and ``async with`` for a `LogBuffer`: a last flush at the end of the block.
+
+    ``async with`` flushes as ``with`` does, in the event loop's thread, as any
+    call the loop makes (a flush waits for its copy to the host and runs the
+    sinks): a coroutine that logs needs no other form.
+    """
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        leave(cast("Block", self), exc)  # a failing flush never replaces `exc`
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        leave(cast("Block", self), exc)
 
 
 def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import copy
 import decimal
 import fractions
@@ -653,6 +654,52 @@ def test_a_failing_sink_never_replaces_the_exception_the_block_leaves_on(
         assert "every record is in LogBuffer.history" in _notes(leaving_on)
     else:
         assert "OSError: disk full" in caplog.text
+
+
+def test_async_with_flushes_at_the_end_as_with_does(caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "'LogBuffer' object does not support the asynchronous context manager
+    # protocol", in a coroutine that logs (an RL actor, a server's handler).
+    seen: list[dict[str, Any]] = []
+
+    async def steps() -> dk.LogBuffer:
+        async with dk.LogBuffer(flush_every=10, sinks=[seen.extend]) as logs:
+            for step in range(3):
+                logs.log(step, loss=torch.tensor(step / 2))
+                await asyncio.sleep(0)
+        return logs
+
+    logs = asyncio.run(steps())
+    assert isinstance(logs, dk.LogBuffer)
+    assert seen == [{"step": 0, "loss": 0.0}, {"step": 1, "loss": 0.5}, {"step": 2, "loss": 1.0}]
+
+    async def crashes() -> None:  # the block's error wins over the sink's, as with `with`
+        async with dk.LogBuffer(sinks=[_full_disk]) as failing:
+            failing.log(0, loss=1.0)
+            raise KeyError("training crashed")
+
+    with pytest.raises(KeyError, match="training crashed") as info:
+        asyncio.run(crashes())
+    if sys.version_info >= (3, 11):
+        assert "its final flush raised OSError: disk full" in _notes(info.value)
+    else:
+        assert "OSError: disk full" in caplog.text
+
+    cancelled = dk.LogBuffer(flush_every=10)
+
+    async def cancelled_midway() -> None:
+        async with cancelled:
+            cancelled.log(0, loss=2.0)
+            await asyncio.sleep(3600)  # cancelled here
+
+    async def main() -> None:
+        task = asyncio.ensure_future(cancelled_midway())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert cancelled.values("loss") == [2.0]  # flushed on the way out, no collective
 
 
 def _epochs(buffer: dk.LogBuffer) -> Iterator[int]:
