@@ -108,7 +108,8 @@ class Landed(NamedTuple):
             return [self.last_record()]
         rest: Sequence[LandedColumn] = columns
         if columns and columns[0][1] is None:  # nearly always: every step has the first key
-            (key, _, floats), *rest = columns
+            key, _, floats = columns[0]
+            rest = columns[1:]
             records = [{"step": s, key: v} for s, v in zip(steps, floats, strict=True)]
         else:
             records = [{"step": step} for step in steps]

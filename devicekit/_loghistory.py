@@ -73,7 +73,9 @@ class History:
         if flight.landed is None:
             flight.landed = land(flight.values)  # kept: landing again gives the same object
         landed = flight.landed
-        self.keys.update(dict.fromkeys(key for key, _, _ in landed.columns))
+        keys = self.keys
+        for key, _, _ in landed.columns:
+            keys[key] = None
         batches = self.batches
         if landed.steps and not (batches and batches[-1] is landed):
             batches.append(landed)  # the commit
