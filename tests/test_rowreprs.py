@@ -38,9 +38,10 @@ from devicekit._leaks import DeviceGrowth, Leak, LeakReport
 from devicekit._memory import DeviceMemory, MemoryReport
 from devicekit._oomreport import AllocationSite, OOMReport
 
+from .test_job import info  # an idle H100 as NVML describes it
+
 GIB = 2**30
 HOSTILE = "<script>alert(1)</script>"
-SHARED = "GPU-5a5a5a5a-0000-0000-0000-000000000000"
 
 
 def rows_of_devicekit() -> set[type]:
@@ -93,33 +94,6 @@ def measurement(seconds: float, name: str = "step") -> dk.Measurement:
     # Seven calls around ``seconds``: enough for a confidence interval.
     times = [seconds * (1 + k / 1000) for k in (-2, -1, 0, 0, 0, 1, 2)]
     return dk.Measurement.from_times(times, name=name)
-
-
-def gpu_info(uuid: str | None = SHARED) -> dk.GPUInfo:
-    """An idle H100 as NVML would describe it."""
-    return dk.GPUInfo(
-        torch_index=0,
-        nvml_index=0,
-        uuid=uuid,
-        name="NVIDIA H100 80GB HBM3",
-        pci_bus_id="00000000:18:00.0",
-        memory_total=80 * GIB,
-        memory_used=2 * GIB,
-        memory_free=78 * GIB,
-        utilization=0,
-        memory_utilization=0,
-        temperature=40,
-        power_draw=120.0,
-        power_limit=700.0,
-        sm_clock=1980,
-        sm_clock_max=1980,
-        memory_clock=2619,
-        throttle_reasons=(),
-        fan_speed=None,
-        compute_mode="default",
-        mig_enabled=False,
-        processes=(),
-    )
 
 
 # --- the cases, one function per row class -----------------------------------------------
@@ -210,15 +184,15 @@ def oom_cases() -> list[Case]:
 
 
 def job_cases() -> list[Case]:
-    first = dk.RankStatus(0, 0, HOSTILE, 1000, "cuda:0", gpu_info())
-    second = dk.RankStatus(1, None, "node-b", 1001, "cuda:0", gpu_info())
+    first = dk.RankStatus(0, 0, HOSTILE, 1000, "cuda:0", info(processes=()))
+    second = dk.RankStatus(1, None, "node-b", 1001, "cuda:0", info(processes=()))
     cpu = dk.RankStatus(2, 0, "node-c", 1002, "cpu", None)
     unread = dk.RankStatus(3, 1, "node-c", 1003, None, None)  # no NVML, no device known
     flags = tuple(_job._flags([first, second, cpu, unread]))  # the same GPU twice
     status = dk.JobStatus((first, second, cpu, unread), 4, "gloo", flags)
     (duplicate,) = flags
     return [
-        Case(first, {"gpu": repr(gpu_info()), "host": HOSTILE}, report=status),
+        Case(first, {"gpu": repr(info(processes=())), "host": HOSTILE}, report=status),
         Case(second, {"local rank": UNKNOWN}, report=status),
         Case(cpu, {"gpu": NOT_APPLICABLE}, none_texts={"gpu": NOT_APPLICABLE}, report=status),
         Case(unread, {"gpu": UNKNOWN, "device": UNKNOWN}, report=status),
