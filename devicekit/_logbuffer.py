@@ -342,7 +342,7 @@ class LogBuffer(Flushes, Scoped):
         with self._lock:
             self._complete()
             values = self._history.values(key)
-            if values or key == "step" or key in self._state()["keys"]:
+            if values or key == "step" or key in self._logged_keys():
                 return values  # a key logged, its values not on the host yet: none
             known = [*self._history.keys]
         raise KeyError(unknown_key(key, known, pending=self._pending_count()))
@@ -436,11 +436,15 @@ mean 'loss'?"
     def _repr_html_(self) -> str:
         return state_table(self._state())
 
-    def _state(self) -> dict[str, Any]:
-        """What the reprs show, read without waiting for any copy."""
+    def _logged_keys(self) -> list[str]:
+        """Every key logged, in order of first appearance: recorded, in flight or pending."""
         pending_keys = [key for _, values, _ in list(self._pending) for key in values]
         flight = self._in_flight
         flight_keys = [key for key, _, _ in flight.values.columns] if flight else []
+        return list(dict.fromkeys([*self._history.keys, *flight_keys, *pending_keys]))
+
+    def _state(self) -> dict[str, Any]:
+        """What the reprs show, read without waiting for any copy."""
         records, nonfinite = self._history.counts()
         options = [f"flush_every={self.flush_every}"]
         if self.reduce is not None:
@@ -450,7 +454,7 @@ mean 'loss'?"
         return {
             "name": f"LogBuffer({', '.join(options)})",
             "records": records,
-            "keys": list(dict.fromkeys([*self._history.keys, *flight_keys, *pending_keys])),
+            "keys": self._logged_keys(),
             "pending": self._pending_count(),
             "last": self._history.latest(),
             "sinks": [describe_sink(sink) for sink in self.sinks],

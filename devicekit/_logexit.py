@@ -109,7 +109,7 @@ class Scoped:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        leave(cast("Block", self), exc)
+        self.__exit__(exc_type, exc, traceback)
 
 
 def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) -> None:

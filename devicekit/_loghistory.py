@@ -171,8 +171,7 @@ class History:
         """The history `to_plain` wrote, or the dicts per step an earlier version wrote."""
         if "columns" in state:
             batches = (
-                Landed.of(steps, [(key, rows, floats) for key, rows, floats in columns], count)
-                for steps, columns, count in state["columns"]
+                Landed.of(steps, columns, count) for steps, columns, count in state["columns"]
             )
         else:
             batches = (_from_records(records, count) for records, count in state["batches"])

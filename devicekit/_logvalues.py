@@ -19,7 +19,7 @@ from typing import Any, SupportsIndex, cast
 
 import torch
 
-from ._format import shorten
+from ._format import plural, shorten
 from ._shortrepr import short_repr
 
 __all__ = [
@@ -254,7 +254,7 @@ def refuse_keys(scalars: dict[str, Any], unnamed: tuple[object, ...] = ()) -> Ex
         more = ", ..." if len(unnamed) > 3 else ""
         return TypeError(
             f"LogBuffer.log() takes the step by position and each value by keyword, got "
-            f"{len(unnamed)} value{'s' if len(unnamed) > 1 else ''} with no key ({values}{more}); "
+            f"{plural(len(unnamed), 'value')} with no key ({values}{more}); "
             "name each one, as in log(step, loss=value), or log(step, **values) for a dict"
         )
     if not scalars:

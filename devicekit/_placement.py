@@ -296,10 +296,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
                 return obj.to(target)  # type: ignore[attr-defined,no-any-return]
             return obj.to(target, non_blocking=True)  # type: ignore[attr-defined,no-any-return]
         except NotImplementedError as error:
-            explained = _unsupported(error, obj, target)
-            if explained is None:
-                raise
-            raise explained from error
+            _raise_unsupported(error, obj, target)
+            raise
     if non_blocking is not None:
         check_flag(non_blocking, name="non_blocking", none=_NON_BLOCKING_DEFAULT)
     mover = borrow(target, non_blocking)
@@ -320,10 +318,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     except HeldView as held:
         raise TypeError(_view_refused(obj, held, target)) from None
     except NotImplementedError as error:
-        explained = _unsupported(error, obj, target)
-        if explained is None:
-            raise
-        raise explained from error
+        _raise_unsupported(error, obj, target)
+        raise
     finally:
         mover.finish()
     if returned_none is not None:
@@ -377,27 +373,25 @@ def _view_refused(obj: object, held: HeldView, target: torch.device) -> str:
     )
 
 
-def _unsupported(
-    error: NotImplementedError, obj: object, target: torch.device
-) -> TensorCopyError | None:
-    """A `TensorCopyError` for torch's NotImplementedError of a copy: the tensor, and the fix.
+def _raise_unsupported(error: NotImplementedError, obj: object, target: torch.device) -> None:
+    """Raise a `TensorCopyError` for torch's NotImplementedError of a copy: tensor and fix.
 
     A tensor on the meta device holds no values to copy ("Cannot copy out of
     meta tensor"); a nested (strided) or quantized tensor has no copy to some
     devices (``meta``): "Could not run 'aten::_to_copy' with arguments from
-    the 'NestedTensorMeta' backend". None for any other: raised as it is.
+    the 'NestedTensorMeta' backend". Any other returns: the caller raises it as it is.
     """
     text, there = str(error), str(target)
     torch_said = f" (torch: {text.splitlines()[0] if text else type(error).__name__})"
     if "meta tensor" in text:
         path = _first(obj, lambda t: t.is_meta) or "a tensor in obj"
-        return TensorCopyError(
+        raise TensorCopyError(
             f"to_device(obj, {there!r}) cannot move {path}: it is on the meta device, which "
             f"holds no values to copy. Make it again on {there!r}; for a model built on meta, "
             f"call model.to_empty(device={there!r}), then load its weights{torch_said}"
-        )
+        ) from error
     if "Could not run" not in text:
-        return None
+        return
     for kind, test, fix in _NO_COPY:
 
         def astray(tensor: torch.Tensor, test: Callable[[torch.Tensor], bool] = test) -> bool:
@@ -405,11 +399,10 @@ def _unsupported(
 
         found = _first(obj, astray)
         if found is not None:
-            return TensorCopyError(
+            raise TensorCopyError(
                 f"to_device(obj, {there!r}) cannot move {found}: torch has no copy of a {kind} "
                 f"tensor to {there}. Leave it out of what you move, or {fix}{torch_said}"
-            )
-    return None
+            ) from error
 
 
 # Tensors torch cannot copy to every device: what they are, how to tell, and the fix.
