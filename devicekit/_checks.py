@@ -26,7 +26,8 @@ from ._checkfix import (
     mismatch_message,
     render,
 )
-from ._checkwalk import collect, refuse_unwalkable
+from ._checkrefusals import refuse_unwalkable
+from ._checkwalk import collect
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import article

@@ -11,15 +11,11 @@ the error's fix is written from (`_checkfix`).
 
 from __future__ import annotations
 
-import types
 from collections.abc import (
-    ItemsView,
     Iterable,
     Iterator,
-    KeysView,
     Mapping,
     MutableMapping,
-    ValuesView,
 )
 from typing import Any
 
@@ -35,7 +31,7 @@ from ._checkfix import (
     Path,
     render,
 )
-from ._format import article
+from ._checkrefusals import too_many, too_many_in_array, too_many_in_pandas, unreadable_pandas
 from ._look import (
     NOTHING_INSIDE,
     OPAQUE,
@@ -54,7 +50,7 @@ from ._lookpandas import Unreadable, pandas_kind, pandas_parts, shown_attribute
 from ._mover import _has_to_method
 from ._tree import children, container_attributes, iter_children
 
-__all__ = ["collect", "refuse_unwalkable"]
+__all__ = ["collect"]
 
 
 # Objects read one by one inside the objects the check does not otherwise know, per
@@ -102,7 +98,7 @@ class _Budget:
             return self.attributes >= 0
         self.objects -= 1
         if self.objects < 0:
-            raise ValueError(_too_many(name, holder, f"{_LOOK_BUDGET:,} objects"))
+            raise ValueError(too_many(name, holder, f"{_LOOK_BUDGET:,} objects"))
         return True
 
 
@@ -223,7 +219,7 @@ def _open(
             try:
                 return _open_values(values, ".flat", holder, left=left, seen=seen)
             except _TooMany:
-                raise ValueError(_too_many_in_array(name, path)) from None
+                raise ValueError(too_many_in_array(name, path, _BULK_BUDGET)) from None
         elements = array_elements(obj)  # a numpy record with an object field: each field
         if elements is not None:  # to_device() returns it unchanged: a holder
             return [(elements, holder or (path, type(obj).__name__, KEPT))]
@@ -266,7 +262,7 @@ def _open_in_bulk(
     left.bulk -= read
     if left.bulk < 0:
         raise ValueError(
-            _too_many(name, holder, f"{_BULK_BUDGET:,} values in its lists, dicts, tuples and sets")
+            too_many(name, holder, f"{_BULK_BUDGET:,} values in its lists, dicts, tuples and sets")
         )
     if plain:  # its items hold nothing to read: what its instance was given, if any
         return [(((f".{key}", value) for key, value in container_attributes(obj)), holder)]
@@ -291,25 +287,19 @@ def _open_pandas(
     read one by one, ``df['emb'].iloc[0]``. Then its instance attributes, but
     for its data (`shown_attribute()`): ``attrs`` and a subclass's own.
     """
+    kind = type(obj).__name__
     try:
         parts, whole = pandas_parts(obj, frame, left.bulk + 1, key_text)
     except Unreadable as error:  # no look at all: never a pass for what it holds
-        at, kind = render(path), type(obj).__name__
-        raise ValueError(
-            f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind}, which "
-            "it reads "
-            f"through pandas, and pandas raised {error}. The check stops there rather than "
-            f"pass tensors it never saw. Pass the tensors to check themselves, or a dict or "
-            f"list of them, instead of {at}."
-        ) from None
+        raise ValueError(unreadable_pandas(name, path, kind, error)) from None
     if not whole:
-        raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__))
+        raise ValueError(too_many_in_pandas(name, path, kind, _BULK_BUDGET))
     read: list[_Part] = []
     for at, step, values in parts:
         try:
             read += _open_values(values, f"{at}{step}", holder, left=left, seen=seen)
         except _TooMany:
-            raise ValueError(_too_many_in_pandas(name, path, type(obj).__name__)) from None
+            raise ValueError(too_many_in_pandas(name, path, kind, _BULK_BUDGET)) from None
     shown = ((shown_attribute(attr[1:]), value) for attr, value in _attributes(obj, path, left))
     read.append((((f".{attr}", value) for attr, value in shown if attr is not None), holder))
     return read
@@ -427,89 +417,3 @@ def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list
             if id(type(value)) not in plain
         )
     return found
-
-
-# How the check reads what a holder of these classes holds, where not attribute by attribute.
-_READ_AS = {
-    "ndarray": " whose elements of dtype=object it looks at one by one",
-    "DataFrame": " whose values of object dtype it reads through pandas",
-    "Series": " whose values of object dtype it reads through pandas",
-    "Index": " whose labels of object dtype it reads through pandas",
-}
-
-
-def _too_many(name: str, holder: Holder, what: str) -> str:
-    at, kind = render(holder[0]), holder[1]
-    read = _READ_AS.get(kind, ", which it looks inside attribute by attribute")
-    return (
-        f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind}{read}, "
-        f"and it holds more than {what} (counting "
-        "what they hold in turn: a dataset, a logger?). The check stops there rather than "
-        "pass tensors it never saw. Pass the tensors to check themselves, or a dict or list "
-        f"of them, instead of {at}."
-    )
-
-
-def _too_many_in_pandas(name: str, path: Path, kind: str) -> str:
-    """The refusal of a pandas object whose values of ``object`` dtype are too many to read."""
-    at = render(path)
-    return (
-        f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind} whose "
-        f"values of object dtype, read through pandas, are more than "
-        f"{_BULK_BUDGET:,} (with those of the lists, dicts and pandas objects around it). "
-        "Under pandas before 3.0 every column of strings is of object dtype: "
-        f"{at}.convert_dtypes() makes them strings, which it passes over. The check stops "
-        "there rather than pass tensors it never saw. Or pass the tensors to check "
-        f"themselves, such as list({at}['emb']) for a column of them."
-    )
-
-
-def _too_many_in_array(name: str, path: Path) -> str:
-    """The refusal of a numpy array of Python objects too large to read."""
-    at = render(path)
-    return (
-        f"assert_same_device() cannot check {name}: {at} is an ndarray of dtype=object "
-        f"whose elements are more than {_BULK_BUDGET:,} (with those of the lists, dicts and "
-        "arrays around it). The check stops there rather than pass tensors it never saw. "
-        f"Pass the tensors to check themselves, or a dict or list of them, instead of {at}."
-    )
-
-
-def refuse_unwalkable(name: str, obj: object) -> None:
-    """Refuse an argument whose tensors the walk would miss without a word.
-
-    An iterator, a dict view, a class, a Python module, a function.
-    """
-    if isinstance(obj, OPAQUE):
-        kind = (
-            "class"
-            if isinstance(obj, type)
-            else "module"
-            if isinstance(obj, types.ModuleType)
-            else "function"
-        )
-        label = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
-        raise TypeError(
-            f"assert_same_device() cannot check {name}, a {kind} ({label}): it does "
-            "not look inside classes, Python modules or functions, so their tensors (a "
-            "global, a closure, a class attribute) would go unchecked. Pass the tensors "
-            "themselves, or the object or module instance that holds them."
-        )
-    if not isinstance(obj, (Iterator, KeysView, ValuesView, ItemsView)):
-        return
-    if children(obj) is not None:
-        return  # a container that is also an iterator is walked as a container
-    kind = type(obj).__name__
-    if isinstance(obj, Iterator):  # a generator, map(), zip(), iter(list)...
-        raise TypeError(
-            f"assert_same_device() cannot check {name}, a {kind}, without consuming it: "
-            "checking its tensors would use it up (to_device() returns it unchanged and not "
-            "consumed for the same reason). Pass a list of its items, list(...), and use that "
-            "list afterwards, or check each item as it comes."
-        )
-    if isinstance(obj, (KeysView, ValuesView, ItemsView)):
-        raise TypeError(
-            f"assert_same_device() cannot check {name}, a {kind} view: a dict view is not "
-            "walked (to_device() refuses one holding a tensor off its target, for the same "
-            "reason: it shows its dict). Pass the dict itself, or list(...) of the view."
-        )

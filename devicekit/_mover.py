@@ -47,6 +47,7 @@ from ._rebuild import (
     rebuild_tuple,
 )
 from ._records import rebuild_dataclass, rebuild_record
+from ._refcounts import ONCE_IN_DICT, ONCE_IN_LIST
 from ._tree import is_dataclass_instance, is_record
 
 __all__ = ["Cycle", "ModuleFirst", "borrow"]  # what to_device uses: private, not devicekit's API
@@ -82,56 +83,6 @@ def _describe_target(device: torch.device) -> tuple[int, int | None, bool]:
 
 
 _targets: dict[torch.device, tuple[int, int | None, bool]] = {}  # a handful of devices at most
-
-
-# A tensor that only its container references cannot be reached twice in the walk,
-# so it needs no memo entry: sys.getrefcount says so in a fraction of a memo's cost.
-# What "only its container" reads as depends on the loop (a dict's item tuple holds a
-# reference too) and on the interpreter, so it is measured here, in loops of the same
-# shape as the walk's, and checked against an object held twice. Where the check
-# fails (or on a free-threaded build, where counts are not exact), every tensor goes
-# through the memo: slower, never wrong.
-def _once_in_list() -> int:
-    count = sys.getrefcount
-    for value in [object()]:
-        return count(value)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _once_in_dict() -> int:
-    count = sys.getrefcount
-    for _, value in {"key": object()}.items():
-        return count(value)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _twice_in_list() -> int:
-    count, shared = sys.getrefcount, object()
-    for value in [shared]:
-        return count(value)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _unshared_counts() -> tuple[int, int]:
-    exact = getattr(sys, "_is_gil_enabled", lambda: True)()
-    # A trace or profile function (a debugger stepping through this import) that reads
-    # frame.f_locals holds one more reference to each local: counts measured under it
-    # are too high, and would take a tensor held twice for one held once. Measure
-    # without them. (Under one later, counts only look higher: the memo decides.)
-    trace, profile = sys.gettrace(), sys.getprofile()
-    sys.settrace(None)
-    sys.setprofile(None)
-    try:
-        once_list, once_dict, twice_list = _once_in_list(), _once_in_dict(), _twice_in_list()
-    finally:
-        sys.settrace(trace)
-        sys.setprofile(profile)
-    if not exact or twice_list <= once_list:
-        return -1, -1  # no count is "unshared": the memo always decides
-    return once_list, once_dict
-
-
-_ONCE_IN_LIST, _ONCE_IN_DICT = _unshared_counts()
 
 
 class _Mover:
@@ -356,7 +307,7 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
     # where it changes something, a copy that is not to the meta device.
     keyword = non_blocking and kind != _META
     # Closure cells, not globals, in the loops below: each read is a few ns cheaper.
-    tensor_class, once_in_list, once_in_dict = _Tensor, _ONCE_IN_LIST, _ONCE_IN_DICT
+    tensor_class, once_in_list, once_in_dict = _Tensor, ONCE_IN_LIST, ONCE_IN_DICT
     to_cuda, to_host, to_meta = kind == _CUDA, kind == _HOST, kind == _META
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
