@@ -424,9 +424,9 @@ mean 'loss'?"
             category = RuntimeWarning if self.sinks else ResourceWarning
         except AttributeError:  # __init__ refused its arguments: nothing was ever logged
             return
-        unsent = self._unsent()
-        if pending or unsent:
-            warnings.warn(dropped_warning(pending, unsent), category, stacklevel=2)
+        unsent, kept = self._unsent(), self._kept()
+        if pending or unsent or kept:
+            warnings.warn(dropped_warning(pending, unsent, kept), category, stacklevel=2)
 
     # --- notebooks ---------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._logflush import Landed, records_of
 
-__all__ = ["Deliveries", "Record", "Sink"]
+__all__ = ["Deliveries", "KeepsRecords", "Record", "Sink", "kept"]
 
 Record = dict[str, Any]
 """One logged step on the host: ``{"step": 12, "loss": 0.25, ...}``."""
@@ -54,6 +54,27 @@ class Sink(Protocol):
 
 
 _Batches = list[Landed]  # a History's: one per flush
+
+
+class KeepsRecords:
+    """A sink that keeps what a failed write left (`CSVSink`, `TensorBoardSink`), to write it later.
+
+    It writes what it kept first at its next call. A flush that brings no new
+    records (``flush()`` once the disk has room again, the end of a ``with``
+    block, the flush at exit) calls it with none, so what it kept is written
+    then, not only once new values come.
+    """
+
+    __slots__ = ()
+
+    def _kept(self) -> int:
+        """How many records it holds from a failed write, not yet written."""
+        raise NotImplementedError
+
+
+def kept(sinks: list[Sink]) -> int:
+    """How many records ``sinks`` hold from failed writes (see `KeepsRecords`)."""
+    return sum(sink._kept() for sink in sinks if isinstance(sink, KeepsRecords))
 
 
 class Deliveries:
@@ -114,7 +135,9 @@ class Deliveries:
             end = len(batches)
             # One pass, unless Ctrl-C cut an earlier call short: its sinks left are
             # called with its records first, then the batches landed since.
+            delivered = False
             while self.sent < end:
+                delivered = True
                 start = self.sent
                 left = self._left
                 if left is None or left[0] != start:  # new batches (or stale ones left)
@@ -127,9 +150,30 @@ class Deliveries:
                     break
             else:
                 self.interrupted = False
+                if not delivered:  # nothing new: the sinks holding records write them now
+                    self.interrupted = _retry_kept(sinks, errors)
         finally:
             self._running = None
         return errors
+
+
+def _retry_kept(sinks: list[Sink], errors: list[tuple[Sink, BaseException]]) -> bool:
+    """Call each sink that kept records with none, to write them; whether one was interrupted.
+
+    A sink that raised in this flush's own delivery is not called again: only
+    a flush with no new records retries.
+    """
+    for sink in sinks:
+        if not (isinstance(sink, KeepsRecords) and sink._kept()):
+            continue
+        try:
+            sink([])
+        except Exception as error:  # noqa: BLE001 - every sink runs; one is raised
+            errors.append((sink, error))
+        except BaseException as error:  # noqa: BLE001 - Ctrl-C: kept, and raised by the caller
+            errors.append((sink, error))
+            return True
+    return False
 
 
 def _call_each(

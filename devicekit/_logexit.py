@@ -76,6 +76,7 @@ class Block(Protocol):
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Landed]: ...
     def _pending_count(self) -> int: ...
     def _unsent(self) -> int: ...  # records some sink has not had yet
+    def _kept(self) -> int: ...  # records sinks kept from a failed write
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go
     def _state(self) -> dict[str, Any]: ...  # what its repr shows: it names the buffer
     def _forked_copy(self) -> None: ...  # in a forked child: a copy without the sinks
@@ -240,7 +241,8 @@ def _unfinished(buffer: Block) -> bool:
         # of its parent's buffer has not (see _forked): nothing to do, nothing lost.
         buffer._told_at_exit = True
         return False
-    return buffer._unfinished(deliver=True)
+    # Records a sink kept from a failed write are tried once more (the disk may have room).
+    return buffer._unfinished(deliver=True) or buffer._kept() > 0
 
 
 def _end(buffer: Block) -> None:
@@ -304,8 +306,8 @@ def _tell(buffer: Block, why: str, **fix: str) -> None:
     """Warn that ``buffer`` was not (wholly) flushed at exit, and why; never raises."""
     buffer._told_at_exit = True  # dropped later, at the end of the process: told once
     try:
-        pending, unsent = buffer._pending_count(), buffer._unsent()
-        told = exit_warning(buffer._state(), pending, unsent, why, **fix)
+        pending, unsent, kept = buffer._pending_count(), buffer._unsent(), buffer._kept()
+        told = exit_warning(buffer._state(), (pending, unsent, kept), why, **fix)
         # caller_stacklevel() points past devicekit's frames: at exit there is no user
         # frame, so Python shows it as "sys:1", as it does its own warnings at exit.
         warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())

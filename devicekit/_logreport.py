@@ -215,8 +215,11 @@ def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:
     return message
 
 
-def dropped_warning(pending: int, unsent: int) -> str:
-    """What a buffer dropped with ``pending`` values or ``unsent`` records warns.
+def dropped_warning(pending: int, unsent: int, kept: int = 0) -> str:
+    """What a buffer dropped with ``pending`` values, ``unsent`` or ``kept`` records warns.
+
+    ``kept``: records its sinks kept from a failed write (a full disk) and
+    never wrote: the fix there is the sink's, and the warning says so.
 
     Two things leave them behind, with different fixes: no flush after the last
     ``log()`` (no ``with`` block, no ``flush()`` at the end), or sinks that log
@@ -226,8 +229,15 @@ def dropped_warning(pending: int, unsent: int) -> str:
     step), so the warning tells both, each with its condition: it never tells a
     buffer used in a ``with`` block to use one.
     """
+    lost = _lost(pending, unsent, kept)
+    if not pending and not unsent:
+        return (
+            f"a LogBuffer was dropped with {lost}: they are in its history, which goes with it. "
+            "Flush it again once the sink can write (logs.flush() retries them), before "
+            "letting it go"
+        )
     return (
-        f"a LogBuffer was dropped with {_lost(pending, unsent)}. If nothing flushed it after its "
+        f"a LogBuffer was dropped with {lost}. If nothing flushed it after its "
         "last log() call, use it in a with block, or call flush() before letting it go; if "
         "something did, they are what its sinks logged during its last flushes (the end of "
         "a with block flushes a few more times for them), and a sink that logs at every call "
@@ -235,10 +245,11 @@ def dropped_warning(pending: int, unsent: int) -> str:
     )
 
 
-def _lost(pending: int, unsent: int) -> str:
+def _lost(pending: int, unsent: int, kept: int = 0) -> str:
     """``"3 values never recorded and 2 records never handed to its sinks"``."""
     lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
     lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
+    lost += [f"{plural(kept, 'record')} its sinks kept from a failed write"] if kept else []
     return " and ".join(lost)
 
 
@@ -249,9 +260,12 @@ _FLUSH_BEFORE_EXIT = (
 
 
 def exit_warning(
-    state: dict[str, Any], pending: int, unsent: int, why: str, fix: str = _FLUSH_BEFORE_EXIT
+    state: dict[str, Any], left: tuple[int, int, int], why: str, fix: str = _FLUSH_BEFORE_EXIT
 ) -> str:
     """What the flush at exit tells of a buffer it left values in, ``why``, and the ``fix``.
+
+    ``left``: its values pending, records some sink never had, and records
+    its sinks kept from a failed write (see `_lost`).
 
     ``state`` is the buffer's ``_state()``: its options, keys and sinks name it
     among the buffers of the script.
@@ -260,7 +274,7 @@ def exit_warning(
     name = f"{state['name']}{' of ' + keys if keys else ''}"
     if state["sinks"]:
         name += f" (sinks {', '.join(state['sinks'])})"
-    lost = _lost(pending, unsent)
+    lost = _lost(*left)
     if lost:
         return f"devicekit: at exit, {name} was left with {lost}: {why}.{fix}"
     # Every record reached the sinks' hands, but the one that raised may not have kept them.

@@ -18,9 +18,9 @@ from typing import Any, Protocol, TypeVar
 
 from ._callbacks import new_sink_lock, restore_sink, sink_state
 from ._errors import add_note
-from ._format import plural, shorten
+from ._format import shorten
 from ._keywords import suggest_keywords
-from ._logdeliver import Record
+from ._logdeliver import KeepsRecords, Record
 from ._shortrepr import short_repr
 
 __all__ = ["ProgressBarSink", "TensorBoardSink"]
@@ -32,7 +32,7 @@ class _ScalarWriter(Protocol):
     def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
 
 
-class TensorBoardSink:
+class TensorBoardSink(KeepsRecords):
     """Send each value to a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar``).
 
     Args:
@@ -99,6 +99,9 @@ class TensorBoardSink:
         restore_sink(self, state)
         self._unwritten = []  # never pickled: the original's to write, once
 
+    def _kept(self) -> int:
+        return len(self._unwritten)
+
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
         with self._lock:  # one flush's values together, from one thread at a time
@@ -136,9 +139,10 @@ class TensorBoardSink:
             raised += " (not written again: the writer may have it)"
         if not count:
             return f"{raised}; nothing after it was left to write"
+        kept_values = "the value after it" if count == 1 else f"the {count} values after it"
         return (
-            f"{raised}; the {plural(count, 'value')} after it ({steps}) are kept and written "
-            "first at its next call"
+            f"{raised}; {kept_values} ({steps}) {'is' if count == 1 else 'are'} kept and "
+            "written first at the next flush (a flush() with nothing new included)"
         )
 
 

@@ -36,7 +36,7 @@ from ._csvtext import csv_text, existing, render, utf8
 from ._errors import add_note
 from ._format import plural
 from ._keywords import suggest_keywords
-from ._logdeliver import Record
+from ._logdeliver import KeepsRecords, Record
 from ._options import check_flag
 
 __all__ = ["CSVSink"]
@@ -51,7 +51,7 @@ _LIVE: weakref.WeakSet[CSVSink] = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
 
-class CSVSink:
+class CSVSink(KeepsRecords):
     """Append records to a CSV file, one row per record, one column per key.
 
     A record is one ``log()`` call, so two calls at one step give two rows,
@@ -78,7 +78,9 @@ class CSVSink:
     step (``os.replace``), with the old file's permissions (a file made private
     with ``chmod 600`` stays so) and, where allowed, its owner and group; an
     append that fails (a full disk) is cut back to where it began. The records
-    it could not write are kept and written first at the next flush. Ctrl-C
+    it could not write are kept and written first at the next flush, even one
+    with no new records (``logs.flush()`` once the disk has room, the end of a
+    ``with`` block, the flush at exit). Ctrl-C
     during a write writes no row twice and leaves the file the sink's: a write
     that reached the file counts as done (found so at the next flush if Ctrl-C
     landed before the sink could note it). A file that disappears while the run goes on (a log
@@ -166,6 +168,9 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         """A copy or an unpickled sink: the same state, with a lock of its own."""
         restore_sink(self, state)
         self.__dict__.setdefault("_pending", None)  # pickled before it had one
+
+    def _kept(self) -> int:
+        return len(self._unwritten)
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
@@ -296,7 +301,10 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         it; and the same message at each failure (no temporary name in it), so
         a flush that fails on several batches tells it once, with a count.
         """
-        kept = f"its {len(rows)} unwritten records are kept and written first at its next call"
+        kept = (
+            f"its {plural(len(rows), 'unwritten record')} {'is' if len(rows) == 1 else 'are'} "
+            "kept and written first at the next flush (a flush() with nothing new included)"
+        )
         if type(error).__module__ != "builtins":  # a subclass of unknown signature: as it is
             add_note(error, f"raised by {self!r} writing {str(self._file)!r}; {kept}")
             return error

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import csv
 import errno
+import gc
 import io
 import math
 import os
@@ -534,7 +535,8 @@ def test_a_write_error_names_the_sink_and_keeps_its_type_and_rows(tmp_path: Path
     assert str(caught.value).startswith(f"{sink!r} could not write {str(folder / 'train.csv')!r}")
     assert caught.value.errno == errno.ENOENT
     notes = getattr(caught.value, "__notes__", [])
-    assert f"{sink!r}: its 2 unwritten records are kept and written first at its next call" in notes
+    kept = "its 2 unwritten records are kept and written first at the next flush"
+    assert f"{sink!r}: {kept} (a flush() with nothing new included)" in notes
     folder.mkdir()
     _logged(buffer, range(5, 6))
     assert [int(row[0]) for row in read_rows(folder / "train.csv")[1:]] == [3, 4, 5]
@@ -663,6 +665,10 @@ def test_a_failure_on_several_batches_is_told_once(
     assert "its 2 unwritten records are kept" in notes
     assert "failed" not in notes
     assert "also raised" not in notes
+    # The disk never got them: dropping the buffer says so (they went with its history).
+    del caught, buffer  # its traceback's frames hold the buffer, in a cycle
+    with pytest.warns(RuntimeWarning, match="dropped with 2 records its sinks kept from a fail"):
+        gc.collect()
 
 
 # --- paths refused when the sink is made -----------------------------------------------------
@@ -1399,3 +1405,94 @@ def test_a_tensorboard_write_cut_short_mid_record_keeps_the_record_s_other_value
     ]
     sink([])
     assert len(writer.got) == 4  # nothing kept once written
+
+
+# --- what a failed write kept is written at the next flush, new records or none -----------
+
+
+def test_what_a_failed_tensorboard_write_kept_is_written_by_a_flush_with_nothing_new() -> None:
+    # Before, only a flush with new records called the sink again: flush() once the
+    # writer was back, the end of the with block and the exit wrote nothing, silently.
+    writer = _FlakyWriter(2)
+    with dk.LogBuffer(sinks=[dk.TensorBoardSink(writer)]) as logs:
+        for step in range(4):
+            logs.log(step, loss=float(step))
+        with pytest.raises(RuntimeError, match="transient"):
+            logs.flush()
+        assert writer.calls == 2  # the failing flush does not retry at once
+        assert logs.flush() == []  # nothing new: the values kept are written now
+        assert [step for _, _, step in writer.got] == [0, 2, 3]  # 1: the writer may have it
+        calls = writer.calls
+        logs.flush()
+        assert writer.calls == calls  # nothing kept: a flush with nothing new calls no one
+
+
+def test_what_a_full_disk_kept_is_written_at_the_end_of_the_with_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    with dk.LogBuffer(sinks=[dk.CSVSink(path)]) as logs:
+        _logged(logs, range(3))
+        monkeypatch.setattr(_sinks, "os", FullDisk(room=0))
+        with pytest.raises(OSError, match="No space left"):
+            _logged(logs, range(3, 6))
+        monkeypatch.setattr(_sinks, "os", os)  # room again, and no new value logged
+    assert [int(row[0]) for row in read_rows(path)[1:]] == list(range(6))
+
+
+def test_a_retry_that_fails_again_raises_and_keeps_the_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "train.csv"
+    logs = dk.LogBuffer(sinks=[dk.CSVSink(path)])
+    _logged(logs, range(2))
+    disk = FullDisk(room=0)
+    monkeypatch.setattr(_sinks, "os", disk)
+    with pytest.raises(OSError, match="No space left"):
+        _logged(logs, range(2, 4))
+    with pytest.raises(OSError, match="No space left"):
+        logs.flush()  # the retry: still full
+    assert disk.failures == 2
+    monkeypatch.setattr(_sinks, "os", os)
+    logs.flush()
+    assert [int(row[0]) for row in read_rows(path)[1:]] == [0, 1, 2, 3]  # once each
+
+
+_KEPT_AT_EXIT = """
+import sys
+import devicekit as dk
+
+class Writer:
+    down = True
+    def add_scalar(self, tag, value, step):
+        if Writer.down:
+            raise ConnectionError("writer down")
+        print("wrote", step, flush=True)
+
+logs = dk.LogBuffer(sinks=[dk.TensorBoardSink(Writer())])
+for step in range(3):
+    logs.log(step, loss=float(step))
+try:
+    logs.flush()
+except ConnectionError:
+    pass
+Writer.down = sys.argv[1] == "down"
+"""
+
+
+@pytest.mark.parametrize("writer", ["back", "down"])
+def test_the_flush_at_exit_writes_what_a_sink_kept_or_says_it_could_not(writer: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _KEPT_AT_EXIT, writer],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    if writer == "back":
+        assert done.stdout.split("\n")[:2] == ["wrote 1", "wrote 2"]  # 0: the writer may have it
+        assert "RuntimeWarning" not in done.stderr
+    else:
+        assert not done.stdout
+        assert "was left with 1 record its sinks kept from a failed write" in done.stderr
+        assert "ConnectionError: writer down" in done.stderr
