@@ -71,7 +71,9 @@ class CSVSink(KeepsRecords):
     the same file) is not written to, and the flush raises a
     ``RuntimeError`` naming the file, what changed and the fix; the records
     are in the buffer's history. One sink object, by contrast, may be given to
-    several buffers flushed in several threads: its calls take turns.
+    several buffers flushed in several threads: its calls take turns. A copy
+    (``copy.deepcopy`` of a trainer that holds it, a pickle loaded in this
+    process) is the sink itself, so it is one writer too.
 
     A failed write never destroys rows already on disk. A wider header is
     written to a new file beside the old one, which then replaces it in one
@@ -155,19 +157,36 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         # what is left to serialize is one sink's calls from several threads (two buffers
         # given one sink).
         self._lock = new_sink_lock()
+        self._token = uuid.uuid4().hex  # this sink, wherever a pickle of it goes
         _claim(self)
 
     def __repr__(self) -> str:
         append = ", append=True" if self.append else ""
         return f"CSVSink({str(self.path)!r}{append})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        return sink_state(self)
+    def __copy__(self) -> CSVSink:
+        """The sink itself: one file, one writer (see `__reduce__`)."""
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CSVSink:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its state, and unpickled as itself where it is still alive.
+
+        A copy (of a trainer or a config that holds the sink) was a second
+        writer of the file: whichever of the two wrote second was refused at
+        every later flush, the original's rows lost to its file. In the process
+        it came from, the copy is the sink; in another process it is a sink
+        of its own, which the check at each write tells from this one.
+        """
+        return (_unpickled, (self._token, sink_state(self)))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy or an unpickled sink: the same state, with a lock of its own."""
+        """An unpickled sink: the same state, with a lock of its own."""
         restore_sink(self, state)
         self.__dict__.setdefault("_pending", None)  # pickled before it had one
+        self.__dict__.setdefault("_token", uuid.uuid4().hex)  # pickled before it had one
 
     def _kept(self) -> int:
         return len(self._unwritten)
@@ -427,6 +446,17 @@ def _claim(sink: CSVSink) -> None:
         "(a notebook cell run again, a loop), let it go first (del logs, or logs.sinks = [] "
         "on its LogBuffer), or pass append=True to go on after its rows"
     )
+
+
+def _unpickled(token: str, state: dict[str, Any]) -> CSVSink:
+    """The live sink ``token`` names, in the process it was pickled in; else a new one."""
+    with _LIVE_LOCK:
+        for sink in _LIVE:
+            if sink._token == token:
+                return sink
+    sink = CSVSink.__new__(CSVSink)
+    sink.__setstate__(state)
+    return sink
 
 
 def _write_all(descriptor: int, data: bytes) -> None:

@@ -1048,12 +1048,50 @@ def test_an_appending_sink_and_the_one_before_it_never_mix_rows(tmp_path: Path) 
         ["1", "", "0.5"],
         ["3", "", "0.75"],
     ]
-    made = dk.CSVSink(tmp_path / "fresh.csv", append=True)
-    twin = copy.copy(made)  # a copy of a sink is a second writer too
-    made([{"step": 0, "loss": 1.0}])
-    with pytest.raises(RuntimeError, match=r"since this sink was made \(there was no file"):
-        twin([{"step": 0, "loss": 9.0}])
-    assert read_rows(tmp_path / "fresh.csv") == [["step", "loss"], ["0", "1.0"]]
+
+
+@pytest.mark.parametrize(
+    "copied",
+    [copy.copy, copy.deepcopy, lambda sink: pickle.loads(pickle.dumps(sink))],
+    ids=["copy", "deepcopy", "pickle"],
+)
+def test_a_copy_of_a_sink_is_the_sink_itself(tmp_path: Path, copied: Any) -> None:
+    # Before, a copy (a deep-copied trainer or config that held the sink) was a second
+    # writer: once it wrote, the original was refused at every flush, its rows lost.
+    path = tmp_path / "train.csv"
+    sink = dk.CSVSink(path)
+    logs = dk.LogBuffer(sinks=[sink])
+    _logged(logs, range(1))
+    twin = copied(sink)
+    assert twin is sink
+    ema = dk.LogBuffer(sinks=[twin])
+    ema.log(0, ema_loss=0.5)
+    ema.flush()
+    _logged(logs, range(1, 3))
+    assert read_rows(path) == [
+        ["step", "loss", "ema_loss"],
+        ["0", "0.0", ""],
+        ["0", "", "0.5"],
+        ["1", "0.1", ""],
+        ["2", "0.2", ""],
+    ]
+
+
+def test_a_sink_unpickled_in_another_process_is_a_writer_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    sink = dk.CSVSink(path)
+    sink([{"step": 0, "loss": 1.0}])
+    other = (
+        "import pickle, sys\n"
+        "sink = pickle.loads(sys.stdin.buffer.read())\n"
+        "sink([{'step': 1, 'loss': 2.0}])\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", other], input=pickle.dumps(sink), check=True, timeout=300
+    )  # it wrote the file as it was left: that one is this sink's state going on
+    with pytest.raises(RuntimeError, match=r"went from \d+ to \d+ bytes"):
+        sink([{"step": 2, "loss": 3.0}])  # the other process wrote since: refused, as before
+    assert read_rows(path) == [["step", "loss"], ["0", "1.0"], ["1", "2.0"]]
 
 
 def test_two_processes_writing_one_file_are_told(tmp_path: Path) -> None:
