@@ -180,7 +180,10 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         it came from, the copy is the sink; in another process it is a sink
         of its own, which the check at each write tells from this one.
         """
-        return (_unpickled, (self._token, sink_state(self)))
+        return (_unpickled, (self._token, self.__getstate__()))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return sink_state(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """An unpickled sink: the same state, with a lock of its own."""
