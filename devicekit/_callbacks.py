@@ -8,24 +8,36 @@ their data.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["call_each", "checked_sinks", "new_sink_lock", "restore_sink", "sink_state"]
+__all__ = [
+    "call_each",
+    "checked_sinks",
+    "describe_sink",
+    "new_sink_lock",
+    "restore_sink",
+    "sink_state",
+]
 
 S = TypeVar("S", bound=Callable[..., Any])
 
 
 def checked_sinks(
-    sinks: Iterable[S] | S, *, receives: str, file_sink: str | None = None
+    sinks: Iterable[S] | S, *, receives: str, file_sink: str | None = None, thorough: bool = True
 ) -> list[S]:
     """``sinks`` as a list, or a ``TypeError`` naming the first that cannot be called.
 
     One sink where a list is expected is a list of one (as one device is). A
     class is refused: calling it would make an object and throw it away at
     every flush, silently (``sinks=[dk.CSVSink]`` for ``[dk.CSVSink(path)]``).
+    ``thorough`` (when sinks are given, not at each flush's re-check): an
+    ``async def`` sink, whose coroutine no one would await (its values lost
+    with a "never awaited" warning), and one that cannot take one argument
+    (``lambda: ...``, which would fail at every flush) are refused too.
 
     Examples:
         >>> checked_sinks(print, receives="records") == checked_sinks([print], receives="records")
@@ -38,6 +50,8 @@ and pass that: sinks=[dict(...)]
     """
     if callable(sinks):
         _refuse_class(sinks)
+        if thorough:
+            _refuse_unfit(sinks, receives)
         return [sinks]
     given: object = sinks  # typed, but callers pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
@@ -53,6 +67,8 @@ and pass that: sinks=[dict(...)]
                 f"{sink!r}{_path_fix(sink, file_sink)}"
             )
         _refuse_class(sink)
+        if thorough:
+            _refuse_unfit(sink, receives)
     return found
 
 
@@ -69,6 +85,46 @@ def _refuse_class(sink: object) -> None:
             f"each sink must be a callable object, got the class {sink.__name__} itself; make "
             f"one and pass that: sinks=[{sink.__name__}(...)]"
         )
+
+
+def _refuse_unfit(sink: Callable[..., Any], receives: str) -> None:
+    """Refuse an ``async def`` sink, and one that cannot be called with one argument."""
+    # An object's __call__, found on its class as Python calls it, without running a descriptor.
+    call = sink if inspect.isroutine(sink) else inspect.getattr_static(type(sink), "__call__", None)
+    name = describe_sink(sink)
+    if inspect.iscoroutinefunction(sink) or inspect.iscoroutinefunction(call):
+        kind = "an async function" if call is sink else "whose __call__ is async"
+        raise TypeError(
+            f"each sink is called, never awaited, so the coroutine of an async sink would not "
+            f"run, and what it is given ({receives}) would be lost: got {name}, {kind}. Pass "
+            "a plain function; from it, hand them to your event loop, such as "
+            "loop.call_soon_threadsafe(queue.put_nowait, records)"
+        )
+    if inspect.isasyncgenfunction(sink) or inspect.isasyncgenfunction(call):
+        raise TypeError(
+            f"each sink is called with {receives}, and an async generator function such as "
+            f"{name} would only make a generator that never runs. Pass a plain function"
+        )
+    try:
+        signature = inspect.signature(sink)
+    except (TypeError, ValueError):  # a builtin without one (print): called as it is
+        return
+    try:
+        signature.bind(None)
+    except TypeError as error:
+        raise TypeError(
+            f"each sink is called with one argument, {receives}, and {name}{signature} "
+            f"cannot take it ({error}). Give it one positional parameter, such as "
+            "def sink(records): ..."
+        ) from None
+
+
+def describe_sink(sink: object) -> str:
+    """A sink's own repr when it has a readable one, else its name (``show``, ``list.append``)."""
+    text = repr(sink)
+    if not text.startswith("<"):
+        return text
+    return str(getattr(sink, "__qualname__", None) or type(sink).__qualname__)
 
 
 def call_each(sinks: Iterable[Callable[[Any], Any]], value: Any) -> BaseException | None:

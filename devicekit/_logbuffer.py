@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from ._callbacks import describe_sink
 from ._dist import DEFAULT_TIMEOUT, initialized, validated_timeout
 from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
@@ -40,7 +41,6 @@ from ._logflush import (
 from ._loghistory import Entry, Flight, History, mean_of
 from ._logreduce import start_reduced
 from ._logreport import (
-    describe_sink,
     dropped_warning,
     left_out_warning,
     state_line,
@@ -150,7 +150,9 @@ class LogBuffer(Flushes, Scoped):
 
     Args:
         flush_every: Flush after this many ``log`` calls.
-        sinks: Callables that receive the list of new records at each flush.
+        sinks: Callables that receive the list of new records at each flush,
+            called (never awaited) with one argument: a path, a class, an
+            ``async def`` sink or one that takes no argument is a ``TypeError``.
         reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` across ranks, or None.
             Combined in float64; the records hold floats, as without it.
         timeout: With ``reduce``, how many seconds a flush waits for the other

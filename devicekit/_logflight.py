@@ -16,7 +16,7 @@ import threading
 import warnings
 from collections.abc import Iterable
 
-from ._callbacks import checked_sinks
+from ._callbacks import checked_sinks, describe_sink
 from ._dist import initialized, launched_world, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
@@ -26,7 +26,6 @@ from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
 from ._logreport import (
-    describe_sink,
     flush_error,
     missing_rank_note,
     unreadable_error,
@@ -36,9 +35,24 @@ from ._logreport import (
 __all__ = ["Flushes"]
 
 
-def _checked(sinks: Iterable[Sink] | Sink) -> list[Sink]:
-    """``sinks`` as a list, each callable (a path: told to use ``dk.CSVSink``); else TypeError."""
-    return checked_sinks(sinks, receives="a list of records", file_sink="dk.CSVSink")
+def _checked(sinks: Iterable[Sink] | Sink, *, thorough: bool = True) -> list[Sink]:
+    """``sinks`` as a list, each callable (a path: told to use ``dk.CSVSink``); else TypeError.
+
+    ``thorough``: when sinks are given; each flush checks again what costs next to nothing.
+    """
+    found = checked_sinks(
+        sinks, receives="a list of records", file_sink="dk.CSVSink", thorough=thorough
+    )
+    for sink in found:
+        # dk.Sink's own __call__ is the protocol's stub: it would take every record and
+        # write none (a subclass whose method is named write, not __call__).
+        if type(sink).__call__ is Sink.__call__:
+            raise TypeError(
+                f"each sink must define __call__(self, records), and {describe_sink(sink)} "
+                f"inherits dk.Sink's, which does nothing: its records would be lost. Name "
+                f"its method __call__, or pass the method itself: sinks=[sink.write]"
+            )
+    return found
 
 
 class Flushes:
@@ -157,7 +171,7 @@ class Flushes:
         if not self._sinks:
             return None
         try:
-            _checked(self._sinks)
+            _checked(self._sinks, thorough=False)
         except TypeError as error:
             return TypeError(
                 f"LogBuffer.sinks: {error}. Take it out of logs.sinks; no sink is handed "

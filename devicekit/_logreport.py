@@ -18,13 +18,13 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from ._callbacks import describe_sink
 from ._errors import add_note
 from ._format import close_match, html_table, plural, shorten
 from ._logdeliver import Record, Sink
 from ._logflush import LoggedInVmap
 
 __all__ = [
-    "describe_sink",
     "dropped_warning",
     "exit_failure",
     "exit_warning",
@@ -320,14 +320,6 @@ def _resumed(left_out: list[str]) -> str:
             path = described[len("CSVSink(") : -1].removesuffix(", append=True")
             return f"logs.sinks = [dk.CSVSink({path}, append=True)] goes on with the same file"
     return "logs.sinks = [...]"
-
-
-def describe_sink(sink: Sink) -> str:
-    """A sink's own repr when it has a readable one, else its name (``show``, ``list.append``)."""
-    text = repr(sink)
-    if not text.startswith("<"):
-        return text
-    return str(getattr(sink, "__qualname__", None) or type(sink).__qualname__)
 
 
 # --- what the buffer holds ------------------------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import csv
 import errno
+import functools
 import gc
 import io
 import math
@@ -1250,6 +1251,84 @@ def test_a_class_given_as_a_sink_is_refused_when_the_buffer_is_made() -> None:
     with pytest.raises(TypeError, match=r"got the class dict itself"):
         dk.StragglerDetector(sinks=[dict])  # type: ignore[list-item]
     assert dk.LogBuffer(sinks=[print]).sinks == [print]  # a function is no class: taken
+
+
+async def _async_sink(records: list[dict[str, Any]]) -> None:
+    pass
+
+
+class _AsyncCall:
+    async def __call__(self, records: list[dict[str, Any]]) -> None:
+        pass
+
+
+class _InheritsAsyncCall(_AsyncCall):
+    pass
+
+
+async def _async_generator_sink(records: list[dict[str, Any]]) -> Any:
+    yield records
+
+
+@pytest.mark.parametrize(
+    "sink",
+    [_async_sink, _AsyncCall(), _InheritsAsyncCall(), functools.partial(_async_sink)],
+    ids=["function", "object", "inherited", "partial"],
+)
+def test_an_async_sink_is_refused_when_given(sink: Any) -> None:
+    # Before, it was taken: each flush made a coroutine no one awaited ("never awaited"),
+    # and its records counted as written.
+    with pytest.raises(TypeError, match=r"never awaited.*loop\.call_soon_threadsafe"):
+        dk.LogBuffer(sinks=[sink])
+    with pytest.raises(TypeError, match=r"never awaited.*a StragglerReport"):
+        dk.StragglerDetector(sinks=[sink])
+    logs = dk.LogBuffer()
+    with pytest.raises(TypeError, match="never awaited"):
+        logs.sinks = [sink]
+    with pytest.raises(TypeError, match="async generator function"):
+        dk.LogBuffer(sinks=[_async_generator_sink])
+
+
+def test_a_sink_that_cannot_take_the_records_is_refused_when_given() -> None:
+    # Before, it was taken and failed at every flush with Python's bare TypeError.
+    with pytest.raises(TypeError, match=r"called with one argument.*<lambda>\(\) cannot take"):
+        dk.LogBuffer(sinks=[lambda: None])
+    with pytest.raises(TypeError, match=r"<lambda>\(\*, records\) cannot take"):
+        dk.LogBuffer(sinks=[lambda *, records: None])
+    taken: list[Any] = [
+        print,  # no signature to read: called as it is
+        [].append,
+        functools.partial(print, end=""),
+        lambda records, extra=1: None,
+        lambda *records: None,
+    ]
+    assert dk.LogBuffer(sinks=taken).sinks == taken
+
+
+def test_a_sink_subclass_without_its_own_call_is_refused() -> None:
+    # dk.Sink's __call__ is the protocol's stub: a subclass whose method was named
+    # write() took every record and wrote none, without a word.
+    class Misnamed(dk.Sink):
+        def __init__(self) -> None:
+            self.rows: list[dict[str, Any]] = []
+
+        def write(self, records: list[dict[str, Any]]) -> None:
+            self.rows.extend(records)
+
+    misnamed = Misnamed()
+    with pytest.raises(TypeError, match=r"Misnamed inherits dk\.Sink's, which does nothing"):
+        dk.LogBuffer(sinks=[misnamed])
+    logs = dk.LogBuffer(sinks=[misnamed.write])  # the fix the message gives
+    logs.log(0, loss=0.5)
+    logs.flush()
+    assert misnamed.rows == [{"step": 0, "loss": 0.5}]
+    logs.sinks.append(misnamed)  # put in the list afterwards: refused at the next flush
+    logs.log(1, loss=0.25)
+    with pytest.raises(TypeError, match=r"LogBuffer\.sinks: each sink must define __call__"):
+        logs.flush()
+    logs.sinks.remove(misnamed)  # the records waited in history: the next flush writes them
+    logs.flush()
+    assert misnamed.rows == [{"step": 0, "loss": 0.5}, {"step": 1, "loss": 0.25}]
 
 
 def test_values_that_come_after_tqdm_closed_its_bar_are_written_below_it() -> None:
