@@ -41,6 +41,7 @@ from ._logflush import (
 from ._loghistory import Entry, Flight, History, mean_of
 from ._logreduce import start_reduced
 from ._logreport import (
+    check_key,
     dropped_warning,
     left_out_warning,
     state_line,
@@ -49,7 +50,7 @@ from ._logreport import (
 )
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import checked, checked_step, on_device, refuse, refuse_keys
-from ._options import check_count
+from ._options import check_count, check_flag
 from ._shortrepr import short_repr
 
 __all__ = ["LogBuffer"]
@@ -104,8 +105,8 @@ class LogBuffer(Flushes, Scoped):
       job's: that one, and a flush at exit that fails, warns
       (``RuntimeWarning``) with what was not recorded.
 
-    Device memory holds at most ``flush_every`` pending values plus one
-    stacked copy in flight.
+    Device memory holds at most the values of ``flush_every`` pending calls
+    plus one stacked copy in flight.
 
     ``log()``, ``flush()`` and the readers may be called from several threads
     at once, and each call's record appears exactly once: ``log()`` appends one
@@ -295,7 +296,9 @@ class LogBuffer(Flushes, Scoped):
                 or what made the copy fail (the values are still pending). One
                 error only: what else failed in the flush is a note on it (a
                 sink that failed again, a count), never printed.
+            TypeError: ``wait`` is not True or False (``"no"`` would wait).
         """
+        check_flag(wait, name="wait")  # a str ("no") is truthy: it would wait
         if self._sinks_left_out is not None:
             self._tell_sinks_left_out()
         return records_of(self._flush(wait=wait, reduce=True))
@@ -340,7 +343,9 @@ class LogBuffer(Flushes, Scoped):
 
         Raises:
             KeyError: ``key`` was never logged (misspelled, as ``mean()`` says too).
+            TypeError: ``key`` is not a str.
         """
+        check_key(key, "values")
         with self._lock:
             self._complete()
             values = self._history.values(key)
@@ -366,6 +371,7 @@ class LogBuffer(Flushes, Scoped):
             KeyError: "no value of 'los' has been recorded yet (keys recorded: 'loss'); did you \
 mean 'loss'?"
         """
+        check_key(key, "mean")
         if last is not None:
             check_count(last, name="last", minimum=1)
         with self._lock:

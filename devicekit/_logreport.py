@@ -23,8 +23,10 @@ from ._errors import add_note
 from ._format import close_match, html_table, plural, shorten
 from ._logdeliver import Record, Sink
 from ._logflush import LoggedInVmap
+from ._shortrepr import short_repr
 
 __all__ = [
+    "check_key",
     "dropped_warning",
     "exit_failure",
     "exit_warning",
@@ -213,6 +215,17 @@ def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:
     if pending:
         message += "; values logged since the last flush are not recorded yet: call flush()"
     return message
+
+
+def check_key(key: object, method: str) -> None:
+    """A ``TypeError`` for a key that is not a str (``values(3)``), before any lookup."""
+    if not isinstance(key, str):
+        raise TypeError(
+            f"LogBuffer.{method}() takes the name of a logged key, a str such as 'loss', got "
+            f"{'None' if key is None else f'{type(key).__name__} {short_repr(key, 40)}'}; "
+            "keys are the keywords given to "
+            "log(), as in log(step, loss=...)"
+        )
 
 
 def dropped_warning(pending: int, unsent: int, kept: int = 0) -> str:

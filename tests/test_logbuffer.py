@@ -2104,6 +2104,31 @@ def test_values_of_a_key_never_logged_is_a_key_error_as_mean_is() -> None:
         dk.LogBuffer().values("loss")
 
 
+@pytest.mark.parametrize("key", [3, None, 3.5, b"loss"])
+def test_a_key_that_is_not_a_str_is_a_type_error_naming_it(key: Any) -> None:
+    # Before, values(3) and mean(None) failed inside difflib: "'int' object is not iterable".
+    logs = dk.LogBuffer()
+    logs.log(0, loss=1.0)
+    logs.flush()
+    got = "None" if key is None else f"{type(key).__name__} {key!r}"
+    for method in ("values", "mean"):
+        with pytest.raises(TypeError, match=rf"LogBuffer\.{method}\(\) takes the name of a") as e:
+            getattr(logs, method)(key)
+        assert f"such as 'loss', got {got};" in str(e.value)
+    with pytest.raises(TypeError, match="values"):
+        dk.LogBuffer().values(key)  # nothing logged: the same error
+
+
+@pytest.mark.parametrize("wait", ["no", 1, None])
+def test_flush_wait_must_be_true_or_false(wait: Any) -> None:
+    # Before, flush(wait="no") waited: a non-empty str is true.
+    logs = dk.LogBuffer()
+    logs.log(0, loss=1.0)
+    with pytest.raises(TypeError, match=r"wait must be True or False, got"):
+        logs.flush(wait=wait)
+    assert logs.flush() == [{"step": 0, "loss": 1.0}]  # the values still pending
+
+
 def test_the_empty_key_is_refused_by_the_call_that_passes_it(tmp_path: Path) -> None:
     path = tmp_path / "log.csv"
     seen: list[list[dict[str, Any]]] = []
