@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import gc
 import os
+import stat
 import threading
 import uuid
 import weakref
@@ -271,7 +272,9 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         """
         now = _identity(self._file)
         known = self._known
-        if now is None or now[2] == 0 or known in (now, _UNKNOWN):
+        # Unreadable now (its folder replaced by a file, no permission): no other writer
+        # known, so the write goes on and fails with the real error, not a rival's.
+        if now is None or now[2] == 0 or _UNKNOWN in (now, known) or known == now:
             return None
         since = "since this sink last wrote it" if self._wrote else "since this sink was made"
         if known is None:
@@ -416,6 +419,8 @@ def _identity(path: Path) -> _Identity | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError):  # its folder unreadable now: not known, so not checked
+        return _UNKNOWN
+    if not stat.S_ISREG(info.st_mode):  # a folder made there: the write names it
         return _UNKNOWN
     return info.st_dev, info.st_ino, info.st_size
 

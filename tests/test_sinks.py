@@ -1616,3 +1616,28 @@ def test_the_flush_at_exit_writes_what_a_sink_kept_or_says_it_could_not(writer: 
         assert not done.stdout
         assert "was left with 1 record its sinks kept from a failed write" in done.stderr
         assert "ConnectionError: writer down" in done.stderr
+
+
+def test_a_path_that_cannot_be_read_is_its_own_error_not_another_writer(tmp_path: Path) -> None:
+    # Before, a failed stat read as a file "replaced by another file, of -1 bytes", and a
+    # folder made at the path as one that "went from 18 to 4096 bytes": another writer,
+    # with the fix for two ranks on one file.
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    path = folder / "train.csv"
+    logs = dk.LogBuffer(sinks=[dk.CSVSink(path)])
+    _logged(logs, range(1))
+    path.unlink()
+    folder.rmdir()
+    folder.write_text("")  # a file where the folder was: no stat of the path can work
+    with pytest.raises(NotADirectoryError, match="could not write") as caught:
+        _logged(logs, range(1, 2))
+    assert "another" not in str(caught.value)
+    folder.unlink()
+    path.mkdir(parents=True)  # a folder at the path itself
+    with pytest.raises(IsADirectoryError, match="could not write") as caught:
+        _logged(logs, range(2, 3))
+    assert "another" not in str(caught.value)
+    path.rmdir()
+    _logged(logs, range(3, 4))  # the path free again: begun again, what was kept first
+    assert read_rows(path) == [["step", "loss"], ["1", "0.1"], ["2", "0.2"], ["3", "0.3"]]
