@@ -14,6 +14,7 @@ values instead.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -221,11 +222,29 @@ def _agreed_entries(answers: list[_Answer], terms: list[_Terms], op: str) -> int
             ):
                 return shortest
             _check_agreement(answers, op, flushed_apart=True)  # out of step by a flush
+        if _reordered(layouts):  # not a flush apart: the same steps, in another order
+            _check_agreement(answers, op, reordered=True)
         latest = _apart_from(layouts)
         if latest is not None:  # flush() on several ranks at different steps: never realigns
             _check_agreement(answers, op, flushed_apart=True, agree_from=latest)
     _check_agreement(answers, op)
     return None
+
+
+def _reordered(layouts: Sequence[_Layout | None]) -> bool:
+    """Whether the ranks logged the same steps, as many times each, in different orders.
+
+    Examples:
+        >>> _reordered([((1, 2), (("a", None),)), ((2, 1), (("a", None),))])
+        True
+        >>> _reordered([((1, 2), (("a", None),)), ((2, 3), (("a", None),))])
+        False
+    """
+    steps = [layout[0] for layout in layouts if layout is not None]
+    if len(steps) < len(layouts) or len(set(steps)) < 2:
+        return False
+    counted = [Counter(each) for each in steps]
+    return all(count == counted[0] for count in counted)
 
 
 def _apart_from(layouts: Sequence[_Layout | None]) -> int | None:
@@ -324,13 +343,20 @@ def _first_rows(
 
 
 def _check_agreement(
-    answers: list[_Answer], op: str, *, flushed_apart: bool = False, agree_from: int | None = None
+    answers: list[_Answer],
+    op: str,
+    *,
+    flushed_apart: bool = False,
+    agree_from: int | None = None,
+    reordered: bool = False,
 ) -> None:
     """Raise unless every rank prepared its values and logged the same keys at the same steps.
 
     ``flushed_apart``: the ranks logged the same entries as far as the
     shortest rank's go (from step ``agree_from`` on, when given: see
     `_apart_from`), and are out of step only by a flush; the error says so.
+    ``reordered``: the ranks logged the same steps in different orders (see
+    `_reordered`); the error says that instead.
     """
     layouts = [layout for layout, _, _, _ in answers]
     summaries = [said for _, said, _, _ in answers]
@@ -341,6 +367,15 @@ def _check_agreement(
         raise ValueError(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: a rank could not prepare its "
             f"values:\n{lines}\nThe values stay pending; the next flush tries again."
+        )
+    if len(set(layouts)) > 1 and reordered:  # never passes either
+        raise RanksDisagreeError(
+            f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks logged the same "
+            f"steps in a different order:\n{lines}\nValues are matched by key name and step "
+            "in the order each rank logged them, so a step logged out of order on one rank "
+            "would meet another step's values. Each rank records its own values of this "
+            "flush, unreduced, so none is lost. Log the steps in the same order on every rank "
+            "(the loop's order, not the order in which threads or workers finish)."
         )
     if len(set(layouts)) > 1 and flushed_apart:  # never passes either
         where = "" if agree_from is None else f"from step {agree_from} on, "

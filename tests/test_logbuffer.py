@@ -2440,6 +2440,34 @@ def test_flushes_at_different_steps_on_every_rank_are_told_as_such(tmp_path: Pat
         assert pending == 0
 
 
+def _logs_steps_in_another_order(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 0 logs steps 1 then 2, rank 1 steps 2 then 1; both flush at once."""
+    dist = _join_job(rank, world, port)
+    try:
+        logs = dk.LogBuffer(reduce="sum")
+        for step in (1, 2) if rank == 0 else (2, 1):
+            logs.log(step, a=float(10 * rank + step))
+        results = [_raised(logs.flush), logs.history]
+        Path(folder, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_steps_logged_in_another_order_are_told_as_such(tmp_path: Path) -> None:
+    # Before, the error said the ranks flushed at different points and to call flush()
+    # at the same step on every rank, which they did.
+    spawn_ranks(_logs_steps_in_another_order, 2, str(tmp_path))
+    for rank in range(2):
+        raised, history = json.loads((tmp_path / f"{rank}.json").read_text())
+        name, message, _ = raised
+        assert name == "RanksDisagreeError"
+        assert "the ranks logged the same steps in a different order" in message, message
+        assert "rank 1: logged 2 steps (2, 1) of a" in message, message
+        assert "flushed" not in message, message
+        steps = [1, 2] if rank == 0 else [2, 1]
+        assert history == [{"step": s, "a": float(10 * rank + s)} for s in steps]  # its own
+
+
 def _one_rank_reduces_none(rank: int, world: int, port: int, folder: str) -> None:
     """Rank 0's buffer has reduce=None (no job-wide call); rank 1's reduces, timeout 2 s."""
     from torch.distributed.distributed_c10d import _get_default_store
