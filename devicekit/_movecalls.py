@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._errors import add_note
+from ._errors import TensorCopyError, add_note
 from ._format import qualified_name
 from ._look import tensor_elsewhere
 from ._lookbulk import array_elements
@@ -173,15 +173,27 @@ def keep_shared(mover: _Mover, module: torch.nn.Module, move: Callable[[_Mover, 
     return result
 
 
+_STORAGES = (torch.UntypedStorage, torch.TypedStorage)
+
+
 def call_to(mover: _Mover, obj: Any) -> Any:
     """``obj.to(device)``: an object's own ``.to()``, with a note where it raises."""
+    # A storage's .to() takes the device by keyword only (.to(device) raised TypeError).
+    storage = isinstance(obj, _STORAGES)
     try:
-        moved = obj.to(mover.device)
+        moved = obj.to(device=mover.device) if storage else obj.to(mover.device)
     except RecursionError:
         raise  # the walk is too deep: to_device says so
     except Exception as error:
         # The traceback ends in the user's own .to(), far from the to_device() call.
         cls = type(obj)
+        if storage:  # torch's own: the fix is not to give it another .to()
+            there = str(mover.device)
+            raise TensorCopyError(
+                f"to_device() cannot move a {qualified_name(cls)} to {there!r}: its "
+                f".to(device={there!r}) raised {type(error).__name__}: {error}. Move the tensor "
+                "that holds the storage instead (tensor.to(device)), or keep it where it is"
+            ) from error
         add_note(
             error,
             f"devicekit: to_device() moves a {qualified_name(cls)} by calling its own "

@@ -1802,3 +1802,18 @@ def test_a_tensor_used_as_a_dict_key_is_warned_of() -> None:
         moved = dk.to_device({"x": {(1, key): torch.ones(1)}}, META)
     assert next(iter(moved["x"])) == (1, key)
     _mover._looks_left.pop(_movecalls.DictKey, None)
+
+
+@pytest.mark.parametrize("make", [torch.Tensor.untyped_storage, torch.Tensor.storage])
+def test_a_storage_is_moved_by_its_keyword_only_to(make: Any) -> None:
+    # Before, to_device called storage.to(device), which takes the device by keyword
+    # only: "TypeError: _StorageBase.to() takes 1 positional argument but 2 were given",
+    # with a note to give the class a .to(device).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        storage = make(torch.arange(3.0))
+    for moved in (dk.to_device(storage, "cpu"), dk.to_device({"s": storage}, "cpu")["s"]):
+        assert type(moved) is type(storage)
+        assert moved.data_ptr() == storage.data_ptr()  # there already: not copied
+    with pytest.raises(dk.TensorCopyError, match=r"cannot move a torch\.storage\.\w+ to 'meta'"):
+        dk.to_device(storage, "meta")  # torch's raw AssertionError, before
