@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -9,6 +10,7 @@ import torch
 
 from ._accelerators import try_all_gpus
 from ._devices import DeviceLike, resolve_devices
+from ._errors import TensorCopyError
 from ._keywords import suggest_keywords
 
 __all__ = ["data_parallel"]
@@ -40,8 +42,11 @@ def data_parallel(
         ``nn.DataParallel(module)`` or ``module`` itself, moved.
 
     Raises:
-        ValueError: ``devices`` is empty, or mixes device types.
+        ValueError: ``devices`` is empty, mixes device types, or is the meta
+            device (which would drop the module's weights).
         DeviceNotFoundError: One of ``devices`` does not exist here.
+        TensorCopyError: ``module`` holds tensors on the meta device (no values
+            to copy): ``module.to_empty(device=...)`` first.
 
     Examples:
         >>> import torch, devicekit as dk
@@ -58,6 +63,14 @@ def data_parallel(
     kinds = sorted({d.type for d in targets})
     if len(kinds) > 1:
         raise ValueError(f"data_parallel() needs devices of one type, got {', '.join(kinds)}")
+    if kinds == ["meta"]:  # moved there in place, the model's weights would be gone
+        raise ValueError(
+            f"devices={devices!r}: data_parallel() runs the model, and the meta device holds "
+            "no values: the module would be moved there in place, its weights lost. Pass "
+            "GPUs or 'cpu'; to build a model without memory, use "
+            "torch.device('meta') directly and module.to_empty(device=...) later"
+        )
+    _refuse_meta_tensors(module, targets[0])
     module.to(targets[0])
     if len(targets) < 2 or targets[0].type == "cpu":
         return module
@@ -69,3 +82,16 @@ def data_parallel(
             "each rank on dk.local_device()."
         )
     return torch.nn.DataParallel(module, device_ids=targets)
+
+
+def _refuse_meta_tensors(module: torch.nn.Module, target: torch.device) -> None:
+    """A `TensorCopyError` for a module built on the meta device: torch's own is a bare one."""
+    named = itertools.chain(module.named_parameters(), module.named_buffers())
+    name = next((name for name, tensor in named if tensor.is_meta), None)
+    if name is not None:
+        there = str(target)
+        raise TensorCopyError(
+            f"data_parallel() cannot move module.{name} to {there!r}: it is on the meta device, "
+            "which holds no values to copy. For a model built on meta, call "
+            f"module.to_empty(device={there!r}) and load its weights, then pass it"
+        )

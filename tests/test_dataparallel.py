@@ -1,0 +1,28 @@
+"""data_parallel: refusals that keep the user's module as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import devicekit as dk
+
+
+@pytest.mark.parametrize("devices", ["meta", ["meta"], [torch.device("meta")] * 2])
+def test_the_meta_device_is_refused_and_the_weights_stay(devices: object) -> None:
+    # Before, the module was moved to meta in place: its weights were gone.
+    module = torch.nn.Linear(3, 3)
+    weight = module.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"devices=.*meta.*its weights lost\. Pass GPUs or 'cpu'"):
+        dk.data_parallel(module, devices)  # type: ignore[arg-type]
+    assert torch.equal(module.weight, weight)
+
+
+def test_a_module_built_on_meta_is_told_to_use_to_empty() -> None:
+    # Before, torch's bare NotImplementedError from deep inside Module.to().
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    with pytest.raises(dk.TensorCopyError, match=r"module\.1\.weight to 'cpu'.*to_empty"):
+        dk.data_parallel(module, "cpu")
+    assert module[0].weight.device.type == "cpu"  # nothing moved before the refusal
+    module.to_empty(device="cpu")  # the fix it gives
+    assert dk.data_parallel(module, "cpu") is module
