@@ -210,7 +210,8 @@ def bench(
         targets = [d for d in try_all_gpus() if d.type == "cuda"]
     else:
         why = "bench() measures CUDA GPUs there, and always measures the CPU"
-        targets = resolve_cuda_devices(devices, name="devices", why=why)
+        fix = "pass devices=[] for the CPU only, or leave devices out for every GPU there is"
+        targets = resolve_cuda_devices(devices, name="devices", why=why, fix=fix)
     results = [_matmul(1024, torch.float32, torch.device("cpu"), max_time)]
     for device in targets:
         results.append(_matmul(4096, torch.float32, device, max_time))

@@ -179,20 +179,36 @@ def resolve_devices(value: object, *, name: str = "devices") -> list[torch.devic
     return [resolve_device(item, name=label) for label, item in _entries(value, name)]
 
 
-def resolve_cuda_devices(value: object, *, name: str, why: str) -> list[torch.device]:
+def _not_found(diagnosis: str, fix: str) -> DeviceNotFoundError:
+    """``"{diagnosis}. {fix}"``, the diagnosis kept apart for a caller with a fix of its own."""
+    error = DeviceNotFoundError(f"{diagnosis}. {fix}")
+    error.diagnosis = diagnosis  # type: ignore[attr-defined]
+    return error
+
+
+def resolve_cuda_devices(value: object, *, name: str, why: str, fix: str) -> list[torch.device]:
     """`resolve_devices()`, refusing any device that is not CUDA with ``why`` as the reason.
+
+    ``fix``: what to pass where there is no GPU. A device that does not
+    exist is refused with it, not with `resolve_device`'s general advice
+    (``'cpu'``, ``dk.try_gpu(0)``), which names devices this refuses.
 
     Examples:
         >>> from devicekit._devices import resolve_cuda_devices
-        >>> resolve_cuda_devices([], name="devices", why="only GPUs are measured")
+        >>> resolve_cuda_devices([], name="devices", why="only GPUs are measured", fix="")
         []
     """
     devices = []
     for label, item in _entries(value, name):  # "devices[1]", or "devices" for one device
-        device = resolve_device(item, name=label)
+        try:
+            device = resolve_device(item, name=label)
+        except DeviceNotFoundError as error:  # its diagnosis, with a fix this call takes
+            diagnosis = getattr(error, "diagnosis", None) or str(error)
+            raise DeviceNotFoundError(f"{diagnosis}. {why}: {fix}") from None
         if device.type != "cuda":
             raise ValueError(
-                f"{label}={str(device)!r} is not a CUDA device: {why}. Pass CUDA devices only."
+                f"{label}={str(device)!r} is not a CUDA device: {why}. Pass CUDA devices only, "
+                f"or {fix}"
             )
         devices.append(device)
     return devices
@@ -299,9 +315,9 @@ def _parse(value: object, name: str) -> torch.device:
         index = check_index(value, name=name)
         kind = accelerator_type()
         if kind is None:
-            raise DeviceNotFoundError(
-                f"{name}={short_repr(value)} means accelerator {index}, but {describe_devices()}. "
-                f"Pass 'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU."
+            raise _not_found(
+                f"{name}={short_repr(value)} means accelerator {index}, but {describe_devices()}",
+                f"Pass 'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU.",
             )
         return torch.device(kind, index)
     raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}")
@@ -382,42 +398,45 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
         if index is not None and index < count:
             return device
         fallback = "dk.try_gpu()" if index is None else f"dk.try_gpu({index})"
-        raise DeviceNotFoundError(
-            f"{name}={short_repr(value)} does not exist: {describe_devices()}. Use one of those, "
-            f"or {fallback} to fall back to the CPU when there is no such device."
+        raise _not_found(
+            f"{name}={short_repr(value)} does not exist: {describe_devices()}",
+            f"Use one of those, or {fallback} to fall back to the CPU when there is no such "
+            "device.",
         )
     if kind not in _IN_TREE and _registered(kind):  # an out-of-tree backend: hpu, npu, xla
         return device  # its package owns the device count; torch checks the index on use
     if kind == torch._C._get_privateuse1_backend_name():  # an out-of-tree backend, such as npu
         # Its package registers torch.<kind> when imported; without it, the first copy
         # fails inside torch with "No module named 'torch.privateuseone'".
-        raise DeviceNotFoundError(
+        raise _not_found(
             f"{name}={short_repr(value)} names the out-of-tree (PrivateUse1) backend {kind!r}, but "
             f"no such backend is registered with this torch build ({torch.__version__}): there is "
-            f"no torch.{kind} module; devices here: {_here()}. Import the backend's package (such "
-            "as torch_npu) first, or use dk.try_gpu() to fall back to the CPU when there is "
-            "no GPU."
+            f"no torch.{kind} module; devices here: {_here()}",
+            "Import the backend's package (such as torch_npu) first, or use dk.try_gpu() to fall "
+            "back to the CPU when there is no GPU.",
         )
     label = _LABELS.get(kind, kind)
     if kind == "hip":  # torch's tensors never use it: ROCm builds present AMD GPUs as cuda
         written = "cuda" if index is None else f"cuda:{index}"
-        raise DeviceNotFoundError(
+        raise _not_found(
             f"{name}={short_repr(value)} names a HIP device, but torch calls AMD GPUs 'cuda', on "
-            f"ROCm builds too; devices here: {_here()}. Write {written!r} (this build is "
-            f"{torch.__version__}), or dk.try_gpu() to fall back to the CPU when there is no GPU."
+            f"ROCm builds too; devices here: {_here()}",
+            f"Write {written!r} (this build is {torch.__version__}), or dk.try_gpu() to fall back "
+            "to the CPU when there is no GPU.",
         )
     if kind in _PACKAGES:  # no torch build has it: a package adds it
-        raise DeviceNotFoundError(
+        raise _not_found(
             f"{name}={short_repr(value)} names {article(label)} {label} device, which torch "
             f"({torch.__version__}) supports only once {_PACKAGES[kind]} is imported, and it is "
-            f"not; devices here: {_here()}. Import {_PACKAGES[kind]} first, or use dk.try_gpu() to "
-            "fall back to the CPU when there is no GPU."
+            f"not; devices here: {_here()}",
+            f"Import {_PACKAGES[kind]} first, or use dk.try_gpu() to fall back to the CPU when "
+            "there is no GPU.",
         )
-    raise DeviceNotFoundError(
+    raise _not_found(
         f"{name}={short_repr(value)} names {article(label)} {label} device, but this torch build "
-        f"({torch.__version__}) has no {label} support; devices here: {_here()}. Install a torch "
-        f"build with {label} to use it, or dk.try_gpu() to fall back to the CPU when there "
-        "is no GPU."
+        f"({torch.__version__}) has no {label} support; devices here: {_here()}",
+        f"Install a torch build with {label} to use it, or dk.try_gpu() to fall back to the CPU "
+        "when there is no GPU.",
     )
 
 

@@ -8,6 +8,8 @@ import pytest
 
 import devicekit as dk
 
+from .conftest import GPU_COUNT
+
 
 def test_bench_json_schema_on_the_cpu() -> None:
     result = subprocess.run(
@@ -104,3 +106,17 @@ def test_max_time_bounds_each_number_and_is_checked(monkeypatch: pytest.MonkeyPa
         dk.bench(devices=[], max_time=0)
     with pytest.raises(TypeError, match=r"^max_time must be a number of seconds, got '1'"):
         dk.bench(devices=[], max_time="1")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(GPU_COUNT > 0, reason="the advice for a machine without a GPU")
+@pytest.mark.parametrize("devices", [0, "cuda:1", [0]])
+def test_a_gpu_that_is_not_there_gets_advice_bench_takes(devices: object) -> None:
+    # Before, the advice was resolve_device's: "Pass 'cpu', or dk.try_gpu(0)", both of
+    # which bench() refuses in turn.
+    with pytest.raises(dk.DeviceNotFoundError) as caught:
+        dk.bench(devices=devices)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert "devices here: cpu. bench() measures CUDA GPUs" in message
+    assert "pass devices=[] for the CPU only" in message
+    assert "try_gpu" not in message
+    assert "Pass 'cpu'" not in message
