@@ -128,6 +128,8 @@ def check_chosen_directory() -> None:
         ValueError: It is a relative path.
         PermissionError: It exists but is not a directory of this user's, or
             others can write to it (as `claims_directory` says).
+        NotADirectoryError: It lies under a file (``/etc/passwd/claims``),
+            where no directory can be made.
     """
     chosen = os.environ.get(DIR_VAR)
     if not chosen:
@@ -135,6 +137,8 @@ def check_chosen_directory() -> None:
     path = _chosen_path(chosen)
     try:
         info = os.lstat(path)
+    except NotADirectoryError as error:  # under a file (/etc/passwd/sub): never made anywhere
+        raise cannot("create the directory of GPU claims", path, error) from None
     except OSError:  # not there (to be created), or not to be looked at: claims_directory says
         return
     _refuse(path, info, chosen)

@@ -918,6 +918,8 @@ def _bad_claims_dirs(tmp_path: Path) -> list[tuple[str, type[Exception], str]]:
         (str(tmp_path / "file"), PermissionError, "but it is a regular file"),
         (str(tmp_path / "link"), PermissionError, "but it is a symbolic link"),
         (str(shared), PermissionError, r"is writable by other users \(mode 2775\)"),
+        # Under a file: no directory can ever be made there (it passed without a GPU).
+        (str(tmp_path / "file" / "claims"), NotADirectoryError, r"claims: Not a directory"),
     ]
 
 
