@@ -50,6 +50,13 @@ def normalize_devices(devices: object) -> list[int | str]:
         )
     elif is_bool(devices) or isinstance(devices, (bytes, dict)):
         raise TypeError(f"visible_devices() expects {_EXPECTED}; got {got(devices)}")
+    elif isinstance(devices, (set, frozenset)):  # no order to keep
+        raise TypeError(
+            f"visible_devices() takes the GPUs in order, and got {got(devices)}, whose order "
+            "Python does not keep (it changes from run to run with the hash seed), so cuda:0 "
+            "would be another GPU in each run. Pass a list in the order you want, such as "
+            "sorted(...)"
+        )
     elif is_one_index(devices):
         raw = [devices]
     elif isinstance(devices, Iterable):  # a numpy array of indices too

@@ -90,7 +90,9 @@ def _free_memory(value: object) -> list[torch.device]:
 def _bench(value: object) -> list[torch.device]:
     from devicekit._devices import resolve_cuda_devices
 
-    resolve_cuda_devices(value, name="devices", why="", fix="")  # bench() itself would run for seconds
+    resolve_cuda_devices(
+        value, name="devices", why="", fix=""
+    )  # bench() itself would run for seconds
     return []
 
 

@@ -855,3 +855,16 @@ def test_gpu_uuids_the_machine_has_are_accepted(nvml_session: Callable[[Any], No
     nvml_session(None)  # no NVML: nothing to check against
     with dk.visible_devices(["GPU-deadbeef"]) as parsed:
         assert parsed == ["GPU-deadbeef"]
+
+
+@pytest.mark.parametrize("devices", [{0, 1}, frozenset({"GPU-aaaa1111", "GPU-bbbb2222"}), {0}])
+def test_a_set_is_refused_since_it_keeps_no_order(devices: object) -> None:
+    # Before, a set was taken in its iteration order, which the hash seed changes:
+    # cuda:0 was another GPU from run to run.
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    refused = r"whose order Python does not keep.*sorted\(\.\.\.\)"
+    with pytest.raises(TypeError, match=refused), dk.visible_devices(devices):  # type: ignore[arg-type]
+        pass
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+    with dk.visible_devices({0: "first"}.keys()):  # a dict's keys keep their order: taken
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
