@@ -10,7 +10,7 @@ block for each call, as ``contextlib``'s own objects do.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 __all__ = ["EnterOnce"]
@@ -45,16 +45,21 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         again: str,
         name: str = "a devicekit",
         gives: str = "value",
+        reads: Mapping[str, str] | None = None,
     ):
         self._make = make
         self._again = again  # the message for a second entry: what to call instead
         self._name = name  # what made it, for the repr: "dk.claim_gpu()"
         self._gives = gives  # a name for what it gives, for messages: "syncs"
+        # Where what it gives keeps a name, when not on itself: "scope.report.peak_allocated".
+        self._reads = reads or {}
         self._block: contextlib.AbstractContextManager[T] | None = None
 
     def _recreate_cm(self) -> EnterOnce[T]:
         # As a decorator, each call of the function gets a block of its own.
-        return EnterOnce(self._make, again=self._again, name=self._name, gives=self._gives)
+        return EnterOnce(
+            self._make, again=self._again, name=self._name, gives=self._gives, reads=self._reads
+        )
 
     def __repr__(self) -> str:
         state = "not entered yet" if self._block is None else "entered"
@@ -72,7 +77,8 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         )
         raise AttributeError(
             f"{self._name} has no .{name}: {state} .{name} off what its `with` gives: "
-            f"with {self._name} as {self._gives}: ..., then {self._gives}.{name}",
+            f"with {self._name} as {self._gives}: ..., then "
+            f"{self._reads.get(name, f'{self._gives}.{name}')}",
             name=name,
             obj=self,
         )

@@ -238,6 +238,7 @@ def memory_scope(
         ),
         name="dk.memory_scope()",
         gives="scope",
+        reads={name: f"scope.report.{name}" for name in _REPORT_NAMES},
     )
 
 

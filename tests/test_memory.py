@@ -405,6 +405,10 @@ def test_the_report_read_off_the_block_says_to_enter_it() -> None:
         scope.peak_allocated  # noqa: B018
     with pytest.raises(AttributeError, match=r"^a MemoryScope has no attribute 'nope'$"):
         scope.nope  # noqa: B018
+    # Read off the block, a report's number points where it is: it said scope.peak_allocated,
+    # which raised in turn.
+    with pytest.raises(AttributeError, match=r"then scope\.report\.peak_allocated$"):
+        dk.memory_scope("cpu").peak_allocated  # noqa: B018
 
 
 def test_free_memory_takes_the_cpu_as_the_advice_for_an_index_says(
