@@ -50,7 +50,26 @@ NOT_APPLICABLE = "-"
 """How a table cell spells a value that does not exist, such as a CPU rank's GPU name."""
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
-_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
+# (unit, its size, the value from which it is used), largest first: a unit is used
+# where the next larger one would read below 1 (or below 100 for minutes and hours).
+_TIME_UNITS = (
+    ("d", 86400.0, 172800.0),  # from 48 h on
+    ("h", 3600.0, 6000.0),  # from 100 min on
+    ("min", 60.0, 1000.0),  # from 1,000 s on: never "1.5e+03 s"
+    ("s", 1.0, 1.0),
+    ("ms", 1e-3, 1e-3),
+    ("µs", 1e-6, 1e-6),
+    ("ns", 1e-9, 0.0),
+)
+_ENERGY_UNITS = (
+    ("GJ", 1e9, 1e9),
+    ("MJ", 1e6, 1e6),
+    ("kJ", 1e3, 1e3),
+    ("J", 1.0, 1.0),
+    ("mJ", 1e-3, 1e-3),
+    ("µJ", 1e-6, 1e-6),
+    ("nJ", 1e-9, 0.0),
+)
 # C0 and C1 control characters and DEL: anything that could move a terminal's
 # cursor, change its colours or its title, or ring its bell. And the bidirectional
 # marks and overrides, which make the rest of a line read in another order.
@@ -100,27 +119,40 @@ def format_bytes(value: float | None, *, digits: int = 1) -> str:
 def format_seconds(value: float | None) -> str:
     """``0.00123`` -> ``"1.23 ms"``, three significant digits; None or NaN -> ``"?"``.
 
+    From 1,000 s on, minutes, hours and days (``"25 min"``), never ``"1.5e+03 s"``:
+    a timed epoch or a whole run reads as people say it.
+
     Examples:
         >>> format_seconds(2.5), format_seconds(1.234e-5), format_seconds(3e-9)
         ('2.5 s', '12.3 µs', '3 ns')
+        >>> format_seconds(1500), format_seconds(18090), format_seconds(3e6)
+        ('25 min', '5.03 h', '34.7 d')
     """
     if value is None or not math.isfinite(value):
         return UNKNOWN
-    for unit, scale in _TIME_UNITS:
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value / 1e-9:.3g} ns"
+    return _scaled(value, _TIME_UNITS)
 
 
 def format_joules(value: float | None) -> str:
-    """``0.0123`` -> ``"12.3 mJ"``: the same steps and digits as seconds; None -> ``"?"``.
+    """``0.0123`` -> ``"12.3 mJ"``: the same digits as seconds, in SI steps; None -> ``"?"``.
 
     Examples:
-        >>> format_joules(2.5), format_joules(1.234e-5), format_joules(None)
-        ('2.5 J', '12.3 µJ', '?')
+        >>> format_joules(2.5), format_joules(1.234e-5), format_joules(2.52e6)
+        ('2.5 J', '12.3 µJ', '2.52 MJ')
     """
-    text = format_seconds(value)
-    return text if text == UNKNOWN else text.removesuffix("s") + "J"
+    if value is None or not math.isfinite(value):
+        return UNKNOWN
+    return _scaled(value, _ENERGY_UNITS)
+
+
+def _scaled(value: float, units: tuple[tuple[str, float, float], ...]) -> str:
+    """``value`` in the first of ``units`` it reaches (see `_TIME_UNITS`), 3 significant digits."""
+    for unit, size, start in units:
+        if abs(value) >= start:
+            shown = value / size
+            # The largest unit has no next one: 11,574 d, not 1.16e+04 d.
+            return f"{shown:,.0f} {unit}" if abs(shown) >= 1000 else f"{shown:.3g} {unit}"
+    raise AssertionError("unreachable: the last unit starts at 0")  # pragma: no cover
 
 
 def format_percent(value: float | None, *, digits: int = 0) -> str:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import collections
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit._format import format_bytes, safe_text
+from devicekit import _timing
+from devicekit._format import format_bytes, format_joules, format_seconds, safe_text
 from devicekit._options import check_index, check_number, check_seconds
 from devicekit._shortrepr import got, short_repr
 
@@ -246,3 +248,49 @@ def test_short_repr_of_a_value_whose_repr_raises_names_its_type_and_address() ->
         f"<tests.test_format.{Broken.__qualname__} object at {id(broken):#x}>"
     )
     assert short_repr({"a": broken}, 200) == f"{{'a': {short_repr(broken, 200)}}}"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (999.0, "999 s"),
+        (1500.0, "25 min"),  # was "1.5e+03 s"
+        (5999.0, "100 min"),
+        (18090.0, "5.03 h"),  # was "1.81e+04 s"
+        (3e6, "34.7 d"),
+        (1e9, "11,574 d"),  # the largest unit: never in e-notation
+        (-1500.0, "-25 min"),
+        (2.5e-3, "2.5 ms"),
+    ],
+)
+def test_long_durations_read_in_minutes_hours_and_days(seconds: float, shown: str) -> None:
+    # A Timer around a training epoch showed "last 1.5e+03 s".
+    assert format_seconds(seconds) == shown
+
+
+def test_a_timer_of_a_long_lap_shows_minutes(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Clock:  # _timing's time module, but a lap of 25 minutes
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            Clock.now += 1500.0  # each reading 25 minutes after the last
+            return Clock.now
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+    monkeypatch.setattr(_timing, "time", Clock())
+    with dk.Timer(sync=False) as timer:
+        pass
+    assert repr(timer) == "Timer(1 lap: last 25 min)"
+    assert "25 min" in timer._repr_html_()
+
+
+def test_energy_reads_in_si_steps() -> None:
+    # 1,500 J read "1.5e+03 J"; a run's energy is megajoules.
+    assert [format_joules(v) for v in (1500.0, 2.52e6, 3e9, 0.5)] == [
+        "1.5 kJ",
+        "2.52 MJ",
+        "3 GJ",
+        "500 mJ",
+    ]
