@@ -79,8 +79,8 @@ class _CpuRunner:
     def __init__(self, call: Callable[[], Any]) -> None:
         self.call = call
 
-    def warm(self) -> None:
-        self.call()
+    def warm(self) -> Any:
+        return self.call()
 
     def floor(self) -> float:
         """What timing an empty call reads here: the clock's cost, at least its resolution."""
@@ -110,11 +110,12 @@ class _CudaRunner:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**27
             self.flush = torch.empty(2 * l2, dtype=torch.int8, device=device)
 
-    def warm(self) -> None:
+    def warm(self) -> Any:
         if self.flush is not None:
             self.flush.zero_()
-        self.call()
+        result = self.call()
         torch.cuda.synchronize(self.device)
+        return result
 
     def capture(self, seconds_per_call: float) -> None:
         """Capture enough calls in one graph that a replay hides its launch cost."""
@@ -170,10 +171,14 @@ def misspelled_options(names: Iterable[str]) -> list[str]:
     return found
 
 
-def _warm_up(runner: _CpuRunner | _CudaRunner, until: float) -> tuple[float, int]:
-    """Call fn until ``until`` (once at least); the seconds it took, and the calls."""
+def _warm_up(runner: _CpuRunner | _CudaRunner, until: float, fn: object) -> tuple[float, int]:
+    """Call fn until ``until`` (once at least); the seconds it took, and the calls.
+
+    The first call's result is looked at: a lambda or ``partial`` that returns
+    a coroutine or generator looks plain, and timing it times nothing.
+    """
     calls, began = 0, time.perf_counter()
-    runner.warm()
+    refuse_lazy(fn, call="benchmark(fn): fn()", result=runner.warm())
     calls += 1
     while time.perf_counter() < until:
         runner.warm()
@@ -345,7 +350,7 @@ def benchmark(
     )
     # Warm-up counts against max_time and leaves at least half of it for the timed calls.
     warm_until = began + min(warmup, max_time / 2)
-    warmup_time, warm_calls = _warm_up(runner, warm_until)
+    warmup_time, warm_calls = _warm_up(runner, warm_until, fn)
     per_call = max(warmup_time / warm_calls, 1e-9)  # a coarse clock can read 0
     if isinstance(runner, _CudaRunner) and mode == "graph":
         runner.capture(per_call)

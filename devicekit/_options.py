@@ -340,7 +340,9 @@ def refuse_lazy(fn: object, *, call: str, fix: str | None = None, result: object
         return
     if fix is None:
         name = getattr(fn, "__name__", "fn")
-        work = f"list({name}())" if kind == "a generator" else f"asyncio.run({name}())"
+        # A lambda's name (<lambda>) would make a fix that does not run: the call in it.
+        inner = f"{name}()" if name.isidentifier() else "..."
+        work = f"list({inner})" if kind == "a generator" else f"asyncio.run({inner})"
         fix = f"pass a function that does the work: lambda: {work}"
     raise TypeError(
         f"{call} returns {kind} without running its body, so nothing would be measured; {fix}"

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -654,6 +655,24 @@ def test_benchmark_refuses_a_generator_or_async_function() -> None:
         dk.benchmark(main)
     m = dk.benchmark(lambda: list(numbers()), max_time=0.2)  # the fix works
     assert m.n >= 1
+
+
+def test_benchmark_refuses_a_lambda_that_returns_a_coroutine_or_generator() -> None:
+    # Before, benchmark(lambda: main()) timed making the coroutine ("median 1.32 µs"),
+    # with a "never awaited" warning per call; find_leaks caught it at its first call.
+    def numbers() -> Iterator[int]:
+        yield from range(1000)
+
+    async def main() -> None: ...
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the coroutine is closed: no "never awaited"
+        with pytest.raises(
+            TypeError, match=r"returns a coroutine.*lambda: asyncio\.run\(\.\.\.\)$"
+        ):
+            dk.benchmark(lambda: main(), max_time=0.2)  # noqa: PLW0108 - the lambda is the point
+        with pytest.raises(TypeError, match=r"returns a generator.*lambda: list\(\.\.\.\)$"):
+            dk.benchmark(lambda: numbers(), max_time=0.2)  # noqa: PLW0108 - as above
 
 
 def test_a_slow_first_call_does_not_shrink_every_batch_to_one_call(
