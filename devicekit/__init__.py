@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ._bench import BenchReport as BenchReport
     from ._bench import BenchResult as BenchResult
     from ._bench import bench as bench
+    from ._benchblock import Benchmark as Benchmark
     from ._census import LiveTensor as LiveTensor
     from ._checkpoint import load as load
     from ._checks import assert_same_device as assert_same_device
@@ -98,7 +99,6 @@ if TYPE_CHECKING:
     from ._stragglerreport import StragglerReport as StragglerReport
     from ._syncs import SyncReport as SyncReport
     from ._syncs import detect_syncs as detect_syncs
-    from ._timing import Benchmark as Benchmark
     from ._timing import TimedFunction as TimedFunction
     from ._timing import Timer as Timer
     from ._visible import parse_visible_devices as parse_visible_devices
@@ -190,7 +190,7 @@ _EXPORTS: dict[str, str] = {
     "StragglerReport": "._stragglerreport",
     "detect_syncs": "._syncs",
     "SyncReport": "._syncs",
-    "Benchmark": "._timing",
+    "Benchmark": "._benchblock",
     "TimedFunction": "._timing",
     "Timer": "._timing",
     "parse_visible_devices": "._visible",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from threading import get_ident
 from types import TracebackType
-from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 
@@ -27,7 +27,7 @@ from ._options import check_flag, refuse_lazy
 from ._shortrepr import short_repr
 from ._visible import torch_cuda_initialized
 
-__all__ = ["Benchmark", "TimedFunction", "Timer"]
+__all__ = ["TimedFunction", "Timer"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -60,6 +60,7 @@ class _Lap:
         return self.value
 
 
+@runtime_checkable
 class TimedFunction(Protocol[P, R_co]):
     """A function decorated with a `Timer`: call it as before; ``.timer`` has the laps."""
 
@@ -398,65 +399,3 @@ class Timer:
         """
         device = None if self._device is None else str(self._device)
         return {"device": device, "sync": self._sync, "times": self.times}
-
-
-class Benchmark:
-    """d2l's ``Benchmark`` context manager, but synchronized, so its numbers are right.
-
-    Prints ``"{description}: {seconds:.4f} sec"`` when the block ends, and keeps
-    the time in ``elapsed``. A block under a millisecond, which that format
-    shows as ``0.0000`` or with one digit, is printed in human units instead
-    (``sum: 12.3 µs``).
-
-    Args:
-        description: What the printed line starts with.
-        device: As for [`Timer`][devicekit.Timer].
-
-    Examples:
-        >>> import devicekit as dk
-        >>> with dk.Benchmark("sum") as bench:
-        ...     _ = sum(range(10))  # doctest: +ELLIPSIS
-        sum: ... µs
-        >>> bench.elapsed >= 0
-        True
-    """
-
-    @suggest_keywords
-    def __init__(self, description: str = "Done", *, device: DeviceLike | None = None) -> None:
-        if not isinstance(description, str):
-            raise TypeError(
-                f"description must be a string, the label printed with the time, got "
-                f"{short_repr(description)} of type {type(description).__name__}; Benchmark takes "
-                "it "
-                "first, and the device as device="
-            )
-        self.description = description
-        self.elapsed: float | None = None
-        self._timer = Timer(device=device, sync=True)
-
-    def __enter__(self) -> Benchmark:
-        # A second block (nested, or in another thread) is refused as Timer refuses it.
-        timer = self._timer
-        timer._claim_block(f"this Benchmark ({self.description!r})", "Benchmark")
-        try:
-            timer.start()
-        except BaseException:
-            timer._release_block()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._timer.__exit__(exc_type, exc, traceback)
-        self.elapsed = self._timer.elapsed
-        # d2l's format, where it has digits to show; "0.0000 sec" is what made people ask.
-        took = f"{self.elapsed:.4f} sec" if self.elapsed >= 1e-3 else format_seconds(self.elapsed)
-        print(f"{self.description}: {took}")
-
-    def __repr__(self) -> str:
-        took = "not run yet" if self.elapsed is None else format_seconds(self.elapsed)
-        return f"Benchmark({self.description!r}: {took})"

@@ -523,3 +523,33 @@ def test_a_timer_s_laps_go_to_json_and_a_lap_that_raised_is_kept() -> None:
     assert data == {"device": None, "sync": False, "times": timer.times}
     assert len(data["times"]) == 2  # the block that raised is a lap, as documented
     assert dk.Timer(device="cpu", sync=True).to_dict()["device"] == "cpu"
+
+
+def test_benchmark_decorates_a_function_each_call_a_block(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: TypeError: 'Benchmark' object is not callable.
+    bench = dk.Benchmark("step")
+
+    @bench
+    def step(x: int) -> int:
+        return 2 * x
+
+    assert (step(1), step(2)) == (2, 4)
+    assert step.__name__ == "step"
+    assert capsys.readouterr().out.count("step: ") == 2
+    assert bench.elapsed is not None
+
+    async def later() -> None: ...
+
+    with pytest.raises(TypeError, match=r"returns a coroutine.*`with dk\.Benchmark\(\.\.\.\):`"):
+        bench(later)
+    with pytest.raises(TypeError, match=r"decorates a function, got 3"):
+        bench(3)  # type: ignore[arg-type]
+
+
+def test_a_timed_function_answers_isinstance() -> None:
+    # Before: "Instance and class checks can only be used with @runtime_checkable protocols".
+    timer = dk.Timer()
+    assert isinstance(timer(sorted), dk.TimedFunction)
+    assert not isinstance(sorted, dk.TimedFunction)
