@@ -23,15 +23,20 @@ _APART = 1.5
 def _ratio_text(ratio: float) -> str:
     """A row's ratio as its report writes it, against the reference: ``"3.43x slower"``.
 
-    Under 0.5% apart it is in percent, where two decimals would read ``1.00x``.
+    Under 0.5% apart it is in percent, where two decimals would read ``1.00x``;
+    from 1,000x on, in whole numbers (two decimals of a huge factor are noise).
 
     Examples:
         >>> _ratio_text(3.429), _ratio_text(0.5), _ratio_text(1.003), _ratio_text(1.0)
         ('3.43x slower', '2.00x faster', '0.3% slower', 'the same')
+        >>> _ratio_text(18090.4), _ratio_text(1 / 2500)
+        ('18,090x slower', '2,500x faster')
     """
     slower = ratio >= 1
     factor = ratio if slower else 1 / ratio
     way = "slower" if slower else "faster"
+    if factor >= 1000:
+        return f"{factor:,.0f}x {way}"
     if f"{factor:.2f}" != "1.00":
         return f"{factor:.2f}x {way}"
     percent = (factor - 1) * 100
