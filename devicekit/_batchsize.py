@@ -283,6 +283,9 @@ def find_batch_size(
         isolate: Run each trial in a child process (``spawn``), so this
             process's allocator never sees an out-of-memory error; ``fn``
             must then be picklable. Each trial then pays a process start.
+            The child ends with this process, and a trial cut short (a
+            timeout, Ctrl-C, ``SIGTERM``) stops it and, on Linux, what
+            ``fn`` started in it, as [`gpu_map()`][devicekit.gpu_map] does.
         trial_timeout: With ``isolate=True``, the seconds one trial may run
             before its child process is killed and ``TimeoutError`` is
             raised (a trial that hangs cannot hang the search). It counts

@@ -7,13 +7,25 @@ out-of-memory error. A trial on the CPU runs under the host's bound
 (`._hostmemory.bounded`), set in the child, around ``fn(size)`` alone. A
 child that hangs is killed (``trial_timeout``, and a bound on its start), and
 one that dies without an answer is explained by its exit code or signal.
+
+A child is tied to this process as a ``gpu_map`` worker is, by the same code
+(`._worker.WorkerName`, `._dispatch.stop_workers`): it ends with this
+process, from its first line of Python (a parent-death signal; where there is
+none, a thread that watches its PPID), and ignores Ctrl-C, which this process
+handles by stopping it. A trial that does not end with its answer (a timeout,
+Ctrl-C, ``SIGTERM`` or ``SIGHUP`` to this process, a child that died) stops
+the child and the processes ``fn`` started in it (its descendants in
+``/proc``, and, where it died, those that carry its mark): before, they were
+given to init and ran on, holding the caller's pipes.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -23,9 +35,13 @@ from typing import Any
 
 import torch
 
+from ._dispatch import stop_workers
 from ._errors import DeviceOutOfMemoryError
 from ._hostmemory import bounded, search_bound
+from ._termination import stops_workers_first
 from ._trial import explain, run, start_failed, too_big
+from ._worker import WorkerName, tie_to_parent
+from ._workerstate import Worker, child_start_time
 
 __all__ = ["Isolated"]
 
@@ -41,9 +57,18 @@ _EXIT_WAIT = 10.0
 
 
 def _child(
-    fn_bytes: bytes, size: int, first: bool, device: str | None, result: Any, *, cpu: bool
+    fn_bytes: bytes,
+    size: int,
+    first: bool,
+    device: str | None,
+    result: Any,
+    *,
+    cpu: bool,
+    parent: int,
+    signal_on_death: bool,
 ) -> None:
     """A trial in a child process: send back None (it ran) or the exception it raised."""
+    tie_to_parent(parent, signal_on_death)  # again: the main module may have set SIGINT's handler
     try:
         fn = pickle.loads(fn_bytes)
         result.send_bytes(_STARTED)
@@ -146,7 +171,8 @@ class Isolated:
                 started = True
                 deadline = None if self.timeout is None else time.monotonic() + self.timeout
             elif deadline is not None and time.monotonic() > deadline:
-                process.kill()  # a hung trial: its child goes, and so does its memory
+                # A hung trial: its child goes (and its memory), stopped by __call__ with
+                # what fn started, which are found below it while it still runs.
                 if not started:
                     raise TimeoutError(
                         f"find_batch_size: the child process for fn({size}) did not start "
@@ -165,28 +191,44 @@ class Isolated:
     def __call__(self, size: int, *, first: bool) -> bool:
         context = multiprocessing.get_context("spawn")  # a forked CUDA process cannot use CUDA
         receive, send = context.Pipe(duplex=False)
+        # The parent-death signal fires when the thread that started the child ends: only
+        # the main thread lives as long as this process (elsewhere a thread watches the PPID).
+        main_thread = threading.current_thread() is threading.main_thread()
         process = context.Process(
             target=_child,
             args=(self.fn_bytes, size, first, self.device, send),
-            kwargs={"cpu": self.cpu},
+            kwargs={"cpu": self.cpu, "parent": os.getpid(), "signal_on_death": main_thread},
             daemon=True,
+            # Unpickled first in the child, before the main module is imported: it ties
+            # the child to this process from its first line, as it does gpu_map's workers.
+            name=WorkerName(
+                f"devicekit-trial-{size}", parent=os.getpid(), signal_on_death=main_thread
+            ),
         )
-        process.start()
-        send.close()
-        try:
-            received = self._wait(process, receive, size)
-        except BaseException:
-            # Ctrl-C, or a trial that failed: its child is of no more use. Killed now, not
-            # after the 10 s wait below (Ctrl-C from a terminal reaches the child too, but
-            # a signal to this process alone, or an IDE's stop button, does not).
-            process.kill()
-            raise
-        finally:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-            receive.close()
+        # SIGTERM and SIGHUP (where their handlers are the default) raise here, so that the
+        # child and what fn started are stopped before this process dies of the signal.
+        with stops_workers_first():
+            process.start()
+            send.close()
+            # A worker to gpu_map's stop (its number and slot only name it in messages):
+            # its start time, read while it cannot have been reaped, ties its PID to it.
+            started = None if process.pid is None else child_start_time(process.pid)
+            child = Worker(1, "cpu", process, receive, started=started)
+            try:
+                received = self._wait(process, receive, size)
+            except BaseException:
+                # Ctrl-C, a signal, or a trial that failed: its child is of no more use.
+                # Stopped now, not after the 10 s wait below, with the processes fn
+                # started (Ctrl-C from a terminal reaches them, but a signal to this
+                # process alone, an IDE's stop button or a timeout does not).
+                stop_workers([child], gently=False, detached=True)
+                raise
+            finally:
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+                receive.close()
         try:
             outcome = pickle.loads(received)
         except Exception as error:  # noqa: BLE001 - a class's own __init__ may raise anything

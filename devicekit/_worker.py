@@ -80,7 +80,15 @@ import traceback
 import warnings
 from typing import Any
 
-__all__ = ["MARK", "NO_MAIN_GUARD", "WorkerName", "dumps", "in_worker_bootstrap", "work"]
+__all__ = [
+    "MARK",
+    "NO_MAIN_GUARD",
+    "WorkerName",
+    "dumps",
+    "in_worker_bootstrap",
+    "tie_to_parent",
+    "work",
+]
 
 NO_MAIN_GUARD = 87
 """Exit code of a worker that stopped because the main module called gpu_map at import."""
@@ -159,6 +167,15 @@ PID): another PID namespace's numbers others. Running it twice adds nothing.
 started with, so the worker itself, and a child it forks without running a
 program, do not show it.
 """
+
+
+def tie_to_parent(parent: int, signal_on_death: bool) -> None:
+    """Run ``_WATCH_PARENT`` and ``_MARK_WORKER`` here, in a child of ``parent`` (a PID).
+
+    Once more, where the child's ``WorkerName`` ran them already: the main
+    module, imported between the two, may have set a SIGINT handler of its own.
+    """
+    exec(_WATCH_PARENT + _MARK_WORKER, _watch_parent(parent, signal_on_death))
 
 
 def _watch_parent(parent: int, signal_on_death: bool) -> dict[str, Any]:
@@ -301,10 +318,9 @@ def in_worker_bootstrap() -> bool:
 def work(conn: Any, parent: int, signal_on_death: bool) -> None:
     """Run items until told to stop, or until the parent is gone."""
     # Done when the worker's name was unpickled, before the main module; again
-    # here, as the main module may have set a SIGINT handler of its own. Ctrl-C
-    # in a terminal reaches the whole process group: the parent handles it and
-    # stops the workers, so a worker must not die mid-item on its own.
-    exec(_WATCH_PARENT + _MARK_WORKER, _watch_parent(parent, signal_on_death))
+    # here. Ctrl-C in a terminal reaches the whole process group: the parent
+    # handles it and stops the workers, so a worker must not die mid-item on its own.
+    tie_to_parent(parent, signal_on_death)
     # torch without numpy warns on import; this process is devicekit's, not the user's.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     conn.send(("ready", os.getpid()))

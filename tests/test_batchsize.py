@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import warnings
 import weakref
@@ -21,6 +22,7 @@ import torch
 import devicekit as dk
 
 from .conftest import FakeAccelerator, run_python
+from .mapfns import REPO, alive, importable, wait_for
 
 TORCH_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
@@ -463,8 +465,9 @@ def test_a_hung_isolated_trial_is_killed_at_its_timeout(tmp_path: Path) -> None:
         os.kill(child, 0)
 
 
-def test_ctrl_c_during_an_isolated_trial_kills_its_child_at_once(tmp_path: Path) -> None:
-    # A Ctrl-C that reaches this process alone: the parent never waits on a live child.
+def test_ctrl_c_during_an_isolated_trial_stops_its_child_at_once(tmp_path: Path) -> None:
+    # A Ctrl-C that reaches this process alone: the parent never waits on a live child. It
+    # is stopped as gpu_map's workers are (SIGTERM, then SIGKILL if it lingers).
     pid_file = tmp_path / "pid"
     result = run_python(
         f"""
@@ -474,7 +477,8 @@ def test_ctrl_c_during_an_isolated_trial_kills_its_child_at_once(tmp_path: Path)
         from tests.test_batchsize import hanging_step
         os.environ["DK_TEST_PID_FILE"] = {str(pid_file)!r}
         calls = []
-        real_start, real_join, real_kill = BaseProcess.start, BaseProcess.join, BaseProcess.kill
+        real_start, real_join = BaseProcess.start, BaseProcess.join
+        real_kill, real_terminate = BaseProcess.kill, BaseProcess.terminate
         def start(self):
             calls.append("start")
             return real_start(self)
@@ -484,7 +488,11 @@ def test_ctrl_c_during_an_isolated_trial_kills_its_child_at_once(tmp_path: Path)
         def kill(self):
             calls.append("kill")
             return real_kill(self)
+        def terminate(self):
+            calls.append("terminate")
+            return real_terminate(self)
         BaseProcess.start, BaseProcess.join, BaseProcess.kill = start, join, kill
+        BaseProcess.terminate = terminate
         def interrupt():
             while not os.path.exists({str(pid_file)!r}):
                 time.sleep(0.05)
@@ -499,10 +507,101 @@ def test_ctrl_c_during_an_isolated_trial_kills_its_child_at_once(tmp_path: Path)
     )
     calls = result["calls"]
     last_trial = calls[len(calls) - calls[::-1].index("start") - 1 :]
-    assert last_trial == ["start", "kill", "join"]  # not a join (up to 10 s) on a live child
+    assert last_trial[:2] == ["start", "terminate"]  # not a join (up to 10 s) on a live child
     child = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan left behind
         os.kill(child, 0)
+
+
+def spawning_step(batch_size: int) -> None:
+    """Runs only in a child: from 4 up it starts ``sleep``, writes both PIDs, and hangs."""
+    if batch_size >= 4:
+        sleeper = subprocess.Popen(["sleep", "300"])
+        pid_file = os.environ["DK_TEST_PID_FILE"]
+        with open(f"{pid_file}.part", "w") as file:
+            file.write(f"{os.getpid()} {sleeper.pid}")
+        os.replace(f"{pid_file}.part", pid_file)  # whole, never read half-written
+        time.sleep(300)
+
+
+def _trial_pids(pid_file: Path) -> list[int]:
+    """The PIDs `spawning_step` wrote: its child's, then its ``sleep``'s; [] if none yet."""
+    return [int(pid) for pid in pid_file.read_text().split()] if pid_file.exists() else []
+
+
+def _end_leftovers(pids: list[int]) -> None:
+    """Kill what a failed test left running (only the processes the test's own steps started)."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+
+
+@needs_proc
+@pytest.mark.parametrize("end", ["trial_timeout", "ctrl-c"])
+def test_what_fn_started_in_an_isolated_trial_is_stopped_with_it(tmp_path: Path, end: str) -> None:
+    # Before, the child was killed and its `sleep` lived on with PPID 1, holding the
+    # caller's stdout: `python script.py | tail` hung until it ended.
+    pid_file = tmp_path / "pids"
+    try:
+        result = run_python(
+            f"""
+            import _thread, json, os, threading, time, devicekit as dk
+            from tests.test_batchsize import spawning_step
+            os.environ["DK_TEST_PID_FILE"] = {str(pid_file)!r}
+            def interrupt():
+                while not os.path.exists({str(pid_file)!r}):
+                    time.sleep(0.05)
+                _thread.interrupt_main()
+            if {end!r} == "ctrl-c":
+                threading.Thread(target=interrupt, daemon=True).start()
+            try:
+                dk.find_batch_size(spawning_step, isolate=True,
+                                   trial_timeout=2 if {end!r} == "trial_timeout" else None)
+            except (TimeoutError, KeyboardInterrupt) as error:
+                print(json.dumps({{"error": type(error).__name__}}))
+            """,
+            timeout=60,  # the old code hung here: the orphan sleep held its stdout
+        )
+        assert result["error"] == (
+            "TimeoutError" if end == "trial_timeout" else "KeyboardInterrupt"
+        )
+        pids = _trial_pids(pid_file)
+        assert len(pids) == 2
+        assert wait_for(lambda: not any(map(alive, pids)), 10), "fn's sleep outlived its trial"
+    finally:
+        _end_leftovers(_trial_pids(pid_file))
+
+
+@needs_proc
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_caller_s_trial_child_ends_with_it(tmp_path: Path, signum: int) -> None:
+    # Before, the child lived on with PPID 1 (for ever where fn hangs and no trial_timeout
+    # is set), and so did what fn had started in it. gpu_map's workers end with their
+    # caller; a trial's child now does the same, by the same code.
+    pid_file = tmp_path / "pids"
+    script = """
+        import devicekit as dk
+        from tests.test_batchsize import spawning_step
+        dk.find_batch_size(spawning_step, isolate=True)
+        """
+    env = importable(DK_TEST_PID_FILE=str(pid_file))
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env)
+    try:
+        assert wait_for(lambda: len(_trial_pids(pid_file)) == 2, 100), "no trial started fn"
+        child, sleeper = _trial_pids(pid_file)
+        caller.send_signal(signum)
+        assert caller.wait(timeout=60) == -signum  # it died of the signal, as without devicekit
+        assert wait_for(lambda: not alive(child), 15), "the trial's child outlived its caller"
+        if signum == signal.SIGTERM:  # a SIGKILL runs no code: fn's sleep is left, as gpu_map's
+            assert wait_for(lambda: not alive(sleeper), 10), "fn's sleep outlived its caller"
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait(timeout=30)
+        _end_leftovers(_trial_pids(pid_file))
 
 
 def test_an_isolated_trial_s_memory_error_counts_as_too_big() -> None:
