@@ -85,6 +85,9 @@ _STOP_SECONDS = 5.0  # a worker asked to stop gets this long before it is termin
 # file system, so an item's limit alone would stop healthy workers.
 _STARTUP_SECONDS = 300.0
 _STARTING = threading.Lock()  # held while CUDA_VISIBLE_DEVICES is set for a worker's start
+# The longest single wait: the system's refuses one past 2**31 ms (24.8 days, "timeout is too
+# large"), so a longer timeout is waited out a slice at a time, its deadline unchanged.
+_LONGEST_WAIT = 3600.0
 
 
 def worker_env(device: str | int) -> str:
@@ -393,7 +396,9 @@ class _Map:
             by_handle[worker.conn] = worker
             by_handle[worker.process.sentinel] = worker
         deadlines = [worker.deadline for worker in self.workers if worker.deadline is not None]
-        wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        wait = (
+            min(max(0.0, min(deadlines) - time.monotonic()), _LONGEST_WAIT) if deadlines else None
+        )
         ready = multiprocessing.connection.wait(list(by_handle), wait)
         # Answers before deaths: what a worker said before it died is read first.
         for handle in sorted(ready, key=lambda h: h is by_handle[h].process.sentinel):

@@ -75,7 +75,8 @@ def gpu_map(
             it. The start-up has a limit of its own, ``max(timeout, 300)``
             seconds, so that a module that hangs on import ends the call too.
             An item or start-up that runs longer stops every worker and
-            raises. ``executor="local"`` only.
+            raises. Any length is taken (a month, ``1e10``): it is waited
+            out an hour at a time. ``executor="local"`` only.
         executor: ``"local"``: spawned worker processes on this machine.
             ``"ray"``: one Ray task per item, asking for
             ``1/workers_per_device`` of a GPU (of a CPU for CPU tasks), on

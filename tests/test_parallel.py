@@ -409,6 +409,16 @@ def test_timeout_must_be_a_positive_number_of_seconds(
     assert set(multiprocessing.active_children()) == before  # refused before any worker started
 
 
+@pytest.mark.timeout(120)
+def test_a_timeout_past_what_the_system_can_wait_is_taken() -> None:
+    # Before, a month (past 2**31 ms) raised "OverflowError: timeout is too large" from
+    # the wait once the workers had started, and 1e10 s "timestamp too large to convert".
+    for timeout in (30 * 24 * 3600, 1e10, 1e300):
+        assert dk.gpu_map(abs, [-1, -2], devices=["cpu"], timeout=timeout) == [1, 2]
+    with dk.gpu_pool(devices=["cpu"]) as pool:
+        assert pool.map(abs, [-3], timeout=1e10) == [3]
+
+
 def test_timeout_with_ray_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^timeout=5 works with executor='local' only: Ray does"):
         dk.gpu_map(abs, [1], executor="ray", timeout=5)
