@@ -93,8 +93,10 @@ def gpu_map(
 
     Raises:
         TypeError: ``fn`` or an item cannot be pickled (the item's index is
-            named), ``devices`` is not a device or list, or ``timeout`` or
-            ``progress`` is of the wrong type (a bool ``timeout`` included).
+            named), ``fn`` is an ``async def`` or generator function (its
+            call runs none of its body), ``devices`` is not a device or
+            list, or ``timeout`` or ``progress`` is of the wrong type (a
+            bool ``timeout`` included).
         ValueError: ``devices`` is empty, ``workers_per_device`` is below 1,
             ``timeout`` is not a finite number above zero, or ``timeout`` is
             given with ``executor="ray"``.

@@ -1,6 +1,7 @@
 """What a map is given, checked before any worker starts: ``fn``, the items, ``timeout``.
 
-``fn`` must be callable and the items iterable (or a map-style dataset); both
+``fn`` must be callable, not a generator or ``async def`` function (its call
+runs none of its body), and the items iterable (or a map-style dataset); both
 are pickled here, in the caller, so that one that cannot be sent to a worker
 is named (an item by its index) before a worker process is started for it.
 """
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._mapfaults import show_item
-from ._options import check_number
+from ._options import check_number, refuse_lazy
 from ._shortrepr import got, short_repr
 from ._worker import dumps
 
@@ -19,7 +20,7 @@ __all__ = ["checked_work", "item_timeout", "pickle_fn", "pickle_items"]
 
 
 def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
-    """The items as a list, once ``fn`` is known to be callable and ``items`` iterable.
+    """The items as a list, once ``fn`` is known to do its work when called, ``items`` iterable.
 
     A map-style dataset (``len()`` and ``[i]``, no ``__iter__``, as
     ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``.
@@ -32,6 +33,19 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
             f"{caller} needs fn, the function to run on each item, got {got(fn)}; pass a "
             "function defined with def"
         )
+    # Before any worker starts: each would send back an unpicklable coroutine (or
+    # generator) that never ran, and warn that it was never awaited.
+    name = getattr(fn, "__name__", "fn")
+    refuse_lazy(
+        fn,
+        call=f"{caller} got fn={name}, and {name}(item)",
+        why="so no item would be worked on, and a worker could not send back what it returns",
+        fix=(
+            "pass a function that does the work, defined with def at the top level of a "
+            f"module: def run(item): return list({name}(item)) for a generator, "
+            f"def run(item): return asyncio.run({name}(item)) for async def"
+        ),
+    )
     if isinstance(items, Iterable):
         return list(items)
     getitem = getattr(items, "__getitem__", None)

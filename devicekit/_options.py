@@ -301,7 +301,14 @@ def float_or_inf(value: numbers.Real) -> float:
         return -math.inf if value < 0 else math.inf
 
 
-def refuse_lazy(fn: object, *, call: str, fix: str | None = None, result: object = None) -> None:
+def refuse_lazy(
+    fn: object,
+    *,
+    call: str,
+    fix: str | None = None,
+    result: object = None,
+    why: str = "so nothing would be measured",
+) -> None:
     """Refuse a generator or ``async def`` function, whose call returns before its body runs.
 
     Measuring such a call measures nothing (a time of a microsecond, every batch
@@ -314,6 +321,8 @@ def refuse_lazy(fn: object, *, call: str, fix: str | None = None, result: object
         fix: What to do instead. Default: a lambda that consumes the generator,
             or runs the coroutine.
         result: What a call of ``fn`` returned, if it was called already.
+        why: What that would come to, for the message (``gpu_map``'s workers
+            measure nothing: they would send back a result that is no result).
 
     Raises:
         TypeError: ``fn`` (or ``result``) is a generator or coroutine.
@@ -344,6 +353,4 @@ def refuse_lazy(fn: object, *, call: str, fix: str | None = None, result: object
         inner = f"{name}()" if name.isidentifier() else "..."
         work = f"list({inner})" if kind == "a generator" else f"asyncio.run({inner})"
         fix = f"pass a function that does the work: lambda: {work}"
-    raise TypeError(
-        f"{call} returns {kind} without running its body, so nothing would be measured; {fix}"
-    )
+    raise TypeError(f"{call} returns {kind} without running its body, {why}; {fix}")

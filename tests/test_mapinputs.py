@@ -12,7 +12,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -36,6 +37,42 @@ class LoadsBadly:
 class CallableThatLoadsBadly(LoadsBadly):
     def __call__(self, item: int) -> int:
         return item
+
+
+async def fetch(item: int) -> int:
+    return item
+
+
+def lines(item: int) -> Iterator[int]:
+    yield item
+
+
+@pytest.mark.parametrize(("fn", "kind"), [(fetch, "a coroutine"), (lines, "a generator")])
+def test_an_async_or_generator_fn_is_refused_before_any_worker_starts(
+    fn: Callable[[int], object], kind: str
+) -> None:
+    # Before, the workers started, each returned a coroutine that never ran (and warned
+    # that it was never awaited), and the map failed on its pickle with a WorkerError.
+    before = set(multiprocessing.active_children())
+    name = fn.__name__
+    fix = (
+        "; pass a function that does the work, defined with def at the top level of a module: "
+        f"def run(item): return list({name}(item)) for a generator, "
+        f"def run(item): return asyncio.run({name}(item)) for async def"
+    )
+    said = (
+        f"got fn={name}, and {name}(item) returns {kind} without running its body, so no item "
+        f"would be worked on, and a worker could not send back what it returns{fix}"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no coroutine "was never awaited"
+        with pytest.raises(TypeError, match="^" + re.escape(f"gpu_map() {said}") + "$"):
+            dk.gpu_map(fn, [1], devices=["cpu"])
+        with dk.gpu_pool(devices=["cpu"]) as pool:
+            with pytest.raises(TypeError, match="^" + re.escape(f"GPUPool.map() {said}") + "$"):
+                pool.map(fn, [1])
+            assert not pool._workers  # refused before its workers started
+    assert set(multiprocessing.active_children()) == before
 
 
 def test_an_unpicklable_function_is_refused_before_any_worker_starts() -> None:
