@@ -61,15 +61,9 @@ _TIME_UNITS = (
     ("µs", 1e-6, 1e-6),
     ("ns", 1e-9, 0.0),
 )
-_ENERGY_UNITS = (
-    ("GJ", 1e9, 1e9),
-    ("MJ", 1e6, 1e6),
-    ("kJ", 1e3, 1e3),
-    ("J", 1.0, 1.0),
-    ("mJ", 1e-3, 1e-3),
-    ("µJ", 1e-6, 1e-6),
-    ("nJ", 1e-9, 0.0),
-)
+_Units = tuple[tuple[str, float, float], ...]
+_ENERGY_UNITS: _Units = (("GJ", 1e9, 1e9), ("MJ", 1e6, 1e6), ("kJ", 1e3, 1e3), ("J", 1.0, 1.0))
+_ENERGY_UNITS += (("mJ", 1e-3, 1e-3), ("µJ", 1e-6, 1e-6), ("nJ", 1e-9, 0.0))  # SI steps
 # C0 and C1 control characters and DEL: anything that could move a terminal's
 # cursor, change its colours or its title, or ring its bell. And the bidirectional
 # marks and overrides, which make the rest of a line read in another order.
@@ -145,7 +139,7 @@ def format_joules(value: float | None) -> str:
     return _scaled(value, _ENERGY_UNITS)
 
 
-def _scaled(value: float, units: tuple[tuple[str, float, float], ...]) -> str:
+def _scaled(value: float, units: _Units) -> str:
     """``value`` in the first of ``units`` it reaches (see `_TIME_UNITS`), 3 significant digits."""
     for unit, size, start in units:
         if abs(value) >= start:
