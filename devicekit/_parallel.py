@@ -110,6 +110,13 @@ def _local_only(caller: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     def wrap(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            per_map = [name for name in _PER_MAP if name in kwargs]
+            if per_map:  # Python's "unexpected keyword argument" said not where it goes
+                given = ", ".join(f"{name}={short_repr(kwargs[name])}" for name in per_map)
+                raise TypeError(
+                    f"{caller} got {given}, an option of each map, not of the pool: "
+                    f"pool.map(fn, items, {given})"
+                )
             if "executor" in kwargs:
                 executor = kwargs.pop("executor")
                 if not (isinstance(executor, str) and executor == "local"):
@@ -127,6 +134,7 @@ def _local_only(caller: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return wrap
 
 
+_PER_MAP = ("progress", "timeout")  # what pool.map takes, and a pool does not
 _CLOSED = "this GPUPool is closed; make a new one with dk.gpu_pool()"
 
 
@@ -150,7 +158,14 @@ class GPUPool:
     """
 
     @_local_only("GPUPool()")
-    def __init__(self, slots: list[Slot]) -> None:
+    def __init__(self, slots: list[Slot] | None = None, /, **options: Any) -> None:
+        if slots is None or options:  # dk.GPUPool(devices=...): Python's error named slots
+            given = ", ".join(f"{name}={short_repr(value)}" for name, value in options.items())
+            raise TypeError(
+                f"dk.GPUPool is made by dk.gpu_pool(), which starts its workers: with "
+                f"dk.gpu_pool({given}) as pool: pool.map(fn, items). GPUPool itself is the "
+                "type, for annotations"
+            )
         self._slots = slots
         self._workers: list[Worker] = []
         self._closed = False

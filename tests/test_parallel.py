@@ -1141,3 +1141,21 @@ def test_a_pool_asked_for_ray_names_gpu_map_where_ray_runs() -> None:
         dk.gpu_pool(devices=["cpu"], executor="dask")  # type: ignore[call-arg]
     with dk.gpu_pool(devices=["cpu"], executor="local") as pool:  # type: ignore[call-arg]
         assert pool.map(abs, [-2]) == [2]  # what a pool is: taken, and nothing changes
+
+
+def test_a_pool_made_by_hand_or_given_map_options_says_where_they_go() -> None:
+    # Before, Python's own: "missing 1 required positional argument: 'slots'", and
+    # "gpu_pool() got an unexpected keyword argument 'timeout'".
+    with pytest.raises(
+        TypeError, match=r"^dk\.GPUPool is made by dk\.gpu_pool\(\).*with dk\.gpu_pool\(\) as pool"
+    ):
+        dk.GPUPool()  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"with dk\.gpu_pool\(devices='cpu'\) as pool"):
+        dk.GPUPool(devices="cpu")  # type: ignore[call-arg]
+    with pytest.raises(
+        TypeError,
+        match=r"^gpu_pool\(\) got timeout=5, an option of each map.*items, timeout=5\)$",
+    ):
+        dk.gpu_pool(timeout=5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"got progress=True, an option of each map"):
+        dk.gpu_pool(devices="cpu", progress=True)  # type: ignore[call-arg]
