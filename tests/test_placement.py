@@ -1211,8 +1211,8 @@ def test_data_parallel_without_gpus_returns_the_module_moved(
 
 def test_data_parallel_on_one_device_does_not_wrap() -> None:
     model = torch.nn.Linear(2, 2)
-    assert dk.data_parallel(model, [META]) is model
-    assert on(META, model.weight)
+    assert dk.data_parallel(model, ["cpu"]) is model  # meta, used here before, is refused now
+    assert on(torch.device("cpu"), model.weight)
 
 
 @pytest.mark.parametrize(
