@@ -27,7 +27,8 @@ class Benchmark:
     the time in ``elapsed``. A block under a millisecond, which that format
     shows as ``0.0000`` or with one digit, is printed in human units instead
     (``sum: 12.3 µs``). Also a decorator (``@dk.Benchmark("step")``): each
-    call is one block, printed, its time in ``elapsed``.
+    call is a block of its own (recursive calls and threads included), printed,
+    and ``elapsed`` holds the last one to end.
 
     Args:
         description: What the printed line starts with.
@@ -53,6 +54,7 @@ class Benchmark:
             )
         self.description = description
         self.elapsed: float | None = None
+        self._device = device
         self._timer = Timer(device=device, sync=True)
 
     def __enter__(self) -> Benchmark:
@@ -98,8 +100,15 @@ class Benchmark:
 
         @functools.wraps(fn)
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
-            with self:
-                return fn(*args, **kwargs)
+            # A block per call, as Timer's laps: a recursive call, or calls from two
+            # threads at once, are blocks of their own, not a second entry into one.
+            block = Benchmark(self.description, device=self._device)
+            try:
+                with block:
+                    return fn(*args, **kwargs)
+            finally:
+                if block.elapsed is not None:
+                    self.elapsed = block.elapsed  # the last call to end
 
         return timed
 

@@ -34,10 +34,11 @@ def checked_sinks(
     One sink where a list is expected is a list of one (as one device is). A
     class is refused: calling it would make an object and throw it away at
     every flush, silently (``sinks=[dk.CSVSink]`` for ``[dk.CSVSink(path)]``).
-    ``thorough`` (when sinks are given, not at each flush's re-check): an
-    ``async def`` sink, whose coroutine no one would await (its values lost
-    with a "never awaited" warning), and one that cannot take one argument
-    (``lambda: ...``, which would fail at every flush) are refused too.
+    An ``async def`` sink, whose coroutine no one would await (its values
+    lost with a "never awaited" warning), is refused too; with ``thorough``
+    (when sinks are given, not at each flush's re-check), so is a function
+    that cannot take one argument (``lambda: ...``, which would fail at every
+    flush).
 
     Examples:
         >>> checked_sinks(print, receives="records") == checked_sinks([print], receives="records")
@@ -50,8 +51,7 @@ and pass that: sinks=[dict(...)]
     """
     if callable(sinks):
         _refuse_class(sinks)
-        if thorough:
-            _refuse_unfit(sinks, receives)
+        _refuse_unfit(sinks, receives, thorough=thorough)
         return [sinks]
     given: object = sinks  # typed, but callers pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
@@ -67,8 +67,7 @@ and pass that: sinks=[dict(...)]
                 f"{sink!r}{_path_fix(sink, file_sink)}"
             )
         _refuse_class(sink)
-        if thorough:
-            _refuse_unfit(sink, receives)
+        _refuse_unfit(sink, receives, thorough=thorough)
     return found
 
 
@@ -87,8 +86,12 @@ def _refuse_class(sink: object) -> None:
         )
 
 
-def _refuse_unfit(sink: Callable[..., Any], receives: str) -> None:
-    """Refuse an ``async def`` sink, and one that cannot be called with one argument."""
+def _refuse_unfit(sink: Callable[..., Any], receives: str, *, thorough: bool) -> None:
+    """Refuse an ``async def`` sink, and (``thorough``) a function that cannot take one argument.
+
+    The first is cheap enough for each flush's re-check (a sink appended to
+    the list); the second reads a signature, once, when sinks are given.
+    """
     # An object's __call__, found on its class as Python calls it, without running a descriptor.
     call = sink if inspect.isroutine(sink) else inspect.getattr_static(type(sink), "__call__", None)
     name = describe_sink(sink)
@@ -105,9 +108,14 @@ def _refuse_unfit(sink: Callable[..., Any], receives: str) -> None:
             f"each sink is called with {receives}, and an async generator function such as "
             f"{name} would only make a generator that never runs. Pass a plain function"
         )
+    if not thorough or not (inspect.isfunction(sink) or inspect.ismethod(sink)):
+        # Where a signature may mislead, the sink is taken: a partial, a callable object
+        # (a staticmethod __call__ reads as taking none), a builtin with none (print).
+        return
     try:
-        signature = inspect.signature(sink)
-    except (TypeError, ValueError):  # a builtin without one (print): called as it is
+        # Not through __wrapped__: a decorator that fills in an argument takes one.
+        signature = inspect.signature(sink, follow_wrapped=False)
+    except (TypeError, ValueError):
         return
     try:
         signature.bind(None)

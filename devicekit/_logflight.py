@@ -47,10 +47,16 @@ def _checked(sinks: Iterable[Sink] | Sink, *, thorough: bool = True) -> list[Sin
         # dk.Sink's own __call__ is the protocol's stub: it would take every record and
         # write none (a subclass whose method is named write, not __call__).
         if type(sink).__call__ is Sink.__call__:
+            # A base after dk.Sink with a __call__ of its own: the order of the bases is the fix.
+            later = [k for k in type(sink).__mro__[1:] if "__call__" in vars(k) and k is not Sink]
+            fix = (
+                f"List dk.Sink after {later[0].__name__} among its bases: it hides that __call__"
+                if later and later[0] is not object
+                else "Name its method __call__, or pass the method itself: sinks=[sink.write]"
+            )
             raise TypeError(
                 f"each sink must define __call__(self, records), and {describe_sink(sink)} "
-                f"inherits dk.Sink's, which does nothing: its records would be lost. Name "
-                f"its method __call__, or pass the method itself: sinks=[sink.write]"
+                f"inherits dk.Sink's, which does nothing: its records would be lost. {fix}"
             )
     return found
 

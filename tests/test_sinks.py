@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1287,6 +1288,12 @@ def test_an_async_sink_is_refused_when_given(sink: Any) -> None:
         logs.sinks = [sink]
     with pytest.raises(TypeError, match="async generator function"):
         dk.LogBuffer(sinks=[_async_generator_sink])
+    logs.sinks.append(sink)  # past the assignment's check: refused at the next flush
+    logs.log(0, loss=0.5)
+    with pytest.raises(TypeError, match=r"^LogBuffer\.sinks: each sink is called, never awaited"):
+        logs.flush()
+    logs.sinks.clear()
+    logs.flush()  # the record waited in history
 
 
 def test_a_sink_that_cannot_take_the_records_is_refused_when_given() -> None:
@@ -1295,12 +1302,28 @@ def test_a_sink_that_cannot_take_the_records_is_refused_when_given() -> None:
         dk.LogBuffer(sinks=[lambda: None])
     with pytest.raises(TypeError, match=r"<lambda>\(\*, records\) cannot take"):
         dk.LogBuffer(sinks=[lambda *, records: None])
+
+    class StaticCall:  # Python's signature reads it as taking none: it takes one
+        __call__ = staticmethod(lambda records: None)
+
+    def filled_in(fn: Callable[[Any, str], None]) -> Callable[[Any], None]:
+        @functools.wraps(fn)  # __wrapped__ takes two; the wrapper, one
+        def wrapper(records: Any) -> None:
+            fn(records, ",")
+
+        return wrapper
+
+    @filled_in
+    def joined(records: Any, sep: str) -> None: ...
+
     taken: list[Any] = [
         print,  # no signature to read: called as it is
         [].append,
         functools.partial(print, end=""),
         lambda records, extra=1: None,
         lambda *records: None,
+        StaticCall(),
+        joined,
     ]
     assert dk.LogBuffer(sinks=taken).sinks == taken
 
@@ -1318,6 +1341,15 @@ def test_a_sink_subclass_without_its_own_call_is_refused() -> None:
     misnamed = Misnamed()
     with pytest.raises(TypeError, match=r"Misnamed inherits dk\.Sink's, which does nothing"):
         dk.LogBuffer(sinks=[misnamed])
+
+    class Mixin:
+        def __call__(self, records: list[dict[str, Any]]) -> None: ...
+
+    class Hidden(dk.Sink, Mixin):  # dk.Sink's stub comes first: the bases' order is the fix
+        pass
+
+    with pytest.raises(TypeError, match=r"List dk\.Sink after Mixin among its bases"):
+        dk.LogBuffer(sinks=[Hidden()])
     logs = dk.LogBuffer(sinks=[misnamed.write])  # the fix the message gives
     logs.log(0, loss=0.5)
     logs.flush()

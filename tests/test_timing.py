@@ -540,6 +540,19 @@ def test_benchmark_decorates_a_function_each_call_a_block(
     assert capsys.readouterr().out.count("step: ") == 2
     assert bench.elapsed is not None
 
+    @dk.Benchmark("fib")
+    def fib(n: int) -> int:  # each call a block of its own, as a Timer's laps
+        return n if n < 2 else fib(n - 1) + fib(n - 2)
+
+    assert fib(3) == 2
+    assert capsys.readouterr().out.count("fib: ") == 5
+    threads = [threading.Thread(target=step, args=(1,)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert capsys.readouterr().out.count("step: ") == 2  # neither refused
+
     async def later() -> None: ...
 
     with pytest.raises(TypeError, match=r"returns a coroutine.*`with dk\.Benchmark\(\.\.\.\):`"):
