@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._logflush import Landed, records_of
 
-__all__ = ["Deliveries", "KeepsRecords", "Record", "Sink", "kept"]
+__all__ = ["Deliveries", "KeepsRecords", "Record", "Sink"]
 
 Record = dict[str, Any]
 """One logged step on the host: ``{"step": 12, "loss": 0.25, ...}``."""
@@ -67,14 +67,12 @@ class KeepsRecords:
 
     __slots__ = ()
 
+    def __call__(self, records: list[Record], /) -> Any:
+        raise NotImplementedError  # the sink's own
+
     def _kept(self) -> int:
         """How many records it holds from a failed write, not yet written."""
         raise NotImplementedError
-
-
-def kept(sinks: list[Sink]) -> int:
-    """How many records ``sinks`` hold from failed writes (see `KeepsRecords`)."""
-    return sum(sink._kept() for sink in sinks if isinstance(sink, KeepsRecords))
 
 
 class Deliveries:
@@ -90,6 +88,10 @@ class Deliveries:
         # A sink was interrupted (Ctrl-C, sys.exit) and no delivery has finished since:
         # the flush at exit calls no sink again (one Ctrl-C gets out of a hung sink).
         self.interrupted = False
+        # Sinks that kept records when they raised in this buffer's delivery: this buffer
+        # retries them, and warns of them. Not another buffer given the same sink, which
+        # would raise this one's error and count its records twice.
+        self.failed: list[KeepsRecords] = []
 
     def behind(self, batches: _Batches) -> bool:
         """Whether some landed records have not reached every sink yet."""
@@ -151,21 +153,33 @@ class Deliveries:
             else:
                 self.interrupted = False
                 if not delivered:  # nothing new: the sinks holding records write them now
-                    self.interrupted = _retry_kept(sinks, errors)
+                    self.interrupted = _retry_kept(self._owing(sinks), errors)
         finally:
             self._running = None
+            self._note_failed(sinks, errors)
         return errors
 
+    def _owing(self, sinks: list[Sink]) -> list[KeepsRecords]:
+        """The sinks of ``sinks`` that kept records when they raised in this buffer's flushes."""
+        return [sink for sink in self.failed if sink._kept() and any(sink is s for s in sinks)]
 
-def _retry_kept(sinks: list[Sink], errors: list[tuple[Sink, BaseException]]) -> bool:
+    def _note_failed(self, sinks: list[Sink], errors: list[tuple[Sink, BaseException]]) -> None:
+        raised = [sink for sink, _ in errors if isinstance(sink, KeepsRecords)]
+        failed = [*self.failed, *(s for s in raised if not any(s is f for f in self.failed))]
+        self.failed = [sink for sink in failed if sink._kept() and any(sink is s for s in sinks)]
+
+    def kept(self, sinks: list[Sink]) -> int:
+        """How many records ``sinks`` kept from failed writes of this buffer's records."""
+        return sum(sink._kept() for sink in self._owing(sinks))
+
+
+def _retry_kept(sinks: list[KeepsRecords], errors: list[tuple[Sink, BaseException]]) -> bool:
     """Call each sink that kept records with none, to write them; whether one was interrupted.
 
     A sink that raised in this flush's own delivery is not called again: only
     a flush with no new records retries.
     """
     for sink in sinks:
-        if not (isinstance(sink, KeepsRecords) and sink._kept()):
-            continue
         try:
             sink([])
         except Exception as error:  # noqa: BLE001 - every sink runs; one is raised

@@ -21,7 +21,7 @@ from ._dist import initialized, launched_world, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
-from ._logdeliver import Deliveries, Record, Sink, kept
+from ._logdeliver import Deliveries, Record, Sink
 from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
@@ -170,7 +170,7 @@ class Flushes:
 
     def _kept(self) -> int:
         """Records its sinks kept from a failed write: the next flush writes them first."""
-        return kept(self._sinks)
+        return self._deliveries.kept(self._sinks)
 
     def _uncallable_sink(self) -> TypeError | None:
         """The error for a sink put in the list after the check (``logs.sinks.append(path)``)."""

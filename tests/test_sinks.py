@@ -1673,3 +1673,30 @@ def test_a_path_that_cannot_be_read_is_its_own_error_not_another_writer(tmp_path
     path.rmdir()
     _logged(logs, range(3, 4))  # the path free again: begun again, what was kept first
     assert read_rows(path) == [["step", "loss"], ["1", "0.1"], ["2", "0.2"], ["3", "0.3"]]
+
+
+def test_a_shared_sink_s_kept_records_are_the_failing_buffer_s_to_retry_and_tell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One sink given to two buffers (as the docs allow): when a's write failed, b's
+    # flush() with nothing new raised a's error, and both warned of a's record.
+    path = tmp_path / "train.csv"
+    sink = dk.CSVSink(path)
+    train, evaluation = dk.LogBuffer(sinks=[sink]), dk.LogBuffer(sinks=[sink])
+    _logged(train, range(1))
+    monkeypatch.setattr(_sinks, "os", FullDisk(room=0))
+    with pytest.raises(OSError, match="No space left"):
+        _logged(train, range(1, 2))
+    assert evaluation.flush() == []  # not its record, not its error
+    assert (train._kept(), evaluation._kept()) == (1, 0)
+    monkeypatch.setattr(_sinks, "os", os)
+    evaluation.log(0, acc=0.5)
+    evaluation.flush()  # the sink writes what it kept first, whoever calls it
+    assert train._kept() == 0
+    assert train.flush() == []  # nothing left to retry
+    assert [row[:2] for row in read_rows(path)] == [
+        ["step", "loss"],
+        ["0", "0.0"],
+        ["1", "0.1"],
+        ["0", ""],
+    ]
