@@ -216,6 +216,10 @@ class Isolated:
             child = Worker(1, "cpu", process, receive, started=started)
             try:
                 received = self._wait(process, receive, size)
+                # The trial is over: what fn started (a server, a loader's workers) ends
+                # with it, as a map's does when its workers stop. Left, it held the
+                # caller's stdout: `python script.py | tail` waited for it.
+                stop_workers([child], gently=False)
             except BaseException:
                 # Ctrl-C, a signal, or a trial that failed: its child is of no more use.
                 # Stopped now, not after the 10 s wait below, with the processes fn

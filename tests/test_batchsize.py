@@ -575,6 +575,39 @@ def test_what_fn_started_in_an_isolated_trial_is_stopped_with_it(tmp_path: Path,
         _end_leftovers(_trial_pids(pid_file))
 
 
+def detaching_step(batch_size: int) -> None:
+    """Runs only in a child: starts ``sleep``, writes both PIDs, and returns at once."""
+    sleeper = subprocess.Popen(["sleep", "300"])
+    pid_file = os.environ["DK_TEST_PID_FILE"]
+    with open(f"{pid_file}.part", "w") as file:
+        file.write(f"{os.getpid()} {sleeper.pid}")
+    os.replace(f"{pid_file}.part", pid_file)
+
+
+@needs_proc
+def test_what_fn_started_in_a_trial_that_ended_well_is_stopped_with_it(tmp_path: Path) -> None:
+    # Before, only a trial cut short stopped them: one that returned left its `sleep`
+    # with PPID 1, and `python script.py | tail` hung on it.
+    pid_file = tmp_path / "pids"
+    try:
+        result = run_python(
+            f"""
+            import json, os, devicekit as dk
+            from tests.test_batchsize import detaching_step
+            os.environ["DK_TEST_PID_FILE"] = {str(pid_file)!r}
+            size = dk.find_batch_size(detaching_step, isolate=True, device="cpu", max_size=1)
+            print(json.dumps({{"size": size}}))
+            """,
+            timeout=60,  # the old code hung here: the orphan sleep held its stdout
+        )
+        assert result["size"] == 1
+        pids = _trial_pids(pid_file)
+        assert len(pids) == 2
+        assert wait_for(lambda: not any(map(alive, pids)), 10), "fn's sleep outlived its trial"
+    finally:
+        _end_leftovers(_trial_pids(pid_file))
+
+
 @needs_proc
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_caller_s_trial_child_ends_with_it(tmp_path: Path, signum: int) -> None:
