@@ -29,13 +29,13 @@ def _ratio_text(ratio: float) -> str:
     Examples:
         >>> _ratio_text(3.429), _ratio_text(0.5), _ratio_text(1.003), _ratio_text(1.0)
         ('3.43x slower', '2.00x faster', '0.3% slower', 'the same')
-        >>> _ratio_text(18090.4), _ratio_text(1 / 2500)
-        ('18,090x slower', '2,500x faster')
+        >>> _ratio_text(18090.4), _ratio_text(1 / 2500), _ratio_text(999.996)
+        ('18,090x slower', '2,500x faster', '1,000x slower')
     """
     slower = ratio >= 1
     factor = ratio if slower else 1 / ratio
     way = "slower" if slower else "faster"
-    if factor >= 1000:
+    if round(factor, 2) >= 1000:  # 999.996 too, which two decimals read 1000.00
         return f"{factor:,.0f}x {way}"
     if f"{factor:.2f}" != "1.00":
         return f"{factor:.2f}x {way}"

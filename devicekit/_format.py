@@ -141,12 +141,13 @@ def format_joules(value: float | None) -> str:
 
 def _scaled(value: float, units: _Units) -> str:
     """``value`` in the first of ``units`` it reaches (see `_TIME_UNITS`), 3 significant digits."""
-    for unit, size, start in units:
-        if abs(value) >= start:
-            shown = value / size
-            # The largest unit has no next one: 11,574 d, not 1.16e+04 d.
-            return f"{shown:,.0f} {unit}" if abs(shown) >= 1000 else f"{shown:.3g} {unit}"
-    raise AssertionError("unreachable: the last unit starts at 0")  # pragma: no cover
+    index = next(i for i, (_, _, start) in enumerate(units) if abs(value) >= start)
+    if "e" in f"{value / units[index][1]:.3g}" and index:  # 999.6 s reads "1e+03 s"
+        index -= 1  # the next unit up: 16.7 min
+    unit, size, _ = units[index]
+    text = f"{value / size:.3g}"
+    # The largest unit has no next one: 11,574 d, not 1.16e+04 d.
+    return f"{value / size:,.0f} {unit}" if "e" in text else f"{text} {unit}"
 
 
 def format_percent(value: float | None, *, digits: int = 0) -> str:

@@ -261,6 +261,9 @@ def test_short_repr_of_a_value_whose_repr_raises_names_its_type_and_address() ->
         (1e9, "11,574 d"),  # the largest unit: never in e-notation
         (-1500.0, "-25 min"),
         (2.5e-3, "2.5 ms"),
+        (999.6, "16.7 min"),  # rounds to 1,000 s: was "1e+03 s"
+        (0.9996, "1 s"),  # was "1e+03 ms"
+        (9.996e-7, "1 µs"),
     ],
 )
 def test_long_durations_read_in_minutes_hours_and_days(seconds: float, shown: str) -> None:
