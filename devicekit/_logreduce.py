@@ -222,9 +222,12 @@ def _agreed_entries(answers: list[_Answer], terms: list[_Terms], op: str) -> int
             ):
                 return shortest
             _check_agreement(answers, op, flushed_apart=True)  # out of step by a flush
-        if _reordered(layouts):  # not a flush apart: the same steps, in another order
-            _check_agreement(answers, op, reordered=True)
         latest = _apart_from(layouts)
+        # The same steps in another order, unless the ranks' windows agree over two
+        # entries or more from the latest first step on (steps that repeat, such as a
+        # batch index per epoch, may look reordered in windows that flushed apart).
+        if _reordered(layouts) and (latest is None or _window(layouts, latest) < 2):
+            _check_agreement(answers, op, reordered=True)
         if latest is not None:  # flush() on several ranks at different steps: never realigns
             _check_agreement(answers, op, flushed_apart=True, agree_from=latest)
     _check_agreement(answers, op)
@@ -245,6 +248,11 @@ def _reordered(layouts: Sequence[_Layout | None]) -> bool:
         return False
     counted = [Counter(each) for each in steps]
     return all(count == counted[0] for count in counted)
+
+
+def _window(layouts: Sequence[_Layout | None], latest: int) -> int:
+    """How many entries every rank holds from its step ``latest`` on (see `_apart_from`)."""
+    return min(len(layout[0]) - layout[0].index(latest) for layout in layouts if layout is not None)
 
 
 def _apart_from(layouts: Sequence[_Layout | None]) -> int | None:

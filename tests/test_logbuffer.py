@@ -2468,6 +2468,26 @@ def test_steps_logged_in_another_order_are_told_as_such(tmp_path: Path) -> None:
         assert history == [{"step": s, "a": float(10 * rank + s)} for s in steps]  # its own
 
 
+@pytest.mark.parametrize(
+    ("steps", "told"),
+    [
+        ([(1, 2), (2, 1)], "logged the same steps in a different order"),
+        ([(1, 2, 3), (3, 2, 1)], "logged the same steps in a different order"),
+        # A batch index per epoch repeats: windows that flushed apart hold the same steps.
+        ([(2, 3, 0, 1), (3, 0, 1, 2)], "they flushed different steps"),
+    ],
+)
+def test_reordered_steps_are_told_apart_from_windows_flushed_apart(
+    steps: list[tuple[int, ...]], told: str
+) -> None:
+    from devicekit import _logreduce
+
+    answers = [((each, (("loss", None),)), f"steps {each}", True, ()) for each in steps]
+    terms = [("sum", 100, False) for _ in steps]
+    with pytest.raises(dk.RanksDisagreeError, match=told):
+        _logreduce._agreed_entries(answers, terms, "sum")  # type: ignore[arg-type]
+
+
 def _one_rank_reduces_none(rank: int, world: int, port: int, folder: str) -> None:
     """Rank 0's buffer has reduce=None (no job-wide call); rank 1's reduces, timeout 2 s."""
     from torch.distributed.distributed_c10d import _get_default_store
