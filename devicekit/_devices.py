@@ -179,10 +179,14 @@ def resolve_devices(value: object, *, name: str = "devices") -> list[torch.devic
     return [resolve_device(item, name=label) for label, item in _entries(value, name)]
 
 
-def _not_found(diagnosis: str, fix: str) -> DeviceNotFoundError:
-    """``"{diagnosis}. {fix}"``, the diagnosis kept apart for a caller with a fix of its own."""
+def _not_found(diagnosis: str, fix: str, gpu_fix: str | None = None) -> DeviceNotFoundError:
+    """``"{diagnosis}. {fix}"``, its parts kept for a caller that takes GPUs only.
+
+    ``gpu_fix``: the part of ``fix`` that still holds where only GPUs are taken
+    (``"Write 'cuda:0'"``); the rest (``'cpu'``, ``dk.try_gpu()``) may not.
+    """
     error = DeviceNotFoundError(f"{diagnosis}. {fix}")
-    error.diagnosis = diagnosis  # type: ignore[attr-defined]
+    error.diagnosis, error.gpu_fix = diagnosis, gpu_fix  # type: ignore[attr-defined]
     return error
 
 
@@ -204,7 +208,9 @@ def resolve_cuda_devices(value: object, *, name: str, why: str, fix: str) -> lis
             device = resolve_device(item, name=label)
         except DeviceNotFoundError as error:  # its diagnosis, with a fix this call takes
             diagnosis = getattr(error, "diagnosis", None) or str(error)
-            raise DeviceNotFoundError(f"{diagnosis}. {why}: {fix}") from None
+            gpu_fix = getattr(error, "gpu_fix", None)
+            own = f"{gpu_fix}. " if gpu_fix else ""
+            raise DeviceNotFoundError(f"{diagnosis}. {own}{why}: {fix}") from None
         if device.type != "cuda":
             raise ValueError(
                 f"{label}={str(device)!r} is not a CUDA device: {why}. Pass CUDA devices only, "
@@ -402,6 +408,7 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
             f"{name}={short_repr(value)} does not exist: {describe_devices()}",
             f"Use one of those, or {fallback} to fall back to the CPU when there is no such "
             "device.",
+            gpu_fix="Use one of those",
         )
     if kind not in _IN_TREE and _registered(kind):  # an out-of-tree backend: hpu, npu, xla
         return device  # its package owns the device count; torch checks the index on use
@@ -423,6 +430,7 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
             f"ROCm builds too; devices here: {_here()}",
             f"Write {written!r} (this build is {torch.__version__}), or dk.try_gpu() to fall back "
             "to the CPU when there is no GPU.",
+            gpu_fix=f"Write {written!r}",
         )
     if kind in _PACKAGES:  # no torch build has it: a package adds it
         raise _not_found(

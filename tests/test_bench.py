@@ -120,3 +120,13 @@ def test_a_gpu_that_is_not_there_gets_advice_bench_takes(devices: object) -> Non
     assert "pass devices=[] for the CPU only" in message
     assert "try_gpu" not in message
     assert "Pass 'cpu'" not in message
+
+
+def test_a_hip_device_keeps_its_own_fix_with_bench_s() -> None:
+    # The first fix kept only bench's own advice, dropping "Write 'cuda:0'".
+    with pytest.raises(dk.DeviceNotFoundError) as caught:
+        dk.bench(devices="hip:0")
+    message = str(caught.value)
+    assert "torch calls AMD GPUs 'cuda'" in message
+    assert "Write 'cuda:0'. bench() measures CUDA GPUs" in message
+    assert "try_gpu" not in message
