@@ -132,8 +132,14 @@ def _too_few_note(m: Judged) -> str:
         f"noise unknown: only {plural(m.n, 'call')} timed {stopped} (one takes "
         f"{format_seconds(m.median)}{warmed}), and a 95% confidence interval for the "
         f"median needs at least {MIN_CI_SAMPLES}; allow max_time of at least "
-        f"{format_seconds(needed)}{fix}"
+        f"{_as_max_time(needed)}{fix}"
     )
+
+
+def _as_max_time(seconds: float) -> str:
+    """``seconds`` as ``max_time`` takes it: ``"1,500 s (25 min)"``, or ``"5.66 s"``."""
+    shown = format_seconds(seconds)
+    return f"{seconds:,.0f} s ({shown})" if seconds >= 1000 else shown
 
 
 def _stopped_short_note(m: Judged, noise: float) -> str:
@@ -172,7 +178,7 @@ def _stopped_short_note(m: Judged, noise: float) -> str:
     advice = (
         "allow more max_time"
         if timed is None
-        else f"allow max_time of at least {format_seconds(_needed_max_time(m, timed))}"
+        else f"allow max_time of at least {_as_max_time(_needed_max_time(m, timed))}"
     )
     return (
         f"stopped at max_time {short}, with {known}, within {aim}: precise, but from "

@@ -52,10 +52,10 @@ def normalize_devices(devices: object) -> list[int | str]:
         raise TypeError(f"visible_devices() expects {_EXPECTED}; got {got(devices)}")
     elif isinstance(devices, (set, frozenset)):  # no order to keep
         raise TypeError(
-            f"visible_devices() takes the GPUs in order, and got {got(devices)}, whose order "
-            "Python does not keep (it changes from run to run with the hash seed), so cuda:0 "
-            "would be another GPU in each run. Pass a list in the order you want, such as "
-            "sorted(...)"
+            f"visible_devices() takes the GPUs in order, and got {got(devices)}: a set keeps "
+            "no order of yours (the UUIDs' changes from run to run with the hash seed), so "
+            "cuda:0 could be another GPU than the one you meant. Pass a list in the order you "
+            "want, such as sorted(...)"
         )
     elif is_one_index(devices):
         raw = [devices]

@@ -862,7 +862,7 @@ def test_a_set_is_refused_since_it_keeps_no_order(devices: object) -> None:
     # Before, a set was taken in its iteration order, which the hash seed changes:
     # cuda:0 was another GPU from run to run.
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    refused = r"whose order Python does not keep.*sorted\(\.\.\.\)"
+    refused = r"a set keeps no order of yours.*sorted\(\.\.\.\)"
     with pytest.raises(TypeError, match=refused), dk.visible_devices(devices):  # type: ignore[arg-type]
         pass
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
