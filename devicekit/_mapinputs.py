@@ -8,6 +8,7 @@ is named (an item by its index) before a worker process is started for it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,7 +36,8 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
         )
     # Before any worker starts: each would send back an unpicklable coroutine (or
     # generator) that never ran, and warn that it was never awaited.
-    name = getattr(fn, "__name__", "fn")
+    inner = fn.func if isinstance(fn, functools.partial) else fn  # a partial has no name
+    name = getattr(inner, "__name__", "fn")
     refuse_lazy(
         fn,
         call=f"{caller} got fn={name}, and {name}(item)",

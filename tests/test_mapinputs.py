@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing
@@ -72,6 +73,9 @@ def test_an_async_or_generator_fn_is_refused_before_any_worker_starts(
             with pytest.raises(TypeError, match="^" + re.escape(f"GPUPool.map() {said}") + "$"):
                 pool.map(fn, [1])
             assert not pool._workers  # refused before its workers started
+        partial = functools.partial(fn)  # named by what it wraps (it read "fn=fn")
+        with pytest.raises(TypeError, match="^" + re.escape(f"gpu_map() {said}") + "$"):
+            dk.gpu_map(partial, [1], devices=["cpu"])
     assert set(multiprocessing.active_children()) == before
 
 
