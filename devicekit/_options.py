@@ -11,7 +11,6 @@ with the option's name, what was given and the fix.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import numbers
@@ -302,11 +301,6 @@ def float_or_inf(value: numbers.Real) -> float:
         return -math.inf if value < 0 else math.inf
 
 
-def _only_wraps(fn: object) -> bool:
-    """Whether ``fn`` is a lambda or a ``partial``: a call of it is the call it wraps."""
-    return isinstance(fn, functools.partial) or getattr(fn, "__name__", None) == "<lambda>"
-
-
 def refuse_lazy(
     fn: object,
     *,
@@ -346,9 +340,7 @@ def refuse_lazy(
         kind = "a generator"
     elif inspect.iscoroutinefunction(fn):
         kind = "a coroutine"
-    elif (inspect.isgenerator(result) or inspect.isasyncgen(result)) and _only_wraps(fn):
-        # A def may do its work and return a generator; a lambda or partial that
-        # returns one only made it.
+    elif inspect.isgenerator(result) or inspect.isasyncgen(result):
         kind = "a generator"
     elif inspect.iscoroutine(result):
         result.close()  # an unawaited coroutine warns when it is collected; a closed one not

@@ -674,12 +674,6 @@ def test_benchmark_refuses_a_lambda_that_returns_a_coroutine_or_generator() -> N
         with pytest.raises(TypeError, match=r"returns a generator.*lambda: list\(\.\.\.\)$"):
             dk.benchmark(lambda: numbers(), max_time=0.2)  # noqa: PLW0108 - as above
 
-    def works_then_returns_an_iterator() -> Iterator[int]:
-        total = sum(range(100))  # the work, done in the call
-        return (n for n in [total])
-
-    assert dk.benchmark(works_then_returns_an_iterator, max_time=0.2).n >= 1  # a def: timed
-
 
 def test_a_slow_first_call_does_not_shrink_every_batch_to_one_call(
     monkeypatch: pytest.MonkeyPatch,
