@@ -164,9 +164,13 @@ class Deliveries:
         return [sink for sink in self.failed if sink._kept() and any(sink is s for s in sinks)]
 
     def _note_failed(self, sinks: list[Sink], errors: list[tuple[Sink, BaseException]]) -> None:
-        raised = [sink for sink, _ in errors if isinstance(sink, KeepsRecords)]
-        failed = [*self.failed, *(s for s in raised if not any(s is f for f in self.failed))]
-        self.failed = [sink for sink in failed if sink._kept() and any(sink is s for s in sinks)]
+        """Add the sinks that raised and kept records; drop those that wrote them since."""
+        if not errors and not self.failed:
+            return  # every flush comes here: nothing failed, nothing to do
+        for sink, _ in errors:
+            if isinstance(sink, KeepsRecords) and not any(sink is f for f in self.failed):
+                self.failed.append(sink)
+        self.failed = self._owing(sinks)
 
     def kept(self, sinks: list[Sink]) -> int:
         """How many records ``sinks`` kept from failed writes of this buffer's records."""
