@@ -54,7 +54,6 @@ class Benchmark:
             )
         self.description = description
         self.elapsed: float | None = None
-        self._device = device
         self._timer = Timer(device=device, sync=True)
 
     def __enter__(self) -> Benchmark:
@@ -102,7 +101,7 @@ class Benchmark:
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
             # A block per call, as Timer's laps: a recursive call, or calls from two
             # threads at once, are blocks of their own, not a second entry into one.
-            block = Benchmark(self.description, device=self._device)
+            block = Benchmark(self.description, device=self._timer._device)
             try:
                 with block:
                     return fn(*args, **kwargs)
