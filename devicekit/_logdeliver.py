@@ -56,6 +56,13 @@ class Sink(Protocol):
 _Batches = list[Landed]  # a History's: one per flush
 
 
+# How a sink's error says what it kept; the flush at exit, after which no flush
+# comes, says instead what becomes of them (`_logreport.exit_failure`).
+KEPT_FOR_NEXT_FLUSH = (
+    "kept and written first at the next flush (a flush() with nothing new included)"
+)
+
+
 class KeepsRecords:
     """A sink that keeps what a failed write left (`CSVSink`, `TensorBoardSink`), to write it later.
 

@@ -21,7 +21,7 @@ from typing import Any
 from ._callbacks import describe_sink
 from ._errors import add_note
 from ._format import close_match, html_table, plural, shorten
-from ._logdeliver import Record, Sink
+from ._logdeliver import KEPT_FOR_NEXT_FLUSH, Record, Sink
 from ._logflush import LoggedInVmap
 from ._shortrepr import short_repr
 
@@ -297,10 +297,15 @@ def exit_warning(
     )
 
 
+_KEPT_AT_EXIT = "kept, but no flush comes after the one at exit: they end with the process"
+
+
 def exit_failure(error: BaseException) -> str:
     """``why`` for `exit_warning`: the flush at exit raised ``error`` (a sink's, or Ctrl-C)."""
     told = shorten(f"{type(error).__name__}{': ' if str(error) else ''}{error}", 300)
-    return f"its flush at exit raised {told}{_their_notes(error)}"
+    # A sink's note promises the next flush what it kept; at exit none comes.
+    notes = _their_notes(error).replace(KEPT_FOR_NEXT_FLUSH, _KEPT_AT_EXIT)
+    return f"its flush at exit raised {told}{notes}"
 
 
 def left_out_warning(left_out: list[str], *, forked: bool = False) -> str:

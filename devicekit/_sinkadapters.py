@@ -20,7 +20,7 @@ from ._callbacks import new_sink_lock, restore_sink, sink_state
 from ._errors import add_note
 from ._format import shorten
 from ._keywords import suggest_keywords
-from ._logdeliver import KeepsRecords, Record
+from ._logdeliver import KEPT_FOR_NEXT_FLUSH, KeepsRecords, Record
 from ._shortrepr import short_repr
 
 __all__ = ["ProgressBarSink", "TensorBoardSink"]
@@ -141,8 +141,8 @@ class TensorBoardSink(KeepsRecords):
             return f"{raised}; nothing after it was left to write"
         kept_values = "the value after it" if count == 1 else f"the {count} values after it"
         return (
-            f"{raised}; {kept_values} ({steps}) {'is' if count == 1 else 'are'} kept and "
-            "written first at the next flush (a flush() with nothing new included)"
+            f"{raised}; {kept_values} ({steps}) {'is' if count == 1 else 'are'} "
+            f"{KEPT_FOR_NEXT_FLUSH}"
         )
 
 

@@ -37,7 +37,7 @@ from ._csvtext import csv_text, existing, render, utf8
 from ._errors import add_note
 from ._format import plural
 from ._keywords import suggest_keywords
-from ._logdeliver import KeepsRecords, Record
+from ._logdeliver import KEPT_FOR_NEXT_FLUSH, KeepsRecords, Record
 from ._options import check_flag
 
 __all__ = ["CSVSink"]
@@ -328,7 +328,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         """
         kept = (
             f"its {plural(len(rows), 'unwritten record')} {'is' if len(rows) == 1 else 'are'} "
-            "kept and written first at the next flush (a flush() with nothing new included)"
+            f"{KEPT_FOR_NEXT_FLUSH}"
         )
         if type(error).__module__ != "builtins":  # a subclass of unknown signature: as it is
             add_note(error, f"raised by {self!r} writing {str(self._file)!r}; {kept}")

@@ -1648,6 +1648,9 @@ def test_the_flush_at_exit_writes_what_a_sink_kept_or_says_it_could_not(writer: 
         assert not done.stdout
         assert "was left with 1 record its sinks kept from a failed write" in done.stderr
         assert "ConnectionError: writer down" in done.stderr
+        # The sink's own note promised them to the next flush; at exit none comes.
+        assert "next flush" not in done.stderr
+        assert "no flush comes after the one at exit: they end with the process" in done.stderr
 
 
 def test_a_path_that_cannot_be_read_is_its_own_error_not_another_writer(tmp_path: Path) -> None:
