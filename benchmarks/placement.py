@@ -15,7 +15,7 @@ Cases:
   (no GPU needed; a meta copy costs about what a small host-to-device launch
   costs the host);
 - one tensor: ``dk.to_device(t, device)`` against ``t.to(device)``, copied and
-  already there;
+  already there, the device given as a ``torch.device`` and as a string;
 - no copy: every tensor is already on the target (pure traversal cost, where
   devicekit returns each tensor without calling ``.to()``);
 - with a GPU, real host-to-device copies from pageable and from pinned memory.
@@ -129,6 +129,18 @@ def bare_walk(device: torch.device) -> Move:
     return walk
 
 
+def by_hand(tensor: torch.Tensor, device: Any, *, non_blocking: bool) -> Callable[[], Any]:
+    """``tensor.to(device)``, as a call of no arguments (the device a closure cell)."""
+    if non_blocking:
+        return lambda: tensor.to(device, non_blocking=True)
+    return lambda: tensor.to(device)
+
+
+def by_devicekit(tensor: torch.Tensor, device: Any) -> Callable[[], Any]:
+    """``dk.to_device(tensor, device)``, wrapped as `by_hand` wraps its call."""
+    return lambda: dk.to_device(tensor, device)
+
+
 def peers(device: torch.device) -> dict[str, Move]:
     found: dict[str, Move] = {"dk.to_device": lambda b: dk.to_device(b, device)}
     try:
@@ -231,26 +243,32 @@ def main() -> None:
     for size in args.sizes:
         batch_case("real copies (cpu to meta)", make_batch(size), meta, 1.15, args)
     tensor = torch.randn(16)
-    single = {
-        "t.to(meta)": lambda: tensor.to(meta, non_blocking=True),
-        "dk.to_device(t, meta)": lambda: dk.to_device(tensor, meta),
-    }
-    report(
-        "one tensor, copied",
-        measure(single, rounds=args.rounds * 3, calls=200, sync=lambda: None),
-        1.5,
-        ours="dk.to_device(t, meta)",
-    )
-    there = {
-        "t.to(cpu)": lambda: tensor.to(cpu),
-        "dk.to_device(t, cpu)": lambda: dk.to_device(tensor, cpu),
-    }
-    report(
-        "one tensor, already there",
-        measure(there, rounds=args.rounds * 3, calls=200, sync=lambda: None),
-        1.5,
-        ours="dk.to_device(t, cpu)",
-    )
+    # The device as a torch.device, and as the string most scripts write ("cuda" every step).
+    for there_arg, copy_arg in ((cpu, meta), ("cpu", "meta")):
+        given = "a string" if isinstance(copy_arg, str) else "a torch.device"
+        to, there_to = repr(copy_arg), repr(there_arg)
+        if not isinstance(copy_arg, str):
+            to, there_to = str(copy_arg), str(there_arg)  # meta, not device(type='meta')
+        single = {
+            f"t.to({to})": by_hand(tensor, copy_arg, non_blocking=True),
+            f"dk.to_device(t, {to})": by_devicekit(tensor, copy_arg),
+        }
+        report(
+            f"one tensor, copied; the device given as {given}",
+            measure(single, rounds=args.rounds * 3, calls=200, sync=lambda: None),
+            1.5,
+            ours=f"dk.to_device(t, {to})",
+        )
+        there = {
+            f"t.to({there_to})": by_hand(tensor, there_arg, non_blocking=False),
+            f"dk.to_device(t, {there_to})": by_devicekit(tensor, there_arg),
+        }
+        report(
+            f"one tensor, already there; the device given as {given}",
+            measure(there, rounds=args.rounds * 3, calls=200, sync=lambda: None),
+            1.5,
+            ours=f"dk.to_device(t, {there_to})",
+        )
     for size in args.sizes:
         batch_case("no copy (cpu to cpu)", make_batch(size), cpu, None, args)
     if gpu:

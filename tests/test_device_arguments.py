@@ -538,3 +538,36 @@ def test_a_numpy_array_of_several_is_no_single_device(fake_accelerator: FakeAcce
         resolve_device(np.arange(2))
     with pytest.raises(TypeError, match=r"^device must be .*, got the NumPy bool np\.True_$"):
         resolve_device(np.True_)
+
+
+def test_a_string_read_before_is_checked_against_the_machine_at_each_call(
+    fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Strings are kept once parsed (to_device(batch, "cuda") runs every step); what
+    # exists, and which GPU "cuda" means, is still read at each call.
+    from devicekit import _devices
+
+    fake_accelerator("cuda", 2)
+    assert _devices.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert "cuda:1" in _devices._strings_read
+    fake_accelerator("cuda", 1)  # a visible_devices scope of one GPU
+    with pytest.raises(dk.DeviceNotFoundError, match=r"device='cuda:1' does not exist"):
+        _devices.resolve_device("cuda:1")
+    fake_accelerator("cuda", 2)
+    assert _devices.resolve_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setattr(_devices, "default_cuda_device", lambda: torch.device("cuda", 1))
+    assert _devices.resolve_device("cuda") == torch.device("cuda", 1)  # torch.cuda.set_device(1)
+
+
+def test_cpu_and_meta_strings_read_once_are_the_one_device_and_bad_ones_are_not_kept() -> None:
+    from devicekit import _devices
+
+    for _ in range(2):
+        assert _devices.resolve_device("cpu:0") is _devices.resolve_device(torch.device("cpu"))
+        assert _devices.resolve_device("meta") is _devices.resolve_device(torch.device("meta"))
+        with pytest.raises(ValueError, match="write 'cpu'"):
+            _devices.resolve_device(" CPU")
+    assert " CPU" not in _devices._strings_read
+    for index in range(200):  # a program that builds a new string each time
+        assert _devices.resolve_device(f"cpu:{index}") == torch.device("cpu")
+    assert len(_devices._strings_read) <= _devices._STRINGS_KEPT
