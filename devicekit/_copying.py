@@ -63,7 +63,7 @@ def unshare(result: Any, obj: Any) -> None:
     Called once the attributes are moved: a moved one is the copy's own already.
     """
     mine, theirs = getattr(result, "__dict__", None), getattr(obj, "__dict__", None)
-    if mine and theirs:
+    if mine and theirs and mine is not result:  # a dict that is its own __dict__: items
         for name, value in mine.items():
             if value is theirs.get(name) and _mutable(value):
                 mine[name] = copy.copy(value)
@@ -115,7 +115,9 @@ def _copies_its_own_way(cls: type) -> bool:
 def copy_state(source: Any, target: Any) -> None:
     """``source``'s attributes onto ``target``: its ``__dict__`` and its slots."""
     state = getattr(source, "__dict__", None)
-    if state is not None:
+    if state is source:  # the attribute-dict idiom, self.__dict__ = self: so is the copy
+        object.__setattr__(target, "__dict__", target)
+    elif state is not None:
         object.__getattribute__(target, "__dict__").update(state)
     for name in slot_names(type(source)):
         if hasattr(source, name):

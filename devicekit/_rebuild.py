@@ -107,6 +107,8 @@ def _move_held(walk: Walk, result: Any, obj: Any) -> None:
     if layout is None:
         return
     state = getattr(result, "__dict__", None)
+    if state is result:  # self.__dict__ = self: its attributes are its items, moved as such
+        return
     # Most subclasses' instances hold nothing but their items (a UserDict only its data):
     # saying so here costs a tenth of a microsecond, the full look ten times that.
     if layout.slots or (state and not state.keys() <= layout.fields.keys()):
@@ -193,10 +195,10 @@ def _set_items(
     """Set each moved value with the copy's own ``__setitem__``, or say why it refused.
 
     A refusal is the class's own rule (a class that keeps its tensors on the
-    CPU), raised with a note, unless the class is read-only: a ``dict``
-    subclass that refuses the first value *and* the value its copy already
-    holds there (torch.fx's ``immutable_dict``, Werkzeug's ``ImmutableDict``,
-    confection's ``SimpleFrozenDict``). Its copy's storage is written
+    CPU), raised with a note, unless the class is read-only: a ``dict`` or
+    ``list`` subclass that refuses the first value *and* the value its copy
+    already holds there (torch.fx's ``immutable_dict`` and ``immutable_list``,
+    Werkzeug's ``ImmutableDict``, confection's ``SimpleFrozenDict``). Its copy's storage is written
     directly, as its own code fills it. The exception's type cannot tell the
     two apart: read-only classes raise ``TypeError``, ``NotImplementedError``,
     a bare ``Exception`` or their own, and a validating class may raise a
@@ -209,12 +211,14 @@ def _set_items(
             raise  # not a refusal: the walk is too deep, and to_device says so
         except Exception as error:
             takes_others = index > 0  # it took the values before this one
-            if index == 0 and isinstance(result, dict):
+            if index == 0 and isinstance(result, (dict, list)):
                 if _refuses(result, key, originals[key]):
-                    base = (
+                    base: Any = (
                         OrderedDict.__setitem__
                         if isinstance(result, OrderedDict)
                         else dict.__setitem__
+                        if isinstance(result, dict)
+                        else list.__setitem__
                     )
                     for moved_key, moved in changed:
                         base(result, moved_key, moved)
@@ -224,7 +228,7 @@ def _set_items(
             raise
 
 
-def _refuses(result: dict[Any, Any], key: Any, held: Any) -> bool:
+def _refuses(result: dict[Any, Any] | list[Any], key: Any, held: Any) -> bool:
     """Whether ``result[key] = held``, the value it holds there already, is refused too."""
     try:
         result[key] = held
@@ -293,11 +297,23 @@ def _reads_back(obj: Any, key: Any, value: Any) -> bool:
 
 
 def rebuild_list_subclass(walk: Walk, obj: list[Any]) -> list[Any]:
-    moved = [walk.move(item) for item in _kept(walk, obj)]
+    """A list subclass of the same type, each item that moved set by index, as a mapping's is.
+
+    With its own ``__setitem__``, index by index: a slice assignment handed it a
+    list (refused by a class that checks each item), and skipped a check written
+    for indices. A read-only one (its first write refused, and the item it holds
+    there too) is filled through ``list``'s own, as a read-only dict is.
+    """
+    items = _kept(walk, obj)
+    moved = [walk.move(item) for item in items]
     result: list[Any] = own_copy(obj)
     _move_held(walk, result, obj)
     unshare(result, obj)
-    result[:] = moved
+    if list.__len__(result) != len(items):  # a copy made its own way, without the items
+        list.__setitem__(result, slice(None), items)
+    originals = dict(enumerate(items))
+    changed = [(index, new) for index, new in enumerate(moved) if new is not originals[index]]
+    _write_moved(obj, result, changed, originals)
     forget_cached_properties(result)
     return result
 

@@ -9,7 +9,7 @@ import gc
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -801,3 +801,88 @@ def test_a_pydantic_model_copied_without_its_own_copy_keeps_its_private_values_a
     assert model.__pydantic_private__ is private
     assert isinstance(model._cache, torch.Tensor)
     assert model._cache.device.type == "cpu"
+
+
+class SelfDict(dict[str, Any]):
+    """The attribute-dict recipe: the instance is its own ``__dict__``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__ = self
+
+
+def test_a_dict_that_is_its_own_dict_comes_back_its_own_dict() -> None:
+    # Before, the copy's __dict__ was a second dict: r.mask = t wrote no item, and
+    # r["z"] = 3 no attribute, silently, even where nothing moved.
+    for target in (META, torch.device("cpu")):
+        batch = SelfDict(x=torch.ones(2), y=1)
+        moved = dk.to_device(batch, target)
+        assert type(moved) is SelfDict
+        assert moved.__dict__ is moved
+        assert moved.x is moved["x"]
+        assert moved.x.device == target
+        moved.mask = torch.ones(1)
+        assert "mask" in moved
+        assert "mask" not in batch
+        assert batch.__dict__ is batch
+        assert batch["x"].device.type == "cpu"
+
+
+class TensorList(list[Any]):
+    """Checks each item it is given, as a list that checks shapes does."""
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"TensorList holds tensors only, got {type(value).__name__}")
+        super().__setitem__(index, value)
+
+
+class FrozenList(list[Any]):
+    def _read_only(self, *args: Any) -> None:
+        raise TypeError("FrozenList is read-only")
+
+    __setitem__ = __delitem__ = append = extend = insert = _read_only  # type: ignore[assignment]
+
+
+class IndexChecked(list[Any]):
+    """Checks an item set by index, and says so: a slice assignment skipped its check."""
+
+    checked: ClassVar[list[int]] = []
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, int):
+            IndexChecked.checked.append(index)
+        super().__setitem__(index, value)
+
+
+def test_a_list_subclass_gets_each_moved_item_by_index_with_its_own_setitem() -> None:
+    # Before, `result[:] = moved` handed __setitem__ a list: refused by TensorList,
+    # a read-only list's raw error with no note, and an index check never run.
+    tensors = [torch.ones(2), torch.ones(3)]
+    moved = dk.to_device(TensorList(tensors), META)
+    assert type(moved) is TensorList
+    assert [t.is_meta for t in moved] == [True, True]
+    frozen = FrozenList(tensors)
+    moved_frozen = dk.to_device(frozen, META)
+    assert type(moved_frozen) is FrozenList
+    assert [t.is_meta for t in moved_frozen] == [True, True]
+    assert [t.device.type for t in frozen] == ["cpu", "cpu"]
+    IndexChecked.checked = []
+    moved_checked = dk.to_device(IndexChecked([torch.ones(1), "label", torch.ones(1)]), META)
+    assert IndexChecked.checked == [0, 2]  # the items that moved, each by its index
+    assert moved_checked[1] == "label"
+
+
+def test_a_list_subclass_that_refuses_a_moved_item_says_which_and_keeps_the_input() -> None:
+    class ShapeChecked(list[Any]):
+        def __setitem__(self, index: Any, value: Any) -> None:
+            if value.shape != (2,):
+                raise ValueError(f"item {index} must have shape (2,)")
+            super().__setitem__(index, value)
+
+    given = ShapeChecked([torch.ones(2)])
+    list.append(given, torch.ones(3))  # past its check, as a loader may build it
+    with pytest.raises(ValueError, match=r"item 1 must have shape") as caught:
+        dk.to_device(given, META)
+    assert "__setitem__, which refused item 1" in caught.value.__notes__[0]
+    assert [t.device.type for t in given] == ["cpu", "cpu"]
