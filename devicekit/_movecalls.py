@@ -2,13 +2,16 @@
 
 An object with its own ``.to()`` (a Hugging Face ``BatchEncoding``, a
 ``PackedSequence``) is moved by it, and so is a module, by ``Module.to`` or its
-class's override. Two things make that more than a call:
+class's override. Three things make that more than a call:
 
 - What ``.to()`` returns. One that moves in place and forgets ``return self``
   returns None: the walk keeps the object, and `to_device` warns once per
   class (`returned`). One that moves a mapping's top-level values only (a
   ``BatchEncoding``'s ``.to()``) may leave a tensor in a nested value:
   `to_device` looks, as it looks inside objects it cannot move.
+- A ``.to()`` that calls ``to_device`` on its object (``return
+  dk.to_device(self, device)``): the walk it starts finds that object's
+  ``.to()`` running (`calling_to`) and moves the object as what it is.
 - A module's tensors met elsewhere in the batch (``{"w": model.weight, "m":
   model}``). A tensor reached twice is moved once, whatever the order: the
   batch's reference must come back as the module's own moved tensor, not as a
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from itertools import islice
@@ -51,11 +55,13 @@ __all__ = [
     "ModuleFirst",
     "array_stray",
     "call_to",
+    "calling_to",
     "has_to_method",
     "held_view",
     "keep_shared",
     "returned",
     "takes_non_blocking",
+    "while_calling_to",
 ]
 
 # Why a tensor stayed where it was, for to_device's warning: in an object returned as it
@@ -176,12 +182,38 @@ def keep_shared(mover: _Mover, module: torch.nn.Module, move: Callable[[_Mover, 
 _STORAGES = (torch.UntypedStorage, torch.TypedStorage)
 
 
+# Per thread: the objects whose own .to() to_device is calling. A .to() written as
+# `return dk.to_device(self, device)` reaches to_device with the object again, which
+# then moves it as what it is (a dataclass, a mapping, its attributes), not by
+# calling that .to() once more, for ever.
+_calling = threading.local()
+
+
+def calling_to(obj: Any) -> bool:
+    """Whether ``obj``'s own ``.to()`` is running, called by `to_device` on this thread."""
+    ids: set[int] | None = getattr(_calling, "ids", None)
+    return ids is not None and id(obj) in ids
+
+
+def while_calling_to(obj: Any, call: Callable[[], Any]) -> Any:
+    """``call()``, with ``obj`` marked as one whose own ``.to()`` is running."""
+    ids: set[int] | None = getattr(_calling, "ids", None)
+    if ids is None:
+        ids = _calling.ids = set()
+    ids.add(id(obj))
+    try:
+        return call()
+    finally:
+        ids.discard(id(obj))
+
+
 def call_to(mover: _Mover, obj: Any) -> Any:
     """``obj.to(device)``: an object's own ``.to()``, with a note where it raises."""
     # A storage's .to() takes the device by keyword only (.to(device) raised TypeError).
     storage = isinstance(obj, _STORAGES)
+    device = mover.device
     try:
-        moved = obj.to(device=mover.device) if storage else obj.to(mover.device)
+        moved = obj.to(device=device) if storage else while_calling_to(obj, lambda: obj.to(device))
     except RecursionError:
         raise  # the walk is too deep: to_device says so
     except Exception as error:

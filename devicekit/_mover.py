@@ -33,11 +33,13 @@ from ._movecalls import (
     ModuleFirst,
     array_stray,
     call_to,
+    calling_to,
     has_to_method,
     held_view,
     keep_shared,
     returned,
     takes_non_blocking,
+    while_calling_to,
 )
 from ._rebuild import (
     rebuild_list_subclass,
@@ -48,7 +50,7 @@ from ._rebuild import (
 )
 from ._records import rebuild_dataclass, rebuild_record
 from ._refcounts import ONCE_IN_DICT, ONCE_IN_LIST
-from ._tree import is_dataclass_instance, is_record
+from ._tree import is_dataclass_instance, is_record, slot_names
 
 __all__ = ["Cycle", "ModuleFirst", "borrow"]  # what to_device uses: private, not devicekit's API
 
@@ -149,7 +151,9 @@ class _Mover:
             return obj  # a class, even one with a .to attribute (nn.Linear.to)
         if isinstance(obj, torch.nn.Module):
             return self.container(obj, _call_module)  # once, however often reached
-        if _has_to_method(type(obj)):
+        # An object whose own .to() is what called to_device on it is moved as what it is.
+        own_to = _has_to_method(type(obj)) and calling_to(obj)
+        if _has_to_method(type(obj)) and not own_to:
             return self.container(obj, call_to)
         if isinstance(obj, Mapping):
             return self.container(obj, rebuild_mapping)
@@ -167,6 +171,8 @@ class _Mover:
             return self.container(obj, rebuild_record)
         if isinstance(obj, MappingView):
             return held_view(self, obj)
+        if own_to and (hasattr(obj, "__dict__") or next(slot_names(type(obj)), None)):
+            return self.container(obj, rebuild_record)  # every attribute moved, on a copy
         # A generator, map(): moving its items would run it and use it up.
         return self.unchanged(obj, LAZY if isinstance(obj, Iterator) else UNCHANGED)
 
@@ -420,7 +426,7 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
 
 
 def _call_module(mover: _Mover, module: torch.nn.Module) -> Any:
-    move = _module_move(module)
+    move = _module_move(module) if not calling_to(module) else _call_base_module_to
     if len(mover.memo) <= 1 and mover.shared is None:
         return move(mover, module)  # the module is the whole obj: no other reference to share
     return keep_shared(mover, module, move)
@@ -433,10 +439,20 @@ def _module_move(module: torch.nn.Module) -> Callable[[_Mover, Any], Any]:
 
 
 def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
+    return _module_to(mover, module, type(module).to)
+
+
+def _call_base_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
+    """``Module.to`` itself, for a module whose own ``.to()`` called to_device on it."""
+    return _module_to(mover, module, torch.nn.Module.to)
+
+
+def _module_to(mover: _Mover, module: torch.nn.Module, to: Callable[..., Any]) -> Any:
     if mover.unsynced is not None:
         mover.unsynced.update(t.device for t in module.parameters())
         mover.unsynced.update(t.device for t in module.buffers())
-    moved = module.to(mover.device, non_blocking=mover.non_blocking)
+    device, non_blocking = mover.device, mover.non_blocking
+    moved = while_calling_to(module, lambda: to(module, device, non_blocking=non_blocking))
     if module_looks_left(module) > 0:  # to_device looks at its attributes
         mover.modules = [*(mover.modules or ()), module]
     return returned(mover, module, moved)

@@ -223,7 +223,9 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
       private attributes too) are copied the same way.
     - Objects with their own ``.to(device)`` method are moved by it, modules
       whose class overrides ``.to`` too; one whose ``.to()`` returns None is
-      kept (it moved itself), with a warning once per class.
+      kept (it moved itself), with a warning once per class. A ``.to()``
+      that returns ``to_device(self, device)`` works: the object is then
+      moved as what it is (a dataclass, a mapping, each attribute of a copy).
     - Other modules are moved in place, as ``Module.to`` does (TorchScript
       modules, ``torch.fx`` graph modules and ``torch.compile``'s too). A tensor
       kept as a plain attribute (not a buffer), which ``Module.to`` leaves

@@ -1,0 +1,145 @@
+"""An object's own ``.to()`` that calls ``to_device`` on the object itself: no recursion.
+
+devicekit's advice for a class it cannot move is "give it a .to(device)", and the
+shortest such method is ``return dk.to_device(self, device)``. Before, that
+recursed until Python's limit, and the error said to raise the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+
+META = torch.device("meta")
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    label: str = "train"
+    calls: int = 0
+
+    def to(self, device: Any) -> Batch:
+        self.calls += 1
+        return dk.to_device(self, device)
+
+
+class Plain:
+    def __init__(self) -> None:
+        self.x = torch.ones(1)
+        self.count = 3
+
+    def to(self, device: Any) -> Plain:
+        return dk.to_device(self, device)
+
+
+class Slotted:
+    __slots__ = ("x",)
+
+    def __init__(self) -> None:
+        self.x = torch.ones(1)
+
+    def to(self, device: Any) -> Slotted:
+        return dk.to_device(self, device)
+
+
+class Items(dict[str, Any]):
+    def to(self, device: Any) -> Items:
+        return dk.to_device(self, device)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def to(self, *args: Any, **kwargs: Any) -> Net:  # type: ignore[override]
+        return dk.to_device(self, args[0] if args else kwargs["device"])
+
+
+def test_a_to_that_calls_to_device_on_itself_moves_the_object_as_what_it_is() -> None:
+    batch = Batch(torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing "left behind", nothing "returned as it is"
+        moved = dk.to_device(batch, META)
+        direct = batch.to(META)
+        plain = dk.to_device(Plain(), META)
+        slotted = dk.to_device(Slotted(), META)
+        items = dk.to_device(Items(x=torch.ones(1)), META)
+    for result in (moved, direct):
+        assert type(result) is Batch
+        assert result.x.is_meta
+        assert result.label == "train"
+    assert batch.x.device.type == "cpu"  # a copy: the input is as it was
+    # Its .to() ran once for to_device(batch), and twice for batch.to(): the user's call,
+    # then to_device's, which found it running and moved the batch as a dataclass.
+    assert batch.calls == 3
+    assert type(plain) is Plain
+    assert plain.x.is_meta
+    assert plain.count == 3
+    assert slotted.x.is_meta
+    assert type(items) is Items
+    assert items["x"].is_meta
+
+
+def test_one_such_object_reached_twice_is_moved_once() -> None:
+    batch = Batch(torch.ones(2))
+    moved = dk.to_device({"batch": batch, "again": [batch]}, META)
+    assert moved["batch"] is moved["again"][0]
+    assert batch.calls == 1
+
+
+def test_a_module_whose_to_calls_to_device_on_itself_is_moved_in_place() -> None:
+    for move in (lambda net: dk.to_device(net, META), lambda net: net.to(META)):
+        net = Net()
+        assert move(net) is net
+        assert net.layer.weight.is_meta
+
+
+def test_another_thread_calling_the_same_object_s_to_is_not_confused() -> None:
+    # Which objects' .to() is running is kept per thread: while one thread is inside
+    # the object's .to(), another thread's to_device calls that .to() as usual.
+    inside, release = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    @dataclasses.dataclass
+    class Slow:
+        x: torch.Tensor
+
+        def to(self, device: Any) -> Slow:
+            seen.append(threading.current_thread().name)
+            if threading.current_thread().name == "first":
+                inside.set()
+                release.wait(10)
+            return dk.to_device(self, device)
+
+    slow = Slow(torch.ones(1))
+    results: list[Any] = []
+    first = threading.Thread(target=lambda: results.append(dk.to_device(slow, META)), name="first")
+    first.start()
+    assert inside.wait(10)
+    results.append(dk.to_device(slow, META))  # this thread, while "first" is inside .to()
+    release.set()
+    first.join(10)
+    assert seen == ["first", threading.current_thread().name]
+    assert [result.x.is_meta for result in results] == [True, True]
+
+
+def test_a_to_that_raises_is_unmarked_after() -> None:
+    from devicekit import _movecalls
+
+    class Fails:
+        def to(self, device: Any) -> Fails:
+            raise RuntimeError("no")
+
+    fails = Fails()
+    with pytest.raises(RuntimeError, match="no"):
+        dk.to_device(fails, META)
+    assert not _movecalls.calling_to(fails)
