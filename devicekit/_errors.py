@@ -96,7 +96,15 @@ class RanksDisagreeError(DevicekitError, ValueError):
     Values are matched by key name and step, so such a flush cannot be combined; every
     rank raises this, with what each rank logged, and records its own values
     of that flush unreduced (none is lost; later flushes combine again).
+
+    Attributes:
+        ended_ranks: The other ranks whose ``with`` block ended in this flush
+            (their last): they flush no more, so this rank's later flushes of
+            the buffer record its own values, unreduced, rather than wait for
+            them until the timeout.
     """
+
+    ended_ranks: tuple[int, ...] = ()
 
 
 class RanksOutOfStepError(DevicekitError, RuntimeError):

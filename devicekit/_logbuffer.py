@@ -26,6 +26,7 @@ from ._callbacks import describe_sink
 from ._dist import DEFAULT_TIMEOUT, initialized, validated_timeout
 from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
+from ._logagree import FlushKind
 from ._logdeliver import Deliveries, Record, Sink
 from ._logexit import Scoped, track
 from ._logflight import Flushes
@@ -307,7 +308,13 @@ class LogBuffer(Flushes, Scoped):
         """``log()``'s flush: as ``flush(wait=False)``, and it may realign the ranks (`_start`)."""
         if self._sinks_left_out is not None:
             self._tell_sinks_left_out()
-        self._flush(wait=False, reduce=True, automatic=True)
+        self._flush(wait=False, reduce=True, kind="automatic")
+
+    def _flush_final(self) -> None:
+        """The end of the ``with`` block's flush: as ``flush()``, and the last of this rank."""
+        if self._sinks_left_out is not None:
+            self._tell_sinks_left_out()
+        self._flush(wait=True, reduce=True, kind="final")
 
     def _tell_sinks_left_out(self) -> None:
         """Once, at a copy's first flush: where its records would have gone, and do not."""
@@ -474,7 +481,7 @@ mean 'loss'?"
         behind = deliver and self._deliveries.behind(self._history.batches)
         return bool(self._pending or self._in_flight or behind)
 
-    def _start(self, batch: list[Entry], *, reduce: bool, automatic: bool = False) -> InFlight:
+    def _start(self, batch: list[Entry], *, reduce: bool, kind: FlushKind = "flush") -> InFlight:
         steps: Sequence[Any]
         # In C; not strict: each entry is a 3-tuple (log(), __setstate__), 7 ns an entry less.
         steps, rows, reads = zip(*batch, strict=False) if batch else ((), (), ())
@@ -490,7 +497,7 @@ mean 'loss'?"
                 self.reduce,
                 timeout=self.timeout,
                 flush_every=self.flush_every,
-                automatic=automatic,
+                kind=kind,
             )
         # count() meets only the int itself when all are host tensors: 3x faster than max().
         host = reads.count(HOST_TENSORS) == len(reads)

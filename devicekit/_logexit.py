@@ -73,6 +73,7 @@ class Block(Protocol):
     @property
     def sinks(self) -> list[Sink]: ...
     def flush(self, *, wait: bool = ...) -> list[Record]: ...
+    def _flush_final(self) -> None: ...  # flush(), as the last flush of this rank's block
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Landed]: ...
     def _pending_count(self) -> int: ...
     def _unsent(self) -> int: ...  # records some sink has not had yet
@@ -90,7 +91,10 @@ class Scoped:
     sinks): a coroutine that logs needs no other form.
     """
 
+    _ranks_ended: tuple[int, ...]  # see _logflight.Flushes
+
     def __enter__(self) -> Self:
+        self._ranks_ended = ()  # every rank enters again: they flush together again
         return self
 
     def __exit__(
@@ -102,7 +106,7 @@ class Scoped:
         leave(cast("Block", self), exc)  # a failing flush never replaces `exc`
 
     async def __aenter__(self) -> Self:
-        return self
+        return self.__enter__()
 
     async def __aexit__(
         self,
@@ -121,7 +125,7 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
     if exc is None:
         try:
             if collective:
-                buffer.flush()
+                buffer._flush_final()
             else:
                 buffer._flush(wait=True, reduce=False)
         except BaseException as error:

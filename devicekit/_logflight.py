@@ -21,6 +21,7 @@ from ._dist import initialized, launched_world, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
+from ._logagree import FlushKind
 from ._logdeliver import Deliveries, Record, Sink
 from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
@@ -81,6 +82,11 @@ class Flushes:
     # A flush combined values across ranks: at exit without the group, one would not.
     _reduced_across_ranks = False
     _told_no_group = False  # a flush warned that it recorded one rank's values unreduced
+    # Other ranks whose with block ended in a flush this rank joined with another kind
+    # (its flush() met their last): they flush no more, so this rank's flushes are local
+    # until the buffer's next with block. Told once where values are recorded so.
+    _ranks_ended: tuple[int, ...] = ()
+    _told_ranks_ended = False
 
     @property
     def sinks(self) -> list[Sink]:
@@ -191,8 +197,38 @@ class Flushes:
     def _flush_automatic(self) -> None:
         raise NotImplementedError  # LogBuffer's
 
-    def _start(self, batch: list[Entry], *, reduce: bool, automatic: bool = False) -> InFlight:
+    def _start(self, batch: list[Entry], *, reduce: bool, kind: FlushKind = "flush") -> InFlight:
         raise NotImplementedError  # LogBuffer's
+
+    def _reducing(self, *, reduce: bool, values: bool) -> bool:
+        """Whether this flush combines across ranks; tells, once, why one that should does not.
+
+        ``values``: it has values to record (told of only then).
+        """
+        reducing = reduce and self.reduce is not None and initialized()
+        if reducing and self._ranks_ended:  # no rank left to meet: local
+            if values:
+                self._tell_ranks_ended()
+            return False
+        if reduce and self.reduce is not None and not reducing:
+            self._tell_no_group()  # once: nothing is reduced without a group
+        return reducing
+
+    def _tell_ranks_ended(self) -> None:
+        """Warn, once, that values were recorded unreduced: the other ranks' blocks ended."""
+        if self._told_ranks_ended:
+            return
+        self._told_ranks_ended = True
+        ended = ", ".join(map(str, self._ranks_ended))
+        warnings.warn(
+            f"LogBuffer(reduce={self.reduce!r}): rank(s) {ended} ended their with block in a "
+            "flush this rank joined with a flush() of its own (flush() on this rank only), "
+            "so they flush no more: this rank's values since are recorded unreduced, its "
+            "own, rather than wait for them until the timeout. Call flush() on every rank "
+            "together, or let the end of the with block flush.",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
     def _pending_count(self) -> int:
         """Values logged and not yet on the host: pending, or in flight."""
@@ -228,9 +264,12 @@ class Flushes:
                 lock.release()
 
     def _flush(
-        self, *, wait: bool, reduce: bool, deliver: bool = True, automatic: bool = False
+        self, *, wait: bool, reduce: bool, deliver: bool = True, kind: FlushKind = "flush"
     ) -> list[Landed]:
-        """Flush; ``automatic``: ``log()``'s, which may leave values pending to realign ranks."""
+        """Flush; ``kind``: ``log()``'s, a ``flush()`` call's, or the with block's last.
+
+        ``log()``'s may leave values pending, to realign ranks (see `start_reduced`).
+        """
         with self._lock:
             # Leaving a block on an exception: no flush joins a collective, not even one
             # a sink starts (the other ranks may never reach it).
@@ -247,13 +286,11 @@ class Flushes:
                 # A reducing flush is a collective: a rank with nothing to send still
                 # joins, so that a rank with values hears at once that the ranks
                 # disagree, instead of waiting for it until the timeout.
-                reducing = reduce and self.reduce is not None and initialized()
-                if reduce and self.reduce is not None and not reducing:
-                    self._tell_no_group()  # once: nothing is reduced without a group
+                reducing = self._reducing(reduce=reduce, values=bool(batch))
                 if batch or reducing:
                     # Nothing changes until the flight is set: a failure (or Ctrl-C)
                     # before leaves the values pending; after, they are in flight.
-                    values, failure = self._begin(batch, reducing=reducing, automatic=automatic)
+                    values, failure = self._begin(batch, reducing=reducing, kind=kind)
                     if values.taken is not None:  # the ranks realigned: the rest stays pending
                         count = values.taken
                     first = batch[0] if batch else None
@@ -285,7 +322,7 @@ class Flushes:
             raise flush_error(failure, errors, pending=self._pending_count())
 
     def _begin(
-        self, batch: list[Entry], *, reducing: bool, automatic: bool = False
+        self, batch: list[Entry], *, reducing: bool, kind: FlushKind = "flush"
     ) -> tuple[InFlight, BaseException | None]:
         """Start the flight of ``batch``; what to raise once its records are in history.
 
@@ -302,9 +339,11 @@ class Flushes:
         if failure is None:
             self._told_broken = False  # the job works (again: it may have been made again)
             try:
-                values = self._start(batch, reduce=True, automatic=automatic)
+                values = self._start(batch, reduce=True, kind=kind)
             except RanksDisagreeError as error:  # the same verdict on every rank
                 failure = error
+                if error.ended_ranks:  # it says so: this rank's later flushes are local
+                    self._ranks_ended, self._told_ranks_ended = error.ended_ranks, True
             except RanksOutOfStepError as error:
                 missing_rank_note(error, self.reduce)  # reduce=None on a rank looks the same
                 if broken_job(self.reduce) is None:  # the ranks met from different calls
@@ -313,6 +352,7 @@ class Flushes:
             else:
                 if not self._reduced_across_ranks and world_size() > 1:
                     self._reduced_across_ranks = True  # see _logexit._reduce_refused
+                self._ranks_ended = values.ended_ranks or self._ranks_ended
                 return values, None
         values = self._start(batch, reduce=False) if batch else InFlight((), [])
         if not isinstance(failure, RanksOutOfStepError):

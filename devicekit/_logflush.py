@@ -71,6 +71,8 @@ class InFlight:
     # How many of the flush's pending entries it holds, from the front; None: all. The
     # others stay pending (an automatic flush that met a shorter one: see start_reduced).
     taken: int | None = None
+    # The other ranks whose block ended in this flush: they flush no more (see start_reduced).
+    ended_ranks: tuple[int, ...] = ()
 
 
 class Landed(NamedTuple):

@@ -14,7 +14,6 @@ values instead.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,10 +21,10 @@ import torch
 
 from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
 from ._errors import RanksDisagreeError, RanksOutOfStepError
-from ._format import plural, shorten
+from ._format import plural
 from ._jobstate import Job, refuse_if_broken, this_job
+from ._logagree import Answer, FlushKind, Layout, Terms, agreed_entries
 from ._logflush import Column, InFlight, copy_to_host, read_each
-from ._logreport import made_differently
 
 __all__ = ["broken_job", "start_reduced"]
 
@@ -61,14 +60,15 @@ def start_reduced(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     flush_every: int | None = None,
-    automatic: bool = False,
+    kind: FlushKind = "flush",
 ) -> InFlight:
     """Combine every rank's values, matched by key name, in one collective.
 
     First every rank says what it logged (which keys, at which steps) and how
-    it reduces (``op``, ``flush_every``, whether this flush is ``log()``'s
-    ``automatic`` one) through devicekit's own gloo group: CPU bytes, so even
-    with NCCL nothing waits for the GPU, and a rank that never arrives ends in
+    it reduces (``op``, ``flush_every``, and which ``kind`` of flush this is:
+    ``log()``'s automatic one, a ``flush()`` call, or the block's final one)
+    through devicekit's own gloo group: CPU bytes, so even with NCCL nothing
+    waits for the GPU, and a rank that never arrives ends in
     ``RanksOutOfStepError``, not a hang. Only when all ranks agree are the
     values combined, in key order. The records then hold the keys in the
     order rank 0 logged them first (as a single process's records do, so a
@@ -108,7 +108,7 @@ def start_reduced(
     device = gpu if wants_gpu and gpu is not None else torch.device("cpu")
     # Compared as data, never as joined text (a key may hold ", "), and the steps
     # themselves, not only how many: values of different steps never combine.
-    layout: _Layout | None = (
+    layout: Layout | None = (
         tuple(steps),
         tuple((key, None if rows is None else tuple(rows)) for key, rows, _ in ordered),
     )
@@ -121,14 +121,22 @@ def start_reduced(
         layout, said = None, f"could not prepare its values: {error!r}"
     what = _what(op)
     logged = tuple(key for key, _, _ in columns)  # in order of first appearance
-    answer: _Answer = (layout, said, wants_gpu, logged)
-    terms: _Terms = (op, flush_every, automatic)
+    answer: Answer = (layout, said, wants_gpu, logged)
+    terms: Terms = (op, flush_every, kind)
     # Met as one call whatever the op, which is compared with the rest: buffers that
     # reduce differently disagree (every flush, records unreduced), not "different calls".
     gathered = gather_objects((answer, terms), timeout=timeout, what=what, meets=_MEETS)
     answers = [answer for answer, _ in gathered]
     # The same verdict on every rank, from the same answers.
-    take = _agreed_entries(answers, [terms for _, terms in gathered], op)
+    kinds = [rank_kind for (_, _, rank_kind) in (terms for _, terms in gathered)]
+    # Ranks whose block ended in this flush flush no more: this rank's later flushes
+    # would wait for them until the timeout (a flush() on this rank only met theirs).
+    ended = () if kind == "final" else tuple(r for r, k in enumerate(kinds) if k == "final")
+    try:
+        take = agreed_entries(answers, [terms for _, terms in gathered], op)
+    except RanksDisagreeError as error:
+        error.ended_ranks = ended
+        raise
     assert flat is not None
     taken: int | None = None
     if take is not None and take < len(steps):  # realigned: the later entries stay pending
@@ -137,12 +145,12 @@ def start_reduced(
         unreadable = [spoiled for spoiled in unreadable if spoiled[1] in kept]
         steps, taken = steps[:take], take
     if not ordered:  # every rank had nothing to send, and all agree
-        return InFlight(steps, [], taken=taken)
+        return InFlight(steps, [], taken=taken, ended_ranks=ended)
     on_gpu = all(wants for _, _, wants, _ in answers)
     if wants_gpu and not on_gpu:  # a rank's values are all on the host: gloo, on the host
         flat = flat.cpu()
     flat = _combine(flat, op, on_gpu=on_gpu, what=what, timeout=timeout)
-    in_flight = InFlight(steps, [], unreadable=unreadable, taken=taken)
+    in_flight = InFlight(steps, [], unreadable=unreadable, taken=taken, ended_ranks=ended)
     offset = 0
     for key, rows, values in ordered:
         floats: list[Any] = [None] * len(values)
@@ -156,14 +164,8 @@ def start_reduced(
     return in_flight
 
 
-_Layout = tuple[tuple[Any, ...], tuple[tuple[str, tuple[int, ...] | None], ...]]
-"""What a rank logged in one flush: its steps, and each key with its rows (None: all)."""
-_Answer = tuple[_Layout | None, str, bool, tuple[str, ...]]
-"""A rank's answer: its layout, its summary, whether its values are on its GPU, its keys."""
-_Terms = tuple[str, int | None, bool]
-"""How a rank's buffer reduces: its op, its ``flush_every``, whether this flush is automatic."""
 _MEETS = "LogBuffer(reduce=...).flush()"
-"""What every rank's reducing flush meets as, whatever its op (compared in `_Terms`)."""
+"""What every rank's reducing flush meets as, whatever its op (compared in `Terms`)."""
 
 
 def _flatten(
@@ -184,155 +186,10 @@ def _concatenated(columns: list[Column], device: torch.device) -> torch.Tensor:
     )
 
 
-def _describe(layout: _Layout | None) -> str:
-    if layout is None:
-        return "None"
-    steps, keys = layout
-    if not steps:
-        return "logged nothing since the last flush"
-    shown = ", ".join(
-        repr(key) if rows is None else f"{key!r} at rows {list(rows)}" for key, rows in keys
-    )
-    return f"steps {list(steps)}; keys {shown}"
-
-
-def _agreed_entries(answers: list[_Answer], terms: list[_Terms], op: str) -> int | None:
-    """How many entries, from the front, the ranks combine (None: all); raise if none can be.
-
-    All when every rank logged the same. Fewer when the ranks realign (see
-    `start_reduced`): their first entries agree as far as the shortest rank's
-    go, and every rank that holds more is in an automatic flush. Else the
-    reasons of `_check_agreement`, with what the ranks' ``terms`` explain.
-
-    Raises:
-        RanksDisagreeError: The ranks' buffers reduce by different ops, or the
-            ranks logged different keys or steps.
-        ValueError: A rank could not prepare its values.
-    """
-    made = [(rank_op, flush_every) for rank_op, flush_every, _ in terms]
-    if len(set(made)) > 1:  # never passes, whatever was logged
-        raise RanksDisagreeError(made_differently(made, op))
-    layouts = [layout for layout, _, _, _ in answers]
-    if all(layout is not None for layout in layouts) and len(set(layouts)) > 1:
-        shortest = min(len(layout[0]) for layout in layouts if layout is not None)
-        if len({_first_layout(layout, shortest) for layout in layouts}) == 1:
-            if all(
-                automatic or layout is None or len(layout[0]) == shortest
-                for layout, (_, _, automatic) in zip(layouts, terms, strict=True)
-            ):
-                return shortest
-            _check_agreement(answers, op, flushed_apart=True)  # out of step by a flush
-        latest = _apart_from(layouts)
-        # The same steps in another order, unless the ranks' windows agree over two
-        # entries or more from the latest first step on (steps that repeat, such as a
-        # batch index per epoch, may look reordered in windows that flushed apart).
-        if _reordered(layouts) and (latest is None or _window(layouts, latest) < 2):
-            _check_agreement(answers, op, reordered=True)
-        if latest is not None:  # flush() on several ranks at different steps: never realigns
-            _check_agreement(answers, op, flushed_apart=True, agree_from=latest)
-    _check_agreement(answers, op)
-    return None
-
-
-def _reordered(layouts: Sequence[_Layout | None]) -> bool:
-    """Whether the ranks logged the same steps, as many times each, in different orders.
-
-    Examples:
-        >>> _reordered([((1, 2), (("a", None),)), ((2, 1), (("a", None),))])
-        True
-        >>> _reordered([((1, 2), (("a", None),)), ((2, 3), (("a", None),))])
-        False
-    """
-    steps = [layout[0] for layout in layouts if layout is not None]
-    if len(steps) < len(layouts) or len(set(steps)) < 2:
-        return False
-    counted = [Counter(each) for each in steps]
-    return all(count == counted[0] for count in counted)
-
-
-def _window(layouts: Sequence[_Layout | None], latest: int) -> int:
-    """How many entries every rank holds from its step ``latest`` on (see `_apart_from`)."""
-    return min(len(layout[0]) - layout[0].index(latest) for layout in layouts if layout is not None)
-
-
-def _apart_from(layouts: Sequence[_Layout | None]) -> int | None:
-    """The step from which the ranks' entries agree, when they are out of step by a flush.
-
-    Ranks that each called ``flush()`` at a different step hold windows of the
-    same entries that start at different steps: rank 0 steps 2 to 5, rank 1
-    steps 3 to 6. Each rank's entries from the latest first step on (3) then
-    agree as far as the shortest goes. None when that is not so (the ranks
-    logged different keys or steps), or when the ranks start at the same step.
-
-    Examples:
-        >>> rank0 = ((2, 3, 4, 5), (("loss", None),))
-        >>> _apart_from([rank0, ((3, 4, 5, 6), (("loss", None),))])
-        3
-        >>> print(_apart_from([rank0, ((3, 4, 5, 6), (("acc", None),))]))
-        None
-    """
-    if any(layout is None or not layout[0] for layout in layouts):
-        return None
-    firsts = [layout[0][0] for layout in layouts if layout is not None]
-    latest = max(firsts)
-    if len(set(firsts)) == 1:
-        return None
-    later: list[_Layout] = []
-    for layout in layouts:
-        assert layout is not None
-        if latest not in layout[0]:
-            return None
-        later.append(_later_layout(layout, layout[0].index(latest)))
-    shortest = min(len(layout[0]) for layout in later)
-    return latest if len({_first_layout(layout, shortest) for layout in later}) == 1 else None
-
-
-def _later_layout(layout: _Layout, skip: int) -> _Layout:
-    """``layout`` without its first ``skip`` entries, rows counted from the first one kept.
-
-    Examples:
-        >>> _later_layout(((3, 4, 5), (("a", (0, 2)), ("b", None), ("c", (0,)))), 1)
-        ((4, 5), (('a', (1,)), ('b', None)))
-    """
-    steps, keys = layout
-    count = len(steps) - skip
-    kept: list[tuple[str, tuple[int, ...] | None]] = []
-    for key, rows in keys:
-        if rows is None:
-            kept.append((key, None))
-            continue
-        later = tuple(row - skip for row in rows if row >= skip)
-        if later:
-            kept.append((key, None if len(later) == count else later))
-    return tuple(steps[skip:]), tuple(kept)
-
-
-def _first_layout(layout: _Layout | None, count: int) -> _Layout | None:
-    """``layout`` of a rank's first ``count`` entries only, as `start_reduced` would make it.
-
-    Examples:
-        >>> _first_layout(((3, 4, 5), (("a", (1, 2)), ("b", None), ("c", (2,)))), 2)
-        ((3, 4), (('a', (1,)), ('b', None)))
-    """
-    if layout is None:
-        return None
-    steps, keys = layout
-    kept: list[tuple[str, tuple[int, ...] | None]] = []
-    for key, rows in keys:
-        if rows is None:
-            if count:
-                kept.append((key, None))
-            continue
-        first = tuple(row for row in rows if row < count)  # rows ascend: a prefix
-        if first:
-            kept.append((key, None if len(first) == count else first))
-    return tuple(steps[:count]), tuple(kept)
-
-
 def _first_rows(
     ordered: list[Column], flat: torch.Tensor, count: int
 ) -> tuple[list[Column], torch.Tensor]:
-    """The columns and ``flat`` values of the first ``count`` entries only (see `_first_layout`).
+    """The columns and ``flat`` values of the first ``count`` entries only (``first_layout``).
 
     Each column's rows ascend, so its values of those entries are its first
     ones: one slice each of ``flat``, which holds the columns one after another.
@@ -348,66 +205,6 @@ def _first_rows(
             parts.append(flat[offset : offset + kept])
         offset += len(values)
     return columns, torch.cat(parts)
-
-
-def _check_agreement(
-    answers: list[_Answer],
-    op: str,
-    *,
-    flushed_apart: bool = False,
-    agree_from: int | None = None,
-    reordered: bool = False,
-) -> None:
-    """Raise unless every rank prepared its values and logged the same keys at the same steps.
-
-    ``flushed_apart``: the ranks logged the same entries as far as the
-    shortest rank's go (from step ``agree_from`` on, when given: see
-    `_apart_from`), and are out of step only by a flush; the error says so.
-    ``reordered``: the ranks logged the same steps in different orders (see
-    `_reordered`); the error says that instead.
-    """
-    layouts = [layout for layout, _, _, _ in answers]
-    summaries = [said for _, said, _, _ in answers]
-    if len(set(summaries)) == 1 and len(set(layouts)) > 1:  # they differ in what no summary shows
-        summaries = [shorten(_describe(layout), 300) for layout in layouts]
-    lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))
-    if None in layouts:  # may pass (out of memory): the values stay pending, to try again
-        raise ValueError(
-            f"LogBuffer(reduce={op!r}) cannot combine this flush: a rank could not prepare its "
-            f"values:\n{lines}\nThe values stay pending; the next flush tries again."
-        )
-    if len(set(layouts)) > 1 and reordered:  # never passes either
-        raise RanksDisagreeError(
-            f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks logged the same "
-            f"steps in a different order:\n{lines}\nValues are matched by key name and step "
-            "in the order each rank logged them, so a step logged out of order on one rank "
-            "would meet another step's values. Each rank records its own values of this "
-            "flush, unreduced, so none is lost. Log the steps in the same order on every rank "
-            "(the loop's order, not the order in which threads or workers finish)."
-        )
-    if len(set(layouts)) > 1 and flushed_apart:  # never passes either
-        where = "" if agree_from is None else f"from step {agree_from} on, "
-        raise RanksDisagreeError(
-            f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, they "
-            f"flushed different steps:\n{lines}\nWhat they logged agrees {where}as far as the "
-            "shortest flush goes: the ranks flushed at different points, which flush() called "
-            "on one rank only, or on several ranks at different steps, does. Each rank records "
-            "its own values of this flush, unreduced, so none is lost. The automatic flushes "
-            "realign the ranks only after a flush() on one rank only; ranks that each called "
-            "flush() at a different step stay apart, and every later flush raises this until "
-            "flush() is called at the same step on every rank. Call flush() on every rank at the "
-            "same step (or flush only at the end of the with block and through the automatic "
-            "flushes), and log the same steps on every rank."
-        )
-    if len(set(layouts)) > 1:  # never passes: trying again would fail again, every time
-        raise RanksDisagreeError(
-            f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, and values "
-            f"are matched by key name and step, never by position:\n{lines}\nEach rank records "
-            "its own values of this flush, unreduced, so none is lost. Log the same keys at the "
-            "same steps on every rank (log a NaN where a rank has no value; pass the step "
-            "explicitly where ranks may log different numbers of times, since the default step "
-            "counts this rank's own log() calls)."
-        )
 
 
 def _combine(

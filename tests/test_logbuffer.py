@@ -2272,7 +2272,7 @@ def test_the_empty_key_error_writes_odd_keys_quoted_inside_the_dict() -> None:
 
 def test_a_rank_that_logged_nothing_is_said_plainly() -> None:
     # "rank 1: logged 0 steps of nothing".
-    from devicekit import _logreduce
+    from devicekit import _logagree, _logreduce
 
     assert _logreduce._summary([], []) == "nothing since the last flush"
     answers: list[Any] = [
@@ -2280,7 +2280,7 @@ def test_a_rank_that_logged_nothing_is_said_plainly() -> None:
         (((), ()), f"logged {_logreduce._summary([], [])}", False, ()),
     ]
     with pytest.raises(dk.RanksDisagreeError) as told:
-        _logreduce._check_agreement(answers, "mean")
+        _logagree.check_agreement(answers, "mean")
     assert "  rank 0: logged 1 step (4) of loss\n" in str(told.value)
     assert "  rank 1: logged nothing since the last flush\n" in str(told.value)
 
@@ -2480,12 +2480,12 @@ def test_steps_logged_in_another_order_are_told_as_such(tmp_path: Path) -> None:
 def test_reordered_steps_are_told_apart_from_windows_flushed_apart(
     steps: list[tuple[int, ...]], told: str
 ) -> None:
-    from devicekit import _logreduce
+    from devicekit import _logagree
 
     answers = [((each, (("loss", None),)), f"steps {each}", True, ()) for each in steps]
-    terms = [("sum", 100, False) for _ in steps]
+    terms = [("sum", 100, "flush") for _ in steps]
     with pytest.raises(dk.RanksDisagreeError, match=told):
-        _logreduce._agreed_entries(answers, terms, "sum")  # type: ignore[arg-type]
+        _logagree.agreed_entries(answers, terms, "sum")  # type: ignore[arg-type]
 
 
 def _one_rank_reduces_none(rank: int, world: int, port: int, folder: str) -> None:

@@ -16,7 +16,7 @@ import devicekit as dk
 from devicekit import _loghistory
 
 _FLUSH_MODULES = ("_logbuffer.py", "_logflight.py", "_loghistory.py", "_logdeliver.py")
-_FLUSH_MODULES += ("_logexit.py", "_logflush.py", "_logreduce.py", "_logreport.py")
+_FLUSH_MODULES += ("_logexit.py", "_logflush.py", "_logreduce.py", "_logagree.py", "_logreport.py")
 
 
 def _collecting(frame: FrameType | None) -> bool:
