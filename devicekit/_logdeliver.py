@@ -81,6 +81,14 @@ class KeepsRecords:
         """How many records it holds from a failed write, not yet written."""
         raise NotImplementedError
 
+    def _let_go(self) -> None:
+        """The run that wrote with it failed (its ``with`` block left on an exception).
+
+        A file sink stops claiming its file, so that the run made again (an OOM
+        retry, a notebook cell run again, while the traceback still holds this
+        one) may write it from the start.
+        """
+
 
 class Deliveries:
     """How far the sinks have got through the history, and the loop that hands it on."""

@@ -46,7 +46,7 @@ from typing_extensions import Self
 
 from ._dist import initialized, world_size
 from ._frames import caller_stacklevel
-from ._logdeliver import Deliveries, Record, Sink
+from ._logdeliver import Deliveries, KeepsRecords, Record, Sink
 from ._logflush import Landed
 from ._logreport import exit_failure, exit_warning, report_while_exiting
 
@@ -158,8 +158,16 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
             _flush_what_sinks_logged(buffer)  # raises what fails: a note would be lost
         else:
             _record_what_sinks_logged(buffer, exc, deliver=True)
+            _let_go_of_files(buffer)  # the run failed: a retry may write them afresh
     finally:
         buffer._leaving_on_error = False
+
+
+def _let_go_of_files(buffer: Block) -> None:
+    """Each file sink stops claiming its file: the traceback keeps the buffer alive."""
+    for sink in buffer.sinks:
+        if isinstance(sink, KeepsRecords):
+            sink._let_go()
 
 
 def _record_what_sinks_logged(buffer: Block, raised: BaseException, *, deliver: bool) -> None:

@@ -195,6 +195,11 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
     def _kept(self) -> int:
         return len(self._unwritten)
 
+    def _let_go(self) -> None:
+        # Still writes if called again: its check at each write stops it then, had a
+        # new sink replaced the file meanwhile.
+        _unclaim(self)
+
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
         # Held for the whole call, once per flush (never per log()): the rows kept from
@@ -452,8 +457,16 @@ def _claim(sink: CSVSink) -> None:
         "each LogBuffer its own file ('train.csv', 'eval.csv'), or give both the same sink "
         "(sink = dk.CSVSink(path), then sinks=[sink] for each). If the other one is done "
         "(a notebook cell run again, a loop), let it go first (del logs, or logs.sinks = [] "
-        "on its LogBuffer), or pass append=True to go on after its rows"
+        "on its LogBuffer; a notebook's Out[n] and _ may hold it too), or pass append=True "
+        "to go on after its rows. A LogBuffer whose with block left on an exception lets "
+        "go of its files by itself"
     )
+
+
+def _unclaim(sink: CSVSink) -> None:
+    """``sink`` claims its file no more (see `CSVSink._let_go`)."""
+    with _LIVE_LOCK:
+        _LIVE.discard(sink)
 
 
 def _unpickled(token: str, state: dict[str, Any]) -> CSVSink:

@@ -985,6 +985,50 @@ def test_a_sink_kept_alive_by_a_cycle_does_not_block_a_new_one(tmp_path: Path) -
     dk.CSVSink(path)  # the cycle is collected first, not refused
 
 
+def _train(path: Path, *, fails: bool) -> dk.LogBuffer:
+    with dk.LogBuffer(flush_every=4, sinks=[dk.CSVSink(path)]) as logs:
+        for step in range(6):
+            if fails and step == 3:
+                raise MemoryError("out of memory")  # stands in for torch.OutOfMemoryError
+            logs.log(step, loss=float(step))
+    return logs
+
+
+def test_a_run_whose_block_failed_lets_go_of_its_file_for_the_retry(tmp_path: Path) -> None:
+    # The OOM-retry pattern, and a notebook cell run again after a crash: the failed
+    # run's buffer lives on in the traceback (the except block, sys.last_traceback), and
+    # the retry's CSVSink was refused, with advice to `del logs`, which no name held.
+    path = tmp_path / "train.csv"
+    try:
+        _train(path, fails=True)
+    except MemoryError:
+        retried = _train(path, fails=False)  # the first run's frames are alive here
+    assert read_rows(path) == [["step", "loss"]] + [[str(s), f"{s}.0"] for s in range(6)]
+    assert len(retried.history) == 6
+    # A block that ended well still holds its file: a second writer is refused.
+    with pytest.raises(ValueError, match="another CSVSink alive"):
+        dk.CSVSink(path)
+
+
+def test_a_sink_let_go_that_writes_again_is_stopped_by_its_check(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(path)])
+
+    def fails() -> None:
+        with logs:
+            logs.log(0, loss=1.0)
+            raise MemoryError
+
+    with pytest.raises(MemoryError):
+        fails()
+    dk.CSVSink(path)([{"step": 0, "acc": 0.5}])  # the retry's sink: replaces the file
+    logs.log(1, loss=2.0)
+    with pytest.raises(RuntimeError, match="the file changed since this sink last wrote it"):
+        logs.flush()  # the old sink finds the file is not the one it left
+    assert read_rows(path) == [["step", "acc"], ["0", "0.5"]]
+    logs.sinks = []  # its kept record stays in history: nothing to tell at exit
+
+
 def test_a_sink_does_not_write_a_file_another_writer_changed(tmp_path: Path) -> None:
     # Another process (a DDP rank) writing the same file: the sink cannot know who, only
     # that the file is not the one it left. It writes nothing, and says what changed.
