@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from ._callbacks import describe_sink
-from ._dist import DEFAULT_TIMEOUT, initialized, validated_timeout
+from ._dist import DEFAULT_TIMEOUT, initialized
 from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._logagree import FlushKind
@@ -52,11 +52,9 @@ from ._logreport import (
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import checked, checked_step, on_device, refuse, refuse_keys
 from ._options import check_count, check_flag
-from ._shortrepr import short_repr
 
 __all__ = ["LogBuffer"]
 
-_REDUCE_OPS = ("mean", "sum", "max", "min")
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 
@@ -151,7 +149,10 @@ class LogBuffer(Flushes, Scoped):
     (``"sum"`` of ``2**53 + 1`` on two ranks records ``2.0**54``).
 
     Args:
-        flush_every: Flush after this many ``log`` calls.
+        flush_every: Flush after this many ``log`` calls. Like ``reduce``,
+            ``timeout`` and ``sinks``, it may be set later (``logs.flush_every
+            = 10``), checked as here; a new ``flush_every`` counts the calls
+            pending now.
         sinks: Callables that receive the list of new records at each flush,
             called (never awaited) with one argument: a path, a class, an
             ``async def`` sink or one that takes no argument is a ``TypeError``.
@@ -181,15 +182,11 @@ class LogBuffer(Flushes, Scoped):
         reduce: Literal["mean", "sum", "max", "min"] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        check_count(flush_every, name="flush_every", minimum=1)
-        self.timeout = validated_timeout(timeout)
-        if reduce is not None and reduce not in _REDUCE_OPS:
-            raise ValueError(
-                f"reduce must be one of {', '.join(_REDUCE_OPS)} or None, got {short_repr(reduce)}"
-            )
+        # Checked by the properties, as any later assignment is (Flushes).
         self.flush_every = flush_every
-        self.sinks = sinks  # checked by the property, as any assignment is
+        self.timeout = timeout
         self.reduce = reduce
+        self.sinks = sinks
         # log() appends one entry to _pending, which is atomic (a list's own lock
         # on free-threaded Python), so it takes no lock: a lock there measured
         # 0.1 to 0.25 µs, a third of what log() costs. Flushes and readers take _lock,

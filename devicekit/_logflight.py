@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Iterable
 
 from ._callbacks import checked_sinks, describe_sink
-from ._dist import initialized, launched_world, world_size
+from ._dist import initialized, launched_world, validated_timeout, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
@@ -32,8 +32,12 @@ from ._logreport import (
     unreadable_error,
     unreduced_error,
 )
+from ._options import check_count
+from ._shortrepr import short_repr
 
 __all__ = ["Flushes"]
+
+_REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
 def _checked(sinks: Iterable[Sink] | Sink, *, thorough: bool = True) -> list[Sink]:
@@ -65,8 +69,9 @@ def _checked(sinks: Iterable[Sink] | Sink, *, thorough: bool = True) -> list[Sin
 class Flushes:
     """The flush of a `LogBuffer`: its state, and the steps that move it."""
 
-    flush_every: int
-    reduce: str | None
+    _flush_every: int
+    _reduce: str | None
+    _timeout: float
     _sinks: list[Sink]
     _lock: threading.RLock
     _pending: list[Entry]
@@ -100,6 +105,41 @@ class Flushes:
     @sinks.setter
     def sinks(self, sinks: Iterable[Sink] | Sink) -> None:
         self._sinks = _checked(sinks)
+
+    @property
+    def flush_every(self) -> int:
+        """Flush after this many ``log()`` calls; settable, checked as the constructor does."""
+        return self._flush_every
+
+    @flush_every.setter
+    def flush_every(self, flush_every: int) -> None:
+        check_count(flush_every, name="flush_every", minimum=1)
+        # Counted from the calls pending now: the next log() flushes if they are as many.
+        self._flush_every = self._flush_at = flush_every
+
+    @property
+    def reduce(self) -> str | None:
+        """How values combine across ranks (``"mean"``...), or None; settable, checked."""
+        return self._reduce
+
+    @reduce.setter
+    def reduce(self, reduce: str | None) -> None:
+        if reduce is not None and reduce not in _REDUCE_OPS:
+            # Any other string fell through to a sum, silently ("average" summed).
+            raise ValueError(
+                f"reduce must be one of {', '.join(map(repr, _REDUCE_OPS))} or None, got "
+                f"{short_repr(reduce)}"
+            )
+        self._reduce = reduce
+
+    @property
+    def timeout(self) -> float:
+        """With ``reduce``, the seconds a flush waits for the other ranks; settable, checked."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, timeout: float) -> None:
+        self._timeout = validated_timeout(timeout)
 
     def _sinks_named(self) -> list[str] | None:
         """Its sinks by name, for a copy that does not get them to tell (None: no sinks)."""

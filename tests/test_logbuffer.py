@@ -358,14 +358,36 @@ def test_each_dtype_alone_in_a_flush_is_recorded_as_a_float() -> None:
         (
             {"reduce": "avg"},
             ValueError,
-            r"reduce must be one of mean, sum, max, min or None, got 'avg'",
+            r"reduce must be one of 'mean', 'sum', 'max', 'min' or None, got 'avg'",
         ),
+        ({"timeout": 0}, ValueError, r"timeout must be a finite number of seconds > 0, got 0"),
         ({"sinks": ["log.csv"]}, TypeError, r"each sink must be callable"),
     ],
 )
 def test_bad_options(options: dict[str, Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         dk.LogBuffer(**options)
+    # The same checks when an option is set later: logs.reduce = "average" summed the
+    # values silently, logs.flush_every = "10" made every later log() raise a bare
+    # TypeError, and logs.timeout = 0 broke the job's collectives at the next flush.
+    ((name, value),) = options.items()
+    logs = dk.LogBuffer()
+    before = getattr(logs, name)
+    with pytest.raises(error, match=message):
+        setattr(logs, name, value)
+    assert getattr(logs, name) == before
+    logs.log(0, loss=1.0)  # still works
+    assert logs.flush() == [{"step": 0, "loss": 1.0}]
+
+
+def test_a_new_flush_every_counts_the_calls_pending_now() -> None:
+    logs = dk.LogBuffer(flush_every=100)
+    for step in range(3):
+        logs.log(step, loss=float(step))
+    logs.flush_every = 2  # before, it took effect only after the next flush
+    logs.log(3, loss=3.0)
+    assert [record["step"] for record in logs.history] == [0, 1, 2, 3]
+    assert repr(logs).startswith("LogBuffer(flush_every=2)")
 
 
 # --- sinks and failures ------------------------------------------------------------------
