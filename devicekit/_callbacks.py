@@ -31,6 +31,8 @@ def checked_sinks(
 ) -> list[S]:
     """``sinks`` as a list, or a ``TypeError`` naming the first that cannot be called.
 
+    A sink listed twice is a ``ValueError``.
+
     One sink where a list is expected is a list of one (as one device is). A
     class is refused: calling it would make an object and throw it away at
     every flush, silently (``sinks=[dk.CSVSink]`` for ``[dk.CSVSink(path)]``).
@@ -68,7 +70,24 @@ and pass that: sinks=[dict(...)]
             )
         _refuse_class(sink)
         _refuse_unfit(sink, receives, thorough=thorough)
+    _refuse_twice(found, receives)
     return found
+
+
+def _refuse_twice(sinks: list[Any], receives: str) -> None:
+    """Refuse a sink listed twice: it would get each record twice (a CSV file, every row)."""
+    seen: set[Any] = set()
+    for sink in sinks:
+        # A bound method is made anew at each read (rows.append): the same by its parts.
+        owner = getattr(sink, "__self__", None)
+        bound = owner is not None and (inspect.ismethod(sink) or inspect.isbuiltin(sink))
+        key = (id(owner), getattr(sink, "__name__", None)) if bound else id(sink)
+        if key in seen:
+            raise ValueError(
+                f"sinks lists {describe_sink(sink)} twice: it would be called twice with "
+                f"{receives}, and write each one twice. List it once"
+            )
+        seen.add(key)
 
 
 def _path_fix(given: object, file_sink: str | None) -> str:
@@ -87,9 +106,11 @@ def _refuse_class(sink: object) -> None:
 
 
 def _refuse_unfit(sink: Callable[..., Any], receives: str, *, thorough: bool) -> None:
-    """Refuse an ``async def`` sink, and (``thorough``) a function that cannot take one argument.
+    """Refuse a sink that would lose what it is given without a word.
 
-    The first is cheap enough for each flush's re-check (a sink appended to
+    An ``async def`` or generator sink, and (``thorough``) one that cannot
+    take one argument: a function or method, or an object whose ``__call__``
+    is a plain ``def``. The first is cheap enough for each flush's re-check (a sink appended to
     the list); the second reads a signature, once, when sinks are given.
     """
     # An object's __call__, found on its class as Python calls it, without running a descriptor.
@@ -108,22 +129,45 @@ def _refuse_unfit(sink: Callable[..., Any], receives: str, *, thorough: bool) ->
             f"each sink is called with {receives}, and an async generator function such as "
             f"{name} would only make a generator that never runs. Pass a plain function"
         )
-    if not thorough or not (inspect.isfunction(sink) or inspect.ismethod(sink)):
-        # Where a signature may mislead, the sink is taken: a partial, a callable object
-        # (a staticmethod __call__ reads as taking none), a builtin with none (print).
+    if inspect.isgeneratorfunction(sink) or inspect.isgeneratorfunction(call):
+        kind = (
+            f"a generator function such as {name}"
+            if call is sink
+            else f"{name}, whose __call__ is a generator function,"
+        )
+        raise TypeError(
+            f"each sink is called with {receives}, and {kind} would only make a generator "
+            "that never runs: its body, and what it writes, never would. Pass a plain "
+            "function (return, not yield)"
+        )
+    if not thorough:
         return
+    if inspect.isfunction(sink) or inspect.ismethod(sink):
+        _refuse_arity(sink, name, receives, given=(None,), fix="def sink(records): ...")
+    elif call is not sink and inspect.isfunction(call):  # an object's plain def __call__
+        # Read on the class, self included: a staticmethod or classmethod is no function
+        # here, and is taken (its signature, read so, would mislead).
+        _refuse_arity(call, f"{name}.__call__", receives, given=(None, None), fix=_CALL_FIX)
+
+
+_CALL_FIX = "def __call__(self, records): ..."
+
+
+def _refuse_arity(
+    function: Callable[..., Any], name: str, receives: str, *, given: tuple[None, ...], fix: str
+) -> None:
+    """Refuse ``function`` if it cannot be called with ``given`` (its one argument, self first)."""
     try:
         # Not through __wrapped__: a decorator that fills in an argument takes one.
-        signature = inspect.signature(sink, follow_wrapped=False)
+        signature = inspect.signature(function, follow_wrapped=False)
     except (TypeError, ValueError):
-        return
+        return  # a signature that cannot be read: taken
     try:
-        signature.bind(None)
+        signature.bind(*given)
     except TypeError as error:
         raise TypeError(
             f"each sink is called with one argument, {receives}, and {name}{signature} "
-            f"cannot take it ({error}). Give it one positional parameter, such as "
-            "def sink(records): ..."
+            f"cannot take it ({error}). Give it one positional parameter, such as {fix}"
         ) from None
 
 

@@ -218,14 +218,17 @@ class Flushes:
         """Records its sinks kept from a failed write: the next flush writes them first."""
         return self._deliveries.kept(self._sinks)
 
-    def _uncallable_sink(self) -> TypeError | None:
-        """The error for a sink put in the list after the check (``logs.sinks.append(path)``)."""
+    def _uncallable_sink(self) -> TypeError | ValueError | None:
+        """The error for a sink put in the list after the check (``logs.sinks.append(path)``).
+
+        Or one appended that was there already, which would get every record twice.
+        """
         if not self._sinks:
             return None
         try:
             _checked(self._sinks, thorough=False)
-        except TypeError as error:
-            return TypeError(
+        except (TypeError, ValueError) as error:
+            return type(error)(
                 f"LogBuffer.sinks: {error}. Take it out of logs.sinks; no sink is handed "
                 "records until then, and they wait in history for the next flush"
             )

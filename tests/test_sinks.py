@@ -1372,6 +1372,62 @@ def test_a_sink_that_cannot_take_the_records_is_refused_when_given() -> None:
     assert dk.LogBuffer(sinks=taken).sinks == taken
 
 
+def _generator_sink(records: list[dict[str, Any]]) -> Any:
+    yield records
+
+
+class _GeneratorCall:
+    def __call__(self, records: list[dict[str, Any]]) -> Any:
+        yield records
+
+
+class _KeywordOnlyCall:
+    def __call__(self, *, records: list[dict[str, Any]]) -> None: ...
+
+
+def test_a_generator_sink_and_a_call_that_cannot_take_the_records_are_refused() -> None:
+    # Before, a generator sink was taken and never ran (its records counted as
+    # written), and an object whose __call__ takes the records by keyword only
+    # failed at every flush with Python's bare "takes 1 positional argument".
+    with pytest.raises(TypeError, match=r"generator function such as _generator_sink would"):
+        dk.LogBuffer(sinks=[_generator_sink])
+    with pytest.raises(TypeError, match=r"whose __call__ is a generator function, would only"):
+        dk.LogBuffer(sinks=[_GeneratorCall()])
+    with pytest.raises(TypeError, match=r"generator function"):
+        dk.StragglerDetector(sinks=[_generator_sink])
+    with pytest.raises(TypeError, match=r"_KeywordOnlyCall\.__call__\(self, \*, records.* cannot"):
+        dk.LogBuffer(sinks=[_KeywordOnlyCall()])
+
+    class Star:
+        def __call__(self, *args: Any) -> None: ...
+
+    class Extra:
+        def __call__(self, records: Any, extra: int = 1) -> None: ...
+
+    taken = [Star(), Extra()]
+    assert dk.LogBuffer(sinks=taken).sinks == taken
+
+
+def test_a_sink_listed_twice_is_refused(tmp_path: Path) -> None:
+    # Before, sinks=[sink, sink] wrote every row twice, against "a CSV file never gets a
+    # row twice".
+    sink = dk.CSVSink(tmp_path / "train.csv")
+    rows: list[Any] = []
+    for sinks in ([sink, sink], [rows.append, rows.append], [print, rows.append, print]):
+        with pytest.raises(ValueError, match=r"twice: it would be called twice .* List it once"):
+            dk.LogBuffer(sinks=sinks)
+    with pytest.raises(ValueError, match="twice"):
+        dk.StragglerDetector(sinks=[rows.append, rows.append])
+    logs = dk.LogBuffer(sinks=[sink, rows.append, rows.extend, [].append])  # all different
+    logs.sinks.append(sink)  # past the assignment's check: refused at the next flush
+    logs.log(0, loss=0.5)
+    with pytest.raises(ValueError, match=r"^LogBuffer\.sinks: sinks lists CSVSink\("):
+        logs.flush()
+    logs.sinks.pop()
+    logs.flush()
+    assert read_rows(tmp_path / "train.csv") == [["step", "loss"], ["0", "0.5"]]
+
+
 def test_a_sink_subclass_without_its_own_call_is_refused() -> None:
     # dk.Sink's __call__ is the protocol's stub: a subclass whose method was named
     # write() took every record and wrote none, without a word.
