@@ -21,8 +21,10 @@ two calls never interleave their rows or race to widen the header.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gc
+import io
 import os
 import stat
 import threading
@@ -381,16 +383,19 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
     def _replace(self, columns: list[str], rows: list[Record]) -> None:
         """Write the whole file (old rows widened, then ``rows``) beside it, then swap it in."""
         table = [columns]
+        mark = b""  # a byte-order mark (Excel's) stays: Excel reads the file by it
         if self._started:  # the rows on disk, each with an empty cell per new column
             padding = [""] * (len(columns) - len(self.columns))
             try:
-                with self._file.open(newline="", encoding="utf-8") as old:
-                    table += ([*row, *padding] for row in list(csv.reader(old))[1:])
+                old = self._file.read_bytes()
             except FileNotFoundError:  # rotated away: nothing of it to keep here
-                pass
-        data = utf8(csv_text(table, self._line_end)) + render(
-            columns, rows, header=False, line_end=self._line_end
-        )
+                old = b""
+            if old.startswith(codecs.BOM_UTF8):
+                mark = codecs.BOM_UTF8
+            text = io.StringIO(old.decode("utf-8-sig"), newline="")
+            table += ([*row, *padding] for row in list(csv.reader(text))[1:])
+        data = mark + utf8(csv_text(table, self._line_end))
+        data += render(columns, rows, header=False, line_end=self._line_end)
         # A link is kept, and the file it points to replaced: os.replace would swap the link.
         target = Path(os.path.realpath(self._file))
         target.parent.mkdir(parents=True, exist_ok=True)

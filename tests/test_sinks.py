@@ -420,6 +420,15 @@ def test_append_goes_on_after_any_well_formed_file(
     assert path.read_bytes().decode() == expected
 
 
+def test_a_header_widened_keeps_excel_s_byte_order_mark(tmp_path: Path) -> None:
+    # Before, the file rewritten for a new key lost the mark, and Excel then read its
+    # non-ASCII keys as Latin-1 ("tempÃ©rature").
+    path = tmp_path / "excel.csv"
+    path.write_bytes("\ufeffstep,température\r\n0,0.5\r\n".encode())
+    dk.CSVSink(path, append=True)([{"step": 1, "température": 0.7, "débit": 3.0}])
+    assert path.read_bytes().decode() == ("\ufeffstep,température,débit\r\n0,0.5,\r\n1,0.7,3.0\r\n")
+
+
 def test_append_never_replaces_a_file_it_cannot_read_and_keeps_the_records(
     tmp_path: Path,
 ) -> None:
