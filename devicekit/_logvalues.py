@@ -132,6 +132,11 @@ def _checked_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
         )
     if value.is_meta:
         raise refuse(key, value)
+    if isinstance(value, torch.nn.Parameter):
+        # An optimizer's step changes it in place after log(): a reference would read
+        # the last value at every step it was logged. One kernel (a learned temperature
+        # is logged now and then, never every element of a model).
+        return value.detach().clone().reshape(())
     if value.requires_grad:
         value = value.detach()
     return value.reshape(()) if value.ndim else value  # a view: no kernel

@@ -2663,3 +2663,24 @@ def test_an_interrupted_sink_counts_as_having_had_its_records_when_the_buffer_is
         del logs
         gc.collect()
     assert [str(w.message) for w in caught if "LogBuffer" in str(w.message)] == []
+
+
+def test_a_parameter_is_logged_with_its_value_at_log_not_at_the_flush() -> None:
+    # An optimizer's step changes a parameter in place: before, a learned temperature
+    # logged at each step was recorded with its last value at every one of them.
+    temperature = torch.nn.Parameter(torch.tensor(1.5))
+    optimizer = torch.optim.SGD([temperature], lr=0.25)
+    logs = dk.LogBuffer(flush_every=100)
+    for step in range(3):
+        logs.log(step, temperature=temperature, one=temperature.reshape(1))
+        (temperature * 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    logs.flush()
+    assert logs.values("temperature") == [1.5, 1.0, 0.5]
+    assert logs.values("one") == [1.5, 1.0, 0.5]
+    running = torch.tensor(0.0)  # a plain tensor stays a reference, as the docs say
+    logs.log(3, running=running)
+    running += 1
+    logs.flush()
+    assert logs.values("running") == [1.0]
