@@ -45,6 +45,7 @@ from typing import Any, Protocol, cast
 from typing_extensions import Self
 
 from ._dist import initialized, world_size
+from ._errors import add_note
 from ._frames import caller_stacklevel
 from ._logdeliver import Deliveries, KeepsRecords, Record, Sink
 from ._logflush import Landed
@@ -75,7 +76,7 @@ class Block(Protocol):
     def flush(self, *, wait: bool = ...) -> list[Record]: ...
     def _flush_final(self) -> None: ...  # flush(), as the last flush of this rank's block
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Landed]: ...
-    def _pending_count(self) -> int: ...
+    def _pending_count(self, *, in_flight: bool = ...) -> int: ...
     def _unsent(self) -> int: ...  # records some sink has not had yet
     def _kept(self) -> int: ...  # records sinks kept from a failed write
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go
@@ -137,6 +138,7 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
         return
     # Leaving on an exception: flush without the collective (other ranks may
     # never reach it), and never let a failing flush or sink replace `exc`.
+    unreduced = _unreduced_at_leaving(buffer)
     try:
         buffer._leaving_on_error = True  # inside the try: Ctrl-C never leaves it set
         try:
@@ -159,8 +161,41 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
         else:
             _record_what_sinks_logged(buffer, exc, deliver=True)
             _let_go_of_files(buffer)  # the run failed: a retry may write them afresh
+        if unreduced:
+            _tell_unreduced(buffer, exc, unreduced)
     finally:
         buffer._leaving_on_error = False
+
+
+def _unreduced_at_leaving(buffer: Block) -> int:
+    """How many values the last flush of a block leaving on an exception records unreduced.
+
+    Those a collective would have combined: ``reduce``, a group of several ranks;
+    not those of a flush in flight, which combined them already.
+    """
+    if buffer.reduce is None or buffer._forked or not initialized() or world_size() < 2:
+        return 0
+    return buffer._pending_count(in_flight=False)
+
+
+def _tell_unreduced(buffer: Block, exc: BaseException, count: int) -> None:
+    """Say that the block's last values were recorded unreduced: on ``exc``, or warned.
+
+    A note on an error is shown with its traceback; ``sys.exit()`` and Ctrl-C
+    show none, so for them (an early stop on every rank) it is a warning.
+    """
+    told = (
+        f"devicekit: LogBuffer(reduce={buffer.reduce!r}): the with block left on "
+        f"{type(exc).__name__}, so its last flush recorded this rank's "
+        f"{'value' if count == 1 else f'{count} values'} unreduced, its own, not the job's "
+        "(the other ranks may never reach a collective). To stop early on every rank with "
+        "the values combined, leave the loop with break, not sys.exit(), and exit after "
+        "the with block"
+    )
+    if isinstance(exc, Exception):
+        add_note(exc, told)
+    else:
+        warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
 
 def _let_go_of_files(buffer: Block) -> None:

@@ -273,15 +273,15 @@ class Flushes:
             stacklevel=caller_stacklevel(),
         )
 
-    def _pending_count(self) -> int:
-        """Values logged and not yet on the host: pending, or in flight."""
+    def _pending_count(self, *, in_flight: bool = True) -> int:
+        """Values logged and not yet on the host: pending, or (``in_flight``) in flight."""
         flight = self._in_flight
         if flight is None:
             return sum(len(values) for _, values, _ in list(self._pending))
         settled = list(self._pending)  # Ctrl-C may have left its entries there (see _complete)
         if flight.count and settled and settled[0] is flight.first:
             del settled[: flight.count]
-        flying = sum(len(values) for _, _, values in flight.values.columns)
+        flying = sum(len(values) for _, _, values in flight.values.columns) if in_flight else 0
         return flying + sum(len(values) for _, values, _ in settled)
 
     def _flush_soon(self) -> None:

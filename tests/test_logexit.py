@@ -431,3 +431,60 @@ def test_the_children_import_the_tree_under_test() -> None:
     # Not an installed copy: these tests must see the devicekit beside them.
     done = run_in_repo("import devicekit, sys; sys.stdout.write(devicekit.__file__)")
     assert Path(done.stdout).parent == Path(__file__).parents[1] / "devicekit"
+
+
+def _stop(how: str) -> None:
+    if how == "error":
+        raise ValueError("stop")
+    sys.exit(0)
+
+
+def _leave_early(rank: int, world: int, port: int, folder: str) -> None:
+    import json
+
+    from .test_logbuffer import _join_job
+
+    dist = _join_job(rank, world, port)
+    told: dict[str, object] = {}
+    try:
+        for how in ("error", "exit"):
+            logs = dk.LogBuffer(flush_every=4, reduce="mean", timeout=30)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with logs:
+                        for step in range(10):
+                            logs.log(step, loss=float(rank))
+                            if step == 9:
+                                _stop(how)
+                except (ValueError, SystemExit) as error:
+                    told[how] = [
+                        list(getattr(error, "__notes__", [])),
+                        [str(w.message) for w in caught],
+                        logs.values("loss"),
+                    ]
+        Path(folder, f"{rank}.json").write_text(json.dumps(told))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_reducing_block_that_leaves_early_says_its_last_values_are_unreduced(
+    tmp_path: Path,
+) -> None:
+    # Before, sys.exit(0) on every rank at step 9 recorded steps 8 and 9 as each rank's
+    # own values, in history and the CSV, with nothing saying so.
+    import json
+
+    from .conftest import spawn_ranks
+
+    spawn_ranks(_leave_early, 2, str(tmp_path))
+    for rank in range(2):
+        told = json.loads((tmp_path / f"{rank}.json").read_text())
+        said = "its last flush recorded this rank's 2 values unreduced, its own, not the job's"
+        notes, warned, losses = told["error"]
+        assert any(said in note for note in notes), notes
+        assert not warned
+        notes, warned, _ = told["exit"]
+        assert not notes
+        assert any(said in message for message in warned), warned  # exit shows no note
+        assert losses == [0.5] * 8 + [float(rank)] * 2
