@@ -105,7 +105,8 @@ class LogBuffer(Flushes, Scoped):
       (``RuntimeWarning``) with what was not recorded.
 
     Device memory holds at most the values of ``flush_every`` pending calls
-    plus one stacked copy in flight.
+    plus one stacked copy in flight, as long as flushes keep up (while another
+    thread's flush runs slow sinks, ``log()`` does not wait: values stay pending).
 
     ``log()``, ``flush()`` and the readers may be called from several threads
     at once, and each call's record appears exactly once: ``log()`` appends one
