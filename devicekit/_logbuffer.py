@@ -24,7 +24,6 @@ import torch
 
 from ._callbacks import describe_sink
 from ._dist import DEFAULT_TIMEOUT, initialized
-from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._logagree import FlushKind
 from ._logdeliver import Deliveries, Record, Sink
@@ -44,7 +43,6 @@ from ._logreduce import start_reduced
 from ._logreport import (
     check_key,
     dropped_warning,
-    left_out_warning,
     state_line,
     state_table,
     unknown_key,
@@ -313,13 +311,6 @@ class LogBuffer(Flushes, Scoped):
         if self._sinks_left_out is not None:
             self._tell_sinks_left_out()
         self._flush(wait=True, reduce=True, kind="final")
-
-    def _tell_sinks_left_out(self) -> None:
-        """Once, at a copy's first flush: where its records would have gone, and do not."""
-        left_out, self._sinks_left_out = self._sinks_left_out, None
-        if left_out and not self.sinks:
-            told = left_out_warning(left_out, forked=self._forked)
-            warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     @property
     def history(self) -> list[Record]:

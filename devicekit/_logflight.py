@@ -28,6 +28,7 @@ from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
 from ._logreport import (
     flush_error,
+    left_out_warning,
     missing_rank_note,
     unreadable_error,
     unreduced_error,
@@ -242,6 +243,13 @@ class Flushes:
 
     def _start(self, batch: list[Entry], *, reduce: bool, kind: FlushKind = "flush") -> InFlight:
         raise NotImplementedError  # LogBuffer's
+
+    def _tell_sinks_left_out(self) -> None:
+        """Once, at a copy's first flush: where its records would have gone, and do not."""
+        left_out, self._sinks_left_out = self._sinks_left_out, None
+        if left_out and not self.sinks:
+            told = left_out_warning(left_out, forked=self._forked)
+            warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     def _reducing(self, *, reduce: bool, values: bool) -> bool:
         """Whether this flush combines across ranks; tells, once, why one that should does not.
