@@ -345,10 +345,11 @@ class LogBuffer(Flushes, Scoped):
         with self._lock:
             self._complete()
             values = self._history.values(key)
-            if values or key == "step" or key in self._logged_keys():
+            logged = self._logged_keys()
+            if values or key == "step" or key in logged:
                 return values  # a key logged, its values not on the host yet: none
             known = [*self._history.keys]
-        raise KeyError(unknown_key(key, known, pending=self._pending_count()))
+        raise KeyError(unknown_key(key, known, pending=self._pending_count(), logged=logged))
 
     def mean(self, key: str, *, last: int | None = None) -> float:
         """The mean of ``key`` over the history or its ``last`` values: exact sum, NaN propagates.
@@ -373,9 +374,10 @@ mean 'loss'?"
         with self._lock:
             self._complete()
             values = self._history.values(key, last)  # the last ones read from the end
-            known = [*self._history.keys]
+            known, logged = [*self._history.keys], self._logged_keys()
         if not values:
-            raise KeyError(unknown_key(key, known, pending=self._pending_count()))
+            pending = self._pending_count()
+            raise KeyError(unknown_key(key, known, pending=pending, logged=logged))
         return mean_of(values)
 
     def __getstate__(self) -> dict[str, Any]:

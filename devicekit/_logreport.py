@@ -204,16 +204,22 @@ _MISSING = (" did not arrive ", "not every rank joined", "the ranks met from dif
 """How a RanksOutOfStepError says a rank was missing from the call (``_jobstate``, ``_dist``)."""
 
 
-def unknown_key(key: str, recorded: Iterable[str], *, pending: int) -> str:
-    """Why ``key`` has no value: the keys ``recorded``, the one meant, a flush still to come."""
+def unknown_key(
+    key: str, recorded: Iterable[str], *, pending: int, logged: Iterable[str] = ()
+) -> str:
+    """Why ``key`` has no value: the keys ``recorded``, the one meant, a flush still to come.
+
+    ``logged``: every key logged, recorded or not yet; the one meant may be among
+    those only pending (``values("los")`` before the first flush).
+    """
     known = [name for name in dict.fromkeys(recorded) if name != "step"]
-    match = close_match(key, known)
+    match = close_match(key, [name for name in dict.fromkeys([*known, *logged]) if name != "step"])
     keys = ", ".join(map(repr, known)) if known else "none"
     message = f"no value of {key!r} has been recorded yet (keys recorded: {keys})"
-    if match:
-        message += f"; did you mean {match!r}?"
     if pending:
         message += "; values logged since the last flush are not recorded yet: call flush()"
+    if match:
+        message += f"; did you mean {match!r}?"
     return message
 
 

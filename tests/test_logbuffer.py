@@ -1949,6 +1949,10 @@ def test_mean_of_an_unknown_key_names_the_keys_recorded_and_the_one_meant() -> N
     pending.log(0, loss=1.0)
     with pytest.raises(KeyError, match=r"\(keys recorded: none\); values logged since the last"):
         pending.mean("loss")
+    # A key misspelled before the first flush: the one meant is among the pending ones.
+    for read in (pending.mean, pending.values):
+        with pytest.raises(KeyError, match=r"call flush\(\); did you mean 'loss'\?\"$"):
+            read("los")
     pending.flush()
 
 
