@@ -69,6 +69,7 @@ _looks_left: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
 # it left behind, per instance (an nn.Sequential holds something else in each).
 _module_looks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 _has_to_method = has_to_method  # the name _checkwalk imports it by
+_PROXIES = frozenset(weakref.ProxyTypes)  # their class reads as the referent's: type() does not
 _BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
 _NUMPY_ARRAYS = frozenset({("numpy", "ndarray"), ("numpy", "void")})  # looked in by dtype
 
@@ -147,8 +148,10 @@ class _Mover:
 
     def other(self, obj: Any) -> Any:
         """Everything but tensors and plain dicts, lists and tuples."""
-        if isinstance(obj, type):
-            return obj  # a class, even one with a .to attribute (nn.Linear.to)
+        # A class, even one with a .to attribute (nn.Linear.to); a weak proxy, whose class
+        # reads as its referent's (a dict's, a module's): not moved, as the look skips it.
+        if isinstance(obj, type) or type(obj) in _PROXIES:
+            return obj
         if isinstance(obj, torch.nn.Module):
             return self.container(obj, _call_module)  # once, however often reached
         # An object whose own .to() is what called to_device on it is moved as what it is.

@@ -20,7 +20,7 @@ from ._accelerators import CPU, META, try_gpu
 from ._checkfix import attribute_fix
 from ._devices import DeviceLike, resolve_device
 from ._errors import TensorCopyError
-from ._format import qualified_name
+from ._format import article, qualified_name
 from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
@@ -73,9 +73,9 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
                 "a str or an int instead, and keep the tensor among the values"
             )
         elif how == LAZY:
+            shown = name if cls.__module__ == "builtins" else qualified_name(cls)
             what = (
-                f"returned a {name if cls.__module__ == 'builtins' else qualified_name(cls)} "
-                "as it is: an iterator makes its items as "
+                f"returned {article(shown)} {shown} as it is: an iterator makes its items as "
                 "it runs, so to_device cannot move them without running it and using it up. "
                 "Pass a list of its items instead (list(...)), or move each item as it comes"
             )
@@ -94,11 +94,13 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
             else:
                 fix = f"give {name} a .to(device) that returns the moved object"
             cache = _TRANSFORMERS_CACHE if cls.__module__.startswith("transformers.") else ""
+            advice = f"Move its tensors yourself, {fix}, or make it on {target} in the first place"
+            if cls.__module__.startswith("torch."):  # torch's own class: no .to() to add
+                advice = _torch_fix(cls, target)
             what = (
                 f"returned a {qualified_name(cls)} as it is: devicekit does not know how to "
                 f"move it, and it holds a tensor not on {target} ({name}{path}), which stays "
-                f"where it is. Move its tensors yourself, {fix}, or make it on {target} in the "
-                f"first place{cache}"
+                f"where it is. {advice}{cache}"
             )
         finds = "" if how == LAZY else " dk.assert_same_device() finds such tensors."
         warnings.warn(
@@ -331,6 +333,20 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     if modules is not None:
         _warn_left_behind(modules, target)
     return result  # type: ignore[no-any-return]
+
+
+def _torch_fix(cls: type, target: torch.device) -> str:
+    """How to have one of torch's own classes on ``target``: no .to() is yours to add there."""
+    if issubclass(cls, torch.optim.Optimizer):
+        return (
+            "An optimizer's state follows its parameters: make it after moving the model, "
+            "or load_state_dict() into one made then (which moves the state to each "
+            "parameter's device)"
+        )
+    return (
+        f"Make a new {cls.__name__} from tensors on {target} (torch's own class, it has no "
+        ".to() to call), or move its tensors yourself"
+    )
 
 
 def _pandas_fix(kind: str, target: torch.device) -> str:

@@ -143,3 +143,51 @@ def test_a_to_that_raises_is_unmarked_after() -> None:
     with pytest.raises(RuntimeError, match="no"):
         dk.to_device(fails, META)
     assert not _movecalls.calling_to(fails)
+
+
+def test_a_weak_proxy_is_returned_as_it_is_without_a_warning() -> None:
+    # Before, a proxy read as an iterator (its type forwards __next__), and the warning
+    # said to pass list(proxy), which raises.
+    import weakref
+
+    class Context:
+        def __init__(self) -> None:
+            self.scale = torch.ones(1)
+
+    context = Context()
+    proxy = weakref.proxy(context)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moved = dk.to_device({"x": torch.ones(1), "context": proxy}, META)
+    assert moved["context"] is proxy
+    assert moved["x"].is_meta
+    assert context.scale.device.type == "cpu"  # its referent is not the batch's to move
+
+
+def test_torch_s_own_classes_get_advice_that_does_not_ask_for_a_to_method() -> None:
+    # Before: "give Adam a .to(device)", which is not the user's to add.
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    normal = torch.distributions.Normal(torch.zeros(2), torch.ones(2))
+    from devicekit import _mover
+
+    for cls in (type(optimizer), type(normal)):  # told once per class: this test's to see
+        _mover._looks_left.pop(cls, None)
+    with pytest.warns(RuntimeWarning) as caught:
+        dk.to_device({"optimizer": optimizer, "normal": normal}, META)
+    told = [str(warning.message) for warning in caught]
+    assert not any("give Adam a .to" in said or "give Normal a .to" in said for said in told)
+    assert any("make it after moving the model, or load_state_dict()" in said for said in told)
+    assert any("Make a new Normal from tensors on meta" in said for said in told)
+
+
+def test_an_iterator_is_named_with_the_right_article() -> None:
+    import itertools
+
+    from devicekit import _mover
+
+    _mover._looks_left.pop(itertools.count, None)
+    with pytest.warns(RuntimeWarning, match=r"returned an itertools\.count as it is"):
+        dk.to_device([itertools.count()], META)
