@@ -44,7 +44,9 @@ def own_copy(obj: Any) -> Any:
         for key, value in OrderedDict.items(obj):
             OrderedDict.__setitem__(result, key, value)
     elif isinstance(obj, dict):
-        dict.update(result, obj)
+        # Its storage, not what its keys() or __iter__ show (dict.update reads those of
+        # a subclass that overrides them): an entry they hide is kept, never lost.
+        dict.update(result, dict.items(obj))
     elif isinstance(obj, list):
         list.extend(result, obj)
     elif isinstance(obj, deque):  # cls.__new__ made it empty and unbounded

@@ -91,10 +91,27 @@ def rebuild_mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     originals = dict(items)
     changed = [(key, value) for key, value in moved.items() if value is not originals[key]]
     _write_moved(obj, result, changed, originals)
+    if isinstance(obj, dict) and dict.__len__(obj) != len(items):
+        _move_hidden(walk, obj, result, originals)
     if is_dataclass_instance(obj):  # ModelOutput: its fields mirror its items
         replace_fields(walk, result, obj, record_layout(cls))
     forget_cached_properties(result)
     return result
+
+
+def _move_hidden(walk: Walk, obj: dict[Any, Any], result: Any, shown: dict[Any, Any]) -> None:
+    """Move the entries a dict subclass's ``items()`` hides (``_mask``), in its storage.
+
+    They are moved where they are stored, as stored (``dict.__setitem__``):
+    the class shows them its own way, and may not take them through its
+    ``__setitem__``. Left as they were, a tensor among them stayed behind.
+    """
+    base = OrderedDict.__setitem__ if isinstance(obj, OrderedDict) else dict.__setitem__
+    for key, value in list(dict.items(obj)):
+        if key not in shown:
+            moved = walk.move(value)
+            if moved is not value:
+                base(result, key, moved)
 
 
 def _move_held(walk: Walk, result: Any, obj: Any) -> None:

@@ -886,3 +886,29 @@ def test_a_list_subclass_that_refuses_a_moved_item_says_which_and_keeps_the_inpu
         dk.to_device(given, META)
     assert "__setitem__, which refused item 1" in caught.value.__notes__[0]
     assert [t.device.type for t in given] == ["cpu", "cpu"]
+
+
+class HidesPrivate(dict[str, Any]):
+    """Shows only its public entries, as a batch that keeps private ones does."""
+
+    def keys(self) -> Any:
+        return [key for key in dict.keys(self) if not key.startswith("_")]
+
+    def items(self) -> Any:
+        return [(key, self[key]) for key in self.keys()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+
+def test_entries_a_dict_subclass_hides_are_kept_and_moved() -> None:
+    # Before, the copy lost them (dict.update reads a subclass's own keys()), so
+    # moved["_mask"] raised KeyError.
+    batch = HidesPrivate(x=torch.ones(2), _mask=torch.ones(2), _name="train")
+    moved = dk.to_device(batch, META)
+    assert type(moved) is HidesPrivate
+    assert list(dict.keys(moved)) == ["x", "_mask", "_name"]
+    assert moved["x"].is_meta
+    assert moved["_mask"].is_meta
+    assert moved["_name"] == "train"
+    assert batch["_mask"].device.type == "cpu"
