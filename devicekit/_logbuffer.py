@@ -478,14 +478,15 @@ mean 'loss'?"
         steps, rows, reads = zip(*batch, strict=False) if batch else ((), (), ())
         if None in steps:  # by default, a step is the number of earlier log() calls
             steps = [self._taken + n if s is None else s for n, s in enumerate(steps)]
-        if reduce and self.reduce is not None and initialized():
+        op = self._reduce
+        if reduce and op is not None and initialized():
             columns = by_key(rows) if rows else []
             # An automatic flush that meets a shorter one (a flush() on one rank only)
             # combines the entries both hold and keeps the rest pending: see start_reduced.
             return start_reduced(
                 steps,
                 columns,
-                self.reduce,
+                op,
                 timeout=self.timeout,
                 flush_every=self.flush_every,
                 kind=kind,

@@ -251,19 +251,19 @@ class Flushes:
             told = left_out_warning(left_out, forked=self._forked)
             warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
-    def _reducing(self, *, reduce: bool, values: bool) -> bool:
-        """Whether this flush combines across ranks; tells, once, why one that should does not.
+    def _reducing(self, *, values: bool) -> bool:
+        """Whether a flush meant to reduce combines across ranks; tells, once, why not.
 
         ``values``: it has values to record (told of only then).
         """
-        reducing = reduce and self.reduce is not None and initialized()
-        if reducing and self._ranks_ended:  # no rank left to meet: local
+        if not initialized():
+            self._tell_no_group()  # once: nothing is reduced without a group
+            return False
+        if self._ranks_ended:  # no rank left to meet: local
             if values:
                 self._tell_ranks_ended()
             return False
-        if reduce and self.reduce is not None and not reducing:
-            self._tell_no_group()  # once: nothing is reduced without a group
-        return reducing
+        return True
 
     def _tell_ranks_ended(self) -> None:
         """Warn, once, that values were recorded unreduced: the other ranks' blocks ended."""
@@ -337,7 +337,10 @@ class Flushes:
                 # A reducing flush is a collective: a rank with nothing to send still
                 # joins, so that a rank with values hears at once that the ranks
                 # disagree, instead of waiting for it until the timeout.
-                reducing = self._reducing(reduce=reduce, values=bool(batch))
+                # No call where there is nothing to reduce (0.3 µs of a 42 µs flush).
+                reducing = reduce and self._reduce is not None
+                if reducing:
+                    reducing = self._reducing(values=bool(batch))
                 if batch or reducing:
                     # Nothing changes until the flight is set: a failure (or Ctrl-C)
                     # before leaves the values pending; after, they are in flight.
@@ -355,10 +358,10 @@ class Flushes:
                         finished += self._complete()
             except BaseException as error:  # noqa: BLE001 - raised below, once the sinks ran
                 # Try again flush_every calls later, never at every log() call.
-                self._flush_at = len(pending) + self.flush_every
+                self._flush_at = len(pending) + self._flush_every
                 failure = error
             else:
-                self._flush_at = self.flush_every
+                self._flush_at = self._flush_every
             errors = []
             if deliver:
                 refused = self._uncallable_sink()
