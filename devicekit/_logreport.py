@@ -369,13 +369,19 @@ def state_line(state: dict[str, Any]) -> str:
 
 
 def state_table(state: dict[str, Any]) -> str:
-    """The buffer's table in a notebook, from its ``_state()``."""
+    r"""The buffer's table in a notebook, from its ``_state()``: keys as the repr shows them.
+
+    A key with a line break (``'a\nb'``) is its repr: written as it is, the table
+    showed it as two lines, as if two keys.
+    """
     last = state["last"] or {}
+    keys = [_key(key) for key in state["keys"]]
+    shown_last = {_key(key) if key != "step" else key: value for key, value in last.items()}
     rows = [
         ("records", plural(state["records"], "record")),
-        ("keys", _some(state["keys"], shown=50) or "none yet"),
+        ("keys", _some(keys, shown=50) or "none yet"),
         ("pending", f"{plural(state['pending'], 'value')} not yet on the host"),
-        ("last record", _some_items(last, shown=50, braces=False) or "none"),
+        ("last record", _some_items(shown_last, shown=50, braces=False) or "none"),
         ("sinks", ", ".join(state["sinks"]) or "none"),
     ]
     if state["nonfinite"]:

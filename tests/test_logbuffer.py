@@ -1177,6 +1177,15 @@ def test_repr_of_a_reducing_buffer_and_html_escaping() -> None:
     buffer.log(**{"<b>": 1.0})
     assert repr(buffer).startswith("LogBuffer(flush_every=100, reduce='mean'): 0 records of <b>")
     assert "&lt;b&gt;" in buffer._repr_html_()
+    # A key with a line break is shown by its repr, as in the one-line repr: written as
+    # it was, the notebook's table showed it as two lines, as if two keys.
+    broken = dk.LogBuffer()
+    broken.log(0, **{"a\nb": 1.0, "loss": 2.0})
+    broken.flush()
+    html = broken._repr_html_()
+    assert "<td>&#x27;a\\nb&#x27;, loss</td>" in html
+    assert "step=0, &#x27;a\\nb&#x27;=1.0, loss=2.0" in html
+    assert "a\nb" not in html
     # A timeout other than the default is shown: it decides how long a flush may wait.
     waiting = dk.LogBuffer(reduce="sum", timeout=20)
     assert repr(waiting).startswith("LogBuffer(flush_every=100, reduce='sum', timeout=20")
