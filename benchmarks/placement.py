@@ -243,32 +243,21 @@ def main() -> None:
     for size in args.sizes:
         batch_case("real copies (cpu to meta)", make_batch(size), meta, 1.15, args)
     tensor = torch.randn(16)
-    # The device as a torch.device, and as the string most scripts write ("cuda" every step).
-    for there_arg, copy_arg in ((cpu, meta), ("cpu", "meta")):
-        given = "a string" if isinstance(copy_arg, str) else "a torch.device"
-        to, there_to = repr(copy_arg), repr(there_arg)
-        if not isinstance(copy_arg, str):
-            to, there_to = str(copy_arg), str(there_arg)  # meta, not device(type='meta')
-        single = {
-            f"t.to({to})": by_hand(tensor, copy_arg, non_blocking=True),
-            f"dk.to_device(t, {to})": by_devicekit(tensor, copy_arg),
-        }
-        report(
-            f"one tensor, copied; the device given as {given}",
-            measure(single, rounds=args.rounds * 3, calls=200, sync=lambda: None),
-            1.5,
-            ours=f"dk.to_device(t, {to})",
-        )
-        there = {
-            f"t.to({there_to})": by_hand(tensor, there_arg, non_blocking=False),
-            f"dk.to_device(t, {there_to})": by_devicekit(tensor, there_arg),
-        }
-        report(
-            f"one tensor, already there; the device given as {given}",
-            measure(there, rounds=args.rounds * 3, calls=200, sync=lambda: None),
-            1.5,
-            ours=f"dk.to_device(t, {there_to})",
-        )
+    # The device as a torch.device, and as the string most scripts write ("cuda" every step);
+    # copied (non-blocking, as to_device copies to an accelerator), and already there.
+    cases = [(meta, "copied", True), (cpu, "already there", False)]
+    for as_string in (False, True):
+        given = "a string" if as_string else "a torch.device"
+        for device, what, non_blocking in cases:
+            arg: Any = str(device) if as_string else device
+            shown = repr(arg) if as_string else str(device)  # meta, not device(type='meta')
+            ours = f"dk.to_device(t, {shown})"
+            single = {
+                f"t.to({shown})": by_hand(tensor, arg, non_blocking=non_blocking),
+                ours: by_devicekit(tensor, arg),
+            }
+            samples = measure(single, rounds=args.rounds * 3, calls=200, sync=lambda: None)
+            report(f"one tensor, {what}; the device given as {given}", samples, 1.5, ours=ours)
     for size in args.sizes:
         batch_case("no copy (cpu to cpu)", make_batch(size), cpu, None, args)
     if gpu:
