@@ -137,6 +137,8 @@ class CSVSink(KeepsRecords):
 ends with '/'). Pass a file in it, such as 'logs/train.csv'
     """
 
+    _released = False  # let go by a failed block, claimed again at its next write
+
     @suggest_keywords
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
         check_flag(append, name="append")  # first: a refused sink makes no folder
@@ -198,9 +200,11 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         return len(self._unwritten)
 
     def _let_go(self) -> None:
-        # Still writes if called again: its check at each write stops it then, had a
-        # new sink replaced the file meanwhile.
+        # Until it writes again: a buffer whose block failed may go on (the error
+        # caught) or share the sink. If a new sink replaced the file meanwhile, the
+        # check at that write stops it; if not, it claims the file again.
         _unclaim(self)
+        self._released = True
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
@@ -219,6 +223,8 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         changed = self._changed()
         if changed is not None:  # another writer: writing now would mix or lose rows
             raise self._conflict_error(changed, rows)
+        if self._released:  # let go when a block failed, and written to again: claimed
+            _reclaim(self)
         if not self._started and self.append:
             try:
                 self.columns, self._newline_first, self._line_end = existing(self._file)
@@ -472,6 +478,17 @@ def _unclaim(sink: CSVSink) -> None:
     """``sink`` claims its file no more (see `CSVSink._let_go`)."""
     with _LIVE_LOCK:
         _LIVE.discard(sink)
+
+
+def _reclaim(sink: CSVSink) -> None:
+    """``sink``, let go, writes its file again (unchanged since): it claims it again.
+
+    Without that, a new sink on its path would be taken, and replace the file
+    with the rows of the run still writing it.
+    """
+    with _LIVE_LOCK:
+        _LIVE.add(sink)
+    sink._released = False
 
 
 def _unpickled(token: str, state: dict[str, Any]) -> CSVSink:

@@ -1019,6 +1019,28 @@ def test_a_run_whose_block_failed_lets_go_of_its_file_for_the_retry(tmp_path: Pa
         dk.CSVSink(path)
 
 
+def test_a_sink_let_go_that_writes_again_claims_its_file_again(tmp_path: Path) -> None:
+    # A failed block whose error is caught, and the run goes on with the same buffer (or
+    # another buffer shares the sink): once it writes again, a new sink on its path is
+    # refused again, as it was before the block failed. Without that, the new sink was
+    # taken and replaced the file with the live run's rows.
+    path = tmp_path / "train.csv"
+    logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(path)])
+
+    def fails() -> None:
+        with logs:
+            logs.log(0, loss=1.0)
+            raise MemoryError
+
+    with pytest.raises(MemoryError):
+        fails()
+    with logs:  # the run goes on
+        logs.log(1, loss=2.0)
+    with pytest.raises(ValueError, match="another CSVSink alive"):
+        dk.CSVSink(path)
+    assert read_rows(path) == [["step", "loss"], ["0", "1.0"], ["1", "2.0"]]
+
+
 def test_a_sink_let_go_that_writes_again_is_stopped_by_its_check(tmp_path: Path) -> None:
     path = tmp_path / "train.csv"
     logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(path)])
