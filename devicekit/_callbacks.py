@@ -78,10 +78,13 @@ def _refuse_twice(sinks: list[Any], receives: str) -> None:
     """Refuse a sink listed twice: it would get each record twice (a CSV file, every row)."""
     seen: set[Any] = set()
     for sink in sinks:
-        # A bound method is made anew at each read (rows.append): the same by its parts.
-        owner = getattr(sink, "__self__", None)
-        bound = owner is not None and (inspect.ismethod(sink) or inspect.isbuiltin(sink))
-        key = (id(owner), getattr(sink, "__name__", None)) if bound else id(sink)
+        # A bound method is made anew at each read (rows.append): the same by its parts,
+        # its object and its function (two methods wrapped alike share a __name__).
+        key: Any = id(sink)
+        if inspect.ismethod(sink):
+            key = (id(sink.__self__), sink.__func__)
+        elif inspect.isbuiltin(sink) and getattr(sink, "__self__", None) is not None:
+            key = (id(sink.__self__), sink.__name__)  # a builtin's method: its name is its own
         if key in seen:
             raise ValueError(
                 f"sinks lists {describe_sink(sink)} twice: it would be called twice with "

@@ -50,13 +50,16 @@ def agreed_entries(answers: list[Answer], terms: list[Terms], op: str) -> int | 
 
     All when every rank logged the same. Fewer when the ranks realign (see
     `start_reduced`): their first entries agree as far as the shortest rank's
-    go, and every rank that holds more is in an automatic flush, and no rank
-    holding fewer is in its final flush (it would never flush the rest). Else
-    the reasons of `check_agreement`, with what the ranks' ``terms`` explain.
+    go, and every rank that holds more is in an automatic flush. Never where
+    some ranks are in their final flush and others are not: a rank whose
+    block ended flushes no more, so what the ranks hold apart would never
+    meet. Else the reasons of `check_agreement`, with what the ranks'
+    ``terms`` explain.
 
     Raises:
         RanksDisagreeError: The ranks' buffers reduce by different ops, or the
-            ranks logged different keys or steps.
+            ranks logged different keys or steps; its ``ended_ranks`` are the
+            ranks in their final flush where some others were not.
         ValueError: A rank could not prepare its values.
     """
     made = [(rank_op, flush_every) for rank_op, flush_every, _ in terms]
@@ -64,15 +67,19 @@ def agreed_entries(answers: list[Answer], terms: list[Terms], op: str) -> int | 
         raise RanksDisagreeError(made_differently(made, op))
     layouts = [layout for layout, _, _, _ in answers]
     if all(layout is not None for layout in layouts) and len(set(layouts)) > 1:
+        kinds = [kind for _, _, kind in terms]
+        ended = [rank for rank, kind in enumerate(kinds) if kind == "final"]
+        if ended and len(ended) < len(kinds):  # they flush no more: the rest never meets
+            error = RanksDisagreeError(_ended_apart(answers, op, ended))
+            error.ended_ranks = tuple(ended)
+            raise error
         shortest = min(len(layout[0]) for layout in layouts if layout is not None)
         if len({first_layout(layout, shortest) for layout in layouts}) == 1:
             if all(
-                kind == "automatic" or layout is None or len(layout[0]) == shortest
-                for layout, (_, _, kind) in zip(layouts, terms, strict=True)
+                kind == "automatic" or len(layout[0]) == shortest
+                for layout, kind in zip(layouts, kinds, strict=True)
+                if layout is not None
             ):
-                ended = [rank for rank, (_, _, kind) in enumerate(terms) if kind == "final"]
-                if ended:  # they hold fewer, and flush no more: the rest would never meet
-                    raise RanksDisagreeError(_ended_early(answers, op, ended))
                 return shortest
             check_agreement(answers, op, flushed_apart=True)  # out of step by a flush
         latest = _apart_from(layouts)
@@ -248,17 +255,18 @@ def _said(answers: list[Answer]) -> str:
     return "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))
 
 
-def _ended_early(answers: list[Answer], op: str, ended: list[int]) -> str:
-    """Why ranks whose block ended cannot meet the values the others still hold."""
-    these = ", ".join(map(str, ended))
-    rank = f"rank{'s' if len(ended) > 1 else ''} {these}"
+def _ended_apart(answers: list[Answer], op: str, ended: list[int]) -> str:
+    """Why the ranks whose block ended cannot combine with the others, which hold other steps."""
+    rank = f"rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}"
     return (
         f"LogBuffer(reduce={op!r}) cannot combine this flush: {rank} ended "
-        f"{'their' if len(ended) > 1 else 'its'} with block (the last flush) while other "
-        f"ranks hold values {rank} never logged:\n{_said(answers)}\nA rank whose block has "
-        f"ended flushes no more, so those values could never be combined. Each rank records "
-        "its own values, unreduced, so none is lost; this rank's later flushes of this buffer "
-        "do too, without waiting for the ranks that ended. Log the same keys at the same "
-        "steps on every rank: a value only some ranks have (validation on rank 0 only) goes "
-        "in a LogBuffer of its own, with reduce=None, on those ranks."
+        f"{'their' if len(ended) > 1 else 'its'} with block (the last flush) while the "
+        f"ranks hold different steps:\n{_said(answers)}\nA rank whose block has ended "
+        "flushes no more, so what the ranks hold apart could never be combined. Each rank "
+        "records its own values, unreduced, so none is lost; the end of this rank's block "
+        "does too, without waiting for the ranks that ended. Log the same keys at the same "
+        "steps on every rank (a value only some ranks have, such as validation on rank 0 "
+        "only, goes in a LogBuffer of its own, with reduce=None, on those ranks), and call "
+        "flush() on every rank or on none: a flush() on one rank only, to print, makes its "
+        "flushes hold other steps than the others'."
     )

@@ -298,19 +298,15 @@ class LogBuffer(Flushes, Scoped):
         check_flag(wait, name="wait")  # a str ("no") is truthy: it would wait
         if self._sinks_left_out is not None:
             self._tell_sinks_left_out()
-        return records_of(self._flush(wait=wait, reduce=True))
+        # The end of the outermost with block calls flush() (a subclass's too): the last.
+        kind: FlushKind = "final" if self._finishing else "flush"
+        return records_of(self._flush(wait=wait, reduce=True, kind=kind))
 
     def _flush_automatic(self) -> None:
         """``log()``'s flush: as ``flush(wait=False)``, and it may realign the ranks (`_start`)."""
         if self._sinks_left_out is not None:
             self._tell_sinks_left_out()
         self._flush(wait=False, reduce=True, kind="automatic")
-
-    def _flush_final(self) -> None:
-        """The end of the ``with`` block's flush: as ``flush()``, and the last of this rank."""
-        if self._sinks_left_out is not None:
-            self._tell_sinks_left_out()
-        self._flush(wait=True, reduce=True, kind="final")
 
     @property
     def history(self) -> list[Record]:

@@ -74,7 +74,11 @@ class Block(Protocol):
     @property
     def sinks(self) -> list[Sink]: ...
     def flush(self, *, wait: bool = ...) -> list[Record]: ...
-    def _flush_final(self) -> None: ...  # flush(), as the last flush of this rank's block
+
+    _finishing: bool  # flush() is the end of the outermost block's: the last of this rank
+    _depth: int  # with blocks entered and not left
+    _ranks_ended: tuple[int, ...]  # other ranks whose block ended (see _logflight.Flushes)
+
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Landed]: ...
     def _pending_count(self, *, in_flight: bool = ...) -> int: ...
     def _unsent(self) -> int: ...  # records some sink has not had yet
@@ -92,10 +96,11 @@ class Scoped:
     sinks): a coroutine that logs needs no other form.
     """
 
-    _ranks_ended: tuple[int, ...]  # see _logflight.Flushes
+    _depth = 0  # with blocks of this buffer entered and not left (nested ones counted)
+    _finishing = False  # see _flush_last
 
     def __enter__(self) -> Self:
-        self._ranks_ended = ()  # every rank enters again: they flush together again
+        self._depth += 1
         return self
 
     def __exit__(
@@ -104,6 +109,7 @@ class Scoped:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._depth = max(0, self._depth - 1)  # 0: the outermost block ends (see _flush_last)
         leave(cast("Block", self), exc)  # a failing flush never replaces `exc`
 
     async def __aenter__(self) -> Self:
@@ -126,7 +132,7 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
     if exc is None:
         try:
             if collective:
-                buffer._flush_final()
+                _flush_last(buffer)
             else:
                 buffer._flush(wait=True, reduce=False)
         except BaseException as error:
@@ -165,6 +171,8 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
             _tell_unreduced(buffer, exc, unreduced)
     finally:
         buffer._leaving_on_error = False
+        if buffer._depth == 0:
+            buffer._ranks_ended = ()  # the next block starts afresh (see _flush_last)
 
 
 def _unreduced_at_leaving(buffer: Block) -> int:
@@ -178,6 +186,22 @@ def _unreduced_at_leaving(buffer: Block) -> int:
     return buffer._pending_count(in_flight=False)
 
 
+# How to have the last values combined, by how the block left: an early stop by
+# sys.exit(), and a generator closed after its loop broke (the block inside it ends
+# with GeneratorExit). Ctrl-C, or an error: nothing to do but what the error says.
+_UNREDUCED_FIX: dict[type[BaseException], str] = {
+    SystemExit: (
+        ". To stop early on every rank with the values combined, leave the loop with "
+        "break, not sys.exit(), and exit after the with block"
+    ),
+    GeneratorExit: (
+        ". The with block is in a generator that was closed before it ended (the loop "
+        "over it left early, or gen.close()): flush on every rank before the generator's "
+        "last yield, or put the with block around the loop instead"
+    ),
+}
+
+
 def _tell_unreduced(buffer: Block, exc: BaseException, count: int) -> None:
     """Say that the block's last values were recorded unreduced: on ``exc``, or warned.
 
@@ -188,9 +212,7 @@ def _tell_unreduced(buffer: Block, exc: BaseException, count: int) -> None:
         f"devicekit: LogBuffer(reduce={buffer.reduce!r}): the with block left on "
         f"{type(exc).__name__}, so its last flush recorded this rank's "
         f"{'value' if count == 1 else f'{count} values'} unreduced, its own, not the job's "
-        "(the other ranks may never reach a collective). To stop early on every rank with "
-        "the values combined, leave the loop with break, not sys.exit(), and exit after "
-        "the with block"
+        f"(the other ranks may never reach a collective){_UNREDUCED_FIX.get(type(exc), '')}"
     )
     if isinstance(exc, Exception):
         add_note(exc, told)
@@ -203,6 +225,22 @@ def _let_go_of_files(buffer: Block) -> None:
     for sink in buffer.sinks:
         if isinstance(sink, KeepsRecords):
             sink._let_go()
+
+
+def _flush_last(buffer: Block) -> None:
+    """``buffer.flush()`` at the end of a block; the outermost block's says it is the last.
+
+    Its flush tells the other ranks that this rank flushes no more (see
+    `_logagree`): an inner block's end is not that. Once it is done, what the
+    other ranks' ends told is forgotten: the next block starts afresh.
+    """
+    buffer._finishing = buffer._depth == 0
+    try:
+        buffer.flush()
+    finally:
+        buffer._finishing = False
+        if buffer._depth == 0:
+            buffer._ranks_ended = ()
 
 
 def _record_what_sinks_logged(buffer: Block, raised: BaseException, *, deliver: bool) -> None:

@@ -128,15 +128,16 @@ def start_reduced(
     gathered = gather_objects((answer, terms), timeout=timeout, what=what, meets=_MEETS)
     answers = [answer for answer, _ in gathered]
     # The same verdict on every rank, from the same answers.
-    kinds = [rank_kind for (_, _, rank_kind) in (terms for _, terms in gathered)]
-    # Ranks whose block ended in this flush flush no more: this rank's later flushes
-    # would wait for them until the timeout (a flush() on this rank only met theirs).
-    ended = () if kind == "final" else tuple(r for r, k in enumerate(kinds) if k == "final")
+    all_terms = [terms for _, terms in gathered]
     try:
-        take = agreed_entries(answers, [terms for _, terms in gathered], op)
+        take = agreed_entries(answers, all_terms, op)
     except RanksDisagreeError as error:
-        error.ended_ranks = ended
+        if kind == "final":  # told of the others' ends: its own block is ending too
+            error.ended_ranks = ()
         raise
+    # Ranks whose block ended in this flush flush no more: the end of this rank's block
+    # would wait for them until the timeout (a flush() on this rank only met theirs).
+    ended = () if kind == "final" else tuple(r for r, t in enumerate(all_terms) if t[2] == "final")
     assert flat is not None
     taken: int | None = None
     if take is not None and take < len(steps):  # realigned: the later entries stay pending

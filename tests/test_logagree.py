@@ -35,6 +35,12 @@ def test_a_rank_in_its_last_flush_with_fewer_values_is_never_realigned() -> None
     with pytest.raises(dk.RanksDisagreeError, match=r"rank 1 ended its with block") as told:
         _logagree.agreed_entries(answers, [("mean", 3, "automatic"), ("mean", 3, "final")], "mean")
     assert "a LogBuffer of its own, with reduce=None" in str(told.value)
+    assert told.value.ended_ranks == (1,)
+    # Every rank in its last flush, holding different steps: the usual reasons, no end.
+    with pytest.raises(dk.RanksDisagreeError, match=r"the ranks disagree, they flushed") as told:
+        _logagree.agreed_entries(answers, [("mean", 3, "final")] * 2, "mean")  # type: ignore[arg-type]
+    assert "ended" not in str(told.value)
+    assert told.value.ended_ranks == ()
     # The same answers from a flush() that is not the last: realigned, as before.
     terms = [("mean", 3, "automatic"), ("mean", 3, "flush")]
     assert _logagree.agreed_entries(answers, terms, "mean") == 0  # type: ignore[arg-type]
@@ -43,37 +49,102 @@ def test_a_rank_in_its_last_flush_with_fewer_values_is_never_realigned() -> None
     assert _logagree.agreed_entries(same, [("mean", 3, "final")] * 2, "mean") is None  # type: ignore[arg-type]
 
 
+def _log_steps(logs: dk.LogBuffer, rank: int, steps: range) -> None:
+    for step in steps:
+        logs.log(step, loss=float(step + rank))
+
+
+def _one_rank_logs(rank: int) -> list[Any]:
+    """Validation on rank 0 only: past flush_every, its automatic flush meets rank 1's last."""
+    only = dk.LogBuffer(flush_every=3, reduce="mean", timeout=30)
+
+    def validate() -> None:
+        with only:
+            for step in range(5):
+                if rank == 0:
+                    only.log(step, val_loss=float(step))
+
+    return [_raised(validate), only.history]
+
+
+def _flush_on_one(rank: int) -> list[Any]:
+    """flush() on rank 0 only, then a value only it logs: its flush() meets rank 1's last."""
+    extra = dk.LogBuffer(flush_every=100, reduce="mean", timeout=30)
+
+    def flush_on_rank_0() -> None:
+        with extra:
+            _log_steps(extra, rank, range(5))
+            if rank == 0:
+                extra.flush()
+                extra.log(5, loss=50.0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = [_raised(flush_on_rank_0), extra.history]
+    return [*outcome, [str(w.message) for w in caught]]
+
+
+def _midway(rank: int) -> list[Any]:
+    """flush() on rank 0 only, mid-way: it meets rank 1's last flush, which holds more."""
+    midway = dk.LogBuffer(flush_every=100, reduce="mean", timeout=30)
+
+    def flush_midway() -> None:
+        with midway:
+            for step in range(5):
+                midway.log(step, loss=float(step + rank))
+                if rank == 0 and step == 2:
+                    midway.flush()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = [_raised(flush_midway), midway.history]
+    return [*outcome, [str(w.message) for w in caught]]
+
+
+def _nested(rank: int) -> list[Any]:
+    """Only the outermost end is a rank's last flush: rank 0 nests, rank 1 flushes there."""
+    nested = dk.LogBuffer(flush_every=100, reduce="sum", timeout=30)
+
+    def nest() -> None:
+        with nested:
+            nested.log(0, loss=float(rank))
+            if rank == 0:
+                with nested:
+                    nested.log(1, loss=1.0)
+            else:
+                nested.log(1, loss=2.0)
+                nested.flush()  # rank 0's inner block ends: as a flush(), not its last
+            nested.log(2, loss=3.0)
+
+    return [_raised(nest), nested.history]
+
+
+def _comes_back(rank: int) -> list[Any]:
+    """Rank 0's flush() meets the end of rank 1's block, and rank 1 enters another.
+
+    Their next automatic flushes meet, so rank 0 knows rank 1 is back, and the
+    ends of their blocks meet too.
+    """
+    back = dk.LogBuffer(flush_every=4, reduce="mean", timeout=30)
+
+    def comes_back() -> None:
+        with back:
+            _log_steps(back, rank, range(3))
+            if rank == 0:
+                back.flush()
+                _log_steps(back, rank, range(3, 8))
+        if rank == 1:
+            with back:
+                _log_steps(back, rank, range(3, 8))
+
+    return [_raised(comes_back), back.history]
+
+
 def _ranks_end_apart(rank: int, world: int, port: int, folder: str) -> None:
     dist = _join_job(rank, world, port, seconds=120)
-    results: dict[str, Any] = {}
     try:
-        # Validation on rank 0 only: past flush_every, its automatic flush meets
-        # rank 1's last one (rank 1 logged nothing).
-        only = dk.LogBuffer(flush_every=3, reduce="mean", timeout=30)
-
-        def validate() -> None:
-            with only:
-                for step in range(5):
-                    if rank == 0:
-                        only.log(step, val_loss=float(step))
-
-        results["one_rank_logs"] = [_raised(validate), only.history]
-        # flush() on rank 0 only, then a value only rank 0 logs: rank 0's flush() meets
-        # rank 1's last, and rank 0's own last flush has no rank left to meet.
-        extra = dk.LogBuffer(flush_every=100, reduce="mean", timeout=30)
-
-        def flush_on_rank_0() -> None:
-            with extra:
-                for step in range(5):
-                    extra.log(step, loss=float(step + rank))
-                if rank == 0:
-                    extra.flush()
-                    extra.log(5, loss=50.0)
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            results["flush_on_one"] = [_raised(flush_on_rank_0), extra.history]
-        results["warned"] = [str(w.message) for w in caught]
+        cases = (_one_rank_logs, _flush_on_one, _midway, _nested, _comes_back)
+        results = {case.__name__: case(rank) for case in cases}
         after = dk.LogBuffer(reduce="sum", timeout=30)  # the job's collectives still work
         after.log(0, loss=float(rank + 1))
         results["after"] = [_raised(after.flush), after.history]
@@ -86,7 +157,7 @@ def test_ranks_whose_blocks_end_apart_are_told_at_once_and_never_wait(tmp_path: 
     spawn_ranks(_ranks_end_apart, 2, str(tmp_path))
     ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     for rank, results in enumerate(ranks):
-        raised, history = results["one_rank_logs"]
+        raised, history = results["_one_rank_logs"]
         assert raised is not None, rank
         assert raised[0] == "RanksDisagreeError", raised  # before: rank 1 none, rank 0 a timeout
         assert "rank 1 ended its with block (the last flush)" in raised[1]
@@ -94,10 +165,30 @@ def test_ranks_whose_blocks_end_apart_are_told_at_once_and_never_wait(tmp_path: 
         # error, raised by log() at step 2, its automatic flush's).
         expected = [{"step": s, "val_loss": float(s)} for s in range(3)] if rank == 0 else []
         assert history == expected
-        raised, history = results["flush_on_one"]
+        raised, history, warned = results["_flush_on_one"]
         assert raised is None, raised  # before: rank 0 waited 30 s at its block's end
         means = [{"step": s, "loss": s + 0.5} for s in range(5)]
         assert history == ([*means, {"step": 5, "loss": 50.0}] if rank == 0 else means)
+        raised, history, midway_warned = results["_midway"]
+        assert raised is not None, rank
+        assert raised[0] == "RanksDisagreeError", raised
+        # Before, it said the automatic flushes would realign the ranks, and rank 0's
+        # last values were then recorded unreduced with nothing saying so.
+        assert "rank 1 ended its with block (the last flush) while the ranks hold" in raised[1]
+        assert "realign" not in raised[1]
+        # Its own; rank 0's loop stopped at the error, which its flush() raised at step 2.
+        assert history == [{"step": s, "loss": float(s + rank)} for s in range(3 + 2 * rank)]
+        raised, history = results["_nested"]
+        assert raised is None, raised
+        assert history == [
+            {"step": 0, "loss": 1.0},
+            {"step": 1, "loss": 3.0},
+            {"step": 2, "loss": 6.0},
+        ]
+        raised, history = results["_comes_back"]
+        assert raised is None, raised
+        assert history == [{"step": s, "loss": s + 0.5} for s in range(8)]
         assert results["after"] == [None, [{"step": 0, "loss": 3.0}]]
-    assert any("rank(s) 1 ended their with block" in said for said in ranks[0]["warned"])
-    assert not any("ended their with block" in said for said in ranks[1]["warned"])
+        told = any("rank 1 ended its with block in a flush" in said for said in warned)
+        assert told is (rank == 0), warned  # rank 0's block end recorded step 5 unreduced
+        assert not any("unreduced" in said for said in midway_warned)  # the error said so

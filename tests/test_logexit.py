@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -463,9 +464,24 @@ def _leave_early(rank: int, world: int, port: int, folder: str) -> None:
                         [str(w.message) for w in caught],
                         logs.values("loss"),
                     ]
+        # A with block in a generator, closed when the loop over it breaks.
+        logs = dk.LogBuffer(flush_every=4, reduce="mean", timeout=30)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in _steps_logged(logs, rank):
+                if step == 9:
+                    break
+            told["generator"] = [[], [str(w.message) for w in caught], logs.values("loss")]
         Path(folder, f"{rank}.json").write_text(json.dumps(told))
     finally:
         dist.destroy_process_group()
+
+
+def _steps_logged(logs: dk.LogBuffer, rank: int) -> Iterator[int]:
+    with logs:
+        for step in range(100):
+            logs.log(step, loss=float(rank))
+            yield step
 
 
 def test_a_reducing_block_that_leaves_early_says_its_last_values_are_unreduced(
@@ -488,3 +504,24 @@ def test_a_reducing_block_that_leaves_early_says_its_last_values_are_unreduced(
         assert not notes
         assert any(said in message for message in warned), warned  # exit shows no note
         assert losses == [0.5] * 8 + [float(rank)] * 2
+        assert any("leave the loop with break, not sys.exit()" in said for said in warned)
+        # A generator closed after its loop broke: not told to use break, which it did.
+        _, warned, losses = told["generator"]
+        assert any(said in message for message in warned), warned
+        assert any("in a generator that was closed before it ended" in m for m in warned)
+        assert not any("not sys.exit()" in message for message in warned)
+        assert losses == [0.5] * 8 + [float(rank)] * 2
+
+
+def test_a_subclass_s_own_flush_is_called_at_the_end_of_the_block() -> None:
+    flushed: list[bool] = []
+
+    class Counted(dk.LogBuffer):
+        def flush(self, *, wait: bool = True) -> list[dk.Record]:
+            flushed.append(wait)
+            return super().flush(wait=wait)
+
+    with Counted() as logs:
+        logs.log(0, loss=1.0)
+    assert flushed == [True]
+    assert logs.history == [{"step": 0, "loss": 1.0}]

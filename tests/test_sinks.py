@@ -1449,6 +1449,22 @@ def test_a_sink_listed_twice_is_refused(tmp_path: Path) -> None:
             dk.LogBuffer(sinks=sinks)
     with pytest.raises(ValueError, match="twice"):
         dk.StragglerDetector(sinks=[rows.append, rows.append])
+
+    def wrapped(method: Callable[..., None]) -> Callable[..., None]:
+        def wrapper(self: Any, records: Any) -> None:  # no functools.wraps: one name
+            method(self, records)
+
+        return wrapper
+
+    class Two:
+        @wrapped
+        def first(self, records: Any) -> None: ...
+
+        @wrapped
+        def second(self, records: Any) -> None: ...
+
+    two = Two()
+    assert len(dk.LogBuffer(sinks=[two.first, two.second]).sinks) == 2  # two sinks, one name
     logs = dk.LogBuffer(sinks=[sink, rows.append, rows.extend, [].append])  # all different
     logs.sinks.append(sink)  # past the assignment's check: refused at the next flush
     logs.log(0, loss=0.5)
