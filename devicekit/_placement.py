@@ -19,7 +19,7 @@ import torch
 from ._accelerators import CPU, META, try_gpu
 from ._checkfix import attribute_fix
 from ._devices import DeviceLike, resolve_device
-from ._errors import TensorCopyError
+from ._errors import TensorCopyError, add_note
 from ._format import article, qualified_name
 from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
@@ -291,7 +291,7 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
         deque([tensor(..., device='meta', size=(1,))], maxlen=2)
     """
     target = try_gpu() if device is None else resolve_device(device)
-    if obj.__class__ is _Tensor and non_blocking is None:
+    if type(obj) is _Tensor and non_blocking is None:  # type(): a dead proxy's __class__ raises
         # One tensor, the most common call: no walk, no mover. The same policy.
         if obj.device == target:  # type: ignore[attr-defined]
             return obj
@@ -321,6 +321,14 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
         raise RecursionError(_too_deep()) from None
     except HeldView as held:
         raise TypeError(_view_refused(obj, held, target)) from None
+    except ReferenceError as error:  # Python's bare "weakly-referenced object no longer exists"
+        add_note(
+            error,
+            "devicekit: to_device() met a weak proxy (weakref.proxy) in obj whose object no "
+            "longer exists, and cannot tell what it was. Take it out of the batch, or keep "
+            "its object alive while the batch is moved.",
+        )
+        raise
     except NotImplementedError as error:
         _raise_unsupported(error, obj, target)
         raise

@@ -191,3 +191,22 @@ def test_an_iterator_is_named_with_the_right_article() -> None:
     _mover._looks_left.pop(itertools.count, None)
     with pytest.warns(RuntimeWarning, match=r"returned an itertools\.count as it is"):
         dk.to_device([itertools.count()], META)
+
+
+def test_a_dead_weak_proxy_is_told_not_raised_bare() -> None:
+    import gc
+    import weakref
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    proxy = weakref.proxy(gone)
+    del gone
+    gc.collect()
+    for batch in ([proxy, torch.ones(1)], {"context": proxy}, proxy):
+        with pytest.raises(ReferenceError) as caught:
+            dk.to_device(batch, META)
+        assert "a weak proxy (weakref.proxy) in obj whose object no longer" in str(
+            caught.value.__notes__
+        )
