@@ -39,7 +39,7 @@ import torch
 
 from ._errors import TensorCopyError, add_note
 from ._format import qualified_name
-from ._look import tensor_elsewhere
+from ._look import key_text, tensor_elsewhere
 from ._lookbulk import array_elements
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KEY_HELD",
     "LAZY",
+    "OPTIMIZERS",
     "OWN_TO",
     "UNCHANGED",
     "DictKey",
@@ -59,6 +60,7 @@ __all__ = [
     "has_to_method",
     "held_view",
     "keep_shared",
+    "optimizer_stray",
     "returned",
     "takes_non_blocking",
     "while_calling_to",
@@ -260,6 +262,27 @@ def array_stray(array: Any, device: torch.device) -> str | None:
         return None
     index, _, inside = found[1:].partition("]")  # "[2].x": element 2, then what is in it
     return named[int(index)][0] + inside
+
+
+OPTIMIZERS = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+
+
+def optimizer_stray(obj: Any, device: torch.device) -> str | None:
+    """The path of a tensor off ``device`` in an optimizer's state (a scheduler's), or None.
+
+    Its ``step`` counters are left out: torch keeps Adam's (and others') on
+    the host on purpose, where it is not ``capturable``, so an optimizer made
+    after the model moved, as the advice says, would be warned of all the same.
+    """
+    optimizer, held = (
+        (obj, "") if isinstance(obj, torch.optim.Optimizer) else (obj.optimizer, ".optimizer")
+    )
+    for param, values in list(optimizer.state.items()):
+        for name, value in list(values.items()):
+            found = None if name == "step" else tensor_elsewhere(value, device)
+            if found is not None:
+                return f"{held}.state[{key_text(param)}][{name!r}]{found}"
+    return None
 
 
 def returned(mover: _Mover, obj: Any, moved: Any) -> Any:

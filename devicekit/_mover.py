@@ -28,6 +28,7 @@ from ._look import Changed, key_text, tensor_elsewhere
 from ._movecalls import (
     KEY_HELD,
     LAZY,
+    OPTIMIZERS,
     UNCHANGED,
     DictKey,
     ModuleFirst,
@@ -37,6 +38,7 @@ from ._movecalls import (
     has_to_method,
     held_view,
     keep_shared,
+    optimizer_stray,
     returned,
     takes_non_blocking,
     while_calling_to,
@@ -203,9 +205,12 @@ class _Mover:
         elif looks > 0:
             array = (cls.__module__, cls.__qualname__) in _NUMPY_ARRAYS
             try:
-                path = (
-                    array_stray(obj, self.device) if array else tensor_elsewhere(obj, self.device)
-                )
+                if array:
+                    path = array_stray(obj, self.device)
+                elif isinstance(obj, OPTIMIZERS):  # or a scheduler, which holds one
+                    path = optimizer_stray(obj, self.device)
+                else:
+                    path = tensor_elsewhere(obj, self.device)
             except Changed:  # another thread was writing it: no answer, and no look either
                 return obj
             except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops

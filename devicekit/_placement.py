@@ -345,15 +345,22 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
 
 def _torch_fix(cls: type, target: torch.device) -> str:
     """How to have one of torch's own classes on ``target``: no .to() is yours to add there."""
-    if issubclass(cls, torch.optim.Optimizer):
+    if issubclass(cls, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+        optimizer = issubclass(cls, torch.optim.Optimizer)
+        held = "" if optimizer else " (a scheduler holds its optimizer)"
         return (
-            "An optimizer's state follows its parameters: make it after moving the model, "
-            "or load_state_dict() into one made then (which moves the state to each "
+            f"An optimizer's state follows its parameters{held}: make it after moving the "
+            "model, or load_state_dict() into one made then (which moves the state to each "
             "parameter's device)"
         )
+    if cls.__module__.startswith("torch.utils.data"):  # a DataLoader, a Dataset
+        return (
+            f"A {cls.__name__} hands out batches on the host, where its workers make them: "
+            f"move each batch as it comes, dk.to_device(batch, {str(target)!r})"
+        )
     return (
-        f"Make a new {cls.__name__} from tensors on {target} (torch's own class, it has no "
-        ".to() to call), or move its tensors yourself"
+        f"torch's {cls.__name__} has no .to() to call: move the tensors it holds yourself, or "
+        f"make it from tensors on {target}"
     )
 
 
