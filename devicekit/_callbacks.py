@@ -120,7 +120,10 @@ def _refuse_unfit(sink: Callable[..., Any], receives: str, *, thorough: bool) ->
     call = sink if inspect.isroutine(sink) else inspect.getattr_static(type(sink), "__call__", None)
     name = describe_sink(sink)
     if inspect.iscoroutinefunction(sink) or inspect.iscoroutinefunction(call):
-        kind = "an async function" if call is sink else "whose __call__ is async"
+        # The sink itself (a partial of one too), or its class's __call__.
+        kind = (
+            "an async function" if inspect.iscoroutinefunction(sink) else "whose __call__ is async"
+        )
         raise TypeError(
             f"each sink is called, never awaited, so the coroutine of an async sink would not "
             f"run, and what it is given ({receives}) would be lost: got {name}, {kind}. Pass "
@@ -135,7 +138,7 @@ def _refuse_unfit(sink: Callable[..., Any], receives: str, *, thorough: bool) ->
     if inspect.isgeneratorfunction(sink) or inspect.isgeneratorfunction(call):
         kind = (
             f"a generator function such as {name}"
-            if call is sink
+            if inspect.isgeneratorfunction(sink)
             else f"{name}, whose __call__ is a generator function,"
         )
         raise TypeError(

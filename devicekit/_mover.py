@@ -157,8 +157,9 @@ class _Mover:
         if isinstance(obj, torch.nn.Module):
             return self.container(obj, _call_module)  # once, however often reached
         # An object whose own .to() is what called to_device on it is moved as what it is.
-        own_to = _has_to_method(type(obj)) and calling_to(obj)
-        if _has_to_method(type(obj)) and not own_to:
+        has_to = _has_to_method(type(obj))
+        own_to = has_to and calling_to(obj)
+        if has_to and not own_to:
             return self.container(obj, call_to)
         if isinstance(obj, Mapping):
             return self.container(obj, rebuild_mapping)

@@ -230,19 +230,20 @@ def _set_items(
             takes_others = index > 0  # it took the values before this one
             if index == 0 and isinstance(result, (dict, list)):
                 if _refuses(result, key, originals[key]):
-                    base: Any = (
-                        OrderedDict.__setitem__
-                        if isinstance(result, OrderedDict)
-                        else dict.__setitem__
-                        if isinstance(result, dict)
-                        else list.__setitem__
-                    )
+                    base = _storage_setitem(result)
                     for moved_key, moved in changed:
                         base(result, moved_key, moved)
                     return
                 takes_others = True  # it took the value it held there
             add_note(error, _refused(type(result), key, takes_others=takes_others))
             raise
+
+
+def _storage_setitem(result: dict[Any, Any] | list[Any]) -> Any:
+    """The builtin ``__setitem__`` that fills a read-only subclass's storage, as its code does."""
+    if isinstance(result, OrderedDict):
+        return OrderedDict.__setitem__  # keeps the order, which dict's would not update
+    return dict.__setitem__ if isinstance(result, dict) else list.__setitem__
 
 
 def _refuses(result: dict[Any, Any] | list[Any], key: Any, held: Any) -> bool:
