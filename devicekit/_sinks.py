@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import codecs
 import csv
-import gc
 import io
 import os
 import stat
-import threading
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ._callbacks import new_sink_lock, restore_sink, sink_state
+from ._csvclaims import by_token, claim, reclaim, unclaim
 from ._csvpath import file_path, keep_mode, write_fix
 from ._csvtext import csv_text, existing, render, utf8
 from ._errors import add_note
@@ -49,9 +47,6 @@ _S = TypeVar("_S")
 _Identity = tuple[int, int, int]
 """A file as a sink left it: its device, inode and size (None: no file there)."""
 _UNKNOWN: _Identity = (-1, -1, -1)  # not known (a stat failed): not checked
-# Every CSVSink alive in this process, to refuse a second one on the same file.
-_LIVE: weakref.WeakSet[CSVSink] = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
 
 
 class CSVSink(KeepsRecords):
@@ -163,7 +158,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         # given one sink).
         self._lock = new_sink_lock()
         self._token = uuid.uuid4().hex  # this sink, wherever a pickle of it goes
-        _claim(self)
+        claim(self)
 
     def __repr__(self) -> str:
         append = ", append=True" if self.append else ""
@@ -203,7 +198,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         # Until it writes again: a buffer whose block failed may go on (the error
         # caught) or share the sink. If a new sink replaced the file meanwhile, the
         # check at that write stops it; if not, it claims the file again.
-        _unclaim(self)
+        unclaim(self)
         self._released = True
 
     def __call__(self, records: list[Record]) -> None:
@@ -224,7 +219,8 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         if changed is not None:  # another writer: writing now would mix or lose rows
             raise self._conflict_error(changed, rows)
         if self._released:  # let go when a block failed, and written to again: claimed
-            _reclaim(self)
+            reclaim(self)
+            self._released = False
         if not self._started and self.append:
             try:
                 self.columns, self._newline_first, self._line_end = existing(self._file)
@@ -441,62 +437,11 @@ def _identity(path: Path) -> _Identity | None:
     return info.st_dev, info.st_ino, info.st_size
 
 
-def _claim(sink: CSVSink) -> None:
-    """Count ``sink`` among the live ones; refused if it would replace another's file.
-
-    With ``append=False`` its first flush replaces the file, and with it the
-    rows of another sink alive in this process that writes it (a train and an
-    eval buffer given one path): refused now, before anything is lost. With
-    ``append=True`` nothing can be lost (it keeps the rows), and the check at
-    each write stops whichever of the two writes after the other has.
-    """
-    for attempt in range(2):
-        with _LIVE_LOCK:
-            others = [other for other in _LIVE if other._real == sink._real]
-            if not others or sink.append:
-                _LIVE.add(sink)
-                return
-            other = repr(others[0])
-        del others
-        if attempt == 0:
-            gc.collect()  # one alive only in a reference cycle (a sink that holds its buffer)
-    named = f" ({other})" if other != repr(sink) else ""  # the same file by another name
-    raise ValueError(
-        f"{sink!r}: another CSVSink alive in this process{named} writes that file, and this "
-        "one (append=False) would replace it at its first flush, the other's rows with it. "
-        "Two sinks on one file put values under each other's columns and lose rows. Give "
-        "each LogBuffer its own file ('train.csv', 'eval.csv'), or give both the same sink "
-        "(sink = dk.CSVSink(path), then sinks=[sink] for each). If the other one is done "
-        "(a notebook cell run again, a loop), let it go first (del logs, or logs.sinks = [] "
-        "on its LogBuffer; a notebook's Out[n] and _ may hold it too), or pass append=True "
-        "to go on after its rows. A LogBuffer whose with block left on an exception lets "
-        "go of its files by itself"
-    )
-
-
-def _unclaim(sink: CSVSink) -> None:
-    """``sink`` claims its file no more (see `CSVSink._let_go`)."""
-    with _LIVE_LOCK:
-        _LIVE.discard(sink)
-
-
-def _reclaim(sink: CSVSink) -> None:
-    """``sink``, let go, writes its file again (unchanged since): it claims it again.
-
-    Without that, a new sink on its path would be taken, and replace the file
-    with the rows of the run still writing it.
-    """
-    with _LIVE_LOCK:
-        _LIVE.add(sink)
-    sink._released = False
-
-
 def _unpickled(token: str, state: dict[str, Any]) -> CSVSink:
-    """The live sink ``token`` names, in the process it was pickled in; else a new one."""
-    with _LIVE_LOCK:
-        for sink in _LIVE:
-            if sink._token == token:
-                return sink
+    """The sink ``token`` names, in the process it was pickled in; else a new one."""
+    found = by_token(token)
+    if isinstance(found, CSVSink):
+        return found
     sink = CSVSink.__new__(CSVSink)
     sink.__setstate__(state)
     return sink

@@ -1039,6 +1039,11 @@ def test_a_sink_let_go_that_writes_again_claims_its_file_again(tmp_path: Path) -
     with pytest.raises(ValueError, match="another CSVSink alive"):
         dk.CSVSink(path)
     assert read_rows(path) == [["step", "loss"], ["0", "1.0"], ["1", "2.0"]]
+    # Let go or not, a pickle loaded in this process is the sink itself: one writer.
+    sink = logs.sinks[0]
+    assert isinstance(sink, dk.CSVSink)
+    sink._let_go()
+    assert pickle.loads(pickle.dumps(sink)) is sink
 
 
 def test_a_sink_let_go_that_writes_again_is_stopped_by_its_check(tmp_path: Path) -> None:
