@@ -75,14 +75,19 @@ def unclaim(sink: Claimant) -> None:
         _live.discard(sink)
 
 
-def reclaim(sink: Claimant) -> None:
-    """``sink``, let go, writes its file again (unchanged since): it claims it again.
+def reclaim(sink: Claimant) -> Claimant | None:
+    """``sink``, let go, writes its file again: it claims it again, unless another has.
 
     Without that, a new sink on its path would be taken, and replace the file
-    with the rows of the run still writing it.
+    with the rows of the run still writing it. Returns the sink made for the
+    file meanwhile (the retry's), which keeps it; None once ``sink`` has it.
     """
     with _lock:
-        _live.add(sink)
+        other = next((each for each in _live if each._real == sink._real), None)
+        if other is None or other is sink:
+            _live.add(sink)
+            return None
+        return other
 
 
 def by_token(token: str) -> Claimant | None:

@@ -98,10 +98,11 @@ class RanksDisagreeError(DevicekitError, ValueError):
     of that flush unreduced (none is lost; later flushes combine again).
 
     Attributes:
-        ended_ranks: The other ranks whose ``with`` block ended in this flush
-            (their last): they flush no more, so this rank's later flushes of
-            the buffer record its own values, unreduced, rather than wait for
-            them until the timeout.
+        ended_ranks: On a rank whose ``with`` block goes on, the ranks whose
+            block ended in this flush (their last): they flush no more, so
+            this rank's flushes record its own values, unreduced, to the end
+            of its block, rather than wait for them until the timeout. Empty
+            on a rank whose block ended, and where no block ended.
     """
 
     ended_ranks: tuple[int, ...] = ()

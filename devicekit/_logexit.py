@@ -78,6 +78,7 @@ class Block(Protocol):
     _finishing: bool  # flush() is the end of the outermost block's: the last of this rank
     _depth: int  # with blocks entered and not left
     _ranks_ended: tuple[int, ...]  # other ranks whose block ended (see _logflight.Flushes)
+    _told_ranks_ended: bool
 
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Landed]: ...
     def _pending_count(self, *, in_flight: bool = ...) -> int: ...
@@ -171,8 +172,8 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
             _tell_unreduced(buffer, exc, unreduced)
     finally:
         buffer._leaving_on_error = False
-        if buffer._depth == 0:
-            buffer._ranks_ended = ()  # the next block starts afresh (see _flush_last)
+        if buffer._depth == 0:  # the next block starts afresh (see _flush_last)
+            buffer._ranks_ended, buffer._told_ranks_ended = (), False
 
 
 def _unreduced_at_leaving(buffer: Block) -> int:
@@ -196,10 +197,15 @@ _UNREDUCED_FIX: dict[type[BaseException], str] = {
     ),
     GeneratorExit: (
         ". The with block is in a generator that was closed before it ended (the loop "
-        "over it left early, or gen.close()): flush on every rank before the generator's "
-        "last yield, or put the with block around the loop instead"
+        "over it left early, or gen.close()): call logs.flush() on every rank before "
+        "leaving that loop, or put the with block around the loop instead"
     ),
 }
+
+
+def _unreduced_fix(exc: BaseException) -> str:
+    """`_UNREDUCED_FIX`'s advice for ``exc``, by its class or a base (a SystemExit of yours)."""
+    return next((fix for kind, fix in _UNREDUCED_FIX.items() if isinstance(exc, kind)), "")
 
 
 def _tell_unreduced(buffer: Block, exc: BaseException, count: int) -> None:
@@ -212,7 +218,7 @@ def _tell_unreduced(buffer: Block, exc: BaseException, count: int) -> None:
         f"devicekit: LogBuffer(reduce={buffer.reduce!r}): the with block left on "
         f"{type(exc).__name__}, so its last flush recorded this rank's "
         f"{'value' if count == 1 else f'{count} values'} unreduced, its own, not the job's "
-        f"(the other ranks may never reach a collective){_UNREDUCED_FIX.get(type(exc), '')}"
+        f"(the other ranks may never reach a collective){_unreduced_fix(exc)}"
     )
     if isinstance(exc, Exception):
         add_note(exc, told)
@@ -240,7 +246,7 @@ def _flush_last(buffer: Block) -> None:
     finally:
         buffer._finishing = False
         if buffer._depth == 0:
-            buffer._ranks_ended = ()
+            buffer._ranks_ended, buffer._told_ranks_ended = (), False
 
 
 def _record_what_sinks_logged(buffer: Block, raised: BaseException, *, deliver: bool) -> None:

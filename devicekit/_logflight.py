@@ -89,8 +89,8 @@ class Flushes:
     _reduced_across_ranks = False
     _told_no_group = False  # a flush warned that it recorded one rank's values unreduced
     # Other ranks whose with block ended in a flush this rank joined with another kind
-    # (its flush() met their last): they flush no more, so the end of this rank's block
-    # flushes locally. Told once where it records values so.
+    # (its flush() met their last): they flush no more, so this rank's flushes are local
+    # to the end of its block. Told once per block where one records values so.
     _ranks_ended: tuple[int, ...] = ()
     _told_ranks_ended = False
 
@@ -251,17 +251,18 @@ class Flushes:
             told = left_out_warning(left_out, forked=self._forked)
             warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
-    def _reducing(self, *, values: bool, kind: FlushKind) -> bool:
+    def _reducing(self, *, values: bool) -> bool:
         """Whether a flush meant to reduce combines across ranks; tells, once, why not.
 
-        ``values``: it has values to record (told of only then). Only the end of
-        the block is local once other ranks' blocks ended: a flush before it
-        still meets theirs, should they enter a block again.
+        ``values``: it has values to record (told of only then). Once other
+        ranks' blocks ended, every flush to the end of this rank's block is
+        local: a flush that waited for them would wait until the timeout, and
+        leave the job's collectives broken.
         """
         if not initialized():
             self._tell_no_group()  # once: nothing is reduced without a group
             return False
-        if self._ranks_ended and kind == "final":  # no rank left to meet: local
+        if self._ranks_ended:  # no rank left to meet: local
             if values:
                 self._tell_ranks_ended()
             return False
@@ -277,10 +278,10 @@ class Flushes:
         warnings.warn(
             f"LogBuffer(reduce={self.reduce!r}): {ranks} ended "
             f"{'their' if len(ended) > 1 else 'its'} with block in a flush this rank joined "
-            "with a flush() of its own (flush() on this rank only), and flushes no more: the "
-            "end of this rank's block recorded its values since unreduced, its own, rather "
-            "than wait for them until the timeout. Call flush() on every rank together, or "
-            "let the end of the with block flush.",
+            "with a flush() of its own (flush() on this rank only), and flushes no more in "
+            "it: this rank's values since are recorded unreduced, its own, to the end of its "
+            "block, rather than wait for them until the timeout. Call flush() on every rank "
+            "together, or let the end of the with block flush.",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )
@@ -344,7 +345,7 @@ class Flushes:
                 # No call where there is nothing to reduce (0.3 µs of a 42 µs flush).
                 reducing = reduce and self._reduce is not None
                 if reducing:
-                    reducing = self._reducing(values=bool(batch), kind=kind)
+                    reducing = self._reducing(values=bool(batch))
                 if batch or reducing:
                     # Nothing changes until the flight is set: a failure (or Ctrl-C)
                     # before leaves the values pending; after, they are in flight.
@@ -410,9 +411,8 @@ class Flushes:
             else:
                 if not self._reduced_across_ranks and world_size() > 1:
                     self._reduced_across_ranks = True  # see _logexit._reduce_refused
-                # Every rank took part: those whose block ended in it, or none (a rank
-                # that ended before and entered a block again is back).
-                self._ranks_ended = values.ended_ranks
+                if values.ended_ranks:  # theirs was the last: this rank's flush() met it
+                    self._ranks_ended = values.ended_ranks
                 return values, None
         values = self._start(batch, reduce=False) if batch else InFlight((), [])
         if not isinstance(failure, RanksOutOfStepError):

@@ -270,16 +270,20 @@ OPTIMIZERS = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
 def optimizer_stray(obj: Any, device: torch.device) -> str | None:
     """The path of a tensor off ``device`` in an optimizer's state (a scheduler's), or None.
 
-    Its ``step`` counters are left out: torch keeps Adam's (and others') on
-    the host on purpose, where it is not ``capturable``, so an optimizer made
-    after the model moved, as the advice says, would be warned of all the same.
+    Its counters (0-d tensors on the host) are left out: torch keeps Adam's
+    ``step`` and NAdam's ``mu_product`` there on purpose, where it is not
+    ``capturable``, so an optimizer made after the model moved, as the advice
+    says, would be warned of all the same.
     """
     optimizer, held = (
         (obj, "") if isinstance(obj, torch.optim.Optimizer) else (obj.optimizer, ".optimizer")
     )
     for param, values in list(optimizer.state.items()):
         for name, value in list(values.items()):
-            found = None if name == "step" else tensor_elsewhere(value, device)
+            # A 0-d tensor on the host is a counter torch keeps there (Adam's step,
+            # NAdam's mu_product), not state left behind.
+            kept = isinstance(value, torch.Tensor) and value.is_cpu and not value.ndim
+            found = None if kept else tensor_elsewhere(value, device)
             if found is not None:
                 return f"{held}.state[{key_text(param)}][{name!r}]{found}"
     return None

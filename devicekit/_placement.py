@@ -322,12 +322,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     except HeldView as held:
         raise TypeError(_view_refused(obj, held, target)) from None
     except ReferenceError as error:  # Python's bare "weakly-referenced object no longer exists"
-        add_note(
-            error,
-            "devicekit: to_device() met a weak proxy (weakref.proxy) in obj whose object no "
-            "longer exists, and cannot tell what it was. Take it out of the batch, or keep "
-            "its object alive while the batch is moved.",
-        )
+        if str(error) == _DEAD_PROXY and _DEAD_PROXY_NOTE not in getattr(error, "__notes__", ()):
+            add_note(error, _DEAD_PROXY_NOTE)  # once, though to_device calls may nest
         raise
     except NotImplementedError as error:
         _raise_unsupported(error, obj, target)
@@ -343,6 +339,14 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     return result  # type: ignore[no-any-return]
 
 
+_DEAD_PROXY = "weakly-referenced object no longer exists"  # a proxy's error, not a .to()'s own
+_DEAD_PROXY_NOTE = (
+    "devicekit: to_device() met a weak proxy (weakref.proxy) in obj whose object no longer "
+    "exists, and cannot tell what it was. Take it out of the batch, or keep its object "
+    "alive while the batch is moved."
+)
+
+
 def _torch_fix(cls: type, target: torch.device) -> str:
     """How to have one of torch's own classes on ``target``: no .to() is yours to add there."""
     if issubclass(cls, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
@@ -353,11 +357,11 @@ def _torch_fix(cls: type, target: torch.device) -> str:
             "model, or load_state_dict() into one made then (which moves the state to each "
             "parameter's device)"
         )
-    if cls.__module__.startswith("torch.utils.data"):  # a DataLoader, a Dataset
-        return (
-            f"A {cls.__name__} hands out batches on the host, where its workers make them: "
-            f"move each batch as it comes, dk.to_device(batch, {str(target)!r})"
-        )
+    move = f"move each batch as it comes, dk.to_device(batch, {str(target)!r})"
+    if issubclass(cls, torch.utils.data.DataLoader):
+        return f"A DataLoader hands out batches on the host, where its workers make them: {move}"
+    if issubclass(cls, torch.utils.data.Dataset):
+        return f"A dataset's items stay on the host, where a DataLoader reads them: {move}"
     return (
         f"torch's {cls.__name__} has no .to() to call: move the tensors it holds yourself, or "
         f"make it from tensors on {target}"

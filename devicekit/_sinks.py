@@ -196,10 +196,24 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
 
     def _let_go(self) -> None:
         # Until it writes again: a buffer whose block failed may go on (the error
-        # caught) or share the sink. If a new sink replaced the file meanwhile, the
-        # check at that write stops it; if not, it claims the file again.
-        unclaim(self)
-        self._released = True
+        # caught) or share the sink. If a new sink took the file meanwhile, that write
+        # is refused; if not, it claims the file again. Under the lock: not between a
+        # write's claim and its mark.
+        with self._lock:
+            unclaim(self)
+            self._released = True
+
+    def _handed_over_error(self, taken: object, rows: list[Record]) -> RuntimeError:
+        """The error of a sink let go whose file another sink took meanwhile: it writes no more."""
+        return RuntimeError(
+            f"{self!r} did not write {str(self._file)!r}: its LogBuffer's with block failed, "
+            f"which let go of the file, and {taken!r} was made for it since (a retry), so this "
+            f"sink writes it no more: two writers on one file put values under each other's "
+            f"columns and lose rows. Its {plural(len(rows), 'record')} "
+            f"{'is' if len(rows) == 1 else 'are'} in its LogBuffer's history. Give this "
+            "buffer a sink of its own (logs.sinks = [dk.CSVSink('other.csv')]), or let it go "
+            "(logs.sinks = [])"
+        )
 
     def __call__(self, records: list[Record]) -> None:
         """Write ``records`` (called by the buffer at each flush)."""
@@ -219,7 +233,9 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         if changed is not None:  # another writer: writing now would mix or lose rows
             raise self._conflict_error(changed, rows)
         if self._released:  # let go when a block failed, and written to again: claimed
-            reclaim(self)
+            taken = reclaim(self)
+            if taken is not None:
+                raise self._handed_over_error(taken, rows)
             self._released = False
         if not self._started and self.append:
             try:

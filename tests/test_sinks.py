@@ -1046,6 +1046,32 @@ def test_a_sink_let_go_that_writes_again_claims_its_file_again(tmp_path: Path) -
     assert pickle.loads(pickle.dumps(sink)) is sink
 
 
+def test_a_sink_let_go_whose_file_a_retry_took_writes_no_more(tmp_path: Path) -> None:
+    # A retry's sink made after the failure, then the old sink writes first (an eval
+    # buffer shares it): before, it claimed the file again, and the retry's first flush
+    # was refused as "another writer", its rows left in history only.
+    path = tmp_path / "train.csv"
+    shared = dk.CSVSink(path)
+    train, evaluation = dk.LogBuffer(sinks=[shared]), dk.LogBuffer(sinks=[shared])
+
+    def fails() -> None:
+        with train:
+            train.log(0, loss=1.0)
+            raise MemoryError
+
+    with pytest.raises(MemoryError):
+        fails()
+    retry = dk.LogBuffer(sinks=[dk.CSVSink(path)])
+    evaluation.log(0, acc=0.5)
+    with pytest.raises(RuntimeError, match=r"was made for it since \(a retry\), so this sink"):
+        evaluation.flush()
+    retry.log(0, loss=2.0)
+    retry.flush()
+    assert read_rows(path) == [["step", "loss"], ["0", "2.0"]]
+    assert evaluation.history == [{"step": 0, "acc": 0.5}]  # none lost
+    train.sinks, evaluation.sinks = [], []
+
+
 def test_a_sink_let_go_that_writes_again_is_stopped_by_its_check(tmp_path: Path) -> None:
     path = tmp_path / "train.csv"
     logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(path)])
