@@ -1019,13 +1019,8 @@ def test_a_run_whose_block_failed_lets_go_of_its_file_for_the_retry(tmp_path: Pa
         dk.CSVSink(path)
 
 
-def test_a_sink_let_go_that_writes_again_claims_its_file_again(tmp_path: Path) -> None:
-    # A failed block whose error is caught, and the run goes on with the same buffer (or
-    # another buffer shares the sink): once it writes again, a new sink on its path is
-    # refused again, as it was before the block failed. Without that, the new sink was
-    # taken and replaced the file with the live run's rows.
-    path = tmp_path / "train.csv"
-    logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(path)])
+def _fail_a_block(logs: dk.LogBuffer) -> None:
+    """A with block of ``logs`` that logs step 0, then fails (out of memory, say)."""
 
     def fails() -> None:
         with logs:
@@ -1034,6 +1029,16 @@ def test_a_sink_let_go_that_writes_again_claims_its_file_again(tmp_path: Path) -
 
     with pytest.raises(MemoryError):
         fails()
+
+
+def test_a_sink_let_go_that_writes_again_claims_its_file_again(tmp_path: Path) -> None:
+    # A failed block whose error is caught, and the run goes on with the same buffer (or
+    # another buffer shares the sink): once it writes again, a new sink on its path is
+    # refused again, as it was before the block failed. Without that, the new sink was
+    # taken and replaced the file with the live run's rows.
+    path = tmp_path / "train.csv"
+    logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(path)])
+    _fail_a_block(logs)
     with logs:  # the run goes on
         logs.log(1, loss=2.0)
     with pytest.raises(ValueError, match="another CSVSink alive"):
@@ -1053,14 +1058,7 @@ def test_a_sink_let_go_whose_file_a_retry_took_writes_no_more(tmp_path: Path) ->
     path = tmp_path / "train.csv"
     shared = dk.CSVSink(path)
     train, evaluation = dk.LogBuffer(sinks=[shared]), dk.LogBuffer(sinks=[shared])
-
-    def fails() -> None:
-        with train:
-            train.log(0, loss=1.0)
-            raise MemoryError
-
-    with pytest.raises(MemoryError):
-        fails()
+    _fail_a_block(train)
     retry = dk.LogBuffer(sinks=[dk.CSVSink(path)])
     evaluation.log(0, acc=0.5)
     with pytest.raises(RuntimeError, match=r"was made for it since \(a retry\), so this sink"):
@@ -1075,14 +1073,7 @@ def test_a_sink_let_go_whose_file_a_retry_took_writes_no_more(tmp_path: Path) ->
 def test_a_sink_let_go_that_writes_again_is_stopped_by_its_check(tmp_path: Path) -> None:
     path = tmp_path / "train.csv"
     logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(path)])
-
-    def fails() -> None:
-        with logs:
-            logs.log(0, loss=1.0)
-            raise MemoryError
-
-    with pytest.raises(MemoryError):
-        fails()
+    _fail_a_block(logs)
     dk.CSVSink(path)([{"step": 0, "acc": 0.5}])  # the retry's sink: replaces the file
     logs.log(1, loss=2.0)
     with pytest.raises(RuntimeError, match="the file changed since this sink last wrote it"):
