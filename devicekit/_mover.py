@@ -44,7 +44,6 @@ from ._movecalls import (
     while_calling_to,
 )
 from ._rebuild import (
-    rebuild_list_subclass,
     rebuild_mapping,
     rebuild_sequence,
     rebuild_set,
@@ -165,9 +164,7 @@ class _Mover:
             return self.container(obj, rebuild_mapping)
         if isinstance(obj, tuple):
             return self.container(obj, rebuild_tuple)
-        if isinstance(obj, list):
-            return self.container(obj, rebuild_list_subclass)
-        if isinstance(obj, MutableSequence):  # a deque, a UserList (not a str, nor a range)
+        if isinstance(obj, MutableSequence):  # a list subclass, a deque, a UserList (no str)
             return self.container(obj, rebuild_sequence)
         if isinstance(obj, (set, frozenset)):
             return self.container(obj, rebuild_set)

@@ -44,7 +44,6 @@ from ._shortrepr import short_repr
 from ._tree import container_layout, is_dataclass_instance, record_layout
 
 __all__ = [
-    "rebuild_list_subclass",
     "rebuild_mapping",
     "rebuild_sequence",
     "rebuild_set",
@@ -106,7 +105,7 @@ def _move_hidden(walk: Walk, obj: dict[Any, Any], result: Any, shown: dict[Any, 
     the class shows them its own way, and may not take them through its
     ``__setitem__``. Left as they were, a tensor among them stayed behind.
     """
-    base = OrderedDict.__setitem__ if isinstance(obj, OrderedDict) else dict.__setitem__
+    base = _storage_setitem(result)
     for key, value in list(dict.items(obj)):
         if key not in shown:
             moved = walk.move(value)
@@ -314,35 +313,17 @@ def _reads_back(obj: Any, key: Any, value: Any) -> bool:
         return False
 
 
-def rebuild_list_subclass(walk: Walk, obj: list[Any]) -> list[Any]:
-    """A list subclass of the same type, each item that moved set by index, as a mapping's is.
-
-    With its own ``__setitem__``, index by index: a slice assignment handed it a
-    list (refused by a class that checks each item), and skipped a check written
-    for indices. A read-only one (its first write refused, and the item it holds
-    there too) is filled through ``list``'s own, as a read-only dict is.
-    """
-    items = _kept(walk, obj)
-    moved = [walk.move(item) for item in items]
-    result: list[Any] = own_copy(obj)
-    _move_held(walk, result, obj)
-    unshare(result, obj)
-    if list.__len__(result) != len(items):  # a copy made its own way, without the items
-        list.__setitem__(result, slice(None), items)
-    originals = dict(enumerate(items))
-    changed = [(index, new) for index, new in enumerate(moved) if new is not originals[index]]
-    _write_moved(obj, result, changed, originals)
-    forget_cached_properties(result)
-    return result
-
-
 def rebuild_sequence(walk: Walk, obj: MutableSequence[Any]) -> MutableSequence[Any]:
-    """A deque, ``UserList`` or other mutable sequence of the same type, items moved.
+    """A ``list`` subclass, deque, ``UserList`` or other mutable sequence, of its type, moved.
 
     An exact deque is built anew, with its ``maxlen``. Any other is shallow-copied
     as a mapping is (its own way, or without ``__init__``, its attributes
     unshared), then each item that moved is set by index with its own
-    ``__setitem__``, and the input checked for writes that leaked into it.
+    ``__setitem__``, and the input checked for writes that leaked into it. Index
+    by index: a slice assignment handed it a list (refused by a class that checks
+    each item), and skipped a check written for indices. A read-only ``list``
+    subclass (its first write refused, and the item it holds there too) is
+    filled through ``list``'s own, as a read-only dict is (`_set_items`).
     """
     if isinstance(obj, (bytearray, array.array)):
         return obj  # holds numbers only, never a tensor: nothing to copy
@@ -353,6 +334,8 @@ def rebuild_sequence(walk: Walk, obj: MutableSequence[Any]) -> MutableSequence[A
     result: MutableSequence[Any] = own_copy(obj)
     _move_held(walk, result, obj)
     unshare(result, obj)
+    if isinstance(result, list) and list.__len__(result) != len(items):
+        list.__setitem__(result, slice(None), items)  # a copy made its own way, without them
     originals = dict(enumerate(items))
     changed = [(index, new) for index, new in enumerate(moved) if new is not originals[index]]
     _write_moved(obj, result, changed, originals)
