@@ -18,7 +18,16 @@ from ._errors import RanksDisagreeError
 from ._format import shorten
 from ._logreport import made_differently
 
-__all__ = ["Answer", "FlushKind", "Layout", "Terms", "agreed_entries", "check_agreement"]
+__all__ = [
+    "Answer",
+    "FlushKind",
+    "Layout",
+    "Terms",
+    "agreed_entries",
+    "check_agreement",
+    "final_ranks",
+    "ranks_ended",
+]
 
 FlushKind = Literal["automatic", "flush", "final"]
 """Which flush: ``log()``'s every ``flush_every`` calls, a ``flush()`` call, or the last
@@ -68,10 +77,10 @@ def agreed_entries(answers: list[Answer], terms: list[Terms], op: str) -> int | 
     layouts = [layout for layout, _, _, _ in answers]
     if all(layout is not None for layout in layouts) and len(set(layouts)) > 1:
         kinds = [kind for _, _, kind in terms]
-        ended = [rank for rank, kind in enumerate(kinds) if kind == "final"]
+        ended = final_ranks(terms)
         if ended and len(ended) < len(kinds):  # they flush no more: the rest never meets
             error = RanksDisagreeError(_ended_apart(answers, op, ended))
-            error.ended_ranks = tuple(ended)
+            error.ended_ranks = ended
             raise error
         shortest = min(len(layout[0]) for layout in layouts if layout is not None)
         if len({first_layout(layout, shortest) for layout in layouts}) == 1:
@@ -255,12 +264,23 @@ def _said(answers: list[Answer]) -> str:
     return "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(summaries))
 
 
-def _ended_apart(answers: list[Answer], op: str, ended: list[int]) -> str:
+def final_ranks(terms: Sequence[Terms]) -> tuple[int, ...]:
+    """The ranks in their final flush: their ``with`` block ended, they flush no more."""
+    return tuple(rank for rank, (_, _, kind) in enumerate(terms) if kind == "final")
+
+
+def ranks_ended(ended: Sequence[int]) -> str:
+    """``"rank 1 ended its"`` or ``"ranks 1, 2 ended their"``, for the messages about them."""
+    many = len(ended) > 1
+    ranks = ", ".join(map(str, ended))
+    return f"rank{'s' if many else ''} {ranks} ended {'their' if many else 'its'}"
+
+
+def _ended_apart(answers: list[Answer], op: str, ended: Sequence[int]) -> str:
     """Why the ranks whose block ended cannot combine with the others, which hold other steps."""
-    rank = f"rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}"
     return (
-        f"LogBuffer(reduce={op!r}) cannot combine this flush: {rank} ended "
-        f"{'their' if len(ended) > 1 else 'its'} with block (the last flush) while the "
+        f"LogBuffer(reduce={op!r}) cannot combine this flush: {ranks_ended(ended)} "
+        "with block (the last flush) while the "
         f"ranks hold different steps:\n{_said(answers)}\nA rank whose block has ended "
         "flushes no more, so what the ranks hold apart could never be combined. Each rank "
         "records its own values, unreduced, so none is lost, and so do the other ranks to "

@@ -21,7 +21,7 @@ from ._dist import initialized, launched_world, validated_timeout, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
-from ._logagree import FlushKind
+from ._logagree import FlushKind, ranks_ended
 from ._logdeliver import Deliveries, Record, Sink
 from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
@@ -273,15 +273,13 @@ class Flushes:
         if self._told_ranks_ended:
             return
         self._told_ranks_ended = True
-        ended = self._ranks_ended
-        ranks = f"rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}"
         warnings.warn(
-            f"LogBuffer(reduce={self.reduce!r}): {ranks} ended "
-            f"{'their' if len(ended) > 1 else 'its'} with block in a flush this rank joined "
-            "with a flush() of its own (flush() on this rank only), and flushes no more in "
-            "it: this rank's values since are recorded unreduced, its own, to the end of its "
-            "block, rather than wait for them until the timeout. Call flush() on every rank "
-            "together, or let the end of the with block flush.",
+            f"LogBuffer(reduce={self.reduce!r}): {ranks_ended(self._ranks_ended)} with block "
+            "in a flush this rank joined with a flush() of its own (flush() on this rank "
+            "only), and flushes no more in it: this rank's values since are recorded "
+            "unreduced, its own, to the end of its block, rather than wait for them until "
+            "the timeout. Call flush() on every rank together, or let the end of the with "
+            "block flush.",
             RuntimeWarning,
             stacklevel=caller_stacklevel(),
         )

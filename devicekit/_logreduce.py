@@ -23,7 +23,7 @@ from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import plural
 from ._jobstate import Job, refuse_if_broken, this_job
-from ._logagree import Answer, FlushKind, Layout, Terms, agreed_entries
+from ._logagree import Answer, FlushKind, Layout, Terms, agreed_entries, final_ranks
 from ._logflush import Column, InFlight, copy_to_host, read_each
 
 __all__ = ["broken_job", "start_reduced"]
@@ -135,9 +135,9 @@ def start_reduced(
         if kind == "final":  # told of the others' ends: its own block is ending too
             error.ended_ranks = ()
         raise
-    # Ranks whose block ended in this flush flush no more: the end of this rank's block
-    # would wait for them until the timeout (a flush() on this rank only met theirs).
-    ended = () if kind == "final" else tuple(r for r, t in enumerate(all_terms) if t[2] == "final")
+    # Ranks whose block ended in this flush flush no more: this rank's flushes to the end
+    # of its block would wait for them until the timeout (its flush() met their last).
+    ended = () if kind == "final" else final_ranks(all_terms)
     assert flat is not None
     taken: int | None = None
     if take is not None and take < len(steps):  # realigned: the later entries stay pending
