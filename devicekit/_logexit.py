@@ -77,8 +77,6 @@ class Block(Protocol):
 
     _finishing: bool  # flush() is the end of the outermost block's: the last of this rank
     _depth: int  # with blocks entered and not left
-    _ranks_ended: tuple[int, ...]  # other ranks whose block ended (see _logflight.Flushes)
-    _told_ranks_ended: bool
 
     def _flush(self, *, wait: bool, reduce: bool, deliver: bool = ...) -> list[Landed]: ...
     def _pending_count(self, *, in_flight: bool = ...) -> int: ...
@@ -99,6 +97,8 @@ class Scoped:
 
     _depth = 0  # with blocks of this buffer entered and not left (nested ones counted)
     _finishing = False  # see _flush_last
+    _ranks_ended: tuple[int, ...]  # see _logflight.Flushes: forgotten as the block ends
+    _told_ranks_ended: bool
 
     def __enter__(self) -> Self:
         self._depth += 1
@@ -111,7 +111,11 @@ class Scoped:
         traceback: TracebackType | None,
     ) -> None:
         self._depth = max(0, self._depth - 1)  # 0: the outermost block ends (see _flush_last)
-        leave(cast("Block", self), exc)  # a failing flush never replaces `exc`
+        try:
+            leave(cast("Block", self), exc)  # a failing flush never replaces `exc`
+        finally:
+            if self._depth == 0:  # the next block meets the other ranks afresh
+                self._ranks_ended, self._told_ranks_ended = (), False
 
     async def __aenter__(self) -> Self:
         return self.__enter__()
@@ -172,8 +176,6 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
             _tell_unreduced(buffer, exc, unreduced)
     finally:
         buffer._leaving_on_error = False
-        if buffer._depth == 0:  # the next block starts afresh (see _flush_last)
-            buffer._ranks_ended, buffer._told_ranks_ended = (), False
 
 
 def _unreduced_at_leaving(buffer: Block) -> int:
@@ -237,16 +239,13 @@ def _flush_last(buffer: Block) -> None:
     """``buffer.flush()`` at the end of a block; the outermost block's says it is the last.
 
     Its flush tells the other ranks that this rank flushes no more (see
-    `_logagree`): an inner block's end is not that. Once it is done, what the
-    other ranks' ends told is forgotten: the next block starts afresh.
+    `_logagree`): an inner block's end is not that.
     """
     buffer._finishing = buffer._depth == 0
     try:
         buffer.flush()
     finally:
         buffer._finishing = False
-        if buffer._depth == 0:
-            buffer._ranks_ended, buffer._told_ranks_ended = (), False
 
 
 def _record_what_sinks_logged(buffer: Block, raised: BaseException, *, deliver: bool) -> None:
