@@ -36,11 +36,11 @@ def checked_sinks(
     One sink where a list is expected is a list of one (as one device is). A
     class is refused: calling it would make an object and throw it away at
     every flush, silently (``sinks=[dk.CSVSink]`` for ``[dk.CSVSink(path)]``).
-    An ``async def`` sink, whose coroutine no one would await (its values
-    lost with a "never awaited" warning), is refused too; with ``thorough``
-    (when sinks are given, not at each flush's re-check), so is a function
-    that cannot take one argument (``lambda: ...``, which would fail at every
-    flush).
+    An ``async def`` or generator sink, which would never run (an async one's
+    values lost with a "never awaited" warning), is refused too; with
+    ``thorough`` (when sinks are given, not at each flush's re-check), so is
+    one that cannot take one argument (``lambda: ...``, which would fail at
+    every flush).
 
     Examples:
         >>> checked_sinks(print, receives="records") == checked_sinks([print], receives="records")
@@ -113,8 +113,9 @@ def _refuse_unfit(sink: Callable[..., Any], receives: str, *, thorough: bool) ->
 
     An ``async def`` or generator sink, and (``thorough``) one that cannot
     take one argument: a function or method, or an object whose ``__call__``
-    is a plain ``def``. The first is cheap enough for each flush's re-check (a sink appended to
-    the list); the second reads a signature, once, when sinks are given.
+    is a plain ``def``. The first is cheap enough for each flush's re-check
+    (a sink appended to the list); the second reads a signature, once, when
+    sinks are given.
     """
     # An object's __call__, found on its class as Python calls it, without running a descriptor.
     call = sink if inspect.isroutine(sink) else inspect.getattr_static(type(sink), "__call__", None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,7 @@ def _flush_on_one(rank: int) -> list[Any]:
                 for step in (5, 6, 7):
                     extra.log(step, loss=50.0)
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        outcome = [_raised(flush_on_rank_0), extra.history]
-    return [*outcome, [str(w.message) for w in caught]]
+    return _warned_outcome(flush_on_rank_0, extra)
 
 
 def _midway(rank: int) -> list[Any]:
@@ -99,10 +97,7 @@ def _midway(rank: int) -> list[Any]:
                 if rank == 0 and step == 2:
                     midway.flush()
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        outcome = [_raised(flush_midway), midway.history]
-    return [*outcome, [str(w.message) for w in caught]]
+    return _warned_outcome(flush_midway, midway)
 
 
 def _nested(rank: int) -> list[Any]:
@@ -121,6 +116,14 @@ def _nested(rank: int) -> list[Any]:
             nested.log(2, loss=3.0)
 
     return [_raised(nest), nested.history]
+
+
+def _warned_outcome(run: Callable[[], None], logs: dk.LogBuffer) -> list[Any]:
+    """What ``run`` raised, the history of ``logs`` after, and the warnings given meanwhile."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = [_raised(run), logs.history]
+    return [*outcome, [str(w.message) for w in caught]]
 
 
 def _ranks_end_apart(rank: int, world: int, port: int, folder: str) -> None:
