@@ -249,7 +249,8 @@ def check_agreement(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, and values "
             f"are matched by key name and step, never by position:\n{lines}\nEach rank records "
             "its own values of this flush, unreduced, so none is lost. Log the same keys at the "
-            "same steps on every rank (log a NaN where a rank has no value; pass the step "
+            "same steps on every rank (log a NaN where a rank has no value, such as a batch "
+            "one rank skipped with `continue` or an exception it caught; pass the step "
             "explicitly where ranks may log different numbers of times, since the default step "
             "counts this rank's own log() calls)."
         )

@@ -2318,6 +2318,11 @@ def test_a_rank_that_logged_nothing_is_said_plainly() -> None:
         _logagree.check_agreement(answers, "mean")
     assert "  rank 0: logged 1 step (4) of loss\n" in str(told.value)
     assert "  rank 1: logged nothing since the last flush\n" in str(told.value)
+    # The usual cause in a training loop: one rank skipped a batch (an exception it
+    # caught, a `continue`), so it logged fewer steps; the fix names it.
+    assert "such as a batch one rank skipped with `continue` or an exception it caught" in (
+        " ".join(str(told.value).split())
+    )
 
 
 def _buffers_made_differently(rank: int, world: int, port: int, folder: str) -> None:

@@ -167,6 +167,29 @@ def test_dataclass_is_rebuilt_not_mutated() -> None:
     assert on("cpu", batch.x)
 
 
+def test_a_batch_already_there_shares_no_container_with_the_input() -> None:
+    # The docs' rule: a write into the result never reaches the input, on any device,
+    # so a script behaves alike on the host and on a GPU; tensors come back as themselves.
+    t = torch.ones(1)
+    batch = {
+        "x": [t],
+        "d": Batch(t, {"mask": t}),
+        "od": collections.OrderedDict(a=t),
+        "q": collections.deque([t]),
+    }
+    moved = dk.to_device(batch, "cpu")
+    assert moved is not batch
+    for key in ("x", "d", "od", "q"):
+        assert moved[key] is not batch[key]
+    assert moved["d"].meta is not batch["d"].meta
+    moved["x"].append(t)
+    moved["d"].meta["new"] = t
+    assert batch["x"] == [t]
+    assert list(batch["d"].meta) == ["mask"]
+    assert moved["x"][0] is t
+    assert moved["d"].x is t
+
+
 def test_frozen_dataclass_moves_every_field_including_init_false() -> None:
     frozen = Frozen(torch.ones(2))
     moved = dk.to_device(frozen, META)
