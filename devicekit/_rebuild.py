@@ -30,6 +30,7 @@ in (``UserDict.data``) are not moved as attributes: the items are
 from __future__ import annotations
 
 import array
+import operator
 import types
 import weakref
 from collections import ChainMap, Counter, OrderedDict, defaultdict, deque
@@ -348,14 +349,43 @@ def rebuild_tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
     cls = type(obj)
     if cls is tuple:
         return tuple(items)
-    if not _tuple_new_makes(cls):
-        return cls(items)  # torch.Size, a structseq (torch.return_types): tuple.__new__ refuses
+    if _struct_sequence(cls) or not _tuple_new_makes(cls):  # tuple.__new__ refuses them
+        return _c_tuple(walk, obj, items)
     # A namedtuple or another subclass: made without its __new__ (whose signature is
     # its own, and may take more than the items), then its attributes.
     result: tuple[Any, ...] = tuple.__new__(cls, items)
     copy_state(obj, result)
     _move_held(walk, result, obj)
     return result
+
+
+def _c_tuple(walk: Walk, obj: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
+    """A tuple class written in C, made by its own constructor, its fields outside the tuple too.
+
+    A struct sequence (``torch.return_types.max``, ``time.struct_time``,
+    ``os.stat_result``) holds fields outside its tuple part (``tm_zone``, the
+    float ``st_mtime``), which ``cls(items)`` would set to ``None`` or lose:
+    its ``__reduce__`` gives them by name, and its constructor takes them back
+    so. One where nothing moved is returned as it is: it is immutable, so
+    sharing it changes nothing, and some cannot be made again at all
+    (``sys.version_info``).
+    """
+    cls: Any = type(obj)
+    moved = not all(map(operator.is_, items, obj))
+    hidden: dict[str, Any] = {}
+    if _struct_sequence(cls) and cls.n_fields > cls.n_sequence_fields:
+        reduced: Any = obj.__reduce__()  # (cls, (tuple part, {name: field outside it}))
+        held: dict[str, Any] = reduced[1][1]
+        hidden = {name: walk.move(value) for name, value in held.items()}
+        moved = moved or any(hidden[name] is not value for name, value in held.items())
+    if not moved:
+        return obj
+    return cls(items, hidden) if hidden else cls(items)  # type: ignore[no-any-return]
+
+
+def _struct_sequence(cls: type) -> bool:
+    """Whether ``cls`` is a struct sequence (``PyStructSequence``), as Python's C API makes them."""
+    return type(vars(cls).get("n_sequence_fields")) is int
 
 
 def _tuple_new_makes(cls: type) -> bool:

@@ -912,3 +912,36 @@ def test_entries_a_dict_subclass_hides_are_kept_and_moved() -> None:
     assert moved["_mask"].is_meta
     assert moved["_name"] == "train"
     assert batch["_mask"].device.type == "cpu"
+
+
+def test_struct_sequences_keep_the_fields_outside_their_tuple_part() -> None:
+    # Before: cls(items) set time.struct_time's tm_zone to None and made os.stat_result's
+    # float st_mtime an int, and sys.version_info raised tuple.__new__'s "is not safe".
+    import os
+    import sys
+    import time
+
+    local, stat = time.localtime(), os.stat(".")
+    moved = dk.to_device({"t": local, "s": stat, "v": sys.version_info}, "cpu")
+    assert moved["t"].tm_zone == local.tm_zone
+    assert moved["t"].tm_gmtoff == local.tm_gmtoff
+    assert moved["s"].st_mtime == stat.st_mtime  # a float, not the tuple part's int
+    assert moved["v"] is sys.version_info  # cannot be made again: nothing in it moved
+    # A tensor inside, in the tuple part and outside it: both moved, the rest kept.
+    t = torch.ones(1)
+    held = time.struct_time((t, 2, 3, 4, 5, 6, 7, 8, 9), {"tm_zone": t, "tm_gmtoff": 60})
+    copy = dk.to_device(held, META)
+    assert type(copy) is time.struct_time
+    assert copy.tm_year.device == META
+    assert copy.tm_zone is copy.tm_year  # one tensor, moved once
+    assert copy.tm_gmtoff == 60
+    assert tuple(copy)[1:] == (2, 3, 4, 5, 6, 7, 8, 9)
+
+
+def test_a_struct_sequence_with_tensors_is_rebuilt_and_one_already_there_is_itself() -> None:
+    found = torch.max(torch.randn(3, 2), 0)
+    moved = dk.to_device(found, META)
+    assert type(moved) is type(found)
+    assert moved.values.device == META
+    assert moved.indices.device == META
+    assert dk.to_device(found, "cpu") is found  # immutable: nothing to copy
