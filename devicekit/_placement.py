@@ -18,6 +18,7 @@ import torch
 
 from ._accelerators import CPU, META, try_gpu
 from ._checkfix import attribute_fix
+from ._compiled import traced_move
 from ._devices import DeviceLike, resolve_device
 from ._errors import TensorCopyError, add_note
 from ._format import article, qualified_name
@@ -35,6 +36,7 @@ __all__ = ["to_device"]
 T = TypeVar("T")
 
 _Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling  # True only while dynamo traces the call
 # resolve_device returns these very objects for the CPU and meta: compare by identity
 # (reading a torch.device's .type builds a new string each time, about 0.4 µs).
 _CPU, _META_DEVICE = CPU, META
@@ -304,6 +306,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
             raise
     if non_blocking is not None:
         check_flag(non_blocking, name="non_blocking", none=_NON_BLOCKING_DEFAULT)
+    if _is_compiling():  # torch.compile is tracing this call: a walk dynamo can follow
+        return traced_move(obj, target, non_blocking, to_device)  # type: ignore[no-any-return]
     mover = borrow(target, non_blocking)
     try:
         try:

@@ -1,0 +1,93 @@
+"""to_device inside a function torch.compile traces: no graph break, eager's results."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import devicekit as dk
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters  # noqa: E402 - after the skip
+
+META = torch.device("meta")
+Pair = collections.namedtuple("Pair", "label tensor")
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    dynamo.reset()
+    counters.clear()
+    yield
+    dynamo.reset()
+
+
+def _breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("device", ["meta", META, "cpu"])
+def test_a_compiled_step_moves_its_batch_in_one_graph(device: Any) -> None:
+    # Before: sys.getrefcount and the per-thread mover broke the graph three times,
+    # and fullgraph=True refused the step ("Dynamo does not know how to trace").
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(batch: dict[str, Any]) -> tuple[Any, ...]:
+        moved = dk.to_device(batch, device)
+        return moved["x"] + 1, moved["y"][0] * 2, moved["pair"], moved["y"][1] is moved["x"]
+
+    t = torch.ones(2)
+    x, y, pair, shared = step({"x": t, "y": [torch.ones(3), t], "pair": Pair("a", t)})
+    target = torch.device(device)
+    assert x.device == target
+    assert y.device == target
+    assert type(pair) is Pair
+    assert pair.label == "a"
+    assert pair.tensor.device == target
+    assert shared is True  # a tensor reached twice is moved once, as eager does
+    assert _breaks() == 0
+
+
+def test_a_compiled_step_gives_what_eager_gives_with_a_tensor_held_twice_or_not() -> None:
+    def step(batch: dict[str, Any]) -> bool:
+        moved = dk.to_device(batch, META)
+        return moved["a"] is moved["b"][0]
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    t = torch.ones(1)
+    shared, apart = {"a": t, "b": (t,)}, {"a": t, "b": (torch.ones(1),)}
+    assert compiled(shared) is step(shared) is True
+    assert compiled(apart) is step(apart) is False  # dynamo guards on the aliasing
+
+
+def test_what_the_traced_walk_does_not_rebuild_is_moved_eagerly_outside_the_graph() -> None:
+    @torch.compile(backend="eager")
+    def step(batch: dict[str, Any]) -> Any:
+        return dk.to_device(batch, META)
+
+    moved = step({"record": Batch(torch.ones(1)), "x": torch.ones(1), "n": 3})
+    assert type(moved["record"]) is Batch
+    assert moved["record"].x.device == META  # moved, by the eager walk
+    assert moved["x"].device == META
+    assert moved["n"] == 3
+    assert _breaks() > 0  # the eager walk runs outside the graph
+
+
+def test_eager_calls_never_take_the_traced_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit import _placement
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the traced walk ran in eager mode")
+
+    monkeypatch.setattr(_placement, "traced_move", refuse)
+    moved = dk.to_device({"x": torch.ones(1)}, META)
+    assert moved["x"].device == META
