@@ -41,7 +41,9 @@ def check_module(module: torch.nn.Module) -> list[str]:
     moved in place, so ``self.groups = [self.fc.weight]`` follows; only a
     move to ``meta`` makes new parameters), and an attribute a forward
     pre-hook recomputes on every call (``weight`` after
-    ``torch.nn.utils.weight_norm``, ``spectral_norm`` or pruning). A plain
+    ``torch.nn.utils.weight_norm``, ``spectral_norm`` or pruning), and what a
+    module holds whose class moves itself with an ``_apply`` of its own
+    (torchmetrics' ``Metric`` moves its states so). A plain
     reference to a registered *buffer* is reported: ``module.to()`` replaces
     buffers, so the reference keeps the old tensor. The walk takes time in
     proportion to the module's size, and a plain attribute that contains
@@ -80,6 +82,8 @@ def check_module(module: torch.nn.Module) -> list[str]:
     trees: list[tuple[str, torch.nn.Module]] = [("", module)]
     seen: set[int] = set()
     for prefix, submodule in _walk(trees, seen):
+        if _applies_its_own(type(submodule)):
+            continue  # it moves what it chooses, its plain attributes too: nothing to claim
         for attr, value in module_attributes(submodule):
             if (
                 not isinstance(value, (torch.Tensor, torch.nn.Module))
@@ -110,6 +114,19 @@ def check_module(module: torch.nn.Module) -> list[str]:
         )
         findings.append(f"{where}: {places.describe(modules, tensors)}")
     return findings
+
+
+def _applies_its_own(cls: type[torch.nn.Module]) -> bool:
+    """Whether ``cls`` moves itself with an ``_apply`` of its own, not torch's.
+
+    ``Module.to()`` runs ``_apply`` on each module: one written outside torch
+    (torchmetrics' ``Metric``, which moves the states it keeps as plain
+    attributes) decides what moves, so what it holds cannot be called left
+    behind. torch's own (``RNNBase``'s) moves what ``Module``'s does, and more
+    of its own parameters only.
+    """
+    owner = next((klass for klass in cls.__mro__ if "_apply" in vars(klass)), torch.nn.Module)
+    return not owner.__module__.startswith("torch.")
 
 
 def _walk(

@@ -315,6 +315,41 @@ def test_check_module_findings_are_true() -> None:
     assert reported == {"scale", "masks", "tables", "heads"}
 
 
+class _Stateful(torch.nn.Module):
+    """Keeps its state as plain attributes and moves them itself, as torchmetrics' Metric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.total = torch.zeros(1)
+        self.defaults = {"total": torch.zeros(1)}
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _Stateful:
+        super()._apply(fn, recurse)
+        self.total = fn(self.total)
+        self.defaults = {name: fn(value) for name, value in self.defaults.items()}
+        return self
+
+
+class _LeakyLSTM(torch.nn.LSTM):
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.cache = torch.zeros(1)
+
+
+def test_check_module_claims_nothing_of_a_module_that_moves_itself_with_its_own_apply() -> None:
+    # Before: torchmetrics' MulticlassAccuracy got 5 findings ("acc.tp ... module.to()
+    # will not move it") that were false: its _apply moves its states.
+    model = torch.nn.Sequential(_Stateful(), torch.nn.Linear(2, 2))
+    model[1].scale = torch.ones(1)  # a plain module's attribute: still reported
+    assert [finding.split(":")[0] for finding in dk.check_module(model)] == ["1.scale"]
+    moved = model.to("meta")
+    assert moved[0].total.device == META  # the claim not made would have been false
+    assert moved[0].defaults["total"].device == META
+    # torch's own _apply (RNNBase's) moves no plain attribute: still reported.
+    assert [f.split(":")[0] for f in dk.check_module(_LeakyLSTM())] == ["cache"]
+
+
 def test_check_module_is_empty_for_a_clean_module() -> None:
     assert (
         dk.check_module(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) == []

@@ -55,3 +55,19 @@ def test_a_pipeline_holding_a_model_and_its_tokenizer_is_checked() -> None:
     model.lm_head.to("meta")
     with pytest.raises(dk.DeviceMismatchError, match=r"  pipe\.model\.lm_head\.weight: meta\n"):
         dk.assert_same_device(pipe=pipe)
+
+
+def test_check_module_makes_no_false_claim_about_torchmetrics_states() -> None:
+    # A Lightning model usually holds metrics: their states are plain attributes
+    # that Metric._apply moves, so "module.to() will not move it" would be false.
+    torchmetrics = pytest.importorskip("torchmetrics")
+    metrics = torchmetrics.MetricCollection(
+        {
+            "acc": torchmetrics.classification.MulticlassAccuracy(num_classes=3),
+            "mean": torchmetrics.aggregation.MeanMetric(),
+        }
+    )
+    model = torch.nn.ModuleDict({"metrics": metrics, "head": torch.nn.Linear(2, 3)})
+    assert dk.check_module(model) == []
+    model.to("meta")
+    assert metrics["acc"].tp.device.type == "meta"
