@@ -70,6 +70,7 @@ _looks_left: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
 # it left behind, per instance (an nn.Sequential holds something else in each).
 _module_looks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 _has_to_method = has_to_method  # the name _checkwalk imports it by
+_FX_PROXY = torch.fx.Proxy
 _PROXIES = frozenset(weakref.ProxyTypes)  # their class reads as the referent's: type() does not
 _BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
 _NUMPY_ARRAYS = frozenset({("numpy", "ndarray"), ("numpy", "void")})  # looked in by dtype
@@ -155,6 +156,8 @@ class _Mover:
             return obj
         if isinstance(obj, torch.nn.Module):
             return self.container(obj, _call_module)  # once, however often reached
+        if isinstance(obj, _FX_PROXY):  # a tensor as torch.fx.symbolic_trace sees it
+            return self.container(obj, _proxy_to)  # the move, recorded in the graph
         # An object whose own .to() is what called to_device on it is moved as what it is.
         has_to = _has_to_method(type(obj))
         own_to = has_to and calling_to(obj)
@@ -429,6 +432,13 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
         return tuple(result) if cls is tuple else result
 
     return move
+
+
+def _proxy_to(mover: _Mover, proxy: torch.fx.Proxy) -> Any:
+    """``proxy.to(device)``, as for a tensor: returned unchanged, the move left the graph."""
+    if mover.non_blocking and mover.device != _META_DEVICE:
+        return proxy.to(mover.device, non_blocking=True)
+    return proxy.to(mover.device)
 
 
 def _call_module(mover: _Mover, module: torch.nn.Module) -> Any:

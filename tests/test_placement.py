@@ -1840,3 +1840,19 @@ def test_a_storage_is_moved_by_its_keyword_only_to(make: Any) -> None:
         assert moved.data_ptr() == storage.data_ptr()  # there already: not copied
     with pytest.raises(dk.TensorCopyError, match=r"cannot move a torch\.storage\.\w+ to 'meta'"):
         dk.to_device(storage, "meta")  # torch's raw AssertionError, before
+
+
+def test_a_move_traced_by_torch_fx_is_in_the_graph() -> None:
+    # Before: symbolic_trace's Proxy was returned unchanged, so the traced module left
+    # its input where it was, silently (accelerate's send_to_device records the move).
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor, batch: dict[str, Any]) -> Any:
+            moved = dk.to_device({"x": x, "again": x, **batch}, META)
+            return moved["x"] * 2, moved["again"] is moved["x"]
+
+    traced = torch.fx.symbolic_trace(Step(), concrete_args={"batch": {}})
+    calls = [node.target for node in traced.graph.nodes if node.op == "call_method"]
+    assert calls == ["to"]  # once: the proxy reached twice is one move
+    out, shared = traced(torch.ones(2), {})
+    assert out.device == META
+    assert shared is True
