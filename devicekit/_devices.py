@@ -350,7 +350,21 @@ def _parse(value: object, name: str) -> torch.device:
                 f"Pass 'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU.",
             )
         return torch.device(kind, index)
-    raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}")
+    raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}{_fix_for(value, name)}")
+
+
+def _fix_for(value: object, name: str) -> str:
+    """The fix for an object given as a device that only stands near one, or ``""``."""
+    if isinstance(value, torch.cuda.device):  # the context manager, not a device
+        return (
+            f" (the torch.cuda.device context manager); pass torch.device('cuda', {value.idx}) "
+            f"or 'cuda:{value.idx}'"
+        )
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.device, str)):
+        return f"; pass one device, not a list of them ({name}={short_repr(value[0])})"
+    if isinstance(value, torch.nn.Module):
+        return "; pass next(model.parameters()).device to use the device a model is on"
+    return ""
 
 
 def _unreadable(value: str, name: str, reason: str) -> ValueError:

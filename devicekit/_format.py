@@ -243,10 +243,11 @@ def article(word: str) -> str:
     """``"an"`` or ``"a"`` before ``word``, by how it sounds: an acronym letter by letter.
 
     Examples:
-        >>> article("MPS"), article("CUDA"), article("Index"), article("ndarray")
-        ('an', 'a', 'an', 'an')
+        >>> article("MPS"), article("CUDA"), article("MAIA"), article("Index"), article("ndarray")
+        ('an', 'a', 'a', 'an', 'an')
     """
-    if word.isupper() or word.startswith("nd"):  # read letter by letter: "en-dee-array"
+    # Read letter by letter ("en-dee-array"), but for the acronyms said as words.
+    if (word.isupper() and word not in ("MAIA", "HIP")) or word.startswith("nd"):
         return "an" if word[:1].upper() in "AEFHILMNORSX" else "a"
     return "an" if word[:1].lower() in "aeiou" else "a"
 

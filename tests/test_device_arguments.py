@@ -571,3 +571,21 @@ def test_cpu_and_meta_strings_read_once_are_the_one_device_and_bad_ones_are_not_
     for index in range(200):  # a program that builds a new string each time
         assert _devices.resolve_device(f"cpu:{index}") == torch.device("cpu")
     assert len(_devices._strings_read) <= _devices._STRINGS_KEPT
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        (torch.cuda.device(0), "context manager); pass torch.device('cuda', 0) or 'cuda:0'"),
+        ([CPU], "; pass one device, not a list of them (device=device(type='cpu'))"),
+        (torch.nn.Linear(1, 1), "; pass next(model.parameters()).device to use the device"),
+    ],
+    ids=["torch.cuda.device", "a list", "a module"],
+)
+def test_objects_that_stand_near_a_device_are_refused_with_the_fix(value: object, fix: str) -> None:
+    # Before: "got <torch.cuda.device object ...> of type device", which reads as a
+    # torch.device, and no word on passing one device of a list, or a model's device.
+    with pytest.raises(TypeError) as info:
+        dk.to_device(torch.ones(1), value)  # type: ignore[arg-type]
+    assert fix in str(info.value)
