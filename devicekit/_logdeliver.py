@@ -139,7 +139,7 @@ class Deliveries:
         sinks still get them, and the interrupt is among the errors returned,
         for the caller to raise (``_logreport.flush_error``).
         """
-        if self._running is not None and _on_stack(self._running):
+        if self._running is not None and on_stack(self._running):
             return []
         errors: list[tuple[Sink, BaseException]] = []
         try:
@@ -238,7 +238,7 @@ def _current(calls: list[tuple[Sink, list[Record]]], left: Iterator[Any]) -> Sin
     return calls[len(calls) - length_hint(left) - 1][0]
 
 
-def _on_stack(frame: FrameType) -> bool:
+def on_stack(frame: FrameType) -> bool:
     """Whether ``frame`` is still running, below this call."""
     here: FrameType | None = sys._getframe(1)
     while here is not None:

@@ -12,9 +12,11 @@ slow.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Iterable
+from types import FrameType
 
 from ._callbacks import checked_sinks, describe_sink
 from ._dist import initialized, launched_world, validated_timeout, world_size
@@ -22,7 +24,7 @@ from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
 from ._logagree import FlushKind, ranks_ended
-from ._logdeliver import Deliveries, Record, Sink
+from ._logdeliver import Deliveries, Record, Sink, on_stack
 from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
@@ -79,6 +81,7 @@ class Flushes:
     _taken: int  # log() calls whose entries left _pending: the next default step
     _flush_at: int  # pending steps that start a flush
     _in_flight: Flight | None
+    _flushing: FrameType | None  # the flush taking a batch, landing or merging (see _flush)
     _history: History
     _deliveries: Deliveries
     _leaving_on_error: bool  # the with block is exiting on an exception
@@ -165,6 +168,7 @@ class Flushes:
         self._forked = True
         self._taken += len(self._pending)  # default steps go on from the parent's count
         self._pending, self._in_flight = [], None
+        self._flushing = None  # a thread of the parent's may have been inside a flush
         self._flush_at = self.flush_every
         if self._sinks:
             self._sinks_left_out = self._sinks_named()
@@ -325,6 +329,10 @@ class Flushes:
         ``log()``'s may leave values pending, to realign ranks (see `start_reduced`).
         """
         with self._lock:
+            if self._flushing is not None and on_stack(self._flushing):
+                # A signal handler, on this thread, interrupted this buffer's flush: that
+                # flush records what it took; what is pending waits for the next.
+                return []
             # Leaving a block on an exception: no flush joins a collective, not even one
             # a sink starts (the other ranks may never reach it).
             # A forked copy (a DataLoader worker) is no rank: its flushes are local.
@@ -333,7 +341,11 @@ class Flushes:
             failure: BaseException | None = None
             pending = self._pending
             try:
-                finished += self._complete()
+                # Until the flight is committed and landed. Set inside the try, so that the
+                # finally clears it; a frame, so that one left set (Ctrl-C in the finally)
+                # is seen to be stale, as Deliveries does.
+                self._flushing = sys._getframe()
+                finished += self._land()
                 # Entries that log() appends meanwhile land behind these, untouched.
                 count = len(pending)
                 batch = pending[:count]
@@ -358,25 +370,38 @@ class Flushes:
                     if spoiled:  # raised below, once the records are in history and sinks
                         failure = failure or unreadable_error(spoiled)
                     if wait or spoiled:
-                        finished += self._complete()
+                        finished += self._land()
             except BaseException as error:  # noqa: BLE001 - raised below, once the sinks ran
                 # Try again flush_every calls later, never at every log() call.
                 self._flush_at = len(pending) + self._flush_every
                 failure = error
             else:
                 self._flush_at = self._flush_every
-            errors = []
-            if deliver:
-                refused = self._uncallable_sink()
-                if refused is None:
-                    errors = self._deliveries.deliver(self._history.batches, self._sinks)
-                else:  # the records wait in history until it is taken out
-                    failure = failure or refused
-            self._history.compact(upto=self._deliveries.sent)
+            finally:
+                self._flushing = None  # the sinks may log and flush again: they are called after
+            refused, errors = self._hand_over(deliver=deliver)
+            failure = failure or refused
             if failure is None and not errors:
                 return finished
             # One is raised, what else failed told in notes on it.
             raise flush_error(failure, errors, pending=self._pending_count())
+
+    def _hand_over(
+        self, *, deliver: bool
+    ) -> tuple[BaseException | None, list[tuple[Sink, BaseException]]]:
+        """Hand what landed to the sinks, then merge small batches: what refused, what raised."""
+        refused: BaseException | None = None
+        errors: list[tuple[Sink, BaseException]] = []
+        if deliver:
+            refused = self._uncallable_sink()
+            if refused is None:  # else the records wait in history until it is taken out
+                errors = self._deliveries.deliver(self._history.batches, self._sinks)
+        try:  # a flush a signal handler ran here would merge the same batches
+            self._flushing = sys._getframe()
+            self._history.compact(upto=self._deliveries.sent)
+        finally:
+            self._flushing = None
+        return refused, errors
 
     def _begin(
         self, batch: list[Entry], *, reducing: bool, kind: FlushKind = "flush"
@@ -419,7 +444,15 @@ class Flushes:
         return values, None if told else unreduced_error(failure)
 
     def _complete(self) -> list[Landed]:
-        """Land the flush in flight, if any: its batch (none if it had no steps)."""
+        """Land the flush in flight, if any: its batch (none if it had no steps).
+
+        Nothing while this thread is inside a flush (a reader in a signal handler
+        that interrupted it): that flush lands its flight as it resumes.
+        """
+        flushing = self._flushing
+        return [] if flushing is not None and on_stack(flushing) else self._land()
+
+    def _land(self) -> list[Landed]:
         flight = self._in_flight
         if flight is None:
             return []
