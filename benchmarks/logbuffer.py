@@ -106,12 +106,12 @@ class _Unchecked:
 
 
 class _Read(_Unchecked):
-    """`_Unchecked`, plus the five reads that checking a 0-d tensor needs, and no decision."""
+    """`_Unchecked`, plus the six reads that checking a 0-d tensor needs, and no decision."""
 
     def log(self, step: Any = None, **scalars: Any) -> None:
         for key in scalars:  # noqa: PLC0206 - as log() does: indexing is faster
             value = scalars[key]
-            _ = (value.dtype, value.ndim, value.layout, value.is_cpu)
+            _ = (value.dtype, value.ndim, value.layout, value.is_cpu, value._base)
             if value.requires_grad:
                 scalars[key] = value.data
         self.pending.append((step, scalars))
@@ -199,8 +199,8 @@ def log_costs(rounds: int) -> None:
     )
     ratio, low, high, seconds = paired(rounds, append_detached, calls(3), before=fresh)
     print(
-        f"  with the five reads any check of a tensor needs (dtype, ndim, layout, "
-        f"requires_grad, is_cpu), no decision: {seconds * 1e4:.2f} us, {ratio:.2f}x "
+        f"  with the six reads any check of a tensor needs (dtype, ndim, layout, "
+        f"_base, requires_grad, is_cpu), no decision: {seconds * 1e4:.2f} us, {ratio:.2f}x "
         f"[{low:.2f}, {high:.2f}]: the floor of a checking log()"
     )
     ratio, low, high, seconds = paired(rounds, append_detached, bare_lock, before=fresh)

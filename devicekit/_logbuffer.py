@@ -49,7 +49,7 @@ from ._logreport import (
     unknown_key,
 )
 from ._logvalues import FLOATING as _FLOATING
-from ._logvalues import checked, checked_step, on_device, refuse, refuse_keys
+from ._logvalues import checked, checked_step, on_device, own_value, refuse, refuse_keys
 from ._options import check_count, check_flag
 
 __all__ = ["LogBuffer"]
@@ -247,7 +247,9 @@ class LogBuffer(Flushes, Scoped):
                 and not value.ndim
                 and value.layout is _STRIDED
             ):
-                if value.requires_grad:
+                if value._base is not None:  # logits[0, -1, 0]: it would keep logits alive
+                    value = scalars[key] = own_value(value)
+                elif value.requires_grad:
                     # .data is the same alias as .detach() (no kernel, no graph
                     # kept alive) without a trip through the dispatcher: 0.1 µs less.
                     value = scalars[key] = value.data

@@ -130,16 +130,38 @@ def _checked_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
             f"LogBuffer.log({key}=...) expects a scalar: a 0-d tensor or a number, got "
             f"a tensor of shape {tuple(value.shape)}; log value.mean() or one element"
         )
-    if value.is_meta:
+    if value.is_meta or _is_fake(value):
         raise refuse(key, value)
     if isinstance(value, torch.nn.Parameter):
         # An optimizer's step changes it in place after log(): a reference would read
         # the last value at every step it was logged. One kernel (a learned temperature
         # is logged now and then, never every element of a model).
         return value.detach().clone().reshape(())
+    if value._base is not None:  # a view of a larger tensor: kept, it would keep it alive
+        return own_value(value).reshape(())
     if value.requires_grad:
         value = value.detach()
     return value.reshape(()) if value.ndim else value  # a view: no kernel
+
+
+def own_value(view: torch.Tensor) -> torch.Tensor:
+    """A copy of the one value of ``view``, which holds none of its base's memory.
+
+    ``logits[0, -1, 0]`` shares the storage of ``logits``: kept until the flush,
+    it would keep every logits tensor of ``flush_every`` steps alive (on a GPU,
+    out of memory). The copy is one element, one small kernel, for views only.
+    """
+    return view.detach().clone()
+
+
+def _is_fake(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a ``FakeTensor`` (torch.compile's, made under ``FakeTensorMode``).
+
+    It says it is on a real device (``cpu``, ``cuda``) but, as a meta tensor,
+    holds no values; its module is only read where something imported it.
+    """
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(value, fake.FakeTensor)
 
 
 _MASKED: type | None = getattr(getattr(torch, "masked", None), "MaskedTensor", None)
@@ -240,9 +262,15 @@ def on_device(value: Any) -> bool:
 
 
 def refuse(key: str, value: torch.Tensor) -> ValueError:
+    """The error for a tensor that holds no values: on the meta device, or a fake tensor."""
+    where = (
+        f"a fake tensor (torch's FakeTensor, on {value.device.type} in name only)"
+        if _is_fake(value)
+        else f"a tensor on the {value.device.type} device"
+    )
     return ValueError(
-        f"LogBuffer.log({key}=...) got a tensor on the {value.device.type} device, which "
-        "holds no values; log a tensor on a real device"
+        f"LogBuffer.log({key}=...) got {where}, which holds no values; log a tensor on a "
+        "real device"
     )
 
 

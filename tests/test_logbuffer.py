@@ -2683,6 +2683,40 @@ def test_an_interrupted_sink_counts_as_having_had_its_records_when_the_buffer_is
     assert [str(w.message) for w in caught if "LogBuffer" in str(w.message)] == []
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "requires grad"])
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-d", "one element"])
+def test_a_view_is_kept_as_its_own_value_not_with_its_base(
+    grad: bool, shape: tuple[int, ...]
+) -> None:
+    # Before: logits[0, -1, 0] shared the storage of logits, so each pending step kept
+    # its whole logits tensor alive until the flush (+325 MiB for 40 steps of 8 MiB).
+    logs = dk.LogBuffer(flush_every=100)
+    logits = torch.randn(4, 8, 16, requires_grad=grad)
+    view = logits[0, -1, 0] if shape == () else logits[0, -1, 0:1]
+    logs.log(0, first=view)
+    kept = logs._pending[0][1]["first"]
+    assert kept.untyped_storage().nbytes() == kept.element_size()  # one value, no base
+    assert not kept.requires_grad
+    assert kept.shape == ()
+    expected = view.item()
+    with torch.no_grad():
+        logits.zero_()  # what the base does afterwards changes nothing logged
+    logs.flush()
+    assert logs.values("first") == [expected]
+
+
+def test_a_fake_tensor_is_refused_at_log_as_a_meta_one_is() -> None:
+    # Before: accepted, then the flush said the value "most likely changed after log()".
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.tensor(1.0)
+    logs = dk.LogBuffer()
+    with pytest.raises(ValueError, match=r"log\(v=\.\.\.\) got a fake tensor .* holds no values"):
+        logs.log(0, v=fake)
+    assert logs._pending == []
+
+
 def test_a_parameter_is_logged_with_its_value_at_log_not_at_the_flush() -> None:
     # An optimizer's step changes a parameter in place: before, a learned temperature
     # logged at each step was recorded with its last value at every one of them.
