@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -65,6 +66,16 @@ def file_path(path: object) -> Path:
     if "\0" in given:
         raise ValueError(f"{expected} one with a NUL character, which no file name can hold")
     expanded = os.path.expanduser(given)  # "~/runs/a.csv", not a folder named "~" here
+    variables = _variables_named(expanded)
+    if variables:
+        name = variables[0]
+        here = os.path.expandvars(expanded)
+        where = f"it is {here!r} here" if name in os.environ else f"${name} is not set here"
+        raise ValueError(
+            f"{expected} one that names an environment variable (${name}), which CSVSink "
+            f"does not expand, as open() does not: it would name a folder or file after it. "
+            f"Pass os.path.expandvars(path) ({where})"
+        )
     in_it = f"Pass a file in it, such as {os.path.join(os.path.normpath(given), 'train.csv')!r}"
     file = Path(expanded)
     try:
@@ -78,6 +89,13 @@ def file_path(path: object) -> Path:
     if os.path.basename(expanded) in ("", ".", ".."):  # Path("logs/") would be a file "logs"
         ending = "/" if given.endswith(("/", os.sep)) else os.path.basename(given)
         raise ValueError(f"{expected} a folder (it ends with {ending!r}). {in_it}")
+    if _through_proc(expanded):  # /dev/stdout: checked before the mode, which is the target's
+        raise ValueError(
+            f"{expected} a stream of this process (a file descriptor, through /proc): a flush "
+            "replaces its file, so with stdout sent to a file (python train.py > out.log) "
+            "everything printed before and after would be cut off. Pass the path of a regular "
+            "file; to see the records on the terminal, pass print as a sink (sinks=[print])"
+        )
     if mode is not None and not stat.S_ISREG(mode):  # os.replace would replace /dev/null itself
         raise ValueError(
             f"{expected} a special file (a device or a pipe), which a flush would "
@@ -85,6 +103,44 @@ def file_path(path: object) -> Path:
         )
     _make_folder(file.parent, given)
     return file
+
+
+_FILE_DESCRIPTORS = re.compile(r"/proc/[^/]+(/task/[^/]+)?/fd$")  # /dev/fd is /proc/self/fd
+_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?|%([A-Za-z_][A-Za-z0-9_]*)%")
+
+
+def _variables_named(path: str) -> list[str]:
+    """The environment variables ``path`` names as a shell would expand them (``$SCRATCH``).
+
+    None where a ``$`` is more likely part of a name: no such variable is set,
+    and the folder the path names is already there.
+    """
+    names = [dollar or percent for dollar, percent in _VARIABLE.findall(path)]
+    if not names:
+        return []
+    if not any(name in os.environ for name in names) and os.path.isdir(
+        os.path.dirname(os.path.abspath(path))
+    ):
+        return []
+    return names
+
+
+def _through_proc(path: str) -> bool:
+    """Whether ``path`` names a file descriptor, in ``/proc`` (``/dev/stdout``, ``/dev/fd/1``).
+
+    Such a link names a file descriptor of this process: stdout sent to a file
+    resolves to that file, a regular one, so its mode does not tell.
+    """
+    here = os.path.abspath(path)
+    for _ in range(40):  # as many links as the kernel follows
+        if _FILE_DESCRIPTORS.match(os.path.realpath(os.path.dirname(here))):
+            return True
+        try:
+            target = os.readlink(here)
+        except (OSError, ValueError):  # not a link (nearly always): the path is the file
+            return False
+        here = os.path.normpath(os.path.join(os.path.dirname(here), target))
+    return False
 
 
 def write_fix(number: int | None, folder: Path) -> str:

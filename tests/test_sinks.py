@@ -744,6 +744,59 @@ def test_a_path_no_csv_file_can_have_is_refused_when_the_sink_is_made(
     assert list(tmp_path.iterdir()) == []  # nothing made, not even a folder
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="/dev/stdout through /proc, as on Linux")
+def test_a_stream_of_this_process_is_refused_even_where_it_is_a_regular_file(
+    tmp_path: Path,
+) -> None:
+    # Under `python train.py > out.log` (and pytest's capture) /dev/stdout resolves to a
+    # regular file: before, accepted, and its first flush replaced out.log, cutting off
+    # everything printed before and after.
+    link = tmp_path / "metrics.csv"
+    link.symlink_to("/dev/stdout")
+    with open(tmp_path / "out.log", "w") as out:
+        code = (
+            "import devicekit as dk, sys\n"
+            "for path in ('/dev/stdout', '/dev/fd/1', sys.argv[1]):\n"
+            "    try:\n"
+            "        dk.CSVSink(path)\n"
+            "    except ValueError as error:\n"
+            "        print('refused', error, file=sys.stderr)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(link)],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+    told = done.stderr.splitlines()
+    assert len(told) == 3, done.stderr
+    assert all(
+        "got a stream of this process (a file descriptor, through /proc)" in line for line in told
+    )
+    assert link.is_symlink()
+
+
+def test_a_path_naming_an_environment_variable_is_refused_with_its_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: accepted, and a folder named "$SCRATCH" was made in the working folder.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SCRATCH", "/scratch/me")
+    monkeypatch.delenv("DK_UNSET", raising=False)
+    with pytest.raises(ValueError, match=r"an environment variable \(\$SCRATCH\), which") as told:
+        dk.CSVSink("$SCRATCH/run1/train.csv")
+    assert str(told.value).endswith(
+        "Pass os.path.expandvars(path) (it is '/scratch/me/run1/train.csv' here)"
+    )
+    with pytest.raises(ValueError, match=r"\(\$DK_UNSET is not set here\)$"):
+        dk.CSVSink("${DK_UNSET}/train.csv")
+    assert list(tmp_path.iterdir()) == []  # no folder named after a variable
+    # A dollar sign in a name, in a folder that is there, naming no set variable: as written.
+    assert str(dk.CSVSink("cost$USD_DK_UNSET.csv").path) == "cost$USD_DK_UNSET.csv"
+
+
 def test_an_existing_folder_is_refused_as_a_folder(tmp_path: Path) -> None:
     # Before, accepted: the first flush wrote its temporary file beside the folder
     # and failed there with IsADirectoryError from os.replace.
