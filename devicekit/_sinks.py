@@ -92,10 +92,12 @@ class CSVSink(KeepsRecords):
 
     Args:
         path: The file (a ``str`` or ``os.PathLike``), created on the first
-            flush; a leading ``~`` is your home folder, as in a shell. Its
+            flush; a leading ``~`` is your home folder, as in a shell (an
+            environment variable, ``$SCRATCH``, is not expanded, as
+            ``open()`` does not: refused, with ``os.path.expandvars``). Its
             folder is created when the sink is made, so a path no file can be
-            written to (a folder, a typo, no permission) is refused at once,
-            not at the first flush.
+            written to (a folder, a typo, no permission, ``/dev/stdout``) is
+            refused at once, not at the first flush.
         append: What to do with a file already at ``path``: False (the
             default, as ``open(path, "w")``) replaces it at the first flush;
             True keeps its rows and goes on after them (to resume a run), its
