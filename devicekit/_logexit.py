@@ -283,19 +283,32 @@ def track(buffer: Block) -> None:
     """Note a new buffer for `flush_at_exit` (once per buffer, when it is made; never in log()).
 
     The hook is registered with the first buffer, not when devicekit is
-    imported: ``atexit`` runs its hooks last registered first, so it runs
-    before the hooks of what the script set up before (a ``SummaryWriter``,
-    whose own hook closes it), while its sinks still work.
+    imported, and again with each buffer made (`first_at_exit`).
     """
     global _registered  # noqa: PLW0603 - one hook per process
     if not _registered:
         with _registering:
             if not _registered:
-                atexit.register(flush_at_exit)
                 if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
                     os.register_at_fork(after_in_child=_forked)
                 _registered = True
+    first_at_exit()
     _live[next(_numbers)] = buffer
+
+
+def first_at_exit() -> None:
+    """Have the flush at exit run before every exit hook registered so far.
+
+    ``atexit`` runs its hooks last registered first. A writer whose own hook
+    closes it (a ``SummaryWriter``, wandb's, mlflow's), set up after the
+    process's first buffer, was closed before the flush at exit wrote to it:
+    its records were lost, with a warning. Registered again each time a buffer
+    is made or given sinks, the hook runs before those of what was set up
+    until then, while its sinks still work.
+    """
+    with _registering:
+        atexit.unregister(flush_at_exit)
+        atexit.register(flush_at_exit)
 
 
 def _forked() -> None:

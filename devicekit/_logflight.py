@@ -25,6 +25,7 @@ from ._format import shorten
 from ._frames import caller_stacklevel
 from ._logagree import FlushKind, ranks_ended
 from ._logdeliver import Deliveries, Record, Sink, on_stack
+from ._logexit import first_at_exit
 from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
@@ -109,6 +110,7 @@ class Flushes:
     @sinks.setter
     def sinks(self, sinks: Iterable[Sink] | Sink) -> None:
         self._sinks = _checked(sinks)
+        first_at_exit()  # before the exit hooks of writers set up until now (see there)
 
     @property
     def flush_every(self) -> int:

@@ -525,3 +525,42 @@ def test_a_subclass_s_own_flush_is_called_at_the_end_of_the_block() -> None:
         logs.log(0, loss=1.0)
     assert flushed == [True]
     assert logs.history == [{"step": 0, "loss": 1.0}]
+
+
+_WRITER_CLOSED_AT_EXIT = """
+import atexit, sys, devicekit as dk
+
+class Writer:  # as a SummaryWriter, wandb or mlflow: its own exit hook closes it
+    def __init__(self):
+        self.closed, self.got = False, []
+        atexit.register(self.close)
+    def add_scalar(self, tag, value, step):
+        if self.closed:
+            raise ValueError("I/O operation on closed writer")
+        self.got.append(step)
+    def close(self):
+        self.closed = True
+        print(f"writer got {len(self.got)}", flush=True)
+
+first = dk.LogBuffer()  # any buffer made earlier: an eval buffer, an earlier notebook cell
+if sys.argv[1] == "writer first":
+    writer = Writer()
+    logs = dk.LogBuffer(flush_every=100, sinks=[dk.TensorBoardSink(writer)])
+else:  # the sinks given later, after the writer was set up
+    logs = dk.LogBuffer(flush_every=100)
+    writer = Writer()
+    logs.sinks = [dk.TensorBoardSink(writer)]
+for step in range(150):
+    logs.log(step, loss=1.0 / (step + 1))
+"""
+
+
+@pytest.mark.parametrize("order", ["writer first", "sinks given later"])
+def test_the_flush_at_exit_runs_before_a_writer_set_up_after_the_first_buffer_closes(
+    order: str,
+) -> None:
+    # Before: the hook ran in the order of the process's first buffer, so a writer set up
+    # after it was closed first: "writer got 100", and a warning of 50 records lost.
+    out, err = _script(_WRITER_CLOSED_AT_EXIT, order)
+    assert out.strip() == "writer got 150"
+    assert "RuntimeWarning" not in err, err
