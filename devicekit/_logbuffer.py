@@ -271,9 +271,12 @@ class LogBuffer(Flushes, Scoped):
         """Copy the pending values to the host and hand the new records to the sinks.
 
         Args:
-            wait: False starts the copy and returns at once, so it overlaps
-                the next steps; the records arrive at the next flush (or when
-                [`history`][devicekit.LogBuffer.history] is read).
+            wait: False starts the copy and returns without waiting for it,
+                so it overlaps the next steps; the records arrive at the next
+                flush (or when [`history`][devicekit.LogBuffer.history] is
+                read). The sinks still run in this call, with the records of
+                an earlier flush that landed meanwhile: a slow sink is as slow
+                here (give it a thread of its own to overlap it too).
 
         Returns:
             The records this call added to ``history``: with ``wait=False``, only
