@@ -197,9 +197,7 @@ class LogBuffer(Flushes, Scoped):
         self._taken = 0  # log() calls whose entries left _pending: the next default step
         self._flush_at = flush_every  # pending steps that start a flush
         self._in_flight: Flight | None = None
-        # Between taking a batch and landing its flight: a flush that a signal handler
-        # runs on this thread then (the RLock lets it in) would take the same entries.
-        self._flushing: FrameType | None = None
+        self._flushing: FrameType | None = None  # a flush's frame (see _logflight._flush)
         # Ctrl-C may land anywhere in a flush: see _loghistory for how nothing is lost.
         self._history = History()
         self._deliveries = Deliveries()  # how far every sink has got through the history
