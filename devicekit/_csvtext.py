@@ -42,7 +42,7 @@ def existing(path: Path) -> tuple[list[str], bool, str]:
     # line breaks): the line end of the file is the one that ends the record.
     lines: list[str] = []
     header = next(csv.reader(_kept(io.StringIO(text, newline=""), lines)), [])
-    problem = _not_a_header(header) if data else None
+    problem = _not_a_header(header, "".join(lines)) if data else None
     if problem is not None:
         first = text.splitlines()[0] if text else ""
         raise ValueError(
@@ -63,12 +63,14 @@ def _kept(lines: Iterable[str], into: list[str]) -> Iterator[str]:
         yield line
 
 
-def _not_a_header(header: list[str]) -> str | None:
+def _not_a_header(header: list[str], written: str) -> str | None:
     """Why a first line cannot be a header (a row of data, a blank line), or None.
 
     Only what no header is: an empty name, a name given twice, or numbers
-    alone, as a row of data is. A row of text (``train,0.5``) cannot be told
-    from a header, and is taken as one.
+    alone, as a row of data is; one column that holds another delimiter; names
+    that ``, `` separates (``written``: the header's text), not quoted ones
+    that start with a space. A row of text (``train,0.5``) cannot be told from
+    a header, and is taken as one.
     """
     if not any(header):
         return "it is empty"
@@ -83,7 +85,22 @@ def _not_a_header(header: list[str]) -> str | None:
         seen.add(name)
     if all(_is_number(name) for name in header):
         return "it holds numbers only, as a row of data does"
+    if len(header) == 1 and any(mark in header[0] for mark in _OTHER_DELIMITERS):
+        mark = next(mark for mark in _OTHER_DELIMITERS if mark in header[0])
+        return (
+            f"it is one column holding {mark!r}, as a file with another delimiter is: this "
+            "sink writes commas, so each old row would sit in one cell"
+        )
+    spaced = len(header) > 1 and written.count(", ") >= len(header) - 1
+    if spaced and all(name[:1].isspace() for name in header[1:]):
+        return (
+            f"its names after the first start with a space, as ', ' between names makes "
+            f"them ({shorten(repr(header[1]), 20)}): a key would get a second column"
+        )
     return None
+
+
+_OTHER_DELIMITERS = (";", "\t", "|")
 
 
 def _is_number(text: str) -> bool:

@@ -103,7 +103,7 @@ class CSVSink(KeepsRecords):
             True keeps its rows and goes on after them (to resume a run), its
             header widened if the new records bring new keys. A file whose
             first line is no header (blank, a column with no name or one
-            named twice, numbers only: a row of data) is refused with a
+            named twice, numbers only: a row of data; another delimiter) is refused with a
             ``ValueError`` at the first flush, never replaced.
 
     Raises:

@@ -455,6 +455,23 @@ def test_append_never_replaces_a_file_it_cannot_read_and_keeps_the_records(
         ),
         ("step,loss,loss", "it names 'loss' twice"),
         ("", "it is empty"),
+        # Before, accepted: the header became 'step;loss,step,loss', each old row in a cell.
+        (
+            "step;loss",
+            "it is one column holding ';', as a file with another delimiter is: this sink "
+            "writes commas, so each old row would sit in one cell",
+        ),
+        (
+            "step\tloss",
+            "it is one column holding '\\t', as a file with another delimiter is: this sink "
+            "writes commas, so each old row would sit in one cell",
+        ),
+        # Before, accepted: ' loss' and 'loss' became two columns.
+        (
+            "step, loss",
+            "its names after the first start with a space, as ', ' between names makes them "
+            "(' loss'): a key would get a second column",
+        ),
     ],
 )
 def test_append_refuses_a_first_line_that_is_no_header(
