@@ -103,8 +103,9 @@ class CSVSink(KeepsRecords):
             True keeps its rows and goes on after them (to resume a run), its
             header widened if the new records bring new keys. A file whose
             first line is no header (blank, a column with no name or one
-            named twice, numbers only: a row of data; another delimiter) is refused with a
-            ``ValueError`` at the first flush, never replaced.
+            named twice, numbers only: a row of data; another delimiter)
+            is refused with a ``ValueError`` at the first flush, never
+            replaced.
 
     Raises:
         TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (a ``bytes``
