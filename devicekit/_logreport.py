@@ -333,7 +333,10 @@ def left_out_warning(left_out: list[str], *, forked: bool = False) -> str:
         f"is one), and a copy gets no sinks: {named} stayed with the buffer it "
         "was copied from, so its records are kept in its history only. Give it sinks of its "
         f"own: a run resumed from a checkpoint, those it writes to now ({_resumed(left_out)}); "
-        "a copy beside the original (an EMA model's), a file of its own."
+        "a copy beside the original (an EMA model's), a file of its own; the ranks' copies "
+        "in spawned workers (Lightning's ddp_spawn, torch.multiprocessing.spawn), a file "
+        "per rank (f'train_rank{rank}.csv') or sinks on rank 0 only, never one file for "
+        "all: their writes would replace each other's rows."
     )
 
 

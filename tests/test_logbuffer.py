@@ -1987,6 +1987,21 @@ def test_a_buffer_is_copied_and_pickled_with_its_records_and_pending_values() ->
     assert buffer.values("loss") == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_a_copy_says_where_its_sinks_stayed_and_how_ranks_get_their_own(tmp_path: Path) -> None:
+    # A spawned worker's buffer is such a copy: the advice for a resumed run (the same
+    # file, appended) would have every rank write one file, replacing each other's rows.
+    buffer = dk.LogBuffer(sinks=[dk.CSVSink(tmp_path / "train.csv")])
+    other = pickle.loads(pickle.dumps(buffer))
+    other.log(0, loss=1.0)
+    with pytest.warns(RuntimeWarning) as told:
+        other.flush()
+    message = " ".join(str(told[0].message).split())
+    assert "a copy gets no sinks: CSVSink(" in message
+    assert "append=True)] goes on with the same file" in message
+    assert "a file per rank (f'train_rank{rank}.csv') or sinks on rank 0 only" in message
+    buffer.sinks = []
+
+
 def test_a_buffer_saved_by_the_version_before_columns_loads_whole() -> None:
     # What __getstate__ wrote when history kept one dict per step (commit 6644cc9):
     # a checkpoint saved then must load, and go on, with every record as it was.
