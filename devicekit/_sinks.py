@@ -260,6 +260,9 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
                 closing = self._append(columns, rows)
             else:
                 self._replace(columns, rows)
+        except FileExistsError:  # another writer made the file as this one wrote it
+            changed = "since this sink last wrote it" if self._wrote else "as this sink wrote it"
+            raise self._conflict_error(f"{changed} (another writer made it)", rows) from None
         except OSError as error:
             raise self._write_error(error, rows) from None
         if closing is not None:  # the rows are written (and not kept): only the close failed
@@ -419,6 +422,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         data += render(columns, rows, header=False, line_end=self._line_end)
         # A link is kept, and the file it points to replaced: os.replace would swap the link.
         target = Path(os.path.realpath(self._file))
+        absent = _identity(target) is None  # then made by a link, which fails if taken since
         target.parent.mkdir(parents=True, exist_ok=True)
         # Beside it, on the same file system; the name cut short so that a long one still fits.
         temporary = target.with_name(f".{target.name[:40]}.{uuid.uuid4().hex[:12]}.tmp")
@@ -436,11 +440,31 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
                 os.close(descriptor)
             written = (info.st_dev, info.st_ino, info.st_size)
             self._pending = (written, columns)  # before the file changes: see _settle
-            os.replace(temporary, target)
+            if not (absent and _made_new(temporary, target)):
+                os.replace(temporary, target)
             self._commit(written, columns)
         except BaseException:
             temporary.unlink(missing_ok=True)  # gone already once it was swapped in
             raise
+
+
+def _made_new(temporary: Path, target: Path) -> bool:
+    """Give ``temporary`` the name ``target``, which had no file: whether it did.
+
+    A link, not a rename: ``os.link`` fails where the name was taken since, so
+    of two writers that both found no file (two ranks' first flush at once)
+    the second is told (``FileExistsError``), where ``os.replace`` replaced the
+    first's rows in silence. A file system without hard links (FAT, some
+    network ones) is written as before, unchecked.
+    """
+    try:
+        os.link(temporary, target)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (EPERM, ENOTSUP...): renamed over, unchecked
+        return False
+    temporary.unlink()
+    return True
 
 
 def _identity(path: Path) -> _Identity | None:

@@ -814,6 +814,29 @@ def test_a_path_naming_an_environment_variable_is_refused_with_its_value(
     assert str(dk.CSVSink("cost$USD_DK_UNSET.csv").path) == "cost$USD_DK_UNSET.csv"
 
 
+@pytest.mark.parametrize("append", [False, True])
+def test_a_file_another_writer_makes_as_the_first_write_runs_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, append: bool
+) -> None:
+    # Two ranks' first flush at once: both found no file, and before, the second
+    # os.replace swapped its file over the first's rows, with no error on either rank.
+    path = tmp_path / "metrics.csv"
+    sink = dk.CSVSink(path, append=append)
+    fsync = os.fsync
+
+    def other_rank_writes_first(descriptor: int) -> None:
+        if not path.exists():
+            path.write_text("step,loss\n0,9.0\n")  # the other rank's first flush
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", other_rank_writes_first)
+    with pytest.raises(RuntimeError, match=r"the file changed as this sink wrote it \(another"):
+        sink([{"step": 0, "loss": 0.5}])
+    monkeypatch.undo()
+    assert path.read_text() == "step,loss\n0,9.0\n"  # the other writer's rows are all there
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]  # no temporary file left
+
+
 def test_an_existing_folder_is_refused_as_a_folder(tmp_path: Path) -> None:
     # Before, accepted: the first flush wrote its temporary file beside the folder
     # and failed there with IsADirectoryError from os.replace.
