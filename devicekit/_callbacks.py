@@ -8,11 +8,14 @@ their data.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
+
+from ._format import shorten
 
 __all__ = [
     "call_each",
@@ -60,6 +63,12 @@ and pass that: sinks=[dict(...)]
         raise TypeError(
             f"sinks must be a list of callables (each called with {receives}), got "
             f"{given!r}{_path_fix(given, file_sink)}"
+        )
+    if isinstance(given, Mapping):  # its keys, names, would be taken for the sinks
+        raise TypeError(
+            f"sinks must be a list of callables (each called with {receives}), got a "
+            f"{type(given).__name__} of them by name ({shorten(repr(given), 60)}); pass "
+            "list(sinks.values())"
         )
     found: list[S] = list(given)
     for sink in found:
@@ -151,6 +160,9 @@ def _refuse_unfit(sink: Callable[..., Any], receives: str, *, thorough: bool) ->
         return
     if inspect.isfunction(sink) or inspect.ismethod(sink):
         _refuse_arity(sink, name, receives, given=(None,), fix="def sink(records): ...")
+    elif isinstance(sink, functools.partial):  # partial(f, records=[]) binds the records' place
+        fix = "functools.partial(write, path=...), binding the other arguments, not the records"
+        _refuse_arity(sink, name, receives, given=(None,), fix=fix)
     elif call is not sink and inspect.isfunction(call):  # an object's plain def __call__
         # Read on the class, self included: a staticmethod or classmethod is no function
         # here, and is taken (its signature, read so, would mislead).

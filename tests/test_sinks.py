@@ -1552,6 +1552,15 @@ def test_a_generator_sink_and_a_call_that_cannot_take_the_records_are_refused() 
 
     taken = [Star(), Extra()]
     assert dk.LogBuffer(sinks=taken).sinks == taken
+    # Before, a partial that binds the records' parameter by keyword was taken, and every
+    # flush raised Python's bare "got multiple values for argument 'records'".
+    with pytest.raises(TypeError, match=r"binding the other arguments, not the records$"):
+        dk.LogBuffer(sinks=[functools.partial(Extra(), records=[])])
+    bound = functools.partial(Extra(), extra=2)
+    assert dk.LogBuffer(sinks=[bound]).sinks == [bound]
+    # Before: a dict's keys were taken for the sinks, with the advice dk.CSVSink('csv').
+    with pytest.raises(TypeError, match=r"got a dict of them by name .*list\(sinks\.values\(\)\)$"):
+        dk.LogBuffer(sinks={"csv": print})  # type: ignore[arg-type]
 
 
 def test_a_sink_listed_twice_is_refused(tmp_path: Path) -> None:
