@@ -212,6 +212,9 @@ def _fix(value: object) -> str:
                 " (a date); log it in seconds since 1970, "
                 "(value - np.datetime64(0, 's')) / np.timedelta64(1, 's')"
             )
+        if isinstance(value, numpy.void) and value.dtype.names:  # a record: fields by name
+            fields = ", ".join(f"{name}=value[{name!r}]" for name in value.dtype.names[:3])
+            return f" (a record of fields); log each field, log(step, {fields})"
         if isinstance(value, numpy.ndarray):
             if value.size == 1:
                 return "; log value.item()"

@@ -2230,6 +2230,14 @@ def test_numpy_dates_durations_and_arrays_are_refused_with_a_fix_that_works() ->
         assert buffer.flush()[-1]["when"] == recorded
     with pytest.raises(TypeError, match=r"got NoneType; leave the key out of this call where"):
         buffer.log(when=None)
+    # A numpy record (a row of a structured array): "log float(value)" raised too.
+    row = np.array([(0.5, 0.75)], dtype=[("loss", "f4"), ("acc", "f4")])[0]
+    with pytest.raises(TypeError) as told:
+        buffer.log(0, row=row)
+    fix = str(told.value).split("; log each field, ", 1)[1]
+    assert fix == "log(step, loss=value['loss'], acc=value['acc'])"
+    eval(fix.replace("log(step,", "buffer.log(7,"), {"buffer": buffer, "value": row})  # as written
+    assert buffer.flush()[-1] == {"step": 7, "loss": 0.5, "acc": 0.75}
 
 
 def test_a_real_number_whose_float_fails_is_refused_naming_its_key() -> None:
