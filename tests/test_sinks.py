@@ -787,8 +787,8 @@ def test_a_stream_of_this_process_is_refused_even_where_it_is_a_regular_file(
             timeout=120,
             check=True,
         )
-    told = done.stderr.splitlines()
-    assert len(told) == 3, done.stderr
+    told = [line for line in done.stderr.splitlines() if line.startswith("refused ")]
+    assert len(told) == 3, done.stderr  # (torch may warn there too: no numpy)
     assert all(
         "got a stream of this process (a file descriptor, through /proc)" in line for line in told
     )
