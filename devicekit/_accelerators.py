@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -102,6 +104,23 @@ def synchronize(device: torch.device) -> None:
         module.synchronize(device)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def constant_when_traced(function: F) -> F:
+    """Have ``torch.compile`` call ``function`` as it is, while tracing, and keep its result.
+
+    What ``torch.compiler.assume_constant_result`` does, its one attribute set
+    here: importing it imports dynamo (1 s), which devicekit never does. For
+    what reads the machine (the device count, an accelerator's type), whose
+    code dynamo cannot trace: a step compiled with ``fullgraph=True`` was
+    refused. Nothing changes outside tracing.
+    """
+    vars(function)["_dynamo_marked_constant"] = True
+    return function
+
+
+@constant_when_traced
 def try_gpu(i: int = 0) -> torch.device:
     """Return the i-th accelerator device if it exists, else the CPU.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,11 @@ from ._logdeliver import Record
 __all__ = ["csv_text", "existing", "render", "utf8"]
 
 
-def existing(path: Path) -> tuple[list[str], bool, str]:
+def existing(path: Path, keys: Collection[str] = ()) -> tuple[list[str], bool, str]:
     """The header of the CSV file at ``path`` (none without one), and how to go on after it.
+
+    ``keys``: those of the records to write after it, which tell a file of another
+    format (``step;loss``, ``step, loss``) from one this sink wrote with such keys.
 
     Also whether its last line lacks a line end (the first appended row then
     starts with one), and the line end it uses: a bare line feed, or the csv
@@ -42,7 +45,7 @@ def existing(path: Path) -> tuple[list[str], bool, str]:
     # line breaks): the line end of the file is the one that ends the record.
     lines: list[str] = []
     header = next(csv.reader(_kept(io.StringIO(text, newline=""), lines)), [])
-    problem = _not_a_header(header, "".join(lines)) if data else None
+    problem = _not_a_header(header, keys) if data else None
     if problem is not None:
         first = text.splitlines()[0] if text else ""
         raise ValueError(
@@ -63,13 +66,15 @@ def _kept(lines: Iterable[str], into: list[str]) -> Iterator[str]:
         yield line
 
 
-def _not_a_header(header: list[str], written: str) -> str | None:
+def _not_a_header(header: list[str], keys: Collection[str]) -> str | None:
     """Why a first line cannot be a header (a row of data, a blank line), or None.
 
     Only what no header is: an empty name, a name given twice, or numbers
-    alone, as a row of data is; one column that holds another delimiter; names
-    that ``, `` separates (``written``: the header's text), not quoted ones
-    that start with a space. A row of text (``train,0.5``) cannot be told from
+    alone, as a row of data is; one column that holds the record ``keys``
+    joined by another delimiter (``step;loss``); names the record ``keys`` are
+    with a space before them (``step, loss``), which would give a key a second
+    column. A file this sink wrote with such keys (``' loss'``, ``'a;b'``) is
+    a header all the same. A row of text (``train,0.5``) cannot be told from
     a header, and is taken as one.
     """
     if not any(header):
@@ -85,17 +90,19 @@ def _not_a_header(header: list[str], written: str) -> str | None:
         seen.add(name)
     if all(_is_number(name) for name in header):
         return "it holds numbers only, as a row of data does"
-    if len(header) == 1 and any(mark in header[0] for mark in _OTHER_DELIMITERS):
-        mark = next(mark for mark in _OTHER_DELIMITERS if mark in header[0])
+    mark = next((mark for mark in _OTHER_DELIMITERS if mark in header[0]), None)
+    if len(header) == 1 and mark and any(key in header[0].split(mark) for key in keys):
         return (
             f"it is one column holding {mark!r}, as a file with another delimiter is: this "
             "sink writes commas, so each old row would sit in one cell"
         )
-    spaced = len(header) > 1 and written.count(", ") >= len(header) - 1
-    if spaced and all(name[:1].isspace() for name in header[1:]):
+    spaced = [name for name in header if name[:1].isspace() and name not in keys]
+    twice = next((name for name in spaced if name.strip() in keys), None)
+    if twice is not None:
         return (
-            f"its names after the first start with a space, as ', ' between names makes "
-            f"them ({shorten(repr(header[1]), 20)}): a key would get a second column"
+            f"its names start with a space, as ', ' between names makes them "
+            f"({shorten(repr(twice), 20)}): the key {shorten(repr(twice.strip()), 20)} would "
+            "get a second column"
         )
     return None
 

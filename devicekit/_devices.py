@@ -24,6 +24,7 @@ from ._accelerators import (
     META,
     accelerator_count,
     accelerator_type,
+    constant_when_traced,
     default_cuda_device,
     try_all_gpus,
 )
@@ -118,6 +119,7 @@ def describe_devices() -> str:
     return f"{plural(count, label)} {verb} visible{scope}: {names}"
 
 
+@constant_when_traced  # torch.compile: resolved at trace time, not traced (see there)
 def resolve_device(value: object, *, name: str = "device") -> torch.device:
     """Read one device argument, check that this process has it, and return it canonical.
 

@@ -306,6 +306,10 @@ def first_at_exit() -> None:
     is made or given sinks, the hook runs before those of what was set up
     until then, while its sinks still work.
     """
+    if not threading.main_thread().is_alive():
+        # Exit has begun (a buffer made, or given sinks, in another exit hook): a hook
+        # registered now would never run, so the one registered stays where it is.
+        return
     with _registering:
         atexit.unregister(flush_at_exit)
         atexit.register(flush_at_exit)

@@ -242,7 +242,8 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             self._released = False
         if not self._started and self.append:
             try:
-                self.columns, self._newline_first, self._line_end = existing(self._file)
+                keys = dict.fromkeys(key for row in rows for key in row)
+                self.columns, self._newline_first, self._line_end = existing(self._file, keys)
             except OSError as error:
                 self._known = _UNKNOWN  # to be fixed: read it again
                 raise self._write_error(error, rows, doing="read") from None

@@ -12,6 +12,8 @@ import torch
 
 import devicekit as dk
 
+from .conftest import FakeAccelerator
+
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402 - after the skip
 
@@ -91,3 +93,40 @@ def test_eager_calls_never_take_the_traced_walk(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(_placement, "traced_move", refuse)
     moved = dk.to_device({"x": torch.ones(1)}, META)
     assert moved["x"].device == META
+
+
+def test_the_default_device_is_resolved_in_a_full_graph() -> None:
+    # Before: try_gpu() and resolve_device() read the machine (accelerator_type's
+    # inspect.signature, the device count), which dynamo cannot trace: fullgraph=True
+    # refused dk.to_device(batch) ("Unsupported: Observed exception").
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(batch: dict[str, Any]) -> Any:
+        return dk.to_device(batch)["x"] + 1
+
+    assert step({"x": torch.ones(1)}).device == dk.try_gpu()
+    assert _breaks() == 0
+
+
+def test_an_accelerator_given_as_a_string_is_resolved_in_a_full_graph(
+    fake_accelerator: FakeAccelerator,
+) -> None:
+    # "cuda:1" on a machine with two GPUs (faked: the device model only), as the docs'
+    # example writes it: resolved once, eagerly, while dynamo traces.
+    fake_accelerator("cuda", 2)
+    from devicekit import _devices
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def index(x: torch.Tensor) -> torch.Tensor:
+        return x + _devices.resolve_device("cuda:1").index
+
+    assert index(torch.zeros(1)).item() == 1.0
+    assert _breaks() == 0
+
+
+def test_a_device_this_machine_lacks_is_refused_while_tracing_with_the_same_words() -> None:
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(batch: dict[str, Any]) -> Any:
+        return dk.to_device(batch, "cuda:7")
+
+    with pytest.raises(Exception, match=r"device='cuda:7' .*(no CUDA support|does not exist)"):
+        step({"x": torch.ones(1)})

@@ -564,3 +564,36 @@ def test_the_flush_at_exit_runs_before_a_writer_set_up_after_the_first_buffer_cl
     out, err = _script(_WRITER_CLOSED_AT_EXIT, order)
     assert out.strip() == "writer got 150"
     assert "RuntimeWarning" not in err, err
+
+
+_HOOK_MAKES_A_BUFFER = """
+import atexit, os, sys, devicekit as dk
+
+folder, mode = sys.argv[1], sys.argv[2]
+logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(os.path.join(folder, "train.csv"))])
+for step in range(5):
+    logs.log(step, loss=float(step))
+kept = []
+
+def summary():  # an exit hook of the script's own, registered after the buffer
+    if mode == "a new buffer":
+        made = dk.LogBuffer(sinks=[dk.CSVSink(os.path.join(folder, "summary.csv"))])
+        made.log(0, best=1.0)
+        kept.append(made)
+    else:
+        logs.sinks = [*logs.sinks, dk.CSVSink(os.path.join(folder, "copy.csv"))]
+
+atexit.register(summary)
+"""
+
+
+@pytest.mark.parametrize("mode", ["a new buffer", "sinks given"])
+def test_an_exit_hook_that_makes_a_buffer_or_gives_sinks_does_not_stop_the_flush_at_exit(
+    tmp_path: Path, mode: str
+) -> None:
+    # A first version moved devicekit's hook to the end from inside the other hook, while
+    # exit hooks ran: Python never ran it, and train.csv was never written.
+    _script(_HOOK_MAKES_A_BUFFER, str(tmp_path), mode)
+    assert [row["step"] for row in _rows(tmp_path / "train.csv")] == ["0", "1", "2", "3", "4"]
+    other = tmp_path / ("summary.csv" if mode == "a new buffer" else "copy.csv")
+    assert len(_rows(other)) == (1 if mode == "a new buffer" else 5)

@@ -469,8 +469,8 @@ def test_append_never_replaces_a_file_it_cannot_read_and_keeps_the_records(
         # Before, accepted: ' loss' and 'loss' became two columns.
         (
             "step, loss",
-            "its names after the first start with a space, as ', ' between names makes them "
-            "(' loss'): a key would get a second column",
+            "its names start with a space, as ', ' between names makes them (' loss'): the "
+            "key 'loss' would get a second column",
         ),
     ],
 )
@@ -489,6 +489,18 @@ def test_append_refuses_a_first_line_that_is_no_header(
         "'step,loss'. Pass another path, fix the file, or pass append=False to start it over"
     )
     assert path.read_text() == existing  # untouched
+
+
+@pytest.mark.parametrize("key", [" loss", "a;b", "loss|train"])
+def test_append_goes_on_after_a_file_this_sink_wrote_with_keys_like_another_format(
+    tmp_path: Path, key: str
+) -> None:
+    # A review found the first version of the two checks above refusing these: a key
+    # that starts with a space, or one column whose name holds ';' or '|'.
+    path = tmp_path / "train.csv"
+    dk.CSVSink(path)([{key: 1.0}])
+    dk.CSVSink(path, append=True)([{key: 2.0}])
+    assert read_rows(path) == [[key], ["1.0"], ["2.0"]]
 
 
 def test_the_refused_first_line_is_shown_shortened(tmp_path: Path) -> None:
