@@ -49,7 +49,15 @@ from ._logreport import (
     unknown_key,
 )
 from ._logvalues import FLOATING as _FLOATING
-from ._logvalues import checked, checked_step, on_device, own_value, refuse, refuse_keys
+from ._logvalues import (
+    OWN_BYTES,
+    checked,
+    checked_step,
+    on_device,
+    own_value,
+    refuse,
+    refuse_keys,
+)
 from ._options import check_count, check_flag
 
 __all__ = ["LogBuffer"]
@@ -64,10 +72,10 @@ class LogBuffer(Flushes, Scoped):
     ``log(step, loss=loss, lr=0.1)`` takes 0-d (or one-element) tensors of a real dtype
     on any real device, Python numbers, and numpy's real scalars (read at once:
     ``np.float32(0.5)``). It never synchronizes and launches no kernel (but one for a
-    ``MaskedTensor``): it checks each value, keeps a reference to it (detached, so no
-    autograd graph stays alive), and returns. A reference, not a copy: a tensor changed
-    in place after ``log()`` (an accumulator, ``total += loss``; a learning rate tensor
-    its scheduler sets) is recorded with its value at the flush; log ``total.clone()``.
+    ``MaskedTensor``, and one small copy for a view of a larger tensor, which would keep
+    it alive): it checks each value, keeps a reference to it (detached, so no autograd
+    graph stays alive), and returns. A reference, not a copy: a tensor changed in place
+    after ``log()`` (``total += loss``) is recorded with its value at the flush.
     A flush reads the values already on the host, stacks the others per device and
     dtype, copies each stack to the host in one non-blocking copy (into pinned memory on
     CUDA), and waits for that copy only; the records land in
@@ -87,31 +95,20 @@ class LogBuffer(Flushes, Scoped):
       its values pending, raises, and tries again ``flush_every`` calls later.
       A reducing flush that can never combine its values (the ranks disagree,
       or the job's collectives are broken) records this rank's own instead.
-    - A sink that raises does not lose records (they are in ``history`` before
-      any sink runs; the other sinks still run; the first error is raised
-      once, what else failed told in notes on it, nothing printed). When the
-      ``with`` block is already leaving on an exception, a failing flush or
-      sink never replaces it: the block's exception propagates, with a note
-      saying what else failed (logged on Python 3.10).
+    - A sink that raises loses no record (they are in ``history`` first; the
+      other sinks still run; one error is raised, the rest in notes). A
+      failing flush or sink never replaces the exception a ``with`` block is
+      leaving on: that one propagates, with a note.
     - NaN and inf are kept (and counted in [`nonfinite`][devicekit.LogBuffer.nonfinite]).
-    - Each sink gets its own copies of the records, in the order they reached
-      ``history``, even when a sink logs too; a buffer dropped with values it
-      never recorded warns (``RuntimeWarning``).
     - At exit, a buffer with sinks that still holds values is flushed, as the
-      end of a ``with`` block would (like ``logging.shutdown``), except a
-      ``reduce`` one whose flush could hang or record one rank's values as the
-      job's: that one, and a flush at exit that fails, warns
-      (``RuntimeWarning``) with what was not recorded.
+      end of a ``with`` block would, unless that could hang (``reduce``
+      across ranks): then, and where it fails, a ``RuntimeWarning`` says what
+      was not recorded.
 
-    Device memory holds at most the values of ``flush_every`` pending calls
-    plus one stacked copy in flight, as long as flushes keep up (while another
-    thread's flush runs slow sinks, ``log()`` does not wait: values stay pending).
-
-    ``log()``, ``flush()`` and the readers may be called from several threads
-    at once, and each call's record appears exactly once: ``log()`` appends one
-    entry to a list, which is atomic, so it takes no lock; flushes and readers
-    take the buffer's lock. Steps default to the number of earlier ``log()``
-    calls.
+    Device memory holds the values of ``flush_every`` pending calls and one
+    copy in flight, while flushes keep up. ``log()``, ``flush()`` and the
+    readers may be called from several threads (and signal handlers) at once:
+    each record appears exactly once. Steps default to the count of ``log()`` calls.
 
     With ``reduce`` set and ``torch.distributed`` initialized, each flush
     combines the values of all ranks in one ``all_reduce``, so every rank
@@ -245,7 +242,11 @@ class LogBuffer(Flushes, Scoped):
                 and not value.ndim
                 and value.layout is _STRIDED
             ):
-                if value._base is not None:  # logits[0, -1, 0]: it would keep logits alive
+                try:  # logits[0, -1, 0] (its .detach() too) would keep logits alive
+                    shares = value.untyped_storage().nbytes() > OWN_BYTES
+                except NotImplementedError:  # no storage to read (inside torch.vmap)
+                    shares = False
+                if shares:
                     value = scalars[key] = own_value(value)
                 elif value.requires_grad:
                     # .data is the same alias as .detach() (no kernel, no graph

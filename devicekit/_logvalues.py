@@ -137,19 +137,34 @@ def _checked_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
         # the last value at every step it was logged. One kernel (a learned temperature
         # is logged now and then, never every element of a model).
         return value.detach().clone().reshape(())
-    if value._base is not None:  # a view of a larger tensor: kept, it would keep it alive
+    if shares_storage(value):  # a view of a larger tensor: kept, it would keep it alive
         return own_value(value).reshape(())
     if value.requires_grad:
         value = value.detach()
     return value.reshape(()) if value.ndim else value  # a view: no kernel
 
 
+# A value whose storage holds more bytes than this is copied by log(): a few values
+# kept beside it cost nothing, a base of megabytes does.
+OWN_BYTES = 64
+
+
+def shares_storage(value: torch.Tensor) -> bool:
+    """Whether ``value`` shares a storage larger than `OWN_BYTES` (a view, its ``.detach()``)."""
+    try:
+        return value.untyped_storage().nbytes() > OWN_BYTES
+    except NotImplementedError:  # no storage to read (inside torch.vmap)
+        return False
+
+
 def own_value(view: torch.Tensor) -> torch.Tensor:
     """A copy of the one value of ``view``, which holds none of its base's memory.
 
-    ``logits[0, -1, 0]`` shares the storage of ``logits``: kept until the flush,
-    it would keep every logits tensor of ``flush_every`` steps alive (on a GPU,
-    out of memory). The copy is one element, one small kernel, for views only.
+    ``logits[0, -1, 0]`` shares the storage of ``logits``, and so does its
+    ``.detach()`` (which is no view): kept until the flush, it would keep every
+    logits tensor of ``flush_every`` steps alive (on a GPU, out of memory). The
+    copy is one element, one small kernel, only where the storage is larger
+    than `OWN_BYTES`.
     """
     return view.detach().clone()
 

@@ -2716,16 +2716,28 @@ def test_a_view_is_kept_as_its_own_value_not_with_its_base(
     logs = dk.LogBuffer(flush_every=100)
     logits = torch.randn(4, 8, 16, requires_grad=grad)
     view = logits[0, -1, 0] if shape == () else logits[0, -1, 0:1]
-    logs.log(0, first=view)
-    kept = logs._pending[0][1]["first"]
-    assert kept.untyped_storage().nbytes() == kept.element_size()  # one value, no base
-    assert not kept.requires_grad
-    assert kept.shape == ()
+    logs.log(0, first=view, detached=view.detach(), data=view.data)  # no views, same storage
+    for key in ("first", "detached", "data"):
+        kept = logs._pending[0][1][key]
+        assert kept.untyped_storage().nbytes() == kept.element_size()  # one value, no base
+        assert not kept.requires_grad
+        assert kept.shape == ()
     expected = view.item()
     with torch.no_grad():
         logits.zero_()  # what the base does afterwards changes nothing logged
     logs.flush()
-    assert logs.values("first") == [expected]
+    assert logs.values("first") == logs.values("detached") == logs.values("data") == [expected]
+
+
+def test_a_view_of_a_few_values_is_kept_by_reference_without_a_copy() -> None:
+    # A one-element base (loss.view(()), torch.ones(1)[0]) holds no memory worth a kernel.
+    loss = torch.tensor([0.5])
+    logs = dk.LogBuffer(flush_every=100)
+    logs.log(0, loss=loss[0], again=loss.view(()))
+    for key in ("loss", "again"):
+        kept = logs._pending[0][1][key]
+        assert kept.untyped_storage().data_ptr() == loss.untyped_storage().data_ptr()
+    logs.flush()
 
 
 def test_a_fake_tensor_is_refused_at_log_as_a_meta_one_is() -> None:
