@@ -358,11 +358,11 @@ def _parse(value: object, name: str) -> torch.device:
 def _fix_for(value: object, name: str) -> str:
     """The fix for an object given as a device that only stands near one, or ``""``."""
     if isinstance(value, torch.cuda.device):  # the context manager, not a device
-        return (
-            f" (the torch.cuda.device context manager); pass torch.device('cuda', {value.idx}) "
-            f"or 'cuda:{value.idx}'"
-        )
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.device, str)):
+        index = value.idx if isinstance(value.idx, int) and value.idx >= 0 else None
+        meant = "'cuda'" if index is None else f"torch.device('cuda', {index}) or 'cuda:{index}'"
+        return f" (the torch.cuda.device context manager); pass {meant}"
+    devices = (torch.device, str, int)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], devices):
         return f"; pass one device, not a list of them ({name}={short_repr(value[0])})"
     if isinstance(value, torch.nn.Module):
         return "; pass next(model.parameters()).device to use the device a model is on"

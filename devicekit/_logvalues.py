@@ -219,21 +219,9 @@ def _fix(value: object) -> str:
     complexes = (complex,) if numpy is None else (complex, numpy.complexfloating)
     if isinstance(value, complexes):
         return "; log value.real or abs(value)"
-    if numpy is not None:
-        if isinstance(value, numpy.timedelta64):
-            return " (a duration); log it in seconds, value / np.timedelta64(1, 's')"
-        if isinstance(value, numpy.datetime64):
-            return (
-                " (a date); log it in seconds since 1970, "
-                "(value - np.datetime64(0, 's')) / np.timedelta64(1, 's')"
-            )
-        if isinstance(value, numpy.void) and value.dtype.names:  # a record: fields by name
-            fields = ", ".join(f"{name}=value[{name!r}]" for name in value.dtype.names[:3])
-            return f" (a record of fields); log each field, log(step, {fields})"
-        if isinstance(value, numpy.ndarray):
-            if value.size == 1:
-                return "; log value.item()"
-            return f" of shape {value.shape}; log value.mean().item() or one element"
+    told = None if numpy is None else _numpy_fix(value, numpy)
+    if told is not None:
+        return told
     if value is None:
         return "; leave the key out of this call where there is no value, or log math.nan"
     if isinstance(value, (list, tuple)):
@@ -246,6 +234,28 @@ def _fix(value: object) -> str:
         return "; log each number under its own key: log(step, **values)"
     # Anything else (an object of the user's): the number it stands for is theirs to pick.
     return "; log a number taken from it, as a float or a 0-d tensor"
+
+
+def _numpy_fix(value: Any, numpy: Any) -> str | None:
+    """`_fix` for numpy's own values that are no number, or None for any other value."""
+    if isinstance(value, numpy.timedelta64):
+        return " (a duration); log it in seconds, value / np.timedelta64(1, 's')"
+    if isinstance(value, numpy.datetime64):
+        return (
+            " (a date); log it in seconds since 1970, "
+            "(value - np.datetime64(0, 's')) / np.timedelta64(1, 's')"
+        )
+    records = (numpy.void, numpy.ndarray)
+    if isinstance(value, records) and value.dtype.names and value.size == 1:  # by field
+        fields = ", ".join(f"{name}=value[{name!r}]" for name in value.dtype.names[:3])
+        return f" (a record of fields); log each field, log(step, {fields})"
+    if isinstance(value, numpy.void):  # raw bytes: no number in it to offer
+        return " (raw bytes); log a number"
+    if isinstance(value, numpy.ndarray):
+        if value.size == 1:
+            return "; log value.item()"
+        return f" of shape {value.shape}; log value.mean().item() or one element"
+    return None
 
 
 def _dtype_fix(value: torch.Tensor) -> str:

@@ -435,8 +435,12 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
 
 
 def _proxy_to(mover: _Mover, proxy: torch.fx.Proxy) -> Any:
-    """``proxy.to(device)``, as for a tensor: returned unchanged, the move left the graph."""
-    if mover.non_blocking and mover.device != _META_DEVICE:
+    """``proxy.to(device)``, as for a tensor: returned unchanged, the move left the graph.
+
+    A copy to the host blocks in the graph, whatever ``non_blocking`` says: eager
+    synchronizes once before returning, which a traced graph would not.
+    """
+    if mover.non_blocking and mover.device not in (_META_DEVICE, _CPU):
         return proxy.to(mover.device, non_blocking=True)
     return proxy.to(mover.device)
 

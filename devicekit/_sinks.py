@@ -261,7 +261,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
                 closing = self._append(columns, rows)
             else:
                 self._replace(columns, rows)
-        except FileExistsError:  # another writer made the file as this one wrote it
+        except _NameTaken:  # another writer made the file as this one wrote it
             changed = "since this sink last wrote it" if self._wrote else "as this sink wrote it"
             raise self._conflict_error(f"{changed} (another writer made it)", rows) from None
         except OSError as error:
@@ -449,19 +449,21 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             raise
 
 
+class _NameTaken(Exception):
+    """Raised by `_made_new`: another writer made the file since this one found none."""
+
+
 def _made_new(temporary: Path, target: Path) -> bool:
     """Give ``temporary`` the name ``target``, which had no file: whether it did.
 
-    A link, not a rename: ``os.link`` fails where the name was taken since, so
-    of two writers that both found no file (two ranks' first flush at once)
-    the second is told (``FileExistsError``), where ``os.replace`` replaced the
-    first's rows in silence. A file system without hard links (FAT, some
-    network ones) is written as before, unchecked.
+    A link, not a rename: ``os.link`` fails where the name was taken since, so of
+    two writers that found no file (two ranks' first flush) the second is told,
+    where ``os.replace`` replaced the first's rows. Without hard links (FAT): not.
     """
     try:
         os.link(temporary, target)
-    except FileExistsError:
-        raise
+    except FileExistsError:  # told apart from a folder replaced by a file (mkdir's)
+        raise _NameTaken from None
     except OSError:  # no hard links here (EPERM, ENOTSUP...): renamed over, unchecked
         return False
     temporary.unlink()

@@ -12,8 +12,6 @@ import torch
 
 import devicekit as dk
 
-from .conftest import FakeAccelerator
-
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.utils import counters  # noqa: E402 - after the skip
 
@@ -107,22 +105,6 @@ def test_the_default_device_is_resolved_in_a_full_graph() -> None:
     assert _breaks() == 0
 
 
-def test_an_accelerator_given_as_a_string_is_resolved_in_a_full_graph(
-    fake_accelerator: FakeAccelerator,
-) -> None:
-    # "cuda:1" on a machine with two GPUs (faked: the device model only), as the docs'
-    # example writes it: resolved once, eagerly, while dynamo traces.
-    fake_accelerator("cuda", 2)
-    from devicekit import _devices
-
-    @torch.compile(backend="eager", fullgraph=True)
-    def index(x: torch.Tensor) -> torch.Tensor:
-        return x + _devices.resolve_device("cuda:1").index
-
-    assert index(torch.zeros(1)).item() == 1.0
-    assert _breaks() == 0
-
-
 def test_a_device_this_machine_lacks_is_refused_while_tracing_with_the_same_words() -> None:
     @torch.compile(backend="eager", fullgraph=True)
     def step(batch: dict[str, Any]) -> Any:
@@ -130,3 +112,29 @@ def test_a_device_this_machine_lacks_is_refused_while_tracing_with_the_same_word
 
     with pytest.raises(Exception, match=r"device='cuda:7' .*(no CUDA support|does not exist)"):
         step({"x": torch.ones(1)})
+
+
+def test_a_batch_with_anything_else_is_moved_whole_by_the_eager_walk_as_eager_moves_it() -> None:
+    # A review found a first version mixing the two walks: a tensor shared by a plain
+    # part and a dataclass came back as two copies, a module's parameter as a plain tensor.
+    linear = torch.nn.Linear(2, 2)
+    t = torch.ones(1)
+
+    def step(batch: dict[str, Any]) -> tuple[bool, bool, type]:
+        moved = dk.to_device(batch, META)
+        return moved["t"] is moved["d"].x, moved["w"] is moved["m"].weight, type(moved["w"])
+
+    batch = {"t": t, "d": Batch(t), "m": linear, "w": linear.weight}
+    assert torch.compile(step, backend="eager")(batch) == (True, True, torch.nn.Parameter)
+
+
+def test_a_batch_that_contains_itself_gets_eager_s_error_while_tracing() -> None:
+    looped: list[Any] = [torch.ones(1)]
+    looped.append(looped)
+
+    @torch.compile(backend="eager")
+    def step(batch: list[Any]) -> Any:
+        return dk.to_device(batch, META)
+
+    with pytest.raises(ValueError, match=r"contains itself: obj\[1\] is obj"):
+        step(looped)

@@ -580,8 +580,10 @@ def test_cpu_and_meta_strings_read_once_are_the_one_device_and_bad_ones_are_not_
         (torch.cuda.device(0), "context manager); pass torch.device('cuda', 0) or 'cuda:0'"),
         ([CPU], "; pass one device, not a list of them (device=device(type='cpu'))"),
         (torch.nn.Linear(1, 1), "; pass next(model.parameters()).device to use the device"),
+        (torch.cuda.device(-1), "context manager); pass 'cuda'"),  # not 'cuda:-1'
+        ([0, 1], "; pass one device, not a list of them (device=0)"),
     ],
-    ids=["torch.cuda.device", "a list", "a module"],
+    ids=["torch.cuda.device", "a list", "a module", "torch.cuda.device(-1)", "indices"],
 )
 def test_objects_that_stand_near_a_device_are_refused_with_the_fix(value: object, fix: str) -> None:
     # Before: "got <torch.cuda.device object ...> of type device", which reads as a

@@ -2238,6 +2238,11 @@ def test_numpy_dates_durations_and_arrays_are_refused_with_a_fix_that_works() ->
     assert fix == "log(step, loss=value['loss'], acc=value['acc'])"
     eval(fix.replace("log(step,", "buffer.log(7,"), {"buffer": buffer, "value": row})  # as written
     assert buffer.flush()[-1] == {"step": 7, "loss": 0.5, "acc": 0.75}
+    # A 0-d structured array was told "log value.item()" (a tuple), raw bytes "float(value)".
+    with pytest.raises(TypeError, match=r"got ndarray \(a record of fields\); log each field"):
+        buffer.log(0, row=np.array((0.5, 0.75), dtype=[("loss", "f4"), ("acc", "f4")]))
+    with pytest.raises(TypeError, match=r"got void \(raw bytes\); log a number$"):
+        buffer.log(0, raw=np.void(b"ab"))
 
 
 def test_a_real_number_whose_float_fails_is_refused_naming_its_key() -> None:

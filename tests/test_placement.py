@@ -1856,3 +1856,15 @@ def test_a_move_traced_by_torch_fx_is_in_the_graph() -> None:
     out, shared = traced(torch.ones(2), {})
     assert out.device == META
     assert shared is True
+
+
+def test_a_traced_move_to_the_host_blocks_whatever_non_blocking_says() -> None:
+    # Eager synchronizes once before returning from non_blocking=True to the host;
+    # a traced graph has no such step, so its copy to the host must block.
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            return dk.to_device(x, "cpu", non_blocking=True) + 1
+
+    traced = torch.fx.symbolic_trace(Step())
+    (move,) = [node for node in traced.graph.nodes if node.target == "to"]
+    assert move.kwargs.get("non_blocking", False) is False

@@ -849,6 +849,16 @@ def test_a_file_another_writer_makes_as_the_first_write_runs_is_not_replaced(
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.csv"]  # no temporary file left
 
 
+def test_a_folder_replaced_by_a_file_is_no_other_writer(tmp_path: Path) -> None:
+    # A review found mkdir's FileExistsError taken for another writer's new file.
+    sink = dk.CSVSink(tmp_path / "out" / "x.csv")
+    (tmp_path / "out").rmdir()
+    (tmp_path / "out").write_text("")  # the folder is a file now
+    with pytest.raises(OSError, match="could not write") as told:
+        sink([{"step": 0, "loss": 1.0}])
+    assert "another writer" not in str(told.value)
+
+
 def test_an_existing_folder_is_refused_as_a_folder(tmp_path: Path) -> None:
     # Before, accepted: the first flush wrote its temporary file beside the folder
     # and failed there with IsADirectoryError from os.replace.
