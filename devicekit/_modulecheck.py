@@ -11,7 +11,7 @@ as written (`_modulefix`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,8 +42,9 @@ def check_module(module: torch.nn.Module) -> list[str]:
     move to ``meta`` makes new parameters), and an attribute a forward
     pre-hook recomputes on every call (``weight`` after
     ``torch.nn.utils.weight_norm``, ``spectral_norm`` or pruning), and what a
-    module holds whose class moves itself with an ``_apply`` of its own
-    (torchmetrics' ``Metric`` moves its states so). A plain
+    module's own ``_apply`` moves (torchmetrics' ``Metric`` moves its states
+    so): such a module's ``_apply`` is called once with a function that
+    returns each tensor as it is, to see what it reaches. A plain
     reference to a registered *buffer* is reported: ``module.to()`` replaces
     buffers, so the reference keeps the old tensor. The walk takes time in
     proportion to the module's size, and a plain attribute that contains
@@ -82,15 +83,19 @@ def check_module(module: torch.nn.Module) -> list[str]:
     trees: list[tuple[str, torch.nn.Module]] = [("", module)]
     seen: set[int] = set()
     for prefix, submodule in _walk(trees, seen):
+        reached: frozenset[int] = frozenset()
         if _applies_its_own(type(submodule)):
-            continue  # it moves what it chooses, its plain attributes too: nothing to claim
+            probed = _reached_by_apply(submodule)  # what its own _apply moves, it chooses
+            if probed is None:
+                continue  # the probe failed: nothing is claimed of what it holds
+            reached = probed
         for attr, value in module_attributes(submodule):
             if (
                 not isinstance(value, (torch.Tensor, torch.nn.Module))
                 and iter_children(value) is None
             ):
                 continue  # nothing inside (read lazily: a vocabulary's paths are not made)
-            modules, tensors = _leaves(value, registered)  # a module itself, unless registered
+            modules, tensors = _leaves(value, registered, reached)  # a module, unless registered
             if modules or tensors:
                 where = f"{prefix}.{attr}" if prefix else attr
                 for leaf in modules:  # registered nowhere: module.to() moves none of its tensors
@@ -129,6 +134,28 @@ def _applies_its_own(cls: type[torch.nn.Module]) -> bool:
     return not owner.__module__.startswith("torch.")
 
 
+def _reached_by_apply(module: torch.nn.Module) -> frozenset[int] | None:
+    """The tensors ``module``'s own ``_apply`` hands to the function it is given, by ``id()``.
+
+    ``Module.to()`` moves a tensor by that function: called with one that
+    returns each tensor as it is (as ``.to()`` to where a tensor already is
+    does), ``_apply`` moves nothing and shows what it would move. None where
+    it raises: then nothing is claimed of what the module holds.
+    """
+    reached: set[int] = set()
+
+    def probe(tensor: torch.Tensor) -> torch.Tensor:
+        reached.add(id(tensor))
+        return tensor
+
+    apply: Callable[[Callable[[torch.Tensor], torch.Tensor]], object] = module._apply
+    try:
+        apply(probe)
+    except Exception:  # noqa: BLE001 - a probe that fails tells nothing, and claims nothing
+        return None
+    return frozenset(reached)
+
+
 def _walk(
     trees: list[tuple[str, torch.nn.Module]], seen: set[int]
 ) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -140,7 +167,9 @@ def _walk(
                 yield ".".join(part for part in (root_path, prefix) if part), submodule
 
 
-def _leaves(value: object, registered: Registered) -> tuple[list[Leaf], list[Leaf]]:
+def _leaves(
+    value: object, registered: Registered, reached: frozenset[int] = frozenset()
+) -> tuple[list[Leaf], list[Leaf]]:
     """The modules and tensors inside a plain container that ``module.to()`` will not move.
 
     Each object is visited once, so a container that holds itself (or one
@@ -158,7 +187,7 @@ def _leaves(value: object, registered: Registered) -> tuple[list[Leaf], list[Lea
             continue
         seen.add(id(item))
         if isinstance(item, torch.Tensor):
-            if id(item) not in registered.parameters:
+            if id(item) not in registered.parameters and id(item) not in reached:
                 tensors.append(leaf)
         elif isinstance(item, torch.nn.Module):
             if id(item) not in registered.modules:

@@ -350,6 +350,30 @@ def test_check_module_claims_nothing_of_a_module_that_moves_itself_with_its_own_
     assert [f.split(":")[0] for f in dk.check_module(_LeakyLSTM())] == ["cache"]
 
 
+class _Logged(torch.nn.Module):
+    """An _apply of its own that moves nothing more than Module's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.zeros(1)
+        self.calls = 0
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _Logged:
+        self.calls += 1
+        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+
+
+def test_check_module_still_reports_what_an_own_apply_leaves_behind() -> None:
+    # A review found the first version claiming nothing of any module with its own
+    # _apply: one that only calls Module's left `pos` behind, unreported. Its _apply
+    # is called once, with a function that moves nothing, to see what it reaches.
+    model = _Logged()
+    assert [finding.split(":")[0] for finding in dk.check_module(model)] == ["pos"]
+    assert model.calls == 1
+    assert model.pos.device.type == "cpu"
+    assert model.to("meta").pos.device.type == "cpu"  # the finding is true
+
+
 def test_check_module_is_empty_for_a_clean_module() -> None:
     assert (
         dk.check_module(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))) == []
