@@ -42,14 +42,18 @@ def traced_move(
     # The copy policy of to_device: a copy to the host blocks (here always, so it is
     # safe to read with no synchronize to trace); any other copy does not, unless forced.
     keyword = device.type != "cpu" and non_blocking is not False
-    memo: dict[int, torch.Tensor] = {}  # id -> moved: a tensor reached twice, one copy
+    # (original, moved): a tensor reached twice is moved once. Compared with `is`, never
+    # by id(): dynamo guards on an id, so every new batch would compile the step again.
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def move(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
-            key = id(item)
-            if key not in memo:
-                memo[key] = item.to(device, non_blocking=True) if keyword else item.to(device)
-            return memo[key]
+            for original, moved in seen:
+                if original is item:
+                    return moved
+            moved = item.to(device, non_blocking=True) if keyword else item.to(device)
+            seen.append((item, moved))
+            return moved
         cls = type(item)
         if cls is dict:
             return {name: move(value) for name, value in item.items()}

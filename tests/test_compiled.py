@@ -138,3 +138,27 @@ def test_a_batch_that_contains_itself_gets_eager_s_error_while_tracing() -> None
 
     with pytest.raises(ValueError, match=r"contains itself: obj\[1\] is obj"):
         step(looped)
+
+
+def test_a_step_given_its_device_as_a_string_compiles_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A review found the traced call filling the cache of parsed strings, which dynamo
+    # guarded on, so the second call compiled the step again; and the walk's memo took
+    # id() of each tensor, which dynamo guards on too: each new batch compiled it again.
+    from devicekit import _devices
+
+    monkeypatch.setattr(_devices, "_strings_read", {})  # as in a fresh process
+    graphs: list[Any] = []
+
+    def counting(graph: Any, inputs: Any) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    @torch.compile(backend=counting)
+    def step(batch: dict[str, Any]) -> Any:
+        return dk.to_device(batch, "meta")["x"] + 1
+
+    for _ in range(3):
+        step({"x": torch.ones(1)})
+    assert len(graphs) == 1
