@@ -147,7 +147,11 @@ def test_try_gpu_names_a_numpy_bool_as_a_bool() -> None:
 @pytest.mark.parametrize(
     ("device", "shown"),
     [
-        (list(range(10**6)), r"got \[0, 1, 2, .*\.\.\. of type list$"),
+        (
+            list(range(10**6)),
+            r"got \[0, 1, 2, .*\.\.\. of type list; pass one device, not a list of them "
+            r"\(device=0\)$",
+        ),
         ("q" * 10**6, r"^device='qqq.*\.\.\.q+' is not a device torch knows \(it knows cpu"),
         ("cuda:" + "1" * 10**6, r"^device='cuda:111.*' is not a device torch knows \(Could not"),
     ],

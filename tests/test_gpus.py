@@ -335,7 +335,9 @@ def test_gpu_names_a_huge_bad_index_in_a_short_message(nvml_session: Install) ->
     message = str(caught.value)
     assert len(message) < 1000
     assert message.startswith("index must be a torch.device, a device string such as 'cuda:0'")
-    assert message.endswith("16, 17, 18, 19, 20, 21... of type list")
+    assert message.endswith(
+        "16, 17, 18, 19, 20, 21... of type list; pass one device, not a list of them (index=0)"
+    )
 
 
 # --- pick_gpu(s) ---------------------------------------------------------------------------
