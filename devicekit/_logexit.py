@@ -310,9 +310,32 @@ def first_at_exit() -> None:
         # Exit has begun (a buffer made, or given sinks, in another exit hook): a hook
         # registered now would never run, so the one registered stays where it is.
         return
+    global _hooks_then  # noqa: PLW0603 - one hook per process
     with _registering:
         atexit.unregister(flush_at_exit)
         atexit.register(flush_at_exit)
+        _hooks_then = _hook_count()
+
+
+def still_first_at_exit() -> None:
+    """`first_at_exit` again if an exit hook was registered since (one count, at each flush).
+
+    A sink may set up its writer at its first call (Lightning's
+    ``TensorBoardLogger.experiment``, ``wandb.init`` in a callback), whose hook
+    then closes it before the flush at exit could write its last records.
+    """
+    count = _hook_count()
+    if count is not None and count != _hooks_then:
+        first_at_exit()
+
+
+def _hook_count() -> int | None:
+    """How many exit hooks are registered (CPython's count), or None where it cannot tell."""
+    count = getattr(atexit, "_ncallbacks", None)
+    return None if count is None else int(count())
+
+
+_hooks_then: int | None = None  # the count just after devicekit's hook was registered
 
 
 def _forked() -> None:

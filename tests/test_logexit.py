@@ -597,3 +597,34 @@ def test_an_exit_hook_that_makes_a_buffer_or_gives_sinks_does_not_stop_the_flush
     assert [row["step"] for row in _rows(tmp_path / "train.csv")] == ["0", "1", "2", "3", "4"]
     other = tmp_path / ("summary.csv" if mode == "a new buffer" else "copy.csv")
     assert len(_rows(other)) == (1 if mode == "a new buffer" else 5)
+
+
+_LAZY_WRITER = """
+import atexit, devicekit as dk
+
+class LazyWriter:  # set up at its first call, as Lightning's logger.experiment or wandb.init
+    def __init__(self):
+        self.open, self.rows = None, 0
+    def __call__(self, records):
+        if self.open is None:
+            self.open = True
+            atexit.register(self.close)  # what a SummaryWriter, wandb or mlflow does
+        if not self.open:
+            raise RuntimeError("writer is closed")
+        self.rows += len(records)
+    def close(self):
+        self.open = False
+        print(f"writer got {self.rows}", flush=True)
+
+logs = dk.LogBuffer(flush_every=10, sinks=[LazyWriter()])
+for step in range(25):
+    logs.log(step, loss=float(step))
+"""
+
+
+def test_the_flush_at_exit_runs_before_a_writer_a_sink_set_up_at_its_first_call() -> None:
+    # A review found the writer's hook, registered at the sink's first call (a flush),
+    # running first: "writer got 20", and a warning of 5 records lost.
+    out, err = _script(_LAZY_WRITER)
+    assert out.strip() == "writer got 25"
+    assert "RuntimeWarning" not in err, err
