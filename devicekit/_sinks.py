@@ -240,9 +240,9 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             if taken is not None:
                 raise self._handed_over_error(taken, rows)
             self._released = False
+        keys = dict.fromkeys(key for row in rows for key in row)  # in order of first use
         if not self._started and self.append:
             try:
-                keys = dict.fromkeys(key for row in rows for key in row)
                 self.columns, self._newline_first, self._line_end = existing(self._file, keys)
             except OSError as error:
                 self._known = _UNKNOWN  # to be fixed: read it again
@@ -251,9 +251,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
                 self._known = _UNKNOWN
                 raise
             self._started = bool(self.columns)
-        new = [
-            key for key in dict.fromkeys(k for row in rows for k in row) if key not in self.columns
-        ]
+        new = [key for key in keys if key not in self.columns]
         columns = [*self.columns, *new]
         closing = None
         try:
