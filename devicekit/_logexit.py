@@ -283,7 +283,7 @@ def track(buffer: Block) -> None:
     """Note a new buffer for `flush_at_exit` (once per buffer, when it is made; never in log()).
 
     The hook is registered with the first buffer, not when devicekit is
-    imported, and again with each buffer made (`first_at_exit`).
+    imported, and again where needed (`first_at_exit`).
     """
     global _registered  # noqa: PLW0603 - one hook per process
     if not _registered:
@@ -301,32 +301,26 @@ def first_at_exit() -> None:
 
     ``atexit`` runs its hooks last registered first. A writer whose own hook
     closes it (a ``SummaryWriter``, wandb's, mlflow's), set up after the
-    process's first buffer, was closed before the flush at exit wrote to it:
-    its records were lost, with a warning. Registered again each time a buffer
-    is made or given sinks, the hook runs before those of what was set up
-    until then, while its sinks still work.
+    process's first buffer, or by a sink at its first call (Lightning's
+    ``TensorBoardLogger.experiment``, ``wandb.init`` in a callback), was
+    closed before the flush at exit wrote to it: its records were lost, with a
+    warning. Called when a buffer is made or given sinks and after each
+    flush's sinks ran, it registers the hook again where another was
+    registered since (CPython's count of hooks; elsewhere, at every call), so
+    the hook runs before those of what was set up until then.
     """
+    global _hooks_then  # noqa: PLW0603 - one hook per process
+    count = _hook_count()
+    if count is not None and count == _hooks_then:
+        return  # still the last registered: the usual case, one count
     if not threading.main_thread().is_alive():
         # Exit has begun (a buffer made, or given sinks, in another exit hook): a hook
         # registered now would never run, so the one registered stays where it is.
         return
-    global _hooks_then  # noqa: PLW0603 - one hook per process
     with _registering:
         atexit.unregister(flush_at_exit)
         atexit.register(flush_at_exit)
         _hooks_then = _hook_count()
-
-
-def still_first_at_exit() -> None:
-    """`first_at_exit` again if an exit hook was registered since (one count, at each flush).
-
-    A sink may set up its writer at its first call (Lightning's
-    ``TensorBoardLogger.experiment``, ``wandb.init`` in a callback), whose hook
-    then closes it before the flush at exit could write its last records.
-    """
-    count = _hook_count()
-    if count is not None and count != _hooks_then:
-        first_at_exit()
 
 
 def _hook_count() -> int | None:

@@ -25,7 +25,7 @@ from ._format import shorten
 from ._frames import caller_stacklevel
 from ._logagree import FlushKind, ranks_ended
 from ._logdeliver import Deliveries, Record, Sink, on_stack
-from ._logexit import first_at_exit, still_first_at_exit
+from ._logexit import first_at_exit
 from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
@@ -398,7 +398,7 @@ class Flushes:
             refused = self._uncallable_sink()
             if refused is None:  # else the records wait in history until it is taken out
                 errors = self._deliveries.deliver(self._history.batches, self._sinks)
-                still_first_at_exit()  # a sink may have set up a writer, with its own hook
+                first_at_exit()  # a sink may have set up a writer, with its own hook
         try:  # a flush a signal handler ran here would merge the same batches
             self._flushing = sys._getframe()
             self._history.compact(upto=self._deliveries.sent)
