@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ._tree import is_namedtuple
+
 __all__ = ["traced_move"]
 
 _LEAVES = (str, bytes, int, float, complex, bool, type(None))
@@ -61,16 +63,16 @@ def traced_move(
             return [move(value) for value in item]
         if cls is tuple:
             return tuple(move(value) for value in item)
-        if _namedtuple(cls):  # made by its own __new__ (dynamo in torch 2.6 skips _make)
+        if _namedtuple(item):  # made by its own __new__ (dynamo in torch 2.6 skips _make)
             return cls(*[move(value) for value in item])
         return item  # a leaf: _plain let nothing else through
 
     return move(obj)
 
 
-def _namedtuple(cls: type) -> bool:
-    """Whether ``cls`` is a namedtuple class itself, not a subclass of one."""
-    return cls.__bases__ == (tuple,) and isinstance(getattr(cls, "_fields", None), tuple)
+def _namedtuple(obj: Any) -> bool:
+    """Whether ``obj`` is a namedtuple of a class made so, not of a subclass of one."""
+    return is_namedtuple(obj) and type(obj).__bases__ == (tuple,)
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
@@ -88,7 +90,7 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     if isinstance(obj, _LEAVES):
         return True
     cls = type(obj)
-    if cls is not dict and cls is not list and cls is not tuple and not _namedtuple(cls):
+    if cls is not dict and cls is not list and cls is not tuple and not _namedtuple(obj):
         return False
     if depth >= _DEPTH:
         return False

@@ -242,7 +242,7 @@ class LogBuffer(Flushes, Scoped):
                 and not value.ndim
                 and value.layout is _STRIDED
             ):
-                try:  # logits[0, -1, 0] (its .detach() too) would keep logits alive
+                try:  # _logvalues.shares_storage, inlined: a call costs 0.05 µs here
                     shares = value.untyped_storage().nbytes() > OWN_BYTES
                 except NotImplementedError:  # no storage to read (inside torch.vmap)
                     shares = False

@@ -126,9 +126,9 @@ def _applies_its_own(cls: type[torch.nn.Module]) -> bool:
 
     ``Module.to()`` runs ``_apply`` on each module: one written outside torch
     (torchmetrics' ``Metric``, which moves the states it keeps as plain
-    attributes) decides what moves, so what it holds cannot be called left
-    behind. torch's own (``RNNBase``'s) moves what ``Module``'s does, and more
-    of its own parameters only.
+    attributes) decides what moves, so what it moves is found by calling it
+    (`_reached_by_apply`). torch's own (``RNNBase``'s) moves what ``Module``'s
+    does, and more of its own parameters only.
     """
     owner = next((klass for klass in cls.__mro__ if "_apply" in vars(klass)), torch.nn.Module)
     return not owner.__module__.startswith("torch.")
