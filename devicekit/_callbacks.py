@@ -233,10 +233,12 @@ def sink_state(sink: object) -> dict[str, Any]:
     """``sink``'s attributes for pickle or a copy, without its lock (a lock cannot go)."""
     state = dict(vars(sink))
     state.pop("_lock", None)
+    state.pop("_took", None)  # which of this process's calls kept what: only this one's
     return state
 
 
 def restore_sink(sink: object, state: dict[str, Any]) -> None:
-    """``sink`` unpickled (or copied) from ``state``, with a lock of its own."""
+    """``sink`` unpickled (or copied) from ``state``, with a lock (and calls) of its own."""
     vars(sink).update(state)
     vars(sink)["_lock"] = new_sink_lock()
+    vars(sink)["_took"] = {}

@@ -16,7 +16,9 @@ still to call. Advancing that iterator and calling the sink come in one
 ``for`` statement, with nothing between them where Python runs a signal
 handler (on 3.11 and later): a sink counts as served once it is called. So a
 sink never gets a batch twice (a CSV file never gets rows twice), and misses
-one only if Ctrl-C lands inside it, while it writes. Which of the sinks'
+one only if Ctrl-C lands inside it, while it writes; a sink that keeps what it
+could not write (`KeepsRecords`) is told, and keeps the batch if it had not
+yet. Which of the sinks'
 errors a flush raises, and how the others are told, is ``_logreport``'s.
 """
 
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from operator import length_hint
+from threading import get_ident
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,10 +76,29 @@ class KeepsRecords:
     then, not only once new values come.
     """
 
-    __slots__ = ()
+    _unwritten: list[Record]  # what a failed write left, written first at the next call
+    _took: dict[int, list[Record]]  # per thread, the records its last call kept
+    _lock: AbstractContextManager[Any]
 
     def __call__(self, records: list[Record], /) -> Any:
         raise NotImplementedError  # the sink's own
+
+    def _take(self, records: list[Record]) -> list[Record]:
+        """Keep ``records`` after those kept, until written (under the lock): all kept.
+
+        Kept and marked as taken by this thread's call in one step, with no
+        place between for a signal handler, so that `_missed` tells a Ctrl-C
+        before it from one after.
+        """
+        rows = [*self._unwritten, *records]
+        self._unwritten, self._took[get_ident()] = rows, records
+        return rows
+
+    def _missed(self, records: list[Record]) -> None:
+        """Ctrl-C cut short this thread's call with ``records``: keep them if it had not yet."""
+        if records and self._took.get(get_ident()) is not records:
+            with self._lock:
+                self._take(records)
 
     def _kept(self) -> int:
         """How many records it holds from a failed write, not yet written."""
@@ -135,7 +158,8 @@ class Deliveries:
         (``record.pop("step")``) changes nothing for ``history`` or the other
         sinks. A sink that logs may start a flush: that flush delivers nothing,
         and its records wait for the next one. A sink interrupted by Ctrl-C (or
-        that calls ``sys.exit``) counts as having had the records; the other
+        that calls ``sys.exit``) counts as having had the records (one that
+        keeps records keeps them, if it had not yet: `KeepsRecords._missed`); the other
         sinks still get them, and the interrupt is among the errors returned,
         for the caller to raise (``_logreport.flush_error``).
         """
@@ -223,19 +247,24 @@ def _call_each(
             # One line, so that no line event (a tracer, a debugger) comes between.
             for sink, records in left: sink(records)  # noqa: E701  # fmt: skip
         except Exception as error:  # noqa: BLE001 - every sink runs; one is raised
-            errors.append((_current(calls, left), error))
+            errors.append((_current(calls, left)[0], error))
         except BaseException as error:  # Ctrl-C: raised once the other sinks ran
             if length_hint(left) == len(calls):  # before the first sink: no sink's doing
                 raise
-            errors.append((_current(calls, left), error))
+            sink, records = _current(calls, left)
+            if isinstance(sink, KeepsRecords):  # cut short before it kept them: kept now
+                sink._missed(records)
+            errors.append((sink, error))
             interrupted = True
         else:
             return interrupted
 
 
-def _current(calls: list[tuple[Sink, list[Record]]], left: Iterator[Any]) -> Sink:
-    """The sink ``left`` gave last (a list's iterator knows how many it has left)."""
-    return calls[len(calls) - length_hint(left) - 1][0]
+def _current(
+    calls: list[tuple[Sink, list[Record]]], left: Iterator[Any]
+) -> tuple[Sink, list[Record]]:
+    """The sink ``left`` gave last, with its records (a list's iterator knows its length left)."""
+    return calls[len(calls) - length_hint(left) - 1]
 
 
 def on_stack(frame: FrameType) -> bool:

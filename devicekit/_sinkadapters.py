@@ -73,13 +73,15 @@ class TensorBoardSink(KeepsRecords):
         self.writer = writer
         self.prefix = prefix
         self._unwritten: list[Record] = []  # what a failed call left, written first next time
+        self._took: dict[int, list[Record]] = {}  # see KeepsRecords._take
         self._lock = new_sink_lock()
 
     def __repr__(self) -> str:
         return f"TensorBoardSink(prefix={self.prefix!r})" if self.prefix else "TensorBoardSink()"
 
     def __copy__(self) -> TensorBoardSink:
-        return _sharing(self, _unwritten=[])  # values kept are the original's to write, once
+        # Values kept are the original's to write, once.
+        return _sharing(self, _unwritten=[], _took={})
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TensorBoardSink:
         """A copy that writes with the same writer, as a copied `CSVSink` writes the same file.
@@ -88,7 +90,7 @@ class TensorBoardSink(KeepsRecords):
         without this, deep-copying a model that holds a buffer (an EMA copy)
         failed on the writer. Values a failed call kept stay the original's to write.
         """
-        return _sharing(self, _unwritten=[])
+        return _sharing(self, _unwritten=[], _took={})
 
     def __getstate__(self) -> dict[str, Any]:
         state = _picklable(self, "writer", self.writer)
@@ -110,7 +112,7 @@ class TensorBoardSink(KeepsRecords):
     def _write(self, records: list[Record]) -> None:
         # Kept first, so that whatever stops this call (an error, Ctrl-C at any line)
         # leaves the values not yet handed to the writer for the next call.
-        queue = self._unwritten = [*self._unwritten, *records]
+        queue = self._take(records)
         done: tuple[int, int, str | None] = (0, 0, None)  # where the writer's next value is
         try:
             for index, record in enumerate(queue):

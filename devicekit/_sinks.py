@@ -150,6 +150,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         self._newline_first = False  # appending to a file whose last line has no line end
         self._line_end = "\r\n"  # the csv module's; a file appended to keeps its own
         self._unwritten: list[Record] = []  # what a failed write left out, written first next time
+        self._took: dict[int, list[Record]] = {}  # see KeepsRecords._take
         self._real = os.path.realpath(self._file)  # one file, however it is named (a link)
         self._known = _identity(self._file)  # the file as this sink expects to find it
         # A write under way: the file as it will be once it is done, and its header.
@@ -231,7 +232,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         # and a write that reached the file is recorded as done (at once, or by _settle
         # at the next call), so no row is written twice and the file is never refused.
         self._settle()
-        rows = self._unwritten = [*self._unwritten, *records]
+        rows = self._take(records)
         changed = self._changed()
         if changed is not None:  # another writer: writing now would mix or lose rows
             raise self._conflict_error(changed, rows)
