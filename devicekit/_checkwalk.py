@@ -48,6 +48,7 @@ from ._lookbulk import (
 )
 from ._lookpandas import Unreadable, pandas_kind, pandas_parts, shown_attribute
 from ._mover import _has_to_method
+from ._submodules import named_held, named_submodules
 from ._tree import children, container_attributes, iter_children
 
 __all__ = ["collect"]
@@ -166,8 +167,9 @@ def collect(obj: object, name: str) -> list[tuple[Path, torch.Tensor, Holder | N
             path: Path = (parent, suffix)
             if isinstance(child, module_class):
                 seen[id(child)] = child
-                found.extend(((path, f".{n}"), p, holder) for n, p in child.named_parameters())
-                found.extend(((path, f".{n}"), b, holder) for n, b in child.named_buffers())
+                params, buffers = named_held(child, "_parameters"), named_held(child, "_buffers")
+                found.extend(((path, f".{n}"), p, holder) for n, p in params)
+                found.extend(((path, f".{n}"), b, holder) for n, b in buffers)
                 attributes = _module_attributes(child, seen)
                 if not attributes:
                     continue
@@ -408,7 +410,7 @@ def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list
     """
     found: list[tuple[str, Any]] = []
     plain = plain_class_ids() | _CODE
-    for prefix, submodule in module.named_modules():
+    for prefix, submodule in named_submodules(module):
         seen[id(submodule)] = submodule
         dotted = f".{prefix}." if prefix else "."
         found.extend(

@@ -20,6 +20,7 @@ from ._keywords import suggest_keywords
 from ._look import Changed, key_text, module_attributes
 from ._lookbulk import bulk_children, bulk_look, plain_class_ids
 from ._modulefix import KEY, Leaf, Places, Registered
+from ._submodules import named_held, named_submodules, unhashable
 from ._tree import container_attributes, iter_children
 
 __all__ = ["check_module"]
@@ -58,8 +59,9 @@ def check_module(module: torch.nn.Module) -> list[str]:
         module: The model to inspect (all its submodules are inspected too).
 
     Returns:
-        One readable finding per attribute; empty when ``module.to()`` moves
-        everything.
+        One readable finding per attribute, and one per module whose class
+        torch cannot walk (``__eq__`` without ``__hash__``, as a ``@dataclass``
+        has); empty when ``module.to()`` moves everything.
 
     Raises:
         TypeError: ``module`` is not a ``torch.nn.Module``.
@@ -82,7 +84,11 @@ def check_module(module: torch.nn.Module) -> list[str]:
     # what those hold is reported in the same pass (a hidden module in a hidden ModuleList).
     trees: list[tuple[str, torch.nn.Module]] = [("", module)]
     seen: set[int] = set()
+    findings: list[str] = []
     for prefix, submodule in _walk(trees, seen):
+        wrong = unhashable(submodule)
+        if wrong is not None:
+            findings.append(f"{prefix or 'the model'}: {wrong}")
         reached: frozenset[int] = frozenset()
         if _applies_its_own(type(submodule)):
             probed = _reached_by_apply(submodule)  # what its own _apply moves, it chooses
@@ -99,12 +105,15 @@ def check_module(module: torch.nn.Module) -> list[str]:
             if modules or tensors:
                 where = f"{prefix}.{attr}" if prefix else attr
                 for leaf in modules:  # registered nowhere: module.to() moves none of its tensors
-                    named = (*leaf.value.named_parameters(), *leaf.value.named_buffers())
+                    value_held = leaf.value
+                    named = (
+                        *named_held(value_held, "_parameters"),
+                        *named_held(value_held, "_buffers"),
+                    )
                     for name, tensor in named:
                         registered.loose.setdefault(id(tensor), f"{where}{leaf.path}.{name}")
                     trees.append((f"{where}{leaf.path}", leaf.value))
                 held.append((where, attr, value, submodule, modules, tensors))
-    findings: list[str] = []
     taken: dict[int, set[str]] = {}  # each module's names, and those suggested in it
     for where, attr, value, submodule, modules, tensors in held:
         if id(submodule) not in taken:
@@ -161,7 +170,7 @@ def _walk(
 ) -> Iterator[tuple[str, torch.nn.Module]]:
     """Each module of each tree in ``trees`` (which may grow meanwhile) once, with its path."""
     for root_path, root in trees:  # a list iterator sees the trees appended while it runs
-        for prefix, submodule in root.named_modules():
+        for prefix, submodule in named_submodules(root):
             if id(submodule) not in seen:
                 seen.add(id(submodule))
                 yield ".".join(part for part in (root_path, prefix) if part), submodule

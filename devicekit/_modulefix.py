@@ -20,6 +20,7 @@ import torch
 
 from ._census import storage_identity
 from ._format import plural, shorten
+from ._submodules import named_held, named_submodules
 
 __all__ = ["KEY", "Leaf", "Places", "Registered"]
 
@@ -38,22 +39,22 @@ class Registered:
 
     @functools.cached_property
     def modules(self) -> frozenset[int]:
-        return frozenset(map(id, self._module.modules()))
+        return frozenset(id(module) for _, module in named_submodules(self._module))
 
     @functools.cached_property
     def parameters(self) -> frozenset[int]:
-        return frozenset(map(id, self._module.parameters()))
+        return frozenset(id(p) for _, p in named_held(self._module, "_parameters"))
 
     @functools.cached_property
     def buffers(self) -> dict[int, str]:
         """``id()`` -> dotted name, for the message."""
-        return {id(buffer): name for name, buffer in self._module.named_buffers()}
+        return {id(buffer): name for name, buffer in named_held(self._module, "_buffers")}
 
     @functools.cached_property
     def memory(self) -> dict[int, str]:
         """Each parameter's and buffer's memory (its storage) -> dotted name."""
         owners: dict[int, str] = {}
-        named = [*self._module.named_parameters(), *self._module.named_buffers()]
+        named = [*named_held(self._module, "_parameters"), *named_held(self._module, "_buffers")]
         for name, tensor in reversed(named):  # the first name wins, as in named_parameters()
             key = storage_identity(tensor)
             if key is not None:

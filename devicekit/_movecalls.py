@@ -41,6 +41,7 @@ from ._errors import TensorCopyError, add_note
 from ._format import qualified_name
 from ._look import key_text, tensor_elsewhere
 from ._lookbulk import array_elements
+from ._submodules import named_submodules
 
 if TYPE_CHECKING:
     from ._mover import _Mover
@@ -138,7 +139,7 @@ def _held(module: torch.nn.Module) -> list[tuple[Any, str, torch.Tensor]]:
     TorchScript module (``torch.jit.script``, ``torch.jit.trace``).
     """
     held = []
-    for submodule in module.modules():
+    for _, submodule in named_submodules(module):
         for registry in (submodule._parameters, submodule._buffers):
             for name, tensor in registry.items():
                 if tensor is not None:

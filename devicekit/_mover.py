@@ -51,6 +51,7 @@ from ._rebuild import (
 )
 from ._records import rebuild_dataclass, rebuild_record
 from ._refcounts import ONCE_IN_DICT, ONCE_IN_LIST
+from ._submodules import held_tensors, unhashable_note
 from ._tree import is_dataclass_instance, is_record, slot_names
 
 __all__ = ["Cycle", "ModuleFirst", "borrow"]  # what to_device uses: private, not devicekit's API
@@ -469,10 +470,13 @@ def _call_base_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
 
 def _module_to(mover: _Mover, module: torch.nn.Module, to: Callable[..., Any]) -> Any:
     if mover.unsynced is not None:
-        mover.unsynced.update(t.device for t in module.parameters())
-        mover.unsynced.update(t.device for t in module.buffers())
+        mover.unsynced.update(t.device for t in held_tensors(module))
     device, non_blocking = mover.device, mover.non_blocking
-    moved = while_calling_to(module, lambda: to(module, device, non_blocking=non_blocking))
+    try:
+        moved = while_calling_to(module, lambda: to(module, device, non_blocking=non_blocking))
+    except TypeError as error:
+        unhashable_note(error, module)  # else torch's bare "unhashable type"
+        raise
     if module_looks_left(module) > 0:  # to_device looks at its attributes
         mover.modules = [*(mover.modules or ()), module]
     return returned(mover, module, moved)

@@ -29,6 +29,7 @@ from ._lookpandas import pandas_kind
 from ._movecalls import KEY_HELD, LAZY, OWN_TO, HeldView
 from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
 from ._options import check_flag
+from ._submodules import named_submodules
 from ._tree import describe_cycle, iter_tensors, path_of
 
 __all__ = ["to_device"]
@@ -174,7 +175,7 @@ def _plain_tensor_elsewhere(
     """
     skip = plain_class_ids() | _CODE
     left = _ATTRIBUTES_PER_LOOK
-    for prefix, submodule in module.named_modules():
+    for prefix, submodule in named_submodules(module):
         for attr, value in module_attributes(submodule):
             if id(type(value)) in skip:
                 continue

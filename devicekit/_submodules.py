@@ -1,0 +1,91 @@
+"""A module's submodules and tensors, read from its registries without hashing a module.
+
+torch's ``named_modules()`` (and so ``parameters()``, ``buffers()`` and their
+named forms) keeps the modules it has seen in a ``set``. A module class that
+defines ``__eq__`` and no ``__hash__`` (a ``@dataclass`` module, whose
+``eq=True`` default sets ``__hash__`` to None) cannot go in one, and the walk
+raises a bare ``TypeError: unhashable type``. ``Module.to`` itself never
+hashes the module it is called on, so ``model.to(device)`` works for one
+whose submodules hash: devicekit's own walks must not fail where it works.
+They keep the modules seen by ``id()`` instead, in torch's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from ._errors import add_note
+
+__all__ = ["held_tensors", "named_held", "named_submodules", "unhashable", "unhashable_note"]
+
+
+def named_submodules(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``module.named_modules()``: each module once, depth first, with its dotted path.
+
+    Examples:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> [path for path, _ in named_submodules(model)]
+        ['', '0', '1']
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    while stack:
+        path, submodule = stack.pop()
+        if id(submodule) in seen:  # reached by a second path: the first one names it
+            continue
+        seen.add(id(submodule))
+        yield path, submodule
+        children = [
+            (f"{path}.{name}" if path else name, child)
+            for name, child in submodule._modules.items()
+            if child is not None
+        ]
+        stack.extend(reversed(children))  # the first child is walked first
+
+
+def named_held(
+    module: torch.nn.Module, kind: Literal["_parameters", "_buffers"]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module.named_parameters()`` (or ``named_buffers()``): each tensor once, first name."""
+    seen: set[int] = set()
+    for path, submodule in named_submodules(module):
+        for name, tensor in getattr(submodule, kind).items():
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield (f"{path}.{name}" if path else name), tensor
+
+
+def held_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Each parameter, then each buffer, of ``module`` and its submodules, once."""
+    yield from (tensor for _, tensor in named_held(module, "_parameters"))
+    yield from (tensor for _, tensor in named_held(module, "_buffers"))
+
+
+def unhashable_note(error: TypeError, module: torch.nn.Module) -> None:
+    """Add the fix to ``error`` (torch's own walk failed) where an unhashable module caused it."""
+    if "unhashable type" not in str(error):
+        return
+    for path, submodule in named_submodules(module):
+        wrong = unhashable(submodule)
+        if wrong is not None:
+            add_note(error, f"{path or 'the model'}: {wrong}")
+            break
+
+
+def unhashable(module: torch.nn.Module) -> str | None:
+    """What is wrong with ``module``'s class, and the fix, where it cannot be hashed; else None."""
+    cls = type(module)
+    hash_method: object = cls.__hash__  # None where __eq__ is defined alone
+    if hash_method is not None:
+        return None
+    return (
+        f"{cls.__name__} defines __eq__ and no __hash__ (a @dataclass does, unless eq=False); "
+        "torch keeps the modules it walks in a set, so .parameters() (so an optimizer) and "
+        ".to() of a model that holds it raise TypeError. Declare it "
+        "@dataclass(eq=False), or add `__hash__ = torch.nn.Module.__hash__` to class "
+        + cls.__name__
+    )
