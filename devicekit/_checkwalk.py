@@ -112,7 +112,7 @@ class _Listed:
         self.ids: set[int] = set()
         self.upto = 0
 
-    def again(self, tensor: torch.Tensor, found: list[Any], parameter: type) -> bool:
+    def again(self, tensor: Placed, found: list[Any], parameter: type) -> bool:
         """Whether ``tensor`` is a parameter found already, under another name.
 
         A plain reference to one (``self.groups = [self.fc.weight]``): ``module.to()``
@@ -125,8 +125,13 @@ class _Listed:
         return id(tensor) in self.ids
 
 
-def collect(obj: object, name: str) -> list[tuple[Path, torch.Tensor, Holder | None]]:
-    """Every tensor in argument ``obj``, with its path and holder, each object looked at once.
+Placed = torch.Tensor | torch.UntypedStorage | torch.TypedStorage
+"""What has a device of its own in an argument: a tensor, or a storage (to_device moves one)."""
+_PLACED = (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)
+
+
+def collect(obj: object, name: str) -> list[tuple[Path, Placed, Holder | None]]:
+    """Every tensor (or storage) in argument ``obj``, with its path and holder, each seen once.
 
     ``holder`` is the outermost object around the tensor that `children()` does
     not know (neither a container ``to_device()`` rebuilds nor a record), for
@@ -139,7 +144,7 @@ def collect(obj: object, name: str) -> list[tuple[Path, torch.Tensor, Holder | N
     passed over, counted against ``_BULK_BUDGET``, and only the rest read one by
     one.
     """
-    found: list[tuple[Path, torch.Tensor, Holder | None]] = []
+    found: list[tuple[Path, Placed, Holder | None]] = []
     seen: dict[int, object] = {}
     left = _Budget()
     tensor_class, module_class, parameter_class = torch.Tensor, torch.nn.Module, torch.nn.Parameter
@@ -158,7 +163,7 @@ def collect(obj: object, name: str) -> list[tuple[Path, torch.Tensor, Holder | N
             cls = type(child)
             if cls in NOTHING_INSIDE:
                 continue
-            if cls is tensor_class or isinstance(child, tensor_class):
+            if cls is tensor_class or isinstance(child, _PLACED):
                 if holder is None or not listed.again(child, found, parameter_class):
                     found.append(((parent, suffix), child, holder))
                 continue

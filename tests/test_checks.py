@@ -29,6 +29,21 @@ def test_returns_the_common_device() -> None:
     assert dk.assert_same_device(torch.ones(1, device="meta")) == META
 
 
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")
+@pytest.mark.parametrize("typed", [False, True], ids=["untyped", "typed"])
+def test_a_storage_is_checked_as_to_device_moves_it(typed: bool) -> None:
+    # to_device() moves a storage, but assert_same_device() passed one it never
+    # looked at: beside a meta tensor, and alone ("found no tensor").
+    tensor = torch.randn(3)
+    storage = tensor.storage() if typed else tensor.untyped_storage()
+    meta = torch.zeros(1, device="meta")
+    with pytest.raises(dk.DeviceMismatchError, match=r"s: cpu"):
+        dk.assert_same_device(s=storage, m=meta)
+    with pytest.raises(dk.DeviceMismatchError, match=r"arg0\['s'\]: cpu"):
+        dk.assert_same_device({"s": storage}, device="meta")
+    assert dk.assert_same_device([storage, tensor]) == torch.device("cpu")
+
+
 def test_mismatch_lists_each_device_with_its_paths() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2)).to("meta")
     batch = {"input": torch.ones(2, device="meta"), "labels": torch.ones(1)}
