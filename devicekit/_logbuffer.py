@@ -55,6 +55,7 @@ from ._logvalues import (
     checked_step,
     on_device,
     own_value,
+    plain_values,
     refuse,
     refuse_keys,
 )
@@ -401,7 +402,9 @@ mean 'loss'?"
                 "flush_every": self.flush_every,
                 "reduce": self.reduce,
                 "timeout": self.timeout,
-                "pending": [list(entry) for entry in self._pending],
+                "pending": [
+                    [step, plain_values(values), read] for step, values, read in self._pending
+                ],
                 "taken": self._taken,
                 "flush_at": self._flush_at,
                 "history": self._history.to_plain(),

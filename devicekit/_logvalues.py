@@ -169,6 +169,22 @@ def own_value(view: torch.Tensor) -> torch.Tensor:
     return view.detach().clone()
 
 
+def plain_values(values: dict[str, Any]) -> dict[str, Any]:
+    """A step's pending ``values``, a tensor subclass's as a plain tensor (for pickle).
+
+    ``torch.load(weights_only=True)`` refuses any class it was not told of, so
+    a buffer saved with a subclass's value pending (a ``MaskedTensor``, a
+    library's own) could not be loaded as the docs say. ``as_subclass`` shares
+    the storage: nothing is copied.
+    """
+    return {
+        key: value.as_subclass(torch.Tensor)
+        if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor
+        else value
+        for key, value in values.items()
+    }
+
+
 def _is_fake(value: torch.Tensor) -> bool:
     """Whether ``value`` is a ``FakeTensor`` (torch.compile's, made under ``FakeTensorMode``).
 

@@ -258,6 +258,24 @@ def test_a_saved_buffer_loads_with_weights_only_as_the_docs_say(tmp_path: Path) 
     logs.flush()  # the original too: dropped with values pending, it would warn
 
 
+class _Tagged(torch.Tensor):
+    """A tensor subclass of the user's own, which weights_only=True does not know."""
+
+
+def test_a_buffer_saved_with_a_subclass_value_pending_loads_with_weights_only(
+    tmp_path: Path,
+) -> None:
+    # The pickle held the subclass: torch.load(weights_only=True) refused the file.
+    logs = dk.LogBuffer(flush_every=100)
+    logs.log(0, loss=torch.tensor(1.5).as_subclass(_Tagged))
+    logs.log(1, loss=torch.tensor(2.5))
+    torch.save({"logs": logs}, tmp_path / "checkpoint.pt")
+    logs.flush()
+    torch.serialization.add_safe_globals([dk.LogBuffer])
+    loaded = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["logs"]
+    assert loaded.flush() == [{"step": 0, "loss": 1.5}, {"step": 1, "loss": 2.5}]
+
+
 def test_a_pickled_buffer_holds_only_plain_types() -> None:
     logs = dk.LogBuffer(flush_every=2)
     logs.log(0, loss=1.0)
