@@ -50,6 +50,7 @@ from ._checkpointargs import (
 from ._checkpointcheck import check_loaded, inflated_note, out_of_memory
 from ._checkpointclass import missing_class
 from ._checkpointdamage import damaged, told, torch_said
+from ._checkpointsafe import load_safetensors
 from ._devices import DeviceLike, resolve_device
 from ._errors import CheckpointError, add_note
 from ._frames import is_user
@@ -81,9 +82,11 @@ def load(
     so loading never runs code from the file; pass ``weights_only=False`` only
     for files you trust.
 
-    A file that is not a checkpoint gets an error that says what it is
-    instead: empty, cut short or damaged, or another format (safetensors,
-    NumPy, a plain pickle), with how to load that. A checkpoint saved from
+    A safetensors file (told by its first bytes, whatever its name) is
+    loaded with the ``safetensors`` package, onto ``device``. A file that is
+    not a checkpoint gets an error that says what it is instead: empty, cut
+    short or damaged, or another format (NumPy, a plain pickle), with how to
+    load that. A checkpoint saved from
     tensors on the meta device (shapes, no values) is refused unless
     ``device`` is meta.
 
@@ -127,7 +130,8 @@ def load(
             True, False or None, or ``verify`` is not True or False.
         DeviceNotFoundError: This torch build or machine has no such device.
         CheckpointError: The file is not one ``torch.save`` wrote (empty,
-            another format), or is one cut short or damaged, or a file object
+            another format, a safetensors file without the ``safetensors``
+            package installed), or is one cut short or damaged, or a file object
             stands past the start of its checkpoint; the message says which,
             and torch's own error is its cause. Also, after a load that
             succeeded: the checkpoint holds tensors saved from the meta
@@ -189,6 +193,9 @@ legacy format). Check the path
             "CRC-32 of every record after the load"
         )
     start = _position(path)
+    head = _head(path, start)
+    if head is not None and _kind(head) == "safetensors":  # whatever its name: see there
+        return load_safetensors(path, start, map_location, verify=verify)
     try:
         result = torch.load(path, map_location=map_location, **kwargs)
     except Exception as error:

@@ -37,7 +37,7 @@ from ._errors import CheckpointError
 from ._format import plural
 from ._ziparchive import check_archive, first_record, inflated, unchecked
 
-__all__ = ["check_loaded", "inflated_note", "out_of_memory"]
+__all__ = ["check_loaded", "inflated_note", "not_verified", "out_of_memory"]
 
 _META = b"_rebuild_meta_tensor_no_storage"  # what the pickle calls to rebuild a meta tensor
 _NAMED = 5  # names a message lists
@@ -122,7 +122,7 @@ def check_loaded(
     """
     if start is None:
         if verify:  # asked for: say it did not happen
-            _not_verified(
+            not_verified(
                 where, "the file object cannot say where it stood, so it cannot be read again"
             )
         return  # a file object that cannot say where it stood: not read again
@@ -133,21 +133,21 @@ def check_loaded(
             raise CheckpointError(_meta_message(f"{where})", names, map_location))
     if verify:
         if not _is_zip(path, start):
-            _not_verified(where, "it is in torch's legacy format, which keeps no CRC-32s")
+            not_verified(where, "it is in torch's legacy format, which keeps no CRC-32s")
             return
         damage = _verify(result, path, start, f"{where}, verify=True)")
         if damage is not None:
             raise CheckpointError(damage)
         skipped = unchecked(path, start)
         if skipped:
-            _not_verified(
+            not_verified(
                 where,
                 f"{plural(skipped, 'record')} of it keep no CRC-32 (saved with compute_crc32 off) "
                 "or are compressed (not torch.save's), so those were not checked; the rest were",
             )
 
 
-def _not_verified(where: str, why: str) -> None:
+def not_verified(where: str, why: str) -> None:
     """Warn that ``verify=True`` could not check (all of) the file: it was asked for."""
     warnings.warn(f"{where}, verify=True): {why}", RuntimeWarning, stacklevel=4)
 
