@@ -143,7 +143,8 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
         except BaseException as error:
             # What the sinks logged meanwhile is still recorded; after Ctrl-C in a
             # sink, without calling the sinks again.
-            _record_what_sinks_logged(buffer, error, deliver=isinstance(error, Exception))
+            deliver = isinstance(error, Exception)
+            _record_what_sinks_logged(buffer, error, deliver=deliver, flush_raised=True)
             raise
         _flush_what_sinks_logged(buffer)
         return
@@ -248,12 +249,22 @@ def _flush_last(buffer: Block) -> None:
         buffer._finishing = False
 
 
-def _record_what_sinks_logged(buffer: Block, raised: BaseException, *, deliver: bool) -> None:
-    """`_flush_what_sinks_logged`, when ``raised`` is on its way out: its errors go on it."""
+def _record_what_sinks_logged(
+    buffer: Block, raised: BaseException, *, deliver: bool, flush_raised: bool = False
+) -> None:
+    """`_flush_what_sinks_logged`, when ``raised`` is on its way out: its errors go on it.
+
+    ``flush_raised``: ``raised`` is the block's last flush's own error, not the
+    block's: the same error again (a sink that is not callable refuses every
+    flush) is told once, by ``raised`` itself.
+    """
     try:
         _flush_what_sinks_logged(buffer, deliver=deliver)
     except Exception as error:  # noqa: BLE001 - reported on raised, which propagates
-        report_while_exiting(raised, error, pending=buffer._pending_count())
+        if flush_raised and type(error) is type(raised) and str(error) == str(raised):
+            return
+        pending = buffer._pending_count()
+        report_while_exiting(raised, error, pending=pending, after_flush=flush_raised)
 
 
 def _flush_what_sinks_logged(buffer: Block, *, deliver: bool = True) -> None:

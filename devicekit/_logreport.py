@@ -111,17 +111,25 @@ def _their_notes(error: BaseException) -> str:
     return "".join(f"\n    {note}" for note in getattr(error, "__notes__", ()))
 
 
-def report_while_exiting(exc: BaseException, error: Exception, *, pending: int) -> None:
-    """Attach a flush's error to the exception the ``with`` block is leaving on."""
+def report_while_exiting(
+    exc: BaseException, error: Exception, *, pending: int, after_flush: bool = False
+) -> None:
+    """Attach a flush's error to the exception the ``with`` block is leaving on.
+
+    ``after_flush``: ``exc`` is the error of the block's last flush, and ``error``
+    that of the flush after it, which records what the sinks logged.
+    """
     kept = (
         f"{plural(pending, 'value')} still pending"
         if pending
         else "every record is in LogBuffer.history"
     )
-    note = (
-        f"devicekit: while the LogBuffer block was exiting on this exception, its final flush "
-        f"raised {type(error).__name__}: {error} ({kept}){_their_notes(error)}"
+    when = (
+        "after this error, the flush recording what the sinks logged"
+        if after_flush
+        else "while the LogBuffer block was exiting on this exception, its final flush"
     )
+    note = f"devicekit: {when} raised {type(error).__name__}: {error} ({kept}){_their_notes(error)}"
     if note not in getattr(exc, "__notes__", ()):  # a flush tried again and failed the same way
         add_note(exc, note)
 

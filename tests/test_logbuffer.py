@@ -2682,6 +2682,20 @@ def test_a_sink_that_cannot_be_called_put_in_the_list_is_told_and_loses_nothing(
     assert received == [{"step": 0, "loss": 1.0}]
 
 
+def test_a_with_block_whose_last_flush_fails_tells_its_error_once() -> None:
+    # Before: the TypeError carried a note, "while the LogBuffer block was exiting on
+    # this exception, its final flush raised TypeError: <the same message>", though
+    # the block ended normally: the flush after it, recording what sinks logged,
+    # failed the same way.
+    logs = dk.LogBuffer()
+    with pytest.raises(TypeError, match="must be callable") as caught, logs:
+        logs.sinks.append("train.csv")  # type: ignore[arg-type]
+        logs.log(0, loss=1.0)
+    assert getattr(caught.value, "__notes__", []) == []
+    assert logs.history == [{"step": 0, "loss": 1.0}]
+    logs.sinks.clear()
+
+
 def test_a_key_named_self_is_a_key_like_any_other() -> None:
     # Before: "log() got multiple values for argument 'self'".
     logs = dk.LogBuffer()
