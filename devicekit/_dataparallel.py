@@ -12,6 +12,7 @@ from ._accelerators import try_all_gpus
 from ._devices import DeviceLike, resolve_devices
 from ._errors import TensorCopyError
 from ._keywords import suggest_keywords
+from ._submodules import not_a_module
 
 __all__ = ["data_parallel"]
 
@@ -56,7 +57,7 @@ def data_parallel(
     """
     global _warned_data_parallel  # noqa: PLW0603 - a once-per-process flag
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"data_parallel() needs a torch.nn.Module, got {type(module).__name__}")
+        raise not_a_module(module, call="data_parallel(module)")
     targets = try_all_gpus() if devices is None else resolve_devices(devices)
     if not targets:
         raise ValueError("data_parallel() needs at least one device, got an empty list")

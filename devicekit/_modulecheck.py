@@ -20,7 +20,7 @@ from ._keywords import suggest_keywords
 from ._look import Changed, key_text, module_attributes
 from ._lookbulk import bulk_children, bulk_look, plain_class_ids
 from ._modulefix import KEY, Leaf, Places, Registered
-from ._submodules import named_held, named_submodules, unhashable
+from ._submodules import named_held, named_submodules, not_a_module, unhashable
 from ._tree import container_attributes, iter_children
 
 __all__ = ["check_module"]
@@ -77,7 +77,7 @@ def check_module(module: torch.nn.Module) -> list[str]:
         scale: a cpu tensor held as a plain attribute; module.to() will not move it. Use self.register_buffer('scale', ...) (or nn.Parameter if it should be trained).
     """  # noqa: E501 - the expected output is one line
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"check_module() needs a torch.nn.Module, got {type(module).__name__}")
+        raise not_a_module(module, call="check_module(module)")
     registered = Registered(module)
     held = []  # every attribute walked first: a reference may come before its module
     # The tree module.to() walks, then the trees of modules found held as plain attributes:

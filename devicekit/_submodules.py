@@ -18,8 +18,16 @@ from typing import Literal
 import torch
 
 from ._errors import add_note
+from ._shortrepr import got
 
-__all__ = ["held_tensors", "named_held", "named_submodules", "unhashable", "unhashable_note"]
+__all__ = [
+    "held_tensors",
+    "named_held",
+    "named_submodules",
+    "not_a_module",
+    "unhashable",
+    "unhashable_note",
+]
 
 
 def named_submodules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -69,6 +77,25 @@ def held_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     """Each parameter, then each buffer, of ``module`` and its submodules, once."""
     yield from (tensor for _, tensor in named_held(module, "_parameters"))
     yield from (tensor for _, tensor in named_held(module, "_buffers"))
+
+
+def not_a_module(value: object, *, call: str) -> TypeError:
+    """The error of ``call`` (``"check_module(module)"``) given ``value``, which is no module.
+
+    Examples:
+        >>> print(not_a_module(torch.nn.Linear, call="check_module(module)"))
+        check_module(module) needs a torch.nn.Module, got the class Linear itself; make one \
+and pass it: check_module(Linear(...))
+    """
+    name = call.split("(", 1)[0]
+    if isinstance(value, type) and issubclass(value, torch.nn.Module):
+        fix = f"got the class {value.__name__} itself; make one and pass it: "
+        fix += f"{name}({value.__name__}(...))"
+    elif isinstance(value, torch.Tensor):
+        fix = f"got a tensor; pass the model that uses it: {name}(model)"
+    else:
+        fix = f"got {got(value)}; pass the model: {name}(model)"
+    return TypeError(f"{call} needs a torch.nn.Module, {fix}")
 
 
 def unhashable_note(error: TypeError, module: torch.nn.Module) -> None:

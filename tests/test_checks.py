@@ -396,10 +396,24 @@ def test_check_module_is_empty_for_a_clean_module() -> None:
 
 
 def test_check_module_and_data_parallel_need_a_module() -> None:
-    with pytest.raises(TypeError, match=r"check_module\(\) needs a torch.nn.Module, got int"):
+    with pytest.raises(TypeError, match=r"check_module\(module\) needs a torch.nn.Module, got 4"):
         dk.check_module(42)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"data_parallel\(\) needs a torch.nn.Module, got int"):
+    with pytest.raises(TypeError, match=r"data_parallel\(module\) needs a torch.nn.Module, got 4"):
         dk.data_parallel(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("call", [dk.check_module, dk.data_parallel])
+def test_a_module_class_or_a_tensor_gets_the_fix(call: Any) -> None:
+    # Before: "needs a torch.nn.Module, got type" (and "got Tensor"), with no fix.
+    name = call.__name__
+    with pytest.raises(
+        TypeError,
+        match=rf"got the class Linear itself; make one and pass it: "
+        rf"{name}\(Linear\(\.\.\.\)\)$",
+    ):
+        call(torch.nn.Linear)
+    with pytest.raises(TypeError, match=rf"got a tensor; pass the model that uses it: {name}\("):
+        call(torch.ones(1))
 
 
 class Grouped(torch.nn.Module):
