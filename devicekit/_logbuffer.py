@@ -42,6 +42,7 @@ from ._logflush import (
 from ._loghistory import Entry, Flight, History, mean_of
 from ._logreduce import start_reduced
 from ._logreport import (
+    buffer_name,
     check_key,
     dropped_warning,
     state_line,
@@ -426,10 +427,9 @@ mean 'loss'?"
 
     def __del__(self) -> None:
         # Values dropped with the buffer are lost: where a sink (a file, TensorBoard) never
-        # got them, say so in a warning Python shows by default (a ResourceWarning is
-        # hidden unless asked for, so that loss was silent). Without sinks, nothing anyone
-        # could still read is lost (its history goes with it): a ResourceWarning, as for
-        # an unclosed file, as at exit, where such a buffer is left quietly.
+        # got them, say so in a warning Python shows by default. Without sinks, nothing
+        # anyone could still read is lost (its history goes with it): a ResourceWarning
+        # (hidden unless asked for), as for an unclosed file.
         try:
             if self._told_at_exit:  # told at exit already, or nothing there to lose
                 return
@@ -438,8 +438,9 @@ mean 'loss'?"
         except AttributeError:  # __init__ refused its arguments: nothing was ever logged
             return
         unsent, kept = self._unsent(), self._kept()
-        if pending or unsent or kept:
-            warnings.warn(dropped_warning(pending, unsent, kept), category, stacklevel=2)
+        if pending or unsent or kept:  # named as at exit: one of the script's buffers
+            told = dropped_warning(pending, unsent, kept, name=buffer_name(self._state()))
+            warnings.warn(told, category, stacklevel=2)
 
     # --- notebooks ---------------------------------------------------------------------
 

@@ -242,8 +242,10 @@ def check_key(key: object, method: str) -> None:
         )
 
 
-def dropped_warning(pending: int, unsent: int, kept: int = 0) -> str:
+def dropped_warning(pending: int, unsent: int, kept: int = 0, *, name: str = "a LogBuffer") -> str:
     """What a buffer dropped with ``pending`` values, ``unsent`` or ``kept`` records warns.
+
+    ``name``: `buffer_name`'s, which tells this buffer from the script's others.
 
     ``kept``: records its sinks kept from a failed write (a full disk) and
     never wrote: the fix there is the sink's, and the warning says so.
@@ -259,13 +261,14 @@ def dropped_warning(pending: int, unsent: int, kept: int = 0) -> str:
     lost = _lost(pending, unsent, kept)
     if not pending and not unsent:
         return (
-            f"a LogBuffer was dropped with {lost}: they are in its history, which goes with it. "
+            f"{name} was dropped with {lost}: they are in its history, which goes with it. "
             "Flush it again once the sink can write (logs.flush() retries them), before "
             "letting it go"
         )
     return (
-        f"a LogBuffer was dropped with {lost}. If nothing flushed it after its "
-        "last log() call, use it in a with block, or call flush() before letting it go; if "
+        f"{name} was dropped with {lost}. If nothing flushed it after its last log() call "
+        "(or only flush(wait=False), whose records a read of history lands without calling "
+        "the sinks), use it in a with block, or call flush() before letting it go; if "
         "something did, they are what its sinks logged during its last flushes (the end of "
         "a with block flushes a few more times for them), and a sink that logs at every call "
         "always leaves more: log such a value from your loop instead, or into another LogBuffer"
@@ -286,6 +289,19 @@ _FLUSH_BEFORE_EXIT = (
 )
 
 
+def buffer_name(state: dict[str, Any]) -> str:
+    """A buffer as warnings name it: ``LogBuffer(flush_every=100) of 'loss' (sinks ...)``.
+
+    ``state`` is the buffer's ``_state()``: its options, keys and sinks tell it
+    from the other buffers of the script.
+    """
+    keys = _some([_key(key) for key in state["keys"]], shown=5)
+    name = f"{state['name']}{' of ' + keys if keys else ''}"
+    if state["sinks"]:
+        name += f" (sinks {', '.join(state['sinks'])})"
+    return name
+
+
 def exit_warning(
     state: dict[str, Any], left: tuple[int, int, int], why: str, fix: str = _FLUSH_BEFORE_EXIT
 ) -> str:
@@ -297,10 +313,7 @@ def exit_warning(
     ``state`` is the buffer's ``_state()``: its options, keys and sinks name it
     among the buffers of the script.
     """
-    keys = _some([_key(key) for key in state["keys"]], shown=5)
-    name = f"{state['name']}{' of ' + keys if keys else ''}"
-    if state["sinks"]:
-        name += f" (sinks {', '.join(state['sinks'])})"
+    name = buffer_name(state)
     lost = _lost(*left)
     if lost:
         return f"devicekit: at exit, {name} was left with {lost}: {why}.{fix}"

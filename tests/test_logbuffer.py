@@ -2313,14 +2313,40 @@ def test_the_warning_for_a_dropped_buffer_says_what_left_records_behind() -> Non
     told = dropped_warning(0, 3)  # not known which: each fix with its condition
     assert told == (
         "a LogBuffer was dropped with 3 records never handed to its sinks. If nothing "
-        "flushed it after its last log() call, use it in a with block, or call flush() "
-        "before letting it go; if something did, they are what its sinks logged during its "
+        "flushed it after its last log() call (or only flush(wait=False), whose records a "
+        "read of history lands without calling the sinks), use it in a with block, or call "
+        "flush() before letting it go; if something did, they are what its sinks logged during its "
         "last flushes (the end of a with block flushes a few more times for them), and a "
         "sink that logs at every call always leaves more: log such a value from your loop "
         "instead, or into another LogBuffer"
     )
     told = dropped_warning(2, 0)
     assert told.startswith("a LogBuffer was dropped with 2 values never recorded. If nothing")
+
+
+def _drop(held: list[dk.LogBuffer]) -> None:
+    """Let go of the buffers in ``held``, the only references to them."""
+    held.clear()
+    gc.collect()
+
+
+def test_a_dropped_buffer_is_named_as_at_exit(tmp_path: Path) -> None:
+    # Before: "a LogBuffer was dropped with 1 record never handed to its sinks", which
+    # named neither its keys nor its sinks: which file lost a row was left to guess.
+    logs = dk.LogBuffer(sinks=[dk.CSVSink(tmp_path / "dropped.csv")])
+    logs.log(0, loss=1.0)
+    logs.flush(wait=False)
+    assert len(logs.history) == 1  # lands the records, without calling the sinks
+    held = [logs]
+    del logs
+    with pytest.warns(RuntimeWarning) as caught:
+        _drop(held)
+    told = str(caught[0].message)
+    assert told.startswith(
+        f"LogBuffer(flush_every=100) of loss (sinks CSVSink({str(tmp_path / 'dropped.csv')!r})) "
+        "was dropped with 1 record never handed to its sinks. If nothing flushed it after its "
+        "last log() call (or only flush(wait=False)"
+    )
 
 
 def test_the_empty_key_error_writes_odd_keys_quoted_inside_the_dict() -> None:
@@ -2688,9 +2714,14 @@ def test_a_with_block_whose_last_flush_fails_tells_its_error_once() -> None:
     # the block ended normally: the flush after it, recording what sinks logged,
     # failed the same way.
     logs = dk.LogBuffer()
-    with pytest.raises(TypeError, match="must be callable") as caught, logs:
-        logs.sinks.append("train.csv")  # type: ignore[arg-type]
-        logs.log(0, loss=1.0)
+
+    def run() -> None:
+        with logs:
+            logs.sinks.append("train.csv")  # type: ignore[arg-type]
+            logs.log(0, loss=1.0)
+
+    with pytest.raises(TypeError, match="must be callable") as caught:
+        run()
     assert getattr(caught.value, "__notes__", []) == []
     assert logs.history == [{"step": 0, "loss": 1.0}]
     logs.sinks.clear()
