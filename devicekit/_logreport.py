@@ -385,6 +385,8 @@ def state_line(state: dict[str, Any]) -> str:
     records = plural(state["records"], "record")
     parts = [f"{records} of {_some(keys)}" if keys else f"{records}, no keys yet"]
     parts.append(f"{plural(state['pending'], 'value')} pending")
+    if state["nonfinite"]:  # as the table shows them
+        parts.append(f"{plural(state['nonfinite'], 'value')} NaN or inf")
     if state["last"] is not None:
         parts.append(f"last {_some_items(state['last'], limit=_KEY_LIMIT)}")
     if state["sinks"]:

@@ -2305,6 +2305,16 @@ def test_the_repr_line_shows_odd_keys_quoted_and_long_ones_short() -> None:
     assert len(text) < 300
 
 
+def test_the_repr_counts_nan_and_inf_values_as_the_table_does() -> None:
+    # Before: the notebook table had the row, the text repr said nothing of them.
+    logs = dk.LogBuffer()
+    logs.log(0, loss=math.nan)
+    logs.log(1, loss=1.0)
+    logs.flush()
+    assert "2 records of loss, 0 values pending, 1 value NaN or inf, last" in repr(logs)
+    assert "NaN or inf" in logs._repr_html_()
+
+
 def test_the_warning_for_a_dropped_buffer_says_what_left_records_behind() -> None:
     # A buffer used in a with block, whose sink logs at every call, was told to "use it
     # in a with block".
