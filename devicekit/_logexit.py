@@ -39,7 +39,7 @@ import sys
 import threading
 import warnings
 import weakref
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Protocol, cast
 
 from typing_extensions import Self
@@ -84,7 +84,7 @@ class Block(Protocol):
     def _kept(self) -> int: ...  # records sinks kept from a failed write
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go
     def _state(self) -> dict[str, Any]: ...  # what its repr shows: it names the buffer
-    def _forked_copy(self) -> None: ...  # in a forked child: a copy without the sinks
+    def _forked_copy(self, *, made_again: bool = ...) -> None: ...  # a child's: no sinks
 
 
 class Scoped:
@@ -304,7 +304,28 @@ def track(buffer: Block) -> None:
                     os.register_at_fork(after_in_child=_forked)
                 _registered = True
     first_at_exit()
+    if _made_again_by_spawn():
+        buffer._forked_copy(made_again=True)
     _live[next(_numbers)] = buffer
+
+
+def _made_again_by_spawn() -> bool:
+    """Whether a buffer is being made as a spawned child imports the parent's script again.
+
+    A process started by ``spawn`` (a DataLoader worker on macOS and Windows,
+    ``torch.multiprocessing.spawn``) runs the parent's script as ``__mp_main__``:
+    a buffer made at its top level, with a ``CSVSink`` of the parent's file,
+    is the parent's made again. Written to at its flushes (and at exit, which a
+    spawned child runs), it replaced the parent's file with its own rows.
+    """
+    if "__mp_main__" not in sys.modules:  # only in a spawned child: one lookup
+        return False
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def first_at_exit() -> None:

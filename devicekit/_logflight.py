@@ -89,6 +89,7 @@ class Flushes:
     _told_broken: bool  # a flush raised that the job's collectives are broken
     _sinks_left_out: list[str] | None  # a copy's: the sinks it did not get, told once
     _forked = False  # a forked child's copy of its parent's buffer (see _forked_copy)
+    _made_again = False  # ... or a spawned child's, made as it ran the parent's script
     # A flush combined values across ranks: at exit without the group, one would not.
     _reduced_across_ranks = False
     _told_no_group = False  # a flush warned that it recorded one rank's values unreduced
@@ -152,8 +153,11 @@ class Flushes:
         # Long enough for a CSV file's path, which the warning gives back (_logreport).
         return [shorten(describe_sink(sink), 400) for sink in self._sinks] or None
 
-    def _forked_copy(self) -> None:
+    def _forked_copy(self, *, made_again: bool = False) -> None:
         """In a forked child (a DataLoader worker): become a copy, as a pickled buffer is.
+
+        ``made_again``: made as a spawned child imports the parent's script again
+        (`_logexit._made_again_by_spawn`), which is the parent's buffer as well.
 
         The parent's sinks write the parent's file, bar and writer: a child
         writing there too mixes its values into the parent's rows (and the
@@ -167,7 +171,7 @@ class Flushes:
         the parent's job: its flushes are local, never a collective.
         """
         self._lock = threading.RLock()
-        self._forked = True
+        self._forked, self._made_again = True, made_again
         self._taken += len(self._pending)  # default steps go on from the parent's count
         self._pending, self._in_flight = [], None
         self._flushing = None  # a thread of the parent's may have been inside a flush
@@ -254,7 +258,7 @@ class Flushes:
         """Once, at a copy's first flush: where its records would have gone, and do not."""
         left_out, self._sinks_left_out = self._sinks_left_out, None
         if left_out and not self.sinks:
-            told = left_out_warning(left_out, forked=self._forked)
+            told = left_out_warning(left_out, forked=self._forked, made_again=self._made_again)
             warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     def _reducing(self, *, values: bool) -> bool:

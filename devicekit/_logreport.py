@@ -335,9 +335,20 @@ def exit_failure(error: BaseException) -> str:
     return f"its flush at exit raised {told}{notes}"
 
 
-def left_out_warning(left_out: list[str], *, forked: bool = False) -> str:
+def left_out_warning(left_out: list[str], *, forked: bool = False, made_again: bool = False) -> str:
     """What a copy of a buffer warns at its first flush: the sinks it did not get."""
     named = ", ".join(shorten(name, 80) for name in left_out)
+    if made_again:
+        return (
+            f"this LogBuffer was made again as a spawned process ran its parent's script (a "
+            f"DataLoader worker under the spawn start method, the default on macOS and "
+            f"Windows), so it is the parent's buffer, and such a copy gets no sinks: "
+            f"{named} stayed with the parent (writing there, it replaced the parent's file), "
+            "and this process's records are kept in its own history only. Put the script's "
+            "top level under if __name__ == '__main__':, log in the parent (return what to "
+            "log with the batch), or give this copy sinks of its own, logs.sinks = "
+            "[dk.CSVSink(f'worker{os.getpid()}.csv')]."
+        )
     if forked:
         return (
             f"this LogBuffer is a forked process's copy of its parent's buffer (a DataLoader "

@@ -341,6 +341,49 @@ def test_a_dataloader_workers_copy_never_writes_the_parents_sinks(tmp_path: Path
     assert stderr.count("RuntimeWarning") == 1, stderr  # once, at the worker's first flush
 
 
+_SPAWNED_LOGS = """
+import multiprocessing, sys, devicekit as dk
+
+# The script's top level, not under if __name__ == "__main__": a spawned child runs
+# it again (as __mp_main__), so it makes this buffer and its CSVSink again.
+logs = dk.LogBuffer(flush_every=100, sinks=[dk.CSVSink(sys.argv[1])])
+
+def load(index):
+    logs.log(index, load_ms=0.5)  # in the child: the buffer made again there
+    logs.flush()
+
+if __name__ == "__main__":
+    for step in range(3):
+        logs.log(step, loss=float(step))
+    logs.flush()
+    child = multiprocessing.get_context("spawn").Process(target=load, args=(7,))
+    child.start()
+    child.join()
+    logs.log(3, loss=3.0)
+    logs.flush()
+"""
+
+
+def test_a_buffer_a_spawned_child_makes_again_never_writes_the_parents_sinks(
+    tmp_path: Path,
+) -> None:
+    # Before: the child's buffer wrote its own CSV over the parent's (['step,load_ms',
+    # '7,0.5']), and the parent's next flush was refused: the file had been replaced.
+    path, script = tmp_path / "train.csv", tmp_path / "train.py"
+    script.write_text(_SPAWNED_LOGS)
+    _, stderr = _script_file(script, str(path))
+    assert [row["step"] for row in _rows(path)] == ["0", "1", "2", "3"]
+    assert "load_ms" not in path.read_text()
+    assert "this LogBuffer was made again as a spawned process ran its parent's script" in stderr
+    assert "if __name__ == '__main__':" in stderr
+
+
+def _script_file(script: Path, *args: str) -> tuple[str, str]:
+    """`_script`, for a script in a file: a spawned child runs it again, as it is."""
+    done = run_python_args([str(script), *args])
+    return done.stdout, done.stderr
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_flushes_though_a_parent_thread_held_the_lock(tmp_path: Path) -> None:
     # The thread holding the lock at the fork does not exist in the child: before, the
