@@ -30,6 +30,7 @@ its going ends the store.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Any
@@ -99,9 +100,9 @@ def _read_broken() -> str | None:
     """The job-wide call another rank wrote down as failed, or None (one store round trip)."""
 
     def read(store: Any) -> str | None:
-        if not store.check([_BROKEN_KEY]):  # check never waits; get would, for a missing key
+        if not store.check([_broken_key()]):  # check never waits; get would, for a missing key
             return None
-        return bytes(store.get(_BROKEN_KEY)).decode("utf-8", "replace")
+        return bytes(store.get(_broken_key())).decode("utf-8", "replace")
 
     # No store, or it stopped answering (its process may have exited): the call goes on.
     return use_store(read)
@@ -120,14 +121,25 @@ def _break(call: int, what: str, reason: str, earlier: str | None) -> None:
         if Job.broken is None:
             Job.broken = earlier or broken
     # The first rank to fail is the one the others name: the rest failed because of it.
-    use_store(lambda store: store.compare_set(_BROKEN_KEY, "", broken))
+    use_store(lambda store: store.compare_set(_broken_key(), "", broken))
+
+
+def _attempt() -> str:
+    """The store's keys of this attempt of the job: ``devicekit/<restart count>/``.
+
+    torchrun keeps its store across restarts (``--max-restarts``): the marks of
+    the failed attempt (its broken call, each rank's last call) made every
+    job-wide call of the next one fail at once.
+    """
+    return f"devicekit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def _key(rank: int) -> str:
-    return f"devicekit/call/{rank}"
+    return f"{_attempt()}call/{rank}"
 
 
-_BROKEN_KEY = "devicekit/broken"
+def _broken_key() -> str:
+    return f"{_attempt()}broken"
 
 
 def _where_ranks_are(

@@ -883,8 +883,23 @@ def test_a_store_without_compare_set_is_not_taken_for_lost(fake_store: Any) -> N
     store = fake_store(compare_set=[NotImplementedError("compare_set is not implemented")])
     _jobstate._break(1, "job_status()", "timed out", None)
     assert _jobstate.Job.store_lost is None
-    store.data["devicekit/broken"] = BROKEN.encode()
+    store.data["devicekit/0/broken"] = BROKEN.encode()
     assert _jobstate._read_broken() == BROKEN
+
+
+def test_a_restarted_attempt_reads_only_its_own_marks(
+    fake_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchrun --max-restarts keeps its store: the failed attempt's "broken" mark made
+    # every job-wide call of the next attempt fail at once ("no later job-wide call can
+    # complete in this job").
+    store = fake_store()
+    store.data["devicekit/0/broken"] = BROKEN.encode()  # attempt 0's
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _jobstate._read_broken() is None
+    _jobstate._break(2, "job_status()", "timed out", None)
+    assert store.data["devicekit/0/broken"] == BROKEN.encode()  # left as it was
+    assert "devicekit/1/broken" in store.data
 
 
 def test_one_timeout_does_not_make_the_store_lost(fake_store: Any) -> None:
@@ -901,7 +916,7 @@ def test_a_store_that_timed_out_is_used_no_more_in_the_job_and_says_so_once(
     # Before, each later use tried the store again, and each cost the store's whole
     # timeout (30 minutes by default): every step of every later job-wide call.
     store = fake_store(check=[_timeout()])
-    store.data["devicekit/broken"] = BROKEN.encode()
+    store.data["devicekit/0/broken"] = BROKEN.encode()
     with caplog.at_level("WARNING", logger="devicekit"):
         for _ in range(3):
             assert _jobstate._read_broken() is None
@@ -1050,7 +1065,10 @@ def test_a_barrier_cut_short_by_the_groups_timeout_says_so(
     import torch.distributed as dist
 
     store = fake_store()
-    store.data = {"devicekit/call/0": b"1\njob_status()", "devicekit/call/1": b"2\njob_status()"}
+    store.data = {
+        "devicekit/0/call/0": b"1\njob_status()",
+        "devicekit/0/call/1": b"2\njob_status()",
+    }
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(_jobstate.Job, "made_with", 1.0)
@@ -1140,7 +1158,7 @@ def test_a_store_that_answers_after_a_stall_is_used_again_with_this_ranks_note(
                 assert _store_thread_gone()
                 assert _jobstate.arrive("job_status()") == 6 + 2 * stall
                 assert _jobstate.Job.store_slow is None
-                assert store.data["devicekit/call/0"] == f"{6 + 2 * stall}\njob_status()".encode()
+                assert store.data["devicekit/0/call/0"] == f"{6 + 2 * stall}\njob_status()".encode()
     finally:
         store.answer.set()
     assert len(caplog.records) == 1  # once per job
@@ -1324,7 +1342,7 @@ def test_a_job_wide_call_uses_the_store_once_on_a_healthy_store(
         for _ in range(3):
             assert _dist.gather_objects({"rank": 0}, timeout=30, what="test") == [{"rank": 0}]
     assert uses == ["devicekit-store"] * 3
-    assert store.data["devicekit/call/0"] == b"4\ntest"
+    assert store.data["devicekit/0/call/0"] == b"4\ntest"
 
 
 def test_gloo_s_timeout_in_an_early_failure_is_not_read_as_the_wait(
@@ -1337,7 +1355,10 @@ def test_gloo_s_timeout_in_an_early_failure_is_not_read_as_the_wait(
     import torch.distributed as dist
 
     store = fake_store()
-    store.data = {"devicekit/call/0": b"2\njob_status()", "devicekit/call/1": b"1\njob_status()"}
+    store.data = {
+        "devicekit/0/call/0": b"2\njob_status()",
+        "devicekit/0/call/1": b"1\njob_status()",
+    }
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     # Whatever torch and earlier tests left: gloo here runs under this call's timeout.
     monkeypatch.setattr(_jobstate.Job, "made_with", None)
@@ -1362,7 +1383,10 @@ def test_a_call_held_up_past_its_timeout_says_how_long_it_took(
     import torch.distributed as dist
 
     store = fake_store()
-    store.data = {"devicekit/call/0": b"2\njob_status()", "devicekit/call/1": b"1\njob_status()"}
+    store.data = {
+        "devicekit/0/call/0": b"2\njob_status()",
+        "devicekit/0/call/1": b"1\njob_status()",
+    }
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     started = time.monotonic() - 8.0
     # A use of the store stalled in this call, and has ended since.
