@@ -151,10 +151,13 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
     # Leaving on an exception: flush without the collective (other ranks may
     # never reach it), and never let a failing flush or sink replace `exc`.
     unreduced = _unreduced_at_leaving(buffer)
+    # A sink interrupted (Ctrl-C in a hung sink, as log() flushed) and no delivery since:
+    # the records go to history only, as at exit, so that one Ctrl-C gets out of it.
+    deliver = not buffer._deliveries.interrupted
     try:
         buffer._leaving_on_error = True  # inside the try: Ctrl-C never leaves it set
         try:
-            buffer._flush(wait=True, reduce=False)
+            buffer._flush(wait=True, reduce=False, deliver=deliver)
         except Exception as error:
             if isinstance(exc, GeneratorExit):
                 # A generator closed early (the loop over it ended, gen.close()): its
@@ -171,7 +174,7 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
         if isinstance(exc, GeneratorExit):
             _flush_what_sinks_logged(buffer)  # raises what fails: a note would be lost
         else:
-            _record_what_sinks_logged(buffer, exc, deliver=True)
+            _record_what_sinks_logged(buffer, exc, deliver=deliver)
             _let_go_of_files(buffer)  # the run failed: a retry may write them afresh
         if unreduced:
             _tell_unreduced(buffer, exc, unreduced)

@@ -168,6 +168,30 @@ def test_a_sink_interrupted_is_not_handed_its_batch_again_and_the_others_get_it(
     assert [r["step"] for r in second] == [0, 1]
 
 
+def test_one_ctrl_c_gets_out_of_a_hung_sink_inside_a_with_block() -> None:
+    # Before: Ctrl-C in the sink during log()'s automatic flush left the block on
+    # KeyboardInterrupt, whose last flush called the same sink again, which hung again:
+    # a second Ctrl-C was needed (and under torchrun, which sends one, a SIGKILL).
+    calls: list[list[int]] = []
+
+    def hung(records: list[dk.Record]) -> None:
+        calls.append([record["step"] for record in records])
+        raise KeyboardInterrupt  # where Ctrl-C lands in a sink that hangs
+
+    logs = dk.LogBuffer(flush_every=3, sinks=[hung])
+
+    def train() -> None:
+        with logs:
+            for step in range(9):  # the sink is first called at step 5's flush
+                logs.log(step, loss=float(step))
+
+    with pytest.raises(KeyboardInterrupt):
+        train()
+    assert calls == [[0, 1, 2]]  # called once: not again as the block left
+    assert [record["step"] for record in logs.history] == list(range(6))  # nothing lost
+    logs.sinks = []
+
+
 def test_log_never_waits_for_a_flush_running_on_another_thread(tmp_path: Path) -> None:
     entered, release = threading.Event(), threading.Event()
     received: list[dk.Record] = []
