@@ -341,6 +341,32 @@ def test_a_dataloader_workers_copy_never_writes_the_parents_sinks(tmp_path: Path
     assert stderr.count("RuntimeWarning") == 1, stderr  # once, at the worker's first flush
 
 
+_TERMINATED = """
+import os, signal, sys, devicekit as dk
+
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + 15))  # as docs/logging.md says
+with dk.LogBuffer(flush_every=5, sinks=[dk.CSVSink(sys.argv[1])]) as logs:
+    for step in range(100):
+        logs.log(step, loss=float(step))
+        if step == 12:
+            os.kill(os.getpid(), signal.SIGTERM)  # as torchrun or Slurm stops a rank
+"""
+
+
+def test_sigterm_turned_into_an_exit_keeps_every_value_as_the_docs_say(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    done = subprocess.run(
+        [sys.executable, "-c", _TERMINATED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=importable(),
+        check=False,
+    )
+    assert done.returncode == 143, done.stderr
+    assert [row["step"] for row in _rows(path)] == [str(step) for step in range(13)]
+
+
 _SPAWNED_LOGS = """
 import multiprocessing, sys, devicekit as dk
 
