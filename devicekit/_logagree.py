@@ -235,7 +235,8 @@ def check_agreement(
         raise RanksDisagreeError(
             f"LogBuffer(reduce={op!r}) cannot combine this flush: the ranks disagree, they "
             f"flushed different steps:\n{lines}\nWhat they logged agrees {where}as far as the "
-            "shortest flush goes: the ranks flushed at different points, which flush() called "
+            f"shortest flush goes: {_numbered_apart(layouts)}"
+            "the ranks flushed at different points, which flush() called "
             "on one rank only, or on several ranks at different steps, does. Each rank records "
             "its own values of this flush, unreduced, so none is lost. The automatic flushes "
             "realign the ranks only after a flush() on one rank only; ranks that each called "
@@ -254,6 +255,23 @@ def check_agreement(
             "explicitly where ranks may log different numbers of times, since the default step "
             "counts this rank's own log() calls)."
         )
+
+
+def _numbered_apart(layouts: Sequence[Layout | None]) -> str:
+    """The first cause, where every rank's flush holds as many steps: their numbers differ.
+
+    An automatic flush holds ``flush_every`` steps on every rank: windows of
+    one length that start at different steps are most often steps numbered
+    differently (``log(i + rank, ...)``, a counter one rank started at 1).
+    """
+    lengths = {len(layout[0]) for layout in layouts if layout is not None}
+    if len(lengths) != 1:
+        return ""
+    return (
+        "each rank's flush holds as many steps, so most likely the ranks number their steps "
+        "differently (a step counter that starts elsewhere on one rank, a step one rank "
+        "skipped); else "
+    )
 
 
 def _said(answers: list[Answer]) -> str:

@@ -2369,6 +2369,28 @@ def test_the_empty_key_error_writes_odd_keys_quoted_inside_the_dict() -> None:
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("same_length", [True, False])
+def test_steps_numbered_apart_are_named_before_flushes_at_different_steps(
+    same_length: bool,
+) -> None:
+    # log(i + rank, ...), no flush() anywhere: each automatic flush holds 4 steps on
+    # each rank, 0 to 3 and 1 to 4. The error blamed flush() called at different steps
+    # first; the numbering came only in its last words.
+    from devicekit import _logagree
+
+    last = 4 if same_length else 3
+    answers: list[Any] = [
+        (((0, 1, 2, 3), (("loss", None),)), "logged 4 steps (0 to 3) of loss", False, ("loss",)),
+        ((tuple(range(1, last + 1)), (("loss", None),)), "logged", False, ("loss",)),
+    ]
+    with pytest.raises(dk.RanksDisagreeError) as told:
+        _logagree.check_agreement(answers, "mean", flushed_apart=True, agree_from=1)
+    said = " ".join(str(told.value).split())
+    numbered = "so most likely the ranks number their steps differently"
+    assert (numbered in said) is same_length
+    assert "the ranks flushed at different points" in said
+
+
 def test_a_rank_that_logged_nothing_is_said_plainly() -> None:
     # "rank 1: logged 0 steps of nothing".
     from devicekit import _logagree, _logreduce
