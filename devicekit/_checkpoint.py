@@ -28,11 +28,13 @@ Nothing of this runs when the load succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import pickle
 import struct
+from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
@@ -197,7 +199,8 @@ legacy format). Check the path
     if head is not None and _kind(head) == "safetensors":  # whatever its name: see there
         return load_safetensors(path, start, map_location, verify=verify)
     try:
-        result = torch.load(path, map_location=map_location, **kwargs)
+        with _unrouted(path, mmap=bool(kwargs.get("mmap"))) as source:
+            result = torch.load(source, map_location=map_location, **kwargs)
     except Exception as error:
         if out_of_memory(error):
             note = inflated_note(path, start)
@@ -312,6 +315,29 @@ def _map_location(device: DeviceLike | None, given: object) -> Any:
         "map_location must be a device (such as 'cpu' or 'cuda:0'), a dict of locations or a "
         f"function, got {got(given)}; pass device instead"
     )
+
+
+@contextlib.contextmanager
+def _unrouted(
+    path: str | os.PathLike[str] | IO[bytes], *, mmap: bool
+) -> Iterator[str | os.PathLike[str] | IO[bytes]]:
+    """What torch.load reads: ``path``, or where it ends in ``.safetensors``, the file open.
+
+    torch 2.13 hands a path so named to the safetensors package, whatever it
+    holds (a safetensors file was loaded already: see `load_safetensors`), so a
+    torch.save checkpoint misnamed so, or an empty or damaged file, raised
+    safetensors' bare error. An open file is read by its bytes. Not with
+    ``mmap``, which needs the path: that case is left to torch.
+    """
+    if (
+        mmap
+        or not isinstance(path, (str, os.PathLike))
+        or not os.fspath(path).endswith(".safetensors")
+    ):
+        yield path
+        return
+    with open(path, "rb") as file:
+        yield file
 
 
 def _position(path: object) -> int | None:

@@ -268,9 +268,9 @@ def _numbered_apart(layouts: Sequence[Layout | None]) -> str:
     if len(lengths) != 1:
         return ""
     return (
-        "each rank's flush holds as many steps, so most likely the ranks number their steps "
+        "each rank's flush holds as many steps, so either the ranks number their steps "
         "differently (a step counter that starts elsewhere on one rank, a step one rank "
-        "skipped); else "
+        "skipped), or "
     )
 
 

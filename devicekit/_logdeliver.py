@@ -34,7 +34,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._logflush import Landed, records_of
 
-__all__ = ["Deliveries", "KeepsRecords", "Record", "Sink"]
+__all__ = ["SINK_INTERRUPTED", "Deliveries", "KeepsRecords", "Record", "Sink"]
+
+SINK_INTERRUPTED = "_devicekit_sink_interrupted"  # set on the Ctrl-C that cut a sink short
 
 Record = dict[str, Any]
 """One logged step on the host: ``{"step": 12, "loss": 0.25, ...}``."""
@@ -254,6 +256,9 @@ def _call_each(
             sink, records = _current(calls, left)
             if isinstance(sink, KeepsRecords):  # cut short before it kept them: kept now
                 sink._missed(records)
+            # Marked on the error itself (a field here would keep its traceback's frames
+            # alive): a with block leaving on it calls no sink again (_logexit.leave).
+            setattr(error, SINK_INTERRUPTED, True)
             errors.append((sink, error))
             interrupted = True
         else:

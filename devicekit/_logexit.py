@@ -47,7 +47,7 @@ from typing_extensions import Self
 from ._dist import initialized, world_size
 from ._errors import add_note
 from ._frames import caller_stacklevel
-from ._logdeliver import Deliveries, KeepsRecords, Record, Sink
+from ._logdeliver import SINK_INTERRUPTED, Deliveries, KeepsRecords, Record, Sink
 from ._logflush import Landed
 from ._logreport import exit_failure, exit_warning, report_while_exiting
 
@@ -151,9 +151,10 @@ def leave(buffer: Block, exc: BaseException | None, *, collective: bool = True) 
     # Leaving on an exception: flush without the collective (other ranks may
     # never reach it), and never let a failing flush or sink replace `exc`.
     unreduced = _unreduced_at_leaving(buffer)
-    # A sink interrupted (Ctrl-C in a hung sink, as log() flushed) and no delivery since:
-    # the records go to history only, as at exit, so that one Ctrl-C gets out of it.
-    deliver = not buffer._deliveries.interrupted
+    # Leaving on the very Ctrl-C that cut a sink short (one that hangs, as log() flushed):
+    # the records go to history only, as at exit, so that one Ctrl-C gets out of it. Not
+    # on sys.exit (a SIGTERM handler's, landing in a slow sink), nor on a later error.
+    deliver = not (isinstance(exc, KeyboardInterrupt) and getattr(exc, SINK_INTERRUPTED, False))
     try:
         buffer._leaving_on_error = True  # inside the try: Ctrl-C never leaves it set
         try:

@@ -171,7 +171,9 @@ class Flushes:
         the parent's job: its flushes are local, never a collective.
         """
         self._lock = threading.RLock()
-        self._forked, self._made_again = True, made_again
+        # A spawned child may be a rank (torch.multiprocessing.spawn): its buffer made
+        # again keeps its collectives; only a forked copy is no rank of the parent's job.
+        self._forked, self._made_again = not made_again, made_again
         self._taken += len(self._pending)  # default steps go on from the parent's count
         self._pending, self._in_flight = [], None
         self._flushing = None  # a thread of the parent's may have been inside a flush

@@ -340,14 +340,14 @@ def left_out_warning(left_out: list[str], *, forked: bool = False, made_again: b
     named = ", ".join(shorten(name, 80) for name in left_out)
     if made_again:
         return (
-            f"this LogBuffer was made again as a spawned process ran its parent's script (a "
-            f"DataLoader worker under the spawn start method, the default on macOS and "
-            f"Windows), so it is the parent's buffer, and such a copy gets no sinks: "
-            f"{named} stayed with the parent (writing there, it replaced the parent's file), "
-            "and this process's records are kept in its own history only. Put the script's "
-            "top level under if __name__ == '__main__':, log in the parent (return what to "
-            "log with the batch), or give this copy sinks of its own, logs.sinks = "
-            "[dk.CSVSink(f'worker{os.getpid()}.csv')]."
+            f"this LogBuffer was made again as a process started by spawn or forkserver ran "
+            f"its parent's script (a DataLoader worker on macOS and Windows, "
+            f"torch.multiprocessing.spawn), so it is the parent's buffer too, and such a copy "
+            f"gets no sinks: {named} stayed with the parent (writing there would replace the "
+            "parent's file), and this process's records are kept in its own history only. "
+            "Make the LogBuffer inside if __name__ == '__main__': (or in the function the "
+            "process runs), log in the parent (return what to log with the batch), or give "
+            "this copy sinks of its own, logs.sinks = [dk.CSVSink(f'worker{os.getpid()}.csv')]."
         )
     if forked:
         return (

@@ -85,9 +85,11 @@ def check_module(module: torch.nn.Module) -> list[str]:
     trees: list[tuple[str, torch.nn.Module]] = [("", module)]
     seen: set[int] = set()
     findings: list[str] = []
+    told: set[type] = set()  # each class once: a ModuleList of 12 would say it 12 times
     for prefix, submodule in _walk(trees, seen):
         wrong = unhashable(submodule)
-        if wrong is not None:
+        if wrong is not None and type(submodule) not in told:
+            told.add(type(submodule))
             findings.append(f"{prefix or 'the model'}: {wrong}")
         reached: frozenset[int] = frozenset()
         if _applies_its_own(type(submodule)):

@@ -102,10 +102,10 @@ def unhashable_note(error: TypeError, module: torch.nn.Module) -> None:
     """Add the fix to ``error`` (torch's own walk failed) where an unhashable module caused it."""
     if "unhashable type" not in str(error):
         return
-    for path, submodule in named_submodules(module):
+    for path, submodule in named_submodules(module)[1:]:  # Module.to never hashes the root
         wrong = unhashable(submodule)
         if wrong is not None:
-            add_note(error, f"{path or 'the model'}: {wrong}")
+            add_note(error, f"{path}: {wrong}")
             break
 
 

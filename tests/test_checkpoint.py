@@ -244,6 +244,18 @@ def _safetensors_file(tmp_path: Path) -> Path:
     return path
 
 
+def test_a_file_named_safetensors_that_is_none_is_read_by_its_bytes(tmp_path: Path) -> None:
+    # torch 2.13 hands any path so named to the safetensors package: a torch.save
+    # checkpoint misnamed so, or an empty file, raised its bare SafetensorError.
+    misnamed = tmp_path / "model.safetensors"
+    torch.save({"w": torch.ones(2)}, misnamed)
+    assert dk.load(misnamed, "cpu")["w"].tolist() == [1.0, 1.0]
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    with pytest.raises(dk.CheckpointError, match=r"the file is empty \(0 bytes\)"):
+        dk.load(empty, "cpu")
+
+
 def test_a_safetensors_file_without_the_package_says_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Callable
@@ -190,6 +191,37 @@ def test_one_ctrl_c_gets_out_of_a_hung_sink_inside_a_with_block() -> None:
     assert calls == [[0, 1, 2]]  # called once: not again as the block left
     assert [record["step"] for record in logs.history] == list(range(6))  # nothing lost
     logs.sinks = []
+
+
+def test_a_ctrl_c_caught_earlier_does_not_keep_the_sinks_from_a_block_that_fails_later(
+    tmp_path: Path,
+) -> None:
+    # A first version skipped the sinks whenever a sink had been interrupted and no
+    # delivery had finished since: a Ctrl-C caught and carried on from, then a bug,
+    # left the CSV with the first row of four.
+    calls: list[int] = []
+
+    def once(records: list[dk.Record]) -> None:
+        calls.append(len(records))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    sink = dk.CSVSink(tmp_path / "log.csv")
+    logs = dk.LogBuffer(flush_every=100, sinks=[once, sink])
+
+    def train() -> None:
+        with logs:
+            logs.log(0, loss=0.0)
+            with contextlib.suppress(KeyboardInterrupt):
+                logs.flush()  # the user carries on
+            for step in range(1, 4):
+                logs.log(step, loss=float(step))
+            raise ValueError("a bug later")
+
+    with pytest.raises(ValueError, match="a bug later"):
+        train()
+    assert sink.path.read_text().split() == ["step,loss", "0,0.0", "1,1.0", "2,2.0", "3,3.0"]
+    assert calls == [1, 3]
 
 
 def test_log_never_waits_for_a_flush_running_on_another_thread(tmp_path: Path) -> None:

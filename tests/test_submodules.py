@@ -69,6 +69,26 @@ def test_a_model_holding_one_gets_the_fix_where_torch_cannot_move_it() -> None:
     assert "@dataclass(eq=False)" in notes
 
 
+@dataclasses.dataclass(eq=True)
+class _Nested(nn.Module):
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.head = _Head()
+
+
+def test_the_note_names_the_submodule_torch_hashed_not_the_root() -> None:
+    # Module.to never hashes the module it is called on: a first version named the
+    # root (_Nested), whose fix would not have helped.
+    with pytest.raises(TypeError, match="unhashable type: '_Head'") as caught:
+        dk.to_device([_Nested()], "meta")
+    assert getattr(caught.value, "__notes__", [""])[0].startswith("head: _Head defines __eq__")
+
+
+def test_check_module_reports_each_class_torch_cannot_walk_once() -> None:
+    model = nn.ModuleList([_Head(), _Head(), _Head()])
+    assert [finding.split(":")[0] for finding in dk.check_module(model)] == ["0"]
+
+
 @pytest.mark.parametrize(("model", "where"), [(_Head(), "the model"), (_Outer(), "head")])
 def test_check_module_reports_a_module_torch_cannot_walk(model: nn.Module, where: str) -> None:
     findings = dk.check_module(model)
