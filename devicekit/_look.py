@@ -163,7 +163,9 @@ def _named_entries(state: dict[Any, Any], limit: int | None) -> list[tuple[str, 
 
 # What every module's instance holds (the registries, hooks, flags): torch's bookkeeping,
 # which module.to() sees to, not state of the user's.
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+# And a traced module's own (torch.jit.trace): the compiled module behind it, which holds
+# the same parameters, and which module.to() moves with them.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"_actual_script_module"}
 # The attribute a forward pre-hook sets again before every call names itself in one of
 # these: WeightNorm and SpectralNorm (torch.nn.utils) say ``name``, pruning ``_tensor_name``.
 _HOOK_TARGETS = (".name", "._tensor_name")

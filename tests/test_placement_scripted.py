@@ -167,3 +167,18 @@ def test_a_module_whose_registries_have_no_get_keeps_its_tensors_shared(
     assert moved["m_"] is model.mean
     assert model.weight.is_meta
     assert model.mean.is_meta
+
+
+@pytest.mark.parametrize("make", ["jit.script", "jit.trace"])
+def test_check_module_and_assert_same_device_see_a_torchscript_modules_tensors_once(
+    make: str,
+) -> None:
+    # A traced module keeps the compiled module behind it in `_actual_script_module`,
+    # which holds the same parameters: check_module reported it as a plain attribute
+    # module.to() would not move, and assert_same_device listed each tensor twice.
+    model = _quietly(MAKERS[make])
+    assert dk.check_module(model) == []
+    with pytest.raises(dk.DeviceMismatchError) as caught:
+        dk.assert_same_device(model, torch.ones(1, device="meta"))
+    assert "cpu (5 tensors)" in str(caught.value)  # weight, bias, its 3 buffers: each once
+    assert "_actual_script_module" not in str(caught.value)
