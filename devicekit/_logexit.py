@@ -84,7 +84,8 @@ class Block(Protocol):
     def _kept(self) -> int: ...  # records sinks kept from a failed write
     def _unfinished(self, *, deliver: bool) -> bool: ...  # values or records still to go
     def _state(self) -> dict[str, Any]: ...  # what its repr shows: it names the buffer
-    def _forked_copy(self, *, made_again: bool = ...) -> None: ...  # a child's: no sinks
+    def _forked_copy(self) -> None: ...  # in a forked child: a copy without the sinks
+    def _made_again_copy(self) -> None: ...  # made again by a spawned child: no sinks
 
 
 class Scoped:
@@ -309,7 +310,7 @@ def track(buffer: Block) -> None:
                 _registered = True
     first_at_exit()
     if _made_again_by_spawn():
-        buffer._forked_copy(made_again=True)
+        buffer._made_again_copy()
     _live[next(_numbers)] = buffer
 
 

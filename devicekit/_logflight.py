@@ -30,6 +30,7 @@ from ._logflush import InFlight, Landed
 from ._loghistory import Entry, Flight, History, settle
 from ._logreduce import broken_job
 from ._logreport import (
+    CopyKind,
     flush_error,
     left_out_warning,
     missing_rank_note,
@@ -153,11 +154,8 @@ class Flushes:
         # Long enough for a CSV file's path, which the warning gives back (_logreport).
         return [shorten(describe_sink(sink), 400) for sink in self._sinks] or None
 
-    def _forked_copy(self, *, made_again: bool = False) -> None:
+    def _forked_copy(self) -> None:
         """In a forked child (a DataLoader worker): become a copy, as a pickled buffer is.
-
-        ``made_again``: made as a spawned child imports the parent's script again
-        (`_logexit._made_again_by_spawn`), which is the parent's buffer as well.
 
         The parent's sinks write the parent's file, bar and writer: a child
         writing there too mixes its values into the parent's rows (and the
@@ -171,13 +169,25 @@ class Flushes:
         the parent's job: its flushes are local, never a collective.
         """
         self._lock = threading.RLock()
-        # A spawned child may be a rank (torch.multiprocessing.spawn): its buffer made
-        # again keeps its collectives; only a forked copy is no rank of the parent's job.
-        self._forked, self._made_again = not made_again, made_again
+        self._forked = True
         self._taken += len(self._pending)  # default steps go on from the parent's count
         self._pending, self._in_flight = [], None
         self._flushing = None  # a thread of the parent's may have been inside a flush
         self._flush_at = self.flush_every
+        self._leave_sinks()
+
+    def _made_again_copy(self) -> None:
+        """Made as a spawned child runs the parent's script again: the parent's buffer too.
+
+        It gets no sinks, as a forked copy (`_logexit._made_again_by_spawn`), but
+        keeps its collectives: a spawned child may be a rank (each process of
+        ``torch.multiprocessing.spawn``), where a forked one is not.
+        """
+        self._made_again = True
+        self._leave_sinks()
+
+    def _leave_sinks(self) -> None:
+        """Keep no sinks, named for the warning at the first flush: a copy's are another's."""
         if self._sinks:
             self._sinks_left_out = self._sinks_named()
             self._sinks = []
@@ -260,7 +270,10 @@ class Flushes:
         """Once, at a copy's first flush: where its records would have gone, and do not."""
         left_out, self._sinks_left_out = self._sinks_left_out, None
         if left_out and not self.sinks:
-            told = left_out_warning(left_out, forked=self._forked, made_again=self._made_again)
+            how: CopyKind = (
+                "made again" if self._made_again else "forked" if self._forked else "copied"
+            )
+            told = left_out_warning(left_out, how=how)
             warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     def _reducing(self, *, values: bool) -> bool:

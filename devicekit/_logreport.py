@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from ._callbacks import describe_sink
 from ._errors import add_note
@@ -26,6 +26,8 @@ from ._logflush import LoggedInVmap
 from ._shortrepr import short_repr
 
 __all__ = [
+    "CopyKind",
+    "buffer_name",
     "check_key",
     "dropped_warning",
     "exit_failure",
@@ -335,10 +337,17 @@ def exit_failure(error: BaseException) -> str:
     return f"its flush at exit raised {told}{notes}"
 
 
-def left_out_warning(left_out: list[str], *, forked: bool = False, made_again: bool = False) -> str:
-    """What a copy of a buffer warns at its first flush: the sinks it did not get."""
+CopyKind = Literal["copied", "forked", "made again"]
+
+
+def left_out_warning(left_out: list[str], *, how: CopyKind = "copied") -> str:
+    """What a copy of a buffer warns at its first flush: the sinks it did not get.
+
+    ``how`` it came to be: copied (copy, pickle, ``torch.save``), forked with
+    its process, or made again as a spawned child ran the parent's script.
+    """
     named = ", ".join(shorten(name, 80) for name in left_out)
-    if made_again:
+    if how == "made again":
         return (
             f"this LogBuffer was made again as a process started by spawn or forkserver ran "
             f"its parent's script (a DataLoader worker on macOS and Windows, "
@@ -349,7 +358,7 @@ def left_out_warning(left_out: list[str], *, forked: bool = False, made_again: b
             "process runs), log in the parent (return what to log with the batch), or give "
             "this copy sinks of its own, logs.sinks = [dk.CSVSink(f'worker{os.getpid()}.csv')]."
         )
-    if forked:
+    if how == "forked":
         return (
             f"this LogBuffer is a forked process's copy of its parent's buffer (a DataLoader "
             f"worker, multiprocessing with fork), and a copy gets no sinks: "
