@@ -206,7 +206,7 @@ legacy format). Check the path
             note = inflated_note(path, start)
             if note is not None:
                 add_note(error, note)
-        better = _explained(error, path, start, mmap=bool(kwargs.get("mmap")))
+        better = _explained(error, path, start, head, mmap=bool(kwargs.get("mmap")))
         if better is None:
             raise  # torch's own message says it best (weights_only refusals, device errors)
         # A CheckpointError keeps torch's error as its cause; the others say all it said.
@@ -233,9 +233,12 @@ _UNREADABLE = (
 
 
 def _explained(
-    error: Exception, path: object, start: int | None, *, mmap: bool
+    error: Exception, path: object, start: int | None, head: bytes | None, *, mmap: bool
 ) -> Exception | None:
-    """The error ``load()`` raises instead of torch's ``error``; None to raise torch's own."""
+    """The error ``load()`` raises instead of torch's ``error``; None to raise torch's own.
+
+    ``head``: the file's first bytes, read before the load (`_head`).
+    """
     if isinstance(error, (FileNotFoundError, IsADirectoryError)) or (
         isinstance(error, OSError) and error.errno == errno.ENAMETOOLONG
     ):
@@ -244,7 +247,6 @@ def _explained(
         return None
     if _raised_outside_torch(error):
         return None  # the file's own objects (a __setstate__) or a map_location function failed
-    head = _head(path, start)
     if mmap and str(error).startswith(MMAP_LEGACY) and (head is None or _kind(head) is None):
         return legacy_mmap(path)  # torch says so of any file not a zip: an empty one too
     # A zip archive's directory and CRC-32s tell damage apart from the rest: an OSError
