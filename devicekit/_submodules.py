@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from ._errors import add_note
+from ._format import plural
 from ._shortrepr import got
 
 __all__ = [
@@ -88,14 +89,30 @@ def not_a_module(value: object, *, call: str) -> TypeError:
 and pass it: check_module(Linear(...))
     """
     name = call.split("(", 1)[0]
+    modules = _modules_in(value)
     if isinstance(value, type) and issubclass(value, torch.nn.Module):
         fix = f"got the class {value.__name__} itself; make one and pass it: "
         fix += f"{name}({value.__name__}(...))"
     elif isinstance(value, torch.Tensor):
         fix = f"got a tensor; pass the model that uses it: {name}(model)"
+    elif modules:
+        fix = (
+            f"got a {type(value).__name__} of {plural(modules, 'module')}; pass one at a time: "
+            f"[{name}(each) for each in "
+            f"{'models.values()' if isinstance(value, dict) else 'models'}]"
+        )
     else:
         fix = f"got {got(value)}; pass the model: {name}(model)"
     return TypeError(f"{call} needs a torch.nn.Module, {fix}")
+
+
+def _modules_in(value: object) -> int:
+    """How many modules a list, tuple or dict of nothing but modules holds; else 0."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)) or not value:
+        return 0
+    return len(value) if all(isinstance(each, torch.nn.Module) for each in value) else 0
 
 
 def unhashable_note(error: TypeError, module: torch.nn.Module) -> None:

@@ -416,6 +416,22 @@ def test_a_module_class_or_a_tensor_gets_the_fix(call: Any) -> None:
         call(torch.ones(1))
 
 
+@pytest.mark.parametrize("call", [dk.check_module, dk.data_parallel])
+def test_a_list_or_dict_of_modules_gets_one_call_each(call: Any) -> None:
+    # Before: "got [Linear(...), Linear(...)] of type list; pass the model", which it was.
+    name, linear = call.__name__, torch.nn.Linear(2, 2)
+    with pytest.raises(
+        TypeError,
+        match=rf"got a list of 2 modules; pass one at a time: "
+        rf"\[{name}\(each\) for each in models\]$",
+    ):
+        call([linear, linear])
+    with pytest.raises(TypeError, match=r"got a dict of 1 module; .* in models\.values\(\)\]$"):
+        call({"encoder": linear})
+    with pytest.raises(TypeError, match=rf"of type list; pass the model: {name}\(model\)$"):
+        call([linear, 1])  # not only modules: no such advice
+
+
 class Grouped(torch.nn.Module):
     """Plain references to state the module registers anyway, and one to a buffer."""
 
