@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from ._mover import _Mover
 
 __all__ = [
+    "ELSEWHERE",
     "KEY_HELD",
     "LAZY",
     "OPTIMIZERS",
@@ -64,17 +66,49 @@ __all__ = [
     "optimizer_stray",
     "returned",
     "takes_non_blocking",
+    "waits_for",
     "while_calling_to",
 ]
 
 # Why a tensor stayed where it was, for to_device's warning: in an object returned as it
 # is, in what an object's own .to() returned, or in a dict's key (never moved); or why
-# none could be seen: an iterator makes its items as it runs.
-UNCHANGED, OWN_TO, KEY_HELD, LAZY = "unchanged", "own .to()", "key", "lazy"
+# none could be seen: an iterator makes its items as it runs, a future or a Ray object
+# reference stands for a value made elsewhere (`waits_for`).
+UNCHANGED, OWN_TO, KEY_HELD, LAZY, ELSEWHERE = "unchanged", "own .to()", "key", "lazy", "elsewhere"
 # References read inside a numpy array of objects, as inside any object (tensor_elsewhere).
 _ARRAY_LOOKS = 256
 # References read inside a dict view's items, besides the items themselves (held_view).
 _VIEW_LOOKS = 256
+
+
+def waits_for(cls: type) -> tuple[str, str] | None:
+    """The name of ``cls`` and how to get its value, where it is a future; else None.
+
+    A future, or a Ray ``ObjectRef``, holds no tensor to_device could see:
+    its value is made elsewhere. Modules are not imported for this: where one
+    is not imported yet, none of its objects exists.
+
+    Examples:
+        >>> import concurrent.futures
+        >>> waits_for(concurrent.futures.Future), waits_for(list)
+        (('concurrent.futures.Future', 'future.result()'), None)
+    """
+    if (cls.__module__, cls.__qualname__) == ("ray", "ObjectRef"):
+        return "ray.ObjectRef", "ray.get(ref)"
+    for module, get in _FUTURES:
+        imported = sys.modules.get(module)
+        if imported is not None and issubclass(cls, imported.Future):
+            base = f"{module}.Future"
+            return base if cls is imported.Future else qualified_name(cls), get
+    return None
+
+
+# Where futures live (torch.futures is imported with torch), and how to get their value.
+_FUTURES = (
+    ("torch.futures", "future.wait()"),
+    ("asyncio", "await future"),
+    ("concurrent.futures", "future.result()"),
+)
 
 
 class DictKey:

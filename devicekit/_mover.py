@@ -26,6 +26,7 @@ import torch
 from ._accelerators import CPU, META, synchronize
 from ._look import Changed, key_text, tensor_elsewhere
 from ._movecalls import (
+    ELSEWHERE,
     KEY_HELD,
     LAZY,
     OPTIMIZERS,
@@ -41,6 +42,7 @@ from ._movecalls import (
     optimizer_stray,
     returned,
     takes_non_blocking,
+    waits_for,
     while_calling_to,
 )
 from ._rebuild import (
@@ -180,8 +182,7 @@ class _Mover:
             return held_view(self, obj)
         if own_to and (hasattr(obj, "__dict__") or next(slot_names(type(obj)), None)):
             return self.container(obj, rebuild_record)  # every attribute moved, on a copy
-        # A generator, map(): moving its items would run it and use it up.
-        return self.unchanged(obj, LAZY if isinstance(obj, Iterator) else UNCHANGED)
+        return self.unchanged(obj, _why_unmoved(obj))
 
     def unchanged(self, obj: Any, how: str = UNCHANGED) -> Any:
         """``obj``, which to_device cannot move; noted where it leaves a tensor behind.
@@ -196,14 +197,15 @@ class _Mover:
         A numpy array is looked inside only where it holds Python objects
         (``dtype=object``), each such array until one warns: one of numbers
         costs a check of its dtype. ``how``: why ``obj`` is as it was
-        (`UNCHANGED`, `OWN_TO`, `LAZY`), for the warning. An iterator's items
-        are not made yet: it is told of once per class, with nothing to look at.
+        (`UNCHANGED`, `OWN_TO`, `LAZY`, `ELSEWHERE`), for the warning. An
+        iterator's items are not made yet, nor a future's value: each is told
+        of once per class, with nothing to look at.
         """
         cls = type(obj)
         looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
-        if looks > 0 and how == LAZY:
+        if looks > 0 and how in (LAZY, ELSEWHERE):  # nothing to look at: tell once
             _looks_left[cls] = 0
-            self.unmoved = [*(self.unmoved or ()), (cls, "", LAZY)]
+            self.unmoved = [*(self.unmoved or ()), (cls, "", how)]
         elif looks > 0:
             array = (cls.__module__, cls.__qualname__) in _NUMPY_ARRAYS
             try:
@@ -280,6 +282,13 @@ class _Mover:
         self.modules = None
         self.shared = None
         self.busy = False
+
+
+def _why_unmoved(obj: object) -> str:
+    """Why to_device returns ``obj`` as it is: `LAZY`, `ELSEWHERE` or `UNCHANGED`."""
+    if isinstance(obj, Iterator):  # a generator, map(): moving its items would use it up
+        return LAZY
+    return ELSEWHERE if waits_for(type(obj)) else UNCHANGED  # a future: its value is elsewhere
 
 
 _local = threading.local()  # per thread: target (and forced policy) -> its _Mover

@@ -26,7 +26,7 @@ from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
 from ._lookpandas import pandas_kind
-from ._movecalls import KEY_HELD, LAZY, OWN_TO, HeldView
+from ._movecalls import ELSEWHERE, KEY_HELD, LAZY, OWN_TO, HeldView, waits_for
 from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
 from ._options import check_flag
 from ._submodules import named_submodules
@@ -82,6 +82,13 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
                 "it runs, so to_device cannot move them without running it and using it up. "
                 "Pass a list of its items instead (list(...)), or move each item as it comes"
             )
+        elif how == ELSEWHERE:
+            shown, get = waits_for(cls) or (qualified_name(cls), "")
+            what = (
+                f"returned {article(shown)} {shown} as it is: it stands for a value made "
+                "elsewhere, which to_device cannot move without waiting for it. Get the "
+                f"value first ({get}) and move that"
+            )
         elif how == OWN_TO:
             what = (
                 f"moved a {qualified_name(cls)} with its own .to(), which left a tensor not "
@@ -105,7 +112,7 @@ def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) ->
                 f"move it, and it holds a tensor not on {target} ({name}{path}), which stays "
                 f"where it is. {advice}{cache}"
             )
-        finds = "" if how == LAZY else " dk.assert_same_device() finds such tensors."
+        finds = "" if how in (LAZY, ELSEWHERE) else " dk.assert_same_device() finds such tensors."
         warnings.warn(
             f"to_device() {what}.{finds} This warning is shown once per class.",
             RuntimeWarning,
@@ -241,7 +248,8 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     tensor not on ``device`` is refused with ``TypeError`` (pass the dict
     itself), one that holds none (a dict's str keys) is returned as it is.
     An iterator (a generator, ``map()``) is returned as it is, with a warning
-    once per class: moving its items would run it and use it up.
+    once per class: moving its items would run it and use it up; so is a
+    future or a Ray ``ObjectRef``, whose value is made elsewhere.
     Anything else (a ``range``, your own read-only ``Sequence``) is returned
     unchanged, and the input is never modified
     (except modules, and objects whose ``.to()`` moves them in place): a copy

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -1503,6 +1504,33 @@ def test_an_iterator_is_returned_as_it_is_and_told_of_once_per_class(
     with pytest.warns(RuntimeWarning, match=r"returned a map as it is"):
         moved = dk.to_device({"x": torch.ones(1), "sizes": map(len, ["ab"])}, META)
     assert moved["x"].is_meta
+
+
+def test_a_future_is_returned_as_it_is_and_told_of_with_how_to_get_its_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a torch future came back in silence, and a finished concurrent.futures
+    # one was told of as an object to give a .to() to.
+    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())  # none told yet
+    done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    done.set_result(torch.ones(1))
+    waited: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    waited.set_result(torch.ones(1))
+    with pytest.warns(RuntimeWarning) as told:
+        moved = dk.to_device({"done": done, "waited": waited, "x": torch.ones(1)}, META)
+    assert moved["done"] is done
+    assert moved["waited"] is waited
+    assert moved["x"].is_meta
+    assert [str(warning.message).split(" as it is")[0] for warning in told] == [
+        "to_device() returned a concurrent.futures.Future",
+        "to_device() returned a torch.futures.Future",
+    ]
+    assert "Get the value first (future.result()) and move that." in str(told[0].message)
+    assert "(future.wait())" in str(told[1].message)
+    assert all(warning.filename == __file__ for warning in told)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        dk.to_device([concurrent.futures.Future()], META)
 
 
 def test_an_object_it_cannot_move_is_returned_as_it_is_but_not_in_silence() -> None:

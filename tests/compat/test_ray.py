@@ -20,13 +20,16 @@ import textwrap
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import devicekit as dk
+from devicekit import _mover
 
 from ..conftest import CTRL_C_WORKS, FakeAccelerator, run_python
 
@@ -651,3 +654,18 @@ def test_ctrl_c_cancels_the_outstanding_tasks(tmp_path: Path) -> None:
             driver.wait()
     assert json.loads(out.strip().splitlines()[-1]) == {"free_cpus": 2.0}, err
     assert len(list(tmp_path.glob("started-*"))) == 2  # the queued ones never started
+
+
+def test_to_device_tells_of_an_object_ref_and_how_to_get_its_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a batch holding a Ray reference came back with it, in silence.
+    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())  # none told yet
+    ref = ray.ObjectRef.from_random()  # no cluster needed: nothing is fetched
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"returned a ray\.ObjectRef as it is: .* Get the value first \(ray\.get\(ref\)\)",
+    ):
+        moved = dk.to_device({"ref": ref, "x": torch.ones(1)}, "meta")
+    assert moved["ref"] is ref
+    assert moved["x"].is_meta
