@@ -191,8 +191,15 @@ def _refuse_arity(
 
 
 def describe_sink(sink: object) -> str:
-    """A sink's own repr when it has a readable one, else its name (``show``, ``list.append``)."""
-    text = repr(sink)
+    """A sink's own repr when it has a readable one, else its name (``show``, ``list.append``).
+
+    A repr that raises (it reads state set up later) gives the name: naming a
+    sink must never be what fails a flush, a repr or the exit report.
+    """
+    try:
+        text = repr(sink)
+    except Exception:  # noqa: BLE001 - the user's __repr__: any error, the name instead
+        text = "<"
     if not text.startswith("<"):
         return text
     return str(getattr(sink, "__qualname__", None) or type(sink).__qualname__)

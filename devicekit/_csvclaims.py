@@ -13,6 +13,7 @@ process is the sink itself, not a second writer.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -33,6 +34,16 @@ class Claimant(Protocol):
 _live: weakref.WeakSet[Claimant] = weakref.WeakSet()  # the sinks that claim their files
 _tokens: weakref.WeakValueDictionary[str, Claimant] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    """A forked child's own lock: one a parent's thread held at the fork is never let go."""
+    global _lock  # noqa: PLW0603 - the module's lock, replaced once per fork
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def claim(sink: Claimant) -> None:

@@ -239,20 +239,8 @@ class TerminatedBySignal(SystemExit):
 
 # Tracebacks and reprs show the public path (`devicekit.DeviceNotFoundError`),
 # not the private module the class happens to live in.
-for _cls in (
-    DevicekitError,
-    CheckpointError,
-    CUDAInitializedError,
-    DeviceMismatchError,
-    DeviceNotFoundError,
-    DeviceOutOfMemoryError,
-    GPUNotFoundError,
-    GPUUnavailableError,
-    RanksDisagreeError,
-    RanksOutOfStepError,
-    SyncError,
-    WorkerError,
-    WorkerTimeoutError,
-):
-    _cls.__module__ = "devicekit"
-del _cls
+for _name in __all__:
+    _cls = globals()[_name]
+    if isinstance(_cls, type) and issubclass(_cls, DevicekitError):
+        _cls.__module__ = "devicekit"
+del _name, _cls

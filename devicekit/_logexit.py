@@ -292,6 +292,16 @@ def _flush_what_sinks_logged(buffer: Block, *, deliver: bool = True) -> None:
 _live: weakref.WeakValueDictionary[int, Block] = weakref.WeakValueDictionary()
 _numbers = itertools.count()
 _registering = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    """A forked child's own lock: one a parent's thread held at the fork is never let go."""
+    global _registering  # noqa: PLW0603 - the module's lock, replaced once per fork
+    _registering = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 _registered = False
 
 

@@ -142,9 +142,9 @@ def start_reduced(
     taken: int | None = None
     if take is not None and take < len(steps):  # realigned: the later entries stay pending
         ordered, flat = _first_rows(ordered, flat, take)
-        kept = set(steps[:take])
-        unreadable = [spoiled for spoiled in unreadable if spoiled[1] in kept]
         steps, taken = steps[:take], take
+        if unreadable:  # those of the entries taken: told by row, as a step may repeat
+            unreadable = read_each(steps, ordered).unreadable
     if not ordered:  # every rank had nothing to send, and all agree
         return InFlight(steps, [], taken=taken, ended_ranks=ended)
     on_gpu = all(wants for _, _, wants, _ in answers)

@@ -338,7 +338,7 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
         """A close that failed once ``rows`` were written: said so, and not written again."""
         why = error.strerror or str(error)
         raised = type(error)(
-            f"{self!r} wrote {len(rows)} records to {str(self._file)!r}, but closing it "
+            f"{self!r} wrote {plural(len(rows), 'record')} to {str(self._file)!r}, but closing it "
             f"failed: {why}. Some may not have reached the disk (a network file system "
             "reports late write errors so); they are not written again, which would put "
             f"them there twice (they are in the buffer's history). "

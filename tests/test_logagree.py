@@ -10,12 +10,14 @@ was told a rank had crashed, and the job's collectives were broken for good.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import devicekit as dk
 from devicekit import _logagree
@@ -176,3 +178,46 @@ def test_ranks_whose_blocks_end_apart_are_told_at_once_and_never_wait(tmp_path: 
         told = any("rank 1 ended its with block in a flush" in said for said in warned)
         assert told is (rank == 0), warned  # rank 0 recorded steps 5 to 7 unreduced
         assert not any("unreduced" in said for said in midway_warned)  # the error said so
+
+
+def _spoiled_in_the_part_left_pending(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 0's automatic flush holds step 4 twice, the second spoiled; rank 1 flushes one."""
+    dist = _join_job(rank, world, port)
+    try:
+        logs = dk.LogBuffer(flush_every=3, reduce="sum")
+        raised = []
+        logs.log(4, loss=1.0)
+        if rank == 0:
+            spoiled = torch.tensor(2.0)
+            logs.log(4, loss=spoiled)
+            spoiled.resize_(0)  # changed after log(): cannot be read
+            # Its automatic flush meets rank 1's flush() of one entry: it takes one only.
+            raised.append(_raised(lambda: logs.log(5, loss=1.0)))
+        else:
+            raised.append(_raised(logs.flush))
+            logs.log(4, loss=1.0)
+            logs.log(5, loss=1.0)
+        raised.append(_raised(logs.flush))  # the entries left pending on rank 0
+        results = {"raised": raised, "history": logs.history}
+        Path(folder, f"{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_spoiled_value_left_pending_by_a_realigned_flush_is_told_once(tmp_path: Path) -> None:
+    # Before, the realigned flush told of rank 0's spoiled value, which it had left pending
+    # (its step, 4, was also that of the entry taken), and the next flush told of it again.
+    spawn_ranks(_spoiled_in_the_part_left_pending, 2, str(tmp_path))
+    zero, one = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2))
+    assert zero["raised"][0] is None
+    name, message, _ = zero["raised"][1]
+    assert name == "ValueError"
+    assert "could not read 1 logged value" in message
+    assert "'loss' at step 4" in message
+    assert one["raised"] == [None, None]
+    for results in (zero, one):
+        history = results["history"]
+        assert [record["step"] for record in history] == [4, 4, 5]
+        assert history[0]["loss"] == 2.0
+        assert math.isnan(history[1]["loss"])
+        assert history[2]["loss"] == 2.0

@@ -1172,6 +1172,31 @@ def test_repr_shows_keys_records_pending_last_record_and_sinks(tmp_path: Path) -
     _let_go(buffer)
 
 
+def test_a_sink_whose_repr_raises_is_named_by_its_class() -> None:
+    # Before, its repr's AttributeError refused it at LogBuffer(sinks=[...]), and failed
+    # every flush, the buffer's repr and the exit report.
+    class Later:
+        def __init__(self) -> None:
+            self.records: list[dk.Record] = []
+
+        def __call__(self, records: list[dk.Record]) -> None:
+            self.records += records
+
+        def __repr__(self) -> str:
+            return f"Later({self.run})"  # type: ignore[attr-defined] - set up later
+
+    sink = Later()
+    buffer = dk.LogBuffer(sinks=[sink])
+    buffer.log(0, loss=1.0)
+    assert buffer.flush() == [{"step": 0, "loss": 1.0}]
+    assert sink.records == [{"step": 0, "loss": 1.0}]
+    assert repr(buffer).endswith(
+        ", sinks test_a_sink_whose_repr_raises_is_named_by_its_class.<locals>.Later"
+    )
+    assert "Later" in buffer._repr_html_()
+    _let_go(buffer)
+
+
 def test_repr_of_a_reducing_buffer_and_html_escaping() -> None:
     buffer = dk.LogBuffer(reduce="mean")
     buffer.log(**{"<b>": 1.0})

@@ -308,6 +308,42 @@ def test_a_forked_child_does_not_flush_its_parents_buffer_at_its_exit(tmp_path: 
     assert lines[0].endswith(" 1")
 
 
+_FORKED_WHILE_LOCKED = """
+import os, signal, sys, threading, devicekit as dk
+from devicekit import _csvclaims, _logexit
+
+held, release = threading.Event(), threading.Event()
+
+def inside():  # as a thread making a CSVSink and a LogBuffer would be, at the fork
+    with _csvclaims._lock, _logexit._registering:
+        held.set()
+        release.wait()
+
+threading.Thread(target=inside, daemon=True).start()
+held.wait()
+child = os.fork()
+if child == 0:
+    signal.alarm(60)  # a hang ends as SIGALRM, not as the test's timeout
+    logs = dk.LogBuffer(sinks=[dk.CSVSink(sys.argv[1])])
+    logs.log(0, loss=1.0)
+    logs.flush()
+    os._exit(0)
+release.set()
+_, status = os.waitpid(child, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_thread_made_a_sink_makes_its_own(tmp_path: Path) -> None:
+    # Before, the child's copies of the module locks stayed held by a thread it does not
+    # have: its CSVSink (and its LogBuffer) waited for ever.
+    path = tmp_path / "child.csv"
+    stdout, _ = _script(_FORKED_WHILE_LOCKED, str(path))
+    assert stdout.split() == ["0"]
+    assert path.read_text().splitlines() == ["step,loss", "0,1.0"]
+
+
 _DATALOADER_LOGS = """
 import os, sys, torch, devicekit as dk
 from torch.utils.data import DataLoader, Dataset

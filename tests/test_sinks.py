@@ -1045,7 +1045,7 @@ def test_a_close_that_fails_once_rows_are_written_does_not_write_them_twice(
     sink = dk.CSVSink(path)
     sink([{"step": 0, "loss": 1.0}])
     monkeypatch.setattr(_sinks, "os", LateError())
-    with pytest.raises(OSError, match=r"wrote 1 records to .*, but closing it failed") as told:
+    with pytest.raises(OSError, match=r"wrote 1 record to .*, but closing it failed") as told:
         sink([{"step": 1, "loss": 2.0}])
     assert told.value.errno == errno.EIO
     monkeypatch.setattr(_sinks, "os", os)
