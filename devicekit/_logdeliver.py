@@ -188,6 +188,9 @@ class Deliveries:
                     left = self._left = (start, end, calls, iter(calls))
                 interrupted = _call_each(left[2], left[3], errors)
                 self.sent = left[1]  # the commit: every sink has had these batches
+                # Stale since the commit: let go of its records and sinks (a CSVSink taken
+                # out with logs.sinks = [] stops claiming its file once nothing holds it).
+                self._left = None
                 if interrupted:  # an interrupted sink counts as having had them
                     self.interrupted = True
                     break

@@ -1166,6 +1166,22 @@ def test_a_sink_let_go_that_writes_again_claims_its_file_again(tmp_path: Path) -
     assert pickle.loads(pickle.dumps(sink)) is sink
 
 
+def test_taking_a_csv_sink_out_of_a_buffer_lets_its_file_go(tmp_path: Path) -> None:
+    # The fix the refusal gives, as a notebook needs it (Out[n] holds the buffer, so
+    # `del logs` keeps it): before, the buffer's last delivery held the sink, refused.
+    path = tmp_path / "train.csv"
+    with dk.LogBuffer(flush_every=5, sinks=[dk.CSVSink(path)]) as logs:
+        for step in range(12):
+            logs.log(step, loss=float(step))
+    logs.sinks = []
+    gc.collect()
+    again = dk.LogBuffer(sinks=[dk.CSVSink(path)])  # the cell run again
+    again.log(0, loss=1.0)
+    again.flush()
+    assert read_rows(path) == [["step", "loss"], ["0", "1.0"]]
+    assert len(logs.history) == 12
+
+
 def test_a_sink_let_go_whose_file_a_retry_took_writes_no_more(tmp_path: Path) -> None:
     # A retry's sink made after the failure, then the old sink writes first (an eval
     # buffer shares it): before, it claimed the file again, and the retry's first flush
