@@ -47,7 +47,7 @@ from ._lookbulk import (
     plain_class_ids,
 )
 from ._lookpandas import Unreadable, pandas_kind, pandas_parts, shown_attribute
-from ._mover import _has_to_method
+from ._movecalls import has_to_method
 from ._submodules import named_held, named_submodules
 from ._tree import children, container_attributes, iter_children
 
@@ -239,7 +239,7 @@ def _open(
             return []
         if holder is None:
             cls = type(obj)
-            holder = (path, cls.__name__, MOVED if _has_to_method(cls) else KEPT)
+            holder = (path, cls.__name__, MOVED if has_to_method(cls) else KEPT)
         return [(attributes, holder)]
     if isinstance(obj, PackedSequence):
         # torch keeps batch_sizes on the CPU by design (PackedSequence.to() leaves it

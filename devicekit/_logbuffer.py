@@ -8,8 +8,9 @@ and copies them to the host in one copy per device and dtype.
 This module keeps the values and the records. ``_logvalues`` checks each
 value as it is logged, ``_logflight`` runs a flush (Ctrl-C anywhere in it loses
 nothing: ``_loghistory`` keeps the records), ``_logflush`` brings the values to
-the host (by key, and across ranks), ``_logdeliver`` hands the records to the
-sinks, ``_logreport`` words what the buffer tells (its errors, its reprs), and
+the host by key (``_logreduce`` combines them across ranks, once ``_logagree``
+finds the ranks agree), ``_logdeliver`` hands the records to the sinks,
+``_logreport`` words what the buffer tells (``_logrepr`` its reprs), and
 ``_logexit`` ends a ``with`` block, and at exit flushes what no block or flush() ended.
 """
 
@@ -41,14 +42,8 @@ from ._logflush import (
 )
 from ._loghistory import Entry, Flight, History, mean_of
 from ._logreduce import start_reduced
-from ._logreport import (
-    buffer_name,
-    check_key,
-    dropped_warning,
-    state_line,
-    state_table,
-    unknown_key,
-)
+from ._logreport import buffer_name, check_key, dropped_warning, unknown_key
+from ._logrepr import state_line, state_table
 from ._logvalues import FLOATING as _FLOATING
 from ._logvalues import (
     OWN_BYTES,
@@ -472,6 +467,7 @@ mean 'loss'?"
             "pending": self._pending_count(),
             "last": self._history.latest(),
             "sinks": [describe_sink(sink) for sink in self.sinks],
+            "unwritten": self._unsent() + self._kept(),  # a sink interrupted or failed
             "nonfinite": nonfinite,
         }
 

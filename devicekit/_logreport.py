@@ -8,8 +8,7 @@ the errors told go to the ``devicekit`` logger at DEBUG. Leaving a ``with``
 block on an exception, a failing flush is told on that exception instead,
 which propagates. On Python 3.10, which has no notes, `add_note` logs them.
 
-The reprs stay one readable line (a table in a notebook) however many keys
-the buffer holds: the first few, then how many more.
+The reprs are `_logrepr`'s.
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from typing import Any, Literal
 
 from ._callbacks import describe_sink
 from ._errors import add_note
-from ._format import close_match, html_table, plural, shorten
-from ._logdeliver import KEPT_FOR_NEXT_FLUSH, Record, Sink
+from ._format import close_match, plural, shorten
+from ._logdeliver import KEPT_FOR_NEXT_FLUSH, Sink
 from ._logflush import LoggedInVmap
+from ._logrepr import key_shown, some
 from ._shortrepr import short_repr
 
 __all__ = [
@@ -37,8 +37,6 @@ __all__ = [
     "made_differently",
     "missing_rank_note",
     "report_while_exiting",
-    "state_line",
-    "state_table",
     "unknown_key",
     "unreadable_error",
     "unreduced_error",
@@ -297,7 +295,7 @@ def buffer_name(state: dict[str, Any]) -> str:
     ``state`` is the buffer's ``_state()``: its options, keys and sinks tell it
     from the other buffers of the script.
     """
-    keys = _some([_key(key) for key in state["keys"]], shown=5)
+    keys = some([key_shown(key) for key in state["keys"]], shown=5)
     name = f"{state['name']}{' of ' + keys if keys else ''}"
     if state["sinks"]:
         name += f" (sinks {', '.join(state['sinks'])})"
@@ -391,85 +389,6 @@ def _resumed(left_out: list[str]) -> str:
 
 
 # --- what the buffer holds ------------------------------------------------------------------
-
-
-def state_line(state: dict[str, Any]) -> str:
-    r"""The buffer's repr, from its ``_state()``: one line, however many keys it holds.
-
-    A key is shown as written where that reads unmistakably (``loss``,
-    ``train/loss``), else as its repr (``'a, b'``, ``'multi\nline'``), so that a
-    key holding a comma or a line break neither blurs with the next nor breaks
-    the line; a long one is shortened.
-    """
-    keys = [_key(key) for key in state["keys"]]
-    records = plural(state["records"], "record")
-    parts = [f"{records} of {_some(keys)}" if keys else f"{records}, no keys yet"]
-    parts.append(f"{plural(state['pending'], 'value')} pending")
-    if state["nonfinite"]:  # as the table shows them
-        parts.append(f"{plural(state['nonfinite'], 'value')} NaN or inf")
-    if state["last"] is not None:
-        parts.append(f"last {_some_items(state['last'], limit=_KEY_LIMIT)}")
-    if state["sinks"]:
-        parts.append(f"sinks {', '.join(state['sinks'])}")
-    return f"{state['name']}: {', '.join(parts)}"
-
-
-def state_table(state: dict[str, Any]) -> str:
-    r"""The buffer's table in a notebook, from its ``_state()``: keys as the repr shows them.
-
-    A key with a line break (``'a\nb'``) is its repr: written as it is, the table
-    showed it as two lines, as if two keys.
-    """
-    last = state["last"] or {}
-    keys = [_key(key) for key in state["keys"]]
-    shown_last = {_key(key) if key != "step" else key: value for key, value in last.items()}
-    rows = [
-        ("records", plural(state["records"], "record")),
-        ("keys", _some(keys, shown=50) or "none yet"),
-        ("pending", f"{plural(state['pending'], 'value')} not yet on the host"),
-        ("last record", _some_items(shown_last, shown=50, braces=False) or "none"),
-        ("sinks", ", ".join(state["sinks"]) or "none"),
-    ]
-    if state["nonfinite"]:
-        rows.append(("NaN or inf", plural(state["nonfinite"], "value")))
-    return html_table(rows, caption=state["name"])
-
-
-def _some(keys: list[str], *, shown: int = 10) -> str:
-    """The first keys, then how many more: a repr with 2,000 keys stays one readable line."""
-    if len(keys) <= shown:
-        return ", ".join(keys)
-    return f"{', '.join(keys[:shown])} and {len(keys) - shown} more"
-
-
-def _some_items(
-    record: Record, *, shown: int = 10, braces: bool = True, limit: int | None = None
-) -> str:
-    """The first items of a record (as its repr writes them), then how many more.
-
-    ``limit``: the most characters a key is shown with (its repr then quoted in full).
-    """
-    items = [
-        f"{_quoted(key, limit)}: {value!r}" if braces else f"{key}={value}"
-        for key, value in record.items()
-    ]
-    text = _some(items, shown=shown)
-    return f"{{{text}}}" if braces else text
-
-
-_KEY_LIMIT = 40  # the most characters of one key in the one-line repr
-
-
-def _key(key: str) -> str:
-    """A key in the one-line repr: as written if that is unmistakable, else its repr; short."""
-    if key and key.isprintable() and key.strip() == key and not any(c in key for c in ",'\""):
-        return shorten(key, _KEY_LIMIT)
-    return _quoted(key, _KEY_LIMIT)
-
-
-def _quoted(key: str, limit: int | None) -> str:
-    """``repr(key)``, its text cut to ``limit`` characters (the quotes kept)."""
-    return repr(key if limit is None else shorten(key, limit))
 
 
 def made_differently(made: list[tuple[str, int | None]], op: str) -> str:

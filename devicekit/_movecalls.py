@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._accelerators import CPU, META
 from ._errors import TensorCopyError, add_note
 from ._format import qualified_name
 from ._look import key_text, tensor_elsewhere
@@ -64,6 +65,7 @@ __all__ = [
     "held_view",
     "keep_shared",
     "optimizer_stray",
+    "proxy_to",
     "returned",
     "takes_non_blocking",
     "waits_for",
@@ -242,6 +244,17 @@ def while_calling_to(obj: Any, call: Callable[[], Any]) -> Any:
         return call()
     finally:
         ids.discard(id(obj))
+
+
+def proxy_to(mover: _Mover, proxy: torch.fx.Proxy) -> Any:
+    """``proxy.to(device)``, as for a tensor: returned unchanged, the move left the graph.
+
+    A copy to the host blocks in the graph, whatever ``non_blocking`` says: eager
+    synchronizes once before returning, which a traced graph would not.
+    """
+    if mover.non_blocking and mover.device not in (META, CPU):
+        return proxy.to(mover.device, non_blocking=True)
+    return proxy.to(mover.device)
 
 
 def call_to(mover: _Mover, obj: Any) -> Any:

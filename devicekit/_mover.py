@@ -40,6 +40,7 @@ from ._movecalls import (
     held_view,
     keep_shared,
     optimizer_stray,
+    proxy_to,
     returned,
     takes_non_blocking,
     waits_for,
@@ -72,7 +73,6 @@ _looks_left: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
 # Modules to_device moved with Module.to(): how often each is still looked at for a tensor
 # it left behind, per instance (an nn.Sequential holds something else in each).
 _module_looks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-_has_to_method = has_to_method  # the name _checkwalk imports it by
 _FX_PROXY = torch.fx.Proxy
 _PROXIES = frozenset(weakref.ProxyTypes)  # their class reads as the referent's: type() does not
 _BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
@@ -160,9 +160,9 @@ class _Mover:
         if isinstance(obj, torch.nn.Module):
             return self.container(obj, _call_module)  # once, however often reached
         if isinstance(obj, _FX_PROXY):  # a tensor as torch.fx.symbolic_trace sees it
-            return self.container(obj, _proxy_to)  # the move, recorded in the graph
+            return self.container(obj, proxy_to)  # the move, recorded in the graph
         # An object whose own .to() is what called to_device on it is moved as what it is.
-        has_to = _has_to_method(type(obj))
+        has_to = has_to_method(type(obj))
         own_to = has_to and calling_to(obj)
         if has_to and not own_to:
             return self.container(obj, call_to)
@@ -442,17 +442,6 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
         return tuple(result) if cls is tuple else result
 
     return move
-
-
-def _proxy_to(mover: _Mover, proxy: torch.fx.Proxy) -> Any:
-    """``proxy.to(device)``, as for a tensor: returned unchanged, the move left the graph.
-
-    A copy to the host blocks in the graph, whatever ``non_blocking`` says: eager
-    synchronizes once before returning, which a traced graph would not.
-    """
-    if mover.non_blocking and mover.device not in (_META_DEVICE, _CPU):
-        return proxy.to(mover.device, non_blocking=True)
-    return proxy.to(mover.device)
 
 
 def _call_module(mover: _Mover, module: torch.nn.Module) -> Any:

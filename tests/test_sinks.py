@@ -5,6 +5,7 @@ import csv
 import errno
 import functools
 import gc
+import html
 import io
 import math
 import os
@@ -105,6 +106,25 @@ def test_a_full_disk_while_widening_leaves_the_old_file_intact(
     assert [int(row[0]) for row in rows[1:]] == list(range(62))
     assert rows[1] == ["0", "0.0", ""]
     assert rows[51] == ["50", "5.0", "0.5"]
+
+
+def test_the_reprs_tell_of_records_a_sink_has_yet_to_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, after a failed write (or Ctrl-C in it) the reprs said "0 values pending"
+    # and nothing of the rows missing from the CSV, which the next flush writes.
+    buffer = dk.LogBuffer(sinks=[dk.CSVSink(tmp_path / "train.csv")])
+    monkeypatch.setattr(_sinks, "os", FullDisk(room=0))
+    with pytest.raises(OSError, match="No space left"):
+        _logged(buffer, range(3))
+    told = "3 records not yet written by every sink (flush() writes them)"
+    assert repr(buffer).endswith(f"/train.csv'), {told}")
+    assert f"not yet written</th><td>{html.escape(told)}</td></tr>" in buffer._repr_html_()
+    monkeypatch.setattr(_sinks, "os", os)
+    buffer.flush()
+    assert "not yet written" not in repr(buffer)
+    assert "not yet written" not in buffer._repr_html_()
+    assert [row[0] for row in read_rows(tmp_path / "train.csv")] == ["step", "0", "1", "2"]
 
 
 class _InterruptedOpen:
