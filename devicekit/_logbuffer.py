@@ -421,10 +421,9 @@ mean 'loss'?"
         self._sinks_left_out, self._told_broken = state["sinks_left_out"], state["told_broken"]
 
     def __del__(self) -> None:
-        # Values dropped with the buffer are lost: where a sink (a file, TensorBoard) never
-        # got them, say so in a warning Python shows by default. Without sinks, nothing
-        # anyone could still read is lost (its history goes with it): a ResourceWarning
-        # (hidden unless asked for), as for an unclosed file.
+        # Values dropped with the buffer are lost: where a sink (a file) never got them, a
+        # warning Python shows. Without sinks, nothing anyone could still read is lost (its
+        # history goes with it): a ResourceWarning, hidden unless asked for (a file's too).
         try:
             if self._told_at_exit:  # told at exit already, or nothing there to lose
                 return
@@ -434,7 +433,8 @@ mean 'loss'?"
             return
         unsent, kept = self._unsent(), self._kept()
         if pending or unsent or kept:  # named as at exit: one of the script's buffers
-            told = dropped_warning(pending, unsent, kept, name=buffer_name(self._state()))
+            name, interrupted = buffer_name(self._state()), self._deliveries.interrupted
+            told = dropped_warning(pending, unsent, kept, name=name, interrupted=interrupted)
             warnings.warn(told, category, stacklevel=2)
 
     # --- notebooks ---------------------------------------------------------------------

@@ -242,10 +242,21 @@ def check_key(key: object, method: str) -> None:
         )
 
 
-def dropped_warning(pending: int, unsent: int, kept: int = 0, *, name: str = "a LogBuffer") -> str:
+def dropped_warning(
+    pending: int,
+    unsent: int,
+    kept: int = 0,
+    *,
+    name: str = "a LogBuffer",
+    interrupted: bool = False,
+) -> str:
     """What a buffer dropped with ``pending`` values, ``unsent`` or ``kept`` records warns.
 
     ``name``: `buffer_name`'s, which tells this buffer from the script's others.
+
+    ``interrupted``: Ctrl-C stopped a sink in its last flush, and no flush ran
+    since (the end of its ``with`` block calls no sink again then): the fix is
+    a flush after the interrupt, not a ``with`` block, which it may have had.
 
     ``kept``: records its sinks kept from a failed write (a full disk) and
     never wrote: the fix there is the sink's, and the warning says so.
@@ -259,6 +270,13 @@ def dropped_warning(pending: int, unsent: int, kept: int = 0, *, name: str = "a 
     buffer used in a ``with`` block to use one.
     """
     lost = _lost(pending, unsent, kept)
+    if interrupted and not pending:
+        return (
+            f"{name} was dropped with {lost}: Ctrl-C (or sys.exit) stopped a sink in its last "
+            "flush, and no flush ran since, so they were in its history only, which goes with "
+            "it. After an interrupt, call logs.flush() before letting the buffer go: it hands "
+            "them on"
+        )
     if not pending and not unsent:
         return (
             f"{name} was dropped with {lost}: they are in its history, which goes with it. "

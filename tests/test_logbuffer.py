@@ -2359,6 +2359,36 @@ def test_the_warning_for_a_dropped_buffer_says_what_left_records_behind() -> Non
     assert told.startswith("a LogBuffer was dropped with 2 values never recorded. If nothing")
 
 
+def test_a_buffer_dropped_after_ctrl_c_in_a_sink_is_told_to_flush_after_the_interrupt() -> None:
+    # Before, a buffer used in a with block, which Ctrl-C left in a sink, was told to "use
+    # it in a with block, or call flush()" (trial T25, a notebook).
+    calls: list[int] = []
+
+    def interrupted(records: list[dk.Record]) -> None:
+        calls.append(len(records))
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # as Ctrl-C in the sink's write
+
+    def train(logs: dk.LogBuffer) -> None:
+        with logs:
+            for step in range(5):
+                logs.log(step, loss=1.0)
+
+    held = [dk.LogBuffer(flush_every=2, sinks=[interrupted])]
+    with pytest.raises(KeyboardInterrupt):
+        train(held[0])
+    with pytest.warns(RuntimeWarning) as told:
+        _drop(held)
+    assert str(told[0].message) == (
+        "LogBuffer(flush_every=2) of loss (sinks test_a_buffer_dropped_after_ctrl_c_in_a_sink"
+        "_is_told_to_flush_after_the_interrupt.<locals>.interrupted) was dropped with 2 "
+        "records never handed to its sinks: Ctrl-C (or sys.exit) stopped a sink in its last "
+        "flush, and no flush ran since, so they were in its history only, which goes with it. "
+        "After an interrupt, call logs.flush() before letting the buffer go: it hands them on"
+    )
+    assert calls == [2]
+
+
 def _drop(held: list[dk.LogBuffer]) -> None:
     """Let go of the buffers in ``held``, the only references to them."""
     held.clear()
