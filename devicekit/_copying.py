@@ -82,7 +82,7 @@ def _mutable(value: object) -> bool:
 _COPY_HOOKS = frozenset(
     {"__copy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__"}
 )
-# Their copy hooks are the generic ones that `_own_copy` does itself, without
+# Their copy hooks are the generic ones that `own_copy` does itself, without
 # __init__ or __setitem__; any other class's hooks (UserDict's, UserList's, a
 # ModelOutput's) say how that class is copied. (A deque's __copy__ calls a
 # subclass's __init__ with the items, whatever its signature.)

@@ -1,8 +1,8 @@
 """CSV text for `CSVSink`: the header of a file to go on after, and rows rendered.
 
 A key may hold a comma, a quote or a line break: the header is read as
-``csv.reader`` reads a record (its line end is the one that ends it), and
-every cell is quoted so that any reader reads it back.
+``csv.reader`` reads a record (its line end is the one that ends it), and a
+cell that holds a line end of either kind is quoted, so any reader reads it back.
 """
 
 from __future__ import annotations

@@ -22,12 +22,16 @@ __all__ = [
     "Answer",
     "FlushKind",
     "Layout",
+    "ReduceOp",
     "Terms",
     "agreed_entries",
     "check_agreement",
     "final_ranks",
     "ranks_ended",
 ]
+
+ReduceOp = Literal["mean", "sum", "max", "min"]
+"""How a reducing buffer combines each value across ranks."""
 
 FlushKind = Literal["automatic", "flush", "final"]
 """Which flush: ``log()``'s every ``flush_every`` calls, a ``flush()`` call, or the last
@@ -54,7 +58,7 @@ def _describe(layout: Layout | None) -> str:
     return f"steps {list(steps)}; keys {shown}"
 
 
-def agreed_entries(answers: list[Answer], terms: list[Terms], op: str) -> int | None:
+def agreed_entries(answers: list[Answer], terms: list[Terms], op: ReduceOp) -> int | None:
     """How many entries, from the front, the ranks combine (None: all); raise if none can be.
 
     All when every rank logged the same. Fewer when the ranks realign (see
@@ -200,7 +204,7 @@ def first_layout(layout: Layout | None, count: int) -> Layout | None:
 
 def check_agreement(
     answers: list[Answer],
-    op: str,
+    op: ReduceOp,
     *,
     flushed_apart: bool = False,
     agree_from: int | None = None,
@@ -295,7 +299,7 @@ def ranks_ended(ended: Sequence[int]) -> str:
     return f"rank{'s' if many else ''} {ranks} ended {'their' if many else 'its'}"
 
 
-def _ended_apart(answers: list[Answer], op: str, ended: Sequence[int]) -> str:
+def _ended_apart(answers: list[Answer], op: ReduceOp, ended: Sequence[int]) -> str:
     """Why the ranks whose block ended cannot combine with the others, which hold other steps."""
     return (
         f"LogBuffer(reduce={op!r}) cannot combine this flush: {ranks_ended(ended)} "

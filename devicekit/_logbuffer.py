@@ -20,14 +20,14 @@ import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ._callbacks import describe_sink
 from ._dist import DEFAULT_TIMEOUT, initialized
 from ._keywords import suggest_keywords
-from ._logagree import FlushKind
+from ._logagree import FlushKind, ReduceOp
 from ._logdeliver import Deliveries, Record, Sink
 from ._logexit import Scoped, track
 from ._logflight import Flushes
@@ -173,7 +173,7 @@ class LogBuffer(Flushes, Scoped):
         *,
         flush_every: int = 100,
         sinks: Iterable[Sink] | Sink = (),
-        reduce: Literal["mean", "sum", "max", "min"] | None = None,
+        reduce: ReduceOp | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         # Checked by the properties, as any later assignment is (Flushes).

@@ -69,7 +69,8 @@ class Block(Protocol):
 
     def _no_group(self) -> str | None: ...  # why its values would be one rank's, no group left
 
-    reduce: str | None
+    @property
+    def reduce(self) -> str | None: ...
 
     @property
     def sinks(self) -> list[Sink]: ...

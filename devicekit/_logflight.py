@@ -17,13 +17,14 @@ import threading
 import warnings
 from collections.abc import Iterable
 from types import FrameType
+from typing import get_args
 
 from ._callbacks import checked_sinks, describe_sink
 from ._dist import initialized, launched_world, validated_timeout, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
-from ._logagree import FlushKind, ranks_ended
+from ._logagree import FlushKind, ReduceOp, ranks_ended
 from ._logdeliver import Deliveries, Record, Sink, on_stack
 from ._logexit import first_at_exit
 from ._logflush import InFlight, Landed
@@ -42,7 +43,7 @@ from ._shortrepr import short_repr
 
 __all__ = ["Flushes"]
 
-_REDUCE_OPS = ("mean", "sum", "max", "min")
+_REDUCE_OPS = get_args(ReduceOp)
 
 
 def _checked(sinks: Iterable[Sink] | Sink, *, thorough: bool = True) -> list[Sink]:
@@ -75,7 +76,7 @@ class Flushes:
     """The flush of a `LogBuffer`: its state, and the steps that move it."""
 
     _flush_every: int
-    _reduce: str | None
+    _reduce: ReduceOp | None
     _timeout: float
     _sinks: list[Sink]
     _lock: threading.RLock
@@ -126,12 +127,12 @@ class Flushes:
         self._flush_every = self._flush_at = flush_every
 
     @property
-    def reduce(self) -> str | None:
+    def reduce(self) -> ReduceOp | None:
         """How values combine across ranks (``"mean"``...), or None; settable, checked."""
         return self._reduce
 
     @reduce.setter
-    def reduce(self, reduce: str | None) -> None:
+    def reduce(self, reduce: ReduceOp | None) -> None:
         if reduce is not None and reduce not in _REDUCE_OPS:
             # Any other string fell through to a sum, silently ("average" summed).
             raise ValueError(
@@ -315,8 +316,7 @@ class Flushes:
         if flight is None:
             return sum(len(values) for _, values, _ in list(self._pending))
         settled = list(self._pending)  # Ctrl-C may have left its entries there (see _complete)
-        if flight.count and settled and settled[0] is flight.first:
-            del settled[: flight.count]
+        settle(flight, settled)
         flying = sum(len(values) for _, _, values in flight.values.columns) if in_flight else 0
         return flying + sum(len(values) for _, values, _ in settled)
 

@@ -23,7 +23,15 @@ from ._dist import DEFAULT_TIMEOUT, all_reduce, gather_objects
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import plural
 from ._jobstate import Job, refuse_if_broken, this_job
-from ._logagree import Answer, FlushKind, Layout, Terms, agreed_entries, final_ranks
+from ._logagree import (
+    Answer,
+    FlushKind,
+    Layout,
+    ReduceOp,
+    Terms,
+    agreed_entries,
+    final_ranks,
+)
 from ._logflush import Column, InFlight, copy_to_host, read_each
 
 __all__ = ["broken_job", "start_reduced"]
@@ -31,7 +39,7 @@ __all__ = ["broken_job", "start_reduced"]
 _Tensor = torch.Tensor
 
 
-def broken_job(op: str) -> RanksOutOfStepError | None:
+def broken_job(op: ReduceOp) -> RanksOutOfStepError | None:
     """What a reducing flush meets at once, this job's collectives being broken for good; or None.
 
     When a job-wide call fails, gloo closes devicekit's connections between the
@@ -49,14 +57,14 @@ def broken_job(op: str) -> RanksOutOfStepError | None:
     return None
 
 
-def _what(op: str) -> str:
+def _what(op: ReduceOp) -> str:
     return f"LogBuffer(reduce={op!r}).flush()"
 
 
 def start_reduced(
     steps: Sequence[Any],
     columns: list[Column],
-    op: str,
+    op: ReduceOp,
     *,
     timeout: float = DEFAULT_TIMEOUT,
     flush_every: int | None = None,
@@ -209,7 +217,7 @@ def _first_rows(
 
 
 def _combine(
-    flat: torch.Tensor, op: str, *, on_gpu: bool, what: str, timeout: float
+    flat: torch.Tensor, op: ReduceOp, *, on_gpu: bool, what: str, timeout: float
 ) -> torch.Tensor:
     """Every rank's ``flat`` combined by ``op``, in one collective: NCCL's or devicekit's gloo."""
     import torch.distributed as dist  # noqa: PLC0415 - only when reducing

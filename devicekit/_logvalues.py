@@ -25,9 +25,12 @@ from ._shortrepr import short_repr
 __all__ = [
     "FLOATING",
     "LOGGABLE",
+    "OWN_BYTES",
     "checked",
     "checked_step",
     "on_device",
+    "own_value",
+    "plain_values",
     "refuse",
     "refuse_keys",
 ]

@@ -34,7 +34,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 
@@ -58,6 +58,7 @@ __all__ = [
     "DictKey",
     "HeldView",
     "ModuleFirst",
+    "Unmoved",
     "array_stray",
     "call_to",
     "calling_to",
@@ -76,7 +77,12 @@ __all__ = [
 # is, in what an object's own .to() returned, or in a dict's key (never moved); or why
 # none could be seen: an iterator makes its items as it runs, a future or a Ray object
 # reference stands for a value made elsewhere (`waits_for`).
-UNCHANGED, OWN_TO, KEY_HELD, LAZY, ELSEWHERE = "unchanged", "own .to()", "key", "lazy", "elsewhere"
+Unmoved = Literal["unchanged", "own .to()", "key", "lazy", "elsewhere"]
+UNCHANGED: Final = "unchanged"
+OWN_TO: Final = "own .to()"
+KEY_HELD: Final = "key"
+LAZY: Final = "lazy"
+ELSEWHERE: Final = "elsewhere"
 # References read inside a numpy array of objects, as inside any object (tensor_elsewhere).
 _ARRAY_LOOKS = 256
 # References read inside a dict view's items, besides the items themselves (held_view).

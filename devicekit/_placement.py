@@ -1,7 +1,7 @@
 """``to_device``: move every tensor in a batch, a module or a checkpoint to a device.
 
-The walk itself, and the state one call keeps, are `_mover`'s; this module
-decides the policy (which copies are non-blocking), takes the one-tensor call
+The walk itself, the state one call keeps and the copy policy (which copies
+are non-blocking) are `_mover`'s; this module takes the one-tensor call
 without a walk, and turns what the walk meets (a cycle, a structure too deep, a
 tensor on the meta device, a ``.to()`` that returned None) into errors and
 warnings that name the place in ``obj`` and the fix.
@@ -26,7 +26,7 @@ from ._frames import caller_stacklevel
 from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
 from ._lookpandas import pandas_kind
-from ._movecalls import ELSEWHERE, KEY_HELD, LAZY, OWN_TO, HeldView, waits_for
+from ._movecalls import ELSEWHERE, KEY_HELD, LAZY, OWN_TO, HeldView, Unmoved, waits_for
 from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
 from ._options import check_flag
 from ._submodules import named_submodules
@@ -64,7 +64,7 @@ def _warn_returned_none(classes: list[type]) -> None:
 _TRANSFORMERS_CACHE = " (a model's cache: run the model there, or pass use_cache=False)"
 
 
-def _warn_unmoved(unmoved: list[tuple[type, str, str]], target: torch.device) -> None:
+def _warn_unmoved(unmoved: list[tuple[type, str, Unmoved]], target: torch.device) -> None:
     # Once per class and kind: _mover looks inside a class no more once it found a tensor.
     for (cls, how), path in {(cls, how): path for cls, path, how in unmoved}.items():
         name = cls.__name__
@@ -145,15 +145,14 @@ def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> N
         if looks <= 0:
             continue
         try:
-            found = _plain_tensor_elsewhere(module, target)
+            path = _plain_tensor_elsewhere(module, target)
         except Changed:  # another thread was writing it: no answer, and no look either
             continue
         except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
-            found, looks = None, 1
-        set_module_looks(module, 0 if found is not None else looks - 1)
-        if found is None:
+            path, looks = None, 1
+        set_module_looks(module, 0 if path is not None else looks - 1)
+        if path is None:
             continue
-        path, _ = found
         # Once per class and path: each new model of a class with the same stray looks once.
         if (cls, path) in _warned_left:
             continue
@@ -172,10 +171,8 @@ def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> N
         )
 
 
-def _plain_tensor_elsewhere(
-    module: torch.nn.Module, target: torch.device
-) -> tuple[str, str] | None:
-    """The path of a tensor in a plain attribute of ``module`` not on ``target``, and its name.
+def _plain_tensor_elsewhere(module: torch.nn.Module, target: torch.device) -> str | None:
+    """The path of a tensor in a plain attribute of ``module`` not on ``target``.
 
     Bounded: up to `_ATTRIBUTES_PER_LOOK` attributes that are not plain values,
     `_REFERENCES_PER_ATTRIBUTE` references read inside each (`tensor_elsewhere()`).
@@ -192,7 +189,7 @@ def _plain_tensor_elsewhere(
             # A module kept in a plain attribute (a list of layers) is not moved either.
             inside = tensor_elsewhere(value, target, looks=_REFERENCES_PER_ATTRIBUTE, modules=True)
             if inside is not None:
-                return f"{prefix}.{attr}{inside}" if prefix else f"{attr}{inside}", attr
+                return f"{prefix}.{attr}{inside}" if prefix else f"{attr}{inside}"
     return None
 
 
@@ -289,6 +286,9 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
             dict view (``batch.values()``) that holds a tensor not on ``device``.
         RecursionError: ``obj`` nests deeper than Python's recursion limit.
         DeviceNotFoundError: This torch build or machine has no such device.
+        TensorCopyError: A tensor cannot be copied to ``device``: one on the
+            ``meta`` device holds no values to copy, and torch has no copy of
+            a nested (strided) or quantized tensor to some devices.
 
     Examples:
         >>> import collections, torch, devicekit as dk

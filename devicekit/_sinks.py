@@ -28,7 +28,7 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ._callbacks import new_sink_lock, restore_sink, sink_state
 from ._csvclaims import by_token, claim, reclaim, unclaim
@@ -42,7 +42,6 @@ from ._options import check_flag
 
 __all__ = ["CSVSink"]
 
-_S = TypeVar("_S")
 
 _Identity = tuple[int, int, int]
 """A file as a sink left it: its device, inode and size (None: no file there)."""
