@@ -14,6 +14,7 @@ import re
 import stat
 from pathlib import Path
 
+from ._errors import retold
 from ._options import check_path
 from ._procfs import file_system_type
 from ._shortrepr import short_repr
@@ -173,12 +174,11 @@ def _make_folder(folder: Path, given: str) -> None:
             why = f"cannot be created: {str(blocker)!r} is a file, not a folder"
         else:
             why = f"does not exist and cannot be created ({error.strerror or error})"
-        raised = type(error)(
+        raise retold(
+            error,
             f"CSVSink(path={given!r}): its folder {str(folder)!r} {why}. Pass a path in a folder "
-            "you can write to, or create the folder first"
-        )
-        raised.errno = error.errno
-        raise raised from None
+            "you can write to, or create the folder first",
+        ) from None
     # The kernel's own file systems look writable to root, yet no file can be made there:
     # the first flush, in a log() call, would fail (ENOENT).
     kind = file_system_type(str(folder))

@@ -38,6 +38,7 @@ __all__ = [
     "WorkerError",
     "WorkerTimeoutError",
     "add_note",
+    "retold",
 ]
 
 
@@ -210,6 +211,21 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
 
     def _fields(self) -> dict[str, Any]:
         return {**super()._fields(), "timeout": self.timeout}
+
+
+def retold(error: OSError, message: str) -> OSError:
+    """``error`` said in ``message``: its type and ``errno`` kept, so ``except`` still catches it.
+
+    The ``errno`` is set after (not passed), so the message stays as written.
+
+    Examples:
+        >>> told = retold(FileNotFoundError(2, "No such file"), "CSVSink('a.csv'): no folder")
+        >>> type(told).__name__, told.errno, str(told)
+        ('FileNotFoundError', 2, "CSVSink('a.csv'): no folder")
+    """
+    raised = type(error)(message)
+    raised.errno = error.errno
+    return raised
 
 
 def add_note(error: BaseException, note: str) -> None:

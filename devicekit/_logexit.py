@@ -474,12 +474,12 @@ def _reduce_refused(buffer: Block) -> str | None:
     return buffer._no_group()
 
 
-def _tell(buffer: Block, why: str, **fix: str) -> None:
+def _tell(buffer: Block, why: str, *, fix: str | None = None) -> None:
     """Warn that ``buffer`` was not (wholly) flushed at exit, and why; never raises."""
     buffer._told_at_exit = True  # dropped later, at the end of the process: told once
     try:
         pending, unsent, kept = buffer._pending_count(), buffer._unsent(), buffer._kept()
-        told = exit_warning(buffer._state(), (pending, unsent, kept), why, **fix)
+        told = exit_warning(buffer._state(), (pending, unsent, kept), why, fix)
         # caller_stacklevel() points past devicekit's frames: at exit there is no user
         # frame, so Python shows it as "sys:1", as it does its own warnings at exit.
         warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())

@@ -321,9 +321,11 @@ def buffer_name(state: dict[str, Any]) -> str:
 
 
 def exit_warning(
-    state: dict[str, Any], left: tuple[int, int, int], why: str, fix: str = _FLUSH_BEFORE_EXIT
+    state: dict[str, Any], left: tuple[int, int, int], why: str, fix: str | None = None
 ) -> str:
     """What the flush at exit tells of a buffer it left values in, ``why``, and the ``fix``.
+
+    ``fix``: None for the usual one, flush before the script ends; ``""`` for none.
 
     ``left``: its values pending, records some sink never had, and records
     its sinks kept from a failed write (see `_lost`).
@@ -333,6 +335,7 @@ def exit_warning(
     """
     name = buffer_name(state)
     lost = _lost(*left)
+    fix = _FLUSH_BEFORE_EXIT if fix is None else fix
     if lost:
         return f"devicekit: at exit, {name} was left with {lost}: {why}.{fix}"
     # Every record reached the sinks' hands, but the one that raised may not have kept them.

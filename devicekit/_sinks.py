@@ -34,7 +34,7 @@ from ._callbacks import new_sink_lock, restore_sink, sink_state
 from ._csvclaims import by_token, claim, reclaim, unclaim
 from ._csvpath import file_path, keep_mode, write_fix
 from ._csvtext import csv_text, existing, render, utf8
-from ._errors import add_note
+from ._errors import add_note, retold
 from ._format import plural
 from ._keywords import suggest_keywords
 from ._logdeliver import KEPT_FOR_NEXT_FLUSH, KeepsRecords, Record
@@ -336,15 +336,14 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
     def _close_error(self, error: OSError, rows: list[Record]) -> OSError:
         """A close that failed once ``rows`` were written: said so, and not written again."""
         why = error.strerror or str(error)
-        raised = type(error)(
+        return retold(
+            error,
             f"{self!r} wrote {plural(len(rows), 'record')} to {str(self._file)!r}, but closing it "
             f"failed: {why}. Some may not have reached the disk (a network file system "
             "reports late write errors so); they are not written again, which would put "
             f"them there twice (they are in the buffer's history). "
-            f"{write_fix(error.errno, self._file.parent)}"
+            f"{write_fix(error.errno, self._file.parent)}",
         )
-        raised.errno = error.errno
-        return raised
 
     def _write_error(self, error: OSError, rows: list[Record], doing: str = "write") -> OSError:
         """``error`` told as this sink's: the user's path, what went wrong and the fix.
@@ -364,11 +363,11 @@ ends with '/'). Pass a file in it, such as 'logs/train.csv'
             add_note(error, f"raised by {self!r} writing {str(self._file)!r}; {kept}")
             return error
         why = error.strerror or str(error)  # OSError("disk full") has no strerror
-        raised = type(error)(
+        raised = retold(
+            error,
             f"{self!r} could not {doing} {str(self._file)!r}: {why}. "
-            f"{write_fix(error.errno, self._file.parent)}"
+            f"{write_fix(error.errno, self._file.parent)}",
         )
-        raised.errno = error.errno  # its message stays as written
         add_note(raised, f"{self!r}: {kept}")
         return raised
 
