@@ -273,9 +273,8 @@ def dropped_warning(
     if interrupted and not pending:
         return (
             f"{name} was dropped with {lost}: Ctrl-C (or sys.exit) stopped a sink in its last "
-            "flush, and no flush ran since, so they were in its history only, which goes with "
-            "it. After an interrupt, call logs.flush() before letting the buffer go: it hands "
-            "them on"
+            "flush, and no flush ran since. After an interrupt, call logs.flush() before "
+            "letting the buffer go: it hands them on"
         )
     if not pending and not unsent:
         return (
@@ -297,7 +296,7 @@ def _lost(pending: int, unsent: int, kept: int = 0) -> str:
     """``"3 values never recorded and 2 records never handed to its sinks"``."""
     lost = [f"{plural(pending, 'value')} never recorded"] if pending else []
     lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
-    lost += [f"{plural(kept, 'record')} its sinks kept from a failed write"] if kept else []
+    lost += [f"{plural(kept, 'record')} its sinks kept unwritten"] if kept else []
     return " and ".join(lost)
 
 

@@ -40,7 +40,7 @@ def state_line(state: dict[str, Any]) -> str:
 
 def _unwritten(count: int) -> str:
     """What the reprs say of records a sink has yet to write (interrupted, or a write failed)."""
-    return f"{plural(count, 'record')} not yet written by every sink (flush() writes them)"
+    return f"{plural(count, 'record')} a sink has yet to write (flush() writes them)"
 
 
 def state_table(state: dict[str, Any]) -> str:

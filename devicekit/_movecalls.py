@@ -106,8 +106,9 @@ def waits_for(cls: type) -> tuple[str, str] | None:
     for module, get in _FUTURES:
         imported = sys.modules.get(module)
         if imported is not None and issubclass(cls, imported.Future):
-            base = f"{module}.Future"
-            return base if cls is imported.Future else qualified_name(cls), get
+            # By its public name (asyncio.Task, not _asyncio.Task), where the module has one.
+            public = getattr(imported, cls.__qualname__, None) is cls
+            return f"{module}.{cls.__qualname__}" if public else qualified_name(cls), get
     return None
 
 

@@ -2383,8 +2383,8 @@ def test_a_buffer_dropped_after_ctrl_c_in_a_sink_is_told_to_flush_after_the_inte
         "LogBuffer(flush_every=2) of loss (sinks test_a_buffer_dropped_after_ctrl_c_in_a_sink"
         "_is_told_to_flush_after_the_interrupt.<locals>.interrupted) was dropped with 2 "
         "records never handed to its sinks: Ctrl-C (or sys.exit) stopped a sink in its last "
-        "flush, and no flush ran since, so they were in its history only, which goes with it. "
-        "After an interrupt, call logs.flush() before letting the buffer go: it hands them on"
+        "flush, and no flush ran since. After an interrupt, call logs.flush() before letting "
+        "the buffer go: it hands them on"
     )
     assert calls == [2]
 

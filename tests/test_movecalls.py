@@ -270,3 +270,22 @@ def test_a_reference_error_of_an_object_s_own_is_not_told_as_a_dead_proxy() -> N
     with pytest.raises(ReferenceError, match="my cache is gone") as caught:
         dk.to_device([Cached()], META)
     assert not any("weak proxy" in note for note in getattr(caught.value, "__notes__", []))
+
+
+def test_a_future_is_named_as_its_module_shows_it_and_told_how_to_get_its_value() -> None:
+    import asyncio
+    import concurrent.futures
+
+    from devicekit._movecalls import waits_for
+
+    # Before, an asyncio task was named by its C module: "_asyncio.Task".
+    assert waits_for(asyncio.Task) == ("asyncio.Task", "await future")
+    assert waits_for(asyncio.Future) == ("asyncio.Future", "await future")
+    assert waits_for(concurrent.futures.Future) == ("concurrent.futures.Future", "future.result()")
+    assert waits_for(torch.futures.Future) == ("torch.futures.Future", "future.wait()")
+
+    class Mine(concurrent.futures.Future):  # type: ignore[type-arg]
+        pass
+
+    assert waits_for(Mine) == (f"{__name__}.{Mine.__qualname__}", "future.result()")
+    assert waits_for(list) is None

@@ -117,7 +117,7 @@ def test_the_reprs_tell_of_records_a_sink_has_yet_to_write(
     monkeypatch.setattr(_sinks, "os", FullDisk(room=0))
     with pytest.raises(OSError, match="No space left"):
         _logged(buffer, range(3))
-    told = "3 records not yet written by every sink (flush() writes them)"
+    told = "3 records a sink has yet to write (flush() writes them)"
     assert repr(buffer).endswith(f"/train.csv'), {told}")
     assert f"not yet written</th><td>{html.escape(told)}</td></tr>" in buffer._repr_html_()
     monkeypatch.setattr(_sinks, "os", os)
@@ -125,6 +125,16 @@ def test_the_reprs_tell_of_records_a_sink_has_yet_to_write(
     assert "not yet written" not in repr(buffer)
     assert "not yet written" not in buffer._repr_html_()
     assert [row[0] for row in read_rows(tmp_path / "train.csv")] == ["step", "0", "1", "2"]
+    # Records an automatic flush landed (a read of history) reach the sinks at the next
+    # flush, as usual: nothing to tell there.
+    printed: list[dk.Record] = []
+    usual = dk.LogBuffer(flush_every=2, sinks=[printed.extend])
+    for step in range(4):
+        usual.log(step, loss=float(step))
+    assert len(usual.history) == 4
+    assert len(printed) == 2  # the second flush's records: at the next flush
+    assert "yet to write" not in repr(usual)
+    usual.sinks = []
 
 
 class _InterruptedOpen:
@@ -730,7 +740,7 @@ def test_a_failure_on_several_batches_is_told_once(
     assert "also raised" not in notes
     # The disk never got them: dropping the buffer says so (they went with its history).
     del caught, buffer  # its traceback's frames hold the buffer, in a cycle
-    with pytest.warns(RuntimeWarning, match="dropped with 2 records its sinks kept from a fail"):
+    with pytest.warns(RuntimeWarning, match="dropped with 2 records its sinks kept unwritten"):
         gc.collect()
 
 
@@ -1975,7 +1985,7 @@ def test_the_flush_at_exit_writes_what_a_sink_kept_or_says_it_could_not(writer: 
         assert "RuntimeWarning" not in done.stderr
     else:
         assert not done.stdout
-        assert "was left with 1 record its sinks kept from a failed write" in done.stderr
+        assert "was left with 1 record its sinks kept unwritten" in done.stderr
         assert "ConnectionError: writer down" in done.stderr
         # The sink's own note promised them to the next flush; at exit none comes.
         assert "next flush" not in done.stderr
