@@ -467,9 +467,7 @@ mean 'loss'?"
             "pending": self._pending_count(),
             "last": self._history.latest(),
             "sinks": [describe_sink(sink) for sink in self.sinks],
-            # Records a sink has yet to write, where it failed or was interrupted (not those
-            # an automatic flush hands on at the next one: the sinks get them as usual).
-            "unwritten": self._kept() + (self._unsent() if self._deliveries.interrupted else 0),
+            "unwritten": self._unwritten(),
             "nonfinite": nonfinite,
         }
 

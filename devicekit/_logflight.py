@@ -242,6 +242,13 @@ class Flushes:
         """Records its sinks kept from a failed write: the next flush writes them first."""
         return self._deliveries.kept(self._sinks)
 
+    def _unwritten(self) -> int:
+        """Records a sink has yet to write because it failed or was interrupted (the reprs').
+
+        Not those an automatic flush landed: the sinks get them at the next one, as usual.
+        """
+        return self._kept() + (self._unsent() if self._deliveries.interrupted else 0)
+
     def _uncallable_sink(self) -> TypeError | ValueError | None:
         """The error for a sink put in the list after the check (``logs.sinks.append(path)``).
 
