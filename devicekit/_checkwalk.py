@@ -172,9 +172,8 @@ def collect(obj: object, name: str) -> list[tuple[Path, Placed, Holder | None]]:
             path: Path = (parent, suffix)
             if isinstance(child, module_class):
                 seen[id(child)] = child
-                params, buffers = named_held(child, "_parameters"), named_held(child, "_buffers")
-                found.extend(((path, f".{n}"), p, holder) for n, p in params)
-                found.extend(((path, f".{n}"), b, holder) for n, b in buffers)
+                held = named_held(child, "_parameters", "_buffers")
+                found.extend(((path, f".{n}"), tensor, holder) for n, tensor in held)
                 attributes = _module_attributes(child, seen)
                 if not attributes:
                     continue

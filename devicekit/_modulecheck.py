@@ -107,12 +107,7 @@ def check_module(module: torch.nn.Module) -> list[str]:
             if modules or tensors:
                 where = f"{prefix}.{attr}" if prefix else attr
                 for leaf in modules:  # registered nowhere: module.to() moves none of its tensors
-                    value_held = leaf.value
-                    named = (
-                        *named_held(value_held, "_parameters"),
-                        *named_held(value_held, "_buffers"),
-                    )
-                    for name, tensor in named:
+                    for name, tensor in named_held(leaf.value, "_parameters", "_buffers"):
                         registered.loose.setdefault(id(tensor), f"{where}{leaf.path}.{name}")
                     trees.append((f"{where}{leaf.path}", leaf.value))
                 held.append((where, attr, value, submodule, modules, tensors))

@@ -54,7 +54,7 @@ class Registered:
     def memory(self) -> dict[int, str]:
         """Each parameter's and buffer's memory (its storage) -> dotted name."""
         owners: dict[int, str] = {}
-        named = [*named_held(self._module, "_parameters"), *named_held(self._module, "_buffers")]
+        named = list(named_held(self._module, "_parameters", "_buffers"))
         for name, tensor in reversed(named):  # the first name wins, as in named_parameters()
             key = storage_identity(tensor)
             if key is not None:

@@ -63,21 +63,25 @@ def named_submodules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 
 def named_held(
-    module: torch.nn.Module, kind: Literal["_parameters", "_buffers"]
+    module: torch.nn.Module, *kinds: Literal["_parameters", "_buffers"]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``module.named_parameters()`` (or ``named_buffers()``): each tensor once, first name."""
-    seen: set[int] = set()
-    for path, submodule in named_submodules(module):
-        for name, tensor in getattr(submodule, kind).items():
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                yield (f"{path}.{name}" if path else name), tensor
+    """``module.named_parameters()``, then ``named_buffers()``, as ``kinds`` name them.
+
+    Each tensor once per kind, under its first name; the modules walked once.
+    """
+    submodules = named_submodules(module)
+    for kind in kinds:
+        seen: set[int] = set()
+        for path, submodule in submodules:
+            for name, tensor in getattr(submodule, kind).items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    yield (f"{path}.{name}" if path else name), tensor
 
 
 def held_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     """Each parameter, then each buffer, of ``module`` and its submodules, once."""
-    yield from (tensor for _, tensor in named_held(module, "_parameters"))
-    yield from (tensor for _, tensor in named_held(module, "_buffers"))
+    return (tensor for _, tensor in named_held(module, "_parameters", "_buffers"))
 
 
 def not_a_module(value: object, *, call: str) -> TypeError:
