@@ -75,9 +75,8 @@ def claim(sink: Claimant) -> None:
         "(sink = dk.CSVSink(path), then sinks=[sink] for each). If the other one is done "
         "(a notebook cell run again, a loop), let it go first (del logs, or logs.flush() then "
         "logs.sinks = [] on its LogBuffer; a notebook's Out[n] and _ may hold it too), or "
-        "pass append=True "
-        "to go on after its rows. A LogBuffer whose with block left on an exception lets "
-        "go of its files by itself"
+        "pass append=True to go on after its rows. A LogBuffer whose with block left on an "
+        "exception lets go of its files by itself"
     )
 
 

@@ -278,8 +278,9 @@ class ProgressBarSink:
             return
         # Redrawn at most once per the bar's mininterval, as tqdm throttles its own
         # updates: a redraw at every flush cost about 20 times as much a step at
-        # flush_every=1 as at 100 (a terminal write each). Values set without a redraw show at the
-        # bar's next one: its next update(), or its close(), which draws the last values.
+        # flush_every=1 as at 100 (a terminal write each). Values set without a redraw
+        # show at the bar's next one: its next update(), or its close(), which draws
+        # the last values.
         now = time.monotonic()
         drawn = getattr(self, "_drawn", None)  # None: never drawn (or unpickled from before)
         # A time from another process's clock (a pickled sink) may be ahead of this one.
