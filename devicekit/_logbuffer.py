@@ -180,7 +180,6 @@ class LogBuffer(Flushes, Scoped):
         self.flush_every = flush_every
         self.timeout = timeout
         self.reduce = reduce
-        self.sinks = sinks
         # log() appends one entry to _pending, which is atomic (a list's own lock
         # on free-threaded Python), so it takes no lock: a lock there measured
         # 0.1 to 0.25 µs, a third of what log() costs. Flushes and readers take _lock,
@@ -199,6 +198,8 @@ class LogBuffer(Flushes, Scoped):
         self._sinks_left_out: list[str] | None = None  # a copy's: the sinks it did not get
         self._told_broken = False  # a flush raised that the job's collectives are broken
         self._told_at_exit = False  # the flush at exit told what it could not flush
+        self._sinks: list[Sink] = []
+        self.sinks = sinks  # checked by the property too, which tells what it takes out
         track(self)  # for the flush at exit (see _logexit)
 
     @property

@@ -35,6 +35,7 @@ from ._logreport import (
     flush_error,
     left_out_warning,
     missing_rank_note,
+    taken_out_warning,
     unreadable_error,
     unreduced_error,
 )
@@ -112,8 +113,20 @@ class Flushes:
 
     @sinks.setter
     def sinks(self, sinks: Iterable[Sink] | Sink) -> None:
-        self._sinks = _checked(sinks)
+        new = _checked(sinks)
+        with self._lock:  # a flush in another thread hands records on to the sinks it took
+            taken = [old for old in self._sinks if not any(old is sink for sink in new)]
+            owed = (
+                (self._pending_count(), self._unsent(), self._deliveries.kept(taken))
+                if taken
+                else (0, 0, 0)
+            )
+            self._sinks = new
         first_at_exit()  # before the exit hooks of writers set up until now (see there)
+        if taken and any(owed):
+            named = [shorten(describe_sink(sink), 200) for sink in taken]
+            told = taken_out_warning(named, *owed, replaced=bool(new))
+            warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     @property
     def flush_every(self) -> int:

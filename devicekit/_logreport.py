@@ -37,6 +37,7 @@ __all__ = [
     "made_differently",
     "missing_rank_note",
     "report_while_exiting",
+    "taken_out_warning",
     "unknown_key",
     "unreadable_error",
     "unreduced_error",
@@ -298,6 +299,40 @@ def _lost(pending: int, unsent: int, kept: int = 0) -> str:
     lost += [f"{plural(unsent, 'record')} never handed to its sinks"] if unsent else []
     lost += [f"{plural(kept, 'record')} its sinks kept unwritten"] if kept else []
     return " and ".join(lost)
+
+
+def taken_out_warning(
+    taken: list[str], pending: int, unsent: int, kept: int, *, replaced: bool
+) -> str:
+    """What ``logs.sinks = ...`` warns when it takes out sinks (``taken``) still owed something.
+
+    ``pending``: values logged and not yet recorded; ``unsent``: records that
+    landed since the sinks' last call; both go to the new sinks (``replaced``)
+    or stay in ``history`` only. ``kept``: records the sinks taken out failed
+    to write, which they still hold.
+    """
+    they = len(taken) > 1
+    owed = [f"{plural(pending, 'value')} not yet recorded"] if pending else []
+    owed += [f"{plural(unsent, 'record')} {'they' if they else 'it'} never got"] if unsent else []
+    told = f"LogBuffer.sinks: {' and '.join(taken)} {'were' if they else 'was'} taken out"
+    if owed:
+        told += f" before {'they' if they else 'it'} had {' and '.join(owed)}"
+        told += (
+            ", which go to the new sinks at the next flush instead"
+            if replaced
+            else ", which only logs.history keeps, for no sink"
+        )
+    if kept:
+        holds = f"; {'they' if they else 'it'} still {'hold' if they else 'holds'}"
+        told += (
+            f"{holds if owed else ' still holding'} {plural(kept, 'record')} "
+            f"{'they' if they else 'it'} failed to write, in logs.history too: "
+            f"{'each' if they else 'it'} writes them when called once it can (sink([]))"
+        )
+    return (
+        f"{told}. Call logs.flush() before changing logs.sinks, so that the sinks you take "
+        "out have everything logged until then"
+    )
 
 
 _FLUSH_BEFORE_EXIT = (

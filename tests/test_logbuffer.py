@@ -790,7 +790,10 @@ def test_ctrl_c_in_a_sink_while_leaving_on_an_exception_still_records_what_sinks
     assert buffer.history == [{"step": 0, "loss": 1.0}, {"step": 99, "derived": 1.0}]
     assert buffer._pending_count() == 0
     assert len(calls) == 1
-    buffer.sinks = []  # its record the sink never got is this test's point: not the exit's
+    with pytest.warns(
+        RuntimeWarning, match=r"before it had 1 record it never got, which only logs.history keeps"
+    ):
+        buffer.sinks = []  # its record the sink never got is this test's point: not the exit's
 
 
 def test_what_sinks_log_while_a_failing_block_exits_is_recorded_when_a_sink_fails() -> None:
@@ -949,7 +952,9 @@ def test_what_a_failing_sink_logs_in_the_last_flush_of_a_block_is_recorded(
     # After an error the sinks get the derived record too; after Ctrl-C they are not
     # called again (one Ctrl-C gets out), and the record is in history.
     assert calls == ([1] if isinstance(failure, KeyboardInterrupt) else [1, 1])
-    logs.sinks = []  # its record the sink never got is this test's point: not the exit's
+    if isinstance(failure, KeyboardInterrupt):  # the record the sink never got: told
+        with pytest.warns(RuntimeWarning, match=r"1 record it never got, which only logs\.hist"):
+            logs.sinks = []  # this test's point: not the exit's
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(1)])
@@ -1038,9 +1043,12 @@ def _let_go(buffer: dk.LogBuffer) -> None:
     """Record what a test left in ``buffer`` on purpose, for no sink: dropped, it tells nothing.
 
     A buffer dropped with values warns (a RuntimeWarning, shown by default): in the
-    warnings of whichever later test collects it, if it is in a reference cycle.
+    warnings of whichever later test collects it, if it is in a reference cycle. So
+    does taking out sinks still owed records, which is what this does on purpose.
     """
-    buffer.sinks = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "LogBuffer.sinks: .* taken out", RuntimeWarning)
+        buffer.sinks = []
     buffer.flush()
 
 
@@ -2775,6 +2783,66 @@ def test_assigning_sinks_runs_the_constructors_check() -> None:
     logs.log(1, loss=0.5)
     logs.flush()
     assert [record["step"] for record in received] == [0, 1]
+
+
+def test_taking_out_a_sink_still_owed_records_tells_where_they_go(tmp_path: Path) -> None:
+    # Before: `logs.sinks = []` (the fix the refusal of a second CSVSink gives, to free
+    # the file) without a flush first left the CSV without the rows an automatic flush
+    # had landed, and without the values pending, in silence.
+    path = tmp_path / "train.csv"
+    logs = dk.LogBuffer(flush_every=4, sinks=[dk.CSVSink(path)])
+    for step in range(10):
+        logs.log(step, loss=float(step))
+    assert len(logs.history) == 8  # a read lands steps 4 to 7, which the sink never got
+    told = (
+        f"LogBuffer.sinks: CSVSink('{path}') was taken out before it had 2 values not yet "
+        "recorded and 4 records it never got, which only logs.history keeps, for no sink. "
+        "Call logs.flush() before changing logs.sinks, so that the sinks you take out have "
+        "everything logged until then"
+    )
+    with pytest.warns(RuntimeWarning) as warned:
+        logs.sinks = []
+    assert [str(w.message) for w in warned] == [told]
+    assert warned[0].filename == __file__  # the assignment's line
+    assert path.read_text().splitlines() == ["step,loss", "0,0.0", "1,1.0", "2,2.0", "3,3.0"]
+    assert [record["step"] for record in logs.flush()] == [8, 9]  # for no sink now
+    assert len(logs.history) == 10  # nothing lost from the buffer itself
+
+
+def test_sinks_put_in_place_of_others_get_what_those_never_got() -> None:
+    first: list[dk.Record] = []
+    second: list[dk.Record] = []
+    logs = dk.LogBuffer(flush_every=2, sinks=[first.extend])
+    for step in range(5):
+        logs.log(step, loss=float(step))
+    assert len(logs.history) == 4
+    owed = r"before it had 1 value not yet recorded and 2 records it never got, which go to the new"
+    with pytest.warns(RuntimeWarning, match=owed):
+        logs.sinks = [second.extend]
+    logs.flush()
+    assert [r["step"] for r in first] == [0, 1]
+    assert [r["step"] for r in second] == [2, 3, 4]  # every record reached a sink
+
+
+def test_changing_sinks_with_nothing_owed_tells_nothing() -> None:
+    first: list[dk.Record] = []
+    second: list[dk.Record] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logs = dk.LogBuffer(flush_every=2, sinks=[first.extend])  # made with sinks: none taken
+        for step in range(5):
+            logs.log(step, loss=float(step))
+        logs.sinks = [*logs.sinks, second.extend]  # one added: the first still gets them
+        logs.flush()
+        logs.log(5, loss=5.0)
+        logs.flush()
+        logs.sinks = []  # after a flush: every sink has had everything
+        later = dk.LogBuffer()
+        later.log(0, loss=1.0)
+        later.sinks = [second.extend]  # none taken out: the new one gets it
+        later.flush()
+    assert [r["step"] for r in first] == list(range(6))
+    assert [r["step"] for r in second] == [2, 3, 4, 5, 0]  # from when it was added
 
 
 def test_a_sink_that_cannot_be_called_put_in_the_list_is_told_and_loses_nothing() -> None:
