@@ -9,6 +9,7 @@ import torch
 
 from ._format import article, plural
 from ._modulecheck import check_module
+from ._movecalls import waits_for
 
 __all__ = [
     "ATTRIBUTE",
@@ -33,17 +34,17 @@ _SHOWN_HOLDERS = 3  # objects to_device() leaves alone named in a fix, per argum
 # a chain 100,000 objects deep costs no 100,000 ever longer strings.
 Path = tuple["Path | None", str]
 # The outermost object around a tensor that children() does not know, looked inside
-# attribute by attribute: its path, its class's name, and what moves it: MOVED, its own
+# attribute by attribute: its path, its class, and what moves it: MOVED, its own
 # .to() (to_device()'s whole say: the fix moves the argument); KEPT, nothing (to_device()
 # returns it unchanged); ATTRIBUTE, nothing either: a module's plain attributes, which
 # module.to() leaves where they are (the holder is the module); DICT_KEY, nothing: the
 # keys of a dict given as it is, whose values to_device() moves, never its keys (the
 # holder is the dict).
-Holder = tuple[Path, str, str]
+Holder = tuple[Path, type, str]
 MOVED, KEPT, ATTRIBUTE, DICT_KEY = "moved", "kept", "attribute", "dict key"
 # A tensor the fix moves apart from its argument: its device, its holder's path, class
-# name and kind, and the tensor's path.
-Held = tuple[torch.device, str, str, str, Path]
+# and kind, and the tensor's path.
+Held = tuple[torch.device, str, type, str, Path]
 
 
 def render(path: Path) -> str:
@@ -145,7 +146,7 @@ def _held_steps(
     In objects ``to_device()`` returns unchanged, and in a module's plain
     attributes (``moved``: a step of the fix moves ``name`` besides).
     """
-    objects: dict[str, tuple[str, str, list[torch.device], list[Path]]] = {}
+    objects: dict[str, tuple[type, str, list[torch.device], list[Path]]] = {}
     for device, holder, cls, kind, path in held:
         if device != target:
             _, _, devices, paths = objects.setdefault(holder, (cls, kind, [], []))
@@ -154,7 +155,15 @@ def _held_steps(
     steps = []
     for holder, (cls, kind, devices, paths) in list(objects.items())[:_SHOWN_HOLDERS]:
         more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
-        if kind == ATTRIBUTE:
+        future = waits_for(cls) if kind == KEPT else None
+        if future is not None:  # done, it holds its value (a Future's _result): get that
+            shown, get = future
+            steps.append(
+                f"get the value of {holder} ({get}) and move that (it is {article(shown)} "
+                f"{shown}, which stands for a value made elsewhere: dk.to_device() returns it "
+                "unchanged)"
+            )
+        elif kind == ATTRIBUTE:
             then = "" if moved else f", then move {holder} to {target}"
             module = named.get(name) if holder == name else None
             steps.append(
@@ -171,14 +180,16 @@ def _held_steps(
                 + (", and meta tensors hold no values to copy" if remade else "")
             )
         elif target.type != "meta" and torch.device("meta") in devices:
+            name = cls.__name__
             steps.append(
-                f"make {holder} again on {target} (it is {article(cls)} {cls}, which "
+                f"make {holder} again on {target} (it is {article(name)} {name}, which "
                 "dk.to_device() returns unchanged, and its meta tensors hold no values to copy)"
             )
         else:
+            name = cls.__name__
             steps.append(
                 f"move the tensors in {holder} ({render(paths[0])}{more}) to {target} yourself, "
-                f"or make it there (it is {article(cls)} {cls}, which dk.to_device() returns "
+                f"or make it there (it is {article(name)} {name}, which dk.to_device() returns "
                 "unchanged)"
             )
     if len(objects) > _SHOWN_HOLDERS:

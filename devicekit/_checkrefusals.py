@@ -36,7 +36,7 @@ _READ_AS = {
 
 
 def too_many(name: str, holder: Holder, what: str) -> str:
-    at, kind = render(holder[0]), holder[1]
+    at, kind = render(holder[0]), holder[1].__name__
     read = _READ_AS.get(kind, ", which it looks inside attribute by attribute")
     return (
         f"assert_same_device() cannot check {name}: {at} is {article(kind)} {kind}{read}, "

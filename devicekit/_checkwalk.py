@@ -177,7 +177,7 @@ def collect(obj: object, name: str) -> list[tuple[Path, Placed, Holder | None]]:
                 attributes = _module_attributes(child, seen)
                 if not attributes:
                     continue
-                stack.append((iter(attributes), path, holder or (path, cls.__name__, ATTRIBUTE)))
+                stack.append((iter(attributes), path, holder or (path, cls, ATTRIBUTE)))
                 break
             parts = _open(child, path, holder, left, name, seen=seen)
             if not parts:
@@ -221,24 +221,24 @@ def _open(
     if elements is None:
         values = array_values(obj)  # a numpy array of dtype=object: read as a list is
         if values is not None:  # to_device() returns it unchanged: a holder
-            holder = holder or (path, type(obj).__name__, KEPT)
+            holder = holder or (path, type(obj), KEPT)
             try:
                 return _open_values(values, ".flat", holder, left=left, seen=seen)
             except _TooMany:
                 raise ValueError(too_many_in_array(name, path, _BULK_BUDGET)) from None
         elements = array_elements(obj)  # a numpy record with an object field: each field
         if elements is not None:  # to_device() returns it unchanged: a holder
-            return [(elements, holder or (path, type(obj).__name__, KEPT))]
+            return [(elements, holder or (path, type(obj), KEPT))]
         frame = pandas_kind(type(obj))
         if frame is not None:  # to_device() returns it unchanged too
-            holder = holder or (path, type(obj).__name__, KEPT)
+            holder = holder or (path, type(obj), KEPT)
             return _open_pandas(obj, frame, path, holder, left=left, name=name, seen=seen)
         attributes = _attributes(obj, path, left)
         if not attributes:
             return []
         if holder is None:
             cls = type(obj)
-            holder = (path, cls.__name__, MOVED if has_to_method(cls) else KEPT)
+            holder = (path, cls, MOVED if has_to_method(cls) else KEPT)
         return [(attributes, holder)]
     if isinstance(obj, PackedSequence):
         # torch keeps batch_sizes on the CPU by design (PackedSequence.to() leaves it
@@ -353,7 +353,7 @@ def _open_mapping(obj: Mapping[Any, Any], path: Path, holder: Holder | None) -> 
     parts: list[_Part] = [(list(items), None)]
     keys = list(_mapping_keys(odd)) if odd else None
     if keys:
-        parts.append((keys, (path, type(obj).__name__, DICT_KEY)))
+        parts.append((keys, (path, type(obj), DICT_KEY)))
     return parts
 
 

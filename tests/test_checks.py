@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import re
 import sys
@@ -730,6 +731,24 @@ def test_tensors_inside_any_object_are_checked() -> None:
     _mover._looks_left.pop(Holder, None)  # warned once per class: as if never moved
     with pytest.warns(RuntimeWarning, match=r"returned a .*Holder as it is"):
         assert dk.to_device(Holder(torch.ones(1)), META).x.device == CPU  # what the fix says
+
+
+def test_a_done_future_is_told_to_be_waited_for_not_made_again() -> None:
+    # Before: "make arg0['b'] again on cpu (it is a Future, ...)": the tensor is its
+    # value, which future.result() gets, as to_device's own warning says.
+    done: concurrent.futures.Future[dict[str, torch.Tensor]] = concurrent.futures.Future()
+    done.set_result({"x": torch.ones(2)})
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device({"a": torch.ones(1, device="meta"), "b": done}, device="meta")
+    assert "  arg0['b']._result['x']: cpu\n" in str(info.value)
+    assert str(info.value).endswith(
+        "Fix: move everything to meta: get the value of arg0['b'] (future.result()) and move "
+        "that (it is a concurrent.futures.Future, which stands for a value made elsewhere: "
+        "dk.to_device() returns it unchanged)."
+    )
+    _mover._looks_left.pop(concurrent.futures.Future, None)  # warned once per class
+    with pytest.warns(RuntimeWarning, match=r"Get the value first \(future\.result\(\)\)"):
+        assert dk.to_device(done, META) is done  # what the fix says
 
 
 def test_an_object_with_a_to_method_is_left_to_to_device_in_the_fix() -> None:
