@@ -31,9 +31,13 @@ class Claimant(Protocol):
     def __hash__(self) -> int: ...
 
 
-_live: weakref.WeakSet[Claimant] = weakref.WeakSet()  # the sinks that claim their files
-_tokens: weakref.WeakValueDictionary[str, Claimant] = weakref.WeakValueDictionary()
-_lock = threading.Lock()
+# The sinks that claim their files, carried over where importlib.reload (IPython's
+# %autoreload) runs this module again in its namespace: the sinks made before still count.
+_live: weakref.WeakSet[Claimant] = globals().get("_live", weakref.WeakSet())
+_tokens: weakref.WeakValueDictionary[str, Claimant] = globals().get(
+    "_tokens", weakref.WeakValueDictionary()
+)
+_lock: threading.Lock = globals().get("_lock", threading.Lock())
 
 
 def _new_lock_in_child() -> None:

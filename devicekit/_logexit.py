@@ -39,6 +39,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, Protocol, cast
 
@@ -290,9 +291,14 @@ def _flush_what_sinks_logged(buffer: Block, *, deliver: bool = True) -> None:
 
 # Weak: a buffer the script let go is not kept alive for the exit. Keyed by the order
 # they were made in, so that they are flushed in that order.
-_live: weakref.WeakValueDictionary[int, Block] = weakref.WeakValueDictionary()
-_numbers = itertools.count()
-_registering = threading.Lock()
+# importlib.reload (IPython's %autoreload) runs this module again in its namespace: what
+# it holds carries over (globals().get), so the buffers made before are still flushed at
+# exit, by the one hook registered for them.
+_live: weakref.WeakValueDictionary[int, Block] = globals().get(
+    "_live", weakref.WeakValueDictionary()
+)
+_numbers: itertools.count[int] = globals().get("_numbers", itertools.count())
+_registering: threading.Lock = globals().get("_registering", threading.Lock())
 
 
 def _new_lock_in_child() -> None:
@@ -303,7 +309,7 @@ def _new_lock_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_new_lock_in_child)
-_registered = False
+_registered: bool = globals().get("_registered", False)
 
 
 def track(buffer: Block) -> None:
@@ -357,7 +363,7 @@ def first_at_exit() -> None:
     registered since (CPython's count of hooks; elsewhere, at every call), so
     the hook runs before those of what was set up until then.
     """
-    global _hooks_then  # noqa: PLW0603 - one hook per process
+    global _hooks_then, _hooked  # one hook per process
     count = _hook_count()
     if count is not None and count == _hooks_then:
         return  # still the last registered: the usual case, one count
@@ -366,9 +372,9 @@ def first_at_exit() -> None:
         # registered now would never run, so the one registered stays where it is.
         return
     with _registering:
-        atexit.unregister(flush_at_exit)
+        atexit.unregister(_hooked)  # the one registered: an earlier run's, if reloaded
         atexit.register(flush_at_exit)
-        _hooks_then = _hook_count()
+        _hooked, _hooks_then = flush_at_exit, _hook_count()
 
 
 def _hook_count() -> int | None:
@@ -377,7 +383,8 @@ def _hook_count() -> int | None:
     return None if count is None else int(count())
 
 
-_hooks_then: int | None = None  # the count just after devicekit's hook was registered
+# The count just after devicekit's hook was registered.
+_hooks_then: int | None = globals().get("_hooks_then")
 
 
 def _forked() -> None:
@@ -404,6 +411,10 @@ def flush_at_exit() -> None:
                     stopped = f"{type(interrupt).__name__} stopped the flushes at exit"
                     _tell(left, f"{stopped} before it was flushed")
             return
+
+
+# The function registered with atexit (see first_at_exit).
+_hooked: Callable[[], None] = globals().get("_hooked", flush_at_exit)
 
 
 def _unfinished(buffer: Block) -> bool:

@@ -773,3 +773,32 @@ def test_the_flush_at_exit_runs_before_a_writer_a_sink_set_up_at_its_first_call(
     out, err = _script(_LAZY_WRITER)
     assert out.strip() == "writer got 25"
     assert "RuntimeWarning" not in err, err
+
+
+def test_buffers_and_sinks_made_before_a_reload_of_devicekit_still_count(
+    tmp_path: Path,
+) -> None:
+    # importlib.reload (IPython's %autoreload) ran _logexit and _csvclaims again with
+    # empty registries: a buffer made before was never flushed at exit (its rows lost,
+    # with a "dropped" warning), and a second CSVSink on its file was not refused.
+    path = tmp_path / "train.csv"
+    stdout, stderr = _script(
+        "import atexit, importlib, sys, devicekit as dk\n"
+        "from devicekit import _csvclaims, _logexit\n"
+        "logs = dk.LogBuffer(sinks=[dk.CSVSink(sys.argv[1])])\n"
+        "logs.log(0, loss=1.0)\n"
+        "importlib.reload(_logexit); importlib.reload(_csvclaims)\n"
+        "try:\n"
+        "    dk.CSVSink(sys.argv[1])\n"
+        "except ValueError as refused:\n"
+        "    print('refused:', refused)\n"
+        "got = []\n"
+        "atexit.register(lambda: print('at exit, after devicekit:', got))\n"
+        "later = dk.LogBuffer(sinks=[got.extend])  # its hook is registered again: once\n"
+        "later.log(0, acc=0.5)\n",
+        str(path),
+    )
+    assert [row["loss"] for row in _rows(path)] == ["1.0"]
+    assert "another CSVSink alive in this process" in stdout
+    assert "at exit, after devicekit: [{'step': 0, 'acc': 0.5}]" in stdout  # flushed once
+    assert "LogBuffer" not in stderr, stderr
