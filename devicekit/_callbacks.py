@@ -12,7 +12,7 @@ import functools
 import inspect
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ._format import shorten
@@ -23,6 +23,7 @@ __all__ = [
     "describe_sink",
     "new_sink_lock",
     "restore_sink",
+    "sink_key",
     "sink_state",
 ]
 
@@ -87,19 +88,27 @@ def _refuse_twice(sinks: list[Any], receives: str) -> None:
     """Refuse a sink listed twice: it would get each record twice (a CSV file, every row)."""
     seen: set[Any] = set()
     for sink in sinks:
-        # A bound method is made anew at each read (rows.append): the same by its parts,
-        # its object and its function (two methods wrapped alike share a __name__).
-        key: Any = id(sink)
-        if inspect.ismethod(sink):
-            key = (id(sink.__self__), sink.__func__)
-        elif inspect.isbuiltin(sink) and getattr(sink, "__self__", None) is not None:
-            key = (id(sink.__self__), sink.__name__)  # a builtin's method: its name is its own
+        key = sink_key(sink)
         if key in seen:
             raise ValueError(
                 f"sinks lists {describe_sink(sink)} twice: it would be called twice with "
                 f"{receives}, and write each one twice. List it once"
             )
         seen.add(key)
+
+
+def sink_key(sink: object) -> Hashable:
+    """What tells one sink from another: its identity, or a bound method's parts.
+
+    A bound method is made anew at each read (``rows.append``): the same by its
+    parts, its object and its function (two methods wrapped alike share a
+    ``__name__``); a builtin's method by its object and name.
+    """
+    if inspect.ismethod(sink):
+        return (id(sink.__self__), sink.__func__)
+    if inspect.isbuiltin(sink) and getattr(sink, "__self__", None) is not None:
+        return (id(sink.__self__), sink.__name__)
+    return id(sink)
 
 
 def _path_fix(given: object, file_sink: str | None) -> str:

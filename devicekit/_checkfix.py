@@ -155,13 +155,15 @@ def _held_steps(
     steps = []
     for holder, (cls, kind, devices, paths) in list(objects.items())[:_SHOWN_HOLDERS]:
         more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        remade = target.type != "meta" and torch.device("meta") in devices
         future = waits_for(cls) if kind == KEPT else None
         if future is not None:  # done, it holds its value (a Future's _result): get that
             shown, get = future
             steps.append(
-                f"get the value of {holder} ({get}) and move that (it is {article(shown)} "
-                f"{shown}, which stands for a value made elsewhere: dk.to_device() returns it "
-                "unchanged)"
+                f"get the value of {holder} ({get}) and "
+                f"{f'make it again on {target}' if remade else 'move that'} (it is "
+                f"{article(shown)} {shown}, which stands for a value made elsewhere: "
+                "dk.to_device() returns it unchanged)"
             )
         elif kind == ATTRIBUTE:
             then = "" if moved else f", then move {holder} to {target}"
@@ -172,14 +174,13 @@ def _held_steps(
                 f"{attribute_fix(holder, module, inside(holder, paths))}{then}"
             )
         elif kind == DICT_KEY:
-            remade = target.type != "meta" and torch.device("meta") in devices
             steps.append(
                 f"make {holder} again with its tensor keys {'made anew on' if remade else 'on'} "
                 f"{target} ({render(paths[0])}{more}), since dk.to_device() moves its "
                 "values, never its keys"
                 + (", and meta tensors hold no values to copy" if remade else "")
             )
-        elif target.type != "meta" and torch.device("meta") in devices:
+        elif remade:
             name = cls.__name__
             steps.append(
                 f"make {holder} again on {target} (it is {article(name)} {name}, which "

@@ -137,9 +137,19 @@ class Deliveries:
         """Whether some landed records have not reached every sink yet."""
         return self._served() < len(batches)
 
-    def unsent(self, batches: _Batches) -> int:
-        """How many records some sink has not had yet."""
-        return sum(len(batch.steps) for batch in batches[self._served() :])
+    def unsent(self, batches: _Batches, sinks: list[Sink] | None = None) -> int:
+        """How many records some sink has not had yet; of ``sinks``, the most one has not had.
+
+        ``sinks`` all called in the delivery under way (one taking itself out of
+        the list as it runs) have had its records, though a later sink has not.
+        """
+        served, left = self._served(), self._left
+        if sinks and left is not None and left[0] == served:
+            calls = left[2]
+            called = [sink for sink, _ in calls[: len(calls) - length_hint(left[3])]]
+            if all(any(sink is c for c in called) for sink in sinks):
+                served = left[1]
+        return sum(len(batch.steps) for batch in batches[served:])
 
     def _served(self) -> int:
         """The batches every sink has had: `sent`, and those under way once their sinks ran.

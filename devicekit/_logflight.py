@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import get_args
 
-from ._callbacks import checked_sinks, describe_sink
+from ._callbacks import checked_sinks, describe_sink, sink_key
 from ._dist import initialized, launched_world, validated_timeout, world_size
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
@@ -115,9 +115,11 @@ class Flushes:
     def sinks(self, sinks: Iterable[Sink] | Sink) -> None:
         new = _checked(sinks)
         with self._lock:  # a flush in another thread hands records on to the sinks it took
-            taken = [old for old in self._sinks if not any(old is sink for sink in new)]
+            staying = {sink_key(sink) for sink in new}  # w.write is made anew at each read
+            taken = [old for old in self._sinks if sink_key(old) not in staying]
+            batches, deliveries = self._history.batches, self._deliveries
             owed = (
-                (self._pending_count(), self._unsent(), self._deliveries.kept(taken))
+                (self._pending_count(), deliveries.unsent(batches, taken), deliveries.kept(taken))
                 if taken
                 else (0, 0, 0)
             )
@@ -125,7 +127,7 @@ class Flushes:
         first_at_exit()  # before the exit hooks of writers set up until now (see there)
         if taken and any(owed):
             named = [shorten(describe_sink(sink), 200) for sink in taken]
-            told = taken_out_warning(named, *owed, replaced=bool(new))
+            told = taken_out_warning(named, *owed, others=bool(new))
             warnings.warn(told, RuntimeWarning, stacklevel=caller_stacklevel())
 
     @property

@@ -302,33 +302,32 @@ def _lost(pending: int, unsent: int, kept: int = 0) -> str:
 
 
 def taken_out_warning(
-    taken: list[str], pending: int, unsent: int, kept: int, *, replaced: bool
+    taken: list[str], pending: int, unsent: int, kept: int, *, others: bool
 ) -> str:
     """What ``logs.sinks = ...`` warns when it takes out sinks (``taken``) still owed something.
 
     ``pending``: values logged and not yet recorded; ``unsent``: records that
-    landed since the sinks' last call; both go to the new sinks (``replaced``)
-    or stay in ``history`` only. ``kept``: records the sinks taken out failed
-    to write, which they still hold.
+    landed since the sinks' last call; both go to the ``others`` left in the
+    list, or stay in ``history`` only. ``kept``: records the sinks taken out
+    failed to write, which they still hold (no fix: one whose file another sink
+    took can never write them).
     """
     they = len(taken) > 1
+    it = "they" if they else "it"
     owed = [f"{plural(pending, 'value')} not yet recorded"] if pending else []
-    owed += [f"{plural(unsent, 'record')} {'they' if they else 'it'} never got"] if unsent else []
+    owed += [f"{plural(unsent, 'record')} {it} never got"] if unsent else []
     told = f"LogBuffer.sinks: {' and '.join(taken)} {'were' if they else 'was'} taken out"
     if owed:
-        told += f" before {'they' if they else 'it'} had {' and '.join(owed)}"
-        told += (
-            ", which go to the new sinks at the next flush instead"
-            if replaced
-            else ", which only logs.history keeps, for no sink"
+        told += f" before {it} had {' and '.join(owed)}, which " + (
+            "the sinks now in logs.sinks get at the next flush instead"
+            if others
+            else "only logs.history keeps, for no sink"
         )
     if kept:
-        holds = f"; {'they' if they else 'it'} still {'hold' if they else 'holds'}"
-        told += (
-            f"{holds if owed else ' still holding'} {plural(kept, 'record')} "
-            f"{'they' if they else 'it'} failed to write, in logs.history too: "
-            f"{'each' if they else 'it'} writes them when called once it can (sink([]))"
-        )
+        holds = f"; {it} still {'hold' if they else 'holds'}" if owed else " still holding"
+        told += f"{holds} {plural(kept, 'record')} {it} failed to write, which logs.history has too"
+    if not owed:
+        return told
     return (
         f"{told}. Call logs.flush() before changing logs.sinks, so that the sinks you take "
         "out have everything logged until then"

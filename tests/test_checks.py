@@ -746,6 +746,13 @@ def test_a_done_future_is_told_to_be_waited_for_not_made_again() -> None:
         "that (it is a concurrent.futures.Future, which stands for a value made elsewhere: "
         "dk.to_device() returns it unchanged)."
     )
+    shapes_only: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    shapes_only.set_result(torch.ones(2, device="meta"))  # no values to move: made again
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device({"a": torch.ones(1), "b": shapes_only}, device="cpu")
+    assert "get the value of arg0['b'] (future.result()) and make it again on cpu (" in str(
+        info.value
+    )
     _mover._looks_left.pop(concurrent.futures.Future, None)  # warned once per class
     with pytest.warns(RuntimeWarning, match=r"Get the value first \(future\.result\(\)\)"):
         assert dk.to_device(done, META) is done  # what the fix says

@@ -665,7 +665,7 @@ def test_a_write_error_names_the_user_s_path_and_the_fix_not_the_temporary_file(
     assert unwritten == buffer.history[: len(unwritten)]
     with pytest.warns(
         RuntimeWarning,
-        match=r"it still holds 2 records it failed to write, in logs.history too: it writes them",
+        match=r"it still holds 2 records it failed to write, which logs.history has too\. Call",
     ):
         buffer.sinks = []  # done with it: the records it still holds go to no sink
     buffer.flush()
