@@ -74,23 +74,26 @@ class ComparisonRow(PlainResult):
 
         A difference under 0.5% is given in percent (``"0.4% slower"``), where
         two decimals would read ``"1.00x"``. A difference whose noise is
-        unknown says so: ``"3.43x slower (noise unknown)"``.
+        unknown claims no more than the medians show: ``"3.43x slower by the
+        medians (noise unknown)"``. Where a median is 0 no ratio is known, and
+        the verdict says so before anything of the noise (two zero medians are
+        not "the same": both calls were faster than the clock could tell).
         """
         if self.name == reference:
             return "(reference)"
+        if self.ratio is None:
+            whose = "its" if self.measurement.median == 0 else "the reference's"
+            return f"{UNKNOWN} ({whose} median is 0: faster than the clock can tell)"
         if self.within_noise:
             if self.ratio is not None and not 1 / _APART < self.ratio < _APART:
                 # Intervals that overlap across a gap this wide are wide ones (times in
                 # two modes): "the same" would be a guess, not a measurement.
                 return f"{_ratio_text(self.ratio)} by the medians, within the noise: measure longer"
             return "same within noise"
-        if self.ratio is None:
-            whose = "its" if self.measurement.median == 0 else "the reference's"
-            return f"{UNKNOWN} ({whose} median is 0: faster than the clock can tell)"
         text = _ratio_text(self.ratio)
         if text == "the same":  # apart beyond the noise, yet under 0.05%
             text = f"<0.1% {'slower' if self.ratio >= 1 else 'faster'}"
-        return text + (" (noise unknown)" if self.within_noise is None else "")
+        return text + (" by the medians (noise unknown)" if self.within_noise is None else "")
 
 
 @dataclass(frozen=True)
@@ -193,8 +196,8 @@ def _ratio(m: Measurement, ref: Measurement) -> float | None:
 
 
 def _overlap(a: Measurement, b: Measurement) -> bool | None:
-    if a.ci is None or b.ci is None:
-        return None
+    if a.ci is None or b.ci is None or a.median == 0 or b.median == 0:
+        return None  # a median of 0 has an interval of (0, 0): no noise was measured
     return a.ci[0] <= b.ci[1] and b.ci[0] <= a.ci[1]
 
 

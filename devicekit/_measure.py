@@ -203,9 +203,47 @@ def _refuse_misspelled(kwargs: dict[str, Any]) -> None:
         )
 
 
+_MIN_TIME = 0.1  # min_time left out, unless max_time is shorter: max_time wins
+
+
+def _refuse_shadowed(fn: object, options: dict[str, Any]) -> None:
+    """Refuse an option given (not its default) that fn takes as a keyword too.
+
+    ``benchmark(make, 1000, device="cpu")`` keeps ``device`` for itself and
+    calls ``make(1000)``. A function whose signature cannot be read (a builtin
+    such as ``torch.randn``) cannot be told; a ``partial`` that binds the
+    keyword already has its own.
+    """
+    try:
+        parameters = inspect.signature(fn).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # not callable (told next), or no signature to read
+        return
+    bound = fn.keywords if isinstance(fn, functools.partial) else {}
+    defaults = inspect.signature(benchmark).parameters
+    for name, value in options.items():
+        parameter, default = parameters.get(name), defaults[name].default
+        if parameter is None or name in bound or value is default or value == default:
+            continue
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+            raise TypeError(
+                f"benchmark() got {name}={short_repr(value)}, which is its own option, and "
+                f"{callable_name(fn)} takes a {name} too: benchmark() keeps it, so fn would "
+                f"run without it. Bind fn's with functools.partial: "
+                f"benchmark(functools.partial(fn, {name}={short_repr(value)}), ...), and "
+                f"pass benchmark()'s own {name}= besides where you mean that too"
+            )
+
+
 def _check_options(
-    fn: object, *, warmup: float, min_time: float, max_time: float, rel_noise: float, mode: str
-) -> None:
+    fn: object,
+    *,
+    warmup: float,
+    min_time: float | None,
+    max_time: float,
+    rel_noise: float,
+    mode: str,
+) -> float:
+    """Refuse a bad option before any call; the ``min_time`` to use (left out: its default)."""
     if not callable(fn):
         raise TypeError(
             f"benchmark() needs a function to time, got {got(fn)}. To time model(x), pass "
@@ -214,14 +252,18 @@ def _check_options(
         )
     refuse_lazy(fn, call="benchmark(fn): fn()")
     check_seconds(warmup, name="warmup", zero_ok=True, fix="0 warms up with a single call")
-    check_seconds(min_time, name="min_time", zero_ok=True, fix="0 stops as soon as it is precise")
+    if min_time is not None:
+        check_seconds(
+            min_time, name="min_time", zero_ok=True, fix="0 stops as soon as it is precise"
+        )
     check_seconds(
         max_time, name="max_time", zero_ok=False, fix="it bounds the whole call: say max_time=10"
     )
-    if max_time < min_time:
+    if min_time is not None and max_time < min_time:  # both given, and they disagree
         raise ValueError(
             f"max_time must be at least min_time ({short_repr(min_time)}), got "
-            f"{short_repr(max_time)}; raise max_time or lower min_time"
+            f"{short_repr(max_time)}; raise max_time or lower min_time (left out, it is "
+            f"{_MIN_TIME:g} s, or max_time where that is shorter)"
         )
     check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
     if rel_noise >= 1:  # a fraction: 2 is ±200%, which any two calls meet
@@ -230,6 +272,7 @@ def _check_options(
             f"{short_repr(rel_noise)}; for ±{rel_noise:g}% pass rel_noise={rel_noise / 100:g}"
         )
     check_choice(mode, name="mode", choices=MODES)
+    return min(_MIN_TIME, max_time) if min_time is None else min_time
 
 
 _CHECKED = ("warmup", "min_time", "max_time", "rel_noise", "mode")  # OPTIONS but device
@@ -259,7 +302,7 @@ def benchmark(
     *args: Any,
     device: DeviceLike | None = None,
     warmup: float = 0.05,
-    min_time: float = 0.1,
+    min_time: float | None = None,
     max_time: float = 2.0,
     rel_noise: float = 0.01,
     mode: Mode = "warm",
@@ -297,7 +340,9 @@ def benchmark(
             it leaves too little time, the note says how long it took and
             how much ``max_time`` would do).
         min_time: Seconds of timed calls at least, unless ``max_time`` comes
-            first. The warm-up counts against ``max_time``, so reaching
+            first. Default: 0.1, or ``max_time`` where that is shorter
+            (``max_time`` bounds the call); one given above ``max_time`` is a
+            ``ValueError``. The warm-up counts against ``max_time``, so reaching
             ``min_time`` takes ``max_time`` of about ``min_time`` plus the
             warm-up plus 10 ms (0.16 s with the defaults); a shorter
             ``max_time`` is allowed (it bounds the call), and a run it cuts
@@ -313,7 +358,10 @@ def benchmark(
         **kwargs: Passed to ``fn`` (so ``fn`` cannot take the option names
             above). A keyword one typo away from an option (``maxtime``,
             ``min_tme``) is refused instead: bind it with `functools.partial`
-            or a lambda if ``fn`` really takes it.
+            or a lambda if ``fn`` really takes it. So is an option given
+            that ``fn``'s signature takes too (``device=``, ``mode=``), which
+            ``fn`` would never see; a builtin's signature cannot be read
+            (``torch.randn``): bind its ``device=`` yourself.
 
     Returns:
         The [`Measurement`][devicekit.Measurement].
@@ -332,7 +380,12 @@ def benchmark(
         >>> m.name, m.median > 0, m.stop_reason in ("converged", "max_time")
         ('sorted', True, True)
     """
-    _check_options(
+    _refuse_shadowed(
+        fn,
+        {"device": device, "warmup": warmup, "min_time": min_time, "max_time": max_time}
+        | {"rel_noise": rel_noise, "mode": mode},
+    )
+    min_time = _check_options(
         fn, warmup=warmup, min_time=min_time, max_time=max_time, rel_noise=rel_noise, mode=mode
     )
     _refuse_misspelled(kwargs)

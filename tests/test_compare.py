@@ -141,7 +141,7 @@ def test_unknown_noise_is_shown_and_never_called_same_or_different() -> None:
     table = dk.compare({"slow": one, "fast": measured(1e-3, 1e-6)})
     (row,) = [row for row in table.rows if row.name == "slow"]
     assert row.within_noise is None
-    assert row.verdict(table.reference) == "700.00x slower (noise unknown)"
+    assert row.verdict(table.reference) == "700.00x slower by the medians (noise unknown)"
     assert str(table).splitlines()[1].split()[:4] == ["slow", "700", "ms", "±?"]
     assert "0.0%" not in str(table).splitlines()[1]
     assert table.to_dict()["rows"][0]["within_noise"] is None
@@ -213,6 +213,12 @@ def test_a_median_of_zero_gives_an_unknown_ratio_not_a_crash() -> None:
         )
         assert "?" in str(table)
         assert json.loads(json.dumps(table.to_dict()))["rows"][0]["ratio"] in (None, 1.0)
+    # Two zero medians: "same within noise" before, from intervals of (0, 0) that no
+    # noise was measured for.
+    both = dk.compare({"a": dk.Measurement.from_times([0.0] * 10), "b": zero})
+    (row,) = [row for row in both.rows if row.name == "b"]
+    assert row.within_noise is None
+    assert row.verdict("a") == "? (its median is 0: faster than the clock can tell)"
 
 
 def test_ctrl_c_in_a_variant_names_the_variant() -> None:
@@ -233,7 +239,7 @@ def test_an_error_in_a_variant_names_the_variant() -> None:
     assert caught.value.__notes__ == ["devicekit: compare() was measuring the variant 'b'"]
     # A bad option is refused before any variant runs, and blames none of them.
     with pytest.raises(ValueError, match=r"max_time must be at least min_time") as option:
-        dk.compare({"a": lambda: ran.append("again")}, max_time=0.05)
+        dk.compare({"a": lambda: ran.append("again")}, min_time=0.2, max_time=0.05)
     assert not getattr(option.value, "__notes__", None)
     assert "again" not in ran
 

@@ -1248,3 +1248,40 @@ def test_the_device_its_repr_names_is_an_attribute() -> None:
     assert m.device == m.conditions.device == "cpu"
     assert repr(m).startswith(f"Measurement({m.name} on cpu, ")
     assert dk.Measurement.from_times([0.01] * 5).device == "unknown"
+
+
+def test_an_option_fn_takes_too_is_refused_not_kept_from_fn() -> None:
+    # Before: benchmark kept device= for itself and timed make(1000) with device=None;
+    # mode="bilinear" (F.interpolate's) was refused as a bad mode, with no way out named.
+    seen: list[object] = []
+
+    def make(n: int, device: str | None = None) -> None:
+        seen.append(device)
+
+    with pytest.raises(TypeError) as refused:
+        dk.benchmark(make, 1000, device="cpu", max_time=0.05)
+    assert str(refused.value) == (
+        "benchmark() got device='cpu', which is its own option, and make takes a device too: "
+        "benchmark() keeps it, so fn would run without it. Bind fn's with functools.partial: "
+        "benchmark(functools.partial(fn, device='cpu'), ...), and pass benchmark()'s own "
+        "device= besides where you mean that too"
+    )
+    x = torch.ones(1, 1, 2, 2)
+    with pytest.raises(TypeError, match=r"got mode='bilinear', which is its own option"):
+        dk.benchmark(torch.nn.functional.interpolate, x, scale_factor=2, mode="bilinear")
+    assert seen == []  # refused before any call
+    # Bound, it is fn's; benchmark's own may be given besides. A default is not "given".
+    dk.benchmark(functools.partial(make, device="cpu"), 10, device="cpu", max_time=0.05)
+    dk.benchmark(make, 10, mode="warm", max_time=0.05)
+    assert set(seen) == {"cpu", None}
+    dk.benchmark(torch.ones, 2, device="cpu", max_time=0.05)  # no signature to read: passed
+
+
+def test_a_max_time_under_the_default_min_time_is_allowed() -> None:
+    # Before: "max_time must be at least min_time (0.1), got 0.05", though max_time
+    # bounds the call and the docs said a shorter one is allowed.
+    m = dk.benchmark(sum, range(10), max_time=0.05)
+    assert m.min_time == 0.05
+    assert m.stop_reason == "max_time"
+    with pytest.raises(ValueError, match=r"at least min_time \(0\.1\), got 0\.05; raise max"):
+        dk.benchmark(sum, range(10), min_time=0.1, max_time=0.05)  # both given: they disagree
