@@ -155,6 +155,7 @@ def _held_steps(
     steps = []
     for holder, (cls, kind, devices, paths) in list(objects.items())[:_SHOWN_HOLDERS]:
         more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        class_name = cls.__name__  # not `name`: that is the argument's, for the last step
         remade = target.type != "meta" and torch.device("meta") in devices
         future = waits_for(cls) if kind == KEPT else None
         if future is not None:  # done, it holds its value (a Future's _result): get that
@@ -181,17 +182,15 @@ def _held_steps(
                 + (", and meta tensors hold no values to copy" if remade else "")
             )
         elif remade:
-            name = cls.__name__
             steps.append(
-                f"make {holder} again on {target} (it is {article(name)} {name}, which "
+                f"make {holder} again on {target} (it is {article(class_name)} {class_name}, which "
                 "dk.to_device() returns unchanged, and its meta tensors hold no values to copy)"
             )
         else:
-            name = cls.__name__
             steps.append(
                 f"move the tensors in {holder} ({render(paths[0])}{more}) to {target} yourself, "
-                f"or make it there (it is {article(name)} {name}, which dk.to_device() returns "
-                "unchanged)"
+                f"or make it there (it is {article(class_name)} {class_name}, which "
+                "dk.to_device() returns unchanged)"
             )
     if len(objects) > _SHOWN_HOLDERS:
         steps.append(f"the same for {len(objects) - _SHOWN_HOLDERS} more objects in {name}")

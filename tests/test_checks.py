@@ -733,6 +733,17 @@ def test_tensors_inside_any_object_are_checked() -> None:
         assert dk.to_device(Holder(torch.ones(1)), META).x.device == CPU  # what the fix says
 
 
+def test_the_fix_for_many_holders_names_the_argument_they_are_in() -> None:
+    # a0740e5 named the holder's class `name` inside the loop, over the argument's:
+    # "the same for 2 more objects in Holder".
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(batch=[Holder(torch.ones(1)) for _ in range(5)], device="meta")
+    assert str(info.value).endswith(
+        "(it is a Holder, which dk.to_device() returns unchanged); "
+        "the same for 2 more objects in batch."
+    )
+
+
 def test_a_done_future_is_told_to_be_waited_for_not_made_again() -> None:
     # Before: "make arg0['b'] again on cpu (it is a Future, ...)": the tensor is its
     # value, which future.result() gets, as to_device's own warning says.
