@@ -19,14 +19,13 @@ from ._accelerators import try_all_gpus
 from ._devices import DeviceLike, resolve_cuda_devices
 from ._format import PlainResult, format_seconds, html_table, plain_data, safe_text, shown
 from ._keywords import suggest_keywords
-from ._measure import benchmark
+from ._measure import DEFAULT_MIN_TIME, benchmark
 from ._measurement import Measurement
 from ._options import check_seconds
 
 __all__ = ["BenchReport", "BenchResult", "bench"]
 
 _BUDGET = 0.4  # seconds of measuring per number by default: the run stays well under 30 s
-_MIN_TIME = 0.1  # benchmark()'s default min_time, lowered to a shorter max_time
 # Of a shorter max_time, the share min_time gets: the warm-up may take up to half of it, so
 # a min_time of all of it could never be reached, and every number would stop at max_time.
 _MIN_SHARE = 0.4
@@ -127,7 +126,7 @@ class BenchReport:
 
 
 def _time(fn: Callable[..., Any], *args: Any, max_time: float, **kwargs: Any) -> Measurement:
-    min_time = min(_MIN_TIME, max_time * _MIN_SHARE)
+    min_time = min(DEFAULT_MIN_TIME, max_time * _MIN_SHARE)
     return benchmark(fn, *args, min_time=min_time, max_time=max_time, **kwargs)
 
 

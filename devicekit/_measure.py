@@ -25,7 +25,7 @@ from ._stats import relative_noise
 from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
 
-__all__ = ["benchmark", "callable_name", "check_options"]
+__all__ = ["DEFAULT_MIN_TIME", "benchmark", "callable_name", "check_options"]
 
 Mode = Literal["warm", "cold", "graph"]
 _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
@@ -203,26 +203,27 @@ def _refuse_misspelled(kwargs: dict[str, Any]) -> None:
         )
 
 
-_MIN_TIME = 0.1  # min_time left out, unless max_time is shorter: max_time wins
+DEFAULT_MIN_TIME = 0.1  # min_time left out, unless max_time is shorter: max_time wins
 
 
-def _refuse_shadowed(fn: object, options: dict[str, Any]) -> None:
+def _refuse_shadowed(fn: object, **options: Any) -> None:
     """Refuse an option given (not its default) that fn takes as a keyword too.
 
     ``benchmark(make, 1000, device="cpu")`` keeps ``device`` for itself and
     calls ``make(1000)``. A function whose signature cannot be read (a builtin
     such as ``torch.randn``) cannot be told; a ``partial`` that binds the
-    keyword already has its own.
+    keyword already has its own. Given is told by identity with the default:
+    ``==`` would run a value's own comparison before its check (a numpy array's
+    raises).
     """
     try:
         parameters = inspect.signature(fn).parameters  # type: ignore[arg-type]
     except (TypeError, ValueError):  # not callable (told next), or no signature to read
         return
     bound = fn.keywords if isinstance(fn, functools.partial) else {}
-    defaults = inspect.signature(benchmark).parameters
     for name, value in options.items():
-        parameter, default = parameters.get(name), defaults[name].default
-        if parameter is None or name in bound or value is default or value == default:
+        parameter = parameters.get(name)
+        if parameter is None or name in bound or value is _DEFAULTS[name]:
             continue
         if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
             raise TypeError(
@@ -263,7 +264,7 @@ def _check_options(
         raise ValueError(
             f"max_time must be at least min_time ({short_repr(min_time)}), got "
             f"{short_repr(max_time)}; raise max_time or lower min_time (left out, it is "
-            f"{_MIN_TIME:g} s, or max_time where that is shorter)"
+            f"{DEFAULT_MIN_TIME:g} s, or max_time where that is shorter)"
         )
     check_number(rel_noise, name="rel_noise", above=0, meaning="0.01 means ±1%")
     if rel_noise >= 1:  # a fraction: 2 is ±200%, which any two calls meet
@@ -272,7 +273,7 @@ def _check_options(
             f"{short_repr(rel_noise)}; for ±{rel_noise:g}% pass rel_noise={rel_noise / 100:g}"
         )
     check_choice(mode, name="mode", choices=MODES)
-    return min(_MIN_TIME, max_time) if min_time is None else min_time
+    return min(DEFAULT_MIN_TIME, max_time) if min_time is None else min_time
 
 
 _CHECKED = ("warmup", "min_time", "max_time", "rel_noise", "mode")  # OPTIONS but device
@@ -285,8 +286,7 @@ def check_options(options: dict[str, Any]) -> None:
     once the first of them was about to be measured.
     """
     given = {name: value for name, value in options.items() if name != "device"}
-    signature = inspect.signature(benchmark).parameters
-    values = {name: signature[name].default for name in _CHECKED} | given
+    values = {name: _DEFAULTS[name] for name in _CHECKED} | given
     _check_options(_nothing, **{name: values[name] for name in _CHECKED})
     if options.get("device") is not None:
         resolve_device(options["device"])
@@ -382,8 +382,12 @@ def benchmark(
     """
     _refuse_shadowed(
         fn,
-        {"device": device, "warmup": warmup, "min_time": min_time, "max_time": max_time}
-        | {"rel_noise": rel_noise, "mode": mode},
+        device=device,
+        warmup=warmup,
+        min_time=min_time,
+        max_time=max_time,
+        rel_noise=rel_noise,
+        mode=mode,
     )
     min_time = _check_options(
         fn, warmup=warmup, min_time=min_time, max_time=max_time, rel_noise=rel_noise, mode=mode
@@ -459,3 +463,11 @@ def benchmark(
         min_time=min_time,
         rel_noise_target=rel_noise,
     )
+
+
+# Its options' defaults, read once: an option is "given" where it is not the default itself.
+_DEFAULTS: dict[str, Any] = {
+    name: parameter.default
+    for name, parameter in inspect.signature(benchmark).parameters.items()
+    if name in OPTIONS
+}

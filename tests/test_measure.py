@@ -1276,6 +1276,17 @@ def test_an_option_fn_takes_too_is_refused_not_kept_from_fn() -> None:
     assert set(seen) == {"cpu", None}
     dk.benchmark(torch.ones, 2, device="cpu", max_time=0.05)  # no signature to read: passed
 
+    class Ambiguous:  # as a numpy array of two: its == gives no bool
+        def __eq__(self, other: object) -> bool:
+            raise ValueError("the truth value of an array is ambiguous")
+
+        __hash__ = None  # type: ignore[assignment]
+
+    def takes_max_time(max_time: float = 1.0) -> None: ...
+
+    with pytest.raises(TypeError, match=r"got max_time=.*Ambiguous.*, which is its own option"):
+        dk.benchmark(takes_max_time, max_time=Ambiguous())  # before: that ValueError, raw
+
 
 def test_a_max_time_under_the_default_min_time_is_allowed() -> None:
     # Before: "max_time must be at least min_time (0.1), got 0.05", though max_time
