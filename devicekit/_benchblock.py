@@ -12,7 +12,7 @@ from ._format import format_seconds
 from ._keywords import suggest_keywords
 from ._options import refuse_lazy
 from ._shortrepr import short_repr
-from ._timing import Timer
+from ._timing import LAZY_RESULTS, Timer, refuse_lazy_result
 
 __all__ = ["Benchmark"]
 
@@ -55,6 +55,7 @@ class Benchmark:
         self.description = description
         self.elapsed: float | None = None
         self._timer = Timer(device=device, sync=True)
+        self._quiet = False  # a refused call prints no time
 
     def __enter__(self) -> Benchmark:
         # A second block (nested, or in another thread) is refused as Timer refuses it.
@@ -75,6 +76,8 @@ class Benchmark:
     ) -> None:
         self._timer.__exit__(exc_type, exc, traceback)
         self.elapsed = self._timer.elapsed
+        if self._quiet:
+            return
         # d2l's format, where it has digits to show; "0.0000 sec" is what made people ask.
         took = f"{self.elapsed:.4f} sec" if self.elapsed >= 1e-3 else format_seconds(self.elapsed)
         print(f"{self.description}: {took}")
@@ -85,6 +88,8 @@ class Benchmark:
         Raises:
             TypeError: ``fn`` is not callable, or is a generator or ``async``
                 function (a call only creates it: nothing of the work is timed).
+                A call that returns one (``fn`` a lambda around such a function)
+                raises it too, and prints no time.
         """
         if not callable(fn):
             raise TypeError(
@@ -104,7 +109,16 @@ class Benchmark:
             block = Benchmark(self.description, device=self._timer._device)
             try:
                 with block:
-                    return fn(*args, **kwargs)
+                    result = fn(*args, **kwargs)
+                    if isinstance(result, LAZY_RESULTS):  # a lambda around one looks plain
+                        block._quiet = True  # no time printed for a call that did no work
+                        refuse_lazy_result(
+                            fn,
+                            result,
+                            decorator=f"@dk.Benchmark({self.description!r})",
+                            block="dk.Benchmark(...)",
+                        )
+                return result
             finally:
                 if block.elapsed is not None:
                     self.elapsed = block.elapsed  # the last call to end

@@ -109,6 +109,43 @@ class Comparison:
     reference_is_baseline: bool
 
     @property
+    def caveats(self) -> tuple[str, ...]:
+        """What the ratios compare besides the code: variants timed in different modes or places.
+
+        A ratio across ``mode="warm"`` and ``"cold"`` measures the cache as
+        much as the code; across a CPU and a GPU, two clocks too (on a GPU a
+        time is the device's, from CUDA events, without the host's time to
+        launch the work). Such a table is often the point (CPU against GPU):
+        the caveat says what its ratios mean, and ``str()`` prints each under
+        the table. A device is ``"unknown"`` for times given to
+        [`Measurement.from_times()`][devicekit.Measurement.from_times] without
+        ``conditions``. Empty when every variant ran alike.
+
+        Examples:
+            >>> import devicekit as dk
+            >>> warm = dk.Measurement.from_times([1e-3] * 10)
+            >>> cold = dk.Measurement.from_times([2e-3] * 10, mode="cold")
+            >>> dk.compare({"warm": warm, "cold": cold}).caveats
+            ('timed in different modes (warm: warm; cold: cold): a ratio across modes measures the mode as much as the code',)
+        """  # noqa: E501 - the expected output is one line
+        told = []
+        for what, where in (("mode", "in different modes"), ("device", "on different devices")):
+            groups: dict[str, list[str]] = {}
+            for row in self.rows:
+                groups.setdefault(getattr(row.measurement, what), []).append(row.name)
+            if len(groups) < 2:
+                continue
+            each = "; ".join(f"{key}: {', '.join(names)}" for key, names in groups.items())
+            meaning = f"a ratio across {what}s measures the {what} as much as the code"
+            if what == "device" and "cpu" in groups and groups.keys() - {"cpu", "unknown"}:
+                meaning += (
+                    ", and a CPU's time is the host's clock, a GPU's the device's own (CUDA "
+                    "events, without the host's time to launch the work)"
+                )
+            told.append(f"timed {where} ({each}): {meaning}")
+        return tuple(told)
+
+    @property
     def has_energy(self) -> bool:
         """Whether every variant has its joules per call."""
         return all(row.measurement.energy_per_call is not None for row in self.rows)
@@ -140,6 +177,7 @@ class Comparison:
             )
             for line in lines
         ]
+        table += [f"  note: {caveat}" for caveat in self.caveats]
         # Why a row is not to be trusted, under the table: the reasons, as bench prints them.
         for row in self.rows:
             if not row.measurement.trustworthy:
@@ -151,7 +189,7 @@ class Comparison:
     def _repr_html_(self) -> str:
         against = "baseline" if self.reference_is_baseline else "fastest"
         header = [*self._header()[:-1], "verdict"]
-        caption = f"against the {against}: {self.reference}"
+        caption = "; ".join([f"against the {against}: {self.reference}", *self.caveats])
         lines = self._lines()
         # Why a row is not to be trusted, as str() prints it under the table: a column here.
         if any(not row.measurement.trustworthy for row in self.rows):
@@ -169,11 +207,13 @@ class Comparison:
                 [`Measurement.to_dict()`][devicekit.Measurement.to_dict]).
 
         Returns:
-            ``reference``, ``reference_is_baseline`` and ``rows``.
+            ``reference``, ``reference_is_baseline``, ``caveats`` (see
+            [`caveats`][devicekit.Comparison.caveats]) and ``rows``.
         """
         return {
             "reference": self.reference,
             "reference_is_baseline": self.reference_is_baseline,
+            "caveats": list(self.caveats),
             "rows": [
                 {
                     "name": row.name,

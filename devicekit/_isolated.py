@@ -38,12 +38,16 @@ import torch
 from ._dispatch import stop_workers
 from ._errors import DeviceOutOfMemoryError
 from ._hostmemory import bounded, search_bound
+from ._mapfaults import main_guard_fix
+from ._mapguards import refuse_to_start
 from ._termination import stops_workers_first
 from ._trial import explain, run, start_failed, too_big
-from ._worker import WorkerName, tie_to_parent
+from ._worker import NO_MAIN_GUARD, WorkerName, tie_to_parent
 from ._workerstate import Worker, child_start_time
 
 __all__ = ["Isolated"]
+
+_CALL = "find_batch_size(isolate=True)"
 
 _POLL = 0.1  # seconds between checks that a trial's child process is still alive
 # A child's start (a new interpreter importing torch and fn's module) is not the trial's
@@ -102,6 +106,11 @@ def _died(process: BaseProcess, size: int) -> RuntimeError:
     while (code := process.exitcode) is None and time.monotonic() < deadline:
         time.sleep(_POLL / 10)
     start = f"find_batch_size: the child process running fn({size})"
+    if code == NO_MAIN_GUARD:  # it said so on stderr, in one line, and stopped
+        return RuntimeError(
+            f"{start} stopped while importing the main module, because the script calls "
+            f"find_batch_size(isolate=True) at import time. {main_guard_fix(_CALL)}"
+        )
     if code is None:
         process.kill()
         process.join()
@@ -145,6 +154,10 @@ class Isolated:
         timeout: float | None,
         cpu: bool = False,
     ) -> None:
+        # A spawned child imports the main module again: a script that calls us at import
+        # time would start trials from each child's import (multiprocessing refuses, in a
+        # traceback that names neither us nor the fix); that child says so and stops.
+        refuse_to_start(_CALL)
         self.timeout, self.cpu = timeout, cpu
         try:
             self.fn_bytes = pickle.dumps(fn)

@@ -18,7 +18,6 @@ from ._worker import NO_MAIN_GUARD
 from ._workerstate import Orphans, Procs, running, wait_ended
 
 __all__ = [
-    "MAIN_GUARD_FIX",
     "death_message",
     "fates",
     "fn_failed",
@@ -26,6 +25,7 @@ __all__ = [
     "how_it_ended",
     "item_fault",
     "kept",
+    "main_guard_fix",
     "outlived",
     "show_item",
     "told",
@@ -34,11 +34,14 @@ __all__ = [
 # How many leftover processes a message names: a fork bomb in fn leaves thousands.
 _NAMED = 10
 
-MAIN_GUARD_FIX = (
-    "Workers are started with spawn: each one imports the main module again, so a "
-    'script must call gpu_map() under `if __name__ == "__main__":` (and define fn at '
-    "the top level of a module, above that line)."
-)
+
+def main_guard_fix(call: str) -> str:
+    """What to do where a spawned process met ``call`` while importing the main module."""
+    return (
+        "Its processes are started with spawn: each one imports the main module again, "
+        f'so a script must call {call} under `if __name__ == "__main__":` (and define fn '
+        "at the top level of a module, above that line)."
+    )
 
 
 def show_item(item: object) -> str:
@@ -92,9 +95,10 @@ def death_message(
     """
     how = how_it_ended(code)
     if code == NO_MAIN_GUARD:
+        call = "gpu_pool()" if caller.startswith("GPUPool") else caller  # where it starts them
         return (
             f"{caller}: {where} stopped while importing the main module, because the "
-            f"script calls gpu_map() at import time. {MAIN_GUARD_FIX}"
+            f"script calls {call} at import time. {main_guard_fix(call)}"
         )
     if not ready:
         # A spawned worker imports the main module before anything else; the main

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 
-from ._mapfaults import MAIN_GUARD_FIX
+from ._mapfaults import main_guard_fix
 from ._shortrepr import short_repr
 from ._worker import NO_MAIN_GUARD, in_worker_bootstrap
 
@@ -36,12 +36,12 @@ def refuse_to_start(caller: str) -> None:
         SystemExit: In a spawned worker importing a main module that calls
             ``caller`` at import time (exit code ``NO_MAIN_GUARD``).
     """
-    _refuse_during_worker_bootstrap()
+    _refuse_during_worker_bootstrap(caller)
     _refuse_in_daemon(caller)
     _refuse_main_from_stdin(caller)
 
 
-def _refuse_during_worker_bootstrap() -> None:
+def _refuse_during_worker_bootstrap(caller: str) -> None:
     if in_worker_bootstrap():
         # We are a spawned worker importing the user's main module, which calls us
         # at import time: starting workers here would recurse. Say so, briefly, and
@@ -49,7 +49,7 @@ def _refuse_during_worker_bootstrap() -> None:
         # print() writes the line and its end apart, and under PYTHONUNBUFFERED (as
         # in many containers) each is a system call, so every worker's line was
         # liable to run into another's.
-        sys.stderr.write(f"devicekit: gpu_map() called at import time. {MAIN_GUARD_FIX}\n")
+        sys.stderr.write(f"devicekit: {caller} called at import time. {main_guard_fix(caller)}\n")
         sys.stderr.flush()
         raise SystemExit(NO_MAIN_GUARD)
 

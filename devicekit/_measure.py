@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import statistics
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -19,20 +18,15 @@ from ._format import close_match
 from ._measurecheck import MODES
 from ._measurejudge import MIN_CALLS
 from ._measurement import Measurement
+from ._measurerun import CpuRunner, CudaRunner, Mode, noted_call, warm_up
 from ._options import check_choice, check_number, check_seconds, refuse_lazy
 from ._shortrepr import got, short_repr
 from ._stats import relative_noise
-from ._timing import CudaEvent, CudaStream
 from ._tree import iter_tensors
 
 __all__ = ["DEFAULT_MIN_TIME", "benchmark", "callable_name", "check_options"]
 
-Mode = Literal["warm", "cold", "graph"]
 _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
-_GRAPH_REPLAY_SECONDS = 1e-3  # a graph replay this long makes its launch cost negligible
-_FLOOR_CALLS = 1000  # empty calls timed for the floor: about 0.1 ms on a CPU
-# cudaEventElapsedTime: "a resolution of around 0.5 microseconds" (CUDA runtime API).
-_EVENT_RESOLUTION = 0.5e-6
 
 
 def callable_name(fn: object) -> str:
@@ -62,101 +56,6 @@ def _infer_device(device: DeviceLike | None, args: Any, kwargs: Any) -> torch.de
     return current_cuda_device() or torch.device("cpu")
 
 
-def _nothing() -> None:
-    """What the clock's floor is timed with: a call that does nothing."""
-
-
-def _time_calls(call: Callable[[], Any], count: int) -> list[float]:
-    clock, times = time.perf_counter, []
-    for _ in range(count):
-        start = clock()
-        call()
-        times.append(clock() - start)
-    return times
-
-
-class _CpuRunner:
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.call = call
-
-    def warm(self) -> Any:
-        return self.call()
-
-    def floor(self) -> float:
-        """What timing an empty call reads here: the clock's cost, at least its resolution."""
-        # The same loop, through a partial as benchmark() calls fn: benchmark(lambda: None)
-        # reads about this.
-        empty = _time_calls(functools.partial(_nothing), _FLOOR_CALLS)
-        resolution = time.get_clock_info("perf_counter").resolution
-        return max(statistics.median(empty), resolution)
-
-    def run(self, count: int) -> tuple[list[float], list[float]]:
-        times = _time_calls(self.call, count)
-        return times, times
-
-
-class _CudaRunner:
-    """Times calls with CUDA events on the current stream; cold and graph modes live here."""
-
-    def __init__(self, call: Callable[[], Any], device: torch.device, mode: Mode) -> None:
-        self.call = call
-        self.device = device
-        self.mode = mode
-        self.stream = torch.cuda.current_stream(device)
-        self.flush: torch.Tensor | None = None
-        self.graph: Any = None
-        self.calls_per_replay = 1
-        if mode == "cold":
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**27
-            self.flush = torch.empty(2 * l2, dtype=torch.int8, device=device)
-
-    def warm(self) -> Any:
-        if self.flush is not None:
-            self.flush.zero_()
-        result = self.call()
-        torch.cuda.synchronize(self.device)
-        return result
-
-    def capture(self, seconds_per_call: float) -> None:
-        """Capture enough calls in one graph that a replay hides its launch cost."""
-        per_replay = max(1, min(1000, round(_GRAPH_REPLAY_SECONDS / max(seconds_per_call, 1e-7))))
-        side = CudaStream(self.device)
-        side.wait_stream(self.stream)
-        with torch.cuda.stream(side):  # capture needs warm-up on a side stream
-            for _ in range(3):
-                self.call()
-        self.stream.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            for _ in range(per_replay):
-                self.call()
-        self.calls_per_replay = per_replay
-        self.graph.replay()
-        torch.cuda.synchronize(self.device)
-
-    def floor(self) -> float:
-        """The events' resolution, per call: a graph replay spreads it over its calls."""
-        return _EVENT_RESOLUTION / self.calls_per_replay
-
-    def run(self, count: int) -> tuple[list[float], list[float]]:
-        starts = [CudaEvent(enable_timing=True) for _ in range(count)]
-        ends = [CudaEvent(enable_timing=True) for _ in range(count)]
-        work = self.graph.replay if self.graph is not None else self.call
-        host, clock, flush = [], time.perf_counter, self.flush
-        for start, end in zip(starts, ends, strict=True):
-            if flush is not None:
-                flush.zero_()  # before the start event: evicts L2, not timed
-            start.record(self.stream)
-            began = clock()
-            work()
-            host.append(clock() - began)
-            end.record(self.stream)
-        ends[-1].synchronize()
-        k = self.calls_per_replay
-        device_times = [s.elapsed_time(e) / 1e3 / k for s, e in zip(starts, ends, strict=True)]
-        return device_times, [h / k for h in host]
-
-
 # benchmark()'s own keyword options: every other keyword goes to fn.
 OPTIONS = ("device", "warmup", "min_time", "max_time", "rel_noise", "mode")
 
@@ -169,21 +68,6 @@ def misspelled_options(names: Iterable[str]) -> list[str]:
         if close is not None:
             found.append(f"{name} (did you mean {close}?)")
     return found
-
-
-def _warm_up(runner: _CpuRunner | _CudaRunner, until: float, fn: object) -> tuple[float, int]:
-    """Call fn until ``until`` (once at least); the seconds it took, and the calls.
-
-    The first call's result is looked at: a lambda or ``partial`` that returns
-    a coroutine or generator looks plain, and timing it times nothing.
-    """
-    calls, began = 0, time.perf_counter()
-    refuse_lazy(fn, call="benchmark(fn): fn()", result=runner.warm())
-    calls += 1
-    while time.perf_counter() < until:
-        runner.warm()
-        calls += 1
-    return time.perf_counter() - began, calls
 
 
 def _refuse_misspelled(kwargs: dict[str, Any]) -> None:
@@ -287,7 +171,7 @@ def check_options(options: dict[str, Any]) -> None:
     """
     given = {name: value for name, value in options.items() if name != "device"}
     values = {name: _DEFAULTS[name] for name in _CHECKED} | given
-    _check_options(_nothing, **{name: values[name] for name in _CHECKED})
+    _check_options(lambda: None, **{name: values[name] for name in _CHECKED})
     if options.get("device") is not None:
         resolve_device(options["device"])
 
@@ -402,20 +286,19 @@ def benchmark(
     sampler.before()
     counter = _energy_counter(target, mode)
     call = functools.partial(fn, *args, **kwargs)
-    runner: _CpuRunner | _CudaRunner = (
-        _CudaRunner(call, target, mode) if target.type == "cuda" else _CpuRunner(call)
+    runner: CpuRunner | CudaRunner = (
+        CudaRunner(call, target, mode) if target.type == "cuda" else CpuRunner(call)
     )
     # Warm-up counts against max_time and leaves at least half of it for the timed calls.
     warm_until = began + min(warmup, max_time / 2)
-    warmup_time, warm_calls = _warm_up(runner, warm_until, fn)
-    per_call = max(warmup_time / warm_calls, 1e-9)  # a coarse clock can read 0
-    if isinstance(runner, _CudaRunner) and mode == "graph":
-        runner.capture(per_call)
+    warmup_time = warm_up(runner, warm_until, fn)
+    per_call = max(warmup_time / runner.warmed, 1e-9)  # a coarse clock can read 0
+    if isinstance(runner, CudaRunner) and mode == "graph":
+        noted_call(runner, functools.partial(runner.capture, per_call), "capture")
         per_call /= 2  # replays are cheaper than eager calls; batches stay short anyway
     clock_floor = runner.floor()
 
-    times: list[float] = []
-    host: list[float] = []
+    times = runner.times
     ordered: list[float] = []  # sorted times, merged in only when checked
     sampler.start_timing()
     energy_before = None if counter is None else counter.read()
@@ -426,12 +309,10 @@ def benchmark(
         # is inf, which int() refuses; the batch's own bound is always finite.
         batch = max(1, int(min(_BATCH_SECONDS / max(per_call, 1e-7), left / per_call)))
         batch_began = time.perf_counter()
-        device_times, host_times = runner.run(batch)
+        noted_call(runner, functools.partial(runner.run, batch), "timed")
         # The warm-up's estimate can be far off (a first call that compiles takes
         # seconds): without this, a fast function would be timed one call per batch.
         per_call = max((time.perf_counter() - batch_began) / batch, 1e-9)
-        times += device_times
-        host += host_times
         sampler.during()
         now = time.perf_counter()
         if len(times) >= MIN_CALLS and now - measure_began >= min_time:
@@ -446,11 +327,11 @@ def benchmark(
             break
     measured = time.perf_counter() - measure_began
     energy_after = None if counter is None else counter.read()
-    calls = len(times) * (runner.calls_per_replay if isinstance(runner, _CudaRunner) else 1)
+    calls = len(times) * (runner.calls_per_replay if isinstance(runner, CudaRunner) else 1)
     energy, power = energy_use(energy_before, energy_after, measured, calls)
     return Measurement.from_times(
         times,
-        host,
+        runner.host,
         name=callable_name(fn),
         mode=mode,
         stop_reason=stop_reason,

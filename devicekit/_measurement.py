@@ -274,7 +274,10 @@ class Measurement:
                 seconds; [`from_dict()`][devicekit.Measurement.from_dict] needs them.
 
         Returns:
-            The fields, with the derived ``host_median``, ``trustworthy`` and ``notes``.
+            The fields, with the derived ``host_median``, ``trustworthy`` and
+            ``notes``. As on the measurement, times are in seconds (``median``,
+            ``ci``, ``warmup_time``...), ``energy_per_call`` in joules and
+            ``power`` in watts.
         """
         document: dict[str, Any] = {
             "name": self.name,

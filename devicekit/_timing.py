@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from threading import get_ident
@@ -27,10 +28,31 @@ from ._options import check_flag, refuse_lazy
 from ._shortrepr import short_repr
 from ._visible import torch_cuda_initialized
 
-__all__ = ["TimedFunction", "Timer"]
+__all__ = ["LAZY_RESULTS", "TimedFunction", "Timer", "refuse_lazy_result"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# What a call returns before its body runs: timing that call times none of the work.
+LAZY_RESULTS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
+
+
+def refuse_lazy_result(fn: object, result: object, *, decorator: str, block: str) -> None:
+    """Refuse what a decorated call returned: a generator or coroutine (`LAZY_RESULTS`).
+
+    The decorator refuses a generator or ``async`` function at once; a lambda or
+    ``partial`` around one looks plain until its call returns.
+    """
+    coroutine = isinstance(result, types.CoroutineType)
+    work = "runs the coroutine" if coroutine else "consumes the generator"
+    refuse_lazy(
+        fn,
+        call=f"{decorator}: a call",
+        fix=f"decorate a function that {work}, or time the loop `with {block}:`",
+        result=result,
+    )
+
+
 R_co = TypeVar("R_co", covariant=True)
 
 # torch leaves these constructors unannotated; typed as Any once, here.
@@ -332,7 +354,9 @@ class Timer:
         Raises:
             TypeError: ``fn`` is a generator or ``async`` function: a call only
                 creates the generator or coroutine, so its lap would time
-                nothing of the work.
+                nothing of the work. A call of the wrapped function that
+                returns one (``fn`` a lambda or ``partial`` around such a
+                function) raises it too, and records no lap.
         """
         # The function's own name, qualified as written (a method reads Model.steps); a
         # function defined inside another drops the "outer.<locals>." Python adds.
@@ -354,9 +378,14 @@ class Timer:
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
             lap = self._begin()
             try:
-                return fn(*args, **kwargs)
-            finally:
-                self._end(lap)
+                result = fn(*args, **kwargs)
+            except BaseException:
+                self._end(lap)  # a call that raised is a lap too: it ran
+                raise
+            if isinstance(result, LAZY_RESULTS):  # a lambda or partial returning one looks plain
+                refuse_lazy_result(fn, result, decorator=f"@Timer() on {name}", block="timer")
+            self._end(lap)
+            return result
 
         wrapper = cast("TimedFunction[P, R]", timed)
         wrapper.timer = self

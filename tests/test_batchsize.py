@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -397,6 +398,70 @@ def dying_step(batch_size: int) -> None:
         os.closerange(3, 4096)
         time.sleep(3600)
     os.kill(os.getpid(), getattr(signal, death))
+
+
+def test_isolate_in_a_script_without_a_main_guard_says_to_add_one(tmp_path: Path) -> None:
+    # Before: each spawned child ran the script's call again while importing it,
+    # multiprocessing refused ("bootstrapping phase", a long traceback), and the
+    # error said only "exited with code 1 ... its stderr may say why".
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import devicekit as dk\n"
+        "from tests.test_batchsize import isolated_step\n"
+        "try:\n"
+        "    dk.find_batch_size(isolated_step, max_size=4, isolate=True)\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(
+        "find_batch_size: the child process running fn(1) stopped while importing the main "
+        "module, because the script calls find_batch_size(isolate=True) at import time. "
+    ), result.stdout
+    assert 'under `if __name__ == "__main__":`' in result.stdout
+    own = [line for line in result.stderr.splitlines() if "NumPy" not in line]
+    assert own == [line for line in own if line.startswith("devicekit: find_batch_size(")]
+    assert "bootstrapping phase" not in result.stderr
+
+
+def isolate_in_a_daemon(queue: Any) -> None:
+    """Runs in a daemonic child: what find_batch_size(isolate=True) raises there."""
+    try:
+        dk.find_batch_size(isolated_step, max_size=4, isolate=True)
+    except Exception as error:  # noqa: BLE001 - sent back whole, whatever it is
+        queue.put(f"{type(error).__name__}: {error}")
+
+
+def test_isolate_in_a_daemonic_process_is_refused_plainly() -> None:
+    # Before: multiprocessing's "AssertionError: daemonic processes are not allowed to
+    # have children", naming neither find_batch_size nor a fix (a DataLoader worker).
+    result = run_python(
+        """
+        import json, multiprocessing
+        from tests.test_batchsize import isolate_in_a_daemon
+
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        process = context.Process(target=isolate_in_a_daemon, args=(queue,), daemon=True)
+        process.start()
+        print(json.dumps(queue.get(timeout=120)))
+        process.join(timeout=60)
+        """,
+        timeout=200,
+    )
+    assert result.startswith(
+        "RuntimeError: find_batch_size(isolate=True) was called in 'SpawnProcess-1', a "
+        "daemonic process"
+    ), result
 
 
 def test_an_isolated_child_that_dies_without_an_answer_says_how(tmp_path: Path) -> None:

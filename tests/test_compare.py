@@ -236,7 +236,10 @@ def test_an_error_in_a_variant_names_the_variant() -> None:
     with pytest.raises(ZeroDivisionError) as caught:
         dk.compare({"a": lambda: ran.append("a"), "b": lambda: 1 / 0}, max_time=0.15)
     assert ran  # "a" was measured; the lambdas' traceback alone cannot tell which failed
-    assert caught.value.__notes__ == ["devicekit: compare() was measuring the variant 'b'"]
+    assert caught.value.__notes__ == [
+        "devicekit.benchmark: fn raised this on warm-up call 1",
+        "devicekit: compare() was measuring the variant 'b'",
+    ]
     # A bad option is refused before any variant runs, and blames none of them.
     with pytest.raises(ValueError, match=r"max_time must be at least min_time") as option:
         dk.compare({"a": lambda: ran.append("again")}, min_time=0.2, max_time=0.05)
@@ -325,3 +328,44 @@ def test_a_blank_variant_name_is_refused(name: str) -> None:
     # Before, "" became a blank row, and its notes began with "  : ...".
     with pytest.raises(ValueError, match=r"non-empty string, got '.*', which the table"):
         dk.compare({name: measured(1e-3, 1e-6), "b": measured(1e-3, 1e-6)})
+
+
+def _timed(median: float, *, mode: str = "warm", device: str = "cpu") -> dk.Measurement:
+    return dk.Measurement.from_times(
+        [median] * 20, mode=mode, conditions=dk.Conditions(device=device)
+    )
+
+
+def test_a_table_across_modes_or_devices_says_what_its_ratios_compare() -> None:
+    # Before: warm against cold read "2.00x slower" with nothing said of the modes.
+    table = dk.compare(
+        {
+            "warm": _timed(1e-3),
+            "cold": _timed(2e-3, mode="cold", device="cuda:0"),
+            "given": _timed(3e-3, device="unknown"),
+        }
+    )
+    modes, devices = table.caveats
+    assert modes.startswith("timed in different modes (warm: warm, given; cold: cold): ")
+    assert devices.startswith(
+        "timed on different devices (cpu: warm; cuda:0: cold; unknown: given): "
+    )
+    assert "a CPU's time is the host's clock" in devices  # a CPU and a GPU: two clocks
+    lines = str(table).splitlines()
+    assert lines[-2:] == [f"  note: {modes}", f"  note: {devices}"]
+    data = json.loads(json.dumps(table.to_dict()))
+    assert data["caveats"] == [modes, devices]
+    assert "timed in different modes" in table._repr_html_()
+
+    two_gpus = dk.compare(
+        {"a": _timed(1e-3, device="cuda:0"), "b": _timed(1e-3, device="cuda:1")}
+    ).caveats
+    assert len(two_gpus) == 1
+    assert "host's clock" not in two_gpus[0]  # one clock: CUDA events on both
+
+
+def test_a_table_of_alike_variants_has_no_caveat() -> None:
+    table = dk.compare({"a": _timed(1e-3), "b": _timed(2e-3)})
+    assert table.caveats == ()
+    assert "note:" not in str(table)
+    assert table.to_dict()["caveats"] == []

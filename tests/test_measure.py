@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _measure, _stats
+from devicekit import _measure, _measurerun, _stats
 from devicekit._conditions import Sampler
 
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -640,7 +641,33 @@ def test_keywords_for_fn_still_reach_it() -> None:
 
     with pytest.raises(TypeError, match="fn's own error for 3") as caught:
         dk.benchmark(fails, size=3, max_time=0.1)
-    assert not getattr(caught.value, "__notes__", None)  # nothing looks like a mistyped option
+    # Nothing looks like a mistyped option: the one note says which call raised it.
+    assert caught.value.__notes__ == ["devicekit.benchmark: fn raised this on warm-up call 1"]
+
+
+def test_an_error_from_fn_says_which_call_raised_it() -> None:
+    # fn's own error propagates as it was; a note says which call, since one that fails
+    # only the 50th time looks, without it, like one that always fails.
+    calls = [0]
+
+    def fails_on(number: int) -> None:
+        calls[0] += 1
+        if calls[0] == number:
+            raise ZeroDivisionError(f"my bug on call {number}")
+
+    with pytest.raises(ZeroDivisionError, match=r"^my bug on call 3\n") as caught:
+        dk.benchmark(fails_on, 3, warmup=0.2, max_time=1.0)  # three calls take far less
+    assert caught.value.__notes__ == ["devicekit.benchmark: fn raised this on warm-up call 3"]
+
+    calls[0] = 0  # warmup=0: one warm-up call, then the timed calls
+    with pytest.raises(ZeroDivisionError, match=r"^my bug on call 50\n") as caught:
+        dk.benchmark(fails_on, 50, warmup=0, min_time=10, max_time=10)
+    assert caught.value.__notes__ == [
+        "devicekit.benchmark: fn raised this on timed call 49, after 1 warm-up call"
+    ]
+    assert caught.value.__traceback__ is not None
+    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(caught.value.__traceback__)]
+    assert frames[-1] == "fails_on"  # the user's own traceback, down to the line that raised
 
 
 def test_benchmark_refuses_a_generator_or_async_function() -> None:
@@ -681,13 +708,13 @@ def test_a_slow_first_call_does_not_shrink_every_batch_to_one_call(
     # A first call that compiles makes the warm-up's estimate per call huge;
     # the batches must follow the timed calls' own pace afterwards.
     batches: list[int] = []
-    run = _measure._CpuRunner.run
+    run = _measurerun.CpuRunner.run
 
-    def counting(self: _measure._CpuRunner, count: int) -> tuple[list[float], list[float]]:
+    def counting(self: _measurerun.CpuRunner, count: int) -> None:
         batches.append(count)
-        return run(self, count)
+        run(self, count)
 
-    monkeypatch.setattr(_measure._CpuRunner, "run", counting)
+    monkeypatch.setattr(_measurerun.CpuRunner, "run", counting)
     first = [True]
 
     def compiles_once() -> None:
@@ -1130,8 +1157,9 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     """benchmark() on a clock where every call takes 0.1 ms, far above the clock's floor."""
     clock = _Clock(1e-4)
     monkeypatch.setattr(_measure, "time", clock)
+    monkeypatch.setattr(_measurerun, "time", clock)
     monkeypatch.setattr(_measure, "Sampler", _QuietSampler)
-    monkeypatch.setattr(_measure._CpuRunner, "floor", lambda self: 1e-9)
+    monkeypatch.setattr(_measurerun.CpuRunner, "floor", lambda self: 1e-9)
     return clock
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import linecache
 import pickle
 import re
@@ -317,6 +318,35 @@ def test_timer_refuses_to_decorate_what_a_call_would_not_run(kind: str) -> None:
         dk.Timer()(fn)
 
 
+@pytest.mark.parametrize("kind", ["generator", "async"])
+def test_a_decorated_call_that_returns_a_generator_is_refused_and_records_no_lap(
+    kind: str,
+) -> None:
+    # A lambda (or partial) around a generator function looks plain when decorated:
+    # its calls return at once, and their laps would time none of the work.
+    def gen() -> Iterator[int]:
+        yield 1
+
+    async def coro() -> None: ...
+
+    made: list[Any] = []
+
+    def make() -> Any:
+        made.append(gen() if kind == "generator" else coro())
+        return made[-1]
+
+    timer = dk.Timer()
+    work = "consumes the generator" if kind == "generator" else "runs the coroutine"
+    with pytest.raises(TypeError, match=rf"^@Timer\(\) on make: a call returns a .* {work}"):
+        timer(make)()  # a plain function: only its call shows what it returns
+    if kind == "async":  # closed, so that it does not warn "never awaited" when collected
+        assert inspect.getcoroutinestate(made[0]) == "CORO_CLOSED"
+    assert timer.times == []
+    timed_list = timer(lambda: [1])  # any other result is returned, and its lap recorded
+    assert timed_list() == [1]
+    assert len(timer.times) == 1
+
+
 def test_timer_names_a_lazy_method_by_its_qualified_name() -> None:
     class Model:
         def steps(self) -> Iterator[int]:
@@ -559,6 +589,21 @@ def test_benchmark_decorates_a_function_each_call_a_block(
         bench(later)
     with pytest.raises(TypeError, match=r"decorates a function, got 3"):
         bench(3)  # type: ignore[arg-type]
+
+
+def test_a_benchmark_decorated_call_that_returns_a_generator_prints_no_time(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def gen() -> Iterator[int]:
+        yield sum(range(10**6))  # the work, which a call never runs
+
+    bench = dk.Benchmark("step")
+    step = bench(lambda: gen())  # noqa: PLW0108 - a lambda, as a user writes it
+    with pytest.raises(TypeError, match=r"^@dk\.Benchmark\('step'\): a call returns a generator"):
+        step()
+    assert capsys.readouterr().out == ""  # no "step: 1.2 µs" for a call that did no work
+    assert bench(lambda: [1])() == [1]
+    assert capsys.readouterr().out.startswith("step: ")
 
 
 def test_a_timed_function_answers_isinstance() -> None:
