@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import WorkerError, WorkerTimeoutError
+from ._errors import WorkerError, WorkerTimeoutError, add_note
 from ._mapfaults import death_message, fn_failed, fn_raised, item_fault, kept, show_item
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR, parse_visible_devices
@@ -325,6 +325,14 @@ class _Map:
             if self.results and not timed_out and sys.version_info >= (3, 11):
                 # After the message, which often ends with the worker's traceback.
                 error.add_note(self._kept())
+            raise
+        except KeyboardInterrupt as interrupt:
+            # Ctrl-C ends the map, not what it computed: an hour of finished items
+            # stays with the interrupt, as a WorkerError keeps them (read with
+            # `except KeyboardInterrupt as stop: stop.results`).
+            interrupt.results = dict(self.results)  # type: ignore[attr-defined]
+            if self.results:
+                add_note(interrupt, f"devicekit: {self.caller} was stopped. {self._kept()}")
             raise
         return [self.results[index] for index in range(len(self.work))]
 

@@ -9,6 +9,7 @@ is named (an item by its index) before a worker process is started for it.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,14 +39,21 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
     # generator) that never ran, and warn that it was never awaited.
     inner = fn.func if isinstance(fn, functools.partial) else fn  # a partial has no name
     name = getattr(inner, "__name__", "fn")
+    generator = f"def run(item): return list({name}(item))"
+    coroutine = f"def run(item): return asyncio.run({name}(item))"
+    if inspect.iscoroutinefunction(inner):
+        run = coroutine
+    elif inspect.isgeneratorfunction(inner):
+        run = generator
+    else:  # a lambda, a partial (its kind shows once called), an async generator
+        run = f"{generator} for a generator, {coroutine} for async def"
     refuse_lazy(
         fn,
         call=f"{caller} got fn={name}, and {name}(item)",
         why="so no item would be worked on, and a worker could not send back what it returns",
         fix=(
             "pass a function that does the work, defined with def at the top level of a "
-            f"module: def run(item): return list({name}(item)) for a generator, "
-            f"def run(item): return asyncio.run({name}(item)) for async def"
+            f"module: {run}"
         ),
     )
     if isinstance(items, Iterable):

@@ -121,15 +121,24 @@ class StragglerReport:
     stragglers: tuple[Straggler, ...]
 
     @property
-    def lost_per_step(self) -> float:
+    def unmeasured(self) -> tuple[str, ...]:
+        """The sections no rank has a time for in this window (every block of them raised)."""
+        return tuple(name for name in self.sections if self.job_median.get(name) is None)
+
+    @property
+    def lost_per_step(self) -> float | None:
         """Seconds per step the job waits for stragglers: per section, the slowest one's lost time.
 
         Summed over sections, which assumes that sections do not overlap.
+        None when no section was measured in the window: whether any rank lags
+        is unknown then, not 0.
         """
+        if len(self.unmeasured) == len(self.sections):
+            return None
         worst: dict[str, float] = {}
         for straggler in self.stragglers:
             worst[straggler.section] = max(worst.get(straggler.section, 0.0), straggler.lost)
-        return sum(worst.values())
+        return float(sum(worst.values()))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with ``lost_per_step``."""
@@ -160,13 +169,24 @@ class StragglerReport:
         return (*(safe_text(h) for h in header), "straggler in"), rows
 
     def _summary(self) -> list[str]:
+        unmeasured = self.unmeasured
+        if len(unmeasured) == len(self.sections):
+            return [
+                "nothing was measured in this window (no rank has a time for any section): "
+                "whether a rank lags is unknown"
+            ]
+        not_measured = (
+            [f"not measured on any rank: {', '.join(map(safe_text, unmeasured))}"]
+            if unmeasured
+            else []
+        )
         if not self.stragglers:
-            return ["no stragglers"]
+            return ["no stragglers", *not_measured]
         lines = [f"straggler: {straggler}" for straggler in self.stragglers]
-        lost, step = self.lost_per_step, self.job_step_time
+        lost, step = self.lost_per_step or 0.0, self.job_step_time
         share = f", {100 * lost / step:.0f}% of its {format_seconds(step)} step" if step else ""
         lines.append(f"the job loses {format_seconds(lost)} per step to stragglers{share}")
-        return lines
+        return lines + not_measured
 
     def __str__(self) -> str:
         header, rows = self._rows()

@@ -81,5 +81,7 @@ if __name__ == "__main__":
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             free = sock.getsockname()[1]
-        ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-        mp.spawn(spawned, args=(ranks, free), nprocs=ranks)
+        given = sys.argv[1] if len(sys.argv) > 1 else "2"
+        if not given.isdigit() or int(given) < 1:
+            sys.exit(f"usage: python examples/job_status.py [ranks], 1 or more, got {given!r}")
+        mp.spawn(spawned, args=(int(given), free), nprocs=int(given))

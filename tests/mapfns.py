@@ -42,6 +42,14 @@ def hang_on_two(item: int) -> int:
     return item * 10
 
 
+def say_then_hang_on_two(item: int) -> int:
+    """``hang_on_two``, but item 2 first creates the file ``$DK_TEST_HANGING``."""
+    if item == 2:
+        with open(os.environ["DK_TEST_HANGING"], "w"):
+            pass
+    return hang_on_two(item)
+
+
 def _load_after(seconds: float) -> Callable[[int], int]:
     time.sleep(seconds)  # as a worker importing a heavy module for fn would (or one that hangs)
     return abs

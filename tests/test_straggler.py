@@ -89,6 +89,28 @@ def test_the_report_renders_as_a_table_json_and_html() -> None:
     assert "<table>" in report._repr_html_()
 
 
+def test_a_report_where_nothing_was_measured_says_so_and_loses_no_known_time() -> None:
+    # Before: every median unknown ("?"), yet "no stragglers" and lost_per_step 0.
+    raised = {"compute": (None, None, 0)}  # every block of the section raised
+    windows = [_stragglerreport.Window(r, "node-a", 10, 10, 1.2, None, raised) for r in (0, 1)]
+    report = _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2)
+    assert report.unmeasured == ("compute",)
+    assert report.lost_per_step is None
+    assert json.loads(json.dumps(report.to_dict()))["lost_per_step"] is None
+    assert str(report).splitlines()[-1] == (
+        "nothing was measured in this window (no rank has a time for any section): "
+        "whether a rank lags is unknown"
+    )
+
+    # One section measured, one not: "no stragglers" holds for the one, and the other is named.
+    sections = {"load": (None, None, 0), "compute": (10 * MS, 0.0, 10)}
+    both = [_stragglerreport.Window(r, "node-a", 10, 10, 1.2, 50 * MS, sections) for r in (0, 1)]
+    report = _stragglerreport.build_report(both, step=10, every=10, threshold=1.2)
+    assert report.lost_per_step == 0.0
+    assert isinstance(report.lost_per_step, float)
+    assert str(report).splitlines()[-2:] == ["no stragglers", "not measured on any rank: load"]
+
+
 def test_the_detector_shows_its_settings_and_last_report_in_html() -> None:
     detector = dk.StragglerDetector(every=2, threshold=1.5)
     html = detector._repr_html_()

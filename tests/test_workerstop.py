@@ -22,7 +22,7 @@ import pytest
 
 import devicekit as dk
 
-from .conftest import CTRL_C_WORKS
+from .conftest import CTRL_C_WORKS, run_python
 from .mapfns import (
     REPO,
     alive,
@@ -178,6 +178,39 @@ class _Interrupted(_Stubborn):
         super().join(timeout)
         if self.events.count(f"join {self.number}") == 1 and self.number == 1:
             raise KeyboardInterrupt
+
+
+def test_ctrl_c_keeps_the_results_that_had_finished(tmp_path: Path) -> None:
+    # Before: Ctrl-C raised a bare KeyboardInterrupt, and every finished result was
+    # lost (a WorkerError keeps them in .results; an interrupted sweep kept nothing).
+    hanging = tmp_path / "hanging"
+    result = run_python(
+        textwrap.indent(CTRL_C_WORKS, " " * 8)
+        + f"""
+        import json, os, signal, threading, time, devicekit as dk
+        from tests.mapfns import say_then_hang_on_two
+        os.environ["DK_TEST_HANGING"] = {str(hanging)!r}
+
+        def interrupt_once_item_two_hangs():
+            while not os.path.exists({str(hanging)!r}):
+                time.sleep(0.05)
+            time.sleep(1.0)  # items 0 and 1 went back before 2 was sent: collected by now
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal: it wakes the map's wait
+
+        threading.Thread(target=interrupt_once_item_two_hangs, daemon=True).start()
+        try:
+            dk.gpu_map(say_then_hang_on_two, range(4), devices=["cpu"])
+        except KeyboardInterrupt as stop:
+            print(json.dumps([stop.results, getattr(stop, "__notes__", None)]))
+        """,
+        timeout=200,
+    )
+    results, notes = result
+    assert results == {"0": 0, "1": 10}  # JSON's keys are strings
+    assert notes == [
+        "devicekit: gpu_map was stopped. 2 of 4 items had finished: their results are in "
+        "this error's .results (a dict by item index); the others were lost."
+    ]
 
 
 def test_a_ctrl_c_while_stopping_workers_still_kills_them() -> None:
