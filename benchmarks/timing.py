@@ -28,7 +28,7 @@ import torch
 import devicekit as dk
 from devicekit._contention import CpuWindow, allowed_cpus, running_on
 from devicekit._format import format_joules
-from devicekit._measure import _CpuRunner
+from devicekit._measurerun import CpuRunner
 
 Workload = tuple[str, Callable[[], Any]]
 
@@ -107,7 +107,7 @@ def main() -> None:
     print(f"timing benchmark, {datetime.date.today()}, torch {torch.__version__}")
 
     # Harness cost on the CPU: timing a function that does nothing.
-    runner = _CpuRunner(lambda: None)
+    runner = CpuRunner(lambda: None)
     runner.run(1000)
     started = time.perf_counter()
     runner.run(100_000)

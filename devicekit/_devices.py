@@ -448,7 +448,8 @@ def _check(device: torch.device, value: object, name: str) -> torch.device:
             f"{name}={short_repr(value)} does not exist: {describe_devices()}",
             f"Use one of those, or {fallback} to fall back to the CPU when there is no such "
             "device.",
-            gpu_fix="Use one of those",
+            # To a caller that takes GPUs only, "those" must hold one: here only the CPU.
+            gpu_fix="Use one of those" if count else None,
         )
     if kind not in _IN_TREE and _registered(kind):  # an out-of-tree backend: hpu, npu, xla
         return device  # its package owns the device count; torch checks the index on use
