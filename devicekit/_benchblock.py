@@ -12,7 +12,7 @@ from ._format import format_seconds
 from ._keywords import suggest_keywords
 from ._options import refuse_lazy
 from ._shortrepr import short_repr
-from ._timing import LAZY_RESULTS, Timer, refuse_lazy_result
+from ._timing import LAZY_RESULTS, Timer, refuse_lazy_result, wraps_a_call
 
 __all__ = ["Benchmark"]
 
@@ -88,8 +88,9 @@ class Benchmark:
         Raises:
             TypeError: ``fn`` is not callable, or is a generator or ``async``
                 function (a call only creates it: nothing of the work is timed).
-                A call that returns one (``fn`` a lambda around such a function)
-                raises it too, and prints no time.
+                A call that returns one, where ``fn`` is a lambda or
+                ``partial`` around such a function, raises it too, and prints
+                no time.
         """
         if not callable(fn):
             raise TypeError(
@@ -102,6 +103,8 @@ class Benchmark:
             fix="time the loop that does the work `with dk.Benchmark(...):`",
         )
 
+        wrapping = wraps_a_call(fn)
+
         @functools.wraps(fn)
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
             # A block per call, as Timer's laps: a recursive call, or calls from two
@@ -110,7 +113,7 @@ class Benchmark:
             try:
                 with block:
                     result = fn(*args, **kwargs)
-                    if isinstance(result, LAZY_RESULTS):  # a lambda around one looks plain
+                    if wrapping and isinstance(result, LAZY_RESULTS):  # a lambda around one
                         block._quiet = True  # no time printed for a call that did no work
                         refuse_lazy_result(
                             fn,

@@ -117,9 +117,12 @@ class Comparison:
         time is the device's, from CUDA events, without the host's time to
         launch the work). Such a table is often the point (CPU against GPU):
         the caveat says what its ratios mean, and ``str()`` prints each under
-        the table. A device is ``"unknown"`` for times given to
+        the table. Devices are told apart with their GPU's name (two saved
+        measurements on ``cuda:0`` may come from two machines); an unknown
+        device (times given to
         [`Measurement.from_times()`][devicekit.Measurement.from_times] without
-        ``conditions``. Empty when every variant ran alike.
+        ``conditions``) is left out, as it may be the others'. Empty when every
+        variant ran alike.
 
         Examples:
             >>> import devicekit as dk
@@ -132,12 +135,14 @@ class Comparison:
         for what, where in (("mode", "in different modes"), ("device", "on different devices")):
             groups: dict[str, list[str]] = {}
             for row in self.rows:
-                groups.setdefault(getattr(row.measurement, what), []).append(row.name)
+                key = _place(row.measurement) if what == "device" else row.measurement.mode
+                if key is not None:  # an unknown device may be the others': nothing is told
+                    groups.setdefault(key, []).append(row.name)
             if len(groups) < 2:
                 continue
             each = "; ".join(f"{key}: {', '.join(names)}" for key, names in groups.items())
             meaning = f"a ratio across {what}s measures the {what} as much as the code"
-            if what == "device" and "cpu" in groups and groups.keys() - {"cpu", "unknown"}:
+            if what == "device" and "cpu" in groups and groups.keys() - {"cpu"}:
                 meaning += (
                     ", and a CPU's time is the host's clock, a GPU's the device's own (CUDA "
                     "events, without the host's time to launch the work)"
@@ -225,6 +230,19 @@ class Comparison:
                 for row in self.rows
             ],
         }
+
+
+def _place(m: Measurement) -> str | None:
+    """Where ``m`` ran, as a caveat compares it: ``"cuda:0 (NVIDIA A100)"``; None if unknown.
+
+    The GPU's name is part of it: two saved measurements on ``cuda:0`` may come
+    from two machines.
+    """
+    device = m.conditions.device
+    if device == "unknown":
+        return None
+    gpu = m.conditions.gpu_name
+    return f"{device} ({gpu})" if gpu else device
 
 
 def _ratio(m: Measurement, ref: Measurement) -> float | None:

@@ -235,7 +235,9 @@ def add_note(error: BaseException, note: str) -> None:
     told, and must not replace ``error``.
     """
     if sys.version_info >= (3, 11):
-        error.add_note(note)
+        # The same error raised again (a cached one, re-raised by each call) is told once.
+        if note not in getattr(error, "__notes__", ()):
+            error.add_note(note)
     else:  # pragma: no cover - Python 3.10 has no notes
         logging.getLogger("devicekit").error("%s (while raising %r)", note, error)
 

@@ -45,7 +45,12 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
         run = coroutine
     elif inspect.isgeneratorfunction(inner):
         run = generator
-    else:  # a lambda, a partial (its kind shows once called), an async generator
+    elif inspect.isasyncgenfunction(inner):
+        run = (
+            f"async def collect(item): return [x async for x in {name}(item)], then "
+            "def run(item): return asyncio.run(collect(item))"
+        )
+    else:  # a lambda, a partial: its kind shows once it is called
         run = f"{generator} for a generator, {coroutine} for async def"
     refuse_lazy(
         fn,

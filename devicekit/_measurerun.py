@@ -54,6 +54,7 @@ class CpuRunner:
         # Every timed call's seconds, appended as it returns: a failing call can be numbered.
         self.times: list[float] = []
         self.host = self.times  # the host's clock is the only one
+        self.waiting: tuple[int, int] | None = None  # never: each call ends before the next
 
     def warm(self) -> Any:
         result = self.call()
@@ -86,6 +87,7 @@ class CudaRunner:
         self.calls_per_replay = 1
         self.warmed = 0
         self.times: list[float] = []  # device seconds per call
+        self.waiting: tuple[int, int] | None = None  # the timed calls a batch waits for
         self.host: list[float] = []  # host seconds to issue each, appended as it returns
         if mode == "cold":
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**27
@@ -133,8 +135,12 @@ class CudaRunner:
             work()
             host.append((clock() - began) / k)
             end.record(self.stream)
+        # Every call was issued: an error from here on is one CUDA reports late (a kernel
+        # of fn's that failed on the GPU), and any call of the batch may have caused it.
+        self.waiting = (len(host) - count + 1, len(host))
         ends[-1].synchronize()
         self.times += [s.elapsed_time(e) / 1e3 / k for s, e in zip(starts, ends, strict=True)]
+        self.waiting = None
 
 
 def warm_up(runner: CpuRunner | CudaRunner, until: float, fn: object) -> float:
@@ -168,6 +174,13 @@ def noted_call(
             where = f"on warm-up call {runner.warmed + 1}"
         elif phase == "capture":
             where = "while its calls were captured in a CUDA graph (mode='graph')"
+        elif runner.waiting is not None:
+            first, last = runner.waiting
+            where = (
+                f"while waiting for timed calls {first} to {last} on the GPU: CUDA reports a "
+                "kernel's error late, so any of them may have raised it (CUDA_LAUNCH_BLOCKING=1 "
+                "names the call)"
+            )
         else:
             warmed = plural(runner.warmed, "warm-up call")
             where = f"on timed call {len(runner.host) + 1}, after {warmed}"

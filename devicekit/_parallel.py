@@ -76,7 +76,7 @@ from ._dispatch import (
     start_workers,
     stop_workers,
 )
-from ._errors import WorkerError
+from ._errors import WorkerError, add_note
 from ._format import html_table, plural
 from ._keywords import suggest_keywords
 from ._mapfaults import fates, how_it_ended, told
@@ -144,6 +144,24 @@ class MapStyle(Protocol[T_co]):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int, /) -> T_co: ...
+
+
+def _keep_results(interrupt: KeyboardInterrupt) -> None:
+    """Give every Ctrl-C out of a map the results that had finished, as ``.results``.
+
+    The map's loop sets them (and a note) on the interrupt it met; a second
+    Ctrl-C while the workers stop is a new interrupt, which takes them over
+    from the first (its ``__context__``). One during the workers' start finds
+    none: ``{}``, so ``stop.results`` never raises ``AttributeError``.
+    """
+    if hasattr(interrupt, "results"):
+        return
+    earlier: BaseException | None = interrupt.__context__
+    while earlier is not None and not hasattr(earlier, "results"):
+        earlier = earlier.__context__
+    interrupt.results = {} if earlier is None else earlier.results  # type: ignore[attr-defined]
+    for note in [] if earlier is None else getattr(earlier, "__notes__", []):
+        add_note(interrupt, note)
 
 
 class GPUPool:
@@ -315,6 +333,9 @@ class GPUPool:
         try:
             with stops_workers_first():  # SIGTERM, SIGHUP: the cleanup below runs, then they end
                 return self._map(fn_bytes, work, payloads, bar=bar, timeout=timeout, caller=caller)
+        except KeyboardInterrupt as interrupt:
+            _keep_results(interrupt)
+            raise
         finally:
             bar.close()
 

@@ -141,8 +141,12 @@ class StragglerReport:
         return float(sum(worst.values()))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields, with ``lost_per_step``."""
-        return {**plain_fields(self), "lost_per_step": self.lost_per_step}
+        """JSON-ready fields, with ``lost_per_step`` and ``unmeasured``."""
+        return {
+            **plain_fields(self),
+            "lost_per_step": self.lost_per_step,
+            "unmeasured": list(self.unmeasured),
+        }
 
     def _title(self) -> str:
         return (
@@ -170,6 +174,11 @@ class StragglerReport:
 
     def _summary(self) -> list[str]:
         unmeasured = self.unmeasured
+        if not self.sections:
+            return [
+                "no section was timed, so no rank can be called a straggler: time each "
+                "rank's own work with `with detector.section(name):`"
+            ]
         if len(unmeasured) == len(self.sections):
             return [
                 "nothing was measured in this window (no rank has a time for any section): "
@@ -181,7 +190,8 @@ class StragglerReport:
             else []
         )
         if not self.stragglers:
-            return ["no stragglers", *not_measured]
+            where = " in the measured sections" if unmeasured else ""
+            return [f"no stragglers{where}", *not_measured]
         lines = [f"straggler: {straggler}" for straggler in self.stragglers]
         lost, step = self.lost_per_step or 0.0, self.job_step_time
         share = f", {100 * lost / step:.0f}% of its {format_seconds(step)} step" if step else ""

@@ -28,7 +28,7 @@ from ._options import check_flag, refuse_lazy
 from ._shortrepr import short_repr
 from ._visible import torch_cuda_initialized
 
-__all__ = ["LAZY_RESULTS", "TimedFunction", "Timer", "refuse_lazy_result"]
+__all__ = ["LAZY_RESULTS", "TimedFunction", "Timer", "refuse_lazy_result", "wraps_a_call"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -37,11 +37,22 @@ R = TypeVar("R")
 LAZY_RESULTS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 
 
+def wraps_a_call(fn: object) -> bool:
+    """Whether ``fn`` is a lambda or a ``partial``: a call of another function, and no more.
+
+    Such a wrapper around a generator or ``async`` function looks plain, and its
+    call does none of the work: a decorator refuses what it returns. A ``def``
+    that does work, then returns a generator, is timed as it is (its own work
+    is what its caller waits for).
+    """
+    return isinstance(fn, functools.partial) or getattr(fn, "__name__", None) == "<lambda>"
+
+
 def refuse_lazy_result(fn: object, result: object, *, decorator: str, block: str) -> None:
     """Refuse what a decorated call returned: a generator or coroutine (`LAZY_RESULTS`).
 
     The decorator refuses a generator or ``async`` function at once; a lambda or
-    ``partial`` around one looks plain until its call returns.
+    ``partial`` around one (`wraps_a_call`) looks plain until its call returns.
     """
     coroutine = isinstance(result, types.CoroutineType)
     work = "runs the coroutine" if coroutine else "consumes the generator"
@@ -355,8 +366,9 @@ class Timer:
             TypeError: ``fn`` is a generator or ``async`` function: a call only
                 creates the generator or coroutine, so its lap would time
                 nothing of the work. A call of the wrapped function that
-                returns one (``fn`` a lambda or ``partial`` around such a
-                function) raises it too, and records no lap.
+                returns one, where ``fn`` is a lambda or ``partial`` around
+                such a function, raises it too, and records no lap (a ``def``
+                that works, then returns a generator, is timed as it is).
         """
         # The function's own name, qualified as written (a method reads Model.steps); a
         # function defined inside another drops the "outer.<locals>." Python adds.
@@ -374,6 +386,8 @@ class Timer:
             fix="time the loop that does the work `with timer:`",
         )
 
+        wrapping = wraps_a_call(fn)
+
         @functools.wraps(fn)
         def timed(*args: P.args, **kwargs: P.kwargs) -> R:
             lap = self._begin()
@@ -382,7 +396,7 @@ class Timer:
             except BaseException:
                 self._end(lap)  # a call that raised is a lap too: it ran
                 raise
-            if isinstance(result, LAZY_RESULTS):  # a lambda or partial returning one looks plain
+            if wrapping and isinstance(result, LAZY_RESULTS):
                 refuse_lazy_result(fn, result, decorator=f"@Timer() on {name}", block="timer")
             self._end(lap)
             return result

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -46,6 +46,20 @@ async def fetch(item: int) -> int:
 
 def lines(item: int) -> Iterator[int]:
     yield item
+
+
+async def stream(item: int) -> AsyncIterator[int]:
+    yield item
+
+
+def test_an_async_generator_fn_gets_the_fix_for_its_kind() -> None:
+    # Before: both fixes, list(...) and asyncio.run(...), neither of which works for it.
+    with pytest.raises(TypeError) as caught:
+        dk.gpu_map(stream, range(2), devices=["cpu"])
+    assert str(caught.value).endswith(
+        "async def collect(item): return [x async for x in stream(item)], then "
+        "def run(item): return asyncio.run(collect(item))"
+    )
 
 
 @pytest.mark.parametrize(("fn", "kind"), [(fetch, "a coroutine"), (lines, "a generator")])

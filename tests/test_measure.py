@@ -1324,3 +1324,34 @@ def test_a_max_time_under_the_default_min_time_is_allowed() -> None:
     assert m.stop_reason == "max_time"
     with pytest.raises(ValueError, match=r"at least min_time \(0\.1\), got 0\.05; raise max"):
         dk.benchmark(sum, range(10), min_time=0.1, max_time=0.05)  # both given: they disagree
+
+
+def test_a_late_cuda_error_names_the_calls_it_may_come_from() -> None:
+    # A kernel's error surfaces at the batch's synchronize, after every call was issued:
+    # "timed call N+1" would name a call that never ran. The runner's state as the CUDA
+    # runner leaves it while it waits (no GPU here to fail a kernel on demand).
+    runner = _measurerun.CpuRunner(lambda: None)
+    runner.warmed, runner.waiting = 1, (11, 20)
+
+    def illegal_access() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access") as caught:
+        _measurerun.noted_call(runner, illegal_access, "timed")
+    (note,) = caught.value.__notes__
+    assert note.startswith(
+        "devicekit.benchmark: fn raised this while waiting for timed calls 11 to 20 on the GPU"
+    )
+
+
+def test_an_error_raised_again_is_noted_once() -> None:
+    # A cached error re-raised by each call got the same note once per benchmark().
+    cached = ValueError("the same error object, every time")
+
+    def fails() -> None:
+        raise cached
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="the same error object"):
+            dk.benchmark(fails, max_time=0.1)
+    assert cached.__notes__ == ["devicekit.benchmark: fn raised this on warm-up call 1"]

@@ -108,7 +108,17 @@ def test_a_report_where_nothing_was_measured_says_so_and_loses_no_known_time() -
     report = _stragglerreport.build_report(both, step=10, every=10, threshold=1.2)
     assert report.lost_per_step == 0.0
     assert isinstance(report.lost_per_step, float)
-    assert str(report).splitlines()[-2:] == ["no stragglers", "not measured on any rank: load"]
+    assert str(report).splitlines()[-2:] == [
+        "no stragglers in the measured sections",
+        "not measured on any rank: load",
+    ]
+    assert report.to_dict()["unmeasured"] == ["load"]
+
+    # No section at all (only step() was called): say what to time, not "nothing measured".
+    steps_only = [_stragglerreport.Window(r, "node-a", 10, 10, 1.2, 50 * MS, {}) for r in (0, 1)]
+    report = _stragglerreport.build_report(steps_only, step=10, every=10, threshold=1.2)
+    assert report.lost_per_step is None
+    assert str(report).splitlines()[-1].startswith("no section was timed, so no rank can be called")
 
 
 def test_the_detector_shows_its_settings_and_last_report_in_html() -> None:

@@ -337,14 +337,22 @@ def test_a_decorated_call_that_returns_a_generator_is_refused_and_records_no_lap
 
     timer = dk.Timer()
     work = "consumes the generator" if kind == "generator" else "runs the coroutine"
-    with pytest.raises(TypeError, match=rf"^@Timer\(\) on make: a call returns a .* {work}"):
-        timer(make)()  # a plain function: only its call shows what it returns
+    with pytest.raises(TypeError, match=rf"^@Timer\(\) on <lambda>: a call returns a .* {work}"):
+        timer(lambda: make())()  # noqa: PLW0108 - a lambda: only its call shows what it returns
     if kind == "async":  # closed, so that it does not warn "never awaited" when collected
         assert inspect.getcoroutinestate(made[0]) == "CORO_CLOSED"
     assert timer.times == []
     timed_list = timer(lambda: [1])  # any other result is returned, and its lap recorded
     assert timed_list() == [1]
     assert len(timer.times) == 1
+
+    def load_then_stream() -> Iterator[int]:  # a def that works, then returns a generator
+        time.sleep(0.01)
+        return (n for n in range(3))
+
+    assert list(timer(load_then_stream)()) == [0, 1, 2]  # timed as it is: its own work ran
+    assert len(timer.times) == 2
+    assert timer.times[-1] >= 0.01
 
 
 def test_timer_names_a_lazy_method_by_its_qualified_name() -> None:

@@ -1108,3 +1108,31 @@ def test_a_daemon_that_fn_started_is_stopped_with_a_map_cut_short(tmp_path: Path
         if daemon is not None:
             with contextlib.suppress(OSError):
                 os.kill(daemon, signal.SIGKILL)
+
+
+def test_every_ctrl_c_out_of_a_map_has_results() -> None:
+    # A second Ctrl-C while the workers stop is a new KeyboardInterrupt: before, it
+    # had no .results (they were on its __context__), nor had one during the start.
+    from devicekit._parallel import _keep_results
+
+    first = KeyboardInterrupt()
+    first.results = {0: 0, 1: 10}  # type: ignore[attr-defined]
+    dk._errors.add_note(first, "2 of 4 items had finished")
+
+    def interrupted_twice() -> None:
+        try:
+            raise first
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt  # noqa: B904 - a second Ctrl-C, as Python raises it
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        interrupted_twice()
+    second = caught.value
+    assert second.__context__ is first
+    _keep_results(second)
+    assert second.results == {0: 0, 1: 10}  # type: ignore[attr-defined]
+    assert second.__notes__ == ["2 of 4 items had finished"]
+    during_start = KeyboardInterrupt()
+    _keep_results(during_start)
+    assert during_start.results == {}  # type: ignore[attr-defined]
+    assert not hasattr(during_start, "__notes__")
