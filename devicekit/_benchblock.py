@@ -10,9 +10,9 @@ from typing import ParamSpec, TypeVar
 from ._devices import DeviceLike
 from ._format import format_seconds
 from ._keywords import suggest_keywords
-from ._options import refuse_lazy
+from ._options import LAZY_RESULTS, refuse_lazy, refuse_lazy_result, wraps_a_call
 from ._shortrepr import short_repr
-from ._timing import LAZY_RESULTS, Timer, refuse_lazy_result, wraps_a_call
+from ._timing import Timer
 
 __all__ = ["Benchmark"]
 

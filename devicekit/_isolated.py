@@ -38,7 +38,7 @@ import torch
 from ._dispatch import stop_workers
 from ._errors import DeviceOutOfMemoryError
 from ._hostmemory import bounded, search_bound
-from ._mapfaults import main_guard_fix
+from ._mapfaults import stopped_at_import
 from ._mapguards import refuse_to_start
 from ._termination import stops_workers_first
 from ._trial import explain, run, start_failed, too_big
@@ -107,10 +107,7 @@ def _died(process: BaseProcess, size: int) -> RuntimeError:
         time.sleep(_POLL / 10)
     start = f"find_batch_size: the child process running fn({size})"
     if code == NO_MAIN_GUARD:  # it said so on stderr, in one line, and stopped
-        return RuntimeError(
-            f"{start} stopped while importing the main module, because the script calls "
-            f"find_batch_size(isolate=True) at import time. {main_guard_fix(_CALL)}"
-        )
+        return RuntimeError(stopped_at_import(start, _CALL))
     if code is None:
         process.kill()
         process.join()

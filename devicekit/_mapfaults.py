@@ -28,6 +28,7 @@ __all__ = [
     "main_guard_fix",
     "outlived",
     "show_item",
+    "stopped_at_import",
     "told",
 ]
 
@@ -41,6 +42,14 @@ def main_guard_fix(call: str) -> str:
         "Its processes are started with spawn: each one imports the main module again, "
         f'so a script must call {call} under `if __name__ == "__main__":` (and define fn '
         "at the top level of a module, above that line)."
+    )
+
+
+def stopped_at_import(who: str, call: str) -> str:
+    """The error for a spawned process that exited with ``NO_MAIN_GUARD``: ``who`` met ``call``."""
+    return (
+        f"{who} stopped while importing the main module, because the script calls {call} at "
+        f"import time. {main_guard_fix(call)}"
     )
 
 
@@ -96,10 +105,7 @@ def death_message(
     how = how_it_ended(code)
     if code == NO_MAIN_GUARD:
         call = "gpu_pool()" if caller.startswith("GPUPool") else caller  # where it starts them
-        return (
-            f"{caller}: {where} stopped while importing the main module, because the "
-            f"script calls {call} at import time. {main_guard_fix(call)}"
-        )
+        return stopped_at_import(f"{caller}: {where}", call)
     if not ready:
         # A spawned worker imports the main module before anything else; the main
         # guard is missing only where it said so (NO_MAIN_GUARD, above).

@@ -11,12 +11,14 @@ with the option's name, what was given and the fix.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
 import operator
 import os
 import sys
+import types
 from collections.abc import Sequence
 from typing import Any, overload
 
@@ -24,6 +26,7 @@ from ._format import close_match
 from ._shortrepr import got, is_bool, short_repr
 
 __all__ = [
+    "LAZY_RESULTS",
     "check_choice",
     "check_count",
     "check_flag",
@@ -35,7 +38,9 @@ __all__ = [
     "is_one_index",
     "is_tensor",
     "refuse_lazy",
+    "refuse_lazy_result",
     "tensor_got",
+    "wraps_a_call",
 ]
 
 
@@ -354,3 +359,34 @@ def refuse_lazy(
         work = f"list({inner})" if kind == "a generator" else f"asyncio.run({inner})"
         fix = f"pass a function that does the work: lambda: {work}"
     raise TypeError(f"{call} returns {kind} without running its body, {why}; {fix}")
+
+
+# What a call returns before its body runs: timing that call times none of the work.
+LAZY_RESULTS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
+
+
+def wraps_a_call(fn: object) -> bool:
+    """Whether ``fn`` is a lambda or a ``partial``: a call of another function, and no more.
+
+    Such a wrapper around a generator or ``async`` function looks plain, and its
+    call does none of the work: a decorator refuses what it returns. A ``def``
+    that does work, then returns a generator, is timed as it is (its own work
+    is what its caller waits for).
+    """
+    return isinstance(fn, functools.partial) or getattr(fn, "__name__", None) == "<lambda>"
+
+
+def refuse_lazy_result(fn: object, result: object, *, decorator: str, block: str) -> None:
+    """Refuse what a decorated call returned: a generator or coroutine (`LAZY_RESULTS`).
+
+    The decorator refuses a generator or ``async`` function at once; a lambda or
+    ``partial`` around one (`wraps_a_call`) looks plain until its call returns.
+    """
+    coroutine = isinstance(result, types.CoroutineType)
+    work = "runs the coroutine" if coroutine else "consumes the generator"
+    refuse_lazy(
+        fn,
+        call=f"{decorator}: a call",
+        fix=f"decorate a function that {work}, or time the loop `with {block}:`",
+        result=result,
+    )

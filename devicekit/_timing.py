@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from threading import get_ident
@@ -24,45 +23,14 @@ from ._accelerators import accelerator_type, current_cuda_device, synchronize
 from ._devices import DeviceLike, resolve_device
 from ._format import format_seconds, html_table, plural
 from ._keywords import suggest_keywords
-from ._options import check_flag, refuse_lazy
+from ._options import LAZY_RESULTS, check_flag, refuse_lazy, refuse_lazy_result, wraps_a_call
 from ._shortrepr import short_repr
 from ._visible import torch_cuda_initialized
 
-__all__ = ["LAZY_RESULTS", "TimedFunction", "Timer", "refuse_lazy_result", "wraps_a_call"]
+__all__ = ["TimedFunction", "Timer"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-# What a call returns before its body runs: timing that call times none of the work.
-LAZY_RESULTS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
-
-
-def wraps_a_call(fn: object) -> bool:
-    """Whether ``fn`` is a lambda or a ``partial``: a call of another function, and no more.
-
-    Such a wrapper around a generator or ``async`` function looks plain, and its
-    call does none of the work: a decorator refuses what it returns. A ``def``
-    that does work, then returns a generator, is timed as it is (its own work
-    is what its caller waits for).
-    """
-    return isinstance(fn, functools.partial) or getattr(fn, "__name__", None) == "<lambda>"
-
-
-def refuse_lazy_result(fn: object, result: object, *, decorator: str, block: str) -> None:
-    """Refuse what a decorated call returned: a generator or coroutine (`LAZY_RESULTS`).
-
-    The decorator refuses a generator or ``async`` function at once; a lambda or
-    ``partial`` around one (`wraps_a_call`) looks plain until its call returns.
-    """
-    coroutine = isinstance(result, types.CoroutineType)
-    work = "runs the coroutine" if coroutine else "consumes the generator"
-    refuse_lazy(
-        fn,
-        call=f"{decorator}: a call",
-        fix=f"decorate a function that {work}, or time the loop `with {block}:`",
-        result=result,
-    )
-
 
 R_co = TypeVar("R_co", covariant=True)
 

@@ -23,7 +23,7 @@ import torch
 import devicekit as dk
 
 from .conftest import FakeAccelerator, run_python
-from .mapfns import REPO, alive, importable, wait_for
+from .mapfns import REPO, alive, importable, run_python_args, wait_for
 
 TORCH_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
@@ -413,16 +413,7 @@ def test_isolate_in_a_script_without_a_main_guard_says_to_add_one(tmp_path: Path
         "except RuntimeError as error:\n"
         "    print(error)\n"
     )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_python_args([str(script)], cwd=tmp_path, timeout=240)  # it must exit 0
     assert result.stdout.startswith(
         "find_batch_size: the child process running fn(1) stopped while importing the main "
         "module, because the script calls find_batch_size(isolate=True) at import time. "
