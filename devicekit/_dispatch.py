@@ -45,9 +45,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import WorkerError, WorkerTimeoutError, add_note
-from ._mapfaults import death_message, fn_failed, fn_raised, item_fault, kept, show_item
+from ._errors import WorkerError, WorkerTimeoutError
+from ._mapfaults import (
+    death_message,
+    fn_failed,
+    fn_raised,
+    interrupted,
+    item_fault,
+    kept,
+    show_item,
+)
 from ._scopedenv import scoped_env
+from ._termination import ctrl_c_held
 from ._visible import ENV_VAR, parse_visible_devices
 from ._worker import WorkerName, work
 from ._workerstate import (
@@ -143,6 +152,7 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
     # so that warning is silenced there (and only there), from the first import.
     quiet = ",".join(filter(None, [os.environ.get(_WARNINGS), _NUMPY_WARNING]))
     workers: list[Worker] = []
+    unlisted = None  # a worker's process, from its start until it is listed
     try:
         for number, slot in zip(numbers or range(1, len(slots) + 1), slots, strict=True):
             parent_end, child_end = context.Pipe(duplex=True)
@@ -160,7 +170,13 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
             # The child copies this environment at start, before it imports anything.
             # The environment is the process's: under the lock, a map started in
             # another thread can neither read this worker's value nor lend it its own.
-            with _STARTING, scoped_env(ENV_VAR, worker_env(slot)), scoped_env(_WARNINGS, quiet):
+            with (
+                _STARTING,
+                scoped_env(ENV_VAR, worker_env(slot)),
+                scoped_env(_WARNINGS, quiet),
+                ctrl_c_held(),  # the worker starts with it held, not to die of it
+            ):
+                unlisted = process
                 process.start()
             child_end.close()  # so that the worker's death reads as EOF here
             _started.add(process)
@@ -169,7 +185,11 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
             # where /proc does not show it as our child (another PID namespace's).
             started = None if process.pid is None else child_start_time(process.pid)
             workers.append(Worker(number, slot, process, parent_end, started=started))
+            unlisted = None
     except BaseException:  # Ctrl-C too: no worker may outlive a failed start
+        listed = any(worker.process is unlisted for worker in workers)
+        if unlisted is not None and unlisted.pid is not None and not listed:  # cut short
+            workers.append(Worker(number, slot, unlisted, parent_end, started=None))
         stop_workers(workers, gently=False)
         raise
     return workers
@@ -327,12 +347,7 @@ class _Map:
                 error.add_note(self._kept())
             raise
         except KeyboardInterrupt as interrupt:
-            # Ctrl-C ends the map, not what it computed: an hour of finished items
-            # stays with the interrupt, as a WorkerError keeps them (read with
-            # `except KeyboardInterrupt as stop: stop.results`).
-            interrupt.results = dict(self.results)  # type: ignore[attr-defined]
-            if self.results:
-                add_note(interrupt, f"devicekit: {self.caller} was stopped. {self._kept()}")
+            interrupted(interrupt, self.results, len(self.work), caller=self.caller)
             raise
         return [self.results[index] for index in range(len(self.work))]
 

@@ -15,7 +15,7 @@ from ._keywords import suggest_keywords
 from ._mapguards import refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
 from ._options import check_flag
-from ._parallel import GPUPool, MapStyle
+from ._parallel import GPUPool, MapStyle, keeps_results
 from ._shortrepr import short_repr
 from ._workerslots import worker_slots, workers_per_device_count
 
@@ -26,6 +26,7 @@ R = TypeVar("R")
 
 
 @suggest_keywords
+@keeps_results
 def gpu_map(
     fn: Callable[[T], R],
     items: Iterable[T] | MapStyle[T],

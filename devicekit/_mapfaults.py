@@ -13,6 +13,7 @@ import reprlib
 import signal
 from typing import Any
 
+from ._errors import add_note
 from ._format import plural
 from ._worker import NO_MAIN_GUARD
 from ._workerstate import Orphans, Procs, running, wait_ended
@@ -23,6 +24,7 @@ __all__ = [
     "fn_failed",
     "fn_raised",
     "how_it_ended",
+    "interrupted",
     "item_fault",
     "kept",
     "main_guard_fix",
@@ -67,6 +69,20 @@ def kept(done: int, total: int) -> str:
         f"{done} of {plural(total, 'item')} had finished: {whose} in this error's .results (a "
         "dict by item index); the others were lost."
     )
+
+
+def interrupted(
+    interrupt: KeyboardInterrupt, results: dict[int, Any], total: int, *, caller: str
+) -> None:
+    """Give Ctrl-C the results that had finished: it ends the map, not what the map computed.
+
+    An hour of finished items stays with the interrupt, as a `WorkerError`
+    keeps them (``except KeyboardInterrupt as stop: stop.results``), with a note
+    that says how many. Both executors call it.
+    """
+    interrupt.results = dict(results)  # type: ignore[attr-defined]
+    if results:
+        add_note(interrupt, f"devicekit: {caller} was stopped. {kept(len(results), total)}")
 
 
 def how_it_ended(code: int | None) -> str:

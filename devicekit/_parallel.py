@@ -88,7 +88,7 @@ from ._termination import stops_workers_first
 from ._workerslots import worker_slots, workers_per_device_count
 from ._workerstate import Orphans, orphans
 
-__all__ = ["GPUPool", "MapStyle", "gpu_pool"]
+__all__ = ["GPUPool", "MapStyle", "gpu_pool", "keeps_results"]
 
 logger = logging.getLogger("devicekit")
 
@@ -146,14 +146,28 @@ class MapStyle(Protocol[T_co]):
     def __getitem__(self, index: int, /) -> T_co: ...
 
 
-def _keep_results(interrupt: KeyboardInterrupt) -> None:
-    """Give every Ctrl-C out of a map the results that had finished, as ``.results``.
+def keeps_results(map_fn: Callable[P, R]) -> Callable[P, R]:
+    """Give every Ctrl-C out of ``map_fn`` (a map) the results that had finished, as ``.results``.
 
     The map's loop sets them (and a note) on the interrupt it met; a second
     Ctrl-C while the workers stop is a new interrupt, which takes them over
-    from the first (its ``__context__``). One during the workers' start finds
-    none: ``{}``, so ``stop.results`` never raises ``AttributeError``.
+    from the first (its ``__context__``). One before any item ran (while the
+    items are read, or the workers start) finds none: ``{}``, so
+    ``stop.results`` never raises ``AttributeError``.
     """
+
+    @functools.wraps(map_fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return map_fn(*args, **kwargs)
+        except KeyboardInterrupt as interrupt:
+            _keep_results(interrupt)
+            raise
+
+    return call
+
+
+def _keep_results(interrupt: KeyboardInterrupt) -> None:
     if hasattr(interrupt, "results"):
         return
     earlier: BaseException | None = interrupt.__context__
@@ -273,6 +287,7 @@ class GPUPool:
         finally:
             self._workers[:] = []
 
+    @keeps_results
     def map(
         self,
         fn: Callable[[T], R],
@@ -333,9 +348,6 @@ class GPUPool:
         try:
             with stops_workers_first():  # SIGTERM, SIGHUP: the cleanup below runs, then they end
                 return self._map(fn_bytes, work, payloads, bar=bar, timeout=timeout, caller=caller)
-        except KeyboardInterrupt as interrupt:
-            _keep_results(interrupt)
-            raise
         finally:
             bar.close()
 

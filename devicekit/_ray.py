@@ -54,7 +54,7 @@ from ._dispatch import worker_env
 from ._errors import WorkerError
 from ._format import article, first_line
 from ._frames import caller_stacklevel
-from ._mapfaults import show_item
+from ._mapfaults import interrupted, show_item
 from ._progress import Progress
 from ._rayfaults import (
     TASK_NAME,
@@ -308,7 +308,8 @@ def _collect(
     A failure raises a `WorkerError` that keeps every result already in (by
     index), as the local executor's do: nothing finished is lost. Tasks that
     finish together are all fetched before the first of their failures is
-    raised (before, the results after it in that batch were dropped).
+    raised (before, the results after it in that batch were dropped). Ctrl-C
+    keeps them too, as the interrupt's ``.results`` (before, they were lost).
     """
     position = {ref: index for index, ref in enumerate(refs)}
     finished: dict[int, Any] = {}
@@ -327,6 +328,9 @@ def _collect(
                     failure = index, value  # of those that failed together, the first item
         if failure is not None:
             raise WorkerError(failure[1], index=failure[0], results=dict(finished))
+    except KeyboardInterrupt as interrupt:
+        interrupted(interrupt, finished, len(refs), caller="gpu_map")
+        raise
     finally:
         for ref in pending:  # empty unless an item failed or Ctrl-C came
             ray.cancel(ref, force=True)

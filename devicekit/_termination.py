@@ -21,11 +21,12 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from types import FrameType
 
 from ._errors import TerminatedBySignal
 
-__all__ = ["stops_workers_first"]
+__all__ = ["ctrl_c_held", "stops_workers_first"]
 
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -59,3 +60,32 @@ def _give_back(taken: list[int]) -> None:
         if signal.getsignal(signum) in (_raise, signal.SIG_DFL):
             signal.signal(signum, signal.SIG_DFL)
     taken.clear()
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold SIGINT in this thread for the block: a process started in it starts with SIGINT held.
+
+    A terminal's Ctrl-C goes to the whole process group. A worker still
+    importing ``multiprocessing`` died of it with a traceback of its own,
+    under the caller's ``KeyboardInterrupt``, which already says what
+    happened. The child inherits the held signal through fork and exec,
+    ignores SIGINT as its first act and then unblocks it
+    (``_worker._WATCH_PARENT``), which drops the one pending. In this process
+    the kernel gives the signal to a thread that does not hold it (torch
+    starts threads of its own), and Python raises ``KeyboardInterrupt`` in
+    the main thread at once, as before; only where no such thread exists does
+    it wait for the block's end. Where signals cannot be held (Windows),
+    nothing is.
+    """
+    held = hasattr(signal, "pthread_sigmask")
+    if held:
+        # multiprocessing's resource tracker, started by the first spawn, unblocks
+        # SIGINT once it runs: started before the hold, it cannot undo it.
+        resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else set()
+    try:
+        yield
+    finally:
+        if held:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -102,6 +102,8 @@ _PARENT_CHECK_SECONDS = 1.0
 _WATCH_PARENT = """
 import os, signal, sys, threading, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+if hasattr(signal, "pthread_sigmask"):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 armed = False
 if signal_on_death and sys.platform.startswith("linux"):
     try:
@@ -126,7 +128,10 @@ it runs before ``multiprocessing`` restores it. ``SIGKILL``, not ``SIGTERM``:
 ``fn`` (or a library) may ignore or handle ``SIGTERM``, and a worker of a
 dead parent has nothing left to do but end. The PPID check after ``prctl``
 catches a parent that died before the signal was armed. Running it twice is
-harmless (one watch thread at most).
+harmless (one watch thread at most). SIGINT is ignored (Ctrl-C is the
+parent's to handle: it stops the worker) and then unblocked: the parent
+started the worker with it held (``_termination.ctrl_c_held``), so that
+one sent while the interpreter started waited, and is dropped here.
 
 The worker stays in its parent's process group and session, and so do the
 processes ``fn`` starts: what a terminal (Ctrl-C, its hang-up) or a tool

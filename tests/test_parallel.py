@@ -1100,7 +1100,8 @@ def test_a_close_between_map_s_check_and_its_start_leaves_the_pool_closed() -> N
 
     from devicekit._parallel import GPUPool
 
-    lines, first = inspect.getsourcelines(GPUPool.map)
+    map_code = inspect.unwrap(GPUPool.map).__code__  # map's own, under its decorator
+    lines, first = inspect.getsourcelines(map_code)
     (at,) = [first + i for i, line in enumerate(lines) if "self._mapper = threading." in line]
     pool = dk.gpu_pool(devices=["cpu"])
 
@@ -1110,7 +1111,7 @@ def test_a_close_between_map_s_check_and_its_start_leaves_the_pool_closed() -> N
         return in_map
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
-        return in_map if frame.f_code is GPUPool.map.__code__ else None
+        return in_map if frame.f_code is map_code else None
 
     previous = sys.gettrace()
     sys.settrace(tracer)

@@ -726,6 +726,32 @@ def test_of_items_that_fail_together_the_first_is_reported() -> None:
     assert caught.value.results == {0: 0, 2: 20}
 
 
+def test_ctrl_c_keeps_the_results_that_had_finished() -> None:
+    # Before, Ctrl-C during a Ray map lost every finished result (the local
+    # executor's KeyboardInterrupt has kept them as .results since 0.x).
+    from devicekit._progress import Progress
+    from devicekit._ray import _collect
+
+    class Interrupted(_BatchRay):  # two tasks finish, then Ctrl-C while waiting
+        def wait(
+            self, refs: list[str], num_returns: int, timeout: float
+        ) -> tuple[list[str], list[str]]:
+            if len(refs) < 4:
+                raise KeyboardInterrupt
+            return refs[:2], refs[2:]
+
+    answers: dict[str, Any] = {f"ref-{i}": ("ok", i * 10) for i in range(4)}
+    ray = Interrupted(answers)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        _collect(ray, list(answers), list(range(4)), Progress(4, False))
+    assert caught.value.results == {0: 0, 1: 10}  # type: ignore[attr-defined]
+    assert caught.value.__notes__ == [
+        "devicekit: gpu_map was stopped. 2 of 4 items had finished: their results are in "
+        "this error's .results (a dict by item index); the others were lost."
+    ]
+    assert ray.cancelled == ["ref-2", "ref-3"]
+
+
 class _WorkerCrashedError(_RayError):
     """Ray's WorkerCrashedError: no attributes, one sentence."""
 

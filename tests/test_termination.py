@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -112,3 +113,24 @@ def test_the_internal_exception_exits_with_the_status_of_the_signal() -> None:
     # with the shell's status for a process a signal ended.
     assert issubclass(TerminatedBySignal, SystemExit)
     assert TerminatedBySignal(15).code == 143
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs signal masks")
+def test_ctrl_c_held_holds_sigint_in_this_thread_until_the_block_ends() -> None:
+    # Sent to this thread: sent to the process, another thread (torch's) may take it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    reached = []
+
+    def held_block() -> None:
+        with _termination.ctrl_c_held():
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+            time.sleep(0.2)  # unheld, the signal's KeyboardInterrupt is raised here
+            reached.append("end of block")
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            held_block()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert reached == ["end of block"]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())

@@ -1136,3 +1136,79 @@ def test_every_ctrl_c_out_of_a_map_has_results() -> None:
     _keep_results(during_start)
     assert during_start.results == {}  # type: ignore[attr-defined]
     assert not hasattr(during_start, "__notes__")
+
+
+def _sigint_blocked(pid: int) -> bool:
+    """Whether ``pid`` blocks SIGINT, from its ``/proc`` status (``SigBlk``, a hex mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    raise AssertionError(f"no SigBlk in /proc/{pid}/status")
+
+
+def sigint_state(item: int) -> tuple[bool, bool]:
+    """In a worker: (whether SIGINT is blocked, whether it is ignored)."""
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    return blocked, signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's /proc")
+def test_a_worker_starts_with_ctrl_c_held_and_runs_fn_with_it_ignored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A terminal's Ctrl-C reaches the workers too. Before, one still importing
+    # multiprocessing died of it with a traceback of its own (`EOFError: Ran out
+    # of input`, or a KeyboardInterrupt in an import) under the caller's.
+    from devicekit import _dispatch
+
+    held_at_start: list[bool] = []
+    read_start_time = _dispatch.child_start_time
+
+    def look_first(pid: int) -> Any:  # runs as soon as the worker's process exists
+        held_at_start.append(_sigint_blocked(pid))
+        return read_start_time(pid)
+
+    monkeypatch.setattr(_dispatch, "child_start_time", look_first)
+    assert dk.gpu_map(sigint_state, [0], devices=["cpu"]) == [(False, True)]
+    assert held_at_start == [True]
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def test_ctrl_c_as_a_worker_starts_stops_that_worker_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, a Ctrl-C between the worker's start and its listing left it out of
+    # the workers stopped: it ran on until the interpreter's exit.
+    from devicekit import _dispatch
+
+    started: list[Any] = []
+    read_start_time = _dispatch.child_start_time
+
+    def interrupted(pid: int) -> Any:
+        started.append(pid)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # unheld, the KeyboardInterrupt is raised here
+        return read_start_time(pid)
+
+    monkeypatch.setattr(_dispatch, "child_start_time", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            dk.gpu_map(abs, [1, 2], devices=["cpu", "cpu"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert caught.value.results == {}  # type: ignore[attr-defined]
+    assert len(started) == 1
+    assert wait_for(lambda: not alive(started[0]), 30), "the started worker still runs"
+
+
+def test_ctrl_c_before_any_worker_starts_has_results() -> None:
+    # Before, a Ctrl-C while the items were read had no .results at all.
+    def items() -> Any:
+        yield 1
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        dk.gpu_map(abs, items(), devices=["cpu"])
+    assert caught.value.results == {}  # type: ignore[attr-defined]
+    with dk.gpu_pool(devices=["cpu"]) as pool, pytest.raises(KeyboardInterrupt) as caught:
+        pool.map(abs, items())
+    assert caught.value.results == {}  # type: ignore[attr-defined]
