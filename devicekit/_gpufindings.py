@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from ._findings import Finding
 from ._format import format_bytes, format_percent, format_value, plural, safe_text
 from ._gpuinfo import GPUInfo
-from ._nvmlstart import TIMEOUT_VAR
+from ._nvmlstart import NVML_GONE, TIMEOUT_VAR
 
 __all__ = [
     "ENVIRONMENTAL",
@@ -134,22 +134,34 @@ def unreadable(info: GPUInfo) -> Finding | None:
     """NVML cannot read a GPU this process can see at all: it is lost, or needs a reset."""
     if info.torch_index is None or info.error is None:
         return None
-    return lost(str(info.device), info.error)
+    return lost(str(info.device), info.error, nvml_index=info.nvml_index)
 
 
-def lost(where: str, reason: str) -> Finding:
+def lost(where: str, reason: str, *, nvml_index: int | None = None) -> Finding:
     """A GPU that stopped answering the driver; ``where`` names it (``"cuda:0"``).
 
+    ``nvml_index`` is what ``nvidia-smi -i`` takes to reset it, where known.
+
     Examples:
-        >>> print(lost("cuda:1", "NVML says the GPU is lost").title)
+        >>> finding = lost("cuda:1", "NVML says the GPU is lost", nvml_index=3)
+        >>> print(finding.title)
         cuda:1 cannot be read
+        >>> "nvidia-smi -r -i 3" in finding.fix
+        True
     """
     if TIMEOUT_VAR in reason:  # a bound set too short (_nvmlbound): no GPU to reset
         fix = f"raise {TIMEOUT_VAR} (30 s is the default) or unset it, then look again"
+    elif reason.startswith(NVML_GONE):  # every GPU at once: the driver, not this GPU
+        fix = (
+            "restart this process: NVML does not come back in a process that started it "
+            "before the driver went; if the driver was updated, load the new one (or "
+            "reboot) first, until nvidia-smi answers again"
+        )
     else:
+        index = "<its NVML index>" if nvml_index is None else nvml_index
         fix = (
             "look for Xid errors in the kernel log (sudo dmesg | grep -i xid); reset the GPU "
-            "(sudo nvidia-smi -r -i <nvml index>) or reboot; if it happens again, check its "
+            f"(sudo nvidia-smi -r -i {index}) or reboot; if it happens again, check its "
             "power and cooling"
         )
     return Finding("error", f"{where} cannot be read", safe_text(reason), fix)

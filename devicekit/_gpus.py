@@ -84,6 +84,8 @@ def _needs_cuda_to_order(physical: list[PhysicalGPU], entries: list[int | str] |
         return sum(str(entry).startswith("MIG-") for entry in entries) > 1
     if any(gpu.mig for gpu in physical):
         return True  # CUDA enumerates MIG instances; only CUDA knows their order
+    if any(gpu.pci_bus_id is None for gpu in physical):
+        return True  # CUDA's order is by PCI bus: where one is unknown, CUDA says
     if os.environ.get(_ORDER_VAR) == "PCI_BUS_ID":
         return False
     return len({gpu.name for gpu in physical}) > 1  # mixed models: "fastest first" decides
@@ -194,8 +196,18 @@ def _visible_now(physical: list[PhysicalGPU]) -> list[_Visible]:
         order = _order_from_cuda()
         if order is not None:
             return _match_uuids(physical, order)
-    in_cuda_order = sorted(physical, key=lambda gpu: gpu.pci_bus_id or "")
-    return _apply_visible_devices(in_cuda_order, entries)
+    return _apply_visible_devices(_by_pci_bus(physical), entries)
+
+
+def _by_pci_bus(physical: list[PhysicalGPU]) -> list[PhysicalGPU]:
+    """The GPUs in PCI bus order, CUDA's default; NVML's own order where a bus is unknown.
+
+    NVML enumerates by PCI bus too. Sorting an unknown bus as ``""`` put that
+    GPU first, and gave it another GPU's ``cuda:N``.
+    """
+    if any(gpu.pci_bus_id is None for gpu in physical):
+        return sorted(physical, key=lambda gpu: gpu.nvml_index)
+    return sorted(physical, key=lambda gpu: gpu.pci_bus_id or "")
 
 
 def _match_uuids(physical: list[PhysicalGPU], order: list[str]) -> list[_Visible]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ._gpuinfo import GPUInfo, GPUProcess
 from ._nvmlbound import Job, bounded, bounded_each
 from ._nvmlstart import (
     DEFAULT_TIMEOUT,
+    NVML_GONE,
     RETRY_AFTER,
     TIMEOUT_VAR,
     Starting,
@@ -35,6 +37,7 @@ __all__ = [
     "FUNCTION_NOT_FOUND",
     "INSUFFICIENT_SIZE",
     "NOT_SUPPORTED",
+    "NO_PERMISSION",
     "RETRY_AFTER",
     "TIMEOUT_VAR",
     "GPUInfo",
@@ -44,6 +47,7 @@ __all__ = [
     "cuda_driver_version",
     "driver_version",
     "error_code",
+    "failure_reason",
     "library",
     "logger",
     "lost_gpus",
@@ -68,6 +72,10 @@ FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
 _RESET_REQUIRED = 16
 _ARGUMENT_VERSION_MISMATCH = 25
+NO_PERMISSION = 4
+# Answers that NVML itself has gone, after it had started: uninitialized (shut down
+# under us), the driver unloaded, or the driver replaced by another version.
+_NVML_GONE_CODES = frozenset({1, 9, 18})
 # What a driver answers for a call (or a version of one) it does not have. Only these
 # say "this driver lacks it"; any other error is about one GPU, or one moment.
 ABSENT_CALLS = frozenset({FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH})
@@ -215,12 +223,14 @@ def checked_number(value: Any, *, at_most: int | None = None, bits: int = 32) ->
 
     NVML writes "not available" as all ones of the value's width (``bits``:
     ``0xFFFFFFFF`` for an unsigned int); a negative number, or one over
-    ``at_most`` (a percentage over 100), cannot be a reading either. None is
-    honest there; the number would not be.
+    ``at_most`` (a percentage over 100), cannot be a reading either, nor can
+    anything that is not an integer (a binding that gave a ctypes value, a
+    string, a NaN). None is honest there; the number would not be.
     """
-    if value is None:
+    try:
+        number = operator.index(value)  # ints only: int() would take "12" and 12.9
+    except TypeError:
         return None
-    number = int(value)
     if number < 0 or number == 2**bits - 1:
         return None
     return None if at_most is not None and number > at_most else number
@@ -357,7 +367,7 @@ def _enumerate(nv: Any) -> tuple[list[PhysicalGPU] | None, str | None, dict[int,
         count = int(nv.nvmlDeviceGetCount())
     except nv.NVMLError as error:
         # Not "no GPU": NVML started, so there is a driver, and it could not say.
-        return None, f"NVML started but could not count the GPUs: {_why(error)}", None
+        return None, f"NVML started but could not count the GPUs: {failure_reason(error)}", None
     lost = {}
     found = []
     for index in range(count):
@@ -390,9 +400,14 @@ def _enumerate(nv: Any) -> tuple[list[PhysicalGPU] | None, str | None, dict[int,
     return found, None, lost
 
 
-def _why(error: BaseException) -> str:
+def failure_reason(error: BaseException) -> str:
     """An NVML error as a reason: what NVML says, and what it means where that is not plain."""
     code = error_code(error)
+    if code in _NVML_GONE_CODES:
+        return (
+            f"{NVML_GONE}: {error} (NVML error {code}); the NVIDIA driver was unloaded or "
+            "updated since this process started NVML"
+        )
     if code == _GPU_IS_LOST:
         return (
             "NVML says the GPU is lost: it stopped answering the driver (fallen off the bus, "
@@ -404,8 +419,14 @@ def _why(error: BaseException) -> str:
 
 
 def lost_reason(error: BaseException) -> str | None:
-    """The reason a whole GPU cannot be read, when ``error`` is one (lost, needs a reset)."""
-    return _why(error) if error_code(error) in (_GPU_IS_LOST, _RESET_REQUIRED) else None
+    """The reason a whole GPU cannot be read, when ``error`` is one (lost, needs a reset).
+
+    So is NVML gone for every GPU (the driver unloaded): no later call of the
+    snapshot would answer either.
+    """
+    code = error_code(error)
+    lost = code in (_GPU_IS_LOST, _RESET_REQUIRED) or code in _NVML_GONE_CODES
+    return failure_reason(error) if lost else None
 
 
 def lost_gpus() -> dict[int, str]:

@@ -23,10 +23,12 @@ from ._nvml import (
     ABSENT_CALLS,
     FUNCTION_NOT_FOUND,
     INSUFFICIENT_SIZE,
+    NO_PERMISSION,
     NOT_SUPPORTED,
     PhysicalGPU,
     checked_number,
     error_code,
+    failure_reason,
     library,
     logger,
     lost_reason,
@@ -138,7 +140,7 @@ def _snapshot(
     mask = _throttle_mask(snap)
     mode = checked_number(snap.read(nv.nvmlDeviceGetComputeMode))
     processes = _processes(snap)
-    return GPUInfo(
+    info = GPUInfo(
         torch_index=torch_index,
         nvml_index=gpu.nvml_index,
         uuid=gpu.uuid if uuid is None else uuid,
@@ -163,6 +165,24 @@ def _snapshot(
         energy=None if energy is None else energy / 1000,
         error=snap.lost,
     )
+    if snap.lost is None and snap.failure is not None and not _any_reading(info):
+        # Every call failed (NVML_ERROR_UNKNOWN, a timeout): a GPU that answers nothing
+        # is not one to pick, nor one that doctor may call fine.
+        return dataclasses.replace(info, error=f"NVML answered no reading: {snap.failure}")
+    return info
+
+
+_READINGS = tuple(
+    field.name
+    for field in dataclasses.fields(GPUInfo)
+    if field.name
+    not in ("torch_index", "nvml_index", "uuid", "name", "pci_bus_id", "sm_clock_max", "error")
+)
+
+
+def _any_reading(info: GPUInfo) -> bool:
+    """Whether NVML answered at least one of this snapshot's readings."""
+    return any(getattr(info, name) is not None for name in _READINGS)
 
 
 def _mig_mode(snap: _Snapshot, gpu: PhysicalGPU) -> bool | None:
@@ -234,6 +254,8 @@ class _Snapshot:
         self.state = session()  # what this process learnt of the driver: calls it lacks
         self.skip = self.state.unsupported.get(key)  # usually None: nothing looked up per call
         self.lost: str | None = None
+        # The first failure that is neither "not supported" nor "no permission".
+        self.failure: str | None = None
 
     def skips(self, name: str) -> bool:
         """Whether this GPU answered *not supported* to ``name`` before, or is lost now."""
@@ -241,10 +263,13 @@ class _Snapshot:
 
     def failed(self, name: str, error: BaseException) -> None:
         """Remember what ``error`` says about this GPU, beyond this one call."""
-        if error_code(error) == NOT_SUPPORTED:  # a GPU will not start supporting it
+        code = error_code(error)
+        if code == NOT_SUPPORTED:  # a GPU will not start supporting it
             self.state.unsupported.setdefault(self.key, set()).add(name)
         elif self.lost is None:
             self.lost = lost_reason(error)
+            if self.failure is None and code != NO_PERMISSION:
+                self.failure = failure_reason(error)
 
     def read(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(handle, *args)``, or None when this GPU cannot answer it."""
@@ -332,7 +357,11 @@ def _memory(snap: _Snapshot) -> tuple[int | None, int | None, int | None]:
     total, used, free = (
         checked_number(getattr(info, f), bits=64) for f in ("total", "used", "free")
     )
-    if total is not None and any(part is not None and part > total for part in (used, free)):
+    if total is None:
+        # "Not available" in place of the total: used and free cannot be checked, and
+        # free may be a wrapped 2**64 - 2**31 that pick_gpu would rank first.
+        return None, None, None
+    if any(part is not None and part > total for part in (used, free)):
         # More used (or free) than the GPU has: NVML's unsigned arithmetic wrapped, or
         # the driver miscounted. Neither number can be trusted; the total can.
         return total, None, None

@@ -22,6 +22,7 @@ from ._frames import caller_stacklevel
 __all__ = [
     "DEFAULT_TIMEOUT",
     "NOT_INSTALLED",
+    "NVML_GONE",
     "PERMANENT",
     "RETRY_AFTER",
     "TIMEOUT_VAR",
@@ -58,6 +59,9 @@ NOT_INSTALLED = "the nvidia-ml-py package is not installed (pip install nvidia-m
 PERMANENT = frozenset({_LIBRARY_NOT_FOUND})
 
 TIMEOUT_VAR = "DEVICEKIT_NVML_TIMEOUT"
+# How a GPU's error starts when NVML stopped answering for every GPU after it had
+# started (the driver unloaded or updated): findings give a restart, not a GPU reset.
+NVML_GONE = "NVML stopped answering for the whole machine"
 # Well above a slow but healthy start: without persistence mode nvmlInit initializes
 # every GPU, which takes seconds on an 8-GPU machine; a hung one never returns.
 DEFAULT_TIMEOUT = 30.0
@@ -275,9 +279,12 @@ def shutdown(pynvml: Any, timeout: float) -> None:
     done = threading.Event()
 
     def run() -> None:
-        with contextlib.suppress(pynvml.NVMLError):  # at exit there is nobody left to tell
-            pynvml.nvmlShutdown()
-        done.set()
+        try:
+            # At exit there is nobody left to tell, whatever the binding raised.
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
+        finally:
+            done.set()  # the exit waits for this: set it however the call ended
 
     try:
         threading.Thread(target=run, name="devicekit-nvml-shutdown", daemon=True).start()

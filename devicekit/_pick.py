@@ -8,6 +8,7 @@ bounded, for one to free up.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from . import _claims, _nvml
+from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_indices
 from ._errors import GPUUnavailableError
 from ._format import format_bytes, format_seconds, plural
@@ -47,6 +49,27 @@ def _rejection(
     return None
 
 
+_UNRANKED = "found GPUs that torch sees but NVML cannot read"
+
+
+def _unranked() -> str | None:
+    """Why the GPUs torch sees were passed over, where NVML cannot read them; else None.
+
+    Without NVML no GPU can be ranked or checked against the limits. Before,
+    that read as "no GPU": the CPU, with nothing said, on a machine of GPUs.
+    """
+    error = _nvml.nvml_error()
+    if error is None or accelerator_type() != "cuda":
+        return None
+    count = accelerator_count()
+    if not count:
+        return None
+    return (
+        f"{_UNRANKED} ({plural(count, 'GPU')}; {error}), so none could be ranked or checked: "
+        "fix NVML (nvidia-smi says what fails), or pick one yourself (dk.try_gpu() is cuda:0)"
+    )
+
+
 _POLL_SECONDS = 0.2  # between looks while waiting: an NVML snapshot takes well under 1 ms per GPU
 
 
@@ -64,7 +87,16 @@ def _ranked(
             eligible.append((index, info))
         else:
             rejected.append((index, reason))
-    eligible.sort(key=lambda item: (-(item[1].memory_free or 0), item[1].utilization or 0, item[0]))
+    # What is unknown ranks after what is known: unknown utilization is not idle.
+    eligible.sort(
+        key=lambda item: (
+            item[1].memory_free is None,
+            -(item[1].memory_free or 0),
+            item[1].utilization is None,
+            item[1].utilization or 0,
+            item[0],
+        )
+    )
     return [(torch.device("cuda", index), info.uuid) for index, info in eligible], rejected
 
 
@@ -166,7 +198,7 @@ def _pick(
         # Jittered, so that jobs started together do not keep retrying in step.
         time.sleep(min(remaining, _POLL_SECONDS * random.uniform(0.75, 1.25)))
     if seen == 0:
-        return [], None
+        return [], _unranked()
     waited = f" after waiting {format_seconds(seconds)}" if seconds else ""
     found = len(ranked) - len(refused)
     parts = [
@@ -256,7 +288,9 @@ def pick_gpu(
     if chosen:
         return chosen[0]
     if why_not is not None:
-        _nvml.logger.info("pick_gpu: %s; using the CPU", why_not)
+        # GPUs passed over unseen are a problem to fix; GPUs that do not qualify are not.
+        level = logging.WARNING if why_not.startswith(_UNRANKED) else logging.INFO
+        _nvml.logger.log(level, "pick_gpu: %s; using the CPU", why_not)
     return torch.device("cpu")
 
 

@@ -399,7 +399,10 @@ def status() -> Status:
         # "No GPU" says nothing new beside "torch is a CPU build, but ... has GPUs".
         None if wrong_build else why_none,
         *(_gpufindings.unreadable(info) for info in ordered),
-        *(_gpufindings.lost(f"the GPU at NVML index {i}", why) for i, why in lost.items()),
+        *(
+            _gpufindings.lost(f"the GPU at NVML index {i}", why, nvml_index=i)
+            for i, why in lost.items()
+        ),
     ]
     return Status(
         devicekit=__version__,

@@ -69,6 +69,7 @@ class FakeGPU:
     # codes it raises on its next calls, one per call, before it answers again.
     errors: dict[str, int | list[int]] = field(default_factory=dict)
     lost: bool = False  # every call about this GPU raises GPU_IS_LOST (fallen off the bus)
+    fails_with: int | None = None  # every call about this GPU raises this NVML error code
     free: int | None = None  # what NVML reports free, when not total - used (a driver's oddity)
 
 
@@ -113,6 +114,8 @@ class FakeNVML(types.ModuleType):
         if handle is not None:
             if handle.lost:
                 raise NVMLError(GPU_IS_LOST)
+            if handle.fails_with is not None:
+                raise NVMLError(handle.fails_with)
             _fault(handle.errors, name)
         if handle is not None and name in handle.unsupported:
             raise NVMLError(NOT_SUPPORTED)

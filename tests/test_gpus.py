@@ -417,6 +417,33 @@ def test_pick_without_gpus(nvml_session: Install, fake_accelerator: FakeAccelera
         dk.pick_gpus(1)
 
 
+def test_pick_where_nvml_fails_but_torch_sees_gpus_says_so(
+    nvml_session: Install,
+    fake_accelerator: FakeAccelerator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: pick_gpu() returned the CPU without a word, and pick_gpus(1) said "torch is
+    # built for cuda but sees no device ... install the driver", though torch saw two.
+    fake = machine(FakeGPU(A))
+    fake.init_error = 999
+    nvml_session(fake)
+    fake_accelerator("cuda", 2)
+    with caplog.at_level(logging.INFO, logger="devicekit"):
+        assert dk.pick_gpu() == torch.device("cpu")
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("pick_gpu:")]
+    assert record.levelno == logging.WARNING
+    assert "found GPUs that torch sees but NVML cannot read (2 GPUs; NVML" in record.getMessage()
+    with pytest.raises(dk.GPUUnavailableError) as caught:
+        dk.pick_gpus(1)
+    assert str(caught.value).startswith(
+        "pick_gpus(1) found GPUs that torch sees but NVML cannot read (2 GPUs; NVML failed to start"
+    )
+    assert "dk.try_gpu() is cuda:0" in str(caught.value)
+    fake_accelerator("cuda", 0)  # torch sees none either: "no GPU", as before
+    with pytest.raises(dk.GPUUnavailableError, match=r"pick_gpus\(1\) found no GPU: "):
+        dk.pick_gpus(1)
+
+
 # --- the real GPU ----------------------------------------------------------------------------
 
 
@@ -706,3 +733,34 @@ def test_every_gpu_argument_suggests_a_gpu_not_the_cpu(
         call()
     assert fix in str(info.value)
     assert "'cpu'" not in str(info.value)
+
+
+def test_a_gpu_whose_pci_bus_is_unknown_takes_no_other_gpu_s_index(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, an unknown bus sorted first (as ""): NVML's GPU 1 became cuda:0, and
+    # pick_gpu() then named the wrong GPU. Now CUDA is asked; failing that, NVML's
+    # own order (by PCI bus too) stands.
+    fake = machine(FakeGPU(A, bus="00000000:18:00.0"), FakeGPU(B, bus="00000000:3A:00.0"))
+    fake.gpus[1].errors["nvmlDeviceGetPciInfo"] = 999  # NVML_ERROR_UNKNOWN
+    nvml_session(fake)
+    asked: list[bool] = []
+
+    def cuda_says() -> list[str] | None:
+        asked.append(True)
+        return None  # the child failed too
+
+    monkeypatch.setattr(_gpus, "_order_from_cuda", cuda_says)
+    assert [(i.uuid, i.torch_index, i.nvml_index) for i in dk.gpus()] == [(A, 0, 0), (B, 1, 1)]
+    assert asked == [True]
+
+
+def test_pick_gpu_ranks_unknown_utilization_after_known(nvml_session: Install) -> None:
+    # Before, unknown utilization ranked as 0 %: idle, ahead of a GPU known to be busy.
+    fake = three([40, 40, 40], [50, 50, 50])
+    fake.gpus[0].unsupported = {"nvmlDeviceGetUtilizationRates"}
+    fake.gpus[1].unsupported = {"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2"}
+    nvml_session(fake)
+    assert dk.gpus()[0].utilization is None
+    assert dk.gpus()[1].memory_free is None
+    assert dk.pick_gpus(3) == [torch.device("cuda", i) for i in (2, 0, 1)]

@@ -614,6 +614,73 @@ def test_a_gpu_nvml_cannot_open_is_skipped_as_cuda_skips_it(
     assert _nvml.lost_gpus() == {}  # no permission is not a fault to report
 
 
+def test_an_unknown_total_leaves_used_and_free_unknown(nvml_session: Install) -> None:
+    # Before: total None (NVML's "not available"), but free kept as 2**64 - 2**31
+    # (exabytes), and pick_gpu() chose that GPU over a healthy one.
+    fake = two_gpus()
+    fake.gpus[1].total, fake.gpus[1].free = 2**64 - 1, 2**64 - 2**31
+    nvml_session(fake)
+    healthy, broken = dk.gpus(all=True)
+    assert (broken.memory_total, broken.memory_used, broken.memory_free) == (None, None, None)
+    assert healthy.memory_free is not None
+    assert dk.pick_gpu() == torch.device("cuda", healthy.torch_index)
+
+
+@pytest.mark.parametrize("reading", ["40", 40.5, float("nan"), b"\xff\xff\xff\xff"])
+def test_a_reading_that_is_not_an_integer_is_unknown_not_an_error(
+    nvml_session: Install, reading: object
+) -> None:
+    # Before: int(value) raised ValueError out of dk.gpus(), dk.status() and pick_gpu(),
+    # and the healthy GPU's status was lost with it.
+    fake = two_gpus()
+    fake.gpus[0].temperature = reading  # type: ignore[assignment]
+    nvml_session(fake)
+    odd, fine = dk.gpus(all=True)
+    assert (odd.temperature, fine.temperature) == (None, 40)
+    assert "GPU" in str(dk.status())
+
+
+@pytest.mark.parametrize("code", [UNKNOWN, TIMEOUT])
+def test_a_gpu_that_answers_no_reading_has_an_error_and_is_never_picked(
+    nvml_session: Install, code: int
+) -> None:
+    # Before: every reading None, error None: pick_gpu() chose it with no limits, and
+    # doctor said only "NVML answers 'not supported' ... nothing to fix".
+    fake = two_gpus()
+    nvml_session(fake)
+    dk.gpus()
+    fake.gpus[0].fails_with = code
+    broken, fine = dk.gpus(all=True)
+    assert broken.error == f"NVML answered no reading: NVML error {code} (NVML error {code})"
+    assert fine.error is None
+    assert dk.pick_gpu() == torch.device("cuda", fine.torch_index)
+    (finding,) = [f for f in dk.status().findings if f.severity == "error"]
+    assert finding.title == f"cuda:{broken.torch_index} cannot be read"
+    assert "sudo nvidia-smi -r -i 0" in finding.fix  # its NVML index, not a placeholder
+
+
+@pytest.mark.parametrize("code", [1, DRIVER_NOT_LOADED, 18])
+def test_nvml_gone_after_its_start_is_an_error_that_says_to_restart(
+    nvml_session: Install, code: int
+) -> None:
+    # Before: uninitialized, driver not loaded or a driver/library mismatch on every call
+    # read as "unknown" everywhere, with no error: the GPUs looked healthy and were picked.
+    fake = two_gpus()
+    nvml_session(fake)
+    dk.gpus()
+    for gpu in fake.gpus:
+        gpu.fails_with = code
+    infos = dk.gpus(all=True)
+    assert all(
+        (info.error or "").startswith("NVML stopped answering for the whole machine")
+        for info in infos
+    )
+    assert dk.pick_gpu() == torch.device("cpu")
+    findings = [f for f in dk.status().findings if f.severity == "error"]
+    assert len(findings) == 2
+    assert all(f.fix.startswith("restart this process") for f in findings)
+
+
 def test_a_gpu_lost_before_enumeration_is_an_error_finding(nvml_session: Install) -> None:
     fake = two_gpus(lost=True)
     nvml_session(fake)
@@ -746,6 +813,23 @@ def test_the_shutdown_at_exit_cannot_hang_the_exit(
         assert fake.shutdown_calls == 1
     finally:
         fake.shutdown_gate.set()
+
+
+def test_a_shutdown_that_raises_something_else_does_not_hold_up_the_exit(
+    nvml_session: Install,
+) -> None:
+    # Before, an error other than NVMLError from nvmlShutdown (a binding's own) skipped
+    # the thread's done.set(): the exit waited the whole bound, 30 s by default.
+    fake = one_gpu()
+    nvml_session(fake)
+
+    def broken() -> None:
+        fake.shutdown_calls += 1
+        raise AttributeError("'NoneType' object has no attribute 'nvmlShutdown'")
+
+    fake.nvmlShutdown = broken  # type: ignore[method-assign]
+    finishes(lambda: _nvmlstart.shutdown(fake, 2 * _HANG_BOUND))
+    assert fake.shutdown_calls == 1
 
 
 def test_where_no_thread_can_start_nvml_starts_in_the_caller(
