@@ -21,7 +21,7 @@ from ._format import (
     safe_text,
 )
 from ._gpuinfo import GPUInfo
-from ._nvmlstart import DEFAULT_TIMEOUT, TIMEOUT_VAR, timeout_seconds
+from ._nvmlstart import DEFAULT_TIMEOUT, NVML_SILENT, TIMEOUT_VAR, timeout_seconds
 from ._shortrepr import short_repr
 from ._visible import (
     ASCII_INT,
@@ -338,17 +338,21 @@ def unchecked(nvml_error: str | None, devices: int) -> Finding | None:
     """NVML cannot read the ``devices`` CUDA GPUs torch sees, so doctor cannot check them.
 
     Without this, ``doctor`` said "nothing wrong found" about GPUs it never looked at.
+    An error where NVML is blocked in the driver (a wedged GPU: a fault, as a
+    GPU that stops answering later is); else information (no driver, by choice).
 
     Examples:
         >>> print(unchecked("the NVIDIA driver is not loaded", 1).title)
         GPUs not checked: NVML is unavailable
+        >>> unchecked("NVML did not answer in 30 s: nvmlInit is blocked ...", 2).severity
+        'error'
         >>> unchecked(None, 1) is None
         True
     """
     if nvml_error is None or not devices:
         return None
     return Finding(
-        "info",
+        "error" if nvml_error.startswith(NVML_SILENT) else "info",
         "GPUs not checked: NVML is unavailable",
         f"{safe_text(nvml_error)}; without NVML, doctor cannot check the {plural(devices, 'GPU')} "
         "torch sees for other processes, held clocks, heat, persistence mode or free memory",

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-from ._nvmlstart import DEFAULT_TIMEOUT, RETRY_AFTER, TIMEOUT_VAR, start_timeout
+from ._nvmlstart import DEFAULT_TIMEOUT, NVML_SILENT, RETRY_AFTER, TIMEOUT_VAR, start_timeout
 
 __all__ = ["IDLE_SECONDS", "Job", "bounded", "bounded_each", "calls_blocked", "read_timeout"]
 
@@ -270,7 +270,7 @@ def bounded(
     timeout = read_timeout()
     if job.wait(timeout):
         return _answer(job, 0), None
-    job.reason = f"NVML did not answer in {timeout:g} s {doing}: {_why_unanswered(timeout)}"
+    job.reason = f"{NVML_SILENT} {timeout:g} s {doing}: {_why_unanswered(timeout)}"
     _give_up(wedged, key, job)
     return None, job.reason
 
@@ -371,7 +371,7 @@ def _wait(
         if done == len(indices):
             continue  # all answered: the job was ending as the deadline passed
         doing = units[indices[done]][2]
-        job.reason = f"NVML did not answer in {timeout:g} s {doing}: {_why_unanswered(timeout)}"
+        job.reason = f"{NVML_SILENT} {timeout:g} s {doing}: {_why_unanswered(timeout)}"
         _give_up(wedged, key, job)
         unanswered.update(dict.fromkeys(indices[done:], job.reason))
     return unanswered

@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "NOT_INSTALLED",
     "NVML_GONE",
+    "NVML_SILENT",
     "PERMANENT",
     "RETRY_AFTER",
     "TIMEOUT_VAR",
@@ -62,6 +63,8 @@ TIMEOUT_VAR = "DEVICEKIT_NVML_TIMEOUT"
 # How a GPU's error starts when NVML stopped answering for every GPU after it had
 # started (the driver unloaded or updated): findings give a restart, not a GPU reset.
 NVML_GONE = "NVML stopped answering for the whole machine"
+# How every "blocked in the driver" reason starts: a wedged driver, a fault to fix.
+NVML_SILENT = "NVML did not answer in"
 # Well above a slow but healthy start: without persistence mode nvmlInit initializes
 # every GPU, which takes seconds on an 8-GPU machine; a hung one never returns.
 DEFAULT_TIMEOUT = 30.0
@@ -179,7 +182,7 @@ class Starting:
             return
         self.module, self.failed_at = None, None  # not retried while it is still blocked
         self.error = (
-            f"NVML did not answer in {timeout:g} s: nvmlInit is blocked in the NVIDIA driver "
+            f"{NVML_SILENT} {timeout:g} s: nvmlInit is blocked in the NVIDIA driver "
             "(a hung GPU or a wedged driver: look for Xid errors in `dmesg`); if this machine "
             f"is only slow to start NVML (GPUs without persistence mode), set {TIMEOUT_VAR} "
             "to more seconds"

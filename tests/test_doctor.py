@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -312,6 +313,25 @@ def test_a_malformed_nvml_timeout_is_a_warning_not_nothing_wrong_found(
     )
     assert _cli.main(["doctor"]) == 0
     assert "nothing wrong found" not in capsys.readouterr().out
+
+
+def test_gpus_unchecked_because_nvml_is_blocked_are_an_error(
+    nvml_session: Install, cuda_build: Callable[[str | None], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: a driver that hangs at NVML's start was an "info" finding and doctor exited
+    # 0, while the same hang a moment later, reading a GPU, was an error (exit 1).
+    fake = FakeNVML([])
+    fake.init_gate = threading.Event()
+    nvml_session(fake)
+    cuda_build("12.4")
+    monkeypatch.setenv("DEVICEKIT_NVML_TIMEOUT", "0.2")
+    try:
+        findings = [f for f in dk.doctor().findings if f.title.startswith("GPUs not checked")]
+        assert [f.severity for f in findings] == ["error"]
+        assert findings[0].detail.startswith("NVML did not answer in 0.2 s")
+        assert _cli.main(["doctor"]) == 1
+    finally:
+        fake.init_gate.set()
 
 
 def test_gpus_nvml_cannot_read_are_said_to_be_unchecked(
