@@ -108,10 +108,10 @@ def gpu_map(
             worker, a result could not be sent back, or a worker died (the
             message says how: its exit code or signal, and what it was
             running, and names what its ``fn`` had started that outlived it,
-            which was stopped). Every worker is stopped before it is raised. With
-            ``executor="local"``, its ``results`` holds the results of the
-            items that had finished, by index (the others are lost), and
-            ``index`` the failed item's.
+            which was stopped). Every worker is stopped before it is raised.
+            Its ``results`` holds the results of the items that had finished,
+            by index (the others are lost), and ``index`` the failed item's,
+            with either executor.
         WorkerTimeoutError: An item ran longer than ``timeout``, or a
             worker's start-up longer than ``max(timeout, 300)`` seconds (the
             message names the item or the worker, its device, and the
@@ -122,7 +122,9 @@ def gpu_map(
             workers cannot import the main module again (a script read from
             standard input, ``python -``).
         KeyboardInterrupt: On Ctrl-C, after stopping the workers (cancelling
-            the outstanding Ray tasks).
+            the outstanding Ray tasks). Its ``results`` holds the results of
+            the items that had finished, by index, as ``WorkerError``'s does
+            (``{}`` when none had).
         ImportError: ``executor="ray"`` without Ray installed.
 
     Examples:

@@ -166,7 +166,7 @@ def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
             yield
         finally:
             if connect:
-                ray.shutdown()  # disconnects; the cluster keeps running
+                _shut_down(ray)  # disconnects; the cluster keeps running
         return
     # A local cluster of our own. Ray reads CUDA_VISIBLE_DEVICES when it starts and
     # hands out only those GPUs, so scoping it to the chosen ones pins the tasks there.
@@ -180,7 +180,23 @@ def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
     try:
         yield
     finally:
+        _shut_down(ray)
+
+
+def _shut_down(ray: Any) -> None:
+    """``ray.shutdown()``, finished even where a second Ctrl-C cuts it short.
+
+    A shutdown cut short left Ray's agents running (a minute, orphaned) and
+    Ray then ended this process before the caller's ``except`` ran: the
+    results it had caught were lost. Shutting down again finishes the job;
+    the second Ctrl-C is raised after it (the first is its ``__context__``,
+    which keeps the finished results).
+    """
+    try:
         ray.shutdown()
+    except KeyboardInterrupt:
+        ray.shutdown()
+        raise
 
 
 def ray_map(

@@ -131,6 +131,14 @@ def check_address(address: str) -> None:
     if has_scheme and scheme != "ray":
         return  # Ray imports the module the scheme names, for its client
     target = (rest if has_scheme else scheme).rstrip("/")
+    if not has_scheme and ":" not in target and target.lower() not in ("auto", "local"):
+        # Ray's own words were "ValueError: Invalid address format: localhost".
+        raise ValueError(
+            f"RAY_ADDRESS={address!r} has no port: ray.init() reads it as host:port, the "
+            f"cluster's GCS address. Set RAY_ADDRESS={target or 'head-node'}:6379 (6379 is "
+            "`ray start --head`'s default), 'auto' for the cluster started on this machine, "
+            "or unset it to let gpu_map start a local Ray for the call."
+        )
     host, _, port = target.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")  # [::1]:6379
     host = host[1:-1] if bracketed else host

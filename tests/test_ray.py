@@ -155,6 +155,23 @@ def test_an_http_ray_address_is_named_as_such_not_as_a_dns_failure(
         dk.gpu_map(math.sqrt, [1], devices="cpu", executor="ray")
 
 
+@pytest.mark.parametrize("address", ["localhost", "head-node/"])
+def test_a_ray_address_without_a_port_names_the_variable_and_the_form(
+    monkeypatch: pytest.MonkeyPatch, address: str
+) -> None:
+    # Before: Ray's "ValueError: Invalid address format: localhost", naming neither
+    # RAY_ADDRESS nor the host:port it wants.
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=False))
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    host = address.rstrip("/")
+    with pytest.raises(
+        ValueError,
+        match=rf"RAY_ADDRESS='{address}' has no port: ray.init\(\) reads it as host:port, the "
+        rf"cluster's GCS address. Set RAY_ADDRESS={host}:6379 ",
+    ):
+        dk.gpu_map(math.sqrt, [1], devices="cpu", executor="ray")
+
+
 def test_an_ipv6_ray_address_is_checked_by_its_host_and_port(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -750,6 +767,41 @@ def test_ctrl_c_keeps_the_results_that_had_finished() -> None:
         "this error's .results (a dict by item index); the others were lost."
     ]
     assert ray.cancelled == ["ref-2", "ref-3"]
+
+
+def test_a_second_ctrl_c_during_ray_s_shutdown_still_shuts_it_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, Ctrl-C cutting ray.shutdown() short left Ray's agents running, and Ray
+    # then ended the script before its `except KeyboardInterrupt` could save .results.
+    from devicekit import _ray
+
+    class Interrupted(_FakeRay):
+        def __init__(self) -> None:
+            super().__init__(initialized=False)
+            self.shutdowns = 0
+
+        def init(self, *args: Any, **kwargs: Any) -> None:
+            self.initialized = True
+
+        def shutdown(self) -> None:
+            self.shutdowns += 1
+            if self.shutdowns == 1:
+                raise KeyboardInterrupt  # the second Ctrl-C, during the first shutdown
+            self.initialized = False
+
+    ray = Interrupted()
+    first = KeyboardInterrupt()
+    first.results = {0: 1}  # type: ignore[attr-defined]
+
+    def map_cut_short() -> None:
+        with _ray._cluster(ray, None):
+            raise first
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        map_cut_short()
+    assert (ray.shutdowns, ray.initialized) == (2, False)
+    assert caught.value.__context__ is first  # whose .results the map gives the second
 
 
 class _WorkerCrashedError(_RayError):
