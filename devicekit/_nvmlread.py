@@ -58,9 +58,22 @@ _THROTTLE_NAMES = {
 _COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
 
 
+_KNOWN_BITS = sum(_THROTTLE_NAMES)
+
+
 def throttle_names(mask: int) -> tuple[str, ...]:
-    """Readable names of the bits set in an NVML clocks-event (throttle) mask."""
-    return tuple(name for bit, name in _THROTTLE_NAMES.items() if mask & bit)
+    """Readable names of the bits set in an NVML clocks-event (throttle) mask.
+
+    A bit this table lacks (a newer driver's reason) is named by its value,
+    never dropped: a GPU whose clocks are held must not read as held by nothing.
+
+    Examples:
+        >>> throttle_names(0x4 | 1 << 40)
+        ('power_cap', 'reason_0x10000000000')
+    """
+    known = [name for bit, name in _THROTTLE_NAMES.items() if mask & bit]
+    rest = mask & ~_KNOWN_BITS
+    return (*known, *(f"reason_{1 << i:#x}" for i in range(rest.bit_length()) if rest >> i & 1))
 
 
 def read_gpu(

@@ -550,6 +550,14 @@ def test_nvml_sentinels_and_impossible_readings_are_none_not_numbers(
     assert "4294967" not in repr(info) + str(dk.status())
 
 
+def test_a_throttle_reason_newer_than_devicekit_is_named_by_its_bit(
+    nvml_session: Install,
+) -> None:
+    # Before: dropped, and the status read "clocks held by: nothing".
+    nvml_session(one_gpu(throttle=0x4 | 1 << 40))
+    assert dk.gpus()[0].throttle_reasons == ("power_cap", "reason_0x10000000000")
+
+
 def test_a_fan_may_pass_100_percent(nvml_session: Install) -> None:
     nvml_session(one_gpu(fan=110))  # NVML: a percentage of the rated speed, may exceed 100
     assert dk.gpus()[0].fan_speed == 110
