@@ -22,7 +22,9 @@ from ._gpuinfo import GPUInfo, GPUProcess
 from ._nvmlbound import Job, bounded, bounded_each
 from ._nvmlstart import (
     DEFAULT_TIMEOUT,
+    NO_PERMISSION,
     NVML_GONE,
+    NVML_GONE_CODES,
     RETRY_AFTER,
     TIMEOUT_VAR,
     Starting,
@@ -72,10 +74,6 @@ FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
 _RESET_REQUIRED = 16
 _ARGUMENT_VERSION_MISMATCH = 25
-NO_PERMISSION = 4
-# Answers that NVML itself has gone, after it had started: uninitialized (shut down
-# under us), the driver unloaded, or the driver replaced by another version.
-_NVML_GONE_CODES = frozenset({1, 9, 18})
 # What a driver answers for a call (or a version of one) it does not have. Only these
 # say "this driver lacks it"; any other error is about one GPU, or one moment.
 ABSENT_CALLS = frozenset({FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH})
@@ -403,7 +401,7 @@ def _enumerate(nv: Any) -> tuple[list[PhysicalGPU] | None, str | None, dict[int,
 def failure_reason(error: BaseException) -> str:
     """An NVML error as a reason: what NVML says, and what it means where that is not plain."""
     code = error_code(error)
-    if code in _NVML_GONE_CODES:
+    if code in NVML_GONE_CODES:
         return (
             f"{NVML_GONE}: {error} (NVML error {code}); the NVIDIA driver was unloaded or "
             "updated since this process started NVML"
@@ -425,7 +423,7 @@ def lost_reason(error: BaseException) -> str | None:
     snapshot would answer either.
     """
     code = error_code(error)
-    lost = code in (_GPU_IS_LOST, _RESET_REQUIRED) or code in _NVML_GONE_CODES
+    lost = code in (_GPU_IS_LOST, _RESET_REQUIRED) or code in NVML_GONE_CODES
     return failure_reason(error) if lost else None
 
 

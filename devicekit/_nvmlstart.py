@@ -22,7 +22,9 @@ from ._frames import caller_stacklevel
 __all__ = [
     "DEFAULT_TIMEOUT",
     "NOT_INSTALLED",
+    "NO_PERMISSION",
     "NVML_GONE",
+    "NVML_GONE_CODES",
     "NVML_SILENT",
     "PERMANENT",
     "RETRY_AFTER",
@@ -37,7 +39,8 @@ __all__ = [
 ]
 
 # NVML's return codes for a start that failed (pynvml exposes the same numbers).
-_NO_PERMISSION = 4
+_UNINITIALIZED = 1
+NO_PERMISSION = 4
 _DRIVER_NOT_LOADED = 9
 _LIBRARY_NOT_FOUND = 12
 _RM_VERSION_MISMATCH = 18
@@ -48,7 +51,7 @@ _INIT_ERRORS = {
         "the NVIDIA driver is not loaded (no nvidia kernel module; in a container, "
         "start it with --gpus all)"
     ),
-    _NO_PERMISSION: "no permission to talk to the NVIDIA driver (check /dev/nvidia* permissions)",
+    NO_PERMISSION: "no permission to talk to the NVIDIA driver (check /dev/nvidia* permissions)",
     _RM_VERSION_MISMATCH: (
         "the NVIDIA driver library and kernel module versions differ (reboot after a driver update)"
     ),
@@ -63,6 +66,9 @@ TIMEOUT_VAR = "DEVICEKIT_NVML_TIMEOUT"
 # How a GPU's error starts when NVML stopped answering for every GPU after it had
 # started (the driver unloaded or updated): findings give a restart, not a GPU reset.
 NVML_GONE = "NVML stopped answering for the whole machine"
+# The answers that say so: uninitialized (shut down under us), the driver unloaded, or
+# the driver replaced by another version. At the start they are start failures.
+NVML_GONE_CODES = frozenset({_UNINITIALIZED, _DRIVER_NOT_LOADED, _RM_VERSION_MISMATCH})
 # How every "blocked in the driver" reason starts: a wedged driver, a fault to fix.
 NVML_SILENT = "NVML did not answer in"
 # Well above a slow but healthy start: without persistence mode nvmlInit initializes
