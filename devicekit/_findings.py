@@ -34,6 +34,8 @@ from ._visible import (
 )
 
 __all__ = [
+    "NO_STATUS",
+    "NVML_FIX",
     "SEVERITIES",
     "Finding",
     "Severity",
@@ -44,6 +46,7 @@ __all__ = [
     "names_no_gpu",
     "no_gpu",
     "no_gpu_reason",
+    "nvml_cannot_read",
     "torch_cannot_use_gpus",
     "unchecked",
     "visibility",
@@ -227,6 +230,24 @@ def no_gpu(accelerator: str | None, visible: int, nvml_error: str | None) -> Fin
         f"{why}; dk.try_gpu() returns cpu",
         "nothing to fix if that is intended; otherwise install the driver",
     )
+
+
+NVML_FIX = "fix NVML (nvidia-smi says what fails)"
+NO_STATUS = f", so none has a status: {NVML_FIX}"  # follows nvml_cannot_read() where no pick is
+
+
+def nvml_cannot_read(torch_sees: int, nvml_error: str) -> str:
+    """GPUs that torch sees but NVML cannot read, as the start of an error clause.
+
+    Without NVML these GPUs have no status and cannot be ranked, but they are
+    there: "no GPU ... install the driver" would send the reader the wrong way.
+
+    Examples:
+        >>> nvml_cannot_read(2, "NVML failed to start")
+        'torch sees 2 GPUs but NVML cannot read them (NVML failed to start)'
+    """
+    them = "it" if torch_sees == 1 else "them"
+    return f"torch sees {plural(torch_sees, 'GPU')} but NVML cannot read {them} ({nvml_error})"
 
 
 def no_gpu_reason(accelerator: str | None, nvml_error: str | None, unusable: int = 0) -> str:

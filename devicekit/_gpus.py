@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from . import _nvml, _nvmlread
-from ._accelerators import accelerator_type
+from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_index
 from ._errors import GPUNotFoundError
-from ._findings import no_gpu_reason
+from ._findings import NO_STATUS, no_gpu_reason, nvml_cannot_read
 from ._keywords import suggest_keywords
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_flag
@@ -53,6 +53,7 @@ __all__ = [
     "gpus",
     "nvml_handle",
     "torch_has_cuda",
+    "unread_by_nvml",
     "visible_gpus",
     "why_none_visible",
 ]
@@ -165,6 +166,18 @@ def why_none_visible() -> str:
     """Why this process sees no GPU, and the fix, as one clause for an error message."""
     unusable = 0 if torch_has_cuda() else len(_nvml.physical_gpus())
     return no_gpu_reason(accelerator_type(), _nvml.nvml_error(), unusable)
+
+
+def unread_by_nvml() -> str | None:
+    """The GPUs torch sees where NVML cannot read them (`nvml_cannot_read`); else None.
+
+    Counted by torch, which asks NVML first and then the driver, so nothing starts.
+    """
+    error = _nvml.nvml_error()
+    if error is None or accelerator_type() != "cuda":
+        return None
+    count = accelerator_count()
+    return nvml_cannot_read(count, error) if count else None
 
 
 def visible_gpus() -> list[_Visible]:
@@ -367,10 +380,15 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
     if wanted < len(visible):
         return _snapshot(visible[wanted], wanted)
     if not visible:
-        also = "; dk.gpus(all=True) describes them all the same" if _nvml.physical_gpus() else ""
+        unread = unread_by_nvml()
+        if unread is not None:
+            why = unread + NO_STATUS
+        else:
+            machine = _nvml.physical_gpus()
+            also = "; dk.gpus(all=True) describes them all the same" if machine else ""
+            why = f"this process sees no GPU: {why_none_visible()}{also}"
         raise GPUNotFoundError(
-            f"index={short_repr(index)}: cuda:{wanted} cannot be described: this process sees no "
-            f"GPU: {why_none_visible()}{also}"
+            f"index={short_repr(index)}: cuda:{wanted} cannot be described: {why}"
         )
     listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
     raise GPUNotFoundError(

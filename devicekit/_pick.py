@@ -16,12 +16,12 @@ from collections.abc import Iterable
 import torch
 
 from . import _claims, _nvml
-from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_indices
 from ._errors import GPUUnavailableError
+from ._findings import NVML_FIX
 from ._format import format_bytes, format_seconds, plural
 from ._gpuinfo import GPUInfo
-from ._gpus import gpus, why_none_visible
+from ._gpus import gpus, unread_by_nvml, why_none_visible
 from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds
 from ._shortrepr import short_repr
@@ -49,7 +49,7 @@ def _rejection(
     return None
 
 
-_UNRANKED = "found GPUs that torch sees but NVML cannot read"
+_UNRANKED = "found no GPU it could rank: "
 
 
 def _unranked() -> str | None:
@@ -58,16 +58,10 @@ def _unranked() -> str | None:
     Without NVML no GPU can be ranked or checked against the limits. Before,
     that read as "no GPU": the CPU, with nothing said, on a machine of GPUs.
     """
-    error = _nvml.nvml_error()
-    if error is None or accelerator_type() != "cuda":
+    unread = unread_by_nvml()
+    if unread is None:
         return None
-    count = accelerator_count()
-    if not count:
-        return None
-    return (
-        f"{_UNRANKED} ({plural(count, 'GPU')}; {error}), so none could be ranked or checked: "
-        "fix NVML (nvidia-smi says what fails), or pick one yourself (dk.try_gpu() is cuda:0)"
-    )
+    return f"{_UNRANKED}{unread}: {NVML_FIX}, or pick one yourself (dk.try_gpu() is cuda:0)"
 
 
 _POLL_SECONDS = 0.2  # between looks while waiting: an NVML snapshot takes well under 1 ms per GPU

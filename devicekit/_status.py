@@ -143,6 +143,9 @@ class Status:
         for info in self.visible:
             if info.torch_index == wanted:
                 return info
+        unread = self._unread()
+        if unread is not None and wanted < len(self.devices):
+            raise GPUNotFoundError(f"cuda:{wanted} cannot be described: {unread}")
         raise GPUNotFoundError(f"there is no cuda:{wanted}; {self._visible_names()}")
 
     def select(self, indices: Iterable[DeviceLike]) -> Status:
@@ -157,10 +160,19 @@ class Status:
         chosen = tuple({info.torch_index: info for info in found}.values())
         return dataclasses.replace(self, gpus=chosen)
 
+    def _unread(self) -> str | None:
+        """Why the GPUs torch sees have no status (NVML cannot read them), or None."""
+        if self.nvml_error is None or self.accelerator != "cuda" or not self.devices:
+            return None
+        return _findings.nvml_cannot_read(len(self.devices), self.nvml_error) + _findings.NO_STATUS
+
     def _visible_names(self) -> str:
         names = [info.device or "" for info in self.visible]
         if names:
             return f"this process sees {plural(len(names), 'GPU')}: {', '.join(names)}"
+        unread = self._unread()
+        if unread is not None:
+            return unread
         unusable = 0 if self._cuda_build else len(self._machine)
         reason = _findings.no_gpu_reason(self.accelerator, self.nvml_error, unusable)
         return f"this process sees no GPU: {reason}"

@@ -417,6 +417,36 @@ def test_pick_without_gpus(nvml_session: Install, fake_accelerator: FakeAccelera
         dk.pick_gpus(1)
 
 
+def test_describing_a_gpu_torch_sees_but_nvml_cannot_read_says_so(
+    nvml_session: Install, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: dk.gpu(0) and dk.status().gpu(0) said "this process sees no GPU: torch is
+    # built for cuda but sees no device ... install the driver", though torch saw two.
+    fake = machine(FakeGPU(A))
+    fake.init_error = 999
+    nvml_session(fake)
+    fake_accelerator("cuda", 2)
+    expected = "cuda:1 cannot be described: torch sees 2 GPUs but NVML cannot read them (NVML"
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        dk.gpu(1)
+    assert str(caught.value).startswith(f"index=1: {expected}")
+    assert str(caught.value).endswith("so none has a status: fix NVML (nvidia-smi says what fails)")
+    assert "install the driver" not in str(caught.value)
+    snapshot = dk.status()
+    assert snapshot.devices == ("cuda:0", "cuda:1")
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        snapshot.gpu(1)
+    assert str(caught.value).startswith(expected)
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        snapshot.gpu(2)  # beyond what torch sees: no such GPU, and why the others are unread
+    assert str(caught.value).startswith(
+        "there is no cuda:2; torch sees 2 GPUs but NVML cannot read them (NVML"
+    )
+    fake_accelerator("cuda", 0)  # torch sees none either: "no GPU", as before
+    with pytest.raises(dk.GPUNotFoundError, match=r"this process sees no GPU: torch is built"):
+        dk.gpu(0)
+
+
 def test_pick_where_nvml_fails_but_torch_sees_gpus_says_so(
     nvml_session: Install,
     fake_accelerator: FakeAccelerator,
@@ -432,11 +462,14 @@ def test_pick_where_nvml_fails_but_torch_sees_gpus_says_so(
         assert dk.pick_gpu() == torch.device("cpu")
     (record,) = [r for r in caplog.records if r.getMessage().startswith("pick_gpu:")]
     assert record.levelno == logging.WARNING
-    assert "found GPUs that torch sees but NVML cannot read (2 GPUs; NVML" in record.getMessage()
+    assert "found no GPU it could rank: torch sees 2 GPUs but NVML cannot read them (NVML" in (
+        record.getMessage()
+    )
     with pytest.raises(dk.GPUUnavailableError) as caught:
         dk.pick_gpus(1)
     assert str(caught.value).startswith(
-        "pick_gpus(1) found GPUs that torch sees but NVML cannot read (2 GPUs; NVML failed to start"
+        "pick_gpus(1) found no GPU it could rank: torch sees 2 GPUs but NVML cannot read them "
+        "(NVML failed to start"
     )
     assert "dk.try_gpu() is cuda:0" in str(caught.value)
     fake_accelerator("cuda", 0)  # torch sees none either: "no GPU", as before
