@@ -28,6 +28,7 @@ from ._accelerators import (
     default_cuda_device,
     try_all_gpus,
 )
+from ._devicewords import device_type, fix_for, parses, unreadable
 from ._errors import DeviceNotFoundError
 from ._format import article, first_line, plural, shorten
 from ._options import check_index, is_one_index, tensor_got
@@ -39,6 +40,7 @@ __all__ = [
     "describe_devices",
     "parse_cuda_index",
     "parse_cuda_indices",
+    "parse_devices",
     "resolve_cuda_devices",
     "resolve_device",
     "resolve_devices",
@@ -77,9 +79,6 @@ _LABELS = {
 _IN_TREE = frozenset({"cpu", "meta", "cuda", "xpu", "mps", "mtia"})
 # The package that makes each out-of-tree type work, for the message when it is missing.
 _PACKAGES = {"hpu": "habana_frameworks.torch", "xla": "torch_xla"}
-# Device types that a backend's package adds by renaming torch's spare one (privateuse1):
-# until it is imported, torch cannot even parse the name.
-_RENAMED_BY = {"npu": "torch_npu", "musa": "torch_musa"}
 _EXPECTED = "a torch.device, a device string such as 'cuda:0', or an accelerator index"
 # Device strings already read (torch.device() costs 0.3 µs, checking its type 0.5 µs):
 # 'cpu' and 'meta' to their one device, which nothing later changes; an accelerator's
@@ -205,6 +204,23 @@ def resolve_devices(value: object, *, name: str = "devices") -> list[torch.devic
     return [resolve_device(item, name=label) for label, item in _entries(value, name)]
 
 
+def parse_devices(value: object, *, name: str = "devices") -> list[torch.device]:
+    """Read a list-of-devices argument by form only: for devices of other machines.
+
+    As `resolve_devices()`, but nothing is checked against this process: a
+    Ray cluster's GPUs are not this machine's, and ``"cuda"`` stays without
+    an index (any GPU the cluster assigns). An int is still an index of this
+    build's accelerator (``1`` is ``cuda:1``), and a string torch cannot
+    parse is refused as everywhere.
+
+    Examples:
+        >>> from devicekit._devices import parse_devices
+        >>> parse_devices("cuda"), parse_devices(["cpu"])
+        ([device(type='cuda')], [device(type='cpu')])
+    """
+    return [_parse(item, label) for label, item in _entries(value, name)]
+
+
 def _not_found(diagnosis: str, fix: str, gpu_fix: str | None = None) -> DeviceNotFoundError:
     """``"{diagnosis}. {fix}"``, its parts kept for a caller that takes GPUs only.
 
@@ -299,10 +315,10 @@ or write 'cuda:1'
         )
     elif text.isascii() and text.isdigit() and len(text) < 20:  # int() refuses 4300 digits
         fix = f"pass the torch index as an int, {int(text)}, or write 'cuda:{int(text)}'"
-    elif not _parses(value) and not _parses(_device_type(text)):
+    elif not parses(value) and not parses(device_type(text)):
         fix = "pass a GPU's torch index, such as 0 or 'cuda:0'"
     else:
-        return  # a device torch reads, or a known type miswritten (_unreadable says how)
+        return  # a device torch reads, or a known type miswritten (unreadable() says how)
     raise ValueError(f"{name}={short_repr(value)} is not a device torch knows; {fix}")
 
 
@@ -330,7 +346,7 @@ def _parse(value: object, name: str) -> torch.device:
         try:
             return torch.device(value)
         except RuntimeError as error:
-            raise _unreadable(value, name, shorten(first_line(error), 120)) from None
+            raise unreadable(value, name, shorten(first_line(error), 120)) from None
     if isinstance(value, torch.device):
         return value
     if hasattr(value, "__index__"):
@@ -352,78 +368,7 @@ def _parse(value: object, name: str) -> torch.device:
                 f"Pass 'cpu', or dk.try_gpu({index}) to fall back to the CPU when there is no GPU.",
             )
         return torch.device(kind, index)
-    raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}{_fix_for(value, name)}")
-
-
-def _fix_for(value: object, name: str) -> str:
-    """The fix for an object given as a device that only stands near one, or ``""``."""
-    if isinstance(value, torch.cuda.device):  # the context manager, not a device
-        index = value.idx if isinstance(value.idx, int) and value.idx >= 0 else None
-        meant = "'cuda'" if index is None else f"torch.device('cuda', {index}) or 'cuda:{index}'"
-        return f" (the torch.cuda.device context manager); pass {meant}"
-    devices = (torch.device, str, int)
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], devices):
-        return f"; pass one device, not a list of them ({name}={short_repr(value[0])})"
-    if isinstance(value, torch.nn.Module):
-        return "; pass next(model.parameters()).device to use the device a model is on"
-    return ""
-
-
-def _unreadable(value: str, name: str, reason: str) -> ValueError:
-    """The error for a string torch cannot parse, with the string it most likely means."""
-    kind, colon, index = value.strip().lower().partition(":")
-    kind = _device_type(kind)
-    fixed = kind + colon + index
-    if fixed != value and _parses(fixed):
-        fix = f"write {short_repr(fixed)} (device types are lower case, without spaces)"
-        if value.strip().lower().startswith("gpu"):
-            fix = (
-                f"write {short_repr(fixed)}, or dk.try_gpu() to use whichever accelerator this "
-                "machine has"
-            )
-        return ValueError(f"{name}={short_repr(value)} is not a device torch knows; {fix}")
-    if colon and _parses(kind):
-        # Stripped as text: int() refuses past 4300 digits, and such an index parses nowhere.
-        digits = index.lstrip("0") or "0"
-        if index.isascii() and index.isdigit() and _parses(f"{kind}:{digits}"):
-            # torch reads no leading zero: "cuda:00" is refused, though written in digits.
-            return ValueError(
-                f"{name}={short_repr(value)} is not a device torch knows ({reason}): torch reads "
-                f"no leading zero in the index; write '{kind}:{digits}'"
-            )
-        return ValueError(
-            f"{name}={short_repr(value)} is not a device torch knows ({reason}): the index after "
-            f"':' must be a non-negative integer written with the digits 0-9, such as '{kind}:1', "
-            f"or leave it out ('{kind}')"
-        )
-    # torch's own message lists every type it knows (twenty of them): say the common ones.
-    common = "it knows cpu, cuda, mps, xpu, meta and a few more"
-    known = common if "Expected one" in reason else reason
-    if kind in _RENAMED_BY:  # torch learns the name only when the backend's package loads
-        package = _RENAMED_BY[kind]
-        return ValueError(
-            f"{name}={short_repr(value)} is not a device torch knows ({known}); {package} "
-            f"registers '{kind}' when imported: import {package} first, or use dk.try_gpu() "
-            "to fall back to the CPU"
-        )
-    return ValueError(
-        f"{name}={short_repr(value)} is not a device torch knows ({known}); write 'cpu', 'cuda', "
-        "'cuda:1', or an index such as 1"
-    )
-
-
-def _device_type(text: str) -> str:
-    """The device type ``text`` starts with, lower case; torch calls GPUs "cuda"."""
-    kind = text.strip().lower().partition(":")[0]
-    return "cuda" if kind == "gpu" else kind  # dk.try_gpu() is "whichever accelerator"
-
-
-def _parses(text: str) -> bool:
-    try:
-        torch.device(text)
-    except RuntimeError:
-        return False
-    return True
+    raise TypeError(f"{name} must be {_EXPECTED}, got {got(value)}{fix_for(value, name)}")
 
 
 def _check(device: torch.device, value: object, name: str) -> torch.device:

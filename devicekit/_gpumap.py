@@ -84,7 +84,9 @@ def gpu_map(
             the Ray cluster this process is connected to or that
             ``RAY_ADDRESS`` names, else on a local one started for this
             call and shut down after. ``devices=None`` then means every GPU
-            of the cluster (CPU tasks when it has none), and ``"cpu"`` CPU
+            of the cluster (CPU tasks, with a warning, when a cluster it
+            connects to has none now), ``"cuda"`` GPU tasks on any GPU of the
+            cluster (from a driver without a GPU too), and ``"cpu"`` CPU
             tasks; GPUs of this machine can be named only when the cluster
             is started for this call. Ray is optional: ``pip install
             'devicekit[ray]'``.

@@ -43,13 +43,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from ._devices import DeviceLike, resolve_devices
+from ._devices import DeviceLike, parse_devices, resolve_devices
 from ._dispatch import worker_env
 from ._errors import WorkerError
 from ._format import article, first_line
@@ -127,11 +128,38 @@ def _import_ray() -> Any:
     return ray
 
 
-def _targets(devices: object) -> list[torch.device] | None:
-    """``devices`` read by the device model: None (the cluster decides), GPUs, or ``[cpu]``."""
+def _connected() -> bool:
+    """Whether the map runs on a cluster this call does not start (so, not this machine's).
+
+    Read without importing Ray: a Ray that nobody imported is connected to nothing.
+    """
+    ray = sys.modules.get("ray")
+    initialized = ray is not None and ray.is_initialized()
+    return bool(initialized or os.environ.get("RAY_ADDRESS"))
+
+
+def _targets(devices: object, *, connected: bool) -> list[torch.device] | None:
+    """``devices`` read by the device model: None (the cluster decides), GPUs, or ``[cpu]``.
+
+    On a cluster this call connects to, the devices are the cluster's, read by
+    form only: ``"cuda"`` is "GPU tasks, on any GPU it has" (a CPU-only
+    driver may submit them), while an index names a GPU of this machine,
+    which the cluster does not hand out.
+    """
     if devices is None:
         return None
-    targets = resolve_devices(devices, name="devices")
+    if connected:
+        targets = parse_devices(devices, name="devices")
+        here = [str(device) for device in targets if device.index is not None]
+        if here:
+            raise ValueError(
+                f"devices={here} names GPUs of this machine, but gpu_map runs on a Ray "
+                "cluster that assigns GPUs itself; pass devices='cuda' (GPU tasks on any of "
+                "the cluster's GPUs), None (the same, where the cluster has GPUs) or 'cpu', "
+                "or start Ray with CUDA_VISIBLE_DEVICES set to those GPUs"
+            )
+    else:
+        targets = resolve_devices(devices, name="devices")
     if not targets:
         raise ValueError(
             "gpu_map(executor='ray') needs at least one device, got devices=[]; pass "
@@ -150,14 +178,7 @@ def _targets(devices: object) -> list[torch.device] | None:
 @contextlib.contextmanager
 def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
     """Use the Ray cluster this process is connected to or ``RAY_ADDRESS`` names, else start one."""
-    gpus = [int(device.index) for device in targets or () if device.type == "cuda"]
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
-        if gpus:
-            raise ValueError(
-                f"devices={[f'cuda:{i}' for i in gpus]} names GPUs of this machine, but gpu_map "
-                "runs on a Ray cluster that assigns GPUs itself; pass devices=None (every GPU of "
-                "the cluster) or 'cpu', or start Ray with CUDA_VISIBLE_DEVICES set to those GPUs"
-            )
         connect = not ray.is_initialized()
         if connect:
             check_address(os.environ["RAY_ADDRESS"])
@@ -170,6 +191,7 @@ def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
         return
     # A local cluster of our own. Ray reads CUDA_VISIBLE_DEVICES when it starts and
     # hands out only those GPUs, so scoping it to the chosen ones pins the tasks there.
+    gpus = [int(device.index) for device in targets or () if device.type == "cuda"]
     visible = ",".join(worker_env(index) for index in gpus) if gpus else None
     with scoped_env(ENV_VAR, visible) if gpus else contextlib.nullcontext():
         ray.init(
@@ -181,6 +203,43 @@ def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
         yield
     finally:
         _shut_down(ray)
+
+
+def _use_gpus(ray: Any, targets: list[torch.device] | None, *, connected: bool) -> bool:
+    """Whether the tasks are GPU tasks; warns where the cluster's GPUs make that a surprise.
+
+    ``devices=None`` takes GPU tasks only where the cluster has a GPU now. An
+    autoscaling cluster whose GPU nodes are at zero has none, so every item
+    would run on a CPU without a word; GPU tasks asked for by name wait for a
+    GPU to join, which on a cluster that cannot add one is forever. A local
+    cluster this call started has this machine's GPUs, checked already: on a
+    machine without one, CPU tasks are what the local executor would run too.
+    """
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if not connected:
+        return bool(gpus) if targets is None else targets[0].type == "cuda"
+    if targets is not None:
+        wanted = targets[0].type == "cuda"
+        if wanted and not gpus:
+            warnings.warn(
+                "gpu_map(executor='ray', devices='cuda'): the Ray cluster has no GPU now "
+                "(ray.cluster_resources() lists none), so the tasks wait until one joins (an "
+                "autoscaler adds GPU nodes for them); on a cluster that cannot add one they "
+                "wait forever: Ctrl-C stops them, and devices='cpu' runs them on CPUs",
+                RuntimeWarning,
+                stacklevel=caller_stacklevel(),
+            )
+        return wanted
+    if not gpus:
+        warnings.warn(
+            "gpu_map(executor='ray'): the Ray cluster has no GPU now (ray.cluster_resources() "
+            "lists none), so every item runs as a CPU task; pass devices='cuda' for GPU tasks "
+            "(an autoscaling cluster adds GPU nodes for them), or devices='cpu' to say that "
+            "CPUs are meant",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
+    return bool(gpus)
 
 
 def _shut_down(ray: Any) -> None:
@@ -209,7 +268,8 @@ def ray_map(
 ) -> list[R]:
     """``gpu_map`` on Ray: one task per item, ``1/workers_per_device`` of a GPU (or CPU) each."""
     per_device = workers_per_device_count(workers_per_device)
-    targets = _targets(devices)
+    connected = _connected()
+    targets = _targets(devices, connected=connected)
     retries = _max_retries()
     ray = _import_ray()
     work = list(items)  # gpu_map checked them
@@ -218,10 +278,7 @@ def ray_map(
     _warn_forever(retries)
     share = 1 / per_device
     with _cluster(ray, targets):
-        if targets is None:
-            use_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        else:
-            use_gpus = targets[0].type == "cuda"
+        use_gpus = _use_gpus(ray, targets, connected=connected)
         if use_gpus:
             # Ray sets CUDA_VISIBLE_DEVICES per task, but a worker that has started
             # CUDA keeps the GPU it started on: max_calls=1 gives each task a fresh

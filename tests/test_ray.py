@@ -61,9 +61,11 @@ class _Unserializable:
 class _FakeRay(types.ModuleType):
     """Just enough of ``ray`` for ray_map's bookkeeping; it never runs a task."""
 
-    def __init__(self, *, initialized: bool) -> None:
+    def __init__(self, *, initialized: bool, resources: dict[str, float] | None = None) -> None:
         super().__init__("ray")
         self.initialized = initialized
+        self.resources = {"CPU": 2.0} if resources is None else resources
+        self.options: list[dict[str, Any]] = []
         self.exceptions = types.SimpleNamespace(RayError=RuntimeError)
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
@@ -79,13 +81,14 @@ class _FakeRay(types.ModuleType):
         self.initialized = False
 
     def cluster_resources(self) -> dict[str, float]:
-        return {"CPU": 2.0}
+        return self.resources
 
     def put(self, value: object) -> object:
         return value
 
     def remote(self, **options: Any) -> Any:
         ray = self
+        self.options.append(options)
 
         class Task:
             def options(self, *, name: str) -> Task:
@@ -119,6 +122,63 @@ def test_an_item_ray_cannot_serialize_is_named_and_the_tasks_before_it_are_cance
         dk.gpu_map(math.sqrt, [1, 4, _Unserializable(), 9], devices="cpu", executor="ray")
     assert ray.submitted == ["ref-1", "ref-4"]
     assert ray.cancelled == ray.submitted
+
+
+def _submitted_as(ray: _FakeRay, devices: object, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Whether gpu_map on ``ray`` submitted GPU or CPU tasks (it stops at the second item)."""
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(TypeError, match=r"Could not serialize"):  # the fake runs no task
+        dk.gpu_map(math.sqrt, [1, _Unserializable()], devices=devices, executor="ray")
+    (options,) = ray.options
+    return "GPU" if options.get("num_gpus") else "CPU"
+
+
+def test_on_a_cluster_devices_cuda_asks_for_gpu_tasks_even_from_a_cpu_only_driver(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: "this torch build has no CUDA support ... install a torch build with CUDA",
+    # though the driver only submits tasks; the cluster's GPUs are not this machine's.
+    fake_accelerator(None, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (
+            _submitted_as(_FakeRay(initialized=True, resources={"GPU": 8}), "cuda", monkeypatch)
+            == "GPU"
+        )
+    # A cluster with no GPU now (an autoscaler's GPU nodes at zero): the tasks wait for one.
+    with pytest.warns(RuntimeWarning, match=r"has no GPU now .* so the tasks wait until one joins"):
+        assert _submitted_as(_FakeRay(initialized=True), "cuda", monkeypatch) == "GPU"
+    with pytest.raises(ValueError, match=r"devices=\['cuda:1'\] names GPUs of this machine"):
+        dk.gpu_map(math.sqrt, [1], devices=["cuda:1"], executor="ray")
+
+
+def test_on_a_cluster_without_gpus_devices_none_warns_that_items_run_on_cpus(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before, an autoscaling cluster whose GPU nodes were at zero ran every item as a CPU
+    # task without a word.
+    fake_accelerator(None, 0)
+    with pytest.warns(
+        RuntimeWarning, match=r"so every item runs as a CPU task; pass devices='cuda'"
+    ) as told:
+        assert _submitted_as(_FakeRay(initialized=True), None, monkeypatch) == "CPU"
+    assert told[0].filename == __file__  # pointed at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said outright, or GPUs there: nothing to warn of
+        assert _submitted_as(_FakeRay(initialized=True), "cpu", monkeypatch) == "CPU"
+        assert (
+            _submitted_as(_FakeRay(initialized=True, resources={"GPU": 1}), None, monkeypatch)
+            == "GPU"
+        )
+
+    class Local(_FakeRay):  # a cluster gpu_map starts on this CPU machine: as the local executor
+        def init(self, *args: Any, **kwargs: Any) -> None:
+            self.initialized = True
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _submitted_as(Local(initialized=False), None, monkeypatch) == "CPU"
 
 
 def test_a_ray_address_nothing_answers_at_is_an_error_not_a_hang(
@@ -846,14 +906,6 @@ def test_a_worker_that_died_says_how_many_times_ray_ran_fn() -> None:
     assert "may have run more than once on this item" in worker_died(1, 1, None, "")
 
 
-class _OptionsRay(_FakeRay):
-    """A fake ``ray`` that keeps the options gpu_map's task was made with."""
-
-    def remote(self, **options: Any) -> Any:
-        self.options = options
-        return super().remote(**options)
-
-
 def test_the_task_s_max_retries_is_set_as_ray_would_so_the_error_can_say_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -862,12 +914,13 @@ def test_the_task_s_max_retries_is_set_as_ray_would_so_the_error_can_say_it(
             monkeypatch.delenv("RAY_TASK_MAX_RETRIES", raising=False)
         else:
             monkeypatch.setenv("RAY_TASK_MAX_RETRIES", setting)
-        ray = _OptionsRay(initialized=True)
+        ray = _FakeRay(initialized=True)
         monkeypatch.setitem(sys.modules, "ray", ray)
         with pytest.raises(TypeError, match=r"Could not serialize"):  # the fake runs no task
             dk.gpu_map(str, [_Unserializable()], devices="cpu", executor="ray")
-        assert ray.options["max_retries"] == expected
-        assert ray.options["retry_exceptions"] is False
+        (options,) = ray.options
+        assert options["max_retries"] == expected
+        assert options["retry_exceptions"] is False
 
 
 class Unpicklable(_Unserializable):
@@ -920,7 +973,7 @@ def test_ray_task_max_retries_of_minus_one_is_warned_of_once_at_the_map_s_start(
 ) -> None:
     # Before, with -1 an fn that ends its worker left gpu_map waiting forever, without a word.
     monkeypatch.setenv("RAY_TASK_MAX_RETRIES", "-1")
-    ray = _OptionsRay(initialized=True)
+    ray = _FakeRay(initialized=True)
     monkeypatch.setitem(sys.modules, "ray", ray)
     with (
         pytest.warns(RuntimeWarning) as told,
@@ -933,7 +986,7 @@ def test_ray_task_max_retries_of_minus_one_is_warned_of_once_at_the_map_s_start(
         "killer); set RAY_TASK_MAX_RETRIES to a count, such as 3, or 0"
     ]
     assert told[0].filename == __file__  # pointed at the caller's line
-    assert ray.options["max_retries"] == -1
+    assert ray.options[0]["max_retries"] == -1
     monkeypatch.setenv("RAY_TASK_MAX_RETRIES", "3")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -582,6 +582,16 @@ def test_gpus_named_here_are_refused_on_a_running_cluster(
         dk.gpu_map(math.sqrt, [1], devices=[1], executor="ray")
 
 
+def test_devices_cuda_runs_gpu_tasks_on_the_cluster_from_a_cpu_only_driver(cluster: Any) -> None:
+    # Before: refused with "this torch build has no CUDA support ... install a torch build
+    # with CUDA", though this driver only submits tasks to the cluster's (logical) GPUs.
+    if torch.cuda.is_available():
+        pytest.skip("needs a driver without a GPU")
+    results = dk.gpu_map(where, range(2), devices="cuda", executor="ray")
+    assert [item for item, _, _ in results] == [0, 1]
+    assert all(visible in {"0", "1"} and ids == [visible] for _, visible, ids in results)
+
+
 _CONNECT = """
 import json, ray, devicekit as dk
 from tests.compat.test_ray import where
