@@ -308,7 +308,9 @@ def ray_map(
             for ref in refs:
                 ray.cancel(ref, force=True)
             raise
-        return _collect(ray, refs, work, Progress(len(work), progress), retries=retries)
+        return _collect(
+            ray, refs, work, Progress(len(work), progress), retries=retries, cpu_tasks=not use_gpus
+        )
 
 
 def _put_fn(ray: Any, fn: object) -> Any:
@@ -373,10 +375,13 @@ def _collect(
     progress: Progress,
     *,
     retries: int | None = None,
+    cpu_tasks: bool = False,
 ) -> list[Any]:
     """Results in input order as tasks finish; on failure or Ctrl-C, cancel what is left.
 
     ``retries``: the tasks' ``max_retries``, for the message of a worker that died.
+    ``cpu_tasks``: whether they are CPU tasks, so that a message Ray's error makes
+    says "(the CPU)", as a task's own do (a GPU task's GPU is not in Ray's error).
 
     A failure raises a `WorkerError` that keeps every result already in (by
     index), as the local executor's do: nothing finished is lost. Tasks that
@@ -393,7 +398,7 @@ def _collect(
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL)
             for ref in ready:
                 index = position[ref]
-                ok, value = _get(ray, ref, index, work[index], retries)
+                ok, value = _get(ray, ref, index, work[index], retries, cpu_tasks=cpu_tasks)
                 if ok:
                     finished[index] = value
                     progress.step()
@@ -412,7 +417,13 @@ def _collect(
 
 
 def _get(
-    ray: Any, ref: Any, index: int, item: object, retries: int | None = None
+    ray: Any,
+    ref: Any,
+    index: int,
+    item: object,
+    retries: int | None = None,
+    *,
+    cpu_tasks: bool = False,
 ) -> tuple[bool, Any]:
     """``(True, result)``, rebuilt here, or ``(False, message)`` if the item failed.
 
@@ -425,7 +436,7 @@ def _get(
     try:
         answer = ray.get(ref)
     except ray.exceptions.RayError as error:  # the worker died, was killed, ...
-        return False, ray_failed(ray, error, index, item, retries)
+        return False, ray_failed(ray, error, index, item, retries, cpu_task=cpu_tasks)
     except KeyboardInterrupt as error:
         raise KeyboardInterrupt(
             f"gpu_map: while the result of item {index} ({show_item(item)}) was rebuilt here: "

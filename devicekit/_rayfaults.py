@@ -217,14 +217,23 @@ def result_not_rebuilt(index: int, item: object, what: str) -> str:
 
 
 def ray_failed(
-    ray: Any, error: BaseException, index: int, item: object, retries: int | None = None
+    ray: Any,
+    error: BaseException,
+    index: int,
+    item: object,
+    retries: int | None = None,
+    *,
+    cpu_task: bool = False,
 ) -> str:
     """The message for a task that Ray failed: its item, its result, or the task itself.
 
     ``retries``: the task's ``max_retries`` (None: unknown), said when its worker died.
+    ``cpu_task``: a CPU task, named "(the CPU)" as the task names itself (`_raytask.where`).
     """
     node = _NODE.search(plain_text(str(error)))
     where = f"a Ray task on {node.group(1)}" if node else "a Ray task"
+    if cpu_task:
+        where += " (the CPU)"
     crashed = getattr(ray.exceptions, "WorkerCrashedError", None)
     if isinstance(crashed, type) and isinstance(error, crashed):
         return worker_died(index, item, retries, plain_text(str(error)))

@@ -353,12 +353,14 @@ def test_keyboard_interrupt_in_fn_is_reported_as_fn_s_not_as_a_cancellation(
 def test_a_result_ray_cannot_serialize_is_named_as_the_local_executor_names_it(
     cluster: Any,
 ) -> None:
-    # Before, Ray's own traceback, with terminal colour codes in it.
+    # Before, Ray's own traceback, with terminal colour codes in it; then a CPU task's
+    # message lacked the "(the CPU)" that the task's own messages carry.
     with pytest.raises(dk.WorkerError) as caught:
         dk.gpu_map(lock, [7], devices="cpu", executor="ray")
     message = str(caught.value)
     assert re.fullmatch(
-        r"gpu_map: the result of item 0 \(7\) cannot be sent back from a Ray task on \S+: "
+        r"gpu_map: the result of item 0 \(7\) cannot be sent back from a Ray task on \S+ "
+        r"\(the CPU\): "
         r"TypeError: cannot pickle '_thread.lock' object. Return picklable data: numbers, "
         r"strings, tensors, or containers of them.",
         message,
