@@ -41,12 +41,16 @@ except ImportError:  # Windows has no flock
 __all__ = [
     "DIR_VAR",
     "PID_WIDTH",
+    "PROC_LOCKS",
     "cannot",
     "check_chosen_directory",
     "claims_directory",
+    "claims_path",
     "fcntl",
     "holder",
     "lock_file",
+    "lock_name",
+    "locked_by",
     "share_lock",
 ]
 
@@ -89,11 +93,7 @@ def claims_directory() -> Path:
         '0o700'
     """
     chosen = os.environ.get(DIR_VAR)
-    if chosen:
-        path = _chosen_path(chosen)
-    else:
-        base = _SHARED_TMP if os.path.isdir(_SHARED_TMP) else tempfile.gettempdir()
-        path = Path(base) / f"devicekit-{os.getuid()}"
+    path = claims_path()
     try:
         if chosen and not os.path.lexists(path.parent):
             path.parent.mkdir(parents=True, exist_ok=True)  # "devicekit creates it"
@@ -111,6 +111,19 @@ def claims_directory() -> Path:
         except OSError as error:
             raise cannot("make private (mode 0700)", path, error) from None
     return path
+
+
+def claims_path() -> Path:
+    """Where `claims_directory` is, without creating or checking it.
+
+    Raises:
+        ValueError: ``$DEVICEKIT_CLAIMS_DIR`` is a relative path.
+    """
+    chosen = os.environ.get(DIR_VAR)
+    if chosen:
+        return _chosen_path(chosen)
+    base = _SHARED_TMP if os.path.isdir(_SHARED_TMP) else tempfile.gettempdir()
+    return Path(base) / f"devicekit-{os.getuid()}"
 
 
 def check_chosen_directory() -> None:
@@ -219,8 +232,13 @@ def cannot(action: str, path: Path, error: OSError) -> OSError:
 
 
 def lock_file(uuid: str) -> Path:
+    return claims_directory() / (lock_name(uuid) + ".lock")
+
+
+def lock_name(uuid: str) -> str:
+    """A GPU's UUID as its lock file is named, without ``.lock``."""
     # Old drivers name MIG instances "MIG-GPU-<uuid>/<gi>/<ci>": no slashes in a file name.
-    return claims_directory() / (re.sub(r"[^A-Za-z0-9._-]", "_", uuid) + ".lock")
+    return re.sub(r"[^A-Za-z0-9._-]", "_", uuid)
 
 
 def share_lock(directory_fd: int) -> None:
@@ -237,7 +255,7 @@ def share_lock(directory_fd: int) -> None:
             return
 
 
-_PROC_LOCKS = "/proc/locks"
+PROC_LOCKS = "/proc/locks"
 
 
 def holder(uuid: str) -> int | None:
@@ -289,6 +307,14 @@ def _exists(pid: int) -> bool:
     return stat is None or not stat[1] or stat[1][0] != b"Z"
 
 
+def locked_by(path: Path) -> tuple[bool, int | None]:
+    """Whether the kernel's lock table lists ``path`` as claimed, and by which pid (`holder`)."""
+    try:
+        return _kernel_holder(os.stat(path))
+    except OSError:  # gone, or not ours to look at
+        return False, None
+
+
 def _kernel_holder(info: os.stat_result) -> tuple[bool, int | None]:
     """Whether ``/proc/locks`` lists an exclusive ``flock`` on this file, and by which pid.
 
@@ -297,7 +323,7 @@ def _kernel_holder(info: os.stat_result) -> tuple[bool, int | None]:
     file system whose device number there differs from ``stat``'s (btrfs).
     """
     try:
-        with open(_PROC_LOCKS, encoding="ascii") as table:
+        with open(PROC_LOCKS, encoding="ascii") as table:
             lines = table.readlines()
     except (OSError, UnicodeDecodeError):
         return False, None

@@ -333,7 +333,21 @@ def _parser() -> _Parser:
         "'allow max_time of at least ...' means this",
     )
     _shared_options(bench, top=False, ids=False)
-    parser.commands = {"status": status, "watch": watch, "doctor": doctor, "bench": bench}
+    claims = commands.add_parser(
+        "claims",
+        help="show which processes hold GPU claims (pick_gpu(claim=True), claim_gpu)",
+        description="List the GPU claims held on this machine (by every user's jobs that "
+        "share this claims directory), from the kernel's lock table: each GPU, and the pid "
+        "and name of the process that holds it. Creates and locks nothing.",
+    )
+    _shared_options(claims, top=False, ids=False)
+    parser.commands = {
+        "status": status,
+        "watch": watch,
+        "doctor": doctor,
+        "bench": bench,
+        "claims": claims,
+    }
     return parser
 
 
@@ -424,7 +438,7 @@ def _run(parser: _Parser, args: argparse.Namespace) -> int:
     if args.command == "watch":
         return _watch(parser, args)  # it loads torch in its own Ctrl-C handling
     _load_torch()
-    if args.command in ("doctor", "bench"):
+    if args.command in ("doctor", "bench", "claims"):
         if args.id is not None:  # given before the subcommand: `devicekit -i 0 doctor`
             command = parser.commands[args.command]
             command.error(_no_ids(command.prog))
@@ -434,6 +448,11 @@ def _run(parser: _Parser, args: argparse.Namespace) -> int:
             diagnosis = doctor()
             show(diagnosis, json_form=args.json)
             return diagnosis.exit_code
+        if args.command == "claims":
+            from ._claimlist import claims_report  # noqa: PLC0415 - see _snapshot
+
+            show(claims_report(), json_form=args.json)
+            return 0
         from ._bench import bench  # noqa: PLC0415 - see _snapshot
 
         max_time = {} if args.max_time is None else {"max_time": args.max_time}

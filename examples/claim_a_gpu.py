@@ -7,7 +7,8 @@ Start it several times at once and each run gets a different GPU:
 With more runs than GPUs, the extra runs wait (here up to 10 minutes) for a
 GPU to be released, then take it. A claim ends with the `with` block, or when
 the process exits however it exits (even killed), so a crashed job never
-leaves a GPU claimed. Without a GPU every run uses the CPU at once.
+leaves a GPU claimed. Without a GPU every run uses the CPU at once. While
+they run, `devicekit claims` shows which process holds which GPU.
 
 Claims live in /tmp/devicekit-<uid>, so jobs started from a shell, cron or
 Slurm see each other's. Where jobs cannot share /tmp (Slurm's per-job /tmp, a

@@ -791,7 +791,7 @@ def test_without_the_kernels_lock_table_a_holder_that_exited_is_not_named(
     # the pid in the file is all there is. Before, it was named even once that process
     # had exited (its pid free for reuse), and "0" named this process group.
     files = sys.modules[_claims.holder.__module__]  # where holder() reads the lock table
-    monkeypatch.setattr(files, "_PROC_LOCKS", str(tmp_path / "no-lock-table"))
+    monkeypatch.setattr(files, "PROC_LOCKS", str(tmp_path / "no-lock-table"))
     earlier = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,

@@ -1,0 +1,146 @@
+"""Who holds which GPU claim on this machine: ``devicekit claims``.
+
+A claim is a ``flock`` on a lock file (`_claims`); the files stay after their
+claims end, so a file says nothing. The kernel's lock table
+(``/proc/locks``) says which are locked, and by which pid: only that is
+shown as held. The pid a holder writes into its file is not used here: a
+file whose holder has gone keeps it, and the pid may since belong to an
+unrelated process. Listing creates nothing and locks nothing, so it cannot
+turn a job away from a GPU that it would have claimed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import _gpus, _nvml
+from ._claimfiles import PROC_LOCKS, claims_path, lock_name, locked_by
+from ._format import plural, safe_text
+from ._procfs import file_system_type, read_stat
+
+__all__ = ["ClaimsReport", "HeldClaim", "claims_report"]
+
+LOCK_TABLE = PROC_LOCKS  # where the kernel lists its locks (Linux only)
+
+
+@dataclass(frozen=True)
+class HeldClaim:
+    """One GPU claim that a live process holds.
+
+    Attributes:
+        gpu: The GPU's UUID as its lock file names it (``GPU-5a3e...``).
+        device: The GPU as this process numbers it (``"cuda:0"``), ``"nvml 3"``
+            where this process cannot see it, or None where NVML does not
+            list it (another machine's file, or no NVML here).
+        pid: The holder's pid; None where it lives in another PID namespace.
+        process: The holder's name, where this process can read it.
+    """
+
+    gpu: str
+    device: str | None
+    pid: int | None
+    process: str | None
+
+    def __str__(self) -> str:
+        where = self.device or "not a GPU NVML lists here"
+        if self.pid is None:
+            holder = "a process in another PID namespace (a container's)"
+        else:
+            holder = f"pid {self.pid}" + (f" ({safe_text(self.process)})" if self.process else "")
+        return f"{where}  {safe_text(self.gpu)}  held by {holder}"
+
+
+@dataclass(frozen=True)
+class ClaimsReport:
+    """The GPU claims held on this machine, from the kernel's lock table.
+
+    Attributes:
+        directory: The claims directory (``DEVICEKIT_CLAIMS_DIR``, else
+            ``/tmp/devicekit-<uid>``).
+        held: The claims a live process holds, by GPU.
+        lock_files: How many lock files the directory has (one per GPU ever
+            claimed), held or not.
+        unknown: Why it cannot be told which are held, or None when it can.
+    """
+
+    directory: str
+    held: tuple[HeldClaim, ...]
+    lock_files: int
+    unknown: str | None
+
+    def __str__(self) -> str:
+        head = f"GPU claims in {safe_text(self.directory)}"
+        if self.unknown is not None:
+            return f"{head}: {self.unknown}"
+        if not self.held:
+            files = plural(self.lock_files, "lock file")
+            return f"{head}: none held ({files}; a claim ends with the process that holds it)"
+        lines = [f"{head}: {plural(len(self.held), 'held')}"]
+        lines.extend(f"  {claim}" for claim in self.held)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``devicekit claims --json``."""
+        return {
+            "directory": self.directory,
+            "held": [vars(claim).copy() for claim in self.held],
+            "lock_files": self.lock_files,
+            "unknown": self.unknown,
+        }
+
+
+def claims_report() -> ClaimsReport:
+    """List the GPU claims held on this machine; creates and locks nothing.
+
+    Raises:
+        ValueError: ``DEVICEKIT_CLAIMS_DIR`` is a relative path.
+
+    Examples:
+        >>> report = claims_report()
+        >>> report.unknown is not None or all(claim.gpu for claim in report.held)
+        True
+    """
+    directory = claims_path()
+    try:
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".lock"))
+    except FileNotFoundError:
+        return ClaimsReport(str(directory), (), 0, None)  # nothing was ever claimed here
+    except OSError as error:
+        return ClaimsReport(str(directory), (), 0, f"cannot be read ({error.strerror})")
+    if not os.path.exists(LOCK_TABLE):
+        why = "cannot tell which are held: this system has no kernel lock table (/proc/locks)"
+        return ClaimsReport(str(directory), (), len(names), why)
+    if file_system_type(str(directory)) == "btrfs":
+        # Its lock table names files by a device number that stat() does not give.
+        why = (
+            "cannot tell which are held: on btrfs the kernel's lock table does not match the "
+            "files; set DEVICEKIT_CLAIMS_DIR to a directory on another file system (tmpfs)"
+        )
+        return ClaimsReport(str(directory), (), len(names), why)
+    labels = _gpu_labels()
+    held = []
+    for name in names:
+        listed, pid = locked_by(directory / name)
+        if not listed:
+            continue
+        stat = None if pid is None else read_stat(pid)
+        gpu = name.removesuffix(".lock")
+        held.append(HeldClaim(gpu, labels.get(gpu), pid, None if stat is None else stat[0]))
+    return ClaimsReport(str(directory), tuple(held), len(names), None)
+
+
+def _gpu_labels() -> dict[str, str]:
+    """Each GPU's lock-file name (its UUID, made safe) to how this process names the GPU."""
+    if _nvml.nvml_error() is not None:
+        return {}
+    labels = {}
+    for gpu in _nvml.physical_gpus():
+        if gpu.uuid:
+            labels[lock_name(gpu.uuid)] = f"nvml {gpu.nvml_index}"
+    for index, visible in enumerate(_gpus.visible_gpus()):
+        uuid = visible.uuid or visible.gpu.uuid
+        if uuid:
+            labels[lock_name(uuid)] = f"cuda:{index}"
+    return labels
