@@ -44,6 +44,7 @@ from ._claimfiles import (
     share_lock,
 )
 from ._devices import DeviceLike, parse_cuda_index, resolve_device
+from ._errors import DeviceNotFoundError
 from ._keywords import suggest_keywords
 from ._visible import ENV_VAR
 
@@ -205,10 +206,14 @@ def release_gpu(device: DeviceLike) -> bool:
     """
     try:
         index = parse_cuda_index(device, name="device")
-    except ValueError:
-        if resolve_device(device, name="device") == torch.device("cpu"):
+    except ValueError as not_cuda:
+        try:
+            cpu = resolve_device(device, name="device") == torch.device("cpu")
+        except DeviceNotFoundError:  # 'mps' on a machine without: not CUDA is the point
+            cpu = False
+        if cpu:
             return False
-        raise
+        raise not_cuda from None
     with _held.lock:
         matches = _held_at(index)
     released = [release(uuid) for uuid in matches]

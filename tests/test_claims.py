@@ -89,6 +89,9 @@ def test_release_gpu_takes_what_pick_gpu_returned(nvml_session: Install) -> None
     assert device == torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"device='meta' is not a CUDA device"):
         dk.release_gpu("meta")
+    # Before: "names an MPS device, but this torch build has no MPS support ... install".
+    with pytest.raises(ValueError, match=r"^device='mps' is not a CUDA device; pass a CUDA"):
+        dk.release_gpu("mps")
     with pytest.raises(TypeError, match=r"device must be .* got the bool True"):
         dk.release_gpu(True)  # type: ignore[arg-type]
 
