@@ -117,7 +117,10 @@ class Conditions:
         notes = []
         others = self.other_processes or ()
         if others:
-            names = ", ".join(safe_text(p.name) if p.name else f"pid {p.pid}" for p in others)
+            names = ", ".join(
+                safe_text(p.name) if p.name else "pid ?" if p.pid is None else f"pid {p.pid}"
+                for p in others
+            )
             busy = (
                 ""
                 if self.utilization_before is None
@@ -273,7 +276,9 @@ class Sampler:
         self.device = device
         self.index = device.index if device.type == "cuda" else None
         self.first: GPUInfo | None = None
-        self.others: dict[int, GPUProcess] = {}
+        # By PID; those NVML gives no PID for cannot be told apart between snapshots,
+        # so one entry (None) stands for them.
+        self.others: dict[int | None, GPUProcess] = {}
         self.clock_min: int | None = None
         self.reasons: dict[str, None] = {}
         self.last_sample = 0.0

@@ -29,6 +29,7 @@ __all__ = [
     "is_low_on_memory",
     "lost",
     "low_memory",
+    "unmatched",
     "unreadable",
 ]
 
@@ -135,6 +136,42 @@ def unreadable(info: GPUInfo) -> Finding | None:
     if info.torch_index is None or info.error is None:
         return None
     return lost(str(info.device), info.error, nvml_index=info.nvml_index)
+
+
+def unmatched(info: GPUInfo, torch_sees: int, matched: int) -> Finding:
+    """A GPU whose UUID NVML cannot read, while torch sees a ``cuda:N`` devicekit cannot place.
+
+    devicekit matches NVML's GPUs to torch's indices by UUID (CUDA's own order
+    where it has to ask CUDA for it); without the UUID this GPU is one of the
+    unplaced ``cuda:N``, or none of them, and nobody can say which. It is not
+    hidden: ``CUDA_VISIBLE_DEVICES`` did not decide it.
+
+    Examples:
+        >>> import dataclasses
+        >>> unknown = {f.name: None for f in dataclasses.fields(GPUInfo)}
+        >>> info = GPUInfo(**{**unknown, "nvml_index": 1})
+        >>> finding = unmatched(info, torch_sees=2, matched=1)
+        >>> finding.title
+        'the GPU at NVML index 1 cannot be matched to a cuda:N'
+        >>> "cuda:1" in finding.detail
+        True
+    """
+    index = info.nvml_index
+    unplaced = [f"cuda:{i}" for i in range(matched, torch_sees)]
+    error = "" if info.error is None else f"; it cannot be read either: {info.error}"
+    return Finding(
+        "warning",
+        f"the GPU at NVML index {index} cannot be matched to a cuda:N",
+        safe_text(
+            f"NVML could not read its UUID, so devicekit cannot tell which of torch's devices it "
+            f"is: torch sees {plural(torch_sees, 'GPU')}, devicekit matched {matched}, and "
+            f"{', '.join(unplaced)} {'has' if len(unplaced) == 1 else 'have'} no status (dk.gpu() "
+            f"and pick_gpu() leave {'it' if len(unplaced) == 1 else 'them'} out){error}"
+        ),
+        f"see what NVML answers for it (nvidia-smi -q -i {index}); look for Xid errors in the "
+        f"kernel log (sudo dmesg | grep -i xid); reset the GPU (sudo nvidia-smi -r -i {index}) "
+        "or reboot",
+    )
 
 
 def lost(where: str, reason: str, *, nvml_index: int | None = None) -> Finding:

@@ -35,8 +35,11 @@ class GPUProcess:
     """A process with a context on a GPU, as NVML reports it.
 
     Attributes:
-        pid: The process id NVML reports. Inside a container this can be a
-            host PID that does not exist here; then ``pid_visible`` is False.
+        pid: The process id NVML reports, or None where NVML gives none (its
+            "not available", ``0xFFFFFFFF``, or a negative number): the process
+            is real and holds ``used_memory``, but which one it is is unknown.
+            Inside a container this can be a host PID that does not exist
+            here; then ``pid_visible`` is False.
         name: The process name from ``/proc/<pid>/comm``, or None when it
             cannot be read from here. It is whatever that process chose to
             call itself: print it through ``str()``, which escapes control
@@ -45,10 +48,11 @@ class GPUProcess:
             does not say (Windows WDDM, some MIG setups).
         kind: ``"compute"`` (CUDA) or ``"graphics"``.
         pid_visible: Whether that PID exists in this process's PID namespace.
-            False for a host PID seen from inside a container.
+            False for a host PID seen from inside a container; True where
+            ``pid`` is None, which claims no namespace.
     """
 
-    pid: int
+    pid: int | None
     name: str | None
     used_memory: int | None
     kind: Literal["compute", "graphics"]
@@ -72,11 +76,14 @@ class GPUProcess:
         return f"GPUProcess({self}, {self.kind}{where})"
 
     def __str__(self) -> str:
-        if self.name is not None:
-            name = safe_text(self.name)
+        if self.pid is None:
+            pid, name = UNKNOWN, "(NVML gave no PID)"
+        elif self.name is not None:
+            pid, name = str(self.pid), safe_text(self.name)
         else:
+            pid = str(self.pid)
             name = "(another PID namespace)" if not self.pid_visible else "(name not readable)"
-        return f"{self.pid} {name} {format_bytes(self.used_memory, digits=0)}"
+        return f"{pid} {name} {format_bytes(self.used_memory, digits=0)}"
 
 
 @dataclass(frozen=True, repr=False)
@@ -111,7 +118,8 @@ class GPUInfo:
             answers *not supported* alike for a board with no fan of its own
             (passively cooled data-center GPUs) and for one whose fans the
             system controls (laptops), so None does not tell them apart.
-        compute_mode: ``"default"``, ``"exclusive_process"`` or ``"prohibited"``.
+        compute_mode: ``"default"``, ``"exclusive_process"`` or ``"prohibited"``;
+            ``"unknown (7)"`` for a mode NVML's table does not name.
         mig_enabled: Whether MIG mode is on; None when the GPU cannot tell.
         processes: Processes with a context on this GPU, or None when NVML
             cannot list them here.
@@ -307,7 +315,7 @@ _GPU_KINDS: dict[str, tuple[str, bool]] = {  # key -> (kind, None allowed)
     "processes": (_LIST, True),
 }
 _PROCESS_KINDS: dict[str, tuple[str, bool]] = {
-    "pid": (_INT, False),
+    "pid": (_INT, True),
     "name": (_STR, True),
     "used_memory": (_INT, True),
     "kind": (_STR, False),

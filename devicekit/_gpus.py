@@ -42,6 +42,7 @@ from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_index
 from ._errors import GPUNotFoundError
 from ._findings import NO_STATUS, no_gpu_reason, nvml_cannot_read
+from ._format import plural
 from ._keywords import suggest_keywords
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_flag
@@ -379,18 +380,48 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
     visible = visible_gpus()
     if wanted < len(visible):
         return _snapshot(visible[wanted], wanted)
-    if not visible:
-        unread = unread_by_nvml()
-        if unread is not None:
-            why = unread + NO_STATUS
-        else:
-            machine = _nvml.physical_gpus()
-            also = "; dk.gpus(all=True) describes them all the same" if machine else ""
-            why = f"this process sees no GPU: {why_none_visible()}{also}"
-        raise GPUNotFoundError(
-            f"index={short_repr(index)}: cuda:{wanted} cannot be described: {why}"
-        )
+    where = f"index={short_repr(index)}: cuda:{wanted}"
+    unread = None if visible else unread_by_nvml()
+    if unread is not None:
+        raise GPUNotFoundError(f"{where} cannot be described: {unread}{NO_STATUS}")
     listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
-    raise GPUNotFoundError(
-        f"index={short_repr(index)}: cuda:{wanted} does not exist; this process sees {listing}"
-    )
+    undescribed = _undescribed(wanted, visible, listing)
+    if undescribed is not None:
+        raise GPUNotFoundError(f"{where} cannot be described: {undescribed}")
+    if not visible:
+        machine = _nvml.physical_gpus()
+        also = "; dk.gpus(all=True) describes them all the same" if machine else ""
+        raise GPUNotFoundError(
+            f"{where} cannot be described: this process sees no GPU: {why_none_visible()}{also}"
+        )
+    raise GPUNotFoundError(f"{where} does not exist; this process sees {listing}")
+
+
+def _undescribed(wanted: int, visible: list[_Visible], listing: str) -> str | None:
+    """Why ``cuda:<wanted>``, which torch sees, has no NVML status; None where torch lacks it.
+
+    torch may count more CUDA devices than devicekit could match to NVML's
+    GPUs: one NVML could not open (lost, or needing a reset), or one whose
+    UUID NVML could not read. Such a ``cuda:N`` exists: "does not exist"
+    would contradict the ``devices`` line of ``dk.status()``, which lists it.
+    Counted by torch, which asks NVML first, so nothing starts.
+    """
+    if _nvml.nvml_error() is not None or accelerator_type() != "cuda" or not torch_has_cuda():
+        return None  # no NVML: unread_by_nvml says why; no CUDA: no cuda:N at all
+    torch_sees = accelerator_count()
+    if wanted >= torch_sees:
+        return None
+    reasons = [
+        f"NVML could not open the GPU at NVML index {i}: {why}"
+        for i, why in _nvml.lost_gpus().items()
+    ]
+    placed = {v.gpu.nvml_index for v in visible}
+    reasons += [
+        f"NVML could not read the UUID of the GPU at NVML index {gpu.nvml_index}, so it cannot "
+        "be matched to a cuda:N"
+        for gpu in _nvml.physical_gpus()
+        if gpu.uuid is None and gpu.nvml_index not in placed
+    ]
+    why = "; ".join(reasons) or "NVML could not match it to a GPU it lists"
+    described = f"only {listing}" if visible else "none of them"
+    return f"torch sees {plural(torch_sees, 'CUDA device')}, NVML describes {described}: {why}"

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from . import _nvmlsanity
 from ._gpuinfo import GPUInfo, GPUProcess
 from ._nvml import (
     ABSENT_CALLS,
@@ -55,8 +56,6 @@ _THROTTLE_NAMES = {
     0x200: "board_limit",
     0x400: "reliability",
 }
-_COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
-
 
 _KNOWN_BITS = sum(_THROTTLE_NAMES)
 
@@ -149,10 +148,10 @@ def _snapshot(
     total, used, free = _memory(snap)
     rates = snap.read(nv.nvmlDeviceGetUtilizationRates)
     power, energy = _power_and_energy(snap)
-    limit = checked_number(snap.read(nv.nvmlDeviceGetEnforcedPowerLimit))
+    limit = _nvmlsanity.power_limit(snap.read(nv.nvmlDeviceGetEnforcedPowerLimit))
     mask = _throttle_mask(snap)
-    mode = checked_number(snap.read(nv.nvmlDeviceGetComputeMode))
-    processes = _processes(snap)
+    mode = _nvmlsanity.compute_mode_name(snap.read(nv.nvmlDeviceGetComputeMode))
+    processes = _processes(snap, total)
     info = GPUInfo(
         torch_index=torch_index,
         nvml_index=gpu.nvml_index,
@@ -166,13 +165,13 @@ def _snapshot(
         memory_utilization=None if rates is None else checked_number(rates.memory, at_most=100),
         temperature=checked_number(snap.read(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU)),
         power_draw=None if power is None else power / 1000,
-        power_limit=None if limit is None else limit / 1000,
+        power_limit=limit,
         sm_clock=checked_number(snap.read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM)),
         sm_clock_max=gpu.sm_clock_max,
         memory_clock=checked_number(snap.read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_MEM)),
         throttle_reasons=None if mask is None else throttle_names(mask),
         fan_speed=checked_number(snap.read(nv.nvmlDeviceGetFanSpeed)),  # may pass 100 %, NVML says
-        compute_mode=None if mode is None else _COMPUTE_MODES.get(mode, str(mode)),
+        compute_mode=mode,
         mig_enabled=mig_enabled,
         processes=processes,
         energy=None if energy is None else energy / 1000,
@@ -348,7 +347,7 @@ def _field(value: Any) -> int | None:
 
 
 def _memory(snap: _Snapshot) -> tuple[int | None, int | None, int | None]:
-    """Total, used and free bytes; used and free None when they cannot both be true."""
+    """Total, used and free bytes, each None where it cannot be true (`_nvmlsanity.memory`)."""
     nv = snap.nv
     # v2 reports "used" without the driver's reserved memory, as nvidia-smi does.
     info = None
@@ -367,18 +366,7 @@ def _memory(snap: _Snapshot) -> tuple[int | None, int | None, int | None]:
         info = snap.read(nv.nvmlDeviceGetMemoryInfo)
     if info is None:
         return None, None, None
-    total, used, free = (
-        checked_number(getattr(info, f), bits=64) for f in ("total", "used", "free")
-    )
-    if total is None:
-        # "Not available" in place of the total: used and free cannot be checked, and
-        # free may be a wrapped 2**64 - 2**31 that pick_gpu would rank first.
-        return None, None, None
-    if any(part is not None and part > total for part in (used, free)):
-        # More used (or free) than the GPU has: NVML's unsigned arithmetic wrapped, or
-        # the driver miscounted. Neither number can be trusted; the total can.
-        return total, None, None
-    return total, used, free
+    return _nvmlsanity.memory(info.total, info.used, info.free)
 
 
 def _throttle_mask(snap: _Snapshot) -> int | None:
@@ -403,15 +391,19 @@ def _throttle_mask(snap: _Snapshot) -> int | None:
     return None
 
 
-def _processes(snap: _Snapshot) -> tuple[GPUProcess, ...] | None:
+def _processes(snap: _Snapshot, total: int | None) -> tuple[GPUProcess, ...] | None:
+    """The GPU's processes; a PID or a memory NVML cannot give (or that cannot be) is None."""
     found: list[GPUProcess] = []
     for kind in ("compute", "graphics"):
         entries = _process_entries(snap, kind)
         if entries is None:
             return None
         for entry in entries:
-            used = checked_number(entry.usedGpuMemory, bits=64)  # None on Windows (WDDM), some MIG
-            pid = int(entry.pid)
+            used = _nvmlsanity.process_memory(entry.usedGpuMemory, total)
+            pid = _nvmlsanity.process_pid(entry.pid)
+            if pid is None:  # no PID to look up: no name, and no PID namespace to claim
+                found.append(GPUProcess(None, None, used, kind))
+                continue
             name = _process_name(pid)
             visible = name is not None or pid not in snap.state.foreign_pids
             found.append(GPUProcess(pid, name, used, kind, pid_visible=visible))

@@ -143,9 +143,17 @@ class Status:
         for info in self.visible:
             if info.torch_index == wanted:
                 return info
-        unread = self._unread()
-        if unread is not None and wanted < len(self.devices):
-            raise GPUNotFoundError(f"cuda:{wanted} cannot be described: {unread}")
+        if wanted < len(self.devices) and self.accelerator == "cuda":
+            # torch sees it: NVML could not read it (or match it), which is not "no such GPU".
+            why = self._unread()
+            if why is None:
+                names = [info.device or "" for info in self.visible]
+                described = f"only {', '.join(names)}" if names else "none of them"
+                why = (
+                    f"torch sees {plural(len(self.devices), 'CUDA device')}, NVML describes "
+                    f"{described}; the findings say why"
+                )
+            raise GPUNotFoundError(f"cuda:{wanted} cannot be described: {why}")
         raise GPUNotFoundError(f"there is no cuda:{wanted}; {self._visible_names()}")
 
     def select(self, indices: Iterable[DeviceLike]) -> Status:
@@ -183,12 +191,17 @@ class Status:
         A GPU without a torch index is hidden by ``CUDA_VISIBLE_DEVICES`` in a
         CUDA build; in any other build torch cannot use it at all, and
         "hidden" would send the reader to the wrong variable. A GPU in MIG
-        mode is no CUDA device at all (its instances are): ``"MIG on"``.
+        mode is no CUDA device at all (its instances are): ``"MIG on"``. A
+        GPU whose UUID NVML cannot read, while torch sees a ``cuda:N`` that
+        devicekit could not place, is ``"unmatched"``: NVML cannot say which
+        ``cuda:N`` it is, and nothing hid it.
         """
         if info.device is not None:
             return info.device
         if not self._cuda_build:
             return "no CUDA"
+        if _unmatched(info, self.torch_build, len(self.devices), len(self.visible)):
+            return "unmatched"
         return "MIG on" if info.mig_enabled and not info.mig_instance else "hidden"
 
     # --- renderings --------------------------------------------------------------------
@@ -339,6 +352,25 @@ class Status:
         return "".join(parts)
 
 
+def _unmatched(info: GPUInfo, build: str, torch_sees: int, matched: int) -> bool:
+    """Whether ``info`` may be one of the ``cuda:N`` torch sees that devicekit could not place.
+
+    Only a GPU whose UUID NVML cannot read, with no torch index, in a CUDA
+    ``build`` (`torch_build`), and only while torch sees more devices than
+    devicekit matched: devicekit matches by UUID where CUDA's order decides,
+    so such a GPU cannot be matched. Where torch sees no more than were
+    matched, nothing is missing, and the GPU is hidden as any other. A GPU
+    in MIG mode is no device itself (its instances are).
+    """
+    return (
+        info.torch_index is None
+        and info.uuid is None
+        and build.startswith("CUDA ")
+        and not (info.mig_enabled and not info.mig_instance)
+        and torch_sees > matched
+    )
+
+
 def _gpu_block(info: GPUInfo, label: str) -> list[str]:
     """One GPU in the text report: four lines, under ``label`` (``"cuda:0"``, ``"hidden"``)."""
     width = max(8, len(label) + 2)  # two spaces after the label, however long
@@ -397,6 +429,9 @@ def status() -> Status:
         torch.__version__, cpu_build, machine, driver, cuda
     )
     lost = _nvml.lost_gpus()
+    build = torch_build()
+    matched = sum(info.torch_index is not None for info in infos)
+    unmatched = [info for info in infos if _unmatched(info, build, len(devices), matched)]
     # Why this process has no GPU: a variable naming none that exists, before "no device".
     why_none = _findings.names_no_gpu(
         raw, len(devices), (info.uuid for info in infos), len(machine) + len(lost)
@@ -411,6 +446,7 @@ def status() -> Status:
         # "No GPU" says nothing new beside "torch is a CPU build, but ... has GPUs".
         None if wrong_build else why_none,
         *(_gpufindings.unreadable(info) for info in ordered),
+        *(_gpufindings.unmatched(info, len(devices), matched) for info in unmatched),
         *(
             _gpufindings.lost(f"the GPU at NVML index {i}", why, nvml_index=i)
             for i, why in lost.items()
@@ -419,7 +455,7 @@ def status() -> Status:
     return Status(
         devicekit=__version__,
         torch=torch.__version__,
-        torch_build=torch_build(),
+        torch_build=build,
         python=f"{sys.version.split()[0]} on {sys.platform}",
         accelerator=accelerator,
         devices=devices,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _gpus
+from devicekit import _gpus, _nvml
 
 from .conftest import FakeAccelerator, run_python
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -444,6 +444,55 @@ def test_describing_a_gpu_torch_sees_but_nvml_cannot_read_says_so(
     )
     fake_accelerator("cuda", 0)  # torch sees none either: "no GPU", as before
     with pytest.raises(dk.GPUNotFoundError, match=r"this process sees no GPU: torch is built"):
+        dk.gpu(0)
+
+
+def test_a_gpu_torch_sees_but_nvml_lost_at_start_cannot_be_described_not_missing(
+    nvml_session: Install, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: "cuda:1 does not exist; this process sees cuda:0", while dk.status()'s
+    # devices line listed cuda:1 (torch sees it).
+    nvml_session(machine(FakeGPU(A), FakeGPU(B, bus="00000000:3A:00.0", lost=True)))
+    fake_accelerator("cuda", 2)
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        dk.gpu(1)
+    assert str(caught.value).startswith(
+        "index=1: cuda:1 cannot be described: torch sees 2 CUDA devices, NVML describes only "
+        "cuda:0 (NVIDIA H100 80GB HBM3): NVML could not open the GPU at NVML index 1: NVML says "
+        "the GPU is lost"
+    )
+    assert "does not exist" not in str(caught.value)
+    snapshot = dk.status()
+    assert snapshot.devices == ("cuda:0", "cuda:1")
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        snapshot.gpu(1)  # the snapshot says the same (its findings have the lost GPU's reason)
+    assert str(caught.value) == (
+        "cuda:1 cannot be described: torch sees 2 CUDA devices, NVML describes only cuda:0; "
+        "the findings say why"
+    )
+    with pytest.raises(dk.GPUNotFoundError, match=r"^there is no cuda:2; this process sees 1"):
+        snapshot.gpu(2)
+    with pytest.raises(dk.GPUNotFoundError, match=r"^index=2: cuda:2 does not exist; this proc"):
+        dk.gpu(2)  # beyond what torch sees: no such GPU
+
+
+def test_a_gpu_whose_uuid_nvml_cannot_read_says_why_it_cannot_be_described(
+    nvml_session: Install, fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unreadable = {"nvmlDeviceGetUUID": 999, "nvmlDeviceGetPciInfo": 999}  # NVML_ERROR_UNKNOWN
+    nvml_session(machine(FakeGPU(A), FakeGPU(B, errors=unreadable)))
+    fake_accelerator("cuda", 2)
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: [A, B])  # what CUDA answers
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        dk.gpu("cuda:1")
+    assert str(caught.value) == (
+        "index='cuda:1': cuda:1 cannot be described: torch sees 2 CUDA devices, NVML describes "
+        "only cuda:0 (NVIDIA H100 80GB HBM3): NVML could not read the UUID of the GPU at NVML "
+        "index 1, so it cannot be matched to a cuda:N"
+    )
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: [B, A])  # cuda:0 is the unread one
+    _nvml.session().visible.clear()
+    with pytest.raises(dk.GPUNotFoundError, match=r"NVML describes none of them: NVML could not"):
         dk.gpu(0)
 
 

@@ -558,6 +558,77 @@ def test_a_throttle_reason_newer_than_devicekit_is_named_by_its_bit(
     assert dk.gpus()[0].throttle_reasons == ("power_cap", "reason_0x10000000000")
 
 
+@pytest.mark.parametrize("held", [2**63, 200 * 2**30])
+def test_a_process_holding_more_memory_than_its_gpu_has_is_unknown_and_kept(
+    nvml_session: Install, held: int
+) -> None:
+    # Before: "8 EiB" (2**63) or 200 GiB for one process on an 80 GiB GPU, printed as real.
+    nvml_session(one_gpu(compute=[(1, held), (2, 2**30)]))
+    info = dk.gpus()[0]
+    assert [(p.pid, p.used_memory) for p in info.processes or ()] == [(1, None), (2, 2**30)]
+    text = str(dk.status())
+    assert "EiB" not in text
+    assert "200 GiB" not in text
+    assert "processes: 1 " in text  # the process itself is real: still listed
+
+
+def test_a_memory_total_of_zero_is_unknown_and_no_low_memory_finding(
+    nvml_session: Install, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: "0 B / 0 B", and doctor said "cuda:0 has little free memory".
+    nvml_session(one_gpu(total=0, used=0, reserved=0))
+    fake_accelerator("cuda", 1)
+    info = dk.gpus()[0]
+    assert (info.memory_total, info.memory_used, info.memory_free) == (None, None, None)
+    assert "0 B" not in str(dk.status())
+    assert not any("little free memory" in f.title for f in dk.doctor().findings)
+    assert dk.pick_gpu(min_free_memory=1) == torch.device("cpu")  # unknown meets no limit
+
+
+def test_a_power_limit_of_zero_is_unknown_and_the_draw_stays(nvml_session: Install) -> None:
+    # Before: "power 120 W / 0 W".
+    nvml_session(one_gpu(limit_mw=0))
+    info = dk.gpus()[0]
+    assert (info.power_draw, info.power_limit) == (120.0, None)
+    assert info.power_text() == "120 W / ?"
+
+
+@pytest.mark.parametrize(("raw", "mode"), [(0, "default"), (3, "exclusive_process"), (7, None)])
+def test_a_compute_mode_nvml_does_not_name_keeps_its_number_but_not_as_a_name(
+    nvml_session: Install, raw: int, mode: str | None
+) -> None:
+    # Before: compute_mode "7", a number dressed as a name beside "default".
+    nvml_session(one_gpu(compute_mode=raw))
+    info = dk.gpus()[0]
+    assert info.compute_mode == (mode or f"unknown ({raw})")
+    assert ("compute mode", info.compute_mode) in info.rows()
+
+
+@pytest.mark.parametrize("pid", [2**32 - 1, -1])
+def test_a_pid_nvml_cannot_give_is_none_claims_no_namespace_and_keeps_the_memory(
+    nvml_session: Install, caplog: pytest.LogCaptureFixture, pid: int
+) -> None:
+    # Before: "4294967295 (another PID namespace) 1 GiB", a "you are in a container"
+    # warning, and the note under the status that NVML reports host PIDs.
+    nvml_session(one_gpu(compute=[(pid, 2**30)]))
+    with caplog.at_level(logging.WARNING, logger="devicekit"):
+        info = dk.gpus()[0]
+    (process,) = info.processes or ()
+    assert (process.pid, process.name, process.used_memory) == (None, None, 2**30)
+    assert process.pid_visible is True
+    assert str(process) == "? (NVML gave no PID) 1 GiB"
+    assert repr(process) == "GPUProcess(? (NVML gave no PID) 1 GiB, compute)"
+    assert process.to_dict()["pid"] is None
+    assert dk.GPUProcess.from_dict(process.to_dict()) == process
+    assert dk.GPUInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
+    assert "? (NVML gave no PID) 1 GiB" in info._repr_html_()
+    text = str(dk.status())
+    assert "processes: ? (NVML gave no PID) 1 GiB" in text
+    assert "namespace" not in text + caplog.text
+    assert str(pid) not in text.split("processes:")[1]
+    assert _nvmlread.foreign_pids() == frozenset()
+
+
 def test_a_fan_may_pass_100_percent(nvml_session: Install) -> None:
     nvml_session(one_gpu(fan=110))  # NVML: a percentage of the rated speed, may exceed 100
     assert dk.gpus()[0].fan_speed == 110

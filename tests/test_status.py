@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _status
+from devicekit import _gpus, _status
 
 from .conftest import FakeAccelerator
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -301,3 +301,54 @@ def test_the_repr_of_eight_gpus_stays_short(
     assert "devices: cuda:0 to cuda:7; 8 GPUs on the machine: 8x " in text
     assert len(text) < 160
     assert "cuda:5" in str(dk.status())  # the details stay in str()
+
+
+def uuid_unreadable() -> FakeNVML:
+    # NVML opens the second GPU but cannot read its UUID (nor its bus, so CUDA is asked
+    # for its order): the GPU cannot be matched to the cuda:1 torch sees.
+    unreadable = {"nvmlDeviceGetUUID": 999, "nvmlDeviceGetPciInfo": 999}  # NVML_ERROR_UNKNOWN
+    return FakeNVML([FakeGPU(A), FakeGPU(B, name="NVIDIA A100-SXM4-80GB", errors=unreadable)])
+
+
+def test_a_gpu_whose_uuid_nvml_cannot_read_is_unmatched_not_hidden(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: "hidden  nvml 1", as if CUDA_VISIBLE_DEVICES hid it, with no finding, while
+    # the devices line listed cuda:1 and doctor said "nothing wrong found".
+    nvml_session(uuid_unreadable())
+    fake_accelerator("cuda", 2)
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: [A, B])  # what CUDA answers
+    snapshot = dk.status()
+    text = str(snapshot)
+    assert "hidden" not in text
+    assert "\nunmatched  nvml 1  NVIDIA A100-SXM4-80GB  ?  ?\n" in text
+    assert "\n           memory [" in text  # the block lines up under the longer label
+    assert "cuda:0 NVIDIA H100 80GB HBM3, unmatched NVIDIA A100-SXM4-80GB; 1 finding)" in repr(
+        snapshot
+    )
+    assert "<tr><td>unmatched</td><td>NVIDIA A100-SXM4-80GB</td>" in snapshot._repr_html_()
+    (finding,) = snapshot.findings
+    assert (finding.severity, finding.title) == (
+        "warning",
+        "the GPU at NVML index 1 cannot be matched to a cuda:N",
+    )
+    assert finding.detail.startswith("NVML could not read its UUID")
+    assert "torch sees 2 GPUs, devicekit matched 1, and cuda:1 has no status" in finding.detail
+    assert "nvidia-smi -q -i 1" in finding.fix
+    assert finding in dk.doctor().findings
+    assert snapshot.to_dict()["findings"][0]["title"] == finding.title
+
+
+def test_a_gpu_whose_uuid_nvml_cannot_read_is_hidden_where_torch_misses_nothing(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # torch sees only the matched GPU: no cuda:N lacks a status, so no finding, no guess.
+    nvml_session(uuid_unreadable())
+    fake_accelerator("cuda", 1)
+    monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: [A])
+    snapshot = dk.status()
+    assert "\nhidden  nvml 1  NVIDIA A100-SXM4-80GB" in str(snapshot)
+    assert snapshot.findings == ()
+    monkeypatch.setattr(torch.version, "cuda", None)  # no CUDA: no cuda:N to match at all
+    fake_accelerator(None, 0)
+    assert "\nno CUDA  nvml 1  NVIDIA A100-SXM4-80GB" in str(dk.status())
