@@ -236,12 +236,15 @@ def _match_uuids(physical: list[PhysicalGPU], order: list[str]) -> list[_Visible
         found = by_uuid.get(_normalized(uuid))
         if found is None:
             # Skipping it would give every later device the index of the one before.
+            count = len(matched)
+            described = {0: "none of them", 1: "only cuda:0"}.get(
+                count, f"only cuda:0 to cuda:{count - 1}"
+            )
             _nvml.logger.warning(
-                "cuda:%d (UUID %s) is not a device NVML lists here, so devicekit describes "
-                "only the %d CUDA devices before it",
-                len(matched),
+                "cuda:%d (UUID %s) is not a device NVML lists here, so devicekit describes %s",
+                count,
                 uuid,
-                len(matched),
+                described,
             )
             break
         matched.append(found)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from . import _claims, _nvml
+from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_indices
 from ._errors import GPUUnavailableError
 from ._findings import NVML_FIX
@@ -199,7 +200,14 @@ def _pick(
         f"found {plural(found, 'GPU')} that {'qualifies' if found == 1 else 'qualify'}{waited}"
     ]
     if seen < count:
-        parts.append(f"this process sees only {plural(seen, 'GPU')}")
+        torch_sees = accelerator_count() if accelerator_type() == "cuda" else 0
+        if torch_sees > seen:  # a GPU NVML lost or cannot match: not one this process lacks
+            parts.append(
+                f"NVML describes only {plural(seen, 'GPU')} of the {torch_sees} torch sees "
+                "(dk.status() says why)"
+            )
+        else:
+            parts.append(f"this process sees only {plural(seen, 'GPU')}")
     if rejected or refused:
         reasons = sorted(rejected + refused)
         parts.append("rejected: " + "; ".join(f"cuda:{i}: {why}" for i, why in reasons))

@@ -474,10 +474,19 @@ def test_a_gpu_torch_sees_but_nvml_lost_at_start_cannot_be_described_not_missing
         snapshot.gpu(2)
     with pytest.raises(dk.GPUNotFoundError, match=r"^index=2: cuda:2 does not exist; this proc"):
         dk.gpu(2)  # beyond what torch sees: no such GPU
+    # Before: "this process sees only 1 GPU", though torch sees two.
+    with pytest.raises(
+        dk.GPUUnavailableError,
+        match=r"NVML describes only 1 GPU of the 2 torch sees \(dk.status\(\) says why\)",
+    ):
+        dk.pick_gpus(2)
 
 
 def test_a_gpu_whose_uuid_nvml_cannot_read_says_why_it_cannot_be_described(
-    nvml_session: Install, fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+    nvml_session: Install,
+    fake_accelerator: FakeAccelerator,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     unreadable = {"nvmlDeviceGetUUID": 999, "nvmlDeviceGetPciInfo": 999}  # NVML_ERROR_UNKNOWN
     nvml_session(machine(FakeGPU(A), FakeGPU(B, errors=unreadable)))
@@ -489,6 +498,12 @@ def test_a_gpu_whose_uuid_nvml_cannot_read_says_why_it_cannot_be_described(
         "index='cuda:1': cuda:1 cannot be described: torch sees 2 CUDA devices, NVML describes "
         "only cuda:0 (NVIDIA H100 80GB HBM3): NVML could not read the UUID of the GPU at NVML "
         "index 1, so it cannot be matched to a cuda:N"
+    )
+    # Before, the log said "describes only the 1 CUDA devices before it".
+    assert (
+        f"cuda:1 (UUID {B}) is not a device NVML lists here, so devicekit describes only "
+        + ("cuda:0")
+        in caplog.text
     )
     monkeypatch.setattr(_gpus, "_order_from_cuda", lambda: [B, A])  # cuda:0 is the unread one
     _nvml.session().visible.clear()
