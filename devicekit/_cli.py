@@ -336,9 +336,10 @@ def _parser() -> _Parser:
     claims = commands.add_parser(
         "claims",
         help="show which processes hold GPU claims (pick_gpu(claim=True), claim_gpu)",
-        description="List the GPU claims held on this machine (by every user's jobs that "
-        "share this claims directory), from the kernel's lock table: each GPU, and the pid "
-        "and name of the process that holds it. Creates and locks nothing.",
+        description="List the GPU claims held now in the claims directory "
+        "(DEVICEKIT_CLAIMS_DIR, else /tmp/devicekit-<uid>), from the kernel's lock table: "
+        "each GPU, and the pid and name of the process that holds it. Creates and locks "
+        "nothing.",
     )
     _shared_options(claims, top=False, ids=False)
     parser.commands = {
