@@ -9,7 +9,7 @@ child that hangs is killed (``trial_timeout``, and a bound on its start), and
 one that dies without an answer is explained by its exit code or signal.
 
 A child is tied to this process as a ``gpu_map`` worker is, by the same code
-(`._worker.WorkerName`, `._dispatch.stop_workers`): it ends with this
+(`._worker.WorkerName`, `._workerstart.stop_workers`): it ends with this
 process, from its first line of Python (a parent-death signal; where there is
 none, a thread that watches its PPID), and ignores Ctrl-C, which this process
 handles by stopping it. A trial that does not end with its answer (a timeout,
@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from ._dispatch import stop_workers
 from ._errors import DeviceOutOfMemoryError
 from ._hostmemory import bounded, search_bound
 from ._mapfaults import stopped_at_import
@@ -43,6 +42,7 @@ from ._mapguards import refuse_to_start
 from ._termination import stops_workers_first
 from ._trial import explain, run, start_failed, too_big
 from ._worker import NO_MAIN_GUARD, WorkerName, tie_to_parent
+from ._workerstart import stop_workers
 from ._workerstate import Worker, child_start_time
 
 __all__ = ["Isolated"]

@@ -6,8 +6,9 @@ subprocess". Each worker inherits ``CUDA_VISIBLE_DEVICES`` naming its one GPU,
 set before the child starts (so before it imports torch), so inside it the
 GPU is always ``cuda:0``. This module owns the workers; ``_mapguards``
 refuses where workers cannot start, ``_mapinputs`` checks ``fn`` and the
-items, ``_workerslots`` says which workers to start, ``_dispatch`` starts
-them and runs a map over them, ``_worker`` is the workers' side.
+items, ``_workerslots`` says which workers to start, ``_workerstart``
+starts and stops them, ``_dispatch`` runs a map over them, ``_worker`` is
+the workers' side.
 
 Faults end the call promptly and say what happened; nothing is left running,
 the processes ``fn`` started included where the system lists them (Linux:
@@ -68,14 +69,7 @@ from typing import Any, Protocol, TypeVar
 from typing_extensions import ParamSpec
 
 from ._devices import DeviceLike
-from ._dispatch import (
-    Slot,
-    Worker,
-    refuse_foreign,
-    run_map,
-    start_workers,
-    stop_workers,
-)
+from ._dispatch import run_map
 from ._errors import WorkerError, add_note
 from ._format import html_table, plural
 from ._keywords import suggest_keywords
@@ -86,7 +80,8 @@ from ._progress import Progress
 from ._shortrepr import short_repr
 from ._termination import stops_workers_first
 from ._workerslots import worker_slots, workers_per_device_count
-from ._workerstate import Orphans, orphans
+from ._workerstart import refuse_foreign, start_workers, stop_workers
+from ._workerstate import Orphans, Slot, Worker, orphans
 
 __all__ = ["GPUPool", "MapStyle", "gpu_pool", "keeps_results"]
 

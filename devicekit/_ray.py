@@ -51,7 +51,6 @@ from typing import Any, TypeVar
 import torch
 
 from ._devices import DeviceLike, parse_devices, resolve_devices
-from ._dispatch import worker_env
 from ._errors import WorkerError
 from ._format import article, first_line
 from ._frames import caller_stacklevel
@@ -70,6 +69,7 @@ from ._raytask import PLAIN, dry_run, is_ray_object, run, runs_no_code
 from ._scopedenv import scoped_env
 from ._visible import ENV_VAR
 from ._workerslots import workers_per_device_count
+from ._workerstart import worker_env
 
 __all__ = ["ray_map"]
 

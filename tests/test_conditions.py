@@ -85,5 +85,6 @@ def test_a_process_nvml_gave_no_pid_for_is_named_as_unknown() -> None:
     unnamed = dk.GPUProcess(pid=None, name=None, used_memory=2**30, kind="compute")
     conditions = dk.Conditions(device="cuda:0", other_processes=(unnamed,))
     (note,) = [n for n in conditions.notes() if "other process" in n]
-    assert "pid ?" in note and "pid None" not in note
+    assert "pid ?" in note
+    assert "pid None" not in note
     assert dk.Conditions.from_dict(json.loads(json.dumps(conditions.to_dict()))) == conditions

@@ -265,9 +265,9 @@ def test_workers_per_device_beyond_the_items_builds_no_slots(
 
 
 def test_a_failed_start_leaves_no_worker_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
-    real_env = _dispatch.worker_env
+    real_env = _workerstart.worker_env
     calls: list[str | int] = []
 
     def env_then_fail(device: str | int) -> str:
@@ -276,7 +276,7 @@ def test_a_failed_start_leaves_no_worker_behind(monkeypatch: pytest.MonkeyPatch)
             raise OSError("cannot start a process")
         return real_env(device)
 
-    monkeypatch.setattr(_dispatch, "worker_env", env_then_fail)
+    monkeypatch.setattr(_workerstart, "worker_env", env_then_fail)
     with dk.gpu_pool(devices=["cpu", "cpu"]) as pool:
         with pytest.raises(OSError, match="cannot start a process"):
             pool.map(abs, [1, 2])
@@ -505,11 +505,11 @@ def test_maps_started_from_two_threads_at_once_give_each_worker_its_device(
     # lent each other's value: a worker on the wrong GPU, an IndexError, or the
     # caller's own variable left changed. The barrier holds both threads inside
     # that window together, where the code lets them in.
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     fake_accelerator("cuda", 1)
-    real_scoped_env = _dispatch.scoped_env
+    real_scoped_env = _workerstart.scoped_env
     both_inside = threading.Barrier(2)
 
     @contextlib.contextmanager
@@ -520,7 +520,7 @@ def test_maps_started_from_two_threads_at_once_give_each_worker_its_device(
                     both_inside.wait(timeout=2)  # with a lock, the other never comes in
             yield
 
-    monkeypatch.setattr(_dispatch, "scoped_env", scoped_env)
+    monkeypatch.setattr(_workerstart, "scoped_env", scoped_env)
     seen: dict[str, object] = {}
 
     def run(name: str, devices: list[str | int]) -> None:

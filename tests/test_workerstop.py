@@ -160,11 +160,11 @@ class _Conn:
 def test_stopping_workers_that_ignore_sigterm_waits_for_them_together() -> None:
     # Before, each stubborn worker was terminated and waited for (5 s) in turn:
     # 32 workers whose fn hung with SIGTERM ignored took minutes to stop.
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
     events: list[str] = []
-    workers = [_dispatch.Worker(n, "cpu", _Stubborn(n, events), _Conn()) for n in (1, 2, 3)]
-    _dispatch.stop_workers(workers, gently=False)
+    workers = [_workerstart.Worker(n, "cpu", _Stubborn(n, events), _Conn()) for n in (1, 2, 3)]
+    _workerstart.stop_workers(workers, gently=False)
     assert events == [
         *("terminate 1", "terminate 2", "terminate 3", "join 1", "join 2", "join 3"),
         *("kill 1", "kill 2", "kill 3", "join 1", "join 2", "join 3"),
@@ -216,12 +216,12 @@ def test_ctrl_c_keeps_the_results_that_had_finished(tmp_path: Path) -> None:
 def test_a_ctrl_c_while_stopping_workers_still_kills_them() -> None:
     # Before, a second Ctrl-C during the wait after SIGTERM skipped the SIGKILL:
     # workers that ignore SIGTERM outlived the call (and held the program's exit).
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
     events: list[str] = []
-    workers = [_dispatch.Worker(n, "cpu", _Interrupted(n, events), _Conn()) for n in (1, 2)]
+    workers = [_workerstart.Worker(n, "cpu", _Interrupted(n, events), _Conn()) for n in (1, 2)]
     with pytest.raises(KeyboardInterrupt):
-        _dispatch.stop_workers(workers, gently=False)
+        _workerstart.stop_workers(workers, gently=False)
     assert events == [
         "terminate 1",
         "terminate 2",
@@ -557,9 +557,9 @@ def test_what_fn_started_while_being_stopped_is_killed_too(
 ) -> None:
     # A process that answers SIGTERM by starting another: the last step looks the
     # workers' descendants up again, so the late one gets SIGKILL too.
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
-    real_signal_each = _dispatch.signal_each
+    real_signal_each = _workerstart.signal_each
     gc.collect()  # a pool an earlier test dropped is stopped now, not through the patch below
 
     def signal_each(procs: dict[int, int], signum: int) -> list[int]:
@@ -569,8 +569,8 @@ def test_what_fn_started_while_being_stopped_is_killed_too(
             assert wait_for(lambda: written(tmp_path / "shell.late"), 60)
         return sent
 
-    monkeypatch.setattr(_dispatch, "signal_each", signal_each)
-    monkeypatch.setattr(_dispatch, "_STOP_SECONDS", 0.5)  # the shell ignores SIGTERM: not long
+    monkeypatch.setattr(_workerstart, "signal_each", signal_each)
+    monkeypatch.setattr(_workerstart, "_STOP_SECONDS", 0.5)  # the shell ignores SIGTERM: not long
     with dk.gpu_pool(devices=["cpu"]) as pool, pytest.raises(dk.WorkerTimeoutError):
         pool.map(trap_then_start_more, [str(tmp_path)], timeout=2)
     pids = []
@@ -683,7 +683,7 @@ def test_workers_seen_in_another_pid_namespace_s_proc_have_no_descendants(
     # gave the worker's PID another process's start time, and that process's
     # descendants were signalled when the workers stopped. Now the worker's start
     # time is recorded only where /proc is ours and names us as its parent.
-    from devicekit import _dispatch, _workerstate
+    from devicekit import _workerstart, _workerstate
 
     if foreign == "proc/self":
         real_readlink = os.readlink
@@ -705,7 +705,7 @@ def test_workers_seen_in_another_pid_namespace_s_proc_have_no_descendants(
     with dk.gpu_pool(devices=["cpu"]) as pool:
         assert pool.map(abs, [-1]) == [1]
         assert [worker.started for worker in pool._workers] == [None]
-        assert _dispatch._started_by(pool._workers, {}) == {}
+        assert _workerstart._started_by(pool._workers, {}) == {}
 
 
 @pytest.mark.skipif(
@@ -744,7 +744,7 @@ def test_a_ctrl_c_while_looking_up_descendants_still_kills_the_workers(
 ) -> None:
     # Before, a second Ctrl-C during the last lookup of the workers' descendants (a
     # scan of all /proc where there are no children files) skipped every SIGKILL.
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
     calls: list[int] = []
 
@@ -754,11 +754,11 @@ def test_a_ctrl_c_while_looking_up_descendants_still_kills_the_workers(
             raise KeyboardInterrupt
         return {}
 
-    monkeypatch.setattr(_dispatch, "_started_by", started_by)
+    monkeypatch.setattr(_workerstart, "_started_by", started_by)
     events: list[str] = []
-    workers = [_dispatch.Worker(n, "cpu", _Stubborn(n, events), _Conn()) for n in (1, 2)]
+    workers = [_workerstart.Worker(n, "cpu", _Stubborn(n, events), _Conn()) for n in (1, 2)]
     with pytest.raises(KeyboardInterrupt):
-        _dispatch.stop_workers(workers, gently=False)
+        _workerstart.stop_workers(workers, gently=False)
     assert events[-4:] == ["kill 1", "kill 2", "join 1", "join 2"]
     assert not any(worker.process.is_alive() for worker in workers)
 
@@ -1159,16 +1159,16 @@ def test_a_worker_starts_with_ctrl_c_held_and_runs_fn_with_it_ignored(
     # A terminal's Ctrl-C reaches the workers too. Before, one still importing
     # multiprocessing died of it with a traceback of its own (`EOFError: Ran out
     # of input`, or a KeyboardInterrupt in an import) under the caller's.
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
     held_at_start: list[bool] = []
-    read_start_time = _dispatch.child_start_time
+    read_start_time = _workerstart.child_start_time
 
     def look_first(pid: int) -> Any:  # runs as soon as the worker's process exists
         held_at_start.append(_sigint_blocked(pid))
         return read_start_time(pid)
 
-    monkeypatch.setattr(_dispatch, "child_start_time", look_first)
+    monkeypatch.setattr(_workerstart, "child_start_time", look_first)
     assert dk.gpu_map(sigint_state, [0], devices=["cpu"]) == [(False, True)]
     assert held_at_start == [True]
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
@@ -1177,10 +1177,10 @@ def test_a_worker_starts_with_ctrl_c_held_and_runs_fn_with_it_ignored(
 def test_ctrl_c_as_a_worker_starts_stops_that_worker_too(monkeypatch: pytest.MonkeyPatch) -> None:
     # Before, a Ctrl-C between the worker's start and its listing left it out of
     # the workers stopped: it ran on until the interpreter's exit.
-    from devicekit import _dispatch
+    from devicekit import _workerstart
 
     started: list[Any] = []
-    read_start_time = _dispatch.child_start_time
+    read_start_time = _workerstart.child_start_time
 
     def interrupted(pid: int) -> Any:
         started.append(pid)
@@ -1188,7 +1188,7 @@ def test_ctrl_c_as_a_worker_starts_stops_that_worker_too(monkeypatch: pytest.Mon
         time.sleep(0.2)  # unheld, the KeyboardInterrupt is raised here
         return read_start_time(pid)
 
-    monkeypatch.setattr(_dispatch, "child_start_time", interrupted)
+    monkeypatch.setattr(_workerstart, "child_start_time", interrupted)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt) as caught:
