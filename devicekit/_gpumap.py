@@ -144,7 +144,7 @@ def gpu_map(
         # guard read them all (a generator, a dataset loading each item) only to be
         # refused, and so did a daemonic process.
         refuse_to_start("gpu_map()")
-    work = checked_work(fn, items, caller="gpu_map()")
+    work = checked_work(fn, items, caller="gpu_map()", ray=executor == "ray")
     limit = item_timeout(timeout)
     check_flag(progress, name="progress", none="no progress")  # here too: an empty map shows none
     if executor == "ray":

@@ -21,8 +21,11 @@ from ._worker import dumps
 __all__ = ["checked_work", "item_timeout", "pickle_fn", "pickle_items"]
 
 
-def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
+def checked_work(fn: object, items: object, *, caller: str, ray: bool = False) -> list[Any]:
     """The items as a list, once ``fn`` is known to do its work when called, ``items`` iterable.
+
+    ``ray``: the map runs on Ray, whose serializer takes lambdas and closures,
+    so the fix does not ask for a function at the top level of a module.
 
     A map-style dataset (``len()`` and ``[i]``, no ``__iter__``, as
     ``torch.utils.data.Dataset``) gives ``items[0]`` to ``items[len(items) - 1]``.
@@ -57,8 +60,9 @@ def checked_work(fn: object, items: object, *, caller: str) -> list[Any]:
         call=f"{caller} got fn={name}, and {name}(item)",
         why="so no item would be worked on, and a worker could not send back what it returns",
         fix=(
-            "pass a function that does the work, defined with def at the top level of a "
-            f"module: {run}"
+            "pass a function that does the work"
+            + ("" if ray else ", defined with def at the top level of a module")
+            + f": {run}"
         ),
     )
     if isinstance(items, Iterable):
