@@ -44,7 +44,11 @@ class HeldClaim:
     process: str | None
 
     def __str__(self) -> str:
-        where = self.device or "not a GPU NVML lists here"
+        return self.line(nvml=True)
+
+    def line(self, *, nvml: bool) -> str:
+        """The claim as ``devicekit claims`` prints it; ``nvml``: whether NVML could be asked."""
+        where = self.device or ("not a GPU NVML lists here" if nvml else "? (no NVML here)")
         if self.pid is None:
             holder = "a process in another PID namespace (a container's)"
         else:
@@ -63,12 +67,14 @@ class ClaimsReport:
         lock_files: How many lock files the directory has (one per GPU ever
             claimed), held or not.
         unknown: Why it cannot be told which are held, or None when it can.
+        nvml: Whether NVML could be asked which GPU each claim is.
     """
 
     directory: str
     held: tuple[HeldClaim, ...]
     lock_files: int
     unknown: str | None
+    nvml: bool = True
 
     def __str__(self) -> str:
         head = f"GPU claims in {safe_text(self.directory)}"
@@ -77,8 +83,8 @@ class ClaimsReport:
         if not self.held:
             files = plural(self.lock_files, "lock file")
             return f"{head}: none held ({files}; a claim ends with the process that holds it)"
-        lines = [f"{head}: {plural(len(self.held), 'held')}"]
-        lines.extend(f"  {claim}" for claim in self.held)
+        lines = [f"{head}: {len(self.held)} held"]
+        lines.extend(f"  {claim.line(nvml=self.nvml)}" for claim in self.held)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,6 +94,7 @@ class ClaimsReport:
             "held": [vars(claim).copy() for claim in self.held],
             "lock_files": self.lock_files,
             "unknown": self.unknown,
+            "nvml": self.nvml,
         }
 
 
@@ -119,7 +126,8 @@ def claims_report() -> ClaimsReport:
             "files; set DEVICEKIT_CLAIMS_DIR to a directory on another file system (tmpfs)"
         )
         return ClaimsReport(str(directory), (), len(names), why)
-    labels = _gpu_labels()
+    nvml = _nvml.nvml_error() is None
+    labels = _gpu_labels() if nvml else {}
     held = []
     for name in names:
         listed, pid = locked_by(directory / name)
@@ -128,13 +136,11 @@ def claims_report() -> ClaimsReport:
         stat = None if pid is None else read_stat(pid)
         gpu = name.removesuffix(".lock")
         held.append(HeldClaim(gpu, labels.get(gpu), pid, None if stat is None else stat[0]))
-    return ClaimsReport(str(directory), tuple(held), len(names), None)
+    return ClaimsReport(str(directory), tuple(held), len(names), None, nvml)
 
 
 def _gpu_labels() -> dict[str, str]:
     """Each GPU's lock-file name (its UUID, made safe) to how this process names the GPU."""
-    if _nvml.nvml_error() is not None:
-        return {}
     labels = {}
     for gpu in _nvml.physical_gpus():
         if gpu.uuid:

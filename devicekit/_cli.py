@@ -342,13 +342,8 @@ def _parser() -> _Parser:
         "nothing.",
     )
     _shared_options(claims, top=False, ids=False)
-    parser.commands = {
-        "status": status,
-        "watch": watch,
-        "doctor": doctor,
-        "bench": bench,
-        "claims": claims,
-    }
+    parser.commands = {"status": status, "watch": watch, "doctor": doctor, "bench": bench}
+    parser.commands["claims"] = claims
     return parser
 
 
@@ -452,7 +447,11 @@ def _run(parser: _Parser, args: argparse.Namespace) -> int:
         if args.command == "claims":
             from ._claimlist import claims_report  # noqa: PLC0415 - see _snapshot
 
-            show(claims_report(), json_form=args.json)
+            try:
+                report = claims_report()
+            except ValueError as error:  # DEVICEKIT_CLAIMS_DIR is a relative path
+                parser.commands["claims"].error(str(error))
+            show(report, json_form=args.json)
             return 0
         from ._bench import bench  # noqa: PLC0415 - see _snapshot
 

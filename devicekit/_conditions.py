@@ -276,9 +276,9 @@ class Sampler:
         self.device = device
         self.index = device.index if device.type == "cuda" else None
         self.first: GPUInfo | None = None
-        # By PID; those NVML gives no PID for cannot be told apart between snapshots,
-        # so one entry (None) stands for them.
-        self.others: dict[int | None, GPUProcess] = {}
+        # By PID; those NVML gives no PID for cannot be told apart between samples, so
+        # each sample's n-th such process is one, under -n (no PID is negative).
+        self.others: dict[int, GPUProcess] = {}
         self.clock_min: int | None = None
         self.reasons: dict[str, None] = {}
         self.last_sample = 0.0
@@ -295,8 +295,12 @@ class Sampler:
     def _record(self, info: GPUInfo | None, *, clocks: bool) -> None:
         if info is None:
             return
+        unknown = 0  # processes NVML gave no PID for: the n-th of one sample is the n-th of another
         for process in info.processes or ():
-            if process.pid != os.getpid():
+            if process.pid is None:
+                unknown += 1
+                self.others.setdefault(-unknown, process)
+            elif process.pid != os.getpid():
                 self.others.setdefault(process.pid, process)
         if clocks and info.sm_clock is not None:
             self.clock_min = min(info.sm_clock, self.clock_min or info.sm_clock)

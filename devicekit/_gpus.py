@@ -210,7 +210,14 @@ def _visible_now(physical: list[PhysicalGPU]) -> list[_Visible]:
         order = _order_from_cuda()
         if order is not None:
             return _match_uuids(physical, order)
-    return _apply_visible_devices(_by_pci_bus(physical), entries)
+    in_order = _by_pci_bus(physical)
+    lost = _nvml.lost_gpus()
+    if lost and not (entries and isinstance(entries[0], str)):
+        # NVML numbers GPUs by PCI bus, as CUDA does: one it could not open keeps its
+        # place in CUDA's order, so the GPUs after it cannot be numbered for certain.
+        # Before, the next GPU took its cuda:N, and pick_gpu sent work to the lost one.
+        in_order = [gpu for gpu in in_order if gpu.nvml_index < min(lost)]
+    return _apply_visible_devices(in_order, entries)
 
 
 def _by_pci_bus(physical: list[PhysicalGPU]) -> list[PhysicalGPU]:
@@ -237,7 +244,7 @@ def _match_uuids(physical: list[PhysicalGPU], order: list[str]) -> list[_Visible
         if found is None:
             # Skipping it would give every later device the index of the one before.
             count = len(matched)
-            described = {0: "none of them", 1: "only cuda:0"}.get(
+            described = {0: "none of torch's devices", 1: "only cuda:0"}.get(
                 count, f"only cuda:0 to cuda:{count - 1}"
             )
             _nvml.logger.warning(
@@ -386,7 +393,9 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
     where = f"index={short_repr(index)}: cuda:{wanted}"
     unread = None if visible else unread_by_nvml()
     if unread is not None:
-        raise GPUNotFoundError(f"{where} cannot be described: {unread}{NO_STATUS}")
+        beyond = wanted >= accelerator_count()  # torch has no such GPU either
+        said = "does not exist;" if beyond else "cannot be described:"
+        raise GPUNotFoundError(f"{where} {said} {unread}{NO_STATUS}")
     listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
     undescribed = _undescribed(wanted, visible, listing)
     if undescribed is not None:
@@ -427,4 +436,4 @@ def _undescribed(wanted: int, visible: list[_Visible], listing: str) -> str | No
     ]
     why = "; ".join(reasons) or "NVML could not match it to a GPU it lists"
     described = f"only {listing}" if visible else "none of them"
-    return f"torch sees {plural(torch_sees, 'CUDA device')}, NVML describes {described}: {why}"
+    return f"torch sees {plural(torch_sees, 'GPU')}, NVML describes {described}: {why}"

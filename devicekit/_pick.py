@@ -56,13 +56,21 @@ _UNRANKED = "found no GPU it could rank: "
 def _unranked() -> str | None:
     """Why the GPUs torch sees were passed over, where NVML cannot read them; else None.
 
-    Without NVML no GPU can be ranked or checked against the limits. Before,
-    that read as "no GPU": the CPU, with nothing said, on a machine of GPUs.
+    Without NVML (or where it describes none of them) no GPU can be ranked or
+    checked against the limits. Before, that read as "no GPU": the CPU, with
+    nothing said, on a machine of GPUs.
     """
     unread = unread_by_nvml()
-    if unread is None:
+    if unread is not None:
+        return f"{_UNRANKED}{unread}: {NVML_FIX}, or pick one yourself (dk.try_gpu() is cuda:0)"
+    torch_sees = accelerator_count() if accelerator_type() == "cuda" else 0
+    if not torch_sees:
         return None
-    return f"{_UNRANKED}{unread}: {NVML_FIX}, or pick one yourself (dk.try_gpu() is cuda:0)"
+    # NVML works, but could not open or match any of them (a GPU lost at cuda:0).
+    return (
+        f"{_UNRANKED}torch sees {plural(torch_sees, 'GPU')}, NVML describes none of them "
+        "(dk.status() says why): pick one yourself (dk.try_gpu() is cuda:0)"
+    )
 
 
 _POLL_SECONDS = 0.2  # between looks while waiting: an NVML snapshot takes well under 1 ms per GPU

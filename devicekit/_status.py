@@ -150,7 +150,7 @@ class Status:
                 names = [info.device or "" for info in self.visible]
                 described = f"only {', '.join(names)}" if names else "none of them"
                 why = (
-                    f"torch sees {plural(len(self.devices), 'CUDA device')}, NVML describes "
+                    f"torch sees {plural(len(self.devices), 'GPU')}, NVML describes "
                     f"{described}; the findings say why"
                 )
             raise GPUNotFoundError(f"cuda:{wanted} cannot be described: {why}")
@@ -200,7 +200,7 @@ class Status:
             return info.device
         if not self._cuda_build:
             return "no CUDA"
-        if _unmatched(info, self.torch_build, len(self.devices), len(self.visible)):
+        if _unmatched(info, self, len(self.visible)):
             return "unmatched"
         return "MIG on" if info.mig_enabled and not info.mig_instance else "hidden"
 
@@ -352,23 +352,33 @@ class Status:
         return "".join(parts)
 
 
-def _unmatched(info: GPUInfo, build: str, torch_sees: int, matched: int) -> bool:
+def _unmatched(info: GPUInfo, status: Status | _Seen, matched: int) -> bool:
     """Whether ``info`` may be one of the ``cuda:N`` torch sees that devicekit could not place.
 
-    Only a GPU whose UUID NVML cannot read, with no torch index, in a CUDA
-    ``build`` (`torch_build`), and only while torch sees more devices than
-    devicekit matched: devicekit matches by UUID where CUDA's order decides,
-    so such a GPU cannot be matched. Where torch sees no more than were
-    matched, nothing is missing, and the GPU is hidden as any other. A GPU
-    in MIG mode is no device itself (its instances are).
+    A GPU with no torch index, in a CUDA build, while torch sees more devices
+    than devicekit matched (`matched`), and either its UUID is unreadable
+    (devicekit matches by UUID where CUDA's order decides) or nothing can hide
+    it (``CUDA_VISIBLE_DEVICES`` unset: the GPUs after one NVML could not open
+    cannot be numbered). Where torch sees no more than were matched, nothing
+    is missing, and the GPU is hidden as any other. A GPU in MIG mode is no
+    device itself (its instances are).
     """
     return (
         info.torch_index is None
-        and info.uuid is None
-        and build.startswith("CUDA ")
+        and (info.uuid is None or status.cuda_visible_devices is None)
+        and status.torch_build.startswith("CUDA ")
         and not (info.mig_enabled and not info.mig_instance)
-        and torch_sees > matched
+        and len(status.devices) > matched
     )
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What `_unmatched` reads of a status, before the `Status` is made."""
+
+    torch_build: str
+    cuda_visible_devices: str | None
+    devices: tuple[str, ...]
 
 
 def _gpu_block(info: GPUInfo, label: str) -> list[str]:
@@ -431,7 +441,10 @@ def status() -> Status:
     lost = _nvml.lost_gpus()
     build = torch_build()
     matched = sum(info.torch_index is not None for info in infos)
-    unmatched = [info for info in infos if _unmatched(info, build, len(devices), matched)]
+    seen = _Seen(build, raw, devices)
+    # The finding is for a GPU whose UUID NVML cannot read; a GPU after a lost one is
+    # unmatched for the lost one's reason, which has a finding of its own.
+    unmatched = [i for i in infos if i.uuid is None and _unmatched(i, seen, matched)]
     # Why this process has no GPU: a variable naming none that exists, before "no device".
     why_none = _findings.names_no_gpu(
         raw, len(devices), (info.uuid for info in infos), len(machine) + len(lost)

@@ -106,16 +106,17 @@ def test_only_live_claims_are_listed_with_their_holder_and_gpu(
 def test_the_command_prints_the_claims_as_text_or_json(
     holder: Callable[[str], int], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pid = holder(UUIDS[0])
+    pids = [holder(uuid) for uuid in UUIDS]
     assert main(["claims"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith(": 1 held")
-    # This test's machine has no NVML (or not this GPU): the file is all there is to name it.
-    assert lines[1].startswith(f"  not a GPU NVML lists here  {UUIDS[0]}  held by pid {pid} (")
+    assert lines[0].endswith(": 2 held")  # before: "2 helds"
+    # This machine has no NVML: which GPU each claim is cannot be asked (before, each read
+    # "not a GPU NVML lists here", as if NVML had been asked).
+    assert lines[1].startswith(f"  ? (no NVML here)  {UUIDS[0]}  held by pid {pids[0]} (")
     assert main(["claims", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert [claim["pid"] for claim in document["held"]] == [pid]
-    assert document["lock_files"] == 1
+    assert [claim["pid"] for claim in document["held"]] == pids
+    assert (document["lock_files"], document["nvml"]) == (2, False)
 
 
 def test_the_command_takes_no_gpu_indices(capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,7 +140,15 @@ def test_without_a_lock_table_it_says_it_cannot_tell(
     assert str(report) == f"GPU claims in {claims_dir}: {report.unknown}"
 
 
-def test_a_relative_claims_dir_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_relative_claims_dir_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv(_claims.DIR_VAR, "claims")
     with pytest.raises(ValueError, match=r"DEVICEKIT_CLAIMS_DIR='claims' is a relative path"):
         _claimlist.claims_report()
+    with pytest.raises(SystemExit) as exited:  # before: a traceback, and exit 1
+        main(["claims"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "devicekit claims: error: DEVICEKIT_CLAIMS_DIR='claims' is a relative path" in err
+    assert "Traceback" not in err

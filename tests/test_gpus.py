@@ -432,6 +432,11 @@ def test_describing_a_gpu_torch_sees_but_nvml_cannot_read_says_so(
     assert str(caught.value).startswith(f"index=1: {expected}")
     assert str(caught.value).endswith("so none has a status: fix NVML (nvidia-smi says what fails)")
     assert "install the driver" not in str(caught.value)
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        dk.gpu(5)  # beyond what torch sees: before, "cannot be described" too
+    assert str(caught.value).startswith(
+        "index=5: cuda:5 does not exist; torch sees 2 GPUs but NVML cannot read them (NVML"
+    )
     snapshot = dk.status()
     assert snapshot.devices == ("cuda:0", "cuda:1")
     with pytest.raises(dk.GPUNotFoundError) as caught:
@@ -457,7 +462,7 @@ def test_a_gpu_torch_sees_but_nvml_lost_at_start_cannot_be_described_not_missing
     with pytest.raises(dk.GPUNotFoundError) as caught:
         dk.gpu(1)
     assert str(caught.value).startswith(
-        "index=1: cuda:1 cannot be described: torch sees 2 CUDA devices, NVML describes only "
+        "index=1: cuda:1 cannot be described: torch sees 2 GPUs, NVML describes only "
         "cuda:0 (NVIDIA H100 80GB HBM3): NVML could not open the GPU at NVML index 1: NVML says "
         "the GPU is lost"
     )
@@ -467,7 +472,7 @@ def test_a_gpu_torch_sees_but_nvml_lost_at_start_cannot_be_described_not_missing
     with pytest.raises(dk.GPUNotFoundError) as caught:
         snapshot.gpu(1)  # the snapshot says the same (its findings have the lost GPU's reason)
     assert str(caught.value) == (
-        "cuda:1 cannot be described: torch sees 2 CUDA devices, NVML describes only cuda:0; "
+        "cuda:1 cannot be described: torch sees 2 GPUs, NVML describes only cuda:0; "
         "the findings say why"
     )
     with pytest.raises(dk.GPUNotFoundError, match=r"^there is no cuda:2; this process sees 1"):
@@ -480,6 +485,38 @@ def test_a_gpu_torch_sees_but_nvml_lost_at_start_cannot_be_described_not_missing
         match=r"NVML describes only 1 GPU of the 2 torch sees \(dk.status\(\) says why\)",
     ):
         dk.pick_gpus(2)
+
+
+def test_a_gpu_lost_at_nvml_index_0_keeps_its_place_and_lends_none(
+    nvml_session: Install, fake_accelerator: FakeAccelerator, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, the healthy GPU (NVML index 1) was described as cuda:0, which torch still
+    # counts as the lost one, and pick_gpu() sent work there.
+    nvml_session(machine(FakeGPU(A, lost=True), FakeGPU(B, bus="00000000:3A:00.0")))
+    fake_accelerator("cuda", 2)
+    assert dk.gpus() == []
+    with pytest.raises(dk.GPUNotFoundError) as caught:
+        dk.gpu(0)
+    assert str(caught.value).startswith(
+        "index=0: cuda:0 cannot be described: torch sees 2 GPUs, NVML describes none "
+        "of them: NVML could not open the GPU at NVML index 0: NVML says the GPU is lost"
+    )
+    with caplog.at_level(logging.INFO, logger="devicekit"):
+        assert dk.pick_gpu() == torch.device("cpu")
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("pick_gpu:")]
+    assert record.levelno == logging.WARNING
+    assert "torch sees 2 GPUs, NVML describes none of them (dk.status() says why)" in (
+        record.getMessage()
+    )
+    with pytest.raises(dk.GPUUnavailableError, match=r"found no GPU it could rank: torch sees"):
+        dk.pick_gpus(1)
+    snapshot = dk.status()
+    (healthy,) = snapshot.gpus
+    assert (healthy.uuid, healthy.torch_index) == (B, None)
+    assert "unmatched  nvml 1" in str(snapshot)  # not "hidden": nothing hid it
+    assert [f.title for f in snapshot.findings if f.severity == "error"] == [
+        "the GPU at NVML index 0 cannot be read"
+    ]
 
 
 def test_a_gpu_whose_uuid_nvml_cannot_read_says_why_it_cannot_be_described(
@@ -495,7 +532,7 @@ def test_a_gpu_whose_uuid_nvml_cannot_read_says_why_it_cannot_be_described(
     with pytest.raises(dk.GPUNotFoundError) as caught:
         dk.gpu("cuda:1")
     assert str(caught.value) == (
-        "index='cuda:1': cuda:1 cannot be described: torch sees 2 CUDA devices, NVML describes "
+        "index='cuda:1': cuda:1 cannot be described: torch sees 2 GPUs, NVML describes "
         "only cuda:0 (NVIDIA H100 80GB HBM3): NVML could not read the UUID of the GPU at NVML "
         "index 1, so it cannot be matched to a cuda:N"
     )

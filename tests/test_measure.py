@@ -525,6 +525,20 @@ def test_sampler_reports_other_processes_and_excludes_this_one(
     assert found.gpu_name == "NVIDIA H100 80GB HBM3"
 
 
+def test_sampler_counts_each_process_nvml_gave_no_pid_for(
+    nvml_session: Callable[[Any], None],
+) -> None:
+    # Before, every such process shared one entry (its PID, None): two read as one.
+    gpu = FakeGPU("GPU-1", compute=[(0xFFFFFFFF, 2**30), (0xFFFFFFFF, 2**31), (5_000_001, 1)])
+    nvml_session(FakeNVML([gpu]))
+    sampler = Sampler(torch.device("cuda", 0))
+    sampler.before()
+    sampler.during()  # the same processes again: still three, not five
+    found = sampler.after()
+    assert [p.pid for p in found.other_processes or ()] == [None, None, 5_000_001]
+    assert [p.used_memory for p in found.other_processes or ()] == [2**30, 2**31, 1]
+
+
 def test_sampler_without_nvml_knows_nothing_about_the_gpu(
     nvml_session: Callable[[Any], None],
 ) -> None:
