@@ -69,7 +69,8 @@ def _unranked() -> str | None:
     # NVML works, but could not open or match any of them (a GPU lost at cuda:0).
     return (
         f"{_UNRANKED}torch sees {plural(torch_sees, 'GPU')}, NVML describes none of them "
-        "(dk.status() says why): pick one yourself (dk.try_gpu() is cuda:0)"
+        "(dk.status() says why): fix what it names, or pick one yourself (cuda:0 may be the "
+        "GPU NVML cannot open)"
     )
 
 
