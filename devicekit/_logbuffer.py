@@ -100,7 +100,8 @@ class LogBuffer(Flushes, Scoped):
     - At exit, a buffer with sinks that still holds values is flushed, as the
       end of a ``with`` block would, unless that could hang (``reduce``
       across ranks): then, and where it fails, a ``RuntimeWarning`` says what
-      was not recorded.
+      was not recorded. ``SIGTERM`` or ``SIGHUP`` (where default) during a
+      ``with`` block in the main thread: its last flush runs, then the process dies of it.
 
     Device memory holds the values of ``flush_every`` pending calls and one
     copy in flight, while flushes keep up. ``log()``, ``flush()`` and the

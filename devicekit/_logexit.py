@@ -6,9 +6,11 @@ without the collective, since the other ranks may never reach it, and a
 failing flush or sink never replaces the block's exception: it is a note on
 it (`report_while_exiting`). Except ``GeneratorExit`` (a generator holding the
 block, closed before its end): ``close()`` drops it and its notes, so the
-flush's error is raised, as any ``__exit__``'s would be. Only an interrupt in a sink (Ctrl-C,
-``sys.exit``), the user's newest wish, takes its place. Either way, what the
-sinks logged during that flush is recorded too, in a few more flushes.
+flush's error is raised, as any ``__exit__``'s would be. Only an interrupt in
+a sink (Ctrl-C, ``sys.exit``), the user's newest wish, takes its place.
+Either way, what the sinks logged during that flush is recorded too. SIGTERM
+and SIGHUP, where default, are taken over for the block (`_termination`):
+its last flush runs, then the process dies of the signal.
 
 A forked child (a DataLoader worker) holds copies of the parent's buffers:
 at the fork each becomes a copy without sinks (`_forked`), as a pickled one
@@ -24,10 +26,8 @@ one whose flushes combined the ranks' values or that a launcher says is one
 of several ranks (its flush would record one rank's values as the job's):
 those are told instead, as is a flush at exit that fails (any other
 ``reduce=`` buffer, whose flushes were all local, is flushed without a
-collective); a
-``RuntimeWarning``, which Python shows by default, and never an error raised
-past ``atexit``. A buffer with no sinks is left as it is: its history ends with
-the process anyway.
+collective); a ``RuntimeWarning``, which Python shows by default, and never an
+error raised past ``atexit``. A buffer with no sinks is left as it is.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ from typing import Any, Protocol, cast
 from typing_extensions import Self
 
 from ._dist import initialized, world_size
-from ._errors import add_note
+from ._errors import TerminatedBySignal, add_note
 from ._frames import caller_stacklevel
 from ._logdeliver import SINK_INTERRUPTED, Deliveries, KeepsRecords, Record, Sink
 from ._logflush import Landed
 from ._logreport import exit_failure, exit_warning, report_while_exiting
+from ._termination import die_of, take_signals
 
 __all__ = ["Block", "Scoped", "flush_at_exit", "leave", "track"]
 
@@ -99,11 +100,14 @@ class Scoped:
     """
 
     _depth = 0  # with blocks of this buffer entered and not left (nested ones counted)
+    _signals: list[int]  # the signals the outermost block took over (`_termination`)
     _finishing = False  # see _flush_last
     _ranks_ended: tuple[int, ...]  # see _logflight.Flushes: forgotten as the block ends
     _told_ranks_ended: bool
 
     def __enter__(self) -> Self:
+        if not self._depth:  # SIGTERM, SIGHUP: the last flush runs, then the process dies
+            self._signals = take_signals()
         self._depth += 1
         return self
 
@@ -117,8 +121,11 @@ class Scoped:
         try:
             leave(cast("Block", self), exc)  # a failing flush never replaces `exc`
         finally:
-            if self._depth == 0:  # the next block meets the other ranks afresh
-                self._ranks_ended, self._told_ranks_ended = (), False
+            if self._depth == 0:
+                try:  # the next block meets the other ranks afresh
+                    self._ranks_ended, self._told_ranks_ended = (), False
+                finally:  # a Ctrl-C on the line above must not keep the signals taken
+                    die_of(exc, self._signals)
 
     async def __aenter__(self) -> Self:
         return self.__enter__()
@@ -201,6 +208,7 @@ def _unreduced_at_leaving(buffer: Block) -> int:
 # sys.exit(), and a generator closed after its loop broke (the block inside it ends
 # with GeneratorExit). Ctrl-C, or an error: nothing to do but what the error says.
 _UNREDUCED_FIX: dict[type[BaseException], str] = {
+    TerminatedBySignal: "",  # the job is being stopped: nothing to do differently
     SystemExit: (
         ". To stop early on every rank with the values combined, leave the loop with "
         "break, not sys.exit(), and exit after the with block"

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGHUP while workers run: stop them and what ``fn`` started, then die of it.
+"""SIGTERM and SIGHUP while workers run (or logs wait): clean up first, then die of it.
 
 ``kill <pid>`` (SIGTERM) and a closed terminal (SIGHUP) end a Python process
 at once by default, with no ``finally`` run. The workers follow their parent
@@ -11,7 +11,9 @@ same signal, with the default handler back: the exit status the caller's
 shell or scheduler expects. A handler of the program's own, or an ignored
 signal, is left alone, and so is every signal outside the main thread (only
 it can set handlers). A second signal during the cleanup ends the process at
-once, as without devicekit.
+once, as without devicekit. A `LogBuffer`'s ``with`` block takes them over
+the same way, so that its last flush runs before the process dies; a map
+inside it leaves the dying to the block.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from types import FrameType
 
 from ._errors import TerminatedBySignal
 
-__all__ = ["ctrl_c_held", "stops_workers_first"]
+__all__ = ["ctrl_c_held", "die_of", "stops_workers_first", "take_signals"]
 
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -39,20 +41,39 @@ def _raise(signum: int, frame: FrameType | None) -> None:
 @contextlib.contextmanager
 def stops_workers_first() -> Iterator[None]:
     """The block runs with SIGTERM and SIGHUP raising `TerminatedBySignal` (where default)."""
+    taken = take_signals()
+    try:
+        yield
+    except TerminatedBySignal as terminated:
+        die_of(terminated, taken)
+        raise  # taken by an outer block (a LogBuffer's), which dies of it after its cleanup
+    finally:
+        _give_back(taken)
+
+
+def take_signals() -> list[int]:
+    """Have SIGTERM and SIGHUP raise `TerminatedBySignal` where their handler is the default.
+
+    Only the main thread can set handlers; elsewhere nothing is taken. A
+    signal already taken (by an outer block) is left to that block.
+    """
     taken: list[int] = []
     if threading.current_thread() is threading.main_thread():
         for signum in _SIGNALS:
             if signal.getsignal(signum) is signal.SIG_DFL:
                 signal.signal(signum, _raise)
                 taken.append(signum)
-    try:
-        yield
-    except TerminatedBySignal as terminated:
-        _give_back(taken)
-        os.kill(os.getpid(), terminated.signum)  # the default handler: the process ends here
-        raise  # where the signal cannot end it (never on POSIX): exit with 128 + signum
-    finally:
-        _give_back(taken)
+    return taken
+
+
+def die_of(error: BaseException | None, taken: list[int]) -> None:
+    """Give ``taken`` back (it is emptied); if ``error`` is one of their signals, die of it now."""
+    signum = None
+    if isinstance(error, TerminatedBySignal) and error.signum in taken:
+        signum = error.signum  # read first: giving back empties ``taken``
+    _give_back(taken)
+    if signum is not None:
+        os.kill(os.getpid(), signum)  # the default handler: the process ends here
 
 
 def _give_back(taken: list[int]) -> None:

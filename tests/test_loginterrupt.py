@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -80,6 +81,11 @@ def _interrupted(at: int, scenario: str, kept: list[Any]) -> tuple[str, list[int
         pass
     finally:
         sys.settrace(None)
+        # A Ctrl-C on the very line of __exit__ that gives SIGTERM and SIGHUP back
+        # leaves them taken (a later SIGTERM is then a SystemExit, 143, as with the
+        # handler docs/logging.md suggests): not this process's to keep.
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
     for _ in range(2):  # the notebook user runs the next cell
         logs.flush()
     return ctrl_c.where, [r["step"] for r in logs.history], [r["step"] for r in received]
