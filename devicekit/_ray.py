@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._devices import DeviceLike, parse_devices, resolve_devices
-from ._errors import WorkerError
+from ._errors import DeviceNotFoundError, WorkerError
 from ._format import article, first_line
 from ._frames import caller_stacklevel
 from ._mapfaults import interrupted, show_item
@@ -67,6 +67,7 @@ from ._rayfaults import (
 )
 from ._raytask import PLAIN, dry_run, is_ray_object, run, runs_no_code
 from ._scopedenv import scoped_env
+from ._shortrepr import short_repr
 from ._visible import ENV_VAR
 from ._workerslots import workers_per_device_count
 from ._workerstart import worker_env
@@ -149,15 +150,13 @@ def _targets(devices: object, *, connected: bool) -> list[torch.device] | None:
     if devices is None:
         return None
     if connected:
-        targets = parse_devices(devices, name="devices")
+        try:
+            targets = parse_devices(devices, name="devices")
+        except DeviceNotFoundError:  # an index, where this machine has no accelerator
+            raise ValueError(_local_gpus(short_repr(devices))) from None
         here = [str(device) for device in targets if device.index is not None]
         if here:
-            raise ValueError(
-                f"devices={here} names GPUs of this machine, but gpu_map runs on a Ray "
-                "cluster that assigns GPUs itself; pass devices='cuda' (GPU tasks on any of "
-                "the cluster's GPUs), None (the same, where the cluster has GPUs) or 'cpu', "
-                "or start Ray with CUDA_VISIBLE_DEVICES set to those GPUs"
-            )
+            raise ValueError(_local_gpus(str(here)))
     else:
         targets = resolve_devices(devices, name="devices")
     if not targets:
@@ -173,6 +172,16 @@ def _targets(devices: object, *, connected: bool) -> list[torch.device] | None:
             "of the cluster"
         )
     return targets
+
+
+def _local_gpus(shown: str) -> str:
+    """The refusal of ``devices`` that name GPUs of this machine, on a cluster."""
+    return (
+        f"devices={shown} names GPUs of this machine, but gpu_map runs on a Ray cluster that "
+        "assigns GPUs itself; pass devices='cuda' (GPU tasks on any of the cluster's GPUs), "
+        "None (the same, where the cluster has GPUs) or 'cpu', or start Ray with "
+        "CUDA_VISIBLE_DEVICES set to those GPUs"
+    )
 
 
 @contextlib.contextmanager

@@ -150,6 +150,10 @@ def test_on_a_cluster_devices_cuda_asks_for_gpu_tasks_even_from_a_cpu_only_drive
         assert _submitted_as(_FakeRay(initialized=True), "cuda", monkeypatch) == "GPU"
     with pytest.raises(ValueError, match=r"devices=\['cuda:1'\] names GPUs of this machine"):
         dk.gpu_map(math.sqrt, [1], devices=["cuda:1"], executor="ray")
+    # An index, from a driver without an accelerator: before, "means accelerator 0, but
+    # this torch build has no accelerator", as if the cluster's GPUs were this machine's.
+    with pytest.raises(ValueError, match=r"^devices=0 names GPUs of this machine, but gpu_map"):
+        dk.gpu_map(math.sqrt, [1], devices=0, executor="ray")
 
 
 def test_on_a_cluster_without_gpus_devices_none_warns_that_items_run_on_cpus(
