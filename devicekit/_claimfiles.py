@@ -269,11 +269,7 @@ def holder(uuid: str) -> int | None:
     pid is all there is: named only while a process of that pid exists.
     """
     path = lock_file(uuid)
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    listed, pid = _kernel_holder(info)
+    listed, pid = locked_by(path)
     if listed:
         return pid
     try:

@@ -47,6 +47,7 @@ __all__ = [
     "no_gpu",
     "no_gpu_reason",
     "nvml_cannot_read",
+    "nvml_describes",
     "torch_cannot_use_gpus",
     "unchecked",
     "visibility",
@@ -248,6 +249,20 @@ def nvml_cannot_read(torch_sees: int, nvml_error: str) -> str:
     """
     them = "it" if torch_sees == 1 else "them"
     return f"torch sees {plural(torch_sees, 'GPU')} but NVML cannot read {them} ({nvml_error})"
+
+
+def nvml_describes(torch_sees: int, names: Iterable[str]) -> str:
+    """GPUs torch sees that NVML describes only some of (``names``), as the start of a clause.
+
+    Examples:
+        >>> nvml_describes(2, ["cuda:0"]), nvml_describes(2, [])
+        ('torch sees 2 GPUs, NVML describes only cuda:0', 'torch sees 2 GPUs, NVML describes none of them')
+    """  # noqa: E501 - the expected output is one line
+    described = ", ".join(names)
+    return (
+        f"torch sees {plural(torch_sees, 'GPU')}, NVML describes "
+        f"{f'only {described}' if described else 'none of them'}"
+    )
 
 
 def no_gpu_reason(accelerator: str | None, nvml_error: str | None, unusable: int = 0) -> str:

@@ -41,8 +41,7 @@ from . import _nvml, _nvmlread
 from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_index
 from ._errors import GPUNotFoundError
-from ._findings import NO_STATUS, no_gpu_reason, nvml_cannot_read
-from ._format import plural
+from ._findings import NO_STATUS, no_gpu_reason, nvml_cannot_read, nvml_describes
 from ._keywords import suggest_keywords
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_flag
@@ -50,6 +49,7 @@ from ._shortrepr import short_repr
 from ._visible import ENV_VAR, parse_visible_devices, torch_cuda_initialized, uuid_matches
 
 __all__ = [
+    "cuda_devices_torch_sees",
     "gpu",
     "gpus",
     "nvml_handle",
@@ -169,15 +169,20 @@ def why_none_visible() -> str:
     return no_gpu_reason(accelerator_type(), _nvml.nvml_error(), unusable)
 
 
-def unread_by_nvml() -> str | None:
-    """The GPUs torch sees where NVML cannot read them (`nvml_cannot_read`); else None.
+def cuda_devices_torch_sees() -> int:
+    """How many ``cuda:N`` torch counts; 0 where its accelerator is not CUDA.
 
     Counted by torch, which asks NVML first and then the driver, so nothing starts.
     """
+    return accelerator_count() if accelerator_type() == "cuda" else 0
+
+
+def unread_by_nvml() -> str | None:
+    """The GPUs torch sees where NVML cannot read them (`nvml_cannot_read`); else None."""
     error = _nvml.nvml_error()
-    if error is None or accelerator_type() != "cuda":
+    if error is None:
         return None
-    count = accelerator_count()
+    count = cuda_devices_torch_sees()
     return nvml_cannot_read(count, error) if count else None
 
 
@@ -393,11 +398,11 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
     where = f"index={short_repr(index)}: cuda:{wanted}"
     unread = None if visible else unread_by_nvml()
     if unread is not None:
-        beyond = wanted >= accelerator_count()  # torch has no such GPU either
+        beyond = wanted >= cuda_devices_torch_sees()  # torch has no such GPU either
         said = "does not exist;" if beyond else "cannot be described:"
         raise GPUNotFoundError(f"{where} {said} {unread}{NO_STATUS}")
-    listing = ", ".join(f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible))
-    undescribed = _undescribed(wanted, visible, listing)
+    names = [f"cuda:{i} ({v.gpu.name})" for i, v in enumerate(visible)]
+    undescribed = _undescribed(wanted, visible, names)
     if undescribed is not None:
         raise GPUNotFoundError(f"{where} cannot be described: {undescribed}")
     if not visible:
@@ -406,21 +411,20 @@ def gpu(index: DeviceLike = 0) -> GPUInfo:
         raise GPUNotFoundError(
             f"{where} cannot be described: this process sees no GPU: {why_none_visible()}{also}"
         )
-    raise GPUNotFoundError(f"{where} does not exist; this process sees {listing}")
+    raise GPUNotFoundError(f"{where} does not exist; this process sees {', '.join(names)}")
 
 
-def _undescribed(wanted: int, visible: list[_Visible], listing: str) -> str | None:
+def _undescribed(wanted: int, visible: list[_Visible], names: list[str]) -> str | None:
     """Why ``cuda:<wanted>``, which torch sees, has no NVML status; None where torch lacks it.
 
     torch may count more CUDA devices than devicekit could match to NVML's
     GPUs: one NVML could not open (lost, or needing a reset), or one whose
     UUID NVML could not read. Such a ``cuda:N`` exists: "does not exist"
     would contradict the ``devices`` line of ``dk.status()``, which lists it.
-    Counted by torch, which asks NVML first, so nothing starts.
     """
-    if _nvml.nvml_error() is not None or accelerator_type() != "cuda" or not torch_has_cuda():
+    if _nvml.nvml_error() is not None or not torch_has_cuda():
         return None  # no NVML: unread_by_nvml says why; no CUDA: no cuda:N at all
-    torch_sees = accelerator_count()
+    torch_sees = cuda_devices_torch_sees()
     if wanted >= torch_sees:
         return None
     reasons = [
@@ -435,5 +439,4 @@ def _undescribed(wanted: int, visible: list[_Visible], listing: str) -> str | No
         if gpu.uuid is None and gpu.nvml_index not in placed
     ]
     why = "; ".join(reasons) or "NVML could not match it to a GPU it lists"
-    described = f"only {listing}" if visible else "none of them"
-    return f"torch sees {plural(torch_sees, 'GPU')}, NVML describes {described}: {why}"
+    return f"{nvml_describes(torch_sees, names)}: {why}"

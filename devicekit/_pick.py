@@ -16,13 +16,12 @@ from collections.abc import Iterable
 import torch
 
 from . import _claims, _nvml
-from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_indices
 from ._errors import GPUUnavailableError
-from ._findings import NVML_FIX
+from ._findings import NVML_FIX, nvml_describes
 from ._format import format_bytes, format_seconds, plural
 from ._gpuinfo import GPUInfo
-from ._gpus import gpus, unread_by_nvml, why_none_visible
+from ._gpus import cuda_devices_torch_sees, gpus, unread_by_nvml, why_none_visible
 from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds
 from ._shortrepr import short_repr
@@ -63,14 +62,13 @@ def _unranked() -> str | None:
     unread = unread_by_nvml()
     if unread is not None:
         return f"{_UNRANKED}{unread}: {NVML_FIX}, or pick one yourself (dk.try_gpu() is cuda:0)"
-    torch_sees = accelerator_count() if accelerator_type() == "cuda" else 0
+    torch_sees = cuda_devices_torch_sees()
     if not torch_sees:
         return None
     # NVML works, but could not open or match any of them (a GPU lost at cuda:0).
     return (
-        f"{_UNRANKED}torch sees {plural(torch_sees, 'GPU')}, NVML describes none of them "
-        "(dk.status() says why): fix what it names, or pick one yourself (cuda:0 may be the "
-        "GPU NVML cannot open)"
+        f"{_UNRANKED}{nvml_describes(torch_sees, [])} (dk.status() says why): fix what it "
+        "names, or pick one yourself (cuda:0 may be the GPU NVML cannot open)"
     )
 
 
@@ -209,7 +207,7 @@ def _pick(
         f"found {plural(found, 'GPU')} that {'qualifies' if found == 1 else 'qualify'}{waited}"
     ]
     if seen < count:
-        torch_sees = accelerator_count() if accelerator_type() == "cuda" else 0
+        torch_sees = cuda_devices_torch_sees()
         if torch_sees > seen:  # a GPU NVML lost or cannot match: not one this process lacks
             parts.append(
                 f"NVML describes only {plural(seen, 'GPU')} of the {torch_sees} torch sees "

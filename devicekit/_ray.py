@@ -185,9 +185,12 @@ def _local_gpus(shown: str) -> str:
 
 
 @contextlib.contextmanager
-def _cluster(ray: Any, targets: list[torch.device] | None) -> Iterator[None]:
-    """Use the Ray cluster this process is connected to or ``RAY_ADDRESS`` names, else start one."""
-    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+def _cluster(ray: Any, targets: list[torch.device] | None, *, connected: bool) -> Iterator[None]:
+    """Use the Ray cluster this process is connected to or ``RAY_ADDRESS`` names, else start one.
+
+    ``connected``: whether there is such a cluster (`_connected`).
+    """
+    if connected:
         connect = not ray.is_initialized()
         if connect:
             check_address(os.environ["RAY_ADDRESS"])
@@ -286,7 +289,7 @@ def ray_map(
         return []
     _warn_forever(retries)
     share = 1 / per_device
-    with _cluster(ray, targets):
+    with _cluster(ray, targets, connected=connected):
         use_gpus = _use_gpus(ray, targets, connected=connected)
         if use_gpus:
             # Ray sets CUDA_VISIBLE_DEVICES per task, but a worker that has started

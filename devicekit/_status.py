@@ -147,12 +147,8 @@ class Status:
             # torch sees it: NVML could not read it (or match it), which is not "no such GPU".
             why = self._unread()
             if why is None:
-                names = [info.device or "" for info in self.visible]
-                described = f"only {', '.join(names)}" if names else "none of them"
-                why = (
-                    f"torch sees {plural(len(self.devices), 'GPU')}, NVML describes "
-                    f"{described}; the findings say why"
-                )
+                names = (info.device or "" for info in self.visible)
+                why = f"{_findings.nvml_describes(len(self.devices), names)}; the findings say why"
             raise GPUNotFoundError(f"cuda:{wanted} cannot be described: {why}")
         raise GPUNotFoundError(f"there is no cuda:{wanted}; {self._visible_names()}")
 
@@ -200,7 +196,12 @@ class Status:
             return info.device
         if not self._cuda_build:
             return "no CUDA"
-        if _unmatched(info, self, len(self.visible)):
+        if _unmatched(
+            info,
+            cuda_visible_devices=self.cuda_visible_devices,
+            torch_sees=len(self.devices),
+            matched=len(self.visible),
+        ):
             return "unmatched"
         return "MIG on" if info.mig_enabled and not info.mig_instance else "hidden"
 
@@ -352,33 +353,25 @@ class Status:
         return "".join(parts)
 
 
-def _unmatched(info: GPUInfo, status: Status | _Seen, matched: int) -> bool:
+def _unmatched(
+    info: GPUInfo, *, cuda_visible_devices: str | None, torch_sees: int, matched: int
+) -> bool:
     """Whether ``info`` may be one of the ``cuda:N`` torch sees that devicekit could not place.
 
-    A GPU with no torch index, in a CUDA build, while torch sees more devices
-    than devicekit matched (`matched`), and either its UUID is unreadable
-    (devicekit matches by UUID where CUDA's order decides) or nothing can hide
-    it (``CUDA_VISIBLE_DEVICES`` unset: the GPUs after one NVML could not open
-    cannot be numbered). Where torch sees no more than were matched, nothing
-    is missing, and the GPU is hidden as any other. A GPU in MIG mode is no
-    device itself (its instances are).
+    For a CUDA build only (its caller's to check). A GPU with no torch index,
+    while torch sees more devices (``torch_sees``) than devicekit matched
+    (``matched``), and either its UUID is unreadable (devicekit matches by UUID
+    where CUDA's order decides) or nothing can hide it (``CUDA_VISIBLE_DEVICES``
+    unset: the GPUs after one NVML could not open cannot be numbered). Where
+    torch sees no more than were matched, nothing is missing, and the GPU is
+    hidden as any other. A GPU in MIG mode is no device itself (its instances are).
     """
     return (
         info.torch_index is None
-        and (info.uuid is None or status.cuda_visible_devices is None)
-        and status.torch_build.startswith("CUDA ")
+        and (info.uuid is None or cuda_visible_devices is None)
         and not (info.mig_enabled and not info.mig_instance)
-        and len(status.devices) > matched
+        and torch_sees > matched
     )
-
-
-@dataclass(frozen=True)
-class _Seen:
-    """What `_unmatched` reads of a status, before the `Status` is made."""
-
-    torch_build: str
-    cuda_visible_devices: str | None
-    devices: tuple[str, ...]
 
 
 def _gpu_block(info: GPUInfo, label: str) -> list[str]:
@@ -441,10 +434,15 @@ def status() -> Status:
     lost = _nvml.lost_gpus()
     build = torch_build()
     matched = sum(info.torch_index is not None for info in infos)
-    seen = _Seen(build, raw, devices)
     # The finding is for a GPU whose UUID NVML cannot read; a GPU after a lost one is
     # unmatched for the lost one's reason, which has a finding of its own.
-    unmatched = [i for i in infos if i.uuid is None and _unmatched(i, seen, matched)]
+    unmatched = [
+        info
+        for info in infos
+        if info.uuid is None
+        and build.startswith("CUDA ")
+        and _unmatched(info, cuda_visible_devices=raw, torch_sees=len(devices), matched=matched)
+    ]
     # Why this process has no GPU: a variable naming none that exists, before "no device".
     why_none = _findings.names_no_gpu(
         raw, len(devices), (info.uuid for info in infos), len(machine) + len(lost)

@@ -859,7 +859,7 @@ def test_a_second_ctrl_c_during_ray_s_shutdown_still_shuts_it_down(
     first.results = {0: 1}  # type: ignore[attr-defined]
 
     def map_cut_short() -> None:
-        with _ray._cluster(ray, None):
+        with _ray._cluster(ray, None, connected=False):
             raise first
 
     with pytest.raises(KeyboardInterrupt) as caught:
