@@ -165,7 +165,15 @@ def _targets(devices: object, *, connected: bool) -> list[torch.device] | None:
             "devices=None to use every GPU of the cluster, or name the devices"
         )
     kinds = {device.type for device in targets}
-    if not kinds <= {"cpu", "cuda"} or kinds == {"cpu", "cuda"}:
+    other = sorted(kinds - {"cpu", "cuda"})
+    if other:
+        raise ValueError(
+            f"devices={[str(d) for d in targets]} names {' and '.join(other)} devices, but Ray "
+            "schedules GPU (CUDA) tasks and CPU tasks only; pass CUDA GPUs, 'cuda' for any "
+            "GPU of the cluster, 'cpu', or None for every GPU of the cluster; or run on "
+            "this machine with executor='local'"
+        )
+    if kinds == {"cpu", "cuda"}:
         raise ValueError(
             f"devices={[str(d) for d in targets]}: executor='ray' runs every item the same way, "
             "as a GPU task or as a CPU task; pass CUDA GPUs, or 'cpu', or None for every GPU "

@@ -43,7 +43,7 @@ def test_bad_arguments_are_refused_before_ray_is_needed(
         dk.gpu_map(math.sqrt, [1], executor="ray", workers_per_device=0)
     with pytest.raises(ValueError, match=r"got devices=\[\]; pass devices=None"):
         dk.gpu_map(math.sqrt, [1], executor="ray", devices=[])
-    with pytest.raises(ValueError, match=r"executor='ray' runs every item the same way"):
+    with pytest.raises(ValueError, match=r"names meta devices, but Ray schedules GPU \(CUDA\)"):
         dk.gpu_map(math.sqrt, [1], executor="ray", devices=["meta"])
     with pytest.raises(ValueError, match=r"as a GPU task or as a CPU task"):
         dk.gpu_map(math.sqrt, [1], executor="ray", devices=["cpu", 1])
@@ -154,6 +154,13 @@ def test_on_a_cluster_devices_cuda_asks_for_gpu_tasks_even_from_a_cpu_only_drive
     # this torch build has no accelerator", as if the cluster's GPUs were this machine's.
     with pytest.raises(ValueError, match=r"^devices=0 names GPUs of this machine, but gpu_map"):
         dk.gpu_map(math.sqrt, [1], devices=0, executor="ray")
+    # A device kind Ray has no task for: before, "as a GPU task or as a CPU task", which
+    # named neither the kind nor why (R19).
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=True))
+    with pytest.raises(
+        ValueError, match=r"^devices=\['mps'\] names mps devices, but Ray schedules GPU \(CUDA\) "
+    ):
+        dk.gpu_map(math.sqrt, [1], devices="mps", executor="ray")
 
 
 def test_on_a_cluster_without_gpus_devices_none_warns_that_items_run_on_cpus(
