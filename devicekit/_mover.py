@@ -5,7 +5,8 @@ shared (and finds cycles), and the walk itself: `_walk`, a closure that
 rebuilds plain dicts, lists and tuples inline, since they hold nearly every
 batch. Every other container goes to `_rebuild` or `_records`; an object with
 its own ``.to()`` (a module, a Hugging Face ``BatchEncoding``) is moved by it
-(`_movecalls`, which also keeps a module's tensors one with the batch's).
+(`_movecalls`; a module by `_movemodule`, which also keeps its tensors one with
+the batch's).
 
 Each thread keeps one mover per target and policy and reuses it (`borrow`);
 `to_device` borrows one, walks, turns `Cycle` into a ``ValueError`` that
@@ -42,11 +43,9 @@ from ._movecalls import (
     keep_shared,
     optimizer_stray,
     proxy_to,
-    returned,
-    takes_non_blocking,
     waits_for,
-    while_calling_to,
 )
+from ._movemodule import LOOKS_PER_CLASS, call_module, looks_left, module_move
 from ._rebuild import (
     rebuild_mapping,
     rebuild_sequence,
@@ -55,7 +54,6 @@ from ._rebuild import (
 )
 from ._records import rebuild_dataclass, rebuild_record
 from ._refcounts import ONCE_IN_DICT, ONCE_IN_LIST
-from ._submodules import held_tensors, unhashable_note
 from ._tree import is_dataclass_instance, is_record, slot_names
 
 __all__ = ["Cycle", "ModuleFirst", "borrow"]  # what to_device uses: private, not devicekit's API
@@ -68,12 +66,6 @@ _LEAVES = frozenset({str, bytes, int, float, complex, bool, type(None)})
 # How a tensor's device is compared with the target, cheapest first: reading
 # tensor.device builds a new torch.device object (55 ns); tensor.is_cpu does not (30 ns).
 _HOST, _CUDA, _META, _SAME_DEVICE = range(4)
-# Objects to_device cannot move: how often each class is still looked inside for tensors.
-_LOOKS_PER_CLASS = 8
-_looks_left: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
-# Modules to_device moved with Module.to(): how often each is still looked at for a tensor
-# it left behind, per instance (an nn.Sequential holds something else in each).
-_module_looks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 _FX_PROXY = torch.fx.Proxy
 _PROXIES = frozenset(weakref.ProxyTypes)  # their class reads as the referent's: type() does not
 _BUSY = object()  # in the memo while a container is being rebuilt: meeting it again is a cycle
@@ -159,7 +151,7 @@ class _Mover:
         if isinstance(obj, type) or type(obj) in _PROXIES:
             return obj
         if isinstance(obj, torch.nn.Module):
-            return self.container(obj, _call_module)  # once, however often reached
+            return self.container(obj, call_module)  # once, however often reached
         if isinstance(obj, _FX_PROXY):  # a tensor as torch.fx.symbolic_trace sees it
             return self.container(obj, proxy_to)  # the move, recorded in the graph
         # An object whose own .to() is what called to_device on it is moved as what it is.
@@ -204,14 +196,14 @@ class _Mover:
         told of once per class, with nothing to look at.
         """
         cls = type(obj)
-        looks = _looks_left.get(cls, _LOOKS_PER_CLASS)
+        looks = looks_left.get(cls, LOOKS_PER_CLASS)
         if looks <= 0:
             return obj
         array = (cls.__module__, cls.__qualname__) in _NUMPY_ARRAYS
         if how is None:
             how = UNCHANGED if array else _why_unmoved(obj)
         if how in (LAZY, ELSEWHERE):  # nothing to look at: tell once
-            _looks_left[cls] = 0
+            looks_left[cls] = 0
             self.unmoved = [*(self.unmoved or ()), (cls, "", how)]
         else:
             try:
@@ -227,7 +219,7 @@ class _Mover:
                 path, looks = None, 1
             if array and path is None:
                 return obj  # numbers, or objects all on the target: the next array is looked at
-            _looks_left[cls] = 0 if path is not None else looks - 1
+            looks_left[cls] = 0 if path is not None else looks - 1
             if path is not None:
                 self.unmoved = [*(self.unmoved or ()), (cls, path, how)]
         return obj
@@ -238,14 +230,14 @@ class _Mover:
         Keys that are not str nor a plain value (a tuple, a tensor) are looked at
         as one class: a few times at most, then never again, as `unchanged`.
         """
-        looks = _looks_left.get(DictKey, _LOOKS_PER_CLASS)
+        looks = looks_left.get(DictKey, LOOKS_PER_CLASS)
         if looks <= 0:
             return
         try:
             path = tensor_elsewhere(key, self.device)
         except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
             path, looks = None, 1
-        _looks_left[DictKey] = 0 if path is not None else looks - 1
+        looks_left[DictKey] = 0 if path is not None else looks - 1
         if path is not None:
             where = f"[key {key_text(key)}]{path}"
             self.unmoved = [*(self.unmoved or ()), (type(mapping), where, KEY_HELD)]
@@ -269,7 +261,7 @@ class _Mover:
             key = id(module)
             if key not in memo:
                 memo[key] = _BUSY
-                memo[key] = keep_shared(self, module, _module_move(module))
+                memo[key] = keep_shared(self, module, module_move(module))
             try:
                 return self.move(obj)
             except ModuleFirst as first:
@@ -448,55 +440,3 @@ def _walk(mover: _Mover, kind: int, index: int | None) -> Callable[[Any], Any]: 
         return tuple(result) if cls is tuple else result
 
     return move
-
-
-def _call_module(mover: _Mover, module: torch.nn.Module) -> Any:
-    move = _module_move(module) if not calling_to(module) else _call_base_module_to
-    if len(mover.memo) <= 1 and mover.shared is None:
-        return move(mover, module)  # the module is the whole obj: no other reference to share
-    return keep_shared(mover, module, move)
-
-
-def _module_move(module: torch.nn.Module) -> Callable[[_Mover, Any], Any]:
-    # A .to() whose signature does not take non_blocking (and which may forget
-    # `return self`) is called as any other object's .to() is.
-    return _call_module_to if takes_non_blocking(type(module)) else call_to
-
-
-def _call_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
-    return _module_to(mover, module, type(module).to)
-
-
-def _call_base_module_to(mover: _Mover, module: torch.nn.Module) -> Any:
-    """``Module.to`` itself, for a module whose own ``.to()`` called to_device on it."""
-    return _module_to(mover, module, torch.nn.Module.to)
-
-
-def _module_to(mover: _Mover, module: torch.nn.Module, to: Callable[..., Any]) -> Any:
-    if mover.unsynced is not None:
-        mover.unsynced.update(t.device for t in held_tensors(module))
-    device, non_blocking = mover.device, mover.non_blocking
-    try:
-        moved = while_calling_to(module, lambda: to(module, device, non_blocking=non_blocking))
-    except TypeError as error:
-        unhashable_note(error, module)  # else torch's bare "unhashable type"
-        raise
-    if module_looks_left(module) > 0:  # to_device looks at its attributes
-        mover.modules = [*(mover.modules or ()), module]
-    return returned(mover, module, moved)
-
-
-def module_looks_left(module: torch.nn.Module) -> int:
-    """How many more times to_device looks at ``module``'s plain attributes (see above)."""
-    try:
-        return _module_looks.get(module, _LOOKS_PER_CLASS)
-    except TypeError:  # a module class with __eq__ and no __hash__: counted by its class
-        return _looks_left.get(type(module), _LOOKS_PER_CLASS)
-
-
-def set_module_looks(module: torch.nn.Module, looks: int) -> None:
-    """Record how many more looks at ``module`` are left."""
-    try:
-        _module_looks[module] = looks
-    except TypeError:  # unhashable: counted by its class
-        _looks_left[type(module)] = looks

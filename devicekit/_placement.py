@@ -27,7 +27,8 @@ from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
 from ._lookbulk import plain_class_ids
 from ._lookpandas import pandas_kind
 from ._movecalls import ELSEWHERE, KEY_HELD, LAZY, OWN_TO, HeldView, Unmoved, waits_for
-from ._mover import Cycle, ModuleFirst, borrow, module_looks_left, set_module_looks
+from ._movemodule import module_looks_left, set_module_looks
+from ._mover import Cycle, ModuleFirst, borrow
 from ._options import check_flag
 from ._submodules import named_submodules
 from ._tree import describe_cycle, iter_tensors, path_of

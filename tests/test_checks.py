@@ -728,7 +728,7 @@ def test_tensors_inside_any_object_are_checked() -> None:
         "yourself, or make it there (it is a Holder, which dk.to_device() returns unchanged); "
         "arg0 = dk.to_device(arg0, 'meta')."
     )
-    _mover._looks_left.pop(Holder, None)  # warned once per class: as if never moved
+    _mover.looks_left.pop(Holder, None)  # warned once per class: as if never moved
     with pytest.warns(RuntimeWarning, match=r"returned a .*Holder as it is"):
         assert dk.to_device(Holder(torch.ones(1)), META).x.device == CPU  # what the fix says
 
@@ -764,7 +764,7 @@ def test_a_done_future_is_told_to_be_waited_for_not_made_again() -> None:
     assert "get the value of arg0['b'] (future.result()) and make it again on cpu (" in str(
         info.value
     )
-    _mover._looks_left.pop(concurrent.futures.Future, None)  # warned once per class
+    _mover.looks_left.pop(concurrent.futures.Future, None)  # warned once per class
     with pytest.warns(RuntimeWarning, match=r"Get the value first \(future\.result\(\)\)"):
         assert dk.to_device(done, META) is done  # what the fix says
 

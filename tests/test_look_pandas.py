@@ -261,7 +261,7 @@ def test_to_device_warns_of_a_frame_it_leaves_with_tensors_inside(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # It returned the frame as it was, its tensors left on the CPU, without a word.
-    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(_mover, "looks_left", weakref.WeakKeyDictionary())
     df = frame(("n", FLOAT, [1.0]), ("emb", OBJECT, [torch.ones(1)]))
     with pytest.warns(RuntimeWarning, match=re.escape("(DataFrame['emb'].iloc[0])")) as told:
         assert dk.to_device({"df": df}, "meta")["df"] is df
@@ -344,7 +344,7 @@ def test_real_pandas_objects_holding_tensors_are_looked_inside(
         dk.assert_same_device(df=df, device="meta")
     with pytest.raises(dk.DeviceMismatchError, match=re.escape("  s.iloc[0]: cpu")):
         dk.assert_same_device(x=meta(), s=pd.Series([torch.ones(2)]))
-    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(_mover, "looks_left", weakref.WeakKeyDictionary())
     with pytest.warns(RuntimeWarning, match=re.escape("(DataFrame['emb'].iloc[0])")):
         dk.to_device({"df": df}, "meta")
     # Frames of numbers, strings (object dtype too) and categories hold no tensor, and pass.

@@ -174,7 +174,7 @@ def test_torch_s_own_classes_get_advice_that_does_not_ask_for_a_to_method() -> N
     from devicekit import _mover
 
     for cls in (type(optimizer), type(normal)):  # told once per class: this test's to see
-        _mover._looks_left.pop(cls, None)
+        _mover.looks_left.pop(cls, None)
     with pytest.warns(RuntimeWarning) as caught:
         dk.to_device({"optimizer": optimizer, "normal": normal}, META)
     told = [str(warning.message) for warning in caught]
@@ -188,7 +188,7 @@ def test_an_iterator_is_named_with_the_right_article() -> None:
 
     from devicekit import _mover
 
-    _mover._looks_left.pop(itertools.count, None)
+    _mover.looks_left.pop(itertools.count, None)
     with pytest.warns(RuntimeWarning, match=r"returned an itertools\.count as it is"):
         dk.to_device([itertools.count()], META)
 
@@ -224,13 +224,13 @@ def test_an_optimizer_s_step_on_the_host_is_not_a_tensor_left_behind() -> None:
     )
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     for cls in (type(optimizer), type(scheduler)):
-        _mover._looks_left.pop(cls, None)
+        _mover.looks_left.pop(cls, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dk.to_device({"optimizer": optimizer, "scheduler": scheduler}, META)
     optimizer.state[model.weight]["exp_avg_sq"] = torch.zeros(2, 2)  # one left behind
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)))
-    _mover._looks_left.pop(type(loader), None)
+    _mover.looks_left.pop(type(loader), None)
     with pytest.warns(RuntimeWarning) as caught:
         dk.to_device({"scheduler": scheduler, "loader": loader}, META)
     told = [str(warning.message) for warning in caught]
@@ -238,7 +238,7 @@ def test_an_optimizer_s_step_on_the_host_is_not_a_tensor_left_behind() -> None:
     assert any("(a scheduler holds its optimizer)" in said for said in told)
     assert any("A DataLoader hands out batches" in said for said in told)
     dataset = torch.utils.data.TensorDataset(torch.ones(4, 2))
-    _mover._looks_left.pop(type(dataset), None)
+    _mover.looks_left.pop(type(dataset), None)
     with pytest.warns(RuntimeWarning, match=r"A dataset's items stay on the host, where"):
         dk.to_device([dataset], META)
 
@@ -256,7 +256,7 @@ def test_an_optimizer_s_host_counters_of_every_kind_are_not_left_behind() -> Non
             exp_avg=torch.zeros_like(param),
             exp_avg_sq=torch.zeros_like(param),
         )
-    _mover._looks_left.pop(type(optimizer), None)
+    _mover.looks_left.pop(type(optimizer), None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dk.to_device([optimizer], META)

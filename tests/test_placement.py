@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _dataparallel, _movecalls, _mover, _placement, _refcounts
+from devicekit import _dataparallel, _movecalls, _movemodule, _mover, _placement, _refcounts
 from devicekit._tree import children
 
 from .conftest import FakeAccelerator
@@ -1485,7 +1485,7 @@ def test_an_iterator_is_returned_as_it_is_and_told_of_once_per_class(
 ) -> None:
     # Before, a generator of tensors came back unmoved in silence, where a dict view
     # holding tensors is refused.
-    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())  # none told yet
+    monkeypatch.setattr(_mover, "looks_left", weakref.WeakKeyDictionary())  # none told yet
 
     def batches() -> Iterator[torch.Tensor]:
         yield torch.ones(1)
@@ -1511,7 +1511,7 @@ def test_a_future_is_returned_as_it_is_and_told_of_with_how_to_get_its_value(
 ) -> None:
     # Before, a torch future came back in silence, and a finished concurrent.futures
     # one was told of as an object to give a .to() to.
-    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())  # none told yet
+    monkeypatch.setattr(_mover, "looks_left", weakref.WeakKeyDictionary())  # none told yet
     done: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
     done.set_result(torch.ones(1))
     waited: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -1639,7 +1639,7 @@ def test_a_look_that_fails_finds_nothing_and_is_not_tried_again(
     monkeypatch.setattr(_mover, "tensor_elsewhere", fails)
     held = holder(torch.ones(1))
     assert dk.to_device([held], "meta")[0] is held
-    assert _mover._looks_left[holder] == 0
+    assert _mover.looks_left[holder] == 0
 
 
 class _Key:
@@ -1717,7 +1717,7 @@ def test_a_look_another_thread_spoiled_is_not_counted(monkeypatch: pytest.Monkey
     monkeypatch.setattr(_mover, "tensor_elsewhere", changed)
     held = holder(torch.ones(1))
     assert dk.to_device([held], "meta")[0] is held
-    assert holder not in _mover._looks_left
+    assert holder not in _mover.looks_left
     monkeypatch.undo()
     with pytest.warns(RuntimeWarning, match=r"Holder\.tensor"):
         dk.to_device([held], "meta")
@@ -1745,7 +1745,7 @@ def test_a_plain_tensor_attribute_a_module_move_leaves_behind_is_warned_once_per
     ):
         model = dk.to_device(positions(), "meta")
     assert model.pos.device.type == "cpu"  # still left where it was: a warning, not a move
-    assert _mover._module_looks[model] == 0  # never looked at again: a dict lookup per call
+    assert _movemodule._module_looks[model] == 0  # never looked at again: a dict lookup per call
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dk.to_device(positions(), "meta")
@@ -1780,9 +1780,9 @@ def test_a_clean_module_class_is_looked_at_a_few_times_then_no_more() -> None:
     model.register_buffer("pos", model.__dict__.pop("pos"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for _ in range(_mover._LOOKS_PER_CLASS + 2):
+        for _ in range(_movemodule.LOOKS_PER_CLASS + 2):
             dk.to_device(model, "cpu")
-    assert _mover._module_looks[model] == 0  # a dict lookup per call from now on
+    assert _movemodule._module_looks[model] == 0  # a dict lookup per call from now on
 
 
 def test_a_stray_in_a_sequential_is_found_after_clean_ones_were_moved() -> None:
@@ -1790,7 +1790,7 @@ def test_a_stray_in_a_sequential_is_found_after_clean_ones_were_moved() -> None:
     # warning of a Sequential), no Sequential was looked at again, whatever it held.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for _ in range(_mover._LOOKS_PER_CLASS + 1):
+        for _ in range(_movemodule.LOOKS_PER_CLASS + 1):
             dk.to_device(torch.nn.Sequential(torch.nn.Linear(2, 2)), "meta")
     stray = torch.nn.Sequential(torch.nn.Linear(2, 2), _positions_class()())
     with pytest.warns(RuntimeWarning, match=r"Sequential\.1\.pos is not on meta"):
@@ -1802,10 +1802,10 @@ def test_a_stray_in_a_sequential_is_found_after_clean_ones_were_moved() -> None:
 
 def test_a_numpy_array_of_objects_holding_a_tensor_is_warned_of() -> None:
     np = pytest.importorskip("numpy")
-    _mover._looks_left.pop(np.ndarray, None)  # warned once per class: as if never met
+    _mover.looks_left.pop(np.ndarray, None)  # warned once per class: as if never met
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # arrays of numbers: no look, no warning
-        for _ in range(_mover._LOOKS_PER_CLASS + 1):  # and they use up no look
+        for _ in range(_movemodule.LOOKS_PER_CLASS + 1):  # and they use up no look
             dk.to_device({"a": np.arange(3), "t": torch.ones(1)}, META)
     array = np.array([None, [torch.ones(2)]], dtype=object)
     with pytest.warns(
@@ -1816,7 +1816,7 @@ def test_a_numpy_array_of_objects_holding_a_tensor_is_warned_of() -> None:
     ):
         moved = dk.to_device({"a": array}, META)
     assert moved["a"] is array
-    _mover._looks_left.pop(np.ndarray, None)
+    _mover.looks_left.pop(np.ndarray, None)
 
 
 def test_what_an_object_s_own_to_leaves_in_a_nested_value_is_warned_of() -> None:
@@ -1843,7 +1843,7 @@ def test_what_an_object_s_own_to_leaves_in_a_nested_value_is_warned_of() -> None
 
 
 def test_a_tensor_used_as_a_dict_key_is_warned_of() -> None:
-    _mover._looks_left.pop(_movecalls.DictKey, None)
+    _mover.looks_left.pop(_movecalls.DictKey, None)
     key = torch.ones(1)
     with pytest.warns(
         RuntimeWarning,
@@ -1852,7 +1852,7 @@ def test_a_tensor_used_as_a_dict_key_is_warned_of() -> None:
     ):
         moved = dk.to_device({"x": {(1, key): torch.ones(1)}}, META)
     assert next(iter(moved["x"])) == (1, key)
-    _mover._looks_left.pop(_movecalls.DictKey, None)
+    _mover.looks_left.pop(_movecalls.DictKey, None)
 
 
 @pytest.mark.parametrize("make", [torch.Tensor.untyped_storage, torch.Tensor.storage])

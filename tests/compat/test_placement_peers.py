@@ -152,7 +152,7 @@ def test_a_model_output_s_cache_is_left_as_the_peers_leave_it_but_not_in_silence
     # names the tensors left behind (accelerate and Lightning say nothing).
     output = tiny_gpt2_output()
     cache = output["past_key_values"]
-    _mover._looks_left.pop(type(cache), None)  # warned once per class: as if never met
+    _mover.looks_left.pop(type(cache), None)  # warned once per class: as if never met
     with pytest.warns(
         RuntimeWarning,
         match=r"returned a transformers\.cache_utils\.DynamicCache as it is: .* \(DynamicCache"

@@ -672,7 +672,7 @@ def test_to_device_tells_of_an_object_ref_and_how_to_get_its_value(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Before, a batch holding a Ray reference came back with it, in silence.
-    monkeypatch.setattr(_mover, "_looks_left", weakref.WeakKeyDictionary())  # none told yet
+    monkeypatch.setattr(_mover, "looks_left", weakref.WeakKeyDictionary())  # none told yet
     ref = ray.ObjectRef.from_random()  # no cluster needed: nothing is fetched
     with pytest.warns(
         RuntimeWarning,
