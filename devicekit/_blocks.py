@@ -4,18 +4,36 @@
 ``@contextlib.contextmanager`` object entered a second time fails inside
 ``contextlib`` (``AttributeError: ... 'args'``), which tells the user nothing;
 `EnterOnce` says what to do instead, and, used as a decorator, makes a fresh
-block for each call, as ``contextlib``'s own objects do.
+block for each call, as ``contextlib``'s own objects do. It refuses to
+decorate where the block would not cover the body (a generator or ``async``
+function) or where what the block gives would be lost (a report nobody could
+read): a decorated function returns only its own value.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
+
+from ._shortrepr import short_repr
 
 __all__ = ["EnterOnce"]
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _deferred_kind(func: object) -> str | None:
+    """What kind of function ``func`` is when calling it does not run its body, else None."""
+    if inspect.isasyncgenfunction(func):
+        return "an async generator function"
+    if inspect.iscoroutinefunction(func):
+        return "an async function"
+    if inspect.isgeneratorfunction(func):
+        return "a generator function"
+    return None
 
 
 class EnterOnce(contextlib.ContextDecorator, Generic[T]):
@@ -46,6 +64,7 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         name: str = "a devicekit",
         gives: str = "value",
         reads: Mapping[str, str] | None = None,
+        undecorating: str | None = None,
     ):
         self._make = make
         self._again = again  # the message for a second entry: what to call instead
@@ -53,7 +72,32 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         self._gives = gives  # a name for what it gives, for messages: "syncs"
         # Where what it gives keeps a name, when not on itself: "scope.report.peak_allocated".
         self._reads = reads or {}
+        # Why it is no decorator, where what it gives would be lost (a report nobody can
+        # read, a GPU the function never learns of): None where decorating makes sense.
+        self._undecorating = undecorating
         self._block: contextlib.AbstractContextManager[T] | None = None
+
+    def __call__(self, func: F) -> F:
+        """Decorate ``func``: each call runs in a block of its own.
+
+        Refused where the block would not cover what the function does: a
+        generator or ``async`` function runs its body after the call returns,
+        outside the block, so nothing in it would be watched or held.
+        """
+        name = getattr(func, "__qualname__", None) or short_repr(func)
+        if self._undecorating is not None:
+            raise TypeError(
+                f"{self._name} cannot decorate {name}: {self._undecorating}; open the block "
+                f"in its body instead: with {self._name} as {self._gives}: ..."
+            )
+        kind = _deferred_kind(func)
+        if kind is not None:
+            raise TypeError(
+                f"{self._name} cannot decorate {name}, {kind}: its body runs after the call "
+                f"returns, outside the block, so the block would cover none of it; open "
+                f"the block in its body instead: with {self._name} as {self._gives}: ..."
+            )
+        return super().__call__(func)
 
     def _recreate_cm(self) -> EnterOnce[T]:
         # As a decorator, each call of the function gets a block of its own.
@@ -70,15 +114,18 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         # (dk.detect_syncs().count): say where it is, not "'EnterOnce' object has no ...".
         if name.startswith("_"):  # copy's and pickle's probes, and ours before __init__
             raise AttributeError(name, name=name, obj=self)
-        state = (
-            "it has not run yet; enter it and read"
-            if self._block is None
-            else "it is the block; read"
-        )
+        given = f"with {self._name} as {self._gives}: ..."
+        if name == self._gives:  # dk.visible_devices(...).devices: what it gives is that
+            state = "it has not run yet" if self._block is None else "it is the block"
+            how = f"{state}; its `with` gives the {name} itself: {given}"
+        else:
+            state = (
+                "it has not run yet; enter it and" if self._block is None else "it is the block;"
+            )
+            read = self._reads.get(name, f"{self._gives}.{name}")
+            how = f"{state} read .{name} off what its `with` gives: {given}, then {read}"
         raise AttributeError(
-            f"{self._name} has no .{name}: {state} .{name} off what its `with` gives: "
-            f"with {self._name} as {self._gives}: ..., then "
-            f"{self._reads.get(name, f'{self._gives}.{name}')}",
+            f"{self._name} has no .{name}: {how}",
             name=name,
             obj=self,
         )
@@ -86,9 +133,15 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
     def __enter__(self) -> T:
         if self._block is not None:
             raise RuntimeError(self._again)
-        self._block = self._make()
-        return self._block.__enter__()
+        block = self._make()
+        value = block.__enter__()  # one that refused its arguments was never entered
+        self._block = block
+        return value
 
     def __exit__(self, *exc_info: Any) -> bool | None:
-        assert self._block is not None  # __exit__ follows a successful __enter__
+        if self._block is None:  # an ExitStack or a hand-written __exit__ gone wrong
+            raise RuntimeError(
+                f"{self._name} was left without being entered: call __enter__ first, or "
+                f"write with {self._name} as {self._gives}: ..."
+            )
         return self._block.__exit__(*exc_info)

@@ -9,7 +9,9 @@ tell torch's two formats (a zip archive; the legacy pickle, which starts with
 torch's magic number) from everything else, and says which it is:
 
 - not torch's format: always a `CheckpointError` that names what the file
-  looks like (empty, safetensors, NumPy, a plain pickle) and how to load it;
+  looks like (empty, safetensors, NumPy, gzip, a plain pickle) and how to load
+  it, or, where its few bytes are the start of torch's own first bytes, that it
+  is cut short;
 - torch's zip format: the archive's own directory and CRC-32s say whether it
   is cut short or damaged (`check_archive`, which torch's reader never does),
   whatever error torch met first (an ``OSError`` from a seek the damage
@@ -44,6 +46,8 @@ from ._checkpointargs import (
     MMAP_LEGACY,
     check_keywords,
     check_mmap,
+    check_pickle_module,
+    check_seekable,
     legacy_mmap,
     not_a_file,
     path_shown,
@@ -65,9 +69,17 @@ __all__ = ["load"]
 # torch.save's two formats: a zip archive (the default since torch 1.6), and before
 # it a pickle that starts with torch's magic number (binary, or as text in protocol 0/1).
 _ZIP = b"PK\x03\x04"
-_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+_MAGIC = _MAGIC_NUMBER.to_bytes(10, "little")
 _MAGIC_TEXT = b"119547037146038801333356"
-_HEAD = 64  # bytes read to tell the formats apart
+# The legacy format's first bytes: the magic number, pickled with the save's protocol.
+_LEGACY_STARTS = tuple(
+    pickle.dumps(_MAGIC_NUMBER, protocol=protocol)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1)
+)
+# Bytes read to tell the formats apart: a zip's first record name too (a .npz's
+# "x.npy"; torch's "archive/data.pkl"), after the 30 bytes of its header.
+_HEAD = 256
 
 
 def load(
@@ -87,8 +99,8 @@ def load(
     A safetensors file (told by its first bytes, whatever its name) is
     loaded with the ``safetensors`` package, onto ``device``. A file that is
     not a checkpoint gets an error that says what it is instead: empty, cut
-    short or damaged, or another format (NumPy, a plain pickle), with how to
-    load that. A checkpoint saved from
+    short or damaged, or another format (NumPy, gzip, a plain pickle), with
+    how to load that. A checkpoint saved from
     tensors on the meta device (shapes, no values) is refused unless
     ``device`` is meta.
 
@@ -105,7 +117,8 @@ def load(
 
     Args:
         path: The file to load: a path, or a binary file object with
-            ``read()`` and ``seek()`` (opened with ``"rb"``, not ``"r"``).
+            ``read()`` and ``seek()`` (opened with ``"rb"``, not ``"r"``) that
+            can seek (not a pipe: pass ``io.BytesIO(f.read())`` for one).
         device: Where the tensors go, a [`DeviceLike`][devicekit.DeviceLike].
             Default: [`try_gpu()`][devicekit.try_gpu].
         verify: Whether to check, after a load that succeeds, the CRC-32 of
@@ -118,18 +131,22 @@ def load(
             tensors go to ``try_gpu()``, never back to the device they were
             saved from). ``weights_only`` and ``mmap`` must be True, False
             or None. With a dict or a function, tensors saved from meta
-            come back on meta (torch never maps them), unrefused.
+            come back on meta (torch never maps them), unrefused. A
+            ``pickle_module`` of your own needs ``weights_only=False``.
 
     Returns:
         What ``torch.load`` returns, with its tensors on ``device``.
 
     Raises:
         TypeError: ``path`` is neither a path nor a binary file (or is a
-            file opened in text mode), a keyword is one neither ``torch.load``
-            nor its unpickler takes (a typo such as ``maplocation``), both
-            ``device`` and ``map_location`` were given, ``map_location`` is
-            of no type torch takes, ``weights_only`` or ``mmap`` is not
-            True, False or None, or ``verify`` is not True or False.
+            file opened in text mode, or one that cannot seek), a keyword
+            is one neither ``torch.load`` nor its unpickler takes (a typo
+            such as ``maplocation``), both ``device`` and ``map_location``
+            were given, ``map_location`` is of no type torch takes,
+            ``weights_only`` or ``mmap`` is not True, False or None, or
+            ``verify`` is not True or False.
+        ValueError: A ``pickle_module`` with ``weights_only=True`` (the
+            default), or ``mmap=True`` with a file object.
         DeviceNotFoundError: This torch build or machine has no such device.
         CheckpointError: The file is not one ``torch.save`` wrote (empty,
             another format, a safetensors file without the ``safetensors``
@@ -150,7 +167,8 @@ def load(
             class from a module this program cannot import); the message
             names the class and how to give it.
         FileNotFoundError: No file at ``path``, or ``path`` is empty
-            (``IsADirectoryError``: a folder).
+            (``IsADirectoryError``: a folder; ``NotADirectoryError``: a file
+            as a folder, as in ``"sd.pt/"``).
         OSError: The file could not be read (``EIO``, ``EACCES``).
         MemoryError: The tensors do not fit in memory (``RuntimeError``
             from torch's CPU allocator, ``torch.OutOfMemoryError``); where
@@ -188,12 +206,14 @@ legacy format). Check the path
             f"weights_only must be True, False or None (torch's default), got "
             f"{got(weights_only)}; pass weights_only=False only for files you trust"
         )
+    check_pickle_module(path, kwargs.get("pickle_module"), weights_only)
     check_mmap(path, kwargs.get("mmap"))
     if not isinstance(verify, bool):
         raise TypeError(
             f"verify must be True or False, got {got(verify)}; pass verify=True to check the "
             "CRC-32 of every record after the load"
         )
+    check_seekable(path)
     start = _position(path)
     head = _head(path, start)
     if head is not None and _kind(head) == "safetensors":  # whatever its name: see there
@@ -239,7 +259,7 @@ def _explained(
 
     ``head``: the file's first bytes, read before the load (`_head`).
     """
-    if isinstance(error, (FileNotFoundError, IsADirectoryError)) or (
+    if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)) or (
         isinstance(error, OSError) and error.errno == errno.ENAMETOOLONG
     ):
         return _path_error(error, path)
@@ -274,7 +294,7 @@ def _explained(
 
 
 def _path_error(error: OSError, path: object) -> OSError | None:
-    """No file at ``path``, a folder, or a path too long, said so; None for a file object."""
+    """No file at ``path``, a folder, a file as a folder, a path too long; None: a file object."""
     if not isinstance(path, (str, os.PathLike)):
         return None
     if error.errno == errno.ENAMETOOLONG:
@@ -371,16 +391,27 @@ def _head(path: object, start: int | None) -> bytes | None:
 def _kind(head: bytes) -> str | None:
     r"""What a file's first bytes say it is; None when they are torch.save's.
 
+    "cut": all the file holds is the start of torch.save's first bytes (a zip
+    archive's signature, the legacy format's magic number).
+
     Examples:
         >>> _kind(b""), _kind(b"\x93NUMPY\x01\x00"), _kind(b"PK\x03\x04...") is None
         ('empty', 'numpy', True)
+        >>> _kind(b"PK\x03"), _kind(b"\x80\x02\x8a\x0al"), _kind(b"\x1f\x8b\x08\x08")
+        ('cut', 'cut', 'gzip')
     """
-    if head.startswith(_ZIP) or _MAGIC in head or _MAGIC_TEXT in head:
+    if head.startswith(_ZIP):
+        return "npz" if _first_record(head).endswith(b".npy") else None
+    if _MAGIC in head or _MAGIC_TEXT in head:
         return None
     if not head:
         return "empty"
+    if any(start.startswith(head) for start in (_ZIP, *_LEGACY_STARTS)):
+        return "cut"  # the whole file (a start is 29 bytes at most, under _HEAD)
     if head.startswith(b"\x93NUMPY"):
         return "numpy"
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
     # safetensors: an 8-byte little-endian header length, then the JSON header.
     if len(head) > 9 and head[8:10] == b'{"' and struct.unpack("<Q", head[:8])[0] < 2**30:
         return "safetensors"
@@ -389,11 +420,22 @@ def _kind(head: bytes) -> str | None:
     return "other"
 
 
+def _first_record(head: bytes) -> bytes:
+    """The name of a zip archive's first record, from its local header; b"" if cut off."""
+    size = int.from_bytes(head[26:28], "little")
+    name = head[30 : 30 + size]
+    return name if len(name) == size else b""
+
+
 _KINDS = {
     "empty": "the file is empty (0 bytes): a save that never ran or was stopped at once. "
     "Save it again",
     "numpy": "it is a NumPy .npy file, not one torch.save wrote; load it with "
     "torch.from_numpy(numpy.load(path))",
+    "npz": "it is a NumPy .npz archive (a zip of .npy arrays), not one torch.save wrote; load "
+    "it with numpy.load(path), and each array with torch.from_numpy",
+    "gzip": "it is gzip-compressed (a .gz file); if a checkpoint is inside, load it with "
+    "dk.load(gzip.open(path, 'rb'))",
     "safetensors": "it is a safetensors file, not one torch.save wrote; load it with "
     "safetensors.torch.load_file(path, device='cpu') (or another device)",
     "pickle": "it is a pickle, but not one torch.save wrote (no torch header); if you trust "
@@ -406,6 +448,11 @@ _KINDS = {
 def _why_unreadable(error: BaseException, head: bytes | None) -> str | None:
     """What is wrong with the file, from its first bytes and torch's words; None: not its fault."""
     kind = None if head is None else _kind(head)
+    if kind == "cut" and head is not None:  # said as a zip archive cut short is (`told`)
+        size = f"{len(head)} byte{'s' if len(head) > 1 else ''}"
+        what = "a zip archive's signature" if _ZIP.startswith(head) else "its magic number"
+        detail = f"it ends after {size}, inside the first bytes torch.save writes ({what})"
+        return told(error, Damage(cut=True, detail=detail))
     if kind is not None:
         return f": {_KINDS[kind]}"
     if isinstance(error, (AttributeError, ModuleNotFoundError)) or not damaged(error, head):
@@ -422,8 +469,8 @@ def _zip_damage(path: object, start: int | None, head: bytes | None) -> Damage |
 
     None too where the file cannot be read (an ``OSError``: the disk's, not the file's fault).
     """
-    if start is None or head is None or not head.startswith(_ZIP):
-        return None
+    if start is None or head is None or not head.startswith(_ZIP) or _kind(head) is not None:
+        return None  # not a zip, or a .npz: what it is says more than its damage
     try:
         return check_archive(path, start)  # type: ignore[arg-type]  # a path or file object
     except (OSError, ValueError, AttributeError, TypeError):

@@ -2,13 +2,16 @@
 
 Each refusal names ``load()``, the file and the fix, where torch's own named
 neither (a folder, a path of a thousand characters, ``mmap=True`` of a file
-object, a misspelt keyword that reached the unpickler).
+object, a misspelt keyword that reached the unpickler, a file object that
+cannot seek, a ``pickle_module`` with ``weights_only=True``).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
+import io
 import os
 import pickle
 from typing import Any
@@ -22,6 +25,8 @@ __all__ = [
     "MMAP_LEGACY",
     "check_keywords",
     "check_mmap",
+    "check_pickle_module",
+    "check_seekable",
     "legacy_mmap",
     "not_a_file",
     "path_shown",
@@ -51,6 +56,49 @@ def check_mmap(path: object, mmap: object) -> None:
             f"so it needs the file's path, got a file object ({type(path).__name__}); "
             "pass the path, or leave mmap out"
         )
+
+
+def check_pickle_module(path: object, pickle_module: object, weights_only: object) -> None:
+    """Refuse a ``pickle_module`` of the caller's own with ``weights_only=True`` (the default).
+
+    torch refuses the two together with a bare *"Can not safely load weights when
+    explicit pickle_module is specified"*; torch.load alone turns ``weights_only``
+    off where a ``pickle_module`` is given, but ``load()`` never does so unasked.
+    """
+    if pickle_module is None or weights_only is not True:
+        return
+    name = getattr(pickle_module, "__name__", None)
+    shown = name if isinstance(name, str) else short_repr(pickle_module)
+    raise ValueError(
+        f"load(path={path_shown(path)}, pickle_module={shown}): a pickle_module of your own "
+        "unpickles the file, so torch cannot check that it holds only tensors and plain data "
+        "(weights_only=True, load()'s default); pass weights_only=False as well for a file "
+        "you trust, or leave pickle_module out"
+    )
+
+
+def check_seekable(path: object) -> None:
+    """Refuse a file object that cannot seek (a pipe, standard input, a download).
+
+    torch.load seeks in the file; its own error from a pipe was a bare
+    ``OSError: [Errno 29] Illegal seek``. Other errors of the probe (``EIO``, a
+    closed file) are left for torch to meet, as before.
+    """
+    if isinstance(path, (str, os.PathLike)):
+        return
+    try:
+        path.seek(path.tell())  # type: ignore[attr-defined]  # what torch.load does first
+    except (OSError, ValueError, AttributeError, TypeError) as error:
+        # io.UnsupportedOperation is an OSError; the rest (EIO, a closed file) torch meets too.
+        if not isinstance(error, io.UnsupportedOperation) and (
+            not isinstance(error, OSError) or error.errno != errno.ESPIPE
+        ):
+            return
+        raise TypeError(
+            f"load(path={path_shown(path)}): path is a file object that cannot seek "
+            f"({type(path).__name__}: a pipe, standard input or a download), but torch.load "
+            "seeks in the file; read it into memory first: dk.load(io.BytesIO(f.read()))"
+        ) from None
 
 
 def legacy_mmap(path: object) -> RuntimeError:
@@ -88,6 +136,8 @@ def not_a_file(path: str | bytes, error: OSError) -> str:
             else "; pass the checkpoint file inside it"
         )
         return f"load(path={shown}): {where} is a folder, not a checkpoint file{hint}"
+    if isinstance(error, NotADirectoryError):
+        return _file_as_folder(text, shown)
     folder = os.path.dirname(where)
     if not os.path.isdir(folder):
         hint = f"; the folder {folder} does not exist either"
@@ -102,6 +152,25 @@ def not_a_file(path: str | bytes, error: OSError) -> str:
         hint = f"; did you mean {os.path.join(os.path.dirname(text), near)!r}?" if near else ""
     relative = "" if os.path.isabs(text) else f" (relative to the working directory, {os.getcwd()})"
     return f"load(path={shown}): there is no file {where}{relative}{hint}"
+
+
+def _file_as_folder(text: str, shown: str) -> str:
+    """Why a path that goes through a file as if it were a folder was refused (``ENOTDIR``)."""
+    parts = text.split(os.sep)
+    for count in range(1, len(parts)):
+        before = os.sep.join(parts[:count])
+        if before and os.path.exists(before) and not os.path.isdir(before):
+            if not any(parts[count:]):  # "sd.pt/": only separators after the file
+                return (
+                    f"load(path={shown}): {os.path.abspath(before)} is a file, but the path "
+                    f"ends in {os.sep!r}, which names a folder; pass the path without it: "
+                    f"{short_repr(before, _PATH_SHOWN)}"
+                )
+            return (
+                f"load(path={shown}): {os.path.abspath(before)} is a file, not a folder, so "
+                "there is nothing inside it; check the path"
+            )
+    return f"load(path={shown}): a part of the path is a file, not a folder; check the path"
 
 
 def too_long(path: str | bytes) -> str:
@@ -135,7 +204,8 @@ def check_keywords(kwargs: dict[str, Any]) -> None:
 
     Torch would pass it to the unpickler, whose ``TypeError`` names neither
     ``load`` nor the keyword meant. A ``pickle_module`` of the caller's own
-    may take keywords of its own, so then every keyword goes through.
+    (with ``weights_only=False``: see `check_pickle_module`) may take keywords
+    of its own, so then every keyword goes through.
 
     Examples:
         >>> check_keywords({"maplocation": "cpu"})

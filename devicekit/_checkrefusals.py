@@ -12,12 +12,16 @@ from __future__ import annotations
 import types
 from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 
+import torch
+
 from ._checkfix import Holder, Path, render
-from ._format import article
+from ._format import article, close_match
 from ._look import OPAQUE
+from ._shortrepr import short_repr
 from ._tree import children
 
 __all__ = [
+    "refuse_misspelled_device",
     "refuse_unwalkable",
     "too_many",
     "too_many_in_array",
@@ -120,4 +124,24 @@ def refuse_unwalkable(name: str, obj: object) -> None:
             f"assert_same_device() cannot check {name}, a {kind} view: a dict view is not "
             "walked (to_device() refuses one holding a tensor off its target, for the same "
             "reason: it shows its dict). Pass the dict itself, or list(...) of the view."
+        )
+
+
+def refuse_misspelled_device(name: str, obj: object) -> None:
+    """Refuse a keyword argument that is ``device=`` misspelled (``devce='cpu'``).
+
+    Taken as one more object to check, it holds no tensor, so the device the
+    caller meant to require would go unchecked: the one place a typo would
+    change the answer rather than fail. A ``torch.device`` under any name is
+    refused too: it holds no tensor to check.
+    """
+    lowered = name.lower()
+    looks_like = lowered == "device" or close_match(lowered, ["device"], cutoff=0.8) is not None
+    device_like = isinstance(obj, (str, int, torch.device)) and not isinstance(obj, bool)
+    if isinstance(obj, torch.device) or (looks_like and device_like):
+        meant = str(obj) if isinstance(obj, torch.device) else obj
+        raise TypeError(
+            f"assert_same_device() got {name}={short_repr(obj)}, which holds no tensor to "
+            "check: a keyword argument is an object to check, and the device every tensor "
+            f"must be on is given as device=; write device={meant!r}"
         )

@@ -26,7 +26,7 @@ from ._checkfix import (
     mismatch_message,
     render,
 )
-from ._checkrefusals import refuse_unwalkable
+from ._checkrefusals import refuse_misspelled_device, refuse_unwalkable
 from ._checkwalk import collect
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
@@ -130,7 +130,9 @@ def assert_same_device(
         TypeError: An argument is a generator, an iterator, a dict view, a
             class, a module or a function, or a keyword argument is named
             ``arg0``, ``arg1``... like a positional one (one of the two would
-            go unchecked).
+            go unchecked); an argument is a ``torch.device``, or a keyword
+            close to ``device`` (``devce='cpu'``, ``Device=0``) is given a
+            device: it holds no tensor, and the device meant went unchecked.
         DeviceNotFoundError: This torch build or machine has no ``device``.
 
     Examples:
@@ -155,6 +157,7 @@ def assert_same_device(
         )
     named |= named_objs
     for name, obj in named.items():
+        refuse_misspelled_device(name, obj)
         refuse_unwalkable(name, obj)
     where: dict[torch.device, list[Path]] = defaultdict(list)
     owners: dict[str, set[torch.device]] = defaultdict(set)  # each argument's devices

@@ -67,14 +67,15 @@ class ClaimsReport:
         lock_files: How many lock files the directory has (one per GPU ever
             claimed), held or not.
         unknown: Why it cannot be told which are held, or None when it can.
-        nvml: Whether NVML could be asked which GPU each claim is.
+        nvml: Whether NVML could be asked which GPU each claim is; None where
+            no claim was held, so NVML was not asked (nor started).
     """
 
     directory: str
     held: tuple[HeldClaim, ...]
     lock_files: int
     unknown: str | None
-    nvml: bool = True
+    nvml: bool | None = None
 
     def __str__(self) -> str:
         head = f"GPU claims in {safe_text(self.directory)}"
@@ -84,7 +85,7 @@ class ClaimsReport:
             files = plural(self.lock_files, "lock file")
             return f"{head}: none held ({files}; a claim ends with the process that holds it)"
         lines = [f"{head}: {len(self.held)} held"]
-        lines.extend(f"  {claim.line(nvml=self.nvml)}" for claim in self.held)
+        lines.extend(f"  {claim.line(nvml=bool(self.nvml))}" for claim in self.held)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,15 +127,18 @@ def claims_report() -> ClaimsReport:
             "files; set DEVICEKIT_CLAIMS_DIR to a directory on another file system (tmpfs)"
         )
         return ClaimsReport(str(directory), (), len(names), why)
+    holders = []
+    for name in names:
+        listed, pid = locked_by(directory / name)
+        if listed:
+            holders.append((name.removesuffix(".lock"), pid))
+    if not holders:  # nothing to label: NVML is not started for it
+        return ClaimsReport(str(directory), (), len(names), None)
     nvml = _nvml.nvml_error() is None
     labels = _gpu_labels() if nvml else {}
     held = []
-    for name in names:
-        listed, pid = locked_by(directory / name)
-        if not listed:
-            continue
+    for gpu, pid in holders:
         stat = None if pid is None else read_stat(pid)
-        gpu = name.removesuffix(".lock")
         held.append(HeldClaim(gpu, labels.get(gpu), pid, None if stat is None else stat[0]))
     return ClaimsReport(str(directory), tuple(held), len(names), None, nvml)
 

@@ -250,6 +250,8 @@ def claim_gpu(
         ValueError, PermissionError: ``$DEVICEKIT_CLAIMS_DIR`` cannot hold claims,
             as for [`pick_gpu()`][devicekit.pick_gpu] (when the block is entered, GPU or not).
         RuntimeError: The same ``claim_gpu(...)`` object is entered a second time.
+        TypeError: It is used as a decorator: the function would not learn which
+            device was claimed.
 
     Examples:
         >>> import devicekit as dk
@@ -270,6 +272,7 @@ def claim_gpu(
         ),
         name="dk.claim_gpu()",
         gives="device",
+        undecorating="the function would never learn which device was claimed for it",
     )
 
 

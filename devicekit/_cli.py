@@ -184,13 +184,16 @@ class _Parser(argparse.ArgumentParser):
             if word == "--" or not word.startswith("-") or word == "-":
                 return  # the command, or a value: what follows is the command's to read
             name = word.partition("=")[0]
-            if name in self.options:
+            short = name[:2] if not name.startswith("--") else name  # -n2 is -n with 2
+            if name in self.options or short in self.options:  # -i0 carries its value
                 position += 2 if word in ("-i", "--id") else 1  # -i's value is the next word
                 continue
-            short = name[:2] if not name.startswith("--") else name  # -n2 is -n with 2
             owner = next((c for c, sub in self.commands.items() if short in sub.options), None)
             if owner is None:
                 return  # unknown everywhere: unrecognized() suggests a spelling
+            written = next((w for w in argv[position:] if w in self.commands), None)
+            if written is not None and written != owner:
+                return  # another command's option: that command's parser says it has none
             fixed = [w for w in argv if w not in self.commands]
             fixed.insert(position, owner)
             self.error(

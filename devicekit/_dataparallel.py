@@ -12,6 +12,7 @@ from ._accelerators import try_all_gpus
 from ._devices import DeviceLike, resolve_devices
 from ._errors import TensorCopyError
 from ._keywords import suggest_keywords
+from ._shortrepr import short_repr
 from ._submodules import not_a_module
 
 __all__ = ["data_parallel"]
@@ -39,11 +40,16 @@ def data_parallel(
         devices: The devices to use: a list of [`DeviceLike`][devicekit.DeviceLike], or one
             device. Default: [`try_all_gpus()`][devicekit.try_all_gpus].
 
+    A module already wrapped (the cell that wrapped it, run again) is
+    unwrapped first, so the result is never ``DataParallel`` in
+    ``DataParallel`` (whose state-dict keys would read ``module.module.``).
+
     Returns:
         ``nn.DataParallel(module)`` or ``module`` itself, moved.
 
     Raises:
-        ValueError: ``devices`` is empty, mixes device types, or is the meta
+        ValueError: ``devices`` is empty, names a device twice (``[0, 0]``,
+            ``["cuda", "cuda:0"]``), mixes device types, or is the meta
             device (which would drop the module's weights).
         DeviceNotFoundError: One of ``devices`` does not exist here.
         TensorCopyError: ``module`` holds tensors on the meta device (no values
@@ -58,6 +64,8 @@ def data_parallel(
     global _warned_data_parallel  # noqa: PLW0603 - a once-per-process flag
     if not isinstance(module, torch.nn.Module):
         raise not_a_module(module, call="data_parallel(module)")
+    if isinstance(module, torch.nn.DataParallel):  # a notebook cell run again: wrap the model
+        module = module.module
     targets = try_all_gpus() if devices is None else resolve_devices(devices)
     if not targets:
         raise ValueError("data_parallel() needs at least one device, got an empty list")
@@ -70,6 +78,13 @@ def data_parallel(
             "no values: the module would be moved there in place, its weights lost. Pass "
             "GPUs or 'cpu'; to build a model without memory, use "
             "torch.device('meta') directly and module.to_empty(device=...) later"
+        )
+    twice = next((d for n, d in enumerate(targets) if d in targets[:n]), None)
+    if twice is not None and twice.type != "cpu":  # the CPU is never wrapped
+        raise ValueError(
+            f"devices={short_repr(devices)} names {twice} twice: nn.DataParallel would run "
+            "two replicas on that GPU, each on its share of the batch, for no gain; list "
+            "each GPU once"
         )
     _refuse_meta_tensors(module, targets[0])
     module.to(targets[0])

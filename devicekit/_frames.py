@@ -53,6 +53,7 @@ _STDLIB = tuple(
 )
 _INSTALLED = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _DEVICEKIT = str(Path(__file__).parent) + os.sep
+_CONTEXTLIB = contextlib.__file__
 
 
 def is_user(filename: str) -> bool:
@@ -100,11 +101,15 @@ def caller_stacklevel() -> int:
 
     Call it in the frame that calls ``warnings.warn``: it counts that frame
     and each devicekit frame above it, however many wrappers (a
-    `suggest_keywords` frame) stand between the public call and the warning.
+    `suggest_keywords` frame) stand between the public call and the warning,
+    and ``contextlib``'s frames among them: a devicekit block entered by a
+    ``with``, by a decorator (``ContextDecorator``) or by an ``ExitStack``.
     """
     frame: types.FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_DEVICEKIT):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_DEVICEKIT) or frame.f_code.co_filename == _CONTEXTLIB
+    ):
         frame = frame.f_back
         level += 1
     return level

@@ -213,11 +213,13 @@ def memory_scope(
     Returns:
         A context manager, entered once, whose ``with ... as`` gives a
         [`MemoryScope`][devicekit.MemoryScope] whose ``report`` is filled in
-        on exit. As a decorator, each call gets a scope of its own. The
-        context manager itself has no ``report``: reading one off it raises
-        an ``AttributeError`` that says to enter it first.
+        on exit. The context manager itself has no ``report``: reading one
+        off it raises an ``AttributeError`` that says to enter it first. It
+        is no decorator: a decorated function returns only its own value,
+        so each call's report would be lost.
 
     Raises:
+        TypeError: It is used as a decorator.
         DeviceNotFoundError: ``device`` does not exist here (when the block
             is entered).
         RuntimeError: The same ``memory_scope(...)`` object is entered a
@@ -239,6 +241,8 @@ def memory_scope(
         name="dk.memory_scope()",
         gives="scope",
         reads={name: f"scope.report.{name}" for name in _REPORT_NAMES},
+        undecorating="each call's report would be lost, as a decorated function returns only "
+        "its own value",
     )
 
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from ._blocks import EnterOnce
 from ._errors import CUDAInitializedError
+from ._frames import caller_stacklevel
 from ._keywords import suggest_keywords
 from ._options import check_flag
 from ._shortrepr import short_repr
@@ -242,7 +243,7 @@ def _warn_if_outside_share(parsed: list[int | str]) -> None:
         f"GPU indices, not this process's cuda:N: {fix}. Where leaving the share is meant, "
         "filter this warning.",
         UserWarning,
-        stacklevel=5,  # this, the block, contextlib's __enter__, EnterOnce's, the with block
+        stacklevel=caller_stacklevel(),  # the with block's line, or the decorated call's
     )
 
 
@@ -258,5 +259,5 @@ def _warn_if_started_inside(value: str | None) -> None:
         "that view of the GPUs until it exits. Start CUDA before the block (or after it), or "
         "pass the setting to the child alone (subprocess.run(..., env=...)).",
         RuntimeWarning,
-        stacklevel=5,  # this, the block, contextlib's __exit__, EnterOnce's, the with block
+        stacklevel=caller_stacklevel(),  # the with block's line, or the decorated call's
     )

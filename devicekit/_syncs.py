@@ -9,8 +9,9 @@ import logging
 import threading
 import types
 import warnings
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
 
 import torch
 
@@ -38,8 +39,11 @@ def _traceback_location(traceback: types.TracebackType | None) -> str:
     return location
 
 
+@dataclass(frozen=True)
 class SyncReport:
     """What `detect_syncs()` saw: each synchronizing call and the user line it came from.
+
+    Filled in while its block runs; read it after.
 
     Attributes:
         mode: ``"record"`` or ``"error"``.
@@ -47,11 +51,11 @@ class SyncReport:
         reason: Why not, when ``supported`` is False.
     """
 
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.supported = True
-        self.reason: str | None = None
-        self._events: list[tuple[str, str]] = []
+    mode: str
+    supported: bool = True
+    reason: str | None = None
+    # (location, what) per sync, appended by the block while it runs.
+    _events: list[tuple[str, str]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def events(self) -> list[tuple[str, str]] | None:
@@ -152,41 +156,66 @@ host wait too, but PyTorch's sync debug mode watches CUDA only
     return f"no CUDA device: {where}, so work runs on the CPU, which is synchronous"
 
 
+# The device-wide waits torch's debug mode does not flag, by the names a program calls.
+_SYNCHRONIZING: tuple[tuple[str, Any], ...] = (
+    ("torch.cuda.synchronize", torch.cuda),
+    ("torch.accelerator.synchronize", getattr(torch, "accelerator", None)),
+)
+
+
+def _filters_changed() -> None:
+    """Tell ``warnings`` its filter list changed in place, as its own functions do."""
+    mutated = getattr(warnings, "_filters_mutated", None)  # absent on some versions
+    if mutated is not None:
+        mutated()
+
+
 class _Watch:
     """What every ``detect_syncs`` block open now shares: they nest, and may end in any order.
 
-    The sync debug mode, ``torch.cuda.synchronize`` and the warnings hook are
+    The sync debug mode, the synchronize functions and the warnings hook are
     process-wide, so they are set up when the first block opens and put back
     when the last one closes, not by each block: a block that saved and
     restored them itself would, closing before one opened after it (another
     thread, a generator), leave the debug mode on and the hooks installed for
     good. A sync is counted by every open block, and the debug mode is
     ``"error"`` while any open block is in error mode.
+
+    Only what the first block put in is taken out: a warnings filter or
+    ``showwarning`` the program set meanwhile stays (``catch_warnings`` would
+    put back the whole list, dropping them), and ``show`` passes a warning on
+    even after the last block closed, for whoever kept a reference to it
+    (``logging.captureWarnings`` does).
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reports: list[SyncReport] = []
         self.previous: int | str = 0
-        self.original: Any = None  # torch.cuda.synchronize before the first block
-        self.shown: Any = None  # warnings.showwarning before the first block
-        self.warnings: warnings.catch_warnings | None = None
+        # (module, its synchronize before the first block, the one put in its place)
+        self.replaced: list[tuple[Any, Any, Any]] = []
+        self.shown: Any = None  # the showwarning this one passes other warnings on to
+        self.filters: list[Any] = []  # the filters the first block put in
 
     def open(self, report: SyncReport) -> None:
         with self.lock:
             if not self.reports:
                 self.previous = torch.cuda.get_sync_debug_mode()
-                self.original = torch.cuda.synchronize
-                self.warnings = warnings.catch_warnings()
-                self.warnings.__enter__()
-                warnings.filterwarnings("always", message=f".*{_SYNC_MESSAGE}")
-                # torch's own caveat; the docstring above says what is not detected.
+                # torch's own caveat; the docstring of detect_syncs says what is not detected.
                 warnings.filterwarnings(
                     "ignore", message="Synchronization debug mode is a prototype"
                 )
-                self.shown = warnings.showwarning
+                warnings.filterwarnings("always", message=f".*{_SYNC_MESSAGE}")
+                self.filters = list(warnings.filters[:2])
+                if warnings.showwarning != self.show:  # not ours, put back by another
+                    self.shown = warnings.showwarning
                 warnings.showwarning = self.show
-                torch.cuda.synchronize = self.synchronize
+                for name, module in _SYNCHRONIZING:
+                    original = getattr(module, "synchronize", None)
+                    if original is not None:
+                        watched = self.watched(name, original)
+                        self.replaced.append((module, original, watched))
+                        module.synchronize = watched
             self.reports.append(report)
             self.set_mode()
 
@@ -197,11 +226,16 @@ class _Watch:
                 self.set_mode()
                 return
             torch.cuda.set_sync_debug_mode(self.previous)
-            if torch.cuda.synchronize == self.synchronize:  # not if someone replaced it since
-                torch.cuda.synchronize = self.original
-            if self.warnings is not None:
-                self.warnings.__exit__(None, None, None)  # showwarning and filters, as they were
-            self.original = self.shown = self.warnings = None
+            for module, original, watched in self.replaced:
+                if module.synchronize is watched:  # not if someone replaced it since
+                    module.synchronize = original
+            if warnings.showwarning == self.show:
+                warnings.showwarning = self.shown
+            kept = [item for item in warnings.filters if item not in self.filters]
+            if len(kept) != len(warnings.filters):
+                cast("list[Any]", warnings.filters)[:] = kept  # typeshed: a Sequence
+                _filters_changed()
+            self.replaced, self.filters = [], []
 
     def set_mode(self) -> None:
         strict = any(report.mode == "error" for report in self.reports)
@@ -211,23 +245,31 @@ class _Watch:
         for report in list(self.reports):
             report._events.append((location, what))
 
-    def synchronize(self, device: Any = None) -> None:
-        location = user_location()
-        if any(report.mode == "error" for report in self.reports):
-            raise SyncError(f"torch.cuda.synchronize() at {location} makes the host wait")
-        self.record(location, "torch.cuda.synchronize()")
-        original = self.original
-        if original is not None:
+    def watched(self, name: str, original: Callable[..., None]) -> Callable[..., None]:
+        """``original`` (``torch.cuda.synchronize``), counted or refused as a sync first.
+
+        torch's sync debug mode flags implicit syncs only, not these calls.
+        """
+
+        def synchronize(device: Any = None) -> None:
+            location = user_location()
+            if any(report.mode == "error" for report in self.reports):
+                raise SyncError(f"{name}() at {location} makes the host wait")
+            self.record(location, f"{name}()")
             original(device)
+
+        return synchronize
 
     def show(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
         if _SYNC_MESSAGE in str(message) and self.reports:
             self.record(user_location(), str(message).splitlines()[0])
-        elif self.shown is not None:
-            self.shown(message, category, *args, **kwargs)
+        else:
+            shown = self.shown or warnings._showwarning_orig  # type: ignore[attr-defined]
+            shown(message, category, *args, **kwargs)
 
 
 _watch = _Watch()
+_told: set[str] = set()  # why no block could watch, each said once (mode="error")
 
 
 @suggest_keywords
@@ -240,8 +282,9 @@ def detect_syncs(
     CUDA operation it knows (``.item()``, ``.cpu()``, ``print(tensor)``,
     blocking copies, ``nonzero``, boolean masking...), and devicekit notes the
     first line outside torch and devicekit that caused it. Calls of
-    ``torch.cuda.synchronize()`` are caught too. The previous debug mode is
-    restored when the last block open ends.
+    ``torch.cuda.synchronize()`` and ``torch.accelerator.synchronize()`` are
+    caught too. The previous debug mode is restored when the last block
+    open ends.
 
     Blocks nest: a sync counts in every block open around it, and inside an
     ``"error"`` block every sync raises, even within a ``"record"`` block
@@ -251,7 +294,16 @@ def detect_syncs(
 
     It cannot see: ``Event.synchronize()``, ``Stream.synchronize()`` and other
     event waits, collectives, a ``synchronize`` imported by name before the
-    block, or syncs in C++ extensions that bypass PyTorch's check.
+    block, syncs in C++ extensions that bypass PyTorch's check, or syncs
+    under code that hides warnings from it (``catch_warnings`` with
+    ``simplefilter("ignore")``, ``logging.captureWarnings(True)`` inside the
+    block). In another thread, an ``"error"`` block's refusal is torch's own
+    ``RuntimeError``, not in the report.
+
+    ``@dk.detect_syncs(mode="error")`` decorates a function: each call runs
+    in a block of its own. A ``"record"`` block is no decorator (each call's
+    report would be lost), and no block decorates a generator or ``async``
+    function, whose body runs outside it.
 
     Args:
         mode: ``"record"`` counts syncs and their lines; ``"error"`` raises
@@ -266,6 +318,8 @@ def detect_syncs(
 
     Raises:
         ValueError: ``mode`` is neither ``"record"`` nor ``"error"``.
+        TypeError: It decorates a function in ``"record"`` mode, or decorates
+            a generator or ``async`` function.
         RuntimeError: The same ``detect_syncs(...)`` object is entered a second time.
         SyncError: In ``"error"`` mode, at the first sync.
 
@@ -294,19 +348,26 @@ def detect_syncs(
         ),
         name="dk.detect_syncs()",
         gives="syncs",
+        # An "error" block raises at the first sync: a decorator keeps that. A "record"
+        # block's report would be lost, as a decorated function returns only its value.
+        undecorating=None
+        if mode == "error"
+        else "in mode='record', each call's report would be lost, as a decorated function "
+        "returns only its own value (decorate with dk.detect_syncs(mode='error') to raise at "
+        "the first sync)",
     )
 
 
 @contextlib.contextmanager
 def _sync_block(mode: str) -> Iterator[SyncReport]:
-    report = SyncReport(mode)
     reason = _unsupported(accelerator_type(), accelerator_count())
+    report = SyncReport(mode, supported=reason is None, reason=reason)
     if reason is not None:
-        report.supported = False
-        report.reason = reason
-        if mode == "error":
+        if mode == "error" and reason not in _told:
             # Nobody reads the report of an "error" block: the silence that follows would
-            # read as "no sync here", so say once per block that nothing was watched.
+            # read as "no sync here", so say that nothing was watched; once a process,
+            # not once a block: a block around each step would say it every step.
+            _told.add(reason)
             logger.warning("detect_syncs(mode='error') cannot detect syncs here: %s", reason)
         yield report
         return

@@ -633,7 +633,7 @@ def test_mmap_of_a_file_cut_to_a_few_bytes_is_no_legacy_checkpoint(
 ) -> None:
     # Before: "this checkpoint is in torch's legacy format ... cannot be memory-mapped".
     (tmp_path / "cut.pt").write_bytes(_good(tmp_path)[:size])
-    with pytest.raises(dk.CheckpointError, match=r"(empty \(0 bytes\)|not written by torch\.save)"):
+    with pytest.raises(dk.CheckpointError, match=r"(empty \(0 bytes\)|it is cut short: it ends)"):
         dk.load(tmp_path / "cut.pt", "cpu", mmap=True)
 
 
@@ -919,3 +919,145 @@ def test_verify_says_when_it_could_not_check(tmp_path: Path) -> None:
     repacked = _repacked(whole, tmp_path / "deflated.pt", compress=8)
     with pytest.warns(RuntimeWarning, match=r"or are compressed"):
         dk.load(repacked, "cpu", verify=True)
+
+
+def test_a_pickle_module_of_ones_own_needs_weights_only_false(tmp_path: Path) -> None:
+    # Before: torch's bare "RuntimeError: Can not safely load weights when explicit
+    # pickle_module is specified", of load()'s default weights_only=True.
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    for given in ({}, {"weights_only": True}):
+        with pytest.raises(
+            ValueError,
+            match=rf"^load\(path='{tmp_path}/w.pt', pickle_module=pickle\): a pickle_module of "
+            r"your own unpickles the file, so torch cannot check .* pass weights_only=False as "
+            r"well for a file you trust, or leave pickle_module out$",
+        ):
+            dk.load(tmp_path / "w.pt", "cpu", pickle_module=pickle, **given)
+    for weights_only in (False, None):  # None: torch's default, off with a pickle_module
+        state = dk.load(tmp_path / "w.pt", "cpu", pickle_module=pickle, weights_only=weights_only)
+        assert torch.equal(state["w"], torch.ones(2))
+
+
+class _Unseekable(io.BytesIO):
+    """A stream that reads but cannot seek, as an HTTP response."""
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        raise io.UnsupportedOperation("seek")
+
+    def tell(self) -> int:
+        raise io.UnsupportedOperation("tell")
+
+
+def test_a_file_object_that_cannot_seek_is_a_type_error_with_the_fix(tmp_path: Path) -> None:
+    # Before: torch's bare "OSError: [Errno 29] Illegal seek" from a pipe (and torch's
+    # io.UnsupportedOperation, naming no load(), from a stream that cannot seek).
+    import os
+
+    data = _good(tmp_path)
+    read, write = os.pipe()
+    os.write(write, data)  # under a pipe's 64 KiB: written whole, nothing waits
+    os.close(write)
+    says = (
+        r"^load\(path=the file\): path is a file object that cannot seek \({}: a pipe, "
+        r"standard input or a download\), but torch.load seeks in the file; read it into "
+        r"memory first: dk.load\(io.BytesIO\(f.read\(\)\)\)$"
+    )
+    with os.fdopen(read, "rb") as pipe:
+        with pytest.raises(TypeError, match=says.format("BufferedReader")):
+            dk.load(pipe, "cpu")
+        assert torch.equal(dk.load(io.BytesIO(pipe.read()), "cpu")["w"], torch.ones(64))
+    with pytest.raises(TypeError, match=says.format("_Unseekable")):
+        dk.load(_Unseekable(data), "cpu")
+
+
+def _legacy_start(protocol: int) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(
+        {"w": torch.ones(2)}, buffer, _use_new_zipfile_serialization=False, pickle_protocol=protocol
+    )
+    return buffer.getvalue()
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # protocol 4, of torch's
+@pytest.mark.parametrize(
+    ("data", "sizes", "what"),
+    [
+        (_good, range(1, 4), "a zip archive's signature"),
+        (_legacy, range(1, 14), "its magic number"),
+        (lambda _: _legacy_start(0), range(1, 25), "its magic number"),  # as text
+        (lambda _: _legacy_start(4), range(1, 22), "its magic number"),  # framed
+    ],
+    ids=["zip", "legacy", "legacy-protocol-0", "legacy-protocol-4"],
+)
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_file_cut_inside_torchs_first_bytes_says_it_is_cut_short(
+    tmp_path: Path, data: object, sizes: range, what: str, weights_only: bool
+) -> None:
+    # Before: "it is a pickle, but not one torch.save wrote (no torch header); if you
+    # trust it, load it with pickle.load" (legacy), "not written by torch.save" (zip).
+    whole = data(tmp_path)  # type: ignore[operator]
+    path = tmp_path / "cut.pt"
+    for size in sizes:
+        path.write_bytes(whole[:size])
+        with pytest.raises(dk.CheckpointError) as caught:
+            dk.load(path, "cpu", weights_only=weights_only)
+        message = str(caught.value)
+        assert message.startswith(f"load(path={str(path)!r}): not a checkpoint torch.load can")
+        assert (
+            f"): it is cut short: it ends after {size} byte{'s' if size > 1 else ''}, inside the "
+            f"first bytes torch.save writes ({what}), so its save stopped part way"
+        ) in message, message
+        assert message.endswith("Save it again, or copy it again from a whole one")
+
+
+def test_a_gzip_compressed_checkpoint_says_to_open_it_with_gzip(tmp_path: Path) -> None:
+    # Before: "it was not written by torch.save (its first bytes are neither a zip archive
+    # nor torch's legacy format). Check the path".
+    import gzip
+
+    path = tmp_path / "sd.pt.gz"
+    with gzip.open(path, "wb") as file:
+        file.write(_good(tmp_path))
+    with pytest.raises(
+        dk.CheckpointError,
+        match=r"can read: it is gzip-compressed \(a \.gz file\); if a checkpoint is inside, "
+        r"load it with dk\.load\(gzip\.open\(path, 'rb'\)\)$",
+    ):
+        dk.load(path, "cpu")
+    with gzip.open(path, "rb") as file:  # the fix, as said
+        assert torch.equal(dk.load(file, "cpu")["w"], torch.ones(64))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("key", ["w", "model.layers.0.self_attention.query_projection.weight"])
+def test_a_numpy_npz_archive_says_what_it_is(tmp_path: Path, compressed: bool, key: str) -> None:
+    # Before: "it is cut short or damaged (a writer killed or a disk full mid-save), or
+    # not written by torch.save", of a whole .npz.
+    numpy = pytest.importorskip("numpy")
+    path = tmp_path / "arrays.npz"
+    (numpy.savez_compressed if compressed else numpy.savez)(path, **{key: numpy.ones(3)})
+    with pytest.raises(
+        dk.CheckpointError,
+        match=r"can read: it is a NumPy \.npz archive \(a zip of \.npy arrays\), not one "
+        r"torch\.save wrote; load it with numpy\.load\(path\), and each array with "
+        r"torch\.from_numpy$",
+    ):
+        dk.load(path, "cpu")
+
+
+def test_a_file_as_a_folder_is_the_os_error_naming_the_file(tmp_path: Path) -> None:
+    # Before: a bare "NotADirectoryError: [Errno 20] Not a directory: '.../sd.pt/'".
+    torch.save({"w": torch.ones(1)}, tmp_path / "sd.pt")
+    with pytest.raises(
+        NotADirectoryError,
+        match=rf"^load\(path='{tmp_path}/sd.pt/'\): {tmp_path}/sd.pt is a file, but the path "
+        rf"ends in '/', which names a folder; pass the path without it: '{tmp_path}/sd.pt'$",
+    ) as caught:
+        dk.load(f"{tmp_path}/sd.pt/", "cpu")
+    assert caught.value.errno is None or caught.value.errno == errno.ENOTDIR
+    with pytest.raises(
+        NotADirectoryError,
+        match=rf"^load\(path='{tmp_path}/sd.pt/w.pt'\): {tmp_path}/sd.pt is a file, not a "
+        r"folder, so there is nothing inside it; check the path$",
+    ):
+        dk.load(tmp_path / "sd.pt" / "w.pt", "cpu")

@@ -76,6 +76,24 @@ def test_the_fix_never_copies_out_of_meta() -> None:
     assert "dk.to_device(batch" not in str(info.value)
 
 
+def test_a_misspelled_device_keyword_is_refused_not_checked_as_an_object() -> None:
+    # Before, devce="cpu" was one more object to check, holding no tensor: the device
+    # meant went unchecked and the meta tensor passed.
+    meta = torch.ones(1, device="meta")
+    for keywords in [{"devce": "cpu"}, {"Device": 0}, {"devices": "cuda:0"}]:
+        ((name, value),) = keywords.items()
+        with pytest.raises(
+            TypeError,
+            match=rf"^assert_same_device\(\) got {name}={value!r}, which holds no tensor to "
+            rf"check: .* given as device=; write device={value!r}$",
+        ):
+            dk.assert_same_device(meta, **keywords)
+    with pytest.raises(TypeError, match=r"got arg1=device\(type='cpu'\), .* write device='cpu'$"):
+        dk.assert_same_device(meta, torch.device("cpu"))  # a device holds no tensor either
+    # A keyword that only starts like it, or a string under another name, is an object.
+    assert dk.assert_same_device(meta, device_name="cpu", label="cpu") == meta.device
+
+
 def test_a_keyword_named_like_a_positional_argument_is_refused() -> None:
     # Before, the keyword replaced the positional tensor, and the stray on meta went unchecked.
     with pytest.raises(

@@ -77,6 +77,9 @@ def test_nothing_claimed_yet_creates_nothing(claims_dir: Path) -> None:
         "with the process that holds it)"
     )
     assert not claims_dir.exists()  # a listing is no reason to make the directory
+    # NVML was not asked (no claim to label): unknown, not "true" as before on a machine
+    # without NVML.
+    assert report.to_dict()["nvml"] is None
 
 
 @needs_lock_table

@@ -161,17 +161,17 @@ def test_a_claim_gpu_block_entered_twice_says_what_to_do(nvml_session: Install) 
     assert not _claims._held.claims
 
 
-def test_claim_gpu_as_a_decorator_claims_for_each_call(nvml_session: Install) -> None:
+def test_claim_gpu_is_no_decorator_as_the_function_would_not_learn_its_gpu(
+    nvml_session: Install,
+) -> None:
+    # Before, each call claimed a GPU the function had no way to learn of, and held it.
     nvml_session(machine(2))
-    held = []
 
-    @dk.claim_gpu()
     def job() -> None:
-        held.append(len(_claims._held.claims))
+        pass
 
-    job()
-    job()  # a fresh block per call: no "already entered"
-    assert held == [1, 1]
+    with pytest.raises(TypeError, match=r"^dk.claim_gpu\(\) cannot decorate .*job: the function"):
+        dk.claim_gpu()(job)
     assert not _claims._held.claims
 
 

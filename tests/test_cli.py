@@ -383,6 +383,11 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
         ),
         (["--max-time", "1"], "goes after the command: devicekit bench --max-time 1\n"),
         (["-i", "0", "--count=3", "watch"], "command: devicekit -i 0 watch --count=3\n"),
+        # -i with its value attached is the top-level option (before: "an option of
+        # 'devicekit status' ... devicekit status -i0", which also dropped a command).
+        (["-i0"], "argument -i/--id: there is no cuda:0; this process sees "),
+        (["-i1", "watch", "--count", "1"], "argument -i/--id: there is no cuda:1; this "),
+        (["-i0", "doctor"], f"argument -i/--id: {NO_IDS.format('doctor')}"),
         (
             ["--json", "-n2", "watch"],
             "argument -n: it is an option of 'devicekit watch', so it "

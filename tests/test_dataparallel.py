@@ -7,6 +7,8 @@ import torch
 
 import devicekit as dk
 
+from .conftest import FakeAccelerator
+
 
 @pytest.mark.parametrize("devices", ["meta", ["meta"], [torch.device("meta")] * 2])
 def test_the_meta_device_is_refused_and_the_weights_stay(devices: object) -> None:
@@ -26,3 +28,22 @@ def test_a_module_built_on_meta_is_told_to_use_to_empty() -> None:
     assert module[0].weight.device.type == "cpu"  # nothing moved before the refusal
     module.to_empty(device="cpu")  # the fix it gives
     assert dk.data_parallel(module, "cpu") is module
+
+
+@pytest.mark.parametrize("devices", [[0, 0], ["cuda", "cuda:0"]])
+def test_a_gpu_named_twice_is_refused_before_the_module_moves(
+    devices: object, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before, [cuda:0, cuda:0] went to nn.DataParallel: two replicas on one GPU.
+    fake_accelerator("cuda", 2)
+    module = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"^devices=.* names cuda:0 twice: nn.DataParallel"):
+        dk.data_parallel(module, devices)  # type: ignore[arg-type]
+    assert module.weight.device.type == "cpu"
+
+
+def test_a_wrapped_module_is_unwrapped_not_wrapped_again() -> None:
+    # Before, a notebook cell run again gave DataParallel in DataParallel.
+    model = torch.nn.Linear(2, 2)
+    wrapped = torch.nn.DataParallel(model, device_ids=[])
+    assert dk.data_parallel(wrapped, "cpu") is model

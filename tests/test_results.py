@@ -65,7 +65,7 @@ def examples(gpus: list[dk.GPUInfo]) -> dict[type, Any]:
     """One instance of every public result type that has ``to_dict()``."""
     finding = dk.Finding("warning", "title", "detail", "fix")
     syncs = dk.SyncReport("record")
-    syncs._events += [("train.py:3", "item"), ("train.py:3", "item"), ("train.py:9", "cpu")]
+    syncs._events.extend([("train.py:3", "item"), ("train.py:3", "item"), ("train.py:9", "cpu")])
     oom = dk.OOMReport(
         device="cuda:0",
         message="CUDA out of memory.",

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import logging
 import os
 import threading
 import warnings
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
@@ -90,8 +93,11 @@ def test_mode_is_checked() -> None:
 
 
 def test_an_error_block_that_cannot_watch_says_so(
-    fake_accelerator: FakeAccelerator, caplog: pytest.LogCaptureFixture
+    fake_accelerator: FakeAccelerator,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(_syncs, "_told", set())  # as in a new process
     # Before, it was silent: nobody reads an "error" block's report, so the CPU run
     # passed as though the block had been checked and found free of syncs.
     fake_accelerator(None, 0)
@@ -106,6 +112,12 @@ def test_an_error_block_that_cannot_watch_says_so(
         pass
     assert caplog.records == []  # a "record" block's report says it: syncs.count is None
     assert syncs.count is None
+    # Once a process, not once a block: before, a block around each step said it each step.
+    with caplog.at_level(logging.WARNING, logger="devicekit"):
+        for _ in range(3):
+            with dk.detect_syncs(mode="error"):
+                pass
+    assert caplog.records == []
 
 
 def test_a_mode_that_is_not_a_string_is_a_type_error() -> None:
@@ -132,21 +144,71 @@ def test_a_block_entered_twice_says_what_to_do() -> None:
     assert second is not first
 
 
-def test_a_block_still_decorates_a_function_with_a_fresh_block_per_call() -> None:
+def test_an_error_block_still_decorates_a_function_with_a_fresh_block_per_call(
+    fake_syncs: FakeSyncs,
+) -> None:
     calls = []
 
-    @dk.detect_syncs()
+    @dk.detect_syncs(mode="error")
     def step(value: int) -> int:
         calls.append(value)
+        if value > 2:
+            fake_syncs.sync()
         return value * 2
 
     assert [step(1), step(2)] == [2, 4]  # a second call is no second entry of one block
     assert calls == [1, 2]
+    with pytest.raises(dk.SyncError):
+        step(3)
+
+
+def test_a_record_block_is_no_decorator_as_its_report_would_be_lost() -> None:
+    # Before, each call's report was made and thrown away: nothing could read it.
+    def step() -> None:
+        pass
+
+    with pytest.raises(
+        TypeError,
+        match=r"^dk.detect_syncs\(\) cannot decorate .*step: in mode='record', each call's "
+        r"report would be lost, .* \(decorate with dk.detect_syncs\(mode='error'\) to raise "
+        r"at the first sync\); open the block in its body instead: with dk.detect_syncs\(\) as "
+        r"syncs: \.\.\.$",
+    ):
+        dk.detect_syncs()(step)
+
+
+def test_an_error_block_refuses_to_decorate_a_generator_or_async_function(
+    fake_syncs: FakeSyncs,
+) -> None:
+    # Before, the block opened and closed around making the generator or coroutine, and
+    # the body ran unwatched: its syncs raised nothing.
+    def steps() -> Iterator[int]:
+        fake_syncs.sync()
+        yield 1
+
+    async def step() -> None:
+        fake_syncs.sync()
+
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    for fn, kind in [
+        (steps, "a generator function"),
+        (step, "an async function"),
+        (agen, "an async generator function"),
+        (functools.partial(steps), "a generator function"),
+    ]:
+        with pytest.raises(
+            TypeError,
+            match=rf"^dk.detect_syncs\(\) cannot decorate .*, {kind}: its body runs after the "
+            r"call returns, outside the block, so the block would cover none of it",
+        ):
+            dk.detect_syncs(mode="error")(fn)
 
 
 def test_report_summary_and_dict() -> None:
     report = _syncs.SyncReport("record")
-    report._events += [("a.py:3", "x"), ("b.py:9", "y"), ("a.py:3", "x")]
+    report._events.extend([("a.py:3", "x"), ("b.py:9", "y"), ("a.py:3", "x")])
     assert report.count == 3
     assert report.locations == {"a.py:3": 2, "b.py:9": 1}
     assert report.summary() == (
@@ -167,15 +229,16 @@ def test_reprs_read_in_words_and_in_html() -> None:
     report._events.append(("a.py:3", "x"))
     assert report.summary().splitlines()[0] == "1 synchronizing CUDA operation:"
     assert repr(report) == "SyncReport(record: 1 sync from 1 line: a.py:3 (1x))"
-    report._events += [("b.py:9", "y"), ("a.py:3", "x")]
+    report._events.extend([("b.py:9", "y"), ("a.py:3", "x")])
     assert repr(report) == "SyncReport(record: 3 syncs from 2 lines: a.py:3 (2x), b.py:9 (1x))"
     html = report._repr_html_()
     assert html.startswith(
         "<table><caption>detect_syncs: 3 synchronizing CUDA operations</caption>"
     )
     assert "<tr><td>a.py:3</td><td>2x</td></tr>" in html
-    unsupported = _syncs.SyncReport("error")
-    unsupported.supported, unsupported.reason = False, "no <CUDA> device"
+    unsupported = _syncs.SyncReport("error", supported=False, reason="no <CUDA> device")
+    with pytest.raises(dataclasses.FrozenInstanceError):  # before, True made count 0
+        unsupported.supported = True  # type: ignore[misc]
     assert repr(unsupported) == "SyncReport(unavailable: no <CUDA> device)"
     assert "unavailable: no &lt;CUDA&gt; device" in unsupported._repr_html_()
     assert unsupported.to_dict() == {
@@ -419,3 +482,50 @@ def test_a_bad_mode_is_refused_by_the_call_not_at_the_with() -> None:
     # A block built ahead of time (blk = dk.detect_syncs(mode=m)) fails where it is built.
     with pytest.raises(ValueError, match=r"^mode must be 'record' or 'error' \(lower case\)"):
         dk.detect_syncs(mode="warn")  # type: ignore[arg-type]
+
+
+def test_warnings_settings_made_inside_a_block_stay_after_it(fake_syncs: FakeSyncs) -> None:
+    # Before, the last block put back the filter list and showwarning as they were when the
+    # first opened (catch_warnings): a filter a library set inside was dropped, and a
+    # reference to the block's showwarning kept by logging swallowed every later warning.
+    mine = ("ignore", None, FutureWarning, None, 0)
+    told: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: told.append(str(message))
+        with dk.detect_syncs() as syncs:
+            fake_syncs.sync()
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            logging.captureWarnings(True)  # keeps the block's showwarning as "the original"
+        try:
+            assert syncs.count == 1
+            assert mine in warnings.filters  # the program's filter stays
+            assert not any(_syncs._SYNC_MESSAGE in str(item[1]) for item in warnings.filters)
+        finally:
+            logging.captureWarnings(False)  # puts back the block's showwarning, now closed
+        warnings.warn("still shown", UserWarning, stacklevel=1)
+    assert told == ["still shown"]  # passed on to the one before the block, not swallowed
+
+
+def test_torch_accelerator_synchronize_is_counted_as_torch_cuda_synchronize_is(
+    fake_syncs: FakeSyncs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the device-generic wait torch now recommends went unseen: torch's debug mode
+    # does not flag a device synchronize, and only torch.cuda.synchronize was watched.
+    waited: list[object] = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: waited.append(device))
+    original = torch.accelerator.synchronize
+    with dk.detect_syncs() as syncs:
+        torch.accelerator.synchronize()
+        torch.cuda.synchronize()
+    assert [what for _, what in syncs.events or []] == [
+        "torch.accelerator.synchronize()",
+        "torch.cuda.synchronize()",
+    ]
+    assert waited == [None]  # the real one still ran
+    assert torch.accelerator.synchronize is original
+    with (
+        pytest.raises(dk.SyncError, match=r"^torch.accelerator.synchronize\(\) at .* makes "),
+        dk.detect_syncs(mode="error"),
+    ):
+        torch.accelerator.synchronize()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -309,6 +310,20 @@ def test_indices_outside_this_process_s_share_are_warned_about(
         "share is meant, filter this warning."
     )
     assert caught[0].filename == __file__  # points at the with statement
+
+    @dk.visible_devices(0)
+    def step() -> str:
+        return os.environ[VAR]
+
+    with pytest.warns(UserWarning, match=r"^visible_devices") as caught:
+        assert step() == "0"
+    assert caught[0].filename == __file__  # the decorated call's line; before, contextlib's
+    with (
+        pytest.warns(UserWarning, match=r"^visible_devices") as caught,
+        contextlib.ExitStack() as stack,
+    ):
+        stack.enter_context(dk.visible_devices(0))
+    assert caught[0].filename == __file__
     with pytest.warns(UserWarning, match=r"GPUs 0,7 are not among them\. .*: pass GPUs among 3,2"):
         _scopedenv._warn_if_outside_share([0, 7])  # the machine may have fewer GPUs to pass
     with warnings.catch_warnings():
