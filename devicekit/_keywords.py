@@ -95,7 +95,7 @@ def _hint(
         return None  # Python 3.13 and newer made it already
     for key in kwargs:
         if key not in named:
-            match = close_match(key, named, cutoff=0.7)
+            match = close_match(key, named, cutoff=0.7) or _prefix_of(key, named)
             if match is None or repr(key) not in message:
                 return None  # nothing close, or Python complained of something else first
             return f"did you mean {match!r}?"
@@ -105,6 +105,15 @@ def _hint(
         options = ", ".join(keyword_only[:3]) + (", ..." if len(keyword_only) > 3 else "")
         return f"{options} {verb} keyword-only: {call_name}(..., {shown})"
     return None
+
+
+def _prefix_of(key: str, named: list[str]) -> str | None:
+    """The one keyword that ``key`` starts (``min_free`` for ``min_free_memory``), if one.
+
+    difflib scores a short start of a long name low (0.70 for those two).
+    """
+    starts = [name for name in named if len(key) >= 3 and name.startswith(key)]
+    return starts[0] if len(starts) == 1 else None
 
 
 def _call_name(fn: Callable[..., object]) -> str:

@@ -33,6 +33,16 @@ def test_a_mistyped_keyword_names_the_one_meant() -> None:
         scale(1.0, factr=3.0)  # type: ignore[call-arg]
 
 
+def test_the_start_of_a_long_keyword_names_it() -> None:
+    # Before, nothing: difflib scores "min_free" against "min_free_memory" at 0.70.
+    with pytest.raises(TypeError, match=r"'min_free'; did you mean 'min_free_memory'\?$"):
+        dk.pick_gpu(min_free=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'mi'$"):  # too short to say which
+        dk.pick_gpu(mi=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'m'$"):
+        dk.pick_gpu(m=1)  # type: ignore[call-arg]
+
+
 def test_a_class_is_named_as_it_is_called() -> None:
     with pytest.raises(TypeError, match=r"'flushevery'; did you mean 'flush_every'\?$"):
         Buffer(flushevery=3)  # type: ignore[call-arg]
