@@ -13,27 +13,16 @@ read): a decorated function returns only its own value.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
+from ._options import deferred_kind
 from ._shortrepr import short_repr
 
 __all__ = ["EnterOnce"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _deferred_kind(func: object) -> str | None:
-    """What kind of function ``func`` is when calling it does not run its body, else None."""
-    if inspect.isasyncgenfunction(func):
-        return "an async generator function"
-    if inspect.iscoroutinefunction(func):
-        return "an async function"
-    if inspect.isgeneratorfunction(func):
-        return "a generator function"
-    return None
 
 
 class EnterOnce(contextlib.ContextDecorator, Generic[T]):
@@ -90,7 +79,7 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
                 f"{self._name} cannot decorate {name}: {self._undecorating}; open the block "
                 f"in its body instead: with {self._name} as {self._gives}: ..."
             )
-        kind = _deferred_kind(func)
+        kind = deferred_kind(func)
         if kind is not None:
             raise TypeError(
                 f"{self._name} cannot decorate {name}, {kind}: its body runs after the call "

@@ -9,12 +9,11 @@ is named (an item by its index) before a worker process is started for it.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
 from ._mapfaults import show_item
-from ._options import check_number, refuse_lazy
+from ._options import check_number, deferred_kind, refuse_lazy
 from ._shortrepr import got, short_repr
 from ._worker import dumps
 
@@ -44,11 +43,12 @@ def checked_work(fn: object, items: object, *, caller: str, ray: bool = False) -
     name = getattr(inner, "__name__", "fn")
     generator = f"def run(item): return list({name}(item))"
     coroutine = f"def run(item): return asyncio.run({name}(item))"
-    if inspect.iscoroutinefunction(inner):
+    kind = deferred_kind(inner)
+    if kind == "an async function":
         run = coroutine
-    elif inspect.isgeneratorfunction(inner):
+    elif kind == "a generator function":
         run = generator
-    elif inspect.isasyncgenfunction(inner):
+    elif kind == "an async generator function":
         run = (
             f"async def collect(item): return [x async for x in {name}(item)], then "
             "def run(item): return asyncio.run(collect(item))"

@@ -306,6 +306,23 @@ def float_or_inf(value: numbers.Real) -> float:
         return -math.inf if value < 0 else math.inf
 
 
+def deferred_kind(fn: object) -> str | None:
+    """What kind of function ``fn`` is where calling it does not run its body, else None.
+
+    Examples:
+        >>> async def step(): ...
+        >>> deferred_kind(step), deferred_kind(print)
+        ('an async function', None)
+    """
+    if inspect.isasyncgenfunction(fn):
+        return "an async generator function"
+    if inspect.iscoroutinefunction(fn):
+        return "an async function"
+    if inspect.isgeneratorfunction(fn):
+        return "a generator function"
+    return None
+
+
 def refuse_lazy(
     fn: object,
     *,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -61,9 +63,18 @@ def test_blocks_whose_value_a_decorator_would_lose_are_no_decorators(
         make()(step)  # type: ignore[operator]
 
 
-def test_no_block_decorates_a_function_whose_body_runs_after_the_call() -> None:
-    # Before, the block opened and closed around making the generator: CUDA_VISIBLE_DEVICES
-    # was back to its old value when the body ran.
+@pytest.mark.parametrize(
+    ("make", "name", "gives"),
+    [
+        (lambda: dk.visible_devices(1), r"dk.visible_devices\(1\)", "devices"),
+        (lambda: dk.detect_syncs(mode="error"), r"dk.detect_syncs\(\)", "syncs"),
+    ],
+)
+def test_no_block_decorates_a_function_whose_body_runs_after_the_call(
+    make: Callable[[], Any], name: str, gives: str
+) -> None:
+    # Before, the block opened and closed around making the generator or coroutine: the
+    # body ran outside it (CUDA_VISIBLE_DEVICES back to its old value, syncs unwatched).
     def steps() -> Iterator[str | None]:
         yield os.environ.get("CUDA_VISIBLE_DEVICES")
 
@@ -77,14 +88,15 @@ def test_no_block_decorates_a_function_whose_body_runs_after_the_call() -> None:
         (steps, "a generator function"),
         (step, "an async function"),
         (agen, "an async generator function"),
+        (functools.partial(steps), "a generator function"),
     ]:
         with pytest.raises(
             TypeError,
-            match=rf"^dk.visible_devices\(1\) cannot decorate .*, {kind}: its body runs after "
-            r"the call returns, outside the block, so the block would cover none of it; open "
-            r"the block in its body instead: with dk.visible_devices\(1\) as devices: \.\.\.$",
+            match=rf"^{name} cannot decorate .*, {kind}: its body runs after the call returns, "
+            r"outside the block, so the block would cover none of it; open the block in its "
+            rf"body instead: with {name} as {gives}: \.\.\.$",
         ):
-            dk.visible_devices(1)(fn)
+            make()(fn)
 
 
 def test_a_plain_function_is_decorated_with_a_fresh_block_per_call() -> None:

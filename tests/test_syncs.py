@@ -2,12 +2,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
 import os
 import threading
 import warnings
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
@@ -175,35 +173,6 @@ def test_a_record_block_is_no_decorator_as_its_report_would_be_lost() -> None:
         r"syncs: \.\.\.$",
     ):
         dk.detect_syncs()(step)
-
-
-def test_an_error_block_refuses_to_decorate_a_generator_or_async_function(
-    fake_syncs: FakeSyncs,
-) -> None:
-    # Before, the block opened and closed around making the generator or coroutine, and
-    # the body ran unwatched: its syncs raised nothing.
-    def steps() -> Iterator[int]:
-        fake_syncs.sync()
-        yield 1
-
-    async def step() -> None:
-        fake_syncs.sync()
-
-    async def agen() -> AsyncIterator[int]:
-        yield 1
-
-    for fn, kind in [
-        (steps, "a generator function"),
-        (step, "an async function"),
-        (agen, "an async generator function"),
-        (functools.partial(steps), "a generator function"),
-    ]:
-        with pytest.raises(
-            TypeError,
-            match=rf"^dk.detect_syncs\(\) cannot decorate .*, {kind}: its body runs after the "
-            r"call returns, outside the block, so the block would cover none of it",
-        ):
-            dk.detect_syncs(mode="error")(fn)
 
 
 def test_report_summary_and_dict() -> None:
