@@ -10,7 +10,7 @@ process can use; [`doctor()`][devicekit.doctor] adds the ones about speed
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
@@ -22,16 +22,19 @@ from ._format import (
 )
 from ._gpuinfo import GPUInfo
 from ._nvmlstart import DEFAULT_TIMEOUT, NVML_SILENT, TIMEOUT_VAR, timeout_seconds
-from ._shortrepr import short_repr
+from ._shortrepr import got, short_repr
 from ._visible import (
     ASCII_INT,
     ENV_VAR,
+    LEADING_INT,
+    UUID_PREFIXES,
     comma_fix,
     misreading,
     parse_visible_devices,
     read_as,
     why_number,
 )
+from ._visiblearg import Unplaced, unplaced
 
 __all__ = [
     "NO_STATUS",
@@ -40,6 +43,7 @@ __all__ = [
     "Finding",
     "Severity",
     "bad_nvml_timeout",
+    "cuda_reading",
     "device_order",
     "driver_too_old",
     "models",
@@ -50,6 +54,7 @@ __all__ = [
     "nvml_describes",
     "torch_cannot_use_gpus",
     "unchecked",
+    "unplaced_entry",
     "visibility",
 ]
 
@@ -75,6 +80,10 @@ class Finding:
     fix: str
 
     def __post_init__(self) -> None:
+        for name in ("severity", "title", "detail", "fix"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"Finding({name}=...) must be a string, got {got(value)}")
         if self.severity not in SEVERITIES:
             raise ValueError(
                 f"Finding(severity={self.severity!r}): expected one of "
@@ -129,12 +138,58 @@ GPU once, such as CUDA_VISIBLE_DEVICES=0.
             if (match := ASCII_INT.match(entry)) and str(int(match.group())) != entry:
                 note = f"{short_repr(entry)} is read as {int(match.group())}"
                 why = why.replace(note, why_number(entry, int(match.group())))
+    reading, cuda = read_as(raw), ",".join(map(str, cuda_reading(raw)))
+    if cuda != reading:  # "٣": torch reads 3, CUDA no index
+        reading = f"{reading!r} by torch, and by CUDA as {repr(cuda) if cuda else 'no GPU'}"
+    else:
+        reading = repr(reading)
     return Finding(
         "warning",
         f"{ENV_VAR} is read differently than it is written",
-        f"{ENV_VAR}={raw!r} is read as {read_as(raw)!r}: {why}",
+        f"{ENV_VAR}={raw!r} is read as {reading}: {why}",
         comma_fix(raw) or wrong.fix,
     )
+
+
+def cuda_reading(
+    raw: str, placed: int = 0, uuids: Sequence[str | None] = (), gpus_on_machine: int = 0
+) -> list[int | str]:
+    """The entries CUDA takes from ``raw``: what it reads, up to one that names no GPU here.
+
+    torch reads ``"٣"`` as 3 (`parse_visible_devices`, what ``cuda:N`` means
+    before CUDA starts); CUDA reads the digits 0-9 only, and stops at such an
+    entry, as `visibility` says. Where NVML lists the GPUs (the arguments
+    after ``raw``, as `names_no_gpu` takes them), CUDA stops too at an entry
+    that names none of them, or several, and takes nothing after a duplicate.
+
+    Examples:
+        >>> cuda_reading("0,٣,1"), cuda_reading("٣"), cuda_reading("1a,0"), cuda_reading("1,5", 1, [], 3)
+        ([0], [], [1, 0], [1])
+    """  # noqa: E501 - the expected output is one line
+    entries = raw.split(",")
+    found = unplaced_entry(raw, placed, uuids, gpus_on_machine)
+    if not raw.startswith(UUID_PREFIXES):
+        for position, entry in enumerate(entries):
+            match = LEADING_INT.match(entry.strip())
+            if match is not None and not match.group().isascii():
+                entries = entries[:position]
+                break
+    read = parse_visible_devices(",".join(entries)) or []
+    return read if found is None else read[: found.used]
+
+
+def unplaced_entry(
+    raw: str | None, placed: int, uuids: Sequence[str | None], gpus_on_machine: int
+) -> Unplaced | None:
+    """The first entry of ``raw`` that CUDA cannot place here, where devicekit placed fewer GPUs.
+
+    The arguments are `names_no_gpu`'s. None where NVML counts no GPU (or is
+    not there): unknown is not wrong.
+    """
+    entries = None if raw is None else parse_visible_devices(raw)
+    if not entries or not gpus_on_machine or placed >= len(entries):
+        return None
+    return unplaced(entries, gpus_on_machine, uuids)
 
 
 ORDER_VAR = "CUDA_DEVICE_ORDER"
@@ -167,42 +222,50 @@ def device_order(raw: str | None) -> Finding | None:
 
 
 def names_no_gpu(
-    raw: str | None, devices: int, uuids: Iterable[str | None], gpus_on_machine: int
+    raw: str | None, placed: int, uuids: Sequence[str | None], gpus_on_machine: int
 ) -> Finding | None:
-    """``CUDA_VISIBLE_DEVICES`` starts with a GPU the machine does not have, so CUDA sees none.
+    """An entry of ``CUDA_VISIBLE_DEVICES`` names no GPU here, several, or one named before.
+
+    The entries before it are all this process gets: an error where that is
+    none (a duplicate hides every GPU), else a warning. In the words
+    `visible_devices()` refuses such an entry with.
 
     Args:
         raw: The variable as written, or None when unset.
-        devices: How many devices torch sees.
-        uuids: The UUIDs NVML reports: each GPU's, and each MIG instance's.
-        gpus_on_machine: How many GPUs NVML counts (lost ones too).
+        placed: How many GPUs devicekit places through it (`_gpus.visible_gpus`).
+        uuids: The UUID of each GPU NVML lists, None where NVML cannot read it.
+        gpus_on_machine: How many GPUs NVML counts (lost ones too); 0 without NVML,
+            where nothing is judged (unknown is not wrong).
 
     Without it, ``CUDA_VISIBLE_DEVICES=5`` on a two-GPU machine read "no driver,
-    or no device ... otherwise install the driver", with the driver right there.
+    or no device ... otherwise install the driver", with the driver right there;
+    ``GPU-BBBB`` for ``GPU-bbbb...`` did still, and ``1,5`` got no word while the
+    job ran on one GPU of the two it listed.
 
     Examples:
         >>> print(names_no_gpu("5", 0, [], 2).title)
         No GPU: CUDA_VISIBLE_DEVICES names a GPU this machine does not have
+        >>> print(names_no_gpu("1,5", 1, [], 3).detail)
+        entry 5 in CUDA_VISIBLE_DEVICES='1,5': this machine has 3 GPUs (0 to 2), and CUDA stops \
+reading at the first entry it cannot use and ignores the rest; this process sees 1 GPU of the 2 \
+listed (cuda:0)
     """
-    entries = None if raw is None else parse_visible_devices(raw)
-    if devices or not gpus_on_machine or not entries:
+    found = unplaced_entry(raw, placed, uuids, gpus_on_machine)
+    if found is None:
         return None
-    first = entries[0]
-    if isinstance(first, int):
-        missing = first >= gpus_on_machine
-        have = f"indices 0 to {gpus_on_machine - 1}" if gpus_on_machine > 1 else "only index 0"
-    else:  # CUDA takes a unique prefix of a UUID
-        missing = not any((uuid or "").lower().startswith(first.lower()) for uuid in uuids)
-        have = "no UUID that starts so (nvidia-smi -L lists them)"
-    if not missing:
-        return None
+    if found.used:
+        entries = parse_visible_devices(raw) or []
+        last = "" if found.used == 1 else f" to cuda:{found.used - 1}"
+        sees = f"{plural(found.used, 'GPU')} of the {len(entries)} listed (cuda:0{last})"
+        severity: Severity = "warning"
+        title = f"Fewer GPUs than listed: {ENV_VAR} {found.title}"
+    else:
+        sees, severity, title = "no GPU", "error", f"No GPU: {ENV_VAR} {found.title}"
     return Finding(
-        "error",
-        f"No GPU: {ENV_VAR} names a GPU this machine does not have",
-        f"{ENV_VAR}={safe_text(repr(raw))} starts with {safe_text(repr(first))}, but the "
-        f"machine's {plural(gpus_on_machine, 'GPU')} have {have}; CUDA stops reading at the "
-        "first entry it cannot use, so this process sees no GPU",
-        f"list GPUs that exist (nvidia-smi -L), such as {ENV_VAR}=0, or unset {ENV_VAR}",
+        severity,
+        title,
+        safe_text(f"{found.subject} in {ENV_VAR}={raw!r}{found.why}; this process sees {sees}"),
+        f"{found.fix}, or unset {ENV_VAR}",
     )
 
 

@@ -35,7 +35,7 @@ from ._format import (
 )
 from ._gpuinfo import GPUInfo
 from ._version import __version__
-from ._visible import ENV_VAR, cuda_started, parse_visible_devices, read_as, reads_as_written
+from ._visible import ENV_VAR, cuda_started, read_as
 
 __all__ = ["SCHEMA_VERSION", "Status", "status", "torch_build"]
 
@@ -80,8 +80,10 @@ class Status:
         devices: The devices this process can use, such as ``("cuda:0",)``;
             empty when only the CPU is.
         cuda_visible_devices: ``CUDA_VISIBLE_DEVICES`` as written, or None when unset.
-        cuda_reads: The entries CUDA reads from it (None when unset, ``()``
-            when it hides every GPU).
+        cuda_reads: The entries CUDA takes from it (None when unset, ``()``
+            when it hides every GPU): up to the first it cannot use, such as
+            ``"٣"`` (torch reads 3, CUDA the digits 0-9 only: the header says
+            both) or, where NVML lists the GPUs, one that names none of them.
         cuda_started: Why CUDA can no longer change its view in this process
             (it has started), or None.
         nvml_error: Why NVML cannot be queried here, or None when it can.
@@ -241,11 +243,16 @@ class Status:
         raw = self.cuda_visible_devices
         if raw is None:
             return "(unset: every GPU is visible)"
+        cuda = ",".join(map(str, self.cuda_reads or ()))
+        if ",".join(map(str, _findings.cuda_reading(raw))) != read_as(raw):
+            # "٣": torch reads 3, CUDA no index (a finding says so); both, as the JSON has CUDA's.
+            reads = repr(cuda) if cuda else "no GPU"
+            return f"{safe_text(repr(raw))} -> torch reads it as {read_as(raw)!r}; CUDA: {reads}"
         if self.cuda_reads == ():
             return f"{safe_text(repr(raw))} -> hides every GPU"
-        if not reads_as_written(raw):
-            # CUDA silently drops what follows a bad entry; say what it really reads.
-            return f"{safe_text(repr(raw))} -> CUDA reads it as {read_as(raw)!r}"
+        if cuda != ",".join(entry.strip() for entry in raw.split(",")):
+            # CUDA silently drops what follows a bad entry (or one naming no GPU here).
+            return f"{safe_text(repr(raw))} -> CUDA reads it as {cuda!r}"
         return safe_text(repr(raw))
 
     def __str__(self) -> str:
@@ -418,7 +425,6 @@ def status() -> Status:
         True
     """
     raw = os.environ.get(ENV_VAR)
-    parsed = None if raw is None else parse_visible_devices(raw)
     accelerator = accelerator_type()
     devices = tuple(str(d) for d in try_all_gpus() if d.type != "cpu")
     infos = _gpus.gpus(all=True)
@@ -443,10 +449,14 @@ def status() -> Status:
         and build.startswith("CUDA ")
         and _unmatched(info, cuda_visible_devices=raw, torch_sees=len(devices), matched=matched)
     ]
-    # Why this process has no GPU: a variable naming none that exists, before "no device".
-    why_none = _findings.names_no_gpu(
-        raw, len(devices), (info.uuid for info in infos), len(machine) + len(lost)
-    ) or _findings.no_gpu(accelerator, len(devices), error)
+    # An entry naming no GPU here ends the list; where it is the first, it is why there is
+    # no GPU, before "no device". A lost GPU's UUID is unknown: an entry may name it.
+    # (Without CUDA no GPU is cuda:N, and the build's finding says why.)
+    on_machine = (matched, [i.uuid for i in machine] + [None] * len(lost), len(machine) + len(lost))
+    on_machine = on_machine if build.startswith("CUDA ") else (0, [], 0)
+    listed = _findings.names_no_gpu(raw, *on_machine)
+    why_none = listed if listed and listed.severity == "error" else None
+    why_none = why_none or _findings.no_gpu(accelerator, len(devices), error)
     findings = [
         wrong_build,
         _findings.driver_too_old(torch.__version__, torch.version.cuda, cuda, driver),
@@ -456,6 +466,7 @@ def status() -> Status:
         _findings.bad_nvml_timeout(os.environ.get(_nvml.TIMEOUT_VAR)),
         # "No GPU" says nothing new beside "torch is a CPU build, but ... has GPUs".
         None if wrong_build else why_none,
+        None if listed is why_none else listed,
         *(_gpufindings.unreadable(info) for info in ordered),
         *(_gpufindings.unmatched(info, len(devices), matched) for info in unmatched),
         *(
@@ -471,7 +482,7 @@ def status() -> Status:
         accelerator=accelerator,
         devices=devices,
         cuda_visible_devices=raw,
-        cuda_reads=None if parsed is None else tuple(parsed),
+        cuda_reads=None if raw is None else tuple(_findings.cuda_reading(raw, *on_machine)),
         cuda_started=cuda_started(),
         nvml_error=error,
         driver_version=driver,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterable
-from typing import NoReturn
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from . import _nvml
 from ._format import plural
@@ -30,7 +30,7 @@ from ._visible import (
     why_number,
 )
 
-__all__ = ["normalize_devices"]
+__all__ = ["Unplaced", "normalize_devices", "unplaced"]
 
 _EXPECTED = (
     "an int, a comma-separated string, a sequence of ints or 'GPU-'/'MIG-' UUIDs, "
@@ -53,9 +53,9 @@ def normalize_devices(devices: object) -> list[int | str]:
     elif isinstance(devices, (set, frozenset)):  # no order to keep
         raise TypeError(
             f"visible_devices() takes the GPUs in order, and got {got(devices)}: a set keeps "
-            "no order of yours (the UUIDs' changes from run to run with the hash seed), so "
-            "cuda:0 could be another GPU than the one you meant. Pass a list in the order you "
-            "want, such as sorted(...)"
+            "no order of yours (one of UUIDs comes in an order that changes from run to run, "
+            "with the hash seed), so cuda:0 could be another GPU than the one you meant. Pass "
+            "a list in the order you want, such as sorted(...)"
         )
     elif is_one_index(devices):
         raw = [devices]
@@ -73,70 +73,119 @@ def _check_on_machine(parsed: list[int | str], devices: object) -> None:
     """Refuse entries CUDA will not find, where NVML lists the GPUs (else accept them)."""
     if not parsed or not _nvml.nvml_available():
         return
-    _check_indices(parsed, devices)
-    _check_gpu_uuids(parsed, devices)
+    physical = _nvml.physical_gpus()
+    found = unplaced(parsed, len(physical), [gpu.uuid for gpu in physical])
+    if found is not None:
+        raise ValueError(f"{found.subject} {_where(devices)}{found.why}; {found.fix}")
 
 
-def _check_indices(parsed: list[int | str], devices: object) -> None:
-    indices = [entry for entry in parsed if isinstance(entry, int)]
-    if not indices:
-        return
-    count = len(_nvml.physical_gpus())
-    beyond = next((index for index in indices if index >= count), None)
-    if beyond is not None:
-        have = f"{plural(count, 'GPU')} (0 to {count - 1})" if count else "no GPU"
-        raise ValueError(
-            f"entry {short_repr(beyond)} {_where(devices)}: this machine has {have}, and CUDA "
-            f"hides every GPU from an entry that does not exist; list indices below {count} "
-            "(nvidia-smi -L lists them)"
-        )
+class Unplaced(NamedTuple):
+    """The first entry of a list that CUDA cannot place on this machine's GPUs, and why.
 
+    In the words `visible_devices()` refuses it with and that `status` explains a
+    variable with: ``f"{subject} in <the list>{why}; {fix}"``.
 
-def _check_gpu_uuids(parsed: list[int | str], devices: object) -> None:
-    """Refuse a ``GPU-`` entry that names no GPU, several, or one another entry names.
-
-    MIG UUIDs are not checked: drivers name them in two forms, and NVML may
-    list the other one.
+    Attributes:
+        used: How many entries CUDA uses: those before it, or none after a duplicate.
+        subject: ``"entry 5"``, or ``"entries 'GPU-bbbb' and 'GPU-bbbb2222'"``.
+        why: What follows the subject and where the list is, rule and all.
+        fix: What to write instead.
+        title: What the list does, for a finding's title: ``"names the same GPU twice"``.
     """
-    entries = [entry for entry in parsed if isinstance(entry, str) and entry.startswith("GPU-")]
-    uuids = [gpu.uuid for gpu in _nvml.physical_gpus()]
-    if not entries or any(uuid is None for uuid in uuids):
-        return  # a GPU of unknown UUID could be the one an entry names
-    where = _where(devices)
+
+    used: int
+    subject: str
+    why: str
+    fix: str
+    title: str
+
+
+_MISSING = "names a GPU this machine does not have"
+
+
+def unplaced(parsed: list[int | str], count: int, uuids: Sequence[str | None]) -> Unplaced | None:
+    """The first entry of ``parsed`` that names no GPU here, several, or one named before.
+
+    Args:
+        parsed: The entries, as `parse_visible_devices` reads them (one kind).
+        count: How many GPUs the machine has (NVML's count).
+        uuids: The UUID of each GPU, None where NVML cannot read it.
+
+    An index past ``count``; a ``GPU-`` entry that starts no GPU's UUID
+    (with the spelling to use where only case differs), several, or the
+    same as an earlier entry. MIG UUIDs are not checked: drivers name them in
+    two forms, and NVML may list the other one; nor are GPU UUIDs where one
+    is unknown (that GPU could be the one an entry names).
+
+    Examples:
+        >>> unplaced([1, 5], 3, []).why
+        ': this machine has 3 GPUs (0 to 2), and CUDA stops reading at the first entry it \
+cannot use and ignores the rest'
+        >>> unplaced(["GPU-AB"], 1, ["GPU-ab12"]).fix
+        "write 'GPU-ab', as nvidia-smi -L prints it"
+    """
+    for position, entry in enumerate(parsed):
+        if isinstance(entry, int) and entry >= count:
+            have = f"{plural(count, 'GPU')} (0 to {count - 1})" if count else "no GPU"
+            return Unplaced(
+                position,
+                f"entry {short_repr(entry)}",
+                f": this machine has {have}, and {STOPS}",
+                f"list indices below {count} (nvidia-smi -L lists them)",
+                _MISSING,
+            )
     named: dict[str, str] = {}  # GPU UUID -> the entry that names it
-    for entry in entries:
+    for position, entry in enumerate(parsed):
+        if not isinstance(entry, str) or not entry.startswith("GPU-"):
+            continue
+        if any(uuid is None for uuid in uuids):
+            return None
         matches = [uuids[index] or "" for index in uuid_matches(entry, uuids)]
+        subject = f"entry {short_repr(entry)}"
         if not matches:
-            _refuse_unmatched(entry, where, [uuid for uuid in uuids if uuid])
+            return _unmatched(position, entry, [uuid for uuid in uuids if uuid])
         if len(matches) > 1:
-            raise ValueError(
-                f"entry {short_repr(entry)} {where} starts the UUIDs of {len(matches)} GPUs "
-                f"({', '.join(matches)}), so CUDA cannot tell which it means, and {STOPS}; give "
-                "enough of the UUID to name one"
+            return Unplaced(
+                position,
+                subject,
+                f" starts the UUIDs of {len(matches)} GPUs ({', '.join(matches)}), so CUDA "
+                f"cannot tell which it means, and {STOPS}",
+                "give enough of the UUID to name one",
+                f"has an entry that starts the UUIDs of {len(matches)} GPUs",
             )
         if matches[0] in named:
-            raise ValueError(
-                f"entries {short_repr(named[matches[0]])} and {short_repr(entry)} {where} both "
-                f"name {matches[0]}, and {DUPLICATE}; list each GPU once"
+            return Unplaced(
+                0,
+                f"entries {short_repr(named[matches[0]])} and {short_repr(entry)}",
+                f" both name {matches[0]}, and {DUPLICATE}",
+                "list each GPU once",
+                "names the same GPU twice",
             )
         named[matches[0]] = entry
+    return None
 
 
-def _refuse_unmatched(entry: str, where: str, uuids: list[str]) -> NoReturn:
+def _unmatched(position: int, entry: str, uuids: list[str]) -> Unplaced:
     folded = [uuid for uuid in uuids if uuid.lower().startswith(entry.lower())]
     if len(folded) == 1:
         # torch matches case and all: it would count no GPU here, while the
         # driver's own count may differ, and a script would quietly use the CPU.
         written = folded[0][: len(entry)]
-        raise ValueError(
-            f"entry {short_repr(entry)} {where} names {folded[0]} only if case is ignored, and "
-            f"torch compares UUIDs case and all, so it would find no GPU there; write {written!r}, "
-            "as nvidia-smi -L prints it"
+        return Unplaced(
+            position,
+            f"entry {short_repr(entry)}",
+            f" names {folded[0]} only if case is ignored, and torch compares UUIDs case and all, "
+            "so it would find no GPU there",
+            f"write {written!r}, as nvidia-smi -L prints it",
+            "spells a GPU's UUID in the wrong case",
         )
     have = ", ".join(uuids) or "none"
-    raise ValueError(
-        f"entry {short_repr(entry)} {where} is the UUID of no GPU on this machine (it has {have}), "
-        f"and {STOPS}; copy the UUID from nvidia-smi -L"
+    return Unplaced(
+        position,
+        f"entry {short_repr(entry)}",
+        f" is the UUID of no GPU on this machine (it has {have}), and {STOPS}",
+        "copy the UUID from nvidia-smi -L",
+        _MISSING,
     )
 
 

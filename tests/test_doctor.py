@@ -221,6 +221,41 @@ def test_the_command_exits_1_on_an_error_and_prints_json(
     assert document["findings"][0]["severity"] == "error"
 
 
+def test_the_commands_name_the_entry_of_cuda_visible_devices_that_names_no_gpu(
+    nvml_session: Install,
+    fake_accelerator: FakeAccelerator,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: on three GPUs, "devicekit doctor: nothing wrong found" for 1,5 (CUDA stops at 5:
+    # one GPU of two), and for GPU-BBBB (GPU-bbbb... in the wrong case) "No GPU: ... no
+    # driver, or no device ... otherwise install the driver", driver version and all.
+    uuids = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000", "GPU-cccc3333-0000"]
+    buses = ["00000000:18:00.0", "00000000:19:00.0", "00000000:1A:00.0"]
+    nvml_session(FakeNVML([FakeGPU(u, bus=b) for u, b in zip(uuids, buses, strict=True)]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,5")
+    fake_accelerator("cuda", 1)
+    assert _cli.main(["doctor"]) == 0  # a warning: the job runs, on fewer GPUs than listed
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "WARNING Fewer GPUs than listed: CUDA_VISIBLE_DEVICES names a GPU this machine does "
+        "not have\n"
+    )
+    assert "this process sees 1 GPU of the 2 listed (cuda:0)" in out
+    assert _cli.main([]) == 0
+    assert "\nCUDA_VISIBLE_DEVICES  '1,5' -> CUDA reads it as '1'\n" in capsys.readouterr().out
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-BBBB")
+    fake_accelerator("cuda", 0)
+    assert _cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "ERROR   No GPU: CUDA_VISIBLE_DEVICES spells a GPU's UUID in the wrong case"
+    )
+    assert "fix: write 'GPU-bbbb', as nvidia-smi -L prints it" in out
+    assert "install the driver" not in out
+    assert "1 finding, 1 error" in out
+
+
 def test_html_for_notebooks(nvml_session: Install) -> None:
     nvml_session(None)
     assert dk.doctor()._repr_html_().startswith("<table><tr><th>severity</th>")
@@ -776,6 +811,12 @@ def test_a_finding_checks_its_severity_and_renders_in_a_notebook() -> None:
         "where GPU work fails, 'warning' where it is slow or fragile, 'info' otherwise$",
     ):
         dk.Finding("fatal", "t", "d", "f")  # type: ignore[arg-type]
+    # A value of the wrong type is a TypeError (before: a ValueError for a severity of None,
+    # and any title, detail or fix, taken as it was).
+    with pytest.raises(TypeError, match=r"^Finding\(severity=\.\.\.\) must be a string, got None"):
+        dk.Finding(None, "t", "d", "f")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^Finding\(fix=\.\.\.\) must be a string, got 3 of type"):
+        dk.Finding("info", "t", "d", 3)  # type: ignore[arg-type]
     html = dk.Finding("info", "a <b>", "seen", "fix it")._repr_html_()
     assert html == (
         "<table><tr><th>severity</th><th>finding</th><th>fix</th></tr>"

@@ -231,10 +231,23 @@ def test_a_documented_device_order_is_no_finding(
 
 
 @pytest.mark.parametrize(
-    ("variable", "starts"),
+    ("variable", "expected"),
     [
-        ("5", "5, but the machine's 2 GPUs have indices 0 to 1;"),
-        ("GPU-cccc", "'GPU-cccc', but the machine's 2 GPUs have no UUID that starts so"),
+        (
+            "5",
+            (
+                "entry 5 in CUDA_VISIBLE_DEVICES='5': this machine has 2 GPUs (0 to 1),",
+                "list indices below 2 (nvidia-smi -L lists them)",
+            ),
+        ),
+        (
+            "GPU-cccc",
+            (
+                "entry 'GPU-cccc' in CUDA_VISIBLE_DEVICES='GPU-cccc' is the UUID of no GPU on "
+                f"this machine (it has {A}, {B}), and CUDA stops reading at the first entry",
+                "copy the UUID from nvidia-smi -L",
+            ),
+        ),
     ],
 )
 def test_a_variable_naming_a_gpu_the_machine_lacks_is_the_reason_for_no_gpu(
@@ -242,7 +255,7 @@ def test_a_variable_naming_a_gpu_the_machine_lacks_is_the_reason_for_no_gpu(
     fake_accelerator: FakeAccelerator,
     monkeypatch: pytest.MonkeyPatch,
     variable: str,
-    starts: str,
+    expected: tuple[str, str],
 ) -> None:
     # It said "no driver, or no device ... otherwise install the driver", driver and all.
     nvml_session(h100_and_a100())
@@ -253,11 +266,11 @@ def test_a_variable_naming_a_gpu_the_machine_lacks_is_the_reason_for_no_gpu(
         "error",
         "No GPU: CUDA_VISIBLE_DEVICES names a GPU this machine does not have",
     )
-    assert finding.detail.startswith(f"CUDA_VISIBLE_DEVICES={variable!r} starts with {starts}")
-    assert finding.fix == (
-        "list GPUs that exist (nvidia-smi -L), such as CUDA_VISIBLE_DEVICES=0, "
-        "or unset CUDA_VISIBLE_DEVICES"
-    )
+    # In visible_devices()' words for the entry (one piece of code for both).
+    starts, fix = expected
+    assert finding.detail.startswith(starts)
+    assert finding.detail.endswith("; this process sees no GPU")
+    assert finding.fix == f"{fix}, or unset CUDA_VISIBLE_DEVICES"
     assert dk.doctor().exit_code == 1
 
 
@@ -352,3 +365,173 @@ def test_a_gpu_whose_uuid_nvml_cannot_read_is_hidden_where_torch_misses_nothing(
     monkeypatch.setattr(torch.version, "cuda", None)  # no CUDA: no cuda:N to match at all
     fake_accelerator(None, 0)
     assert "\nno CUDA  nvml 1  NVIDIA A100-SXM4-80GB" in str(dk.status())
+
+
+C = "GPU-cccc3333-0000-0000-0000-000000000000"
+
+
+Machine = Callable[[str, int], dk.Status]
+
+
+@pytest.fixture
+def three_gpus_with(
+    nvml_session: Install, fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> Machine:
+    """The status of three GPUs under ``CUDA_VISIBLE_DEVICES=variable``, torch counting some."""
+
+    def status(variable: str, torch_sees: int) -> dk.Status:
+        nvml_session(three_gpus())
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", variable)
+        fake_accelerator("cuda", torch_sees)
+        return dk.status()
+
+    return status
+
+
+def three_gpus() -> FakeNVML:
+    return FakeNVML(
+        [FakeGPU(uuid, bus=f"00000000:{18 + i}:00.0") for i, uuid in enumerate((A, B, C))]
+    )
+
+
+@pytest.mark.parametrize(
+    ("variable", "title", "why", "fix"),
+    [
+        (  # torch matches UUID prefixes case and all: it counts no GPU
+            "GPU-BBBB",
+            "spells a GPU's UUID in the wrong case",
+            f"entry 'GPU-BBBB' in CUDA_VISIBLE_DEVICES='GPU-BBBB' names {B} only if case is "
+            "ignored, and torch compares UUIDs case and all",
+            "write 'GPU-bbbb', as nvidia-smi -L prints it",
+        ),
+        (
+            "GPU-",
+            "has an entry that starts the UUIDs of 3 GPUs",
+            f"entry 'GPU-' in CUDA_VISIBLE_DEVICES='GPU-' starts the UUIDs of 3 GPUs ({A}, {B}, "
+            f"{C}), so CUDA cannot tell which it means",
+            "give enough of the UUID to name one",
+        ),
+        (
+            "GPU-bbbb,GPU-bbbb2222",
+            "names the same GPU twice",
+            "entries 'GPU-bbbb' and 'GPU-bbbb2222' in CUDA_VISIBLE_DEVICES='GPU-bbbb,GPU-bbbb2222' "
+            f"both name {B}, and any duplicate makes CUDA hide every GPU",
+            "list each GPU once",
+        ),
+    ],
+    ids=["wrong case", "ambiguous", "same GPU twice"],
+)
+def test_a_uuid_in_the_wrong_case_ambiguous_or_twice_is_why_there_is_no_gpu(
+    three_gpus_with: Machine,
+    variable: str,
+    title: str,
+    why: str,
+    fix: str,
+) -> None:
+    # Before: "No GPU: torch is built for cuda but sees no device: no driver, or no device
+    # ... otherwise install the driver", beside the driver's version and three hidden GPUs.
+    snapshot = three_gpus_with(variable, 0)  # torch counts no GPU
+    (finding,) = snapshot.findings
+    assert (finding.severity, finding.title) == ("error", f"No GPU: CUDA_VISIBLE_DEVICES {title}")
+    assert finding.detail.startswith(why)
+    assert finding.detail.endswith("; this process sees no GPU")
+    assert finding.fix == f"{fix}, or unset CUDA_VISIBLE_DEVICES"
+    assert f"CUDA_VISIBLE_DEVICES  {variable!r} -> hides every GPU\n" in str(snapshot)
+    assert snapshot.to_dict()["cuda_visible_devices_parsed"] == []
+    diagnosis = dk.doctor()
+    assert diagnosis.exit_code == 1
+    assert "install the driver" not in str(diagnosis)
+
+
+@pytest.mark.parametrize(
+    ("variable", "title", "why", "reads"),
+    [
+        (
+            "1,5",
+            "names a GPU this machine does not have",
+            "entry 5 in CUDA_VISIBLE_DEVICES='1,5': this machine has 3 GPUs (0 to 2)",
+            [1],
+        ),
+        (
+            "GPU-bbbb,GPU-zzzz",
+            "names a GPU this machine does not have",
+            "entry 'GPU-zzzz' in CUDA_VISIBLE_DEVICES='GPU-bbbb,GPU-zzzz' is the UUID of no GPU "
+            "on this machine",
+            ["GPU-bbbb"],
+        ),
+        (
+            "GPU-bbbb,GPU-CCCC",
+            "spells a GPU's UUID in the wrong case",
+            f"entry 'GPU-CCCC' in CUDA_VISIBLE_DEVICES='GPU-bbbb,GPU-CCCC' names {C} only if "
+            "case is ignored",
+            ["GPU-bbbb"],
+        ),
+    ],
+    ids=["index", "uuid", "wrong case"],
+)
+def test_an_entry_naming_no_gpu_after_one_that_does_is_a_warning_with_what_is_left(
+    three_gpus_with: Machine,
+    variable: str,
+    title: str,
+    why: str,
+    reads: list[int | str],
+) -> None:
+    # Before: no finding, doctor "nothing wrong found", the header the value alone, while
+    # CUDA stopped at the second entry and the job ran on one GPU of the two it listed.
+    snapshot = three_gpus_with(variable, 1)  # torch counts the entries before the bad one
+    assert snapshot.devices == ("cuda:0",)
+    (finding,) = snapshot.findings
+    assert (finding.severity, finding.title) == (
+        "warning",
+        f"Fewer GPUs than listed: CUDA_VISIBLE_DEVICES {title}",
+    )
+    assert finding.detail.startswith(why)
+    assert finding.detail.endswith("; this process sees 1 GPU of the 2 listed (cuda:0)")
+    shown = ",".join(map(str, reads))
+    assert f"CUDA_VISIBLE_DEVICES  {variable!r} -> CUDA reads it as {shown!r}\n" in str(snapshot)
+    assert snapshot.to_dict()["cuda_visible_devices_parsed"] == reads
+    assert dk.doctor().findings == (finding,)
+
+
+def test_an_entry_is_not_judged_where_nvml_cannot_say_which_gpus_there_are(
+    nvml_session: Install, fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unknown is not wrong: without NVML, or with a GPU whose UUID NVML cannot read (the
+    # entry could name it), the variable is taken as written.
+    fake_accelerator("cuda", 1)
+    nvml_session(None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,5")
+    snapshot = dk.status()
+    assert not [f for f in snapshot.findings if "CUDA_VISIBLE_DEVICES" in f.title]
+    assert snapshot.to_dict()["cuda_visible_devices_parsed"] == [1, 5]
+    nvml_session(FakeNVML([FakeGPU(A), FakeGPU(None, bus="00000000:19:00.0")]))  # type: ignore[arg-type]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-zzzz")
+    snapshot = dk.status()
+    assert not [f for f in snapshot.findings if "CUDA_VISIBLE_DEVICES" in f.title]
+    assert snapshot.cuda_reads == ("GPU-aaaa", "GPU-zzzz")
+
+
+def test_an_index_in_other_digits_shows_torch_s_reading_and_cuda_s(
+    nvml_session: Install, fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: "'٣' -> CUDA reads it as '3'" above a finding saying CUDA stops there, and
+    # --json's cuda_visible_devices_parsed (what CUDA reads) [3].
+    nvml_session(FakeNVML([*three_gpus().gpus, FakeGPU("GPU-dddd", bus="00000000:21:00.0")]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "\u0663")
+    fake_accelerator("cuda", 1)  # torch counts physical GPU 3, before CUDA starts
+    snapshot = dk.status()
+    assert "CUDA_VISIBLE_DEVICES  '\u0663' -> torch reads it as '3'; CUDA: no GPU\n" in str(
+        snapshot
+    )
+    assert snapshot.to_dict()["cuda_visible_devices_parsed"] == []
+    (finding,) = snapshot.findings
+    assert finding.detail.startswith(
+        "CUDA_VISIBLE_DEVICES='\u0663' is read as '3' by torch, and by CUDA as no GPU: "
+        "'\u0663' is read as 3 by torch, but CUDA reads only the digits 0-9, so CUDA itself "
+        "stops there"
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,\u0663")
+    fake_accelerator("cuda", 2)
+    snapshot = dk.status()
+    assert "'0,\u0663' -> torch reads it as '0,3'; CUDA: '0'\n" in str(snapshot)
+    assert snapshot.to_dict()["cuda_visible_devices_parsed"] == [0]

@@ -776,7 +776,8 @@ def test_an_index_past_the_machine_s_gpus_is_refused_where_nvml_counts_them(
         pytest.raises(
             ValueError,
             match=r"^entry 7 in visible_devices\(\[1, 7\]\): this machine has 2 GPUs \(0 to 1\), "
-            r"and CUDA hides every GPU from an entry that does not exist; list indices below 2",
+            r"and CUDA stops reading at the first entry it cannot use and ignores the rest; list "
+            r"indices below 2",
         ),
         dk.visible_devices([1, 7]),
     ):
