@@ -336,10 +336,14 @@ def find_batch_size(
         raise TypeError(f"fn must be callable with a batch size, got {type(fn).__name__}")
     refuse_lazy(fn, call="fn(batch_size)", fix=LAZY_FIX)
     isolate = check_flag(isolate, name="isolate")
-    check_count(start, name="start", minimum=1)
+    # The plain values on: start=torch.tensor(3) failed in Fraction arithmetic, and
+    # margin=np.float32(0.1) in Fraction().
+    start = check_count(start, name="start", minimum=1)
     if max_size is not None:
-        check_count(max_size, name="max_size", minimum=start, fix="pass max_size >= start")
-    check_number(margin, name="margin", at_least=0, below=1, meaning="0.1 is 10% headroom")
+        max_size = check_count(
+            max_size, name="max_size", minimum=start, fix="pass max_size >= start"
+        )
+    margin = check_number(margin, name="margin", at_least=0, below=1, meaning="0.1 is 10% headroom")
     if trial_timeout is not None:
         trial_timeout = check_seconds(trial_timeout, name="trial_timeout")
         if not isolate:

@@ -12,8 +12,9 @@ What a census cannot see: tensors that no Python object refers to, such as
 the activations autograd saves for the backward pass, and workspaces of C++
 libraries. On CUDA, allocated bytes minus the census total is that memory.
 Objects hidden by ``gc.freeze()`` are not listed by ``gc.get_objects()``:
-`device_census` (for out-of-memory reports) unfreezes them while it counts,
-`census` (for ``find_leaks``, which freezes what existed before) does not.
+`device_census` (for out-of-memory reports) finds them without unfreezing
+them (`._frozen`), `census` (for ``find_leaks``, which freezes what existed
+before) leaves them out, and counts only what a storage alive before grew by.
 
 Nothing here keeps a reference to a tensor once it returns, and nothing
 allocates on a device: shapes, dtypes and storage sizes are host-side fields.
@@ -21,7 +22,6 @@ allocates on a device: shapes, dtypes and storage sizes are host-side fields.
 
 from __future__ import annotations
 
-import gc
 import heapq
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
@@ -30,7 +30,10 @@ from functools import partial
 
 import torch
 
-from ._format import PlainResult, format_bytes, shown
+from . import _frozen
+from ._format import NOT_APPLICABLE, PlainResult, format_bytes, shown
+from ._frozen import grown_bytes, live_tensors, recording, visible_tensors
+from ._frozen import no_collection as _no_collection
 
 __all__ = [
     "LiveTensor",
@@ -51,14 +54,16 @@ class LiveTensor(PlainResult):
         dtype: Such as ``"float32"``.
         bytes: The storage's size: what this tensor keeps alive.
         name: A parameter, gradient or buffer name (``"fc.weight.grad"``)
-            when a module was given and the storage is one of its tensors.
+            when a module was given and the storage is one of its tensors;
+            None (``-`` in tables) when it is not, or no module was given.
     """
 
     # As the out-of-memory report's table writes them.
     shape: tuple[int, ...] = field(metadata=shown(lambda shape: str(list(shape))))
     dtype: str
     bytes: int = field(metadata=shown(partial(format_bytes, digits=2)))
-    name: str | None = None
+    # None is a tensor with no name (none of the module's), not an unknown one.
+    name: str | None = field(default=None, metadata=shown(none=NOT_APPLICABLE))
 
     def __str__(self) -> str:
         shape = "[" + ", ".join(str(size) for size in self.shape) + "]"
@@ -76,50 +81,14 @@ class DeviceCensus:
 
 
 @contextmanager
-def _no_collection() -> Iterator[None]:
-    """Pause the garbage collector while a census makes its many small tuples.
-
-    Each collection they would trigger walks every tracked object: reading
-    shapes cost 1.1 µs per tensor with collections, 0.1 µs without.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@contextmanager
 def only_new_objects() -> Iterator[None]:
     """Hide every object that exists now from the garbage collector until the block ends.
 
-    ``gc.freeze()`` moves them to a generation that collections skip and
-    ``gc.get_objects()`` does not list, so a collection or a census inside
-    walks only what was made since (0.27 s per collection on a 2-core machine
-    with torch imported, before; 0.01 s after). Nothing happens where the
-    caller froze objects of its own: unfreezing would undo that.
+    See `._frozen.only_new_objects`: a census inside leaves them out, counts
+    only what a storage alive now grows by, and `device_census` still sees them.
     """
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    try:
+    with _frozen.only_new_objects(_parts):
         yield
-    finally:
-        if freeze:
-            gc.unfreeze()
-
-
-def live_tensors() -> list[torch.Tensor]:
-    """Every tensor the garbage collector tracks. The caller must drop the list when done."""
-    objects = gc.get_objects()
-    try:
-        kinds = {kind for kind in set(map(type, objects)) if issubclass(kind, torch.Tensor)}
-        return [obj for obj in objects if type(obj) in kinds]
-    finally:
-        objects.clear()
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -225,36 +194,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@contextmanager
-def _unfrozen() -> Iterator[None]:
-    """Let ``gc.get_objects()`` list the objects ``gc.freeze()`` hid, for the block.
-
-    An out-of-memory report made inside ``find_batch_size`` (which freezes what
-    existed before it), or in a worker forked from a server that froze its
-    objects first, would otherwise leave out the model's parameters. They are
-    frozen again after, with what was made since and is still alive (a full
-    collection first, so that no garbage ends up frozen for good); the
-    ``only_new_objects`` block unfreezes them all when it ends. Call it with
-    the collector paused, so nothing is collected while objects are listed.
-
-    Examples:
-        >>> import torch
-        >>> weights = torch.ones(250_000)  # 1 MB, made before the freeze
-        >>> with only_new_objects():  # as in find_batch_size
-        ...     device_census(torch.device("cpu"), top=0).bytes >= 1_000_000
-        True
-    """
-    frozen = gc.get_freeze_count() > 0
-    if frozen:
-        gc.unfreeze()
-    try:
-        yield
-    finally:
-        if frozen:
-            gc.collect()
-            gc.freeze()
-
-
 def _widest(tensor: torch.Tensor) -> int:
     """The bytes ``tensor`` views of its storage, to choose which view describes a storage."""
     try:
@@ -268,7 +207,7 @@ def device_census(
 ) -> DeviceCensus:
     """The storages live on ``device``, their total bytes, and the ``top`` largest.
 
-    Sees objects frozen by ``gc.freeze()`` too (see `_unfrozen`).
+    Sees tensors frozen by ``gc.freeze()`` too, and leaves them frozen (see `._frozen`).
 
     Args:
         device: The device to count.
@@ -280,13 +219,16 @@ def device_census(
         >>> kept = torch.ones(1000).to_sparse()  # indices (1, 1000) int64 and values (1000,)
         >>> device_census(torch.device("cpu"), top=0).bytes >= 1000 * 8 + 1000 * 4
         True
+        >>> weights = torch.ones(250_000)  # 1 MB, made before the freeze
+        >>> with only_new_objects():  # as in find_batch_size
+        ...     device_census(torch.device("cpu"), top=0).bytes >= 1_000_000
+        True
     """
     names = names or {}
     # pointer -> (storage bytes, bytes of the widest view, that view)
     storages: dict[int, tuple[int, int, torch.Tensor]] = {}
     with _no_collection():
-        with _unfrozen():
-            tensors = live_tensors()
+        tensors = visible_tensors()
         for tensor in tensors:
             if tensor.device != device:
                 continue
@@ -326,7 +268,9 @@ def census(site: Callable[[torch.Tensor], Hashable | None]) -> dict[GroupKey, tu
     tensor that views most of it (the first such tensor on a tie): a view kept
     beside its base adds a tensor to its group, not the base's bytes again. A
     tensor whose site is unknown takes the site of a tensor it shares memory
-    with, where one is known.
+    with, where one is known. Inside `only_new_objects` it lists only what
+    was made since, and a storage alive when that began counts only the bytes
+    it grew by (a new view of an old tensor adds no memory).
 
     The collector stays paused for the whole census, the grouping after the
     reading included: the grouping makes a few tuples per tensor, and the
@@ -354,6 +298,7 @@ def census(site: Callable[[torch.Tensor], Hashable | None]) -> dict[GroupKey, tu
     owners: dict[tuple[str, int], tuple[int, int, GroupKey]] = {}
     read: list[tuple[GroupKey, list[tuple[int, int, int]]]] = []
     unsited = False  # a tensor with no known site, that may take one from its storage
+    recorded = recording()  # inside only_new_objects: storages alive before are known
     devices: dict[torch.device, str] = {}  # str(device) made one string per tensor
     dtypes: dict[torch.dtype, str] = {}
     with _no_collection():
@@ -366,11 +311,14 @@ def census(site: Callable[[torch.Tensor], Hashable | None]) -> dict[GroupKey, tu
                     storage = tensor.untyped_storage()
                     if tensor.is_meta:
                         continue
-                    keys = [(storage.data_ptr(), storage.nbytes(), tensor.nbytes)]
+                    size = storage.nbytes()
+                    if recorded:  # of a storage alive before, only what it grew by since
+                        size = grown_bytes(storage, size)
+                    keys = [(storage.data_ptr(), size, tensor.nbytes)]
                 except _UNREADABLE:
                     continue
             else:
-                found = _storages(tensor)
+                found = _storages(tensor, recorded=recorded)
                 if found is None:
                     continue  # no memory of its own (meta, fake), or unreadable
                 keys = found
@@ -396,14 +344,19 @@ def census(site: Callable[[torch.Tensor], Hashable | None]) -> dict[GroupKey, tu
     return {group: (count, sizes[group]) for group, count in counts.items()}
 
 
-def _storages(tensor: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """(pointer, storage bytes, bytes viewed) per storage of ``tensor``; None if unreadable."""
+def _storages(tensor: torch.Tensor, *, recorded: bool) -> list[tuple[int, int, int]] | None:
+    """(pointer, storage bytes, bytes viewed) per storage of ``tensor``; None if unreadable.
+
+    ``recorded``: count of a storage alive when `only_new_objects` began only
+    what it grew by since.
+    """
     found = []
     for part in _parts(tensor):
         key = storage_key(part)
         if key is None:
             return None
-        found.append((key[0], key[1], _widest(part)))
+        size = grown_bytes(part.untyped_storage(), key[1]) if recorded else key[1]
+        found.append((key[0], size, _widest(part)))
     return found or None
 
 

@@ -5,7 +5,10 @@ followed by ``gc.collect()`` and a census of every live tensor on every
 device, grouped by device, dtype, shape and the line that created it. A group
 leaks when it holds more tensors after the last call than after the warm-up,
 and was still growing in the second half of the calls (a cache that fills up
-and stops is not a leak). On CUDA, allocated bytes are read after every call
+and stops is not a leak); or, with as many tensors, more bytes, growing so
+and never shrinking in the second half (a tensor that ``torch.cat`` or
+``resize_`` makes larger every call; a kept output whose size varies by call
+is no leak). On CUDA, allocated bytes are read after every call
 too: growth that no tensor group explains is memory no Python object holds,
 usually an autograd graph kept alive (``losses.append(loss)`` keeps every
 step's saved activations).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import html
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,7 +78,8 @@ class Leak(PlainResult):
             library and installed packages (``site-packages``). None when
             unknown: created in C++, by code ``torch.compile`` generated, or
             before ``find_leaks`` started.
-        count_per_call: Tensors added per call; None for memory no tensor holds.
+        count_per_call: Tensors added per call (0: as many tensors, each
+            call larger); None for memory no tensor holds.
         bytes_per_call: Bytes added per call (tensors: of their storages; else
             CUDA allocated bytes that no tensor explains).
         count_before: Tensors after the warm-up. Tensors that existed before
@@ -115,8 +120,9 @@ class Leak(PlainResult):
         where = self.location or "an unknown line"
         if self.library_location:
             where += f" (inside {self.library_location})"
+        larger = " (as many tensors, larger each call)" if self.count_per_call == 0 else ""
         return (
-            f"+{self.count_per_call:g} tensor/call, +{_b(self.bytes_per_call)}/call: "
+            f"+{self.count_per_call:g} tensor/call, +{_b(self.bytes_per_call)}/call{larger}: "
             f"{self.device} {self.dtype} {shape}, created at {where} "
             f"({self.count_before} → {self.count_after})"
         )
@@ -184,7 +190,7 @@ class LeakReport:
                 leak.dtype,
                 "various" if leak.shape is None else list(leak.shape),
                 _where(leak),
-                UNKNOWN if leak.count_per_call is None else f"{leak.count_per_call:g}",
+                _per_call(leak.count_per_call),
                 _b(leak.bytes_per_call),
             )
             if leak.dtype is not None
@@ -207,6 +213,13 @@ class LeakReport:
             header = ("device", "allocated before", "after", "per call")
             parts.append(html_table(growth, header=header, caption="allocated by PyTorch"))
         return "".join(parts)
+
+
+def _per_call(count: float | None) -> str:
+    """The "tensors/call" cell; 0 says what grew instead."""
+    if count is None:
+        return UNKNOWN
+    return "0 (larger each call)" if count == 0 else f"{count:g}"
 
 
 def _where(leak: Leak) -> str | None:
@@ -265,14 +278,25 @@ def _growing(values: list[int]) -> bool:
     return values[-1] > values[0] and values[-1] > middle
 
 
-def _allocator_bytes(leak: Leak) -> float:
+def _never_shrank(values: list[int]) -> bool:
+    """Did not go down from the middle call on (a size that varies by call does, at random)."""
+    half = values[len(values) // 2 :]
+    return all(later >= earlier for earlier, later in itertools.pairwise(half))
+
+
+def _allocator_bytes(leak: Leak, size: int, calls: int) -> float:
     """The most CUDA allocated bytes a tensor leak can account for, per call.
 
     The caching allocator rounds each block up to 512 bytes, and may hand a
-    request over 1 MiB a block up to 1 MiB larger rather than split it.
+    request over 1 MiB a block up to 1 MiB larger rather than split it. A
+    group that grew with as many tensors (``size``: its bytes after the last
+    call) has blocks of other sizes at the end than at the start: each may be
+    that much larger or smaller, once over the calls.
     """
     if not leak.count_per_call:
-        return leak.bytes_per_call
+        tensors = max(leak.count_after or 0, 1)
+        slack = _BLOCK + (_SPLIT if size / tensors > _SPLIT else 0)
+        return leak.bytes_per_call + tensors * slack / calls
     each = leak.bytes_per_call / leak.count_per_call
     slack = _SPLIT if each > _SPLIT else 0
     return leak.count_per_call * (math.ceil(each / _BLOCK) * _BLOCK + slack)
@@ -286,8 +310,10 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
     call, grouped by device, dtype, shape and the line that created them, and
     on CUDA the allocated bytes too. Catches the usual culprits: a list that
     keeps each step's loss with its graph (``losses.append(loss)``), a tensor
-    cache keyed by step, a hook that stores activations. Creation lines are
-    recorded only while ``find_leaks`` runs.
+    cache keyed by step, a hook that stores activations, a history that
+    ``torch.cat`` makes longer each call (as many tensors, more bytes: a leak
+    of ``+0 tensor/call``). Creation lines are recorded only while
+    ``find_leaks`` runs.
 
     Args:
         fn: Called with no arguments; wrap arguments in a lambda. Its return
@@ -317,12 +343,14 @@ def find_leaks(fn: Callable[[], Any], *, repeat: int = 10, warmup: int = 2) -> L
     if not callable(fn):
         raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
     refuse_lazy(fn, call="fn()", fix=_LAZY_FIX)
-    check_count(repeat, name="repeat", minimum=1, fix="measure one call or more")
-    check_count(warmup, name="warmup")
+    # As plain ints: np.int64(10) would reach the report, whose to_dict() must be JSON-ready.
+    repeat = check_count(repeat, name="repeat", minimum=1, fix="measure one call or more")
+    warmup = check_count(warmup, name="warmup")
     with only_new_objects():  # what existed before cannot be what grows
         counts, allocated = _measure(fn, repeat, warmup)
-    leaks = _tensor_leaks(counts, repeat)
-    growth, unexplained = _device_growth(allocated, leaks, repeat)
+    found = _tensor_leaks(counts, repeat)
+    leaks = [leak for leak, _ in found]
+    growth, unexplained = _device_growth(allocated, found, repeat)
     return LeakReport(
         calls=repeat,
         warmup=warmup,
@@ -347,11 +375,12 @@ def _call_numbered(fn: Callable[[], Any], number: int, repeat: int, warmup: int)
     """`_call()`; an error from ``fn`` leaves with a note of which call raised it.
 
     fn's error is fn's own and propagates as it was, but a call that fails only
-    the fifth time looks, without the note, like one that always fails.
+    the fifth time looks, without the note, like one that always fails. A
+    Ctrl-C gets the note too: it says how far the calls had come.
     """
     try:
         _call(fn)
-    except Exception as error:
+    except (Exception, KeyboardInterrupt) as error:
         kind = "a warm-up call" if number <= warmup else "a measured call"
         add_note(
             error,
@@ -381,33 +410,36 @@ def _measure(
     return counts, allocated
 
 
-def _tensor_leaks(counts: list[_Census], calls: int) -> list[Leak]:
+def _tensor_leaks(counts: list[_Census], calls: int) -> list[tuple[Leak, int]]:
+    """The groups that grew in tensors, or in bytes with as many; and their bytes at the end."""
     leaks = []
     for key, last in counts[-1].items():
         series = [census.get(key, (0, 0, set(), {})) for census in counts]
         numbers = [count for count, _, _, _ in series]
-        if not _growing(numbers):
+        sizes = [size for _, size, _, _ in series]
+        more = _growing(numbers)
+        if not more and not (_growing(sizes) and _never_shrank(sizes)):
             continue
         device, dtype, _, site = key
         shapes = last[2]
-        leaks.append(
-            Leak(
-                device=device,
-                dtype=dtype,
-                shape=next(iter(shapes)) if len(shapes) == 1 else None,
-                location=site,
-                count_per_call=(numbers[-1] - numbers[0]) / calls,
-                bytes_per_call=(last[1] - series[0][1]) / calls,
-                count_before=numbers[0],
-                count_after=numbers[-1],
-                library_location=_library_line(counts[0].get(key), last),
-            )
+        leak = Leak(
+            device=device,
+            dtype=dtype,
+            shape=next(iter(shapes)) if len(shapes) == 1 else None,
+            location=site,
+            # Only bytes grew: a count that rose for a while (then stopped) is not what leaks.
+            count_per_call=(numbers[-1] - numbers[0]) / calls if more else 0.0,
+            bytes_per_call=(sizes[-1] - sizes[0]) / calls,
+            count_before=numbers[0],
+            count_after=numbers[-1],
+            library_location=_library_line(counts[0].get(key), last),
         )
+        leaks.append((leak, sizes[-1]))
     return leaks
 
 
 def _device_growth(
-    allocated: list[dict[str, int]], leaks: list[Leak], calls: int
+    allocated: list[dict[str, int]], leaks: list[tuple[Leak, int]], calls: int
 ) -> tuple[tuple[DeviceGrowth, ...], list[Leak]]:
     """Per CUDA device: allocated bytes over the calls, and growth that no tensor leak explains."""
     growth, unexplained = [], []
@@ -415,7 +447,9 @@ def _device_growth(
         series = [values.get(device, 0) for values in allocated]
         per_call = (series[-1] - series[0]) / calls
         growth.append(DeviceGrowth(device, series[0], series[-1], per_call))
-        explained = sum(_allocator_bytes(leak) for leak in leaks if leak.device == device)
+        explained = sum(
+            _allocator_bytes(leak, size, calls) for leak, size in leaks if leak.device == device
+        )
         if _growing(series) and per_call - explained > 0:
             unexplained.append(
                 Leak(device, None, None, None, None, per_call - explained, None, None)

@@ -447,9 +447,11 @@ def explain_oom(
             f"{type(model).__name__}"
         )
     # Strictly a bool: record_history="no" would be truthy, and recording starts CUDA.
-    check_flag(record_history, name="record_history")
-    check_count(top, name="top", minimum=1)
-    if check_count(history_entries, name="history_entries", minimum=1) > sys.maxsize:
+    record_history = check_flag(record_history, name="record_history")
+    # Plain ints on: np.int64 would reach the report and torch's recorder.
+    top = check_count(top, name="top", minimum=1)
+    entries = check_count(history_entries, name="history_entries", minimum=1)
+    if entries > sys.maxsize:
         # torch's recorder takes a C++ size_t: past it, pybind's bare "incompatible
         # function arguments" would surface at the first out-of-memory error, on CUDA only.
         raise ValueError(
@@ -457,6 +459,6 @@ def explain_oom(
             f"{short_repr(history_entries)}; for no practical bound pass sys.maxsize (torch's "
             "own default), else fewer"
         )
-    options = _ExplainOOM(target, model, record_history, top, history_entries)
+    options = _ExplainOOM(target, model, record_history, top, entries)
     # explain_oom(fn, model=m) applies its options to fn, as @explain_oom(model=m) does.
     return options if func is None else options(func)

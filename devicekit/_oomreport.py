@@ -14,6 +14,7 @@ from typing import Any
 from ._census import LiveTensor
 from ._fixes import unattributed_margin
 from ._format import (
+    NOT_APPLICABLE,
     UNKNOWN,
     PlainResult,
     format_bytes,
@@ -264,7 +265,11 @@ class OOMReport:
     def _repr_html_(self) -> str:
         parts = [html_table(self.rows(), caption=self.headline())]
         if self.tensors:
-            tensors = [(_bytes(t.bytes), t.dtype, list(t.shape), t.name) for t in self.tensors]
+            # No name is none of the model's tensors (or no model=), not an unknown one.
+            tensors = [
+                (_bytes(t.bytes), t.dtype, list(t.shape), t.name or NOT_APPLICABLE)
+                for t in self.tensors
+            ]
             header = ("bytes", "dtype", "shape", "name")
             parts.append(html_table(tensors, header=header, caption="largest live tensors"))
         if self.allocation_sites:
@@ -274,4 +279,6 @@ class OOMReport:
             )
         fixes = [(str(number), fix) for number, fix in enumerate(self.fixes, 1)]
         parts.append(html_table(fixes, header=("", "fix"), caption="fixes, most promising first"))
+        # As the text ends: torch's own words (a retry loop's, a search's key).
+        parts.append(html_table([("original message", self.message)]))
         return "".join(parts)

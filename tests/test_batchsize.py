@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -1159,3 +1160,29 @@ def test_isolated_trials_on_the_cpu_are_bounded_in_their_child() -> None:
         timeout=500,
     )
     assert 16 <= result <= 256  # about 128: see the test above
+
+
+def test_start_max_size_and_margin_of_other_number_types_are_taken() -> None:
+    # start=torch.tensor(3) failed in Fraction arithmetic; margin=np.float32 in Fraction().
+    numpy = pytest.importorskip("numpy")
+    assert dk.find_batch_size(Step(40), start=torch.tensor(3)) == 40
+    assert dk.find_batch_size(Step(40), max_size=numpy.int64(20)) == 20
+    assert dk.find_batch_size(Step(50), margin=numpy.float32(0.25)) == 37
+
+
+def test_a_step_that_keeps_memory_is_warned_about_under_explain_oom_too() -> None:
+    # Each call builds an out-of-memory report (explain_oom around a failed allocation),
+    # whose census used to freeze what the step had kept, so no trial saw it grow.
+    kept: list[torch.Tensor] = []
+
+    def leaky(batch_size: int) -> None:
+        kept.append(torch.ones(1000))
+        with contextlib.suppress(torch.OutOfMemoryError), dk.explain_oom():
+            torch.empty(2**62, dtype=torch.uint8)
+        if batch_size > 8:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+
+    frozen = gc.get_freeze_count()
+    with pytest.warns(RuntimeWarning, match="fn keeps memory from one call to the next"):
+        assert dk.find_batch_size(leaky) == 8
+    assert gc.get_freeze_count() == frozen

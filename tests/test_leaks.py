@@ -410,3 +410,149 @@ def test_the_recorder_forgets_dead_tensors_and_never_gives_their_line_to_another
     recorder.sites[id(x)] = (weakref.ref(dead), ("elsewhere.py:1", None))
     del dead
     assert recorder.site(x) is None
+
+
+def test_a_tensor_made_larger_each_call_is_a_leak_of_zero_tensors() -> None:
+    # One tensor, replaced by a longer one each call: the count stays, the bytes grow.
+    model = torch.nn.Linear(256, 10)
+    history = [torch.zeros(0, 10)]
+
+    def step() -> None:
+        out = model(torch.randn(32, 256)).detach()
+        history[0] = torch.cat([history[0], out])  # leak: 1,280 bytes longer per call
+
+    report = dk.find_leaks(step)
+    (leak,) = report.leaks
+    assert (leak.count_per_call, leak.bytes_per_call) == (0, 32 * 10 * 4)
+    assert (leak.count_before, leak.count_after) == (1, 1)
+    assert leak.location == line_of("# leak: 1,280 bytes longer per call")
+    assert str(leak).startswith(
+        "+0 tensor/call, +1.25 KiB/call (as many tensors, larger each call): cpu float32 [384, 10]"
+    )
+    assert "<td>0 (larger each call)</td>" in report._repr_html_()
+    json.dumps(report.to_dict())
+
+
+def test_a_tensor_resized_in_place_each_call_is_a_leak() -> None:
+    buffer: list[torch.Tensor] = []
+
+    def step() -> None:
+        if not buffer:
+            buffer.append(torch.zeros(0))
+        buffer[0].resize_(buffer[0].numel() + 320)  # 1,280 bytes more, in place
+
+    (leak,) = dk.find_leaks(step, repeat=6).leaks
+    assert (leak.count_per_call, leak.bytes_per_call) == (0, 1280)
+
+
+def test_a_kept_output_whose_size_varies_is_not_a_leak() -> None:
+    # Larger at the end than at the start and the middle, yet it shrinks in between:
+    # a sequence length that varies by batch, not a buffer that grows.
+    sizes = iter([5, 3, 6, 2, 4, 3, 5, 2, 6, 4, 7, 3, 8])
+    last: list[torch.Tensor] = []
+
+    def step() -> None:
+        last[:] = [torch.ones(next(sizes) * 100)]
+
+    assert dk.find_leaks(step, repeat=10, warmup=2).leaks == ()
+
+
+@pytest.mark.parametrize("inside", ["free_memory", "explain_oom"])
+def test_a_census_inside_fn_does_not_hide_what_fn_keeps(inside: str) -> None:
+    # Both count every tensor, frozen ones included: that census used to unfreeze and
+    # freeze again, freezing what fn had kept so far, so no count could see it grow.
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        kept.append(torch.ones(1000))
+        if inside == "free_memory":
+            dk.free_memory(devices="cpu")
+            return
+        try:
+            with dk.explain_oom():
+                torch.empty(2**62, dtype=torch.uint8)
+        except torch.OutOfMemoryError:
+            pass
+
+    frozen = gc.get_freeze_count()
+    (leak,) = dk.find_leaks(step, repeat=6).leaks
+    assert (leak.count_per_call, leak.bytes_per_call) == (1, 4000)
+    assert gc.get_freeze_count() == frozen
+
+
+def test_a_census_in_a_process_that_froze_its_objects_freezes_nothing_new() -> None:
+    # A pre-forking server freezes what it loaded; what it makes after must stay collectable.
+    loaded = torch.ones(250_000)  # 1 MB, frozen with the rest
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+
+        class Node:
+            pass
+
+        node = Node()
+        node.me = node  # type: ignore[attr-defined]  # a reference cycle
+        node.tensor = torch.ones(250_000)  # type: ignore[attr-defined]
+        alive = weakref.ref(node.tensor)  # type: ignore[attr-defined]
+        report = dk.free_memory(devices="cpu")
+        assert gc.get_freeze_count() == frozen  # nothing frozen, nothing unfrozen
+        # Both tensors counted: the frozen one too, found without unfreezing it.
+        assert report.note is not None
+        held = float(report.note.split("live tensors there hold ")[1].split(" MiB")[0])
+        assert held >= 2 * 1_000_000 / 2**20
+        del node
+        gc.collect()
+        assert alive() is None  # the cycle was not frozen for good
+        assert loaded.sum() == 250_000
+    finally:
+        gc.unfreeze()
+
+
+def test_views_of_a_tensor_made_before_add_no_bytes() -> None:
+    big = torch.randn(1_000_000)
+    kept: list[torch.Tensor] = []
+
+    def views() -> None:
+        kept.append(big[len(kept) : len(kept) + 10])  # a view: no new memory
+
+    (leak,) = dk.find_leaks(views, warmup=0, repeat=4).leaks
+    assert (leak.count_per_call, leak.bytes_per_call) == (1, 0)
+
+
+def test_counts_of_other_int_types_make_a_json_ready_report() -> None:
+    numpy = pytest.importorskip("numpy")
+    report = dk.find_leaks(lambda: None, repeat=numpy.int64(3), warmup=torch.tensor(1))
+    assert (type(report.calls), type(report.warmup)) == (int, int)
+    assert json.loads(json.dumps(report.to_dict()))["calls"] == 3
+
+
+def test_a_ctrl_c_in_fn_gets_the_note_of_its_call() -> None:
+    calls: list[int] = []
+
+    def interrupted_on_the_third_call() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        dk.find_leaks(interrupted_on_the_third_call, repeat=4, warmup=1)
+    assert getattr(caught.value, "__notes__", None) == [
+        "devicekit.find_leaks: fn() raised this on call 3 of 5 "
+        "(a measured call; warmup=1, repeat=4)"
+    ]
+
+
+def test_cuda_growth_of_a_tensor_made_larger_each_call_is_explained_by_it() -> None:
+    # The allocator rounds each block up to 512 bytes: a tensor 1,000 bytes longer each
+    # call grows the allocated bytes by 1,024 a call here, and no 24 bytes are "held by no
+    # tensor" (the autograd graph that sentence points to).
+    from devicekit._leaks import Leak, _device_growth
+
+    calls = 10
+    sizes = [500 + 1000 * call for call in range(calls + 1)]
+    allocated = [{"cuda:0": -(-size // 512) * 512} for size in sizes]
+    leak = Leak("cuda:0", "float32", None, "train.py:3", 0.0, 1000.0, 1, 1)
+    growth, unexplained = _device_growth(allocated, [(leak, sizes[-1])], calls)
+    assert growth[0].per_call == (10752 - 512) / calls
+    assert unexplained == []

@@ -1238,3 +1238,60 @@ def test_a_class_that_cannot_be_combined_keeps_the_original_with_the_report(
         assert caught.value.__notes__[-1].startswith(
             "devicekit.explain_oom:\ncuda:0 is out of memory, asked for 20.00 MiB"
         )
+
+
+def test_the_html_ends_with_torch_s_message_and_marks_tensors_with_no_name() -> None:
+    model = torch.nn.Linear(256, 512)
+    stray = torch.ones(1024, 1024)  # 4 MiB, none of the model's: the largest
+
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom(model=model, top=2):
+        torch.empty(2**62, dtype=torch.uint8)
+    report = caught.value.report
+    assert report is not None
+    assert [t.name for t in report.tensors] == [None, "weight"]
+    html = report._repr_html_()
+    # The text's last line is torch's message; the notebook's table now shows it too.
+    assert str(report).endswith(f"original message: {report.message}")
+    assert "original message</th><td>" in html
+    assert "DefaultCPUAllocator: can&#x27;t allocate memory" in html
+    # No name is "none of the model's", not "unknown": '-', not '?'.
+    assert "<td>[1024, 1024]</td><td>-</td>" in html
+    assert "<td>[1024, 1024]</td><td>?</td>" not in html
+    assert '<th style="text-align:left">name</th><td>-</td>' in report.tensors[0]._repr_html_()
+    del stray
+
+
+def test_a_report_in_a_process_that_froze_its_objects_counts_them_and_freezes_nothing_new() -> None:
+    # A server that froze what it loaded before forking: the report counts the model (only
+    # this frame's local refers to it), and freezes nothing made since, nor unfreezes.
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weight, frozen with the rest
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        kept = locals()  # a caller's own view of its locals stays whole
+        made_since = [torch.ones(10)]
+        with pytest.raises(dk.DeviceOutOfMemoryError) as caught, dk.explain_oom(model=model):
+            torch.empty(2**62, dtype=torch.uint8)
+        assert gc.get_freeze_count() == frozen
+        assert gc.is_tracked(made_since)
+        assert any(obj is made_since for obj in gc.get_objects())
+        assert "model" in kept
+        assert "frozen" in kept
+        report = caught.value.report
+        assert report is not None
+        assert report.tensors[0].name == "weight"
+        assert report.tensor_bytes is not None
+        assert report.tensor_bytes >= 1024 * 1024 * 4
+    finally:
+        gc.unfreeze()
+
+
+def test_top_and_history_entries_of_other_int_types_are_plain_ints() -> None:
+    numpy = pytest.importorskip("numpy")
+    block = dk.explain_oom(top=numpy.int64(2), history_entries=torch.tensor(50))
+    with pytest.raises(dk.DeviceOutOfMemoryError) as caught, block:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert caught.value.report is not None
+    assert len(caught.value.report.tensors) <= 2
+    assert [type(value) for value in block._options[3:]] == [int, int]

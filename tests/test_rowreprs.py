@@ -172,7 +172,11 @@ def census_cases() -> list[Case]:
             report=oom,
             shared=(format_bytes(1.5 * GIB, digits=2), "[1024, 384, 1024]"),
         ),
-        Case(unnamed, {"name": UNKNOWN, "bytes": format_bytes(12, digits=2)}),
+        Case(
+            unnamed,
+            {"name": NOT_APPLICABLE, "bytes": format_bytes(12, digits=2)},
+            none_texts={"name": NOT_APPLICABLE},
+        ),
     ]
 
 
