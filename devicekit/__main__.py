@@ -1,5 +1,5 @@
 """``python -m devicekit``: the same as the ``devicekit`` command."""
 
-from devicekit._cli import main
+from devicekit._clirun import run
 
-raise SystemExit(main())
+run()

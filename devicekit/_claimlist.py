@@ -56,6 +56,10 @@ class HeldClaim:
         return f"{where}  {safe_text(self.gpu)}  held by {holder}"
 
 
+# The version of to_dict()'s layout, as `devicekit --json`'s: it goes up when the layout changes.
+SCHEMA = 1
+
+
 @dataclass(frozen=True)
 class ClaimsReport:
     """The GPU claims held on this machine, from the kernel's lock table.
@@ -91,6 +95,7 @@ class ClaimsReport:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``devicekit claims --json``."""
         return {
+            "schema": SCHEMA,
             "directory": self.directory,
             "held": [vars(claim).copy() for claim in self.held],
             "lock_files": self.lock_files,

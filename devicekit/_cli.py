@@ -86,7 +86,7 @@ def _seconds(text: str) -> float:
     if value > _LONGEST_INTERVAL:  # time.sleep overflows long before inf
         raise argparse.ArgumentTypeError(
             f"expected at most {_LONGEST_INTERVAL:g} seconds (a day) between refreshes, "
-            f"got {text!r}"
+            f"got {text!r}; use -n {_LONGEST_INTERVAL:g} or less, or devicekit for one look"
         )
     return value
 

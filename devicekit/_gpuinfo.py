@@ -75,15 +75,24 @@ class GPUProcess:
         where = "" if self.pid_visible else ", in another PID namespace"
         return f"GPUProcess({self}, {self.kind}{where})"
 
+    def _repr_html_(self) -> str:
+        pid, name = self._shown()
+        memory = format_bytes(self.used_memory, digits=0)
+        rows = [("pid", pid), ("name", name), ("memory", memory), ("kind", self.kind)]
+        return html_table(rows, caption="GPUProcess")
+
     def __str__(self) -> str:
-        if self.pid is None:
-            pid, name = UNKNOWN, "(NVML gave no PID)"
-        elif self.name is not None:
-            pid, name = str(self.pid), safe_text(self.name)
-        else:
-            pid = str(self.pid)
-            name = "(another PID namespace)" if not self.pid_visible else "(name not readable)"
+        pid, name = self._shown()
         return f"{pid} {name} {format_bytes(self.used_memory, digits=0)}"
+
+    def _shown(self) -> tuple[str, str]:
+        """The pid and name as printed: what stands in for one that is unknown, and why."""
+        if self.pid is None:
+            return UNKNOWN, "(NVML gave no PID)"
+        if self.name is not None:
+            return str(self.pid), safe_text(self.name)
+        why = "(another PID namespace)" if not self.pid_visible else "(name not readable)"
+        return str(self.pid), why
 
 
 @dataclass(frozen=True, repr=False)

@@ -67,7 +67,7 @@ def step(batch_size: int) -> None:
 
 if device.type == "cuda":
     reserved = torch.cuda.memory_reserved(device)
-within = "" if device.type == "cuda" else f" (in the {budget // 2**20} MiB budget set above)"
+within = "" if device.type == "cuda" else f" (with an {budget // 2**20} MiB budget on the CPU)"
 print(f"largest batch that fits{within}: {dk.find_batch_size(step, max_size=2**16)}")
 print(f"with 10% kept free: {dk.find_batch_size(step, max_size=2**16, margin=0.1)}")
 if device.type == "cuda":

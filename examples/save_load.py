@@ -21,7 +21,7 @@ with tempfile.TemporaryDirectory() as folder:
     torch.save(model.state_dict(), path)
     print(f"saved from {device}")
 
-    for target in ["cpu", device]:
+    for target in dict.fromkeys(["cpu", str(device)]):  # once where the device is the CPU
         state = dk.load(path, target)  # weights_only=True by default: no code runs
         restored = torch.nn.Linear(16, 4).to(target)
         restored.load_state_dict(state)

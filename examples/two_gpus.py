@@ -10,7 +10,7 @@ import devicekit as dk
 
 devices = dk.try_all_gpus()
 if len(devices) < 2 or devices[0].type == "cpu":
-    print(f"this needs two GPUs; here: {devices}. Nothing to compare.")
+    print(f"this needs two GPUs; here: {', '.join(map(str, devices))}. Nothing to compare.")
     raise SystemExit(0)
 
 n = 8192

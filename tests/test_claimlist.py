@@ -80,6 +80,7 @@ def test_nothing_claimed_yet_creates_nothing(claims_dir: Path) -> None:
     # NVML was not asked (no claim to label): unknown, not "true" as before on a machine
     # without NVML.
     assert report.to_dict()["nvml"] is None
+    assert report.to_dict()["schema"] == 1  # as every --json document has one
 
 
 @needs_lock_table

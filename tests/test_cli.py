@@ -373,7 +373,11 @@ def test_watch_piped_separates_refreshes_and_stamps_each(
             "error: unrecognized arguments: extra; see devicekit doctor --help\n",
         ),
         (["foo"], "; see devicekit --help\n"),
-        (["watch", "-n", "1e10"], "expected at most 86400 seconds (a day) between refreshes"),
+        (
+            ["watch", "-n", "1e10"],
+            "expected at most 86400 seconds (a day) between refreshes, got '1e10'; use -n 86400 "
+            "or less, or devicekit for one look",
+        ),
         (["--bogus"], "error: unrecognized arguments: --bogus; see devicekit --help\n"),
         # A command's option before the command: argparse took its value for the command.
         (
@@ -879,3 +883,26 @@ def test_bench_max_time_is_checked(value: str) -> None:
     assert result.returncode == 2
     assert "devicekit bench: error: argument --max-time: expected a " in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("args", "code"), [(["--version"], 0), (["bench", "-n", "0"], 2)])
+def test_a_ctrl_c_while_python_shuts_down_keeps_the_commands_exit_code(
+    args: list[str], code: int
+) -> None:
+    # Before, a Ctrl-C after the output was written, while Python shut down (torch's and
+    # NVML's exit hooks), raised there: a traceback, or a death by SIGINT (130, no word).
+    script = (
+        "import atexit, os, signal, sys, time\n"
+        "def late():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "atexit.register(late)  # runs last: after every hook devicekit and torch added\n"
+        f"sys.argv = ['devicekit', *{args!r}]\n"
+        "import runpy\n"
+        "runpy.run_module('devicekit', run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert result.returncode == code
+    assert "KeyboardInterrupt" not in result.stderr

@@ -7,6 +7,7 @@ to ``devicekit.__all__`` without an example here fails the completeness test.
 
 from __future__ import annotations
 
+import html.parser
 import json
 import math
 from collections.abc import Callable
@@ -188,6 +189,33 @@ def test_every_to_dict_is_plain_json_ready_data(results: dict[type, Any]) -> Non
         document = result.to_dict()
         assert walk(document, kind.__name__) == []
         assert json.loads(json.dumps(document, allow_nan=False)) == document, kind.__name__
+
+
+class _Tags(html.parser.HTMLParser):
+    """The open tags left once a document is read, and any closed out of turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.wrong: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag not in ("br", "hr", "img"):  # void elements close themselves
+            self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.open or self.open.pop() != tag:
+            self.wrong.append(tag)
+
+
+def test_every_result_shows_as_well_formed_html_in_a_notebook(results: dict[type, Any]) -> None:
+    # Before, a GPUProcess had no _repr_html_: a notebook showed its repr alone.
+    for kind, result in results.items():
+        assert hasattr(result, "_repr_html_"), f"{kind.__name__} has no _repr_html_"
+        tags = _Tags()
+        tags.feed(result._repr_html_())
+        tags.close()
+        assert (tags.open, tags.wrong) == ([], []), kind.__name__
 
 
 def test_the_examples_hold_the_nested_results_that_used_to_come_out_as_tuples(
