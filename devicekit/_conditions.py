@@ -233,7 +233,10 @@ def _read_field(name: str, value: Any) -> Any:
     if value is None:
         return None
     if name in _COUNTS:
-        return check_count(value, name=where)
+        # A machine has a CPU: 0 CPUs would make every CPU note impossible to judge.
+        return check_count(value, name=where, minimum=1 if name == "cpu_count" else 0)
+    if name == "cpu_window":  # the seconds the CPU evidence covers: none covers nothing
+        return check_number(value, name=where, above=0, meaning="null where unknown")
     if name in _AMOUNTS:
         return check_number(value, name=where, at_least=0)
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
@@ -246,15 +249,24 @@ def _read_list(name: str, items: list[Any], where: str) -> tuple[Any, ...]:
         if not all(isinstance(reason, str) for reason in items):
             raise TypeError(f"{where} must be a list of strings, got {short_repr(items)}")
         return tuple(items)
-    if name == "other_processes":
+    if name == "other_processes":  # checked as GPUProcess.from_dict checks each
         try:
-            return tuple(GPUProcess(**process) for process in items)
-        except TypeError as error:
-            raise TypeError(f"{where}: each must be a GPUProcess's fields: {error}") from None
+            return tuple(GPUProcess.from_dict(process) for process in items)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{where}: each must be a GPUProcess's fields: {error}") from None
     pairs = [tuple(pair) if isinstance(pair, (list, tuple)) else None for pair in items]
-    for pair in pairs:  # competitors: [pid, name] each
-        if pair is None or len(pair) != 2 or not isinstance(pair[0], int):
-            raise TypeError(f"{where} must be a list of [pid, name] pairs, got {short_repr(items)}")
+    for pair in pairs:  # competitors: [pid, name] each, the name a str or None
+        if (
+            pair is None
+            or len(pair) != 2
+            or not isinstance(pair[0], int)
+            or isinstance(pair[0], bool)
+            or not (pair[1] is None or isinstance(pair[1], str))
+        ):
+            raise TypeError(
+                f"{where} must be a list of [pid, name] pairs (name a string or null), got "
+                f"{short_repr(items)}"
+            )
     return tuple(pairs)
 
 

@@ -356,6 +356,21 @@ class Measurement:
         known = self.rel_noise is not None and math.isfinite(self.rel_noise)
         return f"{self.rel_noise:.1%}" if known else UNKNOWN
 
+    def _noise_shown(self) -> str:
+        """The median's noise as shown: ``"±1.2%"``, or each side of a lopsided interval.
+
+        ``rel_noise`` is the interval's half width: where the interval lies
+        mostly on one side of the median (1 s, with a 95% interval of 1 s to
+        10 s), "±450%" would read as reaching below zero; that shows as
+        ``"+900.0%/-0.0%"``.
+        """
+        if self.ci is None or self.median <= 0 or self._noise() == UNKNOWN:
+            return f"±{self._noise()}"
+        up, down = self.ci[1] / self.median - 1, 1 - self.ci[0] / self.median
+        if abs(up - down) <= 0.5 * max(up, down):  # near enough to one number either side
+            return f"±{self._noise()}"
+        return f"+{up:.1%}/-{down:.1%}"
+
     def _interval(self) -> str:
         if self.ci is None:
             return UNKNOWN
@@ -371,7 +386,7 @@ class Measurement:
         energy = self._energy()
         head = (
             f"Measurement({self.name} on {self.conditions.device}, {self.mode}: median "
-            f"{format_seconds(self.median)} ±{self._noise()} (95% CI {self._interval()}), "
+            f"{format_seconds(self.median)} {self._noise_shown()} (95% CI {self._interval()}), "
             f"n={self.n}, stopped: {self.stop_reason}{', ' + energy if energy else ''}; {verdict})"
         )
         return "\n".join([head, *(f"  - {note}" for note in self.notes)])
@@ -380,7 +395,7 @@ class Measurement:
         rows = [
             ("median", format_seconds(self.median)),
             ("95% CI", self._interval()),
-            ("noise", f"±{self._noise()}"),
+            ("noise", self._noise_shown()),
             ("min / mean", f"{format_seconds(self.min)} / {format_seconds(self.mean)}"),
             ("calls / stopped", f"{self.n} / {self.stop_reason}"),
             *([("warm-up", format_seconds(self.warmup_time))] if self.warmup_time else []),

@@ -51,7 +51,17 @@ def test_a_document_round_trips_through_json() -> None:
         ({"throttle_reasons": "hw"}, TypeError, r"throttle_reasons must be a list or None, got"),
         ({"throttle_reasons": [1]}, TypeError, r"throttle_reasons must be a list of strings"),
         ({"competitors": [[1]]}, TypeError, r"competitors must be a list of \[pid, name\] pairs"),
-        ({"other_processes": [{"x": 1}]}, TypeError, r"other_processes: each must be a GPUPr"),
+        ({"other_processes": [{"x": 1}]}, ValueError, r"other_processes: each must be a GPUPr"),
+        # Before, these loaded, then the repr raised (a name not a string) or a count of 0
+        # judged a loaded machine trustworthy.
+        ({"competitors": [[1, 2]]}, TypeError, r"pairs \(name a string or null\), got"),
+        (
+            {"other_processes": [{"pid": 5, "name": 7, "used_memory": 1, "kind": "compute"}]},
+            TypeError,
+            r"other_processes: each must be a GPUProcess's fields: .*'name' must be a str",
+        ),
+        ({"cpu_count": 0}, ValueError, r"cpu_count must be an int >= 1, got 0$"),
+        ({"cpu_window": 0}, ValueError, r"cpu_window must be a finite number > 0, got 0 \(null"),
         ({"nope": 1}, ValueError, r"no field 'nope' in Conditions$"),
     ],
     ids=repr,

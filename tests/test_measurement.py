@@ -1,0 +1,17 @@
+"""Measurement: how its numbers read."""
+
+from __future__ import annotations
+
+import devicekit as dk
+
+
+def test_a_lopsided_interval_shows_each_side_not_one_half_width() -> None:
+    # Before: "median 1 s ±450.0%", which reads as reaching below zero, though the whole
+    # interval (1 s to 10 s) lies above the median.
+    lopsided = dk.Measurement.from_times([1.0] * 6 + [10.0] * 5)
+    assert lopsided.ci == (1.0, 10.0)
+    assert "median 1 s +900.0%/-0.0% (95% CI 1 s to 10 s)" in repr(lopsided)
+    assert "<td>+900.0%/-0.0%</td>" in lopsided._repr_html_()
+    even = dk.Measurement.from_times([0.99, 1.0, 1.01] * 10)
+    assert "median 1 s ±1.0% (95% CI 990 ms to 1.01 s)" in repr(even)
+    assert "median 1 s ±? (95% CI ?)" in repr(dk.Measurement.from_times([1.0] * 3))
