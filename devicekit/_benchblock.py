@@ -62,7 +62,7 @@ class Benchmark:
         timer = self._timer
         timer._claim_block(f"this Benchmark ({self.description!r})", "Benchmark")
         try:
-            timer.start()
+            timer._running = timer._begin()  # the block's lap, in place of any before
         except BaseException:
             timer._release_block()
             raise
@@ -123,8 +123,8 @@ class Benchmark:
                         )
                 return result
             finally:
-                if block.elapsed is not None:
-                    self.elapsed = block.elapsed  # the last call to end
+                if block.elapsed is not None and not block._quiet:
+                    self.elapsed = block.elapsed  # the last call to end that did work
 
         return timed
 

@@ -324,7 +324,7 @@ def _parser() -> _Parser:
         "bench",
         help="measure CPU vs GPU speed, bandwidth, latencies",
         description="Measure matrix multiplication rates (TFLOP/s) on the CPU and each GPU, "
-        "host-device copy bandwidth (GB/s) and launch and synchronize latencies (µs). "
+        "host-device copy bandwidth (GB/s) and launch and synchronize latencies (ms, µs). "
         "Takes well under 30 seconds; starts CUDA.",
     )
     bench.add_argument(

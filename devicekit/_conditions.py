@@ -229,6 +229,8 @@ def _read_field(name: str, value: Any) -> Any:
     if name == "device" or (name == "gpu_name" and value is not None):
         if not isinstance(value, str):
             raise TypeError(f"{where} must be a string, got {got(value)}")
+        if name == "device" and not value.strip():  # "x on ," in every repr
+            raise ValueError(f"{where} must name a device ('cpu', 'cuda:0', 'unknown'), got ''")
         return value
     if value is None:
         return None

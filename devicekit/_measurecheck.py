@@ -141,6 +141,11 @@ def check_recorded_options(
     """Refuse `from_times()`'s keyword options that `Measurement` would print or judge wrongly."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a string, what was timed, got {got(name)}")
+    if not name.strip():  # compare() refuses one too: a blank name reads as nothing
+        raise ValueError(
+            f"name must say what was timed, got {name!r}, which every repr and table would "
+            "show as nothing; pass name='step' or the like"
+        )
     check_choice(mode, name="mode", choices=MODES)
     check_choice(stop_reason, name="stop_reason", choices=STOP_REASONS)
     if conditions is not None and not isinstance(conditions, Conditions):

@@ -174,7 +174,18 @@ class Timer:
         return current_cuda_device()
 
     def start(self) -> None:
-        """Begin a lap (the timer also begins one when it is created)."""
+        """Begin a lap (the timer also begins one when it is created).
+
+        Raises:
+            RuntimeError: Inside this timer's own ``with`` block, while the
+                block's lap runs: starting again would drop its time so far.
+        """
+        if self._in_block and self._running is not None and self._block_thread == get_ident():
+            raise RuntimeError(
+                "Timer.start() inside this Timer's `with` block would begin the block's lap "
+                "again and drop its time so far; call stop() first to end that lap, or time "
+                "laps with start() and stop() outside the block"
+            )
         self._running = self._begin()
 
     def _begin(self) -> _Lap:
@@ -248,7 +259,7 @@ class Timer:
             self._refuse_block("this Timer", "Timer")
         try:  # from here on, a Ctrl-C gives the block back
             self._in_block, self._block_thread = True, get_ident()
-            self.start()  # reads the clock last: the bookkeeping above is not in the lap
+            self._running = self._begin()  # the clock read last: the bookkeeping is not in it
         except BaseException:
             self._in_block = True
             self._release_block()
@@ -346,7 +357,8 @@ class Timer:
                 "decorate the function (@timer above `def step(...)`), or put "
                 "`with timer:` around the call"
             )
-        qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+        inner = fn.func if isinstance(fn, functools.partial) else fn  # a partial has no name
+        qualname = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
         name = str(qualname).rpartition("<locals>.")[2] if qualname else "fn"
         refuse_lazy(
             fn,

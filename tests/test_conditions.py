@@ -61,6 +61,7 @@ def test_a_document_round_trips_through_json() -> None:
             r"other_processes: each must be a GPUProcess's fields: .*'name' must be a str",
         ),
         ({"cpu_count": 0}, ValueError, r"cpu_count must be an int >= 1, got 0$"),
+        ({"device": ""}, ValueError, r"device must name a device \('cpu', 'cuda:0', 'unk"),
         ({"cpu_window": 0}, ValueError, r"cpu_window must be a finite number > 0, got 0 \(null"),
         ({"nope": 1}, ValueError, r"no field 'nope' in Conditions$"),
     ],

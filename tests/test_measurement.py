@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import devicekit as dk
 
 
@@ -15,3 +17,9 @@ def test_a_lopsided_interval_shows_each_side_not_one_half_width() -> None:
     even = dk.Measurement.from_times([0.99, 1.0, 1.01] * 10)
     assert "median 1 s ±1.0% (95% CI 990 ms to 1.01 s)" in repr(even)
     assert "median 1 s ±? (95% CI ?)" in repr(dk.Measurement.from_times([1.0] * 3))
+
+
+def test_a_blank_name_is_refused_as_compare_refuses_one() -> None:
+    # Before, it was taken: "Measurement( on unknown, ...".
+    with pytest.raises(ValueError, match=r"^name must say what was timed, got ' '"):
+        dk.Measurement.from_times([1.0] * 3, name=" ")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import linecache
 import pickle
@@ -383,6 +384,29 @@ def test_stop_inside_a_with_block_ends_its_lap_and_hides_no_exception() -> None:
     assert len(timer.times) == 2
 
 
+def test_start_inside_a_with_block_is_refused_as_it_would_drop_the_blocks_time() -> None:
+    # Before, start() began the block's lap again: a 50 ms then 10 ms block kept 10 ms.
+    timer = dk.Timer()
+    with timer:
+        with pytest.raises(RuntimeError, match=r"^Timer.start\(\) inside this Timer's `with` "):
+            timer.start()
+        timer.stop()  # the fix it gives: end the lap first
+        timer.start()  # then a new lap, which the block's exit ends
+    assert len(timer.times) == 2
+    timer.start()  # outside a block, laps as ever
+    timer.stop()
+    assert len(timer.times) == 3
+
+
+def test_timer_names_the_function_inside_a_partial() -> None:
+    # Before: "@Timer() on fn: fn() returns a generator".
+    def steps(n: int) -> Iterator[int]:
+        yield n
+
+    with pytest.raises(TypeError, match=r"^@Timer\(\) on steps: steps\(\) returns a generator"):
+        dk.Timer()(functools.partial(steps, 3))
+
+
 def test_a_benchmark_refuses_a_with_block_inside_its_own(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -610,6 +634,7 @@ def test_a_benchmark_decorated_call_that_returns_a_generator_prints_no_time(
     with pytest.raises(TypeError, match=r"^@dk\.Benchmark\('step'\): a call returns a generator"):
         step()
     assert capsys.readouterr().out == ""  # no "step: 1.2 µs" for a call that did no work
+    assert repr(bench) == "Benchmark('step': not run yet)"  # before, the refused call's time
     assert bench(lambda: [1])() == [1]
     assert capsys.readouterr().out.startswith("step: ")
 
