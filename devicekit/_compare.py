@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
-from ._errors import add_note
+from ._compareround import measure_in_rounds, measure_variant, same_side
 from ._format import UNKNOWN, PlainResult, format_joules, format_seconds, html_table, shown
-from ._measure import OPTIONS, benchmark, check_options, misspelled_options
+from ._measure import OPTIONS, check_options, misspelled_options
 from ._measurement import Measurement
 from ._shortrepr import got, short_repr
 
@@ -55,8 +55,10 @@ class ComparisonRow(PlainResult):
         ratio: Its median over the reference's median (above 1 is slower);
             None when either median is 0 (a call faster than the clock's
             resolution), since no ratio is known then.
-        within_noise: Its 95% confidence interval overlaps the reference's, so
-            the difference may be noise; None when either interval is unknown
+        within_noise: The difference may be noise: its 95% confidence
+            interval overlaps the reference's or, for functions measured in
+            interleaved rounds, its median is not on the same side of the
+            reference's in every round; None when either interval is unknown
             (too few calls were timed).
     """
 
@@ -162,11 +164,16 @@ class Comparison:
 
     def _lines(self) -> list[list[str]]:
         lines = []
+        (reference,) = [row.measurement for row in self.rows if row.name == self.reference]
         for row in self.rows:
             m = row.measurement
             noise = m._noise()
             energy = [format_joules(m.energy_per_call)] if self.has_energy else []
-            verdict = row.verdict(self.reference) + ("" if m.trustworthy else "  [not trustworthy]")
+            verdict = row.verdict(self.reference)
+            if not m.trustworthy:
+                verdict += "  [not trustworthy]"
+            elif not reference.trustworthy:  # a ratio is only as good as both its sides
+                verdict += "  [reference not trustworthy]"
             lines.append([row.name, format_seconds(m.median), f"±{noise}", *energy, verdict])
         return lines
 
@@ -259,14 +266,21 @@ def _overlap(a: Measurement, b: Measurement) -> bool | None:
     return a.ci[0] <= b.ci[1] and b.ci[0] <= a.ci[1]
 
 
-def _benchmark_variant(name: str, fn: Callable[[], Any], options: dict[str, Any]) -> Measurement:
-    try:
-        return benchmark(fn, **options)
-    except (Exception, KeyboardInterrupt) as error:
-        # Every variant is often a lambda on one line: the traceback cannot tell which (nor,
-        # after Ctrl-C, which one was slow enough to give up on).
-        add_note(error, f"devicekit: compare() was measuring the variant {short_repr(name)}")
-        raise
+def _within_noise(
+    m: Measurement, ref: Measurement, rounds: tuple[float, ...], ref_rounds: tuple[float, ...]
+) -> bool | None:
+    """Whether the difference from the reference may be noise.
+
+    Intervals that overlap may be. Intervals apart are not enough where both
+    were measured in interleaved rounds: a slow phase of the machine on one
+    variant's round moves its median while every call agrees with the next,
+    so a difference is called only where every round's ratio is on its side.
+    """
+    overlap = _overlap(m, ref)
+    if overlap is None or overlap or not rounds or not ref_rounds:
+        return overlap
+    consistent = same_side(rounds, ref_rounds)
+    return None if consistent is None else not consistent
 
 
 def compare(
@@ -279,8 +293,13 @@ def compare(
 
     Functions in ``results`` are measured first with [`benchmark()`][devicekit.benchmark] and
     ``options`` (call them with no arguments: wrap arguments in a lambda).
-    A variant whose 95% confidence interval overlaps the reference's is marked
-    "same within noise" instead of faster or slower. Each row's measurement
+    Two or more functions are measured in 6 interleaved rounds (ABC, BCA,
+    CAB, ...), each with a sixth of the time options, so that a slow phase of
+    the machine lands on one variant in one round, not on one variant's whole
+    run. A variant whose 95% confidence interval overlaps the reference's is
+    marked "same within noise" instead of faster or slower, and so is one
+    measured in rounds whose median is not on the same side of the
+    reference's in every round. Each row's measurement
     is called by the variant's name, whatever the function or the given
     measurement was called.
 
@@ -345,11 +364,17 @@ def compare(
     check_options(options)  # before the first variant's minutes of measuring, not after
     # Named after the variant: a lambda's measurement would be "<lambda>", and one given
     # under a new name answers to that name in this table.
+    functions = {
+        name: value for name, value in results.items() if not isinstance(value, Measurement)
+    }
+    rounds: dict[str, tuple[float, ...]] = {}
+    if len(functions) >= 2:  # interleaved rounds, whose paired ratios tell noise from a difference
+        in_rounds = measure_in_rounds(functions, options)
+        ran, rounds = in_rounds.measured, in_rounds.medians
+    else:
+        ran = {name: measure_variant(name, fn, options) for name, fn in functions.items()}
     measured = {
-        name: replace(
-            value if isinstance(value, Measurement) else _benchmark_variant(name, value, options),
-            name=name,
-        )
+        name: replace(value if isinstance(value, Measurement) else ran[name], name=name)
         for name, value in results.items()
     }
     # The fastest that the clock could time: a median of 0 compares with nothing.
@@ -361,7 +386,9 @@ def compare(
             name=name,
             measurement=m,
             ratio=_ratio(m, ref),
-            within_noise=False if name == reference else _overlap(m, ref),
+            within_noise=False
+            if name == reference
+            else _within_noise(m, ref, rounds.get(name, ()), rounds.get(reference, ())),
         )
         for name, m in measured.items()
     )

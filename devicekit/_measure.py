@@ -232,8 +232,9 @@ def benchmark(
             ``max_time`` is allowed (it bounds the call), and a run it cuts
             short of ``min_time`` is still trustworthy when precise.
         max_time: Seconds the whole call may take, warm-up included (it
-            overshoots by at most one batch of about 10 ms, or by one call
-            when a call is longer: at least one call is timed).
+            overshoots by one call at most, as the clock is read after
+            each, plus on a GPU the calls still queued: at least one call
+            is timed).
         rel_noise: The precision target for the median: 0.01 is ±1%.
         mode: ``"warm"`` (caches warm, the default), ``"cold"`` (the L2 cache
             is flushed before every call, untimed) or ``"graph"`` (the calls
@@ -309,12 +310,21 @@ def benchmark(
         # is inf, which int() refuses; the batch's own bound is always finite.
         batch = max(1, int(min(_BATCH_SECONDS / max(per_call, 1e-7), left / per_call)))
         batch_began = time.perf_counter()
-        noted_call(runner, functools.partial(runner.run, batch), "timed")
+        before = len(runner.host)
+        # The deadline goes in: calls that turn slower than the last batch's would run the
+        # whole batch past max_time (39x, seen), where one clock reading ends it.
+        noted_call(runner, functools.partial(runner.run, batch, deadline), "timed")
         # The warm-up's estimate can be far off (a first call that compiles takes
         # seconds): without this, a fast function would be timed one call per batch.
-        per_call = max((time.perf_counter() - batch_began) / batch, 1e-9)
+        ran = max(len(runner.host) - before, 1)  # fewer than batch where the deadline came
+        per_call = max((time.perf_counter() - batch_began) / ran, 1e-9)
         sampler.during()
         now = time.perf_counter()
+        # The deadline first: a run past max_time stopped because time ran out, even where
+        # its last batch also made it precise ("converged" would hide the overrun).
+        if now >= deadline:
+            stop_reason = "max_time"
+            break
         if len(times) >= MIN_CALLS and now - measure_began >= min_time:
             # A sorted run plus the new tail: Timsort merges them in linear time.
             ordered = sorted(ordered + times[len(ordered) :])
@@ -322,9 +332,6 @@ def benchmark(
             if noise is not None and noise <= rel_noise:
                 stop_reason = "converged"
                 break
-        if now >= deadline:
-            stop_reason = "max_time"
-            break
     measured = time.perf_counter() - measure_began
     energy_after = None if counter is None else counter.read()
     calls = len(times) * (runner.calls_per_replay if isinstance(runner, CudaRunner) else 1)

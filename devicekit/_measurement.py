@@ -367,7 +367,7 @@ class Measurement:
         if self.ci is None or self.median <= 0 or self._noise() == UNKNOWN:
             return f"±{self._noise()}"
         up, down = self.ci[1] / self.median - 1, 1 - self.ci[0] / self.median
-        if abs(up - down) <= 0.5 * max(up, down):  # near enough to one number either side
+        if max(up, down) <= 3 * min(up, down):  # near enough to one number either side
             return f"±{self._noise()}"
         return f"+{up:.1%}/-{down:.1%}"
 

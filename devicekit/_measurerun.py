@@ -10,6 +10,7 @@ which call raised it.
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -36,13 +37,24 @@ def _nothing() -> None:
     """What the clock's floor is timed with: a call that does nothing."""
 
 
-def _time_calls(call: Callable[[], Any], count: int, times: list[float]) -> None:
-    """Time ``count`` calls, each appended to ``times`` as it returns."""
+def _time_calls(
+    call: Callable[[], Any], count: int, times: list[float], deadline: float = math.inf
+) -> None:
+    """Time ``count`` calls, each appended to ``times`` as it returns; none after ``deadline``.
+
+    A batch is sized from the calls before it, and a function whose calls turn
+    slower (a cache outgrown, a clock lowered) would run all of it: the clock
+    read after each call ends the batch at ``deadline`` instead (at least one
+    call is timed).
+    """
     clock = time.perf_counter
     for _ in range(count):
         start = clock()
         call()
-        times.append(clock() - start)
+        end = clock()
+        times.append(end - start)
+        if end >= deadline:
+            break
 
 
 class CpuRunner:
@@ -70,8 +82,9 @@ class CpuRunner:
         resolution = time.get_clock_info("perf_counter").resolution
         return max(statistics.median(empty), resolution)
 
-    def run(self, count: int) -> None:
-        _time_calls(self.call, count, self.times)
+    def run(self, count: int, deadline: float = math.inf) -> None:
+        """Time up to ``count`` calls: fewer where ``deadline`` (the host's clock) comes first."""
+        _time_calls(self.call, count, self.times, deadline)
 
 
 class CudaRunner:
@@ -122,19 +135,27 @@ class CudaRunner:
         """The events' resolution, per call: a graph replay spreads it over its calls."""
         return _EVENT_RESOLUTION / self.calls_per_replay
 
-    def run(self, count: int) -> None:
+    def run(self, count: int, deadline: float = math.inf) -> None:
+        """Time up to ``count`` calls: none issued after ``deadline`` (the host's clock)."""
         starts = [CudaEvent(enable_timing=True) for _ in range(count)]
         ends = [CudaEvent(enable_timing=True) for _ in range(count)]
         work = self.graph.replay if self.graph is not None else self.call
         host, clock, flush, k = self.host, time.perf_counter, self.flush, self.calls_per_replay
+        issued = 0
         for start, end in zip(starts, ends, strict=True):
             if flush is not None:
                 flush.zero_()  # before the start event: evicts L2, not timed
             start.record(self.stream)
             began = clock()
             work()
-            host.append((clock() - began) / k)
+            finished = clock()
+            host.append((finished - began) / k)
             end.record(self.stream)
+            issued += 1
+            # The host's clock only: the GPU may be behind, which the batch's wait makes up.
+            if finished >= deadline:
+                break
+        count, starts, ends = issued, starts[:issued], ends[:issued]
         # Every call was issued: an error from here on is one CUDA reports late (a kernel
         # of fn's that failed on the GPU), and any call of the batch may have caused it.
         self.waiting = (len(host) - count + 1, len(host))

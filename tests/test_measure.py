@@ -724,9 +724,9 @@ def test_a_slow_first_call_does_not_shrink_every_batch_to_one_call(
     batches: list[int] = []
     run = _measurerun.CpuRunner.run
 
-    def counting(self: _measurerun.CpuRunner, count: int) -> None:
+    def counting(self: _measurerun.CpuRunner, count: int, deadline: float) -> None:
         batches.append(count)
-        run(self, count)
+        run(self, count, deadline)
 
     monkeypatch.setattr(_measurerun.CpuRunner, "run", counting)
     first = [True]
@@ -1369,3 +1369,20 @@ def test_an_error_raised_again_is_noted_once() -> None:
         with pytest.raises(ValueError, match="the same error object"):
             dk.benchmark(fails, max_time=0.1)
     assert cached.__notes__ == ["devicekit.benchmark: fn raised this on warm-up call 1"]
+
+
+def test_calls_that_turn_slower_stop_at_max_time_not_a_batch_later() -> None:
+    # A trial: calls that turned 5,000x slower after 30,000 ran a batch sized from the fast
+    # ones (83,000 calls) to its end: 19.4 s for max_time=0.5, reported "converged".
+    calls = [0]
+
+    def turns_slow() -> None:
+        calls[0] += 1
+        if calls[0] > 30_000:
+            if calls[0] > 40_000:  # 5 s past max_time at the least: the old code got here
+                raise AssertionError("benchmark() ran on past max_time")
+            time.sleep(0.0005)
+
+    m = dk.benchmark(turns_slow, max_time=0.5, min_time=0.5, warmup=0)
+    assert m.stop_reason == "max_time"  # time ran out: the deadline is tested first
+    assert calls[0] < 40_000
