@@ -8,7 +8,15 @@ from itertools import islice
 from typing import Any
 
 from ._compareround import measure_in_rounds, measure_variant, same_side
-from ._format import UNKNOWN, PlainResult, format_joules, format_seconds, html_table, shown
+from ._format import (
+    UNKNOWN,
+    PlainResult,
+    format_joules,
+    format_seconds,
+    html_table,
+    safe_text,
+    shown,
+)
 from ._measure import OPTIONS, check_options, misspelled_options
 from ._measurement import Measurement
 from ._shortrepr import got, short_repr
@@ -160,21 +168,24 @@ class Comparison:
     def _header(self) -> list[str]:
         against = "baseline" if self.reference_is_baseline else "fastest"
         energy = ["energy"] if self.has_energy else []
-        return ["variant", "median", "noise", *energy, f"vs {against} ({self.reference})"]
+        reference = safe_text(self.reference)
+        return ["variant", "median", "noise", *energy, f"vs {against} ({reference})"]
 
     def _lines(self) -> list[list[str]]:
         lines = []
         (reference,) = [row.measurement for row in self.rows if row.name == self.reference]
         for row in self.rows:
             m = row.measurement
-            noise = m._noise()
             energy = [format_joules(m.energy_per_call)] if self.has_energy else []
             verdict = row.verdict(self.reference)
             if not m.trustworthy:
                 verdict += "  [not trustworthy]"
             elif not reference.trustworthy:  # a ratio is only as good as both its sides
                 verdict += "  [reference not trustworthy]"
-            lines.append([row.name, format_seconds(m.median), f"±{noise}", *energy, verdict])
+            # A name is the caller's text: a line break or an escape code must not reach the
+            # table; the noise as the measurement shows it (each side of a lopsided interval).
+            shown = [safe_text(row.name), format_seconds(m.median), m._noise_shown()]
+            lines.append([*shown, *energy, verdict])
         return lines
 
     def __str__(self) -> str:
@@ -193,7 +204,7 @@ class Comparison:
         # Why a row is not to be trusted, under the table: the reasons, as bench prints them.
         for row in self.rows:
             if not row.measurement.trustworthy:
-                table += [f"  {row.name}: {note}" for note in row.measurement.notes]
+                table += [f"  {safe_text(row.name)}: {note}" for note in row.measurement.notes]
         return "\n".join(table)
 
     __repr__ = __str__
@@ -358,6 +369,8 @@ def compare(
             "called with no arguments, so wrap arguments in a lambda"
         )
 
+    if baseline is not None and not isinstance(baseline, str):
+        raise TypeError(f"baseline must be one of the names in results, got {got(baseline)}")
     if baseline is not None and baseline not in results:
         names = ", ".join(map(short_repr, islice(results, 10))) + ", ..." * (len(results) > 10)
         raise ValueError(f"baseline {short_repr(baseline)} is not one of {names}")

@@ -472,3 +472,16 @@ def test_calls_too_slow_for_rounds_are_measured_in_one_run_after_the_first(
 def test_a_verdict_against_an_untrustworthy_reference_says_so() -> None:
     text = str(dk.compare({"noisy": _noisy(), "ok": measured(6e-3, 0)}, baseline="noisy"))
     assert "[reference not trustworthy]" in text.splitlines()[2]
+
+
+def test_odd_names_reach_the_table_escaped_and_a_baseline_must_be_a_name() -> None:
+    # Before, a line break in a name broke the table, an escape code reached the terminal,
+    # and baseline=["a"] raised a bare "unhashable type: 'list'".
+    fast = dk.Measurement.from_times([1.0] * 10, name="x")
+    slow = dk.Measurement.from_times([2.0] * 10, name="y")
+    text = str(dk.compare({"a\nb\x1b[31m": fast, "c": slow}))
+    assert "\x1b" not in text
+    assert text.splitlines()[0].endswith("vs fastest (a\\x0ab\\x1b[31m)")
+    assert len(text.splitlines()) == 3
+    with pytest.raises(TypeError, match=r"^baseline must be one of the names in results, got"):
+        dk.compare({"a": fast}, baseline=["a"])  # type: ignore[arg-type]
