@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, TypeVar
 
 from ._devices import DeviceLike
+from ._errors import add_note
 from ._keywords import suggest_keywords
 from ._mapguards import refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
@@ -170,7 +171,15 @@ def gpu_map(
     if not work:
         return []
     pool = GPUPool(slots[: len(work)])
+    results: list[R] | None = None
     try:
-        return pool._run(fn_bytes, work, payloads, progress=progress, timeout=limit)
+        results = pool._run(fn_bytes, work, payloads, progress=progress, timeout=limit)
     finally:
-        pool.close()
+        try:
+            pool.close()
+        except KeyboardInterrupt as stop:  # while the workers stop, every item done
+            if results is not None:
+                stop.results = dict(enumerate(results))  # type: ignore[attr-defined]
+                add_note(stop, "devicekit: gpu_map() had every result; it was closing its pool")
+            raise
+    return results

@@ -78,7 +78,7 @@ from ._mapguards import pool_busy, refuse_to_start
 from ._mapinputs import checked_work, item_timeout, pickle_fn, pickle_items
 from ._progress import Progress
 from ._shortrepr import short_repr
-from ._termination import stops_workers_first
+from ._termination import die_of, stops_workers_first, take_signals
 from ._workerslots import worker_slots, workers_per_device_count
 from ._workerstart import refuse_foreign, start_workers, stop_workers
 from ._workerstate import Orphans, Slot, Worker, orphans
@@ -206,6 +206,7 @@ class GPUPool:
         self._state = threading.RLock()
         self._stopping = threading.RLock()  # held by close() while it stops the workers
         self._finalizer = weakref.finalize(self, stop_workers, self._workers, gently=False)
+        self._taken: list[int] = []  # the signals its `with` block took over
 
     @property
     def devices(self) -> list[str]:
@@ -214,7 +215,9 @@ class GPUPool:
 
     def _summary(self) -> tuple[str, str]:
         """Its devices (``"cuda:0 x2, cuda:1"``) and its state (``"2 running"``)."""
-        state = "closed" if self._closed else f"{len(self._workers)} running"
+        ended = sum(not worker.alive() for worker in self._workers)  # replaced at the next map
+        running = f"{len(self._workers) - ended} running" + (f", {ended} ended" if ended else "")
+        state = "closed" if self._closed else running
         counts: dict[str, int] = {}
         for device in self.devices:
             counts[device] = counts.get(device, 0) + 1
@@ -237,6 +240,10 @@ class GPUPool:
         return html_table(rows, caption="GPUPool")
 
     def __enter__(self) -> GPUPool:
+        # A pool lives across maps, and a scheduler's SIGTERM lands between them as often
+        # as during one: the block takes it over for its whole length (main thread, default
+        # handler only), so that its exit stops what fn started, then the process dies of it.
+        self._taken = take_signals()
         return self
 
     def __exit__(
@@ -245,7 +252,11 @@ class GPUPool:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        taken, self._taken = self._taken, []
+        try:
+            self.close()
+        finally:
+            die_of(exc, taken)  # gives the signals back; dies of one that ended the block
 
     def close(self) -> None:
         """Stop the workers (each finishes nothing new) and wait for them.
@@ -269,7 +280,11 @@ class GPUPool:
             if self._mapper is not None:
                 raise RuntimeError(pool_busy(self._mapper, closing=True))
             self._closed = True  # no map starts from now on
-        with self._stopping:  # a close() in another thread: wait until it has stopped them
+        # A close() in another thread: wait until it has stopped them. SIGTERM or SIGHUP
+        # while they stop cuts the orderly stop short, and stop_workers then ends every
+        # worker and what its fn started before the process dies of it; with the default
+        # handler, the process died at once and fn's processes went to init.
+        with self._stopping, stops_workers_first():
             self._stop(gently=True)
 
     def _stop(
@@ -283,6 +298,7 @@ class GPUPool:
             self._workers[:] = []
 
     @keeps_results
+    @suggest_keywords
     def map(
         self,
         fn: Callable[[T], R],

@@ -112,8 +112,10 @@ class StragglerDetector:
     over those steps, in one collective on devicekit's gloo group, and sets
     [`report`][devicekit.StragglerDetector.report] to a
     [`StragglerReport`][devicekit.StragglerReport] (the same on every rank):
-    ranks whose median exceeds ``threshold`` times the job median, by at
-    least 1% of the job's median step time, are stragglers. Each sink is then
+    ranks whose median exceeds ``threshold`` times the job's reference (the
+    lower quartile over ranks of their medians; the fastest rank's with
+    fewer than 4 ranks), by at least 1% of the job's median step time, are
+    stragglers. Each sink is then
     called with the report; a sink that raises does not stop the others, and
     the first error is raised once they ran.
     Without a process group the report describes this process alone.
@@ -126,7 +128,7 @@ class StragglerDetector:
 
     Args:
         every: Steps between reports.
-        threshold: How many times the job median a rank's median must exceed
+        threshold: How many times the job's reference a rank's median must exceed
             to count as a straggler; greater than 1.
         sinks: Callables that receive each report.
         timeout: Seconds the report's collective waits for every rank.
@@ -156,8 +158,8 @@ class StragglerDetector:
             threshold,
             name="threshold",
             above=1,
-            meaning="1.2 flags a rank 20% slower than the job median; at 1, half the ranks "
-            "would be stragglers",
+            meaning="1.2 flags a rank 20% slower than the job's reference (its fastest "
+            "quarter of ranks); at 1, every rank slower than those would be a straggler",
         )
         self.timeout = validated_timeout(timeout)
         self.sinks: list[ReportSink] = checked_sinks(sinks, receives="a StragglerReport")
@@ -310,7 +312,7 @@ class StragglerDetector:
         settings = html_table(
             [
                 ("every", plural(self.every, "step")),
-                ("threshold", f"{self.threshold:g}x the job median"),
+                ("threshold", f"{self.threshold:g}x the job's reference"),
                 ("steps", str(self.steps)),
                 ("sections", ", ".join(self._sections) or "none yet"),
             ],

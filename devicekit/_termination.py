@@ -11,7 +11,10 @@ same signal, with the default handler back: the exit status the caller's
 shell or scheduler expects. A handler of the program's own, or an ignored
 signal, is left alone, and so is every signal outside the main thread (only
 it can set handlers). A second signal during the cleanup ends the process at
-once, as without devicekit. A `LogBuffer`'s ``with`` block takes them over
+once, as without devicekit, unless it comes within a second of the first:
+that is the same request sent twice (GNU ``timeout`` signals the process,
+then its process group; a launcher may forward what the group got too),
+which would otherwise cut the cleanup short. A `LogBuffer`'s ``with`` block takes them over
 the same way, so that its last flush runs before the process dies; a map
 inside it leaves the dying to the block.
 """
@@ -19,9 +22,11 @@ inside it leaves the dying to the block.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from types import FrameType
@@ -33,9 +38,23 @@ __all__ = ["ctrl_c_held", "die_of", "stops_workers_first", "take_signals"]
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+# A repeat of the signal within this many seconds is the same request sent twice.
+_GRACE = 1.0
+_first: dict[int, float] = {}  # signal -> when the request that is being handled came
+
+
 def _raise(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+    _first[signum] = time.monotonic()
+    signal.signal(signum, _again)
     raise TerminatedBySignal(signum)
+
+
+def _again(signum: int, frame: FrameType | None) -> None:
+    """A second signal during the cleanup: the same request if it comes within `_GRACE`."""
+    if time.monotonic() - _first.get(signum, -math.inf) < _GRACE:
+        return
+    signal.signal(signum, signal.SIG_DFL)  # a later one ends the process at once
+    os.kill(os.getpid(), signum)
 
 
 @contextlib.contextmanager
@@ -78,7 +97,7 @@ def die_of(error: BaseException | None, taken: list[int]) -> None:
 
 def _give_back(taken: list[int]) -> None:
     for signum in taken:
-        if signal.getsignal(signum) in (_raise, signal.SIG_DFL):
+        if signal.getsignal(signum) in (_raise, _again, signal.SIG_DFL):
             signal.signal(signum, signal.SIG_DFL)
     taken.clear()
 

@@ -21,22 +21,92 @@ MS = 1e-3
 
 
 def window(rank: int, compute: float | None, *, host: str = "node-a", step: int = 10) -> Any:
-    sections = {"compute": (compute, 0.1 * MS, 10)} if compute is not None else {}
-    return _stragglerreport.Window(rank, host, step, 10, 1.2, 50 * MS, sections)
+    # compute=None: the rank timed the section, but no block of it completed in the window.
+    times = (compute, 0.1 * MS, 10) if compute is not None else (None, None, 0)
+    return _stragglerreport.Window(rank, host, step, 10, 1.2, 50 * MS, {"compute": times})
+
+
+def report_of(*medians: float, threshold: float = 1.2, step_time: float = 16 * MS) -> Any:
+    """A report of one section, "forward", whose median on rank i is medians[i] (seconds)."""
+    windows = [
+        _stragglerreport.Window(i, "vm", 20, 20, threshold, step_time, {"forward": (m, MS, 20)})
+        for i, m in enumerate(medians)
+    ]
+    return _stragglerreport.build_report(windows, step=20, every=20, threshold=threshold)
 
 
 # --- the arithmetic of a report --------------------------------------------------------------
 
 
-def test_a_rank_slower_than_threshold_times_the_job_median_is_a_straggler() -> None:
+def test_a_rank_slower_than_threshold_times_the_reference_is_a_straggler() -> None:
     windows = [window(0, 10 * MS), window(1, 11 * MS), window(2, 40 * MS, host="node-b")]
     report = _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2)
-    assert report.job_median == {"compute": 11 * MS}
+    assert report.job_median == {"compute": 10 * MS}  # under 4 ranks: the fastest rank's
     (straggler,) = report.stragglers
     assert (straggler.rank, straggler.host, straggler.section) == (2, "node-b", "compute")
-    assert straggler.lost == pytest.approx(29 * MS)
-    assert straggler.ratio == pytest.approx(40 / 11)
-    assert report.lost_per_step == pytest.approx(29 * MS)
+    assert straggler.lost == pytest.approx(30 * MS)
+    assert straggler.ratio == pytest.approx(4.0)
+    assert report.lost_per_step == pytest.approx(30 * MS)
+
+
+# Before, the reference was the median over ranks, which a slow half drags up with it:
+# "forward 14.1 ms / 10.1 ms, job median 12.1 ms ... no stragglers", though every step
+# waited 4 ms for the slow rank.
+
+
+def test_of_two_ranks_the_one_1_4x_the_other_is_a_straggler() -> None:
+    report = report_of(14.1 * MS, 10.1 * MS)
+    assert report.job_median == {"forward": pytest.approx(10.1 * MS)}
+    (straggler,) = report.stragglers
+    assert straggler.rank == 0
+    assert straggler.ratio == pytest.approx(14.1 / 10.1)
+    assert straggler.lost == pytest.approx(4 * MS)
+    assert report.lost_per_step == pytest.approx(4 * MS)
+    assert "1.40x the job's reference 10.1 ms; the job waits 4 ms per step" in str(report)
+
+
+def test_a_slow_half_of_four_ranks_is_named_rank_by_rank() -> None:
+    report = report_of(14.1 * MS, 14.1 * MS, 10.1 * MS, 10.1 * MS)  # one slow node of two
+    assert report.job_median == {"forward": pytest.approx(10.1 * MS)}
+    assert sorted(s.rank for s in report.stragglers) == [0, 1]
+    assert all(s.lost == pytest.approx(4 * MS) for s in report.stragglers)
+    assert report.lost_per_step == pytest.approx(4 * MS)  # they run at once: 4 ms, not 8
+
+
+def test_one_slow_rank_of_four_is_named_and_only_it() -> None:
+    report = report_of(10.1 * MS, 10.1 * MS, 10.1 * MS, 14.1 * MS)
+    (straggler,) = report.stragglers
+    assert straggler.rank == 3
+    assert straggler.lost == pytest.approx(4 * MS)
+
+
+def test_a_lead_inside_the_rank_s_own_spread_is_noise_not_a_straggler() -> None:
+    # Against the fast ranks, a loaded machine's jitter read as a lead: a rank whose IQR
+    # was 17 ms, 1.75x the reference, was named though nothing was slow.
+    def noisy(iqr: float) -> Any:
+        windows = [
+            _stragglerreport.Window(i, "vm", 20, 20, 1.2, 16 * MS, {"forward": (m, iqr, 20)})
+            for i, m in enumerate([10 * MS, 10 * MS, 10 * MS, 14 * MS])
+        ]
+        return _stragglerreport.build_report(windows, step=20, every=20, threshold=1.2)
+
+    assert noisy(iqr=10 * MS).stragglers == ()  # a 4 ms lead, inside half of 10 ms
+    assert [s.rank for s in noisy(iqr=1 * MS).stragglers] == [3]  # beyond it: named
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_identical_ranks_name_nobody(ranks: int) -> None:
+    report = report_of(*[10 * MS] * ranks)
+    assert report.stragglers == ()
+    assert report.lost_per_step == 0.0
+    assert str(report).splitlines()[-1] == "no stragglers"
+
+
+def test_the_reference_is_the_lower_quartile_from_four_ranks() -> None:
+    # One fast outlier of eight does not make the other seven stragglers.
+    report = report_of(5 * MS, *[10 * MS] * 6, 14 * MS)
+    assert report.job_median == {"forward": pytest.approx(10 * MS)}
+    assert [s.rank for s in report.stragglers] == [7]
 
 
 def test_exactly_threshold_times_the_median_is_not_a_straggler() -> None:
@@ -54,7 +124,55 @@ def test_a_rank_without_times_in_a_section_is_unknown_there_not_zero() -> None:
     assert report.ranks[1].samples == {"compute": 0}
     assert report.job_median == {"compute": 10 * MS}
     assert report.stragglers == ()
+    assert report.partial == ()
     assert "?" in str(report).splitlines()[3]
+
+
+def test_a_section_named_differently_on_some_ranks_is_named_and_its_loss_unknown() -> None:
+    # Before: each name had a "job median" over its one rank, nobody was slower, and
+    # the report said "no stragglers", lost_per_step 0.0, though rank 1 took 5x as long.
+    windows = [
+        _stragglerreport.Window(0, "vm", 20, 20, 1.2, 60 * MS, {"forward": (10 * MS, MS, 20)}),
+        _stragglerreport.Window(1, "vm", 20, 20, 1.2, 60 * MS, {"fwd": (50 * MS, MS, 20)}),
+    ]
+    report = _stragglerreport.build_report(windows, step=20, every=20, threshold=1.2)
+    assert report.partial == ("forward", "fwd")
+    assert report.lost_per_step is None
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["lost_per_step"] is None
+    assert data["partial"] == ["forward", "fwd"]
+    assert "fwd" not in report.ranks[0].median  # does not exist there, not unknown
+    lines = str(report).splitlines()
+    assert lines[2].split()[4:] == ["10", "ms,", "1", "ms", "-"]  # "-", not "?"
+    assert lines[3].split()[4:6] == ["-", "50"]
+    summary = "\n".join(lines[5:])
+    assert "no stragglers\n" not in summary + "\n"
+    assert "timed on some ranks only: forward (not on rank 1)" in summary
+    assert "timed on some ranks only: fwd (not on rank 0)" in summary
+    assert "name sections alike on every rank" in summary
+    html = report._repr_html_()
+    assert "<td>-</td>" in html
+    assert "name sections alike on every rank" in html
+
+    # A straggler among the ranks that share a section is still named; the job's loss is
+    # unknown, since another section cannot be compared.
+    windows.append(
+        _stragglerreport.Window(2, "vm", 20, 20, 1.2, 60 * MS, {"forward": (30 * MS, MS, 20)})
+    )
+    report = _stragglerreport.build_report(windows, step=20, every=20, threshold=1.2)
+    assert [(s.rank, s.section) for s in report.stragglers] == [(2, "forward")]
+    assert report.lost_per_step is None
+    assert "how much the job loses per step to stragglers is unknown" in str(report)
+
+
+def test_a_loss_larger_than_the_median_step_is_given_without_a_share() -> None:
+    # The step time is the median over ranks, so a share of it could pass 100%.
+    report = report_of(10 * MS, 60 * MS, step_time=12 * MS)
+    assert str(report).splitlines()[-1] == "the job loses 50 ms per step to stragglers"
+    report = report_of(10 * MS, 14 * MS, step_time=16 * MS)
+    assert str(report).splitlines()[-1] == (
+        "the job loses 4 ms per step to stragglers, 25% of its 16 ms step"
+    )
 
 
 def test_lost_time_takes_the_slowest_rank_of_each_section() -> None:
@@ -65,8 +183,12 @@ def test_lost_time_takes_the_slowest_rank_of_each_section() -> None:
         for r, (d, f) in enumerate([(1 * MS, 10 * MS), (5 * MS, 10 * MS), (9 * MS, 30 * MS)] * 1)
     ]
     report = _stragglerreport.build_report(windows, step=10, every=10, threshold=1.2)
-    assert [(s.rank, s.section) for s in report.stragglers] == [(2, "fwd"), (2, "data")]
-    assert report.lost_per_step == pytest.approx(20 * MS + 4 * MS)
+    assert [(s.rank, s.section) for s in report.stragglers] == [
+        (2, "fwd"),
+        (2, "data"),
+        (1, "data"),
+    ]
+    assert report.lost_per_step == pytest.approx(20 * MS + 8 * MS)
 
 
 def test_the_report_renders_as_a_table_json_and_html() -> None:
@@ -77,9 +199,9 @@ def test_the_report_renders_as_a_table_json_and_html() -> None:
     assert lines[1].split()[:4] == ["host", "rank", "step", "compute"]
     assert lines[4].split()[:2] == ["node-b", "2"]
     assert lines[4].endswith("compute")
-    assert lines[5].startswith("job median")
+    assert lines[5].startswith("reference")
     assert lines[6] == (
-        "straggler: rank 2 (node-b): compute 40 ms, 4.00x the job median 10 ms; "
+        "straggler: rank 2 (node-b): compute 40 ms, 4.00x the job's reference 10 ms; "
         "the job waits 30 ms per step for it"
     )
     assert lines[7] == "the job loses 30 ms per step to stragglers, 60% of its 50 ms step"
@@ -125,7 +247,7 @@ def test_the_detector_shows_its_settings_and_last_report_in_html() -> None:
     detector = dk.StragglerDetector(every=2, threshold=1.5)
     html = detector._repr_html_()
     assert "<caption>StragglerDetector</caption>" in html
-    assert "<td>1.5x the job median</td>" in html
+    assert "<td>1.5x the job&#x27;s reference</td>" in html
     assert "no report yet" in html
     for _ in range(2):
         with detector.section("<fwd>"):  # a name is escaped, never markup

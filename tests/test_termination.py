@@ -134,3 +134,84 @@ def test_ctrl_c_held_holds_sigint_in_this_thread_until_the_block_ends() -> None:
         signal.signal(signal.SIGINT, previous)
     assert reached == ["end of block"]
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def starts_a_sleeper_and_returns(item: int) -> int:
+    """Start a process that would outlive its worker, say where, and return at once."""
+    sleeper = subprocess.Popen(["sleep", "300"])
+    Path(os.environ["SLEEPERS"], f"{sleeper.pid}").touch()
+    return item
+
+
+@needs_posix
+@pytest.mark.timeout(180)
+def test_a_signal_between_the_maps_of_a_pool_block_stops_what_fn_started(
+    tmp_path: Path,
+) -> None:
+    # Before: a pool idle between maps left its default handlers: `kill <pid>` ended the
+    # caller at once, and each fn's `sleep 300` lived on, given to init.
+    script = textwrap.dedent(
+        """
+        import time
+        import devicekit as dk
+        from tests.test_termination import starts_a_sleeper_and_returns
+        if __name__ == "__main__":
+            with dk.gpu_pool(devices=["cpu", "cpu"]) as pool:
+                pool.map(starts_a_sleeper_and_returns, range(2))
+                time.sleep(300)
+        """
+    )
+    env = {**os.environ, "SLEEPERS": str(tmp_path)}
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            assert process.poll() is None, "the program ended before its workers started"
+            time.sleep(0.1)
+        sleepers = [int(path.name) for path in tmp_path.iterdir()]
+        assert len(sleepers) == 2, "the workers did not start their sleepers"
+        time.sleep(1)  # the map has returned: the pool is idle
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM  # it died of the signal
+        deadline = time.monotonic() + 30
+        while any(map(_running, sleepers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in sleepers if _running(pid)]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        for path in tmp_path.iterdir():
+            if _running(int(path.name)):
+                os.kill(int(path.name), signal.SIGKILL)
+
+
+@needs_posix
+@pytest.mark.timeout(120)
+def test_the_same_signal_again_within_a_second_does_not_cut_the_cleanup_short(
+    tmp_path: Path,
+) -> None:
+    # Before: the second SIGTERM of one request (GNU timeout signals the process, then its
+    # group) found the default handler back and ended the process in the last flush: no
+    # value reached the sink.
+    written = tmp_path / "written.txt"
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        import devicekit as dk
+        def sink(records):
+            os.kill(os.getpid(), signal.SIGTERM)  # the same request again, mid-cleanup
+            with open({str(written)!r}, "a") as out:
+                out.write(f"{{len(records)}}\\n")
+        with dk.LogBuffer(flush_every=1000, sinks=[sink]) as logs:
+            for step in range(10):
+                logs.log(step, loss=float(step))
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+        """
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, timeout=100, check=False, capture_output=True
+    )
+    assert process.returncode == -signal.SIGTERM, process.stderr
+    assert written.read_text() == "10\n"

@@ -1,0 +1,51 @@
+"""gpu_map's own frame: what a Ctrl-C while it closes its pool keeps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import devicekit as dk
+from devicekit import _gpumap
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_while_the_pool_closes_keeps_every_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: every item had finished, but the interrupt raised in close() replaced the
+    # return value, and its .results was {}, which the docs say means "before any item ran".
+    close = _gpumap.GPUPool.close
+
+    def interrupted(pool: dk.GPUPool) -> None:
+        close(pool)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_gpumap.GPUPool, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        dk.gpu_map(math.sqrt, [1, 4, 9], devices=["cpu"])
+    assert stopped.value.results == {0: 1.0, 1: 2.0, 2: 3.0}  # type: ignore[attr-defined]
+    assert "gpu_map() had every result" in "\n".join(stopped.value.__notes__)
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_s_map_names_a_mistyped_option() -> None:
+    # Before: Python's bare "unexpected keyword argument 'timout'", where gpu_map suggests.
+    with (
+        dk.gpu_pool(devices=["cpu"]) as pool,
+        pytest.raises(TypeError, match=r"'timout'; did you mean 'timeout'\?"),
+    ):
+        pool.map(math.sqrt, [1], timout=3)  # type: ignore[call-arg]
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_s_repr_counts_a_worker_that_ended_between_maps() -> None:
+    # Before: "2 running" after one worker was killed (the list's length, not live ones).
+    with dk.gpu_pool(devices=["cpu", "cpu"]) as pool:
+        pool.map(math.sqrt, [1, 4])
+        worker = pool._workers[0]
+        worker.process.kill()
+        worker.process.join(timeout=60)
+        assert repr(pool) == "GPUPool(2 workers: cpu x2; 1 running, 1 ended)"
+        assert pool.map(math.sqrt, [9, 16]) == [3.0, 4.0]  # replaced at the next map
