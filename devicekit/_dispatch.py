@@ -122,15 +122,41 @@ class _Map:
                 self._collect()
                 self._expire()
         except WorkerError as error:
+            # Answers already in the pipes (other workers', or one read after this
+            # error in the same wait) are results too: read them before they are lost.
+            self._drain()
+            error.results = dict(self.results)
             timed_out = isinstance(error, WorkerTimeoutError)  # its message says it
             if self.results and not timed_out and sys.version_info >= (3, 11):
                 # After the message, which often ends with the worker's traceback.
                 error.add_note(self._kept())
             raise
         except KeyboardInterrupt as interrupt:
+            self._drain()
             interrupted(interrupt, self.results, len(self.work), caller=self.caller)
             raise
         return [self.results[index] for index in range(len(self.work))]
+
+    def _drain(self) -> None:
+        """Read every answer already in a worker's pipe, without waiting for more.
+
+        A map that ends keeps the results that had come back: a fault read
+        first (or an answer read just before another's) must not lose them.
+        Faults read here are not raised: the one being raised is the map's.
+        """
+        for worker in self.workers:
+            while True:
+                try:
+                    if not worker.conn.poll():
+                        break
+                    message = worker.conn.recv()
+                except (EOFError, OSError):  # dead, or died halfway through a message
+                    break
+                try:
+                    self._read(worker, message)
+                except WorkerError:
+                    break  # its fault; it sends nothing after it
+                del message
 
     def _kept(self) -> str:
         """What the error keeps: ``"2 of 4 items had finished: their results are in ..."``."""
@@ -264,6 +290,7 @@ class _Map:
             return
         worker = min(late, key=lambda w: w.deadline or 0.0)
         index = worker.running
+        self._drain()  # the others' answers that came meanwhile: their count is in the message
         if index is None:
             raise self._startup_expired(worker, self.timeout, self.startup)
         raise WorkerTimeoutError(

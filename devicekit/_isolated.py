@@ -27,7 +27,6 @@ import pickle
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -41,7 +40,7 @@ from ._mapfaults import stopped_at_import
 from ._mapguards import refuse_to_start
 from ._termination import stops_workers_first
 from ._trial import explain, run, start_failed, too_big
-from ._worker import NO_MAIN_GUARD, WorkerName, tie_to_parent
+from ._worker import NO_MAIN_GUARD, WorkerName, tie_to_parent, with_hint
 from ._workerstart import stop_workers
 from ._workerstate import Worker, child_start_time
 
@@ -80,7 +79,8 @@ def _child(
         with bounded(search_bound() if cpu else None):
             run(fn, size)
     except Exception as error:  # noqa: BLE001 - every failure goes back to the parent
-        text = traceback.format_exc()
+        # A DataLoader with workers in fn: the bare AssertionError gets a note on the fix.
+        text = with_hint(error, f"{_CALL} runs each trial in a daemonic child process")
         if first and too_big(error):  # the report is of this process's memory: built here
             error = explain(error, None if device is None else torch.device(device))
         try:

@@ -420,7 +420,10 @@ class GPUPool:
                 how_it_ended(worker.exit_code()),
                 "" if fate is None else f". {fate}",
             )
-        fresh = iter(start_workers([w.slot for w in dead], [w.number for w in dead]))
+        # A replacement shares the cores as the first workers did: by the pool's CPU workers.
+        cpu_workers = sum(slot == "cpu" for slot in self._slots)
+        slots, numbers = [w.slot for w in dead], [w.number for w in dead]
+        fresh = iter(start_workers(slots, numbers, cpu_workers=cpu_workers))
         gone = {id(worker) for worker in dead}
         self._workers[:] = [next(fresh) if id(w) in gone else w for w in self._workers]
 

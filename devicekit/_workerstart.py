@@ -23,6 +23,7 @@ from ._scopedenv import scoped_env
 from ._termination import ctrl_c_held
 from ._visible import ENV_VAR, parse_visible_devices
 from ._worker import WorkerName, work
+from ._workerslots import _usable_cpus
 from ._workerstate import (
     Orphans,
     Procs,
@@ -36,9 +37,12 @@ from ._workerstate import (
     wait_ended,
 )
 
-__all__ = ["refuse_foreign", "start_workers", "stop_workers", "worker_env"]
+__all__ = ["cpu_threads", "refuse_foreign", "start_workers", "stop_workers", "worker_env"]
 
 _WARNINGS = "PYTHONWARNINGS"
+_THREADS = "OMP_NUM_THREADS"  # torch's intra-op threads, and OpenMP's and BLAS's
+# A thread count the user set, which a CPU worker keeps (both read by torch).
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _NUMPY_WARNING = "ignore:Failed to initialize NumPy"
 _STOP_SECONDS = 5.0  # a worker asked to stop gets this long before it is terminated
 _STARTING = threading.Lock()  # held while CUDA_VISIBLE_DEVICES is set for a worker's start
@@ -83,12 +87,35 @@ def refuse_foreign(workers: list[Worker], *, caller: str) -> None:
         )
 
 
-def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[Worker]:
+def cpu_threads(cpu_workers: int) -> str | None:
+    """``OMP_NUM_THREADS`` for a CPU worker, one of ``cpu_workers``; None where the user chose.
+
+    Each worker's torch would otherwise use every core: one worker per core,
+    each with a thread per core, is cores² threads fighting over the cores
+    (a matmul-heavy fn ran 3.7 times slower). So the cores are shared out:
+    ``max(1, cores // cpu_workers)`` each, cores being those this process may
+    run on. Set in the worker's environment at its start, so that torch reads
+    it whenever fn imports it (as do numpy's BLAS and the processes fn starts).
+    Where the user set a thread count (``_THREAD_VARIABLES``), it is theirs.
+    """
+    if cpu_workers < 1 or any(os.environ.get(name) for name in _THREAD_VARIABLES):
+        return None
+    return str(max(1, _usable_cpus() // cpu_workers))
+
+
+def start_workers(
+    slots: list[Slot], numbers: list[int] | None = None, *, cpu_workers: int | None = None
+) -> list[Worker]:
     """A spawned worker per slot; if one cannot start, those already started are stopped.
 
     Workers are numbered from 1 in slot order, or by ``numbers`` (a pool's
-    replacement for a dead worker keeps its number).
+    replacement for a dead worker keeps its number). ``cpu_workers``: how many
+    CPU workers share this machine's cores (`cpu_threads`); by default, the
+    ``"cpu"`` slots among ``slots`` (a pool's replacement should pass its pool's).
     """
+    if cpu_workers is None:
+        cpu_workers = sum(slot == "cpu" for slot in slots)
+    threads = cpu_threads(cpu_workers)
     context = multiprocessing.get_context("spawn")
     # The parent-death signal fires when the *thread* that started the worker
     # ends; only the main thread lives as long as the process.
@@ -112,6 +139,12 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
                 daemon=True,
                 name=name,
             )
+            # A CPU worker's share of the cores; a GPU worker's threads are left alone.
+            share = (
+                scoped_env(_THREADS, threads)
+                if slot == "cpu" and threads
+                else contextlib.nullcontext()
+            )
             # The child copies this environment at start, before it imports anything.
             # The environment is the process's: under the lock, a map started in
             # another thread can neither read this worker's value nor lend it its own.
@@ -119,6 +152,7 @@ def start_workers(slots: list[Slot], numbers: list[int] | None = None) -> list[W
                 _STARTING,
                 scoped_env(ENV_VAR, worker_env(slot)),
                 scoped_env(_WARNINGS, quiet),
+                share,
                 ctrl_c_held(),  # the worker starts with it held, not to die of it
             ):
                 unlisted = process

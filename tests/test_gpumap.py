@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import pytest
 
@@ -49,3 +51,12 @@ def test_a_pool_s_repr_counts_a_worker_that_ended_between_maps() -> None:
         worker.process.join(timeout=60)
         assert repr(pool) == "GPUPool(2 workers: cpu x2; 1 running, 1 ended)"
         assert pool.map(math.sqrt, [9, 16]) == [3.0, 4.0]  # replaced at the next map
+        if "OMP_NUM_THREADS" not in os.environ and "MKL_NUM_THREADS" not in os.environ:
+            # The replacement shares the cores as the first workers did (it took them all).
+            share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+            assert set(pool.map(_threads, range(8))) == {share}  # each worker takes some
+
+
+def _threads(item: int) -> str | None:
+    time.sleep(0.2)  # long enough that both workers take items
+    return os.environ.get("OMP_NUM_THREADS")
