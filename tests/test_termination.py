@@ -53,6 +53,12 @@ def test_a_signal_to_the_caller_stops_what_fn_started(tmp_path: Path, signum: in
             dk.gpu_map(starts_a_sleeper, range(2), devices=["cpu", "cpu"])
         """
     )
+    _signal_stops_the_sleepers(script, tmp_path, signum)
+
+
+def _signal_stops_the_sleepers(script: str, tmp_path: Path, signum: int, idle: float = 0) -> None:
+    """Run ``script``, send ``signum`` once its workers started two sleepers (and ``idle``
+    seconds more), and check the program died of it with no sleeper left running."""
     env = {**os.environ, "SLEEPERS": str(tmp_path)}
     process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
     try:
@@ -62,6 +68,7 @@ def test_a_signal_to_the_caller_stops_what_fn_started(tmp_path: Path, signum: in
             time.sleep(0.1)
         sleepers = [int(path.name) for path in tmp_path.iterdir()]
         assert len(sleepers) == 2, "the workers did not start their sleepers"
+        time.sleep(idle)
         process.send_signal(signum)
         assert process.wait(timeout=60) == -signum  # it died of the signal, as it would have
         deadline = time.monotonic() + 30
@@ -161,29 +168,7 @@ def test_a_signal_between_the_maps_of_a_pool_block_stops_what_fn_started(
                 time.sleep(300)
         """
     )
-    env = {**os.environ, "SLEEPERS": str(tmp_path)}
-    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
-            assert process.poll() is None, "the program ended before its workers started"
-            time.sleep(0.1)
-        sleepers = [int(path.name) for path in tmp_path.iterdir()]
-        assert len(sleepers) == 2, "the workers did not start their sleepers"
-        time.sleep(1)  # the map has returned: the pool is idle
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == -signal.SIGTERM  # it died of the signal
-        deadline = time.monotonic() + 30
-        while any(map(_running, sleepers)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in sleepers if _running(pid)]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-        for path in tmp_path.iterdir():
-            if _running(int(path.name)):
-                os.kill(int(path.name), signal.SIGKILL)
+    _signal_stops_the_sleepers(script, tmp_path, signal.SIGTERM, idle=1)  # the pool idle
 
 
 @needs_posix
