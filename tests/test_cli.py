@@ -774,10 +774,10 @@ def test_ctrl_c_while_torch_loads_is_raised_once_it_has_loaded() -> None:
     ids=["PYTHONIOENCODING=ascii", "LC_ALL=C"],
 )
 def test_an_ascii_stdout_gets_escapes_not_a_crash(env: dict[str, str]) -> None:
-    result = run_cli("bench", "--help", env=env)  # launch latencies in µs
+    result = run_cli("bench", "--help", env=env)  # launch latencies in ms and µs
     assert result.returncode == 0, result.stderr
     no_traceback(result.stderr)
-    assert "latencies (\\xb5s)" in " ".join(result.stdout.split())
+    assert "latencies (ms, \\xb5s)" in " ".join(result.stdout.split())
 
 
 def test_an_ascii_stdout_shows_the_report_escaped() -> None:
@@ -795,7 +795,7 @@ def test_the_callers_stdout_keeps_its_error_handler(monkeypatch: pytest.MonkeyPa
     with pytest.raises(SystemExit) as exited:
         _cli.main(["bench", "--help"])
     assert exited.value.code == 0
-    assert b"latencies (\\xb5s)" in b" ".join(written.getvalue().split())
+    assert b"latencies (ms, \\xb5s)" in b" ".join(written.getvalue().split())
     assert stdout.errors == "strict"
 
 
