@@ -131,7 +131,7 @@ class _Map:
                 # After the message, which often ends with the worker's traceback.
                 error.add_note(self._kept())
             raise
-        except KeyboardInterrupt as interrupt:
+        except (KeyboardInterrupt, SystemExit) as interrupt:  # SystemExit: a handler's exit
             self._drain()
             interrupted(interrupt, self.results, len(self.work), caller=self.caller)
             raise

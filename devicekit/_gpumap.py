@@ -127,7 +127,8 @@ def gpu_map(
         KeyboardInterrupt: On Ctrl-C, after stopping the workers (cancelling
             the outstanding Ray tasks). Its ``results`` holds the results of
             the items that had finished, by index, as ``WorkerError``'s does
-            (``{}`` when none had).
+            (``{}`` when none had). So does the ``SystemExit`` of a signal
+            handler of your own (``sys.exit(143)`` on SIGTERM).
         ImportError: ``executor="ray"`` without Ray installed.
 
     Examples:

@@ -72,13 +72,15 @@ def kept(done: int, total: int) -> str:
 
 
 def interrupted(
-    interrupt: KeyboardInterrupt, results: dict[int, Any], total: int, *, caller: str
+    interrupt: BaseException, results: dict[int, Any], total: int, *, caller: str
 ) -> None:
     """Give Ctrl-C the results that had finished: it ends the map, not what the map computed.
 
     An hour of finished items stays with the interrupt, as a `WorkerError`
     keeps them (``except KeyboardInterrupt as stop: stop.results``), with a note
-    that says how many. Both executors call it.
+    that says how many. Both executors call it. So does the ``SystemExit`` of a
+    signal handler of the program's own (``sys.exit(143)`` on SIGTERM, to save a
+    checkpoint on pre-emption), which ends the map the same way.
     """
     interrupt.results = dict(results)  # type: ignore[attr-defined]
     if results:

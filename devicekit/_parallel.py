@@ -155,14 +155,14 @@ def keeps_results(map_fn: Callable[P, R]) -> Callable[P, R]:
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return map_fn(*args, **kwargs)
-        except KeyboardInterrupt as interrupt:
+        except (KeyboardInterrupt, SystemExit) as interrupt:  # SystemExit: a handler's exit
             _keep_results(interrupt)
             raise
 
     return call
 
 
-def _keep_results(interrupt: KeyboardInterrupt) -> None:
+def _keep_results(interrupt: BaseException) -> None:
     if hasattr(interrupt, "results"):
         return
     earlier: BaseException | None = interrupt.__context__

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +64,37 @@ def test_a_pool_s_repr_counts_a_worker_that_ended_between_maps() -> None:
 def _threads(item: int) -> str | None:
     time.sleep(0.2)  # long enough that both workers take items
     return os.environ.get("OMP_NUM_THREADS")
+
+
+def _done_or_waits(item: int) -> int:
+    """Items below 2 return at once; the others say they started, then wait."""
+    if item >= 2:
+        Path(os.environ["DK_TEST_STARTED"], str(item)).touch()
+        time.sleep(120)
+    return item * 10
+
+
+@pytest.mark.timeout(120)
+def test_a_handler_s_sys_exit_keeps_the_results_that_had_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pre-emption pattern: a SIGTERM handler of the program's own calls sys.exit(143)
+    # to save a checkpoint. Before, its SystemExit carried no .results, as Ctrl-C's did.
+    monkeypatch.setenv("DK_TEST_STARTED", str(tmp_path))
+    previous = signal.signal(signal.SIGUSR1, lambda *_: sys.exit(143))
+
+    def stop_once_the_slow_items_run() -> None:
+        while len(list(tmp_path.iterdir())) < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    watcher = threading.Thread(target=stop_once_the_slow_items_run, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            dk.gpu_map(_done_or_waits, range(4), devices=["cpu", "cpu"])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        watcher.join(timeout=10)
+    assert stopped.value.code == 143
+    assert stopped.value.results == {0: 0, 1: 10}  # type: ignore[attr-defined]
