@@ -95,6 +95,9 @@ def _hint(
         return None  # Python 3.13 and newer made it already
     for key in kwargs:
         if key not in named:
+            alias = _ALIASES.get(key)
+            if alias is not None and alias[0] in named and repr(key) in message:
+                return f"did you mean {alias[0]!r}? ({alias[1]})"
             match = close_match(key, named, cutoff=0.7) or _prefix_of(key, named)
             if match is None or repr(key) not in message:
                 return None  # nothing close, or Python complained of something else first
@@ -105,6 +108,15 @@ def _hint(
         options = ", ".join(keyword_only[:3]) + (", ..." if len(keyword_only) > 3 else "")
         return f"{options} {verb} keyword-only: {call_name}(..., {shown})"
     return None
+
+
+# What other pools call the number of processes: no spelling of it (processes= read as
+# progress= by its letters), but the option meant, and how it differs.
+_PER_DEVICE = "the workers started on each of devices; devices= says which, and how many"
+_ALIASES = dict.fromkeys(
+    ("processes", "n_jobs", "max_workers", "num_workers", "nprocs"),
+    ("workers_per_device", _PER_DEVICE),
+)
 
 
 def _prefix_of(key: str, named: list[str]) -> str | None:

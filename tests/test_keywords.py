@@ -43,6 +43,16 @@ def test_the_start_of_a_long_keyword_names_it() -> None:
         dk.pick_gpu(m=1)  # type: ignore[call-arg]
 
 
+def test_another_pool_s_name_for_its_process_count_names_workers_per_device() -> None:
+    # Before: processes=2, what a multiprocessing.Pool user writes, got "did you mean
+    # 'progress'?", by its letters.
+    for key in ("processes", "n_jobs", "max_workers"):
+        with pytest.raises(
+            TypeError, match=rf"'{key}'; did you mean 'workers_per_device'\? \(the workers"
+        ):
+            dk.gpu_map(abs, [1], **{key: 2})
+
+
 def test_a_class_is_named_as_it_is_called() -> None:
     with pytest.raises(TypeError, match=r"'flushevery'; did you mean 'flush_every'\?$"):
         Buffer(flushevery=3)  # type: ignore[call-arg]
