@@ -219,6 +219,7 @@ class GPUInfo:
                 )
                 for i, p in enumerate(fields["processes"])
             )
+        _refuse_impossible(fields)
         return cls(**fields)
 
     # --- text --------------------------------------------------------------------------
@@ -341,6 +342,23 @@ _EXAMPLE: dict[str, Any] = {
     "throttle_reasons": ["idle"],
     "processes": [],
 }
+
+
+def _refuse_impossible(fields: Mapping[str, Any]) -> None:
+    """Refuse readings no GPU can give, which a live read would make None (`_nvmlsanity`)."""
+    for key in ("utilization", "memory_utilization"):
+        value = fields.get(key)
+        if value is not None and value > 100:
+            raise ValueError(
+                f"GPUInfo.from_dict: {key!r} is a percentage, 0 to 100, got {value!r} (null "
+                "where unknown)"
+            )
+    used, total = fields.get("memory_used"), fields.get("memory_total")
+    if used is not None and total is not None and used > total:
+        raise ValueError(
+            f"GPUInfo.from_dict: 'memory_used' ({used!r} bytes) is more than 'memory_total' "
+            f"({total!r}); a GPU cannot use more memory than it has (null where unknown)"
+        )
 
 
 def _checked_fields(

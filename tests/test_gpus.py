@@ -811,6 +811,17 @@ def _idle_gpu_dict() -> dict[str, Any]:
             "GPUInfo.from_dict: processes[0]: missing 'name', 'used_memory', 'kind'; pass a dict "
             "as GPUProcess.to_dict() makes it: every key but 'pid_visible' is required",
         ),
+        # Before, accepted, where a live read makes such a reading None (_nvmlsanity).
+        (
+            {"utilization": 150},
+            ValueError,
+            "GPUInfo.from_dict: 'utilization' is a percentage, 0 to 100, got 150",
+        ),
+        (
+            {"memory_used": 2**40, "memory_total": 2**30},
+            ValueError,
+            "GPUInfo.from_dict: 'memory_used' (1099511627776 bytes) is more than 'memory_total'",
+        ),
     ],
 )
 def test_from_dict_names_what_is_wrong(
