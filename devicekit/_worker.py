@@ -84,7 +84,6 @@ __all__ = [
     "MARK",
     "NO_MAIN_GUARD",
     "WorkerName",
-    "daemonic_hint",
     "dumps",
     "in_worker_bootstrap",
     "tie_to_parent",
@@ -391,7 +390,7 @@ _DAEMONIC = "daemonic processes are not allowed to have children"
 _WORKERS_ARE_DAEMONIC = "gpu_map's and gpu_pool's workers are daemonic processes"
 
 
-def daemonic_hint(error: BaseException, what: str) -> str | None:
+def _daemonic_hint(error: BaseException, what: str) -> str | None:
     """What to do about ``fn`` starting a process where ``what`` says the processes are daemonic.
 
     ``multiprocessing`` refuses a daemonic process children with a bare
@@ -411,8 +410,8 @@ def daemonic_hint(error: BaseException, what: str) -> str | None:
 
 
 def with_hint(error: BaseException, what: str) -> str:
-    """The traceback of ``error`` (being handled), with `daemonic_hint`'s note where it has one."""
-    hint = daemonic_hint(error, what)
+    """The traceback of ``error`` (being handled), with `_daemonic_hint`'s note where it has one."""
+    hint = _daemonic_hint(error, what)
     if hint is None:
         return traceback.format_exc()
     if hasattr(error, "add_note"):  # Python 3.11: printed after the error's own line

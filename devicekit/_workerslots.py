@@ -17,7 +17,7 @@ from ._devices import resolve_devices
 from ._format import plural
 from ._options import check_count
 
-__all__ = ["worker_slots", "workers_per_device_count"]
+__all__ = ["usable_cpus", "worker_slots", "workers_per_device_count"]
 
 
 def worker_slots(
@@ -32,7 +32,7 @@ def worker_slots(
         targets = [device for device in try_all_gpus() if device.type == "cuda"]
         if not targets:
             cpu: list[str | int] = ["cpu"]
-            return _at_most_max(cpu * _usable_cpus(), workers_per_device, caller, most)
+            return _at_most_max(cpu * usable_cpus(), workers_per_device, caller, most)
     else:
         targets = resolve_devices(devices, name="devices")
     slots: list[str | int] = []
@@ -85,7 +85,7 @@ def _at_most_max(
     return list(itertools.islice(itertools.cycle(slots), count))
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity mask (a container's or a job's share).
 
     ``os.cpu_count()`` counts the machine's: under ``taskset`` or a batch job given

@@ -23,7 +23,7 @@ from ._scopedenv import scoped_env
 from ._termination import ctrl_c_held
 from ._visible import ENV_VAR, parse_visible_devices
 from ._worker import WorkerName, work
-from ._workerslots import _usable_cpus
+from ._workerslots import usable_cpus
 from ._workerstate import (
     Orphans,
     Procs,
@@ -100,7 +100,7 @@ def cpu_threads(cpu_workers: int) -> str | None:
     """
     if cpu_workers < 1 or any(os.environ.get(name) for name in _THREAD_VARIABLES):
         return None
-    return str(max(1, _usable_cpus() // cpu_workers))
+    return str(max(1, usable_cpus() // cpu_workers))
 
 
 def start_workers(

@@ -17,7 +17,7 @@ import torch
 
 import devicekit as dk
 from devicekit._dispatch import run_map
-from devicekit._workerslots import _usable_cpus
+from devicekit._workerslots import usable_cpus
 from devicekit._workerstart import start_workers, stop_workers
 
 _WAIT = 60.0  # seconds a worker waits for a file at most: the test's own limit is far below
@@ -129,9 +129,9 @@ def test_a_loader_with_workers_in_an_isolated_trial_names_the_fix() -> None:
 @pytest.mark.timeout(300)
 def test_cpu_workers_share_the_cores() -> None:
     # Before: each of one worker per core used every core (torch's default), cores² threads.
-    share = max(1, _usable_cpus() // 2)
+    share = max(1, usable_cpus() // 2)
     assert dk.gpu_map(threads, range(2), devices=["cpu", "cpu"]) == [(share, str(share))] * 2
-    cores = _usable_cpus()
+    cores = usable_cpus()
     assert dk.gpu_map(threads, range(1), devices=["cpu"]) == [(cores, str(cores))]
 
 
@@ -140,7 +140,7 @@ def test_cpu_workers_share_the_cores() -> None:
 def test_a_thread_count_the_user_set_is_kept(
     variable: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cores = _usable_cpus()  # torch uses no more threads than cores, whatever is asked
+    cores = usable_cpus()  # torch uses no more threads than cores, whatever is asked
     monkeypatch.setenv(variable, str(cores))
     (got, omp), (got_too, _) = dk.gpu_map(threads, range(2), devices=["cpu", "cpu"])
     assert got == got_too == cores
