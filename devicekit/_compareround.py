@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import add_note
-from ._measure import DEFAULT_MIN_TIME, benchmark
+from ._measure import benchmark, time_budget
 from ._measurement import Measurement
 from ._shortrepr import short_repr
 from ._stats import relative_noise
@@ -102,11 +102,7 @@ def measure_in_rounds(
     intervals alone, as for measurements given).
     """
     names = list(functions)
-    max_time = float(options.get("max_time", 2.0))
-    warmup = float(options.get("warmup", 0.05))
-    given_min = options.get("min_time")
-    min_time = float(min(DEFAULT_MIN_TIME, max_time) if given_min is None else given_min)
-    warm = min(warmup, max_time / 2)  # as benchmark() caps it
+    warm, min_time, max_time = time_budget(options)
     share = (max_time - warm) / ROUNDS  # each round's timed share, the warm-up set aside
     runs: dict[str, list[Measurement]] = {name: [] for name in names}
     spent = dict.fromkeys(names, 0.0)
@@ -115,9 +111,10 @@ def measure_in_rounds(
             return _finish_in_one_run(
                 functions, options, runs=runs, spent=spent, max_time=max_time, min_time=min_time
             )
-        each = dict(options)
+        each = dict(options)  # the first round warms up as asked (or by default)
         each["max_time"] = share + (warm if r == 0 else 0)
-        each["warmup"] = warmup if r == 0 else 0
+        if r > 0:
+            each["warmup"] = 0
         each["min_time"] = min(min_time / ROUNDS, each["max_time"])
         k = r % len(names)
         for name in names[k:] + names[:k]:  # ABC, BCA, CAB, ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from ._shortrepr import got, short_repr
 from ._stats import relative_noise
 from ._tree import iter_tensors
 
-__all__ = ["DEFAULT_MIN_TIME", "benchmark", "callable_name", "check_options"]
+__all__ = ["DEFAULT_MIN_TIME", "benchmark", "callable_name", "check_options", "time_budget"]
 
 _BATCH_SECONDS = 0.01  # measure in batches this long, then check whether to stop
 
@@ -157,10 +157,32 @@ def _check_options(
             f"{short_repr(rel_noise)}; for ±{rel_noise:g}% pass rel_noise={rel_noise / 100:g}"
         )
     check_choice(mode, name="mode", choices=MODES)
-    return min(DEFAULT_MIN_TIME, max_time) if min_time is None else min_time
+    return time_budget({"min_time": min_time, "max_time": max_time})[1]
 
 
 _CHECKED = ("warmup", "min_time", "max_time", "rel_noise", "mode")  # OPTIONS but device
+
+
+def time_budget(options: Mapping[str, Any]) -> tuple[float, float, float]:
+    """``(warm-up, min_time, max_time)`` as `benchmark()` spends them for these ``options``.
+
+    What is left out is `benchmark()`'s default; the warm-up stops at half of
+    ``max_time``, and ``min_time`` left out is `DEFAULT_MIN_TIME`, or
+    ``max_time`` where that is shorter.
+
+    Examples:
+        >>> time_budget({"max_time": 0.05})
+        (0.025, 0.05, 0.05)
+    """
+    defaults = inspect.signature(benchmark).parameters
+    max_time = float(options.get("max_time", defaults["max_time"].default))
+    warmup = float(options.get("warmup", defaults["warmup"].default))
+    min_time = options.get("min_time")
+    return (
+        min(warmup, max_time / 2),
+        min(DEFAULT_MIN_TIME, max_time) if min_time is None else float(min_time),
+        max_time,
+    )
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -291,7 +313,7 @@ def benchmark(
         CudaRunner(call, target, mode) if target.type == "cuda" else CpuRunner(call)
     )
     # Warm-up counts against max_time and leaves at least half of it for the timed calls.
-    warm_until = began + min(warmup, max_time / 2)
+    warm_until = began + time_budget({"warmup": warmup, "max_time": max_time})[0]
     warmup_time = warm_up(runner, warm_until, fn)
     per_call = max(warmup_time / runner.warmed, 1e-9)  # a coarse clock can read 0
     if isinstance(runner, CudaRunner) and mode == "graph":
