@@ -182,7 +182,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, folder: str) -> None:
             ),
             "job_status()": dk.job_status,
             # What each job-wide call adds to learn whether an earlier one failed elsewhere.
-            "store read (failed call?)": _jobstate._read_broken,
+            "store read (failed call?)": _jobstate.failed_elsewhere,
         }
         names = list(calls)
         times: dict[str, list[float]] = {name: [] for name in names}

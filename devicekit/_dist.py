@@ -52,8 +52,8 @@ import torch
 from ._errors import RanksOutOfStepError, add_note
 from ._format import first_line, format_seconds
 from ._gloo import gloo_keeps_first_timeout, gloo_lets_go
-from ._jobstate import Job, arrive, out_of_step, refuse_if_broken, this_job
-from ._jobstore import Stalled, slow_now, within
+from ._jobstate import Job, arrive, failed_elsewhere, out_of_step, refuse_if_broken, this_job
+from ._jobstore import STORE_WAIT, Stalled, slow_now, within
 from ._options import check_seconds
 from ._shortrepr import short_repr
 
@@ -277,17 +277,38 @@ def _set_timeout(group: Any, wait: datetime.timedelta) -> None:
         group.set_timeout(wait)
 
 
+class _FailedElsewhere(RuntimeError):
+    """A rank's job-wide call failed while this rank waited for rank 0 at the barrier."""
+
+    def __init__(self, account: str) -> None:
+        super().__init__(
+            "this rank stopped waiting for rank 0's answer at the barrier: that call had failed"
+        )
+        self.account = account
+
+
 def _barrier(group: Any, timeout: float) -> None:
     """``monitored_barrier`` over ``group``, bounded by ``timeout`` where torch lets it be.
 
     Rank 0 waits for the others under the timeout it is given. The other
     ranks send to rank 0 and wait for its answer under the timeout the group
     was made with (``Job.made_with``), whatever they are given. Where that is
-    longer than this call's, the barrier runs on a thread, waited on for
-    ``timeout``: a rank 0 that does not answer (stopped, hung) fails the call
-    on time. The thread goes on until gloo ends the barrier, and exit waits
-    for it (see ``_jobstore.within``). Where it is shorter, torch's wait is
-    the shorter one, and ``out_of_step`` says so.
+    longer than this call's, a rank 0 that does not answer (stopped, hung)
+    fails the call on time here: the barrier runs on a thread, waited on for
+    ``timeout``. Where it is shorter, torch's wait is the shorter one, and
+    ``out_of_step`` says so. The thread goes on until gloo ends the barrier,
+    and exit waits for it (see ``_jobstore.within``).
+
+    A rank 0 whose barrier failed (a peer crashed in it, closing its
+    connection, or never came) does not answer the others, and tells them
+    only by exiting: one that lingers (a handler that saves a checkpoint, a
+    debugger) held them for their whole timeout, and their error then said
+    "every rank arrived". So the other ranks look at the job's store while
+    they wait (every ``POLL_EVERY``): the failure ``out_of_step`` wrote down
+    there ends their wait soon (within ``POLL_EVERY``), named
+    (``_FailedElsewhere``). Not in a wait's last ``STORE_WAIT`` seconds: a
+    look at a stalled store would outlast it. The thread costs about 80 µs a
+    call on those ranks.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
@@ -296,12 +317,26 @@ def _barrier(group: Any, timeout: float) -> None:
     def meet() -> None:
         dist.monitored_barrier(group=group, timeout=wait, wait_all_ranks=True)
 
-    made_with = Job.made_with
-    if dist.get_rank(group) == 0 or made_with is None or _wait(made_with) <= wait:
+    if dist.get_rank(group) == 0:
         meet()
         return
+
+    def poll(left: float) -> None:
+        # A use of a stalled store takes up to STORE_WAIT: never past this wait's end.
+        account = failed_elsewhere() if left > STORE_WAIT else None
+        if account is not None:
+            raise _FailedElsewhere(account)
+
+    made_with = Job.made_with if Job.made_with is not None else timeout
+    bounded = _wait(made_with) > wait  # torch would wait for rank 0 longer than asked
     try:
-        within(timeout, meet, name="devicekit-barrier", ends_within=made_with + 5.0)
+        within(
+            timeout if bounded else made_with + 5.0,  # not bounded: torch ends it, then raises
+            meet,
+            name="devicekit-barrier",
+            ends_within=made_with + 5.0,
+            poll=poll,
+        )
     except Stalled:
         raise RuntimeError(
             f"rank 0 did not answer the barrier within {format_seconds(timeout)}; torch would "
@@ -340,6 +375,10 @@ def gather_objects(
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     try:
         _barrier(group, timeout)
+    except _FailedElsewhere as error:
+        raise out_of_step(
+            what, timeout, error, call, started, barrier=True, elsewhere=error.account
+        ) from None
     except RuntimeError as error:
         raise out_of_step(what, timeout, error, call, started, barrier=True) from error
     except KeyboardInterrupt:

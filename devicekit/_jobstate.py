@@ -42,7 +42,7 @@ from ._format import first_line, format_seconds, plural
 from ._gloo import gloo_keeps_first_timeout
 from ._jobstore import Job, forget_store, store_host, try_store, use_store
 
-__all__ = ["Job", "arrive", "out_of_step", "refuse_if_broken", "this_job"]
+__all__ = ["Job", "arrive", "failed_elsewhere", "out_of_step", "refuse_if_broken", "this_job"]
 
 
 # Gloo's message for a barrier a rank left early still gives its whole timeout.
@@ -76,7 +76,7 @@ def arrive(what: str) -> int:
         # Without the note, a failing call names fewer ranks; the call itself goes on. Not
         # written now (the store is slow, or lost): the next use that can writes it first.
         Job.unwritten = (_key(dist.get_rank()), f"{call}\n{what}")
-    elsewhere = _read_broken()  # writes the note first, in the same use
+    elsewhere = failed_elsewhere()  # writes the note first, in the same use
     with Job.lock:
         if elsewhere is not None and Job.broken is None:
             Job.broken = elsewhere
@@ -96,8 +96,8 @@ def refuse_if_broken(what: str) -> None:
         )
 
 
-def _read_broken() -> str | None:
-    """The job-wide call another rank wrote down as failed, or None (one store round trip)."""
+def failed_elsewhere() -> str | None:
+    """The job-wide call a rank wrote down as failed, in words, or None (one store round trip)."""
 
     def read(store: Any) -> str | None:
         if not store.check([_broken_key()]):  # check never waits; get would, for a missing key
@@ -180,6 +180,7 @@ def out_of_step(
     *,
     barrier: bool = False,
     refused: bool = False,
+    elsewhere: str | None = None,
 ) -> RanksOutOfStepError:
     """The error every rank raises when a job-wide call fails: who is missing, and where.
 
@@ -188,6 +189,8 @@ def out_of_step(
     with, not the call's (see ``_dist._barrier``). ``refused``: this rank did
     not make devicekit's group, because the store is lost or slow (``error``
     says which): it waited for no rank, and nothing says that one crashed.
+    ``elsewhere``: the failed call of another rank that ended this one's wait
+    (see ``_dist._barrier``), read from the store already.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
@@ -198,8 +201,10 @@ def out_of_step(
     held = Job.store_slow_at is not None and Job.store_slow_at >= started
     reason = first_line(error)
     # Failed early (a closed connection) after another rank's call failed: that failure
-    # closed it. A rank that waited out its own timeout failed on its own account.
-    earlier = _read_broken() if waited < 0.9 * timeout and not refused else None
+    # closed it. A rank that waited out its own timeout failed on its own account. A wait
+    # that the store's record of such a failure ended (``elsewhere``) names it too.
+    early = waited < 0.9 * timeout and not refused
+    earlier = elsewhere or (failed_elsewhere() if early else None)
     _break(call, what, reason, earlier)
     if refused:
         gone = Job.store_lost
@@ -229,7 +234,7 @@ def out_of_step(
             "timeout."
         )
         timeout = made_with  # the wait that torch ran, for what follows
-    gloo = "gloo"  # who said ``reason``
+    gloo = "gloo" if elsewhere is None else "devicekit"  # who said ``reason``
     if waited >= 0.9 * timeout:
         when = f"within {format_seconds(timeout)}"
         if held:

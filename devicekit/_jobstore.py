@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 from ._format import first_line, format_seconds
 
 __all__ = [
+    "POLL_EVERY",
     "STORE_WAIT",
     "Job",
     "Stalled",
@@ -86,6 +87,16 @@ A healthy store answers in well under a millisecond, a few tens of them with
 thousands of ranks asking at once; five seconds is far past that, and short
 next to a job-wide call's default timeout. Not the call's own timeout: the
 notes are best effort, and a call with ``timeout=0.001`` must still find them.
+"""
+
+
+POLL_EVERY = (0.25, 2.0)
+"""Seconds between two looks at the job's store while a rank waits in a barrier (``within``).
+
+The first pause, doubled after each look up to the second: how long a rank
+other than 0 goes on waiting for rank 0's answer once rank 0's call has
+failed (see ``_dist._barrier``). Each look is one use of the store (about
+0.1 ms); a thousand ranks waiting for a late one ask it 500 times a second.
 """
 
 
@@ -208,6 +219,7 @@ def within(
     name: str,
     ends_within: float | None,
     left_behind: Callable[[threading.Thread], None] | None = None,
+    poll: Callable[[float], None] | None = None,
 ) -> T:
     """``work()``, or `Stalled` when it takes longer than ``seconds``.
 
@@ -226,6 +238,9 @@ def within(
     that ends later than that still can. Costs about 80 µs (a thread start).
     Ctrl-C stops the wait here, as it would the work; a thread left behind
     by it is remembered too. ``left_behind`` is given each thread left behind.
+    ``poll``, when given, is called now and then during the wait (see
+    ``POLL_EVERY``) with the seconds left; what it raises ends the wait (the
+    work goes on, left behind).
     """
     outcome: list[tuple[bool, Any]] = []
 
@@ -239,7 +254,15 @@ def within(
     worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
     try:
-        worker.join(seconds)
+        if poll is None:
+            worker.join(seconds)
+        else:
+            end, pause = started + seconds, POLL_EVERY[0]
+            while worker.is_alive() and (left := end - time.monotonic()) > 0:
+                worker.join(min(pause, left))
+                pause = min(2 * pause, POLL_EVERY[1])
+                if worker.is_alive():
+                    poll(end - time.monotonic())
     finally:  # a timeout, or Ctrl-C during the wait: the work goes on without this call
         if not outcome:
             _left_behind.append((worker, None if ends_within is None else started + ends_within))

@@ -884,7 +884,7 @@ def test_a_store_without_compare_set_is_not_taken_for_lost(fake_store: Any) -> N
     _jobstate._break(1, "job_status()", "timed out", None)
     assert _jobstate.Job.store_lost is None
     store.data["devicekit/0/broken"] = BROKEN.encode()
-    assert _jobstate._read_broken() == BROKEN
+    assert _jobstate.failed_elsewhere() == BROKEN
 
 
 def test_a_restarted_attempt_reads_only_its_own_marks(
@@ -896,7 +896,7 @@ def test_a_restarted_attempt_reads_only_its_own_marks(
     store = fake_store()
     store.data["devicekit/0/broken"] = BROKEN.encode()  # attempt 0's
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert _jobstate._read_broken() is None
+    assert _jobstate.failed_elsewhere() is None
     _jobstate._break(2, "job_status()", "timed out", None)
     assert store.data["devicekit/0/broken"] == BROKEN.encode()  # left as it was
     assert "devicekit/1/broken" in store.data
@@ -906,7 +906,7 @@ def test_one_timeout_does_not_make_the_store_lost(fake_store: Any) -> None:
     # Before, one store operation that timed out stopped every later use of the store for
     # the job, and the error said its process "has most likely exited or crashed".
     fake_store(check=[_timeout()])
-    assert _jobstate._read_broken() is None  # this read failed: the call goes on
+    assert _jobstate.failed_elsewhere() is None  # this read failed: the call goes on
     assert _jobstate.Job.store_lost is None
 
 
@@ -919,7 +919,7 @@ def test_a_store_that_timed_out_is_used_no_more_in_the_job_and_says_so_once(
     store.data["devicekit/0/broken"] = BROKEN.encode()
     with caplog.at_level("WARNING", logger="devicekit"):
         for _ in range(3):
-            assert _jobstate._read_broken() is None
+            assert _jobstate.failed_elsewhere() is None
         _jobstate._break(4, "job_status()", "timed out", None)
     assert store.calls == ["check"]
     (record,) = caplog.records
@@ -955,9 +955,9 @@ def test_a_store_that_does_not_answer_holds_up_a_call_for_store_wait_only(
     monkeypatch.setattr(_jobstore, "_store", lambda: store)
     monkeypatch.setattr(_jobstore, "STORE_WAIT", 0.05)
     try:
-        assert _jobstate._read_broken() is None
+        assert _jobstate.failed_elsewhere() is None
         assert _jobstate.Job.store_slow == "no answer within 50 ms"
-        assert _jobstate._read_broken() is None
+        assert _jobstate.failed_elsewhere() is None
         assert store.calls == ["check"]
     finally:
         store.answer.set()
@@ -996,9 +996,9 @@ def test_a_lost_connection_to_the_store_is_not_tried_again(
     fake_store: Any, lost: BaseException
 ) -> None:
     store = fake_store(check=[lost])
-    assert _jobstate._read_broken() is None
+    assert _jobstate.failed_elsewhere() is None
     assert _jobstate.Job.store_lost is not None
-    assert _jobstate._read_broken() is None
+    assert _jobstate.failed_elsewhere() is None
     assert store.calls == ["check"]  # once lost, never used again: one C++ warning, not one each
 
 
@@ -1119,6 +1119,58 @@ def test_a_stopped_rank_0_fails_a_later_call_within_its_own_timeout(tmp_path: Pa
     assert message.startswith("job_status(): rank 0 did not arrive within 2 s."), message
     assert "rank 0 last entered job-wide call #1, job_status()" in message
     assert "rank 0 did not answer the barrier within 2 s" in message
+
+
+def _a_peer_dies_in_the_barrier(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 2 dies inside call #2's barrier; rank 0 comes after, fails at once, and lingers.
+
+    Rank 0 stays until rank 1 has its answer (or 30 s), as a rank does that saves a
+    checkpoint in its handler: its failed barrier never answers rank 1.
+    """
+    import threading
+    import time
+
+    _scenario(folder, "peer", rank, world)
+    dk.job_status(timeout=60)
+    if rank == 2:
+        _publish(Path(folder, "pid-2"), str(os.getpid()))
+        threading.Thread(target=dk.job_status, kwargs={"timeout": 60}, daemon=True).start()
+        time.sleep(1.0)  # in the barrier by then, waiting for rank 0's answer
+        os._exit(0)
+    outcome: dict[str, Any] = {}
+    if rank == 0:  # comes once rank 2 is gone: its connection is closed
+        _wait_for(folder, ["pid-2"])
+        pid = int(Path(folder, "pid-2").read_text())
+        while not _gone(pid):
+            time.sleep(0.05)
+    started = time.monotonic()
+    try:
+        dk.job_status(timeout=60)
+    except dk.RanksOutOfStepError as error:
+        outcome = {"error": str(error), "seconds": time.monotonic() - started}
+    outcome["rank 0 still there"] = not Path(folder, "left-0").exists()
+    _record(folder, "peer", rank, outcome)
+    if rank == 0:
+        _wait_for(folder, ["peer-1.json"], seconds=30)
+        Path(folder, "left-0").touch()
+    os._exit(0)  # rank 1's barrier may still wait on its thread: no teardown to wait for
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_0_that_failed_and_lingers_does_not_hold_the_others(tmp_path: Path) -> None:
+    # Before, rank 1 waited for rank 0's answer until rank 0 left (its whole 60 s timeout
+    # for a rank 0 that stayed), and then said only that the connection closed.
+    spawn_ranks(_a_peer_dies_in_the_barrier, 3, str(tmp_path), timeout=150)
+    first, second = (json.loads((tmp_path / f"peer-{r}.json").read_text()) for r in (0, 1))
+    assert "error" in first, first
+    assert second["rank 0 still there"], second
+    assert second["error"].startswith(
+        "job_status(): rank 0's job-wide call #2, job_status(), failed ("
+    ), second
+    assert (
+        "(devicekit: this rank stopped waiting for rank 0's answer at the barrier: that call "
+        "had failed)"
+    ) in second["error"]
 
 
 # --- a store that stalls, then answers; exits and Ctrl-C during bounded waits ------------------
