@@ -120,8 +120,9 @@ def gpu_map(
             message names the item or the worker, its device, and the
             limit). A ``WorkerError``, with its ``results``, and a
             ``TimeoutError``. Every worker is stopped before it is raised.
-        RuntimeError: Called in a daemonic process, such as inside ``fn`` in
-            a ``gpu_map`` worker, which cannot start processes, or where
+        RuntimeError: Called inside ``fn`` in a ``gpu_map`` worker (whose
+            device its workers would share), or in a daemonic process (a
+            ``DataLoader`` worker), which cannot start processes, or where
             workers cannot import the main module again (a script read from
             standard input, ``python -``).
         KeyboardInterrupt: On Ctrl-C, after stopping the workers (cancelling

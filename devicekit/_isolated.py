@@ -27,6 +27,7 @@ import pickle
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -40,7 +41,7 @@ from ._mapfaults import stopped_at_import
 from ._mapguards import refuse_to_start
 from ._termination import stops_workers_first
 from ._trial import explain, run, start_failed, too_big
-from ._worker import NO_MAIN_GUARD, WorkerName, tie_to_parent, with_hint
+from ._worker import NO_MAIN_GUARD, WorkerName, tie_to_parent
 from ._workerstart import stop_workers
 from ._workerstate import Worker, child_start_time
 
@@ -79,8 +80,7 @@ def _child(
         with bounded(search_bound() if cpu else None):
             run(fn, size)
     except Exception as error:  # noqa: BLE001 - every failure goes back to the parent
-        # A DataLoader with workers in fn: the bare AssertionError gets a note on the fix.
-        text = with_hint(error, f"{_CALL} runs each trial in a daemonic child process")
+        text = traceback.format_exc()
         if first and too_big(error):  # the report is of this process's memory: built here
             error = explain(error, None if device is None else torch.device(device))
         try:
@@ -208,7 +208,9 @@ class Isolated:
             target=_child,
             args=(self.fn_bytes, size, first, self.device, send),
             kwargs={"cpu": self.cpu, "parent": os.getpid(), "signal_on_death": main_thread},
-            daemon=True,
+            # Not daemonic: fn may start processes (a DataLoader's workers). It is stopped
+            # below whatever happens, so multiprocessing's exit handler never joins it.
+            daemon=False,
             # Unpickled first in the child, before the main module is imported: it ties
             # the child to this process from its first line, as it does gpu_map's workers.
             name=WorkerName(

@@ -7,8 +7,8 @@ Three places cannot start them, and each used to fail late, in many lines of
   time (no ``if __name__ == "__main__":``): it would start workers of its own,
   for ever; it says so in one line and exits with ``NO_MAIN_GUARD``, which the
   parent recognizes;
-- a daemonic process (a ``gpu_map`` worker, a ``DataLoader`` worker), which may
-  have no children;
+- a ``gpu_map`` worker, whose device its own workers would share, and a
+  daemonic process (a ``DataLoader`` worker), which may have no children;
 - a main module that workers cannot import again: read from standard input
   (``python -``), or a file that is gone.
 """
@@ -31,8 +31,8 @@ def refuse_to_start(caller: str) -> None:
     """Raise (or exit, in a worker's import) where ``caller`` may not start workers.
 
     Raises:
-        RuntimeError: In a daemonic process, or where the main module cannot be
-            imported again by a spawned worker.
+        RuntimeError: In a gpu_map worker or a daemonic process, or where the
+            main module cannot be imported again by a spawned worker.
         SystemExit: In a spawned worker importing a main module that calls
             ``caller`` at import time (exit code ``NO_MAIN_GUARD``).
     """
@@ -56,18 +56,17 @@ def _refuse_during_worker_bootstrap(caller: str) -> None:
 
 def _refuse_in_daemon(caller: str) -> None:
     process = multiprocessing.current_process()
+    if process.name.startswith("devicekit-worker-"):  # not daemonic, so that fn may start some
+        raise RuntimeError(
+            f"{caller} was called inside fn, in a gpu_map worker, and a worker does not start "
+            "workers of its own: it has its device already (dk.try_gpu() in fn), which they "
+            "would share with it and with each other. Run the inner work directly in fn, or "
+            "make it one map: call gpu_map once, from the main process, over every inner item."
+        )
     if not process.daemon:
         return
     # multiprocessing refuses too, with "AssertionError: daemonic processes are not
     # allowed to have children", from deep inside start(), naming neither us nor a fix.
-    if process.name.startswith("devicekit-worker-"):
-        raise RuntimeError(
-            f"{caller} was called inside fn, in a gpu_map worker, and a worker cannot start "
-            "workers of its own: it is a daemonic process, which may have no children (so "
-            "that none outlives the map). Run the inner work directly in fn (the worker's "
-            "GPU is dk.try_gpu()), or make it one map: call gpu_map once, from the main "
-            "process, over every inner item."
-        )
     raise RuntimeError(
         f"{caller} was called in {short_repr(process.name)}, a daemonic process (a multiprocessing "
         "or DataLoader worker, say), which may start no processes of its own. Call it "

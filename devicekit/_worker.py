@@ -87,7 +87,6 @@ __all__ = [
     "dumps",
     "in_worker_bootstrap",
     "tie_to_parent",
-    "with_hint",
     "work",
 ]
 
@@ -373,8 +372,8 @@ def _run(fn: Any, index: int, payload: list[bytes]) -> tuple[Any, ...]:
         return ("item_failed", index, _summary(error), traceback.format_exc())
     try:
         result = fn(item)
-    except Exception as error:  # noqa: BLE001 - every failure goes back to the caller, with its traceback
-        return ("raised", index, with_hint(error, _WORKERS_ARE_DAEMONIC))
+    except Exception:  # noqa: BLE001 - every failure goes back to the caller, with its traceback
+        return ("raised", index, traceback.format_exc())
     except BaseException as error:  # noqa: BLE001 - sys.exit() in fn must not end the worker
         what = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else _summary(error)
         return ("exited", index, what, traceback.format_exc())
@@ -384,40 +383,6 @@ def _run(fn: Any, index: int, payload: list[bytes]) -> tuple[Any, ...]:
     except BaseException as error:  # noqa: BLE001 - a __reduce__ can raise anything, sys.exit() too
         kind = type(result).__name__
         return ("unpicklable", index, f"{kind} result: {type(error).__name__}: {error}")
-
-
-_DAEMONIC = "daemonic processes are not allowed to have children"
-_WORKERS_ARE_DAEMONIC = "gpu_map's and gpu_pool's workers are daemonic processes"
-
-
-def _daemonic_hint(error: BaseException, what: str) -> str | None:
-    """What to do about ``fn`` starting a process where ``what`` says the processes are daemonic.
-
-    ``multiprocessing`` refuses a daemonic process children with a bare
-    ``AssertionError``, which names neither the cause nor the fix; None for
-    any other error.
-    """
-    if not (isinstance(error, AssertionError) and _DAEMONIC in str(error)):
-        return None
-    return (
-        "devicekit: fn started a multiprocessing process (a DataLoader with num_workers > 0, "
-        f"a multiprocessing.Pool or Process, a ProcessPoolExecutor): {what}, which "
-        "multiprocessing does not let have children. Inside fn, use DataLoader(..., "
-        "num_workers=0) (the workers already run in parallel), threads "
-        "(concurrent.futures.ThreadPoolExecutor), or subprocess, which is allowed; or do "
-        "that work in the caller and pass its results as items."
-    )
-
-
-def with_hint(error: BaseException, what: str) -> str:
-    """The traceback of ``error`` (being handled), with `_daemonic_hint`'s note where it has one."""
-    hint = _daemonic_hint(error, what)
-    if hint is None:
-        return traceback.format_exc()
-    if hasattr(error, "add_note"):  # Python 3.11: printed after the error's own line
-        error.add_note(hint)
-        return traceback.format_exc()
-    return f"{traceback.format_exc()}{hint}\n"
 
 
 def _summary(error: BaseException) -> str:

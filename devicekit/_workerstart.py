@@ -64,8 +64,9 @@ def _forget_in_child() -> None:
     """In a child of ``os.fork()``: the workers are its parent's, not its own.
 
     multiprocessing lists a process's children for its exit handler, which
-    terminates the daemonic ones; a plain ``fork()`` copies that list, so a
-    forked child that exited normally sent SIGTERM to its parent's workers.
+    terminates the daemonic ones and joins the others; a plain ``fork()``
+    copies that list, so a forked child that exited normally sent SIGTERM to
+    its parent's (then daemonic) workers.
     (Children that multiprocessing itself forks clear the list first.)
     """
     children = getattr(multiprocessing.process, "_children", None)
@@ -133,11 +134,11 @@ def start_workers(
             name = WorkerName(
                 f"devicekit-worker-{number}", parent=os.getpid(), signal_on_death=main_thread
             )
+            # Not daemonic: fn may start processes (a DataLoader's workers), which
+            # multiprocessing refuses a daemonic one. The pool stops its workers at
+            # exit, before multiprocessing would join them (_parallel._stop_at_exit).
             process = context.Process(
-                target=work,
-                args=(child_end, os.getpid(), main_thread),
-                daemon=True,
-                name=name,
+                target=work, args=(child_end, os.getpid(), main_thread), daemon=False, name=name
             )
             # A CPU worker's share of the cores; a GPU worker's threads are left alone.
             share = (
