@@ -269,6 +269,16 @@ listed (cuda:0)
     )
 
 
+def as_reason(finding: Finding) -> str:
+    """A "No GPU" finding as the clause that says why in an error: ``"<why> (<detail>); <fix>"``.
+
+    Examples:
+        >>> print(as_reason(names_no_gpu("5", 0, [], 2)))  # doctest: +ELLIPSIS
+        CUDA_VISIBLE_DEVICES names a GPU this machine does not have (entry 5 in ...); ...
+    """
+    return f"{finding.title.removeprefix('No GPU: ')} ({finding.detail}); {finding.fix}"
+
+
 def no_gpu(accelerator: str | None, visible: int, nvml_error: str | None) -> Finding | None:
     """Why this process has no accelerator, when it has none."""
     if visible:

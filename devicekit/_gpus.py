@@ -41,7 +41,14 @@ from . import _nvml, _nvmlread
 from ._accelerators import accelerator_count, accelerator_type
 from ._devices import DeviceLike, parse_cuda_index
 from ._errors import GPUNotFoundError
-from ._findings import NO_STATUS, no_gpu_reason, nvml_cannot_read, nvml_describes
+from ._findings import (
+    NO_STATUS,
+    as_reason,
+    names_no_gpu,
+    no_gpu_reason,
+    nvml_cannot_read,
+    nvml_describes,
+)
 from ._keywords import suggest_keywords
 from ._nvml import GPUInfo, PhysicalGPU
 from ._options import check_flag
@@ -164,9 +171,21 @@ def torch_has_cuda() -> bool:
 
 
 def why_none_visible() -> str:
-    """Why this process sees no GPU, and the fix, as one clause for an error message."""
-    unusable = 0 if torch_has_cuda() else len(_nvml.physical_gpus())
-    return no_gpu_reason(accelerator_type(), _nvml.nvml_error(), unusable)
+    """Why this process sees no GPU, and the fix, as one clause for an error message.
+
+    Where ``CUDA_VISIBLE_DEVICES`` names no GPU of this machine first
+    (``7`` on four GPUs), that is the reason, as ``dk.status()`` says; it
+    read "install the driver", with the driver and four GPUs right there.
+    """
+    physical = _nvml.physical_gpus()
+    if not torch_has_cuda():
+        return no_gpu_reason(accelerator_type(), _nvml.nvml_error(), len(physical))
+    lost = _nvml.lost_gpus()
+    uuids = [gpu.uuid for gpu in physical] + [None] * len(lost)
+    listed = names_no_gpu(os.environ.get(ENV_VAR), 0, uuids, len(physical) + len(lost))
+    if listed is not None and listed.severity == "error":
+        return as_reason(listed)
+    return no_gpu_reason(accelerator_type(), _nvml.nvml_error())
 
 
 def cuda_devices_torch_sees() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections.abc import Iterable
 
@@ -24,7 +25,7 @@ from ._gpuinfo import GPUInfo
 from ._gpus import cuda_devices_torch_sees, gpus, unread_by_nvml, why_none_visible
 from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds
-from ._shortrepr import short_repr
+from ._shortrepr import got, short_repr
 
 __all__ = ["pick_gpu", "pick_gpus"]
 
@@ -151,6 +152,37 @@ def _check_wait(wait: object) -> float:
     )
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt])(i?)b?\s*", re.IGNORECASE)
+
+
+def _check_free_memory(value: object) -> None:
+    """Refuse a ``min_free_memory`` that is not bytes, or is bytes by mistake, saying what to write.
+
+    ``"10GB"`` was refused without a word on what to write instead, and ``10``
+    (meant as GB) picked any GPU: 10 bytes are free on every one. A value
+    below 1 MiB is refused, as a fraction is for ``max_utilization``.
+    """
+    if isinstance(value, str):
+        size = _SIZE.fullmatch(value)
+        example = "such as 10 * 2**30 for 10 GiB"
+        if size is not None:
+            number, unit, binary = size.group(1), size.group(2).upper(), bool(size.group(3))
+            step = "KMGT".index(unit) + 1
+            as_int = f"{number} * 2**{10 * step}" if binary else f"{number} * 10**{3 * step}"
+            example = f"{as_int} for {number} {unit}{'i' if binary else ''}B"
+        raise TypeError(
+            f"min_free_memory is a number of bytes, got {got(value)}; write it as a number, "
+            f"{example}"
+        )
+    free = check_number(value, name="min_free_memory", at_least=0, meaning="bytes")
+    if 0 < free < 2**20:
+        raise ValueError(
+            f"min_free_memory is in bytes, got {short_repr(value)}: {free:g} bytes are free on "
+            f"any GPU, so every GPU qualifies. For {free:g} GiB, write {free:g} * 2**30 "
+            f"({free:g} * 10**9 for GB)"
+        )
+
+
 def _pick(
     count: int,
     *,
@@ -167,7 +199,7 @@ def _pick(
     """
     excluded = set(parse_cuda_indices(exclude, name="exclude"))
     if min_free_memory is not None:
-        check_number(min_free_memory, name="min_free_memory", at_least=0, meaning="bytes")
+        _check_free_memory(min_free_memory)
     if max_utilization is not None:
         check_number(
             max_utilization, name="max_utilization", at_least=0, at_most=100, meaning="percent"

@@ -729,7 +729,22 @@ def test_after_cuda_starts_in_a_scope_gpu0_is_torchs_cuda0() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "text"),
     [
-        ({"min_free_memory": "20GB"}, TypeError, "min_free_memory must be a finite number >= 0"),
+        # Before, a string was refused with no word on what to write, and 10 (meant as
+        # GB) was 10 bytes: any GPU qualified.
+        (
+            {"min_free_memory": "20GB"},
+            TypeError,
+            "min_free_memory is a number of bytes, got '20GB' of type str; write it as a "
+            "number, 20 * 10**9 for 20 GB",
+        ),
+        ({"min_free_memory": "20 GiB"}, TypeError, "number, 20 * 2**30 for 20 GiB"),
+        ({"min_free_memory": "lots"}, TypeError, "number, such as 10 * 2**30 for 10 GiB"),
+        (
+            {"min_free_memory": 10},
+            ValueError,
+            "min_free_memory is in bytes, got 10: 10 bytes are free on any GPU, so every GPU "
+            "qualifies. For 10 GiB, write 10 * 2**30 (10 * 10**9 for GB)",
+        ),
         ({"min_free_memory": -5}, ValueError, "min_free_memory must be a finite number >= 0"),
         ({"min_free_memory": float("nan")}, ValueError, "got nan (bytes)"),
         ({"max_utilization": "abc"}, TypeError, "max_utilization must be a finite number >= 0"),

@@ -272,6 +272,15 @@ def test_a_variable_naming_a_gpu_the_machine_lacks_is_the_reason_for_no_gpu(
     assert finding.detail.endswith("; this process sees no GPU")
     assert finding.fix == f"{fix}, or unset CUDA_VISIBLE_DEVICES"
     assert dk.doctor().exit_code == 1
+    # So do the errors that say why there is no GPU (T44: "... install the driver").
+    why = f"CUDA_VISIBLE_DEVICES names a GPU this machine does not have ({starts}"
+    with pytest.raises(dk.GPUUnavailableError) as caught:
+        dk.pick_gpus(1)
+    assert str(caught.value).startswith(f"pick_gpus(1) found no GPU: {why}"), caught.value
+    assert str(caught.value).endswith(f"; {fix}, or unset CUDA_VISIBLE_DEVICES")
+    with pytest.raises(dk.GPUNotFoundError) as missing:
+        dk.status().gpu(0)
+    assert f"there is no cuda:0; this process sees no GPU: {why}" in str(missing.value)
 
 
 @pytest.mark.parametrize("variable", ["1", "GPU-bbbb"])
