@@ -51,7 +51,7 @@ import torch
 from ._accelerators import accelerator_count, accelerator_type
 from ._census import only_new_objects
 from ._devices import DeviceLike, resolve_device
-from ._dist import DEFAULT_TIMEOUT, gather_objects, initialized
+from ._dist import DEFAULT_TIMEOUT, gather_objects
 from ._format import format_bytes
 from ._frames import caller_stacklevel
 from ._hostmemory import can_bound
@@ -60,6 +60,7 @@ from ._keywords import suggest_keywords
 from ._options import check_count, check_flag, check_number, check_seconds, refuse_lazy
 from ._trial import LAZY_FIX, InProcess, give_back
 from ._visible import torch_cuda_initialized
+from ._world import initialized
 
 __all__ = ["find_batch_size"]
 

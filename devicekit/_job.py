@@ -24,13 +24,7 @@ from typing import Any, Literal
 import torch
 
 from ._accelerators import current_cuda_device
-from ._dist import (
-    DEFAULT_TIMEOUT,
-    gather_results,
-    initialized,
-    validated_timeout,
-    warn_if_launched_alone,
-)
+from ._dist import DEFAULT_TIMEOUT, gather_results, validated_timeout
 from ._format import (
     NOT_APPLICABLE,
     UNKNOWN,
@@ -50,6 +44,7 @@ from ._gpuinfo import GPUInfo
 from ._gpus import gpu
 from ._keywords import suggest_keywords
 from ._launch import local_rank, resolve_local_device
+from ._world import initialized, warn_if_launched_alone
 
 __all__ = ["JobFlag", "JobStatus", "RankStatus", "job_status"]
 

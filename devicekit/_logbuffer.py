@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ._callbacks import describe_sink
-from ._dist import DEFAULT_TIMEOUT, initialized
+from ._dist import DEFAULT_TIMEOUT
 from ._keywords import suggest_keywords
 from ._logagree import FlushKind, ReduceOp
 from ._logdeliver import Deliveries, Record, Sink
@@ -56,6 +56,7 @@ from ._logvalues import (
     refuse_keys,
 )
 from ._options import check_count, check_flag
+from ._world import initialized
 
 __all__ = ["LogBuffer"]
 

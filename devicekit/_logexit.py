@@ -45,13 +45,13 @@ from typing import Any, Protocol, cast
 
 from typing_extensions import Self
 
-from ._dist import initialized, world_size
 from ._errors import TerminatedBySignal, add_note
 from ._frames import caller_stacklevel
 from ._logdeliver import SINK_INTERRUPTED, Deliveries, KeepsRecords, Record, Sink
 from ._logflush import Landed
 from ._logreport import exit_failure, exit_warning, report_while_exiting
 from ._termination import die_of, take_signals
+from ._world import initialized, world_size
 
 __all__ = ["Block", "Scoped", "flush_at_exit", "leave", "track"]
 

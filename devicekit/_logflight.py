@@ -20,7 +20,7 @@ from types import FrameType
 from typing import get_args
 
 from ._callbacks import checked_sinks, describe_sink, sink_key
-from ._dist import initialized, launched_world, validated_timeout, world_size
+from ._dist import validated_timeout
 from ._errors import RanksDisagreeError, RanksOutOfStepError
 from ._format import shorten
 from ._frames import caller_stacklevel
@@ -41,6 +41,7 @@ from ._logreport import (
 )
 from ._options import check_count
 from ._shortrepr import short_repr
+from ._world import initialized, launched_world, world_size
 
 __all__ = ["Flushes"]
 

@@ -22,13 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from ._callbacks import call_each, checked_sinks
-from ._dist import (
-    DEFAULT_TIMEOUT,
-    gather_results,
-    initialized,
-    validated_timeout,
-    warn_if_launched_alone,
-)
+from ._dist import DEFAULT_TIMEOUT, gather_results, validated_timeout
 from ._errors import RanksOutOfStepError
 from ._format import html_table, plural
 from ._keywords import suggest_keywords
@@ -37,6 +31,7 @@ from ._shortrepr import got
 from ._stragglerreport import StragglerReport, Window, build_report
 from ._timing import CudaEvent
 from ._visible import torch_cuda_initialized
+from ._world import initialized, warn_if_launched_alone
 
 __all__ = ["StragglerDetector"]
 

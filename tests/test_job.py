@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _dist, _gloo, _job, _jobstate, _jobstore
+from devicekit import _dist, _gloo, _job, _jobstate, _jobstore, _world
 
 from .conftest import spawn_ranks
 from .fake_pynvml import FakeGPU, FakeNVML
@@ -403,7 +403,7 @@ def test_a_timeout_longer_than_a_week_is_refused(bad: float) -> None:
 def test_without_a_process_group_under_a_launcher_it_warns_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_dist, "_warned_alone", set())
+    monkeypatch.setattr(_world, "_warned_alone", set())
     monkeypatch.setenv("WORLD_SIZE", "4")
     with caplog.at_level("WARNING", logger="devicekit"):
         dk.job_status()
@@ -414,7 +414,7 @@ def test_without_a_process_group_under_a_launcher_it_warns_once(
         "is not initialized"
     )
     caplog.clear()
-    monkeypatch.setattr(_dist, "_warned_alone", set())
+    monkeypatch.setattr(_world, "_warned_alone", set())
     for world in ("1", "x", ""):
         monkeypatch.setenv("WORLD_SIZE", world)
         with caplog.at_level("WARNING", logger="devicekit"):
