@@ -65,6 +65,7 @@ def mismatch_message(
     *,
     said: str = "device=",
     held: dict[str, list[Held]] | None = None,
+    on_meta: dict[str, tuple[list[Path], int]] | None = None,
 ) -> str:
     # Strays first: the tensors off the expected device, else the smallest groups.
     groups = sorted(where.items(), key=lambda item: (item[0] == expected, len(item[1])))
@@ -80,7 +81,7 @@ def mismatch_message(
         lines.extend(f"  {render(path)}: {device}" for path in paths[:_SHOWN_PER_DEVICE])
         if len(paths) > _SHOWN_PER_DEVICE:
             lines.append(f"  ... and {len(paths) - _SHOWN_PER_DEVICE} more on {device}")
-    lines.extend(_fix(where, owners, named, expected, held))
+    lines.extend(_fix(where, owners, named, expected, held=held, on_meta=on_meta))
     return "\n".join(lines)
 
 
@@ -89,13 +90,22 @@ def _fix(
     owners: dict[str, set[torch.device]],
     named: dict[str, Any],
     expected: torch.device | None = None,
+    *,
     held: dict[str, list[Held]] | None = None,
+    on_meta: dict[str, tuple[list[Path], int]] | None = None,
 ) -> list[str]:
     """What to run: every argument that is not all on the target, moved there.
 
     ``owners`` has each argument's devices but for its tensors in ``held``:
     those inside an object ``to_device()`` returns unchanged, which only the
     user can move (or make again) where they belong.
+
+    ``on_meta`` has, for each argument, the paths of those of its tensors
+    (``owners``') that are on meta, and how many it has in all. A module with
+    others beside them (loaded in part under ``init_empty_weights`` or
+    ``low_cpu_mem_usage``) is told to give its meta tensors values, not to run
+    ``to_empty()``, which would discard the values of all the others (the
+    trained weights). Where it is not given, every such tensor is on meta.
     """
     if expected is not None:
         target = expected  # the caller said where: even meta (a model built without weights)
@@ -108,19 +118,24 @@ def _fix(
         )
     stuck = target.type != "meta"  # meta tensors cannot be copied anywhere else: no data
     steps = []
+    partly = False  # a module with values beside its meta tensors: to_empty() would lose them
     for name, obj in named.items():
         devices = owners.get(name, set())
         moved = not devices <= {target}  # a step below moves the argument
         steps.extend(_held_steps(name, (held or {}).get(name, []), target, named, moved=moved))
         if not moved:
             continue
-        on_meta = stuck and torch.device("meta") in devices
+        empty = stuck and torch.device("meta") in devices
         if isinstance(obj, torch.nn.Module):
-            if on_meta:
+            metas, count = (on_meta or {}).get(name, ([], 0))
+            if empty and 0 < len(metas) < count:
+                partly = True
+                steps.append(_partly_meta_step(name, metas, count, devices, target))
+            elif empty:
                 steps.append(f"{name}.to_empty(device='{target}'), then load its weights")
             else:
                 steps.append(f"{name}.to('{target}')")
-        elif on_meta:
+        elif empty:
             steps.append(f"make {name} again on {target} (its meta tensors hold no values to copy)")
         else:
             steps.append(f"{name} = dk.to_device({name}, '{target}')")
@@ -128,9 +143,40 @@ def _fix(
     if stuck and torch.device("meta") in where:
         fix.append(
             "Tensors on meta hold no values (shapes only): make them on a real device, or "
-            "materialize a model with to_empty() and load its weights."
+            + (
+                "load values into a model's with load_state_dict(..., assign=True); "
+                "to_empty() discards the values of every tensor of a model, so it is for one "
+                "whose every tensor is on meta."
+                if partly
+                else "materialize a model with to_empty() and load its weights."
+            )
         )
     return fix
+
+
+def _partly_meta_step(
+    name: str, metas: list[Path], count: int, devices: set[torch.device], target: torch.device
+) -> str:
+    """The step for module ``name``, which holds values beside its ``metas`` on meta.
+
+    ``to_empty()`` would make every one of its ``count`` tensors anew, with no
+    values: the trained ones too. Those on meta are given values instead,
+    from a state dict (``assign=True`` puts them in place of the meta ones);
+    then, where the others are not all on ``target``, the module is moved.
+    """
+    shown = ", ".join(render(path) for path in metas[:_SHOWN_PER_DEVICE])
+    more = f" and {len(metas) - _SHOWN_PER_DEVICE} more" if len(metas) > _SHOWN_PER_DEVICE else ""
+    others = count - len(metas)
+    then = "" if devices - {torch.device("meta")} <= {target} else f", then {name}.to('{target}')"
+    them = "it" if len(metas) == 1 else "them"
+    return (
+        f"load values into {name}'s {plural(len(metas), 'tensor')} on meta ({shown}{more}): "
+        f"{name}.load_state_dict(state_dict, strict=False, assign=True) with a state dict "
+        f"holding {them} on {target} (the checkpoint's, for a model loaded in part under "
+        "init_empty_weights or low_cpu_mem_usage), or make again a submodule whose tensors "
+        f"are all on meta{then}; not {name}.to_empty(), which would discard the values of its "
+        f"other {plural(others, 'tensor')}"
+    )
 
 
 def _held_steps(

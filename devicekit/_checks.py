@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import array
-import decimal
-import functools
-import re
-import threading
-import types
 import warnings
-import weakref
 from collections import defaultdict
 from collections.abc import Set
 from typing import Any
@@ -27,16 +20,13 @@ from ._checkfix import (
     render,
 )
 from ._checkrefusals import refuse_misspelled_device, refuse_unwalkable
-from ._checkwalk import collect
+from ._checkwalk import Unread, collect
 from ._devices import DeviceLike, resolve_device
 from ._errors import DeviceMismatchError
 from ._format import article
 from ._frames import caller_stacklevel
-from ._look import NOTHING_INSIDE, class_attribute
-from ._lookbulk import plain_class_ids
-from ._lookpandas import pandas_kind
 from ._shortrepr import short_repr
-from ._tree import iter_children
+from ._unread import unread
 
 __all__ = ["assert_same_device"]
 
@@ -67,7 +57,12 @@ def assert_same_device(
     dtype, the plain ones in bulk (paths such as ``df['emb'].iloc[0]``). An
     argument it cannot look inside at all (a C extension's object, a
     ``weakref.ref``) is named with why: alone, in the ``ValueError``; beside
-    other tensors, in a ``RuntimeWarning``, once per name and class. A
+    other tensors, in a ``RuntimeWarning``, once per name and class. So is
+    such an object met inside an argument, by its path, where it may hold
+    the user's tensors: a ``torch.ScriptObject`` (a quantized module's packed
+    weights, ``model.0._packed_params._packed_params``) or a third-party C
+    extension's object, never a weak reference or Python's, numpy's or
+    torch's own (a ``datetime``, a ``grad_fn``, a process group). A
     dict's keys are checked wherever its values are, and a tensor in one is
     named by its device and size
     (``batch[key tensor(..., device='cpu', size=(3,))]``); since
@@ -166,9 +161,15 @@ def assert_same_device(
     # may keep one elsewhere on purpose (see _warn_attributes), so alone they only warn.
     # An argument whose only tensors are such attributes has nothing else to be judged by.
     core: dict[torch.device, int] = defaultdict(int)
+    # Each argument's tensors on meta, of those moved with it, and how many those are: a
+    # module with values beside its meta ones must not be told to_empty() (see _fix).
+    on_meta: dict[str, tuple[list[Path], int]] = {}
+    # The objects inside each argument it could not look inside at all (a ScriptObject
+    # holding a quantized module's weights): never passed off as holding no tensor.
+    within: dict[str, list[Unread]] = {}
     for name, obj in named.items():
         holders: dict[int, str] = {}  # each holder's path, made once
-        collected = collect(obj, name)
+        collected = collect(obj, name, within.setdefault(name, []))
         alone = all(holder is not None and holder[2] is ATTRIBUTE for _, _, holder in collected)
         for path, tensor, holder in collected:
             on = tensor.device
@@ -177,6 +178,10 @@ def assert_same_device(
                 core[on] += 1
             if holder is None or holder[2] is MOVED:
                 owners[name].add(on)
+                metas, count = on_meta.get(name, ([], 0))
+                if on.type == "meta":
+                    metas.append(path)
+                on_meta[name] = (metas, count + 1)
             else:
                 at = holders.get(id(holder))
                 if at is None:
@@ -184,20 +189,21 @@ def assert_same_device(
                 held.setdefault(name, []).append((on, at, holder[1], holder[2], path))
     # The arguments with no tensor it could not look inside at all, and why.
     unread = _unread_arguments(named, owners.keys() | held.keys())
+    unread |= _unread_within(within)
     if not where:
         raise ValueError(_no_tensor(unread, named))
     if len(where) == 1 and (expected is None or expected in where):
         device = next(iter(where))
-        _warn_unread(unread, named, device)
+        _warn_unread(unread, device)
         return device
     if len(core) == 1 and (expected is None or expected in core):
         device = next(iter(core))
         _warn_attributes(held, device, named)
-        _warn_unread(unread, named, device)
+        _warn_unread(unread, device)
         return device
     said = f"device={short_repr(device)}" if isinstance(device, (str, int)) else "device="
     raise DeviceMismatchError(
-        mismatch_message(where, owners, named, expected, said=said, held=held)
+        mismatch_message(where, owners, named, expected, said=said, held=held, on_meta=on_meta)
     )
 
 
@@ -246,113 +252,88 @@ def _warn_attributes(
         )
 
 
-# Python's own objects whose storage shows nothing, and that hold no tensor.
-_NO_TENSOR_INSIDE = (torch.Tensor, torch.nn.Module, bytearray, array.array, memoryview)
+# What it could not look inside, by the text that names it (an argument's name, or paths
+# inside one): its class, why, and the name it is warned of once by (its first path).
+_Unreadable = dict[str, tuple[type, str, str]]
 
 
-@functools.cache
-def _holding_nothing() -> frozenset[type]:
-    """Python's and torch's classes with no readable storage that can hold no tensor.
-
-    Named one by one: a module's own C objects may hold tensors all the same
-    (a ``grad_fn`` its saved tensors, a ``torch.ScriptObject`` packed weights,
-    a ``ContextVar`` its default), and those are named as not looked inside.
-    """
-    names = ("Generator", "finfo", "iinfo", "qscheme", "Stream", "Event", "Size")
-    torch_own = {
-        getattr(torch, name) for name in names if isinstance(getattr(torch, name, None), type)
-    }
-    return frozenset({
-        slice, type(Ellipsis), type(NotImplemented), decimal.Decimal, re.Pattern, re.Match,
-        type(threading.Lock()), type(threading.RLock()), *torch_own,
-    })  # fmt: skip
-
-
-def _is_numpy(cls: type) -> bool:
-    """Whether ``cls`` is numpy's (an array is read by its dtype; a Generator holds none)."""
-    module = getattr(cls, "__module__", None)
-    return isinstance(module, str) and module.split(".")[0] == "numpy"
-
-
-def _unread_arguments(named: dict[str, Any], holding: Set[str]) -> dict[str, str]:
-    """Why it could not look inside each argument not in ``holding`` (no tensor found)."""
-    unread = {}
+def _unread_arguments(named: dict[str, Any], holding: Set[str]) -> _Unreadable:
+    """Each argument not in ``holding`` (no tensor found) it could not look inside."""
+    found: _Unreadable = {}
     for name, obj in named.items():
         if name not in holding:
-            why = _unread(obj)
+            why = unread(obj)
             if why is not None:
-                unread[name] = why
-    return unread
+                found[name] = (type(obj), why, name)
+    return found
 
 
-def _unread(obj: object) -> str | None:
-    """Why the walk could not look inside argument ``obj`` at all; None where it could.
+_SHOWN_UNREAD = 3  # paths named per class of objects it could not look inside
 
-    For an argument in which it found no tensor: a class whose instances keep
-    what they hold where Python cannot read it (a C extension's), or behind a
-    property named ``__dict__`` (never run), and a weak reference (not
-    followed). A plain value, a container, a record, a numpy array (read by
-    its dtype) and a pandas object (read through pandas) were looked inside.
+
+def _unread_within(within: dict[str, list[Unread]]) -> _Unreadable:
+    """The objects inside the arguments it could not look inside, by class.
+
+    Keyed by their paths (``arg0.0._packed_params._packed_params``): the first
+    few of each class in each argument, and ``... and N more``.
     """
-    cls = type(obj)
-    if cls in NOTHING_INSIDE or id(cls) in plain_class_ids() or isinstance(obj, _NO_TENSOR_INSIDE):
-        return None
-    if isinstance(obj, weakref.ref):
-        return "a weak reference, which the check does not follow"
-    if pandas_kind(cls) is not None or iter_children(obj) is not None:
-        return None
-    if cls in _holding_nothing() or _is_numpy(cls):
-        return None
-    storage = class_attribute(cls, "__dict__")
-    if type(storage) in (types.GetSetDescriptorType, types.MemberDescriptorType):
-        return None
-    if storage is not None:
-        return "its __dict__ is a property, which the check does not run"
-    if class_attribute(cls, "__slots__") is not None:  # a Python class: its slots were read
-        return None
-    return "it keeps what it holds where Python cannot read it, as a C extension's objects do"
+    found: _Unreadable = {}
+    for records in within.values():
+        by_class: dict[type, list[Unread]] = {}
+        for record in records:
+            by_class.setdefault(record[1], []).append(record)
+        for cls, same in by_class.items():
+            shown = ", ".join(render(path) for path, _, _ in same[:_SHOWN_UNREAD])
+            more = len(same) - _SHOWN_UNREAD
+            at = f"{shown} and {more} more" if more > 0 else shown
+            found[at] = (cls, same[0][2], render(same[0][0]))
+    return found
 
 
-def _no_tensor(unread: dict[str, str], named: dict[str, Any]) -> str:
-    """The error for arguments with no tensor: it names those it could not look inside."""
+def _no_tensor(unread: _Unreadable, named: dict[str, Any]) -> str:
+    """The error for arguments with no tensor: it names what it could not look inside."""
     found = f"assert_same_device() found no tensor in {', '.join(named) or 'its arguments'}"
     if not unread:
         return f"{found}; pass the tensors, modules or batches to check"
     return (
-        f"{found}, but it could not look inside {_listed(unread, named)}, so it cannot say "
+        f"{found}, but it could not look inside {_listed(unread)}, so it cannot say "
         "there is none. Pass the tensors to check themselves, or a dict or list of them."
     )
 
 
-def _listed(unread: dict[str, str], named: dict[str, Any]) -> str:
-    """Each argument not looked inside, with its class and why: ``x (a Foo: ...)``."""
-    return "; ".join(
-        f"{name} ({article(kind)} {kind}: {why})"
-        for name, why in unread.items()
-        for kind in [type(named[name]).__name__]
-    )
+def _listed(unread: _Unreadable) -> str:
+    """Each object not looked inside, with its class and why: ``x (a Foo: ...)``.
+
+    Several of one class inside an argument are named together:
+    ``arg0.0.packed, arg0.1.packed (ScriptObjects: ...)``.
+    """
+    listed = []
+    for at, (cls, why, first) in unread.items():
+        kind = cls.__name__
+        one = at == first
+        listed.append(f"{at} ({f'{article(kind)} {kind}' if one else f'{kind}s'}: {why})")
+    return "; ".join(listed)
 
 
-_warned_unread: set[tuple[str, int]] = set()  # (argument's name, id of its class) told
+_warned_unread: set[tuple[str, int]] = set()  # (argument's name or first path, class id) told
 
 
-def _warn_unread(unread: dict[str, str], named: dict[str, Any], device: torch.device) -> None:
-    """Warn of the arguments not looked inside, where every tensor seen is on ``device``.
+def _warn_unread(unread: _Unreadable, device: torch.device) -> None:
+    """Warn of what it could not look inside, where every tensor seen is on ``device``.
 
-    Once per argument name and class: a check run every step warns once.
+    Once per argument name (or first path inside one) and class: a check run
+    every step warns once.
     """
     new = {
-        name: why
-        for name, why in unread.items()
-        if (name, id(type(named[name]))) not in _warned_unread
+        at: entry for at, entry in unread.items() if (entry[2], id(entry[0])) not in _warned_unread
     }
     if not new:
         return
     if len(_warned_unread) < _WARNED_AT_MOST:
-        _warned_unread.update((name, id(type(named[name]))) for name in new)
+        _warned_unread.update((first, id(cls)) for cls, _, first in new.values())
     warnings.warn(
         f"assert_same_device(): every tensor it saw is on {device}, but it could not look "
-        f"inside {_listed(new, named)}: a tensor there would go unchecked. Pass the tensors "
+        f"inside {_listed(new)}: a tensor there would go unchecked. Pass the tensors "
         "to check themselves, or a dict or list of them.",
         RuntimeWarning,
         stacklevel=caller_stacklevel(),

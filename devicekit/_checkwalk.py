@@ -47,11 +47,13 @@ from ._lookbulk import (
     plain_class_ids,
 )
 from ._lookpandas import Unreadable, pandas_kind, pandas_parts, shown_attribute
+from ._modulecheck import torch_bookkeeping
 from ._movecalls import has_to_method
 from ._submodules import named_held, named_submodules
 from ._tree import children, container_attributes, iter_children
+from ._unread import unread_inside
 
-__all__ = ["collect"]
+__all__ = ["Unread", "collect"]
 
 
 # Objects read one by one inside the objects the check does not otherwise know, per
@@ -130,7 +132,14 @@ Placed = torch.Tensor | torch.UntypedStorage | torch.TypedStorage
 _PLACED = (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)
 
 
-def collect(obj: object, name: str) -> list[tuple[Path, Placed, Holder | None]]:
+# An object inside an argument that the walk could not look inside: its path, its class,
+# and why (`unread_inside()`), for the error that says it found no tensor, or the warning.
+Unread = tuple[Path, type, str]
+
+
+def collect(
+    obj: object, name: str, unread: list[Unread] | None = None
+) -> list[tuple[Path, Placed, Holder | None]]:
     """Every tensor (or storage) in argument ``obj``, with its path and holder, each seen once.
 
     ``holder`` is the outermost object around the tensor that `children()` does
@@ -142,7 +151,9 @@ def collect(obj: object, name: str) -> list[tuple[Path, Placed, Holder | None]]:
     counted: past ``_LOOK_BUDGET`` of them, a ``ValueError`` says so. A builtin
     container there is first read in bulk (`bulk_look()`): its plain values are
     passed over, counted against ``_BULK_BUDGET``, and only the rest read one by
-    one.
+    one. Each object inside ``obj`` it could not look inside at all (a
+    ``torch.ScriptObject``, a C extension's object: `unread_inside()`) is added
+    to ``unread``, where given: a check must not pass it off as holding no tensor.
     """
     found: list[tuple[Path, Placed, Holder | None]] = []
     seen: dict[int, object] = {}
@@ -181,6 +192,7 @@ def collect(obj: object, name: str) -> list[tuple[Path, Placed, Holder | None]]:
                 break
             parts = _open(child, path, holder, left, name, seen=seen)
             if not parts:
+                _note_unread(child, path, unread, seen)
                 continue
             seen[id(child)] = child
             stack.extend((iter(elements), path, inner) for elements, inner in reversed(parts))
@@ -188,6 +200,21 @@ def collect(obj: object, name: str) -> list[tuple[Path, Placed, Holder | None]]:
         else:
             stack.pop()
     return found
+
+
+def _note_unread(
+    obj: object, path: Path, unread: list[Unread] | None, seen: dict[int, object]
+) -> None:
+    """Add ``obj`` to ``unread`` where it is an object the walk could not look inside at all.
+
+    Not the argument itself (``path`` without a parent): `_checks` names that one.
+    """
+    if unread is None or path[0] is None:
+        return
+    why = unread_inside(obj)
+    if why is not None:
+        seen[id(obj)] = obj  # named once, however often it is referred to
+        unread.append((path, type(obj), why))
 
 
 # What the walk reads inside an object: its elements, and the holder around them.
@@ -420,6 +447,6 @@ def _module_attributes(module: torch.nn.Module, seen: dict[int, object]) -> list
         found.extend(
             (f"{dotted}{attr}", value)
             for attr, value in module_attributes(submodule)
-            if id(type(value)) not in plain
+            if id(type(value)) not in plain and not torch_bookkeeping(submodule, attr, value)
         )
     return found

@@ -23,7 +23,7 @@ from ._modulefix import KEY, Leaf, Places, Registered
 from ._submodules import named_held, named_submodules, not_a_module, unhashable
 from ._tree import container_attributes, iter_children
 
-__all__ = ["check_module"]
+__all__ = ["check_module", "torch_bookkeeping"]
 
 
 @suggest_keywords
@@ -47,9 +47,17 @@ def check_module(module: torch.nn.Module) -> list[str]:
     so): such a module's ``_apply`` is called once with a function that
     returns each tensor as it is, to see what it reaches. A plain
     reference to a registered *buffer* is reported: ``module.to()`` replaces
-    buffers, so the reference keeps the old tensor. The walk takes time in
-    proportion to the module's size, and a plain attribute that contains
-    itself is looked inside once. Builtin lists, tuples, dicts and sets of
+    buffers, so the reference keeps the old tensor. So is a plain list of
+    ``nn.Parameter`` objects that are not the module's, with both fixes where
+    the module has a parameter of the same shape and dtype: never registered
+    (``nn.ParameterList``), or left from before a move that made new
+    parameters (``.to('meta')``, ``.to_empty()``: make the list again). Not
+    reported: a torch wrapper's own list of its module's parameters
+    (``DistributedDataParallel._module_parameters``). A ``torch.ScriptObject``
+    held as a plain attribute (a quantized module's packed weights), which
+    ``module.to()`` leaves where it is, is named as not looked inside. The
+    walk takes time in proportion to the module's size, and a plain attribute
+    that contains itself is looked inside once. Builtin lists, tuples, dicts and sets of
     plain values (str, numbers...) inside plain attributes hold no tensor,
     and are passed over in bulk, in C, as
     [`assert_same_device()`][devicekit.assert_same_device] does: a
@@ -98,11 +106,11 @@ def check_module(module: torch.nn.Module) -> list[str]:
                 continue  # the probe failed: nothing is claimed of what it holds
             reached = probed
         for attr, value in module_attributes(submodule):
-            if (
-                not isinstance(value, (torch.Tensor, torch.nn.Module))
-                and iter_children(value) is None
-            ):
-                continue  # nothing inside (read lazily: a vocabulary's paths are not made)
+            if not _walked(submodule, attr, value):
+                # Nothing inside it to read (read lazily: a vocabulary's paths are not made),
+                # but for what it cannot read, which is named (a ScriptObject's packed weights).
+                findings.extend(_unreadable(prefix, attr, value, reached))
+                continue
             modules, tensors = _leaves(value, registered, reached)  # a module, unless registered
             if modules or tensors:
                 where = f"{prefix}.{attr}" if prefix else attr
@@ -125,6 +133,56 @@ def check_module(module: torch.nn.Module) -> list[str]:
         )
         findings.append(f"{where}: {places.describe(modules, tensors)}")
     return findings
+
+
+def torch_bookkeeping(module: torch.nn.Module, attr: str, value: object) -> bool:
+    """Whether ``attr`` is a torch wrapper's own list of its module's parameters.
+
+    ``DistributedDataParallel._module_parameters``: torch's, never the user's
+    to register, so neither `check_module` nor `assert_same_device` advises on
+    it (after a move that makes new parameters it keeps the old ones, as the
+    wrapper itself does: wrap a model after moving it).
+    """
+    if not attr.startswith("_") or type(value) not in (list, tuple):
+        return False
+    module_name = type(module).__module__
+    return (
+        isinstance(module_name, str)
+        and module_name.startswith("torch.")
+        and isinstance(value, (list, tuple))
+        and all(isinstance(item, torch.nn.Parameter) for item in value)
+    )
+
+
+def _walked(module: torch.nn.Module, attr: str, value: object) -> bool:
+    """Whether plain attribute ``attr`` of ``module`` may hold what `_leaves` finds."""
+    if torch_bookkeeping(module, attr, value):
+        return False
+    return isinstance(value, (torch.Tensor, torch.nn.Module)) or iter_children(value) is not None
+
+
+def _unreadable(prefix: str, attr: str, value: object, reached: frozenset[int]) -> list[str]:
+    """The finding, if any, for a ``torch.ScriptObject`` held as a plain attribute.
+
+    What it holds is in C++, where `check_module` cannot look; ``module.to()``
+    moves only what a module registers, so it leaves the object, and any tensor
+    in it, where it is (a quantized module's packed weights are kept so). Empty
+    where the module has an ``_apply`` of its own (``reached``), which may move
+    it (nothing is claimed of what it moves), and for any other object.
+    """
+    if type(value) is not torch.ScriptObject or reached:
+        return []
+    where = f"{prefix}.{attr}" if prefix else attr
+    try:
+        kind = f" ({value._type().qualified_name().rsplit('.', 1)[-1]})"
+    except Exception:  # noqa: BLE001 - its class name is only shown, never needed
+        kind = ""
+    return [
+        f"{where}: a torch.ScriptObject{kind} held as a plain attribute; check_module cannot "
+        "look inside it (torch keeps what it holds in C++, as it keeps a quantized module's "
+        "packed weights), and module.to() will not move it or any tensor in it. Where the "
+        "forward uses tensors in it, make it again on the device the model is moved to."
+    ]
 
 
 def _applies_its_own(cls: type[torch.nn.Module]) -> bool:

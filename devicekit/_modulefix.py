@@ -46,6 +46,18 @@ class Registered:
         return frozenset(id(p) for _, p in named_held(self._module, "_parameters"))
 
     @functools.cached_property
+    def shapes(self) -> dict[tuple[tuple[int, ...], torch.dtype], tuple[str, torch.device]]:
+        """Each parameter's shape and dtype -> the first one's dotted name and device.
+
+        To name the parameter an old one, left in a plain attribute by a move that
+        made new parameters (``to('meta')``, ``to_empty()``), most likely stood for.
+        """
+        shapes: dict[tuple[tuple[int, ...], torch.dtype], tuple[str, torch.device]] = {}
+        for name, parameter in named_held(self._module, "_parameters"):
+            shapes.setdefault((tuple(parameter.shape), parameter.dtype), (name, parameter.device))
+        return shapes
+
+    @functools.cached_property
     def buffers(self) -> dict[int, str]:
         """``id()`` -> dotted name, for the message."""
         return {id(buffer): name for name, buffer in named_held(self._module, "_buffers")}
@@ -200,7 +212,39 @@ class Places:
             text += f" For the others, {fix[0].lower()}{fix[1:]}" if keys or owned else f" {fix}"
         if owned:
             text += f" {self._owned_fix(owned, whole)}"
+        stale = [leaf for leaf in plain if isinstance(leaf.value, torch.nn.Parameter)]
+        if stale:
+            text += self._stale_note(stale)
         return text
+
+    def _stale_note(self, stale: list[Leaf]) -> str:
+        """Where ``stale``'s nn.Parameters, none of them the module's, may come from; or "".
+
+        Never registered, or the module's own before a move that made new
+        parameters and left these in the attribute (``to('meta')``,
+        ``to_empty()``, ``load_state_dict(assign=True)``): then registering
+        them would train copies the forward never reads, and the fix is to make
+        the attribute again from the module's parameters. Said only where the
+        module has a parameter of the first one's shape and dtype, which it may
+        have stood for; else it was never registered, and the fix says so.
+        """
+        first = stale[0]
+        twin = self.registered.shapes.get((tuple(first.value.shape), first.value.dtype))
+        if twin is None:  # no parameter of the module it could have stood for: never registered
+            return ""
+        one = len(stale) == 1
+        it, was, its = (
+            ("it", "it was", "its module") if one else ("they", "they were", "their modules")
+        )
+        return (
+            f" {it.capitalize()} {'is' if one else 'are'} not among the module's parameters: "
+            f"either {was} never registered (then the fix above), or {it} "
+            f"{'is' if one else 'are'} left from before a move that made new parameters "
+            "(.to('meta'), .to_empty(), load_state_dict(..., assign=True); the module's "
+            f"{twin[0]!r} has the shape and dtype of {self.attr}{first.path}, and is on "
+            f"{twin[1]}): then make {self.attr} again from the module's parameters after moving "
+            f"it, or read {it} through {its} where used."
+        )
 
     def _modules_fix(self, modules: list[Leaf]) -> str:
         shape, bad = _shape(modules), self._refused_key(modules)

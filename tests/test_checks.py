@@ -1704,3 +1704,173 @@ def test_a_container_the_walk_has_is_not_read_in_bulk_again(
     monkeypatch.setattr(_lookbulk, "snapshot", counted)
     assert dk.assert_same_device(Holder(payload), torch.ones(1)) == CPU  # type: ignore[arg-type]
     assert sum(read) < 5 * len(shared)
+
+
+# A module loaded in part on meta, a quantized model's packed weights, stale parameters.
+
+
+def test_a_module_partly_on_meta_is_told_to_load_its_meta_tensors_not_to_empty() -> None:
+    # to_empty() discards the values of every tensor: here the trained weight and bias too.
+    norm = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        norm.weight.fill_(5.0)
+    norm.running_mean = norm.running_mean.to("meta")  # as under init_empty_weights
+    with pytest.raises(dk.DeviceMismatchError) as info:
+        dk.assert_same_device(norm)
+    message = str(info.value)
+    assert "to_empty(device=" not in message
+    assert (
+        "Fix: move everything to cpu: load values into arg0's 1 tensor on meta "
+        "(arg0.running_mean): arg0.load_state_dict(state_dict, strict=False, assign=True) with "
+        "a state dict holding it on cpu"
+    ) in message
+    assert "not arg0.to_empty(), which would discard the values of its other 4 tensors." in message
+    # The fix, as it says, keeps the trained values.
+    norm.load_state_dict({"running_mean": torch.zeros(3)}, strict=False, assign=True)
+    assert dk.assert_same_device(norm) == CPU
+    assert norm.weight.tolist() == [5.0, 5.0, 5.0]
+    # A module all on meta is still told to_empty(): it has no values to lose.
+    with pytest.raises(dk.DeviceMismatchError, match=r"arg0\.to_empty\(device='cpu'\), then"):
+        dk.assert_same_device(torch.nn.BatchNorm1d(3).to("meta"), torch.ones(1))
+
+
+def test_a_module_partly_on_meta_elsewhere_than_the_target_is_moved_after_it_is_loaded() -> None:
+    root: _checkfix.Path = (None, "model")
+    metas: list[_checkfix.Path] = [(root, ".norm.running_mean")]
+    where = {META: metas, CPU: [(root, ".fc.weight"), (root, ".fc.bias")], CUDA0: ["x"] * 9}
+    fix = _checkfix._fix(
+        where,
+        {"model": {META, CPU}, "batch": {CUDA0}},
+        {"model": torch.nn.Linear(1, 1), "batch": {}},
+        on_meta={"model": (metas, 3)},
+    )
+    assert fix[0].startswith(
+        "Fix: move everything to cuda:0: load values into model's 1 tensor on meta "
+        "(model.norm.running_mean): model.load_state_dict(state_dict, strict=False, "
+        "assign=True) with a state dict holding it on cuda:0"
+    )
+    assert fix[0].endswith(
+        ", then model.to('cuda:0'); not model.to_empty(), which would discard the values of its "
+        "other 2 tensors."
+    )
+    assert "to_empty() discards the values of every tensor of a model" in fix[1]
+
+
+def _quantized(layers: int = 1) -> torch.nn.Module:
+    """A model quantized dynamically: its linear layers' weights are in ScriptObjects."""
+    quantization = pytest.importorskip("torch.ao.quantization")
+    linears = [torch.nn.Linear(4, 4) for _ in range(layers)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated
+        try:
+            model = quantization.quantize_dynamic(
+                torch.nn.Sequential(*linears, torch.nn.LayerNorm(4)),
+                {torch.nn.Linear},
+                dtype=torch.qint8,
+            )
+        except (RuntimeError, NotImplementedError) as error:  # no quantized engine here
+            pytest.skip(f"dynamic quantization is not available: {error}")
+    assert type(model[0]._packed_params._packed_params) is torch.ScriptObject
+    return model
+
+
+def test_the_packed_weights_of_a_quantized_model_are_named_not_found_no_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from devicekit import _checks
+
+    monkeypatch.setattr(_checks, "_warned_unread", set())
+    model = _quantized()
+    del model[1]  # its LayerNorm: no tensor left that Python can read
+    # It said "found no tensor in arg0; pass the tensors, modules or batches to check".
+    with pytest.raises(ValueError, match=r"could not look inside arg0\.0\._packed") as info:
+        dk.assert_same_device(model)
+    message = str(info.value)
+    assert message.startswith(
+        "assert_same_device() found no tensor in arg0, but it could not look inside "
+        "arg0.0._packed_params._packed_params (a ScriptObject: torch keeps what this "
+        "LinearPackedParamsBase holds in C++, where Python cannot read it, as it keeps a "
+        "quantized module's packed weights), so it cannot say there is none."
+    )
+    # Beside tensors it saw, the check passes with a warning naming them, once.
+    many = _quantized(layers=5)
+    meta = torch.ones(1, device="meta")
+    with pytest.warns(RuntimeWarning) as warned:
+        assert dk.assert_same_device(model=many[:5], x=meta) == META
+    assert (
+        "every tensor it saw is on meta, but it could not look inside "
+        "model.0._packed_params._packed_params, model.1._packed_params._packed_params, "
+        "model.2._packed_params._packed_params and 2 more (ScriptObjects: torch keeps"
+    ) in str(warned[0].message)
+    # Objects that hold no tensor of the user's are passed over inside, as before: torch's
+    # own C objects, a weak reference, a TorchScript module's C++ half (its _c).
+    inside = {"g": torch.Generator(), "ref": weakref.ref(Holder), "x": torch.ones(1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated
+        inside["scripted"] = torch.jit.script(torch.nn.Linear(1, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dk.assert_same_device(model=many[:5], x=meta) == META
+        assert dk.assert_same_device(inside) == CPU
+
+
+def test_check_module_names_the_packed_weights_module_to_leaves_where_they_are() -> None:
+    model = _quantized()
+    # It returned [], "empty when module.to() moves everything": Module.to('meta') left them.
+    assert dk.check_module(model) == [
+        "0._packed_params._packed_params: a torch.ScriptObject (LinearPackedParamsBase) held as "
+        "a plain attribute; check_module cannot look inside it (torch keeps what it holds in "
+        "C++, as it keeps a quantized module's packed weights), and module.to() will not move "
+        "it or any tensor in it. Where the forward uses tensors in it, make it again on the "
+        "device the model is moved to."
+    ]
+    packed = model[0]._packed_params._packed_params
+    model.to("meta")
+    assert model[0]._packed_params._packed_params is packed
+    assert model[0].weight().device == CPU
+
+
+class _Decayed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.decay = [self.fc.weight]  # the module's own: moved in place, not reported
+
+
+def test_parameters_left_in_a_list_by_a_move_that_made_new_ones_are_named_so() -> None:
+    model = _Decayed()
+    assert dk.check_module(model) == []
+    torch.nn.Module.to(model, "meta")  # new parameters: the list keeps the old ones
+    # It said only "Use nn.ParameterList to register them": a second, stale copy.
+    (finding,) = dk.check_module(model)
+    assert finding.startswith("decay: a list of 1 nn.Parameter on cpu held as a plain attribute")
+    assert finding.endswith(
+        "Use nn.ParameterList to register them. It is not among the module's parameters: "
+        "either it was never registered (then the fix above), or it is left from before a move "
+        "that made new parameters (.to('meta'), .to_empty(), load_state_dict(..., assign=True); "
+        "the module's 'fc.weight' has the shape and dtype of decay[0], and is on meta): then "
+        "make decay again from the module's parameters after moving it, or read it through its "
+        "module where used."
+    )
+    with pytest.warns(RuntimeWarning, match=r"It is not among the module's parameters"):
+        assert dk.assert_same_device(model) == META
+
+
+def test_a_torch_wrapper_s_own_list_of_parameters_gets_no_advice(tmp_path: Any) -> None:
+    # DistributedDataParallel keeps _module_parameters: not the user's to register.
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        assert ddp._module_parameters
+        torch.nn.Module.to(ddp, "meta")  # the list keeps the old parameters
+        assert dk.check_module(ddp) == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dk.assert_same_device(ddp) == META
+    finally:
+        dist.destroy_process_group()
