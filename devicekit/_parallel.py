@@ -57,7 +57,6 @@ was pickled from would put it on another GPU, or start CUDA in the caller.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
 import logging
@@ -81,7 +80,7 @@ from ._progress import Progress
 from ._shortrepr import short_repr
 from ._termination import die_of, stops_workers_first, take_signals
 from ._workerslots import worker_slots, workers_per_device_count
-from ._workerstart import refuse_foreign, start_workers, stop_workers
+from ._workerstart import refuse_foreign, start_workers, stop_workers, stopped_at_exit
 from ._workerstate import Orphans, Slot, Worker, orphans
 
 __all__ = ["GPUPool", "MapStyle", "gpu_pool", "keeps_results"]
@@ -128,38 +127,6 @@ def _local_only(caller: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
         return call
 
     return wrap
-
-
-# Every pool of this process still referenced, whose workers exit stops (_stop_at_exit).
-_pools: weakref.WeakSet[GPUPool] = weakref.WeakSet()
-_exit_lock = threading.Lock()
-
-
-def _stopped_at_exit(pool: GPUPool) -> None:
-    """Have ``pool``'s workers stopped at exit, before ``multiprocessing`` joins them."""
-    import multiprocessing.util  # noqa: PLC0415, F401 - its exit handler first, to run after ours
-
-    with _exit_lock:
-        if not _pools:  # registered again: after multiprocessing's, whenever that came
-            atexit.unregister(_stop_at_exit)
-            atexit.register(_stop_at_exit)
-        _pools.add(pool)
-
-
-def _stop_at_exit() -> None:
-    """Stop the workers of every pool not closed, as its finalizer would, now.
-
-    The workers are not daemonic processes, so that ``fn`` may start processes
-    of its own (a ``DataLoader``'s workers), which ``multiprocessing`` refuses
-    a daemonic one. Its exit handler joins such children, and an idle worker
-    waits for work for ever: a script that never closed its pool hung at
-    exit. This handler is registered when a pool is made, after
-    ``multiprocessing``'s (registered when ``multiprocessing.util`` is
-    imported, which is made sure of first), so it runs first: exit handlers
-    run last in, first out.
-    """
-    for pool in list(_pools):
-        pool._finalizer()  # a closed pool's has run: a no-op
 
 
 _PER_MAP = ("progress", "timeout")  # what pool.map takes, and a pool does not
@@ -239,7 +206,7 @@ class GPUPool:
         self._state = threading.RLock()
         self._stopping = threading.RLock()  # held by close() while it stops the workers
         self._finalizer = weakref.finalize(self, stop_workers, self._workers, gently=False)
-        _stopped_at_exit(self)
+        stopped_at_exit(self._finalizer)
         self._taken: list[int] = []  # the signals its `with` block took over
 
     @property

@@ -10,6 +10,7 @@ shared wait, and takes the processes ``fn`` started with the workers
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
@@ -37,7 +38,14 @@ from ._workerstate import (
     wait_ended,
 )
 
-__all__ = ["cpu_threads", "refuse_foreign", "start_workers", "stop_workers", "worker_env"]
+__all__ = [
+    "cpu_threads",
+    "refuse_foreign",
+    "start_workers",
+    "stop_workers",
+    "stopped_at_exit",
+    "worker_env",
+]
 
 _WARNINGS = "PYTHONWARNINGS"
 _THREADS = "OMP_NUM_THREADS"  # torch's intra-op threads, and OpenMP's and BLAS's
@@ -76,6 +84,40 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+# The finalizers of the pools of this process that have not run yet (see _stop_at_exit).
+_at_exit: list[weakref.finalize[Any, Any]] = []
+_at_exit_lock = threading.Lock()
+
+
+def stopped_at_exit(finalizer: weakref.finalize[Any, Any]) -> None:
+    """Have ``finalizer`` (a pool's, which stops its workers) run at exit, before multiprocessing's.
+
+    The workers are not daemonic processes, so that ``fn`` may start processes
+    of its own (a ``DataLoader``'s workers), which ``multiprocessing`` refuses
+    a daemonic one. Its exit handler joins such children, and an idle worker
+    waits for work for ever: a script that never closed its pool hung at
+    exit. `_stop_at_exit` is registered again here, after ``multiprocessing``'s
+    (registered when ``multiprocessing.util`` is imported, which is made sure
+    of first), so it runs first: exit handlers run last in, first out.
+    """
+    import multiprocessing.util  # noqa: PLC0415, F401 - its exit handler first, to run after ours
+
+    with _at_exit_lock:
+        _at_exit[:] = [f for f in _at_exit if f.alive]  # closed or collected pools: done
+        if not _at_exit:
+            atexit.unregister(_stop_at_exit)
+            atexit.register(_stop_at_exit)
+        _at_exit.append(finalizer)
+
+
+def _stop_at_exit() -> None:
+    """Stop the workers of every pool not closed, as its finalizer would, now."""
+    with _at_exit_lock:
+        finalizers = list(_at_exit)
+    for finalizer in finalizers:
+        finalizer()  # one that has run already: a no-op
 
 
 def refuse_foreign(workers: list[Worker], *, caller: str) -> None:
@@ -136,7 +178,7 @@ def start_workers(
             )
             # Not daemonic: fn may start processes (a DataLoader's workers), which
             # multiprocessing refuses a daemonic one. The pool stops its workers at
-            # exit, before multiprocessing would join them (_parallel._stop_at_exit).
+            # exit, before multiprocessing would join them (stopped_at_exit).
             process = context.Process(
                 target=work, args=(child_end, os.getpid(), main_thread), daemon=False, name=name
             )
