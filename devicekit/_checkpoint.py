@@ -60,6 +60,7 @@ from ._checkpointsafe import load_safetensors
 from ._devices import DeviceLike, resolve_device
 from ._errors import CheckpointError, add_note
 from ._frames import is_user
+from ._keywords import suggest_keywords
 from ._options import check_path
 from ._shortrepr import got
 from ._ziparchive import Damage, check_archive
@@ -82,6 +83,7 @@ _LEGACY_STARTS = tuple(
 _HEAD = 256
 
 
+@suggest_keywords
 def load(
     path: str | os.PathLike[str] | IO[bytes],
     device: DeviceLike | None = None,

@@ -35,6 +35,7 @@ import torch
 
 from ._errors import CheckpointError
 from ._format import plural
+from ._frames import caller_stacklevel
 from ._ziparchive import check_archive, first_record, inflated, unchecked
 
 __all__ = ["check_loaded", "inflated_note", "not_verified", "out_of_memory"]
@@ -149,7 +150,7 @@ def check_loaded(
 
 def not_verified(where: str, why: str) -> None:
     """Warn that ``verify=True`` could not check (all of) the file: it was asked for."""
-    warnings.warn(f"{where}, verify=True): {why}", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"{where}, verify=True): {why}", RuntimeWarning, stacklevel=caller_stacklevel())
 
 
 def out_of_memory(error: BaseException) -> bool:

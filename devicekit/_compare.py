@@ -11,12 +11,14 @@ from ._compareround import measure_in_rounds, measure_variant, same_side
 from ._format import (
     UNKNOWN,
     PlainResult,
+    close_match,
     format_joules,
     format_seconds,
     html_table,
     safe_text,
     shown,
 )
+from ._keywords import suggest_keywords
 from ._measure import OPTIONS, check_options, misspelled_options
 from ._measurement import Measurement
 from ._shortrepr import got, short_repr
@@ -222,6 +224,7 @@ class Comparison:
                 line.append("" if m.trustworthy else "\n".join(m.notes))
         return html_table(lines, header=header, caption=caption)
 
+    @suggest_keywords
     def to_dict(self, *, times: bool = False) -> dict[str, Any]:
         """JSON-ready: the reference and, per variant, its ratio, verdict and measurement.
 
@@ -294,6 +297,7 @@ def _within_noise(
     return None if consistent is None else not consistent
 
 
+@suggest_keywords
 def compare(
     results: Mapping[str, Measurement | Callable[[], Any]],
     *,
@@ -362,9 +366,14 @@ def compare(
             )
     unknown = [name for name in options if name not in OPTIONS]
     if unknown:
-        guesses = misspelled_options(unknown)
+        guesses = [
+            f"{name} (did you mean baseline?)"
+            if close_match(name, ["baseline"], cutoff=0.75)
+            else next(iter(misspelled_options([name])), name)
+            for name in unknown
+        ]
         raise TypeError(
-            f"compare() got unknown options {', '.join(guesses or unknown)}: it takes "
+            f"compare() got unknown options {', '.join(guesses)}: it takes "
             f"baseline and benchmark()'s options ({', '.join(OPTIONS)}); the functions are "
             "called with no arguments, so wrap arguments in a lambda"
         )

@@ -49,8 +49,8 @@ scale(..., factor=...)
     """
     signature = inspect.signature(fn)
     parameters = signature.parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return fn  # every keyword binds: nothing to suggest
+    # With **kwargs every keyword binds: only an option passed by position is told
+    # (dk.load(path, "cpu", True): verify is keyword-only).
     named = [p.name for p in parameters if p.kind in _NAMED]
     keyword_only = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
     takes_more = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)

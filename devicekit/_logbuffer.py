@@ -266,6 +266,7 @@ class LogBuffer(Flushes, Scoped):
         if len(pending) >= self._flush_at:
             self._flush_soon()
 
+    @suggest_keywords
     def flush(self, *, wait: bool = True) -> list[Record]:
         """Copy the pending values to the host and hand the new records to the sinks.
 
@@ -355,6 +356,7 @@ class LogBuffer(Flushes, Scoped):
             known = [*self._history.keys]
         raise KeyError(unknown_key(key, known, pending=self._pending_count(), logged=logged))
 
+    @suggest_keywords
     def mean(self, key: str, *, last: int | None = None) -> float:
         """The mean of ``key`` over the history or its ``last`` values: exact sum, NaN propagates.
 

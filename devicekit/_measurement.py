@@ -260,6 +260,7 @@ class Measurement:
         """False when other work, throttling, noise, too few calls or the clock could mislead."""
         return is_trustworthy(self)
 
+    @suggest_keywords
     def to_dict(self, *, times: bool = False) -> dict[str, Any]:
         """JSON-ready: the statistics and the verdict; the raw times only when asked.
 
