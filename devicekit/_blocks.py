@@ -13,6 +13,8 @@ read): a decorated function returns only its own value.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -22,6 +24,19 @@ from ._shortrepr import short_repr
 __all__ = ["EnterOnce"]
 
 T = TypeVar("T")
+
+# Guards each block's "entered" mark, so that two threads entering one block cannot both get
+# in. One for all blocks, held for a test and a set only; a fork's child gets its own.
+_entering = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _entering  # noqa: PLW0603 - the module's lock, replaced once per fork
+    _entering = threading.Lock()  # a parent's thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -65,6 +80,10 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         # read, a GPU the function never learns of): None where decorating makes sense.
         self._undecorating = undecorating
         self._block: contextlib.AbstractContextManager[T] | None = None
+        # Set, under `_entering`, before the block is made: entering can take a while (a
+        # claim that waits for a GPU), and a second thread must be refused meanwhile, not
+        # let in to make a block of its own over the first one's.
+        self._entered = False
 
     def __call__(self, func: F) -> F:
         """Decorate ``func``: each call runs in a block of its own.
@@ -120,10 +139,16 @@ class EnterOnce(contextlib.ContextDecorator, Generic[T]):
         )
 
     def __enter__(self) -> T:
-        if self._block is not None:
-            raise RuntimeError(self._again)
-        block = self._make()
-        value = block.__enter__()  # one that refused its arguments was never entered
+        with _entering:
+            if self._entered:
+                raise RuntimeError(self._again)
+            self._entered = True
+        try:
+            block = self._make()
+            value = block.__enter__()
+        except BaseException:
+            self._entered = False  # one that refused its arguments was never entered
+            raise
         self._block = block
         return value
 

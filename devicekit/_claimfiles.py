@@ -51,6 +51,8 @@ __all__ = [
     "lock_file",
     "lock_name",
     "locked_by",
+    "open_lock_file",
+    "refusal",
     "share_lock",
 ]
 
@@ -173,30 +175,60 @@ def _refuse(path: Path, info: os.stat_result, chosen: str | None) -> None:
 
     ``chosen``: ``$DEVICEKIT_CLAIMS_DIR`` as set, or None for the default directory.
     """
+    why = refusal(path, info, chosen)
+    if why is not None:
+        raise PermissionError(errno.EACCES, why)
+
+
+def refusal(path: Path, info: os.stat_result, chosen: str | None) -> str | None:
+    """Why ``path`` (``info``, its ``lstat``) may not hold claims, with the fix; None if it may.
+
+    What `claims_directory` refuses, told without raising (``devicekit claims``
+    says it). ``chosen``: ``$DEVICEKIT_CLAIMS_DIR`` as set, or None for the default.
+    """
     # In a shared temp directory another user could have made this name first:
     # then their files would decide our claims, so refuse instead.
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         # A device, pipe or socket the user named (DEVICEKIT_CLAIMS_DIR=/dev/null) is not
         # theirs to remove: only a file, a link or a directory is.
         plain = any(test(info.st_mode) for test in (stat.S_ISREG, stat.S_ISLNK, stat.S_ISDIR))
-        fix = "remove it, or set" if plain or not chosen else "set"
-        raise PermissionError(
-            errno.EACCES,
+        own = f"set {DIR_VAR} to a directory of your own"
+        if not plain and chosen:
+            fix = own
+        elif _removable(path, info):
+            fix = f"remove it, or {own}"
+        else:  # another user's, in a sticky /tmp: only they or root may remove it
+            fix = f"{own} (or ask its owner or root to remove it)"
+        return (
             f"{path} should be a directory of GPU claims owned by this user (uid "
-            f"{os.getuid()}), but it is {_describe(info)}; {fix} {DIR_VAR} "
-            "to a directory of your own",
+            f"{os.getuid()}), but it is {_describe(info)}; {fix}"
         )
     mode = stat.S_IMODE(info.st_mode)
     if chosen and mode & 0o022:
         # Not changed: it is the user's (their home, a project folder). Others could plant
         # links there where the lock files go, so it is refused instead.
-        raise PermissionError(
-            errno.EACCES,
+        return (
             f"{DIR_VAR}={chosen!r} is writable by other users (mode {mode:o}), who could "
             "plant files or links where the lock files go; devicekit does not change a "
             f"directory you chose. Set {DIR_VAR} to a directory only you can write, such as "
-            f"{os.path.join(path, 'devicekit-claims')!r} (devicekit creates it, private)",
+            f"{os.path.join(path, 'devicekit-claims')!r} (devicekit creates it, private)"
         )
+    return None
+
+
+def _removable(path: Path, info: os.stat_result) -> bool:
+    """Whether this user may remove ``path`` (``info``, its ``lstat``) from its directory."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        parent = os.stat(path.parent)
+    except OSError:
+        return False
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return False
+    # In a sticky directory (/tmp) only the owner of an entry, or of the directory, may remove it.
+    uid = os.geteuid()
+    return not parent.st_mode & stat.S_ISVTX or uid in (info.st_uid, parent.st_uid)
 
 
 def _describe(info: os.stat_result) -> str:
@@ -225,9 +257,69 @@ def _describe(info: os.stat_result) -> str:
 
 def cannot(action: str, path: Path, error: OSError) -> OSError:
     """``error`` retold: what claim=True was doing, where, and what to do (same errno, so class)."""
-    return OSError(
-        error.errno,
-        f"claim=True cannot {action} {path}: {error.strerror or error}; {_FIX}",
+    why = error.strerror or str(error)
+    fix = _FIX
+    if error.errno in (errno.EACCES, errno.EPERM):
+        # A directory of the user's own that they made read-only: "a directory of your own"
+        # alone read as if it were someone else's.
+        directory = path if action.startswith("make private") else path.parent
+        mode = _read_only_own(directory)
+        if mode is not None:
+            why = f"{why}: {directory}, this user's own, is not writable (mode {mode:o})"
+            fix = f"make it writable (chmod u+w {directory}), or {_FIX}"
+    return OSError(error.errno, f"claim=True cannot {action} {path}: {why}; {fix}")
+
+
+def _read_only_own(directory: Path) -> int | None:
+    """The mode of ``directory`` where it is this user's own and they cannot write it; else None."""
+    try:
+        info = os.stat(directory)
+    except OSError:
+        return None
+    own = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    if own and not os.access(directory, os.W_OK | os.X_OK):
+        return stat.S_IMODE(info.st_mode)
+    return None
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (creating if needed) the lock file at ``path``: a regular file of this user's.
+
+    Never through a link, nor a FIFO, device or directory in its place: claims write the
+    holder's pid into the file, which must not land in a file that a link points to.
+
+    Raises:
+        PermissionError: Something else is at ``path``; the message names it: remove it.
+        OSError: It cannot be made (a full or read-only disk), as `cannot` tells.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # no wait on a FIFO
+    try:
+        fd = os.open(path, flags, 0o600)  # closed by exec (Python's default)
+    except OSError as error:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            info = None
+        if info is None or stat.S_ISREG(info.st_mode):
+            raise cannot("open the lock file", path, error) from None
+        raise _not_a_lock_file(path, info) from None
+    try:
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        os.close(fd)
+        raise _not_a_lock_file(path, info)
+    return fd
+
+
+def _not_a_lock_file(path: Path, info: os.stat_result) -> PermissionError:
+    return PermissionError(
+        errno.EACCES,
+        f"claim=True cannot use {path} as a GPU's lock file: it should be a regular file "
+        f"owned by this user (uid {os.getuid()}), but it is {_describe(info)}; remove it "
+        "(claim=True makes it again)",
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _gpus, _nvml
-from ._claimfiles import PROC_LOCKS, claims_path, lock_name, locked_by
+from ._claimfiles import DIR_VAR, PROC_LOCKS, claims_path, lock_name, locked_by, refusal
 from ._format import plural, safe_text
 from ._procfs import file_system_type, read_stat
 
@@ -69,7 +69,8 @@ class ClaimsReport:
             ``/tmp/devicekit-<uid>``).
         held: The claims a live process holds, by GPU.
         lock_files: How many lock files the directory has (one per GPU ever
-            claimed), held or not.
+            claimed), held or not; None where it cannot be read or may not
+            hold claims.
         unknown: Why it cannot be told which are held, or None when it can.
         nvml: Whether NVML could be asked which GPU each claim is; None where
             no claim was held, so NVML was not asked (nor started).
@@ -77,13 +78,13 @@ class ClaimsReport:
 
     directory: str
     held: tuple[HeldClaim, ...]
-    lock_files: int
+    lock_files: int | None
     unknown: str | None
     nvml: bool | None = None
 
     def __str__(self) -> str:
         head = f"GPU claims in {safe_text(self.directory)}"
-        if self.unknown is not None:
+        if self.unknown is not None or self.lock_files is None:
             return f"{head}: {self.unknown}"
         if not self.held:
             files = plural(self.lock_files, "lock file")
@@ -117,11 +118,16 @@ def claims_report() -> ClaimsReport:
     """
     directory = claims_path()
     try:
+        # What claim=True refuses to keep claims in is no place to list them from either: a
+        # link is not followed, and a directory others made or can write says nothing sure.
+        why = refusal(directory, os.lstat(directory), os.environ.get(DIR_VAR) or None)
+        if why is not None:
+            return ClaimsReport(str(directory), (), None, f"claims cannot be kept here: {why}")
         names = sorted(name for name in os.listdir(directory) if name.endswith(".lock"))
     except FileNotFoundError:
         return ClaimsReport(str(directory), (), 0, None)  # nothing was ever claimed here
     except OSError as error:
-        return ClaimsReport(str(directory), (), 0, f"cannot be read ({error.strerror})")
+        return ClaimsReport(str(directory), (), None, f"cannot be read ({error.strerror})")
     if not os.path.exists(LOCK_TABLE):
         why = "cannot tell which are held: this system has no kernel lock table (/proc/locks)"
         return ClaimsReport(str(directory), (), len(names), why)

@@ -41,6 +41,7 @@ from ._claimfiles import (
     fcntl,  # None where the OS has no flock (Windows)
     holder,
     lock_file,
+    open_lock_file,
     share_lock,
 )
 from ._devices import DeviceLike, parse_cuda_index, resolve_device
@@ -74,14 +75,25 @@ class _Held:
     """This process's claims, by GPU UUID, and the lock that guards them."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: a fork waits for it (below), and must not hang in the thread that has it.
+        self.lock = threading.RLock()
         self.claims: dict[str, _Claim] = {}
+        # Per thread: where `claim` lists the claims it makes while `recording` is on.
+        self.recorders = threading.local()
+
+    # Around a fork, not bound to one lock object: the child replaces it (below), and its own
+    # forks must take the new one, not the copy of the parent's that it inherited, held.
+    def lock_before_fork(self) -> None:
+        self.lock.acquire()
+
+    def unlock_after_fork(self) -> None:
+        self.lock.release()
 
     def forget_after_fork(self) -> None:
         # The child shares the parent's open lock files. Closing its copies leaves
         # the parent's claims in place and makes them end when the parent ends,
         # not when the last child made by fork (a DataLoader worker, say) does.
-        self.lock = threading.Lock()  # another thread may have held it at the fork
+        self.lock = threading.RLock()  # the parent's is held across the fork (below)
         for held in self.claims.values():
             for fd in (held.fd, held.directory_fd):
                 with contextlib.suppress(OSError):
@@ -91,7 +103,14 @@ class _Held:
 
 _held = _Held()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_held.forget_after_fork)
+    # A fork waits for a claim being made in another thread: forked between its lock and
+    # its record, the child would keep a lock that it does not know of, and the GPU would
+    # stay claimed until that child (a DataLoader worker, say) ended, after the parent.
+    os.register_at_fork(
+        before=_held.lock_before_fork,
+        after_in_parent=_held.unlock_after_fork,
+        after_in_child=_held.forget_after_fork,
+    )
 
 
 def check_claims_supported() -> None:
@@ -127,9 +146,9 @@ def claim(uuid: str, index: int) -> bool:
                 # The directory's lock first: a cleaner already at work in it could delete
                 # the lock file between our open and our lock, and the next job make another.
                 share_lock(opened[0])
-                opened.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # closed by exec
             except OSError as error:
                 raise cannot("open the lock file", path, error) from None
+            opened.append(open_lock_file(path))  # never through a link: it is written to
             directory_fd, fd = opened
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -145,6 +164,9 @@ def claim(uuid: str, index: int) -> bool:
                 os.pwrite(fd, f"{os.getpid():>{PID_WIDTH}}\n".encode(), 0)
             made = _Claim(fd, directory_fd, index, os.environ.get(ENV_VAR))
             _held.claims[uuid] = made
+            recorded = getattr(_held.recorders, "made", None)
+            if recorded is not None:
+                recorded.append((uuid, made))
             return True
         finally:
             # Whatever stopped it before the claim was recorded (a Ctrl-C included), the
@@ -154,15 +176,32 @@ def claim(uuid: str, index: int) -> bool:
                     os.close(descriptor)
 
 
-def release(uuid: str) -> bool:
-    """Release this process's claim on the GPU with this UUID; False if it held none."""
+def release(uuid: str, *, only: _Claim | None = None) -> bool:
+    """Release this process's claim on the GPU with this UUID; False if it held none.
+
+    ``only``: release it only if it is still that claim (one a block made), not
+    one made since, after the block's own was released.
+    """
     with _held.lock:  # closed under the lock: a claim racing in sees the GPU free or held, not both
-        held = _held.claims.pop(uuid, None)
-        if held is None:
+        held = _held.claims.get(uuid)
+        if held is None or (only is not None and held is not only):
             return False
+        del _held.claims[uuid]
         os.close(held.fd)  # closing the only descriptor of the file drops its lock
         os.close(held.directory_fd)
     return True
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[list[tuple[str, _Claim]]]:
+    """Collect the claims this thread makes in the block, by UUID: exactly these, no others."""
+    made: list[tuple[str, _Claim]] = []
+    outer = getattr(_held.recorders, "made", None)
+    _held.recorders.made = made
+    try:
+        yield made
+    finally:
+        _held.recorders.made = outer
 
 
 def is_held(uuid: str) -> bool:
@@ -184,8 +223,9 @@ def _held_at(index: int) -> list[str]:
 def release_gpu(device: DeviceLike) -> bool:
     """Release this process's claim on a GPU that ``pick_gpu(claim=True)`` returned.
 
-    Claims also end when the process exits, however it exits. Releasing the
-    CPU (what ``pick_gpu`` returns when no GPU qualifies) does nothing, so
+    Claims also end when the process exits, however it exits, and when it
+    calls exec (``os.execv``): claim in the program that uses the GPU.
+    Releasing the CPU (what ``pick_gpu`` returns when no GPU qualifies) does nothing, so
     ``release_gpu(pick_gpu(claim=True))`` is always valid.
 
     Args:
@@ -286,22 +326,24 @@ def _claim_block(
 ) -> Iterator[torch.device]:
     from ._pick import pick_gpu  # noqa: PLC0415 - _pick builds on the claims made here
 
-    with _held.lock:
-        before = set(_held.claims)
-    device = pick_gpu(
-        min_free_memory=min_free_memory,
-        max_utilization=max_utilization,
-        exclude=exclude,
-        wait=wait,
-        claim=True,
-    )
+    # The claims this pick made, recorded as it made them: comparing the claims held before
+    # and after would miss one that another thread released meanwhile and this one took.
+    with _recording() as made:
+        device = pick_gpu(
+            min_free_memory=min_free_memory,
+            max_utilization=max_utilization,
+            exclude=exclude,
+            wait=wait,
+            claim=True,
+        )
     # Released by UUID, not by index: the block may change CUDA_VISIBLE_DEVICES, and then
-    # cuda:<index> can name another GPU, even one this process claimed elsewhere.
+    # cuda:<index> can name another GPU, even one this process claimed elsewhere. And only
+    # while it is still this block's claim: one released in the block and made again
+    # (dk.release_gpu(device), then dk.pick_gpu(claim=True)) is no longer the block's.
     with _held.lock:
-        ours = [] if device.type == "cpu" else _held_at(device.index or 0)
-        ours = [uuid for uuid in ours if uuid not in before]
+        ours = [(uuid, held) for uuid, held in made if _held.claims.get(uuid) is held]
     try:
         yield device
     finally:
-        for uuid in ours:
-            release(uuid)
+        for uuid, held in ours:
+            release(uuid, only=held)

@@ -272,7 +272,8 @@ def pick_gpu(
     ``claim=True`` each takes an exclusive claim on the GPU it picks, and
     skips GPUs that other devicekit processes have claimed, so they get
     different GPUs. A claim lasts until [`release_gpu()`][devicekit.release_gpu] or until the
-    process exits, however it exits (the operating system drops it); see
+    process exits, however it exits (the operating system drops it), or
+    calls exec (claim in the program that uses the GPU); see
     [`claim_gpu()`][devicekit.claim_gpu] for a ``with`` block. Claims are advisory: only calls
     with ``claim=True`` honour them.
 

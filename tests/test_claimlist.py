@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -156,3 +157,44 @@ def test_a_relative_claims_dir_is_refused(
     err = capsys.readouterr().err
     assert "devicekit claims: error: DEVICEKIT_CLAIMS_DIR='claims' is a relative path" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["link", "world-writable", "group-writable"])
+def test_a_directory_that_claims_refuse_is_said_to_be_one_not_listed_as_empty(
+    tmp_path: Path, claims_dir: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    # Before: "none held" (exit 0), following the link, where claim=True refuses the directory.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (elsewhere / f"{UUIDS[0]}.lock").write_text("")
+    if kind == "link":
+        claims_dir.symlink_to(elsewhere)
+        why = (
+            rf"{claims_dir} should be a directory of GPU claims owned by this user "
+            rf"\(uid {os.getuid()}\), but it is a symbolic link owned by uid \d+, which claims do "
+            r"not follow \(its target could change\); remove it, or set DEVICEKIT_CLAIMS_DIR to a "
+            r"directory of your own"
+        )
+    else:
+        claims_dir.mkdir()
+        claims_dir.chmod(0o1777 if kind == "world-writable" else 0o770)  # /tmp, a group's
+        why = r"DEVICEKIT_CLAIMS_DIR='.*' is writable by other users \(mode \d+\), who could plant"
+    report = _claimlist.claims_report()
+    assert (report.held, report.lock_files) == ((), None)  # unknown, not 0
+    assert report.unknown is not None
+    assert re.match(rf"claims cannot be kept here: {why}", report.unknown), report.unknown
+    assert str(report) == f"GPU claims in {claims_dir}: {report.unknown}"
+    assert main(["claims", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert (document["lock_files"], document["unknown"]) == (None, report.unknown)
+
+
+def test_a_directory_that_cannot_be_read_has_an_unknown_count_not_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(_claims.DIR_VAR, str(tmp_path / "a-file" / "claims"))
+    report = _claimlist.claims_report()
+    assert (report.held, report.lock_files) == ((), None)  # before: 0 lock files
+    assert report.unknown == "cannot be read (Not a directory)"
+    assert report.to_dict()["lock_files"] is None

@@ -17,6 +17,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -203,6 +204,88 @@ def test_claim_gpu_releases_its_own_claim_whatever_the_block_makes_visible(
     assert sorted(_claims._held.claims) == [uuid(1)]  # the block's own claim went, no other
 
 
+def test_a_claim_gpu_block_releases_the_claim_it_took_after_waiting_for_another_thread(
+    nvml_session: Install,
+) -> None:
+    # Before, a block told its claim by the UUIDs held before and after its pick: a GPU
+    # that another thread held when this block began, and released while it waited, was
+    # not "its" claim, and stayed claimed after the block (8 threads on 3 GPUs: all 3).
+    fake = machine(1)
+    nvml_session(fake)
+    got: list[torch.device] = []
+    with dk.claim_gpu() as device:
+        looked = fake.calls["nvmlDeviceGetMemoryInfo_v2"]
+        waiter = later(0, lambda: got.append(enter_claim_gpu_block(wait=TIMEOUT)))
+        deadline = time.monotonic() + TIMEOUT
+        while fake.calls["nvmlDeviceGetMemoryInfo_v2"] == looked:  # until it has looked once
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    waiter.join(TIMEOUT)
+    assert got == [device]
+    assert not _claims._held.claims  # the waiter's block released what it took
+
+
+def enter_claim_gpu_block(*, wait: float) -> torch.device:
+    with dk.claim_gpu(wait=wait) as device:
+        assert _claims.is_held(uuid(0))
+    return device
+
+
+def test_a_claim_gpu_block_releases_only_its_own_claim_not_one_made_again_inside(
+    nvml_session: Install,
+) -> None:
+    # Before, a claim released in the block and made again (by UUID the same GPU) was
+    # released at the block's end, under the pick_gpu(claim=True) that made it.
+    nvml_session(machine(1))
+    with dk.claim_gpu() as device:
+        assert dk.release_gpu(device) is True
+        assert dk.pick_gpu(claim=True) == device
+    assert _claims.is_held(uuid(0))  # the block's own claim was gone; this one stays
+    assert dk.release_gpu(device) is True
+
+
+def test_one_claim_gpu_block_entered_by_two_threads_at_once_lets_one_in(
+    nvml_session: Install, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the block was marked entered only once the claim was taken: a second thread
+    # entering meanwhile got in too, made a block of its own over the first one's, and the
+    # first thread's claim was released under it; its exit left the second thread's block.
+    nvml_session(machine(2))
+    from devicekit import _pick
+
+    inside, go_on = threading.Event(), threading.Event()
+    real_ranked = _pick._ranked
+
+    def slow_ranked(*args: Any) -> Any:  # the first pick waits here, holding its entry open
+        if not inside.is_set():
+            inside.set()
+            assert go_on.wait(TIMEOUT)
+        return real_ranked(*args)
+
+    monkeypatch.setattr(_pick, "_ranked", slow_ranked)
+    block = dk.claim_gpu()
+    outcome: list[object] = []
+
+    def first() -> None:
+        with block as device:
+            outcome.append(device)
+            outcome.append(sorted(_claims._held.claims))
+
+    thread = later(0, first)
+    try:
+        assert inside.wait(TIMEOUT)
+        with (
+            pytest.raises(RuntimeError, match=r"this claim_gpu\(\) was already entered once"),
+            block,
+        ):
+            pass
+    finally:
+        go_on.set()
+        thread.join(TIMEOUT)
+    assert outcome == [torch.device("cuda", 0), [uuid(0)]]
+    assert not _claims._held.claims
+
+
 def test_lock_files_are_named_by_uuid_even_for_old_mig_names(private_claims: Path) -> None:
     mig = "MIG-GPU-aaaa1111-0000-0000-0000-000000000000/1/0"  # drivers before R470
     assert _claims.claim(mig, 0) is True
@@ -229,6 +312,49 @@ def test_a_fork_child_does_not_keep_the_parents_claim() -> None:
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+        os.close(ready)
+        os.close(report)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_fork_from_another_thread_waits_for_a_claim_being_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, a fork between a claim's lock and its record left the child a lock it did
+    # not know of: the GPU stayed claimed, after its release, until the child ended.
+    in_window = threading.Event()
+    real_claim = _claims._Claim
+
+    def slow_record(*args: Any) -> Any:  # after the lock is taken, before it is recorded
+        in_window.set()
+        time.sleep(1)
+        return real_claim(*args)
+
+    monkeypatch.setattr(_claims, "_Claim", slow_record)
+    ready, report = os.pipe()
+    children: list[int] = []
+
+    def fork() -> None:
+        assert in_window.wait(TIMEOUT)
+        child = os.fork()
+        if child == 0:  # the child: say it runs, then hold on to everything it inherited
+            os.write(report, b"x")
+            time.sleep(30)
+            os._exit(0)
+        children.append(child)
+
+    forker = later(0, fork)
+    try:
+        assert _claims.claim(uuid(0), 0)
+        forker.join(TIMEOUT)
+        assert select.select([ready], [], [], TIMEOUT)[0]  # the child is past its fork hooks
+        assert _claims.release(uuid(0))
+        assert _claims.claim(uuid(0), 0)  # free at once, although the child still runs
+    finally:
+        forker.join(TIMEOUT)
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
         os.close(ready)
         os.close(report)
 
@@ -423,6 +549,38 @@ def test_a_directory_owned_by_another_user_is_refused(private_claims: Path) -> N
         _claims.claims_directory()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to squat another user's directory")
+def test_a_directory_squatted_in_a_sticky_tmp_is_not_said_to_be_removable() -> None:
+    # Before: "remove it", which the user cannot in a sticky /tmp: it is another user's.
+    base = Path(tempfile.mkdtemp(prefix="devicekit-test-"))  # a stand-in for /tmp
+    try:
+        base.chmod(0o1777)
+        squatted = base / "devicekit-65534"
+        squatted.mkdir(mode=0o755)  # root's: made before nobody's first claim
+        code = CTRL_C_WORKS + textwrap.dedent(
+            f"""
+            import json, os
+            from devicekit import _claimfiles, _claimlist
+            os.setgid(65534); os.setuid(65534)
+            _claimfiles._SHARED_TMP = {str(base)!r}
+            try:
+                _claimfiles.claims_directory()
+            except PermissionError as error:
+                print(json.dumps([str(error), _claimlist.claims_report().unknown]))
+            """
+        )
+        error, unknown = run_python(code, env={_claims.DIR_VAR: ""}, timeout=TIMEOUT)
+    finally:
+        shutil.rmtree(base)
+    why = (
+        f"{squatted} should be a directory of GPU claims owned by this user (uid 65534), but "
+        "it is a directory owned by uid 0; set DEVICEKIT_CLAIMS_DIR to a directory of your "
+        "own (or ask its owner or root to remove it)"
+    )
+    assert error == f"[Errno 13] {why}"
+    assert unknown == f"claims cannot be kept here: {why}"
+
+
 def test_a_directory_that_cannot_be_made_is_a_clear_error(
     nvml_session: Install, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -447,11 +605,87 @@ def test_a_lock_file_that_cannot_be_made_is_a_clear_error(
     private_claims.mkdir(mode=0o700)
     (private_claims / f"{uuid(0)}.lock").mkdir()  # in the way of the lock file
     with pytest.raises(
-        IsADirectoryError,
-        match=rf"claim=True cannot open the lock file .*{uuid(0)}\.lock: Is a directory; set ",
+        PermissionError,
+        match=rf"claim=True cannot use .*{uuid(0)}\.lock as a GPU's lock file: it should be a "
+        rf"regular file owned by this user \(uid {os.getuid()}\), but it is a directory owned "
+        r"by uid \d+; remove it \(claim=True makes it again\)$",
     ):
         dk.pick_gpu(claim=True)
     assert not _claims._held.claims
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "theirs"])
+def test_a_lock_file_is_never_opened_through_a_link_nor_in_place_of_another_file(
+    private_claims: Path, tmp_path: Path, kind: str
+) -> None:
+    # Before, the lock file was opened following links: a link planted in its place had
+    # the pid written over the first bytes of its target.
+    private_claims.mkdir(mode=0o700)
+    lock = private_claims / f"{uuid(0)}.lock"
+    target = tmp_path / "precious"
+    target.write_text("precious data\n")
+    described = {
+        "link": r"a symbolic link owned by uid \d+, which claims do not follow .*",
+        "fifo": r"a named pipe \(FIFO\) owned by uid \d+",
+        "theirs": r"a regular file owned by uid \d+",
+    }[kind]
+    if kind == "link":
+        lock.symlink_to(target)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.write_text("")
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the file to another user")
+        os.chown(lock, 65534, 65534)
+    with pytest.raises(
+        PermissionError,
+        match=rf"^\[Errno 13\] claim=True cannot use {re.escape(str(lock))} as a GPU's lock "
+        rf"file: .* but it is {described}; remove it",
+    ):
+        _claims.claim(uuid(0), 0)
+    assert target.read_text() == "precious data\n"
+    assert not _claims._held.claims
+    lock.unlink()
+    assert _claims.claim(uuid(0), 0) is True  # removed, as the message says: claims work
+
+
+def test_a_read_only_directory_of_ones_own_is_named_as_not_writable(tmp_path: Path) -> None:
+    # Before: "Permission denied; set DEVICEKIT_CLAIMS_DIR to a directory of your own",
+    # about a directory that was the user's own.
+    code = CTRL_C_WORKS
+    if os.geteuid() == 0:  # root may write anywhere: the job runs as nobody, in nobody's own
+        base = Path(tempfile.mkdtemp(prefix="devicekit-test-"))
+        base.chmod(0o755)
+        directory = base / "claims"
+        directory.mkdir(mode=0o500)
+        os.chown(directory, 65534, 65534)
+        code += "import os\nfrom devicekit import _claims\nos.setgid(65534); os.setuid(65534)\n"
+    else:
+        base = tmp_path
+        directory = base / "claims"
+        directory.mkdir(mode=0o500)
+    code += textwrap.dedent(
+        """
+        import json
+        from devicekit import _claims
+        try:
+            _claims.claim("GPU-0000", 0)
+        except PermissionError as error:
+            print(json.dumps(str(error)))
+        """
+    )
+    try:
+        message = run_python(code, env={_claims.DIR_VAR: str(directory)}, timeout=TIMEOUT)
+    finally:
+        directory.chmod(0o700)
+        if base != tmp_path:
+            shutil.rmtree(base)
+    assert message.startswith(
+        f"[Errno 13] claim=True cannot open the lock file {directory}/GPU-0000.lock: "
+        f"Permission denied: {directory}, this user's own, is not writable (mode 500); make it "
+        f"writable (chmod u+w {directory}), or set DEVICEKIT_CLAIMS_DIR to a directory of your own"
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a job as another user")
