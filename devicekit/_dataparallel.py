@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 
@@ -37,17 +38,22 @@ def data_parallel(
 
     Args:
         module: The model.
-        devices: The devices to use: a list of [`DeviceLike`][devicekit.DeviceLike], or one
-            device. Default: [`try_all_gpus()`][devicekit.try_all_gpus].
+        devices: The devices to use: a list or tuple of
+            [`DeviceLike`][devicekit.DeviceLike], the first gathering the outputs (not
+            a set, which has no order), or one device. Default:
+            [`try_all_gpus()`][devicekit.try_all_gpus].
 
     A module already wrapped (the cell that wrapped it, run again) is
     unwrapped first, so the result is never ``DataParallel`` in
     ``DataParallel`` (whose state-dict keys would read ``module.module.``).
 
     Returns:
-        ``nn.DataParallel(module)`` or ``module`` itself, moved.
+        ``nn.DataParallel(module)`` or ``module`` itself, moved (or, where its
+        class's ``.to()`` returns a moved copy, that copy).
 
     Raises:
+        TypeError: ``devices`` is a set (it has no order, and the first device
+            gathers the outputs): pass a list or tuple.
         ValueError: ``devices`` is empty, names a device twice (``[0, 0]``,
             ``["cuda", "cuda:0"]``), mixes device types, or is the meta
             device (which would drop the module's weights).
@@ -66,6 +72,13 @@ def data_parallel(
         raise not_a_module(module, call="data_parallel(module)")
     if isinstance(module, torch.nn.DataParallel):  # a notebook cell run again: wrap the model
         module = module.module
+    if isinstance(devices, AbstractSet):  # a set, a frozenset, a dict's keys()
+        raise TypeError(
+            f"data_parallel() needs devices as a list or tuple, got a {type(devices).__name__} "
+            f"({short_repr(devices)}): a set has no order, and the first device is where "
+            "nn.DataParallel gathers the outputs, so it would depend on hashing. Pass a list "
+            "in the order you mean, the gathering device first: devices=[0, 1]"
+        )
     targets = try_all_gpus() if devices is None else resolve_devices(devices)
     if not targets:
         raise ValueError("data_parallel() needs at least one device, got an empty list")
@@ -87,7 +100,7 @@ def data_parallel(
             "each GPU once"
         )
     _refuse_meta_tensors(module, targets[0])
-    module.to(targets[0])
+    module = _moved(module, targets[0])
     if len(targets) < 2 or targets[0].type == "cpu":
         return module
     if not _warned_data_parallel:
@@ -98,6 +111,24 @@ def data_parallel(
             "each rank on dk.local_device()."
         )
     return torch.nn.DataParallel(module, device_ids=targets)
+
+
+def _moved(module: torch.nn.Module, target: torch.device) -> torch.nn.Module:
+    """``module.to(target)``'s result: the module itself, or the copy its own ``.to()`` made.
+
+    A ``.to()`` that moves in place and returns None (a common slip in an
+    override) leaves the module itself, moved.
+    """
+    moved: object = module.to(target)  # an override may return None, or something else
+    if moved is None:
+        return module
+    if not isinstance(moved, torch.nn.Module):
+        raise TypeError(
+            f"data_parallel() moves the model with its own .to({str(target)!r}), which "
+            f"returned a {type(moved).__name__}, not a module. Make "
+            f"{type(module).__qualname__}.to() return the moved module (self, or its copy)"
+        )
+    return moved
 
 
 def _refuse_meta_tensors(module: torch.nn.Module, target: torch.device) -> None:

@@ -1,14 +1,16 @@
 """What `_mover`'s walk calls to move an object that moves itself: its own ``.to()``.
 
-An object with its own ``.to()`` (a Hugging Face ``BatchEncoding``, a
-``PackedSequence``) is moved by it, and so is a module, by ``Module.to`` or its
-class's override. Three things make that more than a call:
+An object with its own ``.to()`` is moved by it (with ``non_blocking=True``
+where the copy policy asks for it and the ``.to()`` takes it), and so is a
+module, by ``Module.to`` or its class's override; a ``UserDict`` (a Hugging
+Face ``BatchEncoding``) and a ``PackedSequence`` are rebuilt by the walk
+instead (`_mover`). Three things make that more than a call:
 
 - What ``.to()`` returns. One that moves in place and forgets ``return self``
   returns None: the walk keeps the object, and `to_device` warns once per
-  class (`returned`). One that moves a mapping's top-level values only (a
-  ``BatchEncoding``'s ``.to()``) may leave a tensor in a nested value:
-  `to_device` looks, as it looks inside objects it cannot move.
+  class (`returned`). One that moves a mapping's top-level values only may
+  leave a tensor in a nested value: `to_device` looks, as it looks inside
+  objects it cannot move.
 - A ``.to()`` that calls ``to_device`` on its object (``return
   dk.to_device(self, device)``): the walk it starts finds that object's
   ``.to()`` running (`calling_to`) and moves the object as what it is.
@@ -265,12 +267,26 @@ def proxy_to(mover: _Mover, proxy: torch.fx.Proxy) -> Any:
 
 
 def call_to(mover: _Mover, obj: Any) -> Any:
-    """``obj.to(device)``: an object's own ``.to()``, with a note where it raises."""
+    """``obj.to(device)``: an object's own ``.to()``, with a note where it raises.
+
+    With ``non_blocking=True`` where the copy policy makes the copy
+    non-blocking and the ``.to()`` takes that keyword (or ``**kwargs``), as a
+    module's is called: copies to an accelerator stay non-blocking. A copy to
+    the host is asked for blocking, even with ``non_blocking=True``: to_device
+    waits once for the devices of the copies it made itself, and cannot see
+    where the tensors inside an object come from, to wait for them.
+    """
     # A storage's .to() takes the device by keyword only (.to(device) raised TypeError).
     storage = isinstance(obj, _STORAGES)
     device = mover.device
+    kwargs: dict[str, Any] = {}
+    if mover.non_blocking and mover.unsynced is None and takes_non_blocking(type(obj)):
+        kwargs = _NON_BLOCKING
     try:
-        moved = obj.to(device=device) if storage else while_calling_to(obj, lambda: obj.to(device))
+        if storage:
+            moved = obj.to(device=device, **kwargs)
+        else:
+            moved = while_calling_to(obj, lambda: obj.to(device, **kwargs))
     except RecursionError:
         raise  # the walk is too deep: to_device says so
     except Exception as error:
@@ -283,20 +299,21 @@ def call_to(mover: _Mover, obj: Any) -> Any:
                 f".to(device={there!r}) raised {type(error).__name__}: {error}. Move the tensor "
                 "that holds the storage instead (tensor.to(device)), or keep it where it is"
             ) from error
+        called = f"{str(mover.device)!r}{', non_blocking=True' if kwargs else ''}"
         add_note(
             error,
             f"devicekit: to_device() moves a {qualified_name(cls)} by calling its own "
-            f".to({str(mover.device)!r}), which raised this. If {cls.__qualname__}.to() takes "
+            f".to({called}), which raised this. If {cls.__qualname__}.to() takes "
             "other arguments or means something else (a unit conversion), move its tensors "
             "yourself, or give it a .to(device) that moves them and returns the result.",
         )
         raise
     result = returned(mover, obj, moved)
     if isinstance(result, Mapping) and not isinstance(result, torch.nn.Module):
-        # A BatchEncoding's .to() moves its top-level values only: a tensor in a nested
+        # A mapping's .to() may move its top-level values only: a tensor in a nested
         # list stays. Looked for as inside an object the walk cannot move (bounded, a few
         # times per class). Other classes' .to() may keep a tensor on the host on
-        # purpose (a PackedSequence's batch_sizes): theirs is the last word.
+        # purpose: theirs is the last word.
         mover.unchanged(result, OWN_TO)
     return result
 
@@ -354,21 +371,24 @@ def returned(mover: _Mover, obj: Any, moved: Any) -> Any:
 
 
 _non_blocking_taken: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+_NON_BLOCKING: Final[dict[str, Any]] = {"non_blocking": True}  # unpacked: never written to
 
 
-def takes_non_blocking(cls: type[torch.nn.Module]) -> bool:
-    """Whether a module class's ``.to`` takes ``non_blocking=`` (``Module.to`` does).
+def takes_non_blocking(cls: type) -> bool:
+    """Whether a class's ``.to`` takes ``non_blocking=`` (``Module.to`` does), read once per class.
 
     Hugging Face and Lightning models override ``.to`` with ``*args, **kwargs``:
-    they take it, and their copies to a GPU stay non-blocking.
+    they take it, and their copies to a GPU stay non-blocking; so does any
+    other class's ``.to`` that names ``non_blocking`` (a storage's).
     """
     known = _non_blocking_taken.get(cls)
     if known is None:
-        if cls.to is torch.nn.Module.to:
+        to = getattr(cls, "to", None)
+        if to is torch.nn.Module.to:
             known = True
         else:
             try:
-                parameters = inspect.signature(cls.to).parameters.values()
+                parameters = inspect.signature(to).parameters.values()  # type: ignore[arg-type]
             except (TypeError, ValueError):  # a signature Python cannot read: not assumed
                 parameters = ()  # type: ignore[assignment]
             known = any(

@@ -23,7 +23,7 @@ from ._movecalls import (
     takes_non_blocking,
     while_calling_to,
 )
-from ._submodules import held_tensors, unhashable_note
+from ._submodules import held_tensors, named_held, unhashable_note
 
 if TYPE_CHECKING:
     from ._mover import _Mover as Mover
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOOKS_PER_CLASS",
     "call_module",
+    "held_before",
     "looks_left",
     "module_looks_left",
     "module_move",
@@ -70,15 +71,34 @@ def _call_base_module_to(mover: Mover, module: torch.nn.Module) -> Any:
 def _module_to(mover: Mover, module: torch.nn.Module, to: Callable[..., Any]) -> Any:
     if mover.unsynced is not None:
         mover.unsynced.update(t.device for t in held_tensors(module))
+    # While to_device still looks at its attributes: what it held, by id (no reference, so
+    # the tensors Module.to replaces are freed as before), to tell a plain attribute that
+    # holds a replaced one from one that never held a registered tensor.
+    before = held_before(module) if module_looks_left(module) > 0 else None
     device, non_blocking = mover.device, mover.non_blocking
     try:
         moved = while_calling_to(module, lambda: to(module, device, non_blocking=non_blocking))
     except TypeError as error:
         unhashable_note(error, module)  # else torch's bare "unhashable type"
         raise
-    if module_looks_left(module) > 0:  # to_device looks at its attributes
-        mover.modules = [*(mover.modules or ()), module]
+    if before is not None:  # to_device looks at its attributes
+        mover.modules = [*(mover.modules or ()), (module, before)]
     return returned(mover, module, moved)
+
+
+def held_before(module: torch.nn.Module) -> dict[int, tuple[str, str]]:
+    """The id of each parameter and buffer of ``module``, with its dotted name and kind.
+
+    Read before ``Module.to``, which replaces buffers, and parameters where it
+    cannot move them in place (to the meta device): a plain attribute that
+    still holds one of these after the move holds the module's old tensor.
+    """
+    held: dict[int, tuple[str, str]] = {}
+    for name, tensor in named_held(module, "_parameters"):
+        held[id(tensor)] = (name, "parameter")
+    for name, tensor in named_held(module, "_buffers"):
+        held.setdefault(id(tensor), (name, "buffer"))
+    return held
 
 
 def module_looks_left(module: torch.nn.Module) -> int:

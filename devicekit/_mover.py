@@ -4,9 +4,10 @@ A `_Mover` holds one target and copy policy, the memo that keeps shared things
 shared (and finds cycles), and the walk itself: `_walk`, a closure that
 rebuilds plain dicts, lists and tuples inline, since they hold nearly every
 batch. Every other container goes to `_rebuild` or `_records`; an object with
-its own ``.to()`` (a module, a Hugging Face ``BatchEncoding``) is moved by it
+its own ``.to()`` (a module, a storage, a user's class) is moved by it
 (`_movecalls`; a module by `_movemodule`, which also keeps its tensors one with
-the batch's).
+the batch's), but a ``UserDict`` (a Hugging Face ``BatchEncoding``) and a
+``PackedSequence``, which the walk rebuilds (`_own_to_or_rebuild`).
 
 Each thread keeps one mover per target and policy and reuses it (`borrow`);
 `to_device` borrows one, walks, turns `Cycle` into a ``ValueError`` that
@@ -19,6 +20,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections import UserDict
 from collections.abc import Callable, Iterator, Mapping, MappingView, MutableSequence
 from typing import Any
 
@@ -47,7 +49,9 @@ from ._movecalls import (
 )
 from ._movemodule import LOOKS_PER_CLASS, call_module, looks_left, module_move
 from ._rebuild import (
+    PACKED_TO,
     rebuild_mapping,
+    rebuild_packed_sequence,
     rebuild_sequence,
     rebuild_set,
     rebuild_tuple,
@@ -124,7 +128,8 @@ class _Mover:
         self.returned_none: list[type] | None = None  # classes whose .to() returned None
         # Left as they were, with a tensor inside: (class, path, how: UNCHANGED...).
         self.unmoved: list[tuple[type, str, Unmoved]] | None = None
-        self.modules: list[torch.nn.Module] | None = None  # moved, class not looked at enough
+        # Moved, not looked at enough yet: each with what it held before (held_before).
+        self.modules: list[tuple[torch.nn.Module, dict[int, tuple[str, str]]]] | None = None
         # What moving a module inside the batch made: id(module or its old tensor) -> moved.
         self.shared: dict[int, Any] | None = None
         self.kept: list[Any] = []  # objects made during the call: alive while memo has their id
@@ -158,7 +163,7 @@ class _Mover:
         has_to = has_to_method(type(obj))
         own_to = has_to and calling_to(obj)
         if has_to and not own_to:
-            return self.container(obj, call_to)
+            return self.container(obj, _own_to_or_rebuild(obj))
         if isinstance(obj, Mapping):
             return self.container(obj, rebuild_mapping)
         if isinstance(obj, tuple):
@@ -280,6 +285,23 @@ class _Mover:
         self.modules = None
         self.shared = None
         self.busy = False
+
+
+def _own_to_or_rebuild(obj: Any) -> Callable[[_Mover, Any], Any]:
+    """How to move an object with its own ``.to()``: by calling it, or rebuilt by the walk.
+
+    A ``UserDict``'s ``.to()`` (a ``BatchEncoding``'s) changes it in place, and
+    copies a tensor it holds twice twice: rebuilt as a mapping (a copy with
+    its attributes, ``.data`` holding the moved items), the input stays as it
+    was, and the memo keeps tensors shared, inside it and with the rest of the
+    batch. ``PackedSequence.to`` copies its tensors on their own: rebuilt as
+    it rebuilds itself, with the memo.
+    """
+    if isinstance(obj, UserDict):
+        return rebuild_mapping
+    if type(obj).to is PACKED_TO:
+        return rebuild_packed_sequence
+    return call_to
 
 
 def _why_unmoved(obj: object) -> Unmoved:

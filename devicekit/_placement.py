@@ -3,34 +3,29 @@
 The walk itself, the state one call keeps and the copy policy (which copies
 are non-blocking) are `_mover`'s; this module takes the one-tensor call
 without a walk, and turns what the walk meets (a cycle, a structure too deep, a
-tensor on the meta device, a ``.to()`` that returned None) into errors and
-warnings that name the place in ``obj`` and the fix.
+tensor on the meta device) into errors that name the place in ``obj`` and the
+fix. What it could not move, and what a module left behind, are warned of by
+`_movewarn`.
 """
 
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, ItemsView, KeysView
 from typing import TypeVar
 
 import torch
 
 from ._accelerators import CPU, META, try_gpu
-from ._checkfix import attribute_fix
 from ._compiled import traced_move
 from ._devices import DeviceLike, resolve_device
 from ._errors import TensorCopyError, add_note
-from ._format import article, qualified_name
-from ._frames import caller_stacklevel
-from ._look import OPAQUE, Changed, module_attributes, tensor_elsewhere
-from ._lookbulk import plain_class_ids
-from ._lookpandas import pandas_kind
-from ._movecalls import ELSEWHERE, KEY_HELD, LAZY, OWN_TO, HeldView, Unmoved, waits_for
-from ._movemodule import module_looks_left, set_module_looks
+from ._movecalls import (
+    HeldView,
+)
 from ._mover import Cycle, ModuleFirst, borrow
+from ._movewarn import warn_left_behind, warn_returned_none, warn_unmoved
 from ._options import check_flag
-from ._submodules import named_submodules
 from ._tree import describe_cycle, iter_tensors, path_of
 
 __all__ = ["to_device"]
@@ -42,156 +37,6 @@ _is_compiling = torch.compiler.is_compiling  # True only while dynamo traces the
 # resolve_device returns these very objects for the CPU and meta: compare by identity
 # (reading a torch.device's .type builds a new string each time, about 0.4 µs).
 _CPU, _META_DEVICE = CPU, META
-
-
-_warned_returned_none: set[type] = set()
-
-
-def _warn_returned_none(classes: list[type]) -> None:
-    for cls in dict.fromkeys(classes):
-        if cls in _warned_returned_none:
-            continue
-        _warned_returned_none.add(cls)
-        name = qualified_name(cls)
-        warnings.warn(
-            f"{name}.to() returned None; to_device() kept the object itself, assuming it moved "
-            f"in place. Make {cls.__qualname__}.to() return self (or its moved copy). "
-            "This warning is shown once per class.",
-            RuntimeWarning,
-            stacklevel=caller_stacklevel(),
-        )
-
-
-_TRANSFORMERS_CACHE = " (a model's cache: run the model there, or pass use_cache=False)"
-
-
-def _warn_unmoved(unmoved: list[tuple[type, str, Unmoved]], target: torch.device) -> None:
-    # Once per class and kind: _mover looks inside a class no more once it found a tensor.
-    for (cls, how), path in {(cls, how): path for cls, path, how in unmoved}.items():
-        name = cls.__name__
-        if how == KEY_HELD:
-            what = (
-                f"moved a {name if cls is dict else qualified_name(cls)}'s values, never its "
-                "keys, and a key holds a "
-                f"tensor not on {target} ({name}{path}), which stays where it is. Key it by "
-                "a str or an int instead, and keep the tensor among the values"
-            )
-        elif how == LAZY:
-            shown = name if cls.__module__ == "builtins" else qualified_name(cls)
-            what = (
-                f"returned {article(shown)} {shown} as it is: an iterator makes its items as "
-                "it runs, so to_device cannot move them without running it and using it up. "
-                "Pass a list of its items instead (list(...)), or move each item as it comes"
-            )
-        elif how == ELSEWHERE:
-            shown, get = waits_for(cls) or (qualified_name(cls), "")
-            what = (
-                f"returned {article(shown)} {shown} as it is: it stands for a value made "
-                "elsewhere, which to_device cannot move without waiting for it. Get the "
-                f"value first ({get}) and move that"
-            )
-        elif how == OWN_TO:
-            what = (
-                f"moved a {qualified_name(cls)} with its own .to(), which left a tensor not "
-                f"on {target} ({name}{path}) where it was (a BatchEncoding's .to() moves its "
-                "top-level values only). Move that value yourself, or keep such tensors at "
-                "the top level"
-            )
-        else:
-            if cls.__module__ == "numpy":
-                fix = "keep them in a list (which it moves) instead of a numpy array"
-            elif (kind := pandas_kind(cls)) is not None:  # a .to() is not the user's to add
-                fix = _pandas_fix(kind, target)
-            else:
-                fix = f"give {name} a .to(device) that returns the moved object"
-            cache = _TRANSFORMERS_CACHE if cls.__module__.startswith("transformers.") else ""
-            advice = f"Move its tensors yourself, {fix}, or make it on {target} in the first place"
-            if cls.__module__.startswith("torch."):  # torch's own class: no .to() to add
-                advice = _torch_fix(cls, target)
-            what = (
-                f"returned a {qualified_name(cls)} as it is: devicekit does not know how to "
-                f"move it, and it holds a tensor not on {target} ({name}{path}), which stays "
-                f"where it is. {advice}{cache}"
-            )
-        finds = "" if how in (LAZY, ELSEWHERE) else " dk.assert_same_device() finds such tensors."
-        warnings.warn(
-            f"to_device() {what}.{finds} This warning is shown once per class.",
-            RuntimeWarning,
-            stacklevel=caller_stacklevel(),
-        )
-
-
-# Plain attributes of a moved module looked at per look, and references read inside each:
-# a model's are a few per module (a config, a cache), read once per class.
-_ATTRIBUTES_PER_LOOK = 4096
-_REFERENCES_PER_ATTRIBUTE = 64
-_CODE = frozenset(map(id, OPAQUE))
-
-
-_warned_left: set[tuple[type, str]] = set()  # (class, path) told by _warn_left_behind
-_WARNED_AT_MOST = 1024
-
-
-def _warn_left_behind(modules: list[torch.nn.Module], target: torch.device) -> None:
-    """Warn where ``Module.to()`` left a plain tensor attribute elsewhere.
-
-    Each module is looked at a few times at most (`_mover.unchanged` does the
-    same for objects, by class), so a model moved at every step costs a dict
-    lookup per call once it is known. Each stray is told once per class and
-    path, however many models of that class hold it.
-    """
-    for module in {id(module): module for module in modules}.values():
-        cls = type(module)
-        looks = module_looks_left(module)
-        if looks <= 0:
-            continue
-        try:
-            path = _plain_tensor_elsewhere(module, target)
-        except Changed:  # another thread was writing it: no answer, and no look either
-            continue
-        except Exception:  # noqa: BLE001 - a look that fails finds nothing, and stops
-            path, looks = None, 1
-        set_module_looks(module, 0 if path is not None else looks - 1)
-        if path is None:
-            continue
-        # Once per class and path: each new model of a class with the same stray looks once.
-        if (cls, path) in _warned_left:
-            continue
-        if len(_warned_left) < _WARNED_AT_MOST:
-            _warned_left.add((cls, path))
-        fix = attribute_fix("model", module, [path])  # check_module's own, where it has one
-        warnings.warn(
-            f"to_device() moved a {qualified_name(cls)} with Module.to(), which leaves a "
-            f"tensor kept as a plain attribute where it is: {cls.__name__}.{path} is not on "
-            f"{target}. Where the forward uses it, {fix}. Some modules keep such a copy "
-            "elsewhere on purpose and move it when they use it (transformers' rotary "
-            "embeddings keep original_inv_freq so). This warning is shown once per module "
-            "class and attribute path.",
-            RuntimeWarning,
-            stacklevel=caller_stacklevel(),
-        )
-
-
-def _plain_tensor_elsewhere(module: torch.nn.Module, target: torch.device) -> str | None:
-    """The path of a tensor in a plain attribute of ``module`` not on ``target``.
-
-    Bounded: up to `_ATTRIBUTES_PER_LOOK` attributes that are not plain values,
-    `_REFERENCES_PER_ATTRIBUTE` references read inside each (`tensor_elsewhere()`).
-    """
-    skip = plain_class_ids() | _CODE
-    left = _ATTRIBUTES_PER_LOOK
-    for prefix, submodule in named_submodules(module):
-        for attr, value in module_attributes(submodule):
-            if id(type(value)) in skip:
-                continue
-            left -= 1
-            if left < 0:
-                return None
-            # A module kept in a plain attribute (a list of layers) is not moved either.
-            inside = tensor_elsewhere(value, target, looks=_REFERENCES_PER_ATTRIBUTE, modules=True)
-            if inside is not None:
-                return f"{prefix}.{attr}{inside}" if prefix else f"{attr}{inside}"
-    return None
 
 
 def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
@@ -231,9 +76,14 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
       were computed from the old tensors) so they are computed again.
       ``SimpleNamespace``, ``attrs`` instances and pydantic models (their
       private attributes too) are copied the same way.
-    - Objects with their own ``.to(device)`` method are moved by it, modules
-      whose class overrides ``.to`` too; one whose ``.to()`` returns None is
-      kept (it moved itself), with a warning once per class. A ``.to()``
+    - Objects with their own ``.to(device)`` method are moved by it (with
+      ``non_blocking=True`` for a non-blocking copy to an accelerator, where it
+      takes that keyword), modules whose class overrides ``.to`` too; one
+      whose ``.to()`` returns None is kept (it moved itself), with a warning
+      once per class. But a ``UserDict`` (a Hugging Face ``BatchEncoding``,
+      whose ``.to()`` changes it in place) is copied as other mappings are,
+      and a ``PackedSequence`` is made as its ``.to()`` makes it, its tensors
+      moved by the walk: the input stays as it was, shared tensors shared. A ``.to()``
       that returns ``to_device(self, device)`` works: the object is then
       moved as what it is (a dataclass, a mapping, each attribute of a copy).
     - Other modules are moved in place, as ``Module.to`` does (TorchScript
@@ -345,11 +195,11 @@ def to_device(  # noqa: PLR0912 - the hot path: each call saved is measured
     finally:
         mover.finish()
     if returned_none is not None:
-        _warn_returned_none(returned_none)
+        warn_returned_none(returned_none)
     if unmoved is not None:
-        _warn_unmoved(unmoved, target)
+        warn_unmoved(unmoved, target)
     if modules is not None:
-        _warn_left_behind(modules, target)
+        warn_left_behind(modules, target)
     return result  # type: ignore[no-any-return]
 
 
@@ -359,41 +209,6 @@ _DEAD_PROXY_NOTE = (
     "exists, and cannot tell what it was. Take it out of the batch, or keep its object "
     "alive while the batch is moved."
 )
-
-
-def _torch_fix(cls: type, target: torch.device) -> str:
-    """How to have one of torch's own classes on ``target``: no .to() is yours to add there."""
-    if issubclass(cls, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
-        optimizer = issubclass(cls, torch.optim.Optimizer)
-        held = "" if optimizer else " (a scheduler holds its optimizer)"
-        return (
-            f"An optimizer's state follows its parameters{held}: make it after moving the "
-            "model, or load_state_dict() into one made then (which moves the state to each "
-            "parameter's device)"
-        )
-    move = f"move each batch as it comes, dk.to_device(batch, {str(target)!r})"
-    if issubclass(cls, torch.utils.data.DataLoader):
-        return f"A DataLoader hands out batches on the host, where its workers make them: {move}"
-    if issubclass(cls, torch.utils.data.Dataset):
-        return f"A dataset's items stay on the host, where a DataLoader reads them: {move}"
-    return (
-        f"torch's {cls.__name__} has no .to() to call: move the tensors it holds yourself, or "
-        f"make it from tensors on {target}"
-    )
-
-
-def _pandas_fix(kind: str, target: torch.device) -> str:
-    """How to move the tensors of a pandas object yourself, onto ``target``.
-
-    A pattern, not code to paste: the label shown in the path may not be one
-    to type back (``np.int64(0)``), and the frame may sit inside the batch.
-    """
-    move = f".map(lambda t: t.to({str(target)!r}))"
-    if kind == "DataFrame":
-        return f"a column of them with df[column] = df[column]{move}"
-    if kind == "Series":
-        return f"with series = series{move}"
-    return "keep them in a list or dict of tensors (which it moves)"
 
 
 def _view_refused(obj: object, held: HeldView, target: torch.device) -> str:

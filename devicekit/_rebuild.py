@@ -37,6 +37,8 @@ from collections import ChainMap, Counter, OrderedDict, defaultdict, deque
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
+import torch
+
 from ._copying import copy_state, forget_cached_properties, own_copy, unshare
 from ._errors import add_note
 from ._format import first_line, qualified_name
@@ -45,7 +47,9 @@ from ._shortrepr import short_repr
 from ._tree import container_layout, is_dataclass_instance, record_layout
 
 __all__ = [
+    "PACKED_TO",
     "rebuild_mapping",
+    "rebuild_packed_sequence",
     "rebuild_sequence",
     "rebuild_set",
     "rebuild_tuple",
@@ -426,3 +430,30 @@ def _kept(walk: Walk, obj: Any) -> list[Any]:
     if type(obj) not in (list, tuple, set, frozenset):
         walk.keep(items)
     return items
+
+
+_PackedSequence = torch.nn.utils.rnn.PackedSequence
+PACKED_TO = _PackedSequence.to
+"""``PackedSequence.to``: a class whose ``.to`` is this one is rebuilt by the walk instead."""
+
+
+def rebuild_packed_sequence(walk: Walk, obj: _PackedSequence) -> _PackedSequence:
+    """A ``PackedSequence`` as its own ``.to()`` makes it, its tensors moved by the walk.
+
+    ``PackedSequence.to`` copies ``data`` and the indices on their own, so a
+    tensor the batch holds elsewhere too (``{"ps": ps, "d": ps.data}``) came
+    back as two copies. The walk's memo keeps it one. As its ``.to()`` does,
+    ``batch_sizes`` stays on the host (torch's packing reads it there), and a
+    sequence with nothing to move is returned as it is (it is an immutable
+    tuple: sharing it changes nothing).
+    """
+    data = walk.move(obj.data)
+    sorted_indices = walk.move(obj.sorted_indices)  # None stays None
+    unsorted_indices = walk.move(obj.unsorted_indices)
+    if (
+        data is obj.data
+        and sorted_indices is obj.sorted_indices
+        and unsorted_indices is obj.unsorted_indices
+    ):
+        return obj
+    return type(obj)(data, obj.batch_sizes, sorted_indices, unsorted_indices)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 
@@ -47,3 +50,61 @@ def test_a_wrapped_module_is_unwrapped_not_wrapped_again() -> None:
     model = torch.nn.Linear(2, 2)
     wrapped = torch.nn.DataParallel(model, device_ids=[])
     assert dk.data_parallel(wrapped, "cpu") is model
+
+
+class _CopiesOnTo(torch.nn.Module):
+    """A module whose own .to() returns a moved copy, as some wrappers' do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+
+    def to(self, *args: Any, **kwargs: Any) -> _CopiesOnTo:
+        copied = copy.deepcopy(self)
+        torch.nn.Module.to(copied, *args, **kwargs)
+        copied.__dict__["moved"] = True
+        return copied
+
+
+class _ForgetsToReturn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+
+    def to(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        super().to(*args, **kwargs)
+
+
+def test_what_the_module_s_own_to_returns_is_the_model() -> None:
+    # Before, the return value was dropped: a .to() that returns a copy gave back the
+    # module unmoved.
+    module = _CopiesOnTo()
+    result = dk.data_parallel(module, "cpu")
+    assert result is not module
+    assert getattr(result, "moved", False)
+    forgets = _ForgetsToReturn()
+    assert dk.data_parallel(forgets, "cpu") is forgets  # None: moved in place, kept
+
+
+def test_a_to_that_returns_no_module_is_refused_with_the_fix() -> None:
+    class ReturnsADict(torch.nn.Module):
+        def to(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+            return {}
+
+    with pytest.raises(TypeError, match=r"own \.to\('cpu'\), which returned a dict, not a module"):
+        dk.data_parallel(ReturnsADict(), "cpu")
+
+
+@pytest.mark.parametrize("devices", [{0, 1}, frozenset({"cpu"}), {"cpu": 0}.keys()])
+def test_a_set_of_devices_is_refused_the_first_device_would_depend_on_hashing(
+    devices: object,
+) -> None:
+    # Before, a set was taken: the device that gathers the outputs depended on hash order.
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(
+        TypeError,
+        match=r"^data_parallel\(\) needs devices as a list or tuple, got a \w+ \(.*\): a set has "
+        r"no order, .* Pass a list in the order you mean, the gathering device first",
+    ):
+        dk.data_parallel(module, devices)  # type: ignore[arg-type]
+    assert module.weight.device.type == "cpu"

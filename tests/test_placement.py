@@ -11,13 +11,14 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import pytest
 import torch
 
 import devicekit as dk
-from devicekit import _dataparallel, _movecalls, _movemodule, _mover, _placement, _refcounts
+from devicekit import _dataparallel, _movecalls, _movemodule, _mover, _movewarn, _refcounts
 from devicekit._tree import children
 
 from .conftest import FakeAccelerator
@@ -897,7 +898,7 @@ class MovesItself:
 
 
 def test_an_object_whose_to_returns_none_is_kept_with_one_warning() -> None:
-    _placement._warned_returned_none.discard(MovesItself)
+    _movewarn._warned_returned_none.discard(MovesItself)
     first, second = MovesItself(), MovesItself()
     with pytest.warns(RuntimeWarning, match=r"MovesItself\.to\(\) returned None") as caught:
         moved = dk.to_device({"a": first, "b": [first]}, META)
@@ -935,7 +936,7 @@ class TakesOnlyADevice(torch.nn.Module):
 
 
 def test_a_module_with_its_own_to_is_moved_by_it_as_other_objects_are() -> None:
-    _placement._warned_returned_none.discard(ForgetsToReturn)
+    _movewarn._warned_returned_none.discard(ForgetsToReturn)
     model = ForgetsToReturn()
     batch: dict[str, Any] = {"model": model, "again": [model]}
     with pytest.warns(RuntimeWarning, match=r"ForgetsToReturn\.to\(\) returned None") as caught:
@@ -1820,18 +1821,18 @@ def test_a_numpy_array_of_objects_holding_a_tensor_is_warned_of() -> None:
 
 
 def test_what_an_object_s_own_to_leaves_in_a_nested_value_is_warned_of() -> None:
-    class Encoding(collections.UserDict):  # type: ignore[type-arg]
-        """As transformers' BatchEncoding: its .to() moves its top-level tensors only."""
+    class Encoding(dict):  # type: ignore[type-arg]
+        """A mapping whose .to() moves its top-level tensors only."""
 
         def to(self, device: torch.device) -> Encoding:
-            self.data = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                         for k, v in self.data.items()}  # fmt: skip
-            return self
+            return Encoding({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                             for k, v in self.items()})  # fmt: skip
 
     with pytest.warns(
         RuntimeWarning,
         match=r"moved a .*Encoding with its own \.to\(\), which left a tensor not on meta "
-        r"\(Encoding\.data\['pixels'\]\[0\]\) where it was",
+        r"\(Encoding\['pixels'\]\[0\]\) where it was \(a \.to\(\) that moves the "
+        r"top-level values only\)",
     ):
         moved = dk.to_device(Encoding(ids=torch.ones(1), pixels=[torch.ones(1)]), META)
     assert on(META, moved["ids"])
@@ -1896,3 +1897,207 @@ def test_a_traced_move_to_the_host_blocks_whatever_non_blocking_says() -> None:
     traced = torch.fx.symbolic_trace(Step())
     (move,) = [node for node in traced.graph.nodes if node.target == "to"]
     assert move.kwargs.get("non_blocking", False) is False
+
+
+# --- objects with their own .to(), warnings, modules' old tensors (trial 46) ---------------
+
+
+class _InPlaceEncoding(collections.UserDict):  # type: ignore[type-arg]
+    """As transformers' BatchEncoding: a UserDict whose .to() replaces its own .data."""
+
+    def __init__(self, data: dict[str, Any], n_sequences: int | None = None) -> None:
+        super().__init__(data)
+        self.n_sequences = n_sequences
+        self.calls = 0
+
+    def to(self, device: torch.device) -> _InPlaceEncoding:
+        self.calls += 1
+        self.data = {k: v.to(device) for k, v in self.data.items()}  # each value on its own
+        return self
+
+
+def test_a_user_dict_with_its_own_to_is_rebuilt_unchanged_and_shared() -> None:
+    # Before, its .to() ran: the caller's object moved in place (the result was the input),
+    # and a tensor under two keys came back as two copies.
+    ids = torch.ones(2, 3)
+    encoding = _InPlaceEncoding({"input_ids": ids}, n_sequences=1)
+    encoding["labels"] = encoding["input_ids"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moved = dk.to_device(encoding, META)
+    assert type(moved) is _InPlaceEncoding
+    assert moved is not encoding
+    assert encoding.calls == 0  # its .to() was not called
+    assert encoding["input_ids"] is ids  # the input is never changed
+    assert moved.data is not encoding.data
+    assert on(META, moved["input_ids"])
+    assert moved["labels"] is moved["input_ids"]  # reached twice, moved once
+    assert moved.n_sequences == 1  # its attributes kept
+    batch = {"enc": encoding, "ids": ids}
+    moved_batch = dk.to_device(batch, META)
+    assert moved_batch["enc"]["input_ids"] is moved_batch["ids"]  # shared with the batch
+
+
+def test_a_packed_sequence_is_moved_as_its_own_to_moves_it_with_sharing_kept() -> None:
+    padded = torch.arange(12.0).reshape(3, 4)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(
+        padded, torch.tensor([4, 2, 3]), batch_first=True, enforce_sorted=False
+    )
+    theirs = packed.to("meta")  # type: ignore[arg-type]  # torch types it dtype-only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = dk.to_device(packed, META)
+    assert type(ours) is type(theirs)
+    for name in ("data", "batch_sizes", "sorted_indices", "unsorted_indices"):
+        mine, other = getattr(ours, name), getattr(theirs, name)
+        assert (mine.device, mine.shape, mine.dtype) == (other.device, other.shape, other.dtype)
+    assert ours.batch_sizes is packed.batch_sizes  # on the host, as its .to() keeps it
+    assert on("cpu", packed.data)  # the input is as it was
+    # Before, its .to() copied data on its own: the batch's reference came back a second copy.
+    moved: dict[str, Any] = dk.to_device(
+        {"ps": packed, "d": packed.data, "i": packed.sorted_indices}, META
+    )
+    assert moved["ps"].data is moved["d"]
+    assert moved["ps"].sorted_indices is moved["i"]
+    assert dk.to_device(packed, "cpu") is packed  # nothing to move: itself, as its .to()
+    plain = torch.nn.utils.rnn.pack_sequence([torch.ones(2), torch.ones(1)])  # no indices
+    assert dk.to_device(plain, META).sorted_indices is None
+
+
+class _TakesNonBlocking:
+    seen: list[bool] = []  # noqa: RUF012 - reset per test
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> _TakesNonBlocking:
+        self.seen.append(non_blocking)
+        return self  # pretend it moved: there is no GPU here
+
+
+class _TakesADeviceOnly:
+    def to(self, device: torch.device) -> _TakesADeviceOnly:
+        return self
+
+
+@pytest.mark.parametrize(
+    ("device", "forced", "expected"),
+    [
+        (torch.device("cuda", 0), None, [True]),  # the policy: non-blocking to an accelerator
+        (torch.device("cuda", 0), False, [False]),
+        (META, None, [True]),
+        # To the host it blocks even when forced: to_device cannot see where the object's
+        # tensors come from, to wait for them before returning.
+        (torch.device("cpu"), True, [False]),
+        (torch.device("cpu"), None, [False]),
+    ],
+)
+def test_an_object_s_own_to_gets_the_copy_policy_where_it_takes_non_blocking(
+    device: torch.device, forced: bool | None, expected: list[bool]
+) -> None:
+    # Before, every object's own .to() was called with the device alone: blocking copies.
+    _TakesNonBlocking.seen = []
+    mover = _mover._Mover(device, forced)
+    try:
+        mover.move([_TakesNonBlocking(), _TakesADeviceOnly()])  # the second: no keyword
+    finally:
+        mover.finish()
+    assert _TakesNonBlocking.seen == expected
+
+
+class _ToNone:
+    def to(self, device: torch.device) -> None:
+        pass
+
+
+class _Opaque:
+    def __init__(self) -> None:
+        self.tensor = torch.ones(1)
+
+
+@pytest.mark.parametrize(
+    ("make", "told"),
+    [
+        (lambda: {"o": _ToNone(), "x": torch.ones(1)}, r"_ToNone\.to\(\) returned None"),
+        (lambda: {"o": _Opaque(), "x": torch.ones(1)}, r"returned a .*_Opaque as it is"),
+        (lambda: {(1, torch.ones(1)): 1}, r"a key holds a tensor not on meta"),
+        (_positions_class(), r"Positions\.pos is not on meta"),  # each call: a new model
+    ],
+    ids=["returned None", "left unchanged", "dict key", "module attribute"],
+)
+def test_once_per_class_warnings_made_errors_are_raised_again_not_passed_over(
+    make: Callable[[], Any], told: str
+) -> None:
+    # Before, each class was marked told before warnings.warn ran: under
+    # simplefilter("error") the first call raised and the second passed in silence.
+    _movewarn._warned_returned_none.discard(_ToNone)
+    for cls in (_Opaque, _movecalls.DictKey):
+        _movemodule.looks_left.pop(cls, None)
+    batch = make()
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeWarning, match=told):
+                dk.to_device(batch, META)
+    with pytest.warns(RuntimeWarning, match=told):
+        dk.to_device(batch, META)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dk.to_device(batch, META)  # told once: never again
+    _movemodule.looks_left.pop(_movecalls.DictKey, None)
+
+
+class _KeepsItsOwnParameters(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.decay = [self.fc.weight]  # a plain list of its own parameters
+
+
+class _KeepsItsOwnBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(2))
+        self.held = {"scale": self.scale}  # a buffer: Module.to() always replaces those
+
+
+def test_an_attribute_holding_the_module_s_replaced_parameters_is_told_so() -> None:
+    # Before: "held as a plain attribute; module.parameters() and state_dict() leave them
+    # out. Use nn.ParameterList": they were registered, and Module.to() made new ones.
+    _movewarn._warned_left.clear()  # told once per class and path: as if never told
+    model = _KeepsItsOwnParameters()
+    with pytest.warns(RuntimeWarning) as told:
+        dk.to_device(model, META)
+    said = str(told[0].message)
+    assert (
+        "_KeepsItsOwnParameters.decay[0] is the module's old parameter fc.weight, not on meta"
+        in said
+    )
+    assert "read it through the module (model.fc.weight)" in said
+    assert "build _KeepsItsOwnParameters.decay again after moving the model" in said
+    assert "ParameterList" not in said
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"_KeepsItsOwnBuffer\.held\['scale'\] is the module's old buffer scale, not on "
+        r"meta\. Where it is used, read it through the module \(model\.scale\)",
+    ):
+        dk.to_device(_KeepsItsOwnBuffer(), "meta")
+    # A parameter that was never registered keeps check_module's advice.
+    never = torch.nn.Linear(2, 2)
+    never.__dict__["extra"] = [torch.nn.Parameter(torch.ones(1))]
+    with pytest.warns(RuntimeWarning, match=r"Use nn\.ParameterList"):
+        dk.to_device(never, META)
+
+
+def test_distributed_data_parallel_s_own_bookkeeping_is_not_warned_of(
+    tmp_path: Path,
+) -> None:
+    # Before: "DistributedDataParallel._module_parameters[0] is not on meta", torch's own.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dk.to_device({"model": wrapped}, META)
+        assert on(META, wrapped.module.weight)
+    finally:
+        dist.destroy_process_group()

@@ -10,6 +10,7 @@ the test says so.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import types
@@ -120,7 +121,7 @@ def test_a_real_model_output_moves_as_lightning_moves_it() -> None:
     assert_same(dk.to_device(output, META), lightning_move()(output))
 
 
-def test_a_batch_encoding_is_moved_by_its_own_to() -> None:
+def test_a_batch_encoding_moves_as_the_peers_move_it() -> None:
     transformers = pytest.importorskip("transformers")
     encoding = transformers.BatchEncoding(
         {"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 2)}
@@ -130,6 +131,44 @@ def test_a_batch_encoding_is_moved_by_its_own_to() -> None:
     assert all(t.device == META for t in ours.values())
     assert_same(ours, accelerate_move()(encoding))
     assert_same(ours, lightning_move()(encoding))
+
+
+def _tokenized() -> Any:
+    """A real fast tokenizer's BatchEncoding (its encodings, n_sequences), made offline."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocabulary = {"[UNK]": 0, "[PAD]": 1, "a": 2, "b": 3}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]"
+    )
+    return fast(["a b", "b"], padding=True, return_tensors="pt")
+
+
+def test_a_batch_encoding_is_rebuilt_never_changed_and_keeps_shared_tensors() -> None:
+    # Before, its own .to() ran: it moved the caller's encoding in place (the result was
+    # the input), and labels = input_ids came back as two copies.
+    encoding = _tokenized()
+    encoding["labels"] = encoding["input_ids"]
+    encoding["pixel_values"] = [torch.ones(1)]  # nested: its .to() left it behind
+    ids = encoding["input_ids"]
+    ours = dk.to_device(encoding, META)
+    assert type(ours) is type(encoding)
+    assert ours is not encoding
+    assert encoding["input_ids"] is ids  # the input is never changed
+    assert ours["labels"] is ours["input_ids"]  # a tensor reached twice is moved once
+    assert ours["pixel_values"][0].device == META
+    # What a tokenizer's encoding holds besides its items is kept.
+    assert ours.n_sequences == encoding.n_sequences == 1
+    assert ours.word_ids(0) == encoding.word_ids(0)
+    assert ours.encodings == encoding.encodings
+    # As its own .to() moves a copy of it (a shallow copy, so the input stays).
+    theirs = copy.copy(encoding).to(META)
+    theirs["pixel_values"] = ours["pixel_values"]  # the one it leaves behind
+    assert_same(ours, theirs)
+    batch = dk.to_device({"enc": encoding, "ids": ids}, META)
+    assert batch["enc"]["input_ids"] is batch["ids"]  # shared with the rest of the batch
 
 
 def test_the_checks_see_a_batch_encoding_and_a_model_output_once_each() -> None:
