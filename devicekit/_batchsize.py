@@ -42,13 +42,14 @@ import itertools
 import math
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any
 
 import torch
 
 from ._accelerators import accelerator_count, accelerator_type
+from ._batchrestore import saved_states
 from ._census import only_new_objects
 from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects
@@ -227,6 +228,7 @@ def find_batch_size(
     device: DeviceLike | None = None,
     isolate: bool = False,
     trial_timeout: float | None = None,
+    restore: Iterable[object] = (),
 ) -> int:
     """Find the largest batch size ``fn(batch_size)`` runs with, without leaving memory behind.
 
@@ -295,6 +297,16 @@ def find_batch_size(
             start has its own bound of 300 s. Default: no bound. Without
             ``isolate`` a running ``fn`` cannot be stopped, so this is
             refused there.
+        restore: Objects whose state the trials change, put back when the
+            search ends, however it ends: each trial runs a real step, so
+            one with ``optimizer.step()`` trains the model on the search's
+            batches, fills the optimizer's state and leaves gradients.
+            Anything with ``state_dict()`` and ``load_state_dict()``:
+            ``restore=[model, optimizer]`` (a scheduler, a ``GradScaler``).
+            Their states are kept in host memory meanwhile (serialized, one
+            copy); a module's gradients and torch's random number generators
+            are put back too. Default: nothing is put back. Not with
+            ``isolate=True``, where nothing in this process changes.
 
     Returns:
         A size that ran, reduced by ``margin``: the largest that ran, which
@@ -344,6 +356,7 @@ def find_batch_size(
         max_size = check_count(
             max_size, name="max_size", minimum=start, fix="pass max_size >= start"
         )
+    given_margin = margin
     margin = check_number(margin, name="margin", at_least=0, below=1, meaning="0.1 is 10% headroom")
     if trial_timeout is not None:
         trial_timeout = check_seconds(trial_timeout, name="trial_timeout")
@@ -352,6 +365,11 @@ def find_batch_size(
                 f"trial_timeout={trial_timeout:g} needs isolate=True: a trial in this process "
                 "cannot be stopped; pass isolate=True, or drop trial_timeout"
             )
+    if isolate and not (isinstance(restore, (list, tuple)) and not restore):
+        raise ValueError(
+            "restore= with isolate=True: the trials run in child processes, so nothing in this "
+            "process changes; drop restore, or isolate"
+        )
     target = None if device is None else _trial_device(device)
     cpu = _on_cpu(target)
     if cpu:
@@ -361,10 +379,45 @@ def find_batch_size(
         if isolate
         else InProcess(fn, target, cpu)
     )
-    # In fractions, not floats: 50 * (1 - 0.02) is 48.99999999999999 in floats.
-    share = Fraction(margin).limit_denominator(10**9)
+    # In fractions, not floats: 50 * (1 - 0.02) is 48.99999999999999 in floats. Read from
+    # the text (np.float32(0.1) is '0.1', and 0.10000000149 as a float: 44 for 45).
+    share = _fraction(given_margin, margin)
     precision = share * _PRECISION
     flaky: list[int] = []
+    put_back = saved_states(restore)
+    try:
+        found = _search_everywhere(trial, start, max_size, flaky, precision)
+    finally:
+        put_back()
+    if flaky:
+        _warn_flaky(flaky, found)
+    if isinstance(trial, InProcess):
+        _warn_leak(trial.held)
+    return max(start, math.floor(found * (1 - share)))
+
+
+def _fraction(given: object, value: float) -> Fraction:
+    """``margin`` as a fraction: read from its text where that is a number, else ``value``'s.
+
+    Examples:
+        >>> _fraction("unused", 0.1), _fraction(1e-3, 1e-3)
+        (Fraction(1, 10), Fraction(1, 1000))
+    """
+    try:
+        exact = Fraction(str(given))
+    except (ValueError, ZeroDivisionError):
+        return Fraction(value).limit_denominator(10**9)
+    return exact if abs(float(exact) - value) <= 1e-6 else Fraction(value).limit_denominator(10**9)
+
+
+def _search_everywhere(
+    trial: InProcess | Isolated,
+    start: int,
+    max_size: int | None,
+    flaky: list[int],
+    precision: Fraction,
+) -> int:
+    """The search on this rank, or under ``torch.distributed`` the minimum over every rank."""
     if not initialized():
         found = _search_and_clean(trial, start, max_size, flaky, precision)
     else:
@@ -386,8 +439,4 @@ def find_batch_size(
                 "says why), so no batch size is common to every rank"
             )
         found = min(size for size, _ in answers)
-    if flaky:
-        _warn_flaky(flaky, found)
-    if isinstance(trial, InProcess):
-        _warn_leak(trial.held)
-    return max(start, math.floor(found * (1 - share)))
+    return found

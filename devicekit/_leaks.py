@@ -366,20 +366,15 @@ _LAZY_FIX = (
 )
 
 
-def _call(fn: Callable[[], Any]) -> None:
-    """Call ``fn``, refusing a result that means its body never ran."""
-    refuse_lazy(fn, call="fn()", fix=_LAZY_FIX, result=fn())
-
-
 def _call_numbered(fn: Callable[[], Any], number: int, repeat: int, warmup: int) -> None:
-    """`_call()`; an error from ``fn`` leaves with a note of which call raised it.
+    """Call ``fn``; its error leaves with a note of which call raised it, a lazy result refused.
 
     fn's error is fn's own and propagates as it was, but a call that fails only
     the fifth time looks, without the note, like one that always fails. A
     Ctrl-C gets the note too: it says how far the calls had come.
     """
     try:
-        _call(fn)
+        result = fn()
     except (Exception, KeyboardInterrupt) as error:
         kind = "a warm-up call" if number <= warmup else "a measured call"
         add_note(
@@ -388,6 +383,9 @@ def _call_numbered(fn: Callable[[], Any], number: int, repeat: int, warmup: int)
             f"{warmup + repeat} ({kind}; warmup={warmup}, repeat={repeat})",
         )
         raise
+    # Outside the try: devicekit's refusal of a result that means fn's body never ran
+    # is not fn's error, and a note saying fn raised it would say it was (T50).
+    refuse_lazy(fn, call="fn()", fix=_LAZY_FIX, result=result)
 
 
 def _measure(

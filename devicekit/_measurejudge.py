@@ -76,9 +76,17 @@ def notes_on(m: Judged) -> list[str]:
     elif m.rel_noise is None:
         found.append(_too_few_note(m))
     elif m.rel_noise > _NOISY:
+        # A run cut short by max_time says so too: more time may be the fix (T50).
+        target = m.rel_noise_target
+        short = "" if target is None else f", short of its ±{target * 100:g}% target"
+        stopped = (
+            f"; it stopped at max_time{short}: allow more time for a tighter result"
+            if m.stop_reason == "max_time"
+            else ""
+        )
         found.append(
             f"noisy: the median is only known to ±{m.rel_noise:.1%} "
-            f"(interquartile range {format_seconds(m.iqr)})"
+            f"(interquartile range {format_seconds(m.iqr)}){stopped}"
         )
     elif m.stop_reason == "max_time":
         found.append(_stopped_short_note(m, m.rel_noise))
@@ -173,8 +181,8 @@ def _stopped_short_note(m: Judged, noise: float) -> str:
         timed = max(calls, timed or 0.0)
     elif m.min_time is not None:
         short = f"before min_time ({format_seconds(m.min_time)} of timed calls)"
-    else:
-        short = "before min_time"
+    else:  # precise, and 10 calls or more: min_time, it seems, which is not recorded
+        short = "before min_time, it seems (the min_time it ran with is not recorded)"
     advice = (
         "allow more max_time"
         if timed is None

@@ -1186,3 +1186,81 @@ def test_a_step_that_keeps_memory_is_warned_about_under_explain_oom_too() -> Non
     with pytest.warns(RuntimeWarning, match="fn keeps memory from one call to the next"):
         assert dk.find_batch_size(leaky) == 8
     assert gc.get_freeze_count() == frozen
+
+
+# --- restore: what the trials change, put back ------------------------------------------------
+
+
+def _training_step() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """A model, its optimizer, and a step that trains it; sizes above 300 run out of memory."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(size: int) -> None:
+        x = torch.randn(size, 8)
+        if size > 300:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+
+    return model, optimizer, step
+
+
+def test_restore_puts_back_the_model_the_optimizer_the_gradients_and_the_generator() -> None:
+    # T45: the search trained the model (12 Adam steps on random batches), filled the
+    # optimizer's state, left gradients and moved the generator on, without a word.
+    model, optimizer, step = _training_step()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    assert dk.find_batch_size(step, restore=[model, optimizer]) == 300
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert optimizer.state_dict()["state"] == {}
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    # Without it, the trials' steps stay: as documented.
+    assert dk.find_batch_size(step) == 300
+    assert not all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+
+
+def test_restore_puts_back_even_when_the_search_fails() -> None:
+    model, optimizer, step = _training_step()
+    before = [p.clone() for p in model.parameters()]
+
+    def fails_at_64(size: int) -> None:
+        step(size)
+        if size >= 64:
+            raise ValueError("a bug at 64")
+
+    with pytest.raises(ValueError, match="a bug at 64"):
+        dk.find_batch_size(fails_at_64, restore=[model, optimizer])
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("restore", "error", "text"),
+    [
+        (torch.nn.Linear(2, 2).weight, TypeError, r"restore must be a list of objects"),
+        ([object()], TypeError, r"restore\[0\] must have state_dict\(\) and load_state_dict\(\)"),
+        ("model", TypeError, r"restore must be a list of objects"),
+    ],
+)
+def test_restore_refuses_what_has_no_state(restore: Any, error: type[Exception], text: str) -> None:
+    with pytest.raises(error, match=text):
+        dk.find_batch_size(lambda size: None, max_size=4, restore=restore)
+
+
+def test_restore_is_refused_with_isolate() -> None:
+    with pytest.raises(ValueError, match=r"restore= with isolate=True: the trials run in child"):
+        dk.find_batch_size(abs, isolate=True, restore=[torch.nn.Linear(2, 2)])
+
+
+def test_a_margin_given_as_a_numpy_float32_is_read_as_written() -> None:
+    # T45: np.float32(0.1) is 0.10000000149 as a float: floor(50 * 0.8999999985) = 44, not 45.
+    np = pytest.importorskip("numpy")
+
+    def step(size: int) -> None:
+        if size > 50:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    assert dk.find_batch_size(step, margin=np.float32(0.1)) == 45
+    assert dk.find_batch_size(step, margin=0.1) == 45
