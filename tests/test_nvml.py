@@ -582,7 +582,7 @@ def test_a_memory_total_of_zero_is_unknown_and_no_low_memory_finding(
     assert (info.memory_total, info.memory_used, info.memory_free) == (None, None, None)
     assert "0 B" not in str(dk.status())
     assert not any("little free memory" in f.title for f in dk.doctor().findings)
-    assert dk.pick_gpu(min_free_memory=1) == torch.device("cpu")  # unknown meets no limit
+    assert dk.pick_gpu(min_free_memory=2**20) == torch.device("cpu")  # unknown meets no limit
 
 
 def test_a_power_limit_of_zero_is_unknown_and_the_draw_stays(nvml_session: Install) -> None:
