@@ -12,7 +12,9 @@ started before the search) are put back too.
 
 The saved states are serialized to host memory (``torch.save`` into bytes):
 a copy in device memory would take from what the trials measure, and a
-reference would follow the trials' in-place updates.
+reference would follow the trials' in-place updates. Loading one back holds
+its bytes and the loaded copy at once: twice its size, briefly, one object
+at a time.
 """
 
 from __future__ import annotations
@@ -54,21 +56,54 @@ def _checked(restore: object) -> list[Any]:
     return objects
 
 
+def _refuse_lazy(obj: object, index: int) -> None:
+    """Refuse a module with lazy parameters not made yet: its state cannot be loaded back."""
+    if not isinstance(obj, torch.nn.Module):
+        return
+    lazy = [
+        name
+        for name, tensor in [*obj.named_parameters(), *obj.named_buffers()]
+        if torch.nn.parameter.is_lazy(tensor)
+    ]
+    if lazy:
+        raise ValueError(
+            f"restore[{index}] ({type(obj).__name__}) has lazy parameters not made yet "
+            f"({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}), whose state cannot be "
+            "loaded back after the trials make them: run one forward pass first"
+        )
+
+
+def _grad_scalers() -> tuple[type, ...]:
+    """The GradScaler class of ``torch.amp`` (``torch.cuda.amp``'s is a subclass of it)."""
+    from torch.amp import GradScaler  # noqa: PLC0415 - only with restore
+
+    return (GradScaler,)
+
+
 def saved_states(restore: object) -> Callable[[], None]:
     """Save what ``restore`` holds (and torch's generators); return what puts it all back.
 
     Raises:
         TypeError: ``restore`` is not a list of objects with ``state_dict()``
-            and ``load_state_dict()``.
+            and ``load_state_dict()``, or a state does not pickle.
+        ValueError: A module has lazy parameters not made yet.
     """
     objects = _checked(restore)
     if not objects:
         return lambda: None
     states = []
-    for obj in objects:
+    for index, obj in enumerate(objects):
+        _refuse_lazy(obj, index)
         buffer = io.BytesIO()
-        torch.save(obj.state_dict(), buffer)
-        states.append(buffer.getvalue())
+        try:
+            torch.save(obj.state_dict(), buffer)
+        except Exception as error:  # pickling runs the state's own code: anything
+            raise TypeError(
+                f"restore[{index}] ({type(obj).__name__}) cannot be saved to be put back: its "
+                f"state_dict() does not pickle ({type(error).__name__}: {error}); leave it out "
+                "of restore, and save and load it yourself around the search"
+            ) from error
+        states.append(buffer)
     grads = [
         (
             parameter,
@@ -83,10 +118,15 @@ def saved_states(restore: object) -> Callable[[], None]:
 
     def put_back() -> None:
         for obj, state in zip(objects, states, strict=True):
+            state.seek(0)
             # Our own bytes, made just above: every object a state_dict holds loads back.
-            obj.load_state_dict(
-                torch.load(io.BytesIO(state), map_location="cpu", weights_only=False)
-            )
+            obj.load_state_dict(torch.load(state, map_location="cpu", weights_only=False))
+            # A GradScaler keeps, outside its state_dict, which optimizers it unscaled since
+            # its last update(): a trial stopped inside scaler.step() left it "unscaled", and
+            # the next real step then skipped unscaling (an update as large as the scale).
+            per_optimizer: Any = getattr(obj, "_per_optimizer_states", None)
+            if isinstance(obj, _grad_scalers()) and hasattr(per_optimizer, "clear"):
+                per_optimizer.clear()
         for parameter, grad in grads:
             parameter.grad = None if grad is None else grad.to(parameter.device)
         torch.set_rng_state(cpu_rng)

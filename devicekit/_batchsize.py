@@ -53,6 +53,7 @@ from ._batchrestore import saved_states
 from ._census import only_new_objects
 from ._devices import DeviceLike, resolve_device
 from ._dist import DEFAULT_TIMEOUT, gather_objects
+from ._errors import add_note
 from ._format import format_bytes
 from ._frames import caller_stacklevel
 from ._hostmemory import can_bound
@@ -385,10 +386,16 @@ def find_batch_size(
     precision = share * _PRECISION
     flaky: list[int] = []
     put_back = saved_states(restore)
+    found: int | None = None
     try:
         found = _search_everywhere(trial, start, max_size, flaky, precision)
     finally:
-        put_back()
+        try:
+            put_back()
+        except Exception as error:
+            if found is not None:  # the search's answer is not lost with it
+                add_note(error, f"find_batch_size found {found}; putting back restore failed")
+            raise
     if flaky:
         _warn_flaky(flaky, found)
     if isinstance(trial, InProcess):

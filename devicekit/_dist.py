@@ -239,7 +239,10 @@ def _barrier(group: Any, timeout: float) -> None:
     there ends their wait soon (within ``POLL_EVERY``), named
     (``_FailedElsewhere``). Not in a wait's last ``STORE_WAIT`` seconds: a
     look at a stalled store would outlast it. The thread costs about 80 µs a
-    call on those ranks.
+    call on those ranks. The barrier itself goes on, on its thread, until
+    gloo ends it (rank 0 exits, or the group's timeout): a rank that exits
+    meanwhile waits for it at exit (``_jobstore._let_go_at_exit``, which says
+    so and ends on Ctrl-C), as exiting under torch's running wait can abort.
     """
     import torch.distributed as dist  # noqa: PLC0415 - only with a process group
 
@@ -260,17 +263,12 @@ def _barrier(group: Any, timeout: float) -> None:
 
     made_with = Job.made_with if Job.made_with is not None else timeout
     bounded = _wait(made_with) > wait  # torch would wait for rank 0 longer than asked
+    waited = timeout if bounded else made_with + 5.0  # not bounded: torch ends it, and raises
     try:
-        within(
-            timeout if bounded else made_with + 5.0,  # not bounded: torch ends it, then raises
-            meet,
-            name="devicekit-barrier",
-            ends_within=made_with + 5.0,
-            poll=poll,
-        )
+        within(waited, meet, name="devicekit-barrier", ends_within=made_with + 5.0, poll=poll)
     except Stalled:
         raise RuntimeError(
-            f"rank 0 did not answer the barrier within {format_seconds(timeout)}; torch would "
+            f"rank 0 did not answer the barrier within {format_seconds(waited)}; torch would "
             f"wait for it for devicekit's group's {format_seconds(made_with)}"
         ) from None
 

@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -42,7 +43,7 @@ from ._mapguards import refuse_to_start
 from ._termination import stops_workers_first
 from ._trial import explain, run, start_failed, too_big
 from ._worker import NO_MAIN_GUARD, WorkerName, tie_to_parent
-from ._workerstart import stop_workers
+from ._workerstart import stop_workers, stopped_at_exit
 from ._workerstate import Worker, child_start_time
 
 __all__ = ["Isolated"]
@@ -209,7 +210,7 @@ class Isolated:
             args=(self.fn_bytes, size, first, self.device, send),
             kwargs={"cpu": self.cpu, "parent": os.getpid(), "signal_on_death": main_thread},
             # Not daemonic: fn may start processes (a DataLoader's workers). It is stopped
-            # below whatever happens, so multiprocessing's exit handler never joins it.
+            # below whatever happens, or at exit (below), before multiprocessing would join it.
             daemon=False,
             # Unpickled first in the child, before the main module is imported: it ties
             # the child to this process from its first line, as it does gpu_map's workers.
@@ -226,6 +227,10 @@ class Isolated:
             # its start time, read while it cannot have been reaped, ties its PID to it.
             started = None if process.pid is None else child_start_time(process.pid)
             child = Worker(1, "cpu", process, receive, started=started)
+            # A search run from a daemon thread of a process that exits: stopped then,
+            # before multiprocessing's exit handler would wait for the trial to end.
+            at_exit = weakref.finalize(child, stop_workers, [child], gently=False, detached=True)
+            stopped_at_exit(at_exit)
             try:
                 received = self._wait(process, receive, size)
                 # The trial is over: what fn started (a server, a loader's workers) ends
@@ -240,6 +245,7 @@ class Isolated:
                 stop_workers([child], gently=False, detached=True)
                 raise
             finally:
+                at_exit.detach()
                 process.join(timeout=10)
                 if process.is_alive():
                     process.kill()

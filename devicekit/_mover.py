@@ -290,18 +290,30 @@ class _Mover:
 def _own_to_or_rebuild(obj: Any) -> Callable[[_Mover, Any], Any]:
     """How to move an object with its own ``.to()``: by calling it, or rebuilt by the walk.
 
-    A ``UserDict``'s ``.to()`` (a ``BatchEncoding``'s) changes it in place, and
-    copies a tensor it holds twice twice: rebuilt as a mapping (a copy with
-    its attributes, ``.data`` holding the moved items), the input stays as it
-    was, and the memo keeps tensors shared, inside it and with the rest of the
-    batch. ``PackedSequence.to`` copies its tensors on their own: rebuilt as
-    it rebuilds itself, with the memo.
+    transformers' ``BatchEncoding.to`` (a ``UserDict``'s) changes it in place,
+    and copies a tensor it holds twice twice: rebuilt as a mapping (a copy
+    with its attributes, ``.data`` holding the moved items), the input stays
+    as it was, and the memo keeps tensors shared, inside it and with the rest
+    of the batch. ``PackedSequence.to`` copies its tensors on their own:
+    rebuilt as it rebuilds itself, with the memo. Any other ``.to()`` has the
+    last word, a ``UserDict``'s too: it may keep a tensor where it must stay
+    (lengths on the host, for ``pack_padded_sequence``).
     """
-    if isinstance(obj, UserDict):
+    if isinstance(obj, UserDict) and _is_batch_encoding_to(getattr(type(obj), "to", None)):
         return rebuild_mapping
     if type(obj).to is PACKED_TO:
         return rebuild_packed_sequence
     return call_to
+
+
+def _is_batch_encoding_to(to: object) -> bool:
+    """Whether ``to`` is transformers' ``BatchEncoding.to`` (its own, not a subclass's)."""
+    module = getattr(to, "__module__", None)
+    return (
+        getattr(to, "__qualname__", None) == "BatchEncoding.to"
+        and isinstance(module, str)
+        and module.startswith("transformers.")
+    )
 
 
 def _why_unmoved(obj: object) -> Unmoved:

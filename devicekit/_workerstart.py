@@ -92,7 +92,7 @@ _at_exit_lock = threading.Lock()
 
 
 def stopped_at_exit(finalizer: weakref.finalize[Any, Any]) -> None:
-    """Have ``finalizer`` (a pool's, which stops its workers) run at exit, before multiprocessing's.
+    """Have ``finalizer`` (a pool's, a trial child's) run at exit, before multiprocessing's.
 
     The workers are not daemonic processes, so that ``fn`` may start processes
     of its own (a ``DataLoader``'s workers), which ``multiprocessing`` refuses
@@ -113,11 +113,18 @@ def stopped_at_exit(finalizer: weakref.finalize[Any, Any]) -> None:
 
 
 def _stop_at_exit() -> None:
-    """Stop the workers of every pool not closed, as its finalizer would, now."""
+    """Stop the workers of every pool not closed (and trial children), as their finalizers would.
+
+    Ctrl-C during a stop (a worker that ignores SIGTERM gets seconds) ends that
+    one and goes on with the rest, quietly: it was a request to exit now.
+    """
     with _at_exit_lock:
         finalizers = list(_at_exit)
     for finalizer in finalizers:
-        finalizer()  # one that has run already: a no-op
+        try:
+            finalizer()  # one that has run already, or detached: a no-op
+        except KeyboardInterrupt:
+            continue
 
 
 def refuse_foreign(workers: list[Worker], *, caller: str) -> None:

@@ -186,3 +186,8 @@ def start_a_child(item: int) -> int:
 def written(path: Any) -> bool:
     """Whether ``path`` exists and has something in it (a PID, once the shell wrote it)."""
     return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def sleeps_a_minute(size: int) -> None:
+    """A trial (or item) that outlasts any test that waits for it."""
+    time.sleep(60)

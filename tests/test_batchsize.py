@@ -1264,3 +1264,53 @@ def test_a_margin_given_as_a_numpy_float32_is_read_as_written() -> None:
 
     assert dk.find_batch_size(step, margin=np.float32(0.1)) == 45
     assert dk.find_batch_size(step, margin=0.1) == 45
+
+
+def test_restore_leaves_a_grad_scaler_ready_for_the_next_real_step() -> None:
+    # R20: a trial stopped inside scaler.step() left the optimizer marked "unscaled" (outside
+    # the scaler's state_dict): the user's next step skipped unscaling, an update 1024x large.
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    size = [0]
+
+    def out_of_memory_past_100(opt: Any, args: Any, kwargs: Any) -> None:
+        if size[0] > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    optimizer.register_step_pre_hook(out_of_memory_past_100)
+
+    def step(n: int) -> None:
+        size[0] = n
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(n, 8)).pow(2).mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    dk.find_batch_size(step, device="cpu", restore=[model, optimizer, scaler], max_size=1024)
+    before = model.weight.detach().clone()
+    expected = torch.nn.Linear(8, 1)
+    expected.load_state_dict(model.state_dict())
+    reference = torch.optim.SGD(expected.parameters(), lr=0.1)
+    expected(torch.ones(1, 8)).pow(2).mean().backward()
+    reference.step()  # the same step, unscaled by hand: what the user's step must do
+    step(1)
+    assert torch.allclose(model.weight - before, expected.weight - before)
+
+
+def test_restore_refuses_what_it_could_not_put_back() -> None:
+    # R20: a lazy module's state failed to load after a successful search (its answer lost);
+    # a state that does not pickle failed with a bare AttributeError.
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"restore\[0\] \(Sequential\) has lazy parameters"):
+        dk.find_batch_size(lambda size: None, max_size=4, restore=[lazy])
+
+    class Holder:
+        def state_dict(self) -> dict[str, Any]:
+            return {"fn": lambda: None}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    with pytest.raises(TypeError, match=r"restore\[0\] \(Holder\) cannot be saved to be put"):
+        dk.find_batch_size(lambda size: None, max_size=4, restore=[Holder()])

@@ -162,3 +162,21 @@ def test_a_thread_count_the_user_set_is_kept(
     (got, omp), (got_too, _) = dk.gpu_map(threads, range(2), devices=["cpu", "cpu"])
     assert got == got_too == cores
     assert omp == (str(cores) if variable == "OMP_NUM_THREADS" else None)
+
+
+@pytest.mark.timeout(300)
+def test_an_isolated_search_in_a_daemon_thread_does_not_hold_up_exit() -> None:
+    # R20: the trial's child is not daemonic, so multiprocessing's exit handler waited for
+    # the trial (60 s here, for ever for a hung one) once the main thread had returned.
+    script = textwrap.dedent(
+        """
+        import threading, time, devicekit as dk
+        from tests.mapfns import sleeps_a_minute
+        search = lambda: dk.find_batch_size(sleeps_a_minute, device="cpu", isolate=True, max_size=4)
+        threading.Thread(target=search, daemon=True).start()
+        time.sleep(8)  # the child has started its trial
+        print("main returns", flush=True)
+        """
+    )
+    done = run_in_repo(script, timeout=40)  # raises TimeoutExpired where exit waits 60 s
+    assert "main returns" in done.stdout, done.stderr
