@@ -12,6 +12,7 @@ report, serve the child-process trials of `._isolated` too.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import traceback
 from collections.abc import Callable
@@ -102,9 +103,20 @@ def _held() -> int:
     return held
 
 
+_FINDER = " dk.find_batch_size(fn) finds the largest batch that fits."
+
+
 def start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemoryError:
-    """``error`` (an explained one) reworded: even ``start`` does not fit; of its classes still."""
+    """``error`` (an explained one) reworded: even ``start`` does not fit; of its classes still.
+
+    The report's fixes leave out "find_batch_size finds the largest batch":
+    this is its search, and no batch fits.
+    """
     report = error.report
+    if report is not None:
+        report = dataclasses.replace(
+            report, fixes=tuple(fix.replace(_FINDER, "") for fix in report.fixes)
+        )
     message = (
         f"find_batch_size: fn({start}) ran out of memory, so even start={start} does not fit. "
         + ("Pass a smaller start, or free memory" if start > 1 else "Free memory")

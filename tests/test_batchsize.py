@@ -167,6 +167,9 @@ def test_a_start_that_fails_says_so_with_the_report() -> None:
         dk.find_batch_size(Step(0))  # start=1 cannot be made smaller: no such advice
     assert "so even start=1 does not fit. Free memory first" in str(caught.value)
     assert "smaller start" not in str(caught.value)
+    # T45: its fixes said "dk.find_batch_size(fn) finds the largest batch", from inside it.
+    assert "find_batch_size(fn) finds" not in str(caught.value)
+    assert "Use a smaller batch" in str(caught.value)
 
 
 class MyOOM(torch.OutOfMemoryError):
