@@ -34,52 +34,50 @@ later tell them apart (``is_canceled()``): a cancellation is raised on, and
 Ray reports it as the ``TaskCancelledError`` it is. Older Ray cannot tell,
 and the message says so.
 
+The cluster itself, connected to or started, shared by the maps of this
+process's threads and shut down by the last of them: `_raycluster`.
+
 Ray is optional (``pip install 'devicekit[ray]'``) and imported only here,
 only when this executor runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ._devices import DeviceLike, parse_devices, resolve_devices
 from ._errors import DeviceNotFoundError, WorkerError
-from ._format import article, first_line
+from ._format import article
 from ._frames import caller_stacklevel
 from ._mapfaults import interrupted, show_item
 from ._progress import Progress
+from ._raycluster import cluster, connected_now, import_ray
 from ._rayfaults import (
     TASK_NAME,
     answer_failed,
-    check_address,
     exit_what,
-    plain_text,
     ray_failed,
     result_not_rebuilt,
+    unserializable_reason,
 )
 from ._raytask import PLAIN, dry_run, is_ray_object, run, runs_no_code
-from ._scopedenv import scoped_env
 from ._shortrepr import short_repr
-from ._visible import ENV_VAR
 from ._workerslots import workers_per_device_count
-from ._workerstart import worker_env
 
 __all__ = ["ray_map"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 _POLL = 0.1  # seconds per wait for results, so that Ctrl-C is seen at once
-_INSTALL = "pip install 'devicekit[ray]'"
 _RAY_RETRIES = 3  # Ray's max_retries for a task, where RAY_TASK_MAX_RETRIES does not say
 _RETRIES_VAR = "RAY_TASK_MAX_RETRIES"
+_RAY_MOST_PER_DEVICE = 10_000  # Ray's resource unit is 0.0001: a share below it is refused
 
 
 def _max_retries() -> int:
@@ -119,26 +117,6 @@ def _warn_forever(retries: int) -> None:
         )
 
 
-def _import_ray() -> Any:
-    try:
-        import ray  # noqa: PLC0415 - optional, and slow to import
-    except ImportError:
-        raise ImportError(
-            f"gpu_map(executor='ray') needs Ray, which is not installed here; {_INSTALL}"
-        ) from None
-    return ray
-
-
-def _connected() -> bool:
-    """Whether the map runs on a cluster this call does not start (so, not this machine's).
-
-    Read without importing Ray: a Ray that nobody imported is connected to nothing.
-    """
-    ray = sys.modules.get("ray")
-    initialized = ray is not None and ray.is_initialized()
-    return bool(initialized or os.environ.get("RAY_ADDRESS"))
-
-
 def _targets(devices: object, *, connected: bool) -> list[torch.device] | None:
     """``devices`` read by the device model: None (the cluster decides), GPUs, or ``[cpu]``.
 
@@ -154,11 +132,30 @@ def _targets(devices: object, *, connected: bool) -> list[torch.device] | None:
             targets = parse_devices(devices, name="devices")
         except DeviceNotFoundError:  # an index, where this machine has no accelerator
             raise ValueError(_local_gpus(short_repr(devices))) from None
+        cpus = [str(d) for d in targets if d.type == "cpu" and d.index is not None]
+        if cpus:  # before, "names GPUs of this machine", of a CPU
+            raise ValueError(
+                f"devices={[str(d) for d in targets]} names the CPU {cpus[0]!r} by index, but "
+                "Ray hands out CPUs by count, not by index: a CPU task runs on whichever CPU "
+                "the cluster gives it; pass devices='cpu'"
+            )
         here = [str(device) for device in targets if device.index is not None]
         if here:
             raise ValueError(_local_gpus(str(here)))
     else:
-        targets = resolve_devices(devices, name="devices")
+        try:
+            targets = resolve_devices(devices, name="devices")
+        except DeviceNotFoundError as error:  # its diagnosis, with the fixes gpu_map takes
+            # Before, "or dk.try_gpu() to fall back to the CPU", which gpu_map's devices
+            # do not take (a device of a list, not the fallback one).
+            diagnosis = getattr(error, "diagnosis", None) or str(error)
+            gpu_fix = getattr(error, "gpu_fix", None)
+            raise DeviceNotFoundError(
+                f"{diagnosis}. {f'{gpu_fix}, or p' if gpu_fix else 'P'}ass devices=None (this "
+                "machine's GPUs, or its CPUs where it has none) or devices='cpu'; or connect to "
+                "a Ray cluster with GPUs first (ray.init(address=...), or RAY_ADDRESS), whose "
+                "GPUs devices='cuda' then asks for"
+            ) from None
     if not targets:
         raise ValueError(
             "gpu_map(executor='ray') needs at least one device, got devices=[]; pass "
@@ -192,50 +189,39 @@ def _local_gpus(shown: str) -> str:
     )
 
 
-@contextlib.contextmanager
-def _cluster(ray: Any, targets: list[torch.device] | None, *, connected: bool) -> Iterator[None]:
-    """Use the Ray cluster this process is connected to or ``RAY_ADDRESS`` names, else start one.
-
-    ``connected``: whether there is such a cluster (`_connected`).
-    """
-    if connected:
-        connect = not ray.is_initialized()
-        if connect:
-            check_address(os.environ["RAY_ADDRESS"])
-            ray.init()  # connects to RAY_ADDRESS
-        try:
-            yield
-        finally:
-            if connect:
-                _shut_down(ray)  # disconnects; the cluster keeps running
-        return
-    # A local cluster of our own. Ray reads CUDA_VISIBLE_DEVICES when it starts and
-    # hands out only those GPUs, so scoping it to the chosen ones pins the tasks there.
-    gpus = [int(device.index) for device in targets or () if device.type == "cuda"]
-    visible = ",".join(worker_env(index) for index in gpus) if gpus else None
-    with scoped_env(ENV_VAR, visible) if gpus else contextlib.nullcontext():
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            num_gpus=len(gpus) if targets is not None else None,
-        )
-    try:
-        yield
-    finally:
-        _shut_down(ray)
-
-
 def _use_gpus(ray: Any, targets: list[torch.device] | None, *, connected: bool) -> bool:
-    """Whether the tasks are GPU tasks; warns where the cluster's GPUs make that a surprise.
+    """Whether the tasks are GPU tasks; warns where the cluster's resources make that a surprise.
 
     ``devices=None`` takes GPU tasks only where the cluster has a GPU now. An
     autoscaling cluster whose GPU nodes are at zero has none, so every item
     would run on a CPU without a word; GPU tasks asked for by name wait for a
-    GPU to join, which on a cluster that cannot add one is forever. A local
+    GPU to join, which on a cluster that cannot add one is forever, as CPU
+    tasks do on a cluster without a CPU (``ray.init(num_cpus=0)``). A local
     cluster this call started has this machine's GPUs, checked already: on a
     machine without one, CPU tasks are what the local executor would run too.
     """
-    gpus = ray.cluster_resources().get("GPU", 0)
+    resources = ray.cluster_resources()
+    gpus = resources.get("GPU", 0)
+    use_gpus = _chosen(gpus, targets, connected=connected)
+    if not use_gpus and not resources.get("CPU", 0):
+        instead = (
+            "pass devices='cuda' to run them as GPU tasks (which ask for no CPU)"
+            if gpus
+            else "start the cluster with CPUs (ray.init(num_cpus=...))"
+        )
+        warnings.warn(
+            "gpu_map(executor='ray'): the items run as CPU tasks, but the Ray cluster has no "
+            "CPU now (ray.cluster_resources() lists none, as after ray.init(num_cpus=0)), so "
+            "the tasks wait until one joins (an autoscaler adds nodes for them); on a cluster "
+            f"that cannot add one they wait forever: Ctrl-C stops them; {instead}",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
+    return use_gpus
+
+
+def _chosen(gpus: float, targets: list[torch.device] | None, *, connected: bool) -> bool:
+    """`_use_gpus` without the CPU's warning: ``gpus``, the cluster's."""
     if not connected:
         return bool(gpus) if targets is None else targets[0].type == "cuda"
     if targets is not None:
@@ -262,22 +248,6 @@ def _use_gpus(ray: Any, targets: list[torch.device] | None, *, connected: bool) 
     return bool(gpus)
 
 
-def _shut_down(ray: Any) -> None:
-    """``ray.shutdown()``, finished even where a second Ctrl-C cuts it short.
-
-    A shutdown cut short left Ray's agents running (a minute, orphaned) and
-    Ray then ended this process before the caller's ``except`` ran: the
-    results it had caught were lost. Shutting down again finishes the job;
-    the second Ctrl-C is raised after it (the first is its ``__context__``,
-    which keeps the finished results).
-    """
-    try:
-        ray.shutdown()
-    except KeyboardInterrupt:
-        ray.shutdown()
-        raise
-
-
 def ray_map(
     fn: Callable[[T], R],
     items: Iterable[T],
@@ -288,16 +258,25 @@ def ray_map(
 ) -> list[R]:
     """``gpu_map`` on Ray: one task per item, ``1/workers_per_device`` of a GPU (or CPU) each."""
     per_device = workers_per_device_count(workers_per_device)
-    connected = _connected()
+    if per_device > _RAY_MOST_PER_DEVICE:
+        # Ray's own words were "The precision of the fractional quantity of resource
+        # num_cpus cannot go beyond 0.0001", naming no parameter of gpu_map's.
+        raise ValueError(
+            f"workers_per_device={per_device}: executor='ray' asks Ray for 1/workers_per_device "
+            f"of a GPU (or CPU) per task, and Ray counts resources in steps of 0.0001, so at "
+            f"most {_RAY_MOST_PER_DEVICE} tasks can share one; pass workers_per_device="
+            f"{_RAY_MOST_PER_DEVICE} or fewer"
+        )
+    connected = connected_now()
     targets = _targets(devices, connected=connected)
     retries = _max_retries()
-    ray = _import_ray()
+    ray = import_ray()
     work = list(items)  # gpu_map checked them
     if not work:
         return []
     _warn_forever(retries)
     share = 1 / per_device
-    with _cluster(ray, targets, connected=connected):
+    with cluster(ray, targets, connected=connected):
         use_gpus = _use_gpus(ray, targets, connected=connected)
         if use_gpus:
             # Ray sets CUDA_VISIBLE_DEVICES per task, but a worker that has started
@@ -336,11 +315,15 @@ def ray_map(
 def _put_fn(ray: Any, fn: object) -> Any:
     try:
         return ray.put(fn)
-    except TypeError as error:  # what Ray raises for what it cannot serialize
+    except Exception as error:  # Ray's TypeError, or what fn's own __reduce__ raised
+        if isinstance(error, ray.exceptions.RayError):
+            raise  # Ray's own (the cluster went away...), not fn's
         raise TypeError(
             f"gpu_map(executor='ray') sends fn to Ray tasks, so Ray must be able to serialize "
-            f"it, and {fn!r} cannot be: {plain_text(first_line(error)).rstrip(':')}"
-        ) from None
+            f"it, and {short_repr(fn)} cannot be: {unserializable_reason(error)}. Pass a fn that "
+            "holds no such object, in itself or in the globals it uses: let it build what it "
+            "needs (locks, connections, open files) when it runs."
+        ) from error
 
 
 def _submit(
@@ -349,15 +332,16 @@ def _submit(
     try:
         parcel, packed = _parcel(ray, item)
         return task.remote(fn_box, parcel, hide_gpus, packed)
-    except TypeError as error:  # what Ray raises for an argument it cannot serialize
+    except Exception as error:  # Ray's TypeError, or what the item's own __reduce__ raised
+        if isinstance(error, ray.exceptions.RayError):
+            raise  # Ray's own (the cluster went away...), not the item's
         kind = type(item).__name__
-        reason = plain_text(first_line(error)).rstrip(":")
         raise TypeError(
             f"gpu_map(executor='ray') sends each item to a Ray task, so Ray must be able to "
             f"serialize it, and item {index} ({show_item(item)}, {article(kind)} {kind}) "
-            f"cannot be: {reason}. Pass data (numbers, strings, paths, tensors) and let fn "
-            "build the rest."
-        ) from None
+            f"cannot be: {unserializable_reason(error)}. Pass data (numbers, strings, paths, "
+            "tensors) and let fn build the rest."
+        ) from error
 
 
 def _parcel(ray: Any, item: object) -> tuple[Any, bool]:

@@ -29,6 +29,7 @@ import socket
 import sys
 from typing import Any
 
+from ._format import first_line
 from ._mapfaults import fn_raised, item_fault, show_item
 from ._worker import _summary
 
@@ -43,6 +44,7 @@ __all__ = [
     "ray_failed",
     "result_not_rebuilt",
     "this_ray",
+    "unserializable_reason",
     "worker_died",
 ]
 
@@ -305,6 +307,36 @@ def worker_died(index: int, item: object, retries: int | None, said: str) -> str
     )
 
 
+def unserializable_reason(error: BaseException) -> str:
+    """Why Ray could not serialize a value: ``"TypeError: cannot pickle '_thread.lock' object"``.
+
+    Ray wraps its pickler's ``TypeError`` in its own, "Could not serialize the
+    argument <...> for a task or actor ...", whose first line (all a message
+    quoted before) said nothing of why; the pickler's error is its
+    ``__cause__``, also in its text (``!!! FAIL serialization: ...``), which
+    names the variable that holds it (``FailTuple(lock [path=lock, ...])``)
+    where Ray found one. Any other error (a ``__reduce__`` that raised
+    ``ValueError``) Ray raises as it is: its type and message.
+
+    Examples:
+        >>> unserializable_reason(ValueError("not this one"))
+        'ValueError: not this one'
+    """
+    text = plain_text(str(error))
+    if not text.startswith("Could not serialize"):
+        return _summary(error)
+    cause = error.__cause__
+    if isinstance(cause, Exception):
+        reason = _summary(cause)
+    else:
+        failed = _FAILED.search(text)
+        reason = failed.group(1).strip() if failed else first_line(error).rstrip(":")
+    variable = _FAIL_TUPLE.search(text)
+    if variable is not None and variable.group(1) != "unknown":
+        reason += f" (Ray found it in the variable {variable.group(1)!r})"
+    return reason
+
+
 def _system_error(cause: BaseException) -> tuple[str, str]:
     """A ``RaySystemError``'s exception (``"ValueError: no"``) and the worker's traceback.
 
@@ -356,6 +388,8 @@ _SERIALIZER = re.compile(r'cloudpickle\.py", line \d+, in dumps?$', re.MULTILINE
 _TASK = re.compile(r"\bray::([\w.]+)\(\)")  # "ray::upstream() (pid=1234, ip=10.0.0.3)"
 _NODE = re.compile(r"\bip=([^\s,)]+)")  # in Ray's "(pid=1234, ip=10.0.0.3)"
 _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal's colour or cursor code
+_FAILED = re.compile(r"!!! FAIL serialization: (.+)")  # Ray's "cannot pickle '_thread.lock' ..."
+_FAIL_TUPLE = re.compile(r"FailTuple\((\S+) \[")  # Ray's "FailTuple(lock [path=lock, obj=...])"
 
 
 def plain_text(text: str) -> str:

@@ -11,6 +11,7 @@ import math
 import pickle
 import re
 import sys
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -58,6 +59,13 @@ class _Unserializable:
         raise TypeError("cannot pickle '_Unserializable' object")
 
 
+class _RefusesToPickle:
+    """An item whose pickling raises ValueError, which Ray raises as it is."""
+
+    def __reduce__(self) -> Any:
+        raise ValueError("no pickles here")
+
+
 class _FakeRay(types.ModuleType):
     """Just enough of ``ray`` for ray_map's bookkeeping; it never runs a task."""
 
@@ -98,6 +106,8 @@ class _FakeRay(types.ModuleType):
             def remote(self, fn: object, item: object, hide_gpus: bool, packed: bool) -> str:
                 if isinstance(item, _Unserializable):
                     raise TypeError(f"Could not serialize the argument {item!r} for a task")
+                if isinstance(item, _RefusesToPickle):
+                    item.__reduce__()  # Ray raises what the item's pickling raised, as it is
                 ray.submitted.append(f"ref-{item}")
                 return ray.submitted[-1]
 
@@ -845,7 +855,7 @@ def test_a_second_ctrl_c_during_ray_s_shutdown_still_shuts_it_down(
 ) -> None:
     # Before, Ctrl-C cutting ray.shutdown() short left Ray's agents running, and Ray
     # then ended the script before its `except KeyboardInterrupt` could save .results.
-    from devicekit import _ray
+    from devicekit import _raycluster
 
     class Interrupted(_FakeRay):
         def __init__(self) -> None:
@@ -866,13 +876,101 @@ def test_a_second_ctrl_c_during_ray_s_shutdown_still_shuts_it_down(
     first.results = {0: 1}  # type: ignore[attr-defined]
 
     def map_cut_short() -> None:
-        with _ray._cluster(ray, None, connected=False):
+        with _raycluster.cluster(ray, None, connected=False):
             raise first
 
     with pytest.raises(KeyboardInterrupt) as caught:
         map_cut_short()
     assert (ray.shutdowns, ray.initialized) == (2, False)
     assert caught.value.__context__ is first  # whose .results the map gives the second
+
+
+class _Counted(_FakeRay):
+    """A Ray that gpu_map starts itself, counting its starts and shutdowns."""
+
+    def __init__(self) -> None:
+        super().__init__(initialized=False)
+        self.calls: list[str] = []
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        assert not self.initialized, "Perhaps you called ray.init twice by accident?"
+        self.initialized = True
+        self.calls.append(f"init num_gpus={kwargs.get('num_gpus')}")
+
+    def shutdown(self) -> None:
+        self.initialized = False
+        self.calls.append("shutdown")
+
+
+def _in_a_thread(
+    ray: _Counted, targets: list[Any] | None, entered: threading.Event, leave: threading.Event
+) -> threading.Thread:
+    """A map in a thread: it enters the cluster, says so, and leaves when told to."""
+    from devicekit import _raycluster
+
+    def map_() -> None:
+        with _raycluster.cluster(ray, targets, connected=False):
+            entered.set()
+            assert leave.wait(10)
+
+    thread = threading.Thread(target=map_)
+    thread.start()
+    return thread
+
+
+def test_maps_in_two_threads_share_the_cluster_and_the_last_shuts_it_down() -> None:
+    # Before, each map's thread started Ray (Ray's "Perhaps you called ray.init twice by
+    # accident?") or the first to end shut it down under the other: its results were lost.
+    from devicekit import _raycluster
+
+    ray = _Counted()
+    entered, leave = threading.Event(), threading.Event()
+    first = _in_a_thread(ray, None, entered, leave)
+    assert entered.wait(10)
+    with _raycluster.cluster(ray, None, connected=False):
+        leave.set()
+        first.join(10)
+        assert ray.calls == ["init num_gpus=None"]  # the first map's end left it running
+        assert ray.initialized
+    assert ray.calls == ["init num_gpus=None", "shutdown"]
+    assert (_raycluster._owned, _raycluster._users) == (None, 0)
+
+
+def test_a_map_for_other_gpus_waits_for_the_cluster_started_for_others(
+    fake_accelerator: FakeAccelerator,
+) -> None:
+    # A cluster started for GPU 0 hands out GPU 0 only: a map for GPU 1 starts its own
+    # once that one has ended. CPU tasks can share any (they hide every GPU).
+    import torch
+
+    from devicekit import _raycluster
+
+    fake_accelerator("cuda", 2)
+    ray = _Counted()
+    entered, leave = threading.Event(), threading.Event()
+    first = _in_a_thread(ray, [torch.device("cuda", 0)], entered, leave)
+    assert entered.wait(10)
+    with _raycluster.cluster(ray, [torch.device("cpu")], connected=False):
+        assert ray.calls == ["init num_gpus=1"]
+    second_entered = threading.Event()
+    second = _in_a_thread(ray, [torch.device("cuda", 1)], second_entered, leave)
+    assert not second_entered.wait(0.3)  # waits, rather than using GPU 0
+    leave.set()
+    first.join(10)
+    assert second_entered.wait(10)
+    second.join(10)
+    assert ray.calls == ["init num_gpus=1", "shutdown", "init num_gpus=1", "shutdown"]
+
+
+def test_a_ray_half_imported_by_another_thread_is_not_an_attribute_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: "partially initialized module 'ray' has no attribute 'is_initialized'".
+    from devicekit import _raycluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # its import under way
+    assert _raycluster.connected_now() is False
 
 
 class _WorkerCrashedError(_RayError):
@@ -945,6 +1043,109 @@ def test_an_unserializable_item_s_type_takes_the_right_article(
     monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=True))
     with pytest.raises(TypeError, match=r", an Unpicklable\) cannot be: Could not serialize"):
         dk.gpu_map(str, [Unpicklable()], devices="cpu", executor="ray")
+
+
+def test_an_item_whose_pickling_raises_any_exception_is_named_with_its_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, Ray's raw "ValueError: no pickles here", naming no item: only a TypeError was
+    # caught.
+    ray = _FakeRay(initialized=True)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(
+        TypeError,
+        match=r"so Ray must be able to serialize it, and item 1 \(<tests.*>, a _RefusesToPickle\) "
+        r"cannot be: ValueError: no pickles here. Pass data",
+    ) as caught:
+        dk.gpu_map(str, [1, _RefusesToPickle(), 2], devices="cpu", executor="ray")
+    assert isinstance(caught.value.__cause__, ValueError)  # kept
+    assert ray.cancelled == ray.submitted == ["ref-1"]
+
+
+_RAY_S_TEXT = (
+    "Could not serialize the put value <function f at 0x7f>:\n=====\nChecking Serializability "
+    "of <function f at 0x7f>\n=====\n\x1b[31m!!! FAIL\x1b[39m serialization: cannot pickle "
+    "'_thread.lock' object\n=====\nVariable: \n\n\t\x1b[1mFailTuple(lock [path=lock, obj=<unlocked "
+    "_thread.lock object at 0x7f>, parent=<function f at 0x7f>])\x1b[0m\n\nwas found to be "
+    "non-serializable.\n"
+)
+
+
+def test_what_ray_could_not_serialize_is_said_with_the_pickler_s_reason() -> None:
+    # Before, only Ray's first line: "Could not serialize the put value <function f ...>".
+    from devicekit._rayfaults import unserializable_reason
+
+    error = TypeError(_RAY_S_TEXT)
+    assert unserializable_reason(error) == (
+        "cannot pickle '_thread.lock' object (Ray found it in the variable 'lock')"
+    )
+    error.__cause__ = TypeError("cannot pickle '_thread.lock' object")  # as Ray raises it
+    assert unserializable_reason(error) == (
+        "TypeError: cannot pickle '_thread.lock' object (Ray found it in the variable 'lock')"
+    )
+    unknown = TypeError(_RAY_S_TEXT.replace("FailTuple(lock [", "FailTuple(unknown ["))
+    assert unserializable_reason(unknown) == "cannot pickle '_thread.lock' object"
+
+
+def test_more_workers_per_device_than_ray_s_resource_unit_allows_is_refused_before_ray(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, Ray's "The precision of the fractional quantity of resource num_cpus cannot
+    # go beyond 0.0001", naming no argument of gpu_map's.
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(
+        ValueError,
+        match=r"^workers_per_device=10001: executor='ray' asks Ray for 1/workers_per_device .* "
+        r"steps of 0.0001, so at most 10000 tasks can share one; pass workers_per_device=10000",
+    ):
+        dk.gpu_map(math.sqrt, [1], devices="cpu", executor="ray", workers_per_device=10001)
+
+
+def test_cpu_tasks_on_a_cluster_without_cpus_are_warned_of(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before, they waited forever without a word (ray.init(num_cpus=0)), where GPU tasks
+    # on a cluster without GPUs were warned of.
+    fake_accelerator(None, 0)
+    with pytest.warns(
+        RuntimeWarning, match=r"the items run as CPU tasks, but the Ray cluster has no CPU now"
+    ) as told:
+        assert _submitted_as(_FakeRay(initialized=True, resources={}), "cpu", monkeypatch) == "CPU"
+    assert "ray.init(num_cpus=...)" in str(told[0].message)
+    assert told[0].filename == __file__  # pointed at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # GPU tasks ask for no CPU: nothing to warn of
+        no_cpu = _FakeRay(initialized=True, resources={"GPU": 1, "CPU": 0})
+        assert _submitted_as(no_cpu, None, monkeypatch) == "GPU"
+
+
+def test_an_indexed_cpu_on_a_cluster_is_refused_as_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: "devices=['cpu:3'] names GPUs of this machine".
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay(initialized=True))
+    with pytest.raises(
+        ValueError,
+        match=r"^devices=\['cpu:3'\] names the CPU 'cpu:3' by index, but Ray hands out CPUs by "
+        r"count, .*; pass devices='cpu'$",
+    ):
+        dk.gpu_map(math.sqrt, [1], devices="cpu:3", executor="ray")
+
+
+def test_gpus_this_machine_lacks_are_refused_with_gpu_map_s_fixes(
+    monkeypatch: pytest.MonkeyPatch, fake_accelerator: FakeAccelerator
+) -> None:
+    # Before: "or dk.try_gpu() to fall back to the CPU", which devices= does not take.
+    fake_accelerator(None, 0)
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for devices in ("cuda", 1):
+        with pytest.raises(dk.DeviceNotFoundError, match=r"Pass devices=None .* or devices='cpu'"):
+            dk.gpu_map(math.sqrt, [1], devices=devices, executor="ray")
+    fake_accelerator("cuda", 1)
+    with pytest.raises(
+        dk.DeviceNotFoundError, match=r"does not exist: .*\. Use one of those, or pass devices=None"
+    ) as caught:
+        dk.gpu_map(math.sqrt, [1], devices="cuda:3", executor="ray")
+    assert "try_gpu" not in str(caught.value)
 
 
 def test_a_task_names_its_node_as_ray_s_errors_do_by_its_ip_address(

@@ -261,6 +261,73 @@ def test_gpus_named_here_pin_the_cluster_it_starts(
     assert not ray.is_initialized()
 
 
+_TWO_THREADS = """
+import json, os, sys, threading, time
+import devicekit as dk
+
+SIGNAL = SIGNAL_PATH  # a file the driver writes once the first thread has ended
+
+def quick(item):
+    return item
+
+def after_the_first_thread(job):
+    signal, item = job
+    deadline = time.monotonic() + 60
+    while not os.path.exists(signal) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return item
+
+found = {}
+
+def first():
+    found["first"] = dk.gpu_map(quick, range(2), devices="cpu", executor="ray")
+
+def second(wait):
+    if wait:  # until the first thread's map has started Ray
+        while not getattr(sys.modules.get("ray"), "is_initialized", lambda: False)():
+            time.sleep(0.05)
+    jobs = [(SIGNAL, item) for item in range(6)]
+    found["second"] = dk.gpu_map(after_the_first_thread, jobs, devices="cpu", executor="ray")
+
+def both(wait):
+    def caught(target, *args):
+        def run():
+            try:
+                target(*args)
+            except BaseException as error:
+                found[target.__name__] = f"{type(error).__name__}: {error}"
+        return threading.Thread(target=run)
+    one, two = caught(first), caught(second, wait)
+    one.start()
+    two.start()
+    one.join()  # its thread has ended: Ray's processes started from it must live on
+    open(SIGNAL, "w").close()
+    two.join()
+
+both(wait=True)
+os.remove(SIGNAL)
+after = dict(found)
+both(wait=False)  # started together: both import Ray, and both would start it
+import ray
+print(json.dumps({"after": after, "together": found, "initialized": ray.is_initialized()}))
+"""
+
+
+def test_maps_in_two_threads_share_the_cluster_gpu_map_started(
+    no_cluster: None, tmp_path: Path
+) -> None:
+    # Before, the first map to end shut Ray down under the other ("No owner found for
+    # object.", its results lost), or both started Ray (Ray's "Perhaps you called ray.init
+    # twice by accident?", or "partially initialized module 'ray' has no attribute
+    # 'is_initialized'"); Ray's agents were left running, orphaned. A cluster started from
+    # a thread that then ended was killed with that thread (Ray's PR_SET_PDEATHSIG).
+    code = _TWO_THREADS.replace("SIGNAL_PATH", repr(str(tmp_path / "first-ended")))
+    found = run_python(code, timeout=TIMEOUT)
+    for run in ("after", "together"):
+        assert found[run] == {"first": [0, 1], "second": list(range(6))}, run
+    assert found["initialized"] is False  # the last map shut it down
+
+
 # --- on a running cluster --------------------------------------------------------------------
 
 
@@ -301,13 +368,47 @@ def test_a_failing_item_raises_worker_error_with_its_index(cluster: Any) -> None
 def test_an_item_ray_cannot_serialize_raises_type_error_with_its_index(cluster: Any) -> None:
     import threading
 
+    # Before, "cannot be: Could not serialize the argument <unlocked ...> for a task or actor
+    # devicekit._raytask.run.", which said nothing of why, and Ray's error was dropped.
     with pytest.raises(
         TypeError,
-        match=r"and item 2 \(<unlocked .*>, a lock\) cannot be: Could not serialize the "
-        r"argument <unlocked .*> for a task or actor devicekit._raytask.run. Pass data",
-    ):
+        match=r"and item 2 \(<unlocked .*>, a lock\) cannot be: TypeError: cannot pickle "
+        r"'_thread.lock' object. Pass data",
+    ) as caught:
         dk.gpu_map(math.sqrt, [1, 4, threading.Lock()], devices="cpu", executor="ray")
+    assert "Could not serialize the argument" in str(caught.value.__cause__)  # Ray's, kept
     assert dk.gpu_map(math.sqrt, [1, 4], devices="cpu", executor="ray") == [1.0, 2.0]
+
+
+class _RefusesToPickle:
+    """Its pickling raises ValueError, not the TypeError Ray wraps."""
+
+    def __reduce__(self) -> Any:
+        raise ValueError("not picklable: connect in fn instead")
+
+
+def test_what_ray_cannot_serialize_is_named_with_the_reason(cluster: Any) -> None:
+    # Before, a ValueError in an item's __reduce__ came out raw, naming no item; a fn
+    # that used a lock read "cannot be: Could not serialize the put value <function ...>".
+    with pytest.raises(
+        TypeError,
+        match=r"and item 1 \(<tests.compat.*>, a _RefusesToPickle\) "
+        r"cannot be: ValueError: not picklable: connect in fn instead. Pass data",
+    ) as caught:
+        dk.gpu_map(math.sqrt, [1, _RefusesToPickle()], devices="cpu", executor="ray")
+    assert isinstance(caught.value.__cause__, ValueError)
+    lock = threading.Lock()
+
+    def holds_a_lock(item: int) -> int:  # a closure: Ray pickles it by value, lock and all
+        with lock:
+            return item
+
+    with pytest.raises(
+        TypeError,
+        match=r"sends fn to Ray tasks, .* and <function .*holds_a_lock .*> cannot be: TypeError: "
+        r"cannot pickle '_thread.lock' object \(Ray found it in the variable 'lock'\)\. Pass",
+    ):
+        dk.gpu_map(holds_a_lock, [1], devices="cpu", executor="ray")
 
 
 def test_a_task_whose_worker_dies_raises_worker_error_with_its_index(cluster: Any) -> None:
