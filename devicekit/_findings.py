@@ -269,16 +269,6 @@ listed (cuda:0)
     )
 
 
-def as_reason(finding: Finding) -> str:
-    """A "No GPU" finding as the clause that says why in an error: ``"<why> (<detail>); <fix>"``.
-
-    Examples:
-        >>> print(as_reason(names_no_gpu("5", 0, [], 2)))  # doctest: +ELLIPSIS
-        CUDA_VISIBLE_DEVICES names a GPU this machine does not have (entry 5 in ...); ...
-    """
-    return f"{finding.title.removeprefix('No GPU: ')} ({finding.detail}); {finding.fix}"
-
-
 def no_gpu(accelerator: str | None, visible: int, nvml_error: str | None) -> Finding | None:
     """Why this process has no accelerator, when it has none."""
     if visible:
@@ -338,7 +328,13 @@ def nvml_describes(torch_sees: int, names: Iterable[str]) -> str:
     )
 
 
-def no_gpu_reason(accelerator: str | None, nvml_error: str | None, unusable: int = 0) -> str:
+def no_gpu_reason(
+    accelerator: str | None,
+    nvml_error: str | None,
+    unusable: int = 0,
+    *,
+    listed: Finding | None = None,
+) -> str:
     """Why this process has no GPU, and the fix, as one clause for an error message.
 
     Args:
@@ -346,6 +342,9 @@ def no_gpu_reason(accelerator: str | None, nvml_error: str | None, unusable: int
         nvml_error: Why NVML cannot be queried, or None.
         unusable: How many NVIDIA GPUs NVML sees that torch cannot use because
             the build has no CUDA; when any, that is the reason.
+        listed: `names_no_gpu`'s finding, where it has one: an error (the
+            first entry of ``CUDA_VISIBLE_DEVICES`` names no GPU here) is the
+            reason, not "install the driver", with the driver right there.
 
     Examples:
         >>> no_gpu_reason(None, "libnvidia-ml.so.1 was not found")
@@ -353,6 +352,9 @@ def no_gpu_reason(accelerator: str | None, nvml_error: str | None, unusable: int
         >>> no_gpu_reason(None, None, unusable=2)
         "this torch build has no CUDA, so it cannot use the machine's 2 NVIDIA GPUs; install a \
 CUDA build of torch (pytorch.org/get-started/locally)"
+        >>> print(no_gpu_reason("cuda", None, listed=names_no_gpu("5", 0, [], 2)))
+        ... # doctest: +ELLIPSIS
+        CUDA_VISIBLE_DEVICES names a GPU this machine does not have (entry 5 in ...); ...
     """
     if unusable:
         # A CPU build on a GPU machine: "no GPU" would hide that the GPUs are right there.
@@ -361,6 +363,8 @@ CUDA build of torch (pytorch.org/get-started/locally)"
             f"{plural(unusable, 'NVIDIA GPU')}; install a CUDA build of torch "
             "(pytorch.org/get-started/locally)"
         )
+    if listed is not None and listed.severity == "error":
+        return f"{listed.title.removeprefix('No GPU: ')} ({listed.detail}); {listed.fix}"
     finding = no_gpu(accelerator, 0, nvml_error)
     assert finding is not None  # no visible device always has a reason
     reason = finding.title.removeprefix("No GPU: ")

@@ -32,7 +32,10 @@ from typing import Protocol
 from ._format import format_bytes, format_count
 from ._gpuinfo import GPUProcess
 
-__all__ = ["Numbers", "counted_twice", "rank_fixes", "unattributed_margin"]
+__all__ = ["FIND_BATCH_SIZE", "Numbers", "counted_twice", "rank_fixes", "unattributed_margin"]
+
+FIND_BATCH_SIZE = "dk.find_batch_size(fn) finds the largest batch that fits."
+"""The smaller-batch fix's last sentence, which ``find_batch_size``'s own error leaves out."""
 
 
 def _b(value: int | None) -> str:
@@ -140,7 +143,7 @@ def rank_fixes(n: Numbers) -> tuple[str, ...]:
         (
             ((unseen or 0) + (request or 0)) / 2,  # half the batch: about half of these
             f"Use a smaller batch: activations and batch tensors shrink with it{asked}. "
-            "dk.find_batch_size(fn) finds the largest batch that fits.",
+            + FIND_BATCH_SIZE,
         )
     )
     if unseen is not None and n.allocated and unseen >= n.allocated / 2:

@@ -43,7 +43,6 @@ from ._devices import DeviceLike, parse_cuda_index
 from ._errors import GPUNotFoundError
 from ._findings import (
     NO_STATUS,
-    as_reason,
     names_no_gpu,
     no_gpu_reason,
     nvml_cannot_read,
@@ -183,9 +182,7 @@ def why_none_visible() -> str:
     lost = _nvml.lost_gpus()
     uuids = [gpu.uuid for gpu in physical] + [None] * len(lost)
     listed = names_no_gpu(os.environ.get(ENV_VAR), 0, uuids, len(physical) + len(lost))
-    if listed is not None and listed.severity == "error":
-        return as_reason(listed)
-    return no_gpu_reason(accelerator_type(), _nvml.nvml_error())
+    return no_gpu_reason(accelerator_type(), _nvml.nvml_error(), listed=listed)
 
 
 def cuda_devices_torch_sees() -> int:

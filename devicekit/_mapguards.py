@@ -37,7 +37,7 @@ def refuse_to_start(caller: str) -> None:
             ``caller`` at import time (exit code ``NO_MAIN_GUARD``).
     """
     _refuse_during_worker_bootstrap(caller)
-    _refuse_in_daemon(caller)
+    _refuse_in_worker_or_daemon(caller)
     _refuse_main_from_stdin(caller)
 
 
@@ -54,7 +54,7 @@ def _refuse_during_worker_bootstrap(caller: str) -> None:
         raise SystemExit(NO_MAIN_GUARD)
 
 
-def _refuse_in_daemon(caller: str) -> None:
+def _refuse_in_worker_or_daemon(caller: str) -> None:
     process = multiprocessing.current_process()
     if process.name.startswith("devicekit-worker-"):  # not daemonic, so that fn may start some
         raise RuntimeError(

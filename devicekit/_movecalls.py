@@ -2,9 +2,9 @@
 
 An object with its own ``.to()`` is moved by it (with ``non_blocking=True``
 where the copy policy asks for it and the ``.to()`` takes it), and so is a
-module, by ``Module.to`` or its class's override; a ``UserDict`` (a Hugging
-Face ``BatchEncoding``) and a ``PackedSequence`` are rebuilt by the walk
-instead (`_mover`). Three things make that more than a call:
+module, by ``Module.to`` or its class's override; a Hugging Face
+``BatchEncoding`` and a ``PackedSequence`` are rebuilt by the walk instead
+(`_mover`). Three things make that more than a call:
 
 - What ``.to()`` returns. One that moves in place and forgets ``return self``
   returns None: the walk keeps the object, and `to_device` warns once per

@@ -6,7 +6,7 @@ rebuilds plain dicts, lists and tuples inline, since they hold nearly every
 batch. Every other container goes to `_rebuild` or `_records`; an object with
 its own ``.to()`` (a module, a storage, a user's class) is moved by it
 (`_movecalls`; a module by `_movemodule`, which also keeps its tensors one with
-the batch's), but a ``UserDict`` (a Hugging Face ``BatchEncoding``) and a
+the batch's), but a Hugging Face ``BatchEncoding`` (a ``UserDict``) and a
 ``PackedSequence``, which the walk rebuilds (`_own_to_or_rebuild`).
 
 Each thread keeps one mover per target and policy and reuses it (`borrow`);

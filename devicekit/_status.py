@@ -182,10 +182,8 @@ class Status:
         # The variable naming no GPU here is the reason where it is ("install the driver" was not).
         named = [f for f in self.findings if f.title.startswith(f"No GPU: {ENV_VAR} names")]
         unusable = 0 if self._cuda_build else len(self._machine)
-        reason = (
-            _findings.as_reason(named[0])
-            if named
-            else _findings.no_gpu_reason(self.accelerator, self.nvml_error, unusable)
+        reason = _findings.no_gpu_reason(
+            self.accelerator, self.nvml_error, unusable, listed=named[0] if named else None
         )
         return f"this process sees no GPU: {reason}"
 

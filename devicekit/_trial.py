@@ -22,6 +22,7 @@ import torch
 
 from ._census import census
 from ._errors import DeviceOutOfMemoryError, add_note
+from ._fixes import FIND_BATCH_SIZE
 from ._hostmemory import bounded, search_bound
 from ._memory import used_cuda_indices
 from ._oom import explained_error
@@ -103,9 +104,6 @@ def _held() -> int:
     return held
 
 
-_FINDER = " dk.find_batch_size(fn) finds the largest batch that fits."
-
-
 def start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemoryError:
     """``error`` (an explained one) reworded: even ``start`` does not fit; of its classes still.
 
@@ -115,7 +113,7 @@ def start_failed(start: int, error: DeviceOutOfMemoryError) -> DeviceOutOfMemory
     report = error.report
     if report is not None:
         report = dataclasses.replace(
-            report, fixes=tuple(fix.replace(_FINDER, "") for fix in report.fixes)
+            report, fixes=tuple(fix.replace(f" {FIND_BATCH_SIZE}", "") for fix in report.fixes)
         )
     message = (
         f"find_batch_size: fn({start}) ran out of memory, so even start={start} does not fit. "
